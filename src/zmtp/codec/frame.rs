@@ -1,0 +1,360 @@
+//! Frames (RFC 23 §2.4): a flags byte, a 1- or 8-byte size, the body.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use smallvec::SmallVec;
+
+use super::reader::Reader;
+use crate::zmtp::{Message, ProtocolError};
+
+/// More frames of this message follow.
+pub const FLAG_MORE: u8 = 0x01;
+/// The size is 8 bytes (big-endian) instead of 1.
+pub const FLAG_LONG: u8 = 0x02;
+/// The frame is a command.
+pub const FLAG_COMMAND: u8 = 0x04;
+const FLAG_RESERVED: u8 = !(FLAG_MORE | FLAG_LONG | FLAG_COMMAND);
+
+/// Size of a short header (flags + 1-byte size).
+pub const SHORT_HEADER_LEN: usize = 2;
+/// Size of a long header (flags + 8-byte size).
+pub const LONG_HEADER_LEN: usize = 9;
+
+/// Limits a [`FrameDecoder`] enforces on every header, before the body is buffered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameLimits {
+    /// Largest message frame.
+    pub max_frame_size: usize,
+    /// Largest message (sum of frames).
+    pub max_message_size: usize,
+    /// Most frames in a message.
+    pub max_message_parts: usize,
+    /// Largest command frame.
+    pub max_command_size: usize,
+    /// Reject reserved flag bits.
+    pub strict: bool,
+}
+
+/// One decoded unit: a command body or a complete multipart message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decoded {
+    /// A command frame's body (`name-len name data`), not yet parsed.
+    Command(Bytes),
+    /// All frames of one message.
+    Message(Message),
+}
+
+#[derive(Debug, Clone, Copy)]
+enum State {
+    Header,
+    Body { command: bool, more: bool, size: usize },
+}
+
+/// Decodes frames from a byte buffer, zero-copy.
+///
+/// Contract: [`decode`](Self::decode) consumes complete frames from the front of `src`
+/// and returns at most one [`Decoded`] per call. A header is checked against
+/// [`FrameLimits`] as soon as its size bytes are present, *before* the body is
+/// buffered, so a forged size costs nothing but an error. Bodies are returned with
+/// `split_to(n).freeze()`; the caller reads more bytes into `src` when it returns
+/// `Ok(None)` ([`needed`](Self::needed) tells how many would make progress).
+///
+/// ```
+/// use bytes::BytesMut;
+/// use eventplane::zmtp::codec::{Decoded, FrameDecoder, FrameLimits};
+///
+/// let limits = FrameLimits { max_frame_size: 1024, max_message_size: 4096,
+///     max_message_parts: 8, max_command_size: 256, strict: false };
+/// let mut decoder = FrameDecoder::new(limits);
+/// let mut src = BytesMut::from(&b"\x01\x02kv\x00\x03abc"[..]);
+/// let Some(Decoded::Message(msg)) = decoder.decode(&mut src)? else { panic!() };
+/// assert_eq!(msg.len(), 2);
+///
+/// // A header claiming 2^36 bytes is refused before anything is buffered.
+/// let mut forged = BytesMut::from(&b"\x02\x00\x00\x00\x10\x00\x00\x00\x00"[..]);
+/// assert!(decoder.decode(&mut forged).is_err());
+/// # Ok::<(), eventplane::zmtp::ProtocolError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct FrameDecoder {
+    limits: FrameLimits,
+    state: State,
+    parts: SmallVec<[Bytes; 3]>,
+    message_bytes: usize,
+}
+
+impl FrameDecoder {
+    /// A decoder enforcing `limits`.
+    pub fn new(limits: FrameLimits) -> Self {
+        FrameDecoder {
+            limits,
+            state: State::Header,
+            parts: SmallVec::new(),
+            message_bytes: 0,
+        }
+    }
+
+    /// Changes the limits (e.g. the command limit once the handshake is done).
+    pub fn set_limits(&mut self, limits: FrameLimits) {
+        self.limits = limits;
+    }
+
+    /// The limits in force.
+    pub fn limits(&self) -> &FrameLimits {
+        &self.limits
+    }
+
+    /// `true` when no partial frame or message is pending.
+    pub fn is_idle(&self) -> bool {
+        matches!(self.state, State::Header) && self.parts.is_empty()
+    }
+
+    /// Bytes that must be in `src` before the next call can make progress (a lower
+    /// bound, never more than the current frame's validated size plus a header).
+    pub fn needed(&self, buffered: usize) -> usize {
+        match self.state {
+            State::Header => SHORT_HEADER_LEN.saturating_sub(buffered).max(1),
+            State::Body { size, .. } => size.saturating_sub(buffered).max(1),
+        }
+    }
+
+    /// Decodes the next command or complete message from `src`.
+    pub fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Decoded>, ProtocolError> {
+        loop {
+            match self.state {
+                State::Header => {
+                    let Some((flags, size, header_len)) = parse_header(src) else {
+                        return Ok(None);
+                    };
+                    let state = self.check_header(flags, size)?;
+                    if let State::Body {
+                        command: false,
+                        size,
+                        ..
+                    } = state
+                    {
+                        self.message_bytes += size;
+                    }
+                    self.state = state;
+                    src.advance(header_len);
+                }
+                State::Body {
+                    command,
+                    more,
+                    size,
+                } => {
+                    if src.len() < size {
+                        return Ok(None);
+                    }
+                    let body = src.split_to(size).freeze();
+                    self.state = State::Header;
+                    if command {
+                        return Ok(Some(Decoded::Command(body)));
+                    }
+                    self.parts.push(body);
+                    if !more {
+                        self.message_bytes = 0;
+                        let parts = std::mem::take(&mut self.parts);
+                        return Ok(Some(Decoded::Message(Message::from_smallvec(parts))));
+                    }
+                }
+            }
+        }
+    }
+
+    fn check_header(&self, flags: u8, size: u64) -> Result<State, ProtocolError> {
+        let l = &self.limits;
+        if l.strict && flags & FLAG_RESERVED != 0 {
+            return Err(ProtocolError::ReservedFlags { flags });
+        }
+        let more = flags & FLAG_MORE != 0;
+        if flags & FLAG_COMMAND != 0 {
+            if more || !self.parts.is_empty() {
+                return Err(ProtocolError::CommandInMessage);
+            }
+            let size = checked_size(size, l.max_command_size).ok_or(
+                ProtocolError::CommandTooLarge {
+                    size,
+                    max: l.max_command_size,
+                },
+            )?;
+            return Ok(State::Body {
+                command: true,
+                more: false,
+                size,
+            });
+        }
+        if self.parts.len() >= l.max_message_parts {
+            return Err(ProtocolError::TooManyParts {
+                max: l.max_message_parts,
+            });
+        }
+        let size = checked_size(size, l.max_frame_size).ok_or(ProtocolError::FrameTooLarge {
+            size,
+            max: l.max_frame_size,
+        })?;
+        let total = self.message_bytes.saturating_add(size);
+        if total > l.max_message_size {
+            return Err(ProtocolError::MessageTooLarge {
+                size: total as u64,
+                max: l.max_message_size,
+            });
+        }
+        Ok(State::Body {
+            command: false,
+            more,
+            size,
+        })
+    }
+}
+
+fn checked_size(size: u64, max: usize) -> Option<usize> {
+    usize::try_from(size).ok().filter(|s| *s <= max)
+}
+
+/// Parses a frame header at the front of `src` without consuming it.
+fn parse_header(src: &[u8]) -> Option<(u8, u64, usize)> {
+    let mut r = Reader::new(src);
+    let flags = r.u8()?;
+    if flags & FLAG_LONG != 0 {
+        Some((flags, r.u64_be()?, LONG_HEADER_LEN))
+    } else {
+        Some((flags, u64::from(r.u8()?), SHORT_HEADER_LEN))
+    }
+}
+
+/// Appends a frame header. Uses the long form only when `size > 255` (RFC 23 §2.4).
+pub fn encode_frame_header(buf: &mut BytesMut, more: bool, command: bool, size: usize) {
+    let mut flags = 0;
+    if more {
+        flags |= FLAG_MORE;
+    }
+    if command {
+        flags |= FLAG_COMMAND;
+    }
+    match u8::try_from(size) {
+        Ok(short) => {
+            buf.put_u8(flags);
+            buf.put_u8(short);
+        }
+        Err(_) => {
+            buf.put_u8(flags | FLAG_LONG);
+            buf.put_u64(size as u64);
+        }
+    }
+}
+
+fn header_len(size: usize) -> usize {
+    if size > usize::from(u8::MAX) {
+        LONG_HEADER_LEN
+    } else {
+        SHORT_HEADER_LEN
+    }
+}
+
+/// Bytes [`encode_message`] appends for `msg`.
+pub fn encoded_len(msg: &Message) -> usize {
+    msg.parts().iter().map(|p| header_len(p.len()) + p.len()).sum()
+}
+
+/// Appends every frame of `msg`, MORE set on all but the last. An empty message
+/// appends nothing.
+///
+/// ```
+/// use bytes::BytesMut;
+/// use eventplane::zmtp::{Message, codec::encode_message};
+/// let mut buf = BytesMut::new();
+/// encode_message(&Message::from_parts(["kv", "x"]), &mut buf);
+/// assert_eq!(&buf[..], b"\x01\x02kv\x00\x01x");
+/// ```
+pub fn encode_message(msg: &Message, buf: &mut BytesMut) {
+    buf.reserve(encoded_len(msg));
+    let last = msg.len().saturating_sub(1);
+    for (i, part) in msg.parts().iter().enumerate() {
+        encode_frame_header(buf, i < last, false, part.len());
+        buf.put_slice(part);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> FrameLimits {
+        FrameLimits {
+            max_frame_size: 1000,
+            max_message_size: 1500,
+            max_message_parts: 3,
+            max_command_size: 100,
+            strict: false,
+        }
+    }
+
+    #[test]
+    fn long_header_only_above_255() {
+        let mut b = BytesMut::new();
+        encode_frame_header(&mut b, false, false, 255);
+        assert_eq!(&b[..], &[0x00, 0xff]);
+        b.clear();
+        encode_frame_header(&mut b, true, false, 256);
+        assert_eq!(&b[..], &[0x03, 0, 0, 0, 0, 0, 0, 1, 0]);
+    }
+
+    #[test]
+    fn forged_sizes_rejected_before_buffering() {
+        for size in [1u64 << 36, 1 << 63, u64::MAX, 1001] {
+            let mut b = BytesMut::new();
+            b.put_u8(FLAG_LONG);
+            b.put_u64(size);
+            let err = FrameDecoder::new(limits()).decode(&mut b).unwrap_err();
+            assert!(matches!(err, ProtocolError::FrameTooLarge { .. }), "{err:?}");
+        }
+    }
+
+    #[test]
+    fn message_and_part_limits() {
+        let mut d = FrameDecoder::new(limits());
+        let mut b = BytesMut::new();
+        let msg = Message::from_parts([vec![0u8; 1000], vec![0u8; 1000]]);
+        encode_message(&msg, &mut b);
+        assert!(matches!(
+            d.decode(&mut b),
+            Err(ProtocolError::MessageTooLarge { .. })
+        ));
+        let mut d = FrameDecoder::new(limits());
+        let mut b = BytesMut::new();
+        encode_message(&Message::from_parts(["a", "b", "c", "d"]), &mut b);
+        assert_eq!(
+            d.decode(&mut b),
+            Err(ProtocolError::TooManyParts { max: 3 })
+        );
+    }
+
+    #[test]
+    fn command_flags() {
+        let mut d = FrameDecoder::new(limits());
+        let mut b = BytesMut::from(&[FLAG_COMMAND | FLAG_MORE, 0][..]);
+        assert_eq!(d.decode(&mut b), Err(ProtocolError::CommandInMessage));
+        let mut d = FrameDecoder::new(limits());
+        let mut b = BytesMut::from(&[FLAG_MORE, 1, b'x', FLAG_COMMAND, 0][..]);
+        assert_eq!(d.decode(&mut b), Err(ProtocolError::CommandInMessage));
+        let mut d = FrameDecoder::new(limits());
+        let mut b = BytesMut::from(&[FLAG_COMMAND, 101][..]);
+        assert!(matches!(
+            d.decode(&mut b),
+            Err(ProtocolError::CommandTooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn reserved_bits_only_in_strict() {
+        let mut b = BytesMut::from(&[0x80, 1, b'x'][..]);
+        assert!(FrameDecoder::new(limits()).decode(&mut b).unwrap().is_some());
+        let mut strict = limits();
+        strict.strict = true;
+        let mut b = BytesMut::from(&[0x80, 1, b'x'][..]);
+        assert_eq!(
+            FrameDecoder::new(strict).decode(&mut b),
+            Err(ProtocolError::ReservedFlags { flags: 0x80 })
+        );
+    }
+}

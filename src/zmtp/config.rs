@@ -1,0 +1,353 @@
+//! Bounds and timers of a ZMTP connection.
+
+use std::time::Duration;
+
+/// Largest heartbeat TTL we advertise: 655 deciseconds (libzmq wraps larger values,
+/// libzmq#4226).
+pub const MAX_HEARTBEAT_TTL: Duration = Duration::from_millis(65_500);
+
+/// Bounds and timers shared by [`SubSocket`](crate::zmtp::SubSocket),
+/// [`PubSocket`](crate::zmtp::PubSocket) and [`Session`](crate::zmtp::Session).
+///
+/// Built with [`Config::builder`]; every value is validated once, in
+/// [`ConfigBuilder::build`]. The defaults bound the memory a single peer can make us
+/// hold to about `max_message_size` + 64 KiB of read buffer (plus, for a publisher, the
+/// per-subscriber queue).
+///
+/// ```
+/// use std::time::Duration;
+/// use eventplane::zmtp::Config;
+///
+/// let config = Config::builder()
+///     .max_frame_size(1 << 20)
+///     .heartbeat_interval(Some(Duration::from_secs(1)))
+///     .build()?;
+/// assert_eq!(config.max_frame_size(), 1 << 20);
+/// assert_eq!(config.heartbeat_timeout(), Some(Duration::from_secs(1)));
+/// # Ok::<(), eventplane::zmtp::ConfigError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub(crate) max_frame_size: usize,
+    pub(crate) max_message_size: usize,
+    pub(crate) max_message_parts: usize,
+    pub(crate) max_metadata_size: usize,
+    pub(crate) handshake_timeout: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) heartbeat_interval: Option<Duration>,
+    pub(crate) heartbeat_timeout: Option<Duration>,
+    pub(crate) heartbeat_ttl: Option<Duration>,
+    pub(crate) strict: bool,
+    pub(crate) read_chunk: usize,
+    pub(crate) send_queue_messages: usize,
+    pub(crate) send_queue_bytes: usize,
+    pub(crate) max_subscriptions: usize,
+    pub(crate) max_subscription_size: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            max_frame_size: 8 << 20,
+            max_message_size: 16 << 20,
+            max_message_parts: 64,
+            max_metadata_size: 64 << 10,
+            handshake_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(5),
+            heartbeat_interval: None,
+            heartbeat_timeout: None,
+            heartbeat_ttl: None,
+            strict: false,
+            read_chunk: 64 << 10,
+            send_queue_messages: 10_000,
+            send_queue_bytes: 16 << 20,
+            max_subscriptions: 4096,
+            max_subscription_size: 1024,
+        }
+    }
+}
+
+impl Config {
+    /// A builder starting from the defaults.
+    pub fn builder() -> ConfigBuilder {
+        ConfigBuilder {
+            config: Config::default(),
+        }
+    }
+
+    /// Largest frame accepted. Default 8 MiB.
+    pub fn max_frame_size(&self) -> usize {
+        self.max_frame_size
+    }
+    /// Largest message (sum of its frames) accepted. Default 16 MiB.
+    pub fn max_message_size(&self) -> usize {
+        self.max_message_size
+    }
+    /// Most frames in one message. Default 64.
+    pub fn max_message_parts(&self) -> usize {
+        self.max_message_parts
+    }
+    /// Largest READY command (its metadata). Default 64 KiB.
+    pub fn max_metadata_size(&self) -> usize {
+        self.max_metadata_size
+    }
+    /// Deadline for greeting + READY. Default 10 s.
+    pub fn handshake_timeout(&self) -> Duration {
+        self.handshake_timeout
+    }
+    /// Deadline for a TCP connect. Default 5 s.
+    pub fn connect_timeout(&self) -> Duration {
+        self.connect_timeout
+    }
+    /// Interval between our PINGs (sent only to ZMTP 3.1 peers). Default off.
+    pub fn heartbeat_interval(&self) -> Option<Duration> {
+        self.heartbeat_interval
+    }
+    /// How long after a PING the peer may stay silent. Default: the interval.
+    pub fn heartbeat_timeout(&self) -> Option<Duration> {
+        self.heartbeat_timeout.or(self.heartbeat_interval)
+    }
+    /// TTL advertised in our PINGs. Default 3 × the interval, at most 65.5 s.
+    pub fn heartbeat_ttl(&self) -> Option<Duration> {
+        self.heartbeat_ttl
+            .or(self.heartbeat_interval.map(|i| i.saturating_mul(3)))
+            .map(|t| t.min(MAX_HEARTBEAT_TTL))
+    }
+    /// Whether reserved frame-flag bits are a protocol error. Default `false`
+    /// (libzmq ignores them too).
+    pub fn strict(&self) -> bool {
+        self.strict
+    }
+    /// Size of one socket read. Default 64 KiB.
+    pub fn read_chunk(&self) -> usize {
+        self.read_chunk
+    }
+    /// Publisher: messages queued per subscriber before dropping. Default 10 000.
+    pub fn send_queue_messages(&self) -> usize {
+        self.send_queue_messages
+    }
+    /// Publisher: bytes queued per subscriber before dropping. Default 16 MiB.
+    pub fn send_queue_bytes(&self) -> usize {
+        self.send_queue_bytes
+    }
+    /// Publisher: distinct subscriptions one peer may hold. Default 4096.
+    pub fn max_subscriptions(&self) -> usize {
+        self.max_subscriptions
+    }
+    /// Publisher: longest subscription prefix. Default 1 KiB.
+    pub fn max_subscription_size(&self) -> usize {
+        self.max_subscription_size
+    }
+}
+
+/// Builds a validated [`Config`]. Every setter names its default.
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct ConfigBuilder {
+    config: Config,
+}
+
+impl ConfigBuilder {
+    /// Largest frame accepted; a larger header closes the connection before any
+    /// allocation. Default 8 MiB. Must be ≥ 1 and ≤ `max_message_size`.
+    pub fn max_frame_size(mut self, bytes: usize) -> Self {
+        self.config.max_frame_size = bytes;
+        self
+    }
+    /// Largest message (sum of frames). Default 16 MiB. Costs up to this much memory
+    /// per connection while a message is being assembled.
+    pub fn max_message_size(mut self, bytes: usize) -> Self {
+        self.config.max_message_size = bytes;
+        self
+    }
+    /// Most frames in one message. Default 64. Must be ≥ 1.
+    pub fn max_message_parts(mut self, parts: usize) -> Self {
+        self.config.max_message_parts = parts;
+        self
+    }
+    /// Largest READY command. Default 64 KiB. Must be ≥ 64.
+    pub fn max_metadata_size(mut self, bytes: usize) -> Self {
+        self.config.max_metadata_size = bytes;
+        self
+    }
+    /// Deadline for greeting + READY. Default 10 s. Must be non-zero.
+    pub fn handshake_timeout(mut self, timeout: Duration) -> Self {
+        self.config.handshake_timeout = timeout;
+        self
+    }
+    /// Deadline for a TCP connect. Default 5 s. Must be non-zero.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.config.connect_timeout = timeout;
+        self
+    }
+    /// Send a PING this often to ZMTP 3.1 peers. Default `None` (off).
+    pub fn heartbeat_interval(mut self, interval: Option<Duration>) -> Self {
+        self.config.heartbeat_interval = interval;
+        self
+    }
+    /// Close the connection when nothing arrives this long after a PING. Default: the
+    /// interval.
+    pub fn heartbeat_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.config.heartbeat_timeout = timeout;
+        self
+    }
+    /// TTL we advertise in PINGs. Default 3 × interval; capped at 65.5 s.
+    pub fn heartbeat_ttl(mut self, ttl: Option<Duration>) -> Self {
+        self.config.heartbeat_ttl = ttl;
+        self
+    }
+    /// Treat reserved frame-flag bits as a protocol error. Default `false`.
+    pub fn strict(mut self, strict: bool) -> Self {
+        self.config.strict = strict;
+        self
+    }
+    /// Size of one socket read. Default 64 KiB. Between 512 B and 16 MiB.
+    pub fn read_chunk(mut self, bytes: usize) -> Self {
+        self.config.read_chunk = bytes;
+        self
+    }
+    /// Publisher: per-subscriber queue length in messages. Default 10 000. Must be ≥ 1.
+    pub fn send_queue_messages(mut self, messages: usize) -> Self {
+        self.config.send_queue_messages = messages;
+        self
+    }
+    /// Publisher: per-subscriber queue size in bytes. Default 16 MiB. Must be ≥ 1.
+    pub fn send_queue_bytes(mut self, bytes: usize) -> Self {
+        self.config.send_queue_bytes = bytes;
+        self
+    }
+    /// Publisher: distinct subscriptions one peer may hold. Default 4096. Must be ≥ 1.
+    pub fn max_subscriptions(mut self, count: usize) -> Self {
+        self.config.max_subscriptions = count;
+        self
+    }
+    /// Publisher: longest subscription prefix accepted. Default 1 KiB.
+    pub fn max_subscription_size(mut self, bytes: usize) -> Self {
+        self.config.max_subscription_size = bytes;
+        self
+    }
+
+    /// Validates and returns the config.
+    pub fn build(self) -> Result<Config, ConfigError> {
+        let c = self.config;
+        let nonzero = [
+            ("max_frame_size", c.max_frame_size),
+            ("max_message_size", c.max_message_size),
+            ("max_message_parts", c.max_message_parts),
+            ("send_queue_messages", c.send_queue_messages),
+            ("send_queue_bytes", c.send_queue_bytes),
+            ("max_subscriptions", c.max_subscriptions),
+        ];
+        for (field, value) in nonzero {
+            if value == 0 {
+                return Err(ConfigError::Zero { field });
+            }
+        }
+        if c.max_frame_size > c.max_message_size {
+            return Err(ConfigError::Inconsistent {
+                reason: "max_frame_size exceeds max_message_size",
+            });
+        }
+        if c.max_metadata_size < 64 {
+            return Err(ConfigError::OutOfRange {
+                field: "max_metadata_size",
+                reason: "must be at least 64 bytes",
+            });
+        }
+        if !(512..=16 << 20).contains(&c.read_chunk) {
+            return Err(ConfigError::OutOfRange {
+                field: "read_chunk",
+                reason: "must be between 512 B and 16 MiB",
+            });
+        }
+        let durations = [
+            ("handshake_timeout", Some(c.handshake_timeout)),
+            ("connect_timeout", Some(c.connect_timeout)),
+            ("heartbeat_interval", c.heartbeat_interval),
+            ("heartbeat_timeout", c.heartbeat_timeout),
+            ("heartbeat_ttl", c.heartbeat_ttl),
+        ];
+        for (field, value) in durations {
+            if value == Some(Duration::ZERO) {
+                return Err(ConfigError::Zero { field });
+            }
+        }
+        if c.heartbeat_ttl.is_some_and(|t| t > MAX_HEARTBEAT_TTL) {
+            return Err(ConfigError::OutOfRange {
+                field: "heartbeat_ttl",
+                reason: "must be at most 65.5 s (655 deciseconds)",
+            });
+        }
+        Ok(c)
+    }
+}
+
+/// A rejected [`ConfigBuilder`] value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A bound or duration was zero.
+    #[error("{field} must not be zero")]
+    Zero {
+        /// The field.
+        field: &'static str,
+    },
+    /// A value was outside its range.
+    #[error("{field} {reason}")]
+    OutOfRange {
+        /// The field.
+        field: &'static str,
+        /// The allowed range.
+        reason: &'static str,
+    },
+    /// Two values contradict each other.
+    #[error("inconsistent config: {reason}")]
+    Inconsistent {
+        /// What contradicts what.
+        reason: &'static str,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_match_design() {
+        let c = Config::default();
+        assert_eq!(c.max_frame_size(), 8 << 20);
+        assert_eq!(c.max_message_size(), 16 << 20);
+        assert_eq!(c.max_message_parts(), 64);
+        assert_eq!(c.handshake_timeout(), Duration::from_secs(10));
+        assert_eq!(c.heartbeat_interval(), None);
+        assert_eq!(c.send_queue_messages(), 10_000);
+        assert_eq!(c.send_queue_bytes(), 16 << 20);
+    }
+
+    #[test]
+    fn rejects_bad_values() {
+        assert_eq!(
+            Config::builder().max_message_parts(0).build().unwrap_err(),
+            ConfigError::Zero {
+                field: "max_message_parts"
+            }
+        );
+        assert!(Config::builder().max_frame_size(32 << 20).build().is_err());
+        assert!(
+            Config::builder()
+                .heartbeat_ttl(Some(Duration::from_secs(70)))
+                .build()
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn heartbeat_derived_defaults() {
+        let c = Config::builder()
+            .heartbeat_interval(Some(Duration::from_secs(30)))
+            .build()
+            .unwrap();
+        assert_eq!(c.heartbeat_timeout(), Some(Duration::from_secs(30)));
+        assert_eq!(c.heartbeat_ttl(), Some(MAX_HEARTBEAT_TTL));
+    }
+}

@@ -1,0 +1,67 @@
+//! `tcp://host:port` endpoints.
+
+use std::net::SocketAddr;
+
+use super::Error;
+
+/// Splits `tcp://host:port` into host and port. `*` as host means every interface
+/// (libzmq's spelling for bind); IPv6 hosts are bracketed (`tcp://[::1]:5555`).
+pub(crate) fn parse_tcp(endpoint: &str) -> Result<(String, u16), Error> {
+    let invalid = |reason| Error::InvalidEndpoint {
+        endpoint: endpoint.to_owned(),
+        reason,
+    };
+    let rest = endpoint
+        .strip_prefix("tcp://")
+        .ok_or_else(|| invalid("only tcp:// endpoints are supported"))?;
+    let (host, port) = rest
+        .rsplit_once(':')
+        .ok_or_else(|| invalid("missing :port"))?;
+    let port: u16 = port.parse().map_err(|_| invalid("port is not a number"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        return Err(invalid("missing host"));
+    }
+    let host = if host == "*" { "0.0.0.0" } else { host };
+    Ok((host.to_owned(), port))
+}
+
+/// Resolves an endpoint to socket addresses (DNS allowed).
+pub(crate) async fn resolve(endpoint: &str) -> Result<Vec<SocketAddr>, Error> {
+    let (host, port) = parse_tcp(endpoint)?;
+    let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), port))
+        .await
+        .map_err(Error::Io)?
+        .collect();
+    if addrs.is_empty() {
+        return Err(Error::InvalidEndpoint {
+            endpoint: endpoint.to_owned(),
+            reason: "host resolved to no address",
+        });
+    }
+    Ok(addrs)
+}
+
+/// `tcp://ip:port` for a socket address.
+pub(crate) fn format_tcp(addr: SocketAddr) -> String {
+    format!("tcp://{addr}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses() {
+        assert_eq!(
+            parse_tcp("tcp://127.0.0.1:5555").unwrap(),
+            ("127.0.0.1".into(), 5555)
+        );
+        assert_eq!(parse_tcp("tcp://*:0").unwrap(), ("0.0.0.0".into(), 0));
+        assert_eq!(parse_tcp("tcp://[::1]:1").unwrap(), ("::1".into(), 1));
+        assert!(parse_tcp("ipc:///tmp/x").is_err());
+        assert!(parse_tcp("tcp://host").is_err());
+        assert!(parse_tcp("tcp://:1").is_err());
+        assert!(parse_tcp("tcp://h:99999").is_err());
+    }
+}

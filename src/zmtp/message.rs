@@ -1,0 +1,98 @@
+//! Multipart messages.
+
+use bytes::Bytes;
+use smallvec::SmallVec;
+
+/// A multipart ZMQ message: an ordered list of frames, each a cheaply cloned [`Bytes`].
+///
+/// Up to three frames live inline (the `[topic, sequence, payload]` layouts of the event
+/// plane), so cloning or building one allocates nothing beyond the frames themselves.
+///
+/// ```
+/// use bytes::Bytes;
+/// use eventplane::zmtp::Message;
+///
+/// let msg = Message::from_parts([Bytes::from_static(b"kv"), Bytes::from_static(b"payload")]);
+/// assert_eq!(msg.len(), 2);
+/// assert_eq!(msg.get(0).map(|f| &f[..]), Some(&b"kv"[..]));
+/// assert_eq!(msg.byte_len(), 9);
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Message {
+    parts: SmallVec<[Bytes; 3]>,
+}
+
+impl Message {
+    /// An empty message (no frames). Sending it sends nothing.
+    pub fn new() -> Self {
+        Message::default()
+    }
+
+    /// A message of the given frames, in order.
+    pub fn from_parts<I>(parts: I) -> Self
+    where
+        I: IntoIterator,
+        I::Item: Into<Bytes>,
+    {
+        Message {
+            parts: parts.into_iter().map(Into::into).collect(),
+        }
+    }
+
+    /// Appends a frame.
+    pub fn push(&mut self, part: impl Into<Bytes>) {
+        self.parts.push(part.into());
+    }
+
+    /// The frames.
+    pub fn parts(&self) -> &[Bytes] {
+        &self.parts
+    }
+
+    /// Frame `index`, if present.
+    pub fn get(&self, index: usize) -> Option<&Bytes> {
+        self.parts.get(index)
+    }
+
+    /// Number of frames.
+    pub fn len(&self) -> usize {
+        self.parts.len()
+    }
+
+    /// `true` when the message has no frames.
+    pub fn is_empty(&self) -> bool {
+        self.parts.is_empty()
+    }
+
+    /// Sum of the frames' sizes.
+    pub fn byte_len(&self) -> usize {
+        self.parts.iter().map(Bytes::len).sum()
+    }
+
+    /// The frames, by value.
+    pub fn into_parts(self) -> impl ExactSizeIterator<Item = Bytes> {
+        self.parts.into_iter()
+    }
+
+    pub(crate) fn from_smallvec(parts: SmallVec<[Bytes; 3]>) -> Self {
+        Message { parts }
+    }
+}
+
+impl From<Bytes> for Message {
+    fn from(frame: Bytes) -> Self {
+        Message::from_parts([frame])
+    }
+}
+
+impl From<Vec<Bytes>> for Message {
+    fn from(parts: Vec<Bytes>) -> Self {
+        Message::from_parts(parts)
+    }
+}
+
+impl FromIterator<Bytes> for Message {
+    fn from_iter<T: IntoIterator<Item = Bytes>>(iter: T) -> Self {
+        Message::from_parts(iter)
+    }
+}

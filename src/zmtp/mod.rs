@@ -1,0 +1,45 @@
+//! A bounded, pure-Rust ZMTP 3.x (RFC 23 / RFC 37) implementation of PUB and SUB.
+//!
+//! Layers, bottom up:
+//! - [`codec`]: greeting, frames, commands — pure functions and decoders, no I/O, no
+//!   clock; every peer-declared size is checked before anything is buffered.
+//! - [`Session`]: the sans-IO per-connection state machine (handshake, subscriptions,
+//!   heartbeats with the time passed in).
+//! - [`SubSocket`] and [`PubSocket`]: the only async types, over any
+//!   `AsyncRead + AsyncWrite` stream or TCP.
+//!
+//! Only the `NULL` security mechanism is supported. Interoperability: libzmq ≥ 4.2
+//! (ZMTP 3.1: SUBSCRIBE/CANCEL commands, PING/PONG) and zeromq-rs (ZMTP 3.0:
+//! subscription messages, no commands but READY).
+//!
+//! ## Bounds
+//! | bound | default | on violation |
+//! |---|---|---|
+//! | [`Config::max_frame_size`] | 8 MiB | [`ProtocolError::FrameTooLarge`], before allocation |
+//! | [`Config::max_message_size`] | 16 MiB | [`ProtocolError::MessageTooLarge`] |
+//! | [`Config::max_message_parts`] | 64 | [`ProtocolError::TooManyParts`] |
+//! | [`Config::max_metadata_size`] | 64 KiB | [`ProtocolError::CommandTooLarge`] |
+//! | [`Config::handshake_timeout`] | 10 s | [`TimeoutKind::Handshake`] |
+//! | [`Config::heartbeat_interval`] | off | [`TimeoutKind::Heartbeat`] |
+//! | [`Config::send_queue_messages`] / [`Config::send_queue_bytes`] | 10 000 / 16 MiB | message dropped for that subscriber, counted |
+//! | [`Config::max_subscriptions`] / [`Config::max_subscription_size`] | 4096 / 1 KiB | [`ProtocolError::SubscriptionLimit`] |
+
+pub mod codec;
+mod config;
+mod endpoint;
+mod error;
+mod io;
+mod message;
+mod prefix;
+mod publish;
+mod session;
+mod sub;
+
+pub use config::{Config, ConfigBuilder, ConfigError, MAX_HEARTBEAT_TTL};
+pub use error::{Error, ProtocolError, TimeoutKind};
+pub use message::Message;
+pub use publish::{PubSocket, PubStats, SendReport, SubscriberStats};
+pub use session::{
+    Event, MAX_PENDING_OUTPUT, PeerInfo, Session, SessionStats, SocketType,
+};
+pub use sub::SubSocket;

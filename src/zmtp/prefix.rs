@@ -1,0 +1,117 @@
+//! Prefix matching that stays fast with thousands of subscriptions.
+//!
+//! Prefixes live in a hash map keyed by the prefix bytes, plus a sorted list of the
+//! distinct prefix lengths in use. Matching a topic costs one hash look-up per distinct
+//! length no longer than the topic — independent of how many prefixes (or subscribers)
+//! there are. Subscription prefixes are short and few distinct lengths occur, so this
+//! beats a byte trie both in look-ups and in memory.
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+
+#[derive(Debug, Clone)]
+pub(crate) struct PrefixMap<V> {
+    map: HashMap<Bytes, V>,
+    /// `(length, number of prefixes of that length)`, sorted by length.
+    lens: Vec<(usize, usize)>,
+}
+
+impl<V> Default for PrefixMap<V> {
+    fn default() -> Self {
+        PrefixMap {
+            map: HashMap::new(),
+            lens: Vec::new(),
+        }
+    }
+}
+
+impl<V> PrefixMap<V> {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub(crate) fn get_mut(&mut self, prefix: &[u8]) -> Option<&mut V> {
+        self.map.get_mut(prefix)
+    }
+
+    /// The value for `prefix`, inserting `make()` when absent.
+    pub(crate) fn entry(&mut self, prefix: &Bytes, make: impl FnOnce() -> V) -> &mut V {
+        if !self.map.contains_key(&prefix[..]) {
+            let len = prefix.len();
+            match self.lens.binary_search_by_key(&len, |(l, _)| *l) {
+                Ok(i) => {
+                    if let Some((_, n)) = self.lens.get_mut(i) {
+                        *n += 1;
+                    }
+                }
+                Err(i) => self.lens.insert(i, (len, 1)),
+            }
+        }
+        self.map.entry(prefix.clone()).or_insert_with(make)
+    }
+
+    pub(crate) fn remove(&mut self, prefix: &[u8]) -> Option<V> {
+        let v = self.map.remove(prefix)?;
+        if let Ok(i) = self.lens.binary_search_by_key(&prefix.len(), |(l, _)| *l) {
+            if let Some((_, n)) = self.lens.get_mut(i) {
+                *n -= 1;
+                if *n == 0 {
+                    self.lens.remove(i);
+                }
+            }
+        }
+        Some(v)
+    }
+
+    /// Calls `f` with the value of every stored prefix of `topic`.
+    pub(crate) fn for_each_match(&self, topic: &[u8], mut f: impl FnMut(&V)) {
+        for (len, _) in &self.lens {
+            let Some(head) = topic.get(..*len) else {
+                break;
+            };
+            if let Some(v) = self.map.get(head) {
+                f(v);
+            }
+        }
+    }
+
+    /// `true` when some stored prefix is a prefix of `topic`.
+    pub(crate) fn matches(&self, topic: &[u8]) -> bool {
+        self.lens.iter().any(|(len, _)| {
+            topic
+                .get(..*len)
+                .is_some_and(|head| self.map.contains_key(head))
+        })
+    }
+
+    pub(crate) fn keys(&self) -> impl Iterator<Item = &Bytes> {
+        self.map.keys()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matches_prefixes_only() {
+        let mut m = PrefixMap::default();
+        *m.entry(&Bytes::from_static(b"comp"), || 0) += 1;
+        *m.entry(&Bytes::from_static(b"kv-"), || 0) += 1;
+        assert!(m.matches(b"comp2"));
+        assert!(m.matches(b"kv-events"));
+        assert!(!m.matches(b"co"));
+        assert!(!m.matches(b"kv"));
+        let mut seen = 0;
+        m.for_each_match(b"kv-x", |v| seen += v);
+        assert_eq!(seen, 1);
+        assert_eq!(m.remove(b"kv-"), Some(1));
+        assert!(!m.matches(b"kv-events"));
+        *m.entry(&Bytes::new(), || 0) += 1;
+        assert!(m.matches(b""));
+        assert!(m.matches(b"anything"));
+        assert_eq!(m.len(), 2);
+    }
+}

@@ -1,0 +1,587 @@
+//! `PubSocket`: fan-out to many subscribers, each with its own bounded queue.
+
+use std::collections::VecDeque;
+use std::future::poll_fn;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use smallvec::SmallVec;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, watch};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::codec::{encode_message, encoded_len};
+use super::endpoint;
+use super::io::{Conn, WRITE_BATCH};
+use super::prefix::PrefixMap;
+use super::{Config, Error, Event, Message, SocketType};
+
+/// How often (at most) a drop warning is logged per subscriber.
+const DROP_WARN_INTERVAL: Duration = Duration::from_secs(60);
+
+/// A ZMQ PUB: accepts any number of subscribers and fans each message out to those
+/// whose subscriptions match its first frame.
+///
+/// [`send`](Self::send) never blocks and never fails because a subscriber is slow:
+/// the message is encoded once and a reference to it is queued per matching
+/// subscriber. Each subscriber's queue holds at most `send_queue_messages` messages
+/// and `send_queue_bytes` bytes; past that the message is dropped *for that
+/// subscriber only* and counted in [`stats`](Self::stats) and
+/// [`subscriber_stats`](Self::subscriber_stats). One task per subscriber writes its
+/// queue, many messages per write.
+///
+/// Subscriptions arrive as ZMTP 3.1 commands or ZMTP 3.0 messages, from any peer.
+/// Matching costs one hash look-up per distinct subscription length, however many
+/// subscribers there are.
+///
+/// Dropping the socket stops accepting and closes every connection (queued messages
+/// are discarded); [`close`](Self::close) first waits up to a linger period for the
+/// queues to drain.
+///
+/// ```no_run
+/// use eventplane::zmtp::{Config, Message, PubSocket};
+/// # async fn run() -> Result<(), eventplane::zmtp::Error> {
+/// let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default()).await?;
+/// println!("bound at {}", publisher.local_endpoint().unwrap_or("?"));
+/// publisher.wait_for_subscribers(1).await;
+/// let report = publisher.send(Message::from_parts(["kv-events", "hello"]));
+/// assert_eq!(report.dropped, 0);
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct PubSocket {
+    shared: Arc<Shared>,
+    local_addr: Option<SocketAddr>,
+    local_endpoint: Option<String>,
+    cancel: CancellationToken,
+    tracker: TaskTracker,
+}
+
+/// What one [`PubSocket::send`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SendReport {
+    /// Subscribers the message was queued for.
+    pub queued: usize,
+    /// Matching subscribers whose queue was full: the message was dropped for them.
+    pub dropped: usize,
+}
+
+/// Totals of a [`PubSocket`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PubStats {
+    /// Connections whose handshake completed and that are still open.
+    pub connections: usize,
+    /// Of those, connections holding at least one subscription.
+    pub subscribed: usize,
+    /// Calls to `send`.
+    pub messages: u64,
+    /// Messages queued to subscribers (one per matching subscriber).
+    pub queued: u64,
+    /// Messages dropped because a subscriber's queue was full.
+    pub dropped: u64,
+    /// Connections accepted in total.
+    pub accepted: u64,
+    /// Connections that ended with an error (protocol, timeout, I/O).
+    pub failed: u64,
+}
+
+/// One subscriber of a [`PubSocket`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SubscriberStats {
+    /// The peer's address, or a label for non-TCP streams.
+    pub peer: String,
+    /// Distinct prefixes subscribed.
+    pub subscriptions: usize,
+    /// Messages waiting in its queue.
+    pub queue_len: usize,
+    /// Bytes waiting in its queue.
+    pub queue_bytes: usize,
+    /// Messages handed to its writer.
+    pub written: u64,
+    /// Messages dropped because its queue was full.
+    pub dropped: u64,
+}
+
+#[derive(Debug)]
+struct Shared {
+    config: Config,
+    inner: Mutex<Inner>,
+    subscribed: watch::Sender<usize>,
+    drained: Notify,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    index: PrefixMap<SmallVec<[usize; 4]>>,
+    peers: Vec<Option<Peer>>,
+    free: Vec<usize>,
+    send_seq: u64,
+    stats: PubStats,
+}
+
+#[derive(Debug)]
+struct Peer {
+    label: String,
+    ready: bool,
+    queue: VecDeque<Bytes>,
+    queue_bytes: usize,
+    /// The writer holds data not yet written to the socket.
+    busy: bool,
+    waker: Option<Waker>,
+    /// `send_seq` of the last send that queued here: one copy per send even when
+    /// several of the peer's prefixes match.
+    mark: u64,
+    /// The prefixes this peer holds (each once; the session counts repeats).
+    prefixes: Vec<Bytes>,
+    written: u64,
+    dropped: u64,
+    dropped_since_warn: u64,
+    last_warn: Option<Instant>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave `Inner` inconsistent in a way
+        // that matters more than stopping all publishing, so recover the guard.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl PubSocket {
+    /// A publisher with no listener: feed it connections with
+    /// [`accept_stream`](Self::accept_stream). Must be called within a tokio runtime
+    /// when streams are added.
+    pub fn new(config: Config) -> PubSocket {
+        let (subscribed, _) = watch::channel(0);
+        PubSocket {
+            shared: Arc::new(Shared {
+                config,
+                inner: Mutex::new(Inner::default()),
+                subscribed,
+                drained: Notify::new(),
+            }),
+            local_addr: None,
+            local_endpoint: None,
+            cancel: CancellationToken::new(),
+            tracker: TaskTracker::new(),
+        }
+    }
+
+    /// Binds `tcp://host:port` and accepts subscribers in a background task. Port 0
+    /// lets the OS pick a free port atomically; read it from
+    /// [`local_endpoint`](Self::local_endpoint).
+    pub async fn bind(endpoint: &str, config: Config) -> Result<PubSocket, Error> {
+        let addrs = endpoint::resolve(endpoint).await?;
+        let listener = TcpListener::bind(&addrs[..]).await?;
+        let mut socket = PubSocket::new(config);
+        let local = listener.local_addr()?;
+        socket.local_addr = Some(local);
+        socket.local_endpoint = Some(endpoint::format_tcp(local));
+        let shared = socket.shared.clone();
+        let cancel = socket.cancel.clone();
+        let tracker = socket.tracker.clone();
+        socket.tracker.spawn(accept_loop(listener, shared, cancel, tracker));
+        tracing::debug!(endpoint = %endpoint::format_tcp(local), "zmtp pub bound");
+        Ok(socket)
+    }
+
+    /// The bound address as `tcp://ip:port`, if bound.
+    pub fn local_endpoint(&self) -> Option<&str> {
+        self.local_endpoint.as_deref()
+    }
+
+    /// The bound socket address, if bound.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.local_addr
+    }
+
+    /// Serves one subscriber over an already connected stream (a tunnel, a TLS
+    /// stream, an in-memory duplex). `label` names it in stats and logs.
+    pub fn accept_stream<S>(&self, stream: S, label: impl Into<String>)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        spawn_peer(
+            &self.tracker,
+            self.shared.clone(),
+            self.cancel.clone(),
+            stream,
+            label.into(),
+        );
+    }
+
+    /// Queues `msg` for every subscriber whose subscription matches its first frame.
+    /// Never blocks; a full queue drops the message for that subscriber and counts it.
+    pub fn send(&self, msg: Message) -> SendReport {
+        let topic: &[u8] = msg.get(0).map(|f| &f[..]).unwrap_or_default();
+        let mut report = SendReport::default();
+        let mut wake: SmallVec<[Waker; 8]> = SmallVec::new();
+        let mut encoded: Option<Bytes> = None;
+        let cfg = &self.shared.config;
+        {
+            let mut guard = self.shared.lock();
+            let inner = &mut *guard;
+            inner.send_seq += 1;
+            inner.stats.messages += 1;
+            let seq = inner.send_seq;
+            let peers = &mut inner.peers;
+            inner.index.for_each_match(topic, |ids| {
+                for &id in ids {
+                    let Some(Some(peer)) = peers.get_mut(id) else {
+                        continue;
+                    };
+                    if peer.mark == seq {
+                        continue;
+                    }
+                    peer.mark = seq;
+                    let frame = encoded.get_or_insert_with(|| {
+                        let mut buf = BytesMut::with_capacity(encoded_len(&msg));
+                        encode_message(&msg, &mut buf);
+                        buf.freeze()
+                    });
+                    if peer.queue.len() >= cfg.send_queue_messages
+                        || peer.queue_bytes + frame.len() > cfg.send_queue_bytes
+                    {
+                        peer.dropped += 1;
+                        report.dropped += 1;
+                        peer.note_drop();
+                        continue;
+                    }
+                    peer.queue_bytes += frame.len();
+                    peer.queue.push_back(frame.clone());
+                    report.queued += 1;
+                    if let Some(w) = peer.waker.take() {
+                        wake.push(w);
+                    }
+                }
+            });
+            inner.stats.queued += report.queued as u64;
+            inner.stats.dropped += report.dropped as u64;
+        }
+        for w in wake {
+            w.wake();
+        }
+        report
+    }
+
+    /// Totals.
+    pub fn stats(&self) -> PubStats {
+        self.shared.lock().stats
+    }
+
+    /// Per-subscriber counters, for connections whose handshake completed.
+    pub fn subscriber_stats(&self) -> Vec<SubscriberStats> {
+        let inner = self.shared.lock();
+        inner
+            .peers
+            .iter()
+            .flatten()
+            .filter(|p| p.ready)
+            .map(|p| SubscriberStats {
+                peer: p.label.clone(),
+                subscriptions: p.prefixes.len(),
+                queue_len: p.queue.len(),
+                queue_bytes: p.queue_bytes,
+                written: p.written,
+                dropped: p.dropped,
+            })
+            .collect()
+    }
+
+    /// Waits until at least `count` connections hold a subscription.
+    pub async fn wait_for_subscribers(&self, count: usize) {
+        let mut rx = self.shared.subscribed.subscribe();
+        // The sender lives as long as `self`, so this cannot fail while we wait.
+        let _ = rx.wait_for(|n| *n >= count).await;
+    }
+
+    /// Waits until every queue is written out, or `timeout` passes. Returns `true`
+    /// when everything was written.
+    pub async fn flush(&self, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.shared.drained.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.shared.lock().peers.iter().flatten().all(Peer::idle) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return false;
+            }
+        }
+    }
+
+    /// Stops accepting, lets queued messages drain for up to `linger`, then closes
+    /// every connection and waits for their tasks to end.
+    pub async fn close(self, linger: Duration) {
+        self.flush(linger).await;
+        self.cancel.cancel();
+        self.tracker.close();
+        self.tracker.wait().await;
+    }
+}
+
+impl Drop for PubSocket {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+impl Peer {
+    fn new(label: String) -> Peer {
+        Peer {
+            label,
+            ready: false,
+            queue: VecDeque::new(),
+            queue_bytes: 0,
+            busy: false,
+            waker: None,
+            mark: 0,
+            prefixes: Vec::new(),
+            written: 0,
+            dropped: 0,
+            dropped_since_warn: 0,
+            last_warn: None,
+        }
+    }
+
+    fn idle(&self) -> bool {
+        !self.ready || (self.queue.is_empty() && !self.busy)
+    }
+
+    fn note_drop(&mut self) {
+        self.dropped_since_warn += 1;
+        let now = Instant::now();
+        if self
+            .last_warn
+            .is_none_or(|t| now.duration_since(t) >= DROP_WARN_INTERVAL)
+        {
+            tracing::warn!(
+                peer = %self.label,
+                dropped = self.dropped_since_warn,
+                total_dropped = self.dropped,
+                "subscriber queue full: dropping messages for this subscriber"
+            );
+            self.last_warn = Some(now);
+            self.dropped_since_warn = 0;
+        }
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+    tracker: TaskTracker,
+) {
+    loop {
+        let accepted = tokio::select! {
+            () = cancel.cancelled() => return,
+            r = listener.accept() => r,
+        };
+        match accepted {
+            Ok((stream, addr)) => {
+                if let Err(e) = stream.set_nodelay(true) {
+                    tracing::debug!(%addr, error = %e, "set_nodelay failed");
+                }
+                spawn_peer(&tracker, shared.clone(), cancel.clone(), stream, addr.to_string());
+            }
+            Err(e) => {
+                // EMFILE and friends: back off briefly instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    () = tokio::time::sleep(Duration::from_millis(100)) => {}
+                }
+            }
+        }
+    }
+}
+
+fn spawn_peer<S>(
+    tracker: &TaskTracker,
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+    stream: S,
+    label: String,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let id = {
+        let mut inner = shared.lock();
+        inner.stats.accepted += 1;
+        let peer = Peer::new(label.clone());
+        match inner.free.pop() {
+            Some(id) => {
+                if let Some(slot) = inner.peers.get_mut(id) {
+                    *slot = Some(peer);
+                }
+                id
+            }
+            None => {
+                inner.peers.push(Some(peer));
+                inner.peers.len() - 1
+            }
+        }
+    };
+    tracker.spawn(async move {
+        let mut conn = Conn::new(stream, SocketType::Pub, &shared.config);
+        let span = tracing::debug_span!("zmtp_pub_peer", peer = %label);
+        let result = tokio::select! {
+            () = cancel.cancelled() => Ok(()),
+            r = poll_fn(|cx| drive_peer(&mut conn, &shared, id, cx)) => r,
+        };
+        let _enter = span.enter();
+        remove_peer(&shared, id, result.is_err());
+        match result {
+            Ok(()) | Err(Error::Closed) => tracing::debug!("subscriber disconnected"),
+            Err(e) => tracing::debug!(error = %e, "subscriber connection failed"),
+        }
+    });
+}
+
+fn remove_peer(shared: &Shared, id: usize, failed: bool) {
+    let mut guard = shared.lock();
+    let inner = &mut *guard;
+    let Some(peer) = inner.peers.get_mut(id).and_then(Option::take) else {
+        return;
+    };
+    inner.free.push(id);
+    if failed {
+        inner.stats.failed += 1;
+    }
+    if peer.ready {
+        inner.stats.connections -= 1;
+    }
+    if !peer.prefixes.is_empty() {
+        for prefix in &peer.prefixes {
+            unindex(&mut inner.index, prefix, id);
+        }
+        inner.stats.subscribed -= 1;
+        shared.subscribed.send_replace(inner.stats.subscribed);
+    }
+    drop(guard);
+    shared.drained.notify_waiters();
+}
+
+fn unindex(index: &mut PrefixMap<SmallVec<[usize; 4]>>, prefix: &[u8], id: usize) {
+    if let Some(ids) = index.get_mut(prefix) {
+        ids.retain(|i| *i != id);
+        if ids.is_empty() {
+            index.remove(prefix);
+        }
+    }
+}
+
+/// The per-subscriber task body: handshake, subscriptions, PINGs, and writing the
+/// queue in batches.
+fn drive_peer<S: AsyncRead + AsyncWrite + Unpin>(
+    conn: &mut Conn<S>,
+    shared: &Shared,
+    id: usize,
+    cx: &mut Context<'_>,
+) -> Poll<Result<(), Error>> {
+    // Yield after this many rounds of progress so one busy subscriber cannot hog a
+    // worker thread.
+    for _ in 0..64 {
+        let mut progress = false;
+        conn.poll_timers(cx)?;
+        while let Some(event) = conn.session.poll_event()? {
+            progress = true;
+            on_peer_event(shared, id, event);
+        }
+        if conn.session.is_ready() && conn.wbuf.len() < WRITE_BATCH {
+            progress |= take_queued(shared, id, conn, cx);
+        }
+        match conn.poll_flush(cx) {
+            Poll::Ready(Ok(())) => {}
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+            Poll::Pending => {}
+        }
+        if conn.session.wants_input() {
+            match conn.poll_read(cx) {
+                Poll::Ready(Ok(_)) => progress = true,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {}
+            }
+        }
+        if !progress {
+            return Poll::Pending;
+        }
+    }
+    cx.waker().wake_by_ref();
+    Poll::Pending
+}
+
+/// Moves queued messages into the write buffer. Registers the waker when the queue is
+/// empty, and reports "drained" when nothing is left anywhere.
+fn take_queued<S>(shared: &Shared, id: usize, conn: &mut Conn<S>, cx: &mut Context<'_>) -> bool {
+    let mut inner = shared.lock();
+    let Some(Some(peer)) = inner.peers.get_mut(id) else {
+        return false;
+    };
+    let mut took = 0u64;
+    while conn.wbuf.len() < WRITE_BATCH {
+        let Some(frame) = peer.queue.pop_front() else {
+            break;
+        };
+        peer.queue_bytes -= frame.len();
+        conn.wbuf.extend_from_slice(&frame);
+        took += 1;
+    }
+    peer.written += took;
+    let was_busy = peer.busy;
+    peer.busy = !conn.wbuf.is_empty();
+    if peer.queue.is_empty() {
+        if peer.waker.as_ref().is_none_or(|w| !w.will_wake(cx.waker())) {
+            peer.waker = Some(cx.waker().clone());
+        }
+        if was_busy && !peer.busy {
+            drop(inner);
+            shared.drained.notify_waiters();
+        }
+    }
+    took > 0
+}
+
+fn on_peer_event(shared: &Shared, id: usize, event: Event) {
+    let mut guard = shared.lock();
+    let inner = &mut *guard;
+    let Some(Some(peer)) = inner.peers.get_mut(id) else {
+        return;
+    };
+    match event {
+        Event::Ready(info) => {
+            tracing::debug!(peer = %peer.label, minor = info.minor, "subscriber handshake complete");
+            peer.ready = true;
+            inner.stats.connections += 1;
+        }
+        Event::Subscribe(prefix) => {
+            let first = peer.prefixes.is_empty();
+            inner.index.entry(&prefix, SmallVec::new).push(id);
+            peer.prefixes.push(prefix);
+            if first {
+                inner.stats.subscribed += 1;
+                shared.subscribed.send_replace(inner.stats.subscribed);
+            }
+        }
+        Event::Cancel(prefix) => {
+            peer.prefixes.retain(|p| *p != prefix);
+            unindex(&mut inner.index, &prefix, id);
+            if peer.prefixes.is_empty() {
+                inner.stats.subscribed -= 1;
+                shared.subscribed.send_replace(inner.stats.subscribed);
+            }
+        }
+        Event::Message(_) => {}
+    }
+}

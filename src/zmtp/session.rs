@@ -1,0 +1,621 @@
+//! The sans-IO per-connection state machine.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+use super::codec::{
+    Command, Decoded, FrameDecoder, FrameLimits, Greeting, GreetingDecoder, Metadata,
+    encode_frame_header, encode_greeting, encode_message,
+};
+use super::prefix::PrefixMap;
+use super::{Config, Error, Message, ProtocolError, TimeoutKind};
+
+/// Output the session will buffer before it stops decoding input until the I/O layer
+/// has written some of it out. Bounds what a peer can make us queue by sending PINGs
+/// (or subscriptions) without reading our replies.
+pub const MAX_PENDING_OUTPUT: usize = 256 << 10;
+
+/// Our side of the connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SocketType {
+    /// A publisher: accepts subscriptions, sends messages.
+    Pub,
+    /// A subscriber: sends subscriptions, receives messages.
+    Sub,
+}
+
+impl SocketType {
+    /// The wire spelling sent in READY's `Socket-Type`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            SocketType::Pub => "PUB",
+            SocketType::Sub => "SUB",
+        }
+    }
+
+    fn accepts_peer(&self, peer: &[u8]) -> bool {
+        let ok: &[&[u8]] = match self {
+            SocketType::Pub => &[b"SUB", b"XSUB"],
+            SocketType::Sub => &[b"PUB", b"XPUB"],
+        };
+        ok.iter().any(|t| t.eq_ignore_ascii_case(peer))
+    }
+}
+
+/// What the peer told us during the handshake.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// ZMTP major version.
+    pub major: u8,
+    /// ZMTP minor version: 0 (3.0, e.g. zeromq-rs) or 1 (3.1, libzmq ≥ 4.3).
+    pub minor: u8,
+    /// The peer's READY metadata.
+    pub metadata: Metadata,
+}
+
+impl PeerInfo {
+    /// The peer's `Socket-Type`, if it sent one.
+    pub fn socket_type(&self) -> Option<&[u8]> {
+        self.metadata.get("Socket-Type").map(|v| &v[..])
+    }
+
+    /// `true` for ZMTP ≥ 3.1 peers: they get SUBSCRIBE/CANCEL commands and PINGs.
+    pub fn speaks_3_1(&self) -> bool {
+        self.major > 3 || self.minor >= 1
+    }
+}
+
+/// Something the application must act on, from [`Session::poll_event`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Event {
+    /// The handshake completed.
+    Ready(PeerInfo),
+    /// A message that passed the local subscription filter (SUB role).
+    Message(Message),
+    /// The peer's first subscription to this prefix (PUB role; repeats are counted, not
+    /// reported).
+    Subscribe(Bytes),
+    /// The peer's last subscription to this prefix went away (PUB role).
+    Cancel(Bytes),
+}
+
+/// Counters of one session.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SessionStats {
+    /// Messages delivered through [`Event::Message`].
+    pub messages: u64,
+    /// Bytes of those messages (frame bodies).
+    pub bytes: u64,
+    /// Messages dropped by the local subscription filter.
+    pub filtered: u64,
+    /// Unknown commands ignored after the handshake.
+    pub unknown_commands: u64,
+    /// Messages a publisher ignored (not a subscription).
+    pub ignored_messages: u64,
+    /// PINGs received (each answered).
+    pub pings_received: u64,
+    /// PINGs sent.
+    pub pings_sent: u64,
+}
+
+#[derive(Debug)]
+enum State {
+    Greeting(GreetingDecoder),
+    AwaitReady,
+    Active,
+    Failed,
+}
+
+/// One ZMTP connection, sans I/O: bytes in, bytes and events out, time passed in.
+///
+/// Drive it like this, in a loop:
+/// 1. write out everything [`poll_transmit`](Self::poll_transmit) returns;
+/// 2. call [`poll_event`](Self::poll_event) until it returns `Ok(None)`;
+/// 3. when [`poll_timeout`](Self::poll_timeout)'s instant passes, call
+///    [`handle_timeout`](Self::handle_timeout);
+/// 4. read from the transport and hand the bytes to
+///    [`handle_bytes`](Self::handle_bytes) (or read straight into
+///    [`input_buffer`](Self::input_buffer) and call
+///    [`handle_input`](Self::handle_input)).
+///
+/// Our greeting is queued at construction and sent at once; the peer's greeting is
+/// parsed as it trickles in. Events are decoded lazily, one per call, so nothing the
+/// peer sends is ever queued beyond the input buffer; and decoding pauses while more
+/// than [`MAX_PENDING_OUTPUT`] bytes of replies wait to be written.
+///
+/// ```
+/// use std::time::Instant;
+/// use eventplane::zmtp::{Config, Session, SocketType, Event};
+///
+/// let now = Instant::now();
+/// let mut sub = Session::new(SocketType::Sub, &Config::default(), now);
+/// let mut publ = Session::new(SocketType::Pub, &Config::default(), now);
+/// sub.subscribe(b"kv".as_slice().into());
+/// // Shuttle bytes both ways until both sides are ready.
+/// for _ in 0..3 {
+///     while let Some(b) = sub.poll_transmit() { publ.handle_bytes(now, &b); }
+///     while let Some(b) = publ.poll_transmit() { sub.handle_bytes(now, &b); }
+///     while let Some(ev) = publ.poll_event()? {
+///         if let Event::Subscribe(prefix) = ev { assert_eq!(&prefix[..], b"kv"); }
+///     }
+///     while sub.poll_event()?.is_some() {}
+/// }
+/// assert!(sub.is_ready() && publ.is_ready());
+/// # Ok::<(), eventplane::zmtp::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct Session {
+    socket_type: SocketType,
+    config: Config,
+    state: State,
+    peer: Option<PeerInfo>,
+    input: BytesMut,
+    output: BytesMut,
+    decoder: FrameDecoder,
+    /// SUB: our subscriptions with reference counts; also the local filter.
+    subscriptions: PrefixMap<u32>,
+    /// PUB: the peer's subscriptions with reference counts.
+    peer_subscriptions: HashMap<Bytes, u32>,
+    handshake_deadline: Option<Instant>,
+    next_ping: Option<Instant>,
+    ping_deadline: Option<Instant>,
+    peer_ttl: Option<Duration>,
+    last_input: Instant,
+    stats: SessionStats,
+}
+
+impl Session {
+    /// A new connection for `socket_type`, with our greeting queued for transmission
+    /// and the handshake deadline counting from `now`.
+    pub fn new(socket_type: SocketType, config: &Config, now: Instant) -> Session {
+        let mut output = BytesMut::with_capacity(128);
+        encode_greeting(&mut output);
+        let limits = FrameLimits {
+            max_frame_size: config.max_frame_size,
+            max_message_size: config.max_message_size,
+            max_message_parts: config.max_message_parts,
+            max_command_size: config.max_metadata_size,
+            strict: config.strict,
+        };
+        Session {
+            socket_type,
+            config: config.clone(),
+            state: State::Greeting(GreetingDecoder::new()),
+            peer: None,
+            input: BytesMut::new(),
+            output,
+            decoder: FrameDecoder::new(limits),
+            subscriptions: PrefixMap::default(),
+            peer_subscriptions: HashMap::new(),
+            handshake_deadline: now.checked_add(config.handshake_timeout),
+            next_ping: None,
+            ping_deadline: None,
+            peer_ttl: None,
+            last_input: now,
+            stats: SessionStats::default(),
+        }
+    }
+
+    /// Our socket type.
+    pub fn socket_type(&self) -> SocketType {
+        self.socket_type
+    }
+
+    /// `true` once the peer's READY was accepted.
+    pub fn is_ready(&self) -> bool {
+        matches!(self.state, State::Active)
+    }
+
+    /// `true` after a fatal error; every later call fails with
+    /// [`Error::SocketClosed`].
+    pub fn is_failed(&self) -> bool {
+        matches!(self.state, State::Failed)
+    }
+
+    /// The peer, once the handshake completed.
+    pub fn peer(&self) -> Option<&PeerInfo> {
+        self.peer.as_ref()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> SessionStats {
+        self.stats
+    }
+
+    /// The buffer the I/O layer may read into directly; call
+    /// [`handle_input`](Self::handle_input) after appending.
+    pub fn input_buffer(&mut self) -> &mut BytesMut {
+        &mut self.input
+    }
+
+    /// Records that bytes were appended to [`input_buffer`](Self::input_buffer) at
+    /// `now`. Any byte counts as liveness for the heartbeat.
+    pub fn handle_input(&mut self, now: Instant) {
+        self.last_input = now;
+        self.ping_deadline = None;
+    }
+
+    /// Appends received bytes (copying); equivalent to extending
+    /// [`input_buffer`](Self::input_buffer) and calling
+    /// [`handle_input`](Self::handle_input).
+    pub fn handle_bytes(&mut self, now: Instant, bytes: &[u8]) {
+        if !bytes.is_empty() {
+            self.input.extend_from_slice(bytes);
+            self.handle_input(now);
+        }
+    }
+
+    /// How many more input bytes would let decoding progress (at least 1). The I/O
+    /// layer reads `min(this, read_chunk)`-ish amounts; the value is bounded by the
+    /// configured limits, never by what the peer claims beyond them.
+    pub fn input_needed(&self) -> usize {
+        match &self.state {
+            State::Greeting(g) => super::codec::GREETING_LEN - g.received(),
+            _ => self.decoder.needed(self.input.len()),
+        }
+    }
+
+    /// `false` while too much output waits to be written: the I/O layer should write
+    /// before it reads more.
+    pub fn wants_input(&self) -> bool {
+        self.output.len() < MAX_PENDING_OUTPUT && !self.is_failed()
+    }
+
+    /// Bytes waiting to be written, if any. Hand them to the transport in order.
+    pub fn poll_transmit(&mut self) -> Option<Bytes> {
+        if self.output.is_empty() {
+            None
+        } else {
+            Some(self.output.split().freeze())
+        }
+    }
+
+    /// Appends the pending output to `buf` (no allocation when `buf` has room).
+    pub fn transmit_into(&mut self, buf: &mut BytesMut) {
+        if !self.output.is_empty() {
+            buf.extend_from_slice(&self.output);
+            self.output.clear();
+        }
+    }
+
+    /// Queues `msg` for the peer. Returns `false` (and queues nothing) before the
+    /// handshake has completed.
+    pub fn send_message(&mut self, msg: &Message) -> bool {
+        if !self.is_ready() {
+            return false;
+        }
+        encode_message(msg, &mut self.output);
+        true
+    }
+
+    /// SUB: adds one reference to `prefix`; the first sends a subscription (a
+    /// `SUBSCRIBE` command to ZMTP 3.1 peers, a `0x01 prefix` message to 3.0 peers).
+    pub fn subscribe(&mut self, prefix: Bytes) {
+        let count = self.subscriptions.entry(&prefix, || 0);
+        *count += 1;
+        if *count == 1 && self.is_ready() {
+            self.queue_subscription(&prefix, true);
+        }
+    }
+
+    /// SUB: drops one reference to `prefix`; the last sends a cancel. Returns `false`
+    /// when there was no such subscription.
+    pub fn unsubscribe(&mut self, prefix: &[u8]) -> bool {
+        let Some(count) = self.subscriptions.get_mut(prefix) else {
+            return false;
+        };
+        *count -= 1;
+        if *count == 0 {
+            self.subscriptions.remove(prefix);
+            if self.is_ready() {
+                self.queue_subscription(prefix, false);
+            }
+        }
+        true
+    }
+
+    /// SUB: whether a topic (frame 0) passes the local filter.
+    pub fn is_subscribed(&self, topic: &[u8]) -> bool {
+        self.subscriptions.matches(topic)
+    }
+
+    /// The next instant at which [`handle_timeout`](Self::handle_timeout) must run.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let ttl_deadline = self
+            .peer_ttl
+            .and_then(|ttl| self.last_input.checked_add(ttl));
+        [
+            self.handshake_deadline,
+            self.next_ping,
+            self.ping_deadline,
+            ttl_deadline,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// Runs due timers: fails on handshake or heartbeat expiry; queues a PING when one
+    /// is due.
+    pub fn handle_timeout(&mut self, now: Instant) -> Result<(), Error> {
+        if self.is_failed() {
+            return Err(Error::SocketClosed);
+        }
+        let expired = |d: Option<Instant>| d.is_some_and(|d| d <= now);
+        if expired(self.handshake_deadline) {
+            return self.fail(Error::Timeout(TimeoutKind::Handshake));
+        }
+        let ttl_deadline = self
+            .peer_ttl
+            .and_then(|ttl| self.last_input.checked_add(ttl));
+        if expired(self.ping_deadline) || expired(ttl_deadline) {
+            return self.fail(Error::Timeout(TimeoutKind::Heartbeat));
+        }
+        if expired(self.next_ping) {
+            let ttl = self.config.heartbeat_ttl().unwrap_or_default();
+            let ttl_deciseconds = u16::try_from(ttl.as_millis() / 100).unwrap_or(u16::MAX);
+            Command::Ping {
+                ttl_deciseconds,
+                context: Bytes::new(),
+            }
+            .encode(&mut self.output);
+            self.stats.pings_sent += 1;
+            self.next_ping = self
+                .config
+                .heartbeat_interval
+                .and_then(|i| now.checked_add(i));
+            if self.ping_deadline.is_none() {
+                self.ping_deadline = self
+                    .config
+                    .heartbeat_timeout()
+                    .and_then(|t| now.checked_add(t));
+            }
+        }
+        Ok(())
+    }
+
+    /// Decodes the next event from buffered input. `Ok(None)` means: more input is
+    /// needed, or output must be written first ([`wants_input`](Self::wants_input)).
+    /// An error is fatal: the connection must be closed.
+    pub fn poll_event(&mut self) -> Result<Option<Event>, Error> {
+        match self.step() {
+            Ok(ev) => Ok(ev),
+            Err(e) => self.fail(e).map(|()| None),
+        }
+    }
+
+    fn fail<T>(&mut self, e: Error) -> Result<T, Error> {
+        let e = if self.is_failed() {
+            Error::SocketClosed
+        } else {
+            e
+        };
+        self.state = State::Failed;
+        self.input = BytesMut::new();
+        Err(e)
+    }
+
+    fn step(&mut self) -> Result<Option<Event>, Error> {
+        loop {
+            if self.output.len() >= MAX_PENDING_OUTPUT {
+                return Ok(None);
+            }
+            match &mut self.state {
+                State::Failed => return Err(Error::SocketClosed),
+                State::Greeting(decoder) => {
+                    let Some(greeting) = decoder.decode(&mut self.input)? else {
+                        return Ok(None);
+                    };
+                    self.on_greeting(greeting);
+                }
+                State::AwaitReady => {
+                    let Some(decoded) = self.decoder.decode(&mut self.input)? else {
+                        return Ok(None);
+                    };
+                    return self.on_handshake_frame(decoded).map(Some);
+                }
+                State::Active => {
+                    let Some(decoded) = self.decoder.decode(&mut self.input)? else {
+                        return Ok(None);
+                    };
+                    let event = match decoded {
+                        Decoded::Message(msg) => self.on_message(msg)?,
+                        Decoded::Command(body) => self.on_command(Command::parse(body)?)?,
+                    };
+                    if event.is_some() {
+                        return Ok(event);
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_greeting(&mut self, greeting: Greeting) {
+        self.peer = Some(PeerInfo {
+            major: greeting.major,
+            minor: greeting.minor,
+            metadata: Metadata::new(),
+        });
+        let mut md = Metadata::new();
+        md.push("Socket-Type", self.socket_type.as_str());
+        Command::Ready(md).encode(&mut self.output);
+        self.state = State::AwaitReady;
+    }
+
+    fn on_handshake_frame(&mut self, decoded: Decoded) -> Result<Event, Error> {
+        let body = match decoded {
+            Decoded::Command(body) => body,
+            Decoded::Message(_) => {
+                return Err(ProtocolError::UnexpectedDuringHandshake {
+                    what: "message".into(),
+                }
+                .into());
+            }
+        };
+        let metadata = match Command::parse(body)? {
+            Command::Ready(md) => md,
+            Command::Error { reason } => {
+                return Err(Error::PeerError {
+                    reason: String::from_utf8_lossy(&reason).into_owned(),
+                });
+            }
+            other => {
+                return Err(ProtocolError::UnexpectedDuringHandshake {
+                    what: format!("{} command", String::from_utf8_lossy(other.name())),
+                }
+                .into());
+            }
+        };
+        if let Some(peer_type) = metadata.get("Socket-Type") {
+            if !self.socket_type.accepts_peer(peer_type) {
+                return Err(ProtocolError::IncompatibleSocketType {
+                    peer: String::from_utf8_lossy(peer_type).into_owned(),
+                    ours: self.socket_type.as_str(),
+                }
+                .into());
+            }
+        }
+        let mut peer = self.peer.take().unwrap_or(PeerInfo {
+            major: 3,
+            minor: 0,
+            metadata: Metadata::new(),
+        });
+        peer.metadata = metadata;
+        self.state = State::Active;
+        self.handshake_deadline = None;
+        let mut limits = *self.decoder.limits();
+        limits.max_command_size = self.config.max_frame_size;
+        self.decoder.set_limits(limits);
+        if peer.speaks_3_1() {
+            self.next_ping = self
+                .config
+                .heartbeat_interval
+                .and_then(|i| self.last_input.checked_add(i));
+        }
+        self.peer = Some(peer.clone());
+        let prefixes: Vec<Bytes> = self.subscriptions.keys().cloned().collect();
+        for prefix in prefixes {
+            self.queue_subscription(&prefix, true);
+        }
+        Ok(Event::Ready(peer))
+    }
+
+    fn on_message(&mut self, msg: Message) -> Result<Option<Event>, Error> {
+        match self.socket_type {
+            SocketType::Sub => {
+                let topic = msg.get(0).map(|f| &f[..]).unwrap_or_default();
+                if self.subscriptions.matches(topic) {
+                    self.stats.messages += 1;
+                    self.stats.bytes += msg.byte_len() as u64;
+                    Ok(Some(Event::Message(msg)))
+                } else {
+                    self.stats.filtered += 1;
+                    Ok(None)
+                }
+            }
+            SocketType::Pub => {
+                // ZMTP 3.0 subscription form: one frame, `0x01 prefix` / `0x00 prefix`.
+                let mut parts = msg.into_parts();
+                match (parts.next(), parts.next()) {
+                    (Some(mut frame), None) if matches!(frame.first(), Some(0 | 1)) => {
+                        let subscribe = frame.get_u8() == 1;
+                        self.on_peer_subscription(frame, subscribe)
+                    }
+                    _ => {
+                        self.stats.ignored_messages += 1;
+                        Ok(None)
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_command(&mut self, cmd: Command) -> Result<Option<Event>, Error> {
+        match cmd {
+            Command::Ping {
+                ttl_deciseconds,
+                context,
+            } => {
+                self.stats.pings_received += 1;
+                self.peer_ttl = (ttl_deciseconds > 0)
+                    .then(|| Duration::from_millis(u64::from(ttl_deciseconds) * 100));
+                Command::Pong { context }.encode(&mut self.output);
+                Ok(None)
+            }
+            Command::Pong { .. } => Ok(None),
+            Command::Subscribe(prefix) if self.socket_type == SocketType::Pub => {
+                self.on_peer_subscription(prefix, true)
+            }
+            Command::Cancel(prefix) if self.socket_type == SocketType::Pub => {
+                self.on_peer_subscription(prefix, false)
+            }
+            Command::Error { reason } => Err(Error::PeerError {
+                reason: String::from_utf8_lossy(&reason).into_owned(),
+            }),
+            Command::Ready(_) => Err(ProtocolError::DuplicateReady.into()),
+            _ => {
+                self.stats.unknown_commands += 1;
+                Ok(None)
+            }
+        }
+    }
+
+    fn on_peer_subscription(
+        &mut self,
+        prefix: Bytes,
+        subscribe: bool,
+    ) -> Result<Option<Event>, Error> {
+        if subscribe {
+            if prefix.len() > self.config.max_subscription_size {
+                return Err(ProtocolError::SubscriptionLimit {
+                    what: "subscription longer than max_subscription_size",
+                }
+                .into());
+            }
+            if let Some(count) = self.peer_subscriptions.get_mut(&prefix[..]) {
+                *count = count.saturating_add(1);
+                return Ok(None);
+            }
+            if self.peer_subscriptions.len() >= self.config.max_subscriptions {
+                return Err(ProtocolError::SubscriptionLimit {
+                    what: "more than max_subscriptions subscriptions",
+                }
+                .into());
+            }
+            self.peer_subscriptions.insert(prefix.clone(), 1);
+            Ok(Some(Event::Subscribe(prefix)))
+        } else {
+            let Some(count) = self.peer_subscriptions.get_mut(&prefix[..]) else {
+                return Ok(None);
+            };
+            *count -= 1;
+            if *count > 0 {
+                return Ok(None);
+            }
+            self.peer_subscriptions.remove(&prefix[..]);
+            Ok(Some(Event::Cancel(prefix)))
+        }
+    }
+
+    fn queue_subscription(&mut self, prefix: &[u8], subscribe: bool) {
+        let speaks_3_1 = self.peer.as_ref().is_some_and(PeerInfo::speaks_3_1);
+        let bytes = Bytes::copy_from_slice(prefix);
+        if speaks_3_1 {
+            if subscribe {
+                Command::Subscribe(bytes)
+            } else {
+                Command::Cancel(bytes)
+            }
+            .encode(&mut self.output);
+        } else {
+            encode_frame_header(&mut self.output, false, false, prefix.len() + 1);
+            self.output.put_u8(u8::from(subscribe));
+            self.output.put_slice(prefix);
+        }
+    }
+}

@@ -1,0 +1,216 @@
+//! `SubSocket`: one subscriber connection over any byte stream.
+
+use std::future::poll_fn;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+
+use super::endpoint;
+use super::io::Conn;
+use super::{Config, Error, Event, Message, PeerInfo, SessionStats, SocketType, TimeoutKind};
+
+/// A ZMQ SUB connected to one publisher.
+///
+/// Works over TCP ([`connect`](Self::connect)) or any `AsyncRead + AsyncWrite` stream
+/// ([`handshake`](Self::handshake)): a tunnel, a TLS stream, an in-memory duplex.
+/// There is no automatic reconnect: when a call fails the socket is dead, and the
+/// owner (for example `DynamicSubscriber`) decides whether to dial again.
+///
+/// # Cancel safety
+/// [`recv`](Self::recv) and [`recv_many`](Self::recv_many) are cancel-safe: all state
+/// lives in the socket, so dropping the future (e.g. in `select!`) loses no message.
+/// [`subscribe`](Self::subscribe) is cancel-safe too: the subscription is recorded
+/// before any I/O and is sent by the next call that writes.
+///
+/// ```no_run
+/// use eventplane::zmtp::{Config, SubSocket};
+/// # async fn run() -> Result<(), eventplane::zmtp::Error> {
+/// let mut sub = SubSocket::connect("tcp://127.0.0.1:5555", Config::default()).await?;
+/// sub.subscribe("kv-events").await?;
+/// loop {
+///     let msg = sub.recv().await?;
+///     println!("{} frames", msg.len());
+/// }
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct SubSocket<S = TcpStream> {
+    conn: Conn<S>,
+    pending_error: Option<Error>,
+}
+
+impl SubSocket<TcpStream> {
+    /// Connects to `tcp://host:port` (within `connect_timeout`, trying each resolved
+    /// address) and performs the handshake (within `handshake_timeout`).
+    pub async fn connect(endpoint: &str, config: Config) -> Result<Self, Error> {
+        let stream = connect_tcp(endpoint, &config).await?;
+        Self::handshake(stream, config).await
+    }
+}
+
+/// Dials `endpoint` with the configured connect timeout and sets `TCP_NODELAY`.
+pub(crate) async fn connect_tcp(endpoint: &str, config: &Config) -> Result<TcpStream, Error> {
+    let addrs = endpoint::resolve(endpoint).await?;
+    let dial = async {
+        let mut last = None;
+        for addr in addrs {
+            match TcpStream::connect(addr).await {
+                Ok(s) => return Ok(s),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| std::io::ErrorKind::NotFound.into()))
+    };
+    let stream = tokio::time::timeout(config.connect_timeout, dial)
+        .await
+        .map_err(|_| Error::Timeout(TimeoutKind::Connect))??;
+    stream.set_nodelay(true)?;
+    Ok(stream)
+}
+
+impl<S> SubSocket<S>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    /// Performs the ZMTP handshake as a SUB over `stream`.
+    pub async fn handshake(stream: S, config: Config) -> Result<Self, Error> {
+        let mut conn = Conn::new(stream, SocketType::Sub, &config);
+        poll_fn(|cx| conn.poll_handshake(cx)).await?;
+        tracing::debug!(peer = ?conn.session.peer(), "zmtp sub handshake complete");
+        Ok(SubSocket {
+            conn,
+            pending_error: None,
+        })
+    }
+
+    /// What the publisher told us in its greeting and READY.
+    pub fn peer(&self) -> Option<&PeerInfo> {
+        self.conn.session.peer()
+    }
+
+    /// Counters of this connection.
+    pub fn stats(&self) -> SessionStats {
+        self.conn.session.stats()
+    }
+
+    /// Subscribes to messages whose first frame starts with `prefix` (`""` for all).
+    /// Subscriptions are reference-counted; only the first of a prefix goes on the
+    /// wire.
+    pub async fn subscribe(&mut self, prefix: impl Into<Bytes>) -> Result<(), Error> {
+        self.conn.session.subscribe(prefix.into());
+        self.flush().await
+    }
+
+    /// Drops one reference to `prefix`; the last one cancels it at the publisher.
+    /// Messages already in flight are still filtered out locally.
+    pub async fn unsubscribe(&mut self, prefix: impl AsRef<[u8]>) -> Result<(), Error> {
+        self.conn.session.unsubscribe(prefix.as_ref());
+        self.flush().await
+    }
+
+    async fn flush(&mut self) -> Result<(), Error> {
+        poll_fn(|cx| self.conn.poll_flush(cx)).await
+    }
+
+    /// Receives the next message that matches a subscription.
+    pub async fn recv(&mut self) -> Result<Message, Error> {
+        poll_fn(|cx| self.poll_recv(cx)).await
+    }
+
+    /// Waits for at least one message, then appends every message already received
+    /// (up to `max`) to `out` without further waiting. Returns how many were added.
+    pub async fn recv_many(&mut self, out: &mut Vec<Message>, max: usize) -> Result<usize, Error> {
+        poll_fn(|cx| self.poll_recv_many(cx, out, max)).await
+    }
+
+    /// Poll form of [`recv`](Self::recv).
+    pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Message, Error>> {
+        let mut one = None;
+        self.poll_inner(cx, &mut |m| {
+            one = Some(m);
+            false
+        })
+        .map(|r| r.and_then(|_| one.ok_or(Error::SocketClosed)))
+    }
+
+    /// Poll form of [`recv_many`](Self::recv_many).
+    pub fn poll_recv_many(
+        &mut self,
+        cx: &mut Context<'_>,
+        out: &mut Vec<Message>,
+        max: usize,
+    ) -> Poll<Result<usize, Error>> {
+        let max = max.max(1);
+        let mut got = 0;
+        self.poll_inner(cx, &mut |m| {
+            out.push(m);
+            got += 1;
+            got < max
+        })
+        .map(|r| r.map(|_| got))
+    }
+
+    /// Decodes messages into `sink` until it returns `false` or input runs dry after
+    /// at least one message. Errors seen after a message was delivered are kept for the
+    /// next call, so no delivered message is lost to a later failure.
+    fn poll_inner(
+        &mut self,
+        cx: &mut Context<'_>,
+        sink: &mut dyn FnMut(Message) -> bool,
+    ) -> Poll<Result<(), Error>> {
+        if let Some(e) = self.pending_error.take() {
+            return Poll::Ready(Err(e));
+        }
+        let mut delivered = false;
+        let result = loop {
+            if let Err(e) = self.conn.poll_timers(cx) {
+                break Err(e);
+            }
+            let mut more = true;
+            loop {
+                match self.conn.session.poll_event() {
+                    Ok(Some(Event::Message(m))) => {
+                        delivered = true;
+                        if !sink(m) {
+                            more = false;
+                            break;
+                        }
+                    }
+                    Ok(Some(_)) => {}
+                    Ok(None) => break,
+                    Err(e) => return self.finish(delivered, Err(e)),
+                }
+            }
+            if let Poll::Ready(Err(e)) = self.conn.poll_flush(cx) {
+                break Err(e);
+            }
+            if !more {
+                break Ok(());
+            }
+            match self.conn.poll_read(cx) {
+                Poll::Ready(Ok(_)) => {}
+                Poll::Ready(Err(e)) => break Err(e),
+                Poll::Pending if delivered => break Ok(()),
+                Poll::Pending => return Poll::Pending,
+            }
+        };
+        self.finish(delivered, result)
+    }
+
+    fn finish(&mut self, delivered: bool, result: Result<(), Error>) -> Poll<Result<(), Error>> {
+        match result {
+            Err(e) if delivered => {
+                self.pending_error = Some(e);
+                Poll::Ready(Ok(()))
+            }
+            other => Poll::Ready(other),
+        }
+    }
+
+    /// The underlying stream (for example to read its peer address).
+    pub fn get_ref(&self) -> &S {
+        &self.conn.stream
+    }
+}

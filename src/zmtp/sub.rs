@@ -160,10 +160,31 @@ where
         cx: &mut Context<'_>,
         sink: &mut dyn FnMut(Message) -> bool,
     ) -> Poll<Result<(), Error>> {
-        if let Some(e) = self.pending_error.take() {
-            return Poll::Ready(Err(e));
-        }
         let mut delivered = false;
+        if self.pending_error.is_some() {
+            // The connection already failed: hand out what was received before the
+            // failure, then the error.
+            loop {
+                match self.conn.session.poll_event() {
+                    Ok(Some(Event::Message(m))) => {
+                        delivered = true;
+                        if !sink(m) {
+                            return Poll::Ready(Ok(()));
+                        }
+                    }
+                    Ok(Some(_)) => {}
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            return match self.pending_error.take() {
+                Some(e) if !delivered => Poll::Ready(Err(e)),
+                Some(e) => {
+                    self.pending_error = Some(e);
+                    Poll::Ready(Ok(()))
+                }
+                None => Poll::Ready(Err(Error::SocketClosed)),
+            };
+        }
         let result = loop {
             if let Err(e) = self.conn.poll_timers(cx) {
                 break Err(e);

@@ -1,2 +1,218 @@
-//! Placeholder.
-fn main() {}
+//! Publish fan-out: our `PubSocket` vs the zeromq crate's `PubSocket`, delivering
+//! `[4 B topic, 8 B seq, 100 B payload]` messages to 1 and 8 subscribers over
+//! loopback.
+//!
+//! The subscribers are identical for both publishers: a thread each that performs a
+//! minimal ZMTP 3.0 handshake, subscribes to everything and counts bytes, so the
+//! measurement is the publisher's. Both publishers drop for a full subscriber queue
+//! instead of blocking, so the sender keeps at most `WINDOW` messages in flight per
+//! subscriber (well below either queue's capacity): "subscribers keep up". Time runs
+//! until every subscriber has received every message; drops are printed at the end
+//! (ours from `PubStats`, zeromq's as sent − received).
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use eventplane::zmtp::codec::{encode_greeting, encoded_len};
+use eventplane::zmtp::{Config, Message, PubSocket};
+use zeromq::{Socket, SocketSend, ZmqMessage};
+
+const WINDOW: u64 = 4096;
+const BATCH: u64 = 256;
+
+fn message() -> Message {
+    Message::from_parts([
+        Bytes::from_static(b"kvev"),
+        Bytes::copy_from_slice(&7u64.to_be_bytes()),
+        Bytes::from(vec![0xab; 100]),
+    ])
+}
+
+/// A byte-counting subscriber thread; `received` counts whole messages.
+fn spawn_counter(endpoint: &str, msg_len: u64) -> Arc<AtomicU64> {
+    let received = Arc::new(AtomicU64::new(0));
+    let counter = received.clone();
+    let mut s = TcpStream::connect(&endpoint[6..]).unwrap();
+    s.set_nodelay(true).unwrap();
+    std::thread::spawn(move || {
+        let mut hello = BytesMut::new();
+        encode_greeting(&mut hello);
+        hello[11] = 0; // ZMTP 3.0: no commands but READY, as zeromq-rs requires
+        hello.extend_from_slice(b"\x04\x19\x05READY\x0bSocket-Type\x00\x00\x00\x03SUB");
+        hello.extend_from_slice(b"\x00\x01\x01"); // subscribe to everything
+        s.write_all(&hello).unwrap();
+        // Skip the peer's greeting and READY.
+        let mut greeting = [0u8; 64];
+        s.read_exact(&mut greeting).unwrap();
+        let mut header = [0u8; 2];
+        s.read_exact(&mut header).unwrap();
+        let mut ready = vec![0u8; header[1] as usize];
+        s.read_exact(&mut ready).unwrap();
+        let mut buf = vec![0u8; 256 << 10];
+        let mut bytes = 0u64;
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    bytes += n as u64;
+                    counter.store(bytes / msg_len, Ordering::Release);
+                }
+            }
+        }
+    });
+    received
+}
+
+fn min_received(counters: &[Arc<AtomicU64>]) -> u64 {
+    counters
+        .iter()
+        .map(|c| c.load(Ordering::Acquire))
+        .min()
+        .unwrap_or(0)
+}
+
+async fn wait_until(counters: &[Arc<AtomicU64>], target: u64) {
+    while min_received(counters) < target {
+        tokio::task::yield_now().await;
+    }
+}
+
+struct Ours {
+    socket: PubSocket,
+    counters: Vec<Arc<AtomicU64>>,
+    sent: u64,
+}
+
+struct Theirs {
+    socket: zeromq::PubSocket,
+    counters: Vec<Arc<AtomicU64>>,
+    sent: u64,
+}
+
+fn bench(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let msg = message();
+    let msg_len = encoded_len(&msg) as u64;
+    let mut group = c.benchmark_group("zmtp_pub/100B");
+    group.throughput(Throughput::Elements(1));
+    group.sample_size(10);
+    group.warm_up_time(Duration::from_millis(500));
+    group.measurement_time(Duration::from_secs(3));
+    let mut report = Vec::new();
+    for subs in [1usize, 8] {
+        // Ours.
+        let mut ours = rt.block_on(async {
+            let socket = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+                .await
+                .unwrap();
+            let ep = socket.local_endpoint().unwrap().to_owned();
+            let counters: Vec<_> = (0..subs).map(|_| spawn_counter(&ep, msg_len)).collect();
+            socket.wait_for_subscribers(subs).await;
+            Ours {
+                socket,
+                counters,
+                sent: 0,
+            }
+        });
+        group.bench_function(BenchmarkId::new("eventplane", subs), |b| {
+            b.iter_custom(|iters| {
+                rt.block_on(async {
+                    let start = Instant::now();
+                    let end = ours.sent + iters;
+                    while ours.sent < end {
+                        let n = BATCH.min(end - ours.sent);
+                        for _ in 0..n {
+                            ours.socket.send(msg.clone());
+                        }
+                        ours.sent += n;
+                        wait_until(&ours.counters, ours.sent.saturating_sub(WINDOW)).await;
+                    }
+                    wait_until(&ours.counters, end).await;
+                    start.elapsed()
+                })
+            })
+        });
+        report.push(format!(
+            "eventplane, {subs} subscriber(s): sent {}, dropped {}",
+            ours.sent,
+            ours.socket.stats().dropped
+        ));
+
+        // The zeromq crate.
+        let mut theirs = rt.block_on(async {
+            let mut socket = zeromq::PubSocket::new();
+            let ep = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+            let counters: Vec<_> = (0..subs).map(|_| spawn_counter(&ep, msg_len)).collect();
+            // zeromq-rs has no subscriber count to await: probe until all receive.
+            let probe = ZmqMessage::try_from(msg.parts().to_vec()).unwrap();
+            let mut sent = 0;
+            while min_received(&counters) == 0 {
+                socket.send(probe.clone()).await.unwrap();
+                sent += 1;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let base = counters
+                .iter()
+                .map(|c| c.load(Ordering::Acquire))
+                .max()
+                .unwrap();
+            assert!(base <= sent);
+            Theirs {
+                socket,
+                counters,
+                sent: base,
+            }
+        });
+        // Align every counter's notion of "sent" with the probes it got.
+        let zmsg = ZmqMessage::try_from(msg.parts().to_vec()).unwrap();
+        group.bench_function(BenchmarkId::new("zeromq", subs), |b| {
+            b.iter_custom(|iters| {
+                rt.block_on(async {
+                    let start = Instant::now();
+                    let end = theirs.sent + iters;
+                    while theirs.sent < end {
+                        let n = BATCH.min(end - theirs.sent);
+                        for _ in 0..n {
+                            theirs.socket.send(zmsg.clone()).await.unwrap();
+                        }
+                        theirs.sent += n;
+                        wait_until(&theirs.counters, theirs.sent.saturating_sub(WINDOW)).await;
+                    }
+                    // A drop would stall here forever: bound the wait and report it.
+                    let done = tokio::time::timeout(
+                        Duration::from_secs(10),
+                        wait_until(&theirs.counters, end),
+                    )
+                    .await;
+                    assert!(done.is_ok(), "zeromq dropped messages");
+                    start.elapsed()
+                })
+            })
+        });
+        report.push(format!(
+            "zeromq, {subs} subscriber(s): sent {}, received (min) {}",
+            theirs.sent,
+            min_received(&theirs.counters)
+        ));
+        drop(ours);
+        drop(theirs);
+    }
+    group.finish();
+    for line in report {
+        eprintln!("zmtp_pub: {line}");
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -1,2 +1,247 @@
-//! Placeholder.
-fn main() {}
+//! Receive throughput: the same pre-encoded stream of `[4 B topic, 8 B seq, payload]`
+//! messages, written over loopback as fast as possible, received by
+//! - `eventplane/recv`: our `SubSocket::recv`, one message per call;
+//! - `eventplane/recv_many`: our `SubSocket::recv_many`, up to 256 per call;
+//! - `zeromq`: the zeromq crate's `SubSocket`;
+//! - `libzmq`: libzmq's own SUB in C (`benches/libzmq_sub.c`), when
+//!   `EVENTPLANE_LIBZMQ_SUB` names the built program (`benches/libzmq_compare.sh`);
+//! - `ceiling`: a plain read-and-discard of the same bytes.
+//!
+//! Every variant times from its first message to its last, so connection set-up is
+//! excluded. Throughput is reported in messages/s; multiply by the message's wire size
+//! (printed per group) for bytes/s.
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use bytes::{BufMut, BytesMut};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use eventplane::zmtp::codec::{encode_greeting, encode_message};
+use eventplane::zmtp::{Config, Event, Message, Session, SocketType, SubSocket};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use zeromq::{Socket, SocketRecv};
+
+const PAYLOADS: [usize; 4] = [16, 100, 1024, 16 << 10];
+const TOPIC: &[u8; 4] = b"kvev";
+
+/// A loopback "publisher": it runs the handshake with our sans-IO `Session` and, like
+/// any PUB, waits for the subscription (libzmq 4.3 discards messages that arrive
+/// before its side of the handshake is done), then writes a pre-encoded buffer of
+/// messages as fast as the socket takes it.
+struct Blaster {
+    listener: TcpListener,
+    endpoint: String,
+    /// Whole messages, about 1 MiB.
+    chunk: Vec<u8>,
+    msg_len: usize,
+}
+
+impl Blaster {
+    fn new(payload: usize) -> Blaster {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+        let mut one = BytesMut::new();
+        let msg = Message::from_parts([
+            TOPIC.to_vec(),
+            7u64.to_be_bytes().to_vec(),
+            vec![0xab; payload],
+        ]);
+        encode_message(&msg, &mut one);
+        let msg_len = one.len();
+        let per_chunk = (1 << 20) / msg_len + 1;
+        let mut chunk = Vec::with_capacity(per_chunk * msg_len);
+        for _ in 0..per_chunk {
+            chunk.extend_from_slice(&one);
+        }
+        Blaster {
+            listener,
+            endpoint,
+            chunk,
+            msg_len,
+        }
+    }
+
+    /// Accepts one connection and writes `count` messages on it.
+    fn serve(&self, count: u64) -> JoinHandle<()> {
+        let listener = self.listener.try_clone().unwrap();
+        let chunk = self.chunk.clone();
+        let msg_len = self.msg_len;
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            s.set_nodelay(true).unwrap();
+            s.set_write_timeout(Some(Duration::from_secs(30))).unwrap();
+            handshake_until_subscribed(&mut s);
+            let mut left = count as usize * msg_len;
+            while left > 0 {
+                let n = left.min(chunk.len());
+                if s.write_all(&chunk[..n]).is_err() {
+                    return;
+                }
+                left -= n;
+            }
+            // Drain whatever the subscriber sent until it hangs up.
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut sink = [0u8; 4096];
+            while matches!(s.read(&mut sink), Ok(n) if n > 0) {}
+        })
+    }
+}
+
+fn handshake_until_subscribed(s: &mut TcpStream) {
+    let mut session = Session::new(SocketType::Pub, &Config::default(), Instant::now());
+    let mut buf = [0u8; 4096];
+    loop {
+        let mut subscribed = false;
+        while let Some(event) = session.poll_event().unwrap() {
+            subscribed |= matches!(event, Event::Subscribe(_));
+        }
+        while let Some(out) = session.poll_transmit() {
+            s.write_all(&out).unwrap();
+        }
+        if subscribed {
+            return;
+        }
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "subscriber left during the handshake");
+        session.handle_bytes(Instant::now(), &buf[..n]);
+    }
+}
+
+fn ours(rt: &tokio::runtime::Runtime, b: &Blaster, iters: u64, batch: Option<usize>) -> Duration {
+    let server = b.serve(iters + 1);
+    let elapsed = rt.block_on(async {
+        let mut sub = SubSocket::connect(&b.endpoint, Config::default()).await.unwrap();
+        sub.subscribe(&TOPIC[..]).await.unwrap();
+        sub.recv().await.unwrap();
+        let start = Instant::now();
+        match batch {
+            None => {
+                for _ in 0..iters {
+                    std::hint::black_box(sub.recv().await.unwrap());
+                }
+            }
+            Some(max) => {
+                let mut got = 0u64;
+                let mut buf = Vec::with_capacity(max);
+                while got < iters {
+                    let want = max.min((iters - got) as usize);
+                    got += sub.recv_many(&mut buf, want).await.unwrap() as u64;
+                    buf.clear();
+                }
+            }
+        }
+        start.elapsed()
+    });
+    server.join().unwrap();
+    elapsed
+}
+
+fn zeromq_crate(rt: &tokio::runtime::Runtime, b: &Blaster, iters: u64) -> Duration {
+    let server = b.serve(iters + 1);
+    let elapsed = rt.block_on(async {
+        let mut sub = zeromq::SubSocket::new();
+        sub.subscribe("").await.unwrap();
+        sub.connect(&b.endpoint).await.unwrap();
+        sub.recv().await.unwrap();
+        let start = Instant::now();
+        for _ in 0..iters {
+            std::hint::black_box(sub.recv().await.unwrap());
+        }
+        let elapsed = start.elapsed();
+        drop(sub);
+        elapsed
+    });
+    server.join().unwrap();
+    elapsed
+}
+
+fn libzmq(program: &str, b: &Blaster, iters: u64) -> Duration {
+    let server = b.serve(iters + 1);
+    let out = std::process::Command::new(program)
+        .arg(&b.endpoint)
+        .arg((iters + 1).to_string())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    server.join().unwrap();
+    let ns: u64 = String::from_utf8(out.stdout).unwrap().trim().parse().unwrap();
+    Duration::from_nanos(ns)
+}
+
+fn ceiling(rt: &tokio::runtime::Runtime, b: &Blaster, iters: u64) -> Duration {
+    let server = b.serve(iters + 1);
+    let elapsed = rt.block_on(async {
+        let mut s = tokio::net::TcpStream::connect(&b.endpoint[6..]).await.unwrap();
+        s.set_nodelay(true).unwrap();
+        // Greeting, READY and a subscription, as a SUB; then count raw bytes. The
+        // publisher's greeting (64 B) and READY (27 B) precede the stream.
+        let mut hello = BytesMut::new();
+        encode_greeting(&mut hello);
+        hello.put_slice(b"\x04\x19\x05READY\x0bSocket-Type\x00\x00\x00\x03SUB");
+        hello.put_slice(b"\x04\x0a\x09SUBSCRIBE");
+        s.write_all(&hello).await.unwrap();
+        let first = 64 + 27 + b.msg_len;
+        let total = first + iters as usize * b.msg_len;
+        let mut buf = vec![0u8; 64 << 10];
+        let mut seen = 0;
+        let mut start = None;
+        while seen < total {
+            let n = s.read(&mut buf).await.unwrap();
+            assert!(n > 0);
+            seen += n;
+            if start.is_none() && seen >= first {
+                start = Some(Instant::now());
+            }
+        }
+        start.unwrap().elapsed()
+    });
+    server.join().unwrap();
+    elapsed
+}
+
+fn bench(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let libzmq_sub = std::env::var("EVENTPLANE_LIBZMQ_SUB").ok();
+    if libzmq_sub.is_none() {
+        eprintln!("zmtp_recv: EVENTPLANE_LIBZMQ_SUB not set, skipping libzmq (see benches/libzmq_compare.sh)");
+    }
+    for payload in PAYLOADS {
+        let blaster = Blaster::new(payload);
+        let mut group = c.benchmark_group(format!("zmtp_recv/{payload}B"));
+        eprintln!(
+            "zmtp_recv/{payload}B: {} wire bytes per message",
+            blaster.msg_len
+        );
+        group.throughput(Throughput::Elements(1));
+        group.sample_size(10);
+        group.warm_up_time(Duration::from_millis(500));
+        group.measurement_time(Duration::from_secs(3));
+        group.bench_function(BenchmarkId::new("eventplane", "recv"), |bch| {
+            bch.iter_custom(|iters| ours(&rt, &blaster, iters, None))
+        });
+        group.bench_function(BenchmarkId::new("eventplane", "recv_many"), |bch| {
+            bch.iter_custom(|iters| ours(&rt, &blaster, iters, Some(256)))
+        });
+        group.bench_function("zeromq", |bch| {
+            bch.iter_custom(|iters| zeromq_crate(&rt, &blaster, iters))
+        });
+        if let Some(program) = &libzmq_sub {
+            group.bench_function("libzmq", |bch| {
+                bch.iter_custom(|iters| libzmq(program, &blaster, iters))
+            });
+        }
+        group.bench_function("ceiling", |bch| {
+            bch.iter_custom(|iters| ceiling(&rt, &blaster, iters))
+        });
+        group.finish();
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

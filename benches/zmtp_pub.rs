@@ -9,7 +9,12 @@
 //! subscriber (well below either queue's capacity): "subscribers keep up". Time runs
 //! until every subscriber has received every message; drops are printed at the end
 //! (ours from `PubStats`, zeromq's as sent − received).
-#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing
+)]
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -69,29 +74,54 @@ fn spawn_counter(endpoint: &str, msg_len: u64) -> Arc<AtomicU64> {
     received
 }
 
-fn min_received(counters: &[Arc<AtomicU64>]) -> u64 {
-    counters
-        .iter()
-        .map(|c| c.load(Ordering::Acquire))
-        .min()
-        .unwrap_or(0)
+/// The subscribers' counters, each relative to its own baseline (subscribers that
+/// joined at different times saw different numbers of probe messages).
+struct Counters {
+    counters: Vec<Arc<AtomicU64>>,
+    baselines: Vec<u64>,
 }
 
-async fn wait_until(counters: &[Arc<AtomicU64>], target: u64) {
-    while min_received(counters) < target {
-        tokio::task::yield_now().await;
+impl Counters {
+    fn new(counters: Vec<Arc<AtomicU64>>) -> Counters {
+        let baselines = vec![0; counters.len()];
+        Counters {
+            counters,
+            baselines,
+        }
+    }
+
+    /// Messages the slowest subscriber received since its baseline.
+    fn min_received(&self) -> u64 {
+        self.counters
+            .iter()
+            .zip(&self.baselines)
+            .map(|(c, b)| c.load(Ordering::Acquire) - b)
+            .min()
+            .unwrap_or(0)
+    }
+
+    fn rebase(&mut self) {
+        for (c, b) in self.counters.iter().zip(&mut self.baselines) {
+            *b = c.load(Ordering::Acquire);
+        }
+    }
+
+    async fn wait_until(&self, target: u64) {
+        while self.min_received() < target {
+            tokio::task::yield_now().await;
+        }
     }
 }
 
 struct Ours {
     socket: PubSocket,
-    counters: Vec<Arc<AtomicU64>>,
+    counters: Counters,
     sent: u64,
 }
 
 struct Theirs {
     socket: zeromq::PubSocket,
-    counters: Vec<Arc<AtomicU64>>,
+    counters: Counters,
     sent: u64,
 }
 
@@ -120,7 +150,7 @@ fn bench(c: &mut Criterion) {
             socket.wait_for_subscribers(subs).await;
             Ours {
                 socket,
-                counters,
+                counters: Counters::new(counters),
                 sent: 0,
             }
         });
@@ -135,9 +165,11 @@ fn bench(c: &mut Criterion) {
                             ours.socket.send(msg.clone());
                         }
                         ours.sent += n;
-                        wait_until(&ours.counters, ours.sent.saturating_sub(WINDOW)).await;
+                        ours.counters
+                            .wait_until(ours.sent.saturating_sub(WINDOW))
+                            .await;
                     }
-                    wait_until(&ours.counters, end).await;
+                    ours.counters.wait_until(end).await;
                     start.elapsed()
                 })
             })
@@ -152,29 +184,23 @@ fn bench(c: &mut Criterion) {
         let mut theirs = rt.block_on(async {
             let mut socket = zeromq::PubSocket::new();
             let ep = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
-            let counters: Vec<_> = (0..subs).map(|_| spawn_counter(&ep, msg_len)).collect();
-            // zeromq-rs has no subscriber count to await: probe until all receive.
+            let mut counters =
+                Counters::new((0..subs).map(|_| spawn_counter(&ep, msg_len)).collect());
+            // zeromq-rs has no subscriber count to await: probe until all receive,
+            // let the last probes land, then count from there.
             let probe = ZmqMessage::try_from(msg.parts().to_vec()).unwrap();
-            let mut sent = 0;
-            while min_received(&counters) == 0 {
+            while counters.min_received() == 0 {
                 socket.send(probe.clone()).await.unwrap();
-                sent += 1;
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            let base = counters
-                .iter()
-                .map(|c| c.load(Ordering::Acquire))
-                .max()
-                .unwrap();
-            assert!(base <= sent);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            counters.rebase();
             Theirs {
                 socket,
                 counters,
-                sent: base,
+                sent: 0,
             }
         });
-        // Align every counter's notion of "sent" with the probes it got.
         let zmsg = ZmqMessage::try_from(msg.parts().to_vec()).unwrap();
         group.bench_function(BenchmarkId::new("zeromq", subs), |b| {
             b.iter_custom(|iters| {
@@ -187,12 +213,15 @@ fn bench(c: &mut Criterion) {
                             theirs.socket.send(zmsg.clone()).await.unwrap();
                         }
                         theirs.sent += n;
-                        wait_until(&theirs.counters, theirs.sent.saturating_sub(WINDOW)).await;
+                        theirs
+                            .counters
+                            .wait_until(theirs.sent.saturating_sub(WINDOW))
+                            .await;
                     }
                     // A drop would stall here forever: bound the wait and report it.
                     let done = tokio::time::timeout(
                         Duration::from_secs(10),
-                        wait_until(&theirs.counters, end),
+                        theirs.counters.wait_until(end),
                     )
                     .await;
                     assert!(done.is_ok(), "zeromq dropped messages");
@@ -203,7 +232,7 @@ fn bench(c: &mut Criterion) {
         report.push(format!(
             "zeromq, {subs} subscriber(s): sent {}, received (min) {}",
             theirs.sent,
-            min_received(&theirs.counters)
+            theirs.counters.min_received()
         ));
         drop(ours);
         drop(theirs);

@@ -10,7 +10,12 @@
 //! Every variant times from its first message to its last, so connection set-up is
 //! excluded. Throughput is reported in messages/s; multiply by the message's wire size
 //! (printed per group) for bytes/s.
-#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing
+)]
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -113,7 +118,9 @@ fn handshake_until_subscribed(s: &mut TcpStream) {
 fn ours(rt: &tokio::runtime::Runtime, b: &Blaster, iters: u64, batch: Option<usize>) -> Duration {
     let server = b.serve(iters + 1);
     let elapsed = rt.block_on(async {
-        let mut sub = SubSocket::connect(&b.endpoint, Config::default()).await.unwrap();
+        let mut sub = SubSocket::connect(&b.endpoint, Config::default())
+            .await
+            .unwrap();
         sub.subscribe(&TOPIC[..]).await.unwrap();
         sub.recv().await.unwrap();
         let start = Instant::now();
@@ -165,16 +172,26 @@ fn libzmq(program: &str, b: &Blaster, iters: u64) -> Duration {
         .arg((iters + 1).to_string())
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     server.join().unwrap();
-    let ns: u64 = String::from_utf8(out.stdout).unwrap().trim().parse().unwrap();
+    let ns: u64 = String::from_utf8(out.stdout)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
     Duration::from_nanos(ns)
 }
 
 fn ceiling(rt: &tokio::runtime::Runtime, b: &Blaster, iters: u64) -> Duration {
     let server = b.serve(iters + 1);
     let elapsed = rt.block_on(async {
-        let mut s = tokio::net::TcpStream::connect(&b.endpoint[6..]).await.unwrap();
+        let mut s = tokio::net::TcpStream::connect(&b.endpoint[6..])
+            .await
+            .unwrap();
         s.set_nodelay(true).unwrap();
         // Greeting, READY and a subscription, as a SUB; then count raw bytes. The
         // publisher's greeting (64 B) and READY (27 B) precede the stream.
@@ -209,7 +226,9 @@ fn bench(c: &mut Criterion) {
         .unwrap();
     let libzmq_sub = std::env::var("EVENTPLANE_LIBZMQ_SUB").ok();
     if libzmq_sub.is_none() {
-        eprintln!("zmtp_recv: EVENTPLANE_LIBZMQ_SUB not set, skipping libzmq (see benches/libzmq_compare.sh)");
+        eprintln!(
+            "zmtp_recv: EVENTPLANE_LIBZMQ_SUB not set, skipping libzmq (see benches/libzmq_compare.sh)"
+        );
     }
     for payload in PAYLOADS {
         let blaster = Blaster::new(payload);

@@ -22,7 +22,11 @@ fn example(name: &str) -> PathBuf {
         .unwrap()
         .join("examples")
         .join(name);
-    assert!(path.exists(), "{} not built (cargo test builds examples)", path.display());
+    assert!(
+        path.exists(),
+        "{} not built (cargo test builds examples)",
+        path.display()
+    );
     path
 }
 
@@ -35,7 +39,14 @@ fn payload_hex(seq: u64, size: usize) -> String {
 #[tokio::test]
 async fn publish_then_subscribe_hex() {
     let mut publisher = Command::new(example("publish"))
-        .args(["--bind", "tcp://127.0.0.1:0", "--topic", "cli", "--count", "50"])
+        .args([
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--topic",
+            "cli",
+            "--count",
+            "50",
+        ])
         .args(["--size", "20", "--linger-ms", "2000"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -96,7 +107,14 @@ async fn subscribe_exit_codes() {
     });
     let out = within(
         Command::new(example("subscribe"))
-            .args(["--connect", &endpoint, "--count", "1", "--timeout-ms", "5000"])
+            .args([
+                "--connect",
+                &endpoint,
+                "--count",
+                "1",
+                "--timeout-ms",
+                "5000",
+            ])
             .output(),
     )
     .await
@@ -122,10 +140,9 @@ async fn subscribe_exit_codes() {
     assert_eq!(out.status.code(), Some(3));
 
     // 1: a publisher that never publishes.
-    let publisher =
-        eventplane::zmtp::PubSocket::bind("tcp://127.0.0.1:0", Default::default())
-            .await
-            .unwrap();
+    let publisher = eventplane::zmtp::PubSocket::bind("tcp://127.0.0.1:0", Default::default())
+        .await
+        .unwrap();
     let out = within(
         Command::new(example("subscribe"))
             .args(["--connect", publisher.local_endpoint().unwrap()])
@@ -136,7 +153,10 @@ async fn subscribe_exit_codes() {
     .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert_eq!(stderr.lines().last().unwrap(), "received 0 messages, 0 bytes");
+    assert_eq!(
+        stderr.lines().last().unwrap(),
+        "received 0 messages, 0 bytes"
+    );
 }
 
 #[tokio::test]
@@ -160,7 +180,14 @@ async fn publish_waits_for_k_subscribers_and_empty_frames_print_dash() {
         assert_eq!(out.status.code(), Some(0));
         let stdout = String::from_utf8(out.stdout).unwrap();
         let lines: Vec<&str> = stdout.lines().collect();
-        assert_eq!(lines, vec!["- 0000000000000000 -", "- 0000000000000001 -", "- 0000000000000002 -"]);
+        assert_eq!(
+            lines,
+            vec![
+                "- 0000000000000000 -",
+                "- 0000000000000001 -",
+                "- 0000000000000002 -"
+            ]
+        );
     }
     assert!(within(publisher.wait()).await.unwrap().success());
 }

@@ -191,7 +191,9 @@ async fn error_during_handshake() {
 #[tokio::test]
 async fn unknown_command_after_handshake_is_ignored() {
     let endpoint = hostile_server(handshake_then(b"\x04\x09\x05HELLOabc\x00\x02hi")).await;
-    let mut sub = within(SubSocket::connect(&endpoint, config())).await.unwrap();
+    let mut sub = within(SubSocket::connect(&endpoint, config()))
+        .await
+        .unwrap();
     sub.subscribe("").await.unwrap();
     let msg = within(sub.recv()).await.unwrap();
     assert_eq!(&msg.get(0).unwrap()[..], b"hi");
@@ -214,7 +216,9 @@ async fn peer_closing_gives_closed_after_delivering_buffered_messages() {
             .await
             .unwrap();
     });
-    let mut sub = within(SubSocket::connect(&endpoint, config())).await.unwrap();
+    let mut sub = within(SubSocket::connect(&endpoint, config()))
+        .await
+        .unwrap();
     sub.subscribe("").await.ok();
     let mut got = Vec::new();
     let err = within(async {
@@ -235,7 +239,9 @@ async fn connect_refused_is_io() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
     drop(listener);
-    let err = within(SubSocket::connect(&endpoint, config())).await.unwrap_err();
+    let err = within(SubSocket::connect(&endpoint, config()))
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::Io(_)), "{err:?}");
     let err = SubSocket::connect("udp://x:1", config()).await.unwrap_err();
     assert!(matches!(err, Error::InvalidEndpoint { .. }));

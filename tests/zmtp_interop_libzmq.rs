@@ -1,5 +1,10 @@
 //! Interop with real libzmq (Debian's python3-zmq), both directions.
-#![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic, missing_docs)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    missing_docs
+)]
 
 mod support;
 
@@ -64,9 +69,15 @@ fn check_stream(msgs: &[Message], topic: &str, count: u64, size: usize) {
 
 #[tokio::test]
 async fn libzmq_pub_to_our_sub_with_filtering() {
-    let (mut peer, endpoint) =
-        start_pub(&["--topics", "alpha,beta,alphabet,gamma", "--count", "500", "--size", "300"])
-            .await;
+    let (mut peer, endpoint) = start_pub(&[
+        "--topics",
+        "alpha,beta,alphabet,gamma",
+        "--count",
+        "500",
+        "--size",
+        "300",
+    ])
+    .await;
     let mut sub = within(SubSocket::connect(&endpoint, Config::default()))
         .await
         .unwrap();
@@ -175,7 +186,8 @@ async fn libzmq_pub_restarted_mid_stream() {
     first.wait().await;
 
     // The restarted publisher on the same port: a new connection resumes the stream.
-    let (mut second, endpoint2) = start_pub(&["--topics", "r", "--count", "50", "--port", &port]).await;
+    let (mut second, endpoint2) =
+        start_pub(&["--topics", "r", "--count", "50", "--port", &port]).await;
     assert_eq!(endpoint, endpoint2);
     let mut sub = within(SubSocket::connect(&endpoint, Config::default()))
         .await
@@ -254,7 +266,10 @@ async fn our_pub_to_libzmq_sub_with_filtering() {
     for seqs in per_topic.values() {
         assert!(seqs.windows(2).all(|w| w[0] + 1 == w[1]), "{seqs:?}");
     }
-    assert_eq!(per_topic.values().map(Vec::len).sum::<usize>() as u64, 2 * COUNT);
+    assert_eq!(
+        per_topic.values().map(Vec::len).sum::<usize>() as u64,
+        2 * COUNT
+    );
     assert!(peer.wait().await.success());
     let stats = publisher.stats();
     assert_eq!(stats.dropped, 0);

@@ -26,7 +26,9 @@ async fn tcp_pair(config: Config, topics: &[&str]) -> (PubSocket, Vec<SubSocket>
     let ep = publisher.local_endpoint().unwrap().to_owned();
     let mut subs = Vec::new();
     for t in topics {
-        let mut s = within(SubSocket::connect(&ep, config.clone())).await.unwrap();
+        let mut s = within(SubSocket::connect(&ep, config.clone()))
+            .await
+            .unwrap();
         s.subscribe(t.to_string()).await.unwrap();
         subs.push(s);
     }
@@ -79,7 +81,9 @@ async fn overlapping_subscriptions_deliver_once_and_cancel() {
     sub.unsubscribe("kv").await.unwrap();
     sub.subscribe("end").await.unwrap();
     within(async {
-        while publisher.stats().subscribed != 1 || publisher.subscriber_stats()[0].subscriptions != 1 {
+        while publisher.stats().subscribed != 1
+            || publisher.subscriber_stats()[0].subscriptions != 1
+        {
             tokio::task::yield_now().await;
             tokio::task::yield_now().await;
         }
@@ -136,10 +140,15 @@ async fn thousands_of_subscriptions() {
 }
 
 /// A subscriber on an in-memory pipe that never reads after the handshake.
-async fn stuck_subscriber(publisher: &PubSocket, config: &Config) -> SubSocket<tokio::io::DuplexStream> {
+async fn stuck_subscriber(
+    publisher: &PubSocket,
+    config: &Config,
+) -> SubSocket<tokio::io::DuplexStream> {
     let (a, b) = tokio::io::duplex(4096);
     publisher.accept_stream(a, "stuck");
-    let mut sub = within(SubSocket::handshake(b, config.clone())).await.unwrap();
+    let mut sub = within(SubSocket::handshake(b, config.clone()))
+        .await
+        .unwrap();
     sub.subscribe("").await.unwrap();
     sub
 }
@@ -151,7 +160,9 @@ async fn slow_subscriber_drops_are_counted_and_isolated() {
     let _stuck = stuck_subscriber(&publisher, &config).await;
     let (a, b) = tokio::io::duplex(1 << 20);
     publisher.accept_stream(a, "fast");
-    let mut fast = within(SubSocket::handshake(b, config.clone())).await.unwrap();
+    let mut fast = within(SubSocket::handshake(b, config.clone()))
+        .await
+        .unwrap();
     fast.subscribe("").await.unwrap();
     within(publisher.wait_for_subscribers(2)).await;
 
@@ -266,7 +277,10 @@ async fn silent_peer_times_out() {
     let start = tokio::time::Instant::now();
     let mut sub = SubSocket::handshake(b, config).await.unwrap();
     let err = sub.recv().await.unwrap_err();
-    assert!(matches!(err, Error::Timeout(TimeoutKind::Heartbeat)), "{err:?}");
+    assert!(
+        matches!(err, Error::Timeout(TimeoutKind::Heartbeat)),
+        "{err:?}"
+    );
     // First PING at 1 s, deadline 3 s after it.
     assert_eq!(start.elapsed(), Duration::from_secs(4));
     drop(sub);
@@ -288,12 +302,17 @@ async fn protocol_error_on_pub_side_closes_only_that_subscriber() {
     let config = Config::builder().max_subscription_size(8).build().unwrap();
     let (publisher, mut subs) = tcp_pair(config, &["ok"]).await;
     let ep = publisher.local_endpoint().unwrap().to_owned();
-    let mut bad = within(SubSocket::connect(&ep, Config::default())).await.unwrap();
+    let mut bad = within(SubSocket::connect(&ep, Config::default()))
+        .await
+        .unwrap();
     bad.subscribe("this prefix is far too long").await.unwrap();
     let err = within(bad.recv()).await.unwrap_err();
     assert!(err.is_io(), "{err:?}");
     publisher.send(Message::from_parts(["ok", "1"]));
-    assert_eq!(&within(subs[0].recv()).await.unwrap().get(1).unwrap()[..], b"1");
+    assert_eq!(
+        &within(subs[0].recv()).await.unwrap().get(1).unwrap()[..],
+        b"1"
+    );
     within(async {
         while publisher.stats().failed == 0 {
             tokio::task::yield_now().await;

@@ -1,6 +1,11 @@
 //! Sans-IO wire tests: golden bytes, handshakes, version-dependent behaviour,
 //! heartbeats with explicit time, and a property test over random splits.
-#![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic, missing_docs)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    missing_docs
+)]
 
 use std::time::{Duration, Instant};
 
@@ -184,7 +189,10 @@ fn heartbeat_timeout_without_reply_and_liveness_from_any_byte() {
     let t1 = t0 + Duration::from_secs(1);
     s.handle_timeout(t1).unwrap(); // PING out, deadline t1 + 2 s
     // Part of a large frame arriving counts as liveness.
-    s.handle_bytes(t1 + Duration::from_millis(1500), b"\x02\x00\x00\x00\x00\x00\x01\x00");
+    s.handle_bytes(
+        t1 + Duration::from_millis(1500),
+        b"\x02\x00\x00\x00\x00\x00\x01\x00",
+    );
     s.handle_timeout(t1 + Duration::from_millis(2500)).unwrap();
     // Then silence: the next PING's deadline passes.
     let mut now;
@@ -194,7 +202,10 @@ fn heartbeat_timeout_without_reply_and_liveness_from_any_byte() {
             break e;
         }
     };
-    assert!(matches!(err, Error::Timeout(TimeoutKind::Heartbeat)), "{err:?}");
+    assert!(
+        matches!(err, Error::Timeout(TimeoutKind::Heartbeat)),
+        "{err:?}"
+    );
     assert!(now <= t1 + Duration::from_millis(1500) + Duration::from_secs(5));
     assert!(s.is_failed());
 }
@@ -293,7 +304,10 @@ fn missing_socket_type_is_accepted() {
     let mut s = Session::new(SocketType::Sub, &Config::default(), now);
     s.handle_bytes(now, &greeting(3, 1, b"NULL"));
     s.handle_bytes(now, b"\x04\x06\x05READY");
-    assert!(matches!(events(&mut s).unwrap().as_slice(), [Event::Ready(_)]));
+    assert!(matches!(
+        events(&mut s).unwrap().as_slice(),
+        [Event::Ready(_)]
+    ));
 }
 
 #[test]

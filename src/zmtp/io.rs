@@ -47,7 +47,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         while !self.wbuf.is_empty() {
             let n = ready!(Pin::new(&mut self.stream).poll_write(cx, &self.wbuf))?;
             if n == 0 {
-                return Poll::Ready(Err(std::io::Error::from(std::io::ErrorKind::WriteZero).into()));
+                return Poll::Ready(Err(
+                    std::io::Error::from(std::io::ErrorKind::WriteZero).into()
+                ));
             }
             self.wbuf.advance(n);
         }

@@ -39,7 +39,5 @@ pub use config::{Config, ConfigBuilder, ConfigError, MAX_HEARTBEAT_TTL};
 pub use error::{Error, ProtocolError, TimeoutKind};
 pub use message::Message;
 pub use publish::{PubSocket, PubStats, SendReport, SubscriberStats};
-pub use session::{
-    Event, MAX_PENDING_OUTPUT, PeerInfo, Session, SessionStats, SocketType,
-};
+pub use session::{Event, MAX_PENDING_OUTPUT, PeerInfo, Session, SessionStats, SocketType};
 pub use sub::SubSocket;

@@ -188,7 +188,9 @@ impl PubSocket {
         let shared = socket.shared.clone();
         let cancel = socket.cancel.clone();
         let tracker = socket.tracker.clone();
-        socket.tracker.spawn(accept_loop(listener, shared, cancel, tracker));
+        socket
+            .tracker
+            .spawn(accept_loop(listener, shared, cancel, tracker));
         tracing::debug!(endpoint = %endpoint::format_tcp(local), "zmtp pub bound");
         Ok(socket)
     }
@@ -393,7 +395,13 @@ async fn accept_loop(
                 if let Err(e) = stream.set_nodelay(true) {
                     tracing::debug!(%addr, error = %e, "set_nodelay failed");
                 }
-                spawn_peer(&tracker, shared.clone(), cancel.clone(), stream, addr.to_string());
+                spawn_peer(
+                    &tracker,
+                    shared.clone(),
+                    cancel.clone(),
+                    stream,
+                    addr.to_string(),
+                );
             }
             Err(e) => {
                 // EMFILE and friends: back off briefly instead of spinning.

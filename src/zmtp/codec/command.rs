@@ -272,7 +272,10 @@ mod tests {
             b"\x04PING\x00",
             b"\x04PING\x00\x01aaaaaaaaaaaaaaaaa",
         ] {
-            assert!(Command::parse(Bytes::copy_from_slice(body)).is_err(), "{body:?}");
+            assert!(
+                Command::parse(Bytes::copy_from_slice(body)).is_err(),
+                "{body:?}"
+            );
         }
     }
 }

@@ -46,7 +46,11 @@ pub enum Decoded {
 #[derive(Debug, Clone, Copy)]
 enum State {
     Header,
-    Body { command: bool, more: bool, size: usize },
+    Body {
+        command: bool,
+        more: bool,
+        size: usize,
+    },
 }
 
 /// Decodes frames from a byte buffer, zero-copy.
@@ -171,12 +175,11 @@ impl FrameDecoder {
             if more || !self.parts.is_empty() {
                 return Err(ProtocolError::CommandInMessage);
             }
-            let size = checked_size(size, l.max_command_size).ok_or(
-                ProtocolError::CommandTooLarge {
+            let size =
+                checked_size(size, l.max_command_size).ok_or(ProtocolError::CommandTooLarge {
                     size,
                     max: l.max_command_size,
-                },
-            )?;
+                })?;
             return Ok(State::Body {
                 command: true,
                 more: false,
@@ -253,7 +256,10 @@ fn header_len(size: usize) -> usize {
 
 /// Bytes [`encode_message`] appends for `msg`.
 pub fn encoded_len(msg: &Message) -> usize {
-    msg.parts().iter().map(|p| header_len(p.len()) + p.len()).sum()
+    msg.parts()
+        .iter()
+        .map(|p| header_len(p.len()) + p.len())
+        .sum()
 }
 
 /// Appends every frame of `msg`, MORE set on all but the last. An empty message
@@ -306,7 +312,10 @@ mod tests {
             b.put_u8(FLAG_LONG);
             b.put_u64(size);
             let err = FrameDecoder::new(limits()).decode(&mut b).unwrap_err();
-            assert!(matches!(err, ProtocolError::FrameTooLarge { .. }), "{err:?}");
+            assert!(
+                matches!(err, ProtocolError::FrameTooLarge { .. }),
+                "{err:?}"
+            );
         }
     }
 
@@ -348,7 +357,12 @@ mod tests {
     #[test]
     fn reserved_bits_only_in_strict() {
         let mut b = BytesMut::from(&[0x80, 1, b'x'][..]);
-        assert!(FrameDecoder::new(limits()).decode(&mut b).unwrap().is_some());
+        assert!(
+            FrameDecoder::new(limits())
+                .decode(&mut b)
+                .unwrap()
+                .is_some()
+        );
         let mut strict = limits();
         strict.strict = true;
         let mut b = BytesMut::from(&[0x80, 1, b'x'][..]);

@@ -1,0 +1,36 @@
+//! The main types are `Send + Sync` (or `Send` where they hold a stream), so they can
+//! live in spawned tasks and shared state.
+#![allow(missing_docs, dead_code)]
+
+use eventplane::zmtp::{
+    Config, Error, Message, ProtocolError, PubSocket, PubStats, Session, SubSocket,
+};
+
+fn send_sync<T: Send + Sync>() {}
+fn send<T: Send>() {}
+
+#[test]
+fn main_types_are_send_and_sync() {
+    send_sync::<Config>();
+    send_sync::<Error>();
+    send_sync::<ProtocolError>();
+    send_sync::<Message>();
+    send_sync::<PubSocket>();
+    send_sync::<PubStats>();
+    send_sync::<Session>();
+    send_sync::<SubSocket>();
+    send_sync::<SubSocket<tokio::io::DuplexStream>>();
+}
+
+#[test]
+fn futures_are_send() {
+    fn check<F: std::future::Future + Send>(_: F) {}
+    let mut sub: Option<SubSocket> = None;
+    if let Some(sub) = sub.as_mut() {
+        check(sub.recv());
+        check(sub.subscribe("x"));
+    }
+    check(SubSocket::connect("tcp://127.0.0.1:1", Config::default()));
+    check(PubSocket::bind("tcp://127.0.0.1:0", Config::default()));
+    let _ = send::<Box<dyn std::error::Error + Send + Sync>>;
+}

@@ -1,0 +1,57 @@
+//! Random bytes into both session roles (a quick, always-on cousin of the cargo-fuzz
+//! target in `fuzz/`): never a panic, and buffered input stays within the bounds.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use eventplane::zmtp::{Config, Session, SocketType};
+use proptest::prelude::*;
+
+fn handshake() -> Vec<u8> {
+    let mut g = vec![0u8; 64];
+    g[0] = 0xff;
+    g[9] = 0x7f;
+    g[10] = 3;
+    g[11] = 1;
+    g[12..16].copy_from_slice(b"NULL");
+    g.extend_from_slice(b"\x04\x06\x05READY");
+    g
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+    #[test]
+    fn sessions_survive_random_input(
+        data in proptest::collection::vec(any::<u8>(), 0..4096),
+        chunk in 1usize..300,
+        after_handshake in any::<bool>(),
+        pub_role in any::<bool>(),
+    ) {
+        let config = Config::builder()
+            .max_frame_size(1024)
+            .max_message_size(2048)
+            .max_metadata_size(256)
+            .heartbeat_interval(Some(Duration::from_secs(1)))
+            .build()
+            .unwrap();
+        let role = if pub_role { SocketType::Pub } else { SocketType::Sub };
+        let mut now = Instant::now();
+        let mut s = Session::new(role, &config, now);
+        s.subscribe(Bytes::from_static(b""));
+        if after_handshake {
+            s.handle_bytes(now, &handshake());
+        }
+        for piece in data.chunks(chunk) {
+            s.handle_bytes(now, piece);
+            while s.poll_transmit().is_some() {}
+            while let Ok(Some(_)) = s.poll_event() {}
+            prop_assert!(s.input_buffer().len() <= 2048 + 9 + chunk);
+            now += Duration::from_millis(300);
+            let _ = s.handle_timeout(now);
+            if s.is_failed() {
+                break;
+            }
+        }
+    }
+}

@@ -193,7 +193,7 @@ async fn publish_waits_for_k_subscribers_and_empty_frames_print_dash() {
 }
 
 mod hex {
-    pub fn encode(bytes: impl AsRef<[u8]>) -> String {
+    pub(crate) fn encode(bytes: impl AsRef<[u8]>) -> String {
         bytes.as_ref().iter().map(|b| format!("{b:02x}")).collect()
     }
 }

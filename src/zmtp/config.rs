@@ -141,6 +141,12 @@ impl Config {
 }
 
 /// Builds a validated [`Config`]. Every setter names its default.
+///
+/// ```
+/// use eventplane::zmtp::{Config, ConfigError};
+/// let err = Config::builder().send_queue_messages(0).build().unwrap_err();
+/// assert_eq!(err, ConfigError::Zero { field: "send_queue_messages" });
+/// ```
 #[derive(Debug, Clone)]
 #[must_use]
 pub struct ConfigBuilder {
@@ -283,6 +289,12 @@ impl ConfigBuilder {
 }
 
 /// A rejected [`ConfigBuilder`] value.
+///
+/// ```
+/// use eventplane::zmtp::Config;
+/// let err = Config::builder().max_frame_size(32 << 20).build().unwrap_err();
+/// assert_eq!(err.to_string(), "inconsistent config: max_frame_size exceeds max_message_size");
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {

@@ -87,6 +87,13 @@ impl From<ProtocolError> for Error {
 }
 
 /// Which deadline passed.
+///
+/// ```
+/// use eventplane::zmtp::{Error, TimeoutKind};
+/// let err = Error::Timeout(TimeoutKind::Handshake);
+/// assert!(err.is_timeout());
+/// assert_eq!(err.to_string(), "handshake timed out");
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum TimeoutKind {
@@ -112,6 +119,19 @@ impl fmt::Display for TimeoutKind {
 ///
 /// Every variant closes the connection; none of them is raised after allocating what the
 /// peer claimed.
+///
+/// ```
+/// use bytes::BytesMut;
+/// use eventplane::zmtp::ProtocolError;
+/// use eventplane::zmtp::codec::{FrameDecoder, FrameLimits};
+///
+/// let limits = FrameLimits { max_frame_size: 1 << 20, max_message_size: 1 << 21,
+///     max_message_parts: 64, max_command_size: 1 << 16, strict: false };
+/// // A 9-byte header claiming 2^36 bytes.
+/// let mut forged = BytesMut::from(&[0x02, 0, 0, 0, 0x10, 0, 0, 0, 0][..]);
+/// let err = FrameDecoder::new(limits).decode(&mut forged).unwrap_err();
+/// assert!(matches!(err, ProtocolError::FrameTooLarge { size, .. } if size == 1 << 36));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ProtocolError {

@@ -25,6 +25,7 @@
 //! | [`Config::max_subscriptions`] / [`Config::max_subscription_size`] | 4096 / 1 KiB | [`ProtocolError::SubscriptionLimit`] |
 
 pub mod codec;
+pub mod conformance;
 mod config;
 mod endpoint;
 mod error;

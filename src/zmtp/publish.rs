@@ -63,6 +63,14 @@ pub struct PubSocket {
 }
 
 /// What one [`PubSocket::send`] did.
+///
+/// ```
+/// use eventplane::zmtp::{Config, Message, PubSocket};
+/// let publisher = PubSocket::new(Config::default());
+/// // Nobody subscribed: nothing queued, nothing dropped.
+/// let report = publisher.send(Message::from_parts(["topic", "payload"]));
+/// assert_eq!((report.queued, report.dropped), (0, 0));
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct SendReport {
@@ -73,6 +81,14 @@ pub struct SendReport {
 }
 
 /// Totals of a [`PubSocket`].
+///
+/// ```
+/// use eventplane::zmtp::{Config, Message, PubSocket};
+/// let publisher = PubSocket::new(Config::default());
+/// publisher.send(Message::from_parts(["t"]));
+/// let stats = publisher.stats();
+/// assert_eq!((stats.messages, stats.queued, stats.dropped), (1, 0, 0));
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PubStats {
@@ -92,7 +108,15 @@ pub struct PubStats {
     pub failed: u64,
 }
 
-/// One subscriber of a [`PubSocket`].
+/// One subscriber of a [`PubSocket`], from [`PubSocket::subscriber_stats`].
+///
+/// ```
+/// use eventplane::zmtp::{Config, PubSocket};
+/// let publisher = PubSocket::new(Config::default());
+/// for s in publisher.subscriber_stats() {
+///     println!("{}: {} queued, {} dropped", s.peer, s.queue_len, s.dropped);
+/// }
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct SubscriberStats {

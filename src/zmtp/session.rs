@@ -18,6 +18,11 @@ use super::{Config, Error, Message, ProtocolError, TimeoutKind};
 pub const MAX_PENDING_OUTPUT: usize = 256 << 10;
 
 /// Our side of the connection.
+///
+/// ```
+/// use eventplane::zmtp::SocketType;
+/// assert_eq!(SocketType::Sub.as_str(), "SUB");
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum SocketType {
@@ -45,7 +50,16 @@ impl SocketType {
     }
 }
 
-/// What the peer told us during the handshake.
+/// What the peer told us during the handshake; see [`Session`] for how to obtain one.
+///
+/// ```
+/// use eventplane::zmtp::{PeerInfo, codec::Metadata};
+/// let mut metadata = Metadata::new();
+/// metadata.push("Socket-Type", "PUB");
+/// let peer = PeerInfo { major: 3, minor: 0, metadata };
+/// assert!(!peer.speaks_3_1()); // zeromq-rs: subscriptions go as messages, no PINGs
+/// assert_eq!(peer.socket_type(), Some(&b"PUB"[..]));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerInfo {
     /// ZMTP major version.
@@ -68,7 +82,8 @@ impl PeerInfo {
     }
 }
 
-/// Something the application must act on, from [`Session::poll_event`].
+/// Something the application must act on, from [`Session::poll_event`] (see the
+/// example there).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Event {
@@ -84,6 +99,13 @@ pub enum Event {
 }
 
 /// Counters of one session.
+///
+/// ```
+/// use std::time::Instant;
+/// use eventplane::zmtp::{Config, Session, SocketType};
+/// let session = Session::new(SocketType::Sub, &Config::default(), Instant::now());
+/// assert_eq!(session.stats().messages, 0);
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct SessionStats {

@@ -24,6 +24,7 @@ use super::{Config, Error, Event, Message, PeerInfo, SessionStats, SocketType, T
 /// [`subscribe`](Self::subscribe) is cancel-safe too: the subscription is recorded
 /// before any I/O and is sent by the next call that writes.
 ///
+/// Over TCP:
 /// ```no_run
 /// use eventplane::zmtp::{Config, SubSocket};
 /// # async fn run() -> Result<(), eventplane::zmtp::Error> {
@@ -34,6 +35,23 @@ use super::{Config, Error, Event, Message, PeerInfo, SessionStats, SocketType, T
 ///     println!("{} frames", msg.len());
 /// }
 /// # }
+/// ```
+///
+/// Over any stream, here an in-memory pipe to a [`PubSocket`](super::PubSocket):
+/// ```
+/// use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::zmtp::Error> {
+/// let publisher = PubSocket::new(Config::default());
+/// let (a, b) = tokio::io::duplex(64 << 10);
+/// publisher.accept_stream(a, "in-memory");
+/// let mut sub = SubSocket::handshake(b, Config::default()).await?;
+/// sub.subscribe("kv").await?;
+/// publisher.wait_for_subscribers(1).await;
+/// publisher.send(Message::from_parts(["kv-events", "hello"]));
+/// let msg = sub.recv().await?;
+/// assert_eq!(&msg.parts()[1][..], b"hello");
+/// # Ok(()) }
 /// ```
 #[derive(Debug)]
 pub struct SubSocket<S = TcpStream> {

@@ -19,7 +19,8 @@ pub const SHORT_HEADER_LEN: usize = 2;
 /// Size of a long header (flags + 8-byte size).
 pub const LONG_HEADER_LEN: usize = 9;
 
-/// Limits a [`FrameDecoder`] enforces on every header, before the body is buffered.
+/// Limits a [`FrameDecoder`] enforces on every header, before the body is buffered
+/// (see the example there).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FrameLimits {
     /// Largest message frame.
@@ -34,7 +35,8 @@ pub struct FrameLimits {
     pub strict: bool,
 }
 
-/// One decoded unit: a command body or a complete multipart message.
+/// One decoded unit: a command body or a complete multipart message (see
+/// [`FrameDecoder`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decoded {
     /// A command frame's body (`name-len name data`), not yet parsed.
@@ -226,6 +228,14 @@ fn parse_header(src: &[u8]) -> Option<(u8, u64, usize)> {
 }
 
 /// Appends a frame header. Uses the long form only when `size > 255` (RFC 23 §2.4).
+///
+/// ```
+/// use bytes::BytesMut;
+/// use eventplane::zmtp::codec::encode_frame_header;
+/// let mut buf = BytesMut::new();
+/// encode_frame_header(&mut buf, true, false, 300);
+/// assert_eq!(&buf[..], &[0x03, 0, 0, 0, 0, 0, 0, 1, 44]);
+/// ```
 pub fn encode_frame_header(buf: &mut BytesMut, more: bool, command: bool, size: usize) {
     let mut flags = 0;
     if more {
@@ -255,6 +265,11 @@ fn header_len(size: usize) -> usize {
 }
 
 /// Bytes [`encode_message`] appends for `msg`.
+///
+/// ```
+/// use eventplane::zmtp::{Message, codec::encoded_len};
+/// assert_eq!(encoded_len(&Message::from_parts(["kv", "x"])), 2 + 2 + 2 + 1);
+/// ```
 pub fn encoded_len(msg: &Message) -> usize {
     msg.parts()
         .iter()

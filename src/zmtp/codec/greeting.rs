@@ -17,7 +17,7 @@ const MECHANISM_OFFSET: usize = 12;
 const MECHANISM_LEN: usize = 20;
 const AS_SERVER_OFFSET: usize = 32;
 
-/// A peer's greeting, once fully received and validated.
+/// A peer's greeting, once fully received and validated (see [`GreetingDecoder`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Greeting {
     /// Major version (≥ 3).
@@ -56,6 +56,19 @@ pub fn encode_greeting(buf: &mut BytesMut) {
 /// Incremental greeting decoder: validates each byte as it arrives and rejects on the
 /// first bad one, so a peer that speaks another protocol is dropped after a single
 /// byte, and libzmq's staged 10 / 1 / 53-byte greeting is handled.
+///
+/// ```
+/// use bytes::BytesMut;
+/// use eventplane::zmtp::codec::{GreetingDecoder, encode_greeting};
+/// let mut wire = BytesMut::new();
+/// encode_greeting(&mut wire);
+/// let mut decoder = GreetingDecoder::new();
+/// let mut first = wire.split_to(10);
+/// assert_eq!(decoder.decode(&mut first)?, None);
+/// let greeting = decoder.decode(&mut wire)?.expect("complete");
+/// assert_eq!((greeting.major, greeting.minor), (3, 1));
+/// # Ok::<(), eventplane::zmtp::ProtocolError>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct GreetingDecoder {
     buf: [u8; GREETING_LEN],

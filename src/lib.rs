@@ -32,3 +32,8 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod zmtp;
+
+/// The README's examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -14,6 +14,11 @@ use super::{Config, Error, Event, Session, SocketType};
 /// Writes are coalesced into buffers of about this size.
 pub(crate) const WRITE_BATCH: usize = 64 << 10;
 
+/// A partial frame up to this size is moved into a fresh read buffer rather than
+/// reclaiming the old allocation, so one large frame does not pin a large buffer for
+/// the connection's lifetime.
+const SMALL_LEFTOVER: usize = 4 << 10;
+
 #[derive(Debug)]
 pub(crate) struct Conn<S> {
     pub(crate) stream: S,
@@ -61,8 +66,18 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
     pub(crate) fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<Result<usize, Error>> {
         let chunk = self.read_chunk;
         let buf = self.session.input_buffer();
-        if buf.capacity() - buf.len() < chunk / 8 {
-            buf.reserve(chunk);
+        let spare_low = buf.capacity() - buf.len() < chunk / 8;
+        let oversized = buf.capacity() > 4 * chunk;
+        if buf.len() <= SMALL_LEFTOVER && (spare_low || oversized) {
+            // Back to a `read_chunk` buffer: after large frames this releases the big
+            // allocation instead of reading into its tail.
+            let mut fresh = BytesMut::with_capacity(chunk);
+            fresh.extend_from_slice(buf);
+            *buf = fresh;
+        } else if spare_low {
+            // Assembling a large frame (already validated against the limits): grow
+            // geometrically, as bytes actually arrive.
+            buf.reserve(chunk.max(buf.len()));
         }
         let n = ready!(tokio_util::io::poll_read_buf(
             Pin::new(&mut self.stream),
@@ -123,5 +138,34 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             }
             ready!(self.poll_read(cx))?;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::zmtp::{Message, PubSocket, SubSocket};
+
+    #[tokio::test]
+    async fn read_buffer_shrinks_back_after_a_large_frame() {
+        let config = Config::default();
+        let publisher = PubSocket::new(config.clone());
+        let (a, b) = tokio::io::duplex(1 << 20);
+        publisher.accept_stream(a, "t");
+        let mut sub = SubSocket::handshake(b, config.clone()).await.unwrap();
+        sub.subscribe("").await.unwrap();
+        publisher.wait_for_subscribers(1).await;
+        publisher.send(Message::from_parts([vec![1u8; 4 << 20]]));
+        assert_eq!(sub.recv().await.unwrap().byte_len(), 4 << 20);
+        for _ in 0..3 {
+            for _ in 0..2000 {
+                publisher.send(Message::from_parts([vec![2u8; 100]]));
+            }
+            for _ in 0..2000 {
+                sub.recv().await.unwrap();
+            }
+        }
+        let capacity = sub.input_capacity();
+        assert!(capacity <= 2 * config.read_chunk, "{capacity}");
     }
 }

@@ -25,8 +25,8 @@
 //! | [`Config::max_subscriptions`] / [`Config::max_subscription_size`] | 4096 / 1 KiB | [`ProtocolError::SubscriptionLimit`] |
 
 pub mod codec;
-pub mod conformance;
 mod config;
+pub mod conformance;
 mod endpoint;
 mod error;
 mod io;

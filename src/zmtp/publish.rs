@@ -58,7 +58,10 @@ pub struct PubSocket {
     shared: Arc<Shared>,
     local_addr: Option<SocketAddr>,
     local_endpoint: Option<String>,
+    /// Stops everything: the acceptor and every connection.
     cancel: CancellationToken,
+    /// Stops only the acceptor (a child of `cancel`).
+    stop_accepting: CancellationToken,
     tracker: TaskTracker,
 }
 
@@ -185,6 +188,7 @@ impl PubSocket {
     /// when streams are added.
     pub fn new(config: Config) -> PubSocket {
         let (subscribed, _) = watch::channel(0);
+        let cancel = CancellationToken::new();
         PubSocket {
             shared: Arc::new(Shared {
                 config,
@@ -194,7 +198,8 @@ impl PubSocket {
             }),
             local_addr: None,
             local_endpoint: None,
-            cancel: CancellationToken::new(),
+            stop_accepting: cancel.child_token(),
+            cancel,
             tracker: TaskTracker::new(),
         }
     }
@@ -209,12 +214,13 @@ impl PubSocket {
         let local = listener.local_addr()?;
         socket.local_addr = Some(local);
         socket.local_endpoint = Some(endpoint::format_tcp(local));
-        let shared = socket.shared.clone();
-        let cancel = socket.cancel.clone();
-        let tracker = socket.tracker.clone();
-        socket
-            .tracker
-            .spawn(accept_loop(listener, shared, cancel, tracker));
+        socket.tracker.spawn(accept_loop(
+            listener,
+            socket.shared.clone(),
+            socket.cancel.clone(),
+            socket.stop_accepting.clone(),
+            socket.tracker.clone(),
+        ));
         tracing::debug!(endpoint = %endpoint::format_tcp(local), "zmtp pub bound");
         Ok(socket)
     }
@@ -349,6 +355,7 @@ impl PubSocket {
     /// Stops accepting, lets queued messages drain for up to `linger`, then closes
     /// every connection and waits for their tasks to end.
     pub async fn close(self, linger: Duration) {
+        self.stop_accepting.cancel();
         self.flush(linger).await;
         self.cancel.cancel();
         self.tracker.close();
@@ -407,11 +414,12 @@ async fn accept_loop(
     listener: TcpListener,
     shared: Arc<Shared>,
     cancel: CancellationToken,
+    stop_accepting: CancellationToken,
     tracker: TaskTracker,
 ) {
     loop {
         let accepted = tokio::select! {
-            () = cancel.cancelled() => return,
+            () = stop_accepting.cancelled() => return,
             r = listener.accept() => r,
         };
         match accepted {
@@ -431,7 +439,7 @@ async fn accept_loop(
                 // EMFILE and friends: back off briefly instead of spinning.
                 tracing::warn!(error = %e, "accept failed");
                 tokio::select! {
-                    () = cancel.cancelled() => return,
+                    () = stop_accepting.cancelled() => return,
                     () = tokio::time::sleep(Duration::from_millis(100)) => {}
                 }
             }
@@ -465,20 +473,20 @@ fn spawn_peer<S>(
             }
         }
     };
-    tracker.spawn(async move {
+    let span = tracing::debug_span!("zmtp_pub_peer", peer = %label);
+    let task = async move {
         let mut conn = Conn::new(stream, SocketType::Pub, &shared.config);
-        let span = tracing::debug_span!("zmtp_pub_peer", peer = %label);
         let result = tokio::select! {
             () = cancel.cancelled() => Ok(()),
             r = poll_fn(|cx| drive_peer(&mut conn, &shared, id, cx)) => r,
         };
-        let _enter = span.enter();
         remove_peer(&shared, id, result.is_err());
         match result {
             Ok(()) | Err(Error::Closed) => tracing::debug!("subscriber disconnected"),
             Err(e) => tracing::debug!(error = %e, "subscriber connection failed"),
         }
-    });
+    };
+    tracker.spawn(tracing::Instrument::instrument(task, span));
 }
 
 fn remove_peer(shared: &Shared, id: usize, failed: bool) {
@@ -593,7 +601,7 @@ fn on_peer_event(shared: &Shared, id: usize, event: Event) {
     };
     match event {
         Event::Ready(info) => {
-            tracing::debug!(peer = %peer.label, minor = info.minor, "subscriber handshake complete");
+            tracing::debug!(minor = info.minor, "subscriber handshake complete");
             peer.ready = true;
             inner.stats.connections += 1;
         }

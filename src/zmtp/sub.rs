@@ -248,6 +248,11 @@ where
         }
     }
 
+    #[cfg(test)]
+    pub(crate) fn input_capacity(&mut self) -> usize {
+        self.conn.session.input_buffer().capacity()
+    }
+
     /// The underlying stream (for example to read its peer address).
     pub fn get_ref(&self) -> &S {
         &self.conn.stream

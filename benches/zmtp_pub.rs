@@ -9,6 +9,10 @@
 //! subscriber (well below either queue's capacity): "subscribers keep up". Time runs
 //! until every subscriber has received every message; drops are printed at the end
 //! (ours from `PubStats`, zeromq's as sent − received).
+//!
+//! The publisher runs on a current-thread runtime (one core); the subscriber threads
+//! share the other. The sender sleeps on a `Notify` while its window is full, so it
+//! never competes with them for CPU.
 #![allow(
     missing_docs,
     clippy::unwrap_used,
@@ -20,7 +24,9 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+
 use std::time::{Duration, Instant};
+use tokio::sync::Notify;
 
 use bytes::{Bytes, BytesMut};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
@@ -39,8 +45,9 @@ fn message() -> Message {
     ])
 }
 
-/// A byte-counting subscriber thread; `received` counts whole messages.
-fn spawn_counter(endpoint: &str, msg_len: u64) -> Arc<AtomicU64> {
+/// A byte-counting subscriber thread; `received` counts whole messages, and every read
+/// wakes the sender through `progress`.
+fn spawn_counter(endpoint: &str, msg_len: u64, progress: Arc<Notify>) -> Arc<AtomicU64> {
     let received = Arc::new(AtomicU64::new(0));
     let counter = received.clone();
     let mut s = TcpStream::connect(&endpoint[6..]).unwrap();
@@ -67,6 +74,7 @@ fn spawn_counter(endpoint: &str, msg_len: u64) -> Arc<AtomicU64> {
                 Ok(n) => {
                     bytes += n as u64;
                     counter.store(bytes / msg_len, Ordering::Release);
+                    progress.notify_waiters();
                 }
             }
         }
@@ -79,14 +87,19 @@ fn spawn_counter(endpoint: &str, msg_len: u64) -> Arc<AtomicU64> {
 struct Counters {
     counters: Vec<Arc<AtomicU64>>,
     baselines: Vec<u64>,
+    progress: Arc<Notify>,
 }
 
 impl Counters {
-    fn new(counters: Vec<Arc<AtomicU64>>) -> Counters {
-        let baselines = vec![0; counters.len()];
+    fn connect(endpoint: &str, subscribers: usize, msg_len: u64) -> Counters {
+        let progress = Arc::new(Notify::new());
+        let counters = (0..subscribers)
+            .map(|_| spawn_counter(endpoint, msg_len, progress.clone()))
+            .collect();
         Counters {
             counters,
-            baselines,
+            baselines: vec![0; subscribers],
+            progress,
         }
     }
 
@@ -107,8 +120,14 @@ impl Counters {
     }
 
     async fn wait_until(&self, target: u64) {
-        while self.min_received() < target {
-            tokio::task::yield_now().await;
+        loop {
+            let progress = self.progress.notified();
+            tokio::pin!(progress);
+            progress.as_mut().enable();
+            if self.min_received() >= target {
+                return;
+            }
+            progress.await;
         }
     }
 }
@@ -126,8 +145,7 @@ struct Theirs {
 }
 
 fn bench(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
@@ -146,11 +164,11 @@ fn bench(c: &mut Criterion) {
                 .await
                 .unwrap();
             let ep = socket.local_endpoint().unwrap().to_owned();
-            let counters: Vec<_> = (0..subs).map(|_| spawn_counter(&ep, msg_len)).collect();
+            let counters = Counters::connect(&ep, subs, msg_len);
             socket.wait_for_subscribers(subs).await;
             Ours {
                 socket,
-                counters: Counters::new(counters),
+                counters,
                 sent: 0,
             }
         });
@@ -184,8 +202,7 @@ fn bench(c: &mut Criterion) {
         let mut theirs = rt.block_on(async {
             let mut socket = zeromq::PubSocket::new();
             let ep = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
-            let mut counters =
-                Counters::new((0..subs).map(|_| spawn_counter(&ep, msg_len)).collect());
+            let mut counters = Counters::connect(&ep, subs, msg_len);
             // zeromq-rs has no subscriber count to await: probe until all receive,
             // let the last probes land, then count from there.
             let probe = ZmqMessage::try_from(msg.parts().to_vec()).unwrap();

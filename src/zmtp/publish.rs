@@ -152,6 +152,31 @@ struct Inner {
     free: Vec<usize>,
     send_seq: u64,
     stats: PubStats,
+    /// Small messages are encoded back to back into this buffer and split off, so a
+    /// send allocates once per `ARENA_SIZE` bytes instead of once per message. Queues
+    /// hold messages in send order, so a slow subscriber pins at most one arena beyond
+    /// its queued bytes.
+    arena: BytesMut,
+}
+
+/// Size of one encoding arena.
+const ARENA_SIZE: usize = 64 << 10;
+/// Messages larger than this get their own allocation.
+const ARENA_MAX_MESSAGE: usize = 8 << 10;
+
+/// Encodes `msg` once, into the arena when it is small.
+fn encode_shared(arena: &mut BytesMut, msg: &Message) -> Bytes {
+    let len = encoded_len(msg);
+    if len > ARENA_MAX_MESSAGE {
+        let mut buf = BytesMut::with_capacity(len);
+        encode_message(msg, &mut buf);
+        return buf.freeze();
+    }
+    if arena.capacity() - arena.len() < len {
+        *arena = BytesMut::with_capacity(ARENA_SIZE);
+    }
+    encode_message(msg, arena);
+    arena.split().freeze()
 }
 
 #[derive(Debug)]
@@ -265,6 +290,7 @@ impl PubSocket {
             inner.stats.messages += 1;
             let seq = inner.send_seq;
             let peers = &mut inner.peers;
+            let arena = &mut inner.arena;
             inner.index.for_each_match(topic, |ids| {
                 for &id in ids {
                     let Some(Some(peer)) = peers.get_mut(id) else {
@@ -274,11 +300,7 @@ impl PubSocket {
                         continue;
                     }
                     peer.mark = seq;
-                    let frame = encoded.get_or_insert_with(|| {
-                        let mut buf = BytesMut::with_capacity(encoded_len(&msg));
-                        encode_message(&msg, &mut buf);
-                        buf.freeze()
-                    });
+                    let frame = encoded.get_or_insert_with(|| encode_shared(arena, &msg));
                     if peer.queue.len() >= cfg.send_queue_messages
                         || peer.queue_bytes + frame.len() > cfg.send_queue_bytes
                     {

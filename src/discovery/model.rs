@@ -1,0 +1,375 @@
+//! The discovery data model: channel ids and their path form, transports, instances,
+//! queries and watch events.
+
+use std::fmt;
+
+use super::DiscoveryError;
+
+/// Largest publisher id: 2^53 − 1, so ids survive JSON numbers parsed as doubles.
+pub const MAX_PUBLISHER_ID: u64 = (1 << 53) - 1;
+
+/// Identifies one publisher's channel: `namespace / component / topic / publisher_id`.
+///
+/// The path form `{ns}/{component}/{topic}/{publisher_id:x}` percent-encodes each
+/// segment: `[A-Za-z0-9_-]` stay, every other byte becomes `%XX` (upper-case hex), so
+/// `/`, `.`, `*`, `>` and spaces can never change the path's structure.
+///
+/// ```
+/// use eventplane::discovery::ChannelId;
+/// let id = ChannelId::new("prod", "vllm worker", "kv/events", 42)?;
+/// assert_eq!(id.to_path(), "prod/vllm%20worker/kv%2Fevents/2a");
+/// assert_eq!(ChannelId::from_path(&id.to_path())?, id);
+/// # Ok::<(), eventplane::discovery::DiscoveryError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ChannelId {
+    namespace: String,
+    component: String,
+    topic: String,
+    publisher_id: u64,
+}
+
+impl ChannelId {
+    /// A channel id. Segments must be non-empty; `publisher_id` must be at most
+    /// [`MAX_PUBLISHER_ID`].
+    pub fn new(
+        namespace: impl Into<String>,
+        component: impl Into<String>,
+        topic: impl Into<String>,
+        publisher_id: u64,
+    ) -> Result<ChannelId, DiscoveryError> {
+        let id = ChannelId {
+            namespace: namespace.into(),
+            component: component.into(),
+            topic: topic.into(),
+            publisher_id,
+        };
+        for (name, seg) in [
+            ("namespace", &id.namespace),
+            ("component", &id.component),
+            ("topic", &id.topic),
+        ] {
+            if seg.is_empty() {
+                return Err(DiscoveryError::invalid(format!("{name} is empty")));
+            }
+        }
+        if publisher_id > MAX_PUBLISHER_ID {
+            return Err(DiscoveryError::invalid(format!(
+                "publisher_id {publisher_id} exceeds 2^53-1"
+            )));
+        }
+        Ok(id)
+    }
+
+    /// The namespace.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+    /// The component.
+    pub fn component(&self) -> &str {
+        &self.component
+    }
+    /// The topic.
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+    /// The publisher id (≤ 2^53 − 1).
+    pub fn publisher_id(&self) -> u64 {
+        self.publisher_id
+    }
+
+    /// The percent-encoded path form.
+    pub fn to_path(&self) -> String {
+        let mut out = String::with_capacity(
+            self.namespace.len() + self.component.len() + self.topic.len() + 20,
+        );
+        for seg in [&self.namespace, &self.component, &self.topic] {
+            encode_segment(seg, &mut out);
+            out.push('/');
+        }
+        out.push_str(&format!("{:x}", self.publisher_id));
+        out
+    }
+
+    /// Parses the path form; rejects wrong segment counts, bad escapes, non-UTF-8
+    /// segments and out-of-range ids.
+    pub fn from_path(path: &str) -> Result<ChannelId, DiscoveryError> {
+        let mut parts = path.split('/');
+        let (Some(ns), Some(comp), Some(topic), Some(id), None) = (
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+        ) else {
+            return Err(DiscoveryError::invalid("path must have exactly 4 segments"));
+        };
+        if id.is_empty() || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(DiscoveryError::invalid("publisher id is not hex"));
+        }
+        let publisher_id = u64::from_str_radix(id, 16)
+            .map_err(|_| DiscoveryError::invalid("publisher id out of range"))?;
+        ChannelId::new(
+            decode_segment(ns)?,
+            decode_segment(comp)?,
+            decode_segment(topic)?,
+            publisher_id,
+        )
+    }
+}
+
+impl fmt::Display for ChannelId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_path())
+    }
+}
+
+fn encode_segment(seg: &str, out: &mut String) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    for &b in seg.as_bytes() {
+        if b.is_ascii_alphanumeric() || b == b'_' || b == b'-' {
+            out.push(char::from(b));
+        } else {
+            out.push('%');
+            out.push(char::from(HEX[usize::from(b >> 4)]));
+            out.push(char::from(HEX[usize::from(b & 0xf)]));
+        }
+    }
+}
+
+fn decode_segment(seg: &str) -> Result<String, DiscoveryError> {
+    let mut out = Vec::with_capacity(seg.len());
+    let mut bytes = seg.bytes();
+    while let Some(b) = bytes.next() {
+        match b {
+            b'%' => {
+                let hi = bytes.next().and_then(hex_value);
+                let lo = bytes.next().and_then(hex_value);
+                match (hi, lo) {
+                    (Some(hi), Some(lo)) => out.push(hi << 4 | lo),
+                    _ => return Err(DiscoveryError::invalid("truncated or non-hex escape")),
+                }
+            }
+            b if b.is_ascii_alphanumeric() || b == b'_' || b == b'-' => out.push(b),
+            _ => return Err(DiscoveryError::invalid("unescaped reserved character")),
+        }
+    }
+    String::from_utf8(out).map_err(|_| DiscoveryError::invalid("segment is not UTF-8"))
+}
+
+fn hex_value(b: u8) -> Option<u8> {
+    match b {
+        b'0'..=b'9' => Some(b - b'0'),
+        b'A'..=b'F' => Some(b - b'A' + 10),
+        b'a'..=b'f' => Some(b - b'a' + 10),
+        _ => None,
+    }
+}
+
+/// How to reach a publisher.
+///
+/// ```
+/// use eventplane::discovery::Transport;
+/// let t = Transport::zmq("tcp://10.0.0.5:41234");
+/// assert_eq!(t.endpoint(), "tcp://10.0.0.5:41234");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Transport {
+    /// A ZMQ PUB at `tcp://host:port`.
+    Zmq {
+        /// The endpoint.
+        endpoint: String,
+    },
+}
+
+impl Transport {
+    /// A ZMQ transport.
+    pub fn zmq(endpoint: impl Into<String>) -> Transport {
+        Transport::Zmq {
+            endpoint: endpoint.into(),
+        }
+    }
+
+    /// The endpoint to dial.
+    pub fn endpoint(&self) -> &str {
+        match self {
+            Transport::Zmq { endpoint } => endpoint,
+        }
+    }
+}
+
+/// A registered publisher as the backend knows it.
+///
+/// `incarnation` is assigned by the backend at every (re)registration and is strictly
+/// greater than any earlier incarnation of the same id.
+///
+/// ```
+/// use eventplane::discovery::{ChannelId, Instance, Transport};
+/// let id = ChannelId::new("ns", "c", "t", 7)?;
+/// let instance = Instance::new(id, Transport::zmq("tcp://127.0.0.1:5555"), 3);
+/// assert_eq!(instance.incarnation, 3);
+/// # Ok::<(), eventplane::discovery::DiscoveryError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct Instance {
+    /// The channel.
+    pub id: ChannelId,
+    /// How to reach it.
+    pub transport: Transport,
+    /// Strictly increasing per id across re-registrations.
+    pub incarnation: u64,
+}
+
+impl Instance {
+    /// An instance (backends and tests build these).
+    pub fn new(id: ChannelId, transport: Transport, incarnation: u64) -> Instance {
+        Instance {
+            id,
+            transport,
+            incarnation,
+        }
+    }
+}
+
+/// Which instances a `list` or `watch` covers: exact match on each given field.
+///
+/// ```
+/// use eventplane::discovery::{ChannelId, Query};
+/// let q = Query::new("ns").component("comp");
+/// assert!(q.matches(&ChannelId::new("ns", "comp", "t", 1)?));
+/// assert!(!q.matches(&ChannelId::new("ns", "comp2", "t", 1)?)); // no prefix accidents
+/// # Ok::<(), eventplane::discovery::DiscoveryError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[must_use]
+pub struct Query {
+    namespace: String,
+    component: Option<String>,
+    topic: Option<String>,
+}
+
+impl Query {
+    /// Everything in `namespace`.
+    pub fn new(namespace: impl Into<String>) -> Query {
+        Query {
+            namespace: namespace.into(),
+            component: None,
+            topic: None,
+        }
+    }
+
+    /// Only this component.
+    pub fn component(mut self, component: impl Into<String>) -> Query {
+        self.component = Some(component.into());
+        self
+    }
+
+    /// Only this topic.
+    pub fn topic(mut self, topic: impl Into<String>) -> Query {
+        self.topic = Some(topic.into());
+        self
+    }
+
+    /// The namespace.
+    pub fn namespace_str(&self) -> &str {
+        &self.namespace
+    }
+    /// The component, if restricted.
+    pub fn component_str(&self) -> Option<&str> {
+        self.component.as_deref()
+    }
+    /// The topic, if restricted.
+    pub fn topic_str(&self) -> Option<&str> {
+        self.topic.as_deref()
+    }
+
+    /// Exact match on every given field.
+    pub fn matches(&self, id: &ChannelId) -> bool {
+        id.namespace == self.namespace
+            && self.component.as_deref().is_none_or(|c| c == id.component)
+            && self.topic.as_deref().is_none_or(|t| t == id.topic)
+    }
+}
+
+/// One change seen by a watch. See [`Discovery::watch`](super::Discovery::watch) for
+/// the contract.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DiscoveryEvent {
+    /// A new instance, or a re-registration (new incarnation or endpoint).
+    Added(Instance),
+    /// An instance went away.
+    Removed {
+        /// Which.
+        id: ChannelId,
+        /// The incarnation that went away.
+        incarnation: u64,
+    },
+    /// The complete current set: replace all state with it. The first one marks the
+    /// end of the initial sync.
+    Resync(Vec<Instance>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_round_trips_reserved_characters() {
+        for seg in ["a/b", "v1.2", "100%", "*", ">", "with space", "ünïcødé ✓", "_-Az09"] {
+            let id = ChannelId::new(seg, seg, seg, MAX_PUBLISHER_ID).unwrap();
+            let path = id.to_path();
+            assert_eq!(path.matches('/').count(), 3, "{path}");
+            assert!(path.bytes().all(|b| b.is_ascii_alphanumeric() || b"%_-/".contains(&b)));
+            assert_eq!(ChannelId::from_path(&path).unwrap(), id);
+        }
+        assert_eq!(
+            ChannelId::new("a.b", "c", "d", 255).unwrap().to_path(),
+            "a%2Eb/c/d/ff"
+        );
+    }
+
+    #[test]
+    fn decoding_rejects_bad_input() {
+        for bad in [
+            "ns/c/t",
+            "ns/c/t/1/extra",
+            "ns/c/t/",
+            "ns/c/t/xyz",
+            "ns/c/t/-1",
+            "n%2/c/t/1",
+            "n%/c/t/1",
+            "n%zz/c/t/1",
+            "n%g1/c/t/1",
+            "n.s/c/t/1",
+            "%FF/c/t/1",
+            "/c/t/1",
+            "ns/c/t/20000000000000",
+            "ns/c/t/10000000000000000000",
+        ] {
+            assert!(ChannelId::from_path(bad).is_err(), "{bad}");
+        }
+        assert!(ChannelId::from_path("n%2Fs/c/t/1fffffffffffff").is_ok());
+    }
+
+    #[test]
+    fn publisher_id_bound() {
+        assert!(ChannelId::new("n", "c", "t", MAX_PUBLISHER_ID).is_ok());
+        assert!(ChannelId::new("n", "c", "t", MAX_PUBLISHER_ID + 1).is_err());
+        assert!(ChannelId::new("", "c", "t", 1).is_err());
+    }
+
+    #[test]
+    fn query_exact_fields() {
+        let id = ChannelId::new("ns", "comp", "topic", 1).unwrap();
+        assert!(Query::new("ns").matches(&id));
+        assert!(!Query::new("n").matches(&id));
+        assert!(!Query::new("nss").matches(&id));
+        assert!(Query::new("ns").topic("topic").matches(&id));
+        assert!(!Query::new("ns").topic("top").matches(&id));
+        assert!(!Query::new("ns").component("comp").topic("topic2").matches(&id));
+        assert!(Query::new("ns").component("comp").topic("topic").matches(&id));
+    }
+}

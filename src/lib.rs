@@ -31,6 +31,7 @@
 //! Pre-1.0: minor versions may break the API. Public enums are `#[non_exhaustive]`.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod discovery;
 pub mod zmtp;
 
 /// The README's examples, compiled and run as doctests.

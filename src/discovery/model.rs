@@ -273,15 +273,15 @@ impl Query {
     }
 
     /// The namespace.
-    pub fn namespace_str(&self) -> &str {
+    pub fn namespace_filter(&self) -> &str {
         &self.namespace
     }
     /// The component, if restricted.
-    pub fn component_str(&self) -> Option<&str> {
+    pub fn component_filter(&self) -> Option<&str> {
         self.component.as_deref()
     }
     /// The topic, if restricted.
-    pub fn topic_str(&self) -> Option<&str> {
+    pub fn topic_filter(&self) -> Option<&str> {
         self.topic.as_deref()
     }
 
@@ -318,11 +318,23 @@ mod tests {
 
     #[test]
     fn path_round_trips_reserved_characters() {
-        for seg in ["a/b", "v1.2", "100%", "*", ">", "with space", "ünïcødé ✓", "_-Az09"] {
+        for seg in [
+            "a/b",
+            "v1.2",
+            "100%",
+            "*",
+            ">",
+            "with space",
+            "ünïcødé ✓",
+            "_-Az09",
+        ] {
             let id = ChannelId::new(seg, seg, seg, MAX_PUBLISHER_ID).unwrap();
             let path = id.to_path();
             assert_eq!(path.matches('/').count(), 3, "{path}");
-            assert!(path.bytes().all(|b| b.is_ascii_alphanumeric() || b"%_-/".contains(&b)));
+            assert!(
+                path.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"%_-/".contains(&b))
+            );
             assert_eq!(ChannelId::from_path(&path).unwrap(), id);
         }
         assert_eq!(
@@ -369,7 +381,17 @@ mod tests {
         assert!(!Query::new("nss").matches(&id));
         assert!(Query::new("ns").topic("topic").matches(&id));
         assert!(!Query::new("ns").topic("top").matches(&id));
-        assert!(!Query::new("ns").component("comp").topic("topic2").matches(&id));
-        assert!(Query::new("ns").component("comp").topic("topic").matches(&id));
+        assert!(
+            !Query::new("ns")
+                .component("comp")
+                .topic("topic2")
+                .matches(&id)
+        );
+        assert!(
+            Query::new("ns")
+                .component("comp")
+                .topic("topic")
+                .matches(&id)
+        );
     }
 }

@@ -1,0 +1,525 @@
+//! `MemoryDiscovery`: the embedded, in-process backend.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures_core::Stream;
+use tokio::time::Instant;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+
+use super::watch::WatchBuffer;
+use super::{
+    BoxFuture, ChannelId, Discovery, DiscoveryError, DiscoveryEvent, DiscoveryStats,
+    DiscoveryStream, Instance, Query, Registration, RegistrationHandle, StaleFilter, Transport,
+};
+
+/// The embedded discovery backend: one registry shared by every clone.
+///
+/// - `list` costs O(matches): instances are indexed by namespace, component and topic.
+/// - Each watcher has its own bounded backlog (`watch_buffer`, default 1024 events);
+///   a watcher that falls behind is never disconnected and never slows the others: its
+///   backlog collapses into one `Resync`.
+/// - A registration's lease is renewed for as long as its guard lives. Dropping the
+///   guard removes it at once; [`Registration::detach`] stops the renewal and the
+///   registration expires after `ttl` (default 10 s), as a crashed process's would.
+///   Expiry runs on a tokio task spawned the first time something is detached.
+///
+/// ```
+/// use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Query, Transport};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::discovery::DiscoveryError> {
+/// let discovery = MemoryDiscovery::new();
+/// let shared = discovery.clone(); // same registry
+/// let id = ChannelId::new("prod", "worker", "kv-events", 1)?;
+/// let _guard = discovery.register(id.clone(), Transport::zmq("tcp://127.0.0.1:5555")).await?;
+/// assert_eq!(shared.list(Query::new("prod").component("worker")).await?.len(), 1);
+/// assert!(shared.get(&id).is_some());
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct MemoryDiscovery {
+    registry: Arc<Registry>,
+}
+
+/// Builds a [`MemoryDiscovery`].
+///
+/// ```
+/// use std::time::Duration;
+/// use eventplane::discovery::MemoryDiscovery;
+/// let discovery = MemoryDiscovery::builder().ttl(Duration::from_secs(3)).watch_buffer(256).build();
+/// # let _ = discovery;
+/// ```
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct MemoryDiscoveryBuilder {
+    ttl: Duration,
+    watch_buffer: usize,
+}
+
+impl MemoryDiscoveryBuilder {
+    /// How long a detached registration survives. Default 10 s; zero is raised to 1 ms.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Events buffered per watcher before its backlog collapses into a `Resync`.
+    /// Default 1024; zero is raised to 1. Costs up to this many events per slow
+    /// watcher.
+    pub fn watch_buffer(mut self, events: usize) -> Self {
+        self.watch_buffer = events.max(1);
+        self
+    }
+
+    /// The backend.
+    pub fn build(self) -> MemoryDiscovery {
+        MemoryDiscovery {
+            registry: Arc::new(Registry {
+                state: Mutex::new(State::default()),
+                ttl: self.ttl,
+                watch_buffer: self.watch_buffer,
+            }),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Registry {
+    state: Mutex<State>,
+    ttl: Duration,
+    watch_buffer: usize,
+}
+
+#[derive(Debug)]
+struct Entry {
+    instance: Instance,
+    /// `None` while the guard lives (the lease is being renewed).
+    expires_at: Option<Instant>,
+}
+
+type Publishers = HashMap<u64, Entry>;
+type Topics = HashMap<String, Publishers>;
+type Components = HashMap<String, Topics>;
+
+#[derive(Debug, Default)]
+struct State {
+    index: HashMap<String, Components>,
+    registrations: usize,
+    next_incarnation: u64,
+    watchers: HashMap<u64, Watcher>,
+    next_watcher: u64,
+    /// Detached registrations by deadline: `(deadline, incarnation) → id`.
+    expiries: BTreeMap<(Instant, u64), ChannelId>,
+    sweeper: bool,
+    stats: DiscoveryStats,
+}
+
+#[derive(Debug)]
+struct Watcher {
+    query: Query,
+    buffer: Arc<WatchBuffer>,
+}
+
+impl Registry {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl State {
+    fn get(&self, id: &ChannelId) -> Option<&Entry> {
+        self.index
+            .get(id.namespace())?
+            .get(id.component())?
+            .get(id.topic())?
+            .get(&id.publisher_id())
+    }
+
+    fn get_mut(&mut self, id: &ChannelId) -> Option<&mut Entry> {
+        self.index
+            .get_mut(id.namespace())?
+            .get_mut(id.component())?
+            .get_mut(id.topic())?
+            .get_mut(&id.publisher_id())
+    }
+
+    fn list(&self, query: &Query) -> Vec<Instance> {
+        let mut out = Vec::new();
+        let Some(components) = self.index.get(query.namespace_filter()) else {
+            return out;
+        };
+        let mut visit_topics = |topics: &Topics| match query.topic_filter() {
+            Some(t) => {
+                if let Some(p) = topics.get(t) {
+                    out.extend(p.values().map(|e| e.instance.clone()));
+                }
+            }
+            None => {
+                for p in topics.values() {
+                    out.extend(p.values().map(|e| e.instance.clone()));
+                }
+            }
+        };
+        match query.component_filter() {
+            Some(c) => {
+                if let Some(topics) = components.get(c) {
+                    visit_topics(topics);
+                }
+            }
+            None => components.values().for_each(visit_topics),
+        }
+        out
+    }
+
+    fn insert(&mut self, instance: Instance) {
+        let id = &instance.id;
+        let previous = self
+            .index
+            .entry(id.namespace().to_owned())
+            .or_default()
+            .entry(id.component().to_owned())
+            .or_default()
+            .entry(id.topic().to_owned())
+            .or_default()
+            .insert(
+                id.publisher_id(),
+                Entry {
+                    instance: instance.clone(),
+                    expires_at: None,
+                },
+            );
+        if previous.is_none() {
+            self.registrations += 1;
+        }
+        self.notify(&instance.id.clone(), DiscoveryEvent::Added(instance));
+    }
+
+    /// Removes `id` if its current incarnation is `incarnation`.
+    fn remove(&mut self, id: &ChannelId, incarnation: u64) -> bool {
+        if self
+            .get(id)
+            .is_none_or(|e| e.instance.incarnation != incarnation)
+        {
+            return false;
+        }
+        let Some(components) = self.index.get_mut(id.namespace()) else {
+            return false;
+        };
+        let Some(topics) = components.get_mut(id.component()) else {
+            return false;
+        };
+        let Some(publishers) = topics.get_mut(id.topic()) else {
+            return false;
+        };
+        publishers.remove(&id.publisher_id());
+        if publishers.is_empty() {
+            topics.remove(id.topic());
+            if topics.is_empty() {
+                components.remove(id.component());
+                if components.is_empty() {
+                    self.index.remove(id.namespace());
+                }
+            }
+        }
+        self.registrations -= 1;
+        self.notify(
+            id,
+            DiscoveryEvent::Removed {
+                id: id.clone(),
+                incarnation,
+            },
+        );
+        true
+    }
+
+    fn notify(&mut self, id: &ChannelId, event: DiscoveryEvent) {
+        for watcher in self.watchers.values() {
+            if watcher.query.matches(id) && watcher.buffer.push(event.clone()) {
+                self.stats.overflow_resyncs += 1;
+                tracing::debug!(query = ?watcher.query, "watcher backlog overflowed; it will resync");
+            }
+        }
+    }
+
+    fn expire_due(&mut self, now: Instant) {
+        while let Some(entry) = self.expiries.first_entry() {
+            let (deadline, incarnation) = *entry.key();
+            if deadline > now {
+                break;
+            }
+            let id = entry.remove();
+            let still_detached = self
+                .get(&id)
+                .is_some_and(|e| e.instance.incarnation == incarnation && e.expires_at.is_some());
+            if still_detached && self.remove(&id, incarnation) {
+                self.stats.expired += 1;
+                tracing::debug!(%id, "registration expired");
+            }
+        }
+    }
+}
+
+impl Default for MemoryDiscovery {
+    fn default() -> Self {
+        MemoryDiscovery::builder().build()
+    }
+}
+
+impl MemoryDiscovery {
+    /// A backend with the default TTL (10 s) and watch buffer (1024 events).
+    pub fn new() -> MemoryDiscovery {
+        MemoryDiscovery::default()
+    }
+
+    /// Configures a backend.
+    pub fn builder() -> MemoryDiscoveryBuilder {
+        MemoryDiscoveryBuilder {
+            ttl: Duration::from_secs(10),
+            watch_buffer: 1024,
+        }
+    }
+
+    /// The current registration of `id`: O(1).
+    pub fn get(&self, id: &ChannelId) -> Option<Instance> {
+        self.registry.lock().get(id).map(|e| e.instance.clone())
+    }
+
+    fn register_now(&self, id: ChannelId, transport: Transport) -> Registration {
+        let mut st = self.registry.lock();
+        st.next_incarnation += 1;
+        let instance = Instance::new(id.clone(), transport, st.next_incarnation);
+        st.insert(instance.clone());
+        drop(st);
+        tracing::debug!(%id, incarnation = instance.incarnation, "registered");
+        Registration::new(
+            instance.clone(),
+            Box::new(MemoryHandle {
+                registry: Arc::downgrade(&self.registry),
+                id,
+                incarnation: instance.incarnation,
+            }),
+        )
+    }
+
+    fn watch_now(&self, query: Query, cancel: CancellationToken) -> DiscoveryStream {
+        let mut st = self.registry.lock();
+        let snapshot = st.list(&query);
+        let buffer = Arc::new(WatchBuffer::new(self.registry.watch_buffer));
+        let id = st.next_watcher;
+        st.next_watcher += 1;
+        st.watchers.insert(
+            id,
+            Watcher {
+                query: query.clone(),
+                buffer: buffer.clone(),
+            },
+        );
+        drop(st);
+        let mut initial: VecDeque<DiscoveryEvent> = snapshot
+            .iter()
+            .cloned()
+            .map(DiscoveryEvent::Added)
+            .collect();
+        initial.push_back(DiscoveryEvent::Resync(snapshot));
+        DiscoveryStream::new(MemoryWatch {
+            registry: self.registry.clone(),
+            id,
+            query,
+            buffer,
+            initial,
+            filter: StaleFilter::default(),
+            cancelled: Box::pin(cancel.cancelled_owned()),
+            done: false,
+        })
+    }
+}
+
+impl Discovery for MemoryDiscovery {
+    fn register(
+        &self,
+        id: ChannelId,
+        transport: Transport,
+    ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
+        let registration = self.register_now(id, transport);
+        Box::pin(async move { Ok(registration) })
+    }
+
+    fn list(&self, query: Query) -> BoxFuture<'_, Result<Vec<Instance>, DiscoveryError>> {
+        let out = self.registry.lock().list(&query);
+        Box::pin(async move { Ok(out) })
+    }
+
+    fn watch(
+        &self,
+        query: Query,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'_, Result<DiscoveryStream, DiscoveryError>> {
+        // Established here, before the future is even polled: no change can fall
+        // between the snapshot and the subscription.
+        let stream = self.watch_now(query, cancel);
+        Box::pin(async move { Ok(stream) })
+    }
+
+    fn stats(&self) -> DiscoveryStats {
+        let st = self.registry.lock();
+        DiscoveryStats {
+            registrations: st.registrations,
+            watchers: st.watchers.len(),
+            ..st.stats
+        }
+    }
+}
+
+#[derive(Debug)]
+struct MemoryHandle {
+    registry: Weak<Registry>,
+    id: ChannelId,
+    incarnation: u64,
+}
+
+impl MemoryHandle {
+    fn remove(&self) {
+        if let Some(registry) = self.registry.upgrade() {
+            if registry.lock().remove(&self.id, self.incarnation) {
+                tracing::debug!(id = %self.id, "unregistered");
+            }
+        }
+    }
+}
+
+impl RegistrationHandle for MemoryHandle {
+    fn unregister(self: Box<Self>) -> BoxFuture<'static, Result<(), DiscoveryError>> {
+        self.remove();
+        Box::pin(async { Ok(()) })
+    }
+
+    fn release(self: Box<Self>) {
+        // A short critical section, no I/O: removal is immediate.
+        self.remove();
+    }
+
+    fn detach(self: Box<Self>) {
+        let Some(registry) = self.registry.upgrade() else {
+            return;
+        };
+        let mut st = registry.lock();
+        let deadline = Instant::now() + registry.ttl;
+        let Some(entry) = st.get_mut(&self.id) else {
+            return;
+        };
+        if entry.instance.incarnation != self.incarnation {
+            return;
+        }
+        entry.expires_at = Some(deadline);
+        st.expiries
+            .insert((deadline, self.incarnation), self.id.clone());
+        if !st.sweeper {
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => {
+                    st.sweeper = true;
+                    rt.spawn(sweep(Arc::downgrade(&registry)));
+                }
+                Err(_) => tracing::warn!(
+                    id = %self.id,
+                    "detach outside a tokio runtime: the registration will expire at the next detach inside one"
+                ),
+            }
+        }
+    }
+}
+
+/// Expires detached registrations at their deadlines; exits when none are left or the
+/// registry is gone.
+async fn sweep(registry: Weak<Registry>) {
+    loop {
+        let next = {
+            let Some(reg) = registry.upgrade() else {
+                return;
+            };
+            let mut st = reg.lock();
+            st.expire_due(Instant::now());
+            match st.expiries.first_key_value() {
+                Some(((deadline, _), _)) => *deadline,
+                None => {
+                    st.sweeper = false;
+                    return;
+                }
+            }
+        };
+        tokio::time::sleep_until(next).await;
+    }
+}
+
+struct MemoryWatch {
+    registry: Arc<Registry>,
+    id: u64,
+    query: Query,
+    buffer: Arc<WatchBuffer>,
+    initial: VecDeque<DiscoveryEvent>,
+    filter: StaleFilter,
+    cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
+    done: bool,
+}
+
+impl MemoryWatch {
+    fn next_event(&mut self, cx: &mut Context<'_>) -> Poll<DiscoveryEvent> {
+        if let Some(event) = self.initial.pop_front() {
+            return Poll::Ready(event);
+        }
+        let mut st = self.buffer.lock();
+        if let Some(event) = st.queue.pop_front() {
+            return Poll::Ready(event);
+        }
+        if st.overflowed {
+            drop(st);
+            // Registry lock first (the order every push uses), then the buffer: the
+            // snapshot reflects every change the discarded backlog held.
+            let state = self.registry.lock();
+            let snapshot = state.list(&self.query);
+            let mut st = self.buffer.lock();
+            st.queue.clear();
+            st.overflowed = false;
+            return Poll::Ready(DiscoveryEvent::Resync(snapshot));
+        }
+        st.waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+
+    fn close(&mut self) {
+        if !self.done {
+            self.done = true;
+            self.registry.lock().watchers.remove(&self.id);
+        }
+    }
+}
+
+impl Stream for MemoryWatch {
+    type Item = Result<DiscoveryEvent, DiscoveryError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if this.cancelled.as_mut().poll(cx).is_ready() {
+            this.close();
+            return Poll::Ready(None);
+        }
+        loop {
+            let event = std::task::ready!(this.next_event(cx));
+            if this.filter.admit(&event) {
+                return Poll::Ready(Some(Ok(event)));
+            }
+        }
+    }
+}
+
+impl Drop for MemoryWatch {
+    fn drop(&mut self) {
+        self.close();
+    }
+}

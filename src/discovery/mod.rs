@@ -1,0 +1,242 @@
+//! Discovery: who publishes what, where.
+//!
+//! A [`Discovery`] backend registers publishers ([`Instance`]s, each a [`ChannelId`]
+//! plus a [`Transport`]) and lets consumers list and watch them. Backends:
+//! [`MemoryDiscovery`] (embedded, the default) and [`StaticDiscovery`] (a fixed set);
+//! `EtcdDiscovery` (feature `etcd`) follows.
+//!
+//! # The watch contract
+//! Every backend's [`Discovery::watch`] stream obeys these rules (checked by
+//! `discovery::conformance`, feature `test-support`):
+//! 1. The watch is established before `watch` returns: no change can fall between.
+//! 2. It starts with one [`DiscoveryEvent::Added`] per matching instance, then exactly
+//!    one [`DiscoveryEvent::Resync`] with the snapshot — empty if nothing matches —
+//!    which means "initial sync complete".
+//! 3. Then incremental `Added` / `Removed`.
+//! 4. Whenever the backend may have missed changes (a reconnect, a compaction, or a
+//!    watcher whose bounded buffer overflowed), it emits `Resync(full current set)`;
+//!    consumers replace their state. An overflowing watcher is never disconnected and
+//!    never grows without bound: its backlog collapses into one `Resync`.
+//! 5. A `Removed` whose incarnation is older than the registration of that id the
+//!    watcher last saw is never delivered (a late removal must not kill its
+//!    replacement).
+//! 6. The stream ends only when cancelled or dropped; dropping it frees the backend's
+//!    resources for that watch promptly.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use futures_core::Stream;
+use tokio_util::sync::CancellationToken;
+
+#[cfg(feature = "test-support")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-support")))]
+pub mod conformance;
+mod error;
+#[cfg(feature = "test-support")]
+mod fault;
+mod memory;
+mod model;
+mod static_;
+mod watch;
+
+pub use error::DiscoveryError;
+#[cfg(feature = "test-support")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-support")))]
+pub use fault::{FaultControl, FaultDiscovery};
+pub use memory::{MemoryDiscovery, MemoryDiscoveryBuilder};
+pub use model::{ChannelId, DiscoveryEvent, Instance, MAX_PUBLISHER_ID, Query, Transport};
+pub use static_::StaticDiscovery;
+pub use watch::StaleFilter;
+
+/// A boxed, `Send` future: the return type of [`Discovery`]'s methods, which keeps the
+/// trait dyn-compatible (`Arc<dyn Discovery>`).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A discovery backend. Dyn-compatible: use it as `Arc<dyn Discovery>`.
+///
+/// ```
+/// use std::sync::Arc;
+/// use eventplane::discovery::{ChannelId, Discovery, DiscoveryEvent, MemoryDiscovery, Query, Transport};
+/// use tokio_util::sync::CancellationToken;
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::discovery::DiscoveryError> {
+/// let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+/// let mut watch = discovery.watch(Query::new("prod"), CancellationToken::new()).await?;
+/// assert_eq!(watch.next().await.transpose()?, Some(DiscoveryEvent::Resync(vec![])));
+///
+/// let id = ChannelId::new("prod", "worker", "kv-events", 7)?;
+/// let registration = discovery.register(id, Transport::zmq("tcp://127.0.0.1:5555")).await?;
+/// assert!(matches!(watch.next().await.transpose()?, Some(DiscoveryEvent::Added(_))));
+/// registration.unregister().await?;
+/// assert!(matches!(watch.next().await.transpose()?, Some(DiscoveryEvent::Removed { .. })));
+/// # Ok(()) }
+/// ```
+pub trait Discovery: Send + Sync + fmt::Debug {
+    /// Registers `transport` under `id`. The returned guard keeps the registration
+    /// alive (renewing its lease where the backend has one); dropping it signals the
+    /// backend to remove it, [`Registration::unregister`] removes it and waits.
+    /// Registering an id again replaces the earlier registration with a new
+    /// incarnation.
+    fn register(
+        &self,
+        id: ChannelId,
+        transport: Transport,
+    ) -> BoxFuture<'_, Result<Registration, DiscoveryError>>;
+
+    /// The instances matching `query` now.
+    fn list(&self, query: Query) -> BoxFuture<'_, Result<Vec<Instance>, DiscoveryError>>;
+
+    /// Watches the instances matching `query` under the contract of the module docs.
+    /// Cancelling `cancel` ends the stream.
+    fn watch(
+        &self,
+        query: Query,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'_, Result<DiscoveryStream, DiscoveryError>>;
+
+    /// Counters, for backends that keep them.
+    fn stats(&self) -> DiscoveryStats {
+        DiscoveryStats::default()
+    }
+}
+
+/// Counters of a discovery backend.
+///
+/// ```
+/// use eventplane::discovery::{Discovery, MemoryDiscovery};
+/// assert_eq!(MemoryDiscovery::new().stats().watchers, 0);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DiscoveryStats {
+    /// Live registrations.
+    pub registrations: usize,
+    /// Open watch streams.
+    pub watchers: usize,
+    /// Watch backlogs that overflowed and collapsed into a `Resync`.
+    pub overflow_resyncs: u64,
+    /// Registrations removed because their lease expired.
+    pub expired: u64,
+    /// Malformed records skipped (backends that read foreign data).
+    pub malformed: u64,
+}
+
+/// What a backend does when a [`Registration`] is unregistered, dropped or detached.
+/// Implemented by backends (including test doubles in other crates).
+pub trait RegistrationHandle: Send + Sync + fmt::Debug {
+    /// Removes the registration and waits until the backend confirms.
+    fn unregister(self: Box<Self>) -> BoxFuture<'static, Result<(), DiscoveryError>>;
+
+    /// Called from `Drop`: must only signal the backend (never block, never spawn).
+    fn release(self: Box<Self>);
+
+    /// Stops maintaining the registration without removing it, as if the process had
+    /// died: the backend expires it when its lease runs out. Defaults to
+    /// [`release`](Self::release).
+    fn detach(self: Box<Self>) {
+        self.release();
+    }
+}
+
+/// A live registration. Dropping it signals the backend to remove it (without
+/// blocking or spawning); [`unregister`](Self::unregister) removes it and waits.
+///
+/// ```
+/// use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Query, Transport};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::discovery::DiscoveryError> {
+/// let discovery = MemoryDiscovery::new();
+/// let id = ChannelId::new("ns", "c", "t", 1)?;
+/// let registration = discovery.register(id, Transport::zmq("tcp://127.0.0.1:1")).await?;
+/// assert_eq!(registration.instance().incarnation, 1);
+/// drop(registration);
+/// assert!(discovery.list(Query::new("ns")).await?.is_empty());
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+#[must_use = "dropping a Registration unregisters it"]
+pub struct Registration {
+    instance: Instance,
+    handle: Option<Box<dyn RegistrationHandle>>,
+}
+
+impl Registration {
+    /// A guard for `instance` (for backend implementations).
+    pub fn new(instance: Instance, handle: Box<dyn RegistrationHandle>) -> Registration {
+        Registration {
+            instance,
+            handle: Some(handle),
+        }
+    }
+
+    /// What was registered, with the incarnation the backend assigned.
+    pub fn instance(&self) -> &Instance {
+        &self.instance
+    }
+
+    /// Removes the registration and waits for the backend to confirm.
+    pub async fn unregister(mut self) -> Result<(), DiscoveryError> {
+        match self.handle.take() {
+            Some(h) => h.unregister().await,
+            None => Ok(()),
+        }
+    }
+
+    /// Stops maintaining the registration without removing it: the backend expires it
+    /// after its lease TTL, exactly as if this process had crashed.
+    pub fn detach(mut self) {
+        if let Some(h) = self.handle.take() {
+            h.detach();
+        }
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if let Some(h) = self.handle.take() {
+            h.release();
+        }
+    }
+}
+
+type BoxStream = Pin<Box<dyn Stream<Item = Result<DiscoveryEvent, DiscoveryError>> + Send>>;
+
+/// The stream of a [`Discovery::watch`]. An `Err` item ends the stream (watch again,
+/// with backoff); `None` means it was cancelled.
+pub struct DiscoveryStream {
+    inner: BoxStream,
+}
+
+impl fmt::Debug for DiscoveryStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DiscoveryStream").finish_non_exhaustive()
+    }
+}
+
+impl DiscoveryStream {
+    /// Wraps a backend's stream.
+    pub fn new<S>(stream: S) -> DiscoveryStream
+    where
+        S: Stream<Item = Result<DiscoveryEvent, DiscoveryError>> + Send + 'static,
+    {
+        DiscoveryStream {
+            inner: Box::pin(stream),
+        }
+    }
+
+    /// The next event (without needing `StreamExt`).
+    pub async fn next(&mut self) -> Option<Result<DiscoveryEvent, DiscoveryError>> {
+        std::future::poll_fn(|cx| self.inner.as_mut().poll_next(cx)).await
+    }
+}
+
+impl Stream for DiscoveryStream {
+    type Item = Result<DiscoveryEvent, DiscoveryError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.inner.as_mut().poll_next(cx)
+    }
+}

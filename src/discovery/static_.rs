@@ -1,0 +1,158 @@
+//! `StaticDiscovery`: a fixed set of instances.
+
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    BoxFuture, ChannelId, Discovery, DiscoveryError, DiscoveryEvent, DiscoveryStats,
+    DiscoveryStream, Instance, Query, Registration, Transport,
+};
+
+/// A fixed set of instances: for examples, tests and deployments whose publishers
+/// never move. Watches deliver the matching set and a `Resync`, then stay quiet until
+/// cancelled; `register` is unsupported.
+///
+/// ```
+/// use eventplane::discovery::{Discovery, Query, StaticDiscovery};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::discovery::DiscoveryError> {
+/// let discovery = StaticDiscovery::from_endpoints(
+///     "ns", "worker", "kv-events",
+///     ["tcp://10.0.0.1:5557", "tcp://10.0.0.2:5557"],
+/// )?;
+/// assert_eq!(discovery.list(Query::new("ns")).await?.len(), 2);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct StaticDiscovery {
+    instances: Arc<Vec<Instance>>,
+}
+
+impl StaticDiscovery {
+    /// These instances (incarnations as given).
+    pub fn new(instances: Vec<Instance>) -> StaticDiscovery {
+        StaticDiscovery {
+            instances: Arc::new(instances),
+        }
+    }
+
+    /// One instance per endpoint under `namespace/component/topic`, with publisher ids
+    /// 0, 1, 2, … in order and incarnation 1.
+    pub fn from_endpoints<I, S>(
+        namespace: &str,
+        component: &str,
+        topic: &str,
+        endpoints: I,
+    ) -> Result<StaticDiscovery, DiscoveryError>
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let instances = endpoints
+            .into_iter()
+            .enumerate()
+            .map(|(i, ep)| {
+                let id = ChannelId::new(namespace, component, topic, i as u64)?;
+                Ok(Instance::new(id, Transport::zmq(ep), 1))
+            })
+            .collect::<Result<Vec<_>, DiscoveryError>>()?;
+        Ok(StaticDiscovery::new(instances))
+    }
+
+    fn matching(&self, query: &Query) -> Vec<Instance> {
+        self.instances
+            .iter()
+            .filter(|i| query.matches(&i.id))
+            .cloned()
+            .collect()
+    }
+}
+
+impl Discovery for StaticDiscovery {
+    fn register(
+        &self,
+        _id: ChannelId,
+        _transport: Transport,
+    ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
+        Box::pin(async {
+            Err(DiscoveryError::Unsupported {
+                operation: "register",
+            })
+        })
+    }
+
+    fn list(&self, query: Query) -> BoxFuture<'_, Result<Vec<Instance>, DiscoveryError>> {
+        let out = self.matching(&query);
+        Box::pin(async move { Ok(out) })
+    }
+
+    fn watch(
+        &self,
+        query: Query,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'_, Result<DiscoveryStream, DiscoveryError>> {
+        let snapshot = self.matching(&query);
+        let mut events: Vec<DiscoveryEvent> = snapshot
+            .iter()
+            .cloned()
+            .map(DiscoveryEvent::Added)
+            .collect();
+        events.push(DiscoveryEvent::Resync(snapshot));
+        let stream = futures_util_free::iter_then_pending(events, cancel);
+        Box::pin(async move { Ok(DiscoveryStream::new(stream)) })
+    }
+
+    fn stats(&self) -> DiscoveryStats {
+        DiscoveryStats {
+            registrations: self.instances.len(),
+            ..DiscoveryStats::default()
+        }
+    }
+}
+
+/// A stream of fixed events followed by silence until cancellation, without pulling in
+/// `futures-util`.
+mod futures_util_free {
+    use std::collections::VecDeque;
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    use futures_core::Stream;
+    use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+
+    use crate::discovery::{DiscoveryError, DiscoveryEvent};
+
+    pub(super) struct Fixed {
+        events: VecDeque<DiscoveryEvent>,
+        cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
+        done: bool,
+    }
+
+    pub(super) fn iter_then_pending(
+        events: Vec<DiscoveryEvent>,
+        cancel: CancellationToken,
+    ) -> Fixed {
+        Fixed {
+            events: events.into(),
+            cancelled: Box::pin(cancel.cancelled_owned()),
+            done: false,
+        }
+    }
+
+    impl Stream for Fixed {
+        type Item = Result<DiscoveryEvent, DiscoveryError>;
+
+        fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+            if self.done || self.cancelled.as_mut().poll(cx).is_ready() {
+                self.done = true;
+                return Poll::Ready(None);
+            }
+            match self.events.pop_front() {
+                Some(ev) => Poll::Ready(Some(Ok(ev))),
+                None => Poll::Pending,
+            }
+        }
+    }
+}

@@ -14,13 +14,21 @@
 //!   session, and async [`SubSocket`](zmtp::SubSocket) / [`PubSocket`](zmtp::PubSocket)
 //!   over any byte stream. It interoperates with libzmq and zeromq-rs, and a forged
 //!   frame header costs a closed connection, never an allocation of the claimed size.
+//! - [`discovery`]: the dyn-compatible [`Discovery`](discovery::Discovery) trait with
+//!   a strict watch contract (initial sync ending in `Resync`, bounded per-watcher
+//!   backlogs that collapse into a `Resync`, stale removals suppressed by incarnation),
+//!   the embedded [`MemoryDiscovery`](discovery::MemoryDiscovery) and
+//!   [`StaticDiscovery`](discovery::StaticDiscovery).
 //!
-//! Discovery, the dynamic subscriber with fair lossy lanes and the KV-event pipeline
-//! are built on this layer (see the project's CHANGELOG for what has landed).
+//! The dynamic subscriber with fair lossy lanes, the KV-event pipeline and the etcd
+//! backend are built on these layers (see the project's CHANGELOG for what has
+//! landed).
 //!
 //! ## Features
 //! - `etcd`: distributed discovery on etcd (planned).
-//! - `test-support`: conformance suites for downstream crates (planned).
+//! - `test-support`: `discovery::conformance` (a conformance suite for any
+//!   `Discovery` backend) and `discovery::FaultDiscovery` (fault injection for
+//!   consumers).
 //! - `metrics`: counters through the `metrics` facade (planned).
 //!
 //! ## Cancel safety

@@ -2,6 +2,10 @@
 //! live in spawned tasks and shared state.
 #![allow(missing_docs, dead_code)]
 
+use eventplane::discovery::{
+    ChannelId, Discovery, DiscoveryError, DiscoveryEvent, DiscoveryStream, Instance,
+    MemoryDiscovery, Query, Registration, StaticDiscovery,
+};
 use eventplane::zmtp::{
     Config, Error, Message, ProtocolError, PubSocket, PubStats, Session, SubSocket,
 };
@@ -20,6 +24,16 @@ fn main_types_are_send_and_sync() {
     send_sync::<Session>();
     send_sync::<SubSocket>();
     send_sync::<SubSocket<tokio::io::DuplexStream>>();
+    send_sync::<MemoryDiscovery>();
+    send_sync::<StaticDiscovery>();
+    send_sync::<std::sync::Arc<dyn Discovery>>();
+    send_sync::<Registration>();
+    send_sync::<DiscoveryError>();
+    send_sync::<DiscoveryEvent>();
+    send_sync::<ChannelId>();
+    send_sync::<Instance>();
+    send_sync::<Query>();
+    send::<DiscoveryStream>();
 }
 
 #[test]

@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -79,7 +79,7 @@ impl MemoryDiscoveryBuilder {
     pub fn build(self) -> MemoryDiscovery {
         MemoryDiscovery {
             registry: Arc::new(Registry {
-                state: Mutex::new(State::default()),
+                state: RwLock::new(State::default()),
                 ttl: self.ttl,
                 watch_buffer: self.watch_buffer,
             }),
@@ -89,7 +89,9 @@ impl MemoryDiscoveryBuilder {
 
 #[derive(Debug)]
 struct Registry {
-    state: Mutex<State>,
+    /// Reads (`list`, `get`, snapshots) share; changes and their fan-out are
+    /// exclusive.
+    state: RwLock<State>,
     ttl: Duration,
     watch_buffer: usize,
 }
@@ -125,8 +127,12 @@ struct Watcher {
 }
 
 impl Registry {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> RwLockWriteGuard<'_, State> {
+        self.state.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn read(&self) -> RwLockReadGuard<'_, State> {
+        self.state.read().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -285,7 +291,7 @@ impl MemoryDiscovery {
 
     /// The current registration of `id`: O(1).
     pub fn get(&self, id: &ChannelId) -> Option<Instance> {
-        self.registry.lock().get(id).map(|e| e.instance.clone())
+        self.registry.read().get(id).map(|e| e.instance.clone())
     }
 
     fn register_now(&self, id: ChannelId, transport: Transport) -> Registration {
@@ -349,7 +355,7 @@ impl Discovery for MemoryDiscovery {
     }
 
     fn list(&self, query: Query) -> BoxFuture<'_, Result<Vec<Instance>, DiscoveryError>> {
-        let out = self.registry.lock().list(&query);
+        let out = self.registry.read().list(&query);
         Box::pin(async move { Ok(out) })
     }
 
@@ -365,10 +371,11 @@ impl Discovery for MemoryDiscovery {
     }
 
     fn stats(&self) -> DiscoveryStats {
-        let st = self.registry.lock();
+        let st = self.registry.read();
         DiscoveryStats {
             registrations: st.registrations,
             watchers: st.watchers.len(),
+            buffered_events: st.watchers.values().map(|w| w.buffer.len()).sum(),
             ..st.stats
         }
     }
@@ -478,7 +485,7 @@ impl MemoryWatch {
             drop(st);
             // Registry lock first (the order every push uses), then the buffer: the
             // snapshot reflects every change the discarded backlog held.
-            let state = self.registry.lock();
+            let state = self.registry.read();
             let snapshot = state.list(&self.query);
             let mut st = self.buffer.lock();
             st.queue.clear();

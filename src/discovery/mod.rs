@@ -116,6 +116,8 @@ pub struct DiscoveryStats {
     pub registrations: usize,
     /// Open watch streams.
     pub watchers: usize,
+    /// Events waiting in watch backlogs now (each backlog is bounded).
+    pub buffered_events: usize,
     /// Watch backlogs that overflowed and collapsed into a `Resync`.
     pub overflow_resyncs: u64,
     /// Registrations removed because their lease expired.

@@ -125,16 +125,20 @@ impl fmt::Display for ChannelId {
 }
 
 fn encode_segment(seg: &str, out: &mut String) {
-    const HEX: &[u8; 16] = b"0123456789ABCDEF";
     for &b in seg.as_bytes() {
         if b.is_ascii_alphanumeric() || b == b'_' || b == b'-' {
             out.push(char::from(b));
         } else {
             out.push('%');
-            out.push(char::from(HEX[usize::from(b >> 4)]));
-            out.push(char::from(HEX[usize::from(b & 0xf)]));
+            out.push(hex_digit(b >> 4));
+            out.push(hex_digit(b & 0xf));
         }
     }
+}
+
+/// Upper-case hex digit of a nibble (`n < 16`).
+fn hex_digit(n: u8) -> char {
+    char::from(if n < 10 { b'0' + n } else { b'A' + n - 10 })
 }
 
 fn decode_segment(seg: &str) -> Result<String, DiscoveryError> {

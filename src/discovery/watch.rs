@@ -83,6 +83,11 @@ impl WatchBuffer {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Events waiting now.
+    pub(crate) fn len(&self) -> usize {
+        self.lock().queue.len()
+    }
+
     /// Appends `event`, or collapses the backlog on overflow. Returns `true` when this
     /// push caused the overflow.
     pub(crate) fn push(&self, event: DiscoveryEvent) -> bool {

@@ -8,20 +8,9 @@ use std::time::Duration;
 
 use bytes::{BufMut, BytesMut};
 use eventplane::zmtp::{Config, Error, ProtocolError, SubSocket, TimeoutKind};
-use support::within;
+use support::{greeting, within};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
-
-fn greeting(major: u8, minor: u8, mechanism: &[u8]) -> Vec<u8> {
-    let mut g = vec![0u8; 64];
-    g[0] = 0xff;
-    g[8] = 1;
-    g[9] = 0x7f;
-    g[10] = major;
-    g[11] = minor;
-    g[12..12 + mechanism.len()].copy_from_slice(mechanism);
-    g
-}
 
 fn handshake_then(bytes: &[u8]) -> Vec<u8> {
     let mut out = greeting(3, 1, b"NULL");

@@ -7,6 +7,8 @@
     missing_docs
 )]
 
+mod support;
+
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
@@ -17,18 +19,7 @@ use eventplane::zmtp::{
     Config, Error, Event, Message, ProtocolError, Session, SocketType, TimeoutKind,
 };
 use proptest::prelude::*;
-
-/// A peer greeting with chosen version and mechanism.
-fn greeting(major: u8, minor: u8, mechanism: &[u8]) -> Vec<u8> {
-    let mut g = vec![0u8; 64];
-    g[0] = 0xff;
-    g[8] = 1;
-    g[9] = 0x7f;
-    g[10] = major;
-    g[11] = minor;
-    g[12..12 + mechanism.len()].copy_from_slice(mechanism);
-    g
-}
+use support::greeting;
 
 fn ready(socket_type: &str) -> Vec<u8> {
     let mut body = BytesMut::new();

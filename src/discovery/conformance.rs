@@ -277,6 +277,49 @@ async fn converge(
     Ok(())
 }
 
+/// Polls `condition` until it holds, failing with `what` after the deadline.
+async fn eventually<F, Fut>(
+    check: &'static str,
+    settings: &Settings,
+    what: &str,
+    mut condition: F,
+) -> CheckResult
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<bool, ConformanceFailure>>,
+{
+    let deadline = tokio::time::Instant::now() + settings.deadline;
+    while !condition().await? {
+        if tokio::time::Instant::now() >= deadline {
+            return Err(fail(check, what));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    Ok(())
+}
+
+async fn unregister(check: &'static str, registration: Registration) -> CheckResult {
+    registration
+        .unregister()
+        .await
+        .map_err(|e| fail(check, format!("unregister failed: {e}")))
+}
+
+/// Reads the initial sync into a fresh consumer view.
+async fn synced_mirror(
+    check: &'static str,
+    s: &mut DiscoveryStream,
+    settings: &Settings,
+) -> Result<Mirror, ConformanceFailure> {
+    let mut mirror = Mirror::default();
+    let (added, snapshot) = initial_sync(check, s, settings).await?;
+    for i in added {
+        mirror.apply(&DiscoveryEvent::Added(i));
+    }
+    mirror.apply(&DiscoveryEvent::Resync(snapshot));
+    Ok(mirror)
+}
+
 /// Reads the initial sync: `Added`s up to and including the first `Resync`.
 async fn initial_sync(
     check: &'static str,
@@ -430,9 +473,7 @@ pub async fn check_incremental_changes(d: &dyn Discovery, settings: &Settings) -
         other => return Err(fail(C, format!("expected Added(b), got {other:?}"))),
     }
     let (a_id, a_inc) = (a.instance().id.clone(), a.instance().incarnation);
-    a.unregister()
-        .await
-        .map_err(|e| fail(C, format!("unregister failed: {e}")))?;
+    unregister(C, a).await?;
     match next_event(C, &mut s, settings.deadline).await? {
         DiscoveryEvent::Removed { id, incarnation } if id == a_id && incarnation == a_inc => {}
         other => return Err(fail(C, format!("expected Removed(a), got {other:?}"))),
@@ -461,21 +502,14 @@ pub async fn check_overflow_collapses_into_resync(
     let ns = namespace(C);
     let q = Query::new(&ns);
     let mut s = watch(C, d, q.clone(), CancellationToken::new()).await?;
-    let mut mirror = Mirror::default();
-    let (added, snapshot) = initial_sync(C, &mut s, settings).await?;
-    for i in added {
-        mirror.apply(&DiscoveryEvent::Added(i));
-    }
-    mirror.apply(&DiscoveryEvent::Resync(snapshot));
+    let mut mirror = synced_mirror(C, &mut s, settings).await?;
     let mut keep = Vec::new();
     for n in 0..settings.overflow_churn as u64 {
         let g = register(C, d, id(&ns, "c", "t", n), n).await?;
         if n % 100 == 0 {
             keep.push(g);
         } else {
-            g.unregister()
-                .await
-                .map_err(|e| fail(C, format!("unregister failed: {e}")))?;
+            unregister(C, g).await?;
         }
     }
     converge(C, d, &q, &mut s, &mut mirror, settings).await?;
@@ -500,12 +534,7 @@ pub async fn check_stale_removal_suppressed(d: &dyn Discovery, settings: &Settin
     let a_id = id(&ns, "c", "t", 1);
     let first = register(C, d, a_id.clone(), 1).await?;
     let mut s = watch(C, d, q.clone(), CancellationToken::new()).await?;
-    let mut mirror = Mirror::default();
-    let (added, snapshot) = initial_sync(C, &mut s, settings).await?;
-    for i in added {
-        mirror.apply(&DiscoveryEvent::Added(i));
-    }
-    mirror.apply(&DiscoveryEvent::Resync(snapshot));
+    let mut mirror = synced_mirror(C, &mut s, settings).await?;
     let second = register(C, d, a_id.clone(), 2).await?;
     if second.instance().incarnation <= first.instance().incarnation {
         return Err(fail(C, "re-registration did not get a newer incarnation"));
@@ -566,13 +595,13 @@ pub async fn check_cancel_and_drop_release_watch(
     drop(s2);
     drop(s);
     if reports {
-        let deadline = tokio::time::Instant::now() + settings.deadline;
-        while d.stats().watchers > base {
-            if tokio::time::Instant::now() >= deadline {
-                return Err(fail(C, "dropped or cancelled watches were not released"));
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        eventually(
+            C,
+            settings,
+            "dropped or cancelled watches were not released",
+            || async { Ok(d.stats().watchers <= base) },
+        )
+        .await?;
     }
     Ok(())
 }
@@ -588,9 +617,7 @@ pub async fn check_register_list_unregister(d: &dyn Discovery, settings: &Settin
     if listed != view(&[a.instance().clone(), b.instance().clone()]) {
         return Err(fail(C, format!("list returned {listed:?}")));
     }
-    a.unregister()
-        .await
-        .map_err(|e| fail(C, format!("unregister failed: {e}")))?;
+    unregister(C, a).await?;
     let listed = list(C, d, q.clone()).await?;
     if listed != vec![b.instance().clone()] {
         return Err(fail(
@@ -599,14 +626,13 @@ pub async fn check_register_list_unregister(d: &dyn Discovery, settings: &Settin
         ));
     }
     drop(b);
-    let deadline = tokio::time::Instant::now() + settings.deadline;
-    while !list(C, d, q.clone()).await?.is_empty() {
-        if tokio::time::Instant::now() >= deadline {
-            return Err(fail(C, "a dropped guard's registration was never removed"));
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    Ok(())
+    eventually(
+        C,
+        settings,
+        "a dropped guard's registration was never removed",
+        || async { Ok(list(C, d, q.clone()).await?.is_empty()) },
+    )
+    .await
 }
 
 /// Incarnations strictly increase across re-registrations; a re-registration with a
@@ -617,10 +643,7 @@ pub async fn check_reregister_incarnations(d: &dyn Discovery, _settings: &Settin
     let a_id = id(&ns, "c", "t", 1);
     let first = register(C, d, a_id.clone(), 1).await?;
     let inc1 = first.instance().incarnation;
-    first
-        .unregister()
-        .await
-        .map_err(|e| fail(C, format!("unregister failed: {e}")))?;
+    unregister(C, first).await?;
     let second = register(C, d, a_id.clone(), 2).await?;
     let third = register(C, d, a_id.clone(), 3).await?;
     let (inc2, inc3) = (second.instance().incarnation, third.instance().incarnation);

@@ -1,5 +1,11 @@
 //! Shared helpers for the integration tests.
-#![allow(dead_code, unreachable_pub, clippy::unwrap_used, clippy::expect_used)]
+#![allow(
+    dead_code,
+    unreachable_pub,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing
+)]
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -18,6 +24,18 @@ pub const DEADLINE: Duration = Duration::from_secs(30);
 
 pub fn support_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/support")
+}
+
+/// A ZMTP greeting with the given version and mechanism, as a peer would send it.
+pub fn greeting(major: u8, minor: u8, mechanism: &[u8]) -> Vec<u8> {
+    let mut g = vec![0u8; 64];
+    g[0] = 0xff;
+    g[8] = 1;
+    g[9] = 0x7f;
+    g[10] = major;
+    g[11] = minor;
+    g[12..12 + mechanism.len()].copy_from_slice(mechanism);
+    g
 }
 
 /// Resident set size of this process, from /proc.

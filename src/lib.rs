@@ -40,6 +40,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod discovery;
+pub mod net;
 pub mod zmtp;
 
 /// The README's examples, compiled and run as doctests.

@@ -1,0 +1,170 @@
+//! Jittered exponential backoff.
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::time::{Duration, Instant};
+
+/// Full-jitter exponential backoff: attempt *n* waits a uniformly random time in
+/// `[0, min(max, min × multiplier^n)]`. Pure: the caller passes the randomness, so
+/// tests are deterministic.
+///
+/// ```
+/// use std::time::Duration;
+/// use eventplane::net::Backoff;
+/// let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+/// assert_eq!(b.next_delay(1.0), Duration::from_millis(100));
+/// assert_eq!(b.next_delay(1.0), Duration::from_millis(200));
+/// assert_eq!(b.next_delay(0.5), Duration::from_millis(200));
+/// b.reset();
+/// assert_eq!(b.next_delay(0.0), Duration::ZERO);
+/// ```
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    min: Duration,
+    max: Duration,
+    multiplier: f64,
+    attempt: u32,
+}
+
+impl Backoff {
+    /// From `min` to `max`, doubling.
+    pub fn new(min: Duration, max: Duration) -> Backoff {
+        Backoff {
+            min,
+            max: max.max(min),
+            multiplier: 2.0,
+            attempt: 0,
+        }
+    }
+
+    /// Changes the growth factor (at least 1).
+    #[must_use]
+    pub fn with_multiplier(mut self, multiplier: f64) -> Backoff {
+        self.multiplier = if multiplier.is_finite() {
+            multiplier.max(1.0)
+        } else {
+            2.0
+        };
+        self
+    }
+
+    /// The ceiling for the current attempt, before jitter.
+    pub fn ceiling(&self) -> Duration {
+        let factor = self.multiplier.powi(self.attempt.min(64) as i32);
+        let ceiling = self.min.as_secs_f64() * factor;
+        if ceiling >= self.max.as_secs_f64() {
+            self.max
+        } else {
+            Duration::from_secs_f64(ceiling)
+        }
+    }
+
+    /// The next delay for `random` in `[0, 1]` (clamped), and advances the attempt.
+    pub fn next_delay(&mut self, random: f64) -> Duration {
+        let random = if random.is_finite() {
+            random.clamp(0.0, 1.0)
+        } else {
+            1.0
+        };
+        let delay = self.ceiling().mul_f64(random);
+        self.attempt = self.attempt.saturating_add(1);
+        delay
+    }
+
+    /// Attempts since the last reset.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// Back to the first attempt (after a healthy period).
+    pub fn reset(&mut self) {
+        self.attempt = 0;
+    }
+}
+
+/// A fast, short delay for planned moves (a publisher re-registering on a new port),
+/// falling back to the normal backoff when another move happened within `window`.
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use eventplane::net::Throttle;
+/// let mut t = Throttle::new(Duration::from_millis(10), Duration::from_secs(5));
+/// let now = Instant::now();
+/// assert_eq!(t.delay(now, Duration::from_secs(1)), Duration::from_millis(10));
+/// // A second move within the window: use the normal backoff's delay.
+/// assert_eq!(t.delay(now + Duration::from_secs(1), Duration::from_secs(1)), Duration::from_secs(1));
+/// ```
+#[derive(Debug, Clone)]
+pub struct Throttle {
+    fast: Duration,
+    window: Duration,
+    last: Option<Instant>,
+}
+
+impl Throttle {
+    /// `fast` for an isolated move; moves closer than `window` fall back.
+    pub fn new(fast: Duration, window: Duration) -> Throttle {
+        Throttle {
+            fast,
+            window,
+            last: None,
+        }
+    }
+
+    /// The delay before acting on a move at `now`, given the normal backoff's delay.
+    pub fn delay(&mut self, now: Instant, backoff: Duration) -> Duration {
+        let recent = self
+            .last
+            .is_some_and(|t| now.saturating_duration_since(t) < self.window);
+        self.last = Some(now);
+        if recent { backoff } else { self.fast }
+    }
+}
+
+/// A random `u64` from the standard library's per-process random hash keys (no
+/// dependency; fine for jitter and ids, not for cryptography).
+pub fn random_u64() -> u64 {
+    let mut h = RandomState::new().build_hasher();
+    h.write_u64(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0),
+    );
+    h.finish()
+}
+
+/// A random number in `[0, 1)`, for [`Backoff::next_delay`].
+pub fn random_unit() -> f64 {
+    (random_u64() >> 11) as f64 / (1u64 << 53) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grows_and_caps() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        let ceilings: Vec<u128> = (0..10).map(|_| b.next_delay(1.0).as_millis()).collect();
+        assert_eq!(
+            ceilings,
+            vec![100, 200, 400, 800, 1600, 3200, 5000, 5000, 5000, 5000]
+        );
+        for _ in 0..1000 {
+            b.next_delay(1.0);
+        }
+        assert_eq!(b.next_delay(1.0), Duration::from_secs(5));
+        assert_eq!(b.next_delay(f64::NAN), Duration::from_secs(5));
+        assert_eq!(b.next_delay(-3.0), Duration::ZERO);
+    }
+
+    #[test]
+    fn randomness_is_in_range() {
+        for _ in 0..1000 {
+            let r = random_unit();
+            assert!((0.0..1.0).contains(&r));
+        }
+        assert_ne!(random_u64(), random_u64());
+    }
+}

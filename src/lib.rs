@@ -40,6 +40,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod discovery;
+pub mod lossy;
 pub mod net;
 pub mod zmtp;
 

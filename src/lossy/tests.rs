@@ -1,0 +1,174 @@
+use super::*;
+
+fn merge(cap: usize, lane_bytes: usize, budget: usize, policy: DropPolicy) -> Merge<u32> {
+    Merge::new(
+        MergeConfig::default()
+            .lane_capacity(cap)
+            .lane_bytes(lane_bytes)
+            .max_buffered_bytes(budget)
+            .policy(policy),
+    )
+}
+
+fn drain(m: &Merge<u32>) -> Vec<u32> {
+    let mut out = Vec::new();
+    m.try_recv_many(&mut out, usize::MAX);
+    out
+}
+
+#[test]
+fn lane_capacity_drop_newest() {
+    let m = merge(3, 1 << 20, 1 << 20, DropPolicy::DropNewest);
+    let l = m.lane();
+    for i in 0..5 {
+        l.push(i, 10);
+    }
+    assert_eq!(drain(&m), vec![0, 1, 2]);
+    let s = l.stats();
+    assert_eq!((s.received, s.delivered, s.dropped_lane_full), (5, 3, 2));
+}
+
+#[test]
+fn lane_capacity_drop_oldest() {
+    let m = merge(3, 1 << 20, 1 << 20, DropPolicy::DropOldest);
+    let l = m.lane();
+    for i in 0..5 {
+        l.push(i, 10);
+    }
+    assert_eq!(drain(&m), vec![2, 3, 4]);
+    assert_eq!(l.stats().dropped_lane_full, 2);
+}
+
+#[test]
+fn lane_bytes_charge_overhead() {
+    // Each item is charged 36 + 64 = 100 bytes: 3 fit in 300.
+    let m = merge(100, 300, 1 << 20, DropPolicy::DropNewest);
+    let l = m.lane();
+    for i in 0..4 {
+        l.push(i, 36);
+    }
+    assert_eq!(l.stats().bytes, 300);
+    assert_eq!(l.stats().dropped_lane_full, 1);
+    assert_eq!(m.buffered_bytes(), 300);
+    drain(&m);
+    assert_eq!(m.buffered_bytes(), 0);
+}
+
+#[test]
+fn round_robin_fairness() {
+    let m = merge(1000, 1 << 20, 1 << 20, DropPolicy::DropNewest);
+    let a = m.lane();
+    let b = m.lane();
+    for i in 0..100 {
+        a.push(i, 1);
+    }
+    b.push(1000, 1);
+    b.push(1001, 1);
+    let mut out = Vec::new();
+    m.try_recv_many(&mut out, 5);
+    assert_eq!(out, vec![0, 1000, 1, 1001, 2]);
+}
+
+#[test]
+fn budget_is_fair_to_small_lanes() {
+    // Budget of 10 items (charge 100 each) over 2 lanes: share 5 items.
+    let m = merge(1000, 1 << 20, 1000, DropPolicy::DropNewest);
+    let flood = m.lane();
+    let quiet = m.lane();
+    for i in 0..10 {
+        assert!(matches!(flood.push(i, 36), PushOutcome::Queued { .. }));
+    }
+    // The flood is over its share: refused for budget.
+    assert_eq!(flood.push(99, 36), PushOutcome::DroppedBudget);
+    // The quiet lane is under its share: room is made from the flood.
+    for i in 0..3 {
+        assert_eq!(quiet.push(100 + i, 36), PushOutcome::Queued { evicted: 1 });
+    }
+    assert!(m.buffered_bytes() <= 1000);
+    assert_eq!(flood.stats().dropped_budget, 4);
+    assert_eq!(quiet.stats().dropped_budget, 0);
+    let out = drain(&m);
+    assert_eq!(out.iter().filter(|&&x| x >= 100).count(), 3);
+}
+
+#[test]
+fn closed_lane_drains_then_frees() {
+    let m = merge(10, 1 << 20, 1 << 20, DropPolicy::DropNewest);
+    let l = m.lane();
+    l.push(1, 1);
+    drop(l);
+    assert_eq!(drain(&m), vec![1]);
+    let l2 = m.lane();
+    l2.push(2, 1);
+    assert_eq!(drain(&m), vec![2]);
+}
+
+#[test]
+fn closed_merge_refuses() {
+    let m = merge(10, 1 << 20, 1 << 20, DropPolicy::DropNewest);
+    let l = m.lane();
+    m.close();
+    assert_eq!(l.push(1, 1), PushOutcome::Closed);
+}
+
+#[test]
+fn waker_fires_on_push() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    struct Count(AtomicUsize);
+    impl std::task::Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let count = Arc::new(Count(AtomicUsize::new(0)));
+    let waker = Waker::from(count.clone());
+    let mut cx = Context::from_waker(&waker);
+    let m = merge(10, 1 << 20, 1 << 20, DropPolicy::DropNewest);
+    let l = m.lane();
+    let mut out = Vec::new();
+    assert!(m.poll_recv_many(&mut cx, &mut out, 10).is_pending());
+    l.push(7, 1);
+    assert_eq!(count.0.load(Ordering::SeqCst), 1);
+    assert_eq!(m.poll_recv_many(&mut cx, &mut out, 10), Poll::Ready(1));
+    m.close();
+    assert_eq!(m.poll_recv_many(&mut cx, &mut out, 10), Poll::Ready(0));
+}
+
+#[test]
+fn random_pushes_never_exceed_bounds() {
+    let m = merge(50, 5_000, 20_000, DropPolicy::DropOldest);
+    let lanes: Vec<_> = (0..8).map(|_| m.lane()).collect();
+    let mut x: u64 = 12345;
+    let mut pushed = 0u64;
+    let mut got = Vec::new();
+    for _ in 0..50_000 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let lane = &lanes[(x % 8) as usize];
+        lane.push(0, (x % 300) as usize);
+        pushed += 1;
+        assert!(m.buffered_bytes() <= 20_000);
+        for l in &lanes {
+            let s = l.stats();
+            assert!(s.depth <= 50 && s.bytes <= 5_000);
+        }
+        if x % 5 == 0 {
+            m.try_recv_many(&mut got, 3);
+        }
+    }
+    m.try_recv_many(&mut got, usize::MAX);
+    let total: u64 = lanes
+        .iter()
+        .map(|l| {
+            let s = l.stats();
+            s.delivered + s.dropped_lane_full + s.dropped_budget
+        })
+        .sum();
+    // Every push is accounted for: delivered or dropped.
+    assert_eq!(total, pushed);
+    assert_eq!(
+        got.len() as u64,
+        lanes.iter().map(|l| l.stats().delivered).sum::<u64>()
+    );
+}

@@ -42,6 +42,8 @@
 pub mod discovery;
 pub mod lossy;
 pub mod net;
+pub mod publish;
+pub mod subscriber;
 pub mod zmtp;
 
 /// The README's examples, compiled and run as doctests.

@@ -40,8 +40,9 @@ const DROP_WARN_INTERVAL: Duration = Duration::from_secs(60);
 /// subscribers there are.
 ///
 /// Dropping the socket stops accepting and closes every connection (queued messages
-/// are discarded); [`close`](Self::close) first waits up to a linger period for the
-/// queues to drain.
+/// are discarded) as soon as its tasks observe the cancellation, so the port may stay
+/// bound for a moment; [`close`](Self::close) first waits up to a linger period for the
+/// queues to drain, then waits until the listener and every connection are gone.
 ///
 /// ```no_run
 /// use eventplane::zmtp::{Config, Message, PubSocket};

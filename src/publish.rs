@@ -1,0 +1,238 @@
+//! `EventPublisher`: a `PubSocket` registered in discovery, sending
+//! `[topic, publisher_id u64be, sequence u64be, payload]`.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::discovery::{
+    ChannelId, Discovery, DiscoveryError, Instance, MAX_PUBLISHER_ID, Registration, Transport,
+};
+use crate::net::random_u64;
+use crate::zmtp::{self, Message, PubSocket, PubStats, SendReport};
+
+/// Errors of [`EventPublisher`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PublishError {
+    /// Binding the socket failed.
+    #[error("cannot bind the publisher socket")]
+    Bind(#[source] zmtp::Error),
+    /// Registering in discovery failed.
+    #[error("cannot register the publisher in discovery")]
+    Register(#[source] DiscoveryError),
+    /// The advertised host cannot be dialled by others (e.g. `0.0.0.0`).
+    #[error("advertise host {host:?} is not routable: {reason}")]
+    AdvertiseHost {
+        /// The host.
+        host: String,
+        /// Why.
+        reason: &'static str,
+    },
+}
+
+/// Builds an [`EventPublisher`].
+#[derive(Debug)]
+#[must_use]
+pub struct EventPublisherBuilder {
+    discovery: Arc<dyn Discovery>,
+    namespace: String,
+    component: String,
+    topic: String,
+    bind_host: String,
+    advertise_host: Option<String>,
+    zmtp: zmtp::Config,
+    linger: Duration,
+}
+
+impl EventPublisherBuilder {
+    /// Interface to bind. Default `127.0.0.1`; use `0.0.0.0` with an explicit
+    /// [`advertise_host`](Self::advertise_host) to serve other machines.
+    pub fn bind_host(mut self, host: impl Into<String>) -> Self {
+        self.bind_host = host.into();
+        self
+    }
+    /// Host others dial. Default: the bind host (which must then be routable).
+    pub fn advertise_host(mut self, host: impl Into<String>) -> Self {
+        self.advertise_host = Some(host.into());
+        self
+    }
+    /// ZMTP config of the socket (queue bounds per subscriber). Default
+    /// `zmtp::Config::default()`.
+    pub fn zmtp_config(mut self, config: zmtp::Config) -> Self {
+        self.zmtp = config;
+        self
+    }
+    /// How long [`EventPublisher::shutdown`] lets queues drain. Default 1 s.
+    pub fn linger(mut self, linger: Duration) -> Self {
+        self.linger = linger;
+        self
+    }
+
+    /// Binds on an OS-assigned port, picks a random publisher id and registers.
+    pub async fn build(self) -> Result<EventPublisher, PublishError> {
+        let advertise = self
+            .advertise_host
+            .clone()
+            .unwrap_or_else(|| self.bind_host.clone());
+        check_advertise_host(&advertise)?;
+        let socket = PubSocket::bind(&format!("tcp://{}:0", bracket(&self.bind_host)), self.zmtp)
+            .await
+            .map_err(PublishError::Bind)?;
+        let port = socket.local_addr().map(|a| a.port()).unwrap_or_default();
+        let endpoint = format!("tcp://{}:{port}", bracket(&advertise));
+        let publisher_id = random_u64() & MAX_PUBLISHER_ID;
+        let id = ChannelId::new(
+            self.namespace,
+            self.component,
+            self.topic.clone(),
+            publisher_id,
+        )
+        .map_err(PublishError::Register)?;
+        let registration = self
+            .discovery
+            .register(id, Transport::zmq(endpoint.clone()))
+            .await
+            .map_err(PublishError::Register)?;
+        tracing::debug!(%endpoint, publisher_id, "event publisher registered");
+        Ok(EventPublisher {
+            socket,
+            registration: Some(registration),
+            topic: Bytes::from(self.topic),
+            publisher_id: Bytes::copy_from_slice(&publisher_id.to_be_bytes()),
+            sequence: AtomicU64::new(0),
+            linger: self.linger,
+        })
+    }
+}
+
+fn bracket(host: &str) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]")
+    } else {
+        host.to_owned()
+    }
+}
+
+fn check_advertise_host(host: &str) -> Result<(), PublishError> {
+    let bad = |reason| PublishError::AdvertiseHost {
+        host: host.to_owned(),
+        reason,
+    };
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    if bare.is_empty() || bare == "*" {
+        return Err(bad("empty or wildcard"));
+    }
+    if let Ok(ip) = bare.parse::<IpAddr>() {
+        if ip.is_unspecified() {
+            return Err(bad(
+                "unspecified address: bind to it, but advertise a real one",
+            ));
+        }
+        if ip.is_multicast() {
+            return Err(bad("multicast address"));
+        }
+    }
+    Ok(())
+}
+
+/// Publishes events on the event plane: binds a [`PubSocket`] on an OS-assigned
+/// port, registers `tcp://{advertise_host}:{port}` in discovery under a random
+/// publisher id (≤ 2^53 − 1), and sends `[topic, publisher_id u64be, sequence u64be,
+/// payload]` with the sequence counting from 0. Sending never blocks; slow subscribers
+/// lose messages, counted in [`stats`](Self::stats) (and visible to them as sequence
+/// gaps). [`shutdown`](Self::shutdown) unregisters and lingers; dropping it
+/// unregisters (best effort) and closes the socket.
+///
+/// ```
+/// use std::sync::Arc;
+/// use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
+/// use eventplane::publish::EventPublisher;
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let discovery = Arc::new(MemoryDiscovery::new());
+/// let publisher = EventPublisher::builder(discovery.clone(), "prod", "worker", "kv-events")
+///     .build()
+///     .await?;
+/// assert_eq!(discovery.list(Query::new("prod")).await?.len(), 1);
+/// publisher.publish("payload");
+/// publisher.shutdown().await;
+/// assert!(discovery.list(Query::new("prod")).await?.is_empty());
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct EventPublisher {
+    socket: PubSocket,
+    registration: Option<Registration>,
+    topic: Bytes,
+    publisher_id: Bytes,
+    sequence: AtomicU64,
+    linger: Duration,
+}
+
+impl EventPublisher {
+    /// A builder for `namespace/component/topic`.
+    pub fn builder(
+        discovery: Arc<dyn Discovery>,
+        namespace: impl Into<String>,
+        component: impl Into<String>,
+        topic: impl Into<String>,
+    ) -> EventPublisherBuilder {
+        EventPublisherBuilder {
+            discovery,
+            namespace: namespace.into(),
+            component: component.into(),
+            topic: topic.into(),
+            bind_host: "127.0.0.1".into(),
+            advertise_host: None,
+            zmtp: zmtp::Config::default(),
+            linger: Duration::from_secs(1),
+        }
+    }
+
+    /// Sends one payload with the next sequence number. Never blocks.
+    pub fn publish(&self, payload: impl Into<Bytes>) -> SendReport {
+        let seq = self.sequence.fetch_add(1, Ordering::Relaxed);
+        self.socket.send(Message::from_parts([
+            self.topic.clone(),
+            self.publisher_id.clone(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            payload.into(),
+        ]))
+    }
+
+    /// The registered instance (id, endpoint, incarnation).
+    pub fn instance(&self) -> Option<&Instance> {
+        self.registration.as_ref().map(Registration::instance)
+    }
+
+    /// The next sequence number to be sent.
+    pub fn next_sequence(&self) -> u64 {
+        self.sequence.load(Ordering::Relaxed)
+    }
+
+    /// Socket counters (messages, queued, dropped, subscribers).
+    pub fn stats(&self) -> PubStats {
+        self.socket.stats()
+    }
+
+    /// Waits until `count` subscribers have subscribed.
+    pub async fn wait_for_subscribers(&self, count: usize) {
+        self.socket.wait_for_subscribers(count).await;
+    }
+
+    /// Unregisters, lets queues drain for the linger period, and closes the socket.
+    pub async fn shutdown(mut self) {
+        if let Some(r) = self.registration.take() {
+            if let Err(e) = r.unregister().await {
+                tracing::warn!(error = %e, "unregister failed; the lease will expire");
+            }
+        }
+        let linger = self.linger;
+        let socket = std::mem::replace(&mut self.socket, PubSocket::new(zmtp::Config::default()));
+        socket.close(linger).await;
+    }
+}

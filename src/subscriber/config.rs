@@ -1,0 +1,79 @@
+//! Configuration of the dynamic subscriber.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio_util::sync::CancellationToken;
+
+use crate::discovery::{Discovery, Query};
+use crate::lossy::{DropPolicy, MergeConfig};
+use crate::net::AddrFilter;
+use crate::zmtp;
+
+/// How a publisher's messages are framed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Layout {
+    /// Any frames; no sequence.
+    #[default]
+    Raw,
+    /// `[topic, seq u64be, payload…]` (vLLM / SGLang engines).
+    TopicSeq,
+    /// `[topic, publisher_id u64be, seq u64be, payload…]` (our `EventPublisher`, the
+    /// shape of Dynamo's event plane).
+    TopicPublisherSeq,
+}
+
+impl Layout {
+    /// The wire spelling used by the examples' `--layout` flag.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Layout::Raw => "raw",
+            Layout::TopicSeq => "topic-seq",
+            Layout::TopicPublisherSeq => "topic-publisher-seq",
+        }
+    }
+}
+
+/// Everything a [`DynamicSubscriber`](super::DynamicSubscriber) needs; built by
+/// [`DynamicSubscriberBuilder`](super::DynamicSubscriberBuilder), whose setters
+/// document every default.
+#[derive(Debug, Clone)]
+pub(crate) struct Config {
+    pub(crate) discovery: Arc<dyn Discovery>,
+    pub(crate) query: Query,
+    pub(crate) topic: Option<Bytes>,
+    pub(crate) layout: Layout,
+    pub(crate) merge: MergeConfig,
+    pub(crate) zmtp: zmtp::Config,
+    pub(crate) addr_filter: AddrFilter,
+    pub(crate) reconnect_min: Duration,
+    pub(crate) reconnect_max: Duration,
+    pub(crate) healthy_after: Duration,
+    pub(crate) rewatch_min: Duration,
+    pub(crate) rewatch_max: Duration,
+    pub(crate) recv_batch: usize,
+    pub(crate) cancel: CancellationToken,
+}
+
+impl Config {
+    pub(crate) fn new(discovery: Arc<dyn Discovery>, query: Query) -> Config {
+        Config {
+            discovery,
+            query,
+            topic: None,
+            layout: Layout::Raw,
+            merge: MergeConfig::default().policy(DropPolicy::DropNewest),
+            zmtp: zmtp::Config::default(),
+            addr_filter: AddrFilter::default(),
+            reconnect_min: Duration::from_millis(100),
+            reconnect_max: Duration::from_secs(5),
+            healthy_after: Duration::from_secs(30),
+            rewatch_min: Duration::from_millis(250),
+            rewatch_max: Duration::from_secs(5),
+            recv_batch: 256,
+            cancel: CancellationToken::new(),
+        }
+    }
+}

@@ -1,0 +1,365 @@
+//! The dynamic subscriber: discovery-driven fan-in with bounded, fair, counted loss.
+//!
+//! [`DynamicSubscriber`] watches a [`Discovery`] query, keeps one connection per
+//! matching publisher, and merges their messages into one stream of [`Delivery`]s.
+//!
+//! # The lossy contract
+//! - **Never backpressure the publisher.** Each connection keeps reading its socket
+//!   whatever the consumer does (TCP backpressure would push loss into the publisher's
+//!   high-water mark, where it is silent). When the consumer is slow, messages are
+//!   dropped *here* and counted.
+//! - **Bounded memory.** Each publisher has its own lane of at most `lane_capacity`
+//!   messages (default 4096) and `lane_bytes` (4 MiB), each message charged its bytes
+//!   plus 64; all lanes together hold at most `max_buffered_bytes` (64 MiB).
+//! - **Fair.** The consumer takes from ready lanes round-robin, and the global budget
+//!   never refuses a lane that holds less than its share — it evicts from the largest
+//!   lane instead — so a flooding publisher cannot starve a quiet one.
+//! - **Counted.** Every drop is counted per publisher and by reason in
+//!   [`SubscriberStats`]: lane full, budget, wrong topic, malformed; sequence gaps too.
+//! - `DropNewest` (default) or `DropOldest` (freshest data wins); order within a
+//!   publisher is preserved.
+//!
+//! # Connections and discovery
+//! A new id is dialled (resolve → [`AddrFilter`] check on every
+//! resolved address → TCP connect → handshake → subscribe) in its own task; failures
+//! reconnect with full-jitter backoff (100 ms → 5 s, reset after 30 s healthy) until
+//! the publisher leaves discovery. A re-registration on the same endpoint keeps the
+//! connection; a new endpoint replaces it; a `Removed` counts only if its incarnation
+//! is at least the tracked one; a `Resync` reconciles. A failed watch is re-opened with
+//! backoff while existing connections keep serving.
+//!
+//! # Shutdown
+//! Dropping the subscriber or cancelling its token stops every task and closes every
+//! socket; [`SubscriberHandle::shutdown`] waits for them.
+
+mod config;
+mod stats;
+mod worker;
+
+use std::collections::{HashMap, VecDeque};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_core::Stream;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use config::Layout;
+pub use stats::{PublisherStats, SubscriberStats};
+
+use crate::discovery::{ChannelId, Discovery, Instance, Query};
+use crate::lossy::{DropPolicy, Merge};
+use crate::net::{AddrFilter, RateLimitedWarn};
+use crate::zmtp::{self, Message};
+use config::Config;
+use stats::Counters;
+use worker::DeliveryLane;
+
+/// One message from one publisher.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Delivery {
+    /// The publisher, as discovery described it when the message was read.
+    pub source: Arc<Instance>,
+    /// The message's sequence number, for layouts that carry one.
+    pub sequence: Option<u64>,
+    /// The message (all frames).
+    pub message: Message,
+}
+
+/// Builds a [`DynamicSubscriber`]; every setter names its default.
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct DynamicSubscriberBuilder {
+    config: Config,
+}
+
+impl DynamicSubscriberBuilder {
+    /// Subscribe to this topic: frame 0 must equal it exactly (prefix collisions are
+    /// dropped and counted). Default: everything.
+    pub fn topic(mut self, topic: impl Into<Bytes>) -> Self {
+        self.config.topic = Some(topic.into());
+        self
+    }
+    /// Wire layout. Default [`Layout::Raw`].
+    pub fn layout(mut self, layout: Layout) -> Self {
+        self.config.layout = layout;
+        self
+    }
+    /// Messages per publisher lane. Default 4096.
+    pub fn lane_capacity(mut self, messages: usize) -> Self {
+        self.config.merge = self.config.merge.lane_capacity(messages);
+        self
+    }
+    /// Bytes per publisher lane (each message charged its bytes + 64). Default 4 MiB.
+    pub fn lane_bytes(mut self, bytes: usize) -> Self {
+        self.config.merge = self.config.merge.lane_bytes(bytes);
+        self
+    }
+    /// Bytes across all lanes. Default 64 MiB.
+    pub fn max_buffered_bytes(mut self, bytes: usize) -> Self {
+        self.config.merge = self.config.merge.max_buffered_bytes(bytes);
+        self
+    }
+    /// What to drop when full. Default [`DropPolicy::DropNewest`].
+    pub fn drop_policy(mut self, policy: DropPolicy) -> Self {
+        self.config.merge = self.config.merge.policy(policy);
+        self
+    }
+    /// ZMTP bounds and timeouts for every connection. Default `zmtp::Config::default()`.
+    pub fn zmtp_config(mut self, config: zmtp::Config) -> Self {
+        self.config.zmtp = config;
+        self
+    }
+    /// Which resolved addresses may be dialled. Default [`AddrFilter::default`]
+    /// (loopback allowed, other special ranges refused).
+    pub fn addr_filter(mut self, filter: AddrFilter) -> Self {
+        self.config.addr_filter = filter;
+        self
+    }
+    /// Reconnect backoff bounds. Default 100 ms → 5 s, full jitter.
+    pub fn reconnect_backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.config.reconnect_min = min;
+        self.config.reconnect_max = max;
+        self
+    }
+    /// Re-watch backoff bounds after a discovery watch fails. Default 250 ms → 5 s.
+    pub fn rewatch_backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.config.rewatch_min = min;
+        self.config.rewatch_max = max;
+        self
+    }
+    /// Messages read from a socket per batch. Default 256.
+    pub fn recv_batch(mut self, messages: usize) -> Self {
+        self.config.recv_batch = messages.max(1);
+        self
+    }
+    /// Stop when `token` is cancelled (the subscriber uses a child of it). Default: a
+    /// token of its own.
+    pub fn cancellation(mut self, token: &CancellationToken) -> Self {
+        self.config.cancel = token.child_token();
+        self
+    }
+
+    /// Starts the watch loop on the current tokio runtime.
+    pub fn spawn(self) -> DynamicSubscriber {
+        let config = Arc::new(self.config);
+        let merge = Arc::new(Merge::new(config.merge));
+        let shared = Arc::new(Shared {
+            publishers: Mutex::new(HashMap::new()),
+            retired: Mutex::new(PublisherStats::default()),
+            rewatches: AtomicU64::new(0),
+            tracker: TaskTracker::new(),
+            warn: RateLimitedWarn::default(),
+        });
+        shared.tracker.spawn(worker::watch_loop(
+            shared.clone(),
+            config.clone(),
+            merge.clone(),
+        ));
+        DynamicSubscriber {
+            handle: SubscriberHandle {
+                shared,
+                merge: merge.clone(),
+                cancel: config.cancel.clone(),
+            },
+            merge,
+            ready: VecDeque::new(),
+            scratch: Vec::new(),
+        }
+    }
+}
+
+/// The merged stream of every matching publisher's messages. See the
+/// [module docs](self) for the lossy contract.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use eventplane::discovery::{MemoryDiscovery, Query};
+/// use eventplane::subscriber::{DynamicSubscriber, Layout};
+/// # async fn run(discovery: MemoryDiscovery) {
+/// let mut subscriber = DynamicSubscriber::builder(Arc::new(discovery), Query::new("prod"))
+///     .topic("kv-events")
+///     .layout(Layout::TopicPublisherSeq)
+///     .spawn();
+/// while let Some(delivery) = subscriber.recv().await {
+///     println!("{} #{:?}", delivery.source.id, delivery.sequence);
+/// }
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct DynamicSubscriber {
+    handle: SubscriberHandle,
+    merge: Arc<Merge<Delivery>>,
+    ready: VecDeque<Delivery>,
+    scratch: Vec<Delivery>,
+}
+
+/// A cloneable handle: stats and shutdown from anywhere.
+#[derive(Debug, Clone)]
+pub struct SubscriberHandle {
+    shared: Arc<Shared>,
+    merge: Arc<Merge<Delivery>>,
+    cancel: CancellationToken,
+}
+
+pub(crate) struct Shared {
+    publishers: Mutex<HashMap<ChannelId, Arc<PublisherCell>>>,
+    retired: Mutex<PublisherStats>,
+    pub(crate) rewatches: AtomicU64,
+    pub(crate) tracker: TaskTracker,
+    pub(crate) warn: RateLimitedWarn,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("publishers", &self.lock().len())
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) struct PublisherCell {
+    pub(crate) instance: Mutex<Arc<Instance>>,
+    pub(crate) counters: Counters,
+    pub(crate) lane: DeliveryLane,
+}
+
+impl PublisherCell {
+    fn snapshot(&self) -> PublisherStats {
+        self.counters.snapshot(self.lane.stats())
+    }
+}
+
+impl Shared {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, HashMap<ChannelId, Arc<PublisherCell>>> {
+        self.publishers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Moves a departed publisher's counters into the retired total.
+    pub(crate) fn retire(&self, id: &ChannelId) {
+        let cell = self.lock().remove(id);
+        if let Some(cell) = cell {
+            let mut s = cell.snapshot();
+            s.depth = 0;
+            self.retired
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .add(&s);
+        }
+    }
+}
+
+impl DynamicSubscriber {
+    /// A builder for the publishers matching `query` in `discovery`.
+    pub fn builder(discovery: Arc<dyn Discovery>, query: Query) -> DynamicSubscriberBuilder {
+        DynamicSubscriberBuilder {
+            config: Config::new(discovery, query),
+        }
+    }
+
+    /// A handle for stats and shutdown.
+    pub fn handle(&self) -> SubscriberHandle {
+        self.handle.clone()
+    }
+
+    /// Counters, per publisher and total.
+    pub fn stats(&self) -> SubscriberStats {
+        self.handle.stats()
+    }
+
+    /// The next delivery; `None` once the subscriber was shut down and drained.
+    /// Cancel-safe.
+    pub async fn recv(&mut self) -> Option<Delivery> {
+        std::future::poll_fn(|cx| self.poll_next_delivery(cx)).await
+    }
+
+    /// Waits for at least one delivery, then appends up to `max` (taken round-robin
+    /// across publishers) to `out`. Returns 0 once shut down and drained. Cancel-safe.
+    pub async fn recv_many(&mut self, out: &mut Vec<Delivery>, max: usize) -> usize {
+        let max = max.max(1);
+        let mut n = 0;
+        while n < max {
+            match self.ready.pop_front() {
+                Some(d) => {
+                    out.push(d);
+                    n += 1;
+                }
+                None => break,
+            }
+        }
+        if n > 0 {
+            return n + self.merge.try_recv_many(out, max - n);
+        }
+        std::future::poll_fn(|cx| self.merge.poll_recv_many(cx, out, max)).await
+    }
+
+    fn poll_next_delivery(&mut self, cx: &mut Context<'_>) -> Poll<Option<Delivery>> {
+        if let Some(d) = self.ready.pop_front() {
+            return Poll::Ready(Some(d));
+        }
+        let n = std::task::ready!(self.merge.poll_recv_many(cx, &mut self.scratch, 64));
+        if n == 0 {
+            return Poll::Ready(None);
+        }
+        self.ready.extend(self.scratch.drain(..));
+        Poll::Ready(self.ready.pop_front())
+    }
+}
+
+impl Stream for DynamicSubscriber {
+    type Item = Delivery;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Delivery>> {
+        self.poll_next_delivery(cx)
+    }
+}
+
+impl Drop for DynamicSubscriber {
+    fn drop(&mut self) {
+        self.handle.cancel.cancel();
+    }
+}
+
+impl SubscriberHandle {
+    /// Counters, per publisher and total (departed publishers included in the total).
+    pub fn stats(&self) -> SubscriberStats {
+        let mut total = *self
+            .shared
+            .retired
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let mut publishers: Vec<(ChannelId, PublisherStats)> = self
+            .shared
+            .lock()
+            .iter()
+            .map(|(id, cell)| (id.clone(), cell.snapshot()))
+            .collect();
+        publishers.sort_by(|a, b| a.0.cmp(&b.0));
+        for (_, s) in &publishers {
+            total.add(s);
+        }
+        SubscriberStats {
+            total,
+            publishers,
+            buffered_bytes: self.merge.buffered_bytes(),
+            rewatches: self.shared.rewatches.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Signals every task to stop (non-blocking).
+    pub fn cancel(&self) {
+        self.cancel.cancel();
+    }
+
+    /// Stops every task, closes every socket, and waits for them.
+    pub async fn shutdown(&self) {
+        self.cancel.cancel();
+        self.shared.tracker.close();
+        self.shared.tracker.wait().await;
+    }
+}

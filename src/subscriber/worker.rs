@@ -1,0 +1,475 @@
+//! The subscriber's tasks: the discovery watch loop that reconciles publishers, and
+//! one connection task per publisher that reads into its lane.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use bytes::Bytes;
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::config::{Config, Layout};
+use super::stats::Counters;
+use super::{Delivery, PublisherCell, Shared};
+use crate::discovery::{ChannelId, DiscoveryEvent, Instance};
+use crate::lossy::{Lane, Merge};
+use crate::net::{Backoff, random_unit};
+use crate::zmtp::{Error as ZmtpError, Message, SubSocket, TimeoutKind};
+
+/// What the watch loop tracks per publisher.
+struct Tracked {
+    incarnation: u64,
+    endpoint: String,
+    cancel: CancellationToken,
+}
+
+/// The discovery watch loop: re-watches with backoff, reconciles every event, and
+/// closes the merge when cancelled.
+pub(crate) async fn watch_loop(
+    shared: Arc<Shared>,
+    config: Arc<Config>,
+    merge: Arc<Merge<Delivery>>,
+) {
+    let cancel = config.cancel.clone();
+    let mut tracked: HashMap<ChannelId, Tracked> = HashMap::new();
+    let mut backoff = Backoff::new(config.rewatch_min, config.rewatch_max);
+    let mut first = true;
+    'rewatch: while !cancel.is_cancelled() {
+        if !first {
+            shared.rewatches.fetch_add(1, Ordering::Relaxed);
+            let delay = backoff.next_delay(random_unit());
+            tokio::select! {
+                () = cancel.cancelled() => break,
+                () = tokio::time::sleep(delay) => {}
+            }
+        }
+        first = false;
+        let watch = tokio::select! {
+            () = cancel.cancelled() => break,
+            w = config.discovery.watch(config.query.clone(), cancel.child_token()) => w,
+        };
+        let mut stream = match watch {
+            Ok(s) => s,
+            Err(e) => {
+                warn_limited(&shared, "watch", || {
+                    tracing::warn!(error = %e, "discovery watch failed; retrying with backoff");
+                });
+                continue;
+            }
+        };
+        loop {
+            let next = tokio::select! {
+                () = cancel.cancelled() => break 'rewatch,
+                ev = stream.next() => ev,
+            };
+            match next {
+                Some(Ok(event)) => {
+                    if matches!(event, DiscoveryEvent::Resync(_)) {
+                        backoff.reset();
+                    }
+                    apply(&shared, &config, &merge, &mut tracked, event);
+                }
+                Some(Err(e)) => {
+                    warn_limited(&shared, "watch", || {
+                        tracing::warn!(error = %e, "discovery watch ended; re-watching, existing connections kept");
+                    });
+                    continue 'rewatch;
+                }
+                None => continue 'rewatch,
+            }
+        }
+    }
+    for (_, t) in tracked.drain() {
+        t.cancel.cancel();
+    }
+    merge.close();
+}
+
+fn warn_limited(shared: &Shared, key: &str, log: impl FnOnce()) {
+    if shared.warn.check(key, Instant::now()).is_some() {
+        log();
+    }
+}
+
+fn apply(
+    shared: &Arc<Shared>,
+    config: &Arc<Config>,
+    merge: &Arc<Merge<Delivery>>,
+    tracked: &mut HashMap<ChannelId, Tracked>,
+    event: DiscoveryEvent,
+) {
+    match event {
+        DiscoveryEvent::Added(instance) => upsert(shared, config, merge, tracked, instance),
+        DiscoveryEvent::Removed { id, incarnation } => {
+            // A late removal of an older incarnation must not cut its replacement.
+            if tracked
+                .get(&id)
+                .is_some_and(|t| incarnation >= t.incarnation)
+            {
+                stop(shared, tracked, &id);
+            }
+        }
+        DiscoveryEvent::Resync(all) => {
+            let keep: std::collections::HashSet<&ChannelId> = all.iter().map(|i| &i.id).collect();
+            let gone: Vec<ChannelId> = tracked
+                .keys()
+                .filter(|id| !keep.contains(id))
+                .cloned()
+                .collect();
+            for id in gone {
+                stop(shared, tracked, &id);
+            }
+            for instance in all {
+                upsert(shared, config, merge, tracked, instance);
+            }
+        }
+    }
+}
+
+fn upsert(
+    shared: &Arc<Shared>,
+    config: &Arc<Config>,
+    merge: &Arc<Merge<Delivery>>,
+    tracked: &mut HashMap<ChannelId, Tracked>,
+    instance: Instance,
+) {
+    let endpoint = instance.transport.endpoint().to_owned();
+    if let Some(t) = tracked.get_mut(&instance.id) {
+        if instance.incarnation < t.incarnation {
+            return;
+        }
+        if t.endpoint == endpoint {
+            // Same endpoint, newer incarnation: keep the connection.
+            t.incarnation = instance.incarnation;
+            if let Some(cell) = shared.lock().get(&instance.id) {
+                *cell.instance.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(instance);
+            }
+            return;
+        }
+        tracing::debug!(id = %instance.id, %endpoint, "publisher moved; replacing its connection");
+        stop(shared, tracked, &instance.id.clone());
+    }
+    let cancel = config.cancel.child_token();
+    let cell = Arc::new(PublisherCell {
+        instance: Mutex::new(Arc::new(instance.clone())),
+        counters: Counters::default(),
+        lane: merge.lane(),
+    });
+    shared.lock().insert(instance.id.clone(), cell.clone());
+    tracked.insert(
+        instance.id.clone(),
+        Tracked {
+            incarnation: instance.incarnation,
+            endpoint: endpoint.clone(),
+            cancel: cancel.clone(),
+        },
+    );
+    let span = tracing::debug_span!(
+        "publisher",
+        publisher_id = instance.id.publisher_id(),
+        %endpoint
+    );
+    shared.tracker.spawn(
+        connection_loop(shared.clone(), config.clone(), cell, endpoint, cancel).instrument(span),
+    );
+}
+
+fn stop(shared: &Shared, tracked: &mut HashMap<ChannelId, Tracked>, id: &ChannelId) {
+    if let Some(t) = tracked.remove(id) {
+        t.cancel.cancel();
+        shared.retire(id);
+        tracing::debug!(%id, "publisher gone");
+    }
+}
+
+/// One publisher: dial, handshake, subscribe, read; on failure back off and dial again,
+/// until cancelled.
+async fn connection_loop(
+    shared: Arc<Shared>,
+    config: Arc<Config>,
+    cell: Arc<PublisherCell>,
+    endpoint: String,
+    cancel: CancellationToken,
+) {
+    let mut backoff = Backoff::new(config.reconnect_min, config.reconnect_max);
+    let mut seq = SeqTracker::default();
+    let mut connected_before = false;
+    while !cancel.is_cancelled() {
+        let started = tokio::time::Instant::now();
+        let outcome = tokio::select! {
+            () = cancel.cancelled() => return,
+            r = connect_and_read(&config, &cell, &endpoint, &mut seq, &mut connected_before) => r,
+        };
+        if started.elapsed() >= config.healthy_after {
+            backoff.reset();
+        }
+        let key = format!("conn:{endpoint}");
+        match &outcome {
+            Outcome::Refused(addr) => warn_limited(&shared, &key, || {
+                tracing::warn!(%addr, "endpoint refused by the address filter; not dialling");
+            }),
+            Outcome::Failed(e) => warn_limited(&shared, &key, || {
+                tracing::warn!(error = %e, "publisher connection failed; reconnecting with backoff");
+            }),
+        }
+        let delay = backoff.next_delay(random_unit());
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(delay) => {}
+        }
+    }
+}
+
+enum Outcome {
+    Refused(String),
+    Failed(ZmtpError),
+}
+
+async fn connect_and_read(
+    config: &Config,
+    cell: &PublisherCell,
+    endpoint: &str,
+    seq: &mut SeqTracker,
+    connected_before: &mut bool,
+) -> Outcome {
+    let counters = &cell.counters;
+    let addrs = match resolve(endpoint).await {
+        Ok(a) => a,
+        Err(e) => {
+            Counters::add(&counters.connect_failures, 1);
+            return Outcome::Failed(e);
+        }
+    };
+    let allowed: Vec<SocketAddr> = addrs
+        .iter()
+        .copied()
+        .filter(|a| config.addr_filter.check_socket(*a).is_ok())
+        .collect();
+    if allowed.is_empty() {
+        Counters::add(&counters.refused_by_filter, 1);
+        return Outcome::Refused(
+            addrs
+                .first()
+                .map(ToString::to_string)
+                .unwrap_or_else(|| endpoint.to_owned()),
+        );
+    }
+    let mut sub = match dial(config, &allowed).await {
+        Ok(s) => s,
+        Err(e) => {
+            Counters::add(&counters.connect_failures, 1);
+            return Outcome::Failed(e);
+        }
+    };
+    if *connected_before {
+        Counters::add(&counters.reconnects, 1);
+    }
+    *connected_before = true;
+    seq.new_connection();
+    tracing::debug!("connected");
+    let mut batch = Vec::with_capacity(config.recv_batch);
+    let mut out: Vec<(Delivery, usize)> = Vec::with_capacity(config.recv_batch);
+    loop {
+        batch.clear();
+        if let Err(e) = sub.recv_many(&mut batch, config.recv_batch).await {
+            return Outcome::Failed(e);
+        }
+        let source = cell
+            .instance
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let mut bytes = 0u64;
+        let (mut filtered, mut malformed) = (0u64, 0u64);
+        for message in batch.drain(..) {
+            let size = message.byte_len();
+            bytes += size as u64;
+            match parse(config.layout, config.topic.as_ref(), &message) {
+                Parsed::Ok(sequence) => {
+                    if let Some(s) = sequence {
+                        let missing = seq.observe(s);
+                        if missing > 0 {
+                            Counters::add(&counters.gaps, 1);
+                            Counters::add(&counters.gap_messages, missing);
+                        }
+                    }
+                    out.push((
+                        Delivery {
+                            source: source.clone(),
+                            sequence,
+                            message,
+                        },
+                        size,
+                    ));
+                }
+                Parsed::WrongTopic => filtered += 1,
+                Parsed::Malformed => malformed += 1,
+            }
+        }
+        Counters::add(
+            &counters.received,
+            (out.len() as u64) + filtered + malformed,
+        );
+        Counters::add(&counters.bytes, bytes);
+        Counters::add(&counters.filtered_topic, filtered);
+        Counters::add(&counters.malformed, malformed);
+        if !out.is_empty() {
+            let dropped = cell.lane.push_many(out.drain(..));
+            if dropped > 0 {
+                tracing::trace!(dropped, "lane full or budget exhausted");
+            }
+        }
+    }
+}
+
+async fn resolve(endpoint: &str) -> Result<Vec<SocketAddr>, ZmtpError> {
+    let rest = endpoint
+        .strip_prefix("tcp://")
+        .ok_or_else(|| ZmtpError::InvalidEndpoint {
+            endpoint: endpoint.to_owned(),
+            reason: "only tcp:// endpoints are supported",
+        })?;
+    let addrs: Vec<SocketAddr> = tokio::net::lookup_host(rest).await?.collect();
+    Ok(addrs)
+}
+
+async fn dial(config: &Config, addrs: &[SocketAddr]) -> Result<SubSocket, ZmtpError> {
+    let connect = async {
+        let mut last = None;
+        for addr in addrs {
+            match TcpStream::connect(addr).await {
+                Ok(s) => return Ok(s),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| std::io::ErrorKind::NotFound.into()))
+    };
+    let stream = tokio::time::timeout(config.zmtp.connect_timeout(), connect)
+        .await
+        .map_err(|_| ZmtpError::Timeout(TimeoutKind::Connect))??;
+    stream.set_nodelay(true)?;
+    let mut sub = SubSocket::handshake(stream, config.zmtp.clone()).await?;
+    // Re-subscribed on every new connection.
+    sub.subscribe(config.topic.clone().unwrap_or_default())
+        .await?;
+    Ok(sub)
+}
+
+/// How one message fits the layout.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Parsed {
+    Ok(Option<u64>),
+    WrongTopic,
+    Malformed,
+}
+
+/// Checks `message` against `layout` and the exact `topic`; returns its sequence.
+pub(crate) fn parse(layout: Layout, topic: Option<&Bytes>, message: &Message) -> Parsed {
+    if let Some(topic) = topic {
+        if message.get(0) != Some(topic) {
+            return Parsed::WrongTopic;
+        }
+    }
+    let u64_at = |i: usize| -> Option<u64> {
+        let frame = message.get(i)?;
+        Some(u64::from_be_bytes(frame.as_ref().try_into().ok()?))
+    };
+    match layout {
+        Layout::Raw => Parsed::Ok(None),
+        Layout::TopicSeq => match (message.len() >= 3, u64_at(1)) {
+            (true, Some(seq)) => Parsed::Ok(Some(seq)),
+            _ => Parsed::Malformed,
+        },
+        Layout::TopicPublisherSeq => match (message.len() >= 4, u64_at(1), u64_at(2)) {
+            (true, Some(_publisher), Some(seq)) => Parsed::Ok(Some(seq)),
+            _ => Parsed::Malformed,
+        },
+    }
+}
+
+/// Per-publisher sequence tracking: a jump forward is a gap; a restart at 0 on a new
+/// connection is a reset, not a gap.
+#[derive(Debug, Default)]
+pub(crate) struct SeqTracker {
+    last: Option<u64>,
+    fresh_connection: bool,
+}
+
+impl SeqTracker {
+    pub(crate) fn new_connection(&mut self) {
+        self.fresh_connection = true;
+    }
+
+    /// Messages missing before `seq` (0 when none).
+    pub(crate) fn observe(&mut self, seq: u64) -> u64 {
+        let fresh = std::mem::take(&mut self.fresh_connection);
+        let missing = match self.last {
+            _ if fresh && seq == 0 => 0,
+            Some(last) if seq > last => seq - last - 1,
+            // A regression (a publisher restarted without our noticing): a reset.
+            _ => 0,
+        };
+        self.last = Some(seq);
+        missing
+    }
+}
+
+/// Lane handles are per publisher; a type alias keeps signatures short.
+pub(crate) type DeliveryLane = Lane<Delivery>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gaps_and_resets() {
+        let mut s = SeqTracker::default();
+        s.new_connection();
+        assert_eq!(s.observe(0), 0);
+        assert_eq!(s.observe(1), 0);
+        assert_eq!(s.observe(5), 3);
+        // Reconnect, publisher restarted: 0 is a reset.
+        s.new_connection();
+        assert_eq!(s.observe(0), 0);
+        // Reconnect, publisher kept going while we were away: a gap.
+        s.new_connection();
+        assert_eq!(s.observe(10), 9);
+        // First message ever, not at 0: nothing to compare with.
+        let mut t = SeqTracker::default();
+        t.new_connection();
+        assert_eq!(t.observe(42), 0);
+    }
+
+    #[test]
+    fn layouts_and_exact_topic() {
+        let seq = Bytes::copy_from_slice(&7u64.to_be_bytes());
+        let pid = Bytes::copy_from_slice(&1u64.to_be_bytes());
+        let kv = Bytes::from_static(b"kv");
+        let m3 = Message::from_parts([kv.clone(), seq.clone(), Bytes::from_static(b"p")]);
+        let m4 = Message::from_parts([kv.clone(), pid, seq.clone(), Bytes::from_static(b"p")]);
+        assert_eq!(parse(Layout::TopicSeq, Some(&kv), &m3), Parsed::Ok(Some(7)));
+        assert_eq!(
+            parse(Layout::TopicPublisherSeq, Some(&kv), &m4),
+            Parsed::Ok(Some(7))
+        );
+        assert_eq!(
+            parse(Layout::TopicPublisherSeq, None, &m3),
+            Parsed::Malformed
+        );
+        assert_eq!(parse(Layout::Raw, None, &m3), Parsed::Ok(None));
+        let extra = Message::from_parts([Bytes::from_static(b"kv-extra"), seq, Bytes::new()]);
+        assert_eq!(
+            parse(Layout::TopicSeq, Some(&kv), &extra),
+            Parsed::WrongTopic
+        );
+        let short = Message::from_parts([kv.clone(), Bytes::from_static(b"1234567")]);
+        assert_eq!(
+            parse(Layout::TopicSeq, Some(&kv), &short),
+            Parsed::Malformed
+        );
+    }
+}

@@ -320,3 +320,30 @@ async fn protocol_error_on_pub_side_closes_only_that_subscriber() {
     })
     .await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn flush_returns_once_a_blocked_write_completes() {
+    // A small pipe makes the writer block mid-batch; when the reader drains it, the
+    // completed write must count as progress so `flush` learns the queue is empty.
+    let publisher = PubSocket::new(Config::default());
+    let (a, b) = tokio::io::duplex(4096);
+    publisher.accept_stream(a, "small-pipe");
+    let mut sub = SubSocket::handshake(b, Config::default()).await.unwrap();
+    sub.subscribe("").await.unwrap();
+    publisher.wait_for_subscribers(1).await;
+    for seq in 0..500 {
+        publisher.send(msg("t", seq, 100));
+    }
+    let reader = tokio::spawn(async move {
+        for _ in 0..500 {
+            sub.recv().await.unwrap();
+        }
+        sub
+    });
+    // With paused time an unnoticed completion would run straight into the timeout.
+    assert!(
+        publisher.flush(Duration::from_secs(20)).await,
+        "flush timed out"
+    );
+    let _sub = reader.await.unwrap();
+}

@@ -565,8 +565,11 @@ fn drive_peer<S: AsyncRead + AsyncWrite + Unpin>(
         if conn.session.is_ready() && conn.wbuf.len() < WRITE_BATCH {
             progress |= take_queued(shared, id, conn, cx);
         }
+        let had_output = !conn.wbuf.is_empty();
         match conn.poll_flush(cx) {
-            Poll::Ready(Ok(())) => {}
+            // A write that completes is progress: the next round takes more from the
+            // queue, or marks the peer idle so `flush` waiters hear about it.
+            Poll::Ready(Ok(())) => progress |= had_output,
             Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
             Poll::Pending => {}
         }

@@ -55,6 +55,8 @@ pub(crate) struct Config {
     pub(crate) rewatch_max: Duration,
     pub(crate) recv_batch: usize,
     pub(crate) cancel: CancellationToken,
+    #[cfg(feature = "metrics")]
+    pub(crate) metrics_interval: Duration,
 }
 
 impl Config {
@@ -74,6 +76,8 @@ impl Config {
             rewatch_max: Duration::from_secs(5),
             recv_batch: 256,
             cancel: CancellationToken::new(),
+            #[cfg(feature = "metrics")]
+            metrics_interval: Duration::from_secs(1),
         }
     }
 }

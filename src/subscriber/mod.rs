@@ -33,6 +33,8 @@
 //! socket; [`SubscriberHandle::shutdown`] waits for them.
 
 mod config;
+#[cfg(feature = "metrics")]
+mod metrics;
 mod stats;
 mod worker;
 
@@ -138,6 +140,14 @@ impl DynamicSubscriberBuilder {
         self.config.recv_batch = messages.max(1);
         self
     }
+    /// How often the `metrics` feature samples the counters into the `metrics` facade.
+    /// Default 1 s.
+    #[cfg(feature = "metrics")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+    pub fn metrics_interval(mut self, interval: Duration) -> Self {
+        self.config.metrics_interval = interval.max(Duration::from_millis(1));
+        self
+    }
     /// Stop when `token` is cancelled (the subscriber uses a child of it). Default: a
     /// token of its own.
     pub fn cancellation(mut self, token: &CancellationToken) -> Self {
@@ -161,12 +171,19 @@ impl DynamicSubscriberBuilder {
             config.clone(),
             merge.clone(),
         ));
+        let handle = SubscriberHandle {
+            shared: shared.clone(),
+            merge: merge.clone(),
+            cancel: config.cancel.clone(),
+        };
+        #[cfg(feature = "metrics")]
+        shared.tracker.spawn(metrics::sampler(
+            handle.clone(),
+            config.metrics_interval,
+            config.cancel.clone(),
+        ));
         DynamicSubscriber {
-            handle: SubscriberHandle {
-                shared,
-                merge: merge.clone(),
-                cancel: config.cancel.clone(),
-            },
+            handle,
             merge,
             ready: VecDeque::new(),
             scratch: Vec::new(),

@@ -202,7 +202,7 @@ async fn connection_loop(
         let started = tokio::time::Instant::now();
         let outcome = tokio::select! {
             () = cancel.cancelled() => return,
-            r = connect_and_read(&config, &cell, &endpoint, &mut seq, &mut connected_before) => r,
+            r = connect_and_read(&shared, &config, &cell, &endpoint, &mut seq, &mut connected_before) => r,
         };
         if started.elapsed() >= config.healthy_after {
             backoff.reset();
@@ -230,6 +230,7 @@ enum Outcome {
 }
 
 async fn connect_and_read(
+    shared: &Shared,
     config: &Config,
     cell: &PublisherCell,
     endpoint: &str,
@@ -320,7 +321,17 @@ async fn connect_and_read(
         if !out.is_empty() {
             let dropped = cell.lane.push_many(out.drain(..));
             if dropped > 0 {
-                tracing::trace!(dropped, "lane full or budget exhausted");
+                if let Some(suppressed) = shared
+                    .warn
+                    .check(&format!("drop:{endpoint}"), Instant::now())
+                {
+                    tracing::warn!(
+                        dropped,
+                        earlier_drop_events = suppressed,
+                        "consumer is slow: dropping this publisher's messages (lane or budget full); \
+                         counted in stats"
+                    );
+                }
             }
         }
     }

@@ -4,9 +4,15 @@
 //! schedulers and workers — as an embeddable library.
 //!
 //! ```text
-//!  inference engine (vLLM / SGLang)
-//!    ZMQ PUB [topic, seq, msgpack batch] ──► zmtp::SubSocket ──► your code
-//!                                            zmtp::PubSocket ──► ZMQ SUBs (libzmq, zeromq-rs, …)
+//!  worker process                                         router / frontend process
+//!  publish::EventPublisher                                Discovery (memory | …)
+//!   zmtp::PubSocket ── [topic, pid, seq, payload] ──┐        │ watch
+//!   registered in Discovery                         │        ▼
+//!                                                   └──► subscriber::DynamicSubscriber
+//!                                                         per publisher: zmtp::SubSocket
+//!                                                           → bounded lossy::Lane
+//!                                                         lanes → fair lossy::Merge
+//!                                                           → Stream<Delivery>
 //! ```
 //!
 //! ## What is here
@@ -19,21 +25,37 @@
 //!   backlogs that collapse into a `Resync`, stale removals suppressed by incarnation),
 //!   the embedded [`MemoryDiscovery`](discovery::MemoryDiscovery) and
 //!   [`StaticDiscovery`](discovery::StaticDiscovery).
+//! - [`subscriber`]: [`DynamicSubscriber`](subscriber::DynamicSubscriber) — connects to
+//!   every publisher discovery reports and merges their streams into bounded, lossy,
+//!   fair per-publisher lanes: every drop counted, memory bounded, no publisher able to
+//!   starve another.
+//! - [`publish`]: [`EventPublisher`](publish::EventPublisher) — a `PubSocket` on an
+//!   OS-assigned port, registered in discovery, with sequence numbers.
+//! - [`lossy`]: the lanes and fair merge on their own (sync core, wakers).
+//! - [`net`]: jittered [`Backoff`](net::Backoff), the [`AddrFilter`](net::AddrFilter)
+//!   SSRF guard, [`RateLimitedWarn`](net::RateLimitedWarn).
 //!
-//! The dynamic subscriber with fair lossy lanes, the KV-event pipeline and the etcd
-//! backend are built on these layers (see the project's CHANGELOG for what has
-//! landed).
+//! The KV-event pipeline and the etcd backend are built on these layers (see the
+//! project's CHANGELOG for what has landed).
 //!
 //! ## Features
 //! - `etcd`: distributed discovery on etcd (planned).
 //! - `test-support`: `discovery::conformance` (a conformance suite for any
 //!   `Discovery` backend) and `discovery::FaultDiscovery` (fault injection for
 //!   consumers).
-//! - `metrics`: counters through the `metrics` facade (planned).
+//! - `metrics`: the dynamic subscriber's counters through the `metrics` facade.
+//!
+//! Every component also has a plain `stats()` snapshot, so users without a metrics
+//! stack still see every counter.
 //!
 //! ## Cancel safety
-//! Every `recv`-style method is cancel-safe: state lives in the socket, never in the
-//! future. `Drop` only signals tasks to stop; it never blocks or spawns.
+//! Every `recv`-style method is cancel-safe: state lives in the socket or stream, never
+//! in the future. `Drop` only signals tasks to stop; it never blocks or spawns.
+//!
+//! ## Tracing
+//! The crate logs through `tracing` and never installs a subscriber. Connections get a
+//! span (`endpoint`, `publisher_id`); drops and reconnects warn at most once a minute
+//! per publisher, with the count of what was suppressed; payloads are never logged.
 //!
 //! ## Stability
 //! Pre-1.0: minor versions may break the API. Public enums are `#[non_exhaustive]`.

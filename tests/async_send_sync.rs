@@ -6,6 +6,9 @@ use eventplane::discovery::{
     ChannelId, Discovery, DiscoveryError, DiscoveryEvent, DiscoveryStream, Instance,
     MemoryDiscovery, Query, Registration, StaticDiscovery,
 };
+use eventplane::lossy::{Lane, Merge};
+use eventplane::publish::EventPublisher;
+use eventplane::subscriber::{Delivery, DynamicSubscriber, SubscriberHandle, SubscriberStats};
 use eventplane::zmtp::{
     Config, Error, Message, ProtocolError, PubSocket, PubStats, Session, SubSocket,
 };
@@ -34,6 +37,13 @@ fn main_types_are_send_and_sync() {
     send_sync::<Instance>();
     send_sync::<Query>();
     send::<DiscoveryStream>();
+    send_sync::<DynamicSubscriber>();
+    send_sync::<SubscriberHandle>();
+    send_sync::<SubscriberStats>();
+    send_sync::<Delivery>();
+    send_sync::<EventPublisher>();
+    send_sync::<Merge<Delivery>>();
+    send_sync::<Lane<Delivery>>();
 }
 
 #[test]

@@ -8,7 +8,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use bytes::Bytes;
-use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -18,7 +17,7 @@ use super::{Delivery, PublisherCell, Shared};
 use crate::discovery::{ChannelId, DiscoveryEvent, Instance};
 use crate::lossy::{Lane, Merge};
 use crate::net::{Backoff, random_unit};
-use crate::zmtp::{Error as ZmtpError, Message, SubSocket, TimeoutKind};
+use crate::zmtp::{Error as ZmtpError, Message, SubSocket};
 
 /// What the watch loop tracks per publisher.
 struct Tracked {
@@ -338,31 +337,11 @@ async fn connect_and_read(
 }
 
 async fn resolve(endpoint: &str) -> Result<Vec<SocketAddr>, ZmtpError> {
-    let rest = endpoint
-        .strip_prefix("tcp://")
-        .ok_or_else(|| ZmtpError::InvalidEndpoint {
-            endpoint: endpoint.to_owned(),
-            reason: "only tcp:// endpoints are supported",
-        })?;
-    let addrs: Vec<SocketAddr> = tokio::net::lookup_host(rest).await?.collect();
-    Ok(addrs)
+    crate::zmtp::endpoint::resolve(endpoint).await
 }
 
 async fn dial(config: &Config, addrs: &[SocketAddr]) -> Result<SubSocket, ZmtpError> {
-    let connect = async {
-        let mut last = None;
-        for addr in addrs {
-            match TcpStream::connect(addr).await {
-                Ok(s) => return Ok(s),
-                Err(e) => last = Some(e),
-            }
-        }
-        Err(last.unwrap_or_else(|| std::io::ErrorKind::NotFound.into()))
-    };
-    let stream = tokio::time::timeout(config.zmtp.connect_timeout(), connect)
-        .await
-        .map_err(|_| ZmtpError::Timeout(TimeoutKind::Connect))??;
-    stream.set_nodelay(true)?;
+    let stream = crate::zmtp::sub::dial(addrs, &config.zmtp).await?;
     let mut sub = SubSocket::handshake(stream, config.zmtp.clone()).await?;
     // Re-subscribed on every new connection.
     sub.subscribe(config.topic.clone().unwrap_or_default())

@@ -27,14 +27,14 @@
 pub mod codec;
 mod config;
 pub mod conformance;
-mod endpoint;
+pub(crate) mod endpoint;
 mod error;
 mod io;
 mod message;
 mod prefix;
 mod publish;
 mod session;
-mod sub;
+pub(crate) mod sub;
 
 pub use config::{Config, ConfigBuilder, ConfigError, MAX_HEARTBEAT_TTL};
 pub use error::{Error, ProtocolError, TimeoutKind};

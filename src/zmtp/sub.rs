@@ -71,10 +71,18 @@ impl SubSocket<TcpStream> {
 /// Dials `endpoint` with the configured connect timeout and sets `TCP_NODELAY`.
 pub(crate) async fn connect_tcp(endpoint: &str, config: &Config) -> Result<TcpStream, Error> {
     let addrs = endpoint::resolve(endpoint).await?;
+    dial(&addrs, config).await
+}
+
+/// Tries each address in turn within the connect timeout; sets `TCP_NODELAY`.
+pub(crate) async fn dial(
+    addrs: &[std::net::SocketAddr],
+    config: &Config,
+) -> Result<TcpStream, Error> {
     let dial = async {
         let mut last = None;
         for addr in addrs {
-            match TcpStream::connect(addr).await {
+            match TcpStream::connect(*addr).await {
                 Ok(s) => return Ok(s),
                 Err(e) => last = Some(e),
             }

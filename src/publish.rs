@@ -225,14 +225,18 @@ impl EventPublisher {
     }
 
     /// Unregisters, lets queues drain for the linger period, and closes the socket.
-    pub async fn shutdown(mut self) {
-        if let Some(r) = self.registration.take() {
+    pub async fn shutdown(self) {
+        let EventPublisher {
+            socket,
+            registration,
+            linger,
+            ..
+        } = self;
+        if let Some(r) = registration {
             if let Err(e) = r.unregister().await {
                 tracing::warn!(error = %e, "unregister failed; the lease will expire");
             }
         }
-        let linger = self.linger;
-        let socket = std::mem::replace(&mut self.socket, PubSocket::new(zmtp::Config::default()));
         socket.close(linger).await;
     }
 }

@@ -62,6 +62,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod discovery;
+pub mod kv;
 pub mod lossy;
 pub mod net;
 pub mod publish;

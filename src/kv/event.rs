@@ -1,0 +1,203 @@
+//! The KV-event model (DESIGN §4.1). JSON uses snake_case, externally tagged enums.
+
+use serde::{Deserialize, Serialize};
+
+/// A worker (one engine instance).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct WorkerId(pub u64);
+
+/// A data-parallel rank within a worker.
+pub type DpRank = u32;
+
+/// The engine's hash of a block (it chains the parent's hash).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct BlockHash(pub u64);
+
+/// The hash of one block's tokens, as computed by [`tokens_hash`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct TokensHash(pub u64);
+
+/// Where a block is stored.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum StorageTier {
+    /// GPU memory (the default).
+    #[default]
+    Device,
+    /// Pinned host memory.
+    HostPinned,
+    /// Local disk.
+    Disk,
+    /// Anything else (remote stores).
+    External,
+}
+
+/// One stored block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct StoredBlock {
+    /// The engine's block hash.
+    pub block_hash: BlockHash,
+    /// The hash of the block's tokens.
+    pub tokens_hash: TokensHash,
+}
+
+/// What happened.
+///
+/// ```
+/// use eventplane::kv::{BlockHash, KvEventData};
+/// let removed = KvEventData::Removed { block_hashes: vec![BlockHash(7)] };
+/// assert_eq!(serde_json::to_string(&removed).unwrap(), r#"{"removed":{"block_hashes":[7]}}"#);
+/// assert_eq!(serde_json::to_string(&KvEventData::Cleared).unwrap(), r#""cleared""#);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum KvEventData {
+    /// Blocks were stored, extending the chain after `parent_hash`.
+    Stored {
+        /// The block before the first stored one, if any.
+        parent_hash: Option<BlockHash>,
+        /// The stored blocks, in chain order.
+        blocks: Vec<StoredBlock>,
+    },
+    /// Blocks were evicted.
+    Removed {
+        /// The evicted blocks.
+        block_hashes: Vec<BlockHash>,
+    },
+    /// Every block was dropped.
+    Cleared,
+}
+
+impl KvEventData {
+    /// Blocks this event carries (0 for `Cleared`).
+    pub fn block_count(&self) -> usize {
+        match self {
+            KvEventData::Stored { blocks, .. } => blocks.len(),
+            KvEventData::Removed { block_hashes } => block_hashes.len(),
+            KvEventData::Cleared => 0,
+        }
+    }
+}
+
+/// An event with its id and data-parallel rank.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct KvEvent {
+    /// Raw engine id on input; dense outbound id (from 1) once processed.
+    pub id: u64,
+    /// The data-parallel rank.
+    pub dp_rank: DpRank,
+    /// What happened.
+    pub data: KvEventData,
+}
+
+/// Where an event happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Placement {
+    /// The worker.
+    pub worker_id: WorkerId,
+    /// Its data-parallel rank.
+    pub dp_rank: DpRank,
+    /// The storage tier.
+    pub tier: StorageTier,
+}
+
+/// An engine event with its placement: the processor's input.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PlacementEvent {
+    /// Where.
+    pub placement: Placement,
+    /// What (the id is the engine's raw event id).
+    pub event: KvEvent,
+}
+
+/// What routers receive.
+///
+/// ```
+/// use eventplane::kv::{KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId};
+/// let ev = RouterEvent {
+///     worker_id: WorkerId(3),
+///     tier: StorageTier::HostPinned,
+///     event: KvEvent { id: 1, dp_rank: 0, data: KvEventData::Cleared },
+/// };
+/// assert_eq!(
+///     serde_json::to_string(&ev).unwrap(),
+///     r#"{"worker_id":3,"tier":"host_pinned","event":{"id":1,"dp_rank":0,"data":"cleared"}}"#
+/// );
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RouterEvent {
+    /// The worker.
+    pub worker_id: WorkerId,
+    /// The storage tier.
+    pub tier: StorageTier,
+    /// The event, with its dense outbound id.
+    pub event: KvEvent,
+}
+
+/// Seed of [`tokens_hash`] (the value Dynamo's router uses, so hashes interoperate).
+pub const TOKENS_HASH_SEED: u64 = 1337;
+
+/// xxh3-64 with seed 1337 over the tokens as u32 little-endian bytes.
+///
+/// ```
+/// use eventplane::kv::{tokens_hash, TokensHash};
+/// assert_eq!(tokens_hash(&[1, 2, 3, 4]), TokensHash(14643705804678351452));
+/// ```
+pub fn tokens_hash(tokens: &[u32]) -> TokensHash {
+    let mut bytes = Vec::with_capacity(tokens.len() * 4);
+    for t in tokens {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    TokensHash(xxhash_rust::xxh3::xxh3_64_with_seed(
+        &bytes,
+        TOKENS_HASH_SEED,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pinned from an independent implementation (Debian's python3-xxhash:
+    /// `xxh3_64_intdigest(struct.pack('<I'*n, *tokens), seed=1337)`).
+    #[test]
+    fn tokens_hash_vectors() {
+        assert_eq!(tokens_hash(&[]), TokensHash(15128690059815094969));
+        assert_eq!(tokens_hash(&[1, 2, 3, 4]), TokensHash(14643705804678351452));
+        let sixteen: Vec<u32> = (0..16).collect();
+        assert_eq!(tokens_hash(&sixteen), TokensHash(15310707395893867146));
+        assert_eq!(
+            tokens_hash(&[u32::MAX, 0, 128_000]),
+            TokensHash(15588869943153351760)
+        );
+    }
+
+    #[test]
+    fn json_shapes() {
+        let stored = KvEventData::Stored {
+            parent_hash: Some(BlockHash(1)),
+            blocks: vec![StoredBlock {
+                block_hash: BlockHash(2),
+                tokens_hash: TokensHash(3),
+            }],
+        };
+        assert_eq!(
+            serde_json::to_string(&stored).unwrap(),
+            r#"{"stored":{"parent_hash":1,"blocks":[{"block_hash":2,"tokens_hash":3}]}}"#
+        );
+        let back: KvEventData =
+            serde_json::from_str(&serde_json::to_string(&stored).unwrap()).unwrap();
+        assert_eq!(back, stored);
+        assert_eq!(
+            serde_json::to_string(&StorageTier::Disk).unwrap(),
+            r#""disk""#
+        );
+    }
+}

@@ -1,0 +1,110 @@
+//! KV events: the model, and the sans-IO stages that turn engine events into router
+//! events — [`Coalescer`], [`DedupFilter`] and dense id stamping, composed by
+//! [`Pipeline`].
+//!
+//! ```
+//! use eventplane::kv::{BlockHash, KvEvent, KvEventData, Pipeline, Placement, PlacementEvent, StorageTier, WorkerId};
+//! let at = Placement { worker_id: WorkerId(7), dp_rank: 0, tier: StorageTier::Device };
+//! let mut pipeline = Pipeline::default();
+//! let mut out = Vec::new();
+//! for (raw_id, hash) in [(40, 1), (41, 2)] {
+//!     let event = KvEvent { id: raw_id, dp_rank: 0, data: KvEventData::Removed { block_hashes: vec![BlockHash(hash)] } };
+//!     pipeline.push(PlacementEvent { placement: at, event }, &mut out);
+//! }
+//! pipeline.flush(&mut out);
+//! assert_eq!(out.len(), 1);
+//! assert_eq!(out[0].event.id, 1); // dense outbound ids from 1
+//! ```
+
+mod coalesce;
+mod dedup;
+mod event;
+
+pub use coalesce::{Coalescer, DEFAULT_MAX_BATCH_BLOCKS};
+pub use dedup::{DedupFilter, DedupMode};
+pub use event::{
+    BlockHash, DpRank, KvEvent, KvEventData, Placement, PlacementEvent, RouterEvent, StorageTier,
+    StoredBlock, TOKENS_HASH_SEED, TokensHash, WorkerId, tokens_hash,
+};
+
+/// Coalescer → dedup → dense id stamping, sans-IO. Ids start at 1 and are stamped at
+/// emission, so an event that dedup drops consumes none.
+#[derive(Debug, Clone)]
+pub struct Pipeline {
+    coalescer: Coalescer,
+    dedup: DedupFilter,
+    next_id: u64,
+}
+
+impl Default for Pipeline {
+    fn default() -> Self {
+        Pipeline::new(DEFAULT_MAX_BATCH_BLOCKS, DedupMode::RefCounted)
+    }
+}
+
+impl Pipeline {
+    /// A pipeline with these settings.
+    pub fn new(max_batch_blocks: usize, mode: DedupMode) -> Pipeline {
+        Pipeline {
+            coalescer: Coalescer::new(max_batch_blocks),
+            dedup: DedupFilter::new(mode),
+            next_id: 1,
+        }
+    }
+
+    /// Feeds one engine event; router events completed by it are appended to `out`.
+    pub fn push(&mut self, input: PlacementEvent, out: &mut Vec<RouterEvent>) {
+        let Pipeline {
+            coalescer,
+            dedup,
+            next_id,
+        } = self;
+        coalescer.push(input.placement, input.event.data, &mut |p, d| {
+            stamp(dedup, next_id, p, d, out)
+        });
+    }
+
+    /// Emits whatever is pending.
+    pub fn flush(&mut self, out: &mut Vec<RouterEvent>) {
+        let Pipeline {
+            coalescer,
+            dedup,
+            next_id,
+        } = self;
+        coalescer.flush(&mut |p, d| stamp(dedup, next_id, p, d, out));
+    }
+
+    /// `true` when an event waits in the coalescer.
+    pub fn has_pending(&self) -> bool {
+        self.coalescer.has_pending()
+    }
+
+    /// The id the next emitted event will get.
+    pub fn next_id(&self) -> u64 {
+        self.next_id
+    }
+}
+
+fn stamp(
+    dedup: &mut DedupFilter,
+    next_id: &mut u64,
+    placement: Placement,
+    data: KvEventData,
+    out: &mut Vec<RouterEvent>,
+) {
+    if let Some(data) = dedup.filter(&placement, data) {
+        out.push(RouterEvent {
+            worker_id: placement.worker_id,
+            tier: placement.tier,
+            event: KvEvent {
+                id: *next_id,
+                dp_rank: placement.dp_rank,
+                data,
+            },
+        });
+        *next_id += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -19,12 +19,17 @@
 mod coalesce;
 mod dedup;
 mod event;
+mod processor;
 
 pub use coalesce::{Coalescer, DEFAULT_MAX_BATCH_BLOCKS};
 pub use dedup::{DedupFilter, DedupMode};
 pub use event::{
     BlockHash, DpRank, KvEvent, KvEventData, Placement, PlacementEvent, RouterEvent, StorageTier,
     StoredBlock, TOKENS_HASH_SEED, TokensHash, WorkerId, tokens_hash,
+};
+pub use processor::{
+    EventSink, IndexError, LocalIndex, MAX_BATCH_TIMEOUT, Processor, ProcessorConfig,
+    ProcessorConfigError, ProcessorHandle, ProcessorStats, SinkError,
 };
 
 /// Coalescer → dedup → dense id stamping, sans-IO. Ids start at 1 and are stamped at

@@ -1,0 +1,392 @@
+//! The processor loop (DESIGN §4.3): engine lists in, router events out to a sink.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::{DedupMode, KvEventData, Pipeline, PlacementEvent, RouterEvent};
+use crate::discovery::BoxFuture;
+use crate::net::RateLimitedWarn;
+
+/// Longest batching timeout accepted.
+pub const MAX_BATCH_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Where router events go (the event plane, a test collector, …).
+pub trait EventSink: Send + Sync {
+    /// Publishes one batch. Errors are logged and counted by the processor, never
+    /// retried.
+    fn publish<'a>(&'a self, events: &'a [RouterEvent]) -> BoxFuture<'a, Result<(), SinkError>>;
+}
+
+/// A sink's failure.
+#[derive(Debug, thiserror::Error)]
+#[error("publishing router events failed")]
+pub struct SinkError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
+
+/// A worker-local index the processor keeps in step before publishing.
+pub trait LocalIndex: Send {
+    /// Applies one event. A failure on `Cleared` fences the processor.
+    fn apply(&mut self, event: &RouterEvent) -> Result<(), IndexError>;
+}
+
+/// A local index's failure.
+#[derive(Debug, thiserror::Error)]
+#[error("local index rejected the event")]
+pub struct IndexError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
+
+/// Settings of a [`Processor`].
+///
+/// ```
+/// use std::time::Duration;
+/// use eventplane::kv::ProcessorConfig;
+/// let config = ProcessorConfig::default().batch_timeout(Some(Duration::from_millis(50)))?;
+/// # let _ = config;
+/// # Ok::<(), eventplane::kv::ProcessorConfigError>(())
+/// ```
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct ProcessorConfig {
+    max_batch_blocks: usize,
+    dedup: DedupMode,
+    batch_timeout: Option<Duration>,
+    publish_timeout: Duration,
+}
+
+/// A rejected [`ProcessorConfig`] value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProcessorConfigError {
+    /// The batching timeout was zero or above 15 s.
+    #[error("batch timeout must be between 1 ms and 15 s")]
+    BatchTimeout,
+}
+
+impl Default for ProcessorConfig {
+    fn default() -> Self {
+        ProcessorConfig {
+            max_batch_blocks: super::DEFAULT_MAX_BATCH_BLOCKS,
+            dedup: DedupMode::RefCounted,
+            batch_timeout: None,
+            publish_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl ProcessorConfig {
+    /// Cap on blocks per merged event. Default 128.
+    pub fn max_batch_blocks(mut self, blocks: usize) -> Self {
+        self.max_batch_blocks = blocks.max(1);
+        self
+    }
+    /// Dedup mode. Default [`DedupMode::RefCounted`].
+    pub fn dedup(mut self, mode: DedupMode) -> Self {
+        self.dedup = mode;
+        self
+    }
+    /// Batch across lists for up to this long, counted from the last flush. Default
+    /// `None`: flush at every list boundary. At most 15 s.
+    pub fn batch_timeout(
+        mut self,
+        timeout: Option<Duration>,
+    ) -> Result<Self, ProcessorConfigError> {
+        if timeout.is_some_and(|t| t.is_zero() || t > MAX_BATCH_TIMEOUT) {
+            return Err(ProcessorConfigError::BatchTimeout);
+        }
+        self.batch_timeout = timeout;
+        Ok(self)
+    }
+    /// Bound on one publish while shutting down, so a stuck sink cannot block shutdown
+    /// forever. Default 5 s.
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
+        self
+    }
+}
+
+/// Counters of a [`Processor`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ProcessorStats {
+    /// Engine lists received.
+    pub input_lists: u64,
+    /// Engine events received.
+    pub input_events: u64,
+    /// Forward jumps in the engine's raw event ids.
+    pub input_gaps: u64,
+    /// Ids missing in those jumps.
+    pub input_gap_events: u64,
+    /// Router events emitted (after coalescing and dedup).
+    pub output_events: u64,
+    /// Sink calls that failed.
+    pub publish_errors: u64,
+    /// `true` once a failed local `Cleared` fenced the processor.
+    pub fenced: bool,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    input_lists: AtomicU64,
+    input_events: AtomicU64,
+    input_gaps: AtomicU64,
+    input_gap_events: AtomicU64,
+    output_events: AtomicU64,
+    publish_errors: AtomicU64,
+    fenced: AtomicBool,
+}
+
+/// Reads a running processor's counters.
+#[derive(Debug, Clone)]
+pub struct ProcessorHandle {
+    counters: Arc<Counters>,
+    cancel: CancellationToken,
+}
+
+impl ProcessorHandle {
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> ProcessorStats {
+        let c = &self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ProcessorStats {
+            input_lists: l(&c.input_lists),
+            input_events: l(&c.input_events),
+            input_gaps: l(&c.input_gaps),
+            input_gap_events: l(&c.input_gap_events),
+            output_events: l(&c.output_events),
+            publish_errors: l(&c.publish_errors),
+            fenced: c.fenced.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Asks the processor to drain what is queued, publish, and stop.
+    pub fn cancel(&self) {
+        self.cancel.cancel();
+    }
+}
+
+/// Turns engine lists into router events: coalescing, dedup, dense ids, an optional
+/// local index, then the sink.
+///
+/// - A whole list is processed before timers or cancellation are looked at.
+/// - Without a batching timeout, pending work is flushed at every list boundary; with
+///   one, the timer counts from the last flush, so the first event after an idle
+///   period goes out alone and later ones batch.
+/// - Cancellation or the input closing: what is queued is drained, flushed and
+///   published (each publish bounded by `publish_timeout`), then the loop stops.
+/// - A forward jump in raw engine ids counts `input_gaps`; a regression (an engine
+///   restart) does not.
+/// - If the local index fails to apply a `Cleared`, the clear is withheld, the
+///   processor cancels its token and stops: it must not publish state it could not
+///   keep.
+///
+/// ```
+/// use std::sync::{Arc, Mutex};
+/// use eventplane::discovery::BoxFuture;
+/// use eventplane::kv::{EventSink, Processor, ProcessorConfig, RouterEvent, SinkError};
+///
+/// #[derive(Default)]
+/// struct Collect(Mutex<Vec<RouterEvent>>);
+/// impl EventSink for Collect {
+///     fn publish<'a>(&'a self, events: &'a [RouterEvent]) -> BoxFuture<'a, Result<(), SinkError>> {
+///         self.0.lock().unwrap().extend_from_slice(events);
+///         Box::pin(async { Ok(()) })
+///     }
+/// }
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let sink = Arc::new(Collect::default());
+/// let (tx, rx) = tokio::sync::mpsc::channel(64);
+/// let processor = Processor::new(ProcessorConfig::default(), rx, sink.clone());
+/// let task = tokio::spawn(processor.run());
+/// drop(tx); // input closed: drain, flush, stop
+/// task.await.unwrap();
+/// # }
+/// ```
+pub struct Processor {
+    config: ProcessorConfig,
+    input: mpsc::Receiver<Vec<PlacementEvent>>,
+    sink: Arc<dyn EventSink>,
+    index: Option<Box<dyn LocalIndex>>,
+    cancel: CancellationToken,
+    counters: Arc<Counters>,
+}
+
+impl std::fmt::Debug for Processor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Processor")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Processor {
+    /// A processor reading `input` (a bounded channel of engine lists).
+    pub fn new(
+        config: ProcessorConfig,
+        input: mpsc::Receiver<Vec<PlacementEvent>>,
+        sink: Arc<dyn EventSink>,
+    ) -> Processor {
+        Processor {
+            config,
+            input,
+            sink,
+            index: None,
+            cancel: CancellationToken::new(),
+            counters: Arc::default(),
+        }
+    }
+
+    /// Keeps `index` in step before publishing.
+    #[must_use]
+    pub fn with_local_index(mut self, index: Box<dyn LocalIndex>) -> Processor {
+        self.index = Some(index);
+        self
+    }
+
+    /// Stops when `token` is cancelled (and cancels it when fencing).
+    #[must_use]
+    pub fn with_cancellation(mut self, token: CancellationToken) -> Processor {
+        self.cancel = token;
+        self
+    }
+
+    /// A handle for stats and cancellation.
+    pub fn handle(&self) -> ProcessorHandle {
+        ProcessorHandle {
+            counters: self.counters.clone(),
+            cancel: self.cancel.clone(),
+        }
+    }
+
+    /// Runs until cancelled, the input closes, or a fence; returns the final counters.
+    pub async fn run(mut self) -> ProcessorStats {
+        let mut pipeline = Pipeline::new(self.config.max_batch_blocks, self.config.dedup);
+        let mut out: Vec<RouterEvent> = Vec::new();
+        let mut last_raw: Option<u64> = None;
+        let mut last_flush = tokio::time::Instant::now();
+        let warn = RateLimitedWarn::default();
+        loop {
+            let deadline = self
+                .config
+                .batch_timeout
+                .filter(|_| pipeline.has_pending())
+                .map(|t| last_flush + t);
+            tokio::select! {
+                biased;
+                () = self.cancel.cancelled() => break,
+                list = self.input.recv() => {
+                    let Some(list) = list else { break };
+                    self.ingest(list, &mut pipeline, &mut out, &mut last_raw);
+                    let due = match self.config.batch_timeout {
+                        None => true,
+                        Some(t) => tokio::time::Instant::now() >= last_flush + t,
+                    };
+                    if due {
+                        pipeline.flush(&mut out);
+                        last_flush = tokio::time::Instant::now();
+                    }
+                }
+                () = sleep_until_opt(deadline) => {
+                    pipeline.flush(&mut out);
+                    last_flush = tokio::time::Instant::now();
+                }
+            }
+            if !self.emit(&mut out, &warn, None).await {
+                return self.handle().stats();
+            }
+        }
+        // Drain what is already queued, flush, publish, stop.
+        while let Ok(list) = self.input.try_recv() {
+            self.ingest(list, &mut pipeline, &mut out, &mut last_raw);
+        }
+        pipeline.flush(&mut out);
+        let bound = Some(self.config.publish_timeout);
+        self.emit(&mut out, &warn, bound).await;
+        self.handle().stats()
+    }
+
+    fn ingest(
+        &self,
+        list: Vec<PlacementEvent>,
+        pipeline: &mut Pipeline,
+        out: &mut Vec<RouterEvent>,
+        last_raw: &mut Option<u64>,
+    ) {
+        let c = &self.counters;
+        c.input_lists.fetch_add(1, Ordering::Relaxed);
+        c.input_events
+            .fetch_add(list.len() as u64, Ordering::Relaxed);
+        for ev in list {
+            let id = ev.event.id;
+            if let Some(last) = *last_raw {
+                if id > last.saturating_add(1) {
+                    c.input_gaps.fetch_add(1, Ordering::Relaxed);
+                    c.input_gap_events
+                        .fetch_add(id - last - 1, Ordering::Relaxed);
+                }
+            }
+            *last_raw = Some(id);
+            pipeline.push(ev, out);
+        }
+    }
+
+    /// Applies the local index and publishes `out`. Returns `false` when fenced.
+    async fn emit(
+        &mut self,
+        out: &mut Vec<RouterEvent>,
+        warn: &RateLimitedWarn,
+        bound: Option<Duration>,
+    ) -> bool {
+        if out.is_empty() {
+            return true;
+        }
+        let mut fenced = false;
+        if let Some(index) = self.index.as_mut() {
+            for (i, ev) in out.iter().enumerate() {
+                if let Err(e) = index.apply(ev) {
+                    if matches!(ev.event.data, KvEventData::Cleared) {
+                        tracing::error!(error = %e, "local index failed to apply a Cleared; fencing the processor");
+                        out.truncate(i);
+                        fenced = true;
+                        break;
+                    }
+                    tracing::warn!(error = %e, "local index rejected an event");
+                }
+            }
+        }
+        if !out.is_empty() {
+            self.counters
+                .output_events
+                .fetch_add(out.len() as u64, Ordering::Relaxed);
+            let publish = self.sink.publish(out);
+            let result = match bound {
+                Some(t) => tokio::time::timeout(t, publish)
+                    .await
+                    .unwrap_or_else(|_| Err(SinkError("publish timed out during shutdown".into()))),
+                None => publish.await,
+            };
+            if let Err(e) = result {
+                self.counters.publish_errors.fetch_add(1, Ordering::Relaxed);
+                if let Some(suppressed) = warn.check("publish", Instant::now()) {
+                    tracing::warn!(error = %e, suppressed, "publishing router events failed; not retried");
+                }
+            }
+            out.clear();
+        }
+        if fenced {
+            self.counters.fenced.store(true, Ordering::Relaxed);
+            self.cancel.cancel();
+            return false;
+        }
+        true
+    }
+}
+
+async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}

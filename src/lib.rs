@@ -35,8 +35,11 @@
 //! - [`net`]: jittered [`Backoff`](net::Backoff), the [`AddrFilter`](net::AddrFilter)
 //!   SSRF guard, [`RateLimitedWarn`](net::RateLimitedWarn).
 //!
-//! The KV-event pipeline and the etcd backend are built on these layers (see the
-//! project's CHANGELOG for what has landed).
+//! - [`kv`]: the KV-event model, the sans-IO coalescer, dedup filter and id stamping,
+//!   and the processor loop (engine ingress and the event-plane sink follow).
+//!
+//! The etcd backend is built on these layers too (see the project's CHANGELOG for
+//! what has landed).
 //!
 //! ## Features
 //! - `etcd`: distributed discovery on etcd (planned).

@@ -20,6 +20,7 @@ mod coalesce;
 mod dedup;
 mod event;
 mod processor;
+mod sink;
 
 pub use coalesce::{Coalescer, DEFAULT_MAX_BATCH_BLOCKS};
 pub use dedup::{DedupFilter, DedupMode};
@@ -30,6 +31,10 @@ pub use event::{
 pub use processor::{
     EventSink, IndexError, LocalIndex, MAX_BATCH_TIMEOUT, Processor, ProcessorConfig,
     ProcessorConfigError, ProcessorHandle, ProcessorStats, SinkError,
+};
+pub use sink::{
+    EventPlaneSink, KvDecodeError, MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE,
+    decode_router_events, encode_router_events, split_messages,
 };
 
 /// Coalescer → dedup → dense id stamping, sans-IO. Ids start at 1 and are stamped at

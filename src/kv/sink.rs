@@ -1,0 +1,123 @@
+//! The event-plane sink and the router-side decoder (DESIGN §4.5).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::RouterEvent;
+use super::processor::{EventSink, SinkError};
+use crate::discovery::BoxFuture;
+use crate::publish::EventPublisher;
+
+/// Most events in one event-plane message.
+pub const MAX_EVENTS_PER_MESSAGE: usize = 128;
+/// Most blocks in one event-plane message (a single larger event still goes alone).
+pub const MAX_BLOCKS_PER_MESSAGE: usize = 8192;
+
+/// Splits `events` into consecutive runs of at most `max_events` events and
+/// `max_blocks` blocks; every run has at least one event, so one event over the block
+/// limit travels alone.
+///
+/// ```
+/// use eventplane::kv::{split_messages, KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId};
+/// let ev = RouterEvent { worker_id: WorkerId(1), tier: StorageTier::Device,
+///     event: KvEvent { id: 1, dp_rank: 0, data: KvEventData::Cleared } };
+/// let events = vec![ev; 300];
+/// let sizes: Vec<usize> = split_messages(&events, 128, 8192).map(|m| m.len()).collect();
+/// assert_eq!(sizes, vec![128, 128, 44]);
+/// ```
+pub fn split_messages(
+    events: &[RouterEvent],
+    max_events: usize,
+    max_blocks: usize,
+) -> impl Iterator<Item = &[RouterEvent]> {
+    let max_events = max_events.max(1);
+    let mut rest = events;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut n = 0;
+        let mut blocks = 0;
+        for ev in rest.iter().take(max_events) {
+            let b = ev.event.data.block_count();
+            if n > 0 && blocks + b > max_blocks {
+                break;
+            }
+            n += 1;
+            blocks += b;
+        }
+        let (head, tail) = rest.split_at(n);
+        rest = tail;
+        Some(head)
+    })
+}
+
+/// Encodes router events as msgpack with named fields (the event-plane payload).
+pub fn encode_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, KvDecodeError> {
+    rmp_serde::to_vec_named(events).map_err(|e| KvDecodeError(Box::new(e)))
+}
+
+/// Decodes an event-plane payload back into router events. Never panics on hostile
+/// input; never pre-allocates more than the input can hold.
+///
+/// ```
+/// use eventplane::kv::{decode_router_events, encode_router_events, KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId};
+/// let events = vec![RouterEvent { worker_id: WorkerId(1), tier: StorageTier::Disk,
+///     event: KvEvent { id: 1, dp_rank: 2, data: KvEventData::Cleared } }];
+/// let bytes = encode_router_events(&events)?;
+/// assert_eq!(decode_router_events(&bytes)?, events);
+/// assert!(decode_router_events(b"\xdd\xff\xff\xff\xff").is_err()); // forged length
+/// # Ok::<(), eventplane::kv::KvDecodeError>(())
+/// ```
+pub fn decode_router_events(payload: &[u8]) -> Result<Vec<RouterEvent>, KvDecodeError> {
+    rmp_serde::from_slice(payload).map_err(|e| KvDecodeError(Box::new(e)))
+}
+
+/// A payload that is not a msgpack list of router events (or could not be encoded).
+#[derive(Debug, thiserror::Error)]
+#[error("malformed router-event payload")]
+pub struct KvDecodeError(#[source] Box<dyn std::error::Error + Send + Sync>);
+
+/// Publishes router events on the event plane through an [`EventPublisher`]: split
+/// into messages of at most 128 events and 8192 blocks, msgpack with named fields.
+/// Never blocks; subscribers that fall behind lose messages at the publisher, counted
+/// there (and seen by them as sequence gaps).
+#[derive(Debug)]
+pub struct EventPlaneSink {
+    publisher: Arc<EventPublisher>,
+    messages: AtomicU64,
+}
+
+impl EventPlaneSink {
+    /// A sink publishing through `publisher`.
+    pub fn new(publisher: Arc<EventPublisher>) -> EventPlaneSink {
+        EventPlaneSink {
+            publisher,
+            messages: AtomicU64::new(0),
+        }
+    }
+
+    /// Messages published so far.
+    pub fn messages(&self) -> u64 {
+        self.messages.load(Ordering::Relaxed)
+    }
+
+    /// The publisher.
+    pub fn publisher(&self) -> &Arc<EventPublisher> {
+        &self.publisher
+    }
+}
+
+impl EventSink for EventPlaneSink {
+    fn publish<'a>(&'a self, events: &'a [RouterEvent]) -> BoxFuture<'a, Result<(), SinkError>> {
+        let result = (|| {
+            for message in split_messages(events, MAX_EVENTS_PER_MESSAGE, MAX_BLOCKS_PER_MESSAGE) {
+                let payload = encode_router_events(message).map_err(|e| SinkError(Box::new(e)))?;
+                self.publisher.publish(payload);
+                self.messages.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        })();
+        Box::pin(async move { result })
+    }
+}

@@ -18,12 +18,15 @@
 
 mod coalesce;
 mod dedup;
+mod engine;
 mod event;
+mod msgpack;
 mod processor;
 mod sink;
 
 pub use coalesce::{Coalescer, DEFAULT_MAX_BATCH_BLOCKS};
 pub use dedup::{DedupFilter, DedupMode};
+pub use engine::{EngineDecodeError, EngineDecoder, EngineStats};
 pub use event::{
     BlockHash, DpRank, KvEvent, KvEventData, Placement, PlacementEvent, RouterEvent, StorageTier,
     StoredBlock, TOKENS_HASH_SEED, TokensHash, WorkerId, tokens_hash,

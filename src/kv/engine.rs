@@ -1,0 +1,276 @@
+//! Engine ingress: the KV event batches vLLM and SGLang publish over ZMQ
+//! (DESIGN §4.4), decoded into [`PlacementEvent`]s.
+//!
+//! Frames are `[topic, seq u64be, payload]`. The payload is a msgpack batch
+//! `[ts, events, dp_rank?]` (or a map with `ts`, `events`, `dp_rank` /
+//! `data_parallel_rank`). Each event is a tagged array — vLLM ≤ 0.23:
+//! `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+//! medium, …]`, `["BlockRemoved", block_hashes, medium, …]`, `["AllBlocksCleared", …]`
+//! — or a tagged map (vLLM ≥ 0.24, SGLang): `{"type": "BlockStored", "block_hashes":
+//! …}`. Unknown keys and trailing elements are ignored.
+//!
+//! Hashes arrive as unsigned integers, negative integers (their two's-complement bits
+//! are taken), or byte strings (folded to u64 with xxh3-64, seed 0). `medium`: absent,
+//! empty or `GPU` → [`StorageTier::Device`]; `CPU` / `CPU_PINNED` →
+//! [`StorageTier::HostPinned`]; `DISK` / `NVME` → [`StorageTier::Disk`]; anything
+//! else → [`StorageTier::External`].
+
+use super::msgpack::{self, Value};
+use super::{
+    BlockHash, KvEvent, KvEventData, Placement, PlacementEvent, StorageTier, StoredBlock, WorkerId,
+    tokens_hash,
+};
+
+/// Counters of an [`EngineDecoder`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EngineStats {
+    /// Batches decoded.
+    pub batches: u64,
+    /// Batches rejected whole (not msgpack, not a batch).
+    pub malformed_batches: u64,
+    /// Events decoded.
+    pub events: u64,
+    /// Events that failed alone (unknown tag, wrong shape).
+    pub failed_events: u64,
+    /// Stored events cut at their first block without exactly `block_size` tokens.
+    pub truncated_events: u64,
+    /// Stored events dropped because their hashes repeat (self-referencing).
+    pub self_referencing: u64,
+}
+
+/// A payload that is not a KV event batch.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed engine batch: {reason}")]
+pub struct EngineDecodeError {
+    reason: &'static str,
+}
+
+/// Decodes engine batches for one worker, sans-IO.
+///
+/// ```
+/// use eventplane::kv::{EngineDecoder, KvEventData, WorkerId};
+/// // [ts, [["AllBlocksCleared"]], 0] as msgpack:
+/// let payload = b"\x93\xcb\x00\x00\x00\x00\x00\x00\x00\x00\x91\x91\xb0AllBlocksCleared\x00";
+/// let mut decoder = EngineDecoder::new(WorkerId(1), 16);
+/// let events = decoder.decode_batch(payload)?;
+/// assert_eq!(events[0].event.data, KvEventData::Cleared);
+/// # Ok::<(), eventplane::kv::EngineDecodeError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct EngineDecoder {
+    worker_id: WorkerId,
+    block_size: usize,
+    next_raw_id: u64,
+    stats: EngineStats,
+}
+
+impl EngineDecoder {
+    /// A decoder for `worker_id` whose engine uses `block_size` tokens per block.
+    pub fn new(worker_id: WorkerId, block_size: usize) -> EngineDecoder {
+        EngineDecoder {
+            worker_id,
+            block_size: block_size.max(1),
+            next_raw_id: 0,
+            stats: EngineStats::default(),
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> EngineStats {
+        self.stats
+    }
+
+    /// Decodes one batch payload. Events get consecutive raw ids; an event that fails
+    /// alone is counted and skipped, the rest of the batch is kept.
+    pub fn decode_batch(
+        &mut self,
+        payload: &[u8],
+    ) -> Result<Vec<PlacementEvent>, EngineDecodeError> {
+        let parsed = msgpack::parse(payload);
+        let view = parsed.as_ref().ok().and_then(batch_view);
+        let Some((events, dp_rank)) = view else {
+            self.stats.malformed_batches += 1;
+            return Err(EngineDecodeError {
+                reason: if parsed.is_ok() {
+                    "not a [ts, events, dp_rank?] batch"
+                } else {
+                    "not msgpack"
+                },
+            });
+        };
+        self.stats.batches += 1;
+        let mut out = Vec::with_capacity(events.len());
+        for ev in events {
+            match self.event(ev, dp_rank) {
+                Ok(Some(pe)) => out.push(pe),
+                Ok(None) => {}
+                Err(()) => self.stats.failed_events += 1,
+            }
+        }
+        Ok(out)
+    }
+
+    fn event(&mut self, ev: &Value<'_>, dp_rank: u32) -> Result<Option<PlacementEvent>, ()> {
+        let fields = Fields::of(ev).ok_or(())?;
+        let (data, medium) = match fields.tag {
+            "BlockStored" => {
+                let hashes = hash_list(fields.at(1, "block_hashes"))?;
+                let parent = match fields.at(2, "parent_block_hash") {
+                    None | Some(Value::Nil) => None,
+                    Some(v) => Some(hash(v)?),
+                };
+                let tokens = token_list(fields.at(3, "token_ids"))?;
+                let medium = fields.at(6, "medium");
+                match self.stored(parent, &hashes, &tokens) {
+                    Some(data) => (data, medium),
+                    None => return Ok(None),
+                }
+            }
+            "BlockRemoved" => {
+                let hashes = hash_list(fields.at(1, "block_hashes"))?;
+                (
+                    KvEventData::Removed {
+                        block_hashes: hashes,
+                    },
+                    fields.at(2, "medium"),
+                )
+            }
+            "AllBlocksCleared" => (KvEventData::Cleared, None),
+            _ => return Err(()),
+        };
+        self.stats.events += 1;
+        let id = self.next_raw_id;
+        self.next_raw_id += 1;
+        Ok(Some(PlacementEvent {
+            placement: Placement {
+                worker_id: self.worker_id,
+                dp_rank,
+                tier: tier(medium),
+            },
+            event: KvEvent { id, dp_rank, data },
+        }))
+    }
+
+    /// Builds a stored event with exactly `block_size` tokens per block; `None` when it
+    /// must be dropped.
+    fn stored(
+        &mut self,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+    ) -> Option<KvEventData> {
+        let mut seen = std::collections::HashSet::with_capacity(hashes.len() + 1);
+        if let Some(p) = parent {
+            seen.insert(p);
+        }
+        if !hashes.iter().all(|h| seen.insert(*h)) {
+            self.stats.self_referencing += 1;
+            return None;
+        }
+        let mut blocks = Vec::with_capacity(hashes.len());
+        for (i, h) in hashes.iter().enumerate() {
+            let start = i * self.block_size;
+            match tokens.get(start..start + self.block_size) {
+                Some(chunk) => blocks.push(StoredBlock {
+                    block_hash: *h,
+                    tokens_hash: tokens_hash(chunk),
+                }),
+                None => {
+                    self.stats.truncated_events += 1;
+                    break;
+                }
+            }
+        }
+        if blocks.is_empty() {
+            return None;
+        }
+        Some(KvEventData::Stored {
+            parent_hash: parent,
+            blocks,
+        })
+    }
+}
+
+/// `(events, dp_rank)` of a batch: `[ts, events, dp_rank?]` or a map with those names.
+fn batch_view<'v, 'a>(root: &'v Value<'a>) -> Option<(&'v [Value<'a>], u32)> {
+    let (events, rank) = match root {
+        Value::Array(items) => (items.get(1)?, items.get(2)),
+        Value::Map(_) => (
+            root.get("events")?,
+            root.get("dp_rank")
+                .or_else(|| root.get("data_parallel_rank")),
+        ),
+        _ => return None,
+    };
+    let dp_rank = match rank {
+        None | Some(Value::Nil) => 0,
+        Some(v) => u32::try_from(v.as_u64()?).ok()?,
+    };
+    Some((events.as_array()?, dp_rank))
+}
+
+/// An event's fields, by position (tagged array) or by name (tagged map).
+struct Fields<'v, 'a> {
+    tag: &'a str,
+    value: &'v Value<'a>,
+}
+
+impl<'v, 'a> Fields<'v, 'a> {
+    fn of(value: &'v Value<'a>) -> Option<Self> {
+        let tag = match value {
+            Value::Array(items) => items.first()?.as_str()?,
+            Value::Map(_) => value.get("type")?.as_str()?,
+            _ => return None,
+        };
+        Some(Fields { tag, value })
+    }
+
+    fn at(&self, index: usize, name: &str) -> Option<&'v Value<'a>> {
+        match self.value {
+            Value::Array(items) => items.get(index),
+            _ => self.value.get(name),
+        }
+    }
+}
+
+fn hash(v: &Value<'_>) -> Result<BlockHash, ()> {
+    match v {
+        Value::UInt(u) => Ok(BlockHash(*u)),
+        Value::NegInt(i) => Ok(BlockHash(*i as u64)),
+        Value::Bin(b) | Value::Str(b) => Ok(BlockHash(xxhash_rust::xxh3::xxh3_64(b))),
+        _ => Err(()),
+    }
+}
+
+fn hash_list(v: Option<&Value<'_>>) -> Result<Vec<BlockHash>, ()> {
+    v.and_then(Value::as_array)
+        .ok_or(())?
+        .iter()
+        .map(hash)
+        .collect()
+}
+
+fn token_list(v: Option<&Value<'_>>) -> Result<Vec<u32>, ()> {
+    v.and_then(Value::as_array)
+        .ok_or(())?
+        .iter()
+        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or(()))
+        .collect()
+}
+
+fn tier(medium: Option<&Value<'_>>) -> StorageTier {
+    let name = match medium {
+        None | Some(Value::Nil) => return StorageTier::Device,
+        Some(v) => match v.as_str() {
+            Some(s) => s,
+            None => return StorageTier::External,
+        },
+    };
+    match name.to_ascii_uppercase().as_str() {
+        "" | "GPU" => StorageTier::Device,
+        "CPU" | "CPU_PINNED" => StorageTier::HostPinned,
+        "DISK" | "NVME" => StorageTier::Disk,
+        _ => StorageTier::External,
+    }
+}

@@ -1,0 +1,230 @@
+//! A small, bounded msgpack reader for engine payloads: borrows strings and binaries
+//! from the input, never pre-allocates beyond what the remaining input can hold, and
+//! limits nesting depth. Nothing here can panic on hostile bytes.
+
+use crate::zmtp::codec::reader::Reader;
+
+/// Deepest nesting accepted.
+pub(crate) const MAX_DEPTH: usize = 32;
+
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Value<'a> {
+    Nil,
+    Bool(bool),
+    UInt(u64),
+    /// Negative integers only.
+    NegInt(i64),
+    Float(f64),
+    Str(&'a [u8]),
+    Bin(&'a [u8]),
+    Array(Vec<Value<'a>>),
+    Map(Vec<(Value<'a>, Value<'a>)>),
+    Ext,
+}
+
+impl<'a> Value<'a> {
+    pub(crate) fn as_str(&self) -> Option<&'a str> {
+        match self {
+            Value::Str(s) => std::str::from_utf8(s).ok(),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn as_u64(&self) -> Option<u64> {
+        match self {
+            Value::UInt(u) => Some(*u),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn as_array(&self) -> Option<&[Value<'a>]> {
+        match self {
+            Value::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+
+    /// The value for string key `key` in a map.
+    pub(crate) fn get(&self, key: &str) -> Option<&Value<'a>> {
+        match self {
+            Value::Map(entries) => entries
+                .iter()
+                .find(|(k, _)| k.as_str() == Some(key))
+                .map(|(_, v)| v),
+            _ => None,
+        }
+    }
+}
+
+/// Why a payload is not msgpack we accept.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum MsgpackError {
+    Truncated,
+    TooDeep,
+    Reserved,
+    Trailing,
+}
+
+pub(crate) fn parse(input: &[u8]) -> Result<Value<'_>, MsgpackError> {
+    let mut r = Reader::new(input);
+    let v = value(&mut r, input, 0)?;
+    if r.remaining() != 0 {
+        return Err(MsgpackError::Trailing);
+    }
+    Ok(v)
+}
+
+fn value<'a>(r: &mut Reader<'a>, input: &'a [u8], depth: usize) -> Result<Value<'a>, MsgpackError> {
+    use MsgpackError::Truncated as T;
+    if depth > MAX_DEPTH {
+        return Err(MsgpackError::TooDeep);
+    }
+    let marker = r.u8().ok_or(T)?;
+    let bytes = |r: &mut Reader<'a>, n: usize| r.take(n).ok_or(T);
+    let v = match marker {
+        0x00..=0x7f => Value::UInt(u64::from(marker)),
+        0x80..=0x8f => map(r, input, usize::from(marker & 0x0f), depth)?,
+        0x90..=0x9f => array(r, input, usize::from(marker & 0x0f), depth)?,
+        0xa0..=0xbf => Value::Str(bytes(r, usize::from(marker & 0x1f))?),
+        0xc0 => Value::Nil,
+        0xc1 => return Err(MsgpackError::Reserved),
+        0xc2 => Value::Bool(false),
+        0xc3 => Value::Bool(true),
+        0xc4 => {
+            let n = usize::from(r.u8().ok_or(T)?);
+            Value::Bin(bytes(r, n)?)
+        }
+        0xc5 => {
+            let n = usize::from(r.u16_be().ok_or(T)?);
+            Value::Bin(bytes(r, n)?)
+        }
+        0xc6 => {
+            let n = r.u32_be().ok_or(T)? as usize;
+            Value::Bin(bytes(r, n)?)
+        }
+        0xc7..=0xc9 => {
+            let n = match marker {
+                0xc7 => usize::from(r.u8().ok_or(T)?),
+                0xc8 => usize::from(r.u16_be().ok_or(T)?),
+                _ => r.u32_be().ok_or(T)? as usize,
+            };
+            bytes(r, n.checked_add(1).ok_or(T)?)?;
+            Value::Ext
+        }
+        0xca => Value::Float(f64::from(f32::from_bits(r.u32_be().ok_or(T)?))),
+        0xcb => Value::Float(f64::from_bits(r.u64_be().ok_or(T)?)),
+        0xcc => Value::UInt(u64::from(r.u8().ok_or(T)?)),
+        0xcd => Value::UInt(u64::from(r.u16_be().ok_or(T)?)),
+        0xce => Value::UInt(u64::from(r.u32_be().ok_or(T)?)),
+        0xcf => Value::UInt(r.u64_be().ok_or(T)?),
+        0xd0 => int(i64::from(r.u8().ok_or(T)? as i8)),
+        0xd1 => int(i64::from(r.u16_be().ok_or(T)? as i16)),
+        0xd2 => int(i64::from(r.u32_be().ok_or(T)? as i32)),
+        0xd3 => int(r.u64_be().ok_or(T)? as i64),
+        0xd4..=0xd8 => {
+            let n = 1usize << (marker - 0xd4);
+            bytes(r, n + 1)?;
+            Value::Ext
+        }
+        0xd9 => {
+            let n = usize::from(r.u8().ok_or(T)?);
+            Value::Str(bytes(r, n)?)
+        }
+        0xda => {
+            let n = usize::from(r.u16_be().ok_or(T)?);
+            Value::Str(bytes(r, n)?)
+        }
+        0xdb => {
+            let n = r.u32_be().ok_or(T)? as usize;
+            Value::Str(bytes(r, n)?)
+        }
+        0xdc => {
+            let n = usize::from(r.u16_be().ok_or(T)?);
+            array(r, input, n, depth)?
+        }
+        0xdd => {
+            let n = r.u32_be().ok_or(T)? as usize;
+            array(r, input, n, depth)?
+        }
+        0xde => {
+            let n = usize::from(r.u16_be().ok_or(T)?);
+            map(r, input, n, depth)?
+        }
+        0xdf => {
+            let n = r.u32_be().ok_or(T)? as usize;
+            map(r, input, n, depth)?
+        }
+        0xe0..=0xff => int(i64::from(marker as i8)),
+    };
+    Ok(v)
+}
+
+fn int<'a>(i: i64) -> Value<'a> {
+    if i >= 0 {
+        Value::UInt(i as u64)
+    } else {
+        Value::NegInt(i)
+    }
+}
+
+fn array<'a>(
+    r: &mut Reader<'a>,
+    input: &'a [u8],
+    n: usize,
+    depth: usize,
+) -> Result<Value<'a>, MsgpackError> {
+    // Every element takes at least one byte: never reserve more than what is left.
+    let mut out = Vec::with_capacity(n.min(r.remaining()));
+    for _ in 0..n {
+        out.push(value(r, input, depth + 1)?);
+    }
+    Ok(Value::Array(out))
+}
+
+fn map<'a>(
+    r: &mut Reader<'a>,
+    input: &'a [u8],
+    n: usize,
+    depth: usize,
+) -> Result<Value<'a>, MsgpackError> {
+    let mut out = Vec::with_capacity(n.min(r.remaining() / 2));
+    for _ in 0..n {
+        let k = value(r, input, depth + 1)?;
+        let v = value(r, input, depth + 1)?;
+        out.push((k, v));
+    }
+    Ok(Value::Map(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forged_lengths_and_depth() {
+        assert_eq!(parse(b"\xdd\xff\xff\xff\xff"), Err(MsgpackError::Truncated));
+        assert_eq!(
+            parse(b"\xdf\xff\xff\xff\xff\x01"),
+            Err(MsgpackError::Truncated)
+        );
+        assert_eq!(parse(b"\xc6\xff\xff\xff\xff"), Err(MsgpackError::Truncated));
+        let deep = vec![0x91u8; 100];
+        assert_eq!(parse(&deep), Err(MsgpackError::TooDeep));
+        assert_eq!(parse(b"\xc1"), Err(MsgpackError::Reserved));
+        assert_eq!(parse(b"\x01\x02"), Err(MsgpackError::Trailing));
+    }
+
+    #[test]
+    fn integers() {
+        assert_eq!(
+            parse(b"\xcf\xff\xff\xff\xff\xff\xff\xff\xff"),
+            Ok(Value::UInt(u64::MAX))
+        );
+        assert_eq!(
+            parse(b"\xd3\xff\xff\xff\xff\xff\xff\xff\xfe"),
+            Ok(Value::NegInt(-2))
+        );
+        assert_eq!(parse(b"\xff"), Ok(Value::NegInt(-1)));
+        assert_eq!(parse(b"\xd0\x05"), Ok(Value::UInt(5)));
+    }
+}

@@ -197,3 +197,87 @@ mod hex {
         bytes.as_ref().iter().map(|b| format!("{b:02x}")).collect()
     }
 }
+
+#[tokio::test]
+async fn kv_listen_prints_router_events_as_json_lines() {
+    use eventplane::kv::{EngineDecoder, Pipeline, WorkerId};
+    let files: Vec<String> = ["vllm_v023.msgpack", "vllm_v024.msgpack", "sglang.msgpack"]
+        .iter()
+        .map(|f| format!("{}/tests/fixtures/{f}", env!("CARGO_MANIFEST_DIR")))
+        .collect();
+    let mut engine = support::PyPeer::spawn(&[
+        "kvpub",
+        "--topics",
+        "kv",
+        "--files",
+        &files.join(","),
+        "--seqs",
+        "0,1,2",
+    ]);
+    let port = engine
+        .line()
+        .await
+        .strip_prefix("port ")
+        .unwrap()
+        .to_owned();
+    let mut decoder = EngineDecoder::new(WorkerId(11), 4);
+    let mut pipeline = Pipeline::default();
+    let mut expected = Vec::new();
+    for f in &files {
+        for ev in decoder.decode_batch(&std::fs::read(f).unwrap()).unwrap() {
+            pipeline.push(ev, &mut expected);
+        }
+        pipeline.flush(&mut expected);
+    }
+    let out = within(
+        Command::new(example("kv_listen"))
+            .args([
+                "--connect",
+                &format!("tcp://127.0.0.1:{port}"),
+                "--topic",
+                "kv",
+            ])
+            .args(["--block-size", "4", "--worker-id", "11"])
+            .args([
+                "--count",
+                &expected.len().to_string(),
+                "--timeout-ms",
+                "20000",
+            ])
+            .output(),
+    )
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), expected.len());
+    for (line, want) in lines.iter().zip(&expected) {
+        assert_eq!(*line, serde_json::to_string(want).unwrap());
+    }
+    engine.send_line("exit").await;
+    engine.wait().await;
+}
+
+#[tokio::test]
+async fn kv_listen_times_out_with_exit_1() {
+    let publisher = eventplane::zmtp::PubSocket::bind("tcp://127.0.0.1:0", Default::default())
+        .await
+        .unwrap();
+    let out = within(
+        Command::new(example("kv_listen"))
+            .args([
+                "--connect",
+                publisher.local_endpoint().unwrap(),
+                "--topic",
+                "kv",
+            ])
+            .args(["--block-size", "4", "--worker-id", "1", "--count", "1"])
+            .args(["--timeout-ms", "300"])
+            .output(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+}

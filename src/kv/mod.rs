@@ -20,6 +20,7 @@ mod coalesce;
 mod dedup;
 mod engine;
 mod event;
+mod listener;
 mod msgpack;
 mod processor;
 mod sink;
@@ -30,6 +31,9 @@ pub use engine::{EngineDecodeError, EngineDecoder, EngineStats};
 pub use event::{
     BlockHash, DpRank, KvEvent, KvEventData, Placement, PlacementEvent, RouterEvent, StorageTier,
     StoredBlock, TOKENS_HASH_SEED, TokensHash, WorkerId, tokens_hash,
+};
+pub use listener::{
+    EngineListener, EngineListenerConfig, EngineListenerHandle, EngineListenerStats,
 };
 pub use processor::{
     EventSink, IndexError, LocalIndex, MAX_BATCH_TIMEOUT, Processor, ProcessorConfig,

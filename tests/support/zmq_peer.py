@@ -100,9 +100,31 @@ def run_sub(args):
     ctx.term()
 
 
+def run_kvpub(args):
+    """An engine: waits for a subscription (XPUB), then publishes each --file as
+    [topic, seq u64be, payload] with the --seqs given, prints "done", waits for exit."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.XPUB)
+    sock.setsockopt(zmq.LINGER, 2000)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    print("port %d" % port, flush=True)
+    sub = sock.recv()
+    assert sub[:1] == b"\x01", sub
+    seqs = [int(s) for s in args.seqs.split(",")]
+    for path, seq in zip(args.files.split(","), seqs):
+        with open(path, "rb") as f:
+            payload = f.read()
+        sock.send_multipart([args.topics.encode(), struct.pack(">Q", seq), payload])
+    print("done", flush=True)
+    while stdin_line(1.0) not in ("exit", "EOF"):
+        pass
+    sock.close()
+    ctx.term()
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["pub", "sub"])
+    p.add_argument("mode", choices=["pub", "sub", "kvpub"])
     p.add_argument("--topics", required=True)
     p.add_argument("--count", type=int, default=10)
     p.add_argument("--size", type=int, default=16)
@@ -112,8 +134,12 @@ def main():
     p.add_argument("--heartbeat-timeout", type=int, default=300)
     p.add_argument("--heartbeat-ttl", type=int, default=2000)
     p.add_argument("--quiet-ms", type=int, default=0)
+    p.add_argument("--files", default="")
+    p.add_argument("--seqs", default="")
     args = p.parse_args()
-    if args.mode == "pub":
+    if args.mode == "kvpub":
+        run_kvpub(args)
+    elif args.mode == "pub":
         run_pub(args)
     else:
         run_sub(args)

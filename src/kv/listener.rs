@@ -1,0 +1,277 @@
+//! `EngineListener`: subscribes to an engine's KV event PUB and feeds the processor.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::{EngineDecoder, EngineStats, PlacementEvent, WorkerId};
+use crate::net::{Backoff, RateLimitedWarn, random_unit};
+use crate::zmtp::{self, SubSocket};
+
+/// Settings of an [`EngineListener`].
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct EngineListenerConfig {
+    endpoint: String,
+    topic: Bytes,
+    worker_id: WorkerId,
+    block_size: usize,
+    zmtp: zmtp::Config,
+    reconnect_min: Duration,
+    reconnect_max: Duration,
+}
+
+impl EngineListenerConfig {
+    /// Listen to `endpoint` (`tcp://host:port`) for `topic`, as `worker_id`, whose
+    /// engine uses `block_size` tokens per block. Reconnects with full-jitter backoff
+    /// 100 ms → 5 s.
+    pub fn new(
+        endpoint: impl Into<String>,
+        topic: impl Into<Bytes>,
+        worker_id: WorkerId,
+        block_size: usize,
+    ) -> EngineListenerConfig {
+        EngineListenerConfig {
+            endpoint: endpoint.into(),
+            topic: topic.into(),
+            worker_id,
+            block_size,
+            zmtp: zmtp::Config::default(),
+            reconnect_min: Duration::from_millis(100),
+            reconnect_max: Duration::from_secs(5),
+        }
+    }
+
+    /// ZMTP bounds and timeouts. Default `zmtp::Config::default()`.
+    pub fn zmtp_config(mut self, config: zmtp::Config) -> Self {
+        self.zmtp = config;
+        self
+    }
+
+    /// Reconnect backoff bounds. Default 100 ms → 5 s.
+    pub fn reconnect_backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.reconnect_min = min;
+        self.reconnect_max = max;
+        self
+    }
+}
+
+/// Counters of an [`EngineListener`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EngineListenerStats {
+    /// Messages that were not `[topic, seq u64be, payload]` with the exact topic.
+    pub malformed_messages: u64,
+    /// Forward jumps in the engine's batch sequence (its PUB dropped batches).
+    pub seq_gaps: u64,
+    /// Batches missing in those jumps.
+    pub seq_gap_batches: u64,
+    /// Connections that ended and were dialled again.
+    pub reconnects: u64,
+    /// Dials or handshakes that failed.
+    pub connect_failures: u64,
+    /// Decoder counters.
+    pub decoder: EngineStats,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    malformed: AtomicU64,
+    seq_gaps: AtomicU64,
+    seq_gap_batches: AtomicU64,
+    reconnects: AtomicU64,
+    connect_failures: AtomicU64,
+    decoder: std::sync::Mutex<EngineStats>,
+}
+
+/// Reads a running listener's counters.
+#[derive(Debug, Clone)]
+pub struct EngineListenerHandle {
+    counters: Arc<Counters>,
+}
+
+impl EngineListenerHandle {
+    /// A snapshot.
+    pub fn stats(&self) -> EngineListenerStats {
+        let c = &self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        EngineListenerStats {
+            malformed_messages: l(&c.malformed),
+            seq_gaps: l(&c.seq_gaps),
+            seq_gap_batches: l(&c.seq_gap_batches),
+            reconnects: l(&c.reconnects),
+            connect_failures: l(&c.connect_failures),
+            decoder: *c.decoder.lock().unwrap_or_else(|p| p.into_inner()),
+        }
+    }
+}
+
+/// Subscribes to an engine's KV event PUB (`[topic, seq u64be, msgpack batch]`),
+/// decodes each batch and sends it as one list to the processor's bounded input.
+///
+/// A full processor input makes the listener wait (it never drops a decoded batch
+/// itself); the engine's PUB then drops at its high-water mark, which shows here as
+/// `seq_gaps`. The connection is re-established with backoff until cancelled; a batch
+/// sequence restarting at 0 on a new connection is a reset, not a gap.
+///
+/// ```no_run
+/// use eventplane::kv::{EngineListener, EngineListenerConfig, WorkerId};
+/// use tokio_util::sync::CancellationToken;
+/// # async fn run() {
+/// let (tx, rx) = tokio::sync::mpsc::channel(256);
+/// let listener = EngineListener::new(
+///     EngineListenerConfig::new("tcp://127.0.0.1:5557", "kv-events", WorkerId(1), 16),
+///     tx,
+/// );
+/// tokio::spawn(listener.run(CancellationToken::new()));
+/// # drop(rx); }
+/// ```
+#[derive(Debug)]
+pub struct EngineListener {
+    config: EngineListenerConfig,
+    output: mpsc::Sender<Vec<PlacementEvent>>,
+    counters: Arc<Counters>,
+}
+
+impl EngineListener {
+    /// A listener sending to `output`.
+    pub fn new(config: EngineListenerConfig, output: mpsc::Sender<Vec<PlacementEvent>>) -> Self {
+        EngineListener {
+            config,
+            output,
+            counters: Arc::default(),
+        }
+    }
+
+    /// A handle for stats.
+    pub fn handle(&self) -> EngineListenerHandle {
+        EngineListenerHandle {
+            counters: self.counters.clone(),
+        }
+    }
+
+    /// Runs until `cancel` or until the processor's input closes.
+    pub async fn run(self, cancel: CancellationToken) -> EngineListenerStats {
+        let mut decoder = EngineDecoder::new(self.config.worker_id, self.config.block_size);
+        let mut backoff = Backoff::new(self.config.reconnect_min, self.config.reconnect_max);
+        let warn = RateLimitedWarn::default();
+        let mut last_seq: Option<u64> = None;
+        let mut connected_before = false;
+        loop {
+            let connected = tokio::select! {
+                () = cancel.cancelled() => break,
+                r = self.connect() => r,
+            };
+            let mut sub = match connected {
+                Ok(s) => s,
+                Err(e) => {
+                    self.counters
+                        .connect_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                    if warn.check("connect", Instant::now()).is_some() {
+                        tracing::warn!(endpoint = %self.config.endpoint, error = %e, "engine connection failed; retrying with backoff");
+                    }
+                    let delay = backoff.next_delay(random_unit());
+                    tokio::select! {
+                        () = cancel.cancelled() => break,
+                        () = tokio::time::sleep(delay) => continue,
+                    }
+                }
+            };
+            if connected_before {
+                self.counters.reconnects.fetch_add(1, Ordering::Relaxed);
+            }
+            connected_before = true;
+            backoff.reset();
+            let mut fresh = true;
+            loop {
+                let msg = tokio::select! {
+                    () = cancel.cancelled() => return self.finish(&decoder),
+                    m = sub.recv() => m,
+                };
+                let msg = match msg {
+                    Ok(m) => m,
+                    Err(e) => {
+                        if warn.check("recv", Instant::now()).is_some() {
+                            tracing::warn!(endpoint = %self.config.endpoint, error = %e, "engine connection lost; reconnecting");
+                        }
+                        break;
+                    }
+                };
+                let parts = msg.parts();
+                let (Some(topic), Some(seq), Some(payload), 3) =
+                    (parts.first(), parts.get(1), parts.get(2), parts.len())
+                else {
+                    self.counters.malformed.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                };
+                let Ok(seq) = <[u8; 8]>::try_from(&seq[..]).map(u64::from_be_bytes) else {
+                    self.counters.malformed.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                };
+                if *topic != self.config.topic {
+                    self.counters.malformed.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                self.observe_seq(&mut last_seq, seq, std::mem::take(&mut fresh));
+                let decoded = decoder.decode_batch(payload);
+                *self
+                    .counters
+                    .decoder
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = decoder.stats();
+                let Ok(events) = decoded else {
+                    continue;
+                };
+                if events.is_empty() {
+                    continue;
+                }
+                let sent = tokio::select! {
+                    () = cancel.cancelled() => return self.finish(&decoder),
+                    r = self.output.send(events) => r,
+                };
+                if sent.is_err() {
+                    return self.finish(&decoder);
+                }
+            }
+            let delay = backoff.next_delay(random_unit());
+            tokio::select! {
+                () = cancel.cancelled() => break,
+                () = tokio::time::sleep(delay) => {}
+            }
+        }
+        self.finish(&decoder)
+    }
+
+    async fn connect(&self) -> Result<SubSocket, zmtp::Error> {
+        let mut sub = SubSocket::connect(&self.config.endpoint, self.config.zmtp.clone()).await?;
+        sub.subscribe(self.config.topic.clone()).await?;
+        Ok(sub)
+    }
+
+    fn observe_seq(&self, last: &mut Option<u64>, seq: u64, fresh: bool) {
+        if let Some(prev) = *last {
+            let reset = fresh && seq == 0;
+            if !reset && seq > prev.saturating_add(1) {
+                self.counters.seq_gaps.fetch_add(1, Ordering::Relaxed);
+                self.counters
+                    .seq_gap_batches
+                    .fetch_add(seq - prev - 1, Ordering::Relaxed);
+            }
+        }
+        *last = Some(seq);
+    }
+
+    fn finish(&self, decoder: &EngineDecoder) -> EngineListenerStats {
+        *self
+            .counters
+            .decoder
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = decoder.stats();
+        self.handle().stats()
+    }
+}

@@ -1,0 +1,101 @@
+//! EngineListener end to end: a real libzmq publisher (pyzmq + msgpack fixtures)
+//! → EngineListener → Processor → a collecting sink. The router events must equal
+//! what the sans-IO decoder and pipeline make of the same bytes.
+#![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)]
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+
+use eventplane::discovery::BoxFuture;
+use eventplane::kv::{
+    EngineDecoder, EngineListener, EngineListenerConfig, EventSink, Pipeline, Processor,
+    ProcessorConfig, RouterEvent, SinkError, WorkerId,
+};
+use support::{PyPeer, within};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Default)]
+struct Collect(Mutex<Vec<RouterEvent>>);
+
+impl EventSink for Collect {
+    fn publish<'a>(&'a self, events: &'a [RouterEvent]) -> BoxFuture<'a, Result<(), SinkError>> {
+        self.0.lock().unwrap().extend_from_slice(events);
+        Box::pin(async { Ok(()) })
+    }
+}
+
+const FIXTURES: [&str; 3] = ["vllm_v023.msgpack", "vllm_v024.msgpack", "sglang.msgpack"];
+
+fn fixture_path(name: &str) -> String {
+    format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+#[tokio::test]
+async fn libzmq_engine_to_router_events() {
+    let files: Vec<String> = FIXTURES.iter().map(|f| fixture_path(f)).collect();
+    // Batch seqs 0, 1, 5: the last jump counts one gap of 3 missing batches.
+    let mut engine = PyPeer::spawn(&[
+        "kvpub",
+        "--topics",
+        "kv-events",
+        "--files",
+        &files.join(","),
+        "--seqs",
+        "0,1,5",
+    ]);
+    let port = engine
+        .line()
+        .await
+        .strip_prefix("port ")
+        .unwrap()
+        .to_owned();
+
+    let sink = Arc::new(Collect::default());
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let listener = EngineListener::new(
+        EngineListenerConfig::new(
+            format!("tcp://127.0.0.1:{port}"),
+            "kv-events",
+            WorkerId(3),
+            4,
+        ),
+        tx,
+    );
+    let stats = listener.handle();
+    let cancel = CancellationToken::new();
+    let listening = tokio::spawn(listener.run(cancel.clone()));
+    let processing =
+        tokio::spawn(Processor::new(ProcessorConfig::default(), rx, sink.clone()).run());
+    assert_eq!(engine.line().await, "done");
+
+    // What the same bytes must become.
+    let mut decoder = EngineDecoder::new(WorkerId(3), 4);
+    let mut pipeline = Pipeline::default();
+    let mut expected = Vec::new();
+    for f in &files {
+        for ev in decoder.decode_batch(&std::fs::read(f).unwrap()).unwrap() {
+            pipeline.push(ev, &mut expected);
+        }
+        pipeline.flush(&mut expected);
+    }
+    within(async {
+        while sink.0.lock().unwrap().len() < expected.len() {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    cancel.cancel();
+    let listener_stats = listening.await.unwrap();
+    processing.await.unwrap();
+    assert_eq!(*sink.0.lock().unwrap(), expected);
+    assert_eq!(
+        (listener_stats.seq_gaps, listener_stats.seq_gap_batches),
+        (1, 3)
+    );
+    assert_eq!(listener_stats.decoder.batches, 3);
+    assert_eq!(listener_stats.decoder.failed_events, 2);
+    assert_eq!(stats.stats().malformed_messages, 0);
+    engine.send_line("exit").await;
+    assert!(engine.wait().await.success());
+}

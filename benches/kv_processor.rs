@@ -1,15 +1,20 @@
 //! Block events per second through Coalescer + DedupFilter + id stamping (the sans-IO
 //! `kv::Pipeline`) into a null sink, one core: chained stores, random removes, and a
 //! mixed stream. Throughput is in block events (a stored or removed block each).
+//!
+//! Then engine batch decode (`EngineDecoder`) in events per second for both wire
+//! shapes (vLLM tagged arrays, tagged maps), and the full path: engine msgpack →
+//! decode → pipeline → router-event msgpack.
 #![allow(missing_docs, clippy::unwrap_used, clippy::indexing_slicing)]
 
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use eventplane::kv::{
-    BlockHash, KvEvent, KvEventData, Pipeline, Placement, PlacementEvent, StorageTier, StoredBlock,
-    TokensHash, WorkerId,
+    BlockHash, EngineDecoder, KvEvent, KvEventData, Pipeline, Placement, PlacementEvent,
+    StorageTier, StoredBlock, TokensHash, WorkerId, encode_router_events,
 };
+use serde::Serialize;
 
 const AT: Placement = Placement {
     worker_id: WorkerId(1),
@@ -156,5 +161,157 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench);
+/// Engine events per batch and tokens per block in the decode benchmarks.
+const BATCH_EVENTS: usize = 64;
+const BLOCK_TOKENS: usize = 16;
+
+/// vLLM ≤ 0.23 events: tagged arrays.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum ArrayEvent {
+    Stored(
+        (
+            &'static str,
+            Vec<u64>,
+            Option<u64>,
+            Vec<u32>,
+            u32,
+            Option<u32>,
+            &'static str,
+        ),
+    ),
+    Removed((&'static str, Vec<u64>, &'static str)),
+}
+
+/// vLLM ≥ 0.24 / SGLang events: tagged maps.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum MapEvent {
+    Stored {
+        #[serde(rename = "type")]
+        kind: &'static str,
+        block_hashes: Vec<u64>,
+        parent_block_hash: Option<u64>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+        lora_id: Option<u32>,
+        medium: &'static str,
+    },
+    Removed {
+        #[serde(rename = "type")]
+        kind: &'static str,
+        block_hashes: Vec<u64>,
+        medium: &'static str,
+    },
+}
+
+/// 3 of 4 events store a chain of 1–4 blocks, 1 of 4 removes 2 blocks.
+fn engine_events(seed: u64) -> Vec<(bool, Vec<u64>, Option<u64>, Vec<u32>)> {
+    let mut x = seed | 1;
+    let mut next_hash = seed * 1_000_000;
+    (0..BATCH_EVENTS)
+        .map(|i| {
+            if i % 4 == 3 {
+                (false, vec![next_hash - 1, next_hash - 2], None, vec![])
+            } else {
+                let n = 1 + (xorshift(&mut x) % 4) as usize;
+                let parent = (next_hash > seed * 1_000_000).then(|| next_hash - 1);
+                let hashes: Vec<u64> = (0..n as u64).map(|k| next_hash + k).collect();
+                next_hash += n as u64;
+                let tokens = (0..(n * BLOCK_TOKENS) as u32).collect();
+                (true, hashes, parent, tokens)
+            }
+        })
+        .collect()
+}
+
+fn array_batch(seed: u64) -> Vec<u8> {
+    let events: Vec<ArrayEvent> = engine_events(seed)
+        .into_iter()
+        .map(|(stored, hashes, parent, tokens)| {
+            if stored {
+                ArrayEvent::Stored((
+                    "BlockStored",
+                    hashes,
+                    parent,
+                    tokens,
+                    BLOCK_TOKENS as u32,
+                    None,
+                    "GPU",
+                ))
+            } else {
+                ArrayEvent::Removed(("BlockRemoved", hashes, "GPU"))
+            }
+        })
+        .collect();
+    rmp_serde::to_vec(&(1.5f64, events, 0u32)).unwrap()
+}
+
+fn map_batch(seed: u64) -> Vec<u8> {
+    let events: Vec<MapEvent> = engine_events(seed)
+        .into_iter()
+        .map(|(stored, hashes, parent, tokens)| {
+            if stored {
+                MapEvent::Stored {
+                    kind: "BlockStored",
+                    block_hashes: hashes,
+                    parent_block_hash: parent,
+                    token_ids: tokens,
+                    block_size: BLOCK_TOKENS as u32,
+                    lora_id: None,
+                    medium: "GPU",
+                }
+            } else {
+                MapEvent::Removed {
+                    kind: "BlockRemoved",
+                    block_hashes: hashes,
+                    medium: "GPU",
+                }
+            }
+        })
+        .collect();
+    rmp_serde::to_vec_named(&(1.5f64, events, 0u32)).unwrap()
+}
+
+fn decode(c: &mut Criterion) {
+    let mut group = c.benchmark_group("kv_engine");
+    group.sample_size(20);
+    group.measurement_time(Duration::from_secs(3));
+    group.throughput(Throughput::Elements(BATCH_EVENTS as u64 * 16));
+    for (shape, make) in [
+        ("arrays", array_batch as fn(u64) -> Vec<u8>),
+        ("maps", map_batch),
+    ] {
+        let batches: Vec<Vec<u8>> = (1..=16).map(make).collect();
+        let mut decoder = EngineDecoder::new(WorkerId(1), BLOCK_TOKENS);
+        assert_eq!(
+            decoder.decode_batch(&batches[0]).unwrap().len(),
+            BATCH_EVENTS
+        );
+        group.bench_function(BenchmarkId::new("decode", shape), |b| {
+            b.iter(|| {
+                for batch in &batches {
+                    std::hint::black_box(decoder.decode_batch(batch).unwrap());
+                }
+            })
+        });
+        group.bench_function(BenchmarkId::new("full_path", shape), |b| {
+            let mut pipeline = Pipeline::default();
+            let mut out = Vec::new();
+            b.iter(|| {
+                for batch in &batches {
+                    for ev in decoder.decode_batch(batch).unwrap() {
+                        pipeline.push(ev, &mut out);
+                    }
+                    pipeline.flush(&mut out);
+                    std::hint::black_box(encode_router_events(&out).unwrap());
+                    out.clear();
+                }
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench, decode);
 criterion_main!(benches);

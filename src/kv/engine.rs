@@ -244,19 +244,26 @@ fn hash(v: &Value<'_>) -> Result<BlockHash, ()> {
 }
 
 fn hash_list(v: Option<&Value<'_>>) -> Result<Vec<BlockHash>, ()> {
-    v.and_then(Value::as_array)
-        .ok_or(())?
-        .iter()
-        .map(hash)
-        .collect()
+    let v = v.ok_or(())?;
+    if let Some(ints) = v.as_uints() {
+        return Ok(ints.iter().map(|&h| BlockHash(h)).collect());
+    }
+    v.as_array().ok_or(())?.iter().map(hash).collect()
 }
 
 fn token_list(v: Option<&Value<'_>>) -> Result<Vec<u32>, ()> {
-    v.and_then(Value::as_array)
-        .ok_or(())?
-        .iter()
-        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or(()))
-        .collect()
+    let v = v.ok_or(())?;
+    if let Some(ints) = v.as_uints() {
+        return ints
+            .iter()
+            .map(|&t| u32::try_from(t).map_err(|_| ()))
+            .collect();
+    }
+    // An empty array parses generically.
+    match v.array_len() {
+        Some(0) => Ok(Vec::new()),
+        _ => Err(()),
+    }
 }
 
 fn tier(medium: Option<&Value<'_>>) -> StorageTier {

@@ -151,12 +151,21 @@ pub const TOKENS_HASH_SEED: u64 = 1337;
 /// assert_eq!(tokens_hash(&[1, 2, 3, 4]), TokensHash(14643705804678351452));
 /// ```
 pub fn tokens_hash(tokens: &[u32]) -> TokensHash {
-    let mut bytes = Vec::with_capacity(tokens.len() * 4);
-    for t in tokens {
-        bytes.extend_from_slice(&t.to_le_bytes());
+    // Blocks of up to 256 tokens (every common block size) hash from a stack buffer.
+    const STACK_TOKENS: usize = 256;
+    let mut stack = [0u8; STACK_TOKENS * 4];
+    let mut heap = Vec::new();
+    let bytes: &mut [u8] = if tokens.len() <= STACK_TOKENS {
+        stack.get_mut(..tokens.len() * 4).unwrap_or_default()
+    } else {
+        heap.resize(tokens.len() * 4, 0);
+        &mut heap
+    };
+    for (chunk, t) in bytes.chunks_exact_mut(4).zip(tokens) {
+        chunk.copy_from_slice(&t.to_le_bytes());
     }
     TokensHash(xxhash_rust::xxh3::xxh3_64_with_seed(
-        &bytes,
+        bytes,
         TOKENS_HASH_SEED,
     ))
 }

@@ -18,6 +18,9 @@ pub(crate) enum Value<'a> {
     Str(&'a [u8]),
     Bin(&'a [u8]),
     Array(Vec<Value<'a>>),
+    /// An array whose elements are all non-negative integers (token ids, hashes):
+    /// decoded in a tight loop, 8 bytes per element.
+    UInts(Vec<u64>),
     Map(Vec<(Value<'a>, Value<'a>)>),
     Ext,
 }
@@ -40,6 +43,23 @@ impl<'a> Value<'a> {
     pub(crate) fn as_array(&self) -> Option<&[Value<'a>]> {
         match self {
             Value::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+
+    /// The elements of an array of non-negative integers.
+    pub(crate) fn as_uints(&self) -> Option<&[u64]> {
+        match self {
+            Value::UInts(a) => Some(a),
+            _ => None,
+        }
+    }
+
+    /// Number of elements, for arrays of either representation.
+    pub(crate) fn array_len(&self) -> Option<usize> {
+        match self {
+            Value::Array(a) => Some(a.len()),
+            Value::UInts(a) => Some(a.len()),
             _ => None,
         }
     }
@@ -173,12 +193,38 @@ fn array<'a>(
     n: usize,
     depth: usize,
 ) -> Result<Value<'a>, MsgpackError> {
+    if n > 0 {
+        let mut probe = Reader::new(input);
+        probe.take(r.position());
+        if let Some(ints) = uints(&mut probe, n) {
+            *r = probe;
+            return Ok(Value::UInts(ints));
+        }
+    }
     // Every element takes at least one byte: never reserve more than what is left.
     let mut out = Vec::with_capacity(n.min(r.remaining()));
     for _ in 0..n {
         out.push(value(r, input, depth + 1)?);
     }
     Ok(Value::Array(out))
+}
+
+/// Reads `n` non-negative integers, or `None` at the first element that is not one
+/// (the caller then parses the array generically from its start).
+fn uints(r: &mut Reader<'_>, n: usize) -> Option<Vec<u64>> {
+    let mut out = Vec::with_capacity(n.min(r.remaining()));
+    for _ in 0..n {
+        let v = match r.u8()? {
+            m @ 0x00..=0x7f => u64::from(m),
+            0xcc => u64::from(r.u8()?),
+            0xcd => u64::from(r.u16_be()?),
+            0xce => u64::from(r.u32_be()?),
+            0xcf => r.u64_be()?,
+            _ => return None,
+        };
+        out.push(v);
+    }
+    Some(out)
 }
 
 fn map<'a>(

@@ -165,21 +165,25 @@ fn bench(c: &mut Criterion) {
 const BATCH_EVENTS: usize = 64;
 const BLOCK_TOKENS: usize = 16;
 
+/// `["BlockStored", block_hashes, parent, token_ids, block_size, lora_id, medium]`.
+type StoredTuple = (
+    &'static str,
+    Vec<u64>,
+    Option<u64>,
+    Vec<u32>,
+    u32,
+    Option<u32>,
+    &'static str,
+);
+
+/// A generated engine event: `(is_store, hashes, parent, tokens)`.
+type GenEvent = (bool, Vec<u64>, Option<u64>, Vec<u32>);
+
 /// vLLM ≤ 0.23 events: tagged arrays.
 #[derive(Serialize)]
 #[serde(untagged)]
 enum ArrayEvent {
-    Stored(
-        (
-            &'static str,
-            Vec<u64>,
-            Option<u64>,
-            Vec<u32>,
-            u32,
-            Option<u32>,
-            &'static str,
-        ),
-    ),
+    Stored(StoredTuple),
     Removed((&'static str, Vec<u64>, &'static str)),
 }
 
@@ -206,7 +210,7 @@ enum MapEvent {
 }
 
 /// 3 of 4 events store a chain of 1–4 blocks, 1 of 4 removes 2 blocks.
-fn engine_events(seed: u64) -> Vec<(bool, Vec<u64>, Option<u64>, Vec<u32>)> {
+fn engine_events(seed: u64) -> Vec<GenEvent> {
     let mut x = seed | 1;
     let mut next_hash = seed * 1_000_000;
     (0..BATCH_EVENTS)

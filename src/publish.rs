@@ -224,7 +224,9 @@ impl EventPublisher {
         self.socket.wait_for_subscribers(count).await;
     }
 
-    /// Unregisters, lets queues drain for the linger period, and closes the socket.
+    /// Lets queued messages drain (up to the linger period), unregisters, and closes
+    /// the socket. Draining first means subscribers have the last messages before
+    /// discovery tells them this publisher is gone.
     pub async fn shutdown(self) {
         let EventPublisher {
             socket,
@@ -232,11 +234,12 @@ impl EventPublisher {
             linger,
             ..
         } = self;
+        socket.flush(linger).await;
         if let Some(r) = registration {
             if let Err(e) = r.unregister().await {
                 tracing::warn!(error = %e, "unregister failed; the lease will expire");
             }
         }
-        socket.close(linger).await;
+        socket.close(Duration::ZERO).await;
     }
 }

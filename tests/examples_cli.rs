@@ -1,6 +1,11 @@
 //! The `subscribe` and `publish` examples are contracts (DESIGN §6): flags, output
 //! format and exit codes. These tests run the built binaries.
-#![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    missing_docs
+)]
 
 mod support;
 
@@ -280,4 +285,40 @@ async fn kv_listen_times_out_with_exit_1() {
     .await
     .unwrap();
     assert_eq!(out.status.code(), Some(1));
+}
+
+#[tokio::test]
+async fn demo_runs_and_accounts_for_every_event() {
+    let out = within(
+        Command::new(example("demo"))
+            .args(["--engines", "2", "--seconds", "3", "--rate", "4000"])
+            .output(),
+    )
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let value = |label: &str| -> u64 {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(label))
+            .unwrap_or_else(|| panic!("no {label:?} in\n{stdout}"));
+        line.split_whitespace().last().unwrap().parse().unwrap()
+    };
+    let published = value("engine events published");
+    assert!(published > 0);
+    assert_eq!(value("engine events decoded by workers"), published);
+    // Every router event the workers emitted reached the router, none dropped.
+    assert_eq!(
+        value("router events received by the router"),
+        value("router events emitted (coalesced, deduped)")
+    );
+    assert_eq!(value("drops (router lanes, all reasons)"), 0);
+    assert!(stdout.contains("left; engine 2 joined"), "{stdout}");
+    assert!(value("index entries (worker × block)") > 0);
 }

@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use eventplane::kv::{
-    BlockHash, EngineDecoder, KvEvent, KvEventData, Pipeline, Placement, PlacementEvent,
-    StorageTier, StoredBlock, TokensHash, WorkerId, encode_router_events,
+    BlockHash, EngineDecoder, EngineEvent, KvEvent, KvEventData, Pipeline, Placement,
+    PlacementEvent, StorageTier, StoredBlock, TokensHash, WorkerId, encode_engine_batch,
+    encode_router_events,
 };
 use serde::Serialize;
 
@@ -165,27 +166,8 @@ fn bench(c: &mut Criterion) {
 const BATCH_EVENTS: usize = 64;
 const BLOCK_TOKENS: usize = 16;
 
-/// `["BlockStored", block_hashes, parent, token_ids, block_size, lora_id, medium]`.
-type StoredTuple = (
-    &'static str,
-    Vec<u64>,
-    Option<u64>,
-    Vec<u32>,
-    u32,
-    Option<u32>,
-    &'static str,
-);
-
 /// A generated engine event: `(is_store, hashes, parent, tokens)`.
 type GenEvent = (bool, Vec<u64>, Option<u64>, Vec<u32>);
-
-/// vLLM ≤ 0.23 events: tagged arrays.
-#[derive(Serialize)]
-#[serde(untagged)]
-enum ArrayEvent {
-    Stored(StoredTuple),
-    Removed((&'static str, Vec<u64>, &'static str)),
-}
 
 /// vLLM ≥ 0.24 / SGLang events: tagged maps.
 #[derive(Serialize)]
@@ -230,25 +212,25 @@ fn engine_events(seed: u64) -> Vec<GenEvent> {
 }
 
 fn array_batch(seed: u64) -> Vec<u8> {
-    let events: Vec<ArrayEvent> = engine_events(seed)
+    let events: Vec<EngineEvent> = engine_events(seed)
         .into_iter()
         .map(|(stored, hashes, parent, tokens)| {
             if stored {
-                ArrayEvent::Stored((
-                    "BlockStored",
-                    hashes,
-                    parent,
-                    tokens,
-                    BLOCK_TOKENS as u32,
-                    None,
-                    "GPU",
-                ))
+                EngineEvent::Stored {
+                    block_hashes: hashes,
+                    parent_block_hash: parent,
+                    token_ids: tokens,
+                    medium: Some("GPU".into()),
+                }
             } else {
-                ArrayEvent::Removed(("BlockRemoved", hashes, "GPU"))
+                EngineEvent::Removed {
+                    block_hashes: hashes,
+                    medium: Some("GPU".into()),
+                }
             }
         })
         .collect();
-    rmp_serde::to_vec(&(1.5f64, events, 0u32)).unwrap()
+    encode_engine_batch(1.5, 0, BLOCK_TOKENS as u32, &events).unwrap()
 }
 
 fn map_batch(seed: u64) -> Vec<u8> {

@@ -22,14 +22,13 @@ use bytes::Bytes;
 use clap::Parser;
 use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
 use eventplane::kv::{
-    BlockHash, EngineListener, EngineListenerConfig, EngineListenerHandle, EventPlaneSink,
-    KvEventData, Processor, ProcessorConfig, ProcessorHandle, StorageTier, WorkerId,
-    decode_router_events,
+    BlockHash, EngineEvent, EngineListener, EngineListenerConfig, EngineListenerHandle,
+    EventPlaneSink, KvEventData, Processor, ProcessorConfig, ProcessorHandle, StorageTier,
+    WorkerId, decode_router_events, encode_engine_batch,
 };
 use eventplane::publish::EventPublisher;
 use eventplane::subscriber::{DynamicSubscriber, Layout};
 use eventplane::zmtp::{Config, Message, PubSocket};
-use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser, Debug)]
@@ -52,24 +51,6 @@ const NAMESPACE: &str = "demo";
 const PREFIXES: u64 = 256;
 const EVENTS_PER_BATCH: usize = 32;
 const ENGINE_CAPACITY_BLOCKS: usize = 4096;
-
-/// `["BlockStored", block_hashes, parent, token_ids, block_size, lora_id, medium]`.
-type StoredTuple = (
-    &'static str,
-    Vec<u64>,
-    Option<u64>,
-    Vec<u32>,
-    u32,
-    Option<u32>,
-    &'static str,
-);
-
-#[derive(Serialize)]
-#[serde(untagged)]
-enum EngineEvent {
-    Stored(StoredTuple),
-    Removed((&'static str, Vec<u64>, &'static str)),
-}
 
 /// A block hash shared by every engine that caches the same prompt prefix.
 fn prefix_hash(prefix: u64, depth: u64) -> u64 {
@@ -201,7 +182,10 @@ async fn generate(
                     cached_set.remove(&h);
                     gone.push(h);
                 }
-                events.push(EngineEvent::Removed(("BlockRemoved", gone, "GPU")));
+                events.push(EngineEvent::Removed {
+                    block_hashes: gone,
+                    medium: Some("GPU".into()),
+                });
             } else {
                 // A request with a (shared) prompt prefix: a chain of 1–8 blocks.
                 let prefix = rng() % PREFIXES;
@@ -215,18 +199,15 @@ async fn generate(
                 let tokens: Vec<u32> = (0..depth as u32 * BLOCK_SIZE as u32)
                     .map(|t| (prefix as u32).wrapping_mul(131) ^ t)
                     .collect();
-                events.push(EngineEvent::Stored((
-                    "BlockStored",
-                    hashes,
-                    None,
-                    tokens,
-                    BLOCK_SIZE as u32,
-                    None,
-                    "GPU",
-                )));
+                events.push(EngineEvent::Stored {
+                    block_hashes: hashes,
+                    parent_block_hash: None,
+                    token_ids: tokens,
+                    medium: Some("GPU".into()),
+                });
             }
         }
-        let Ok(payload) = rmp_serde::to_vec(&(0.0f64, events, 0u32)) else {
+        let Ok(payload) = encode_engine_batch(0.0, 0, BLOCK_SIZE as u32, &events) else {
             return;
         };
         pub_socket.send(Message::from_parts([

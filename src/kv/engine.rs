@@ -281,3 +281,101 @@ fn tier(medium: Option<&Value<'_>>) -> StorageTier {
         _ => StorageTier::External,
     }
 }
+
+/// One engine event, for [`encode_engine_batch`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EngineEvent {
+    /// `BlockStored`: `token_ids` holds `block_size` tokens per hash.
+    Stored {
+        /// The stored blocks' hashes, in chain order.
+        block_hashes: Vec<u64>,
+        /// The block before the first one.
+        parent_block_hash: Option<u64>,
+        /// All tokens of the stored blocks.
+        token_ids: Vec<u32>,
+        /// The medium (`GPU`, `CPU`, `DISK`, …); `None` to omit it.
+        medium: Option<String>,
+    },
+    /// `BlockRemoved`.
+    Removed {
+        /// The evicted blocks' hashes.
+        block_hashes: Vec<u64>,
+        /// The medium; `None` to omit it.
+        medium: Option<String>,
+    },
+    /// `AllBlocksCleared`.
+    Cleared,
+}
+
+/// `["BlockStored", block_hashes, parent, token_ids, block_size, lora_id, medium]`.
+type StoredWire<'a> = (
+    &'static str,
+    &'a [u64],
+    Option<u64>,
+    &'a [u32],
+    u32,
+    Option<u32>,
+    Option<&'a str>,
+);
+
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+enum Wire<'a> {
+    Stored(StoredWire<'a>),
+    Removed((&'static str, &'a [u64], Option<&'a str>)),
+    Cleared((&'static str,)),
+}
+
+/// Encodes a batch the way vLLM ≤ 0.23 publishes it: `[ts, events, dp_rank]` with
+/// tagged-array events — for engine simulators and tests.
+///
+/// ```
+/// use eventplane::kv::{encode_engine_batch, EngineDecoder, EngineEvent, KvEventData, WorkerId};
+/// let batch = encode_engine_batch(0.0, 0, 2, &[
+///     EngineEvent::Stored { block_hashes: vec![7], parent_block_hash: None,
+///         token_ids: vec![1, 2], medium: None },
+///     EngineEvent::Cleared,
+/// ])?;
+/// let events = EngineDecoder::new(WorkerId(1), 2).decode_batch(&batch).unwrap();
+/// assert_eq!(events.len(), 2);
+/// assert_eq!(events[1].event.data, KvEventData::Cleared);
+/// # Ok::<(), eventplane::kv::EncodeError>(())
+/// ```
+pub fn encode_engine_batch(
+    ts: f64,
+    dp_rank: u32,
+    block_size: u32,
+    events: &[EngineEvent],
+) -> Result<Vec<u8>, EncodeError> {
+    let wire: Vec<Wire<'_>> = events
+        .iter()
+        .map(|e| match e {
+            EngineEvent::Stored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                medium,
+            } => Wire::Stored((
+                "BlockStored",
+                block_hashes,
+                *parent_block_hash,
+                token_ids,
+                block_size,
+                None,
+                medium.as_deref(),
+            )),
+            EngineEvent::Removed {
+                block_hashes,
+                medium,
+            } => Wire::Removed(("BlockRemoved", block_hashes, medium.as_deref())),
+            EngineEvent::Cleared => Wire::Cleared(("AllBlocksCleared",)),
+        })
+        .collect();
+    rmp_serde::to_vec(&(ts, wire, dp_rank)).map_err(|e| EncodeError(Box::new(e)))
+}
+
+/// An engine batch could not be encoded.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot encode the engine batch")]
+pub struct EncodeError(#[source] Box<dyn std::error::Error + Send + Sync>);

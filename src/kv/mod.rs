@@ -27,7 +27,9 @@ mod sink;
 
 pub use coalesce::{Coalescer, DEFAULT_MAX_BATCH_BLOCKS};
 pub use dedup::{DedupFilter, DedupMode};
-pub use engine::{EngineDecodeError, EngineDecoder, EngineStats};
+pub use engine::{
+    EncodeError, EngineDecodeError, EngineDecoder, EngineEvent, EngineStats, encode_engine_batch,
+};
 pub use event::{
     BlockHash, DpRank, KvEvent, KvEventData, Placement, PlacementEvent, RouterEvent, StorageTier,
     StoredBlock, TOKENS_HASH_SEED, TokensHash, WorkerId, tokens_hash,

@@ -486,3 +486,45 @@ async fn exact_topic_drops_prefix_collisions() {
     assert_eq!(next(&mut sub).await.sequence, Some(1));
     assert_eq!(sub.stats().total.dropped_malformed, 1);
 }
+
+#[tokio::test]
+async fn a_departing_publishers_last_messages_are_all_delivered() {
+    let d: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    // The consumer reads only after the publisher is gone: give the lane room for the
+    // whole burst, so what this test measures is the connection, not the lane.
+    let mut sub = DynamicSubscriber::builder(d.clone(), Query::new("ns"))
+        .topic("kv")
+        .layout(Layout::TopicPublisherSeq)
+        .lane_capacity(16_384)
+        .spawn();
+    let p = EventPublisher::builder(d.clone(), "ns", "worker", "kv")
+        .build()
+        .await
+        .unwrap();
+    within(p.wait_for_subscribers(1)).await;
+    // Below the publisher's 10 000-message queue, so nothing is lost at the PUB.
+    const N: u64 = 8_000;
+    for i in 0..N {
+        assert_eq!(p.publish(vec![(i % 251) as u8; 100]).dropped, 0);
+    }
+    // Drain, unregister, close — while the subscriber is still reading.
+    p.shutdown().await;
+    let mut got = 0;
+    while got < N {
+        let mut batch = Vec::new();
+        let n = match tokio::time::timeout(
+            std::time::Duration::from_secs(3),
+            sub.recv_many(&mut batch, 1024),
+        )
+        .await
+        {
+            Ok(n) => n,
+            Err(_) => panic!("stalled at {got}: {:?}", sub.stats()),
+        };
+        assert!(n > 0);
+        got += n as u64;
+    }
+    let s = sub.stats();
+    assert_eq!(s.total.delivered, N, "{:?}", s.total);
+    assert_eq!(s.total.dropped(), 0);
+}

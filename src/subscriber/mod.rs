@@ -20,6 +20,9 @@
 //!   publisher is preserved.
 //!
 //! # Connections and discovery
+//! When a publisher leaves discovery, its connection drains: it keeps reading until
+//! the publisher closes it or 500 ms pass, so messages already sent are delivered.
+//!
 //! A new id is dialled (resolve → [`AddrFilter`] check on every
 //! resolved address → TCP connect → handshake → subscribe) in its own task; failures
 //! reconnect with full-jitter backoff (100 ms → 5 s, reset after 30 s healthy) until
@@ -257,17 +260,22 @@ impl Shared {
         self.publishers.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Moves a departed publisher's counters into the retired total.
-    pub(crate) fn retire(&self, id: &ChannelId) {
-        let cell = self.lock().remove(id);
-        if let Some(cell) = cell {
-            let mut s = cell.snapshot();
-            s.depth = 0;
-            self.retired
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .add(&s);
+    /// Moves a departed publisher's counters into the retired total, once its
+    /// connection task has ended (a replacement under the same id stays listed).
+    pub(crate) fn retire(&self, id: &ChannelId, cell: &Arc<PublisherCell>) {
+        {
+            let mut publishers = self.lock();
+            if publishers.get(id).is_some_and(|c| Arc::ptr_eq(c, cell)) {
+                publishers.remove(id);
+            }
         }
+        let mut s = cell.snapshot();
+        // Its lane is closing: a depth here would linger in the totals.
+        s.depth = 0;
+        self.retired
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .add(&s);
     }
 }
 

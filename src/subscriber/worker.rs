@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
@@ -19,11 +19,16 @@ use crate::lossy::{Lane, Merge};
 use crate::net::{Backoff, random_unit};
 use crate::zmtp::{Error as ZmtpError, Message, SubSocket};
 
+/// After discovery removes a publisher, its connection keeps reading for up to this
+/// long (or until the publisher closes it), so messages already sent are delivered.
+const DRAIN_GRACE: Duration = Duration::from_millis(500);
+
 /// What the watch loop tracks per publisher.
 struct Tracked {
     incarnation: u64,
     endpoint: String,
-    cancel: CancellationToken,
+    /// Soft stop: finish reading what is in flight, then exit.
+    drain: CancellationToken,
 }
 
 /// The discovery watch loop: re-watches with backoff, reconciles every event, and
@@ -82,9 +87,8 @@ pub(crate) async fn watch_loop(
             }
         }
     }
-    for (_, t) in tracked.drain() {
-        t.cancel.cancel();
-    }
+    // Cancelling the subscriber's token has already stopped every connection.
+    tracked.clear();
     merge.close();
 }
 
@@ -153,6 +157,7 @@ fn upsert(
         stop(shared, tracked, &instance.id.clone());
     }
     let cancel = config.cancel.child_token();
+    let drain = CancellationToken::new();
     let cell = Arc::new(PublisherCell {
         instance: Mutex::new(Arc::new(instance.clone())),
         counters: Counters::default(),
@@ -164,7 +169,7 @@ fn upsert(
         Tracked {
             incarnation: instance.incarnation,
             endpoint: endpoint.clone(),
-            cancel: cancel.clone(),
+            drain: drain.clone(),
         },
     );
     let span = tracing::debug_span!(
@@ -173,15 +178,25 @@ fn upsert(
         %endpoint
     );
     shared.tracker.spawn(
-        connection_loop(shared.clone(), config.clone(), cell, endpoint, cancel).instrument(span),
+        connection_loop(
+            shared.clone(),
+            config.clone(),
+            instance.id.clone(),
+            cell,
+            endpoint,
+            cancel,
+            drain,
+        )
+        .instrument(span),
     );
 }
 
-fn stop(shared: &Shared, tracked: &mut HashMap<ChannelId, Tracked>, id: &ChannelId) {
+fn stop(_shared: &Shared, tracked: &mut HashMap<ChannelId, Tracked>, id: &ChannelId) {
     if let Some(t) = tracked.remove(id) {
-        t.cancel.cancel();
-        shared.retire(id);
-        tracing::debug!(%id, "publisher gone");
+        // The connection finishes reading what is in flight (bounded by
+        // `DRAIN_GRACE`), then its task retires the publisher's counters.
+        t.drain.cancel();
+        tracing::debug!(%id, "publisher gone; draining its connection");
     }
 }
 
@@ -190,37 +205,61 @@ fn stop(shared: &Shared, tracked: &mut HashMap<ChannelId, Tracked>, id: &Channel
 async fn connection_loop(
     shared: Arc<Shared>,
     config: Arc<Config>,
+    id: ChannelId,
     cell: Arc<PublisherCell>,
     endpoint: String,
     cancel: CancellationToken,
+    drain: CancellationToken,
+) {
+    run_connection(&shared, &config, &cell, &endpoint, &cancel, &drain).await;
+    shared.retire(&id, &cell);
+}
+
+async fn run_connection(
+    shared: &Shared,
+    config: &Config,
+    cell: &PublisherCell,
+    endpoint: &str,
+    cancel: &CancellationToken,
+    drain: &CancellationToken,
 ) {
     let mut backoff = Backoff::new(config.reconnect_min, config.reconnect_max);
     let mut seq = SeqTracker::default();
     let mut connected_before = false;
-    while !cancel.is_cancelled() {
+    while !cancel.is_cancelled() && !drain.is_cancelled() {
         let started = tokio::time::Instant::now();
         let outcome = tokio::select! {
             () = cancel.cancelled() => return,
-            r = connect_and_read(&shared, &config, &cell, &endpoint, &mut seq, &mut connected_before) => r,
+            r = connect_and_read(shared, config, cell, endpoint, &mut seq, &mut connected_before, drain) => r,
         };
+        if drain.is_cancelled() {
+            return;
+        }
         if started.elapsed() >= config.healthy_after {
             backoff.reset();
         }
         let key = format!("conn:{endpoint}");
         match &outcome {
-            Outcome::Refused(addr) => warn_limited(&shared, &key, || {
+            Outcome::Refused(addr) => warn_limited(shared, &key, || {
                 tracing::warn!(%addr, "endpoint refused by the address filter; not dialling");
             }),
-            Outcome::Failed(e) => warn_limited(&shared, &key, || {
+            Outcome::Failed(e) => warn_limited(shared, &key, || {
                 tracing::warn!(error = %e, "publisher connection failed; reconnecting with backoff");
             }),
         }
         let delay = backoff.next_delay(random_unit());
         tokio::select! {
             () = cancel.cancelled() => return,
+            () = drain.cancelled() => return,
             () = tokio::time::sleep(delay) => {}
         }
     }
+}
+
+/// Resolves when `drain` has been signalled and `DRAIN_GRACE` has passed since.
+async fn drain_deadline(drain: &CancellationToken) {
+    drain.cancelled().await;
+    tokio::time::sleep(DRAIN_GRACE).await;
 }
 
 enum Outcome {
@@ -235,6 +274,7 @@ async fn connect_and_read(
     endpoint: &str,
     seq: &mut SeqTracker,
     connected_before: &mut bool,
+    drain: &CancellationToken,
 ) -> Outcome {
     let counters = &cell.counters;
     let addrs = match resolve(endpoint).await {
@@ -275,7 +315,12 @@ async fn connect_and_read(
     let mut out: Vec<(Delivery, usize)> = Vec::with_capacity(config.recv_batch);
     loop {
         batch.clear();
-        if let Err(e) = sub.recv_many(&mut batch, config.recv_batch).await {
+        // `recv_many` is cancel-safe: the drain deadline loses nothing.
+        let received = tokio::select! {
+            r = sub.recv_many(&mut batch, config.recv_batch) => r,
+            () = drain_deadline(drain) => return Outcome::Failed(ZmtpError::SocketClosed),
+        };
+        if let Err(e) = received {
             return Outcome::Failed(e);
         }
         let source = cell

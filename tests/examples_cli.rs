@@ -205,7 +205,6 @@ mod hex {
 
 #[tokio::test]
 async fn kv_listen_prints_router_events_as_json_lines() {
-    use eventplane::kv::{EngineDecoder, Pipeline, WorkerId};
     let files: Vec<String> = ["vllm_v023.msgpack", "vllm_v024.msgpack", "sglang.msgpack"]
         .iter()
         .map(|f| format!("{}/tests/fixtures/{f}", env!("CARGO_MANIFEST_DIR")))
@@ -225,15 +224,7 @@ async fn kv_listen_prints_router_events_as_json_lines() {
         .strip_prefix("port ")
         .unwrap()
         .to_owned();
-    let mut decoder = EngineDecoder::new(WorkerId(11), 4);
-    let mut pipeline = Pipeline::default();
-    let mut expected = Vec::new();
-    for f in &files {
-        for ev in decoder.decode_batch(&std::fs::read(f).unwrap()).unwrap() {
-            pipeline.push(ev, &mut expected);
-        }
-        pipeline.flush(&mut expected);
-    }
+    let expected = support::expected_router_events(&files, 11, 4);
     let out = within(
         Command::new(example("kv_listen"))
             .args([

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use eventplane::discovery::BoxFuture;
 use eventplane::kv::{
-    EngineDecoder, EngineListener, EngineListenerConfig, EventSink, Pipeline, Processor,
-    ProcessorConfig, RouterEvent, SinkError, WorkerId,
+    EngineListener, EngineListenerConfig, EventSink, Processor, ProcessorConfig, RouterEvent,
+    SinkError, WorkerId,
 };
 use support::{PyPeer, within};
 use tokio_util::sync::CancellationToken;
@@ -70,15 +70,7 @@ async fn libzmq_engine_to_router_events() {
     assert_eq!(engine.line().await, "done");
 
     // What the same bytes must become.
-    let mut decoder = EngineDecoder::new(WorkerId(3), 4);
-    let mut pipeline = Pipeline::default();
-    let mut expected = Vec::new();
-    for f in &files {
-        for ev in decoder.decode_batch(&std::fs::read(f).unwrap()).unwrap() {
-            pipeline.push(ev, &mut expected);
-        }
-        pipeline.flush(&mut expected);
-    }
+    let expected = support::expected_router_events(&files, 3, 4);
     within(async {
         while sink.0.lock().unwrap().len() < expected.len() {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;

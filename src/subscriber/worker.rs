@@ -113,7 +113,7 @@ fn apply(
                 .get(&id)
                 .is_some_and(|t| incarnation >= t.incarnation)
             {
-                stop(shared, tracked, &id);
+                stop(tracked, &id);
             }
         }
         DiscoveryEvent::Resync(all) => {
@@ -124,7 +124,7 @@ fn apply(
                 .cloned()
                 .collect();
             for id in gone {
-                stop(shared, tracked, &id);
+                stop(tracked, &id);
             }
             for instance in all {
                 upsert(shared, config, merge, tracked, instance);
@@ -154,7 +154,7 @@ fn upsert(
             return;
         }
         tracing::debug!(id = %instance.id, %endpoint, "publisher moved; replacing its connection");
-        stop(shared, tracked, &instance.id.clone());
+        stop(tracked, &instance.id.clone());
     }
     let cancel = config.cancel.child_token();
     let drain = CancellationToken::new();
@@ -191,7 +191,7 @@ fn upsert(
     );
 }
 
-fn stop(_shared: &Shared, tracked: &mut HashMap<ChannelId, Tracked>, id: &ChannelId) {
+fn stop(tracked: &mut HashMap<ChannelId, Tracked>, id: &ChannelId) {
     if let Some(t) = tracked.remove(id) {
         // The connection finishes reading what is in flight (bounded by
         // `DRAIN_GRACE`), then its task retires the publisher's counters.
@@ -311,6 +311,7 @@ async fn connect_and_read(
     *connected_before = true;
     seq.new_connection();
     tracing::debug!("connected");
+    let drop_key = format!("drop:{endpoint}");
     let mut batch = Vec::with_capacity(config.recv_batch);
     let mut out: Vec<(Delivery, usize)> = Vec::with_capacity(config.recv_batch);
     loop {
@@ -365,10 +366,7 @@ async fn connect_and_read(
         if !out.is_empty() {
             let dropped = cell.lane.push_many(out.drain(..));
             if dropped > 0 {
-                if let Some(suppressed) = shared
-                    .warn
-                    .check(&format!("drop:{endpoint}"), Instant::now())
-                {
+                if let Some(suppressed) = shared.warn.check(&drop_key, Instant::now()) {
                     tracing::warn!(
                         dropped,
                         earlier_drop_events = suppressed,

@@ -38,6 +38,26 @@ pub fn greeting(major: u8, minor: u8, mechanism: &[u8]) -> Vec<u8> {
     g
 }
 
+/// The router events the sans-IO decoder and pipeline make of these engine batch
+/// files, one list per file (what any transport path must reproduce exactly).
+pub fn expected_router_events(
+    files: &[String],
+    worker: u64,
+    block_size: usize,
+) -> Vec<eventplane::kv::RouterEvent> {
+    use eventplane::kv::{EngineDecoder, Pipeline, WorkerId};
+    let mut decoder = EngineDecoder::new(WorkerId(worker), block_size);
+    let mut pipeline = Pipeline::default();
+    let mut expected = Vec::new();
+    for f in files {
+        for ev in decoder.decode_batch(&std::fs::read(f).unwrap()).unwrap() {
+            pipeline.push(ev, &mut expected);
+        }
+        pipeline.flush(&mut expected);
+    }
+    expected
+}
+
 /// Resident set size of this process, from /proc.
 pub fn rss_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap();

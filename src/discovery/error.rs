@@ -23,6 +23,12 @@ pub enum DiscoveryError {
         /// The operation.
         operation: &'static str,
     },
+    /// A backend was configured with an invalid value (checked once, when it is built).
+    #[error("invalid discovery configuration: {reason}")]
+    InvalidConfig {
+        /// What is wrong.
+        reason: String,
+    },
     /// The backend is unreachable or failed; retry with backoff.
     #[error("discovery backend unavailable")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),

@@ -2,8 +2,8 @@
 //!
 //! A [`Discovery`] backend registers publishers ([`Instance`]s, each a [`ChannelId`]
 //! plus a [`Transport`]) and lets consumers list and watch them. Backends:
-//! [`MemoryDiscovery`] (embedded, the default) and [`StaticDiscovery`] (a fixed set);
-//! `EtcdDiscovery` (feature `etcd`) follows.
+//! [`MemoryDiscovery`] (embedded, the default), [`StaticDiscovery`] (a fixed set) and
+//! `EtcdDiscovery` (feature `etcd`, the distributed backend).
 //!
 //! # The watch contract
 //! Every backend's [`Discovery::watch`] stream obeys these rules (checked by
@@ -35,6 +35,8 @@ use tokio_util::sync::CancellationToken;
 #[cfg_attr(docsrs, doc(cfg(feature = "test-support")))]
 pub mod conformance;
 mod error;
+#[cfg(feature = "etcd")]
+mod etcd;
 #[cfg(feature = "test-support")]
 mod fault;
 mod memory;
@@ -43,6 +45,9 @@ mod static_;
 mod watch;
 
 pub use error::DiscoveryError;
+#[cfg(feature = "etcd")]
+#[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
+pub use etcd::{DEFAULT_PREFIX, EtcdDiscovery, EtcdDiscoveryBuilder, EtcdState};
 #[cfg(feature = "test-support")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-support")))]
 pub use fault::{FaultControl, FaultDiscovery};
@@ -124,6 +129,12 @@ pub struct DiscoveryStats {
     pub expired: u64,
     /// Malformed records skipped (backends that read foreign data).
     pub malformed: u64,
+    /// Times the backend's lease was found lost and its registrations were put again
+    /// (backends with a remote store).
+    pub lease_losses: u64,
+    /// Watch streams to a remote store re-established after an error or compaction
+    /// (each followed by a `Resync`).
+    pub reconnects: u64,
 }
 
 /// What a backend does when a [`Registration`] is unregistered, dropped or detached.

@@ -124,7 +124,7 @@ impl fmt::Display for ChannelId {
     }
 }
 
-fn encode_segment(seg: &str, out: &mut String) {
+pub(crate) fn encode_segment(seg: &str, out: &mut String) {
     for &b in seg.as_bytes() {
         if b.is_ascii_alphanumeric() || b == b'_' || b == b'-' {
             out.push(char::from(b));

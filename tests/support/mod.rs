@@ -4,8 +4,11 @@
     unreachable_pub,
     clippy::unwrap_used,
     clippy::expect_used,
-    clippy::indexing_slicing
+    clippy::indexing_slicing,
+    clippy::panic
 )]
+
+pub mod etcd;
 
 use std::path::PathBuf;
 use std::process::Stdio;

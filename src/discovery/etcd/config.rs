@@ -1,0 +1,125 @@
+//! Configuration of `EtcdDiscovery`.
+
+use std::time::Duration;
+
+use crate::discovery::DiscoveryError;
+
+/// The default key prefix.
+pub const DEFAULT_PREFIX: &str = "/eventplane";
+
+/// Settings of an [`EtcdDiscovery`](super::EtcdDiscovery), validated once by
+/// [`EtcdDiscoveryBuilder::connect`](super::EtcdDiscoveryBuilder::connect).
+#[derive(Debug, Clone)]
+pub(crate) struct EtcdConfig {
+    pub(crate) endpoints: Vec<String>,
+    pub(crate) prefix: String,
+    pub(crate) lease_ttl: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) request_timeout: Duration,
+    pub(crate) watch_buffer: usize,
+    pub(crate) page_size: usize,
+    pub(crate) max_value_bytes: usize,
+    pub(crate) backoff_min: Duration,
+    pub(crate) backoff_max: Duration,
+}
+
+impl EtcdConfig {
+    pub(crate) fn new(endpoints: Vec<String>) -> EtcdConfig {
+        EtcdConfig {
+            endpoints,
+            prefix: DEFAULT_PREFIX.to_owned(),
+            lease_ttl: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(5),
+            watch_buffer: 1024,
+            page_size: 1000,
+            max_value_bytes: 64 * 1024,
+            backoff_min: Duration::from_millis(250),
+            backoff_max: Duration::from_secs(5),
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), DiscoveryError> {
+        let bad = |reason: String| Err(DiscoveryError::InvalidConfig { reason });
+        if self.endpoints.is_empty() {
+            return bad("no etcd endpoints given".to_owned());
+        }
+        if let Some(e) = self.endpoints.iter().find(|e| e.trim().is_empty()) {
+            return bad(format!("empty etcd endpoint {e:?}"));
+        }
+        if !self.prefix.starts_with('/') || self.prefix.ends_with('/') || self.prefix.len() < 2 {
+            return bad(format!(
+                "prefix {:?} must start with '/', not end with '/', and not be \"/\"",
+                self.prefix
+            ));
+        }
+        if self.lease_ttl < Duration::from_secs(2) || self.lease_ttl > Duration::from_secs(3600) {
+            return bad(format!(
+                "lease TTL {:?} must lie within 2 s ..= 1 h (etcd counts whole seconds)",
+                self.lease_ttl
+            ));
+        }
+        for (name, d) in [
+            ("connect timeout", self.connect_timeout),
+            ("request timeout", self.request_timeout),
+            ("minimum backoff", self.backoff_min),
+        ] {
+            if d.is_zero() {
+                return bad(format!("{name} must be positive"));
+            }
+        }
+        if self.backoff_max < self.backoff_min {
+            return bad("maximum backoff is below the minimum".to_owned());
+        }
+        if self.watch_buffer == 0 || self.page_size == 0 || self.max_value_bytes == 0 {
+            return bad("watch buffer, page size and value limit must be positive".to_owned());
+        }
+        Ok(())
+    }
+
+    /// Whole seconds, as etcd grants them.
+    pub(crate) fn ttl_secs(&self) -> i64 {
+        i64::try_from(self.lease_ttl.as_secs()).unwrap_or(3600)
+    }
+
+    /// Keep-alive period: a third of the TTL.
+    pub(crate) fn keepalive_every(&self) -> Duration {
+        self.lease_ttl / 3
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_bad_values_are_rejected() {
+        let ok = EtcdConfig::new(vec!["http://127.0.0.1:2379".to_owned()]);
+        assert!(ok.validate().is_ok());
+        assert_eq!(
+            ok.keepalive_every(),
+            Duration::from_millis(3333) + Duration::from_nanos(333_333)
+        );
+        type Mutation = Box<dyn Fn(&mut EtcdConfig)>;
+        let cases: Vec<Mutation> = vec![
+            Box::new(|c| c.endpoints.clear()),
+            Box::new(|c| c.endpoints.push(" ".to_owned())),
+            Box::new(|c| c.prefix = "eventplane".to_owned()),
+            Box::new(|c| c.prefix = "/eventplane/".to_owned()),
+            Box::new(|c| c.prefix = "/".to_owned()),
+            Box::new(|c| c.lease_ttl = Duration::from_secs(1)),
+            Box::new(|c| c.request_timeout = Duration::ZERO),
+            Box::new(|c| c.backoff_max = Duration::from_millis(1)),
+            Box::new(|c| c.watch_buffer = 0),
+            Box::new(|c| c.page_size = 0),
+        ];
+        for mutate in cases {
+            let mut c = ok.clone();
+            mutate(&mut c);
+            assert!(
+                matches!(c.validate(), Err(DiscoveryError::InvalidConfig { .. })),
+                "{c:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,941 @@
+//! `EtcdDiscovery`: the distributed backend (feature `etcd`).
+
+mod config;
+mod record;
+mod watch;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, GetOptions, LeaseKeepAliveStream, LeaseKeeper,
+    PutOptions, Txn, TxnOp,
+};
+use tokio::sync::{Notify, watch as state_watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info, warn};
+
+pub use config::DEFAULT_PREFIX;
+use config::EtcdConfig;
+use record::{Keys, RecordError, encode_value, prefix_end};
+
+use super::{
+    BoxFuture, ChannelId, Discovery, DiscoveryError, DiscoveryStats, DiscoveryStream, Instance,
+    Query, Registration, RegistrationHandle, Transport,
+};
+use crate::net::{Backoff, RateLimitedWarn, random_unit};
+
+/// Whether an [`EtcdDiscovery`]'s session with etcd is healthy.
+///
+/// ```
+/// use eventplane::discovery::EtcdState;
+/// assert_ne!(EtcdState::Live, EtcdState::Reconnecting);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum EtcdState {
+    /// The lease was renewed within the last keep-alive period: registrations are up.
+    Live,
+    /// The last keep-alive failed; the backend is retrying with backoff. Registrations
+    /// survive while etcd keeps the lease (its TTL); if it was lost, they are put again
+    /// under a new lease on reconnect.
+    Reconnecting,
+}
+
+/// The distributed discovery backend, on etcd v3 (feature `etcd`).
+///
+/// - Keys `{prefix}/v1/channels/{ns}/{component}/{topic}/{publisher_id:x}` (prefix
+///   default [`DEFAULT_PREFIX`]), each value a JSON record
+///   `{"id":{"namespace","component","topic","publisher_id"},"transport":{"kind":"zmq","endpoint"}}`.
+///   This is a public contract: processes in any language may register this way.
+///   Unknown fields are ignored; a malformed record is skipped, counted in
+///   [`DiscoveryStats::malformed`] and logged (rate-limited), never fatal.
+/// - One lease per `EtcdDiscovery` (TTL default 10 s, renewed every TTL/3) carries every
+///   registration. If etcd reports the lease lost (expired during an outage, or revoked),
+///   a new one is granted and every live registration is put again
+///   ([`DiscoveryStats::lease_losses`]). [`state`](Self::state) tells whether the
+///   session is [`Live`](EtcdState::Live).
+/// - The incarnation of an instance is its key's `mod_revision`.
+/// - `watch` reads the matching keys at one revision R (in pages), then watches from
+///   R + 1 with previous values, and returns once etcd acknowledged the watch: no change
+///   can fall between. On any stream error or compaction the watch reconnects with
+///   jittered backoff (250 ms → 5 s), reads afresh and emits a `Resync`. Each watch has
+///   its own bounded backlog (`watch_buffer`, default 1024) that collapses into a
+///   `Resync` when the consumer falls behind.
+/// - A re-put that leaves a record's value unchanged (a detach, or a foreign writer
+///   refreshing its key) is not a change and is not reported.
+/// - [`Registration::detach`] moves the key to its own lease that is never renewed, so
+///   it expires after the TTL exactly as if this process had died.
+///
+/// Dropping a [`Registration`] deletes its key in the background; the session (lease
+/// keep-alive) lives while any clone of the `EtcdDiscovery` or any registration guard
+/// does. [`close`](Self::close) revokes the lease, deleting every registration made
+/// through it at once.
+///
+/// ```no_run
+/// use eventplane::discovery::{ChannelId, Discovery, EtcdDiscovery, Query, Transport};
+/// # #[tokio::main]
+/// # async fn main() -> Result<(), eventplane::discovery::DiscoveryError> {
+/// let discovery = EtcdDiscovery::connect(["http://127.0.0.1:2379"]).await?;
+/// let id = ChannelId::new("prod", "worker", "kv-events", 7)?;
+/// let registration = discovery.register(id, Transport::zmq("tcp://10.0.0.5:41234")).await?;
+/// let listed = discovery.list(Query::new("prod").component("worker")).await?;
+/// assert!(listed.contains(registration.instance()));
+/// registration.unregister().await?;
+/// discovery.close().await;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct EtcdDiscovery {
+    handle: Arc<Handle>,
+}
+
+impl fmt::Debug for EtcdDiscovery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdDiscovery")
+            .field("endpoints", &self.handle.shared.config.endpoints)
+            .field("prefix", &self.handle.shared.config.prefix)
+            .field("state", &self.state())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds an [`EtcdDiscovery`]. Every setter documents its default.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use eventplane::discovery::EtcdDiscovery;
+/// # #[tokio::main]
+/// # async fn main() -> Result<(), eventplane::discovery::DiscoveryError> {
+/// let discovery = EtcdDiscovery::builder(["http://10.0.0.2:2379", "http://10.0.0.3:2379"])
+///     .prefix("/prod-eventplane")
+///     .lease_ttl(Duration::from_secs(15))
+///     .connect()
+///     .await?;
+/// # let _ = discovery;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct EtcdDiscoveryBuilder {
+    config: EtcdConfig,
+}
+
+impl EtcdDiscoveryBuilder {
+    /// Key prefix; keys live under `{prefix}/v1/channels/`. Default
+    /// [`DEFAULT_PREFIX`] (`/eventplane`). Must start with `/` and not end with one.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.config.prefix = prefix.into();
+        self
+    }
+
+    /// Lease TTL: how long registrations outlive this process (or an outage). Default
+    /// 10 s, renewed every TTL/3; 2 s ..= 1 h, whole seconds.
+    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.config.lease_ttl = ttl;
+        self
+    }
+
+    /// How long `connect` waits for etcd to answer its readiness check. Default 5 s.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.config.connect_timeout = timeout;
+        self
+    }
+
+    /// Deadline of each request to etcd (a `register`, one page of a `list`, a watch's
+    /// creation). Default 5 s.
+    pub fn request_timeout(mut self, timeout: Duration) -> Self {
+        self.config.request_timeout = timeout;
+        self
+    }
+
+    /// Events buffered per watch before its backlog collapses into a `Resync`. Default
+    /// 1024 (about 200 bytes each, plus the instances a `Resync` carries).
+    pub fn watch_buffer(mut self, events: usize) -> Self {
+        self.config.watch_buffer = events;
+        self
+    }
+
+    /// Keys read per page by `list` and a watch's (re)sync. Default 1000; a page too
+    /// large for the client's 4 MiB message limit is retried smaller.
+    pub fn page_size(mut self, keys: usize) -> Self {
+        self.config.page_size = keys;
+        self
+    }
+
+    /// Records larger than this are skipped as malformed. Default 64 KiB.
+    pub fn max_value_bytes(mut self, bytes: usize) -> Self {
+        self.config.max_value_bytes = bytes;
+        self
+    }
+
+    /// Reconnect backoff of watches and the keep-alive (full jitter). Default
+    /// 250 ms → 5 s.
+    pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.config.backoff_min = min;
+        self.config.backoff_max = max;
+        self
+    }
+
+    /// Validates the settings, checks that etcd answers (a status request; the
+    /// client itself connects lazily), grants the lease and starts its keep-alive.
+    ///
+    /// # Errors
+    /// [`DiscoveryError::InvalidConfig`] for bad settings,
+    /// [`DiscoveryError::Unavailable`] when etcd does not answer in time.
+    pub async fn connect(self) -> Result<EtcdDiscovery, DiscoveryError> {
+        EtcdDiscovery::start(self.config).await
+    }
+}
+
+/// Keeps the session alive; the last one dropped stops it.
+struct Handle {
+    shared: Arc<Shared>,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.shared.shutdown.cancel();
+    }
+}
+
+pub(crate) struct Shared {
+    client: Client,
+    config: EtcdConfig,
+    keys: Keys,
+    /// Serializes everything that touches the lease or the registration table:
+    /// registers, unregisters, lease re-grants.
+    session: tokio::sync::Mutex<Session>,
+    /// The current lease id (mirror of `session.lease`, readable without locking).
+    lease_id: AtomicI64,
+    /// Work signalled from synchronous code (guard drops, detaches).
+    pending: Mutex<Vec<PendingOp>>,
+    wake: Notify,
+    state: state_watch::Sender<EtcdState>,
+    shutdown: CancellationToken,
+    next_serial: AtomicU64,
+    pub(crate) counters: Counters,
+    pub(crate) warn: RateLimitedWarn,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    registrations: AtomicUsize,
+    pub(crate) watchers: AtomicUsize,
+    pub(crate) buffered_events: AtomicUsize,
+    pub(crate) overflow_resyncs: AtomicU64,
+    pub(crate) malformed: AtomicU64,
+    lease_losses: AtomicU64,
+    pub(crate) reconnects: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Session {
+    lease: i64,
+    regs: HashMap<ChannelId, LocalReg>,
+}
+
+#[derive(Debug, Clone)]
+struct LocalReg {
+    serial: u64,
+    key: String,
+    value: String,
+    /// The key's current `mod_revision` (changes when the key is put again).
+    revision: i64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PendingKind {
+    Release,
+    Detach,
+}
+
+#[derive(Debug)]
+struct PendingOp {
+    id: ChannelId,
+    serial: u64,
+    kind: PendingKind,
+}
+
+/// Why an etcd request failed (boxed into [`DiscoveryError::Unavailable`]).
+#[derive(Debug, thiserror::Error)]
+enum EtcdRequestError {
+    #[error("etcd {op} failed (endpoints {endpoints})")]
+    Failed {
+        op: &'static str,
+        endpoints: String,
+        #[source]
+        source: etcd_client::Error,
+    },
+    #[error("etcd {op} timed out after {after:?} (endpoints {endpoints})")]
+    TimedOut {
+        op: &'static str,
+        endpoints: String,
+        after: Duration,
+    },
+    #[error("etcd {op} answered without a response header")]
+    NoHeader { op: &'static str },
+}
+
+impl Shared {
+    fn endpoints(&self) -> String {
+        self.config.endpoints.join(",")
+    }
+
+    /// Runs one request with the request timeout, wrapping failures.
+    pub(crate) async fn request<T, F>(&self, op: &'static str, fut: F) -> Result<T, DiscoveryError>
+    where
+        F: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        self.request_within(op, self.config.request_timeout, fut)
+            .await
+    }
+
+    async fn request_within<T, F>(
+        &self,
+        op: &'static str,
+        after: Duration,
+        fut: F,
+    ) -> Result<T, DiscoveryError>
+    where
+        F: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        match tokio::time::timeout(after, fut).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(source)) => Err(unavailable(EtcdRequestError::Failed {
+                op,
+                endpoints: self.endpoints(),
+                source,
+            })),
+            Err(_) => Err(unavailable(EtcdRequestError::TimedOut {
+                op,
+                endpoints: self.endpoints(),
+                after,
+            })),
+        }
+    }
+
+    pub(crate) fn keys(&self) -> &Keys {
+        &self.keys
+    }
+
+    pub(crate) fn config_watch_buffer(&self) -> usize {
+        self.config.watch_buffer
+    }
+
+    pub(crate) fn backoff(&self) -> Backoff {
+        Backoff::new(self.config.backoff_min, self.config.backoff_max)
+    }
+
+    pub(crate) fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    /// Counts and logs (rate-limited) a skipped record.
+    pub(crate) fn skipped(&self, key: &[u8], err: &RecordError) {
+        self.counters.malformed.fetch_add(1, Ordering::Relaxed);
+        if let Some(suppressed) = self.warn.check("malformed", std::time::Instant::now()) {
+            warn!(
+                key = %String::from_utf8_lossy(key.get(..key.len().min(256)).unwrap_or_default()),
+                error = %err,
+                suppressed,
+                "skipping a malformed discovery record"
+            );
+        }
+    }
+
+    /// Reads every key under `prefix` at one revision, page by page, keeping those
+    /// `query` matches. Returns the revision and the instances.
+    pub(crate) async fn snapshot(
+        &self,
+        prefix: &str,
+        query: &Query,
+    ) -> Result<(i64, Vec<Instance>), DiscoveryError> {
+        let end = prefix_end(prefix.as_bytes());
+        let mut restarts = 0;
+        'restart: loop {
+            let mut out = Vec::new();
+            let mut revision = 0i64;
+            let mut from = prefix.as_bytes().to_vec();
+            let mut page = self.config.page_size;
+            loop {
+                let mut options = GetOptions::new()
+                    .with_range(end.clone())
+                    .with_limit(i64::try_from(page).unwrap_or(i64::MAX));
+                if revision > 0 {
+                    options = options.with_revision(revision);
+                }
+                let mut kv = self.client.kv_client();
+                let response = match tokio::time::timeout(
+                    self.config.request_timeout,
+                    kv.get(from.clone(), Some(options)),
+                )
+                .await
+                {
+                    Ok(Ok(r)) => r,
+                    Ok(Err(e)) => {
+                        let text = e.to_string();
+                        if text.contains("message length too large") && page > 1 {
+                            page = (page / 4).max(1);
+                            debug!(page, "etcd page too large, retrying smaller");
+                            continue;
+                        }
+                        if text.contains("compacted") && revision > 0 && restarts < 5 {
+                            restarts += 1;
+                            continue 'restart;
+                        }
+                        return Err(unavailable(EtcdRequestError::Failed {
+                            op: "range",
+                            endpoints: self.endpoints(),
+                            source: e,
+                        }));
+                    }
+                    Err(_) => {
+                        return Err(unavailable(EtcdRequestError::TimedOut {
+                            op: "range",
+                            endpoints: self.endpoints(),
+                            after: self.config.request_timeout,
+                        }));
+                    }
+                };
+                if revision == 0 {
+                    revision = response
+                        .header()
+                        .map(|h| h.revision())
+                        .ok_or_else(|| unavailable(EtcdRequestError::NoHeader { op: "range" }))?;
+                }
+                let kvs = response.kvs();
+                for kv in kvs {
+                    match self.keys.parse(
+                        kv.key(),
+                        kv.value(),
+                        kv.mod_revision(),
+                        self.config.max_value_bytes,
+                    ) {
+                        Ok(instance) if query.matches(&instance.id) => out.push(instance),
+                        Ok(_) => {}
+                        Err(e) => self.skipped(kv.key(), &e),
+                    }
+                }
+                match kvs.last() {
+                    Some(last) if response.more() => {
+                        from = last.key().to_vec();
+                        from.push(0);
+                    }
+                    _ => return Ok((revision, out)),
+                }
+            }
+        }
+    }
+
+    fn set_state(&self, state: EtcdState) {
+        self.state.send_if_modified(|s| {
+            let changed = *s != state;
+            *s = state;
+            changed
+        });
+    }
+
+    fn signal(&self, op: PendingOp) {
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(op);
+        self.wake.notify_one();
+    }
+
+    /// Puts `value` at `key` under `lease`; returns the new `mod_revision`.
+    async fn put(&self, key: &str, value: &str, lease: i64) -> Result<i64, DiscoveryError> {
+        let mut kv = self.client.kv_client();
+        let response = self
+            .request(
+                "put",
+                kv.put(key, value, Some(PutOptions::new().with_lease(lease))),
+            )
+            .await?;
+        response
+            .header()
+            .map(|h| h.revision())
+            .ok_or_else(|| unavailable(EtcdRequestError::NoHeader { op: "put" }))
+    }
+
+    async fn grant(&self) -> Result<i64, DiscoveryError> {
+        let mut lease = self.client.lease_client();
+        let response = self
+            .request("lease grant", lease.grant(self.config.ttl_secs(), None))
+            .await?;
+        Ok(response.id())
+    }
+
+    async fn register(
+        self: &Arc<Self>,
+        id: ChannelId,
+        transport: Transport,
+    ) -> Result<(Instance, u64), DiscoveryError> {
+        let key = self.keys.key(&id);
+        let value = encode_value(&id, &transport);
+        let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
+        let mut session = self.session.lock().await;
+        let revision = match self.put(&key, &value, session.lease).await {
+            Ok(r) => r,
+            Err(e) if is_lease_not_found(&e) => {
+                // The lease is gone: re-grant now (putting every registration again),
+                // then retry once under the new lease.
+                self.regrant(&mut session).await?;
+                self.put(&key, &value, session.lease).await?
+            }
+            Err(e) => return Err(e),
+        };
+        session.regs.insert(
+            id.clone(),
+            LocalReg {
+                serial,
+                key,
+                value,
+                revision,
+            },
+        );
+        self.counters
+            .registrations
+            .store(session.regs.len(), Ordering::Relaxed);
+        let incarnation = u64::try_from(revision).unwrap_or_default();
+        debug!(%id, incarnation, "registered in etcd");
+        Ok((Instance::new(id, transport, incarnation), serial))
+    }
+
+    async fn unregister(&self, id: &ChannelId, serial: u64) -> Result<(), DiscoveryError> {
+        let mut session = self.session.lock().await;
+        let Some(reg) = session.regs.get(id).filter(|r| r.serial == serial).cloned() else {
+            // Replaced by a newer registration of the same id: nothing to remove.
+            return Ok(());
+        };
+        // Delete only our own incarnation: another process may have replaced it.
+        let txn = Txn::new()
+            .when([Compare::mod_revision(
+                reg.key.clone(),
+                CompareOp::Equal,
+                reg.revision,
+            )])
+            .and_then([TxnOp::delete(reg.key.clone(), None)]);
+        let mut kv = self.client.kv_client();
+        self.request("delete", kv.txn(txn)).await?;
+        session.regs.remove(id);
+        self.counters
+            .registrations
+            .store(session.regs.len(), Ordering::Relaxed);
+        debug!(%id, "unregistered from etcd");
+        Ok(())
+    }
+
+    /// Moves a registration to its own lease that is never renewed.
+    async fn detach(&self, id: &ChannelId, serial: u64) -> Result<(), DiscoveryError> {
+        let mut session = self.session.lock().await;
+        let Some(reg) = session.regs.get(id).filter(|r| r.serial == serial).cloned() else {
+            return Ok(());
+        };
+        let orphan = self.grant().await?;
+        let txn = Txn::new()
+            .when([Compare::mod_revision(
+                reg.key.clone(),
+                CompareOp::Equal,
+                reg.revision,
+            )])
+            .and_then([TxnOp::put(
+                reg.key.clone(),
+                reg.value.clone(),
+                Some(PutOptions::new().with_lease(orphan)),
+            )]);
+        let mut kv = self.client.kv_client();
+        self.request("detach", kv.txn(txn)).await?;
+        session.regs.remove(id);
+        self.counters
+            .registrations
+            .store(session.regs.len(), Ordering::Relaxed);
+        debug!(%id, lease = orphan, "detached: expires with its own lease");
+        Ok(())
+    }
+
+    /// Grants a new lease and puts every live registration under it.
+    async fn regrant(&self, session: &mut Session) -> Result<(), DiscoveryError> {
+        self.counters.lease_losses.fetch_add(1, Ordering::Relaxed);
+        let lease = self.grant().await?;
+        for (id, reg) in session.regs.iter_mut() {
+            reg.revision = self.put(&reg.key, &reg.value, lease).await?;
+            debug!(%id, revision = reg.revision, "registration put again under the new lease");
+        }
+        session.lease = lease;
+        self.lease_id.store(lease, Ordering::Relaxed);
+        warn!(
+            lease,
+            registrations = session.regs.len(),
+            "etcd lease was lost: granted a new one and put every registration again"
+        );
+        Ok(())
+    }
+
+    /// Carries out work signalled by guard drops and detaches; failed work is kept for
+    /// the next round.
+    async fn process_pending(&self) -> Result<(), DiscoveryError> {
+        let ops = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut ops = ops.into_iter();
+        while let Some(op) = ops.next() {
+            let result = match op.kind {
+                PendingKind::Release => self.unregister(&op.id, op.serial).await,
+                PendingKind::Detach => self.detach(&op.id, op.serial).await,
+            };
+            if let Err(e) = result {
+                let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+                pending.push(op);
+                pending.extend(ops);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn unavailable(e: EtcdRequestError) -> DiscoveryError {
+    DiscoveryError::Unavailable(Box::new(e))
+}
+
+fn is_lease_not_found(e: &DiscoveryError) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        // etcd answers "etcdserver: requested lease not found" to a put and the
+        // client reports "lease not found" on the keep-alive stream.
+        if err.to_string().contains("lease not found") {
+            return true;
+        }
+        source = err.source();
+    }
+    false
+}
+
+/// What one keep-alive round found.
+enum KeepAlive {
+    Alive,
+    Lost,
+}
+
+/// The session task: lease keep-alive and re-grant, plus signalled work.
+struct Maintainer {
+    shared: Arc<Shared>,
+    keeper: Option<(LeaseKeeper, LeaseKeepAliveStream, i64)>,
+}
+
+impl Maintainer {
+    async fn run(mut self) {
+        let shared = Arc::clone(&self.shared);
+        let mut backoff = shared.backoff();
+        let mut next = tokio::time::Instant::now() + shared.config.keepalive_every();
+        loop {
+            tokio::select! {
+                biased;
+                () = shared.shutdown.cancelled() => break,
+                () = shared.wake.notified() => {
+                    if let Err(e) = shared.process_pending().await {
+                        debug!(error = %e, "deferred etcd work failed; retrying with the keep-alive");
+                    }
+                }
+                () = tokio::time::sleep_until(next) => {
+                    let outcome = match self.keep_alive().await {
+                        Err(e) if is_lease_not_found(&e) => Ok(KeepAlive::Lost),
+                        other => other,
+                    };
+                    let healthy = match outcome {
+                        Ok(KeepAlive::Alive) => true,
+                        Ok(KeepAlive::Lost) => {
+                            self.keeper = None;
+                            let mut session = shared.session.lock().await;
+                            match shared.regrant(&mut session).await {
+                                Ok(()) => true,
+                                Err(e) => {
+                                    warn!(error = %e, "could not re-grant the etcd lease");
+                                    false
+                                }
+                            }
+                        }
+                        Err(e) => {
+                            self.keeper = None;
+                            if let Some(suppressed) =
+                                shared.warn.check("keepalive", std::time::Instant::now())
+                            {
+                                warn!(error = %e, suppressed, "etcd keep-alive failed; reconnecting");
+                            }
+                            false
+                        }
+                    };
+                    if healthy {
+                        if shared.state.borrow().eq(&EtcdState::Reconnecting) {
+                            info!("etcd session live again");
+                        }
+                        shared.set_state(EtcdState::Live);
+                        backoff.reset();
+                        if let Err(e) = shared.process_pending().await {
+                            debug!(error = %e, "deferred etcd work failed");
+                        }
+                        next = tokio::time::Instant::now() + shared.config.keepalive_every();
+                    } else {
+                        shared.set_state(EtcdState::Reconnecting);
+                        let delay = backoff
+                            .next_delay(random_unit())
+                            .max(shared.config.backoff_min)
+                            .min(shared.config.keepalive_every());
+                        next = tokio::time::Instant::now() + delay;
+                    }
+                }
+            }
+        }
+        // Best effort: carry out drops that raced the shutdown.
+        let _ = shared.process_pending().await;
+    }
+
+    async fn keep_alive(&mut self) -> Result<KeepAlive, DiscoveryError> {
+        let shared = Arc::clone(&self.shared);
+        let lease = shared.lease_id.load(Ordering::Relaxed);
+        if self.keeper.as_ref().is_none_or(|k| k.2 != lease) {
+            let mut client = shared.client.lease_client();
+            let (keeper, stream) = shared
+                .request("lease keep-alive", client.keep_alive(lease))
+                .await?;
+            self.keeper = Some((keeper, stream, lease));
+        }
+        let Some((keeper, stream, _)) = self.keeper.as_mut() else {
+            return Ok(KeepAlive::Lost);
+        };
+        shared
+            .request("lease keep-alive", keeper.keep_alive())
+            .await?;
+        match shared.request("lease keep-alive", stream.message()).await? {
+            Some(response) if response.ttl() > 0 => Ok(KeepAlive::Alive),
+            Some(_) => Ok(KeepAlive::Lost),
+            None => Err(DiscoveryError::WatchEnded {
+                reason: "etcd closed the keep-alive stream".to_owned(),
+            }),
+        }
+    }
+}
+
+impl EtcdDiscovery {
+    /// Connects with default settings: see [`builder`](Self::builder).
+    ///
+    /// # Errors
+    /// As [`EtcdDiscoveryBuilder::connect`].
+    pub async fn connect<E: AsRef<str>>(
+        endpoints: impl IntoIterator<Item = E>,
+    ) -> Result<EtcdDiscovery, DiscoveryError> {
+        EtcdDiscovery::builder(endpoints).connect().await
+    }
+
+    /// A builder for endpoints like `http://10.0.0.2:2379` (several for a cluster).
+    pub fn builder<E: AsRef<str>>(endpoints: impl IntoIterator<Item = E>) -> EtcdDiscoveryBuilder {
+        EtcdDiscoveryBuilder {
+            config: EtcdConfig::new(
+                endpoints
+                    .into_iter()
+                    .map(|e| e.as_ref().to_owned())
+                    .collect(),
+            ),
+        }
+    }
+
+    async fn start(config: EtcdConfig) -> Result<EtcdDiscovery, DiscoveryError> {
+        config.validate()?;
+        let options = ConnectOptions::new()
+            .with_connect_timeout(config.connect_timeout)
+            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3))
+            .with_keep_alive_while_idle(true);
+        let client = Client::connect(&config.endpoints, Some(options))
+            .await
+            .map_err(|e| DiscoveryError::InvalidConfig {
+                reason: format!("etcd endpoints {:?}: {e}", config.endpoints),
+            })?;
+        let (state, _) = state_watch::channel(EtcdState::Live);
+        let keys = Keys::new(&config.prefix);
+        let mut shared = Shared {
+            client,
+            keys,
+            session: tokio::sync::Mutex::new(Session {
+                lease: 0,
+                regs: HashMap::new(),
+            }),
+            lease_id: AtomicI64::new(0),
+            pending: Mutex::new(Vec::new()),
+            wake: Notify::new(),
+            state,
+            shutdown: CancellationToken::new(),
+            next_serial: AtomicU64::new(1),
+            counters: Counters::default(),
+            warn: RateLimitedWarn::default(),
+            config,
+        };
+        // Readiness: the client connects lazily, so ask for the server's status.
+        let mut maintenance = shared.client.maintenance_client();
+        shared
+            .request_within(
+                "status",
+                shared.config.connect_timeout,
+                maintenance.status(),
+            )
+            .await?;
+        let lease = shared.grant().await?;
+        shared.session.get_mut().lease = lease;
+        shared.lease_id.store(lease, Ordering::Relaxed);
+        let shared = Arc::new(shared);
+        let span = tracing::debug_span!("etcd_discovery", endpoints = %shared.endpoints(), lease);
+        tokio::spawn(
+            Maintainer {
+                shared: Arc::clone(&shared),
+                keeper: None,
+            }
+            .run()
+            .instrument(span),
+        );
+        info!(endpoints = %shared.endpoints(), prefix = %shared.config.prefix, lease, "connected to etcd");
+        Ok(EtcdDiscovery {
+            handle: Arc::new(Handle { shared }),
+        })
+    }
+
+    /// The session's health now.
+    pub fn state(&self) -> EtcdState {
+        *self.handle.shared.state.borrow()
+    }
+
+    /// A receiver that sees every change of [`state`](Self::state).
+    pub fn state_changes(&self) -> state_watch::Receiver<EtcdState> {
+        self.handle.shared.state.subscribe()
+    }
+
+    /// The id of the lease carrying this backend's registrations (for operators:
+    /// `etcdctl lease timetolive --keys <id in hex>`).
+    pub fn lease_id(&self) -> i64 {
+        self.handle.shared.lease_id.load(Ordering::Relaxed)
+    }
+
+    /// Stops the keep-alive and revokes the lease: every registration made through
+    /// this backend disappears at once (watchers see `Removed`). Registration guards
+    /// still alive become inert. Best effort: if etcd is unreachable, the lease simply
+    /// expires after its TTL.
+    pub async fn close(&self) {
+        let shared = &self.handle.shared;
+        shared.shutdown.cancel();
+        let mut session = shared.session.lock().await;
+        let mut lease = shared.client.lease_client();
+        match shared
+            .request("lease revoke", lease.revoke(session.lease))
+            .await
+        {
+            Ok(_) => debug!(lease = session.lease, "etcd lease revoked"),
+            Err(e) => debug!(error = %e, "could not revoke the etcd lease; it will expire"),
+        }
+        session.regs.clear();
+        shared.counters.registrations.store(0, Ordering::Relaxed);
+    }
+}
+
+impl Discovery for EtcdDiscovery {
+    fn register(
+        &self,
+        id: ChannelId,
+        transport: Transport,
+    ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
+        Box::pin(async move {
+            if self.handle.shared.shutdown.is_cancelled() {
+                return Err(DiscoveryError::Closed);
+            }
+            let (instance, serial) = self.handle.shared.register(id, transport).await?;
+            let guard = EtcdRegistration {
+                handle: Arc::clone(&self.handle),
+                id: instance.id.clone(),
+                serial,
+            };
+            Ok(Registration::new(instance, Box::new(guard)))
+        })
+    }
+
+    fn list(&self, query: Query) -> BoxFuture<'_, Result<Vec<Instance>, DiscoveryError>> {
+        Box::pin(async move {
+            let shared = &self.handle.shared;
+            let prefix = shared.keys.query_prefix(&query);
+            Ok(shared.snapshot(&prefix, &query).await?.1)
+        })
+    }
+
+    fn watch(
+        &self,
+        query: Query,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'_, Result<DiscoveryStream, DiscoveryError>> {
+        Box::pin(watch::start(Arc::clone(&self.handle.shared), query, cancel))
+    }
+
+    fn stats(&self) -> DiscoveryStats {
+        let c = &self.handle.shared.counters;
+        DiscoveryStats {
+            registrations: c.registrations.load(Ordering::Relaxed),
+            watchers: c.watchers.load(Ordering::Relaxed),
+            buffered_events: c.buffered_events.load(Ordering::Relaxed),
+            overflow_resyncs: c.overflow_resyncs.load(Ordering::Relaxed),
+            malformed: c.malformed.load(Ordering::Relaxed),
+            lease_losses: c.lease_losses.load(Ordering::Relaxed),
+            reconnects: c.reconnects.load(Ordering::Relaxed),
+            ..DiscoveryStats::default()
+        }
+    }
+}
+
+/// The guard behind an etcd [`Registration`].
+struct EtcdRegistration {
+    handle: Arc<Handle>,
+    id: ChannelId,
+    serial: u64,
+}
+
+impl fmt::Debug for EtcdRegistration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdRegistration")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RegistrationHandle for EtcdRegistration {
+    fn unregister(self: Box<Self>) -> BoxFuture<'static, Result<(), DiscoveryError>> {
+        Box::pin(async move {
+            let shared = &self.handle.shared;
+            match shared.unregister(&self.id, self.serial).await {
+                Ok(()) => Ok(()),
+                Err(e) => {
+                    // Keep trying in the background, as a dropped guard would.
+                    shared.signal(PendingOp {
+                        id: self.id.clone(),
+                        serial: self.serial,
+                        kind: PendingKind::Release,
+                    });
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    fn release(self: Box<Self>) {
+        self.handle.shared.signal(PendingOp {
+            id: self.id.clone(),
+            serial: self.serial,
+            kind: PendingKind::Release,
+        });
+    }
+
+    fn detach(self: Box<Self>) {
+        self.handle.shared.signal(PendingOp {
+            id: self.id.clone(),
+            serial: self.serial,
+            kind: PendingKind::Detach,
+        });
+    }
+}

@@ -1,0 +1,326 @@
+//! The public record format of `EtcdDiscovery`: keys, JSON values and their parsing.
+//! Pure functions, no I/O: everything a hostile record can reach is tested here.
+//!
+//! Key: `{prefix}/v1/channels/{ns}/{component}/{topic}/{publisher_id:x}` (segments
+//! percent-encoded as in [`ChannelId::to_path`]). Value:
+//! `{"id":{"namespace":…,"component":…,"topic":…,"publisher_id":42},
+//! "transport":{"kind":"zmq","endpoint":"tcp://10.0.0.5:41234"}}`; unknown fields are
+//! ignored.
+
+use std::borrow::Cow;
+
+use serde::{Deserialize, Serialize};
+
+use crate::discovery::model::encode_segment;
+use crate::discovery::{ChannelId, Instance, Query, Transport};
+
+/// Why a record was skipped.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum RecordError {
+    #[error("key is outside the channel prefix")]
+    ForeignKey,
+    #[error("key is not a channel path: {0}")]
+    BadKey(String),
+    #[error("value of {len} bytes exceeds the {max}-byte limit")]
+    TooLarge { len: usize, max: usize },
+    #[error("value is not a channel record: {0}")]
+    BadValue(String),
+    #[error("value's id does not match its key")]
+    IdMismatch,
+    #[error("unsupported transport kind {0:?}")]
+    UnsupportedTransport(String),
+    #[error("revision {0} is not positive")]
+    BadRevision(i64),
+}
+
+#[derive(Serialize, Deserialize)]
+struct Record<'a> {
+    #[serde(borrow)]
+    id: RecordId<'a>,
+    #[serde(borrow)]
+    transport: RecordTransport<'a>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct RecordId<'a> {
+    #[serde(borrow)]
+    namespace: Cow<'a, str>,
+    #[serde(borrow)]
+    component: Cow<'a, str>,
+    #[serde(borrow)]
+    topic: Cow<'a, str>,
+    publisher_id: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct RecordTransport<'a> {
+    #[serde(borrow)]
+    kind: Cow<'a, str>,
+    #[serde(borrow)]
+    endpoint: Cow<'a, str>,
+}
+
+/// Key layout under one prefix.
+#[derive(Debug, Clone)]
+pub(crate) struct Keys {
+    /// `{prefix}/v1/channels/`
+    root: String,
+}
+
+impl Keys {
+    /// `prefix` must already be validated (non-empty, no trailing `/`).
+    pub(crate) fn new(prefix: &str) -> Keys {
+        Keys {
+            root: format!("{prefix}/v1/channels/"),
+        }
+    }
+
+    pub(crate) fn key(&self, id: &ChannelId) -> String {
+        format!("{}{}", self.root, id.to_path())
+    }
+
+    /// The narrowest key prefix covering `query` (topic without component is filtered
+    /// client-side by [`Query::matches`]).
+    pub(crate) fn query_prefix(&self, query: &Query) -> String {
+        let mut out = self.root.clone();
+        encode_segment(query.namespace_filter(), &mut out);
+        out.push('/');
+        if let Some(component) = query.component_filter() {
+            encode_segment(component, &mut out);
+            out.push('/');
+            if let Some(topic) = query.topic_filter() {
+                encode_segment(topic, &mut out);
+                out.push('/');
+            }
+        }
+        out
+    }
+
+    /// The id a key names.
+    pub(crate) fn id_of(&self, key: &[u8]) -> Result<ChannelId, RecordError> {
+        let rest = key
+            .strip_prefix(self.root.as_bytes())
+            .ok_or(RecordError::ForeignKey)?;
+        let path =
+            std::str::from_utf8(rest).map_err(|_| RecordError::BadKey("not UTF-8".to_owned()))?;
+        ChannelId::from_path(path).map_err(|e| RecordError::BadKey(e.to_string()))
+    }
+
+    /// Parses one key-value pair into an instance; `mod_revision` is its incarnation.
+    pub(crate) fn parse(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        mod_revision: i64,
+        max_value: usize,
+    ) -> Result<Instance, RecordError> {
+        let id = self.id_of(key)?;
+        if value.len() > max_value {
+            return Err(RecordError::TooLarge {
+                len: value.len(),
+                max: max_value,
+            });
+        }
+        let incarnation = u64::try_from(mod_revision)
+            .ok()
+            .filter(|&r| r > 0)
+            .ok_or(RecordError::BadRevision(mod_revision))?;
+        let record: Record<'_> =
+            serde_json::from_slice(value).map_err(|e| RecordError::BadValue(e.to_string()))?;
+        let value_id = ChannelId::new(
+            record.id.namespace,
+            record.id.component,
+            record.id.topic,
+            record.id.publisher_id,
+        )
+        .map_err(|e| RecordError::BadValue(e.to_string()))?;
+        if value_id != id {
+            return Err(RecordError::IdMismatch);
+        }
+        if record.transport.kind != "zmq" {
+            return Err(RecordError::UnsupportedTransport(
+                record.transport.kind.chars().take(32).collect(),
+            ));
+        }
+        if record.transport.endpoint.is_empty() {
+            return Err(RecordError::BadValue("empty endpoint".to_owned()));
+        }
+        Ok(Instance::new(
+            id,
+            Transport::zmq(record.transport.endpoint.into_owned()),
+            incarnation,
+        ))
+    }
+}
+
+/// The JSON value for a registration.
+pub(crate) fn encode_value(id: &ChannelId, transport: &Transport) -> String {
+    let (kind, endpoint) = match transport {
+        Transport::Zmq { endpoint } => ("zmq", endpoint.as_str()),
+    };
+    let record = Record {
+        id: RecordId {
+            namespace: Cow::Borrowed(id.namespace()),
+            component: Cow::Borrowed(id.component()),
+            topic: Cow::Borrowed(id.topic()),
+            publisher_id: id.publisher_id(),
+        },
+        transport: RecordTransport {
+            kind: Cow::Borrowed(kind),
+            endpoint: Cow::Borrowed(endpoint),
+        },
+    };
+    // Serializing strings and integers into a String cannot fail.
+    serde_json::to_string(&record).unwrap_or_default()
+}
+
+/// The smallest key greater than every key starting with `prefix` (etcd's range end).
+pub(crate) fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    // All 0xff (never for our prefixes): every key from `prefix` on.
+    vec![0]
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    const MAX: usize = 64 * 1024;
+
+    fn keys() -> Keys {
+        Keys::new("/eventplane")
+    }
+
+    #[test]
+    fn encodes_the_documented_format() {
+        let id = ChannelId::new("ns", "c", "t", 42).unwrap();
+        let value = encode_value(&id, &Transport::zmq("tcp://10.0.0.5:41234"));
+        assert_eq!(
+            value,
+            r#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":42},"transport":{"kind":"zmq","endpoint":"tcp://10.0.0.5:41234"}}"#
+        );
+        assert_eq!(keys().key(&id), "/eventplane/v1/channels/ns/c/t/2a");
+        let back = keys()
+            .parse(keys().key(&id).as_bytes(), value.as_bytes(), 7, MAX)
+            .unwrap();
+        assert_eq!(
+            back,
+            Instance::new(id, Transport::zmq("tcp://10.0.0.5:41234"), 7)
+        );
+    }
+
+    #[test]
+    fn foreign_writers_may_add_fields() {
+        let value = br#"{"version":2,"id":{"publisher_id":1,"topic":"t","component":"c","namespace":"ns","extra":[1,2]},
+            "transport":{"endpoint":"tcp://h:1","kind":"zmq","tls":false},"labels":{"zone":"a"}}"#;
+        let i = keys()
+            .parse(b"/eventplane/v1/channels/ns/c/t/1", value, 3, MAX)
+            .unwrap();
+        assert_eq!(i.transport.endpoint(), "tcp://h:1");
+    }
+
+    #[test]
+    fn hostile_records_are_rejected() {
+        let k = keys();
+        let good = br#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":1},"transport":{"kind":"zmq","endpoint":"tcp://h:1"}}"#;
+        let key = b"/eventplane/v1/channels/ns/c/t/1";
+        assert!(k.parse(key, good, 1, MAX).is_ok());
+        let cases: Vec<(&[u8], Vec<u8>, i64)> = vec![
+            (b"/other/ns/c/t/1", good.to_vec(), 1),
+            (b"/eventplane/v1/channels/ns/c/t", good.to_vec(), 1),
+            (b"/eventplane/v1/channels/ns/c/t/zz", good.to_vec(), 1),
+            (b"/eventplane/v1/channels/ns/c/t/\xff", good.to_vec(), 1),
+            (b"/eventplane/v1/channels/ns/c/t/2", good.to_vec(), 1),
+            (key, good.to_vec(), 0),
+            (key, good.to_vec(), -5),
+            (key, b"".to_vec(), 1),
+            (key, b"null".to_vec(), 1),
+            (key, b"{\"id\":".to_vec(), 1),
+            (key, vec![b'['; 100_000], 1),
+            (key, vec![b'['; 10_000], 1),
+            (
+                key,
+                br#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":9007199254740992},"transport":{"kind":"zmq","endpoint":"x"}}"#.to_vec(),
+                1,
+            ),
+            (
+                key,
+                br#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":-1},"transport":{"kind":"zmq","endpoint":"x"}}"#.to_vec(),
+                1,
+            ),
+            (
+                key,
+                br#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":1.5},"transport":{"kind":"zmq","endpoint":"x"}}"#.to_vec(),
+                1,
+            ),
+            (
+                key,
+                br#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":1},"transport":{"kind":"nats","endpoint":"x"}}"#.to_vec(),
+                1,
+            ),
+            (
+                key,
+                br#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":1},"transport":{"kind":"zmq","endpoint":""}}"#.to_vec(),
+                1,
+            ),
+            (
+                key,
+                br#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":1}}"#
+                    .to_vec(),
+                1,
+            ),
+        ];
+        for (key, value, rev) in cases {
+            assert!(
+                k.parse(key, &value, rev, MAX).is_err(),
+                "{:?} {:?}",
+                String::from_utf8_lossy(key),
+                String::from_utf8_lossy(&value[..value.len().min(80)])
+            );
+        }
+        let big = format!(
+            r#"{{"id":{{"namespace":"ns","component":"c","topic":"t","publisher_id":1}},"transport":{{"kind":"zmq","endpoint":"{}"}}}}"#,
+            "x".repeat(MAX)
+        );
+        assert!(matches!(
+            k.parse(key, big.as_bytes(), 1, MAX),
+            Err(RecordError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn query_prefixes_are_exact() {
+        let k = keys();
+        assert_eq!(
+            k.query_prefix(&Query::new("ns")),
+            "/eventplane/v1/channels/ns/"
+        );
+        assert_eq!(
+            k.query_prefix(&Query::new("a.b").component("c")),
+            "/eventplane/v1/channels/a%2Eb/c/"
+        );
+        assert_eq!(
+            k.query_prefix(&Query::new("ns").component("c").topic("t")),
+            "/eventplane/v1/channels/ns/c/t/"
+        );
+        // Topic without component: the namespace prefix, filtered client-side.
+        assert_eq!(
+            k.query_prefix(&Query::new("ns").topic("t")),
+            "/eventplane/v1/channels/ns/"
+        );
+    }
+
+    #[test]
+    fn prefix_end_increments() {
+        assert_eq!(prefix_end(b"/a/"), b"/a0".to_vec());
+        assert_eq!(prefix_end(b"a\xff"), b"b".to_vec());
+        assert_eq!(prefix_end(b"\xff"), vec![0]);
+    }
+}

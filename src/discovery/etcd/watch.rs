@@ -1,0 +1,410 @@
+//! The etcd watch: a task per watch that follows etcd and feeds a bounded backlog,
+//! and the stream that drains it.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+
+use etcd_client::{Event, WatchOptions, WatchStream};
+use futures_core::Stream;
+use tokio_util::sync::{CancellationToken, DropGuard, WaitForCancellationFutureOwned};
+use tracing::{Instrument, debug, warn};
+
+use super::Shared;
+use super::record::prefix_end;
+use crate::discovery::{
+    ChannelId, DiscoveryError, DiscoveryEvent, DiscoveryStream, Instance, Query,
+};
+use crate::net::random_unit;
+
+/// etcd's event type numbers (mvccpb.Event.EventType).
+const PUT: i32 = 0;
+const DELETE: i32 = 1;
+
+/// Attempts at a consistent read + watch before `watch` gives up (each failure is a
+/// compaction racing the read).
+const ESTABLISH_ATTEMPTS: usize = 3;
+
+/// Starts a watch: reads at revision R, watches from R + 1, waits for etcd's ack.
+pub(super) async fn start(
+    shared: Arc<Shared>,
+    query: Query,
+    cancel: CancellationToken,
+) -> Result<DiscoveryStream, DiscoveryError> {
+    let prefix = shared.keys().query_prefix(&query);
+    let mut attempt = 0;
+    let (snapshot, stream) = loop {
+        attempt += 1;
+        match establish(&shared, &prefix, &query).await {
+            Ok(ok) => break ok,
+            Err(Establish::Compacted(reason)) if attempt < ESTABLISH_ATTEMPTS => {
+                debug!(%reason, "compaction raced the initial read; reading again");
+            }
+            Err(Establish::Compacted(reason)) => {
+                return Err(DiscoveryError::WatchEnded { reason });
+            }
+            Err(Establish::Failed(e)) => return Err(e),
+        }
+    };
+    let backlog = Arc::new(Backlog::new(shared.config_watch_buffer()));
+    {
+        let mut st = backlog.lock();
+        // The initial sync always fits: it is O(matches), like the snapshot itself.
+        for instance in &snapshot {
+            st.queue.push_back(DiscoveryEvent::Added(instance.clone()));
+        }
+        st.queue.push_back(DiscoveryEvent::Resync(snapshot.clone()));
+        st.current = snapshot.into_iter().map(|i| (i.id.clone(), i)).collect();
+        shared
+            .counters
+            .buffered_events
+            .fetch_add(st.queue.len(), Ordering::Relaxed);
+    }
+    shared.counters.watchers.fetch_add(1, Ordering::Relaxed);
+    let task_cancel = cancel.child_token();
+    let follower_shared = Arc::clone(&shared);
+    let span = tracing::debug_span!("etcd_watch", prefix = %prefix);
+    tokio::spawn(
+        Follower {
+            shared,
+            query,
+            prefix,
+            backlog: Arc::clone(&backlog),
+            cancel: task_cancel.clone(),
+        }
+        .run(stream)
+        .instrument(span),
+    );
+    Ok(DiscoveryStream::new(EtcdWatch {
+        shared: Arc::clone(&follower_shared),
+        backlog,
+        cancelled: Box::pin(cancel.cancelled_owned()),
+        _stop_task: task_cancel.drop_guard(),
+        done: false,
+    }))
+}
+
+enum Establish {
+    /// The read revision was compacted before the watch started: read again.
+    Compacted(String),
+    Failed(DiscoveryError),
+}
+
+/// One consistent read, then a watch from the revision after it, acknowledged.
+async fn establish(
+    shared: &Shared,
+    prefix: &str,
+    query: &Query,
+) -> Result<(Vec<Instance>, WatchStream), Establish> {
+    let (revision, snapshot) = shared
+        .snapshot(prefix, query)
+        .await
+        .map_err(Establish::Failed)?;
+    let options = WatchOptions::new()
+        .with_range(prefix_end(prefix.as_bytes()))
+        .with_start_revision(revision.saturating_add(1))
+        .with_prev_key();
+    let mut client = shared.client().watch_client();
+    let mut stream = shared
+        .request("watch", client.watch(prefix, Some(options)))
+        .await
+        .map_err(Establish::Failed)?;
+    let ack = shared
+        .request("watch", stream.message())
+        .await
+        .map_err(Establish::Failed)?;
+    match ack {
+        Some(r) if r.created() && !r.canceled() => Ok((snapshot, stream)),
+        Some(r) if r.compact_revision() > 0 => Err(Establish::Compacted(format!(
+            "revision {} compacted (compact revision {})",
+            revision + 1,
+            r.compact_revision()
+        ))),
+        Some(r) => Err(Establish::Failed(DiscoveryError::WatchEnded {
+            reason: format!("etcd refused the watch: {}", r.cancel_reason()),
+        })),
+        None => Err(Establish::Failed(DiscoveryError::WatchEnded {
+            reason: "etcd closed the watch stream before acknowledging it".to_owned(),
+        })),
+    }
+}
+
+/// A watch's bounded backlog plus the watcher's view of the matching set (for the
+/// `Resync` that replaces an overflowed backlog).
+#[derive(Debug)]
+struct Backlog {
+    state: Mutex<BacklogState>,
+    capacity: usize,
+}
+
+#[derive(Debug, Default)]
+struct BacklogState {
+    queue: VecDeque<DiscoveryEvent>,
+    overflowed: bool,
+    current: HashMap<ChannelId, Instance>,
+    waker: Option<Waker>,
+}
+
+impl Backlog {
+    fn new(capacity: usize) -> Backlog {
+        Backlog {
+            state: Mutex::new(BacklogState::default()),
+            capacity,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, BacklogState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The task following one etcd watch.
+struct Follower {
+    shared: Arc<Shared>,
+    query: Query,
+    prefix: String,
+    backlog: Arc<Backlog>,
+    cancel: CancellationToken,
+}
+
+impl Follower {
+    async fn run(self, mut stream: WatchStream) {
+        loop {
+            let message = tokio::select! {
+                biased;
+                () = self.cancel.cancelled() => break,
+                m = stream.message() => m,
+            };
+            let problem = match message {
+                Ok(Some(response)) if response.canceled() || response.compact_revision() > 0 => {
+                    format!(
+                        "watch canceled by etcd: {:?} (compact revision {})",
+                        response.cancel_reason(),
+                        response.compact_revision()
+                    )
+                }
+                Ok(Some(response)) => {
+                    self.apply(response.events());
+                    continue;
+                }
+                Ok(None) => "etcd closed the watch stream".to_owned(),
+                Err(e) => format!("watch stream failed: {e}"),
+            };
+            drop(stream);
+            match self.reconnect(&problem).await {
+                Some(s) => stream = s,
+                None => break,
+            }
+        }
+        let mut st = self.backlog.lock();
+        self.shared
+            .counters
+            .buffered_events
+            .fetch_sub(st.queue.len(), Ordering::Relaxed);
+        st.queue.clear();
+        st.current.clear();
+        drop(st);
+        self.shared
+            .counters
+            .watchers
+            .fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Backs off, reads afresh, watches again and queues a `Resync`. `None` when
+    /// cancelled first.
+    async fn reconnect(&self, problem: &str) -> Option<WatchStream> {
+        if let Some(suppressed) = self
+            .shared
+            .warn
+            .check("watch-reconnect", std::time::Instant::now())
+        {
+            warn!(problem, suppressed, "etcd watch lost; reconnecting");
+        }
+        let mut backoff = self.shared.backoff();
+        loop {
+            let delay = backoff.next_delay(random_unit());
+            tokio::select! {
+                biased;
+                () = self.cancel.cancelled() => return None,
+                () = tokio::time::sleep(delay) => {}
+            }
+            match establish(&self.shared, &self.prefix, &self.query).await {
+                Ok((snapshot, stream)) => {
+                    self.shared
+                        .counters
+                        .reconnects
+                        .fetch_add(1, Ordering::Relaxed);
+                    debug!(
+                        instances = snapshot.len(),
+                        "etcd watch re-established; resyncing"
+                    );
+                    self.resync(snapshot);
+                    return Some(stream);
+                }
+                Err(Establish::Compacted(reason)) => debug!(%reason, "reading again"),
+                Err(Establish::Failed(e)) => debug!(error = %e, "etcd watch reconnect failed"),
+            }
+        }
+    }
+
+    fn resync(&self, snapshot: Vec<Instance>) {
+        let mut st = self.backlog.lock();
+        self.shared
+            .counters
+            .buffered_events
+            .fetch_sub(st.queue.len(), Ordering::Relaxed);
+        st.queue.clear();
+        st.overflowed = false;
+        st.current = snapshot.iter().map(|i| (i.id.clone(), i.clone())).collect();
+        st.queue.push_back(DiscoveryEvent::Resync(snapshot));
+        self.shared
+            .counters
+            .buffered_events
+            .fetch_add(1, Ordering::Relaxed);
+        let waker = st.waker.take();
+        drop(st);
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+
+    fn apply(&self, events: &[Event]) {
+        if events.is_empty() {
+            return;
+        }
+        let keys = self.shared.keys();
+        let max_value = self.shared.config.max_value_bytes;
+        let mut st = self.backlog.lock();
+        let mut pushed = false;
+        for event in events {
+            let Some(kv) = event.kv() else { continue };
+            let change = match event.0.r#type {
+                PUT => match keys.parse(kv.key(), kv.value(), kv.mod_revision(), max_value) {
+                    Ok(instance) if self.query.matches(&instance.id) => {
+                        match st.current.get_mut(&instance.id) {
+                            // Same endpoint again (a detach, or a foreign refresh):
+                            // not a change. Track the newer revision silently.
+                            Some(known) if known.transport == instance.transport => {
+                                known.incarnation = known.incarnation.max(instance.incarnation);
+                                None
+                            }
+                            Some(known) if known.incarnation > instance.incarnation => None,
+                            _ => {
+                                st.current.insert(instance.id.clone(), instance.clone());
+                                Some(DiscoveryEvent::Added(instance))
+                            }
+                        }
+                    }
+                    Ok(_) => None,
+                    Err(e) => {
+                        self.shared.skipped(kv.key(), &e);
+                        // A record that turned malformed no longer names a publisher.
+                        keys.id_of(kv.key())
+                            .ok()
+                            .and_then(|id| st.current.remove(&id))
+                            .map(|old| DiscoveryEvent::Removed {
+                                id: old.id,
+                                incarnation: old.incarnation,
+                            })
+                    }
+                },
+                DELETE => keys
+                    .id_of(kv.key())
+                    .ok()
+                    .and_then(|id| st.current.remove(&id))
+                    .map(|old| {
+                        let deleted = event
+                            .prev_kv()
+                            .and_then(|p| u64::try_from(p.mod_revision()).ok())
+                            .unwrap_or(0);
+                        DiscoveryEvent::Removed {
+                            id: old.id,
+                            incarnation: old.incarnation.max(deleted),
+                        }
+                    }),
+                other => {
+                    self.shared
+                        .counters
+                        .malformed
+                        .fetch_add(1, Ordering::Relaxed);
+                    debug!(event_type = other, "skipping an etcd event of unknown type");
+                    None
+                }
+            };
+            if let Some(change) = change {
+                pushed = true;
+                if st.overflowed {
+                    continue;
+                }
+                if st.queue.len() >= self.backlog.capacity {
+                    self.shared
+                        .counters
+                        .buffered_events
+                        .fetch_sub(st.queue.len(), Ordering::Relaxed);
+                    st.queue = VecDeque::new();
+                    st.overflowed = true;
+                    self.shared
+                        .counters
+                        .overflow_resyncs
+                        .fetch_add(1, Ordering::Relaxed);
+                    debug!("watch backlog overflowed; the consumer gets a Resync");
+                } else {
+                    st.queue.push_back(change);
+                    self.shared
+                        .counters
+                        .buffered_events
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        let waker = if pushed { st.waker.take() } else { None };
+        drop(st);
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
+/// The consumer's side of an etcd watch.
+struct EtcdWatch {
+    shared: Arc<Shared>,
+    backlog: Arc<Backlog>,
+    cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
+    /// Stops the follower task when the stream is dropped.
+    _stop_task: DropGuard,
+    done: bool,
+}
+
+impl Stream for EtcdWatch {
+    type Item = Result<DiscoveryEvent, DiscoveryError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if this.cancelled.as_mut().poll(cx).is_ready() {
+            this.done = true;
+            return Poll::Ready(None);
+        }
+        let mut st = this.backlog.lock();
+        if st.overflowed {
+            st.overflowed = false;
+            let snapshot: Vec<Instance> = st.current.values().cloned().collect();
+            return Poll::Ready(Some(Ok(DiscoveryEvent::Resync(snapshot))));
+        }
+        if let Some(event) = st.queue.pop_front() {
+            drop(st);
+            this.shared
+                .counters
+                .buffered_events
+                .fetch_sub(1, Ordering::Relaxed);
+            return Poll::Ready(Some(Ok(event)));
+        }
+        st.waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+}

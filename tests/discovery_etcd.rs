@@ -1,0 +1,513 @@
+//! `EtcdDiscovery` against a real etcd started by the harness: the conformance suite,
+//! the public record format, hostile records, and faults (etcd killed and restarted, a
+//! partition, a revoked lease, compaction, two processes).
+//!
+//! No test sleeps a fixed time to wait for etcd: each waits for the condition.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use eventplane::discovery::conformance::{self, Settings};
+use eventplane::discovery::{
+    ChannelId, Discovery, DiscoveryError, DiscoveryEvent, DiscoveryStream, EtcdDiscovery,
+    EtcdState, Instance, Query, Transport,
+};
+use support::etcd::{EtcdServer, Proxy};
+use support::{DEADLINE, within};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio_util::sync::CancellationToken;
+
+const TTL: Duration = Duration::from_secs(3);
+
+async fn connect(url: &str) -> EtcdDiscovery {
+    EtcdDiscovery::builder([url])
+        .lease_ttl(TTL)
+        .backoff(Duration::from_millis(50), Duration::from_millis(500))
+        .connect()
+        .await
+        .unwrap()
+}
+
+fn id(ns: &str, n: u64) -> ChannelId {
+    ChannelId::new(ns, "worker", "kv-events", n).unwrap()
+}
+
+fn endpoint(n: u64) -> Transport {
+    Transport::zmq(format!("tcp://127.0.0.1:{}", 20_000 + n))
+}
+
+/// What a consumer believes: id → (endpoint, incarnation).
+#[derive(Debug, Default)]
+struct Mirror {
+    state: BTreeMap<ChannelId, (String, u64)>,
+    resyncs: usize,
+}
+
+impl Mirror {
+    fn apply(&mut self, ev: &DiscoveryEvent) {
+        match ev {
+            DiscoveryEvent::Added(i) => {
+                self.state.insert(
+                    i.id.clone(),
+                    (i.transport.endpoint().to_owned(), i.incarnation),
+                );
+            }
+            DiscoveryEvent::Removed { id, .. } => {
+                self.state.remove(id);
+            }
+            DiscoveryEvent::Resync(all) => {
+                self.resyncs += 1;
+                self.state = all
+                    .iter()
+                    .map(|i| {
+                        (
+                            i.id.clone(),
+                            (i.transport.endpoint().to_owned(), i.incarnation),
+                        )
+                    })
+                    .collect();
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    fn ids(&self) -> Vec<u64> {
+        self.state.keys().map(ChannelId::publisher_id).collect()
+    }
+}
+
+async fn next(s: &mut DiscoveryStream) -> DiscoveryEvent {
+    within(s.next())
+        .await
+        .expect("stream ended")
+        .expect("stream failed")
+}
+
+/// Applies events until `done` holds for the mirror.
+async fn until(s: &mut DiscoveryStream, mirror: &mut Mirror, done: impl Fn(&Mirror) -> bool) {
+    while !done(mirror) {
+        let ev = next(s).await;
+        mirror.apply(&ev);
+    }
+}
+
+async fn synced(s: &mut DiscoveryStream) -> Mirror {
+    let mut m = Mirror::default();
+    until(s, &mut m, |m| m.resyncs == 1).await;
+    m
+}
+
+async fn wait_for<F: Fn() -> bool>(what: &str, condition: F) {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while !condition() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conforms_on_real_etcd() {
+    let server = EtcdServer::start();
+    let url = server.url();
+    let settings = Settings::default()
+        .with_ttl(TTL)
+        .with_overflow_churn(1500)
+        .with_deadline(Duration::from_secs(20));
+    let failures = conformance::run_all(
+        || {
+            let url = url.clone();
+            async move {
+                Arc::new(
+                    EtcdDiscovery::builder([url])
+                        .lease_ttl(TTL)
+                        .watch_buffer(256)
+                        .connect()
+                        .await
+                        .unwrap(),
+                ) as Arc<dyn Discovery>
+            }
+        },
+        &settings,
+    )
+    .await;
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[tokio::test]
+async fn connect_fails_clearly_when_etcd_is_unreachable() {
+    // A port nothing listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let err = EtcdDiscovery::builder([&url])
+        .connect_timeout(Duration::from_millis(500))
+        .connect()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, DiscoveryError::Unavailable(_)), "{err:?}");
+    assert!(err.is_transient());
+    let chain = format!("{err}: {}", std::error::Error::source(&err).unwrap());
+    assert!(chain.contains("status") && chain.contains(&url), "{chain}");
+
+    for bad in [
+        EtcdDiscovery::builder(Vec::<String>::new()),
+        EtcdDiscovery::builder([&url]).prefix("no-slash"),
+        EtcdDiscovery::builder([&url]).lease_ttl(Duration::from_millis(500)),
+        EtcdDiscovery::builder([&url]).watch_buffer(0),
+    ] {
+        let err = bad.connect().await.unwrap_err();
+        assert!(
+            matches!(err, DiscoveryError::InvalidConfig { .. }),
+            "{err:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_follow_the_public_format_and_foreign_writers_are_read() {
+    let server = EtcdServer::start();
+    let d = connect(&server.url()).await;
+    let g = d
+        .register(id("fmt", 0x2a), Transport::zmq("tcp://10.0.0.5:41234"))
+        .await
+        .unwrap();
+    let out = server.etcdctl(&["get", "--prefix", "/eventplane/v1/channels/fmt/"]);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "/eventplane/v1/channels/fmt/worker/kv-events/2a");
+    let value: serde_json::Value = serde_json::from_str(lines[1]).unwrap();
+    assert_eq!(
+        value,
+        serde_json::json!({
+            "id": {"namespace": "fmt", "component": "worker", "topic": "kv-events", "publisher_id": 42},
+            "transport": {"kind": "zmq", "endpoint": "tcp://10.0.0.5:41234"}
+        })
+    );
+    let lease = format!("{:x}", d.lease_id());
+    let ttl = server.etcdctl(&["lease", "timetolive", &lease, "--keys"]);
+    assert!(
+        ttl.contains("/eventplane/v1/channels/fmt/worker/kv-events/2a"),
+        "{ttl}"
+    );
+
+    // Another writer (any language) registers by putting the same JSON, with extra
+    // fields; hostile and malformed records are skipped and counted.
+    let mut w = d
+        .watch(Query::new("fmt"), CancellationToken::new())
+        .await
+        .unwrap();
+    let mut m = synced(&mut w).await;
+    assert_eq!(m.ids(), vec![42]);
+    server.etcdctl(&[
+        "put",
+        "/eventplane/v1/channels/fmt/worker/kv-events/7",
+        r#"{"id":{"namespace":"fmt","component":"worker","topic":"kv-events","publisher_id":7,"zone":"b"},"transport":{"kind":"zmq","endpoint":"tcp://10.0.0.6:1"},"version":3}"#,
+    ]);
+    until(&mut w, &mut m, |m| m.ids() == vec![7, 42]).await;
+    let before = d.stats().malformed;
+    for (key, value) in [
+        ("/eventplane/v1/channels/fmt/worker/kv-events/8", "not json"),
+        (
+            "/eventplane/v1/channels/fmt/worker/kv-events/9",
+            r#"{"id":{"namespace":"fmt","component":"worker","topic":"kv-events","publisher_id":10},"transport":{"kind":"zmq","endpoint":"x"}}"#,
+        ),
+        ("/eventplane/v1/channels/fmt/worker/kv-events/zz", "{}"),
+        (
+            "/eventplane/v1/channels/fmt/worker/kv-events/b",
+            r#"{"id":{"namespace":"fmt","component":"worker","topic":"kv-events","publisher_id":11},"transport":{"kind":"carrier-pigeon","endpoint":"x"}}"#,
+        ),
+        // A valid record turned garbage: the publisher it named is gone.
+        ("/eventplane/v1/channels/fmt/worker/kv-events/7", "[[[[["),
+    ] {
+        server.etcdctl(&["put", key, value]);
+    }
+    until(&mut w, &mut m, |m| m.ids() == vec![42]).await;
+    // The watch keeps serving: a later valid change still arrives.
+    drop(g);
+    until(&mut w, &mut m, |m| m.state.is_empty()).await;
+    assert_eq!(d.stats().malformed - before, 5);
+    // list skips (and counts) the same records.
+    assert!(d.list(Query::new("fmt")).await.unwrap().is_empty());
+    assert_eq!(d.stats().malformed - before, 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_survives_etcd_restart_and_resyncs_what_changed_while_down() {
+    let mut server = EtcdServer::start();
+    let proxy = Proxy::start(server.addr()).await;
+    let writer = connect(&server.url()).await;
+    let watcher = connect(&proxy.url()).await;
+    let a = writer.register(id("rs", 1), endpoint(1)).await.unwrap();
+    let _b = writer.register(id("rs", 2), endpoint(2)).await.unwrap();
+    let mut w = watcher
+        .watch(Query::new("rs"), CancellationToken::new())
+        .await
+        .unwrap();
+    let mut m = synced(&mut w).await;
+    assert_eq!(m.ids(), vec![1, 2]);
+
+    // The watcher is cut off, etcd crashes and comes back; while the watcher is still
+    // away, one registration is deleted and another added.
+    proxy.cut().await;
+    server.stop();
+    server.restart();
+    within(a.unregister()).await.unwrap();
+    let _c = within(writer.register(id("rs", 3), endpoint(3)))
+        .await
+        .unwrap();
+    proxy.restore();
+
+    let resyncs = m.resyncs;
+    until(&mut w, &mut m, |m| m.resyncs > resyncs).await;
+    assert_eq!(m.ids(), vec![2, 3], "the Resync reflects the deletion");
+    assert!(watcher.stats().reconnects >= 1);
+    let listed: Vec<u64> = writer
+        .list(Query::new("rs"))
+        .await
+        .unwrap()
+        .iter()
+        .map(|i| i.id.publisher_id())
+        .collect();
+    assert_eq!(listed.len(), 2);
+    // Both sessions are live again.
+    wait_for("writer live", || writer.state() == EtcdState::Live).await;
+    wait_for("watcher live", || watcher.state() == EtcdState::Live).await;
+
+    // And incremental events flow after the resync.
+    drop(_b);
+    until(&mut w, &mut m, |m| m.ids() == vec![3]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_resumes_after_etcd_restart_without_a_partition() {
+    let mut server = EtcdServer::start();
+    let writer = connect(&server.url()).await;
+    let watcher = connect(&server.url()).await;
+    let a = writer.register(id("kill", 1), endpoint(1)).await.unwrap();
+    let mut w = watcher
+        .watch(Query::new("kill"), CancellationToken::new())
+        .await
+        .unwrap();
+    let mut m = synced(&mut w).await;
+    server.stop();
+    server.restart();
+    // The watcher comes back by itself with a Resync; changes after it arrive.
+    until(&mut w, &mut m, |m| m.resyncs == 2).await;
+    assert_eq!(m.ids(), vec![1]);
+    within(a.unregister()).await.unwrap();
+    until(&mut w, &mut m, |m| m.state.is_empty()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_lease_comes_back_by_itself() {
+    let server = EtcdServer::start();
+    let d = connect(&server.url()).await;
+    let observer = connect(&server.url()).await;
+    let g = d.register(id("lease", 1), endpoint(1)).await.unwrap();
+    let first = g.instance().incarnation;
+    let mut w = observer
+        .watch(Query::new("lease"), CancellationToken::new())
+        .await
+        .unwrap();
+    let mut m = synced(&mut w).await;
+    let old_lease = d.lease_id();
+
+    // Revoked behind our back (an operator, or etcd expiring it during a long stall).
+    server.etcdctl(&["lease", "revoke", &format!("{old_lease:x}")]);
+    match next(&mut w).await {
+        DiscoveryEvent::Removed { id: gone, .. } => assert_eq!(gone.publisher_id(), 1),
+        other => panic!("expected the revocation's Removed, got {other:?}"),
+    }
+    m.state.clear();
+    // The keep-alive notices, grants a new lease and puts the registration again.
+    until(&mut w, &mut m, |m| m.ids() == vec![1]).await;
+    let (_, incarnation) = m.state.values().next().unwrap().clone();
+    assert!(incarnation > first);
+    // The re-grant finishes its bookkeeping right after its last put.
+    wait_for("new lease recorded", || d.lease_id() != old_lease).await;
+    assert_eq!(d.stats().lease_losses, 1);
+    wait_for("live", || d.state() == EtcdState::Live).await;
+
+    // The guard still controls the re-put registration.
+    within(g.unregister()).await.unwrap();
+    until(&mut w, &mut m, |m| m.state.is_empty()).await;
+    assert!(d.list(Query::new("lease")).await.unwrap().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_reconnecting_past_a_compaction_resyncs() {
+    let server = EtcdServer::start();
+    let proxy = Proxy::start(server.addr()).await;
+    let writer = connect(&server.url()).await;
+    let watcher = connect(&proxy.url()).await;
+    let a = writer.register(id("cmp", 1), endpoint(1)).await.unwrap();
+    let mut w = watcher
+        .watch(Query::new("cmp"), CancellationToken::new())
+        .await
+        .unwrap();
+    let mut m = synced(&mut w).await;
+    let seen = server.revision();
+
+    proxy.cut().await;
+    within(a.unregister()).await.unwrap();
+    let mut keep = Vec::new();
+    for n in 10..20 {
+        let g = within(writer.register(id("cmp", n), endpoint(n)))
+            .await
+            .unwrap();
+        if n % 2 == 0 {
+            keep.push(g);
+        }
+    }
+    let now = server.revision();
+    assert!(now > seen + 10);
+    // Compact everything the watcher could resume from.
+    server.etcdctl(&["compact", &now.to_string()]);
+    proxy.restore();
+
+    let resyncs = m.resyncs;
+    until(&mut w, &mut m, |m| m.resyncs > resyncs).await;
+    assert_eq!(m.ids(), vec![10, 12, 14, 16, 18]);
+    drop(keep);
+    until(&mut w, &mut m, |m| m.state.is_empty()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_revokes_every_registration_and_detach_expires() {
+    let server = EtcdServer::start();
+    let d = connect(&server.url()).await;
+    let observer = connect(&server.url()).await;
+    let _a = d.register(id("close", 1), endpoint(1)).await.unwrap();
+    let b = d.register(id("close", 2), endpoint(2)).await.unwrap();
+    let mut w = observer
+        .watch(Query::new("close"), CancellationToken::new())
+        .await
+        .unwrap();
+    let mut m = synced(&mut w).await;
+    assert_eq!(d.stats().registrations, 2);
+    // A detached registration is not revoked with the lease: it expires on its own.
+    b.detach();
+    wait_for("detach carried out", || d.stats().registrations == 1).await;
+    d.close().await;
+    until(&mut w, &mut m, |m| m.ids() == vec![2]).await;
+    until(&mut w, &mut m, |m| m.state.is_empty()).await;
+    assert!(matches!(
+        d.register(id("close", 3), endpoint(3)).await,
+        Err(DiscoveryError::Closed)
+    ));
+}
+
+/// Env var naming what a child process does (see `child_process`).
+const CHILD_ENV: &str = "EVENTPLANE_ETCD_CHILD";
+
+/// Two separate OS processes (this test binary, re-run) each register and watch for
+/// the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_watch_each_other() {
+    let server = EtcdServer::start();
+    let exe = std::env::current_exe().unwrap();
+    let spawn = |me: u64, peer: u64| {
+        tokio::process::Command::new(&exe)
+            .args(["--ignored", "--exact", "child_process", "--nocapture"])
+            .env(CHILD_ENV, format!("{} {me} {peer}", server.url()))
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap()
+    };
+    let mut a = spawn(1, 2);
+    let mut b = spawn(2, 1);
+    let mut a_out = BufReader::new(a.stdout.take().unwrap()).lines();
+    let mut b_out = BufReader::new(b.stdout.take().unwrap()).lines();
+    async fn expect(
+        lines: &mut tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+        want: &str,
+    ) {
+        loop {
+            let line = within(lines.next_line())
+                .await
+                .unwrap()
+                .expect("child exited");
+            if line == want {
+                return;
+            }
+        }
+    }
+    expect(&mut a_out, "CHILD saw 2").await;
+    expect(&mut b_out, "CHILD saw 1").await;
+    // A leaves (unregistering); B sees it go.
+    a.stdin.take().unwrap().write_all(b"exit\n").await.unwrap();
+    assert!(within(a.wait()).await.unwrap().success());
+    expect(&mut b_out, "CHILD gone 1").await;
+    b.stdin.take().unwrap().write_all(b"exit\n").await.unwrap();
+    assert!(within(b.wait()).await.unwrap().success());
+    assert!(
+        server
+            .etcdctl(&["get", "--prefix", "/eventplane/v1/channels/procs/"])
+            .trim()
+            .is_empty()
+    );
+}
+
+/// Run only as a child of `two_processes_watch_each_other`.
+#[tokio::test]
+#[ignore = "run as a child process by two_processes_watch_each_other"]
+async fn child_process() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let mut parts = spec.split(' ');
+    let url = parts.next().unwrap().to_owned();
+    let me: u64 = parts.next().unwrap().parse().unwrap();
+    let peer: u64 = parts.next().unwrap().parse().unwrap();
+    let d = connect(&url).await;
+    let g = d
+        .register(
+            ChannelId::new("procs", "worker", "kv-events", me).unwrap(),
+            endpoint(me),
+        )
+        .await
+        .unwrap();
+    let mut w = d
+        .watch(Query::new("procs"), CancellationToken::new())
+        .await
+        .unwrap();
+    let mut stdin = BufReader::new(tokio::io::stdin()).lines();
+    let mut known: Vec<Instance> = Vec::new();
+    let mut announced = false;
+    loop {
+        tokio::select! {
+            line = stdin.next_line() => {
+                if matches!(line, Ok(Some(ref l)) if l == "exit") || matches!(line, Ok(None) | Err(_)) {
+                    break;
+                }
+            }
+            ev = w.next() => {
+                let ev = ev.unwrap().unwrap();
+                match ev {
+                    DiscoveryEvent::Added(i) => known.push(i),
+                    DiscoveryEvent::Removed { id, .. } => {
+                        known.retain(|i| i.id != id);
+                        if id.publisher_id() == peer {
+                            println!("CHILD gone {peer}");
+                        }
+                    }
+                    DiscoveryEvent::Resync(all) => known = all,
+                    _ => {}
+                }
+                if !announced && known.iter().any(|i| i.id.publisher_id() == peer) {
+                    announced = true;
+                    println!("CHILD saw {peer}");
+                }
+            }
+        }
+    }
+    g.unregister().await.unwrap();
+}

@@ -1,0 +1,273 @@
+//! A real `etcd` for tests: started on free loopback ports with a private data dir,
+//! waited for until healthy, stopped by PID. Plus a TCP proxy that can cut a client
+//! off from it.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+/// How long etcd may take to become healthy.
+const STARTUP: Duration = Duration::from_secs(30);
+
+static SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// A private etcd server. Killed (and its data removed) on drop.
+pub struct EtcdServer {
+    child: Option<Child>,
+    data_dir: PathBuf,
+    client_port: u16,
+    peer_port: u16,
+}
+
+/// Fails the test with how to get etcd when it is missing.
+pub fn require_etcd() {
+    let found = Command::new("etcd")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        found,
+        "these tests need a real `etcd` on PATH: on Debian `apt-get install -y etcd-server \
+         etcd-client` (`.ci/run` does this)"
+    );
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl EtcdServer {
+    /// Starts a fresh single-member etcd and waits until it is healthy.
+    pub fn start() -> EtcdServer {
+        require_etcd();
+        let base = if std::path::Path::new("/dev/shm").is_dir() {
+            PathBuf::from("/dev/shm")
+        } else {
+            std::env::temp_dir()
+        };
+        let data_dir = base.join(format!(
+            "eventplane-etcd-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&data_dir);
+        // Ports are picked free and handed to etcd; a rare clash with another process
+        // shows up as a failed start, which is retried with new ports.
+        for _ in 0..5 {
+            let mut server = EtcdServer {
+                child: None,
+                data_dir: data_dir.clone(),
+                client_port: free_port(),
+                peer_port: free_port(),
+            };
+            if server.spawn_and_wait() {
+                return server;
+            }
+            server.kill();
+            let _ = std::fs::remove_dir_all(&data_dir);
+        }
+        panic!("etcd did not become healthy (see its log above)");
+    }
+
+    /// `http://127.0.0.1:PORT`
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.client_port))
+    }
+
+    fn spawn_and_wait(&mut self) -> bool {
+        let client = self.url();
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let child = Command::new("etcd")
+            .arg("--name")
+            .arg("test")
+            .arg("--data-dir")
+            .arg(&self.data_dir)
+            .arg("--listen-client-urls")
+            .arg(&client)
+            .arg("--advertise-client-urls")
+            .arg(&client)
+            .arg("--listen-peer-urls")
+            .arg(&peer)
+            .arg("--initial-advertise-peer-urls")
+            .arg(&peer)
+            .arg("--initial-cluster")
+            .arg(format!("test={peer}"))
+            .arg("--logger=zap")
+            .arg("--log-level=error")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn etcd");
+        self.child = Some(child);
+        let deadline = Instant::now() + STARTUP;
+        while Instant::now() < deadline {
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(_)) = child.try_wait() {
+                    return false; // exited: most likely a port clash
+                }
+            }
+            if self.healthy() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    /// etcd's own health endpoint says it can serve (it has a leader).
+    pub fn healthy(&self) -> bool {
+        let Ok(mut s) = TcpStream::connect_timeout(&self.addr(), Duration::from_millis(200)) else {
+            return false;
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+        let req = format!(
+            "GET /health HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nConnection: close\r\n\r\n",
+            self.client_port
+        );
+        if s.write_all(req.as_bytes()).is_err() {
+            return false;
+        }
+        let mut body = String::new();
+        let _ = s.read_to_string(&mut body);
+        body.contains("\"health\":\"true\"")
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Kills etcd (SIGKILL, as a crash) and waits for the process to exit.
+    pub fn stop(&mut self) {
+        self.kill();
+    }
+
+    /// Starts etcd again on the same ports and data.
+    pub fn restart(&mut self) {
+        self.kill();
+        assert!(self.spawn_and_wait(), "etcd did not come back");
+    }
+
+    /// Runs `etcdctl` against this server; returns its stdout.
+    pub fn etcdctl(&self, args: &[&str]) -> String {
+        let out = Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .arg("--endpoints")
+            .arg(self.url())
+            .args(args)
+            .output()
+            .expect("etcdctl (Debian: etcd-client) must be on PATH");
+        assert!(
+            out.status.success(),
+            "etcdctl {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// The current store revision.
+    pub fn revision(&self) -> i64 {
+        let out = self.etcdctl(&["endpoint", "status", "-w", "json"]);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v[0]["Status"]["header"]["revision"].as_i64().unwrap()
+    }
+}
+
+impl Drop for EtcdServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.data_dir);
+    }
+}
+
+/// A TCP proxy in front of a server that can cut every connection through it and
+/// refuse new ones until restored: a network partition for one client.
+pub struct Proxy {
+    addr: SocketAddr,
+    up: Arc<AtomicBool>,
+    generation: Arc<tokio::sync::Mutex<CancellationToken>>,
+    stop: CancellationToken,
+}
+
+impl Proxy {
+    pub async fn start(target: SocketAddr) -> Proxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let up = Arc::new(AtomicBool::new(true));
+        let generation = Arc::new(tokio::sync::Mutex::new(CancellationToken::new()));
+        let stop = CancellationToken::new();
+        let (up2, gen2, stop2) = (up.clone(), generation.clone(), stop.clone());
+        tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    () = stop2.cancelled() => return,
+                    a = listener.accept() => a,
+                };
+                let Ok((mut inbound, _)) = accepted else {
+                    continue;
+                };
+                if !up2.load(Ordering::SeqCst) {
+                    drop(inbound); // refused while cut
+                    continue;
+                }
+                let cut = gen2.lock().await.clone();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        () = cut.cancelled() => {}
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                    }
+                });
+            }
+        });
+        Proxy {
+            addr,
+            up,
+            generation,
+            stop,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Drops every connection through the proxy and refuses new ones.
+    pub async fn cut(&self) {
+        self.up.store(false, Ordering::SeqCst);
+        let mut generation = self.generation.lock().await;
+        generation.cancel();
+        *generation = CancellationToken::new();
+    }
+
+    /// Accepts connections again.
+    pub fn restore(&self) {
+        self.up.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //!  worker process                                         router / frontend process
-//!  publish::EventPublisher                                Discovery (memory | …)
+//!  publish::EventPublisher                                Discovery (memory | etcd)
 //!   zmtp::PubSocket ── [topic, pid, seq, payload] ──┐        │ watch
 //!   registered in Discovery                         │        ▼
 //!                                                   └──► subscriber::DynamicSubscriber
@@ -23,8 +23,9 @@
 //! - [`discovery`]: the dyn-compatible [`Discovery`](discovery::Discovery) trait with
 //!   a strict watch contract (initial sync ending in `Resync`, bounded per-watcher
 //!   backlogs that collapse into a `Resync`, stale removals suppressed by incarnation),
-//!   the embedded [`MemoryDiscovery`](discovery::MemoryDiscovery) and
-//!   [`StaticDiscovery`](discovery::StaticDiscovery).
+//!   the embedded [`MemoryDiscovery`](discovery::MemoryDiscovery),
+//!   [`StaticDiscovery`](discovery::StaticDiscovery) and, with feature `etcd`, the
+//!   distributed `EtcdDiscovery`.
 //! - [`subscriber`]: [`DynamicSubscriber`](subscriber::DynamicSubscriber) — connects to
 //!   every publisher discovery reports and merges their streams into bounded, lossy,
 //!   fair per-publisher lanes: every drop counted, memory bounded, no publisher able to
@@ -36,13 +37,12 @@
 //!   SSRF guard, [`RateLimitedWarn`](net::RateLimitedWarn).
 //!
 //! - [`kv`]: the KV-event model, the sans-IO coalescer, dedup filter and id stamping,
-//!   and the processor loop (engine ingress and the event-plane sink follow).
-//!
-//! The etcd backend is built on these layers too (see the project's CHANGELOG for
-//! what has landed).
+//!   the processor loop, engine ingress (vLLM / SGLang msgpack batches) and the
+//!   event-plane sink with its router-side decoder.
 //!
 //! ## Features
-//! - `etcd`: distributed discovery on etcd (planned).
+//! - `etcd`: `discovery::EtcdDiscovery`, distributed discovery on etcd v3 (pulls
+//!   `etcd-client`, which needs `protoc` at build time).
 //! - `test-support`: `discovery::conformance` (a conformance suite for any
 //!   `Discovery` backend) and `discovery::FaultDiscovery` (fault injection for
 //!   consumers).

@@ -46,6 +46,26 @@ fn main_types_are_send_and_sync() {
     send_sync::<Lane<Delivery>>();
 }
 
+#[cfg(feature = "etcd")]
+#[test]
+fn etcd_types_are_send_and_sync() {
+    use eventplane::discovery::{EtcdDiscovery, EtcdDiscoveryBuilder, EtcdState};
+    fn check<F: std::future::Future + Send>(_: F) {}
+    send_sync::<EtcdDiscovery>();
+    send_sync::<EtcdDiscoveryBuilder>();
+    send_sync::<EtcdState>();
+    check(EtcdDiscovery::connect(["http://127.0.0.1:1"]));
+    let d: Option<EtcdDiscovery> = None;
+    if let Some(d) = d.as_ref() {
+        check(d.close());
+        check(d.register(
+            ChannelId::new("n", "c", "t", 1).unwrap(),
+            eventplane::discovery::Transport::zmq("tcp://127.0.0.1:1"),
+        ));
+        check(d.watch(Query::new("n"), tokio_util::sync::CancellationToken::new()));
+    }
+}
+
 #[test]
 fn futures_are_send() {
     fn check<F: std::future::Future + Send>(_: F) {}

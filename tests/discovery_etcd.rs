@@ -122,9 +122,11 @@ async fn conforms_on_real_etcd() {
             let url = url.clone();
             async move {
                 Arc::new(
+                    // Small pages: every snapshot in the suite is read in several.
                     EtcdDiscovery::builder([url])
                         .lease_ttl(TTL)
                         .watch_buffer(256)
+                        .page_size(4)
                         .connect()
                         .await
                         .unwrap(),
@@ -401,6 +403,117 @@ async fn close_revokes_every_registration_and_detach_expires() {
         d.register(id("close", 3), endpoint(3)).await,
         Err(DiscoveryError::Closed)
     ));
+}
+
+/// Records too large for one read (5 × 1 MiB against the client's 4 MiB message
+/// limit) neither break `list` nor a watch's sync: the page shrinks, the records are
+/// skipped as oversized, the good ones are read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_records_do_not_break_reads() {
+    let server = EtcdServer::start();
+    let d = connect(&server.url()).await;
+    let _good = d.register(id("big", 1), endpoint(1)).await.unwrap();
+    let mut raw = etcd_client::Client::connect([server.url()], None)
+        .await
+        .unwrap();
+    let huge = "x".repeat(1 << 20);
+    for n in 2..7u64 {
+        raw.put(
+            format!("/eventplane/v1/channels/big/worker/kv-events/{n:x}"),
+            format!(
+                r#"{{"id":{{"namespace":"big","component":"worker","topic":"kv-events","publisher_id":{n}}},"transport":{{"kind":"zmq","endpoint":"{huge}"}}}}"#
+            ),
+            None,
+        )
+        .await
+        .unwrap();
+    }
+    let listed = d.list(Query::new("big")).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(d.stats().malformed, 5);
+    let mut w = d
+        .watch(Query::new("big"), CancellationToken::new())
+        .await
+        .unwrap();
+    let m = synced(&mut w).await;
+    assert_eq!(m.ids(), vec![1]);
+}
+
+/// Dropping every handle deletes the registrations and gives the lease back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_last_handle_releases_everything() {
+    let server = EtcdServer::start();
+    let d = connect(&server.url()).await;
+    let lease = format!("{:x}", d.lease_id());
+    let g = d.register(id("drop", 1), endpoint(1)).await.unwrap();
+    assert!(server.etcdctl(&["lease", "list"]).contains(&lease));
+    drop(d); // the guard keeps the session alive
+    assert!(server.etcdctl(&["lease", "list"]).contains(&lease));
+    drop(g);
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while server.etcdctl(&["lease", "list"]).contains(&lease)
+        || !server
+            .etcdctl(&["get", "--prefix", "/eventplane/v1/channels/drop/"])
+            .trim()
+            .is_empty()
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "lease never released"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The whole fan-in over etcd: an `EventPublisher` registered through one backend, a
+/// `DynamicSubscriber` watching through another; a second publisher joins, the first
+/// leaves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamic_subscriber_follows_publishers_through_etcd() {
+    use eventplane::publish::EventPublisher;
+    use eventplane::subscriber::{DynamicSubscriber, Layout};
+
+    let server = EtcdServer::start();
+    let workers: Arc<dyn Discovery> = Arc::new(connect(&server.url()).await);
+    let router: Arc<dyn Discovery> = Arc::new(connect(&server.url()).await);
+    let mut sub = DynamicSubscriber::builder(router, Query::new("e2e").component("worker"))
+        .topic("kv-events")
+        .layout(Layout::TopicPublisherSeq)
+        .spawn();
+    let first = EventPublisher::builder(workers.clone(), "e2e", "worker", "kv-events")
+        .build()
+        .await
+        .unwrap();
+    let first_id = first.instance().unwrap().id.publisher_id();
+    within(first.wait_for_subscribers(1)).await;
+    first.publish(&b"one"[..]);
+    let d = within(sub.recv()).await.unwrap();
+    assert_eq!(d.source.id.publisher_id(), first_id);
+    assert_eq!(d.sequence, Some(0));
+
+    let second = EventPublisher::builder(workers.clone(), "e2e", "worker", "kv-events")
+        .build()
+        .await
+        .unwrap();
+    let second_id = second.instance().unwrap().id.publisher_id();
+    within(second.wait_for_subscribers(1)).await;
+    second.publish(&b"two"[..]);
+    let d = within(sub.recv()).await.unwrap();
+    assert_eq!(d.source.id.publisher_id(), second_id);
+
+    within(first.shutdown()).await;
+    wait_for("first publisher dropped", || {
+        sub.handle().stats().publishers.len() == 1
+    })
+    .await;
+    second.publish(&b"three"[..]);
+    let d = within(sub.recv()).await.unwrap();
+    assert_eq!(
+        (d.source.id.publisher_id(), d.sequence),
+        (second_id, Some(1))
+    );
+    let stats = sub.handle().stats();
+    assert_eq!(stats.total.dropped(), 0, "{stats:?}");
 }
 
 /// Env var naming what a child process does (see `child_process`).

@@ -7,7 +7,7 @@ mod watch;
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -217,6 +217,8 @@ pub(crate) struct Shared {
     wake: Notify,
     state: state_watch::Sender<EtcdState>,
     shutdown: CancellationToken,
+    /// `close` revoked the lease.
+    closed: AtomicBool,
     next_serial: AtomicU64,
     pub(crate) counters: Counters,
     pub(crate) warn: RateLimitedWarn,
@@ -690,8 +692,16 @@ impl Maintainer {
                 }
             }
         }
-        // Best effort: carry out drops that raced the shutdown.
+        // Best effort: carry out drops that raced the shutdown, then give the lease
+        // back if nothing is left on it (after `close` it is already revoked).
         let _ = shared.process_pending().await;
+        let session = shared.session.lock().await;
+        if session.regs.is_empty() && !shared.closed.load(Ordering::Relaxed) {
+            let mut lease = shared.client.lease_client();
+            let _ = shared
+                .request("lease revoke", lease.revoke(session.lease))
+                .await;
+        }
     }
 
     async fn keep_alive(&mut self) -> Result<KeepAlive, DiscoveryError> {
@@ -768,6 +778,7 @@ impl EtcdDiscovery {
             wake: Notify::new(),
             state,
             shutdown: CancellationToken::new(),
+            closed: AtomicBool::new(false),
             next_serial: AtomicU64::new(1),
             counters: Counters::default(),
             warn: RateLimitedWarn::default(),
@@ -823,6 +834,7 @@ impl EtcdDiscovery {
     /// expires after its TTL.
     pub async fn close(&self) {
         let shared = &self.handle.shared;
+        shared.closed.store(true, Ordering::Relaxed);
         shared.shutdown.cancel();
         let mut session = shared.session.lock().await;
         let mut lease = shared.client.lease_client();

@@ -12,11 +12,14 @@
 //! timeout or when every publisher went away; 2 on a ZMTP protocol error (stderr
 //! `protocol error: …`); 3 when it cannot connect.
 
+mod common;
+
 use std::io::Write;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use common::{chain, hex_line};
 use eventplane::zmtp::{Config, Error, Message, SubSocket};
 use tokio::sync::mpsc;
 
@@ -158,37 +161,10 @@ async fn main() -> ExitCode {
     ExitCode::from(code)
 }
 
-fn hex_line(m: &Message) -> String {
-    let mut line = String::with_capacity(m.byte_len() * 2 + m.len());
-    for (i, frame) in m.parts().iter().enumerate() {
-        if i > 0 {
-            line.push(' ');
-        }
-        if frame.is_empty() {
-            line.push('-');
-        }
-        for b in frame.iter() {
-            line.push_str(&format!("{b:02x}"));
-        }
-    }
-    line
-}
-
 /// `protocol error: …` for every protocol failure, a peer's ERROR command included.
 fn protocol_line(e: &Error) -> String {
     match e {
         Error::Protocol(_) => e.to_string(),
         other => format!("protocol error: {other}"),
     }
-}
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(inner) = src {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        src = inner.source();
-    }
-    s
 }

@@ -102,6 +102,7 @@ impl EventPublisherBuilder {
             socket,
             registration: Some(registration),
             topic: Bytes::from(self.topic),
+            id: publisher_id,
             publisher_id: Bytes::copy_from_slice(&publisher_id.to_be_bytes()),
             sequence: AtomicU64::new(0),
             linger: self.linger,
@@ -168,6 +169,8 @@ pub struct EventPublisher {
     socket: PubSocket,
     registration: Option<Registration>,
     topic: Bytes,
+    id: u64,
+    /// `id` as sent: 8 bytes big-endian.
     publisher_id: Bytes,
     sequence: AtomicU64,
     linger: Duration,
@@ -191,6 +194,54 @@ impl EventPublisher {
             zmtp: zmtp::Config::default(),
             linger: Duration::from_secs(1),
         }
+    }
+
+    /// A publisher bound at exactly `endpoint` (`tcp://host:port`; port 0 lets the OS
+    /// pick) and registered nowhere, for deployments whose subscribers are configured
+    /// statically (`StaticDiscovery`, or a script). The publisher id is random
+    /// (≤ 2^53 − 1) and the wire format is the same as a registered publisher's.
+    ///
+    /// ```
+    /// use eventplane::publish::EventPublisher;
+    /// use eventplane::zmtp::Config;
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::publish::PublishError> {
+    /// let publisher =
+    ///     EventPublisher::bind_unregistered("tcp://127.0.0.1:0", "kv-events", Config::default())
+    ///         .await?;
+    /// assert!(publisher.instance().is_none());
+    /// assert!(publisher.local_endpoint().unwrap().starts_with("tcp://127.0.0.1:"));
+    /// publisher.shutdown().await;
+    /// # Ok(()) }
+    /// ```
+    pub async fn bind_unregistered(
+        endpoint: &str,
+        topic: impl Into<String>,
+        zmtp: zmtp::Config,
+    ) -> Result<EventPublisher, PublishError> {
+        let socket = PubSocket::bind(endpoint, zmtp)
+            .await
+            .map_err(PublishError::Bind)?;
+        let publisher_id = random_u64() & MAX_PUBLISHER_ID;
+        Ok(EventPublisher {
+            socket,
+            registration: None,
+            topic: Bytes::from(topic.into()),
+            id: publisher_id,
+            publisher_id: Bytes::copy_from_slice(&publisher_id.to_be_bytes()),
+            sequence: AtomicU64::new(0),
+            linger: Duration::from_secs(1),
+        })
+    }
+
+    /// The endpoint the socket is bound to (with the OS-assigned port).
+    pub fn local_endpoint(&self) -> Option<&str> {
+        self.socket.local_endpoint()
+    }
+
+    /// The publisher id sent in every message's second frame.
+    pub fn publisher_id(&self) -> u64 {
+        self.id
     }
 
     /// Sends one payload with the next sequence number. Never blocks.

@@ -261,20 +261,31 @@ async fn kv_listen_times_out_with_exit_1() {
     let publisher = eventplane::zmtp::PubSocket::bind("tcp://127.0.0.1:0", Default::default())
         .await
         .unwrap();
-    let out = within(
-        Command::new(example("kv_listen"))
-            .args([
-                "--connect",
-                publisher.local_endpoint().unwrap(),
-                "--topic",
-                "kv",
-            ])
-            .args(["--block-size", "4", "--worker-id", "1", "--count", "1"])
-            .args(["--timeout-ms", "300"])
-            .output(),
+    let endpoint = publisher.local_endpoint().unwrap();
+    let out = run_example(
+        "kv_listen",
+        &["--connect", endpoint, "--topic", "kv", "--block-size", "4"],
     )
-    .await
-    .unwrap();
+    .await;
+    assert_eq!(out.status.code(), Some(2), "--worker-id is required");
+    let out = run_example(
+        "kv_listen",
+        &[
+            "--connect",
+            endpoint,
+            "--topic",
+            "kv",
+            "--block-size",
+            "4",
+            "--worker-id",
+            "1",
+            "--count",
+            "1",
+            "--timeout-ms",
+            "300",
+        ],
+    )
+    .await;
     assert_eq!(out.status.code(), Some(1));
 }
 
@@ -312,4 +323,278 @@ async fn demo_runs_and_accounts_for_every_event() {
     assert_eq!(value("drops (router lanes, all reasons)"), 0);
     assert!(stdout.contains("left; engine 2 joined"), "{stdout}");
     assert!(value("index entries (worker × block)") > 0);
+}
+
+/// Runs an example to completion (bounded by the test deadline).
+async fn run_example(name: &str, args: &[&str]) -> std::process::Output {
+    within(Command::new(example(name)).args(args).output())
+        .await
+        .unwrap()
+}
+
+/// Asserts exit 0 (showing stderr otherwise) and returns stdout.
+fn success_stdout(out: &std::process::Output) -> String {
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout.clone()).unwrap()
+}
+
+/// The last stderr line, parsed as the JSON stats object the examples print on exit.
+fn stats_json(stderr: &[u8]) -> serde_json::Value {
+    let text = String::from_utf8_lossy(stderr);
+    let last = text.lines().last().unwrap_or_default();
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: last stderr line {last:?}"))
+}
+
+#[tokio::test]
+async fn watch_static_prints_deliveries_and_stats() {
+    let mut publisher = Command::new(example("publish"))
+        .args(["--bind", "tcp://127.0.0.1:0", "--topic", "wt"])
+        .args(["--count", "20", "--size", "3", "--linger-ms", "2000"])
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(publisher.stdout.take().unwrap()).lines();
+    let endpoint = within(lines.next_line()).await.unwrap().unwrap();
+    let out = within(
+        Command::new(example("watch"))
+            .args(["--static", &endpoint, "--namespace", "ns", "--topic", "wt"])
+            .args([
+                "--layout",
+                "topic-seq",
+                "--count",
+                "20",
+                "--timeout-ms",
+                "20000",
+            ])
+            .output(),
+    )
+    .await
+    .unwrap();
+    let stdout = success_stdout(&out);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 20);
+    for (seq, line) in lines.iter().enumerate() {
+        let seq = seq as u64;
+        assert_eq!(
+            *line,
+            format!(
+                "0 {seq} {} {} {}",
+                hex::encode(b"wt"),
+                hex::encode(seq.to_be_bytes()),
+                payload_hex(seq, 3)
+            )
+        );
+    }
+    let stats = stats_json(&out.stderr);
+    assert_eq!(stats["total"]["delivered"], 20, "{stats}");
+    assert_eq!(stats["total"]["gaps"], 0, "{stats}");
+    within(publisher.wait()).await.unwrap();
+}
+
+#[tokio::test]
+async fn watch_times_out_with_exit_1_and_still_prints_stats() {
+    // Nothing listens there: the subscriber keeps redialling until the timeout.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let out = run_example(
+        "watch",
+        &[
+            "--static",
+            &endpoint,
+            "--namespace",
+            "ns",
+            "--topic",
+            "t",
+            "--count",
+            "1",
+            "--timeout-ms",
+            "300",
+        ],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(stats_json(&out.stderr)["total"]["delivered"], 0);
+}
+
+#[cfg(feature = "etcd")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_follows_publishers_registered_in_etcd() {
+    use std::sync::Arc;
+
+    use eventplane::discovery::{Discovery, EtcdDiscovery};
+    use eventplane::publish::EventPublisher;
+
+    let server = support::etcd::EtcdServer::start();
+    let discovery: Arc<dyn Discovery> =
+        Arc::new(EtcdDiscovery::connect([server.url()]).await.unwrap());
+    let publisher = EventPublisher::builder(discovery, "cli", "worker", "kv-events")
+        .build()
+        .await
+        .unwrap();
+    let watch = Command::new(example("watch"))
+        .args(["--etcd", &server.url(), "--namespace", "cli"])
+        .args(["--component", "worker", "--topic", "kv-events"])
+        .args(["--count", "5", "--timeout-ms", "20000"])
+        .kill_on_drop(true)
+        .output();
+    let watch = tokio::spawn(watch);
+    within(publisher.wait_for_subscribers(1)).await;
+    for n in 0..5u8 {
+        publisher.publish(vec![n]);
+    }
+    let out = within(watch).await.unwrap().unwrap();
+    let stdout = success_stdout(&out);
+    let id = publisher.publisher_id();
+    let expected: Vec<String> = (0..5u64)
+        .map(|seq| {
+            format!(
+                "{id} {seq} {} {} {} {:02x}",
+                hex::encode(b"kv-events"),
+                hex::encode(id.to_be_bytes()),
+                hex::encode(seq.to_be_bytes()),
+                seq
+            )
+        })
+        .collect();
+    assert_eq!(stdout.lines().collect::<Vec<_>>(), expected);
+}
+
+#[tokio::test]
+async fn kv_relay_publishes_router_events_and_reports_stats() {
+    use eventplane::kv::{EngineEvent, decode_router_events, encode_engine_batch};
+    use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
+
+    let engine = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+        .await
+        .unwrap();
+    let mut relay = Command::new(example("kv_relay"))
+        .args([
+            "--connect",
+            engine.local_endpoint().unwrap(),
+            "--topic",
+            "kv",
+        ])
+        .args(["--block-size", "4", "--worker-id", "11"])
+        .args(["--bind", "tcp://127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(relay.stdout.take().unwrap()).lines();
+    let relay_endpoint = within(lines.next_line()).await.unwrap().unwrap();
+    assert!(
+        relay_endpoint.starts_with("tcp://127.0.0.1:"),
+        "{relay_endpoint}"
+    );
+    within(engine.wait_for_subscribers(1)).await;
+    let mut sub = within(SubSocket::connect(&relay_endpoint, Config::default()))
+        .await
+        .unwrap();
+    sub.subscribe("kv-events").await.unwrap();
+
+    // Until the relay's PUB has our subscription, send clears on a rank the fixtures
+    // do not use; they come out as router events we skip.
+    const WARM_RANK: u32 = 7;
+    let clear = encode_engine_batch(0.0, WARM_RANK, 4, &[EngineEvent::Cleared]).unwrap();
+    let mut seq = 0u64;
+    let mut received = Vec::new();
+    loop {
+        engine.send(Message::from_parts([
+            b"kv".to_vec(),
+            seq.to_be_bytes().to_vec(),
+            clear.clone(),
+        ]));
+        seq += 1;
+        if let Ok(m) = tokio::time::timeout(std::time::Duration::from_millis(100), sub.recv()).await
+        {
+            received.push(m.unwrap());
+            break;
+        }
+    }
+    let warmups = seq;
+    let files: Vec<String> = ["vllm_v023.msgpack", "vllm_v024.msgpack", "sglang.msgpack"]
+        .iter()
+        .map(|f| format!("{}/tests/fixtures/{f}", env!("CARGO_MANIFEST_DIR")))
+        .collect();
+    for f in &files {
+        engine.send(Message::from_parts([
+            b"kv".to_vec(),
+            seq.to_be_bytes().to_vec(),
+            std::fs::read(f).unwrap(),
+        ]));
+        seq += 1;
+    }
+    let expected = support::expected_router_events(&files, 11, 4);
+    let mut got = Vec::new();
+    let mut messages = received.into_iter();
+    while got.len() < expected.len() {
+        let m = match messages.next() {
+            Some(m) => m,
+            None => within(sub.recv()).await.unwrap(),
+        };
+        assert_eq!(m.parts()[0].as_ref(), b"kv-events");
+        for ev in decode_router_events(&m.parts()[3]).unwrap() {
+            if ev.event.dp_rank != WARM_RANK {
+                got.push(ev);
+            }
+        }
+    }
+    // Ids are dense per relay: the warm-up clears took the first ones.
+    for (g, e) in got.iter_mut().zip(&expected) {
+        g.event.id -= warmups;
+        assert_eq!(g, e);
+    }
+    assert_eq!(got.len(), expected.len());
+
+    let pid = relay.id().unwrap().to_string();
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let out = within(relay.wait_with_output()).await.unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let stats = stats_json(&out.stderr);
+    assert_eq!(stats["listener"]["decoder"]["batches"], seq, "{stats}");
+    assert_eq!(
+        stats["processor"]["output_events"],
+        warmups + expected.len() as u64,
+        "{stats}"
+    );
+    assert_eq!(stats["publisher"]["dropped"], 0, "{stats}");
+}
+
+#[tokio::test]
+async fn kv_relay_exits_3_when_it_cannot_bind() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let bind = format!("tcp://{}", taken.local_addr().unwrap());
+    let out = run_example(
+        "kv_relay",
+        &[
+            "--connect",
+            "tcp://127.0.0.1:1",
+            "--topic",
+            "kv",
+            "--block-size",
+            "4",
+            "--worker-id",
+            "1",
+            "--bind",
+            &bind,
+        ],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot bind"));
 }

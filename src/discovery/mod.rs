@@ -114,7 +114,7 @@ pub trait Discovery: Send + Sync + fmt::Debug {
 /// use eventplane::discovery::{Discovery, MemoryDiscovery};
 /// assert_eq!(MemoryDiscovery::new().stats().watchers, 0);
 /// ```
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct DiscoveryStats {
     /// Live registrations.

@@ -21,7 +21,7 @@ pub const MAX_PUBLISHER_ID: u64 = (1 << 53) - 1;
 /// assert_eq!(ChannelId::from_path(&id.to_path())?, id);
 /// # Ok::<(), eventplane::discovery::DiscoveryError>(())
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 pub struct ChannelId {
     namespace: String,
     component: String,

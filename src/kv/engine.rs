@@ -22,7 +22,7 @@ use super::{
 };
 
 /// Counters of an [`EngineDecoder`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct EngineStats {
     /// Batches decoded.

@@ -61,7 +61,7 @@ impl EngineListenerConfig {
 }
 
 /// Counters of an [`EngineListener`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct EngineListenerStats {
     /// Messages that were not `[topic, seq u64be, payload]` with the exact topic.

@@ -107,7 +107,7 @@ impl ProcessorConfig {
 }
 
 /// Counters of a [`Processor`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct ProcessorStats {
     /// Engine lists received.

@@ -6,7 +6,7 @@ use crate::discovery::ChannelId;
 use crate::lossy::LaneStats;
 
 /// Counters of one publisher (or, in [`SubscriberStats::total`], of all).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct PublisherStats {
     /// Messages read from the publisher's socket.
@@ -64,7 +64,7 @@ impl PublisherStats {
 }
 
 /// A snapshot of a [`DynamicSubscriber`](super::DynamicSubscriber)'s counters.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct SubscriberStats {
     /// All publishers, including ones that have gone away.

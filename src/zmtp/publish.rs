@@ -93,7 +93,7 @@ pub struct SendReport {
 /// let stats = publisher.stats();
 /// assert_eq!((stats.messages, stats.queued, stats.dropped), (1, 0, 0));
 /// ```
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct PubStats {
     /// Connections whose handshake completed and that are still open.
@@ -121,7 +121,7 @@ pub struct PubStats {
 ///     println!("{}: {} queued, {} dropped", s.peer, s.queue_len, s.dropped);
 /// }
 /// ```
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct SubscriberStats {
     /// The peer's address, or a label for non-TCP streams.

@@ -1,0 +1,123 @@
+//! Helpers shared by the examples (not an example itself).
+#![allow(dead_code, unreachable_pub)]
+
+use eventplane::zmtp::Message;
+
+/// Each frame in lower-case hex (an empty frame as `-`), frames separated by a space.
+pub fn hex_line(m: &Message) -> String {
+    let mut line = String::with_capacity(m.byte_len() * 2 + m.len());
+    for (i, frame) in m.parts().iter().enumerate() {
+        if i > 0 {
+            line.push(' ');
+        }
+        if frame.is_empty() {
+            line.push('-');
+        }
+        for b in frame.iter() {
+            line.push_str(&format!("{b:02x}"));
+        }
+    }
+    line
+}
+
+/// An error and its sources, `: `-separated.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}
+
+/// Completes on Ctrl-C or (on Unix) SIGTERM.
+pub async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Completes after `ms` milliseconds, or never when `None`.
+pub async fn optional_timeout(ms: Option<u64>) {
+    match ms {
+        Some(ms) => tokio::time::sleep(std::time::Duration::from_millis(ms)).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The engine side shared by `kv_listen` and `kv_relay`.
+#[derive(clap::Args, Debug)]
+pub struct EngineArgs {
+    /// The engine's ZMQ PUB endpoint.
+    #[arg(long)]
+    pub connect: String,
+    /// The engine's topic.
+    #[arg(long)]
+    pub topic: String,
+    /// Tokens per KV block in the engine.
+    #[arg(long = "block-size")]
+    pub block_size: usize,
+    /// This worker's id.
+    #[arg(long = "worker-id")]
+    pub worker_id: u64,
+    /// Batch across engine lists for up to this long (max 15 000).
+    #[arg(long = "batch-timeout-ms")]
+    pub batch_timeout_ms: Option<u64>,
+}
+
+/// The running worker pipeline: `EngineListener → Processor → sink`.
+pub struct Pipeline {
+    pub listener: tokio::task::JoinHandle<eventplane::kv::EngineListenerStats>,
+    pub processor: tokio::task::JoinHandle<eventplane::kv::ProcessorStats>,
+}
+
+impl EngineArgs {
+    /// Validates the processor settings and starts the pipeline into `sink`; it stops
+    /// when `cancel` is cancelled.
+    pub fn start(
+        &self,
+        sink: std::sync::Arc<dyn eventplane::kv::EventSink>,
+        cancel: &tokio_util::sync::CancellationToken,
+    ) -> Result<Pipeline, String> {
+        use eventplane::kv::{EngineListener, EngineListenerConfig, Processor, ProcessorConfig};
+        if self.block_size == 0 {
+            return Err("--block-size must be positive".to_owned());
+        }
+        let config = ProcessorConfig::default()
+            .batch_timeout(self.batch_timeout_ms.map(std::time::Duration::from_millis))
+            .map_err(|e| format!("invalid --batch-timeout-ms: {}", chain(&e)))?;
+        let (tx, rx) = tokio::sync::mpsc::channel(256);
+        let listener = EngineListener::new(
+            EngineListenerConfig::new(
+                &self.connect,
+                self.topic.clone(),
+                eventplane::kv::WorkerId(self.worker_id),
+                self.block_size,
+            ),
+            tx,
+        );
+        let processor = Processor::new(config, rx, sink).with_cancellation(cancel.clone());
+        Ok(Pipeline {
+            listener: tokio::spawn(listener.run(cancel.clone())),
+            processor: tokio::spawn(processor.run()),
+        })
+    }
+}

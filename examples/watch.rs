@@ -1,0 +1,174 @@
+//! `watch`: a `DynamicSubscriber` over etcd or a static list of publishers, printing
+//! every delivery.
+//!
+//! ```text
+//! watch (--etcd URL | --static EP…) --namespace NS [--component C] --topic T
+//!       [--layout raw|topic-seq|topic-publisher-seq] [--count N] [--timeout-ms MS]
+//! ```
+//! One stdout line per delivery: `{publisher_id} {sequence or -} {frames}`, the frames
+//! as `subscribe` prints them (lower-case hex, an empty frame as `-`, separated by one
+//! space). On exit the subscriber's stats are printed as one JSON object, the last line
+//! on stderr.
+//!
+//! With `--static`, the endpoints become publishers 0, 1, 2, … of
+//! `NS/{C or "static"}/T`. `--etcd` needs the `etcd` feature
+//! (`cargo run --features etcd --example watch -- --etcd http://127.0.0.1:2379 …`);
+//! it lists under the default key prefix `/eventplane`.
+//!
+//! Exit codes: 0 after N deliveries (or on Ctrl-C / SIGTERM without `--count`); 1 on
+//! timeout; 3 when discovery cannot be reached (or `--etcd` without the feature).
+
+mod common;
+
+use std::io::Write;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, ValueEnum};
+use common::{chain, hex_line, optional_timeout, stop_signal};
+use eventplane::discovery::{Discovery, Query, StaticDiscovery};
+use eventplane::subscriber::{DynamicSubscriber, Layout};
+
+#[derive(Parser, Debug)]
+#[command(about = "Follow publishers through discovery and print what they send")]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["etcd", "static_endpoints"])))]
+struct Args {
+    /// etcd endpoint (http://host:2379); repeat for a cluster. Needs feature `etcd`.
+    #[arg(long)]
+    etcd: Vec<String>,
+    /// Publisher endpoints (tcp://host:port), instead of discovery.
+    #[arg(long = "static", num_args = 1..)]
+    static_endpoints: Vec<String>,
+    /// Discovery namespace.
+    #[arg(long)]
+    namespace: String,
+    /// Discovery component (default: any).
+    #[arg(long)]
+    component: Option<String>,
+    /// Topic: the discovery topic and the exact first frame of every message.
+    #[arg(long)]
+    topic: String,
+    /// Wire layout of the messages.
+    #[arg(long, value_enum, default_value_t = LayoutArg::TopicPublisherSeq)]
+    layout: LayoutArg,
+    /// Exit 0 after this many deliveries.
+    #[arg(long)]
+    count: Option<u64>,
+    /// Exit 1 if the run lasts longer than this.
+    #[arg(long = "timeout-ms")]
+    timeout_ms: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum LayoutArg {
+    Raw,
+    TopicSeq,
+    TopicPublisherSeq,
+}
+
+impl From<LayoutArg> for Layout {
+    fn from(l: LayoutArg) -> Layout {
+        match l {
+            LayoutArg::Raw => Layout::Raw,
+            LayoutArg::TopicSeq => Layout::TopicSeq,
+            LayoutArg::TopicPublisherSeq => Layout::TopicPublisherSeq,
+        }
+    }
+}
+
+async fn discovery(args: &Args) -> Result<Arc<dyn Discovery>, String> {
+    if !args.static_endpoints.is_empty() {
+        let component = args.component.as_deref().unwrap_or("static");
+        return StaticDiscovery::from_endpoints(
+            &args.namespace,
+            component,
+            &args.topic,
+            args.static_endpoints.iter(),
+        )
+        .map(|d| Arc::new(d) as Arc<dyn Discovery>)
+        .map_err(|e| chain(&e));
+    }
+    etcd(&args.etcd).await
+}
+
+#[cfg(feature = "etcd")]
+async fn etcd(endpoints: &[String]) -> Result<Arc<dyn Discovery>, String> {
+    eventplane::discovery::EtcdDiscovery::connect(endpoints)
+        .await
+        .map(|d| Arc::new(d) as Arc<dyn Discovery>)
+        .map_err(|e| chain(&e))
+}
+
+#[cfg(not(feature = "etcd"))]
+async fn etcd(_: &[String]) -> Result<Arc<dyn Discovery>, String> {
+    Err("--etcd needs the `etcd` feature: cargo run --features etcd --example watch".to_owned())
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    let discovery = match discovery(&args).await {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("cannot reach discovery: {e}");
+            return ExitCode::from(3);
+        }
+    };
+    let mut query = Query::new(&args.namespace).topic(&args.topic);
+    if let Some(c) = &args.component {
+        query = query.component(c);
+    }
+    let mut sub = DynamicSubscriber::builder(discovery, query)
+        .topic(args.topic.clone())
+        .layout(args.layout.into())
+        .spawn();
+    let handle = sub.handle();
+
+    let timeout = optional_timeout(args.timeout_ms);
+    tokio::pin!(timeout);
+    let stop = stop_signal();
+    tokio::pin!(stop);
+    let mut delivered = 0u64;
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    let mut batch = Vec::with_capacity(256);
+    let code = loop {
+        if args.count.is_some_and(|n| delivered >= n) {
+            break 0;
+        }
+        tokio::select! {
+            n = sub.recv_many(&mut batch, 256) => {
+                if n == 0 {
+                    eprintln!("the subscriber stopped");
+                    break 1;
+                }
+                for d in batch.drain(..) {
+                    if args.count.is_some_and(|n| delivered >= n) {
+                        break;
+                    }
+                    delivered += 1;
+                    let sequence = d.sequence.map_or_else(|| "-".to_owned(), |s| s.to_string());
+                    let _ = writeln!(
+                        out,
+                        "{} {sequence} {}",
+                        d.source.id.publisher_id(),
+                        hex_line(&d.message)
+                    );
+                }
+                let _ = out.flush();
+            }
+            () = &mut timeout => {
+                eprintln!("timed out after {delivered} deliveries");
+                break 1;
+            }
+            () = &mut stop => break if args.count.is_some() { 1 } else { 0 },
+        }
+    };
+    let _ = out.flush();
+    let stats = handle.stats();
+    handle.shutdown().await;
+    match serde_json::to_string(&stats) {
+        Ok(json) => eprintln!("{json}"),
+        Err(e) => eprintln!("{{\"error\":{:?}}}", e.to_string()),
+    }
+    ExitCode::from(code)
+}

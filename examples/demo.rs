@@ -20,11 +20,13 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::Parser;
+use eventplane::discovery::BoxFuture;
 use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
 use eventplane::kv::{
     BlockHash, EngineEvent, EngineListener, EngineListenerConfig, EngineListenerHandle,
-    EventPlaneSink, KvEventData, Processor, ProcessorConfig, ProcessorHandle, StorageTier,
-    WorkerId, decode_router_events, encode_engine_batch,
+    EngineListenerStats, EventPlaneSink, EventSink, KvEventData, MAX_BLOCKS_PER_MESSAGE,
+    MAX_EVENTS_PER_MESSAGE, Processor, ProcessorConfig, ProcessorStats, RouterEvent, SinkError,
+    StorageTier, WorkerId, decode_router_events, encode_engine_batch, split_messages,
 };
 use eventplane::publish::EventPublisher;
 use eventplane::subscriber::{DynamicSubscriber, Layout};
@@ -61,11 +63,77 @@ fn prefix_hash(prefix: u64, depth: u64) -> u64 {
 struct Engine {
     id: u64,
     stop: CancellationToken,
-    pipeline_stop: CancellationToken,
+    listener_stop: CancellationToken,
+    engine_pub: Arc<PubSocket>,
+    generator: tokio::task::JoinHandle<u64>,
     publisher: Arc<EventPublisher>,
     listener: EngineListenerHandle,
-    processor: ProcessorHandle,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+    listener_task: tokio::task::JoinHandle<EngineListenerStats>,
+    processor_task: tokio::task::JoinHandle<ProcessorStats>,
+}
+
+/// Which event-plane message carried how many router events: recorded when a worker
+/// publishes, taken off when the router decodes it. What is left at the end was lost
+/// on the way (publisher drop, lane drop, sequence gap, undecodable), and the ledger
+/// says exactly how many events that was.
+#[derive(Default)]
+struct Ledger {
+    in_flight: std::sync::Mutex<HashMap<(u64, u64), u64>>,
+    /// Events in messages the sink could not publish at all.
+    unsent: AtomicU64,
+}
+
+impl Ledger {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(u64, u64), u64>> {
+        self.in_flight.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn take(&self, publisher_id: u64, seq: u64) -> Option<u64> {
+        self.lock().remove(&(publisher_id, seq))
+    }
+
+    /// Events in messages published but never decoded by the router (so far).
+    fn missing(&self) -> u64 {
+        self.lock().values().sum()
+    }
+
+    fn missing_from(&self, publisher_id: u64) -> u64 {
+        self.lock()
+            .iter()
+            .filter(|((p, _), _)| *p == publisher_id)
+            .map(|(_, n)| n)
+            .sum()
+    }
+}
+
+/// `EventPlaneSink`, with every message's event count written in the ledger.
+struct LedgerSink {
+    inner: EventPlaneSink,
+    publisher: Arc<EventPublisher>,
+    ledger: Arc<Ledger>,
+}
+
+impl EventSink for LedgerSink {
+    fn publish<'a>(&'a self, events: &'a [RouterEvent]) -> BoxFuture<'a, Result<(), SinkError>> {
+        // The sink publishes synchronously, one sequence number per message, in the
+        // order `split_messages` cuts them.
+        let first = self.publisher.next_sequence();
+        let result = self.inner.publish(events);
+        let sent = self.publisher.next_sequence() - first;
+        let id = self.publisher.publisher_id();
+        let mut ledger = self.ledger.lock();
+        for (i, message) in
+            split_messages(events, MAX_EVENTS_PER_MESSAGE, MAX_BLOCKS_PER_MESSAGE).enumerate()
+        {
+            let n = message.len() as u64;
+            if (i as u64) < sent {
+                ledger.insert((id, first + i as u64), n);
+            } else {
+                self.ledger.unsent.fetch_add(n, Ordering::Relaxed);
+            }
+        }
+        result
+    }
 }
 
 #[derive(Default)]
@@ -73,11 +141,47 @@ struct Totals {
     engine_events: AtomicU64,
 }
 
+/// Where every engine event of one (stopped) engine went.
+#[derive(Default, Clone, Copy)]
+struct Account {
+    /// Events in batches lost between engine and worker (dropped by the engine's PUB
+    /// queue, seen by the worker as sequence gaps).
+    engine_lost: u64,
+    /// Events the worker's decoder rejected (failed, self-referencing, bad batches).
+    rejected: u64,
+    /// Events into the worker pipeline.
+    pipeline_in: u64,
+    merged: u64,
+    deduplicated: u64,
+    withheld: u64,
+    /// Router events emitted.
+    emitted: u64,
+    /// Engine→worker sequence gaps.
+    gaps: u64,
+    /// Event-plane messages the worker's publisher dropped.
+    publisher_dropped: u64,
+}
+
+impl Account {
+    fn add(&mut self, o: &Account) {
+        self.engine_lost += o.engine_lost;
+        self.rejected += o.rejected;
+        self.pipeline_in += o.pipeline_in;
+        self.merged += o.merged;
+        self.deduplicated += o.deduplicated;
+        self.withheld += o.withheld;
+        self.emitted += o.emitted;
+        self.gaps += o.gaps;
+        self.publisher_dropped += o.publisher_dropped;
+    }
+}
+
 async fn start_engine(
     id: u64,
     discovery: Arc<dyn Discovery>,
     per_engine_rate: u64,
     totals: Arc<Totals>,
+    ledger: Arc<Ledger>,
 ) -> anyhow::Result<Engine> {
     // The engine's own PUB, as vLLM or SGLang would bind it.
     let engine_pub = Arc::new(PubSocket::bind("tcp://127.0.0.1:0", Config::default()).await?);
@@ -89,7 +193,7 @@ async fn start_engine(
             .build()
             .await?,
     );
-    let pipeline_stop = CancellationToken::new();
+    let listener_stop = CancellationToken::new();
     let (tx, rx) = tokio::sync::mpsc::channel(256);
     let listener = EngineListener::new(
         EngineListenerConfig::new(endpoint, ENGINE_TOPIC, WorkerId(id), BLOCK_SIZE),
@@ -99,21 +203,16 @@ async fn start_engine(
     let processor = Processor::new(
         ProcessorConfig::default().batch_timeout(Some(Duration::from_millis(10)))?,
         rx,
-        Arc::new(EventPlaneSink::new(publisher.clone())),
-    )
-    .with_cancellation(pipeline_stop.clone());
-    let processor_handle = processor.handle();
-    let mut tasks = vec![
-        tokio::spawn({
-            let stop = pipeline_stop.clone();
-            async move {
-                listener.run(stop).await;
-            }
+        Arc::new(LedgerSink {
+            inner: EventPlaneSink::new(publisher.clone()),
+            publisher: publisher.clone(),
+            ledger,
         }),
-        tokio::spawn(async move {
-            processor.run().await;
-        }),
-    ];
+    );
+    // The processor stops when its input closes (once the listener stopped), after
+    // draining everything queued.
+    let listener_task = tokio::spawn(listener.run(listener_stop.clone()));
+    let processor_task = tokio::spawn(processor.run());
 
     // PUB/SUB has no memory for late joiners: start the engine once the router has
     // subscribed to this worker's publisher, so the final table can add up exactly.
@@ -126,21 +225,23 @@ async fn start_engine(
 
     // The engine's KV event generator.
     let stop = CancellationToken::new();
-    tasks.push(tokio::spawn(generate(
+    let generator = tokio::spawn(generate(
         id,
-        engine_pub,
+        engine_pub.clone(),
         per_engine_rate,
         stop.clone(),
         totals,
-    )));
+    ));
     Ok(Engine {
         id,
         stop,
-        pipeline_stop,
+        listener_stop,
+        engine_pub,
+        generator,
         publisher,
         listener: listener_handle,
-        processor: processor_handle,
-        tasks,
+        listener_task,
+        processor_task,
     })
 }
 
@@ -150,9 +251,9 @@ async fn generate(
     rate: u64,
     stop: CancellationToken,
     totals: Arc<Totals>,
-) {
+) -> u64 {
     tokio::select! {
-        () = stop.cancelled() => return,
+        () = stop.cancelled() => return 0,
         () = pub_socket.wait_for_subscribers(1) => {}
     }
     let mut x = 0x2545_F491_4F6C_DD1D ^ (id + 1).wrapping_mul(0x9E37_79B9);
@@ -208,7 +309,7 @@ async fn generate(
             }
         }
         let Ok(payload) = encode_engine_batch(0.0, 0, BLOCK_SIZE as u32, &events) else {
-            return;
+            return seq;
         };
         pub_socket.send(Message::from_parts([
             Bytes::from_static(ENGINE_TOPIC.as_bytes()),
@@ -223,64 +324,75 @@ async fn generate(
         // Pace to the configured rate.
         let due = start + Duration::from_secs_f64(sent_events as f64 / rate.max(1) as f64);
         tokio::select! {
-            () = stop.cancelled() => return,
+            () = stop.cancelled() => return seq,
             () = tokio::time::sleep_until(due) => {}
         }
+    }
+    seq
+}
+
+/// Waits until `remaining()` is 0, or it has not gone down for 2 s.
+async fn wait_while_progressing(remaining: impl Fn() -> u64) {
+    let mut last = remaining();
+    let mut since = Instant::now();
+    while last > 0 && since.elapsed() < Duration::from_secs(2) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let now = remaining();
+        if now < last {
+            since = Instant::now();
+        }
+        last = now;
     }
 }
 
 impl Engine {
-    /// Stops the engine and drains its pipeline, waits (up to 2 s) until the router
-    /// has every router event this worker emitted, then unregisters its publisher.
-    /// Returns `(engine→worker seq gaps, publisher drops, events in, router events out)`.
-    async fn stop(self, per_worker: &PerWorker) -> (u64, u64, u64, u64) {
+    /// Stops the engine, lets its worker decode every batch that is on its way, stops
+    /// the listener and lets the processor drain, waits until the router has decoded every message this worker
+    /// published (each wait gives up after 2 s without progress: what is missing then
+    /// was lost), then unregisters the publisher. Returns where the engine's events
+    /// went.
+    async fn stop(self, ledger: &Ledger) -> Account {
         self.stop.cancel();
-        // Let the pipeline drain what the engine already sent, then stop it.
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        self.pipeline_stop.cancel();
-        for t in self.tasks {
-            let _ = t.await;
-        }
-        let gaps = self.listener.stats().seq_gaps;
-        let dropped = self.publisher.stats().dropped;
-        let processed = self.processor.stats();
-        let deadline = Instant::now() + Duration::from_secs(2);
-        while per_worker.get(self.id) < processed.output_events && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let batches = self.generator.await.unwrap_or(0);
+        let engine_dropped = self.engine_pub.stats().dropped;
+        // Every batch the engine sent is decoded, rejected or lost (its PUB dropped
+        // it; the worker sees most such drops as sequence gaps, never more).
+        let settled = |s: EngineListenerStats| {
+            s.decoder.batches
+                + s.decoder.malformed_batches
+                + s.malformed_messages
+                + engine_dropped.max(s.seq_gap_batches)
+        };
+        wait_while_progressing(|| batches.saturating_sub(settled(self.listener.stats()))).await;
+        // Stop the listener first; the processor drains its input, then stops.
+        self.listener_stop.cancel();
+        let listened = self.listener_task.await.unwrap_or_default();
+        let processed = self.processor_task.await.unwrap_or_default();
+        let publisher_id = self.publisher.publisher_id();
+        wait_while_progressing(|| ledger.missing_from(publisher_id)).await;
+        let publisher_dropped = self.publisher.stats().dropped;
         if let Ok(p) = Arc::try_unwrap(self.publisher) {
             p.shutdown().await;
         }
-        (
-            gaps,
-            dropped,
-            processed.input_events,
-            processed.output_events,
-        )
-    }
-}
-
-/// Router events received per worker.
-#[derive(Default)]
-struct PerWorker(std::sync::Mutex<HashMap<u64, u64>>);
-
-impl PerWorker {
-    fn add(&self, worker: WorkerId, n: u64) {
-        *self
-            .0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(worker.0)
-            .or_default() += n;
-    }
-
-    fn get(&self, worker: u64) -> u64 {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&worker)
-            .copied()
-            .unwrap_or(0)
+        let per_batch = EVENTS_PER_BATCH as u64;
+        let d = listened.decoder;
+        Account {
+            // The engine's PUB has one subscriber, this worker: every batch it drops is
+            // lost to the worker, which sees most of them as sequence gaps (not those
+            // at the very end). Either count, never both.
+            engine_lost: engine_dropped.max(listened.seq_gap_batches) * per_batch,
+            rejected: d.failed_events
+                + d.self_referencing
+                + listened.discarded_events
+                + (d.malformed_batches + listened.malformed_messages) * per_batch,
+            pipeline_in: processed.input_events,
+            merged: processed.merged_events,
+            deduplicated: processed.deduplicated_events,
+            withheld: processed.withheld_events,
+            emitted: processed.output_events,
+            gaps: listened.seq_gaps,
+            publisher_dropped,
+        }
     }
 }
 
@@ -336,13 +448,13 @@ async fn main() -> anyhow::Result<()> {
     let index = Arc::new(std::sync::Mutex::new(Index::default()));
     let router_events = Arc::new(AtomicU64::new(0));
     let malformed = Arc::new(AtomicU64::new(0));
-    let per_worker = Arc::new(PerWorker::default());
+    let ledger = Arc::new(Ledger::default());
     let consumer = tokio::spawn({
-        let (index, router_events, malformed, per_worker) = (
+        let (index, router_events, malformed, ledger) = (
             index.clone(),
             router_events.clone(),
             malformed.clone(),
-            per_worker.clone(),
+            ledger.clone(),
         );
         async move {
             let mut batch = Vec::with_capacity(256);
@@ -358,7 +470,9 @@ async fn main() -> anyhow::Result<()> {
                             router_events.fetch_add(events.len() as u64, Ordering::Relaxed);
                             for ev in &events {
                                 idx.apply(ev);
-                                per_worker.add(ev.worker_id, 1);
+                            }
+                            if let Some(seq) = d.sequence {
+                                ledger.take(d.source.id.publisher_id(), seq);
                             }
                         }
                         _ => {
@@ -376,10 +490,19 @@ async fn main() -> anyhow::Result<()> {
     );
     let mut engines = Vec::new();
     for id in 0..engines_n as u64 {
-        engines.push(start_engine(id, discovery.clone(), per_engine_rate, totals.clone()).await?);
+        engines.push(
+            start_engine(
+                id,
+                discovery.clone(),
+                per_engine_rate,
+                totals.clone(),
+                ledger.clone(),
+            )
+            .await?,
+        );
     }
     let mut next_id = engines_n as u64;
-    let mut retired = (0u64, 0u64, 0u64, 0u64); // gaps, publisher drops, engine inputs, engine outputs
+    let mut account = Account::default();
     let started = Instant::now();
     let mut last = (0u64, 0u64, started);
     let mut swapped = false;
@@ -396,11 +519,7 @@ async fn main() -> anyhow::Result<()> {
             swapped = true;
             let leaving = engines.remove(0);
             let left_id = leaving.id;
-            let (gaps, dropped, events_in, events_out) = leaving.stop(&per_worker).await;
-            retired.0 += gaps;
-            retired.1 += dropped;
-            retired.2 += events_in;
-            retired.3 += events_out;
+            account.add(&leaving.stop(&ledger).await);
             // Its last events are on their way; once delivered, forget the worker.
             tokio::time::sleep(Duration::from_millis(100)).await;
             index
@@ -408,7 +527,14 @@ async fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|p| p.into_inner())
                 .forget(WorkerId(left_id));
             engines.push(
-                start_engine(next_id, discovery.clone(), per_engine_rate, totals.clone()).await?,
+                start_engine(
+                    next_id,
+                    discovery.clone(),
+                    per_engine_rate,
+                    totals.clone(),
+                    ledger.clone(),
+                )
+                .await?,
             );
             println!("  engine {left_id} left; engine {next_id} joined");
             next_id += 1;
@@ -434,14 +560,8 @@ async fn main() -> anyhow::Result<()> {
     }
 
     // Wind down: engines stop, pipelines drain, the router catches up.
-    let mut processed = (retired.2, retired.3);
-    let (mut gaps, mut pub_drops) = (retired.0, retired.1);
     for e in engines {
-        let (g, d, events_in, events_out) = e.stop(&per_worker).await;
-        gaps += g;
-        pub_drops += d;
-        processed.0 += events_in;
-        processed.1 += events_out;
+        account.add(&e.stop(&ledger).await);
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let s = router_stats.stats();
@@ -451,51 +571,44 @@ async fn main() -> anyhow::Result<()> {
     let idx = index.lock().unwrap_or_else(|p| p.into_inner());
     let engine_events = totals.engine_events.load(Ordering::Relaxed);
     let out = router_events.load(Ordering::Relaxed);
+    let lost_on_plane = ledger.missing() + ledger.unsent.load(Ordering::Relaxed);
+    let a = &account;
+    let accounted =
+        a.engine_lost + a.rejected + a.merged + a.deduplicated + a.withheld + lost_on_plane + out;
+    let row = |label: &str, value: u64| println!("{label:<52} {value:>12}");
     println!();
-    println!("{:<44} {:>14}", "engine events published", engine_events);
-    println!(
-        "{:<44} {:>14}",
-        "engine events decoded by workers", processed.0
+    row("engine events published", engine_events);
+    row(
+        "  lost between engine and worker (PUB drops)",
+        a.engine_lost,
     );
-    println!(
-        "{:<44} {:>14}",
-        "router events emitted (coalesced, deduped)", processed.1
+    row("  rejected by the workers' decoders", a.rejected);
+    row("engine events into worker pipelines", a.pipeline_in);
+    row("  merged by coalescing", a.merged);
+    row("  removed by dedup (blocks still stored)", a.deduplicated);
+    row("  withheld by a fenced processor", a.withheld);
+    row("router events emitted", a.emitted);
+    row("  lost on the event plane (drops, gaps)", lost_on_plane);
+    row("router events applied to the router index", out);
+    row(
+        "unaccounted engine events",
+        engine_events.abs_diff(accounted),
     );
-    println!("{:<44} {:>14}", "router events received by the router", out);
-    println!(
-        "{:<44} {:>14}",
-        "event-plane messages delivered", s.total.delivered
-    );
-    println!(
-        "{:<44} {:>14}",
-        "drops (router lanes, all reasons)",
-        s.total.dropped()
-    );
-    println!("{:<44} {:>14}", "drops (worker publishers)", pub_drops);
-    println!("{:<44} {:>14}", "sequence gaps (engines → workers)", gaps);
-    println!(
-        "{:<44} {:>14}",
-        "sequence gaps (workers → router)", s.total.gaps
-    );
-    println!(
-        "{:<44} {:>14}",
+    println!();
+    row("event-plane messages delivered", s.total.delivered);
+    row("drops (router lanes, all reasons)", s.total.dropped());
+    row("drops (worker publishers)", a.publisher_dropped);
+    row("sequence gaps (engines → workers)", a.gaps);
+    row("sequence gaps (workers → router)", s.total.gaps);
+    row(
         "malformed router payloads",
-        malformed.load(Ordering::Relaxed)
+        malformed.load(Ordering::Relaxed),
     );
-    println!(
-        "{:<44} {:>14.0}",
+    row(
         "engine events/s",
-        engine_events as f64 / elapsed
+        (engine_events as f64 / elapsed).round() as u64,
     );
-    println!(
-        "{:<44} {:>14}",
-        "index entries (worker × block)",
-        idx.size()
-    );
-    println!(
-        "{:<44} {:>14}",
-        "distinct blocks in the index",
-        idx.distinct()
-    );
+    row("index entries (worker × block)", idx.size() as u64);
+    row("distinct blocks in the index", idx.distinct() as u64);
     Ok(())
 }

@@ -291,37 +291,50 @@ async fn kv_listen_times_out_with_exit_1() {
 
 #[tokio::test]
 async fn demo_runs_and_accounts_for_every_event() {
-    let out = within(
-        Command::new(example("demo"))
-            .args(["--engines", "2", "--seconds", "3", "--rate", "4000"])
-            .output(),
+    let out = run_example(
+        "demo",
+        &["--engines", "3", "--seconds", "2", "--rate", "6000"],
     )
-    .await
-    .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    .await;
+    let stdout = success_stdout(&out);
     let value = |label: &str| -> u64 {
         let line = stdout
             .lines()
-            .find(|l| l.starts_with(label))
+            .find(|l| l.trim_start().starts_with(label))
             .unwrap_or_else(|| panic!("no {label:?} in\n{stdout}"));
         line.split_whitespace().last().unwrap().parse().unwrap()
     };
     let published = value("engine events published");
     assert!(published > 0);
-    assert_eq!(value("engine events decoded by workers"), published);
-    // Every router event the workers emitted reached the router, none dropped.
+    // Every engine event is accounted for, stage by stage, exactly.
+    let into_workers = value("engine events into worker pipelines");
     assert_eq!(
-        value("router events received by the router"),
-        value("router events emitted (coalesced, deduped)")
+        published,
+        value("lost between engine and worker")
+            + value("rejected by the workers' decoders")
+            + into_workers,
+        "{stdout}"
     );
+    let emitted = value("router events emitted");
+    assert_eq!(
+        into_workers,
+        value("merged by coalescing")
+            + value("removed by dedup")
+            + value("withheld by a fenced processor")
+            + emitted,
+        "{stdout}"
+    );
+    assert!(value("merged by coalescing") > 0 && value("removed by dedup") > 0);
+    assert_eq!(
+        emitted,
+        value("lost on the event plane") + value("router events applied to the router index"),
+        "{stdout}"
+    );
+    assert_eq!(value("unaccounted engine events"), 0, "{stdout}");
+    // At this modest rate nothing is lost anywhere.
+    assert_eq!(value("router events applied to the router index"), emitted);
     assert_eq!(value("drops (router lanes, all reasons)"), 0);
-    assert!(stdout.contains("left; engine 2 joined"), "{stdout}");
+    assert!(stdout.contains("left; engine 3 joined"), "{stdout}");
     assert!(value("index entries (worker × block)") > 0);
 }
 

@@ -91,3 +91,43 @@ async fn libzmq_engine_to_router_events() {
     engine.send_line("exit").await;
     assert!(engine.wait().await.success());
 }
+
+/// Cancelled while the processor's input is full, the listener discards the batch in
+/// hand and counts its events; it never waits forever.
+#[tokio::test]
+async fn cancel_with_a_full_input_counts_what_it_discards() {
+    use eventplane::kv::{EngineEvent, encode_engine_batch};
+    use eventplane::zmtp::{Config, Message, PubSocket};
+
+    let engine = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+        .await
+        .unwrap();
+    // Capacity 1 and nobody reading: the second batch waits in the listener's hand.
+    let (tx, _rx) = tokio::sync::mpsc::channel(1);
+    let listener = EngineListener::new(
+        EngineListenerConfig::new(engine.local_endpoint().unwrap(), "kv", WorkerId(1), 2),
+        tx,
+    );
+    let stats = listener.handle();
+    let cancel = CancellationToken::new();
+    let listening = tokio::spawn(listener.run(cancel.clone()));
+    within(engine.wait_for_subscribers(1)).await;
+    let batch = |n: usize| encode_engine_batch(0.0, 0, 2, &vec![EngineEvent::Cleared; n]).unwrap();
+    for (seq, n) in [(0u64, 1), (1, 3)] {
+        engine.send(Message::from_parts([
+            b"kv".to_vec(),
+            seq.to_be_bytes().to_vec(),
+            batch(n),
+        ]));
+    }
+    within(async {
+        while stats.stats().decoder.batches < 2 {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    cancel.cancel();
+    let finished = within(listening).await.unwrap();
+    assert_eq!(finished.discarded_events, 3);
+    assert_eq!(finished.decoder.events, 4);
+}

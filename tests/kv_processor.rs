@@ -8,7 +8,8 @@ use std::time::Duration;
 use eventplane::discovery::BoxFuture;
 use eventplane::kv::{
     BlockHash, EventSink, IndexError, KvEvent, KvEventData, LocalIndex, Placement, PlacementEvent,
-    Processor, ProcessorConfig, RouterEvent, SinkError, StorageTier, WorkerId,
+    Processor, ProcessorConfig, RouterEvent, SinkError, StorageTier, StoredBlock, TokensHash,
+    WorkerId,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -104,6 +105,50 @@ async fn without_a_timeout_every_list_boundary_flushes() {
         (stats.input_lists, stats.input_events, stats.output_events),
         (2, 3, 2)
     );
+    assert_eq!(stats.merged_events, 1);
+}
+
+fn stored(id: u64, hash: u64) -> PlacementEvent {
+    PlacementEvent {
+        placement: AT,
+        event: KvEvent {
+            id,
+            dp_rank: 0,
+            data: KvEventData::Stored {
+                parent_hash: None,
+                blocks: vec![StoredBlock {
+                    block_hash: BlockHash(hash),
+                    tokens_hash: TokensHash(hash),
+                }],
+            },
+        },
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_input_event_is_accounted_for() {
+    let sink = Arc::new(Collect::default());
+    let (tx, p) = start(ProcessorConfig::default(), sink.clone());
+    let task = tokio::spawn(p.run());
+    // Block 1 stored twice (no chain: not merged); its removal disappears in dedup.
+    tx.send(vec![stored(1, 1), stored(2, 1)]).await.unwrap();
+    tx.send(vec![removed(3, 1)]).await.unwrap();
+    // Two removals of untracked blocks merge into one.
+    tx.send(vec![removed(4, 2), removed(5, 3)]).await.unwrap();
+    drop(tx);
+    let stats = task.await.unwrap();
+    assert_eq!(
+        (
+            stats.input_events,
+            stats.output_events,
+            stats.merged_events,
+            stats.deduplicated_events,
+            stats.withheld_events
+        ),
+        (5, 3, 1, 1, 0)
+    );
+    let published: usize = sink.batches.lock().unwrap().iter().map(Vec::len).sum();
+    assert_eq!(published as u64, stats.output_events);
 }
 
 #[tokio::test(start_paused = true)]
@@ -256,4 +301,7 @@ async fn a_failed_local_clear_fences_the_processor() {
     assert_eq!(published[0].len(), 1);
     assert_eq!(applied.lock().unwrap().clone(), vec![1]);
     assert_eq!(stats.input_lists, 1);
+    // The clear and the removal after it: withheld, and counted.
+    assert_eq!((stats.input_events, stats.output_events), (3, 1));
+    assert_eq!(stats.withheld_events, 2);
 }

@@ -34,6 +34,7 @@ pub const DEFAULT_MAX_BATCH_BLOCKS: usize = 128;
 pub struct Coalescer {
     max_batch_blocks: usize,
     pending: Option<(Placement, KvEventData)>,
+    merged: u64,
 }
 
 impl Default for Coalescer {
@@ -48,12 +49,19 @@ impl Coalescer {
         Coalescer {
             max_batch_blocks: max_batch_blocks.max(1),
             pending: None,
+            merged: 0,
         }
     }
 
     /// `true` when an event is pending.
     pub fn has_pending(&self) -> bool {
         self.pending.is_some()
+    }
+
+    /// Events absorbed into a pending one so far (each input event is either emitted,
+    /// pending, or counted here).
+    pub fn merged(&self) -> u64 {
+        self.merged
     }
 
     /// Feeds one event; completed events go to `emit`.
@@ -74,6 +82,7 @@ impl Coalescer {
             let fits = pending.block_count() + incoming <= self.max_batch_blocks;
             if same_place && fits && extends(pending, &data) {
                 merge(pending, data);
+                self.merged += 1;
                 if pending.block_count() >= self.max_batch_blocks {
                     self.flush(emit);
                 }

@@ -37,6 +37,7 @@ pub enum DedupMode {
 pub struct DedupFilter {
     mode: DedupMode,
     counts: HashMap<(DpRank, StorageTier), HashMap<BlockHash, u32>>,
+    suppressed: u64,
 }
 
 impl DedupFilter {
@@ -45,12 +46,19 @@ impl DedupFilter {
         DedupFilter {
             mode,
             counts: HashMap::new(),
+            suppressed: 0,
         }
     }
 
     /// Hashes currently tracked (all ranks and tiers).
     pub fn tracked(&self) -> usize {
         self.counts.values().map(HashMap::len).sum()
+    }
+
+    /// Events that disappeared so far (removals whose every hash was still stored
+    /// elsewhere).
+    pub fn suppressed(&self) -> u64 {
+        self.suppressed
     }
 
     /// Filters one event; `None` means it disappears.
@@ -91,7 +99,11 @@ impl DedupFilter {
                         self.counts.remove(&key);
                     }
                 }
-                (!block_hashes.is_empty()).then_some(KvEventData::Removed { block_hashes })
+                if block_hashes.is_empty() {
+                    self.suppressed += 1;
+                    return None;
+                }
+                Some(KvEventData::Removed { block_hashes })
             }
             KvEventData::Cleared => {
                 self.counts.remove(&key);

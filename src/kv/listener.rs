@@ -74,6 +74,10 @@ pub struct EngineListenerStats {
     pub reconnects: u64,
     /// Dials or handshakes that failed.
     pub connect_failures: u64,
+    /// Decoded events discarded because the listener was cancelled while the
+    /// processor's input was full (stop the listener first and let the processor
+    /// drain to make this 0).
+    pub discarded_events: u64,
     /// Decoder counters.
     pub decoder: EngineStats,
 }
@@ -85,6 +89,7 @@ struct Counters {
     seq_gap_batches: AtomicU64,
     reconnects: AtomicU64,
     connect_failures: AtomicU64,
+    discarded_events: AtomicU64,
     decoder: std::sync::Mutex<EngineStats>,
 }
 
@@ -105,6 +110,7 @@ impl EngineListenerHandle {
             seq_gap_batches: l(&c.seq_gap_batches),
             reconnects: l(&c.reconnects),
             connect_failures: l(&c.connect_failures),
+            discarded_events: l(&c.discarded_events),
             decoder: *c.decoder.lock().unwrap_or_else(|p| p.into_inner()),
         }
     }
@@ -114,8 +120,10 @@ impl EngineListenerHandle {
 /// decodes each batch and sends it as one list to the processor's bounded input.
 ///
 /// A full processor input makes the listener wait (it never drops a decoded batch
-/// itself); the engine's PUB then drops at its high-water mark, which shows here as
-/// `seq_gaps`. The connection is re-established with backoff until cancelled; a batch
+/// while running); the engine's PUB then drops at its high-water mark, which shows
+/// here as `seq_gaps`. Cancelled while waiting, it discards that one batch and counts
+/// it in `discarded_events`: to stop without loss, cancel the listener, await it, and
+/// let the processor drain on input close. The connection is re-established with backoff until cancelled; a batch
 /// sequence restarting at 0 on a new connection is a reset, not a gap.
 ///
 /// ```no_run
@@ -230,12 +238,31 @@ impl EngineListener {
                 if events.is_empty() {
                     continue;
                 }
-                let sent = tokio::select! {
-                    () = cancel.cancelled() => return self.finish(&decoder),
-                    r = self.output.send(events) => r,
+                let permit = tokio::select! {
+                    () = cancel.cancelled() => {
+                        // Last chance without waiting; otherwise counted, not lost.
+                        match self.output.try_send(events) {
+                            Ok(()) => {}
+                            Err(e) => {
+                                self.counters.discarded_events.fetch_add(
+                                    e.into_inner().len() as u64,
+                                    Ordering::Relaxed,
+                                );
+                            }
+                        }
+                        return self.finish(&decoder);
+                    }
+                    r = self.output.reserve() => r,
                 };
-                if sent.is_err() {
-                    return self.finish(&decoder);
+                match permit {
+                    Ok(permit) => permit.send(events),
+                    // The processor is gone: nothing will ever take these.
+                    Err(_) => {
+                        self.counters
+                            .discarded_events
+                            .fetch_add(events.len() as u64, Ordering::Relaxed);
+                        return self.finish(&decoder);
+                    }
                 }
             }
             let delay = backoff.next_delay(random_unit());

@@ -98,6 +98,16 @@ impl Pipeline {
         self.coalescer.has_pending()
     }
 
+    /// Input events merged into another by coalescing so far.
+    pub fn merged(&self) -> u64 {
+        self.coalescer.merged()
+    }
+
+    /// Events dedup removed entirely so far.
+    pub fn deduplicated(&self) -> u64 {
+        self.dedup.suppressed()
+    }
+
     /// The id the next emitted event will get.
     pub fn next_id(&self) -> u64 {
         self.next_id

@@ -106,7 +106,9 @@ impl ProcessorConfig {
     }
 }
 
-/// Counters of a [`Processor`].
+/// Counters of a [`Processor`]. Every input event is accounted for: once the processor
+/// has stopped (or nothing is pending), `input_events = output_events + merged_events +
+/// deduplicated_events + withheld_events`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct ProcessorStats {
@@ -120,6 +122,12 @@ pub struct ProcessorStats {
     pub input_gap_events: u64,
     /// Router events emitted (after coalescing and dedup).
     pub output_events: u64,
+    /// Input events merged into another by coalescing.
+    pub merged_events: u64,
+    /// Input events dedup removed entirely (removals of blocks still stored).
+    pub deduplicated_events: u64,
+    /// Events withheld because a failed local `Cleared` fenced the processor.
+    pub withheld_events: u64,
     /// Sink calls that failed.
     pub publish_errors: u64,
     /// `true` once a failed local `Cleared` fenced the processor.
@@ -133,6 +141,9 @@ struct Counters {
     input_gaps: AtomicU64,
     input_gap_events: AtomicU64,
     output_events: AtomicU64,
+    merged_events: AtomicU64,
+    deduplicated_events: AtomicU64,
+    withheld_events: AtomicU64,
     publish_errors: AtomicU64,
     fenced: AtomicBool,
 }
@@ -155,6 +166,9 @@ impl ProcessorHandle {
             input_gaps: l(&c.input_gaps),
             input_gap_events: l(&c.input_gap_events),
             output_events: l(&c.output_events),
+            merged_events: l(&c.merged_events),
+            deduplicated_events: l(&c.deduplicated_events),
+            withheld_events: l(&c.withheld_events),
             publish_errors: l(&c.publish_errors),
             fenced: c.fenced.load(Ordering::Relaxed),
         }
@@ -293,6 +307,7 @@ impl Processor {
                     last_flush = tokio::time::Instant::now();
                 }
             }
+            self.record(&pipeline);
             if !self.emit(&mut out, &warn, None).await {
                 return self.handle().stats();
             }
@@ -302,9 +317,18 @@ impl Processor {
             self.ingest(list, &mut pipeline, &mut out, &mut last_raw);
         }
         pipeline.flush(&mut out);
+        self.record(&pipeline);
         let bound = Some(self.config.publish_timeout);
         self.emit(&mut out, &warn, bound).await;
         self.handle().stats()
+    }
+
+    /// Copies the pipeline's running totals into the shared counters.
+    fn record(&self, pipeline: &Pipeline) {
+        let c = &self.counters;
+        c.merged_events.store(pipeline.merged(), Ordering::Relaxed);
+        c.deduplicated_events
+            .store(pipeline.deduplicated(), Ordering::Relaxed);
     }
 
     fn ingest(
@@ -348,6 +372,9 @@ impl Processor {
                 if let Err(e) = index.apply(ev) {
                     if matches!(ev.event.data, KvEventData::Cleared) {
                         tracing::error!(error = %e, "local index failed to apply a Cleared; fencing the processor");
+                        self.counters
+                            .withheld_events
+                            .fetch_add((out.len() - i) as u64, Ordering::Relaxed);
                         out.truncate(i);
                         fenced = true;
                         break;

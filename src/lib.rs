@@ -4,16 +4,24 @@
 //! schedulers and workers — as an embeddable library.
 //!
 //! ```text
-//!  worker process                                         router / frontend process
-//!  publish::EventPublisher                                Discovery (memory | etcd)
-//!   zmtp::PubSocket ── [topic, pid, seq, payload] ──┐        │ watch
-//!   registered in Discovery                         │        ▼
-//!                                                   └──► subscriber::DynamicSubscriber
-//!                                                         per publisher: zmtp::SubSocket
-//!                                                           → bounded lossy::Lane
-//!                                                         lanes → fair lossy::Merge
-//!                                                           → Stream<Delivery>
+//!  engine (vLLM / SGLang)          worker process                      router process
+//!  ZMQ PUB [topic, seq, msgpack] ─► kv::EngineListener                 Discovery (memory | etcd)
+//!                                     │ bounded lists                     │ watch
+//!                                     ▼                                   ▼
+//!                                  kv::Processor                       subscriber::DynamicSubscriber
+//!                                   coalesce → dedup → ids              per publisher: zmtp::SubSocket
+//!                                     │                                   → bounded lossy::Lane
+//!                                     ▼                                 lanes → fair lossy::Merge
+//!                                  kv::EventPlaneSink                     → Stream<Delivery>
+//!                                     │                                   │
+//!                                     ▼                                   ▼
+//!                                  publish::EventPublisher ──────────► kv::decode_router_events
+//!                                   zmtp::PubSocket, registered          → the router's index
+//!                                   in Discovery
+//!                                   [topic, publisher_id, seq, router events]
 //! ```
+//!
+//! Every arrow is bounded, and every place that can drop counts what it drops.
 //!
 //! ## What is here
 //! - [`zmtp`]: a pure-Rust, bounded ZMTP 3.x implementation — a sans-IO codec and
@@ -52,8 +60,12 @@
 //! stack still see every counter.
 //!
 //! ## Cancel safety
-//! Every `recv`-style method is cancel-safe: state lives in the socket or stream, never
-//! in the future. `Drop` only signals tasks to stop; it never blocks or spawns.
+//! Every `recv`-style method (`SubSocket::recv`/`recv_many`,
+//! `DynamicSubscriber::recv`/`recv_many`, `DiscoveryStream::next`) is cancel-safe: state
+//! lives in the socket or stream, never in the future, so using them in `select!` loses
+//! nothing. `Drop` only signals tasks to stop; it never blocks or spawns. Long-running
+//! tasks (`EngineListener::run`, `Processor::run`, the subscriber) stop through a
+//! `CancellationToken` and report their final counters.
 //!
 //! ## Tracing
 //! The crate logs through `tracing` and never installs a subscriber. Connections get a

@@ -15,6 +15,21 @@ use crate::net::random_u64;
 use crate::zmtp::{self, Message, PubSocket, PubStats, SendReport};
 
 /// Errors of [`EventPublisher`].
+///
+/// ```
+/// use std::sync::Arc;
+/// use eventplane::discovery::MemoryDiscovery;
+/// use eventplane::publish::{EventPublisher, PublishError};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let err = EventPublisher::builder(Arc::new(MemoryDiscovery::new()), "ns", "c", "t")
+///     .bind_host("0.0.0.0") // fine to bind…
+///     .build()              // …but 0.0.0.0 cannot be advertised
+///     .await
+///     .unwrap_err();
+/// assert!(matches!(err, PublishError::AdvertiseHost { .. }));
+/// # }
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum PublishError {
@@ -35,6 +50,22 @@ pub enum PublishError {
 }
 
 /// Builds an [`EventPublisher`].
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use eventplane::discovery::MemoryDiscovery;
+/// use eventplane::publish::EventPublisher;
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::publish::PublishError> {
+/// let publisher = EventPublisher::builder(Arc::new(MemoryDiscovery::new()), "prod", "worker", "kv-events")
+///     .bind_host("127.0.0.1")      // use 0.0.0.0 with advertise_host("10.0.0.5") to serve a network
+///     .linger(Duration::from_millis(200))
+///     .build()
+///     .await?;
+/// assert!(publisher.instance().unwrap().transport.endpoint().starts_with("tcp://127.0.0.1:"));
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 #[must_use]
 pub struct EventPublisherBuilder {

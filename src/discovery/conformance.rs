@@ -35,6 +35,14 @@ use super::{
 };
 
 /// Knobs for the suite.
+///
+/// ```
+/// use std::time::Duration;
+/// use eventplane::discovery::conformance::Settings;
+/// // For a backend whose leases last 3 s and whose watch buffer is 256 events.
+/// let settings = Settings::default().with_ttl(Duration::from_secs(3)).with_overflow_churn(1000);
+/// assert_eq!(settings.ttl, Some(Duration::from_secs(3)));
+/// ```
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct Settings {
@@ -82,6 +90,12 @@ impl Settings {
 }
 
 /// A violated rule.
+///
+/// ```
+/// use eventplane::discovery::conformance::ConformanceFailure;
+/// let failure = ConformanceFailure { check: "initial_sync", reason: "no Resync".into() };
+/// assert_eq!(failure.to_string(), "initial_sync: no Resync");
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConformanceFailure {
     /// The check's name.
@@ -109,6 +123,21 @@ fn fail(check: &'static str, reason: impl Into<String>) -> ConformanceFailure {
 
 /// Runs every check, each against a fresh backend from `factory`; returns the
 /// failures (empty when the backend conforms).
+///
+/// ```
+/// use std::sync::Arc;
+/// use eventplane::discovery::{Discovery, MemoryDiscovery};
+/// use eventplane::discovery::conformance::{run_all, Settings};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let failures = run_all(
+///     || async { Arc::new(MemoryDiscovery::new()) as Arc<dyn Discovery> },
+///     &Settings::default(),
+/// )
+/// .await;
+/// assert!(failures.is_empty(), "{failures:?}");
+/// # }
+/// ```
 pub async fn run_all<F, Fut>(factory: F, settings: &Settings) -> Vec<ConformanceFailure>
 where
     F: Fn() -> Fut,
@@ -339,6 +368,15 @@ async fn initial_sync(
 }
 
 /// Rule 2: one `Added` per matching instance, then exactly one `Resync` with them.
+///
+/// ```
+/// use eventplane::discovery::MemoryDiscovery;
+/// use eventplane::discovery::conformance::{check_initial_sync, Settings};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::discovery::conformance::ConformanceFailure> {
+/// check_initial_sync(&MemoryDiscovery::new(), &Settings::default()).await?;
+/// # Ok(()) }
+/// ```
 pub async fn check_initial_sync(d: &dyn Discovery, settings: &Settings) -> CheckResult {
     const C: &str = "initial_sync";
     let ns = namespace(C);
@@ -387,6 +425,15 @@ pub async fn check_initial_sync(d: &dyn Discovery, settings: &Settings) -> Check
 }
 
 /// Rule 2: an empty match still ends its initial sync with `Resync([])`.
+///
+/// ```
+/// use eventplane::discovery::MemoryDiscovery;
+/// use eventplane::discovery::conformance::{check_empty_initial_resync, Settings};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::discovery::conformance::ConformanceFailure> {
+/// check_empty_initial_resync(&MemoryDiscovery::new(), &Settings::default()).await?;
+/// # Ok(()) }
+/// ```
 pub async fn check_empty_initial_resync(d: &dyn Discovery, settings: &Settings) -> CheckResult {
     const C: &str = "empty_initial_resync";
     let ns = namespace(C);
@@ -402,6 +449,15 @@ pub async fn check_empty_initial_resync(d: &dyn Discovery, settings: &Settings) 
 /// Registrations run before, during and after the `watch` call; the consumer drains
 /// events as they come (so no buffer overflows and no `Resync` can paper over a gap),
 /// and must end up with exactly the listed set.
+///
+/// ```
+/// use eventplane::discovery::MemoryDiscovery;
+/// use eventplane::discovery::conformance::{check_no_gap_between_snapshot_and_watch, Settings};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::discovery::conformance::ConformanceFailure> {
+/// check_no_gap_between_snapshot_and_watch(&MemoryDiscovery::new(), &Settings::default()).await?;
+/// # Ok(()) }
+/// ```
 pub async fn check_no_gap_between_snapshot_and_watch(
     d: &dyn Discovery,
     settings: &Settings,
@@ -457,6 +513,15 @@ pub async fn check_no_gap_between_snapshot_and_watch(
 
 /// Rule 3: `Added` on register, `Removed` with the incarnation on unregister and on
 /// guard drop.
+///
+/// ```
+/// use eventplane::discovery::MemoryDiscovery;
+/// use eventplane::discovery::conformance::{check_incremental_changes, Settings};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::discovery::conformance::ConformanceFailure> {
+/// check_incremental_changes(&MemoryDiscovery::new(), &Settings::default()).await?;
+/// # Ok(()) }
+/// ```
 pub async fn check_incremental_changes(d: &dyn Discovery, settings: &Settings) -> CheckResult {
     const C: &str = "incremental_changes";
     let ns = namespace(C);
@@ -494,6 +559,15 @@ pub async fn check_incremental_changes(d: &dyn Discovery, settings: &Settings) -
 
 /// Rule 4: a watcher that stops polling while many changes happen is not disconnected
 /// and, when it polls again, converges on the true set.
+///
+/// ```
+/// use eventplane::discovery::MemoryDiscovery;
+/// use eventplane::discovery::conformance::{check_overflow_collapses_into_resync, Settings};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::discovery::conformance::ConformanceFailure> {
+/// check_overflow_collapses_into_resync(&MemoryDiscovery::new(), &Settings::default()).await?;
+/// # Ok(()) }
+/// ```
 pub async fn check_overflow_collapses_into_resync(
     d: &dyn Discovery,
     settings: &Settings,
@@ -527,6 +601,15 @@ pub async fn check_overflow_collapses_into_resync(
 }
 
 /// Rule 5: a late removal of an old incarnation never removes its replacement.
+///
+/// ```
+/// use eventplane::discovery::MemoryDiscovery;
+/// use eventplane::discovery::conformance::{check_stale_removal_suppressed, Settings};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::discovery::conformance::ConformanceFailure> {
+/// check_stale_removal_suppressed(&MemoryDiscovery::new(), &Settings::default()).await?;
+/// # Ok(()) }
+/// ```
 pub async fn check_stale_removal_suppressed(d: &dyn Discovery, settings: &Settings) -> CheckResult {
     const C: &str = "stale_removal_suppressed";
     let ns = namespace(C);
@@ -574,6 +657,15 @@ pub async fn check_stale_removal_suppressed(d: &dyn Discovery, settings: &Settin
 }
 
 /// Rule 6: cancelling ends the stream; cancelling or dropping frees the watch.
+///
+/// ```
+/// use eventplane::discovery::MemoryDiscovery;
+/// use eventplane::discovery::conformance::{check_cancel_and_drop_release_watch, Settings};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::discovery::conformance::ConformanceFailure> {
+/// check_cancel_and_drop_release_watch(&MemoryDiscovery::new(), &Settings::default()).await?;
+/// # Ok(()) }
+/// ```
 pub async fn check_cancel_and_drop_release_watch(
     d: &dyn Discovery,
     settings: &Settings,
@@ -607,6 +699,15 @@ pub async fn check_cancel_and_drop_release_watch(
 }
 
 /// Register, list (with incarnations and endpoints), unregister, and drop.
+///
+/// ```
+/// use eventplane::discovery::MemoryDiscovery;
+/// use eventplane::discovery::conformance::{check_register_list_unregister, Settings};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::discovery::conformance::ConformanceFailure> {
+/// check_register_list_unregister(&MemoryDiscovery::new(), &Settings::default()).await?;
+/// # Ok(()) }
+/// ```
 pub async fn check_register_list_unregister(d: &dyn Discovery, settings: &Settings) -> CheckResult {
     const C: &str = "register_list_unregister";
     let ns = namespace(C);
@@ -637,6 +738,15 @@ pub async fn check_register_list_unregister(d: &dyn Discovery, settings: &Settin
 
 /// Incarnations strictly increase across re-registrations; a re-registration with a
 /// new endpoint replaces the old one.
+///
+/// ```
+/// use eventplane::discovery::MemoryDiscovery;
+/// use eventplane::discovery::conformance::{check_reregister_incarnations, Settings};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::discovery::conformance::ConformanceFailure> {
+/// check_reregister_incarnations(&MemoryDiscovery::new(), &Settings::default()).await?;
+/// # Ok(()) }
+/// ```
 pub async fn check_reregister_incarnations(d: &dyn Discovery, _settings: &Settings) -> CheckResult {
     const C: &str = "reregister_incarnations";
     let ns = namespace(C);
@@ -664,6 +774,15 @@ pub async fn check_reregister_incarnations(d: &dyn Discovery, _settings: &Settin
 }
 
 /// Queries match each given field exactly: no prefix accidents.
+///
+/// ```
+/// use eventplane::discovery::MemoryDiscovery;
+/// use eventplane::discovery::conformance::{check_exact_query_matching, Settings};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::discovery::conformance::ConformanceFailure> {
+/// check_exact_query_matching(&MemoryDiscovery::new(), &Settings::default()).await?;
+/// # Ok(()) }
+/// ```
 pub async fn check_exact_query_matching(d: &dyn Discovery, settings: &Settings) -> CheckResult {
     const C: &str = "exact_query_matching";
     let ns = namespace(C);
@@ -698,6 +817,18 @@ pub async fn check_exact_query_matching(d: &dyn Discovery, settings: &Settings) 
 }
 
 /// A detached registration survives until its TTL, then expires with a `Removed`.
+///
+/// ```
+/// use std::time::Duration;
+/// use eventplane::discovery::MemoryDiscovery;
+/// use eventplane::discovery::conformance::{check_ttl_expiry, Settings};
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), eventplane::discovery::conformance::ConformanceFailure> {
+/// let ttl = Duration::from_secs(10);
+/// let discovery = MemoryDiscovery::builder().ttl(ttl).build();
+/// check_ttl_expiry(&discovery, &Settings::default().with_ttl(ttl)).await?;
+/// # Ok(()) }
+/// ```
 pub async fn check_ttl_expiry(d: &dyn Discovery, settings: &Settings) -> CheckResult {
     const C: &str = "ttl_expiry";
     let Some(ttl) = settings.ttl else {

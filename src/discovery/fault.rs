@@ -43,6 +43,18 @@ pub struct FaultDiscovery {
 }
 
 /// Commands for a [`FaultDiscovery`]; cheap to clone.
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use eventplane::discovery::{FaultDiscovery, MemoryDiscovery};
+/// let (_discovery, faults) = FaultDiscovery::new(Arc::new(MemoryDiscovery::new()));
+/// faults.fail_next_watch_calls(2);          // the next two `watch` calls fail
+/// faults.delay_events(Some(Duration::from_millis(50)));
+/// faults.inject_resync();                   // open watches emit a Resync
+/// faults.end_watches();                     // and then end
+/// assert_eq!(faults.open_watches(), 0);
+/// ```
 #[derive(Debug, Clone)]
 pub struct FaultControl {
     shared: Arc<Shared>,

@@ -58,6 +58,14 @@ pub use watch::StaleFilter;
 
 /// A boxed, `Send` future: the return type of [`Discovery`]'s methods, which keeps the
 /// trait dyn-compatible (`Arc<dyn Discovery>`).
+///
+/// ```
+/// use eventplane::discovery::BoxFuture;
+/// fn answer() -> BoxFuture<'static, u32> {
+///     Box::pin(async { 42 })
+/// }
+/// # let _ = answer();
+/// ```
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// A discovery backend. Dyn-compatible: use it as `Arc<dyn Discovery>`.
@@ -139,6 +147,26 @@ pub struct DiscoveryStats {
 
 /// What a backend does when a [`Registration`] is unregistered, dropped or detached.
 /// Implemented by backends (including test doubles in other crates).
+///
+/// ```
+/// use eventplane::discovery::{BoxFuture, ChannelId, DiscoveryError, Instance, Registration, RegistrationHandle, Transport};
+///
+/// /// A backend's guard that has nothing to clean up.
+/// #[derive(Debug)]
+/// struct Noop;
+///
+/// impl RegistrationHandle for Noop {
+///     fn unregister(self: Box<Self>) -> BoxFuture<'static, Result<(), DiscoveryError>> {
+///         Box::pin(async { Ok(()) })
+///     }
+///     fn release(self: Box<Self>) {}
+/// }
+///
+/// let id = ChannelId::new("ns", "c", "t", 1)?;
+/// let registration = Registration::new(Instance::new(id, Transport::zmq("tcp://127.0.0.1:1"), 1), Box::new(Noop));
+/// assert_eq!(registration.instance().incarnation, 1);
+/// # Ok::<(), DiscoveryError>(())
+/// ```
 pub trait RegistrationHandle: Send + Sync + fmt::Debug {
     /// Removes the registration and waits until the backend confirms.
     fn unregister(self: Box<Self>) -> BoxFuture<'static, Result<(), DiscoveryError>>;
@@ -219,6 +247,19 @@ type BoxStream = Pin<Box<dyn Stream<Item = Result<DiscoveryEvent, DiscoveryError
 
 /// The stream of a [`Discovery::watch`]. An `Err` item ends the stream (watch again,
 /// with backoff); `None` means it was cancelled.
+///
+/// ```
+/// use eventplane::discovery::{Discovery, DiscoveryEvent, MemoryDiscovery, Query};
+/// use tokio_util::sync::CancellationToken;
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::discovery::DiscoveryError> {
+/// let cancel = CancellationToken::new();
+/// let mut stream = MemoryDiscovery::new().watch(Query::new("ns"), cancel.clone()).await?;
+/// assert_eq!(stream.next().await.transpose()?, Some(DiscoveryEvent::Resync(vec![])));
+/// cancel.cancel();
+/// assert!(stream.next().await.is_none());
+/// # Ok(()) }
+/// ```
 pub struct DiscoveryStream {
     inner: BoxStream,
 }

@@ -6,6 +6,12 @@ use std::fmt;
 use super::DiscoveryError;
 
 /// Largest publisher id: 2^53 − 1, so ids survive JSON numbers parsed as doubles.
+///
+/// ```
+/// use eventplane::discovery::{ChannelId, MAX_PUBLISHER_ID};
+/// assert_eq!(MAX_PUBLISHER_ID, (1 << 53) - 1); // exact as a JSON double
+/// assert!(ChannelId::new("ns", "c", "t", MAX_PUBLISHER_ID + 1).is_err());
+/// ```
 pub const MAX_PUBLISHER_ID: u64 = (1 << 53) - 1;
 
 /// Identifies one publisher's channel: `namespace / component / topic / publisher_id`.
@@ -299,6 +305,29 @@ impl Query {
 
 /// One change seen by a watch. See [`Discovery::watch`](super::Discovery::watch) for
 /// the contract.
+///
+/// ```
+/// use eventplane::discovery::{ChannelId, DiscoveryEvent, Instance, Transport};
+/// use std::collections::HashMap;
+/// // A consumer's state, driven by events.
+/// let mut known: HashMap<ChannelId, Instance> = HashMap::new();
+/// let id = ChannelId::new("ns", "c", "t", 1)?;
+/// let events = [
+///     DiscoveryEvent::Resync(vec![]),
+///     DiscoveryEvent::Added(Instance::new(id.clone(), Transport::zmq("tcp://10.0.0.5:1"), 3)),
+///     DiscoveryEvent::Removed { id: id.clone(), incarnation: 3 },
+/// ];
+/// for ev in events {
+///     match ev {
+///         DiscoveryEvent::Added(i) => { known.insert(i.id.clone(), i); }
+///         DiscoveryEvent::Removed { id, .. } => { known.remove(&id); }
+///         DiscoveryEvent::Resync(all) => known = all.into_iter().map(|i| (i.id.clone(), i)).collect(),
+///         _ => {}
+///     }
+/// }
+/// assert!(known.is_empty());
+/// # Ok::<(), eventplane::discovery::DiscoveryError>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum DiscoveryEvent {

@@ -3,6 +3,10 @@
 use super::event::{KvEventData, Placement};
 
 /// Default cap on the blocks of one merged event.
+///
+/// ```
+/// assert_eq!(eventplane::kv::DEFAULT_MAX_BATCH_BLOCKS, 128);
+/// ```
 pub const DEFAULT_MAX_BATCH_BLOCKS: usize = 128;
 
 /// Merges adjacent events, sans-IO.

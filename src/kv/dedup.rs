@@ -5,6 +5,13 @@ use std::collections::HashMap;
 use super::event::{BlockHash, DpRank, KvEventData, Placement, StorageTier};
 
 /// How removals are filtered.
+///
+/// ```
+/// use eventplane::kv::{DedupMode, ProcessorConfig};
+/// assert_eq!(DedupMode::default(), DedupMode::RefCounted);
+/// let config = ProcessorConfig::default().dedup(DedupMode::SetLike);
+/// # let _ = config;
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum DedupMode {

@@ -22,6 +22,17 @@ use super::{
 };
 
 /// Counters of an [`EngineDecoder`].
+///
+/// ```
+/// use eventplane::kv::{encode_engine_batch, EngineDecoder, EngineEvent, WorkerId};
+/// let mut decoder = EngineDecoder::new(WorkerId(1), 4);
+/// let batch = encode_engine_batch(0.0, 0, 4, &[EngineEvent::Cleared])?;
+/// decoder.decode_batch(&batch).unwrap();
+/// assert!(decoder.decode_batch(b"not msgpack").is_err());
+/// let stats = decoder.stats();
+/// assert_eq!((stats.batches, stats.malformed_batches, stats.events), (1, 1, 1));
+/// # Ok::<(), eventplane::kv::EncodeError>(())
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct EngineStats {
@@ -40,6 +51,12 @@ pub struct EngineStats {
 }
 
 /// A payload that is not a KV event batch.
+///
+/// ```
+/// use eventplane::kv::{EngineDecoder, WorkerId};
+/// let err = EngineDecoder::new(WorkerId(1), 4).decode_batch(&[0xc1]).unwrap_err();
+/// assert!(err.to_string().contains("malformed engine batch"));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("malformed engine batch: {reason}")]
 pub struct EngineDecodeError {
@@ -283,6 +300,17 @@ fn tier(medium: Option<&Value<'_>>) -> StorageTier {
 }
 
 /// One engine event, for [`encode_engine_batch`].
+///
+/// ```
+/// use eventplane::kv::{encode_engine_batch, EngineDecoder, EngineEvent, KvEventData, WorkerId};
+/// let batch = encode_engine_batch(0.0, 0, 2, &[EngineEvent::Removed {
+///     block_hashes: vec![5, 6],
+///     medium: Some("CPU".into()),
+/// }])?;
+/// let events = EngineDecoder::new(WorkerId(1), 2).decode_batch(&batch).unwrap();
+/// assert_eq!(events[0].event.data.block_count(), 2);
+/// # Ok::<(), eventplane::kv::EncodeError>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum EngineEvent {
@@ -376,6 +404,13 @@ pub fn encode_engine_batch(
 }
 
 /// An engine batch could not be encoded.
+///
+/// ```
+/// use eventplane::kv::{encode_engine_batch, EncodeError, EngineEvent};
+/// // Encoding in-memory values does not fail in practice; the error keeps its source.
+/// let result: Result<Vec<u8>, EncodeError> = encode_engine_batch(0.0, 0, 16, &[EngineEvent::Cleared]);
+/// assert!(result.is_ok());
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[error("cannot encode the engine batch")]
 pub struct EncodeError(#[source] Box<dyn std::error::Error + Send + Sync>);

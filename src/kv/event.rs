@@ -3,24 +3,55 @@
 use serde::{Deserialize, Serialize};
 
 /// A worker (one engine instance).
+///
+/// ```
+/// use eventplane::kv::WorkerId;
+/// // Serialized as the bare number.
+/// assert_eq!(serde_json::to_string(&WorkerId(7)).unwrap(), "7");
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct WorkerId(pub u64);
 
 /// A data-parallel rank within a worker.
+///
+/// ```
+/// use eventplane::kv::{DpRank, KvEvent, KvEventData};
+/// let rank: DpRank = 2;
+/// let ev = KvEvent { id: 1, dp_rank: rank, data: KvEventData::Cleared };
+/// assert_eq!(ev.dp_rank, 2);
+/// ```
 pub type DpRank = u32;
 
 /// The engine's hash of a block (it chains the parent's hash).
+///
+/// ```
+/// use eventplane::kv::BlockHash;
+/// assert_eq!(serde_json::to_string(&BlockHash(42)).unwrap(), "42");
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct BlockHash(pub u64);
 
 /// The hash of one block's tokens, as computed by [`tokens_hash`].
+///
+/// ```
+/// use eventplane::kv::{tokens_hash, TokensHash};
+/// let h: TokensHash = tokens_hash(&[1, 2, 3, 4]);
+/// assert_eq!(h, tokens_hash(&[1, 2, 3, 4]));
+/// assert_ne!(h, tokens_hash(&[1, 2, 3, 5]));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct TokensHash(pub u64);
 
 /// Where a block is stored.
+///
+/// ```
+/// use eventplane::kv::StorageTier;
+/// assert_eq!(StorageTier::default(), StorageTier::Device);
+/// assert_eq!(serde_json::to_string(&StorageTier::HostPinned).unwrap(), r#""host_pinned""#);
+/// ```
 #[derive(
     Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
 )]
@@ -39,6 +70,12 @@ pub enum StorageTier {
 }
 
 /// One stored block.
+///
+/// ```
+/// use eventplane::kv::{tokens_hash, BlockHash, StoredBlock};
+/// let block = StoredBlock { block_hash: BlockHash(0xabc), tokens_hash: tokens_hash(&[1; 16]) };
+/// assert_eq!(block.block_hash, BlockHash(0xabc));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct StoredBlock {
     /// The engine's block hash.
@@ -87,6 +124,12 @@ impl KvEventData {
 }
 
 /// An event with its id and data-parallel rank.
+///
+/// ```
+/// use eventplane::kv::{BlockHash, KvEvent, KvEventData};
+/// let ev = KvEvent { id: 9, dp_rank: 0, data: KvEventData::Removed { block_hashes: vec![BlockHash(1)] } };
+/// assert_eq!(ev.data.block_count(), 1);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct KvEvent {
     /// Raw engine id on input; dense outbound id (from 1) once processed.
@@ -98,6 +141,13 @@ pub struct KvEvent {
 }
 
 /// Where an event happened.
+///
+/// ```
+/// use eventplane::kv::{Placement, StorageTier, WorkerId};
+/// let at = Placement { worker_id: WorkerId(1), dp_rank: 0, tier: StorageTier::Device };
+/// // Events merge and dedup only within one placement.
+/// assert_ne!(at, Placement { dp_rank: 1, ..at });
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Placement {
     /// The worker.
@@ -109,6 +159,15 @@ pub struct Placement {
 }
 
 /// An engine event with its placement: the processor's input.
+///
+/// ```
+/// use eventplane::kv::{KvEvent, KvEventData, Placement, PlacementEvent, StorageTier, WorkerId};
+/// let input = PlacementEvent {
+///     placement: Placement { worker_id: WorkerId(1), dp_rank: 0, tier: StorageTier::Device },
+///     event: KvEvent { id: 17, dp_rank: 0, data: KvEventData::Cleared },
+/// };
+/// assert_eq!(input.event.id, 17); // the engine's raw id
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct PlacementEvent {
     /// Where.
@@ -142,6 +201,11 @@ pub struct RouterEvent {
 }
 
 /// Seed of [`tokens_hash`] (the value Dynamo's router uses, so hashes interoperate).
+///
+/// ```
+/// use eventplane::kv::TOKENS_HASH_SEED;
+/// assert_eq!(TOKENS_HASH_SEED, 1337);
+/// ```
 pub const TOKENS_HASH_SEED: u64 = 1337;
 
 /// xxh3-64 with seed 1337 over the tokens as u32 little-endian bytes.

@@ -13,6 +13,14 @@ use crate::net::{Backoff, RateLimitedWarn, random_unit};
 use crate::zmtp::{self, SubSocket};
 
 /// Settings of an [`EngineListener`].
+///
+/// ```
+/// use std::time::Duration;
+/// use eventplane::kv::{EngineListenerConfig, WorkerId};
+/// let config = EngineListenerConfig::new("tcp://127.0.0.1:5557", "kv-events", WorkerId(1), 16)
+///     .reconnect_backoff(Duration::from_millis(50), Duration::from_secs(2));
+/// # let _ = config;
+/// ```
 #[derive(Debug, Clone)]
 #[must_use]
 pub struct EngineListenerConfig {
@@ -61,6 +69,17 @@ impl EngineListenerConfig {
 }
 
 /// Counters of an [`EngineListener`].
+///
+/// ```
+/// use eventplane::kv::{EngineListener, EngineListenerConfig, WorkerId};
+/// let (tx, _rx) = tokio::sync::mpsc::channel(8);
+/// let listener = EngineListener::new(
+///     EngineListenerConfig::new("tcp://127.0.0.1:5557", "kv", WorkerId(1), 16),
+///     tx,
+/// );
+/// let stats = listener.handle().stats();
+/// assert_eq!((stats.seq_gaps, stats.discarded_events, stats.decoder.batches), (0, 0, 0));
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct EngineListenerStats {
@@ -94,6 +113,17 @@ struct Counters {
 }
 
 /// Reads a running listener's counters.
+///
+/// ```
+/// use eventplane::kv::{EngineListener, EngineListenerConfig, WorkerId};
+/// let (tx, _rx) = tokio::sync::mpsc::channel(8);
+/// let listener = EngineListener::new(
+///     EngineListenerConfig::new("tcp://127.0.0.1:5557", "kv", WorkerId(1), 16),
+///     tx,
+/// );
+/// let handle = listener.handle(); // cloneable; read it while `run` owns the listener
+/// assert_eq!(handle.stats().reconnects, 0);
+/// ```
 #[derive(Debug, Clone)]
 pub struct EngineListenerHandle {
     counters: Arc<Counters>,

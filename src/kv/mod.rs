@@ -48,6 +48,23 @@ pub use sink::{
 
 /// Coalescer → dedup → dense id stamping, sans-IO. Ids start at 1 and are stamped at
 /// emission, so an event that dedup drops consumes none.
+///
+/// ```
+/// use eventplane::kv::{BlockHash, KvEvent, KvEventData, Pipeline, Placement, PlacementEvent, StorageTier, WorkerId};
+/// let at = Placement { worker_id: WorkerId(1), dp_rank: 0, tier: StorageTier::Device };
+/// let removed = |id, h| PlacementEvent {
+///     placement: at,
+///     event: KvEvent { id, dp_rank: 0, data: KvEventData::Removed { block_hashes: vec![BlockHash(h)] } },
+/// };
+/// let mut pipeline = Pipeline::default();
+/// let mut out = Vec::new();
+/// pipeline.push(removed(100, 1), &mut out);
+/// pipeline.push(removed(101, 2), &mut out); // merges with the first
+/// pipeline.flush(&mut out);
+/// assert_eq!(out.len(), 1);
+/// assert_eq!(out[0].event.id, 1); // dense outbound ids
+/// assert_eq!(pipeline.merged(), 1);
+/// ```
 #[derive(Debug, Clone)]
 pub struct Pipeline {
     coalescer: Coalescer,

@@ -12,9 +12,34 @@ use crate::discovery::BoxFuture;
 use crate::net::RateLimitedWarn;
 
 /// Longest batching timeout accepted.
+///
+/// ```
+/// use std::time::Duration;
+/// use eventplane::kv::{ProcessorConfig, MAX_BATCH_TIMEOUT};
+/// assert!(ProcessorConfig::default().batch_timeout(Some(MAX_BATCH_TIMEOUT)).is_ok());
+/// assert!(ProcessorConfig::default().batch_timeout(Some(MAX_BATCH_TIMEOUT + Duration::from_millis(1))).is_err());
+/// ```
 pub const MAX_BATCH_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Where router events go (the event plane, a test collector, …).
+///
+/// ```
+/// use std::sync::Mutex;
+/// use eventplane::discovery::BoxFuture;
+/// use eventplane::kv::{EventSink, RouterEvent, SinkError};
+///
+/// /// Keeps everything in memory (a test collector).
+/// #[derive(Default)]
+/// struct Collect(Mutex<Vec<RouterEvent>>);
+///
+/// impl EventSink for Collect {
+///     fn publish<'a>(&'a self, events: &'a [RouterEvent]) -> BoxFuture<'a, Result<(), SinkError>> {
+///         self.0.lock().unwrap().extend_from_slice(events);
+///         Box::pin(async { Ok(()) })
+///     }
+/// }
+/// # let _ = Collect::default();
+/// ```
 pub trait EventSink: Send + Sync {
     /// Publishes one batch. Errors are logged and counted by the processor, never
     /// retried.
@@ -22,17 +47,51 @@ pub trait EventSink: Send + Sync {
 }
 
 /// A sink's failure.
+///
+/// ```
+/// use eventplane::kv::SinkError;
+/// let err = SinkError("the bus is down".into());
+/// assert_eq!(err.to_string(), "publishing router events failed");
+/// assert_eq!(std::error::Error::source(&err).unwrap().to_string(), "the bus is down");
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[error("publishing router events failed")]
 pub struct SinkError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
 
 /// A worker-local index the processor keeps in step before publishing.
+///
+/// ```
+/// use std::collections::HashSet;
+/// use eventplane::kv::{BlockHash, IndexError, KvEventData, LocalIndex, RouterEvent};
+///
+/// /// The blocks this worker holds, kept in step before events are published.
+/// #[derive(Default)]
+/// struct Blocks(HashSet<BlockHash>);
+///
+/// impl LocalIndex for Blocks {
+///     fn apply(&mut self, ev: &RouterEvent) -> Result<(), IndexError> {
+///         match &ev.event.data {
+///             KvEventData::Stored { blocks, .. } => self.0.extend(blocks.iter().map(|b| b.block_hash)),
+///             KvEventData::Removed { block_hashes } => block_hashes.iter().for_each(|h| { self.0.remove(h); }),
+///             _ => self.0.clear(),
+///         }
+///         Ok(())
+///     }
+/// }
+/// # let _ = Blocks::default();
+/// ```
 pub trait LocalIndex: Send {
     /// Applies one event. A failure on `Cleared` fences the processor.
     fn apply(&mut self, event: &RouterEvent) -> Result<(), IndexError>;
 }
 
 /// A local index's failure.
+///
+/// ```
+/// use eventplane::kv::IndexError;
+/// let err = IndexError("disk full".into());
+/// assert_eq!(err.to_string(), "local index rejected the event");
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[error("local index rejected the event")]
 pub struct IndexError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
@@ -56,6 +115,13 @@ pub struct ProcessorConfig {
 }
 
 /// A rejected [`ProcessorConfig`] value.
+///
+/// ```
+/// use std::time::Duration;
+/// use eventplane::kv::{ProcessorConfig, ProcessorConfigError};
+/// let err = ProcessorConfig::default().batch_timeout(Some(Duration::ZERO)).unwrap_err();
+/// assert_eq!(err, ProcessorConfigError::BatchTimeout);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ProcessorConfigError {
@@ -109,6 +175,26 @@ impl ProcessorConfig {
 /// Counters of a [`Processor`]. Every input event is accounted for: once the processor
 /// has stopped (or nothing is pending), `input_events = output_events + merged_events +
 /// deduplicated_events + withheld_events`.
+///
+/// ```
+/// use std::sync::Arc;
+/// use eventplane::discovery::BoxFuture;
+/// use eventplane::kv::{EventSink, Processor, ProcessorConfig, RouterEvent, SinkError};
+/// struct Discard;
+/// impl EventSink for Discard {
+///     fn publish<'a>(&'a self, _: &'a [RouterEvent]) -> BoxFuture<'a, Result<(), SinkError>> {
+///         Box::pin(async { Ok(()) })
+///     }
+/// }
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let (tx, rx) = tokio::sync::mpsc::channel(8);
+/// drop(tx); // input closed: the processor drains and stops
+/// let stats = Processor::new(ProcessorConfig::default(), rx, Arc::new(Discard)).run().await;
+/// assert_eq!(stats.input_events, stats.output_events + stats.merged_events
+///     + stats.deduplicated_events + stats.withheld_events);
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct ProcessorStats {
@@ -149,6 +235,28 @@ struct Counters {
 }
 
 /// Reads a running processor's counters.
+///
+/// ```
+/// use std::sync::Arc;
+/// use eventplane::discovery::BoxFuture;
+/// use eventplane::kv::{EventSink, Processor, ProcessorConfig, RouterEvent, SinkError};
+/// struct Discard;
+/// impl EventSink for Discard {
+///     fn publish<'a>(&'a self, _: &'a [RouterEvent]) -> BoxFuture<'a, Result<(), SinkError>> {
+///         Box::pin(async { Ok(()) })
+///     }
+/// }
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let (_tx, rx) = tokio::sync::mpsc::channel(8);
+/// let processor = Processor::new(ProcessorConfig::default(), rx, Arc::new(Discard));
+/// let handle = processor.handle();
+/// let task = tokio::spawn(processor.run());
+/// assert_eq!(handle.stats().input_lists, 0);
+/// handle.cancel(); // drain, flush, publish, stop
+/// task.await.unwrap();
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 pub struct ProcessorHandle {
     counters: Arc<Counters>,

@@ -9,8 +9,20 @@ use crate::discovery::BoxFuture;
 use crate::publish::EventPublisher;
 
 /// Most events in one event-plane message.
+///
+/// ```
+/// use eventplane::kv::{MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE};
+/// assert_eq!((MAX_EVENTS_PER_MESSAGE, MAX_BLOCKS_PER_MESSAGE), (128, 8192));
+/// ```
 pub const MAX_EVENTS_PER_MESSAGE: usize = 128;
 /// Most blocks in one event-plane message (a single larger event still goes alone).
+///
+/// ```
+/// use eventplane::kv::{split_messages, MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE};
+/// // The event-plane sink cuts its output with these bounds.
+/// let messages = split_messages(&[], MAX_EVENTS_PER_MESSAGE, MAX_BLOCKS_PER_MESSAGE).count();
+/// assert_eq!(messages, 0);
+/// ```
 pub const MAX_BLOCKS_PER_MESSAGE: usize = 8192;
 
 /// Splits `events` into consecutive runs of at most `max_events` events and
@@ -53,6 +65,18 @@ pub fn split_messages(
 }
 
 /// Encodes router events as msgpack with named fields (the event-plane payload).
+///
+/// ```
+/// use eventplane::kv::{decode_router_events, encode_router_events, KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId};
+/// let events = vec![RouterEvent {
+///     worker_id: WorkerId(1),
+///     tier: StorageTier::Device,
+///     event: KvEvent { id: 1, dp_rank: 0, data: KvEventData::Cleared },
+/// }];
+/// let payload = encode_router_events(&events)?;
+/// assert_eq!(decode_router_events(&payload)?, events);
+/// # Ok::<(), eventplane::kv::KvDecodeError>(())
+/// ```
 pub fn encode_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, KvDecodeError> {
     rmp_serde::to_vec_named(events).map_err(|e| KvDecodeError(Box::new(e)))
 }
@@ -74,6 +98,12 @@ pub fn decode_router_events(payload: &[u8]) -> Result<Vec<RouterEvent>, KvDecode
 }
 
 /// A payload that is not a msgpack list of router events (or could not be encoded).
+///
+/// ```
+/// use eventplane::kv::decode_router_events;
+/// let err = decode_router_events(b"\xc1 not msgpack").unwrap_err();
+/// assert!(std::error::Error::source(&err).is_some());
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[error("malformed router-event payload")]
 pub struct KvDecodeError(#[source] Box<dyn std::error::Error + Send + Sync>);
@@ -82,6 +112,27 @@ pub struct KvDecodeError(#[source] Box<dyn std::error::Error + Send + Sync>);
 /// into messages of at most 128 events and 8192 blocks, msgpack with named fields.
 /// Never blocks; subscribers that fall behind lose messages at the publisher, counted
 /// there (and seen by them as sequence gaps).
+///
+/// ```
+/// use std::sync::Arc;
+/// use eventplane::discovery::MemoryDiscovery;
+/// use eventplane::kv::{EventPlaneSink, EventSink, KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId};
+/// use eventplane::publish::EventPublisher;
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let publisher = EventPublisher::builder(Arc::new(MemoryDiscovery::new()), "prod", "worker", "kv-events")
+///     .build()
+///     .await?;
+/// let sink = EventPlaneSink::new(Arc::new(publisher));
+/// let ev = RouterEvent {
+///     worker_id: WorkerId(1),
+///     tier: StorageTier::Device,
+///     event: KvEvent { id: 1, dp_rank: 0, data: KvEventData::Cleared },
+/// };
+/// sink.publish(&vec![ev; 300]).await?;
+/// assert_eq!(sink.messages(), 3); // at most 128 events per message
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct EventPlaneSink {
     publisher: Arc<EventPublisher>,

@@ -34,9 +34,27 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
 /// Bytes charged per item on top of its size (bookkeeping the bound must cover).
+///
+/// ```
+/// use eventplane::lossy::{Merge, MergeConfig, ITEM_OVERHEAD};
+/// let merge = Merge::new(MergeConfig::default());
+/// let lane = merge.lane();
+/// lane.push("x", 10);
+/// assert_eq!(lane.stats().bytes, 10 + ITEM_OVERHEAD);
+/// ```
 pub const ITEM_OVERHEAD: usize = 64;
 
 /// What to drop when a bound is hit.
+///
+/// ```
+/// use eventplane::lossy::{DropPolicy, Merge, MergeConfig};
+/// let merge = Merge::new(MergeConfig::default().lane_capacity(2).policy(DropPolicy::DropOldest));
+/// let lane = merge.lane();
+/// for i in 0..3 { lane.push(i, 1); }
+/// let mut out = Vec::new();
+/// merge.try_recv_many(&mut out, 10);
+/// assert_eq!(out, vec![1, 2]); // the oldest made room
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum DropPolicy {
@@ -102,6 +120,16 @@ impl MergeConfig {
 }
 
 /// Counters of one lane.
+///
+/// ```
+/// use eventplane::lossy::{Merge, MergeConfig};
+/// let merge = Merge::new(MergeConfig::default().lane_capacity(1));
+/// let lane = merge.lane();
+/// lane.push(1, 1);
+/// lane.push(2, 1); // refused: the lane holds one item
+/// let stats = lane.stats();
+/// assert_eq!((stats.received, stats.dropped_lane_full, stats.depth), (2, 1, 1));
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct LaneStats {
@@ -120,6 +148,16 @@ pub struct LaneStats {
 }
 
 /// What happened to a pushed item.
+///
+/// ```
+/// use eventplane::lossy::{Merge, MergeConfig, PushOutcome};
+/// let merge = Merge::new(MergeConfig::default().lane_capacity(1));
+/// let lane = merge.lane();
+/// assert_eq!(lane.push("a", 1), PushOutcome::Queued { evicted: 0 });
+/// assert_eq!(lane.push("b", 1), PushOutcome::DroppedLaneFull);
+/// merge.close();
+/// assert_eq!(lane.push("c", 1), PushOutcome::Closed);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum PushOutcome {
@@ -167,12 +205,33 @@ impl<T> Shared<T> {
 }
 
 /// The consumer side: one per merge. Cloning is not offered; one reader drains it.
+///
+/// ```
+/// use eventplane::lossy::{Merge, MergeConfig};
+/// let merge = Merge::new(MergeConfig::default());
+/// let lane = merge.lane();
+/// lane.push("hello", 5);
+/// let mut out = Vec::new();
+/// assert_eq!(merge.try_recv_many(&mut out, 8), 1);
+/// assert_eq!(merge.buffered_bytes(), 0);
+/// ```
 pub struct Merge<T> {
     shared: Arc<Shared<T>>,
 }
 
 /// A producer's lane. Dropping it closes the lane: items already in it are still
 /// delivered, then its slot is freed.
+///
+/// ```
+/// use eventplane::lossy::{Merge, MergeConfig};
+/// let merge = Merge::new(MergeConfig::default());
+/// let lane = merge.lane();
+/// assert_eq!(lane.push_many([("a", 1), ("b", 1)]), 0); // none dropped
+/// drop(lane); // closes it; what it holds is still delivered
+/// let mut out = Vec::new();
+/// merge.try_recv_many(&mut out, 8);
+/// assert_eq!(out, vec!["a", "b"]);
+/// ```
 pub struct Lane<T> {
     shared: Arc<Shared<T>>,
     id: usize,

@@ -20,6 +20,12 @@ pub struct Cidr {
 }
 
 /// A string that is not `addr/prefix`.
+///
+/// ```
+/// use eventplane::net::Cidr;
+/// assert!("10.0.0.0/33".parse::<Cidr>().is_err());
+/// assert!("not a network".parse::<Cidr>().is_err());
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid CIDR {input:?}")]
 pub struct CidrError {
@@ -115,6 +121,13 @@ impl fmt::Display for Cidr {
 }
 
 /// The always-special address ranges of DESIGN §3.1.
+///
+/// ```
+/// use eventplane::net::SpecialRange;
+/// let (range, _cidr) = SpecialRange::of("169.254.169.254".parse().unwrap()).unwrap();
+/// assert_eq!(range, SpecialRange::LinkLocal);
+/// assert!(SpecialRange::of("10.1.2.3".parse().unwrap()).is_none());
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum SpecialRange {
@@ -165,6 +178,12 @@ impl SpecialRange {
 }
 
 /// Why an address was refused.
+///
+/// ```
+/// use eventplane::net::{AddrFilter, Refusal};
+/// let refusal = AddrFilter::default().check("169.254.169.254".parse().unwrap()).unwrap_err();
+/// assert!(matches!(refusal, Refusal::Special { .. }));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Refusal {

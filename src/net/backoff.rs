@@ -123,6 +123,11 @@ impl Throttle {
 
 /// A random `u64` from the standard library's per-process random hash keys (no
 /// dependency; fine for jitter and ids, not for cryptography).
+///
+/// ```
+/// let (a, b) = (eventplane::net::random_u64(), eventplane::net::random_u64());
+/// assert_ne!(a, b);
+/// ```
 pub fn random_u64() -> u64 {
     let mut h = RandomState::new().build_hasher();
     h.write_u64(
@@ -135,6 +140,15 @@ pub fn random_u64() -> u64 {
 }
 
 /// A random number in `[0, 1)`, for [`Backoff::next_delay`].
+///
+/// ```
+/// use std::time::Duration;
+/// use eventplane::net::{random_unit, Backoff};
+/// let x = random_unit();
+/// assert!((0.0..=1.0).contains(&x));
+/// let delay = Backoff::new(Duration::from_millis(100), Duration::from_secs(5)).next_delay(x);
+/// assert!(delay <= Duration::from_millis(100));
+/// ```
 pub fn random_unit() -> f64 {
     (random_u64() >> 11) as f64 / (1u64 << 53) as f64
 }

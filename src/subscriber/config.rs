@@ -12,6 +12,12 @@ use crate::net::AddrFilter;
 use crate::zmtp;
 
 /// How a publisher's messages are framed.
+///
+/// ```
+/// use eventplane::subscriber::Layout;
+/// assert_eq!(Layout::default(), Layout::Raw);
+/// assert_eq!(Layout::TopicPublisherSeq.as_str(), "topic-publisher-seq");
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Layout {

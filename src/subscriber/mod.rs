@@ -65,6 +65,28 @@ use stats::Counters;
 use worker::DeliveryLane;
 
 /// One message from one publisher.
+///
+/// ```
+/// use std::sync::Arc;
+/// use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
+/// use eventplane::publish::EventPublisher;
+/// use eventplane::subscriber::{DynamicSubscriber, Layout};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+/// let mut sub = DynamicSubscriber::builder(discovery.clone(), Query::new("ns"))
+///     .topic("t")
+///     .layout(Layout::TopicPublisherSeq)
+///     .spawn();
+/// let publisher = EventPublisher::builder(discovery, "ns", "c", "t").build().await?;
+/// publisher.wait_for_subscribers(1).await;
+/// publisher.publish("payload");
+/// let delivery = sub.recv().await.ok_or("stopped")?;
+/// assert_eq!(delivery.source.id.publisher_id(), publisher.publisher_id());
+/// assert_eq!(delivery.sequence, Some(0));
+/// assert_eq!(delivery.message.get(3).map(|p| &p[..]), Some(&b"payload"[..]));
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct Delivery {
@@ -77,6 +99,28 @@ pub struct Delivery {
 }
 
 /// Builds a [`DynamicSubscriber`]; every setter names its default.
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use eventplane::discovery::{MemoryDiscovery, Query};
+/// use eventplane::lossy::DropPolicy;
+/// use eventplane::net::AddrFilter;
+/// use eventplane::subscriber::{DynamicSubscriber, Layout};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let sub = DynamicSubscriber::builder(Arc::new(MemoryDiscovery::new()), Query::new("prod").component("worker"))
+///     .topic("kv-events")
+///     .layout(Layout::TopicSeq)
+///     .lane_capacity(1024)
+///     .max_buffered_bytes(16 << 20)
+///     .drop_policy(DropPolicy::DropOldest)
+///     .addr_filter(AddrFilter::strict())
+///     .reconnect_backoff(Duration::from_millis(50), Duration::from_secs(2))
+///     .spawn();
+/// sub.handle().shutdown().await;
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 #[must_use]
 pub struct DynamicSubscriberBuilder {
@@ -220,6 +264,19 @@ pub struct DynamicSubscriber {
 }
 
 /// A cloneable handle: stats and shutdown from anywhere.
+///
+/// ```
+/// use std::sync::Arc;
+/// use eventplane::discovery::{MemoryDiscovery, Query};
+/// use eventplane::subscriber::DynamicSubscriber;
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let sub = DynamicSubscriber::builder(Arc::new(MemoryDiscovery::new()), Query::new("ns")).spawn();
+/// let handle = sub.handle(); // Clone + Send: stats and shutdown from any task
+/// assert_eq!(handle.stats().total.received, 0);
+/// handle.shutdown().await; // stops every connection task and waits for them
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 pub struct SubscriberHandle {
     shared: Arc<Shared>,

@@ -6,6 +6,12 @@ use crate::discovery::ChannelId;
 use crate::lossy::LaneStats;
 
 /// Counters of one publisher (or, in [`SubscriberStats::total`], of all).
+///
+/// ```
+/// use eventplane::subscriber::PublisherStats;
+/// let stats = PublisherStats::default();
+/// assert_eq!(stats.dropped(), 0); // lane_full + budget + filtered_topic + malformed
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct PublisherStats {
@@ -64,6 +70,20 @@ impl PublisherStats {
 }
 
 /// A snapshot of a [`DynamicSubscriber`](super::DynamicSubscriber)'s counters.
+///
+/// ```
+/// use std::sync::Arc;
+/// use eventplane::discovery::{MemoryDiscovery, Query};
+/// use eventplane::subscriber::DynamicSubscriber;
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let sub = DynamicSubscriber::builder(Arc::new(MemoryDiscovery::new()), Query::new("ns")).spawn();
+/// let stats = sub.stats();
+/// assert!(stats.publishers.is_empty());
+/// // Serializable, for logs and scripts.
+/// assert!(serde_json::to_string(&stats).unwrap().contains("\"buffered_bytes\":0"));
+/// # }
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct SubscriberStats {

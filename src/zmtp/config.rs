@@ -4,6 +4,12 @@ use std::time::Duration;
 
 /// Largest heartbeat TTL we advertise: 655 deciseconds (libzmq wraps larger values,
 /// libzmq#4226).
+///
+/// ```
+/// use std::time::Duration;
+/// use eventplane::zmtp::MAX_HEARTBEAT_TTL;
+/// assert_eq!(MAX_HEARTBEAT_TTL, Duration::from_millis(65_500)); // 655 deciseconds
+/// ```
 pub const MAX_HEARTBEAT_TTL: Duration = Duration::from_millis(65_500);
 
 /// Bounds and timers shared by [`SubSocket`](crate::zmtp::SubSocket),

@@ -15,6 +15,10 @@ use super::{Config, Error, Message, ProtocolError, TimeoutKind};
 /// Output the session will buffer before it stops decoding input until the I/O layer
 /// has written some of it out. Bounds what a peer can make us queue by sending PINGs
 /// (or subscriptions) without reading our replies.
+///
+/// ```
+/// assert_eq!(eventplane::zmtp::MAX_PENDING_OUTPUT, 256 * 1024);
+/// ```
 pub const MAX_PENDING_OUTPUT: usize = 256 << 10;
 
 /// Our side of the connection.
@@ -84,6 +88,27 @@ impl PeerInfo {
 
 /// Something the application must act on, from [`Session::poll_event`] (see the
 /// example there).
+///
+/// ```
+/// use std::time::Instant;
+/// use eventplane::zmtp::{Config, Event, Message, Session, SocketType};
+/// let now = Instant::now();
+/// let mut sub = Session::new(SocketType::Sub, &Config::default(), now);
+/// let mut publ = Session::new(SocketType::Pub, &Config::default(), now);
+/// sub.subscribe(b"kv".as_slice().into());
+/// let mut seen = Vec::new();
+/// for _ in 0..4 {
+///     while let Some(b) = sub.poll_transmit() { publ.handle_bytes(now, &b); }
+///     while let Some(b) = publ.poll_transmit() { sub.handle_bytes(now, &b); }
+///     while let Some(ev) = publ.poll_event()? {
+///         if let Event::Subscribe(_) = ev { publ.send_message(&Message::from_parts(["kv", "x"])); }
+///     }
+///     while let Some(ev) = sub.poll_event()? { seen.push(ev); }
+/// }
+/// assert!(matches!(seen.first(), Some(Event::Ready(_))));
+/// assert!(seen.iter().any(|e| matches!(e, Event::Message(m) if m.len() == 2)));
+/// # Ok::<(), eventplane::zmtp::Error>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Event {

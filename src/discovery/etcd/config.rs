@@ -5,6 +5,11 @@ use std::time::Duration;
 use crate::discovery::DiscoveryError;
 
 /// The default key prefix.
+///
+/// ```
+/// use eventplane::discovery::DEFAULT_PREFIX;
+/// assert_eq!(DEFAULT_PREFIX, "/eventplane"); // keys: /eventplane/v1/channels/…
+/// ```
 pub const DEFAULT_PREFIX: &str = "/eventplane";
 
 /// Settings of an [`EtcdDiscovery`](super::EtcdDiscovery), validated once by

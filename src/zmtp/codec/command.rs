@@ -7,6 +7,10 @@ use super::reader::Reader;
 use crate::zmtp::ProtocolError;
 
 /// Largest PING context (RFC 37: at most 16 bytes).
+///
+/// ```
+/// assert_eq!(eventplane::zmtp::codec::MAX_PING_CONTEXT, 16); // RFC 37: up to 16 octets
+/// ```
 pub const MAX_PING_CONTEXT: usize = 16;
 
 /// READY metadata: `(name, value)` properties in wire order. Names compare

@@ -7,6 +7,11 @@ use super::reader::Reader;
 use crate::zmtp::{Message, ProtocolError};
 
 /// More frames of this message follow.
+///
+/// ```
+/// use eventplane::zmtp::codec::{FLAG_COMMAND, FLAG_LONG, FLAG_MORE};
+/// assert_eq!(FLAG_MORE | FLAG_LONG | FLAG_COMMAND, 0b111);
+/// ```
 pub const FLAG_MORE: u8 = 0x01;
 /// The size is 8 bytes (big-endian) instead of 1.
 pub const FLAG_LONG: u8 = 0x02;
@@ -15,12 +20,28 @@ pub const FLAG_COMMAND: u8 = 0x04;
 const FLAG_RESERVED: u8 = !(FLAG_MORE | FLAG_LONG | FLAG_COMMAND);
 
 /// Size of a short header (flags + 1-byte size).
+///
+/// ```
+/// use eventplane::zmtp::codec::{encode_frame_header, LONG_HEADER_LEN, SHORT_HEADER_LEN};
+/// let mut buf = bytes::BytesMut::new();
+/// encode_frame_header(&mut buf, false, false, 255);
+/// assert_eq!(buf.len(), SHORT_HEADER_LEN);
+/// encode_frame_header(&mut buf, false, false, 256);
+/// assert_eq!(buf.len(), SHORT_HEADER_LEN + LONG_HEADER_LEN);
+/// ```
 pub const SHORT_HEADER_LEN: usize = 2;
 /// Size of a long header (flags + 8-byte size).
 pub const LONG_HEADER_LEN: usize = 9;
 
 /// Limits a [`FrameDecoder`] enforces on every header, before the body is buffered
 /// (see the example there).
+///
+/// ```
+/// use eventplane::zmtp::codec::FrameLimits;
+/// let limits = FrameLimits { max_frame_size: 1 << 20, max_message_size: 4 << 20,
+///     max_message_parts: 16, max_command_size: 64 << 10, strict: true };
+/// assert!(limits.max_frame_size <= limits.max_message_size);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FrameLimits {
     /// Largest message frame.
@@ -37,6 +58,17 @@ pub struct FrameLimits {
 
 /// One decoded unit: a command body or a complete multipart message (see
 /// [`FrameDecoder`]).
+///
+/// ```
+/// use bytes::BytesMut;
+/// use eventplane::zmtp::codec::{Decoded, FrameDecoder, FrameLimits};
+/// let mut decoder = FrameDecoder::new(FrameLimits { max_frame_size: 64, max_message_size: 64,
+///     max_message_parts: 4, max_command_size: 64, strict: false });
+/// // A command frame (flag 0x04): its body is returned unparsed.
+/// let mut src = BytesMut::from(&b"\x04\x05\x04PING"[..]);
+/// assert!(matches!(decoder.decode(&mut src)?, Some(Decoded::Command(_))));
+/// # Ok::<(), eventplane::zmtp::ProtocolError>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decoded {
     /// A command frame's body (`name-len name data`), not yet parsed.

@@ -5,12 +5,25 @@ use bytes::{Buf, BufMut, BytesMut};
 use crate::zmtp::ProtocolError;
 
 /// Length of a ZMTP 3.x greeting.
+///
+/// ```
+/// assert_eq!(eventplane::zmtp::codec::GREETING_LEN, 64);
+/// ```
 pub const GREETING_LEN: usize = 64;
 /// Major version we speak.
+///
+/// ```
+/// use eventplane::zmtp::codec::{VERSION_MAJOR, VERSION_MINOR};
+/// assert_eq!((VERSION_MAJOR, VERSION_MINOR), (3, 1));
+/// ```
 pub const VERSION_MAJOR: u8 = 3;
 /// Minor version we advertise (ZMTP 3.1, RFC 37).
 pub const VERSION_MINOR: u8 = 1;
 /// The only security mechanism supported.
+///
+/// ```
+/// assert_eq!(eventplane::zmtp::codec::MECHANISM_NULL, b"NULL");
+/// ```
 pub const MECHANISM_NULL: &[u8] = b"NULL";
 
 const MECHANISM_OFFSET: usize = 12;
@@ -18,6 +31,16 @@ const MECHANISM_LEN: usize = 20;
 const AS_SERVER_OFFSET: usize = 32;
 
 /// A peer's greeting, once fully received and validated (see [`GreetingDecoder`]).
+///
+/// ```
+/// use bytes::BytesMut;
+/// use eventplane::zmtp::codec::{encode_greeting, GreetingDecoder};
+/// let mut wire = BytesMut::new();
+/// encode_greeting(&mut wire);
+/// let greeting = GreetingDecoder::new().decode(&mut wire)?.unwrap();
+/// assert_eq!((greeting.major, greeting.minor, greeting.as_server), (3, 1, false));
+/// # Ok::<(), eventplane::zmtp::ProtocolError>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Greeting {
     /// Major version (≥ 3).

@@ -342,6 +342,40 @@ async fn a_revoked_lease_comes_back_by_itself() {
     assert!(d.list(Query::new("lease")).await.unwrap().is_empty());
 }
 
+/// Cut off from etcd for longer than the TTL, a publisher's lease expires (watchers
+/// see it go); the session reports `Reconnecting`, and once etcd is reachable again it
+/// grants a new lease and puts the registration back by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_longer_than_the_ttl_loses_the_lease_and_recovers() {
+    let server = EtcdServer::start();
+    let proxy = Proxy::start(server.addr()).await;
+    let publisher = connect(&proxy.url()).await;
+    let observer = connect(&server.url()).await;
+    let mut states = publisher.state_changes();
+    let _g = publisher.register(id("part", 1), endpoint(1)).await.unwrap();
+    let mut w = observer
+        .watch(Query::new("part"), CancellationToken::new())
+        .await
+        .unwrap();
+    let mut m = synced(&mut w).await;
+    assert_eq!(m.ids(), vec![1]);
+
+    proxy.cut().await;
+    // etcd expires the lease after the TTL: the observer sees the registration go.
+    until(&mut w, &mut m, |m| m.state.is_empty()).await;
+    within(states.wait_for(|s| *s == EtcdState::Reconnecting))
+        .await
+        .unwrap();
+
+    proxy.restore();
+    until(&mut w, &mut m, |m| m.ids() == vec![1]).await;
+    within(states.wait_for(|s| *s == EtcdState::Live))
+        .await
+        .unwrap();
+    assert_eq!(publisher.stats().lease_losses, 1);
+    assert_eq!(publisher.stats().registrations, 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watch_reconnecting_past_a_compaction_resyncs() {
     let server = EtcdServer::start();

@@ -352,7 +352,10 @@ async fn a_partition_longer_than_the_ttl_loses_the_lease_and_recovers() {
     let publisher = connect(&proxy.url()).await;
     let observer = connect(&server.url()).await;
     let mut states = publisher.state_changes();
-    let _g = publisher.register(id("part", 1), endpoint(1)).await.unwrap();
+    let _g = publisher
+        .register(id("part", 1), endpoint(1))
+        .await
+        .unwrap();
     let mut w = observer
         .watch(Query::new("part"), CancellationToken::new())
         .await

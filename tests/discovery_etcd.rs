@@ -7,11 +7,10 @@
 
 mod support;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use eventplane::discovery::conformance::{self, Settings};
+use eventplane::discovery::conformance::{self, Mirror, Settings};
 use eventplane::discovery::{
     ChannelId, Discovery, DiscoveryError, DiscoveryEvent, DiscoveryStream, EtcdDiscovery,
     EtcdState, Instance, Query, Transport,
@@ -40,46 +39,6 @@ fn endpoint(n: u64) -> Transport {
     Transport::zmq(format!("tcp://127.0.0.1:{}", 20_000 + n))
 }
 
-/// What a consumer believes: id → (endpoint, incarnation).
-#[derive(Debug, Default)]
-struct Mirror {
-    state: BTreeMap<ChannelId, (String, u64)>,
-    resyncs: usize,
-}
-
-impl Mirror {
-    fn apply(&mut self, ev: &DiscoveryEvent) {
-        match ev {
-            DiscoveryEvent::Added(i) => {
-                self.state.insert(
-                    i.id.clone(),
-                    (i.transport.endpoint().to_owned(), i.incarnation),
-                );
-            }
-            DiscoveryEvent::Removed { id, .. } => {
-                self.state.remove(id);
-            }
-            DiscoveryEvent::Resync(all) => {
-                self.resyncs += 1;
-                self.state = all
-                    .iter()
-                    .map(|i| {
-                        (
-                            i.id.clone(),
-                            (i.transport.endpoint().to_owned(), i.incarnation),
-                        )
-                    })
-                    .collect();
-            }
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-
-    fn ids(&self) -> Vec<u64> {
-        self.state.keys().map(ChannelId::publisher_id).collect()
-    }
-}
-
 async fn next(s: &mut DiscoveryStream) -> DiscoveryEvent {
     within(s.next())
         .await
@@ -97,7 +56,7 @@ async fn until(s: &mut DiscoveryStream, mirror: &mut Mirror, done: impl Fn(&Mirr
 
 async fn synced(s: &mut DiscoveryStream) -> Mirror {
     let mut m = Mirror::default();
-    until(s, &mut m, |m| m.resyncs == 1).await;
+    until(s, &mut m, |m| m.resyncs() == 1).await;
     m
 }
 
@@ -205,13 +164,13 @@ async fn records_follow_the_public_format_and_foreign_writers_are_read() {
         .await
         .unwrap();
     let mut m = synced(&mut w).await;
-    assert_eq!(m.ids(), vec![42]);
+    assert_eq!(m.publisher_ids(), vec![42]);
     server.etcdctl(&[
         "put",
         "/eventplane/v1/channels/fmt/worker/kv-events/7",
         r#"{"id":{"namespace":"fmt","component":"worker","topic":"kv-events","publisher_id":7,"zone":"b"},"transport":{"kind":"zmq","endpoint":"tcp://10.0.0.6:1"},"version":3}"#,
     ]);
-    until(&mut w, &mut m, |m| m.ids() == vec![7, 42]).await;
+    until(&mut w, &mut m, |m| m.publisher_ids() == vec![7, 42]).await;
     let before = d.stats().malformed;
     for (key, value) in [
         ("/eventplane/v1/channels/fmt/worker/kv-events/8", "not json"),
@@ -229,10 +188,10 @@ async fn records_follow_the_public_format_and_foreign_writers_are_read() {
     ] {
         server.etcdctl(&["put", key, value]);
     }
-    until(&mut w, &mut m, |m| m.ids() == vec![42]).await;
+    until(&mut w, &mut m, |m| m.publisher_ids() == vec![42]).await;
     // The watch keeps serving: a later valid change still arrives.
     drop(g);
-    until(&mut w, &mut m, |m| m.state.is_empty()).await;
+    until(&mut w, &mut m, |m| m.state().is_empty()).await;
     assert_eq!(d.stats().malformed - before, 5);
     // list skips (and counts) the same records.
     assert!(d.list(Query::new("fmt")).await.unwrap().is_empty());
@@ -252,7 +211,7 @@ async fn watch_survives_etcd_restart_and_resyncs_what_changed_while_down() {
         .await
         .unwrap();
     let mut m = synced(&mut w).await;
-    assert_eq!(m.ids(), vec![1, 2]);
+    assert_eq!(m.publisher_ids(), vec![1, 2]);
 
     // The watcher is cut off, etcd crashes and comes back; while the watcher is still
     // away, one registration is deleted and another added.
@@ -265,9 +224,13 @@ async fn watch_survives_etcd_restart_and_resyncs_what_changed_while_down() {
         .unwrap();
     proxy.restore();
 
-    let resyncs = m.resyncs;
-    until(&mut w, &mut m, |m| m.resyncs > resyncs).await;
-    assert_eq!(m.ids(), vec![2, 3], "the Resync reflects the deletion");
+    let resyncs = m.resyncs();
+    until(&mut w, &mut m, |m| m.resyncs() > resyncs).await;
+    assert_eq!(
+        m.publisher_ids(),
+        vec![2, 3],
+        "the Resync reflects the deletion"
+    );
     assert!(watcher.stats().reconnects >= 1);
     let listed: Vec<u64> = writer
         .list(Query::new("rs"))
@@ -283,7 +246,7 @@ async fn watch_survives_etcd_restart_and_resyncs_what_changed_while_down() {
 
     // And incremental events flow after the resync.
     drop(_b);
-    until(&mut w, &mut m, |m| m.ids() == vec![3]).await;
+    until(&mut w, &mut m, |m| m.publisher_ids() == vec![3]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -300,10 +263,10 @@ async fn watch_resumes_after_etcd_restart_without_a_partition() {
     server.stop();
     server.restart();
     // The watcher comes back by itself with a Resync; changes after it arrive.
-    until(&mut w, &mut m, |m| m.resyncs == 2).await;
-    assert_eq!(m.ids(), vec![1]);
+    until(&mut w, &mut m, |m| m.resyncs() == 2).await;
+    assert_eq!(m.publisher_ids(), vec![1]);
     within(a.unregister()).await.unwrap();
-    until(&mut w, &mut m, |m| m.state.is_empty()).await;
+    until(&mut w, &mut m, |m| m.state().is_empty()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -322,14 +285,15 @@ async fn a_revoked_lease_comes_back_by_itself() {
 
     // Revoked behind our back (an operator, or etcd expiring it during a long stall).
     server.etcdctl(&["lease", "revoke", &format!("{old_lease:x}")]);
-    match next(&mut w).await {
-        DiscoveryEvent::Removed { id: gone, .. } => assert_eq!(gone.publisher_id(), 1),
-        other => panic!("expected the revocation's Removed, got {other:?}"),
-    }
-    m.state.clear();
+    let removal = next(&mut w).await;
+    assert!(
+        matches!(&removal, DiscoveryEvent::Removed { id: gone, .. } if gone.publisher_id() == 1),
+        "expected the revocation's Removed, got {removal:?}"
+    );
+    m.apply(&removal);
     // The keep-alive notices, grants a new lease and puts the registration again.
-    until(&mut w, &mut m, |m| m.ids() == vec![1]).await;
-    let (_, incarnation) = m.state.values().next().unwrap().clone();
+    until(&mut w, &mut m, |m| m.publisher_ids() == vec![1]).await;
+    let (_, incarnation) = m.state().values().next().unwrap().clone();
     assert!(incarnation > first);
     // The re-grant finishes its bookkeeping right after its last put.
     wait_for("new lease recorded", || d.lease_id() != old_lease).await;
@@ -338,7 +302,7 @@ async fn a_revoked_lease_comes_back_by_itself() {
 
     // The guard still controls the re-put registration.
     within(g.unregister()).await.unwrap();
-    until(&mut w, &mut m, |m| m.state.is_empty()).await;
+    until(&mut w, &mut m, |m| m.state().is_empty()).await;
     assert!(d.list(Query::new("lease")).await.unwrap().is_empty());
 }
 
@@ -361,17 +325,17 @@ async fn a_partition_longer_than_the_ttl_loses_the_lease_and_recovers() {
         .await
         .unwrap();
     let mut m = synced(&mut w).await;
-    assert_eq!(m.ids(), vec![1]);
+    assert_eq!(m.publisher_ids(), vec![1]);
 
     proxy.cut().await;
     // etcd expires the lease after the TTL: the observer sees the registration go.
-    until(&mut w, &mut m, |m| m.state.is_empty()).await;
+    until(&mut w, &mut m, |m| m.state().is_empty()).await;
     within(states.wait_for(|s| *s == EtcdState::Reconnecting))
         .await
         .unwrap();
 
     proxy.restore();
-    until(&mut w, &mut m, |m| m.ids() == vec![1]).await;
+    until(&mut w, &mut m, |m| m.publisher_ids() == vec![1]).await;
     within(states.wait_for(|s| *s == EtcdState::Live))
         .await
         .unwrap();
@@ -410,11 +374,11 @@ async fn a_watch_reconnecting_past_a_compaction_resyncs() {
     server.etcdctl(&["compact", &now.to_string()]);
     proxy.restore();
 
-    let resyncs = m.resyncs;
-    until(&mut w, &mut m, |m| m.resyncs > resyncs).await;
-    assert_eq!(m.ids(), vec![10, 12, 14, 16, 18]);
+    let resyncs = m.resyncs();
+    until(&mut w, &mut m, |m| m.resyncs() > resyncs).await;
+    assert_eq!(m.publisher_ids(), vec![10, 12, 14, 16, 18]);
     drop(keep);
-    until(&mut w, &mut m, |m| m.state.is_empty()).await;
+    until(&mut w, &mut m, |m| m.state().is_empty()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -434,8 +398,8 @@ async fn close_revokes_every_registration_and_detach_expires() {
     b.detach();
     wait_for("detach carried out", || d.stats().registrations == 1).await;
     d.close().await;
-    until(&mut w, &mut m, |m| m.ids() == vec![2]).await;
-    until(&mut w, &mut m, |m| m.state.is_empty()).await;
+    until(&mut w, &mut m, |m| m.publisher_ids() == vec![2]).await;
+    until(&mut w, &mut m, |m| m.state().is_empty()).await;
     assert!(matches!(
         d.register(id("close", 3), endpoint(3)).await,
         Err(DiscoveryError::Closed)
@@ -473,7 +437,7 @@ async fn oversized_records_do_not_break_reads() {
         .await
         .unwrap();
     let m = synced(&mut w).await;
-    assert_eq!(m.ids(), vec![1]);
+    assert_eq!(m.publisher_ids(), vec![1]);
 }
 
 /// Dropping every handle deletes the registrations and gives the lease back.

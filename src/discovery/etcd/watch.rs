@@ -200,11 +200,7 @@ impl Follower {
             }
         }
         let mut st = self.backlog.lock();
-        self.shared
-            .counters
-            .buffered_events
-            .fetch_sub(st.queue.len(), Ordering::Relaxed);
-        st.queue.clear();
+        self.discard_backlog(&mut st);
         st.current.clear();
         drop(st);
         self.shared
@@ -250,13 +246,18 @@ impl Follower {
         }
     }
 
-    fn resync(&self, snapshot: Vec<Instance>) {
-        let mut st = self.backlog.lock();
+    /// Drops every queued event (keeping the global count right).
+    fn discard_backlog(&self, st: &mut BacklogState) {
         self.shared
             .counters
             .buffered_events
             .fetch_sub(st.queue.len(), Ordering::Relaxed);
-        st.queue.clear();
+        st.queue = VecDeque::new();
+    }
+
+    fn resync(&self, snapshot: Vec<Instance>) {
+        let mut st = self.backlog.lock();
+        self.discard_backlog(&mut st);
         st.overflowed = false;
         st.current = snapshot.iter().map(|i| (i.id.clone(), i.clone())).collect();
         st.queue.push_back(DiscoveryEvent::Resync(snapshot));
@@ -340,11 +341,7 @@ impl Follower {
                     continue;
                 }
                 if st.queue.len() >= self.backlog.capacity {
-                    self.shared
-                        .counters
-                        .buffered_events
-                        .fetch_sub(st.queue.len(), Ordering::Relaxed);
-                    st.queue = VecDeque::new();
+                    self.discard_backlog(&mut st);
                     st.overflowed = true;
                     self.shared
                         .counters

@@ -517,6 +517,41 @@ async fn dynamic_subscriber_follows_publishers_through_etcd() {
     assert_eq!(stats.total.dropped(), 0, "{stats:?}");
 }
 
+/// A record planted in etcd that points at the cloud metadata address is never dialled:
+/// the subscriber refuses it by address and counts it; real publishers are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planted_metadata_endpoint_is_refused_and_counted() {
+    use eventplane::publish::EventPublisher;
+    use eventplane::subscriber::{DynamicSubscriber, Layout};
+
+    let server = EtcdServer::start();
+    server.etcdctl(&[
+        "put",
+        "/eventplane/v1/channels/ssrf/worker/kv-events/666",
+        r#"{"id":{"namespace":"ssrf","component":"worker","topic":"kv-events","publisher_id":1638},"transport":{"kind":"zmq","endpoint":"tcp://169.254.169.254:80"}}"#,
+    ]);
+    let discovery: Arc<dyn Discovery> = Arc::new(connect(&server.url()).await);
+    let mut sub = DynamicSubscriber::builder(discovery.clone(), Query::new("ssrf"))
+        .topic("kv-events")
+        .layout(Layout::TopicPublisherSeq)
+        .spawn();
+    let real = EventPublisher::builder(discovery, "ssrf", "worker", "kv-events")
+        .build()
+        .await
+        .unwrap();
+    within(real.wait_for_subscribers(1)).await;
+    real.publish(&b"ok"[..]);
+    let d = within(sub.recv()).await.unwrap();
+    assert_eq!(d.source.id.publisher_id(), real.publisher_id());
+    let handle = sub.handle();
+    wait_for("the planted record refused", || {
+        handle.stats().total.refused_by_filter >= 1
+    })
+    .await;
+    let stats = handle.stats();
+    assert_eq!(stats.total.connect_failures, 0, "{stats:?}");
+}
+
 /// Env var naming what a child process does (see `child_process`).
 const CHILD_ENV: &str = "EVENTPLANE_ETCD_CHILD";
 

@@ -276,6 +276,20 @@ impl EventPublisher {
     }
 
     /// Sends one payload with the next sequence number. Never blocks.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::publish::PublishError> {
+    /// use std::sync::Arc;
+    /// use eventplane::discovery::MemoryDiscovery;
+    /// use eventplane::publish::EventPublisher;
+    /// let publisher = EventPublisher::builder(Arc::new(MemoryDiscovery::new()), "ns", "c", "t").build().await?;
+    /// assert_eq!(publisher.next_sequence(), 0);
+    /// let report = publisher.publish(&b"payload"[..]); // [t, publisher_id, 0, payload]
+    /// assert_eq!(report.dropped, 0);
+    /// assert_eq!(publisher.next_sequence(), 1);
+    /// # Ok(()) }
+    /// ```
     pub fn publish(&self, payload: impl Into<Bytes>) -> SendReport {
         let seq = self.sequence.fetch_add(1, Ordering::Relaxed);
         self.socket.send(Message::from_parts([
@@ -309,6 +323,19 @@ impl EventPublisher {
     /// Lets queued messages drain (up to the linger period), unregisters, and closes
     /// the socket. Draining first means subscribers have the last messages before
     /// discovery tells them this publisher is gone.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::publish::PublishError> {
+    /// use std::sync::Arc;
+    /// use eventplane::discovery::MemoryDiscovery;
+    /// use eventplane::publish::EventPublisher;
+    /// let publisher = EventPublisher::builder(Arc::new(MemoryDiscovery::new()), "ns", "c", "t").build().await?;
+    /// let discovery_sees = publisher.instance().cloned();
+    /// assert!(discovery_sees.is_some());
+    /// publisher.shutdown().await; // drain (up to the linger), unregister, close
+    /// # Ok(()) }
+    /// ```
     pub async fn shutdown(self) {
         let EventPublisher {
             socket,

@@ -350,18 +350,75 @@ impl DynamicSubscriber {
     }
 
     /// Counters, per publisher and total.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::sync::Arc;
+    /// use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
+    /// use eventplane::publish::EventPublisher;
+    /// use eventplane::subscriber::{DynamicSubscriber, Layout};
+    /// let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    /// let mut sub = DynamicSubscriber::builder(discovery.clone(), Query::new("ns"))
+    ///     .topic("t").layout(Layout::TopicPublisherSeq).spawn();
+    /// let publisher = EventPublisher::builder(discovery, "ns", "c", "t").build().await?;
+    /// publisher.wait_for_subscribers(1).await;
+    /// publisher.publish("x");
+    /// sub.recv().await.ok_or("stopped")?;
+    /// let stats = sub.stats();
+    /// assert_eq!((stats.total.delivered, stats.total.dropped(), stats.publishers.len()), (1, 0, 1));
+    /// # Ok(()) }
+    /// ```
     pub fn stats(&self) -> SubscriberStats {
         self.handle.stats()
     }
 
     /// The next delivery; `None` once the subscriber was shut down and drained.
     /// Cancel-safe.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::sync::Arc;
+    /// use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
+    /// use eventplane::publish::EventPublisher;
+    /// use eventplane::subscriber::{DynamicSubscriber, Layout};
+    /// let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    /// let mut sub = DynamicSubscriber::builder(discovery.clone(), Query::new("ns"))
+    ///     .topic("t").layout(Layout::TopicPublisherSeq).spawn();
+    /// let publisher = EventPublisher::builder(discovery, "ns", "c", "t").build().await?;
+    /// publisher.wait_for_subscribers(1).await;
+    /// publisher.publish("one");
+    /// let delivery = sub.recv().await.ok_or("stopped")?; // cancel-safe
+    /// assert_eq!(delivery.sequence, Some(0));
+    /// # Ok(()) }
+    /// ```
     pub async fn recv(&mut self) -> Option<Delivery> {
         std::future::poll_fn(|cx| self.poll_next_delivery(cx)).await
     }
 
     /// Waits for at least one delivery, then appends up to `max` (taken round-robin
     /// across publishers) to `out`. Returns 0 once shut down and drained. Cancel-safe.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::sync::Arc;
+    /// use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
+    /// use eventplane::publish::EventPublisher;
+    /// use eventplane::subscriber::{DynamicSubscriber, Layout};
+    /// let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    /// let mut sub = DynamicSubscriber::builder(discovery.clone(), Query::new("ns"))
+    ///     .topic("t").layout(Layout::TopicPublisherSeq).spawn();
+    /// let publisher = EventPublisher::builder(discovery, "ns", "c", "t").build().await?;
+    /// publisher.wait_for_subscribers(1).await;
+    /// for _ in 0..10 { publisher.publish("x"); }
+    /// let mut batch = Vec::new();
+    /// while batch.len() < 10 {
+    ///     sub.recv_many(&mut batch, 256).await; // fair across publishers, cancel-safe
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn recv_many(&mut self, out: &mut Vec<Delivery>, max: usize) -> usize {
         let max = max.max(1);
         let mut n = 0;
@@ -434,6 +491,18 @@ impl SubscriberHandle {
     }
 
     /// Signals every task to stop (non-blocking).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// use std::sync::Arc;
+    /// use eventplane::discovery::{MemoryDiscovery, Query};
+    /// use eventplane::subscriber::DynamicSubscriber;
+    /// let mut sub = DynamicSubscriber::builder(Arc::new(MemoryDiscovery::new()), Query::new("ns")).spawn();
+    /// sub.handle().cancel();
+    /// assert!(sub.recv().await.is_none()); // the stream ends
+    /// # }
+    /// ```
     pub fn cancel(&self) {
         self.cancel.cancel();
     }

@@ -29,6 +29,12 @@ impl Message {
     }
 
     /// A message of the given frames, in order.
+    ///
+    /// ```
+    /// use eventplane::zmtp::Message;
+    /// let msg = Message::from_parts(["kv-events", "payload"]);
+    /// assert_eq!((msg.len(), msg.byte_len()), (2, 16));
+    /// ```
     pub fn from_parts<I>(parts: I) -> Self
     where
         I: IntoIterator,
@@ -40,6 +46,14 @@ impl Message {
     }
 
     /// Appends a frame.
+    ///
+    /// ```
+    /// use eventplane::zmtp::Message;
+    /// let mut msg = Message::new();
+    /// msg.push("topic");
+    /// msg.push(vec![0u8; 8]);
+    /// assert_eq!(msg.len(), 2);
+    /// ```
     pub fn push(&mut self, part: impl Into<Bytes>) {
         self.parts.push(part.into());
     }
@@ -50,6 +64,13 @@ impl Message {
     }
 
     /// Frame `index`, if present.
+    ///
+    /// ```
+    /// use eventplane::zmtp::Message;
+    /// let msg = Message::from_parts(["a", "b"]);
+    /// assert_eq!(msg.get(1).map(|b| &b[..]), Some(&b"b"[..]));
+    /// assert!(msg.get(2).is_none());
+    /// ```
     pub fn get(&self, index: usize) -> Option<&Bytes> {
         self.parts.get(index)
     }
@@ -70,6 +91,12 @@ impl Message {
     }
 
     /// The frames, by value.
+    ///
+    /// ```
+    /// use eventplane::zmtp::Message;
+    /// let parts: Vec<_> = Message::from_parts(["a", "b"]).into_parts().collect();
+    /// assert_eq!(parts.len(), 2);
+    /// ```
     pub fn into_parts(self) -> impl ExactSizeIterator<Item = Bytes> {
         self.parts.into_iter()
     }

@@ -233,6 +233,16 @@ impl PubSocket {
     /// Binds `tcp://host:port` and accepts subscribers in a background task. Port 0
     /// lets the OS pick a free port atomically; read it from
     /// [`local_endpoint`](Self::local_endpoint).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::zmtp::Error> {
+    /// use eventplane::zmtp::{Config, PubSocket};
+    /// // Port 0: the OS picks a free port, no probe-then-bind race.
+    /// let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default()).await?;
+    /// assert_ne!(publisher.local_addr().map(|a| a.port()), Some(0));
+    /// # Ok(()) }
+    /// ```
     pub async fn bind(endpoint: &str, config: Config) -> Result<PubSocket, Error> {
         let addrs = endpoint::resolve(endpoint).await?;
         let listener = TcpListener::bind(&addrs[..]).await?;
@@ -278,6 +288,14 @@ impl PubSocket {
 
     /// Queues `msg` for every subscriber whose subscription matches its first frame.
     /// Never blocks; a full queue drops the message for that subscriber and counts it.
+    ///
+    /// ```
+    /// use eventplane::zmtp::{Config, Message, PubSocket};
+    /// let publisher = PubSocket::new(Config::default());
+    /// // No subscriber matches: nothing queued, nothing dropped, never blocks.
+    /// let report = publisher.send(Message::from_parts(["kv-events", "payload"]));
+    /// assert_eq!((report.queued, report.dropped), (0, 0));
+    /// ```
     pub fn send(&self, msg: Message) -> SendReport {
         let topic: &[u8] = msg.get(0).map(|f| &f[..]).unwrap_or_default();
         let mut report = SendReport::default();
@@ -333,6 +351,19 @@ impl PubSocket {
     }
 
     /// Per-subscriber counters, for connections whose handshake completed.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::zmtp::Error> {
+    /// use eventplane::zmtp::{Config, PubSocket, SubSocket};
+    /// let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default()).await?;
+    /// let mut sub = SubSocket::connect(publisher.local_endpoint().unwrap_or_default(), Config::default()).await?;
+    /// sub.subscribe("t").await?;
+    /// publisher.wait_for_subscribers(1).await;
+    /// let peers = publisher.subscriber_stats();
+    /// assert_eq!((peers.len(), peers[0].subscriptions, peers[0].dropped), (1, 1, 0));
+    /// # Ok(()) }
+    /// ```
     pub fn subscriber_stats(&self) -> Vec<SubscriberStats> {
         let inner = self.shared.lock();
         inner
@@ -360,6 +391,18 @@ impl PubSocket {
 
     /// Waits until every queue is written out, or `timeout` passes. Returns `true`
     /// when everything was written.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::zmtp::Error> {
+    /// use std::time::Duration;
+    /// use eventplane::zmtp::{Config, Message, PubSocket};
+    /// let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default()).await?;
+    /// publisher.send(Message::from_parts(["t"]));
+    /// assert!(publisher.flush(Duration::from_secs(1)).await); // every queue written out
+    /// publisher.close(Duration::from_millis(100)).await;
+    /// # Ok(()) }
+    /// ```
     pub async fn flush(&self, timeout: Duration) -> bool {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {

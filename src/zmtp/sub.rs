@@ -62,6 +62,17 @@ pub struct SubSocket<S = TcpStream> {
 impl SubSocket<TcpStream> {
     /// Connects to `tcp://host:port` (within `connect_timeout`, trying each resolved
     /// address) and performs the handshake (within `handshake_timeout`).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::zmtp::Error> {
+    /// use eventplane::zmtp::{Config, PubSocket, SubSocket};
+    /// let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default()).await?;
+    /// let endpoint = publisher.local_endpoint().unwrap_or_default();
+    /// let sub = SubSocket::connect(endpoint, Config::default()).await?; // greeting + READY done
+    /// assert!(sub.peer().is_some());
+    /// # Ok(()) }
+    /// ```
     pub async fn connect(endpoint: &str, config: Config) -> Result<Self, Error> {
         let stream = connect_tcp(endpoint, &config).await?;
         Self::handshake(stream, config).await
@@ -101,6 +112,22 @@ where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
     /// Performs the ZMTP handshake as a SUB over `stream`.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::zmtp::Error> {
+    /// use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
+    /// // Any byte stream: here an in-memory pipe, in production a tunnel or TLS stream.
+    /// let (near, far) = tokio::io::duplex(64 << 10);
+    /// let publisher = PubSocket::new(Config::default());
+    /// publisher.accept_stream(far, "in-memory");
+    /// let mut sub = SubSocket::handshake(near, Config::default()).await?;
+    /// sub.subscribe("t").await?;
+    /// publisher.wait_for_subscribers(1).await;
+    /// publisher.send(Message::from_parts(["t", "hello"]));
+    /// assert_eq!(sub.recv().await?.get(1).map(|b| &b[..]), Some(&b"hello"[..]));
+    /// # Ok(()) }
+    /// ```
     pub async fn handshake(stream: S, config: Config) -> Result<Self, Error> {
         let mut conn = Conn::new(stream, SocketType::Sub, &config);
         poll_fn(|cx| conn.poll_handshake(cx)).await?;
@@ -124,6 +151,20 @@ where
     /// Subscribes to messages whose first frame starts with `prefix` (`""` for all).
     /// Subscriptions are reference-counted; only the first of a prefix goes on the
     /// wire.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::zmtp::Error> {
+    /// use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
+    /// let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default()).await?;
+    /// let mut sub = SubSocket::connect(publisher.local_endpoint().unwrap_or_default(), Config::default()).await?;
+    /// sub.subscribe("kv").await?; // prefix match: "kv" and "kv-events", not "k"
+    /// publisher.wait_for_subscribers(1).await;
+    /// publisher.send(Message::from_parts(["other", "x"]));
+    /// publisher.send(Message::from_parts(["kv-events", "y"]));
+    /// assert_eq!(&sub.recv().await?.parts()[0][..], b"kv-events");
+    /// # Ok(()) }
+    /// ```
     pub async fn subscribe(&mut self, prefix: impl Into<Bytes>) -> Result<(), Error> {
         self.conn.session.subscribe(prefix.into());
         self.flush().await
@@ -131,6 +172,18 @@ where
 
     /// Drops one reference to `prefix`; the last one cancels it at the publisher.
     /// Messages already in flight are still filtered out locally.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::zmtp::Error> {
+    /// use eventplane::zmtp::{Config, PubSocket, SubSocket};
+    /// let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default()).await?;
+    /// let mut sub = SubSocket::connect(publisher.local_endpoint().unwrap_or_default(), Config::default()).await?;
+    /// sub.subscribe("a").await?;
+    /// sub.subscribe("a").await?; // counted twice…
+    /// sub.unsubscribe("a").await?; // …so still subscribed once
+    /// # Ok(()) }
+    /// ```
     pub async fn unsubscribe(&mut self, prefix: impl AsRef<[u8]>) -> Result<(), Error> {
         self.conn.session.unsubscribe(prefix.as_ref());
         self.flush().await
@@ -141,12 +194,42 @@ where
     }
 
     /// Receives the next message that matches a subscription.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::zmtp::Error> {
+    /// use std::time::Duration;
+    /// use eventplane::zmtp::{Config, PubSocket, SubSocket};
+    /// let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default()).await?;
+    /// let mut sub = SubSocket::connect(publisher.local_endpoint().unwrap_or_default(), Config::default()).await?;
+    /// sub.subscribe("").await?;
+    /// // Cancel-safe: a timeout (or a `select!` branch losing) loses no message.
+    /// assert!(tokio::time::timeout(Duration::from_millis(10), sub.recv()).await.is_err());
+    /// # Ok(()) }
+    /// ```
     pub async fn recv(&mut self) -> Result<Message, Error> {
         poll_fn(|cx| self.poll_recv(cx)).await
     }
 
     /// Waits for at least one message, then appends every message already received
     /// (up to `max`) to `out` without further waiting. Returns how many were added.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::zmtp::Error> {
+    /// use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
+    /// let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default()).await?;
+    /// let mut sub = SubSocket::connect(publisher.local_endpoint().unwrap_or_default(), Config::default()).await?;
+    /// sub.subscribe("").await?;
+    /// publisher.wait_for_subscribers(1).await;
+    /// for i in 0..3u8 { publisher.send(Message::from_parts([vec![i]])); }
+    /// let mut batch = Vec::new();
+    /// while batch.len() < 3 {
+    ///     sub.recv_many(&mut batch, 64).await?; // at least one, at most 64 per call
+    /// }
+    /// assert_eq!(batch.len(), 3);
+    /// # Ok(()) }
+    /// ```
     pub async fn recv_many(&mut self, out: &mut Vec<Message>, max: usize) -> Result<usize, Error> {
         poll_fn(|cx| self.poll_recv_many(cx, out, max)).await
     }

@@ -813,11 +813,37 @@ impl EtcdDiscovery {
     }
 
     /// The session's health now.
+    ///
+    /// ```no_run
+    /// # #[tokio::main]
+    /// # async fn main() -> Result<(), eventplane::discovery::DiscoveryError> {
+    /// use eventplane::discovery::{EtcdDiscovery, EtcdState};
+    /// let discovery = EtcdDiscovery::connect(["http://127.0.0.1:2379"]).await?;
+    /// if discovery.state() == EtcdState::Reconnecting {
+    ///     eprintln!("etcd unreachable; registrations live until lease {:x} expires", discovery.lease_id());
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn state(&self) -> EtcdState {
         *self.handle.shared.state.borrow()
     }
 
     /// A receiver that sees every change of [`state`](Self::state).
+    ///
+    /// ```no_run
+    /// # #[tokio::main]
+    /// # async fn main() -> Result<(), eventplane::discovery::DiscoveryError> {
+    /// use eventplane::discovery::{EtcdDiscovery, EtcdState};
+    /// let discovery = EtcdDiscovery::connect(["http://127.0.0.1:2379"]).await?;
+    /// let mut states = discovery.state_changes();
+    /// tokio::spawn(async move {
+    ///     while states.changed().await.is_ok() {
+    ///         let state = *states.borrow();
+    ///         eprintln!("etcd session: {state:?}");
+    ///     }
+    /// });
+    /// # Ok(()) }
+    /// ```
     pub fn state_changes(&self) -> state_watch::Receiver<EtcdState> {
         self.handle.shared.state.subscribe()
     }
@@ -832,6 +858,16 @@ impl EtcdDiscovery {
     /// this backend disappears at once (watchers see `Removed`). Registration guards
     /// still alive become inert. Best effort: if etcd is unreachable, the lease simply
     /// expires after its TTL.
+    ///
+    /// ```no_run
+    /// # #[tokio::main]
+    /// # async fn main() -> Result<(), eventplane::discovery::DiscoveryError> {
+    /// use eventplane::discovery::{EtcdDiscovery, EtcdState};
+    /// let discovery = EtcdDiscovery::connect(["http://127.0.0.1:2379"]).await?;
+    /// // … serve …
+    /// discovery.close().await; // revokes the lease: every registration goes at once
+    /// # Ok(()) }
+    /// ```
     pub async fn close(&self) {
         let shared = &self.handle.shared;
         shared.closed.store(true, Ordering::Relaxed);

@@ -552,6 +552,43 @@ async fn a_planted_metadata_endpoint_is_refused_and_counted() {
     assert_eq!(stats.total.connect_failures, 0, "{stats:?}");
 }
 
+/// etcd with authentication enabled: the right credentials work end to end; wrong
+/// ones, or none, fail with `Denied` (not retryable), never with a hang.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_on_an_etcd_with_auth_enabled() {
+    let server = EtcdServer::start();
+    server.etcdctl(&["user", "add", "root:rootpw"]);
+    server.etcdctl(&["auth", "enable"]);
+
+    let d = EtcdDiscovery::builder([server.url()])
+        .credentials("root", "rootpw")
+        .lease_ttl(TTL)
+        .connect()
+        .await
+        .unwrap();
+    let g = d.register(id("auth", 1), endpoint(1)).await.unwrap();
+    let mut w = d
+        .watch(Query::new("auth"), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(synced(&mut w).await.publisher_ids(), vec![1]);
+    g.unregister().await.unwrap();
+    assert!(format!("{d:?}").contains("endpoints") && !format!("{d:?}").contains("rootpw"));
+
+    let wrong = EtcdDiscovery::builder([server.url()])
+        .credentials("root", "nope")
+        .connect()
+        .await
+        .unwrap_err();
+    assert!(matches!(wrong, DiscoveryError::Denied(_)), "{wrong:?}");
+    assert!(!wrong.is_transient());
+    let anonymous = EtcdDiscovery::connect([server.url()]).await.unwrap_err();
+    assert!(
+        matches!(anonymous, DiscoveryError::Denied(_)),
+        "{anonymous:?}"
+    );
+}
+
 /// Env var naming what a child process does (see `child_process`).
 const CHILD_ENV: &str = "EVENTPLANE_ETCD_CHILD";
 

@@ -32,6 +32,10 @@ pub enum DiscoveryError {
     /// The backend is unreachable or failed; retry with backoff.
     #[error("discovery backend unavailable")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The backend refused our credentials or permissions (e.g. etcd with auth
+    /// enabled); retrying will not help until the configuration changes.
+    #[error("discovery backend denied the request")]
+    Denied(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// The watch was ended by the backend (or by a fault injected in tests); watch
     /// again.
     #[error("watch ended: {reason}")]

@@ -26,6 +26,17 @@ pub(crate) struct EtcdConfig {
     pub(crate) max_value_bytes: usize,
     pub(crate) backoff_min: Duration,
     pub(crate) backoff_max: Duration,
+    pub(crate) credentials: Option<(String, Password)>,
+}
+
+/// A password that never shows in `Debug` output.
+#[derive(Clone)]
+pub(crate) struct Password(pub(crate) String);
+
+impl std::fmt::Debug for Password {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
 }
 
 impl EtcdConfig {
@@ -41,6 +52,7 @@ impl EtcdConfig {
             max_value_bytes: 64 * 1024,
             backoff_min: Duration::from_millis(250),
             backoff_max: Duration::from_secs(5),
+            credentials: None,
         }
     }
 
@@ -96,6 +108,17 @@ impl EtcdConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn passwords_stay_out_of_debug_output() {
+        let mut c = EtcdConfig::new(vec!["http://127.0.0.1:2379".to_owned()]);
+        c.credentials = Some(("root".to_owned(), Password("hunter2".to_owned())));
+        let shown = format!("{c:?}");
+        assert!(
+            shown.contains("root") && !shown.contains("hunter2"),
+            "{shown}"
+        );
+    }
 
     #[test]
     fn defaults_are_valid_and_bad_values_are_rejected() {

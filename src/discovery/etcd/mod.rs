@@ -173,6 +173,14 @@ impl EtcdDiscoveryBuilder {
         self
     }
 
+    /// Authenticates as `user` (etcd with auth enabled); the token is refreshed when it
+    /// expires. Default: no authentication. (Plain `http://` endpoints: run etcd on a
+    /// trusted network or behind a TLS tunnel.)
+    pub fn credentials(mut self, user: impl Into<String>, password: impl Into<String>) -> Self {
+        self.config.credentials = Some((user.into(), config::Password(password.into())));
+        self
+    }
+
     /// Reconnect backoff of watches and the keep-alive (full jitter). Default
     /// 250 ms → 5 s.
     pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
@@ -181,12 +189,15 @@ impl EtcdDiscoveryBuilder {
         self
     }
 
-    /// Validates the settings, checks that etcd answers (a status request; the
-    /// client itself connects lazily), grants the lease and starts its keep-alive.
+    /// Validates the settings, checks that etcd answers (a status request, since the
+    /// client itself connects lazily) and that our keys may be read (a one-key read
+    /// under the prefix), grants the lease and starts its keep-alive.
     ///
     /// # Errors
     /// [`DiscoveryError::InvalidConfig`] for bad settings,
-    /// [`DiscoveryError::Unavailable`] when etcd does not answer in time.
+    /// [`DiscoveryError::Denied`] when etcd refuses the credentials (or, without
+    /// credentials, requires them), [`DiscoveryError::Unavailable`] when etcd does
+    /// not answer in time.
     pub async fn connect(self) -> Result<EtcdDiscovery, DiscoveryError> {
         EtcdDiscovery::start(self.config).await
     }
@@ -308,11 +319,7 @@ impl Shared {
     {
         match tokio::time::timeout(after, fut).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(source)) => Err(unavailable(EtcdRequestError::Failed {
-                op,
-                endpoints: self.endpoints(),
-                source,
-            })),
+            Ok(Err(source)) => Err(failed(op, self.endpoints(), source)),
             Err(_) => Err(unavailable(EtcdRequestError::TimedOut {
                 op,
                 endpoints: self.endpoints(),
@@ -390,11 +397,7 @@ impl Shared {
                             restarts += 1;
                             continue 'restart;
                         }
-                        return Err(unavailable(EtcdRequestError::Failed {
-                            op: "range",
-                            endpoints: self.endpoints(),
-                            source: e,
-                        }));
+                        return Err(failed("range", self.endpoints(), e));
                     }
                     Err(_) => {
                         return Err(unavailable(EtcdRequestError::TimedOut {
@@ -604,6 +607,46 @@ fn unavailable(e: EtcdRequestError) -> DiscoveryError {
     DiscoveryError::Unavailable(Box::new(e))
 }
 
+/// Wraps a failed request: refused credentials or permissions are
+/// [`DiscoveryError::Denied`] (retrying will not help), bad arguments
+/// [`DiscoveryError::InvalidConfig`], everything else
+/// [`DiscoveryError::Unavailable`].
+fn failed(op: &'static str, endpoints: String, source: etcd_client::Error) -> DiscoveryError {
+    use etcd_client::Error as E;
+    match &source {
+        E::InvalidArgs(_) | E::InvalidUri(_) | E::EndpointError(_) => {
+            DiscoveryError::InvalidConfig {
+                reason: format!("etcd {op} (endpoints {endpoints}): {source}"),
+            }
+        }
+        E::GRpcStatus(status) if is_denial(status.message()) => {
+            DiscoveryError::Denied(Box::new(EtcdRequestError::Failed {
+                op,
+                endpoints,
+                source,
+            }))
+        }
+        _ => unavailable(EtcdRequestError::Failed {
+            op,
+            endpoints,
+            source,
+        }),
+    }
+}
+
+/// etcd's messages for authentication and authorization failures.
+fn is_denial(message: &str) -> bool {
+    [
+        "authentication failed",
+        "permission denied",
+        "user name is empty",
+        "invalid auth token",
+        "user name not found",
+    ]
+    .iter()
+    .any(|m| message.contains(m))
+}
+
 fn is_lease_not_found(e: &DiscoveryError) -> bool {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(err) = source {
@@ -759,11 +802,31 @@ impl EtcdDiscovery {
             .with_connect_timeout(config.connect_timeout)
             .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3))
             .with_keep_alive_while_idle(true);
-        let client = Client::connect(&config.endpoints, Some(options))
-            .await
-            .map_err(|e| DiscoveryError::InvalidConfig {
-                reason: format!("etcd endpoints {:?}: {e}", config.endpoints),
-            })?;
+        let options = match &config.credentials {
+            Some((user, password)) => options
+                .with_user(user.clone(), password.0.clone())
+                .with_auto_token_refresh(true),
+            None => options,
+        };
+        let endpoints = config.endpoints.join(",");
+        // With credentials the client authenticates here (a real request); without, it
+        // connects lazily and the status request below is the readiness check.
+        let client = match tokio::time::timeout(
+            config.connect_timeout,
+            Client::connect(&config.endpoints, Some(options)),
+        )
+        .await
+        {
+            Ok(Ok(client)) => client,
+            Ok(Err(e)) => return Err(failed("connect", endpoints, e)),
+            Err(_) => {
+                return Err(unavailable(EtcdRequestError::TimedOut {
+                    op: "connect",
+                    endpoints,
+                    after: config.connect_timeout,
+                }));
+            }
+        };
         let (state, _) = state_watch::channel(EtcdState::Live);
         let keys = Keys::new(&config.prefix);
         let mut shared = Shared {
@@ -791,6 +854,25 @@ impl EtcdDiscovery {
                 "status",
                 shared.config.connect_timeout,
                 maintenance.status(),
+            )
+            .await?;
+        // And that we may read our keys (with auth enabled, a missing permission shows
+        // here as `Denied`, not at the first watch).
+        let mut kv = shared.client.kv_client();
+        let root = shared.keys.root().to_owned();
+        shared
+            .request_within(
+                "range",
+                shared.config.connect_timeout,
+                kv.get(
+                    root.clone(),
+                    Some(
+                        GetOptions::new()
+                            .with_range(prefix_end(root.as_bytes()))
+                            .with_keys_only()
+                            .with_limit(1),
+                    ),
+                ),
             )
             .await?;
         let lease = shared.grant().await?;

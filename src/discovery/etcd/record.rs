@@ -75,6 +75,11 @@ impl Keys {
         }
     }
 
+    /// `{prefix}/v1/channels/`: every key lives under it.
+    pub(crate) fn root(&self) -> &str {
+        &self.root
+    }
+
     pub(crate) fn key(&self, id: &ChannelId) -> String {
         format!("{}{}", self.root, id.to_path())
     }

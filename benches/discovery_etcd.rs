@@ -61,7 +61,8 @@ fn register_latency(c: &mut Criterion, rt: &tokio::runtime::Runtime, url: &str) 
     let mut raw = rt
         .block_on(etcd_client::Client::connect([url], None))
         .unwrap();
-    let raw_lease = rt.block_on(raw.lease_grant(10, None)).unwrap().id();
+    // Long enough for the whole run (no keep-alive here).
+    let raw_lease = rt.block_on(raw.lease_grant(3600, None)).unwrap().id();
     let mut g = c.benchmark_group("register");
     g.bench_function("etcd_discovery", |b| {
         b.to_async(rt).iter_custom(|iters| {

@@ -183,7 +183,7 @@ fn restart_convergence(rt: &tokio::runtime::Runtime, server: &mut EtcdServer) {
     for _ in 0..5 {
         let killed = Instant::now();
         server.stop();
-        server.restart();
+        rt.block_on(server.restart());
         healthy.push(killed.elapsed());
         rt.block_on(synced(&mut s));
         converged.push(killed.elapsed());
@@ -201,12 +201,12 @@ fn restart_convergence(rt: &tokio::runtime::Runtime, server: &mut EtcdServer) {
 }
 
 fn main() {
-    let mut server = EtcdServer::start();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
+    let mut server = rt.block_on(EtcdServer::start());
     let mut c = Criterion::default().configure_from_args();
     register_latency(&mut c, &rt, &server.url());
     notify_latency(&mut c, &rt, &server.url());

@@ -70,7 +70,7 @@ async fn wait_for<F: Fn() -> bool>(what: &str, condition: F) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conforms_on_real_etcd() {
-    let server = EtcdServer::start();
+    let server = EtcdServer::start().await;
     let url = server.url();
     let settings = Settings::default()
         .with_ttl(TTL)
@@ -133,7 +133,7 @@ async fn connect_fails_clearly_when_etcd_is_unreachable() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_follow_the_public_format_and_foreign_writers_are_read() {
-    let server = EtcdServer::start();
+    let server = EtcdServer::start().await;
     let d = connect(&server.url()).await;
     let g = d
         .register(id("fmt", 0x2a), Transport::zmq("tcp://10.0.0.5:41234"))
@@ -200,7 +200,7 @@ async fn records_follow_the_public_format_and_foreign_writers_are_read() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_survives_etcd_restart_and_resyncs_what_changed_while_down() {
-    let mut server = EtcdServer::start();
+    let mut server = EtcdServer::start().await;
     let proxy = Proxy::start(server.addr()).await;
     let writer = connect(&server.url()).await;
     let watcher = connect(&proxy.url()).await;
@@ -217,7 +217,7 @@ async fn watch_survives_etcd_restart_and_resyncs_what_changed_while_down() {
     // away, one registration is deleted and another added.
     proxy.cut().await;
     server.stop();
-    server.restart();
+    server.restart().await;
     within(a.unregister()).await.unwrap();
     let _c = within(writer.register(id("rs", 3), endpoint(3)))
         .await
@@ -251,7 +251,7 @@ async fn watch_survives_etcd_restart_and_resyncs_what_changed_while_down() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_resumes_after_etcd_restart_without_a_partition() {
-    let mut server = EtcdServer::start();
+    let mut server = EtcdServer::start().await;
     let writer = connect(&server.url()).await;
     let watcher = connect(&server.url()).await;
     let a = writer.register(id("kill", 1), endpoint(1)).await.unwrap();
@@ -261,7 +261,7 @@ async fn watch_resumes_after_etcd_restart_without_a_partition() {
         .unwrap();
     let mut m = synced(&mut w).await;
     server.stop();
-    server.restart();
+    server.restart().await;
     // The watcher comes back by itself with a Resync; changes after it arrive.
     until(&mut w, &mut m, |m| m.resyncs() == 2).await;
     assert_eq!(m.publisher_ids(), vec![1]);
@@ -271,7 +271,7 @@ async fn watch_resumes_after_etcd_restart_without_a_partition() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_lease_comes_back_by_itself() {
-    let server = EtcdServer::start();
+    let server = EtcdServer::start().await;
     let d = connect(&server.url()).await;
     let observer = connect(&server.url()).await;
     let g = d.register(id("lease", 1), endpoint(1)).await.unwrap();
@@ -311,7 +311,7 @@ async fn a_revoked_lease_comes_back_by_itself() {
 /// grants a new lease and puts the registration back by itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_longer_than_the_ttl_loses_the_lease_and_recovers() {
-    let server = EtcdServer::start();
+    let server = EtcdServer::start().await;
     let proxy = Proxy::start(server.addr()).await;
     let publisher = connect(&proxy.url()).await;
     let observer = connect(&server.url()).await;
@@ -345,7 +345,7 @@ async fn a_partition_longer_than_the_ttl_loses_the_lease_and_recovers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watch_reconnecting_past_a_compaction_resyncs() {
-    let server = EtcdServer::start();
+    let server = EtcdServer::start().await;
     let proxy = Proxy::start(server.addr()).await;
     let writer = connect(&server.url()).await;
     let watcher = connect(&proxy.url()).await;
@@ -383,7 +383,7 @@ async fn a_watch_reconnecting_past_a_compaction_resyncs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn close_revokes_every_registration_and_detach_expires() {
-    let server = EtcdServer::start();
+    let server = EtcdServer::start().await;
     let d = connect(&server.url()).await;
     let observer = connect(&server.url()).await;
     let _a = d.register(id("close", 1), endpoint(1)).await.unwrap();
@@ -411,7 +411,7 @@ async fn close_revokes_every_registration_and_detach_expires() {
 /// skipped as oversized, the good ones are read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_records_do_not_break_reads() {
-    let server = EtcdServer::start();
+    let server = EtcdServer::start().await;
     let d = connect(&server.url()).await;
     let _good = d.register(id("big", 1), endpoint(1)).await.unwrap();
     let mut raw = etcd_client::Client::connect([server.url()], None)
@@ -443,7 +443,7 @@ async fn oversized_records_do_not_break_reads() {
 /// Dropping every handle deletes the registrations and gives the lease back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_the_last_handle_releases_everything() {
-    let server = EtcdServer::start();
+    let server = EtcdServer::start().await;
     let d = connect(&server.url()).await;
     let lease = format!("{:x}", d.lease_id());
     let g = d.register(id("drop", 1), endpoint(1)).await.unwrap();
@@ -474,7 +474,7 @@ async fn dynamic_subscriber_follows_publishers_through_etcd() {
     use eventplane::publish::EventPublisher;
     use eventplane::subscriber::{DynamicSubscriber, Layout};
 
-    let server = EtcdServer::start();
+    let server = EtcdServer::start().await;
     let workers: Arc<dyn Discovery> = Arc::new(connect(&server.url()).await);
     let router: Arc<dyn Discovery> = Arc::new(connect(&server.url()).await);
     let mut sub = DynamicSubscriber::builder(router, Query::new("e2e").component("worker"))
@@ -524,7 +524,7 @@ async fn a_planted_metadata_endpoint_is_refused_and_counted() {
     use eventplane::publish::EventPublisher;
     use eventplane::subscriber::{DynamicSubscriber, Layout};
 
-    let server = EtcdServer::start();
+    let server = EtcdServer::start().await;
     server.etcdctl(&[
         "put",
         "/eventplane/v1/channels/ssrf/worker/kv-events/666",
@@ -556,7 +556,7 @@ async fn a_planted_metadata_endpoint_is_refused_and_counted() {
 /// ones, or none, fail with `Denied` (not retryable), never with a hang.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn credentials_on_an_etcd_with_auth_enabled() {
-    let server = EtcdServer::start();
+    let server = EtcdServer::start().await;
     server.etcdctl(&["user", "add", "root:rootpw"]);
     server.etcdctl(&["auth", "enable"]);
 
@@ -596,7 +596,7 @@ const CHILD_ENV: &str = "EVENTPLANE_ETCD_CHILD";
 /// the other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_processes_watch_each_other() {
-    let server = EtcdServer::start();
+    let server = EtcdServer::start().await;
     let exe = std::env::current_exe().unwrap();
     let spawn = |me: u64, peer: u64| {
         tokio::process::Command::new(&exe)

@@ -447,7 +447,7 @@ async fn watch_follows_publishers_registered_in_etcd() {
     use eventplane::discovery::{Discovery, EtcdDiscovery};
     use eventplane::publish::EventPublisher;
 
-    let server = support::etcd::EtcdServer::start();
+    let server = support::etcd::EtcdServer::start().await;
     let discovery: Arc<dyn Discovery> =
         Arc::new(EtcdDiscovery::connect([server.url()]).await.unwrap());
     let publisher = EventPublisher::builder(discovery, "cli", "worker", "kv-events")

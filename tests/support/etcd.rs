@@ -2,8 +2,7 @@
 //! waited for until healthy, stopped by PID. Plus a TCP proxy that can cut a client
 //! off from it.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -50,7 +49,7 @@ fn free_port() -> u16 {
 
 impl EtcdServer {
     /// Starts a fresh single-member etcd and waits until it is healthy.
-    pub fn start() -> EtcdServer {
+    pub async fn start() -> EtcdServer {
         require_etcd();
         let base = if std::path::Path::new("/dev/shm").is_dir() {
             PathBuf::from("/dev/shm")
@@ -72,7 +71,7 @@ impl EtcdServer {
                 client_port: free_port(),
                 peer_port: free_port(),
             };
-            if server.spawn_and_wait() {
+            if server.spawn_and_wait().await {
                 return server;
             }
             server.kill();
@@ -90,7 +89,7 @@ impl EtcdServer {
         SocketAddr::from(([127, 0, 0, 1], self.client_port))
     }
 
-    fn spawn_and_wait(&mut self) -> bool {
+    async fn spawn_and_wait(&mut self) -> bool {
         let client = self.url();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let child = Command::new("etcd")
@@ -122,30 +121,33 @@ impl EtcdServer {
                     return false; // exited: most likely a port clash
                 }
             }
-            if self.healthy() {
+            if self.healthy().await {
                 return true;
             }
-            std::thread::sleep(Duration::from_millis(20));
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
         false
     }
 
     /// etcd's own health endpoint says it can serve (it has a leader).
-    pub fn healthy(&self) -> bool {
-        let Ok(mut s) = TcpStream::connect_timeout(&self.addr(), Duration::from_millis(200)) else {
-            return false;
+    pub async fn healthy(&self) -> bool {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let probe = async {
+            let mut s = tokio::net::TcpStream::connect(self.addr()).await.ok()?;
+            let req = format!(
+                "GET /health HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nConnection: close\r\n\r\n",
+                self.client_port
+            );
+            s.write_all(req.as_bytes()).await.ok()?;
+            let mut body = Vec::new();
+            s.read_to_end(&mut body).await.ok()?;
+            Some(String::from_utf8_lossy(&body).contains("\"health\":\"true\""))
         };
-        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-        let req = format!(
-            "GET /health HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nConnection: close\r\n\r\n",
-            self.client_port
-        );
-        if s.write_all(req.as_bytes()).is_err() {
-            return false;
-        }
-        let mut body = String::new();
-        let _ = s.read_to_string(&mut body);
-        body.contains("\"health\":\"true\"")
+        tokio::time::timeout(Duration::from_secs(2), probe)
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or(false)
     }
 
     fn kill(&mut self) {
@@ -161,9 +163,9 @@ impl EtcdServer {
     }
 
     /// Starts etcd again on the same ports and data.
-    pub fn restart(&mut self) {
+    pub async fn restart(&mut self) {
         self.kill();
-        assert!(self.spawn_and_wait(), "etcd did not come back");
+        assert!(self.spawn_and_wait().await, "etcd did not come back");
     }
 
     /// Runs `etcdctl` against this server; returns its stdout.

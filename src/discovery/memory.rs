@@ -1,7 +1,6 @@
 //! `MemoryDiscovery`: the embedded, in-process backend.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 use std::task::{Context, Poll};
@@ -9,7 +8,7 @@ use std::time::Duration;
 
 use futures_core::Stream;
 use tokio::time::Instant;
-use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+use tokio_util::sync::CancellationToken;
 
 use super::watch::WatchBuffer;
 use super::{
@@ -331,16 +330,18 @@ impl MemoryDiscovery {
             .map(DiscoveryEvent::Added)
             .collect();
         initial.push_back(DiscoveryEvent::Resync(snapshot));
-        DiscoveryStream::new(MemoryWatch {
-            registry: self.registry.clone(),
-            id,
-            query,
-            buffer,
-            initial,
-            filter: StaleFilter::default(),
-            cancelled: Box::pin(cancel.cancelled_owned()),
-            done: false,
-        })
+        DiscoveryStream::with_cancellation(
+            MemoryWatch {
+                registry: self.registry.clone(),
+                id,
+                query,
+                buffer,
+                initial,
+                filter: StaleFilter::default(),
+                done: false,
+            },
+            cancel,
+        )
     }
 }
 
@@ -468,7 +469,6 @@ struct MemoryWatch {
     buffer: Arc<WatchBuffer>,
     initial: VecDeque<DiscoveryEvent>,
     filter: StaleFilter,
-    cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
     done: bool,
 }
 
@@ -510,10 +510,6 @@ impl Stream for MemoryWatch {
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = &mut *self;
         if this.done {
-            return Poll::Ready(None);
-        }
-        if this.cancelled.as_mut().poll(cx).is_ready() {
-            this.close();
             return Poll::Ready(None);
         }
         loop {

@@ -29,7 +29,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use futures_core::Stream;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 #[cfg(feature = "test-support")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-support")))]
@@ -261,12 +261,17 @@ type BoxStream = Pin<Box<dyn Stream<Item = Result<DiscoveryEvent, DiscoveryError
 /// # Ok(()) }
 /// ```
 pub struct DiscoveryStream {
-    inner: BoxStream,
+    /// `None` once the stream ended: the backend's stream is dropped at once, freeing
+    /// its resources.
+    inner: Option<BoxStream>,
+    cancelled: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
 }
 
 impl fmt::Debug for DiscoveryStream {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DiscoveryStream").finish_non_exhaustive()
+        f.debug_struct("DiscoveryStream")
+            .field("ended", &self.inner.is_none())
+            .finish_non_exhaustive()
     }
 }
 
@@ -277,13 +282,27 @@ impl DiscoveryStream {
         S: Stream<Item = Result<DiscoveryEvent, DiscoveryError>> + Send + 'static,
     {
         DiscoveryStream {
-            inner: Box::pin(stream),
+            inner: Some(Box::pin(stream)),
+            cancelled: None,
+        }
+    }
+
+    /// Wraps a backend's stream and ends it as soon as `cancel` is cancelled, dropping
+    /// the backend's stream (and so freeing its resources) right then. This is how
+    /// backends honour the token [`Discovery::watch`] takes.
+    pub fn with_cancellation<S>(stream: S, cancel: CancellationToken) -> DiscoveryStream
+    where
+        S: Stream<Item = Result<DiscoveryEvent, DiscoveryError>> + Send + 'static,
+    {
+        DiscoveryStream {
+            inner: Some(Box::pin(stream)),
+            cancelled: Some(Box::pin(cancel.cancelled_owned())),
         }
     }
 
     /// The next event (without needing `StreamExt`).
     pub async fn next(&mut self) -> Option<Result<DiscoveryEvent, DiscoveryError>> {
-        std::future::poll_fn(|cx| self.inner.as_mut().poll_next(cx)).await
+        std::future::poll_fn(|cx| Pin::new(&mut *self).poll_next(cx)).await
     }
 }
 
@@ -291,6 +310,21 @@ impl Stream for DiscoveryStream {
     type Item = Result<DiscoveryEvent, DiscoveryError>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.inner.as_mut().poll_next(cx)
+        let this = &mut *self;
+        if let Some(cancelled) = this.cancelled.as_mut() {
+            if cancelled.as_mut().poll(cx).is_ready() {
+                this.cancelled = None;
+                this.inner = None;
+            }
+        }
+        let Some(inner) = this.inner.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let item = std::task::ready!(inner.as_mut().poll_next(cx));
+        if item.is_none() {
+            this.inner = None;
+            this.cancelled = None;
+        }
+        Poll::Ready(item)
     }
 }

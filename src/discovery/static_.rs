@@ -99,8 +99,10 @@ impl Discovery for StaticDiscovery {
             .map(DiscoveryEvent::Added)
             .collect();
         events.push(DiscoveryEvent::Resync(snapshot));
-        let stream = futures_util_free::iter_then_pending(events, cancel);
-        Box::pin(async move { Ok(DiscoveryStream::new(stream)) })
+        let stream = Fixed {
+            events: events.into(),
+        };
+        Box::pin(async move { Ok(DiscoveryStream::with_cancellation(stream, cancel)) })
     }
 
     fn stats(&self) -> DiscoveryStats {
@@ -111,48 +113,21 @@ impl Discovery for StaticDiscovery {
     }
 }
 
-/// A stream of fixed events followed by silence until cancellation, without pulling in
-/// `futures-util`.
-mod futures_util_free {
-    use std::collections::VecDeque;
-    use std::future::Future;
-    use std::pin::Pin;
-    use std::task::{Context, Poll};
+/// Fixed events, then silence (until the watch's token ends the stream).
+struct Fixed {
+    events: std::collections::VecDeque<DiscoveryEvent>,
+}
 
-    use futures_core::Stream;
-    use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+impl futures_core::Stream for Fixed {
+    type Item = Result<DiscoveryEvent, DiscoveryError>;
 
-    use crate::discovery::{DiscoveryError, DiscoveryEvent};
-
-    pub(super) struct Fixed {
-        events: VecDeque<DiscoveryEvent>,
-        cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
-        done: bool,
-    }
-
-    pub(super) fn iter_then_pending(
-        events: Vec<DiscoveryEvent>,
-        cancel: CancellationToken,
-    ) -> Fixed {
-        Fixed {
-            events: events.into(),
-            cancelled: Box::pin(cancel.cancelled_owned()),
-            done: false,
-        }
-    }
-
-    impl Stream for Fixed {
-        type Item = Result<DiscoveryEvent, DiscoveryError>;
-
-        fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-            if self.done || self.cancelled.as_mut().poll(cx).is_ready() {
-                self.done = true;
-                return Poll::Ready(None);
-            }
-            match self.events.pop_front() {
-                Some(ev) => Poll::Ready(Some(Ok(ev))),
-                None => Poll::Pending,
-            }
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        match self.events.pop_front() {
+            Some(ev) => std::task::Poll::Ready(Some(Ok(ev))),
+            None => std::task::Poll::Pending,
         }
     }
 }

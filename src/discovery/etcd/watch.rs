@@ -2,7 +2,6 @@
 //! and the stream that drains it.
 
 use std::collections::{HashMap, VecDeque};
-use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -10,7 +9,7 @@ use std::task::{Context, Poll, Waker};
 
 use etcd_client::{Event, WatchOptions, WatchStream};
 use futures_core::Stream;
-use tokio_util::sync::{CancellationToken, DropGuard, WaitForCancellationFutureOwned};
+use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::{Instrument, debug, warn};
 
 use super::Shared;
@@ -78,13 +77,14 @@ pub(super) async fn start(
         .run(stream)
         .instrument(span),
     );
-    Ok(DiscoveryStream::new(EtcdWatch {
-        shared: Arc::clone(&follower_shared),
-        backlog,
-        cancelled: Box::pin(cancel.cancelled_owned()),
-        _stop_task: task_cancel.drop_guard(),
-        done: false,
-    }))
+    Ok(DiscoveryStream::with_cancellation(
+        EtcdWatch {
+            shared: Arc::clone(&follower_shared),
+            backlog,
+            _stop_task: task_cancel.drop_guard(),
+        },
+        cancel,
+    ))
 }
 
 enum Establish {
@@ -369,10 +369,8 @@ impl Follower {
 struct EtcdWatch {
     shared: Arc<Shared>,
     backlog: Arc<Backlog>,
-    cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
     /// Stops the follower task when the stream is dropped.
     _stop_task: DropGuard,
-    done: bool,
 }
 
 impl Stream for EtcdWatch {
@@ -380,13 +378,6 @@ impl Stream for EtcdWatch {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = &mut *self;
-        if this.done {
-            return Poll::Ready(None);
-        }
-        if this.cancelled.as_mut().poll(cx).is_ready() {
-            this.done = true;
-            return Poll::Ready(None);
-        }
         let mut st = this.backlog.lock();
         if st.overflowed {
             st.overflowed = false;

@@ -205,10 +205,7 @@ mod hex {
 
 #[tokio::test]
 async fn kv_listen_prints_router_events_as_json_lines() {
-    let files: Vec<String> = ["vllm_v023.msgpack", "vllm_v024.msgpack", "sglang.msgpack"]
-        .iter()
-        .map(|f| format!("{}/tests/fixtures/{f}", env!("CARGO_MANIFEST_DIR")))
-        .collect();
+    let files = support::kv_fixture_files();
     let mut engine = support::PyPeer::spawn(&[
         "kvpub",
         "--topics",
@@ -536,10 +533,7 @@ async fn kv_relay_publishes_router_events_and_reports_stats() {
         }
     }
     let warmups = seq;
-    let files: Vec<String> = ["vllm_v023.msgpack", "vllm_v024.msgpack", "sglang.msgpack"]
-        .iter()
-        .map(|f| format!("{}/tests/fixtures/{f}", env!("CARGO_MANIFEST_DIR")))
-        .collect();
+    let files = support::kv_fixture_files();
     for f in &files {
         engine.send(Message::from_parts([
             b"kv".to_vec(),

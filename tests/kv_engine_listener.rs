@@ -25,15 +25,9 @@ impl EventSink for Collect {
     }
 }
 
-const FIXTURES: [&str; 3] = ["vllm_v023.msgpack", "vllm_v024.msgpack", "sglang.msgpack"];
-
-fn fixture_path(name: &str) -> String {
-    format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))
-}
-
 #[tokio::test]
 async fn libzmq_engine_to_router_events() {
-    let files: Vec<String> = FIXTURES.iter().map(|f| fixture_path(f)).collect();
+    let files = support::kv_fixture_files();
     // Batch seqs 0, 1, 5: the last jump counts one gap of 3 missing batches.
     let mut engine = PyPeer::spawn(&[
         "kvpub",

@@ -41,6 +41,15 @@ pub fn greeting(major: u8, minor: u8, mechanism: &[u8]) -> Vec<u8> {
     g
 }
 
+/// The three engine-batch fixtures (vLLM ≤ 0.23 arrays, vLLM ≥ 0.24 maps, SGLang), as
+/// paths, in the order the tests publish them.
+pub fn kv_fixture_files() -> Vec<String> {
+    ["vllm_v023.msgpack", "vllm_v024.msgpack", "sglang.msgpack"]
+        .iter()
+        .map(|f| format!("{}/tests/fixtures/{f}", env!("CARGO_MANIFEST_DIR")))
+        .collect()
+}
+
 /// The router events the sans-IO decoder and pipeline make of these engine batch
 /// files, one list per file (what any transport path must reproduce exactly).
 pub fn expected_router_events(

@@ -76,6 +76,7 @@
 //! Pre-1.0: minor versions may break the API. Public enums are `#[non_exhaustive]`.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod counter;
 pub mod discovery;
 pub mod kv;
 pub mod lossy;

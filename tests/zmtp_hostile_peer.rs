@@ -162,7 +162,7 @@ async fn stall_mid_greeting_times_out() {
 #[tokio::test]
 async fn more_flag_on_command() {
     let err = first_error(handshake_then(b"\x05\x05\x04PING"), config()).await;
-    assert_eq!(err.protocol(), Some(&ProtocolError::CommandInMessage));
+    assert_eq!(err.protocol(), Some(&ProtocolError::CommandWithMore));
 }
 
 #[tokio::test]

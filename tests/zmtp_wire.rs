@@ -311,7 +311,7 @@ fn after_handshake_more_on_command_is_fatal_unknown_is_counted() {
     s.handle_bytes(now, b"\x05\x05\x04PING");
     assert_eq!(
         events(&mut s).unwrap_err().protocol(),
-        Some(&ProtocolError::CommandInMessage)
+        Some(&ProtocolError::CommandWithMore)
     );
 }
 
@@ -385,20 +385,32 @@ fn publisher_subscription_limits() {
 }
 
 #[test]
-fn output_backlog_pauses_decoding() {
+fn ping_flood_leaves_one_pending_pong() {
     let now = Instant::now();
     let mut s = ready_sub(&Config::default(), 1, now);
-    // A peer that floods PINGs without reading our PONGs: decoding stops once the
-    // pending output passes the bound, so output stays bounded.
-    let ping = b"\x04\x17\x04PING\x00\x00aaaaaaaaaaaaaaaa";
-    for _ in 0..20_000 {
-        s.handle_bytes(now, ping);
+    drain(&mut s);
+    // A peer that floods PINGs without reading our PONGs: each answer replaces the
+    // unsent one, so output stays one PONG (with the latest context) however many.
+    for i in 0..20_000u32 {
+        let mut ping = b"\x04\x0b\x04PING\x00\x00".to_vec();
+        ping.extend_from_slice(&i.to_be_bytes());
+        ping[1] = (ping.len() - 2) as u8;
+        s.handle_bytes(now, &ping);
+        events(&mut s).unwrap();
     }
-    events(&mut s).unwrap();
-    assert!(!s.wants_input());
-    let out = drain(&mut s);
-    assert!(out.len() < eventplane::zmtp::MAX_PENDING_OUTPUT + 64);
     assert!(s.wants_input());
+    assert_eq!(s.pending_output(), 4 + 7);
+    let stats = s.stats();
+    assert_eq!(
+        (
+            stats.pings_received,
+            stats.pongs_sent,
+            stats.pongs_coalesced
+        ),
+        (20_000, 1, 19_999)
+    );
+    assert_eq!(drain(&mut s), b"\x04\x09\x04PONG\x00\x00\x4e\x1f");
+    assert_eq!(s.pending_output(), 0);
 }
 
 fn limits() -> FrameLimits {

@@ -9,7 +9,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{EngineDecoder, EngineStats, PlacementEvent, WorkerId};
-use crate::net::{Backoff, RateLimitedWarn, random_unit};
+use crate::counter;
+use crate::net::{Backoff, RateLimitedWarn, SeqStep, SeqTracker, random_unit};
 use crate::zmtp::{self, SubSocket};
 
 /// Settings of an [`EngineListener`].
@@ -89,6 +90,9 @@ pub struct EngineListenerStats {
     pub seq_gaps: u64,
     /// Batches missing in those jumps.
     pub seq_gap_batches: u64,
+    /// Sequence restarts: a regression, a restart at 0 on a new connection, or a jump
+    /// of more than [`MAX_SEQUENCE_GAP`](crate::net::MAX_SEQUENCE_GAP).
+    pub seq_resets: u64,
     /// Connections that ended and were dialled again.
     pub reconnects: u64,
     /// Dials or handshakes that failed.
@@ -106,6 +110,7 @@ struct Counters {
     malformed: AtomicU64,
     seq_gaps: AtomicU64,
     seq_gap_batches: AtomicU64,
+    seq_resets: AtomicU64,
     reconnects: AtomicU64,
     connect_failures: AtomicU64,
     discarded_events: AtomicU64,
@@ -138,6 +143,7 @@ impl EngineListenerHandle {
             malformed_messages: l(&c.malformed),
             seq_gaps: l(&c.seq_gaps),
             seq_gap_batches: l(&c.seq_gap_batches),
+            seq_resets: l(&c.seq_resets),
             reconnects: l(&c.reconnects),
             connect_failures: l(&c.connect_failures),
             discarded_events: l(&c.discarded_events),
@@ -197,7 +203,7 @@ impl EngineListener {
         let mut decoder = EngineDecoder::new(self.config.worker_id, self.config.block_size);
         let mut backoff = Backoff::new(self.config.reconnect_min, self.config.reconnect_max);
         let warn = RateLimitedWarn::default();
-        let mut last_seq: Option<u64> = None;
+        let mut seq_tracker = SeqTracker::default();
         let mut connected_before = false;
         loop {
             let connected = tokio::select! {
@@ -207,9 +213,7 @@ impl EngineListener {
             let mut sub = match connected {
                 Ok(s) => s,
                 Err(e) => {
-                    self.counters
-                        .connect_failures
-                        .fetch_add(1, Ordering::Relaxed);
+                    counter::add(&self.counters.connect_failures, 1);
                     if warn.check("connect", Instant::now()).is_some() {
                         tracing::warn!(endpoint = %self.config.endpoint, error = %e, "engine connection failed; retrying with backoff");
                     }
@@ -221,11 +225,11 @@ impl EngineListener {
                 }
             };
             if connected_before {
-                self.counters.reconnects.fetch_add(1, Ordering::Relaxed);
+                counter::add(&self.counters.reconnects, 1);
             }
             connected_before = true;
             backoff.reset();
-            let mut fresh = true;
+            seq_tracker.new_connection();
             loop {
                 let msg = tokio::select! {
                     () = cancel.cancelled() => return self.finish(&decoder),
@@ -244,18 +248,18 @@ impl EngineListener {
                 let (Some(topic), Some(seq), Some(payload), 3) =
                     (parts.first(), parts.get(1), parts.get(2), parts.len())
                 else {
-                    self.counters.malformed.fetch_add(1, Ordering::Relaxed);
+                    counter::add(&self.counters.malformed, 1);
                     continue;
                 };
                 let Ok(seq) = <[u8; 8]>::try_from(&seq[..]).map(u64::from_be_bytes) else {
-                    self.counters.malformed.fetch_add(1, Ordering::Relaxed);
+                    counter::add(&self.counters.malformed, 1);
                     continue;
                 };
                 if *topic != self.config.topic {
-                    self.counters.malformed.fetch_add(1, Ordering::Relaxed);
+                    counter::add(&self.counters.malformed, 1);
                     continue;
                 }
-                self.observe_seq(&mut last_seq, seq, std::mem::take(&mut fresh));
+                self.observe_seq(&mut seq_tracker, seq);
                 let decoded = decoder.decode_batch(payload);
                 *self
                     .counters
@@ -274,10 +278,7 @@ impl EngineListener {
                         match self.output.try_send(events) {
                             Ok(()) => {}
                             Err(e) => {
-                                self.counters.discarded_events.fetch_add(
-                                    e.into_inner().len() as u64,
-                                    Ordering::Relaxed,
-                                );
+                                counter::add(&self.counters.discarded_events, e.into_inner().len() as u64);
                             }
                         }
                         return self.finish(&decoder);
@@ -288,9 +289,7 @@ impl EngineListener {
                     Ok(permit) => permit.send(events),
                     // The processor is gone: nothing will ever take these.
                     Err(_) => {
-                        self.counters
-                            .discarded_events
-                            .fetch_add(events.len() as u64, Ordering::Relaxed);
+                        counter::add(&self.counters.discarded_events, events.len() as u64);
                         return self.finish(&decoder);
                     }
                 }
@@ -310,17 +309,18 @@ impl EngineListener {
         Ok(sub)
     }
 
-    fn observe_seq(&self, last: &mut Option<u64>, seq: u64, fresh: bool) {
-        if let Some(prev) = *last {
-            let reset = fresh && seq == 0;
-            if !reset && seq > prev.saturating_add(1) {
-                self.counters.seq_gaps.fetch_add(1, Ordering::Relaxed);
-                self.counters
-                    .seq_gap_batches
-                    .fetch_add(seq - prev - 1, Ordering::Relaxed);
+    fn observe_seq(&self, tracker: &mut SeqTracker, seq: u64) {
+        let c = &self.counters;
+        match tracker.observe(seq) {
+            SeqStep::InOrder => {}
+            SeqStep::Gap(missing) => {
+                counter::add(&c.seq_gaps, 1);
+                counter::add(&c.seq_gap_batches, missing);
+            }
+            SeqStep::Reset => {
+                counter::add(&c.seq_resets, 1);
             }
         }
-        *last = Some(seq);
     }
 
     fn finish(&self, decoder: &EngineDecoder) -> EngineListenerStats {

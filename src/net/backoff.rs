@@ -48,15 +48,21 @@ impl Backoff {
         self
     }
 
-    /// The ceiling for the current attempt, before jitter.
+    /// The ceiling for the current attempt, before jitter. Never panics: any
+    /// overflow (a huge multiplier, `Duration::MAX` bounds) saturates at `max`.
     pub fn ceiling(&self) -> Duration {
+        if self.min.is_zero() {
+            return Duration::ZERO;
+        }
         let factor = self.multiplier.powi(self.attempt.min(64) as i32);
         let ceiling = self.min.as_secs_f64() * factor;
-        if ceiling >= self.max.as_secs_f64() {
-            self.max
-        } else {
-            Duration::from_secs_f64(ceiling)
+        // `!(a < b)` also catches NaN and infinity.
+        if !(ceiling < self.max.as_secs_f64()) {
+            return self.max;
         }
+        Duration::try_from_secs_f64(ceiling)
+            .unwrap_or(self.max)
+            .min(self.max)
     }
 
     /// The next delay for `random` in `[0, 1]` (clamped), and advances the attempt.
@@ -66,7 +72,10 @@ impl Backoff {
         } else {
             1.0
         };
-        let delay = self.ceiling().mul_f64(random);
+        let ceiling = self.ceiling();
+        let delay = Duration::try_from_secs_f64(ceiling.as_secs_f64() * random)
+            .unwrap_or(ceiling)
+            .min(ceiling);
         self.attempt = self.attempt.saturating_add(1);
         delay
     }
@@ -156,6 +165,30 @@ pub fn random_unit() -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn never_panics_on_any_configuration() {
+        let durations = [
+            Duration::ZERO,
+            Duration::from_nanos(1),
+            Duration::from_millis(100),
+            Duration::from_secs(u64::MAX / 2),
+            Duration::MAX,
+        ];
+        let multipliers = [0.0, 1.0, 2.0, 1e308, f64::INFINITY, f64::NAN, -5.0];
+        for min in durations {
+            for max in durations {
+                for m in multipliers {
+                    let mut b = Backoff::new(min, max).with_multiplier(m);
+                    for i in 0..200 {
+                        let r = [0.0, 0.5, 1.0, f64::NAN, 7.0][i % 5];
+                        let d = b.next_delay(r);
+                        assert!(d <= max.max(min), "{min:?} {max:?} {m} -> {d:?}");
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn grows_and_caps() {

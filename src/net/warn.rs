@@ -6,6 +6,9 @@ use std::time::{Duration, Instant};
 
 /// Keys kept at most; past that the table is cleared (warnings then log once more).
 const MAX_KEYS: usize = 4096;
+/// Longest key stored as given; a longer one (an endpoint from a hostile discovery
+/// record, say) is stored as its first bytes and a hash of the whole key.
+const MAX_KEY_LEN: usize = 128;
 
 /// Lets the first occurrence per key per interval (default 60 s) through and counts
 /// the rest, reporting the count with the next one that gets through.
@@ -45,6 +48,8 @@ impl RateLimitedWarn {
     /// `Some(suppressed)` when a warning for `key` should be logged now (with how many
     /// were suppressed since the last), `None` when it is suppressed and counted.
     pub fn check(&self, key: &str, now: Instant) -> Option<u64> {
+        let key = bounded_key(key);
+        let key = key.as_ref();
         let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((last, suppressed)) = keys.get_mut(key) {
             if now.saturating_duration_since(*last) < self.interval {
@@ -61,5 +66,38 @@ impl RateLimitedWarn {
         }
         keys.insert(key.to_owned(), (now, 0));
         Some(0)
+    }
+}
+
+/// `key`, or for a key longer than [`MAX_KEY_LEN`] its first bytes and a hash of it,
+/// so the table holds at most `MAX_KEYS × (MAX_KEY_LEN + 17)` bytes of keys.
+fn bounded_key(key: &str) -> std::borrow::Cow<'_, str> {
+    if key.len() <= MAX_KEY_LEN {
+        return key.into();
+    }
+    let mut cut = MAX_KEY_LEN - 17;
+    while !key.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let hash = xxhash_rust::xxh3::xxh3_64(key.as_bytes());
+    format!("{}#{hash:016x}", key.get(..cut).unwrap_or_default()).into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_keys_are_bounded_and_still_distinct() {
+        let warn = RateLimitedWarn::default();
+        let now = Instant::now();
+        let a = format!("conn:{}", "é".repeat(40_000));
+        let b = format!("{a}x");
+        assert_eq!(warn.check(&a, now), Some(0));
+        assert_eq!(warn.check(&b, now), Some(0));
+        assert_eq!(warn.check(&a, now), None);
+        let keys = warn.keys.lock().unwrap();
+        assert!(keys.keys().all(|k| k.len() <= MAX_KEY_LEN));
+        assert_eq!(keys.len(), 2);
     }
 }

@@ -31,6 +31,10 @@ pub struct PublisherStats {
     pub gaps: u64,
     /// Messages missing in those jumps.
     pub gap_messages: u64,
+    /// Sequence restarts: a regression, a restart at 0 on a new connection, or a jump
+    /// forward of more than [`MAX_SEQUENCE_GAP`](crate::net::MAX_SEQUENCE_GAP) (a
+    /// restarted or confused publisher, not that many lost messages).
+    pub sequence_resets: u64,
     /// Connections that ended and were dialled again.
     pub reconnects: u64,
     /// Dials or handshakes that failed.
@@ -44,28 +48,31 @@ pub struct PublisherStats {
 }
 
 impl PublisherStats {
+    /// Adds `o` into `self`, saturating.
     pub(crate) fn add(&mut self, o: &PublisherStats) {
-        self.received += o.received;
-        self.delivered += o.delivered;
-        self.dropped_lane_full += o.dropped_lane_full;
-        self.dropped_budget += o.dropped_budget;
-        self.dropped_filtered_topic += o.dropped_filtered_topic;
-        self.dropped_malformed += o.dropped_malformed;
-        self.gaps += o.gaps;
-        self.gap_messages += o.gap_messages;
-        self.reconnects += o.reconnects;
-        self.connect_failures += o.connect_failures;
-        self.refused_by_filter += o.refused_by_filter;
-        self.bytes += o.bytes;
-        self.depth += o.depth;
+        let sum = |a: &mut u64, b: u64| *a = a.saturating_add(b);
+        sum(&mut self.received, o.received);
+        sum(&mut self.delivered, o.delivered);
+        sum(&mut self.dropped_lane_full, o.dropped_lane_full);
+        sum(&mut self.dropped_budget, o.dropped_budget);
+        sum(&mut self.dropped_filtered_topic, o.dropped_filtered_topic);
+        sum(&mut self.dropped_malformed, o.dropped_malformed);
+        sum(&mut self.gaps, o.gaps);
+        sum(&mut self.gap_messages, o.gap_messages);
+        sum(&mut self.sequence_resets, o.sequence_resets);
+        sum(&mut self.reconnects, o.reconnects);
+        sum(&mut self.connect_failures, o.connect_failures);
+        sum(&mut self.refused_by_filter, o.refused_by_filter);
+        sum(&mut self.bytes, o.bytes);
+        self.depth = self.depth.saturating_add(o.depth);
     }
 
-    /// Every drop, whatever its reason.
+    /// Every drop, whatever its reason (saturating).
     pub fn dropped(&self) -> u64 {
         self.dropped_lane_full
-            + self.dropped_budget
-            + self.dropped_filtered_topic
-            + self.dropped_malformed
+            .saturating_add(self.dropped_budget)
+            .saturating_add(self.dropped_filtered_topic)
+            .saturating_add(self.dropped_malformed)
     }
 }
 
@@ -105,16 +112,16 @@ pub(crate) struct Counters {
     pub(crate) malformed: AtomicU64,
     pub(crate) gaps: AtomicU64,
     pub(crate) gap_messages: AtomicU64,
+    pub(crate) sequence_resets: AtomicU64,
     pub(crate) reconnects: AtomicU64,
     pub(crate) connect_failures: AtomicU64,
     pub(crate) refused_by_filter: AtomicU64,
 }
 
 impl Counters {
+    /// Adds `n`, saturating at `u64::MAX` instead of wrapping.
     pub(crate) fn add(c: &AtomicU64, n: u64) {
-        if n > 0 {
-            c.fetch_add(n, Ordering::Relaxed);
-        }
+        crate::counter::add(c, n);
     }
 
     pub(crate) fn snapshot(&self, lane: LaneStats) -> PublisherStats {
@@ -128,11 +135,37 @@ impl Counters {
             dropped_malformed: l(&self.malformed),
             gaps: l(&self.gaps),
             gap_messages: l(&self.gap_messages),
+            sequence_resets: l(&self.sequence_resets),
             reconnects: l(&self.reconnects),
             connect_failures: l(&self.connect_failures),
             refused_by_filter: l(&self.refused_by_filter),
             bytes: l(&self.bytes),
             depth: lane.depth,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adds_saturate() {
+        let c = Counters::default();
+        Counters::add(&c.gap_messages, u64::MAX - 1);
+        Counters::add(&c.gap_messages, 5);
+        assert_eq!(c.gap_messages.load(Ordering::Relaxed), u64::MAX);
+        let mut total = PublisherStats {
+            bytes: u64::MAX,
+            dropped_budget: u64::MAX,
+            ..PublisherStats::default()
+        };
+        total.add(&PublisherStats {
+            bytes: 1,
+            dropped_malformed: 3,
+            ..PublisherStats::default()
+        });
+        assert_eq!(total.bytes, u64::MAX);
+        assert_eq!(total.dropped(), u64::MAX);
     }
 }

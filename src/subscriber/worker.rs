@@ -16,7 +16,7 @@ use super::stats::Counters;
 use super::{Delivery, PublisherCell, Shared};
 use crate::discovery::{ChannelId, DiscoveryEvent, Instance};
 use crate::lossy::{Lane, Merge};
-use crate::net::{Backoff, random_unit};
+use crate::net::{Backoff, SeqStep, SeqTracker, random_unit};
 use crate::zmtp::{Error as ZmtpError, Message, SubSocket};
 
 /// After discovery removes a publisher, its connection keeps reading for up to this
@@ -337,10 +337,13 @@ async fn connect_and_read(
             match parse(config.layout, config.topic.as_ref(), &message) {
                 Parsed::Ok(sequence) => {
                     if let Some(s) = sequence {
-                        let missing = seq.observe(s);
-                        if missing > 0 {
-                            Counters::add(&counters.gaps, 1);
-                            Counters::add(&counters.gap_messages, missing);
+                        match seq.observe(s) {
+                            SeqStep::InOrder => {}
+                            SeqStep::Gap(missing) => {
+                                Counters::add(&counters.gaps, 1);
+                                Counters::add(&counters.gap_messages, missing);
+                            }
+                            SeqStep::Reset => Counters::add(&counters.sequence_resets, 1),
                         }
                     }
                     out.push((
@@ -424,58 +427,12 @@ pub(crate) fn parse(layout: Layout, topic: Option<&Bytes>, message: &Message) ->
     }
 }
 
-/// Per-publisher sequence tracking: a jump forward is a gap; a restart at 0 on a new
-/// connection is a reset, not a gap.
-#[derive(Debug, Default)]
-pub(crate) struct SeqTracker {
-    last: Option<u64>,
-    fresh_connection: bool,
-}
-
-impl SeqTracker {
-    pub(crate) fn new_connection(&mut self) {
-        self.fresh_connection = true;
-    }
-
-    /// Messages missing before `seq` (0 when none).
-    pub(crate) fn observe(&mut self, seq: u64) -> u64 {
-        let fresh = std::mem::take(&mut self.fresh_connection);
-        let missing = match self.last {
-            _ if fresh && seq == 0 => 0,
-            Some(last) if seq > last => seq - last - 1,
-            // A regression (a publisher restarted without our noticing): a reset.
-            _ => 0,
-        };
-        self.last = Some(seq);
-        missing
-    }
-}
-
 /// Lane handles are per publisher; a type alias keeps signatures short.
 pub(crate) type DeliveryLane = Lane<Delivery>;
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn gaps_and_resets() {
-        let mut s = SeqTracker::default();
-        s.new_connection();
-        assert_eq!(s.observe(0), 0);
-        assert_eq!(s.observe(1), 0);
-        assert_eq!(s.observe(5), 3);
-        // Reconnect, publisher restarted: 0 is a reset.
-        s.new_connection();
-        assert_eq!(s.observe(0), 0);
-        // Reconnect, publisher kept going while we were away: a gap.
-        s.new_connection();
-        assert_eq!(s.observe(10), 9);
-        // First message ever, not at 0: nothing to compare with.
-        let mut t = SeqTracker::default();
-        t.new_connection();
-        assert_eq!(t.observe(42), 0);
-    }
 
     #[test]
     fn layouts_and_exact_topic() {

@@ -49,6 +49,9 @@ pub struct Config {
     pub(crate) send_queue_bytes: usize,
     pub(crate) max_subscriptions: usize,
     pub(crate) max_subscription_size: usize,
+    pub(crate) write_stall_timeout: Option<Duration>,
+    pub(crate) max_connections: usize,
+    pub(crate) max_retained_bytes: usize,
 }
 
 impl Default for Config {
@@ -69,6 +72,9 @@ impl Default for Config {
             send_queue_bytes: 16 << 20,
             max_subscriptions: 4096,
             max_subscription_size: 1024,
+            write_stall_timeout: Some(Duration::from_secs(30)),
+            max_connections: 1024,
+            max_retained_bytes: 8 << 20,
         }
     }
 }
@@ -132,9 +138,29 @@ impl Config {
     pub fn send_queue_messages(&self) -> usize {
         self.send_queue_messages
     }
-    /// Publisher: bytes queued per subscriber before dropping. Default 16 MiB.
+    /// Bytes pending toward one peer, all counted together: queued messages (charged
+    /// for the encoding buffers they keep alive), the write buffer and control replies.
+    /// A publisher drops a message for a subscriber rather than exceed it. Default
+    /// 16 MiB.
     pub fn send_queue_bytes(&self) -> usize {
         self.send_queue_bytes
+    }
+    /// How long a connection may have output waiting while the peer reads none of it
+    /// before it is closed ([`TimeoutKind::WriteStall`](crate::zmtp::TimeoutKind)).
+    /// Default 30 s; `None` waits forever.
+    pub fn write_stall_timeout(&self) -> Option<Duration> {
+        self.write_stall_timeout
+    }
+    /// Publisher: most connections served at once (handshaking ones included); more
+    /// are closed on accept and counted in `PubStats::refused`. Default 1024.
+    pub fn max_connections(&self) -> usize {
+        self.max_connections
+    }
+    /// Subscriber: read-buffer memory that received messages may keep alive before
+    /// messages are copied out instead of sliced (see
+    /// [`SubSocket`](crate::zmtp::SubSocket#memory)). Default 8 MiB.
+    pub fn max_retained_bytes(&self) -> usize {
+        self.max_retained_bytes
     }
     /// Publisher: distinct subscriptions one peer may hold. Default 4096.
     pub fn max_subscriptions(&self) -> usize {
@@ -223,9 +249,29 @@ impl ConfigBuilder {
         self.config.send_queue_messages = messages;
         self
     }
-    /// Publisher: per-subscriber queue size in bytes. Default 16 MiB. Must be ≥ 1.
+    /// Bytes pending toward one peer: its message queue (charged for the encoding
+    /// buffers it keeps alive), write buffer and control replies together. Default
+    /// 16 MiB. Must be ≥ 1.
     pub fn send_queue_bytes(mut self, bytes: usize) -> Self {
         self.config.send_queue_bytes = bytes;
+        self
+    }
+    /// Close a connection whose peer reads none of our pending output for this long.
+    /// Default 30 s; `None` never closes for that reason. Must be non-zero.
+    pub fn write_stall_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.config.write_stall_timeout = timeout;
+        self
+    }
+    /// Publisher: most connections at once; more are refused and counted. Default
+    /// 1024. Must be ≥ 1. Each costs a read buffer (`read_chunk`) and its queue.
+    pub fn max_connections(mut self, connections: usize) -> Self {
+        self.config.max_connections = connections;
+        self
+    }
+    /// Subscriber: read-buffer memory received messages may keep alive before small
+    /// frames are copied out. Default 8 MiB. Must be ≥ 1.
+    pub fn max_retained_bytes(mut self, bytes: usize) -> Self {
+        self.config.max_retained_bytes = bytes;
         self
     }
     /// Publisher: distinct subscriptions one peer may hold. Default 4096. Must be ≥ 1.
@@ -249,6 +295,8 @@ impl ConfigBuilder {
             ("send_queue_messages", c.send_queue_messages),
             ("send_queue_bytes", c.send_queue_bytes),
             ("max_subscriptions", c.max_subscriptions),
+            ("max_connections", c.max_connections),
+            ("max_retained_bytes", c.max_retained_bytes),
         ];
         for (field, value) in nonzero {
             if value == 0 {
@@ -278,6 +326,7 @@ impl ConfigBuilder {
             ("heartbeat_interval", c.heartbeat_interval),
             ("heartbeat_timeout", c.heartbeat_timeout),
             ("heartbeat_ttl", c.heartbeat_ttl),
+            ("write_stall_timeout", c.write_stall_timeout),
         ];
         for (field, value) in durations {
             if value == Some(Duration::ZERO) {
@@ -340,6 +389,9 @@ mod tests {
         assert_eq!(c.heartbeat_interval(), None);
         assert_eq!(c.send_queue_messages(), 10_000);
         assert_eq!(c.send_queue_bytes(), 16 << 20);
+        assert_eq!(c.write_stall_timeout(), Some(Duration::from_secs(30)));
+        assert_eq!(c.max_connections(), 1024);
+        assert_eq!(c.max_retained_bytes(), 8 << 20);
     }
 
     #[test]

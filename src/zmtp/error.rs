@@ -103,6 +103,11 @@ pub enum TimeoutKind {
     Handshake,
     /// No bytes from the peer within the heartbeat timeout or the peer's TTL.
     Heartbeat,
+    /// Name resolution of the endpoint's host (within `Config::connect_timeout`).
+    Resolve,
+    /// The peer read nothing we wrote for `Config::write_stall_timeout` while output
+    /// was waiting for it.
+    WriteStall,
 }
 
 impl fmt::Display for TimeoutKind {
@@ -111,6 +116,8 @@ impl fmt::Display for TimeoutKind {
             TimeoutKind::Connect => "connect",
             TimeoutKind::Handshake => "handshake",
             TimeoutKind::Heartbeat => "heartbeat",
+            TimeoutKind::Resolve => "name resolution",
+            TimeoutKind::WriteStall => "write (peer not reading)",
         })
     }
 }
@@ -182,9 +189,10 @@ pub enum ProtocolError {
         /// The limit.
         max: usize,
     },
-    /// A command frame had the MORE flag, or appeared inside a multipart message.
-    #[error("command frame inside a multipart message")]
-    CommandInMessage,
+    /// A command frame had the MORE flag set (commands are single frames; a command
+    /// *between* the frames of a message is accepted, as libzmq sends its heartbeats).
+    #[error("command frame with the MORE flag")]
+    CommandWithMore,
     /// A reserved flag bit was set and `strict` mode is on.
     #[error("reserved frame flag bits {flags:#04x} set")]
     ReservedFlags {

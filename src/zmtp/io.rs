@@ -1,23 +1,34 @@
 //! The thin async layer shared by both sockets: moves bytes between a stream and a
 //! [`Session`], and runs its timers on tokio's clock.
+//!
+//! What a connection holds, and its bounds:
+//! - **Read buffer**: `read_chunk` bytes, reclaimed in place while no received frame
+//!   references it; a frame larger than a chunk is assembled in an allocation grown
+//!   geometrically as its bytes arrive, never larger than the frame. Buffers that
+//!   frames still reference when the connection moves on are *retired* into a
+//!   [`Retention`] account (subscribers) so what they keep alive is counted.
+//! - **Write buffer**: session output is moved into it only while it holds less than
+//!   [`WRITE_BATCH`]; beyond, the output stays in the session, where a PONG replaces
+//!   the previous unsent one. While [`WRITE_BATCH`] or more waits to be written the
+//!   connection stops reading the peer; if the peer reads none of it for
+//!   `write_stall_timeout`, the connection fails with [`TimeoutKind::WriteStall`].
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::{Instant, Sleep};
 
-use super::{Config, Error, Event, Session, SocketType};
+use super::retain::Retention;
+use super::{Config, Error, Event, Session, SocketType, TimeoutKind};
 
-/// Writes are coalesced into buffers of about this size.
+/// Writes are coalesced into buffers of about this size; a connection with this much
+/// output waiting stops reading its peer.
 pub(crate) const WRITE_BATCH: usize = 64 << 10;
-
-/// A partial frame up to this size is moved into a fresh read buffer rather than
-/// reclaiming the old allocation, so one large frame does not pin a large buffer for
-/// the connection's lifetime.
-const SMALL_LEFTOVER: usize = 4 << 10;
 
 #[derive(Debug)]
 pub(crate) struct Conn<S> {
@@ -27,10 +38,23 @@ pub(crate) struct Conn<S> {
     sleep: Pin<Box<Sleep>>,
     armed: Option<Instant>,
     read_chunk: usize,
+    /// Size the current read buffer was allocated with.
+    allocation: usize,
+    /// Where retired read buffers go; `None` drops them (nothing the connection
+    /// hands out outlives it).
+    retention: Option<Arc<Retention>>,
+    /// Since when output has waited without a byte being written.
+    blocked_since: Option<Instant>,
+    write_stall_timeout: Option<Duration>,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
-    pub(crate) fn new(stream: S, socket_type: SocketType, config: &Config) -> Self {
+    pub(crate) fn new(
+        stream: S,
+        socket_type: SocketType,
+        config: &Config,
+        retention: Option<Arc<Retention>>,
+    ) -> Self {
         let now = Instant::now();
         Conn {
             stream,
@@ -39,24 +63,44 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             sleep: Box::pin(tokio::time::sleep_until(now)),
             armed: None,
             read_chunk: config.read_chunk,
+            allocation: 0,
+            retention,
+            blocked_since: None,
+            write_stall_timeout: config.write_stall_timeout,
         }
     }
 
     /// Writes the session's output and anything already in `wbuf`. Ready once both
     /// are fully written and flushed.
     pub(crate) fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
-        self.session.transmit_into(&mut self.wbuf);
-        if self.wbuf.is_empty() {
-            return Poll::Ready(Ok(()));
-        }
-        while !self.wbuf.is_empty() {
-            let n = ready!(Pin::new(&mut self.stream).poll_write(cx, &self.wbuf))?;
-            if n == 0 {
-                return Poll::Ready(Err(
-                    std::io::Error::from(std::io::ErrorKind::WriteZero).into()
-                ));
+        loop {
+            if self.wbuf.len() < WRITE_BATCH {
+                self.session.transmit_into(&mut self.wbuf);
             }
-            self.wbuf.advance(n);
+            if self.wbuf.is_empty() {
+                break;
+            }
+            match Pin::new(&mut self.stream).poll_write(cx, &self.wbuf) {
+                Poll::Ready(Ok(0)) => {
+                    return Poll::Ready(Err(
+                        std::io::Error::from(std::io::ErrorKind::WriteZero).into()
+                    ));
+                }
+                Poll::Ready(Ok(n)) => {
+                    self.wbuf.advance(n);
+                    self.blocked_since = None;
+                }
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
+                Poll::Pending => {
+                    self.blocked_since.get_or_insert_with(Instant::now);
+                    return Poll::Pending;
+                }
+            }
+        }
+        self.blocked_since = None;
+        if self.wbuf.capacity() > 2 * WRITE_BATCH {
+            // A large message went out: give its copy back.
+            self.wbuf = BytesMut::new();
         }
         ready!(Pin::new(&mut self.stream).poll_flush(cx))?;
         Poll::Ready(Ok(()))
@@ -64,25 +108,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
 
     /// Reads once into the session. `Ok(n)` with n > 0, or an error (`Closed` at EOF).
     pub(crate) fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<Result<usize, Error>> {
-        let chunk = self.read_chunk;
-        let buf = self.session.input_buffer();
-        let spare_low = buf.capacity() - buf.len() < chunk / 8;
-        let oversized = buf.capacity() > 4 * chunk;
-        if buf.len() <= SMALL_LEFTOVER && (spare_low || oversized) {
-            // Back to a `read_chunk` buffer: after large frames this releases the big
-            // allocation instead of reading into its tail.
-            let mut fresh = BytesMut::with_capacity(chunk);
-            fresh.extend_from_slice(buf);
-            *buf = fresh;
-        } else if spare_low {
-            // Assembling a large frame (already validated against the limits): grow
-            // geometrically, as bytes actually arrive.
-            buf.reserve(chunk.max(buf.len()));
-        }
+        self.prepare_read_buffer();
         let n = ready!(tokio_util::io::poll_read_buf(
             Pin::new(&mut self.stream),
             cx,
-            buf
+            self.session.input_buffer()
         ))?;
         if n == 0 {
             return Poll::Ready(Err(Error::Closed));
@@ -91,15 +121,72 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         Poll::Ready(Ok(n))
     }
 
-    /// Runs due session timers and arms the sleep for the next one.
+    /// Makes room for the next read without letting received frames pin more than
+    /// they must:
+    /// - the current buffer is read into while it has room for what decoding needs
+    ///   (or an eighth of a chunk);
+    /// - otherwise, when no frame references it any more, its space is reclaimed in
+    ///   place (the common case: the consumer keeps up);
+    /// - otherwise a new buffer is allocated, a chunk, or for a frame larger than a
+    ///   chunk up to twice the bytes already received of it (never past its end), and
+    ///   the unconsumed bytes move over; the old buffer is retired.
+    fn prepare_read_buffer(&mut self) {
+        let chunk = self.read_chunk;
+        let needed = self.session.input_needed();
+        let buf = self.session.input_buffer();
+        let len = buf.len();
+        let frame_end = len.saturating_add(needed);
+        let target = if frame_end <= chunk {
+            chunk
+        } else {
+            frame_end.min(len.saturating_mul(2).max(chunk))
+        };
+        let spare = buf.capacity() - len;
+        let oversized = self.allocation > 2 * frame_end.max(chunk);
+        if spare >= needed.min(chunk / 8).max(1) && !oversized {
+            return;
+        }
+        if !oversized && target <= self.allocation && buf.try_reclaim(target - len) {
+            return;
+        }
+        let mut fresh = BytesMut::with_capacity(target.max(len + 1));
+        fresh.extend_from_slice(buf);
+        let old = std::mem::replace(buf, fresh);
+        let old_allocation = std::mem::replace(&mut self.allocation, target.max(len + 1));
+        if let Some(retention) = &self.retention {
+            retention.retire(old, old_allocation);
+        }
+    }
+
+    /// When output has waited this long without a byte written, the peer is stalled.
+    fn stall_deadline(&self) -> Option<Instant> {
+        let since = self.blocked_since?;
+        since.checked_add(self.write_stall_timeout?)
+    }
+
+    /// Runs due session timers and the write-stall deadline, and arms the sleep for
+    /// the next one. Before a heartbeat or TTL expiry is declared, whatever the
+    /// transport already holds is read: a socket that was not polled for a while
+    /// must not blame the peer for its own delay.
     pub(crate) fn poll_timers(&mut self, cx: &mut Context<'_>) -> Result<(), Error> {
         for _ in 0..8 {
-            let Some(deadline) = self.session.poll_timeout() else {
+            let session = self.session.poll_timeout().map(Instant::from_std);
+            let stall = self.stall_deadline();
+            let Some(deadline) = [session, stall].into_iter().flatten().min() else {
                 return Ok(());
             };
-            let deadline = Instant::from_std(deadline);
             let now = Instant::now();
             if deadline <= now {
+                if stall.is_some_and(|d| d <= now) {
+                    return Err(Error::Timeout(TimeoutKind::WriteStall));
+                }
+                if self.session.peer_silent(now.into_std()) {
+                    match self.poll_read(cx) {
+                        Poll::Ready(Ok(_)) => continue,
+                        Poll::Ready(Err(e)) => return Err(e),
+                        Poll::Pending => {}
+                    }
+                }
                 self.session.handle_timeout(now.into_std())?;
                 continue;
             }
@@ -136,7 +223,45 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             if ready {
                 return Poll::Ready(Ok(()));
             }
+            if !self.may_read() {
+                return Poll::Pending;
+            }
             ready!(self.poll_read(cx))?;
+        }
+    }
+}
+
+impl<S> Conn<S> {
+    /// Bytes waiting to be written to the peer: the write buffer and the session's
+    /// unsent control output.
+    pub(crate) fn pending_output(&self) -> usize {
+        self.wbuf.len() + self.session.pending_output()
+    }
+
+    /// Whether the connection should read from the peer now: not while a full write
+    /// batch waits for the peer to read (a peer that sends without reading cannot make
+    /// us queue replies), nor while the session asks for its output to drain first.
+    pub(crate) fn may_read(&self) -> bool {
+        self.session.wants_input() && self.pending_output() < WRITE_BATCH
+    }
+
+    /// Size of one socket read.
+    pub(crate) fn read_chunk(&self) -> usize {
+        self.read_chunk
+    }
+
+    /// Capacity of the current read buffer.
+    pub(crate) fn read_buffer_capacity(&mut self) -> usize {
+        self.session.input_buffer().capacity()
+    }
+}
+
+impl<S> Drop for Conn<S> {
+    fn drop(&mut self) {
+        // Frames handed out may outlive the connection: their buffer stays counted.
+        if let Some(retention) = &self.retention {
+            let buf = std::mem::take(self.session.input_buffer());
+            retention.retire(buf, self.allocation);
         }
     }
 }

@@ -104,6 +104,46 @@ impl Message {
     pub(crate) fn from_smallvec(parts: SmallVec<[Bytes; 3]>) -> Self {
         Message { parts }
     }
+
+    /// Copies every frame of at most `max_frame` bytes into one allocation of their
+    /// combined size, so the message no longer keeps the buffers it was sliced from
+    /// alive. Larger frames, which own their allocation, are left as they are.
+    /// Returns `false` when there was nothing to copy.
+    pub(crate) fn compact(&mut self, max_frame: usize) -> bool {
+        let small = |p: &Bytes| !p.is_empty() && p.len() <= max_frame;
+        let total: usize = self.parts.iter().filter(|p| small(p)).map(Bytes::len).sum();
+        if total == 0 {
+            return false;
+        }
+        let mut buf = bytes::BytesMut::with_capacity(total);
+        for part in self.parts.iter().filter(|p| small(p)) {
+            buf.extend_from_slice(part);
+        }
+        let mut all = buf.freeze();
+        for part in self.parts.iter_mut().filter(|p| small(p)) {
+            *part = all.split_to(part.len());
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compact_copies_small_frames_only() {
+        let big = Bytes::from(vec![1u8; 1000]);
+        let mut backing = bytes::BytesMut::from(&[2u8; 4096][..]);
+        let small = backing.split_to(10).freeze();
+        let mut msg = Message::from_parts([small.clone(), Bytes::new(), big.clone()]);
+        assert!(msg.compact(100));
+        assert_eq!(msg, Message::from_parts([small, Bytes::new(), big.clone()]));
+        // The small frame no longer shares the 4 KiB backing buffer.
+        drop(backing);
+        assert!(msg.get(0).is_some_and(|f| f.is_unique()));
+        assert!(!Message::from_parts([big]).compact(100));
+    }
 }
 
 impl From<Bytes> for Message {

@@ -33,6 +33,7 @@ mod io;
 mod message;
 mod prefix;
 mod publish;
+mod retain;
 mod session;
 pub(crate) mod sub;
 
@@ -41,4 +42,4 @@ pub use error::{Error, ProtocolError, TimeoutKind};
 pub use message::Message;
 pub use publish::{PubSocket, PubStats, SendReport, SubscriberStats};
 pub use session::{Event, MAX_PENDING_OUTPUT, PeerInfo, Session, SessionStats, SocketType};
-pub use sub::SubSocket;
+pub use sub::{SubBuffers, SubSocket};

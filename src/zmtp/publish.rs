@@ -19,7 +19,8 @@ use super::codec::{encode_message, encoded_len};
 use super::endpoint;
 use super::io::{Conn, WRITE_BATCH};
 use super::prefix::PrefixMap;
-use super::{Config, Error, Event, Message, SocketType};
+use super::{Config, Error, Event, Message, SocketType, TimeoutKind};
+use crate::net::RateLimitedWarn;
 
 /// How often (at most) a drop warning is logged per subscriber.
 const DROP_WARN_INTERVAL: Duration = Duration::from_secs(60);
@@ -38,6 +39,23 @@ const DROP_WARN_INTERVAL: Duration = Duration::from_secs(60);
 /// Subscriptions arrive as ZMTP 3.1 commands or ZMTP 3.0 messages, from any peer.
 /// Matching costs one hash look-up per distinct subscription length, however many
 /// subscribers there are.
+///
+/// # What a subscriber can make it hold
+/// - Everything pending toward one subscriber counts as one figure against
+///   `send_queue_bytes` (default 16 MiB): its queued messages, charged for the encoding
+///   buffers they keep alive (small messages share 64 KiB buffers; a queue holding one
+///   message of a buffer pays for the whole buffer), its write buffer, and control
+///   replies. At most one PONG is ever pending: a PING that arrives before the last
+///   answer was written replaces it.
+/// - While 64 KiB or more wait to be written to a subscriber, its connection is not
+///   read; if it reads nothing for `write_stall_timeout` (default 30 s) it is closed
+///   and counted in [`PubStats::stalled`].
+/// - What a subscriber sends is capped at its subscription limit: a frame larger than
+///   `max_subscription_size + 1` closes the connection at its header, before READY
+///   only commands are accepted, and subscription prefixes are copied out of the read
+///   buffer.
+/// - At most `max_connections` (default 1024) connections at once, handshaking ones
+///   included; more are closed on accept and counted in [`PubStats::refused`].
 ///
 /// Dropping the socket stops accepting and closes every connection (queued messages
 /// are discarded) as soon as its tasks observe the cancellation, so the port may stay
@@ -110,6 +128,14 @@ pub struct PubStats {
     pub accepted: u64,
     /// Connections that ended with an error (protocol, timeout, I/O).
     pub failed: u64,
+    /// Of those, connections closed because the subscriber read nothing for
+    /// `write_stall_timeout` while output waited for it.
+    pub stalled: u64,
+    /// Connections closed on accept because `max_connections` were open.
+    pub refused: u64,
+    /// Bytes pending toward all subscribers: queued messages (charged for the
+    /// encoding buffers they keep alive), write buffers and control replies.
+    pub pending_bytes: usize,
 }
 
 /// One subscriber of a [`PubSocket`], from [`PubSocket::subscriber_stats`].
@@ -130,8 +156,12 @@ pub struct SubscriberStats {
     pub subscriptions: usize,
     /// Messages waiting in its queue.
     pub queue_len: usize,
-    /// Bytes waiting in its queue.
+    /// Bytes its queue keeps alive: messages with an allocation of their own at their
+    /// size, small messages as the whole encoding buffers they share.
     pub queue_bytes: usize,
+    /// Everything pending toward it, the figure bounded by `send_queue_bytes`:
+    /// `queue_bytes` plus its write buffer and unsent control replies.
+    pub pending_bytes: usize,
     /// Messages handed to its writer.
     pub written: u64,
     /// Messages dropped because its queue was full.
@@ -144,6 +174,7 @@ struct Shared {
     inner: Mutex<Inner>,
     subscribed: watch::Sender<usize>,
     drained: Notify,
+    warn: RateLimitedWarn,
 }
 
 #[derive(Debug, Default)]
@@ -151,41 +182,116 @@ struct Inner {
     index: PrefixMap<SmallVec<[usize; 4]>>,
     peers: Vec<Option<Peer>>,
     free: Vec<usize>,
+    /// Connections being served (handshaking ones included).
+    open: usize,
     send_seq: u64,
     stats: PubStats,
-    /// Small messages are encoded back to back into this buffer and split off, so a
-    /// send allocates once per `ARENA_SIZE` bytes instead of once per message. Queues
-    /// hold messages in send order, so a slow subscriber pins at most one arena beyond
-    /// its queued bytes.
-    arena: BytesMut,
+    arena: Arena,
 }
 
 /// Size of one encoding arena.
 const ARENA_SIZE: usize = 64 << 10;
 /// Messages larger than this get their own allocation.
 const ARENA_MAX_MESSAGE: usize = 8 << 10;
+/// Below this `send_queue_bytes`, every message gets its own allocation: a queue
+/// charged a whole arena per message it holds would hold too few.
+const ARENA_MIN_QUEUE_BYTES: usize = 1 << 20;
 
-/// Encodes `msg` once, into the arena when it is small.
-fn encode_shared(arena: &mut BytesMut, msg: &Message) -> Bytes {
-    let len = encoded_len(msg);
-    if len > ARENA_MAX_MESSAGE {
-        let mut buf = BytesMut::with_capacity(len);
-        encode_message(msg, &mut buf);
-        return buf.freeze();
+/// Small messages are encoded back to back into a shared buffer and split off, so a
+/// send allocates once per `ARENA_SIZE` bytes instead of once per message. A message
+/// in a queue keeps its whole arena alive, so queues are charged per arena (see
+/// [`Queue`]).
+#[derive(Debug, Default)]
+struct Arena {
+    buf: BytesMut,
+    /// Identifies the current arena; 0 means "own allocation".
+    id: u64,
+}
+
+impl Arena {
+    /// Encodes `msg` once, into the arena when it is small and arenas are enabled.
+    fn encode(&mut self, msg: &Message, use_arena: bool) -> Encoded {
+        let len = encoded_len(msg);
+        if !use_arena || len > ARENA_MAX_MESSAGE {
+            let mut buf = BytesMut::with_capacity(len);
+            encode_message(msg, &mut buf);
+            return Encoded {
+                bytes: buf.freeze(),
+                arena: 0,
+            };
+        }
+        if self.buf.capacity() - self.buf.len() < len || self.id == 0 {
+            self.buf = BytesMut::with_capacity(ARENA_SIZE);
+            self.id += 1;
+        }
+        encode_message(msg, &mut self.buf);
+        Encoded {
+            bytes: self.buf.split().freeze(),
+            arena: self.id,
+        }
     }
-    if arena.capacity() - arena.len() < len {
-        *arena = BytesMut::with_capacity(ARENA_SIZE);
+}
+
+/// One encoded message and the arena it lives in (0: its own allocation).
+#[derive(Debug, Clone)]
+struct Encoded {
+    bytes: Bytes,
+    arena: u64,
+}
+
+/// One subscriber's queue, charged for the memory it keeps alive: a message with its
+/// own allocation costs its length; messages sharing an arena cost one whole arena,
+/// counted once per run of queued messages from it (queues hold messages in send
+/// order, and arenas are filled in send order, so each arena's messages are adjacent).
+#[derive(Debug, Default)]
+struct Queue {
+    items: VecDeque<Encoded>,
+    charge: usize,
+}
+
+impl Queue {
+    /// What pushing `e` would add to the charge.
+    fn cost(&self, e: &Encoded) -> usize {
+        match e.arena {
+            0 => e.bytes.len(),
+            id if self.items.back().is_some_and(|b| b.arena == id) => 0,
+            _ => ARENA_SIZE,
+        }
     }
-    encode_message(msg, arena);
-    arena.split().freeze()
+
+    fn push(&mut self, e: Encoded) {
+        self.charge += self.cost(&e);
+        self.items.push_back(e);
+    }
+
+    fn pop(&mut self) -> Option<Bytes> {
+        let e = self.items.pop_front()?;
+        let freed = match e.arena {
+            0 => e.bytes.len(),
+            id if self.items.front().is_some_and(|f| f.arena == id) => 0,
+            _ => ARENA_SIZE,
+        };
+        self.charge -= freed;
+        Some(e.bytes)
+    }
+
+    fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
 }
 
 #[derive(Debug)]
 struct Peer {
     label: String,
     ready: bool,
-    queue: VecDeque<Bytes>,
-    queue_bytes: usize,
+    queue: Queue,
+    /// Bytes the connection holds beyond the queue: its write buffer and unsent
+    /// control output, as of its writer's last turn.
+    in_flight: usize,
     /// The writer holds data not yet written to the socket.
     busy: bool,
     waker: Option<Waker>,
@@ -221,6 +327,7 @@ impl PubSocket {
                 inner: Mutex::new(Inner::default()),
                 subscribed,
                 drained: Notify::new(),
+                warn: RateLimitedWarn::default(),
             }),
             local_addr: None,
             local_endpoint: None,
@@ -272,8 +379,10 @@ impl PubSocket {
     }
 
     /// Serves one subscriber over an already connected stream (a tunnel, a TLS
-    /// stream, an in-memory duplex). `label` names it in stats and logs.
-    pub fn accept_stream<S>(&self, stream: S, label: impl Into<String>)
+    /// stream, an in-memory duplex). `label` names it in stats and logs. Returns
+    /// `false`, dropping the stream and counting it in [`PubStats::refused`], when
+    /// `max_connections` are already open.
+    pub fn accept_stream<S>(&self, stream: S, label: impl Into<String>) -> bool
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
@@ -283,7 +392,7 @@ impl PubSocket {
             self.cancel.clone(),
             stream,
             label.into(),
-        );
+        )
     }
 
     /// Queues `msg` for every subscriber whose subscription matches its first frame.
@@ -300,8 +409,9 @@ impl PubSocket {
         let topic: &[u8] = msg.get(0).map(|f| &f[..]).unwrap_or_default();
         let mut report = SendReport::default();
         let mut wake: SmallVec<[Waker; 8]> = SmallVec::new();
-        let mut encoded: Option<Bytes> = None;
+        let mut encoded: Option<Encoded> = None;
         let cfg = &self.shared.config;
+        let use_arena = cfg.send_queue_bytes >= ARENA_MIN_QUEUE_BYTES;
         {
             let mut guard = self.shared.lock();
             let inner = &mut *guard;
@@ -319,17 +429,16 @@ impl PubSocket {
                         continue;
                     }
                     peer.mark = seq;
-                    let frame = encoded.get_or_insert_with(|| encode_shared(arena, &msg));
-                    if peer.queue.len() >= cfg.send_queue_messages
-                        || peer.queue_bytes + frame.len() > cfg.send_queue_bytes
+                    let frame = encoded.get_or_insert_with(|| arena.encode(&msg, use_arena));
+                    let pending = peer.queue.charge + peer.in_flight + peer.queue.cost(frame);
+                    if peer.queue.len() >= cfg.send_queue_messages || pending > cfg.send_queue_bytes
                     {
                         peer.dropped += 1;
                         report.dropped += 1;
                         peer.note_drop();
                         continue;
                     }
-                    peer.queue_bytes += frame.len();
-                    peer.queue.push_back(frame.clone());
+                    peer.queue.push(frame.clone());
                     report.queued += 1;
                     if let Some(w) = peer.waker.take() {
                         wake.push(w);
@@ -347,7 +456,15 @@ impl PubSocket {
 
     /// Totals.
     pub fn stats(&self) -> PubStats {
-        self.shared.lock().stats
+        let inner = self.shared.lock();
+        let mut stats = inner.stats;
+        stats.pending_bytes = inner
+            .peers
+            .iter()
+            .flatten()
+            .map(|p| p.queue.charge + p.in_flight)
+            .sum();
+        stats
     }
 
     /// Per-subscriber counters, for connections whose handshake completed.
@@ -375,7 +492,8 @@ impl PubSocket {
                 peer: p.label.clone(),
                 subscriptions: p.prefixes.len(),
                 queue_len: p.queue.len(),
-                queue_bytes: p.queue_bytes,
+                queue_bytes: p.queue.charge,
+                pending_bytes: p.queue.charge + p.in_flight,
                 written: p.written,
                 dropped: p.dropped,
             })
@@ -440,8 +558,8 @@ impl Peer {
         Peer {
             label,
             ready: false,
-            queue: VecDeque::new(),
-            queue_bytes: 0,
+            queue: Queue::default(),
+            in_flight: 0,
             busy: false,
             waker: None,
             mark: 0,
@@ -513,17 +631,36 @@ async fn accept_loop(
     }
 }
 
+/// Serves `stream` in a task of its own, or refuses it (dropping it, counted) when
+/// `max_connections` are open. Returns whether it was accepted.
 fn spawn_peer<S>(
     tracker: &TaskTracker,
     shared: Arc<Shared>,
     cancel: CancellationToken,
     stream: S,
     label: String,
-) where
+) -> bool
+where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let id = {
         let mut inner = shared.lock();
+        if inner.open >= shared.config.max_connections {
+            inner.stats.refused += 1;
+            let refused = inner.stats.refused;
+            drop(inner);
+            if let Some(suppressed) = shared.warn.check("refused", Instant::now()) {
+                tracing::warn!(
+                    peer = %label,
+                    refused,
+                    suppressed,
+                    max_connections = shared.config.max_connections,
+                    "connection limit reached: refusing subscriber"
+                );
+            }
+            return false;
+        }
+        inner.open += 1;
         inner.stats.accepted += 1;
         let peer = Peer::new(label.clone());
         match inner.free.pop() {
@@ -541,29 +678,40 @@ fn spawn_peer<S>(
     };
     let span = tracing::debug_span!("zmtp_pub_peer", peer = %label);
     let task = async move {
-        let mut conn = Conn::new(stream, SocketType::Pub, &shared.config);
+        let mut conn = Conn::new(stream, SocketType::Pub, &shared.config, None);
         let result = tokio::select! {
             () = cancel.cancelled() => Ok(()),
             r = poll_fn(|cx| drive_peer(&mut conn, &shared, id, cx)) => r,
         };
-        remove_peer(&shared, id, result.is_err());
+        let stalled = matches!(result, Err(Error::Timeout(TimeoutKind::WriteStall)));
+        remove_peer(&shared, id, result.is_err(), stalled);
         match result {
             Ok(()) | Err(Error::Closed) => tracing::debug!("subscriber disconnected"),
+            Err(e) if stalled => {
+                if let Some(suppressed) = shared.warn.check("stalled", Instant::now()) {
+                    tracing::warn!(error = %e, suppressed, "closing a subscriber that reads nothing");
+                }
+            }
             Err(e) => tracing::debug!(error = %e, "subscriber connection failed"),
         }
     };
     tracker.spawn(tracing::Instrument::instrument(task, span));
+    true
 }
 
-fn remove_peer(shared: &Shared, id: usize, failed: bool) {
+fn remove_peer(shared: &Shared, id: usize, failed: bool, stalled: bool) {
     let mut guard = shared.lock();
     let inner = &mut *guard;
     let Some(peer) = inner.peers.get_mut(id).and_then(Option::take) else {
         return;
     };
     inner.free.push(id);
+    inner.open -= 1;
     if failed {
         inner.stats.failed += 1;
+    }
+    if stalled {
+        inner.stats.stalled += 1;
     }
     if peer.ready {
         inner.stats.connections -= 1;
@@ -616,7 +764,7 @@ fn drive_peer<S: AsyncRead + AsyncWrite + Unpin>(
             Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
             Poll::Pending => {}
         }
-        if conn.session.wants_input() {
+        if conn.may_read() {
             match conn.poll_read(cx) {
                 Poll::Ready(Ok(_)) => progress = true,
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
@@ -640,14 +788,14 @@ fn take_queued<S>(shared: &Shared, id: usize, conn: &mut Conn<S>, cx: &mut Conte
     };
     let mut took = 0u64;
     while conn.wbuf.len() < WRITE_BATCH {
-        let Some(frame) = peer.queue.pop_front() else {
+        let Some(frame) = peer.queue.pop() else {
             break;
         };
-        peer.queue_bytes -= frame.len();
         conn.wbuf.extend_from_slice(&frame);
         took += 1;
     }
     peer.written += took;
+    peer.in_flight = conn.pending_output();
     let was_busy = peer.busy;
     peer.busy = !conn.wbuf.is_empty();
     if peer.queue.is_empty() {

@@ -21,6 +21,10 @@ use super::{Config, Error, Message, ProtocolError, TimeoutKind};
 /// ```
 pub const MAX_PENDING_OUTPUT: usize = 256 << 10;
 
+/// Smallest command limit of a publisher's session after the handshake: room for
+/// ERROR (255-byte reason) and PING/PONG whatever `max_subscription_size` is.
+const PUB_MIN_COMMAND_SIZE: usize = 512;
+
 /// Our side of the connection.
 ///
 /// ```
@@ -148,6 +152,14 @@ pub struct SessionStats {
     pub pings_received: u64,
     /// PINGs sent.
     pub pings_sent: u64,
+    /// PONGs queued in answer to PINGs (a PING that arrives while the previous answer
+    /// still waits to be written replaces it: at most one PONG is ever pending).
+    pub pongs_sent: u64,
+    /// PINGs whose answer replaced a PONG that was still pending (the peer pinged
+    /// faster than it read).
+    pub pongs_coalesced: u64,
+    /// PONGs received.
+    pub pongs_received: u64,
 }
 
 #[derive(Debug)]
@@ -213,6 +225,8 @@ pub struct Session {
     ping_deadline: Option<Instant>,
     peer_ttl: Option<Duration>,
     last_input: Instant,
+    /// The answer to the latest PING, until the I/O layer takes the output.
+    pending_pong: Option<Bytes>,
     stats: SessionStats,
 }
 
@@ -229,6 +243,9 @@ impl Session {
             max_command_size: config.max_metadata_size,
             strict: config.strict,
         };
+        // Until READY the peer may only send commands: a message header fails at once.
+        let mut decoder = FrameDecoder::new(limits);
+        decoder.set_commands_only(true);
         Session {
             socket_type,
             config: config.clone(),
@@ -236,7 +253,7 @@ impl Session {
             peer: None,
             input: BytesMut::new(),
             output,
-            decoder: FrameDecoder::new(limits),
+            decoder,
             subscriptions: PrefixMap::default(),
             peer_subscriptions: HashMap::new(),
             handshake_deadline: now.checked_add(config.handshake_timeout),
@@ -244,6 +261,7 @@ impl Session {
             ping_deadline: None,
             peer_ttl: None,
             last_input: now,
+            pending_pong: None,
             stats: SessionStats::default(),
         }
     }
@@ -313,8 +331,30 @@ impl Session {
         self.output.len() < MAX_PENDING_OUTPUT && !self.is_failed()
     }
 
+    /// Bytes the session holds for the peer and has not handed out yet (control
+    /// output and a pending PONG).
+    pub fn pending_output(&self) -> usize {
+        let pong = self.pending_pong.as_ref().map_or(0, |c| c.len() + 7);
+        self.output.len() + pong
+    }
+
+    /// `true` when the peer has been silent past the heartbeat timeout or its own
+    /// TTL: the next [`handle_timeout`](Self::handle_timeout) fails. An I/O layer that
+    /// was not polled for a while should first read what the transport already holds
+    /// (any byte counts as liveness).
+    pub fn peer_silent(&self, now: Instant) -> bool {
+        let ttl_deadline = self
+            .peer_ttl
+            .and_then(|ttl| self.last_input.checked_add(ttl));
+        [self.ping_deadline, ttl_deadline]
+            .into_iter()
+            .flatten()
+            .any(|d| d <= now)
+    }
+
     /// Bytes waiting to be written, if any. Hand them to the transport in order.
     pub fn poll_transmit(&mut self) -> Option<Bytes> {
+        self.take_pong();
         if self.output.is_empty() {
             None
         } else {
@@ -324,9 +364,16 @@ impl Session {
 
     /// Appends the pending output to `buf` (no allocation when `buf` has room).
     pub fn transmit_into(&mut self, buf: &mut BytesMut) {
+        self.take_pong();
         if !self.output.is_empty() {
             buf.extend_from_slice(&self.output);
             self.output.clear();
+        }
+    }
+
+    fn take_pong(&mut self) {
+        if let Some(context) = self.pending_pong.take() {
+            Command::Pong { context }.encode(&mut self.output);
         }
     }
 
@@ -443,7 +490,9 @@ impl Session {
             e
         };
         self.state = State::Failed;
-        self.input = BytesMut::new();
+        // Cleared, not dropped: the I/O layer accounts for the allocation it read
+        // into (frames handed out may still reference it).
+        self.input.clear();
         Err(e)
     }
 
@@ -536,8 +585,20 @@ impl Session {
         self.state = State::Active;
         self.handshake_deadline = None;
         let mut limits = *self.decoder.limits();
-        limits.max_command_size = self.config.max_frame_size;
+        match self.socket_type {
+            SocketType::Sub => limits.max_command_size = self.config.max_frame_size,
+            SocketType::Pub => {
+                // A subscriber has nothing to send but subscriptions (a message of
+                // `0x01 prefix`, or a command) and heartbeats: a publisher never
+                // assembles a larger frame only to ignore it.
+                let sub = self.config.max_subscription_size;
+                limits.max_frame_size = sub + 1;
+                limits.max_message_size = sub + 1;
+                limits.max_command_size = (sub + 16).max(PUB_MIN_COMMAND_SIZE);
+            }
+        }
         self.decoder.set_limits(limits);
+        self.decoder.set_commands_only(false);
         if peer.speaks_3_1() {
             self.next_ping = self
                 .config
@@ -558,7 +619,7 @@ impl Session {
                 let topic = msg.get(0).map(|f| &f[..]).unwrap_or_default();
                 if self.subscriptions.matches(topic) {
                     self.stats.messages += 1;
-                    self.stats.bytes += msg.byte_len() as u64;
+                    self.stats.bytes = self.stats.bytes.saturating_add(msg.byte_len() as u64);
                     Ok(Some(Event::Message(msg)))
                 } else {
                     self.stats.filtered += 1;
@@ -591,10 +652,20 @@ impl Session {
                 self.stats.pings_received += 1;
                 self.peer_ttl = (ttl_deciseconds > 0)
                     .then(|| Duration::from_millis(u64::from(ttl_deciseconds) * 100));
-                Command::Pong { context }.encode(&mut self.output);
+                // Copied (≤ 16 bytes) so the answer never pins the read buffer; only the
+                // latest answer is kept until it is written.
+                if self.pending_pong.is_some() {
+                    self.stats.pongs_coalesced += 1;
+                } else {
+                    self.stats.pongs_sent += 1;
+                }
+                self.pending_pong = Some(Bytes::copy_from_slice(&context));
                 Ok(None)
             }
-            Command::Pong { .. } => Ok(None),
+            Command::Pong { .. } => {
+                self.stats.pongs_received += 1;
+                Ok(None)
+            }
             Command::Subscribe(prefix) if self.socket_type == SocketType::Pub => {
                 self.on_peer_subscription(prefix, true)
             }
@@ -634,6 +705,9 @@ impl Session {
                 }
                 .into());
             }
+            // Kept for the connection's lifetime: copied, so it never pins the read
+            // buffer it arrived in.
+            let prefix = Bytes::copy_from_slice(&prefix);
             self.peer_subscriptions.insert(prefix.clone(), 1);
             Ok(Some(Event::Subscribe(prefix)))
         } else {
@@ -644,7 +718,10 @@ impl Session {
             if *count > 0 {
                 return Ok(None);
             }
-            self.peer_subscriptions.remove(&prefix[..]);
+            let (prefix, _) = self
+                .peer_subscriptions
+                .remove_entry(&prefix[..])
+                .unwrap_or((prefix, 0));
             Ok(Some(Event::Cancel(prefix)))
         }
     }

@@ -1,6 +1,7 @@
 //! `SubSocket`: one subscriber connection over any byte stream.
 
 use std::future::poll_fn;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -9,6 +10,7 @@ use tokio::net::TcpStream;
 
 use super::endpoint;
 use super::io::Conn;
+use super::retain::Retention;
 use super::{Config, Error, Event, Message, PeerInfo, SessionStats, SocketType, TimeoutKind};
 
 /// A ZMQ SUB connected to one publisher.
@@ -17,6 +19,21 @@ use super::{Config, Error, Event, Message, PeerInfo, SessionStats, SocketType, T
 /// ([`handshake`](Self::handshake)): a tunnel, a TLS stream, an in-memory duplex.
 /// There is no automatic reconnect: when a call fails the socket is dead, and the
 /// owner (for example `DynamicSubscriber`) decides whether to dial again.
+///
+/// # Memory
+/// Frames are handed out as zero-copy slices of the socket's read buffer, so a
+/// message kept alive keeps its read buffer alive (a 64 KiB chunk, or for a frame
+/// larger than a chunk an allocation of about the frame's size). The socket counts
+/// the read buffers that messages still reference after it moved on
+/// ([`SubBuffers::retained`]); above [`Config::max_retained_bytes`] (default 8 MiB)
+/// it copies every frame of up to `read_chunk` bytes into an allocation of its own
+/// size instead, until enough of the old messages are gone. A consumer that keeps up
+/// never pays for a copy; one that hoards messages holds at most their size plus
+/// `max_retained_bytes` plus the current read buffer.
+///
+/// Output toward the publisher (subscriptions, PONGs) is bounded the same way as a
+/// publisher's: at most one unsent PONG, reading pauses while a full write batch is
+/// stuck, and a publisher that reads nothing for `write_stall_timeout` is dropped.
 ///
 /// # Cancel safety
 /// [`recv`](Self::recv) and [`recv_many`](Self::recv_many) are cancel-safe: all state
@@ -56,7 +73,36 @@ use super::{Config, Error, Event, Message, PeerInfo, SessionStats, SocketType, T
 #[derive(Debug)]
 pub struct SubSocket<S = TcpStream> {
     conn: Conn<S>,
+    retention: Arc<Retention>,
     pending_error: Option<Error>,
+}
+
+/// Memory a [`SubSocket`] holds for its connection, from [`SubSocket::buffers`].
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::zmtp::Error> {
+/// use eventplane::zmtp::{Config, PubSocket, SubSocket};
+/// let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default()).await?;
+/// let sub = SubSocket::connect(publisher.local_endpoint().unwrap_or_default(), Config::default()).await?;
+/// let buffers = sub.buffers();
+/// assert!(buffers.read_buffer <= Config::default().read_chunk());
+/// assert_eq!((buffers.retained, buffers.copied_messages), (0, 0));
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct SubBuffers {
+    /// Capacity of the current read buffer.
+    pub read_buffer: usize,
+    /// Earlier read buffers that messages handed out still keep alive (shared by
+    /// every connection of a `DynamicSubscriber`).
+    pub retained: usize,
+    /// Bytes waiting to be written to the publisher.
+    pub pending_output: usize,
+    /// Messages copied out of the read buffer because `retained` exceeded
+    /// [`Config::max_retained_bytes`].
+    pub copied_messages: u64,
 }
 
 impl SubSocket<TcpStream> {
@@ -129,11 +175,23 @@ where
     /// # Ok(()) }
     /// ```
     pub async fn handshake(stream: S, config: Config) -> Result<Self, Error> {
-        let mut conn = Conn::new(stream, SocketType::Sub, &config);
+        let retention = Arc::new(Retention::new(config.max_retained_bytes));
+        Self::handshake_sharing(stream, config, retention).await
+    }
+
+    /// [`handshake`](Self::handshake), counting retained read buffers in an account
+    /// shared with other sockets (a `DynamicSubscriber`'s connections share one).
+    pub(crate) async fn handshake_sharing(
+        stream: S,
+        config: Config,
+        retention: Arc<Retention>,
+    ) -> Result<Self, Error> {
+        let mut conn = Conn::new(stream, SocketType::Sub, &config, Some(retention.clone()));
         poll_fn(|cx| conn.poll_handshake(cx)).await?;
         tracing::debug!(peer = ?conn.session.peer(), "zmtp sub handshake complete");
         Ok(SubSocket {
             conn,
+            retention,
             pending_error: None,
         })
     }
@@ -146,6 +204,17 @@ where
     /// Counters of this connection.
     pub fn stats(&self) -> SessionStats {
         self.conn.session.stats()
+    }
+
+    /// The memory this connection holds (see [Memory](Self#memory)).
+    pub fn buffers(&mut self) -> SubBuffers {
+        self.retention.prune();
+        SubBuffers {
+            read_buffer: self.conn.read_buffer_capacity(),
+            retained: self.retention.retained(),
+            pending_output: self.conn.pending_output(),
+            copied_messages: self.retention.copied(),
+        }
     }
 
     /// Subscribes to messages whose first frame starts with `prefix` (`""` for all).
@@ -294,15 +363,20 @@ where
                 None => Poll::Ready(Err(Error::SocketClosed)),
             };
         }
+        let read_chunk = self.conn.read_chunk();
         let result = loop {
             if let Err(e) = self.conn.poll_timers(cx) {
                 break Err(e);
             }
+            let copy = self.retention.over_limit();
             let mut more = true;
             loop {
                 match self.conn.session.poll_event() {
-                    Ok(Some(Event::Message(m))) => {
+                    Ok(Some(Event::Message(mut m))) => {
                         delivered = true;
+                        if copy && m.compact(read_chunk) {
+                            self.retention.note_copied();
+                        }
                         if !sink(m) {
                             more = false;
                             break;
@@ -318,6 +392,14 @@ where
             }
             if !more {
                 break Ok(());
+            }
+            if !self.conn.may_read() {
+                // A full write batch waits for the publisher to read; the flush above
+                // registered for write readiness (and the stall timer is armed).
+                if delivered {
+                    break Ok(());
+                }
+                return Poll::Pending;
             }
             match self.conn.poll_read(cx) {
                 Poll::Ready(Ok(_)) => {}
@@ -341,7 +423,7 @@ where
 
     #[cfg(test)]
     pub(crate) fn input_capacity(&mut self) -> usize {
-        self.conn.session.input_buffer().capacity()
+        self.conn.read_buffer_capacity()
     }
 
     /// The underlying stream (for example to read its peer address).

@@ -63,10 +63,11 @@ impl Metadata {
             let value_len = usize::try_from(r.u32_be()?).ok()?;
             let value_at = r.position();
             r.take(value_len)?;
-            md.push(
-                body.slice(name_at..name_at + name_len),
-                body.slice(value_at..value_at + value_len),
-            );
+            // Copied: metadata lives as long as the connection and must not pin the
+            // read buffer the READY arrived in.
+            let name = body.get(name_at..name_at + name_len)?;
+            let value = body.get(value_at..value_at + value_len)?;
+            md.push(Bytes::copy_from_slice(name), Bytes::copy_from_slice(value));
         }
         Some(md)
     }
@@ -150,7 +151,8 @@ impl Command {
         }
     }
 
-    /// Parses a command frame's body. Never panics; never allocates beyond `body`.
+    /// Parses a command frame's body. Never panics; allocates at most the size of
+    /// `body` (READY metadata is copied out, everything else is sliced from `body`).
     pub fn parse(body: Bytes) -> Result<Command, ProtocolError> {
         let mut r = Reader::new(&body);
         let malformed = |command| ProtocolError::MalformedCommand { command };

@@ -90,7 +90,8 @@ enum State {
 /// Decodes frames from a byte buffer, zero-copy.
 ///
 /// Contract: [`decode`](Self::decode) consumes complete frames from the front of `src`
-/// and returns at most one [`Decoded`] per call. A header is checked against
+/// and returns at most one [`Decoded`] per call. A command frame between the frames of
+/// a multipart message is returned on its own while the message keeps assembling. A header is checked against
 /// [`FrameLimits`] as soon as its size bytes are present, *before* the body is
 /// buffered, so a forged size costs nothing but an error. Bodies are returned with
 /// `split_to(n).freeze()`; the caller reads more bytes into `src` when it returns
@@ -118,6 +119,7 @@ pub struct FrameDecoder {
     state: State,
     parts: SmallVec<[Bytes; 3]>,
     message_bytes: usize,
+    commands_only: bool,
 }
 
 impl FrameDecoder {
@@ -128,7 +130,25 @@ impl FrameDecoder {
             state: State::Header,
             parts: SmallVec::new(),
             message_bytes: 0,
+            commands_only: false,
         }
+    }
+
+    /// Refuses message frames at their header (a protocol error before any of the
+    /// body is buffered) while `on`: before READY a peer may only send commands.
+    ///
+    /// ```
+    /// use bytes::BytesMut;
+    /// use eventplane::zmtp::codec::{FrameDecoder, FrameLimits};
+    /// let mut decoder = FrameDecoder::new(FrameLimits { max_frame_size: 1 << 20, max_message_size: 1 << 20,
+    ///     max_message_parts: 4, max_command_size: 64, strict: false });
+    /// decoder.set_commands_only(true);
+    /// // A message header claiming 1 MiB: refused at once, nothing buffered.
+    /// let mut src = BytesMut::from(&b"\x02\x00\x00\x00\x00\x00\x10\x00\x00"[..]);
+    /// assert!(decoder.decode(&mut src).is_err());
+    /// ```
+    pub fn set_commands_only(&mut self, on: bool) {
+        self.commands_only = on;
     }
 
     /// Changes the limits (e.g. the command limit once the handshake is done).
@@ -206,8 +226,11 @@ impl FrameDecoder {
         }
         let more = flags & FLAG_MORE != 0;
         if flags & FLAG_COMMAND != 0 {
-            if more || !self.parts.is_empty() {
-                return Err(ProtocolError::CommandInMessage);
+            // A command may arrive between the frames of a message (libzmq's heartbeat
+            // timer sends PING regardless of MORE); the message keeps assembling. MORE
+            // on a command itself is refused.
+            if more {
+                return Err(ProtocolError::CommandWithMore);
             }
             let size =
                 checked_size(size, l.max_command_size).ok_or(ProtocolError::CommandTooLarge {
@@ -218,6 +241,11 @@ impl FrameDecoder {
                 command: true,
                 more: false,
                 size,
+            });
+        }
+        if self.commands_only {
+            return Err(ProtocolError::UnexpectedDuringHandshake {
+                what: "message frame".into(),
             });
         }
         if self.parts.len() >= l.max_message_parts {
@@ -389,15 +417,52 @@ mod tests {
     fn command_flags() {
         let mut d = FrameDecoder::new(limits());
         let mut b = BytesMut::from(&[FLAG_COMMAND | FLAG_MORE, 0][..]);
-        assert_eq!(d.decode(&mut b), Err(ProtocolError::CommandInMessage));
+        assert_eq!(d.decode(&mut b), Err(ProtocolError::CommandWithMore));
+        // MORE on a command is refused mid-message too.
         let mut d = FrameDecoder::new(limits());
-        let mut b = BytesMut::from(&[FLAG_MORE, 1, b'x', FLAG_COMMAND, 0][..]);
-        assert_eq!(d.decode(&mut b), Err(ProtocolError::CommandInMessage));
+        let mut b = BytesMut::from(&[FLAG_MORE, 1, b'x', FLAG_COMMAND | FLAG_MORE, 0][..]);
+        assert_eq!(d.decode(&mut b), Err(ProtocolError::CommandWithMore));
         let mut d = FrameDecoder::new(limits());
         let mut b = BytesMut::from(&[FLAG_COMMAND, 101][..]);
         assert!(matches!(
             d.decode(&mut b),
             Err(ProtocolError::CommandTooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn command_between_frames_of_a_message() {
+        // [a MORE][PING][b MORE][PONG][c]: both commands surface, the message stays whole.
+        let mut d = FrameDecoder::new(limits());
+        let mut b = BytesMut::new();
+        b.extend_from_slice(&[FLAG_MORE, 1, b'a']);
+        b.extend_from_slice(b"\x04\x07\x04PING\x00\x01");
+        b.extend_from_slice(&[FLAG_MORE, 1, b'b']);
+        b.extend_from_slice(b"\x04\x05\x04PONG");
+        b.extend_from_slice(&[0, 1, b'c']);
+        let mut got = Vec::new();
+        while let Some(x) = d.decode(&mut b).unwrap() {
+            got.push(x);
+        }
+        assert_eq!(got.len(), 3, "{got:?}");
+        assert!(matches!(&got[0], Decoded::Command(c) if &c[..] == b"\x04PING\x00\x01"));
+        assert!(matches!(&got[1], Decoded::Command(c) if &c[..] == b"\x04PONG"));
+        let Decoded::Message(m) = &got[2] else {
+            panic!("{got:?}")
+        };
+        assert_eq!(m, &Message::from_parts(["a", "b", "c"]));
+        assert!(d.is_idle());
+    }
+
+    #[test]
+    fn commands_only_refuses_message_headers() {
+        let mut d = FrameDecoder::new(limits());
+        d.set_commands_only(true);
+        let mut b = BytesMut::from(&b"\x04\x05\x04PONG\x00\x01x"[..]);
+        assert!(matches!(d.decode(&mut b), Ok(Some(Decoded::Command(_)))));
+        assert!(matches!(
+            d.decode(&mut b),
+            Err(ProtocolError::UnexpectedDuringHandshake { .. })
         ));
     }
 

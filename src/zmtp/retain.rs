@@ -1,0 +1,130 @@
+//! Accounting for read-buffer memory that received frames keep alive.
+//!
+//! Frames are sliced out of the connection's read buffer without copying. A slice
+//! keeps its whole allocation alive, so a small message kept for long (in a lane, in
+//! the application) can pin a 64 KiB read buffer, or one grown for a large frame. When
+//! a connection moves on to a fresh read buffer, the old one is *retired* here with a
+//! sentinel handle: while any frame still references it, the sentinel is not unique and
+//! its size counts as retained. Once every frame is gone the sentinel is the last
+//! handle and pruning frees the allocation.
+//!
+//! Sockets consult [`Retention::over_limit`] before handing out a message: past the
+//! limit, small frames are copied into an allocation of their own size, so new
+//! messages pin nothing more while the old ones drain.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use bytes::{Bytes, BytesMut};
+
+/// Read buffers retired by one or more connections, with their sizes.
+#[derive(Debug)]
+pub(crate) struct Retention {
+    limit: usize,
+    /// Sum of the sizes in `retired`.
+    bytes: AtomicUsize,
+    retired: Mutex<Vec<(Bytes, usize)>>,
+    /// Messages copied out because the limit was exceeded.
+    copied: AtomicU64,
+}
+
+impl Retention {
+    /// An account whose holders copy small frames once `limit` bytes are retained.
+    pub(crate) fn new(limit: usize) -> Retention {
+        Retention {
+            limit,
+            bytes: AtomicUsize::new(0),
+            retired: Mutex::new(Vec::new()),
+            copied: AtomicU64::new(0),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Vec<(Bytes, usize)>> {
+        self.retired.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes over a read buffer the connection no longer reads into; `allocation` is
+    /// the size it was allocated with. Freed at once when nothing references it.
+    pub(crate) fn retire(&self, buffer: BytesMut, allocation: usize) {
+        let sentinel = buffer.freeze();
+        if sentinel.is_unique() || allocation == 0 {
+            return;
+        }
+        let mut retired = self.lock();
+        retired.push((sentinel, allocation));
+        self.bytes.fetch_add(allocation, Ordering::Relaxed);
+        Self::prune_locked(&mut retired, &self.bytes);
+    }
+
+    /// Frees every retired buffer no frame references any more.
+    pub(crate) fn prune(&self) {
+        let mut retired = self.lock();
+        Self::prune_locked(&mut retired, &self.bytes);
+    }
+
+    fn prune_locked(retired: &mut Vec<(Bytes, usize)>, bytes: &AtomicUsize) {
+        retired.retain(|(sentinel, size)| {
+            let alive = !sentinel.is_unique();
+            if !alive {
+                bytes.fetch_sub(*size, Ordering::Relaxed);
+            }
+            alive
+        });
+    }
+
+    /// Bytes of retired read buffers that frames still keep alive (as of the last
+    /// prune).
+    pub(crate) fn retained(&self) -> usize {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// `true` when more than the limit is retained even after pruning: the caller
+    /// should copy small frames rather than slice them.
+    pub(crate) fn over_limit(&self) -> bool {
+        if self.retained() <= self.limit {
+            return false;
+        }
+        self.prune();
+        self.retained() > self.limit
+    }
+
+    /// Counts a message copied out under pressure.
+    pub(crate) fn note_copied(&self) {
+        self.copied.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Messages copied out under pressure so far.
+    pub(crate) fn copied(&self) -> u64 {
+        self.copied.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retired_buffers_count_until_their_frames_are_gone() {
+        let account = Retention::new(100);
+        let mut buf = BytesMut::with_capacity(1024);
+        buf.extend_from_slice(&[7u8; 300]);
+        let frame = buf.split_to(10).freeze();
+        account.retire(buf, 1024);
+        assert_eq!(account.retained(), 1024);
+        assert!(account.over_limit());
+        drop(frame);
+        assert!(!account.over_limit());
+        assert_eq!(account.retained(), 0);
+    }
+
+    #[test]
+    fn unreferenced_buffers_are_freed_at_once() {
+        let account = Retention::new(100);
+        let mut buf = BytesMut::with_capacity(1024);
+        buf.extend_from_slice(&[7u8; 300]);
+        drop(buf.split_to(10).freeze());
+        account.retire(buf, 1024);
+        account.retire(BytesMut::with_capacity(64), 64);
+        assert_eq!(account.retained(), 0);
+    }
+}

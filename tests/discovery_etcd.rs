@@ -7,7 +7,10 @@
 
 mod support;
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use eventplane::discovery::conformance::{self, Mirror, Settings};
@@ -66,6 +69,84 @@ async fn wait_for<F: Fn() -> bool>(what: &str, condition: F) {
         assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// Waits until `condition` holds, failing if that takes longer than `bound`: a timing
+/// assertion, unlike [`wait_for`].
+async fn within_bound<F: Fn() -> bool>(what: &str, bound: Duration, condition: F) {
+    let started = tokio::time::Instant::now();
+    while !condition() {
+        assert!(started.elapsed() < bound, "not within {bound:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The key of `id(ns, n)` (the public layout).
+fn key_of(ns: &str, n: u64) -> String {
+    format!("/eventplane/v1/channels/{ns}/worker/kv-events/{n:x}")
+}
+
+/// The keys under namespace `ns`, each with the lease it is attached to.
+async fn keys_in(raw: &mut etcd_client::Client, ns: &str) -> BTreeMap<String, i64> {
+    let response = raw
+        .get(
+            format!("/eventplane/v1/channels/{ns}/"),
+            Some(
+                etcd_client::GetOptions::new()
+                    .with_prefix()
+                    .with_keys_only(),
+            ),
+        )
+        .await
+        .unwrap();
+    response
+        .kvs()
+        .iter()
+        .map(|kv| (kv.key_str().unwrap().to_owned(), kv.lease()))
+        .collect()
+}
+
+/// Waits until the keys under `ns` are exactly `want`, each on `d`'s current lease.
+async fn until_keys(
+    raw: &mut etcd_client::Client,
+    d: &EtcdDiscovery,
+    ns: &str,
+    want: &BTreeSet<String>,
+) {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let lease = d.lease_id();
+        let found = keys_in(raw, ns).await;
+        if found.keys().eq(want.iter()) && found.values().all(|l| *l == lease) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "keys under {ns}: {found:?} (our lease {lease}), want {want:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Runs `fut` for a while, then drops it unless it finished (`Some(output)`). Step 0
+/// polls it once; odd steps give it `step` × 40 µs; other even steps poll it `step` + 1
+/// times, letting the runtime run in between. Growing steps drop it at every point:
+/// before its request, while etcd applies it, after.
+async fn cut_short<F: Future>(fut: F, step: u64) -> Option<F::Output> {
+    if step % 2 == 1 {
+        return tokio::time::timeout(Duration::from_micros(40 * step), fut)
+            .await
+            .ok();
+    }
+    let mut fut = std::pin::pin!(fut);
+    for _ in 0..=step {
+        let polled = std::future::poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await;
+        if let Poll::Ready(output) = polled {
+            return Some(output);
+        }
+        tokio::task::yield_now().await;
+    }
+    None
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -587,6 +668,181 @@ async fn credentials_on_an_etcd_with_auth_enabled() {
         matches!(anonymous, DiscoveryError::Denied(_)),
         "{anonymous:?}"
     );
+}
+
+/// A `register` future dropped at any point (before its put, while etcd applies it,
+/// right after) leaves no key on our lease, and a lease re-grant puts none back; the
+/// registrations that completed keep their keys and guards. A re-registration of a
+/// live id dropped part-way leaves the key to the live registration.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_register_future_dropped_part_way_leaves_no_key_behind() {
+    let server = EtcdServer::start().await;
+    let d = connect(&server.url()).await;
+    let mut raw = etcd_client::Client::connect([server.url()], None)
+        .await
+        .unwrap();
+
+    let mut kept = Vec::new();
+    let mut dropped = 0;
+    for n in 0..160 {
+        match cut_short(d.register(id("cxl", n), endpoint(n)), n).await {
+            Some(registration) => kept.push(registration.unwrap()),
+            None => dropped += 1,
+        }
+    }
+    assert!(
+        dropped > 0,
+        "every register finished before it could be dropped"
+    );
+    let want: BTreeSet<String> = kept
+        .iter()
+        .map(|r| key_of("cxl", r.instance().id.publisher_id()))
+        .collect();
+    until_keys(&mut raw, &d, "cxl", &want).await;
+    assert_eq!(d.stats().registrations, kept.len());
+
+    // The lease is lost: the re-grant puts back what is held, and nothing else.
+    let old_lease = d.lease_id();
+    server.etcdctl(&["lease", "revoke", &format!("{old_lease:x}")]);
+    wait_for("new lease", || d.lease_id() != old_lease).await;
+    until_keys(&mut raw, &d, "cxl", &want).await;
+    for registration in kept {
+        within(registration.unregister()).await.unwrap();
+    }
+    until_keys(&mut raw, &d, "cxl", &BTreeSet::new()).await;
+    assert_eq!(d.stats().registrations, 0);
+
+    // Re-registering a live id, dropped part-way: whichever registration completed
+    // last owns the key, with its endpoint, and its guard still removes it.
+    let mut live = d.register(id("recxl", 1), endpoint(0)).await.unwrap();
+    let mut abandoned = 0;
+    for n in 1..120 {
+        match cut_short(d.register(id("recxl", 1), endpoint(n)), n).await {
+            // Replaces the registration; the earlier guard no longer owns the key.
+            Some(replacement) => live = replacement.unwrap(),
+            None => abandoned += 1,
+        }
+    }
+    assert!(
+        abandoned > 0,
+        "every re-register finished before it could be dropped"
+    );
+    let expected = live.instance().transport.clone();
+    until_keys(&mut raw, &d, "recxl", &BTreeSet::from([key_of("recxl", 1)])).await;
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let listed = d.list(Query::new("recxl")).await.unwrap();
+        if matches!(listed.as_slice(), [only] if only.transport == expected) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "listed {listed:?}, want {expected:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    within(live.unregister()).await.unwrap();
+    until_keys(&mut raw, &d, "recxl", &BTreeSet::new()).await;
+    assert_eq!(d.stats().registrations, 0);
+}
+
+/// An `unregister` future dropped at any point, then the lease lost: the re-grant
+/// puts back only the registration still held, never one whose unregister was
+/// dropped, and every dropped unregister still completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unregister_future_dropped_part_way_is_not_undone_by_a_lease_regrant() {
+    let server = EtcdServer::start().await;
+    let d = connect(&server.url()).await;
+    let mut raw = etcd_client::Client::connect([server.url()], None)
+        .await
+        .unwrap();
+    let held = d.register(id("unr", 1000), endpoint(1000)).await.unwrap();
+    let mut registrations = Vec::new();
+    for n in 0..120 {
+        registrations.push(within(d.register(id("unr", n), endpoint(n))).await.unwrap());
+    }
+    let mut dropped = 0;
+    for (n, registration) in (0..).zip(registrations) {
+        match cut_short(registration.unregister(), n).await {
+            Some(result) => result.unwrap(),
+            None => dropped += 1,
+        }
+    }
+    assert!(
+        dropped > 0,
+        "every unregister finished before it could be dropped"
+    );
+
+    // Lost right away, likely before the session task finished the dropped ones.
+    let old_lease = d.lease_id();
+    server.etcdctl(&["lease", "revoke", &format!("{old_lease:x}")]);
+    wait_for("new lease", || d.lease_id() != old_lease).await;
+    wait_for("live", || d.state() == EtcdState::Live).await;
+    until_keys(&mut raw, &d, "unr", &BTreeSet::from([key_of("unr", 1000)])).await;
+    wait_for("one registration left", || d.stats().registrations == 1).await;
+    assert_eq!(d.stats().lease_losses, 1);
+
+    within(held.unregister()).await.unwrap();
+    until_keys(&mut raw, &d, "unr", &BTreeSet::new()).await;
+    assert_eq!(d.stats().registrations, 0);
+}
+
+/// A watch cancelled, or dropped, while it re-establishes against an etcd that does
+/// not answer (or is gone) stops at once, not after its request timeouts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_cancelled_while_it_reconnects_stops_promptly() {
+    let mut server = EtcdServer::start().await;
+    let proxy = Proxy::start(server.addr()).await;
+    // Long request timeouts: a watch that looked at its token only between attempts
+    // would take that long to stop.
+    let slow = |url: String| async move {
+        EtcdDiscovery::builder([url])
+            .lease_ttl(TTL)
+            .request_timeout(Duration::from_secs(25))
+            .backoff(Duration::from_millis(10), Duration::from_millis(50))
+            .connect()
+            .await
+            .unwrap()
+    };
+    let hung = slow(proxy.url()).await; // etcd stops answering it
+    let down = slow(server.url()).await; // etcd is gone
+    let hung_cancel = CancellationToken::new();
+    let mut hung_cancelled = hung
+        .watch(Query::new("wc"), hung_cancel.clone())
+        .await
+        .unwrap();
+    let mut hung_dropped = hung
+        .watch(Query::new("wc"), CancellationToken::new())
+        .await
+        .unwrap();
+    let down_cancel = CancellationToken::new();
+    let mut down_cancelled = down
+        .watch(Query::new("wc"), down_cancel.clone())
+        .await
+        .unwrap();
+    for w in [&mut hung_cancelled, &mut hung_dropped, &mut down_cancelled] {
+        synced(w).await;
+    }
+    assert_eq!((hung.stats().watchers, down.stats().watchers), (2, 1));
+
+    proxy.blackhole().await;
+    server.stop();
+    // The watches' streams fail and they re-establish: through the proxy, the read
+    // hangs on a connection nobody answers.
+    wait_for("a request hangs in the black hole", || proxy.held() >= 1).await;
+    // Not a wait for etcd: lets every watch get well into its re-establish. The
+    // assertions below hold whatever step each watch is at.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    hung_cancel.cancel();
+    down_cancel.cancel();
+    drop(hung_dropped);
+    assert!(within(hung_cancelled.next()).await.is_none());
+    assert!(within(down_cancelled.next()).await.is_none());
+    within_bound("the watch tasks stopped", Duration::from_secs(3), || {
+        hung.stats().watchers == 0 && down.stats().watchers == 0
+    })
+    .await;
 }
 
 /// Env var naming what a child process does (see `child_process`).

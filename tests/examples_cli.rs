@@ -9,31 +9,12 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::process::Stdio;
 
-use support::within;
+use support::{example, within};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
 use tokio::process::Command;
-
-fn example(name: &str) -> PathBuf {
-    // target/<profile>/deps/<test> → target/<profile>/examples/<name>
-    let exe = std::env::current_exe().unwrap();
-    let path = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join(name);
-    assert!(
-        path.exists(),
-        "{} not built (cargo test builds examples)",
-        path.display()
-    );
-    path
-}
 
 fn payload_hex(seq: u64, size: usize) -> String {
     (0..size)

@@ -265,6 +265,31 @@ async fn a_stuck_sink_does_not_block_shutdown_forever() {
     assert_eq!(stats.publish_errors, 1);
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_sink_that_never_answers_costs_its_batch_not_the_loop() {
+    let sink = Arc::new(Collect {
+        hang: true,
+        ..Collect::default()
+    });
+    let config = ProcessorConfig::default().publish_timeout(Duration::from_secs(1));
+    let (tx, p) = start(config, sink.clone());
+    let handle = p.handle();
+    let task = tokio::spawn(p.run());
+    // Flushed at the list boundary: the publish hangs while the loop is running.
+    tx.send(vec![removed(1, 1)]).await.unwrap();
+    tx.send(vec![removed(2, 2)]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    handle.cancel();
+    let stats = tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("a stuck sink blocked shutdown")
+        .unwrap();
+    // Both batches were tried, both abandoned after the timeout, both counted.
+    assert_eq!(sink.hashes(), vec![vec![1], vec![2]]);
+    assert_eq!((stats.publish_timeouts, stats.publish_errors), (2, 2));
+    assert_eq!(stats.output_events, 2);
+}
+
 /// An index that cannot apply a clear.
 struct BrokenClears(Arc<Mutex<Vec<u64>>>);
 

@@ -155,6 +155,57 @@ async fn libzmq_pub_heartbeats_are_answered() {
 }
 
 #[tokio::test]
+async fn libzmq_heartbeat_between_the_frames_of_large_messages() {
+    // libzmq's heartbeat timer switches the engine's next frame to a PING regardless
+    // of MORE: with a 1 ms interval, 10-frame messages of ~160 KB get PINGs between
+    // their frames. Every message must arrive whole, in order.
+    let (mut peer, endpoint) = start_pub(&[
+        "--topics",
+        "hb",
+        "--count",
+        "3000",
+        "--parts",
+        "10",
+        "--size",
+        "20000",
+        "--heartbeat-ivl",
+        "1",
+        "--heartbeat-timeout",
+        "10000",
+        "--heartbeat-ttl",
+        "10000",
+    ])
+    .await;
+    let mut sub = within(SubSocket::connect(&endpoint, Config::default()))
+        .await
+        .unwrap();
+    sub.subscribe("hb").await.unwrap();
+    await_warm(&mut sub, &["hb"]).await;
+    peer.send_line("go").await;
+    let msgs = collect_until_end(&mut sub, 1).await;
+    assert_eq!(msgs.len(), 3000);
+    for (seq, m) in msgs.iter().enumerate() {
+        let seq = seq as u64;
+        assert_eq!(m.len(), 10);
+        assert_eq!(&m.get(1).unwrap()[..], &seq.to_be_bytes());
+        for k in 0..8u64 {
+            assert_eq!(
+                &m.get(2 + k as usize).unwrap()[..],
+                &payload(seq + k, 20000)[..]
+            );
+        }
+    }
+    let stats = sub.stats();
+    assert!(stats.pings_received > 0, "{stats:?}");
+    assert_eq!(
+        stats.pongs_sent + stats.pongs_coalesced,
+        stats.pings_received
+    );
+    peer.send_line("exit").await;
+    peer.wait().await;
+}
+
+#[tokio::test]
 async fn libzmq_pub_restarted_mid_stream() {
     let (mut first, endpoint) = start_pub(&["--topics", "r", "--count", "-1"]).await;
     let port = endpoint.rsplit(':').next().unwrap().to_owned();

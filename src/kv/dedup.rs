@@ -22,12 +22,34 @@ pub enum DedupMode {
     SetLike,
 }
 
+/// Default cap on hashes tracked per `(dp_rank, tier)`: 2^21 (about 40 MiB of table).
+///
+/// ```
+/// assert_eq!(eventplane::kv::DEFAULT_MAX_TRACKED_HASHES, 1 << 21);
+/// ```
+pub const DEFAULT_MAX_TRACKED_HASHES: usize = 1 << 21;
+
+/// Default cap on distinct `(dp_rank, tier)` pairs tracked: 64.
+///
+/// ```
+/// assert_eq!(eventplane::kv::DEFAULT_MAX_TRACKED_RANKS, 64);
+/// ```
+pub const DEFAULT_MAX_TRACKED_RANKS: usize = 64;
+
 /// Reference-counted dedup per `(dp_rank, tier)`, sans-IO.
 ///
-/// Each stored block hash counts +1 (repeats within one event too). A removed hash
-/// passes only when its count reaches 0, and is then forgotten; hashes never stored
-/// pass. A `Removed` whose hashes are all filtered disappears (and so consumes no id).
-/// `Cleared` forgets the counts of its own `(dp_rank, tier)` only.
+/// Each stored block hash counts +1 (repeats within one event too; counts saturate).
+/// A removed hash passes only when its count reaches 0, and is then forgotten; hashes
+/// never stored pass. A `Removed` whose hashes are all filtered disappears (and so
+/// consumes no id). `Cleared` forgets the counts of its own `(dp_rank, tier)` only.
+///
+/// Memory is bounded: at most `max_hashes` hashes per `(dp_rank, tier)` and
+/// `max_ranks` pairs (defaults [`DEFAULT_MAX_TRACKED_HASHES`],
+/// [`DEFAULT_MAX_TRACKED_RANKS`]). A store that would pass a cap first forgets what
+/// was tracked (that pair's counts, or every pair's for the rank cap) and counts a
+/// [`reset`](Self::resets): removals of blocks stored before it then pass, which a
+/// router tolerates (it may drop a block another copy still holds), where an
+/// unbounded table would not be tolerated at all.
 ///
 /// ```
 /// use eventplane::kv::{BlockHash, DedupFilter, DedupMode, KvEventData, Placement, StorageTier, StoredBlock, TokensHash, WorkerId};
@@ -40,21 +62,56 @@ pub enum DedupMode {
 /// assert_eq!(dedup.filter(&at, remove()), None); // still stored once
 /// assert_eq!(dedup.filter(&at, remove()), Some(remove()));
 /// ```
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct DedupFilter {
     mode: DedupMode,
     counts: HashMap<(DpRank, StorageTier), HashMap<BlockHash, u32>>,
     suppressed: u64,
+    max_hashes: usize,
+    max_ranks: usize,
+    resets: u64,
+}
+
+impl Default for DedupFilter {
+    fn default() -> Self {
+        DedupFilter::new(DedupMode::default())
+    }
 }
 
 impl DedupFilter {
-    /// A filter in `mode`.
+    /// A filter in `mode`, with the default caps.
     pub fn new(mode: DedupMode) -> DedupFilter {
         DedupFilter {
             mode,
             counts: HashMap::new(),
             suppressed: 0,
+            max_hashes: DEFAULT_MAX_TRACKED_HASHES,
+            max_ranks: DEFAULT_MAX_TRACKED_RANKS,
+            resets: 0,
         }
+    }
+
+    /// Caps on hashes tracked per `(dp_rank, tier)` and on distinct pairs (each at
+    /// least 1).
+    ///
+    /// ```
+    /// use eventplane::kv::{BlockHash, DedupFilter, DedupMode, KvEventData, Placement, StorageTier, StoredBlock, TokensHash, WorkerId};
+    /// let mut dedup = DedupFilter::new(DedupMode::RefCounted).with_limits(2, 1);
+    /// let at = Placement { worker_id: WorkerId(1), dp_rank: 0, tier: StorageTier::Device };
+    /// let store = |h| KvEventData::Stored { parent_hash: None, blocks: vec![StoredBlock { block_hash: BlockHash(h), tokens_hash: TokensHash(0) }] };
+    /// for h in 0..3 { dedup.filter(&at, store(h)); } // the third store passes the cap
+    /// assert_eq!((dedup.tracked(), dedup.resets()), (1, 1));
+    /// ```
+    #[must_use]
+    pub fn with_limits(mut self, max_hashes: usize, max_ranks: usize) -> DedupFilter {
+        self.max_hashes = max_hashes.max(1);
+        self.max_ranks = max_ranks.max(1);
+        self
+    }
+
+    /// Times a cap made the filter forget what it tracked.
+    pub fn resets(&self) -> u64 {
+        self.resets
     }
 
     /// Hashes currently tracked (all ranks and tiers).
@@ -79,9 +136,18 @@ impl DedupFilter {
                 parent_hash,
                 blocks,
             } => {
+                if !self.counts.contains_key(&key) && self.counts.len() >= self.max_ranks {
+                    self.counts.clear();
+                    self.resets += 1;
+                }
                 let counts = self.counts.entry(key).or_default();
                 for b in &blocks {
-                    *counts.entry(b.block_hash).or_insert(0) += 1;
+                    if counts.len() >= self.max_hashes && !counts.contains_key(&b.block_hash) {
+                        counts.clear();
+                        self.resets += 1;
+                    }
+                    let n = counts.entry(b.block_hash).or_insert(0);
+                    *n = n.saturating_add(1);
                 }
                 Some(KvEventData::Stored {
                     parent_hash,
@@ -93,7 +159,7 @@ impl DedupFilter {
                     block_hashes.retain(|h| match counts.get_mut(h) {
                         None => true,
                         Some(n) => {
-                            *n -= 1;
+                            *n = n.saturating_sub(1);
                             if *n == 0 {
                                 counts.remove(h);
                                 true
@@ -117,5 +183,73 @@ impl DedupFilter {
                 Some(KvEventData::Cleared)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::{StoredBlock, TokensHash, WorkerId};
+
+    fn at(dp_rank: u32) -> Placement {
+        Placement {
+            worker_id: WorkerId(1),
+            dp_rank,
+            tier: StorageTier::Device,
+        }
+    }
+
+    fn store(hashes: impl IntoIterator<Item = u64>) -> KvEventData {
+        KvEventData::Stored {
+            parent_hash: None,
+            blocks: hashes
+                .into_iter()
+                .map(|h| StoredBlock {
+                    block_hash: BlockHash(h),
+                    tokens_hash: TokensHash(0),
+                })
+                .collect(),
+        }
+    }
+
+    fn remove(h: u64) -> KvEventData {
+        KvEventData::Removed {
+            block_hashes: vec![BlockHash(h)],
+        }
+    }
+
+    #[test]
+    fn hashes_per_rank_are_capped_with_a_counted_reset() {
+        let mut d = DedupFilter::new(DedupMode::RefCounted).with_limits(100, 8);
+        d.filter(&at(0), store(0..100));
+        assert_eq!((d.tracked(), d.resets()), (100, 0));
+        d.filter(&at(0), store([100]));
+        assert_eq!((d.tracked(), d.resets()), (1, 1));
+        // Forgotten hashes pass on removal; the tracked one is still counted.
+        assert_eq!(d.filter(&at(0), remove(5)), Some(remove(5)));
+        d.filter(&at(0), store([100]));
+        assert_eq!(d.filter(&at(0), remove(100)), None);
+    }
+
+    #[test]
+    fn ranks_are_capped_with_a_counted_reset() {
+        let mut d = DedupFilter::new(DedupMode::RefCounted).with_limits(100, 4);
+        for rank in 0..1000 {
+            d.filter(&at(rank), store([u64::from(rank)]));
+            assert!(d.counts.len() <= 4);
+        }
+        assert!(d.resets() >= 249, "{}", d.resets());
+    }
+
+    #[test]
+    fn counts_saturate() {
+        let mut d = DedupFilter::new(DedupMode::RefCounted);
+        d.counts
+            .entry((0, StorageTier::Device))
+            .or_default()
+            .insert(BlockHash(7), u32::MAX);
+        d.filter(&at(0), store([7])); // would overflow: saturates
+        assert_eq!(d.filter(&at(0), remove(7)), None);
+        assert_eq!(d.tracked(), 1);
     }
 }

@@ -15,7 +15,7 @@
 //! [`StorageTier::HostPinned`]; `DISK` / `NVME` → [`StorageTier::Disk`]; anything
 //! else → [`StorageTier::External`].
 
-use super::msgpack::{self, Value};
+use super::msgpack::{self, MsgpackError, Value};
 use super::{
     BlockHash, KvEvent, KvEventData, Placement, PlacementEvent, StorageTier, StoredBlock, WorkerId,
     tokens_hash,
@@ -40,6 +40,9 @@ pub struct EngineStats {
     pub batches: u64,
     /// Batches rejected whole (not msgpack, not a batch).
     pub malformed_batches: u64,
+    /// Of those, batches over [`EngineDecoder::with_limits`]' element or event
+    /// budget (rejected before decoding what they declare).
+    pub oversized_batches: u64,
     /// Events decoded.
     pub events: u64,
     /// Events that failed alone (unknown tag, wrong shape).
@@ -79,8 +82,26 @@ pub struct EngineDecoder {
     worker_id: WorkerId,
     block_size: usize,
     next_raw_id: u64,
+    max_elements: usize,
+    max_events: usize,
     stats: EngineStats,
 }
+
+/// Default budget of msgpack elements decoded per batch (each value, and each
+/// integer of an integer array, costs one): 2^20, about 40 MiB of decoded values at
+/// worst.
+///
+/// ```
+/// assert_eq!(eventplane::kv::DEFAULT_MAX_BATCH_ELEMENTS, 1 << 20);
+/// ```
+pub const DEFAULT_MAX_BATCH_ELEMENTS: usize = 1 << 20;
+
+/// Default cap on events in one batch: 2^16.
+///
+/// ```
+/// assert_eq!(eventplane::kv::DEFAULT_MAX_BATCH_EVENTS, 1 << 16);
+/// ```
+pub const DEFAULT_MAX_BATCH_EVENTS: usize = 1 << 16;
 
 impl EngineDecoder {
     /// A decoder for `worker_id` whose engine uses `block_size` tokens per block.
@@ -89,8 +110,31 @@ impl EngineDecoder {
             worker_id,
             block_size: block_size.max(1),
             next_raw_id: 0,
+            max_elements: DEFAULT_MAX_BATCH_ELEMENTS,
+            max_events: DEFAULT_MAX_BATCH_EVENTS,
             stats: EngineStats::default(),
         }
+    }
+
+    /// Per-batch budgets: msgpack elements decoded (default
+    /// [`DEFAULT_MAX_BATCH_ELEMENTS`]) and events (default
+    /// [`DEFAULT_MAX_BATCH_EVENTS`]). A batch over either is rejected whole and
+    /// counted in `oversized_batches`; what it declares is never allocated. Values of
+    /// 0 count as 1.
+    ///
+    /// ```
+    /// use eventplane::kv::{encode_engine_batch, EngineDecoder, EngineEvent, WorkerId};
+    /// let mut decoder = EngineDecoder::new(WorkerId(1), 4).with_limits(1 << 20, 2);
+    /// let batch = encode_engine_batch(0.0, 0, 4, &[EngineEvent::Cleared, EngineEvent::Cleared, EngineEvent::Cleared])?;
+    /// assert!(decoder.decode_batch(&batch).is_err());
+    /// assert_eq!(decoder.stats().oversized_batches, 1);
+    /// # Ok::<(), eventplane::kv::EncodeError>(())
+    /// ```
+    #[must_use]
+    pub fn with_limits(mut self, max_elements: usize, max_events: usize) -> EngineDecoder {
+        self.max_elements = max_elements.max(1);
+        self.max_events = max_events.max(1);
+        self
     }
 
     /// Counters.
@@ -104,17 +148,20 @@ impl EngineDecoder {
         &mut self,
         payload: &[u8],
     ) -> Result<Vec<PlacementEvent>, EngineDecodeError> {
-        let parsed = msgpack::parse(payload);
+        let parsed = msgpack::parse(payload, self.max_elements);
         let view = parsed.as_ref().ok().and_then(batch_view);
-        let Some((events, dp_rank)) = view else {
+        let oversized = matches!(parsed, Err(MsgpackError::TooManyElements))
+            || view.is_some_and(|(events, _)| events.len() > self.max_events);
+        let reason = match (&parsed, view) {
+            _ if oversized => "more elements or events than the per-batch budget",
+            (Ok(_), Some(_)) => "",
+            (Ok(_), None) => "not a [ts, events, dp_rank?] batch",
+            (Err(_), _) => "not msgpack",
+        };
+        let Some((events, dp_rank)) = view.filter(|_| !oversized) else {
             self.stats.malformed_batches += 1;
-            return Err(EngineDecodeError {
-                reason: if parsed.is_ok() {
-                    "not a [ts, events, dp_rank?] batch"
-                } else {
-                    "not msgpack"
-                },
-            });
+            self.stats.oversized_batches += u64::from(oversized);
+            return Err(EngineDecodeError { reason });
         };
         self.stats.batches += 1;
         let mut out = Vec::with_capacity(events.len());

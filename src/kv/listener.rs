@@ -32,6 +32,8 @@ pub struct EngineListenerConfig {
     zmtp: zmtp::Config,
     reconnect_min: Duration,
     reconnect_max: Duration,
+    max_batch_elements: usize,
+    max_batch_events: usize,
 }
 
 impl EngineListenerConfig {
@@ -52,7 +54,17 @@ impl EngineListenerConfig {
             zmtp: zmtp::Config::default(),
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(5),
+            max_batch_elements: super::DEFAULT_MAX_BATCH_ELEMENTS,
+            max_batch_events: super::DEFAULT_MAX_BATCH_EVENTS,
         }
+    }
+
+    /// Per-batch decoding budgets (see [`EngineDecoder::with_limits`]). Defaults 2^20
+    /// msgpack elements and 2^16 events.
+    pub fn batch_limits(mut self, max_elements: usize, max_events: usize) -> Self {
+        self.max_batch_elements = max_elements;
+        self.max_batch_events = max_events;
+        self
     }
 
     /// ZMTP bounds and timeouts. Default `zmtp::Config::default()`.
@@ -200,7 +212,8 @@ impl EngineListener {
 
     /// Runs until `cancel` or until the processor's input closes.
     pub async fn run(self, cancel: CancellationToken) -> EngineListenerStats {
-        let mut decoder = EngineDecoder::new(self.config.worker_id, self.config.block_size);
+        let mut decoder = EngineDecoder::new(self.config.worker_id, self.config.block_size)
+            .with_limits(self.config.max_batch_elements, self.config.max_batch_events);
         let mut backoff = Backoff::new(self.config.reconnect_min, self.config.reconnect_max);
         let warn = RateLimitedWarn::default();
         let mut seq_tracker = SeqTracker::default();

@@ -26,9 +26,10 @@ mod processor;
 mod sink;
 
 pub use coalesce::{Coalescer, DEFAULT_MAX_BATCH_BLOCKS};
-pub use dedup::{DedupFilter, DedupMode};
+pub use dedup::{DEFAULT_MAX_TRACKED_HASHES, DEFAULT_MAX_TRACKED_RANKS, DedupFilter, DedupMode};
 pub use engine::{
-    EncodeError, EngineDecodeError, EngineDecoder, EngineEvent, EngineStats, encode_engine_batch,
+    DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_BATCH_EVENTS, EncodeError, EngineDecodeError,
+    EngineDecoder, EngineEvent, EngineStats, encode_engine_batch,
 };
 pub use event::{
     BlockHash, DpRank, KvEvent, KvEventData, Placement, PlacementEvent, RouterEvent, StorageTier,
@@ -81,9 +82,20 @@ impl Default for Pipeline {
 impl Pipeline {
     /// A pipeline with these settings.
     pub fn new(max_batch_blocks: usize, mode: DedupMode) -> Pipeline {
+        Pipeline::with_dedup(max_batch_blocks, DedupFilter::new(mode))
+    }
+
+    /// A pipeline with its own dedup filter (for example with other caps).
+    ///
+    /// ```
+    /// use eventplane::kv::{DedupFilter, DedupMode, Pipeline};
+    /// let pipeline = Pipeline::with_dedup(128, DedupFilter::new(DedupMode::RefCounted).with_limits(1 << 16, 8));
+    /// assert_eq!(pipeline.dedup_resets(), 0);
+    /// ```
+    pub fn with_dedup(max_batch_blocks: usize, dedup: DedupFilter) -> Pipeline {
         Pipeline {
             coalescer: Coalescer::new(max_batch_blocks),
-            dedup: DedupFilter::new(mode),
+            dedup,
             next_id: 1,
         }
     }
@@ -123,6 +135,11 @@ impl Pipeline {
     /// Events dedup removed entirely so far.
     pub fn deduplicated(&self) -> u64 {
         self.dedup.suppressed()
+    }
+
+    /// Times a dedup cap made the filter forget what it tracked.
+    pub fn dedup_resets(&self) -> u64 {
+        self.dedup.resets()
     }
 
     /// The id the next emitted event will get.

@@ -1,11 +1,20 @@
 //! A small, bounded msgpack reader for engine payloads: borrows strings and binaries
-//! from the input, never pre-allocates beyond what the remaining input can hold, and
-//! limits nesting depth. Nothing here can panic on hostile bytes.
+//! from the input, limits nesting depth and the number of elements decoded (each
+//! value, and each integer of an integer array, costs one), and never reserves from
+//! a declared length: containers start at a small constant capacity and grow as
+//! elements actually decode. A decoded value costs at most ~40 bytes per element, so
+//! the element budget bounds what a payload can make us allocate whatever it
+//! declares. Nothing here can panic on hostile bytes.
 
 use crate::zmtp::codec::reader::Reader;
 
 /// Deepest nesting accepted.
 pub(crate) const MAX_DEPTH: usize = 32;
+
+/// Capacity a container starts with, whatever length it declares.
+const INITIAL_CAPACITY: usize = 16;
+/// Capacity an integer array starts with (token ids come by the thousand).
+const INITIAL_UINTS: usize = 256;
 
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Value<'a> {
@@ -83,28 +92,44 @@ pub(crate) enum MsgpackError {
     TooDeep,
     Reserved,
     Trailing,
+    /// More elements than the budget allows.
+    TooManyElements,
 }
 
-pub(crate) fn parse(input: &[u8]) -> Result<Value<'_>, MsgpackError> {
+/// Parses one value that must span `input`, decoding at most `max_elements` elements.
+pub(crate) fn parse(input: &[u8], max_elements: usize) -> Result<Value<'_>, MsgpackError> {
     let mut r = Reader::new(input);
-    let v = value(&mut r, input, 0)?;
+    let mut budget = max_elements;
+    let v = value(&mut r, input, 0, &mut budget)?;
     if r.remaining() != 0 {
         return Err(MsgpackError::Trailing);
     }
     Ok(v)
 }
 
-fn value<'a>(r: &mut Reader<'a>, input: &'a [u8], depth: usize) -> Result<Value<'a>, MsgpackError> {
+/// Takes `n` elements from the budget.
+fn spend(budget: &mut usize, n: usize) -> Result<(), MsgpackError> {
+    *budget = budget.checked_sub(n).ok_or(MsgpackError::TooManyElements)?;
+    Ok(())
+}
+
+fn value<'a>(
+    r: &mut Reader<'a>,
+    input: &'a [u8],
+    depth: usize,
+    budget: &mut usize,
+) -> Result<Value<'a>, MsgpackError> {
     use MsgpackError::Truncated as T;
     if depth > MAX_DEPTH {
         return Err(MsgpackError::TooDeep);
     }
+    spend(budget, 1)?;
     let marker = r.u8().ok_or(T)?;
     let bytes = |r: &mut Reader<'a>, n: usize| r.take(n).ok_or(T);
     let v = match marker {
         0x00..=0x7f => Value::UInt(u64::from(marker)),
-        0x80..=0x8f => map(r, input, usize::from(marker & 0x0f), depth)?,
-        0x90..=0x9f => array(r, input, usize::from(marker & 0x0f), depth)?,
+        0x80..=0x8f => map(r, input, usize::from(marker & 0x0f), depth, budget)?,
+        0x90..=0x9f => array(r, input, usize::from(marker & 0x0f), depth, budget)?,
         0xa0..=0xbf => Value::Str(bytes(r, usize::from(marker & 0x1f))?),
         0xc0 => Value::Nil,
         0xc1 => return Err(MsgpackError::Reserved),
@@ -160,19 +185,19 @@ fn value<'a>(r: &mut Reader<'a>, input: &'a [u8], depth: usize) -> Result<Value<
         }
         0xdc => {
             let n = usize::from(r.u16_be().ok_or(T)?);
-            array(r, input, n, depth)?
+            array(r, input, n, depth, budget)?
         }
         0xdd => {
             let n = r.u32_be().ok_or(T)? as usize;
-            array(r, input, n, depth)?
+            array(r, input, n, depth, budget)?
         }
         0xde => {
             let n = usize::from(r.u16_be().ok_or(T)?);
-            map(r, input, n, depth)?
+            map(r, input, n, depth, budget)?
         }
         0xdf => {
             let n = r.u32_be().ok_or(T)? as usize;
-            map(r, input, n, depth)?
+            map(r, input, n, depth, budget)?
         }
         0xe0..=0xff => int(i64::from(marker as i8)),
     };
@@ -192,19 +217,24 @@ fn array<'a>(
     input: &'a [u8],
     n: usize,
     depth: usize,
+    budget: &mut usize,
 ) -> Result<Value<'a>, MsgpackError> {
+    if n > *budget {
+        // Each element costs at least one: this array cannot fit, whatever it holds.
+        return Err(MsgpackError::TooManyElements);
+    }
     if n > 0 {
         let mut probe = Reader::new(input);
         probe.take(r.position());
         if let Some(ints) = uints(&mut probe, n) {
             *r = probe;
+            spend(budget, n)?;
             return Ok(Value::UInts(ints));
         }
     }
-    // Every element takes at least one byte: never reserve more than what is left.
-    let mut out = Vec::with_capacity(n.min(r.remaining()));
+    let mut out = Vec::with_capacity(n.min(INITIAL_CAPACITY));
     for _ in 0..n {
-        out.push(value(r, input, depth + 1)?);
+        out.push(value(r, input, depth + 1, budget)?);
     }
     Ok(Value::Array(out))
 }
@@ -212,7 +242,7 @@ fn array<'a>(
 /// Reads `n` non-negative integers, or `None` at the first element that is not one
 /// (the caller then parses the array generically from its start).
 fn uints(r: &mut Reader<'_>, n: usize) -> Option<Vec<u64>> {
-    let mut out = Vec::with_capacity(n.min(r.remaining()));
+    let mut out = Vec::with_capacity(n.min(INITIAL_UINTS));
     for _ in 0..n {
         let v = match r.u8()? {
             m @ 0x00..=0x7f => u64::from(m),
@@ -232,11 +262,15 @@ fn map<'a>(
     input: &'a [u8],
     n: usize,
     depth: usize,
+    budget: &mut usize,
 ) -> Result<Value<'a>, MsgpackError> {
-    let mut out = Vec::with_capacity(n.min(r.remaining() / 2));
+    if n > *budget / 2 {
+        return Err(MsgpackError::TooManyElements);
+    }
+    let mut out = Vec::with_capacity(n.min(INITIAL_CAPACITY));
     for _ in 0..n {
-        let k = value(r, input, depth + 1)?;
-        let v = value(r, input, depth + 1)?;
+        let k = value(r, input, depth + 1, budget)?;
+        let v = value(r, input, depth + 1, budget)?;
         out.push((k, v));
     }
     Ok(Value::Map(out))
@@ -248,29 +282,59 @@ mod tests {
 
     #[test]
     fn forged_lengths_and_depth() {
-        assert_eq!(parse(b"\xdd\xff\xff\xff\xff"), Err(MsgpackError::Truncated));
         assert_eq!(
-            parse(b"\xdf\xff\xff\xff\xff\x01"),
+            parse_all(b"\xdd\xff\xff\xff\xff"),
             Err(MsgpackError::Truncated)
         );
-        assert_eq!(parse(b"\xc6\xff\xff\xff\xff"), Err(MsgpackError::Truncated));
+        assert_eq!(
+            parse_all(b"\xdf\xff\xff\xff\xff\x01"),
+            Err(MsgpackError::Truncated)
+        );
+        assert_eq!(
+            parse_all(b"\xc6\xff\xff\xff\xff"),
+            Err(MsgpackError::Truncated)
+        );
         let deep = vec![0x91u8; 100];
-        assert_eq!(parse(&deep), Err(MsgpackError::TooDeep));
-        assert_eq!(parse(b"\xc1"), Err(MsgpackError::Reserved));
-        assert_eq!(parse(b"\x01\x02"), Err(MsgpackError::Trailing));
+        assert_eq!(parse_all(&deep), Err(MsgpackError::TooDeep));
+        assert_eq!(parse_all(b"\xc1"), Err(MsgpackError::Reserved));
+        assert_eq!(parse_all(b"\x01\x02"), Err(MsgpackError::Trailing));
+    }
+
+    fn parse_all(input: &[u8]) -> Result<Value<'_>, MsgpackError> {
+        parse(input, usize::MAX)
+    }
+
+    #[test]
+    fn element_budget_bounds_what_a_payload_declares() {
+        // 8 M nils in an 8 MiB payload: refused at the array header.
+        let mut nils = vec![0xdd, 0x00, 0x80, 0x00, 0x00];
+        nils.resize(5 + (8 << 20), 0xc0);
+        assert_eq!(parse(&nils, 1 << 20), Err(MsgpackError::TooManyElements));
+        // The same spread over many small arrays runs out as they decode.
+        let mut many = vec![0xdd, 0x00, 0x01, 0x00, 0x00];
+        for _ in 0..(1 << 16) {
+            many.extend_from_slice(&[0x9f; 1]);
+            many.extend_from_slice(&[0xc0; 15]);
+        }
+        assert_eq!(parse(&many, 1 << 20), Err(MsgpackError::TooManyElements));
+        assert!(parse(&many, 1 << 21).is_ok());
+        // Integer arrays are charged per element too.
+        let ints = [0x93, 1, 2, 3];
+        assert_eq!(parse(&ints, 3), Err(MsgpackError::TooManyElements));
+        assert!(parse(&ints, 4).is_ok());
     }
 
     #[test]
     fn integers() {
         assert_eq!(
-            parse(b"\xcf\xff\xff\xff\xff\xff\xff\xff\xff"),
+            parse_all(b"\xcf\xff\xff\xff\xff\xff\xff\xff\xff"),
             Ok(Value::UInt(u64::MAX))
         );
         assert_eq!(
-            parse(b"\xd3\xff\xff\xff\xff\xff\xff\xff\xfe"),
+            parse_all(b"\xd3\xff\xff\xff\xff\xff\xff\xff\xfe"),
             Ok(Value::NegInt(-2))
         );
-        assert_eq!(parse(b"\xff"), Ok(Value::NegInt(-1)));
-        assert_eq!(parse(b"\xd0\x05"), Ok(Value::UInt(5)));
+        assert_eq!(parse_all(b"\xff"), Ok(Value::NegInt(-1)));
+        assert_eq!(parse_all(b"\xd0\x05"), Ok(Value::UInt(5)));
     }
 }

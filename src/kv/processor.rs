@@ -7,7 +7,11 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{DedupMode, KvEventData, Pipeline, PlacementEvent, RouterEvent};
+use super::{
+    DEFAULT_MAX_TRACKED_HASHES, DEFAULT_MAX_TRACKED_RANKS, DedupFilter, DedupMode, KvEventData,
+    Pipeline, PlacementEvent, RouterEvent,
+};
+use crate::counter;
 use crate::discovery::BoxFuture;
 use crate::net::RateLimitedWarn;
 
@@ -110,6 +114,8 @@ pub struct IndexError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
 pub struct ProcessorConfig {
     max_batch_blocks: usize,
     dedup: DedupMode,
+    dedup_max_hashes: usize,
+    dedup_max_ranks: usize,
     batch_timeout: Option<Duration>,
     publish_timeout: Duration,
 }
@@ -135,6 +141,8 @@ impl Default for ProcessorConfig {
         ProcessorConfig {
             max_batch_blocks: super::DEFAULT_MAX_BATCH_BLOCKS,
             dedup: DedupMode::RefCounted,
+            dedup_max_hashes: DEFAULT_MAX_TRACKED_HASHES,
+            dedup_max_ranks: DEFAULT_MAX_TRACKED_RANKS,
             batch_timeout: None,
             publish_timeout: Duration::from_secs(5),
         }
@@ -152,6 +160,13 @@ impl ProcessorConfig {
         self.dedup = mode;
         self
     }
+    /// Dedup caps: hashes tracked per `(dp_rank, tier)` (default 2^21) and distinct
+    /// pairs (default 64); see [`DedupFilter`]. Values of 0 count as 1.
+    pub fn dedup_limits(mut self, max_hashes: usize, max_ranks: usize) -> Self {
+        self.dedup_max_hashes = max_hashes;
+        self.dedup_max_ranks = max_ranks;
+        self
+    }
     /// Batch across lists for up to this long, counted from the last flush. Default
     /// `None`: flush at every list boundary. At most 15 s.
     pub fn batch_timeout(
@@ -164,8 +179,9 @@ impl ProcessorConfig {
         self.batch_timeout = timeout;
         Ok(self)
     }
-    /// Bound on one publish while shutting down, so a stuck sink cannot block shutdown
-    /// forever. Default 5 s.
+    /// Bound on one publish: a sink that has not answered by then is abandoned for
+    /// that batch (counted in `publish_timeouts`), so a stuck sink can neither stall
+    /// the loop nor block shutdown. Default 5 s.
     pub fn publish_timeout(mut self, timeout: Duration) -> Self {
         self.publish_timeout = timeout;
         self
@@ -214,8 +230,12 @@ pub struct ProcessorStats {
     pub deduplicated_events: u64,
     /// Events withheld because a failed local `Cleared` fenced the processor.
     pub withheld_events: u64,
-    /// Sink calls that failed.
+    /// Sink calls that failed (timeouts included).
     pub publish_errors: u64,
+    /// Of those, sink calls abandoned after `publish_timeout`.
+    pub publish_timeouts: u64,
+    /// Times a dedup cap made the filter forget what it tracked.
+    pub dedup_resets: u64,
     /// `true` once a failed local `Cleared` fenced the processor.
     pub fenced: bool,
 }
@@ -231,6 +251,8 @@ struct Counters {
     deduplicated_events: AtomicU64,
     withheld_events: AtomicU64,
     publish_errors: AtomicU64,
+    publish_timeouts: AtomicU64,
+    dedup_resets: AtomicU64,
     fenced: AtomicBool,
 }
 
@@ -278,6 +300,8 @@ impl ProcessorHandle {
             deduplicated_events: l(&c.deduplicated_events),
             withheld_events: l(&c.withheld_events),
             publish_errors: l(&c.publish_errors),
+            publish_timeouts: l(&c.publish_timeouts),
+            dedup_resets: l(&c.dedup_resets),
             fenced: c.fenced.load(Ordering::Relaxed),
         }
     }
@@ -296,7 +320,9 @@ impl ProcessorHandle {
 ///   one, the timer counts from the last flush, so the first event after an idle
 ///   period goes out alone and later ones batch.
 /// - Cancellation or the input closing: what is queued is drained, flushed and
-///   published (each publish bounded by `publish_timeout`), then the loop stops.
+///   published, then the loop stops.
+/// - Every publish is bounded by `publish_timeout`: a sink that never answers costs
+///   that batch (counted), never the loop or its shutdown.
 /// - A forward jump in raw engine ids counts `input_gaps`; a regression (an engine
 ///   restart) does not.
 /// - If the local index fails to apply a `Cleared`, the clear is withheld, the
@@ -384,7 +410,9 @@ impl Processor {
 
     /// Runs until cancelled, the input closes, or a fence; returns the final counters.
     pub async fn run(mut self) -> ProcessorStats {
-        let mut pipeline = Pipeline::new(self.config.max_batch_blocks, self.config.dedup);
+        let dedup = DedupFilter::new(self.config.dedup)
+            .with_limits(self.config.dedup_max_hashes, self.config.dedup_max_ranks);
+        let mut pipeline = Pipeline::with_dedup(self.config.max_batch_blocks, dedup);
         let mut out: Vec<RouterEvent> = Vec::new();
         let mut last_raw: Option<u64> = None;
         let mut last_flush = tokio::time::Instant::now();
@@ -416,7 +444,7 @@ impl Processor {
                 }
             }
             self.record(&pipeline);
-            if !self.emit(&mut out, &warn, None).await {
+            if !self.emit(&mut out, &warn).await {
                 return self.handle().stats();
             }
         }
@@ -426,8 +454,7 @@ impl Processor {
         }
         pipeline.flush(&mut out);
         self.record(&pipeline);
-        let bound = Some(self.config.publish_timeout);
-        self.emit(&mut out, &warn, bound).await;
+        self.emit(&mut out, &warn).await;
         self.handle().stats()
     }
 
@@ -437,6 +464,8 @@ impl Processor {
         c.merged_events.store(pipeline.merged(), Ordering::Relaxed);
         c.deduplicated_events
             .store(pipeline.deduplicated(), Ordering::Relaxed);
+        c.dedup_resets
+            .store(pipeline.dedup_resets(), Ordering::Relaxed);
     }
 
     fn ingest(
@@ -447,16 +476,14 @@ impl Processor {
         last_raw: &mut Option<u64>,
     ) {
         let c = &self.counters;
-        c.input_lists.fetch_add(1, Ordering::Relaxed);
-        c.input_events
-            .fetch_add(list.len() as u64, Ordering::Relaxed);
+        counter::add(&c.input_lists, 1);
+        counter::add(&c.input_events, list.len() as u64);
         for ev in list {
             let id = ev.event.id;
             if let Some(last) = *last_raw {
                 if id > last.saturating_add(1) {
-                    c.input_gaps.fetch_add(1, Ordering::Relaxed);
-                    c.input_gap_events
-                        .fetch_add(id - last - 1, Ordering::Relaxed);
+                    counter::add(&c.input_gaps, 1);
+                    counter::add(&c.input_gap_events, id - last - 1);
                 }
             }
             *last_raw = Some(id);
@@ -465,12 +492,7 @@ impl Processor {
     }
 
     /// Applies the local index and publishes `out`. Returns `false` when fenced.
-    async fn emit(
-        &mut self,
-        out: &mut Vec<RouterEvent>,
-        warn: &RateLimitedWarn,
-        bound: Option<Duration>,
-    ) -> bool {
+    async fn emit(&mut self, out: &mut Vec<RouterEvent>, warn: &RateLimitedWarn) -> bool {
         if out.is_empty() {
             return true;
         }
@@ -496,14 +518,17 @@ impl Processor {
                 .output_events
                 .fetch_add(out.len() as u64, Ordering::Relaxed);
             let publish = self.sink.publish(out);
-            let result = match bound {
-                Some(t) => tokio::time::timeout(t, publish)
-                    .await
-                    .unwrap_or_else(|_| Err(SinkError("publish timed out during shutdown".into()))),
-                None => publish.await,
+            let result = match tokio::time::timeout(self.config.publish_timeout, publish).await {
+                Ok(result) => result,
+                Err(_) => {
+                    counter::add(&self.counters.publish_timeouts, 1);
+                    Err(SinkError(
+                        "the sink did not answer within publish_timeout".into(),
+                    ))
+                }
             };
             if let Err(e) = result {
-                self.counters.publish_errors.fetch_add(1, Ordering::Relaxed);
+                counter::add(&self.counters.publish_errors, 1);
                 if let Some(suppressed) = warn.check("publish", Instant::now()) {
                     tracing::warn!(error = %e, suppressed, "publishing router events failed; not retried");
                 }

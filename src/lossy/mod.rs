@@ -44,6 +44,11 @@ use std::task::{Context, Poll, Waker};
 /// ```
 pub const ITEM_OVERHEAD: usize = 64;
 
+/// Queue slots an empty lane keeps; a lane that grew past this (during a burst)
+/// gives the rest back once it drains, so idle lanes cost little whatever they once
+/// held.
+const IDLE_LANE_SLOTS: usize = 64;
+
 /// What to drop when a bound is hit.
 ///
 /// ```
@@ -366,6 +371,9 @@ fn take<T>(st: &mut State<T>, out: &mut Vec<T>, max: usize) -> usize {
         let closed = !lane.open;
         if now_empty {
             lane.in_ready = false;
+            if lane.items.capacity() > IDLE_LANE_SLOTS {
+                lane.items.shrink_to(IDLE_LANE_SLOTS);
+            }
         } else {
             st.ready.push_back(id);
         }
@@ -533,7 +541,9 @@ fn largest_lane<T>(st: &State<T>) -> Option<usize> {
         .map(|(i, _)| i)
 }
 
-/// Evicts `id`'s oldest item for the global budget.
+/// Evicts `id`'s oldest item for the global budget. A closed lane left empty is
+/// freed (nobody else would free it: its producer is gone and the consumer will not
+/// find it ready).
 fn evict_oldest<T>(st: &mut State<T>, id: usize) -> bool {
     let Some(Some(lane)) = st.lanes.get_mut(id) else {
         return false;
@@ -543,7 +553,13 @@ fn evict_oldest<T>(st: &mut State<T>, id: usize) -> bool {
     };
     lane.bytes -= c;
     lane.stats.dropped_budget += 1;
+    let freed = lane.items.is_empty() && !lane.open;
     st.total_bytes -= c;
+    if freed {
+        // Its slot may be reused at once: it must not stay listed as ready.
+        st.ready.retain(|&r| r != id);
+        free_lane(st, id);
+    }
     true
 }
 

@@ -172,3 +172,50 @@ fn random_pushes_never_exceed_bounds() {
         lanes.iter().map(|l| l.stats().delivered).sum::<u64>()
     );
 }
+
+#[test]
+fn closed_lane_emptied_by_eviction_frees_its_slot() {
+    // Two items of 1000 (+64) fill the budget.
+    let m = merge(100, 1 << 20, 2 * 1064, DropPolicy::DropNewest);
+    let gone = m.lane();
+    gone.push(0, 1000);
+    gone.push(1, 1000);
+    drop(gone); // closed, 2 items still queued
+    let live = m.lane();
+    for i in 10..30 {
+        live.push(i, 0); // under its share: evicts from the largest lane, the closed one
+    }
+    {
+        let st = m.shared.lock();
+        assert_eq!(st.lanes.first().map(Option::is_none), Some(true));
+        assert_eq!(st.free, vec![0]);
+        assert!(!st.ready.contains(&0));
+    }
+    // The freed slot is reused; nothing is listed twice.
+    let next = m.lane();
+    next.push(99, 1);
+    let mut expected = vec![10, 99];
+    expected.extend(11..30);
+    assert_eq!(drain(&m), expected);
+    assert_eq!(m.buffered_bytes(), 0);
+}
+
+#[test]
+fn drained_lanes_give_back_queue_slots() {
+    let m = merge(10_000, 1 << 30, 1 << 30, DropPolicy::DropNewest);
+    let l = m.lane();
+    for i in 0..5000 {
+        l.push(i, 1);
+    }
+    assert_eq!(drain(&m).len(), 5000);
+    let st = m.shared.lock();
+    let capacity = st
+        .lanes
+        .first()
+        .and_then(Option::as_ref)
+        .map(|l| l.items.capacity());
+    assert!(
+        capacity.is_some_and(|c| c <= 2 * IDLE_LANE_SLOTS),
+        "{capacity:?}"
+    );
+}

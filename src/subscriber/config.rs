@@ -60,6 +60,7 @@ pub(crate) struct Config {
     pub(crate) rewatch_min: Duration,
     pub(crate) rewatch_max: Duration,
     pub(crate) recv_batch: usize,
+    pub(crate) max_publishers: usize,
     pub(crate) cancel: CancellationToken,
     #[cfg(feature = "metrics")]
     pub(crate) metrics_interval: Duration,
@@ -81,6 +82,7 @@ impl Config {
             rewatch_min: Duration::from_millis(250),
             rewatch_max: Duration::from_secs(5),
             recv_batch: 256,
+            max_publishers: 4096,
             cancel: CancellationToken::new(),
             #[cfg(feature = "metrics")]
             metrics_interval: Duration::from_secs(1),

@@ -10,7 +10,15 @@
 //!   dropped *here* and counted.
 //! - **Bounded memory.** Each publisher has its own lane of at most `lane_capacity`
 //!   messages (default 4096) and `lane_bytes` (4 MiB), each message charged its bytes
-//!   plus 64; all lanes together hold at most `max_buffered_bytes` (64 MiB).
+//!   plus 64; all lanes together hold at most `max_buffered_bytes` (64 MiB). Messages
+//!   are zero-copy slices of their connection's read buffer while the read buffers
+//!   they keep alive total at most the ZMTP config's `max_retained_bytes` (8 MiB,
+//!   shared by all connections, [`SubscriberStats::retained_bytes`]); beyond, small
+//!   frames are copied into allocations of their own size. So the process holds at
+//!   most `max_buffered_bytes` + `max_retained_bytes` + one read buffer per connection
+//!   (`read_chunk`, 64 KiB, or the frame being assembled) for messages, however slow
+//!   the consumer and whatever the publishers send. At most `max_publishers` (4096)
+//!   publishers are followed.
 //! - **Fair.** The consumer takes from ready lanes round-robin, and the global budget
 //!   never refuses a lane that holds less than its share — it evicts from the largest
 //!   lane instead — so a flooding publisher cannot starve a quiet one.
@@ -59,6 +67,7 @@ pub use stats::{PublisherStats, SubscriberStats};
 use crate::discovery::{ChannelId, Discovery, Instance, Query};
 use crate::lossy::{DropPolicy, Merge};
 use crate::net::{AddrFilter, RateLimitedWarn};
+use crate::zmtp::retain::Retention;
 use crate::zmtp::{self, Message};
 use config::Config;
 use stats::Counters;
@@ -187,6 +196,13 @@ impl DynamicSubscriberBuilder {
         self.config.recv_batch = messages.max(1);
         self
     }
+    /// Most publishers followed at once. Default 4096. Publishers discovered beyond
+    /// it are not dialled and counted in [`SubscriberStats::refused_publishers`]; the
+    /// next discovery resync picks them up when room has been made.
+    pub fn max_publishers(mut self, publishers: usize) -> Self {
+        self.config.max_publishers = publishers.max(1);
+        self
+    }
     /// How often the `metrics` feature samples the counters into the `metrics` facade.
     /// Default 1 s.
     #[cfg(feature = "metrics")]
@@ -209,6 +225,8 @@ impl DynamicSubscriberBuilder {
         let shared = Arc::new(Shared {
             publishers: Mutex::new(HashMap::new()),
             retired: Mutex::new(PublisherStats::default()),
+            retention: Arc::new(Retention::new(config.zmtp.max_retained_bytes())),
+            refused_publishers: AtomicU64::new(0),
             rewatches: AtomicU64::new(0),
             tracker: TaskTracker::new(),
             warn: RateLimitedWarn::default(),
@@ -287,6 +305,9 @@ pub struct SubscriberHandle {
 pub(crate) struct Shared {
     publishers: Mutex<HashMap<ChannelId, Arc<PublisherCell>>>,
     retired: Mutex<PublisherStats>,
+    /// Read buffers that delivered messages keep alive, across every connection.
+    pub(crate) retention: Arc<Retention>,
+    pub(crate) refused_publishers: AtomicU64,
     pub(crate) rewatches: AtomicU64,
     pub(crate) tracker: TaskTracker,
     pub(crate) warn: RateLimitedWarn,
@@ -482,10 +503,14 @@ impl SubscriberHandle {
         for (_, s) in &publishers {
             total.add(s);
         }
+        self.shared.retention.prune();
         SubscriberStats {
             total,
             publishers,
             buffered_bytes: self.merge.buffered_bytes(),
+            retained_bytes: self.shared.retention.retained(),
+            copied_messages: self.shared.retention.copied(),
+            refused_publishers: self.shared.refused_publishers.load(Ordering::Relaxed),
             rewatches: self.shared.rewatches.load(Ordering::Relaxed),
         }
     }

@@ -100,6 +100,16 @@ pub struct SubscriberStats {
     pub publishers: Vec<(ChannelId, PublisherStats)>,
     /// Bytes buffered across all lanes (charged sizes); at most `max_buffered_bytes`.
     pub buffered_bytes: usize,
+    /// Read buffers of earlier reads that buffered messages still keep alive, across
+    /// all connections; small frames are copied out while this exceeds the ZMTP
+    /// config's `max_retained_bytes`.
+    pub retained_bytes: usize,
+    /// Messages copied out of their read buffer because `retained_bytes` was over
+    /// the limit.
+    pub copied_messages: u64,
+    /// Publishers discovery reported that were not followed because
+    /// `max_publishers` were already followed.
+    pub refused_publishers: u64,
     /// Times the discovery watch was re-opened.
     pub rewatches: u64,
 }

@@ -141,6 +141,17 @@ fn upsert(
     instance: Instance,
 ) {
     let endpoint = instance.transport.endpoint().to_owned();
+    if !tracked.contains_key(&instance.id) && tracked.len() >= config.max_publishers {
+        crate::counter::add(&shared.refused_publishers, 1);
+        warn_limited(shared, "max_publishers", || {
+            tracing::warn!(
+                max_publishers = config.max_publishers,
+                id = %instance.id,
+                "publisher limit reached: not following this publisher (counted)"
+            );
+        });
+        return;
+    }
     if let Some(t) = tracked.get_mut(&instance.id) {
         if instance.incarnation < t.incarnation {
             return;
@@ -277,7 +288,7 @@ async fn connect_and_read(
     drain: &CancellationToken,
 ) -> Outcome {
     let counters = &cell.counters;
-    let addrs = match resolve(endpoint).await {
+    let addrs = match resolve(endpoint, config.zmtp.connect_timeout()).await {
         Ok(a) => a,
         Err(e) => {
             Counters::add(&counters.connect_failures, 1);
@@ -298,7 +309,7 @@ async fn connect_and_read(
                 .unwrap_or_else(|| endpoint.to_owned()),
         );
     }
-    let mut sub = match dial(config, &allowed).await {
+    let mut sub = match dial(shared, config, &allowed).await {
         Ok(s) => s,
         Err(e) => {
             Counters::add(&counters.connect_failures, 1);
@@ -314,12 +325,16 @@ async fn connect_and_read(
     let drop_key = format!("drop:{endpoint}");
     let mut batch = Vec::with_capacity(config.recv_batch);
     let mut out: Vec<(Delivery, usize)> = Vec::with_capacity(config.recv_batch);
+    // Created once: a publisher that keeps sending after it left discovery is cut
+    // `DRAIN_GRACE` after the removal, not kept alive batch after batch.
+    let deadline = drain_deadline(drain);
+    tokio::pin!(deadline);
     loop {
         batch.clear();
         // `recv_many` is cancel-safe: the drain deadline loses nothing.
         let received = tokio::select! {
             r = sub.recv_many(&mut batch, config.recv_batch) => r,
-            () = drain_deadline(drain) => return Outcome::Failed(ZmtpError::SocketClosed),
+            () = &mut deadline => return Outcome::Failed(ZmtpError::SocketClosed),
         };
         if let Err(e) = received {
             return Outcome::Failed(e);
@@ -382,13 +397,20 @@ async fn connect_and_read(
     }
 }
 
-async fn resolve(endpoint: &str) -> Result<Vec<SocketAddr>, ZmtpError> {
-    crate::zmtp::endpoint::resolve(endpoint).await
+async fn resolve(endpoint: &str, timeout: Duration) -> Result<Vec<SocketAddr>, ZmtpError> {
+    crate::zmtp::endpoint::resolve(endpoint, timeout).await
 }
 
-async fn dial(config: &Config, addrs: &[SocketAddr]) -> Result<SubSocket, ZmtpError> {
+async fn dial(
+    shared: &Shared,
+    config: &Config,
+    addrs: &[SocketAddr],
+) -> Result<SubSocket, ZmtpError> {
     let stream = crate::zmtp::sub::dial(addrs, &config.zmtp).await?;
-    let mut sub = SubSocket::handshake(stream, config.zmtp.clone()).await?;
+    // Every connection counts the read buffers its messages keep alive in one
+    // account: past `max_retained_bytes` in total, small frames are copied out.
+    let mut sub =
+        SubSocket::handshake_sharing(stream, config.zmtp.clone(), shared.retention.clone()).await?;
     // Re-subscribed on every new connection.
     sub.subscribe(config.topic.clone().unwrap_or_default())
         .await?;

@@ -26,11 +26,17 @@ pub(crate) fn parse_tcp(endpoint: &str) -> Result<(String, u16), Error> {
     Ok((host.to_owned(), port))
 }
 
-/// Resolves an endpoint to socket addresses (DNS allowed).
-pub(crate) async fn resolve(endpoint: &str) -> Result<Vec<SocketAddr>, Error> {
+/// Resolves an endpoint to socket addresses (DNS allowed), within `timeout` (a
+/// resolver that never answers must not hold a dial forever).
+pub(crate) async fn resolve(
+    endpoint: &str,
+    timeout: std::time::Duration,
+) -> Result<Vec<SocketAddr>, Error> {
     let (host, port) = parse_tcp(endpoint)?;
-    let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), port))
+    let lookup = tokio::net::lookup_host((host.as_str(), port));
+    let addrs: Vec<SocketAddr> = tokio::time::timeout(timeout, lookup)
         .await
+        .map_err(|_| Error::Timeout(super::TimeoutKind::Resolve))?
         .map_err(Error::Io)?
         .collect();
     if addrs.is_empty() {

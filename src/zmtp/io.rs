@@ -92,7 +92,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
                 }
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
                 Poll::Pending => {
-                    self.blocked_since.get_or_insert_with(Instant::now);
+                    if self.blocked_since.is_none() {
+                        self.blocked_since = Some(Instant::now());
+                        // Wake for the stall deadline even if the peer never reads.
+                        if let Some(deadline) = self.stall_deadline() {
+                            self.arm(deadline, cx);
+                        }
+                    }
                     return Poll::Pending;
                 }
             }
@@ -190,18 +196,28 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
                 self.session.handle_timeout(now.into_std())?;
                 continue;
             }
-            // Re-arm only when the deadline moved earlier; a sleep that fires early just
-            // re-arms (liveness deadlines move on every read).
-            if self.armed.is_none_or(|armed| deadline < armed) {
-                self.sleep.as_mut().reset(deadline);
-                self.armed = Some(deadline);
-            }
-            match self.sleep.as_mut().poll(cx) {
-                Poll::Ready(()) => self.armed = None,
-                Poll::Pending => return Ok(()),
+            if !self.arm(deadline, cx) {
+                return Ok(());
             }
         }
         Ok(())
+    }
+
+    /// Makes sure the task wakes by `deadline`. Re-arms only when the deadline moved
+    /// earlier; a sleep that fires early just re-arms (liveness deadlines move on every
+    /// read). Returns `true` when the armed sleep has already fired.
+    fn arm(&mut self, deadline: Instant, cx: &mut Context<'_>) -> bool {
+        if self.armed.is_none_or(|armed| deadline < armed) {
+            self.sleep.as_mut().reset(deadline);
+            self.armed = Some(deadline);
+        }
+        match self.sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                self.armed = None;
+                true
+            }
+            Poll::Pending => false,
+        }
     }
 
     /// Drives the handshake to completion.
@@ -250,9 +266,9 @@ impl<S> Conn<S> {
         self.read_chunk
     }
 
-    /// Capacity of the current read buffer.
-    pub(crate) fn read_buffer_capacity(&mut self) -> usize {
-        self.session.input_buffer().capacity()
+    /// Size the current read buffer was allocated with.
+    pub(crate) fn read_buffer_allocation(&self) -> usize {
+        self.allocation
     }
 }
 

@@ -33,7 +33,7 @@ mod io;
 mod message;
 mod prefix;
 mod publish;
-mod retain;
+pub(crate) mod retain;
 mod session;
 pub(crate) mod sub;
 
@@ -42,4 +42,4 @@ pub use error::{Error, ProtocolError, TimeoutKind};
 pub use message::Message;
 pub use publish::{PubSocket, PubStats, SendReport, SubscriberStats};
 pub use session::{Event, MAX_PENDING_OUTPUT, PeerInfo, Session, SessionStats, SocketType};
-pub use sub::{SubBuffers, SubSocket};
+pub use sub::{RECV_MANY_BYTES, SubBuffers, SubSocket};

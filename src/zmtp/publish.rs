@@ -351,7 +351,7 @@ impl PubSocket {
     /// # Ok(()) }
     /// ```
     pub async fn bind(endpoint: &str, config: Config) -> Result<PubSocket, Error> {
-        let addrs = endpoint::resolve(endpoint).await?;
+        let addrs = endpoint::resolve(endpoint, config.connect_timeout).await?;
         let listener = TcpListener::bind(&addrs[..]).await?;
         let mut socket = PubSocket::new(config);
         let local = listener.local_addr()?;
@@ -679,9 +679,10 @@ where
     let span = tracing::debug_span!("zmtp_pub_peer", peer = %label);
     let task = async move {
         let mut conn = Conn::new(stream, SocketType::Pub, &shared.config, None);
+        let mut reported = 0;
         let result = tokio::select! {
             () = cancel.cancelled() => Ok(()),
-            r = poll_fn(|cx| drive_peer(&mut conn, &shared, id, cx)) => r,
+            r = poll_fn(|cx| drive_peer(&mut conn, &shared, id, &mut reported, cx)) => r,
         };
         let stalled = matches!(result, Err(Error::Timeout(TimeoutKind::WriteStall)));
         remove_peer(&shared, id, result.is_err(), stalled);
@@ -742,6 +743,7 @@ fn drive_peer<S: AsyncRead + AsyncWrite + Unpin>(
     conn: &mut Conn<S>,
     shared: &Shared,
     id: usize,
+    reported: &mut usize,
     cx: &mut Context<'_>,
 ) -> Poll<Result<(), Error>> {
     // Yield after this many rounds of progress so one busy subscriber cannot hog a
@@ -764,6 +766,7 @@ fn drive_peer<S: AsyncRead + AsyncWrite + Unpin>(
             Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
             Poll::Pending => {}
         }
+        report_in_flight(shared, id, conn, reported);
         if conn.may_read() {
             match conn.poll_read(cx) {
                 Poll::Ready(Ok(_)) => progress = true,
@@ -777,6 +780,18 @@ fn drive_peer<S: AsyncRead + AsyncWrite + Unpin>(
     }
     cx.waker().wake_by_ref();
     Poll::Pending
+}
+
+/// Publishes what the connection holds beyond its queue (write buffer, control
+/// output) for `send`'s bound and the stats, when it changed.
+fn report_in_flight<S>(shared: &Shared, id: usize, conn: &Conn<S>, reported: &mut usize) {
+    let now = conn.pending_output();
+    if now != *reported {
+        *reported = now;
+        if let Some(Some(peer)) = shared.lock().peers.get_mut(id) {
+            peer.in_flight = now;
+        }
+    }
 }
 
 /// Moves queued messages into the write buffer. Registers the waker when the queue is
@@ -795,7 +810,6 @@ fn take_queued<S>(shared: &Shared, id: usize, conn: &mut Conn<S>, cx: &mut Conte
         took += 1;
     }
     peer.written += took;
-    peer.in_flight = conn.pending_output();
     let was_busy = peer.busy;
     peer.busy = !conn.wbuf.is_empty();
     if peer.queue.is_empty() {

@@ -13,6 +13,15 @@ use super::io::Conn;
 use super::retain::Retention;
 use super::{Config, Error, Event, Message, PeerInfo, SessionStats, SocketType, TimeoutKind};
 
+/// [`SubSocket::recv_many`] returns once its batch holds this many bytes, however
+/// many messages `max` allows: a batch of large messages is not charged anywhere
+/// until the caller stores it, so it must stay small.
+///
+/// ```
+/// assert_eq!(eventplane::zmtp::RECV_MANY_BYTES, 1 << 20);
+/// ```
+pub const RECV_MANY_BYTES: usize = 1 << 20;
+
 /// A ZMQ SUB connected to one publisher.
 ///
 /// Works over TCP ([`connect`](Self::connect)) or any `AsyncRead + AsyncWrite` stream
@@ -93,7 +102,7 @@ pub struct SubSocket<S = TcpStream> {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct SubBuffers {
-    /// Capacity of the current read buffer.
+    /// Size of the current read buffer's allocation.
     pub read_buffer: usize,
     /// Earlier read buffers that messages handed out still keep alive (shared by
     /// every connection of a `DynamicSubscriber`).
@@ -127,7 +136,7 @@ impl SubSocket<TcpStream> {
 
 /// Dials `endpoint` with the configured connect timeout and sets `TCP_NODELAY`.
 pub(crate) async fn connect_tcp(endpoint: &str, config: &Config) -> Result<TcpStream, Error> {
-    let addrs = endpoint::resolve(endpoint).await?;
+    let addrs = endpoint::resolve(endpoint, config.connect_timeout).await?;
     dial(&addrs, config).await
 }
 
@@ -207,10 +216,10 @@ where
     }
 
     /// The memory this connection holds (see [Memory](Self#memory)).
-    pub fn buffers(&mut self) -> SubBuffers {
+    pub fn buffers(&self) -> SubBuffers {
         self.retention.prune();
         SubBuffers {
-            read_buffer: self.conn.read_buffer_capacity(),
+            read_buffer: self.conn.read_buffer_allocation(),
             retained: self.retention.retained(),
             pending_output: self.conn.pending_output(),
             copied_messages: self.retention.copied(),
@@ -281,7 +290,8 @@ where
     }
 
     /// Waits for at least one message, then appends every message already received
-    /// (up to `max`) to `out` without further waiting. Returns how many were added.
+    /// (up to `max`, and until the batch holds [`RECV_MANY_BYTES`]) to `out` without
+    /// further waiting. Returns how many were added.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -322,10 +332,12 @@ where
     ) -> Poll<Result<usize, Error>> {
         let max = max.max(1);
         let mut got = 0;
+        let mut bytes = 0;
         self.poll_inner(cx, &mut |m| {
+            bytes += m.byte_len();
             out.push(m);
             got += 1;
-            got < max
+            got < max && bytes < RECV_MANY_BYTES
         })
         .map(|r| r.map(|_| got))
     }
@@ -422,8 +434,8 @@ where
     }
 
     #[cfg(test)]
-    pub(crate) fn input_capacity(&mut self) -> usize {
-        self.conn.read_buffer_capacity()
+    pub(crate) fn input_capacity(&self) -> usize {
+        self.conn.read_buffer_allocation()
     }
 
     /// The underlying stream (for example to read its peer address).

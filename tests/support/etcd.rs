@@ -201,10 +201,16 @@ impl Drop for EtcdServer {
 }
 
 /// A TCP proxy in front of a server that can cut every connection through it and
-/// refuse new ones until restored: a network partition for one client.
+/// refuse new ones until restored: a network partition for one client. Or, as a black
+/// hole, accept new connections and never answer on them: a peer that hangs.
 pub struct Proxy {
     addr: SocketAddr,
     up: Arc<AtomicBool>,
+    blackhole: Arc<AtomicBool>,
+    /// Connections the black hole accepted.
+    held: Arc<AtomicU64>,
+    /// Cancelled (and replaced) by `restore`: closes the black hole's connections.
+    holes: Arc<std::sync::Mutex<CancellationToken>>,
     generation: Arc<tokio::sync::Mutex<CancellationToken>>,
     stop: CancellationToken,
 }
@@ -214,9 +220,13 @@ impl Proxy {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let up = Arc::new(AtomicBool::new(true));
+        let blackhole = Arc::new(AtomicBool::new(false));
+        let held = Arc::new(AtomicU64::new(0));
+        let holes = Arc::new(std::sync::Mutex::new(CancellationToken::new()));
         let generation = Arc::new(tokio::sync::Mutex::new(CancellationToken::new()));
         let stop = CancellationToken::new();
         let (up2, gen2, stop2) = (up.clone(), generation.clone(), stop.clone());
+        let (blackhole2, held2, holes2) = (blackhole.clone(), held.clone(), holes.clone());
         tokio::spawn(async move {
             loop {
                 let accepted = tokio::select! {
@@ -226,6 +236,21 @@ impl Proxy {
                 let Ok((mut inbound, _)) = accepted else {
                     continue;
                 };
+                if blackhole2.load(Ordering::SeqCst) {
+                    // Read and discard: the client's writes go through, nothing answers.
+                    held2.fetch_add(1, Ordering::SeqCst);
+                    let hole = holes2.lock().unwrap().clone();
+                    let stopped = stop2.clone();
+                    tokio::spawn(async move {
+                        let mut sink = tokio::io::sink();
+                        tokio::select! {
+                            () = hole.cancelled() => {}
+                            () = stopped.cancelled() => {}
+                            _ = tokio::io::copy(&mut inbound, &mut sink) => {}
+                        }
+                    });
+                    continue;
+                }
                 if !up2.load(Ordering::SeqCst) {
                     drop(inbound); // refused while cut
                     continue;
@@ -245,6 +270,9 @@ impl Proxy {
         Proxy {
             addr,
             up,
+            blackhole,
+            held,
+            holes,
             generation,
             stop,
         }
@@ -262,8 +290,25 @@ impl Proxy {
         *generation = CancellationToken::new();
     }
 
-    /// Accepts connections again.
+    /// Drops every connection through the proxy; new ones are accepted but never
+    /// answered (requests on them wait for their timeouts) until restored.
+    pub async fn blackhole(&self) {
+        self.blackhole.store(true, Ordering::SeqCst);
+        self.cut().await;
+    }
+
+    /// How many connections the black hole accepted so far.
+    pub fn held(&self) -> u64 {
+        self.held.load(Ordering::SeqCst)
+    }
+
+    /// Accepts (and forwards) connections again; closes the black hole's.
     pub fn restore(&self) {
+        self.blackhole.store(false, Ordering::SeqCst);
+        let mut holes = self.holes.lock().unwrap();
+        holes.cancel();
+        *holes = CancellationToken::new();
+        drop(holes);
         self.up.store(true, Ordering::SeqCst);
     }
 }

@@ -70,6 +70,98 @@ pub fn expected_router_events(
     expected
 }
 
+/// A built example binary: `cargo test` builds every example next to the test
+/// binaries (target/<profile>/examples/<name>). `EVENTPLANE_EXAMPLES_DIR` points the
+/// tests at another build (to check that a test fails on an older revision).
+pub fn example(name: &str) -> PathBuf {
+    let dir = match std::env::var_os("EVENTPLANE_EXAMPLES_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => {
+            let exe = std::env::current_exe().unwrap();
+            exe.parent().unwrap().parent().unwrap().join("examples")
+        }
+    };
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} not built (cargo test builds examples)",
+        path.display()
+    );
+    path
+}
+
+/// A field of /proc/<pid>/status in bytes (`VmRSS`, `VmHWM`, …).
+pub fn proc_status_bytes(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status
+        .lines()
+        .find(|l| l.starts_with(&format!("{field}:")))
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"));
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib * 1024
+}
+
+/// ZMTP 3.1 frames a raw test peer writes.
+pub mod wire {
+    /// `READY` with `Socket-Type` = `socket_type` (3 letters).
+    pub fn ready(socket_type: &str) -> Vec<u8> {
+        let mut body = b"\x05READY\x0bSocket-Type\x00\x00\x00".to_vec();
+        body.push(socket_type.len() as u8);
+        body.extend_from_slice(socket_type.as_bytes());
+        command(&body)
+    }
+
+    /// A command frame around `body` (`name-len name data`).
+    pub fn command(body: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(body.len() + 9);
+        if body.len() > 255 {
+            out.push(0x06);
+            out.extend_from_slice(&(body.len() as u64).to_be_bytes());
+        } else {
+            out.push(0x04);
+            out.push(body.len() as u8);
+        }
+        out.extend_from_slice(body);
+        out
+    }
+
+    /// `SUBSCRIBE prefix`.
+    pub fn subscribe(prefix: &[u8]) -> Vec<u8> {
+        let mut body = b"\x09SUBSCRIBE".to_vec();
+        body.extend_from_slice(prefix);
+        command(&body)
+    }
+
+    /// `PING` with TTL 0 and `context`.
+    pub fn ping(context: &[u8]) -> Vec<u8> {
+        let mut body = b"\x04PING\x00\x00".to_vec();
+        body.extend_from_slice(context);
+        command(&body)
+    }
+
+    /// One message frame; `more` sets MORE.
+    pub fn frame(body: &[u8], more: bool) -> Vec<u8> {
+        let mut out = Vec::with_capacity(body.len() + 9);
+        let more = u8::from(more);
+        if body.len() > 255 {
+            out.push(0x02 | more);
+            out.extend_from_slice(&(body.len() as u64).to_be_bytes());
+        } else {
+            out.push(more);
+            out.push(body.len() as u8);
+        }
+        out.extend_from_slice(body);
+        out
+    }
+
+    /// The greeting and READY of a ZMTP 3.1 peer of `socket_type`.
+    pub fn hello(socket_type: &str) -> Vec<u8> {
+        let mut out = super::greeting(3, 1, b"NULL");
+        out.extend_from_slice(&ready(socket_type));
+        out
+    }
+}
+
 /// Resident set size of this process, from /proc.
 pub fn rss_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap();

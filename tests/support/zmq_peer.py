@@ -2,7 +2,8 @@
 
 pub mode: binds a PUB, prints "port N", sends [topic, b"warmup"] on every topic
 every 20 ms until stdin says "go", optionally stays quiet (heartbeats still flow),
-then sends COUNT messages per topic as [topic, seq u64be, payload] and one
+then sends COUNT messages per topic as [topic, seq u64be, payload] (with --parts P
+> 3: P - 2 payload frames, payload frame k built from seq + k) and one
 [topic, b"end"] per topic, prints "done", and waits for "exit" or EOF.
 
 sub mode: connects a SUB, subscribes to TOPICS, prints "warm T" the first time a
@@ -59,7 +60,9 @@ def run_pub(args):
     seq = 0
     while args.count < 0 or seq < args.count:
         for t in topics:
-            sock.send_multipart([t, struct.pack(">Q", seq), payload(seq, args.size)])
+            frames = [t, struct.pack(">Q", seq)]
+            frames += [payload(seq + k, args.size) for k in range(max(args.parts - 2, 1))]
+            sock.send_multipart(frames)
         seq += 1
         if args.count < 0 and seq % 100 == 0:
             time.sleep(0.001)
@@ -128,6 +131,7 @@ def main():
     p.add_argument("--topics", required=True)
     p.add_argument("--count", type=int, default=10)
     p.add_argument("--size", type=int, default=16)
+    p.add_argument("--parts", type=int, default=3)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--endpoint")
     p.add_argument("--heartbeat-ivl", type=int, default=0)

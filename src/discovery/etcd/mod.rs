@@ -73,8 +73,13 @@ pub enum EtcdState {
 ///
 /// Dropping a [`Registration`] deletes its key in the background; the session (lease
 /// keep-alive) lives while any clone of the `EtcdDiscovery` or any registration guard
-/// does. [`close`](Self::close) revokes the lease, deleting every registration made
-/// through it at once.
+/// does. Dropping a `register` or `unregister` future part-way is safe: a put that
+/// etcd may have applied is taken back in the background (unless a later registration
+/// of the id owns the key; an earlier one gets its value back), an unregister once
+/// started is finished in the background, and a lease re-grant puts back only the
+/// registrations whose guards are held. A watch cancelled (or dropped) while it
+/// reconnects stops at once. [`close`](Self::close) revokes the lease, deleting every
+/// registration made through it at once.
 ///
 /// ```no_run
 /// use eventplane::discovery::{ChannelId, Discovery, EtcdDiscovery, Query, Transport};
@@ -261,17 +266,74 @@ struct LocalReg {
     revision: i64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Work handed to the session task by code that cannot wait for etcd: guard drops,
+/// detaches, and futures dropped (or failed) part-way through a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum PendingKind {
+    /// A dropped guard, or an `unregister` dropped before it took the registration out
+    /// of the table: unregister it.
     Release,
+    /// Move the registration to its own lease.
     Detach,
+    /// An `unregister` dropped (or failed) after it took the registration out of the
+    /// table: delete `key` if it still holds that incarnation (`mod_revision`).
+    Delete { key: String, revision: i64 },
+    /// A `register` dropped (or failed) while its put under `lease` was in flight, so
+    /// etcd may or may not have applied it: take back what it may have left (see
+    /// [`Shared::clean_abandoned`]). `rechecked` once that was looked at twice.
+    Abandoned {
+        key: String,
+        lease: i64,
+        rechecked: bool,
+    },
 }
 
 #[derive(Debug)]
 struct PendingOp {
     id: ChannelId,
+    /// The registration's serial (for `Abandoned`, the serial the register took).
     serial: u64,
     kind: PendingKind,
+}
+
+/// Hands its op to the session task if dropped before [`disarm`](Self::disarm): how a
+/// request whose future may be dropped part-way (or that failed without telling
+/// whether etcd applied it) is finished in the background. Dropping only signals: it
+/// never blocks or spawns.
+#[must_use = "dropping the guard signals its clean-up at once"]
+struct SignalOnDrop {
+    shared: Arc<Shared>,
+    op: Option<PendingOp>,
+}
+
+impl SignalOnDrop {
+    fn arm(shared: &Arc<Shared>, op: PendingOp) -> SignalOnDrop {
+        SignalOnDrop {
+            shared: Arc::clone(shared),
+            op: Some(op),
+        }
+    }
+
+    /// The request completed: nothing is left to do.
+    fn disarm(mut self) {
+        self.op = None;
+    }
+}
+
+impl Drop for SignalOnDrop {
+    fn drop(&mut self) {
+        if let Some(op) = self.op.take() {
+            self.shared.signal(op);
+        }
+    }
+}
+
+impl fmt::Debug for SignalOnDrop {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SignalOnDrop")
+            .field("op", &self.op)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Why an etcd request failed (boxed into [`DiscoveryError::Unavailable`]).
@@ -476,6 +538,11 @@ impl Shared {
         Ok(response.id())
     }
 
+    /// Puts a new registration and records it. Cancel-safe: dropped while its put is in
+    /// flight (or when the put fails without saying whether etcd applied it), it leaves
+    /// an `Abandoned` clean-up to the session task; the registration enters the table
+    /// only once the put landed, and the caller turns the result into its guard without
+    /// another await.
     async fn register(
         self: &Arc<Self>,
         id: ChannelId,
@@ -483,15 +550,23 @@ impl Shared {
     ) -> Result<(Instance, u64), DiscoveryError> {
         let key = self.keys.key(&id);
         let value = encode_value(&id, &transport);
-        let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
         let mut session = self.session.lock().await;
-        let revision = match self.put(&key, &value, session.lease).await {
-            Ok(r) => r,
+        if self.shutdown.is_cancelled() {
+            // `close` revoked the lease while this waited: do not grant a new one.
+            return Err(DiscoveryError::Closed);
+        }
+        // Taken under the lock, serials order the puts of one id as etcd applies them
+        // (which `clean_abandoned` relies on).
+        let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
+        let (revision, cleanup) = match self.put_new(&id, serial, &key, &value, session.lease).await
+        {
+            Ok(done) => done,
             Err(e) if is_lease_not_found(&e) => {
                 // The lease is gone: re-grant now (putting every registration again),
                 // then retry once under the new lease.
                 self.regrant(&mut session).await?;
-                self.put(&key, &value, session.lease).await?
+                self.put_new(&id, serial, &key, &value, session.lease)
+                    .await?
             }
             Err(e) => return Err(e),
         };
@@ -504,6 +579,8 @@ impl Shared {
                 revision,
             },
         );
+        // In the table: from here on the guard the caller builds owns the key.
+        cleanup.disarm();
         self.counters
             .registrations
             .store(session.regs.len(), Ordering::Relaxed);
@@ -512,28 +589,156 @@ impl Shared {
         Ok((Instance::new(id, transport, incarnation), serial))
     }
 
-    async fn unregister(&self, id: &ChannelId, serial: u64) -> Result<(), DiscoveryError> {
+    /// Puts a new registration's key under `lease`. Until the caller disarms the
+    /// returned guard (once the registration is in the table), dropping this future or
+    /// the guard signals an `Abandoned` clean-up. A refusal that proves nothing was
+    /// applied (lease not found, denied, invalid) disarms it.
+    async fn put_new(
+        self: &Arc<Self>,
+        id: &ChannelId,
+        serial: u64,
+        key: &str,
+        value: &str,
+        lease: i64,
+    ) -> Result<(i64, SignalOnDrop), DiscoveryError> {
+        let cleanup = SignalOnDrop::arm(
+            self,
+            PendingOp {
+                id: id.clone(),
+                serial,
+                kind: PendingKind::Abandoned {
+                    key: key.to_owned(),
+                    lease,
+                    rechecked: false,
+                },
+            },
+        );
+        match self.put(key, value, lease).await {
+            Ok(revision) => Ok((revision, cleanup)),
+            Err(e) if is_lease_not_found(&e) || !e.is_transient() => {
+                cleanup.disarm();
+                Err(e)
+            }
+            // A timeout or a lost connection: etcd may have applied the put.
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Removes a registration and deletes its key. Cancel-safe: the registration
+    /// leaves the table (so a lease re-grant no longer puts it back) before the delete
+    /// is sent; dropped after that, or failing transiently, this leaves the delete to
+    /// the session task.
+    async fn unregister(
+        self: &Arc<Self>,
+        id: &ChannelId,
+        serial: u64,
+    ) -> Result<(), DiscoveryError> {
         let mut session = self.session.lock().await;
-        let Some(reg) = session.regs.get(id).filter(|r| r.serial == serial).cloned() else {
+        if !session.regs.get(id).is_some_and(|r| r.serial == serial) {
             // Replaced by a newer registration of the same id: nothing to remove.
             return Ok(());
+        }
+        let Some(reg) = session.regs.remove(id) else {
+            return Ok(());
         };
-        // Delete only our own incarnation: another process may have replaced it.
-        let txn = Txn::new()
-            .when([Compare::mod_revision(
-                reg.key.clone(),
-                CompareOp::Equal,
-                reg.revision,
-            )])
-            .and_then([TxnOp::delete(reg.key.clone(), None)]);
-        let mut kv = self.client.kv_client();
-        self.request("delete", kv.txn(txn)).await?;
-        session.regs.remove(id);
         self.counters
             .registrations
             .store(session.regs.len(), Ordering::Relaxed);
+        let cleanup = SignalOnDrop::arm(
+            self,
+            PendingOp {
+                id: id.clone(),
+                serial,
+                kind: PendingKind::Delete {
+                    key: reg.key.clone(),
+                    revision: reg.revision,
+                },
+            },
+        );
+        match self.delete_incarnation(&reg.key, reg.revision).await {
+            Ok(()) => cleanup.disarm(),
+            Err(e) if !e.is_transient() => {
+                // Retrying cannot help; the key expires with the lease once this
+                // backend is closed or dropped.
+                cleanup.disarm();
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        }
+        drop(session);
         debug!(%id, "unregistered from etcd");
         Ok(())
+    }
+
+    /// Deletes `key` if it still holds the incarnation `revision`: another process, or
+    /// a later registration, may have replaced it.
+    async fn delete_incarnation(&self, key: &str, revision: i64) -> Result<(), DiscoveryError> {
+        let txn = Txn::new()
+            .when([Compare::mod_revision(key, CompareOp::Equal, revision)])
+            .and_then([TxnOp::delete(key, None)]);
+        let mut kv = self.client.kv_client();
+        self.request("delete", kv.txn(txn)).await?;
+        Ok(())
+    }
+
+    /// Takes back what an abandoned `register` of `id` (serial `serial`, put under
+    /// `lease`) may have left. `Ok(true)` when it found no trace of the put, which may
+    /// also mean that etcd has not applied it yet: worth a second look later.
+    ///
+    /// - A later registration of the id is in the table: the key is its. Nothing to do.
+    /// - An earlier one is: the abandoned put may have overwritten its value. If the
+    ///   key is on our lease but no longer at that registration's revision, its value
+    ///   is put back (and its revision recorded), so its guard controls the key again.
+    ///   After a re-grant, the re-grant already put it back.
+    /// - None is: the key is deleted if it is on `lease` (so never another process's
+    ///   key, nor a detached one).
+    async fn clean_abandoned(
+        &self,
+        id: &ChannelId,
+        serial: u64,
+        key: &str,
+        lease: i64,
+    ) -> Result<bool, DiscoveryError> {
+        let mut session = self.session.lock().await;
+        let current_lease = session.lease;
+        let mut kv = self.client.kv_client();
+        match session.regs.get_mut(id) {
+            Some(reg) if reg.serial >= serial => Ok(false),
+            // Our lease was lost since (with every key on it): nothing can land there.
+            Some(_) if lease != current_lease => Ok(false),
+            Some(reg) => {
+                let txn = Txn::new()
+                    .when([
+                        Compare::lease(key, CompareOp::Equal, lease),
+                        Compare::mod_revision(key, CompareOp::NotEqual, reg.revision),
+                    ])
+                    .and_then([TxnOp::put(
+                        key,
+                        reg.value.clone(),
+                        Some(PutOptions::new().with_lease(lease)),
+                    )]);
+                let response = self.request("restore", kv.txn(txn)).await?;
+                if !response.succeeded() {
+                    return Ok(true);
+                }
+                reg.revision = response
+                    .header()
+                    .map(|h| h.revision())
+                    .ok_or_else(|| unavailable(EtcdRequestError::NoHeader { op: "restore" }))?;
+                debug!(%id, revision = reg.revision, "an abandoned re-registration was taken back");
+                Ok(false)
+            }
+            None => {
+                let txn = Txn::new()
+                    .when([Compare::lease(key, CompareOp::Equal, lease)])
+                    .and_then([TxnOp::delete(key, None)]);
+                let response = self.request("delete", kv.txn(txn)).await?;
+                if response.succeeded() {
+                    debug!(%id, "the key of an abandoned registration was deleted");
+                }
+                Ok(!response.succeeded())
+            }
+        }
     }
 
     /// Moves a registration to its own lease that is never renewed.
@@ -582,24 +787,68 @@ impl Shared {
         Ok(())
     }
 
-    /// Carries out work signalled by guard drops and detaches; failed work is kept for
-    /// the next round.
-    async fn process_pending(&self) -> Result<(), DiscoveryError> {
+    /// Carries out work signalled by guard drops, detaches and dropped futures. Work
+    /// that failed transiently is kept for the next round; work that cannot succeed
+    /// (refused credentials or permissions) is given up with a warning.
+    async fn process_pending(self: &Arc<Self>) -> Result<(), DiscoveryError> {
         let ops = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|p| p.into_inner()));
         let mut ops = ops.into_iter();
+        let mut later = Vec::new();
+        let mut outcome = Ok(());
         while let Some(op) = ops.next() {
-            let result = match op.kind {
+            let result = match &op.kind {
                 PendingKind::Release => self.unregister(&op.id, op.serial).await,
                 PendingKind::Detach => self.detach(&op.id, op.serial).await,
+                PendingKind::Delete { key, revision } => {
+                    self.delete_incarnation(key, *revision).await
+                }
+                PendingKind::Abandoned {
+                    key,
+                    lease,
+                    rechecked,
+                } => match self.clean_abandoned(&op.id, op.serial, key, *lease).await {
+                    // Nothing found: unless already looked at twice, look again next
+                    // round, in case etcd applies the dropped put only now.
+                    Ok(true) if !rechecked => {
+                        later.push(PendingOp {
+                            id: op.id.clone(),
+                            serial: op.serial,
+                            kind: PendingKind::Abandoned {
+                                key: key.clone(),
+                                lease: *lease,
+                                rechecked: true,
+                            },
+                        });
+                        Ok(())
+                    }
+                    other => other.map(|_| ()),
+                },
             };
-            if let Err(e) = result {
-                let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-                pending.push(op);
-                pending.extend(ops);
-                return Err(e);
+            match result {
+                Ok(()) => {}
+                Err(e) if !e.is_transient() => {
+                    if let Some(suppressed) =
+                        self.warn.check("pending-denied", std::time::Instant::now())
+                    {
+                        warn!(error = %e, id = %op.id, suppressed, "giving up deferred etcd work");
+                    }
+                }
+                Err(e) => {
+                    later.push(op);
+                    later.extend(ops);
+                    outcome = Err(e);
+                    break;
+                }
             }
         }
-        Ok(())
+        if !later.is_empty() {
+            // Not signalled: kept for the next round (the next keep-alive, or wake-up).
+            self.pending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(later);
+        }
+        outcome
     }
 }
 
@@ -1036,20 +1285,22 @@ impl fmt::Debug for EtcdRegistration {
 
 impl RegistrationHandle for EtcdRegistration {
     fn unregister(self: Box<Self>) -> BoxFuture<'static, Result<(), DiscoveryError>> {
+        // Dropped before it took the registration out of the table (even unpolled),
+        // this future releases it as a dropped guard would. From there on
+        // `Shared::unregister` sees the delete through, retrying a failure in the
+        // background.
+        let release = SignalOnDrop::arm(
+            &self.handle.shared,
+            PendingOp {
+                id: self.id.clone(),
+                serial: self.serial,
+                kind: PendingKind::Release,
+            },
+        );
         Box::pin(async move {
-            let shared = &self.handle.shared;
-            match shared.unregister(&self.id, self.serial).await {
-                Ok(()) => Ok(()),
-                Err(e) => {
-                    // Keep trying in the background, as a dropped guard would.
-                    shared.signal(PendingOp {
-                        id: self.id.clone(),
-                        serial: self.serial,
-                        kind: PendingKind::Release,
-                    });
-                    Err(e)
-                }
-            }
+            let result = self.handle.shared.unregister(&self.id, self.serial).await;
+            release.disarm();
+            result
         })
     }
 

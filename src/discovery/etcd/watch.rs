@@ -28,6 +28,7 @@ const DELETE: i32 = 1;
 const ESTABLISH_ATTEMPTS: usize = 3;
 
 /// Starts a watch: reads at revision R, watches from R + 1, waits for etcd's ack.
+/// Cancelled before etcd acknowledged, it returns a stream that has ended at once.
 pub(super) async fn start(
     shared: Arc<Shared>,
     query: Query,
@@ -37,7 +38,14 @@ pub(super) async fn start(
     let mut attempt = 0;
     let (snapshot, stream) = loop {
         attempt += 1;
-        match establish(&shared, &prefix, &query).await {
+        let established = tokio::select! {
+            biased;
+            () = cancel.cancelled() => {
+                return Ok(DiscoveryStream::with_cancellation(Ended, cancel.clone()));
+            }
+            r = establish(&shared, &prefix, &query) => r,
+        };
+        match established {
             Ok(ok) => break ok,
             Err(Establish::Compacted(reason)) if attempt < ESTABLISH_ATTEMPTS => {
                 debug!(%reason, "compaction raced the initial read; reading again");
@@ -85,6 +93,18 @@ pub(super) async fn start(
         },
         cancel,
     ))
+}
+
+/// The stream of a watch cancelled before it was established: it has ended.
+#[derive(Debug)]
+struct Ended;
+
+impl Stream for Ended {
+    type Item = Result<DiscoveryEvent, DiscoveryError>;
+
+    fn poll_next(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        Poll::Ready(None)
+    }
 }
 
 enum Establish {
@@ -210,7 +230,10 @@ impl Follower {
     }
 
     /// Backs off, reads afresh, watches again and queues a `Resync`. `None` when
-    /// cancelled first.
+    /// cancelled first: every step (the backoff, each page of the read, the watch's
+    /// creation and its acknowledgement) gives way to the token, which the consumer's
+    /// stream also cancels when dropped, so a watch cancelled against an unreachable
+    /// etcd stops at once instead of after its request timeouts.
     async fn reconnect(&self, problem: &str) -> Option<WatchStream> {
         if let Some(suppressed) = self
             .shared
@@ -227,7 +250,12 @@ impl Follower {
                 () = self.cancel.cancelled() => return None,
                 () = tokio::time::sleep(delay) => {}
             }
-            match establish(&self.shared, &self.prefix, &self.query).await {
+            let established = tokio::select! {
+                biased;
+                () = self.cancel.cancelled() => return None,
+                r = establish(&self.shared, &self.prefix, &self.query) => r,
+            };
+            match established {
                 Ok((snapshot, stream)) => {
                     self.shared
                         .counters

@@ -56,8 +56,8 @@ impl Backoff {
         }
         let factor = self.multiplier.powi(self.attempt.min(64) as i32);
         let ceiling = self.min.as_secs_f64() * factor;
-        // `!(a < b)` also catches NaN and infinity.
-        if !(ceiling < self.max.as_secs_f64()) {
+        // Anything not below `max` (NaN and infinity included) is `max`.
+        if ceiling.partial_cmp(&self.max.as_secs_f64()) != Some(std::cmp::Ordering::Less) {
             return self.max;
         }
         Duration::try_from_secs_f64(ceiling)

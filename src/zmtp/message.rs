@@ -127,6 +127,24 @@ impl Message {
     }
 }
 
+impl From<Bytes> for Message {
+    fn from(frame: Bytes) -> Self {
+        Message::from_parts([frame])
+    }
+}
+
+impl From<Vec<Bytes>> for Message {
+    fn from(parts: Vec<Bytes>) -> Self {
+        Message::from_parts(parts)
+    }
+}
+
+impl FromIterator<Bytes> for Message {
+    fn from_iter<T: IntoIterator<Item = Bytes>>(iter: T) -> Self {
+        Message::from_parts(iter)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -143,23 +161,5 @@ mod tests {
         drop(backing);
         assert!(msg.get(0).is_some_and(|f| f.is_unique()));
         assert!(!Message::from_parts([big]).compact(100));
-    }
-}
-
-impl From<Bytes> for Message {
-    fn from(frame: Bytes) -> Self {
-        Message::from_parts([frame])
-    }
-}
-
-impl From<Vec<Bytes>> for Message {
-    fn from(parts: Vec<Bytes>) -> Self {
-        Message::from_parts(parts)
-    }
-}
-
-impl FromIterator<Bytes> for Message {
-    fn from_iter<T: IntoIterator<Item = Bytes>>(iter: T) -> Self {
-        Message::from_parts(iter)
     }
 }

@@ -634,7 +634,7 @@ impl Shared {
         serial: u64,
     ) -> Result<(), DiscoveryError> {
         let mut session = self.session.lock().await;
-        if !session.regs.get(id).is_some_and(|r| r.serial == serial) {
+        if session.regs.get(id).is_none_or(|r| r.serial != serial) {
             // Replaced by a newer registration of the same id: nothing to remove.
             return Ok(());
         }

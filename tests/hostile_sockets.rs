@@ -127,6 +127,7 @@ async fn ping_flood_does_not_grow_the_publish_process() {
     let over = || proc_status_bytes(pid, "VmRSS") > before + SLACK;
     let written = flood(&mut s, &ping_chunk(), 1300 * MIB, over).await;
     let grown = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
+    eprintln!("publish: +{} KiB after {} MiB of PINGs", grown >> 10, written / MIB);
     assert!(
         grown < SLACK,
         "publish grew by {} MiB after {} MiB of PINGs",
@@ -394,6 +395,7 @@ async fn prefixes_and_ignored_messages_do_not_grow_the_publish_process() {
     })
     .await;
     let grown = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
+    eprintln!("publish: +{} KiB under subscription floods", grown >> 10);
     assert!(grown < SLACK, "publish grew by {} MiB", grown / MIB);
 }
 
@@ -742,5 +744,6 @@ async fn an_engine_batch_of_millions_of_nils_does_not_grow_kv_listen() {
     let line = within(lines.next_line()).await.unwrap().unwrap();
     assert!(line.contains("cleared"), "{line}");
     let grown = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
+    eprintln!("kv_listen: +{} KiB after five batches of 8.4 M nils", grown >> 10);
     assert!(grown < SLACK, "kv_listen grew by {} MiB", grown / MIB);
 }

@@ -16,9 +16,12 @@ pub const MAX_HEARTBEAT_TTL: Duration = Duration::from_millis(65_500);
 /// [`PubSocket`](crate::zmtp::PubSocket) and [`Session`](crate::zmtp::Session).
 ///
 /// Built with [`Config::builder`]; every value is validated once, in
-/// [`ConfigBuilder::build`]. The defaults bound the memory a single peer can make us
-/// hold to about `max_message_size` + 64 KiB of read buffer (plus, for a publisher, the
-/// per-subscriber queue).
+/// [`ConfigBuilder::build`]. With the defaults, what one peer can make us hold is: the
+/// message being assembled (at most `max_message_size`, allocated as its bytes arrive,
+/// never as declared) or a 64 KiB read buffer; for a publisher, `send_queue_bytes` of
+/// pending output toward it (queue, write buffer and control together); for a
+/// subscriber, read buffers its delivered messages keep alive, copied out past
+/// `max_retained_bytes`.
 ///
 /// ```
 /// use std::time::Duration;

@@ -23,6 +23,12 @@
 //! | [`Config::heartbeat_interval`] | off | [`TimeoutKind::Heartbeat`] |
 //! | [`Config::send_queue_messages`] / [`Config::send_queue_bytes`] | 10 000 / 16 MiB | message dropped for that subscriber, counted |
 //! | [`Config::max_subscriptions`] / [`Config::max_subscription_size`] | 4096 / 1 KiB | [`ProtocolError::SubscriptionLimit`] |
+//! | frames from a subscriber (PUB) | `max_subscription_size` + 1, commands 512 B; only commands before READY | [`ProtocolError::FrameTooLarge`] at the header |
+//! | [`Config::max_connections`] (PUB) | 1024 | closed on accept, counted in [`PubStats::refused`] |
+//! | pending output per peer (queue, write buffer, control) | [`Config::send_queue_bytes`]; one unsent PONG at most | dropped for that peer; reading pauses while 64 KiB wait |
+//! | [`Config::write_stall_timeout`] | 30 s | [`TimeoutKind::WriteStall`] |
+//! | [`Config::max_retained_bytes`] (SUB) | 8 MiB | small frames copied out, see [`SubSocket`'s memory](SubSocket#memory) |
+//! | [`RECV_MANY_BYTES`] | 1 MiB | the `recv_many` batch ends |
 
 pub mod codec;
 mod config;

@@ -134,13 +134,10 @@ fn status_bytes(pid: u32, field: &str) -> u64 {
 /// A ZMTP 3.1 subscriber's greeting and READY, then the ZMTP 3.0 subscription
 /// message `0x01 t` (accepted by both publishers; zeromq-rs refuses commands).
 fn hello() -> Vec<u8> {
-    let mut g = vec![0u8; 64];
-    g[0] = 0xff;
-    g[8] = 1;
-    g[9] = 0x7f;
-    g[10] = 3;
-    g[11] = 1;
-    g[12..16].copy_from_slice(b"NULL");
+    // Our own greeting is a SUB's: ZMTP 3.1, NULL, not as-server.
+    let mut g = bytes::BytesMut::new();
+    eventplane::zmtp::codec::encode_greeting(&mut g);
+    let mut g = g.to_vec();
     g.extend_from_slice(b"\x04\x19\x05READY\x0bSocket-Type\x00\x00\x00\x03SUB");
     g.extend_from_slice(b"\x00\x02\x01t");
     g

@@ -58,6 +58,21 @@ async fn spawn_example(name: &str, args: &[&str], first_line: bool) -> (Child, O
     (child, line)
 }
 
+/// The `publish` example sending 10 messages a second on `t`: (child, pid, host:port).
+async fn spawn_publish() -> (Child, u32, String) {
+    let args = [
+        "--bind",
+        "tcp://127.0.0.1:0",
+        "--topic",
+        "t",
+        "--rate",
+        "10",
+    ];
+    let (child, endpoint) = spawn_example("publish", &args, true).await;
+    let pid = child.id().unwrap();
+    (child, pid, addr(&endpoint.unwrap()))
+}
+
 fn addr(endpoint: &str) -> String {
     endpoint.trim_start_matches("tcp://").to_owned()
 }
@@ -104,22 +119,9 @@ fn ping_chunk() -> Vec<u8> {
 
 #[tokio::test]
 async fn ping_flood_does_not_grow_the_publish_process() {
-    let (child, endpoint) = spawn_example(
-        "publish",
-        &[
-            "--bind",
-            "tcp://127.0.0.1:0",
-            "--topic",
-            "t",
-            "--rate",
-            "10",
-        ],
-        true,
-    )
-    .await;
-    let pid = child.id().unwrap();
+    let (_child, pid, endpoint) = spawn_publish().await;
     let before = proc_status_bytes(pid, "VmRSS");
-    let mut s = TcpStream::connect(addr(&endpoint.unwrap())).await.unwrap();
+    let mut s = TcpStream::connect(&endpoint).await.unwrap();
     let mut hello = wire::hello("SUB");
     hello.extend(wire::subscribe(b"t"));
     s.write_all(&hello).await.unwrap();
@@ -127,7 +129,11 @@ async fn ping_flood_does_not_grow_the_publish_process() {
     let over = || proc_status_bytes(pid, "VmRSS") > before + SLACK;
     let written = flood(&mut s, &ping_chunk(), 1300 * MIB, over).await;
     let grown = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
-    eprintln!("publish: +{} KiB after {} MiB of PINGs", grown >> 10, written / MIB);
+    eprintln!(
+        "publish: +{} KiB after {} MiB of PINGs",
+        grown >> 10,
+        written / MIB
+    );
     assert!(
         grown < SLACK,
         "publish grew by {} MiB after {} MiB of PINGs",
@@ -337,21 +343,7 @@ async fn publisher_refuses_connections_past_its_limit() {
 
 #[tokio::test]
 async fn prefixes_and_ignored_messages_do_not_grow_the_publish_process() {
-    let (child, endpoint) = spawn_example(
-        "publish",
-        &[
-            "--bind",
-            "tcp://127.0.0.1:0",
-            "--topic",
-            "t",
-            "--rate",
-            "10",
-        ],
-        true,
-    )
-    .await;
-    let pid = child.id().unwrap();
-    let endpoint = addr(&endpoint.unwrap());
+    let (_child, pid, endpoint) = spawn_publish().await;
     let before = proc_status_bytes(pid, "VmRSS");
     // The attack: 40 × [an 8 MiB message, a unique 1000-byte subscription].
     // The header of the 8 MiB message now closes the connection; the attacker dials
@@ -744,6 +736,9 @@ async fn an_engine_batch_of_millions_of_nils_does_not_grow_kv_listen() {
     let line = within(lines.next_line()).await.unwrap().unwrap();
     assert!(line.contains("cleared"), "{line}");
     let grown = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
-    eprintln!("kv_listen: +{} KiB after five batches of 8.4 M nils", grown >> 10);
+    eprintln!(
+        "kv_listen: +{} KiB after five batches of 8.4 M nils",
+        grown >> 10
+    );
     assert!(grown < SLACK, "kv_listen grew by {} MiB", grown / MIB);
 }

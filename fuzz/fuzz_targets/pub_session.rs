@@ -25,13 +25,10 @@ const MAX_SUBSCRIPTION_SIZE: usize = 64;
 
 /// A ZMTP 3.1 subscriber's greeting and READY.
 fn hello() -> Vec<u8> {
-    let mut g = vec![0u8; 64];
-    g[0] = 0xff;
-    g[8] = 1;
-    g[9] = 0x7f;
-    g[10] = 3;
-    g[11] = 1;
-    g[12..16].copy_from_slice(b"NULL");
+    // Our own greeting is a SUB's: ZMTP 3.1, NULL, not as-server.
+    let mut g = bytes::BytesMut::new();
+    eventplane::zmtp::codec::encode_greeting(&mut g);
+    let mut g = g.to_vec();
     g.extend_from_slice(b"\x04\x19\x05READY\x0bSocket-Type\x00\x00\x00\x03SUB");
     g
 }

@@ -22,7 +22,9 @@ pub enum DedupMode {
     SetLike,
 }
 
-/// Default cap on hashes tracked per `(dp_rank, tier)`: 2^21 (about 40 MiB of table).
+/// Default cap on hashes tracked, all `(dp_rank, tier)` pairs together: 2^21. A
+/// tracked hash costs at most about 36 bytes (hash table slack included), so this is
+/// about 72 MiB at worst.
 ///
 /// ```
 /// assert_eq!(eventplane::kv::DEFAULT_MAX_TRACKED_HASHES, 1 << 21);
@@ -43,13 +45,13 @@ pub const DEFAULT_MAX_TRACKED_RANKS: usize = 64;
 /// never stored pass. A `Removed` whose hashes are all filtered disappears (and so
 /// consumes no id). `Cleared` forgets the counts of its own `(dp_rank, tier)` only.
 ///
-/// Memory is bounded: at most `max_hashes` hashes per `(dp_rank, tier)` and
-/// `max_ranks` pairs (defaults [`DEFAULT_MAX_TRACKED_HASHES`],
-/// [`DEFAULT_MAX_TRACKED_RANKS`]). A store that would pass a cap first forgets what
-/// was tracked (that pair's counts, or every pair's for the rank cap) and counts a
-/// [`reset`](Self::resets): removals of blocks stored before it then pass, which a
-/// router tolerates (it may drop a block another copy still holds), where an
-/// unbounded table would not be tolerated at all.
+/// Memory is bounded: at most `max_hashes` hashes across all pairs and `max_ranks`
+/// pairs (defaults [`DEFAULT_MAX_TRACKED_HASHES`], [`DEFAULT_MAX_TRACKED_RANKS`]). A
+/// store that would pass a cap first forgets what was tracked (the pair tracking the
+/// most hashes for the hash cap, every pair for the rank cap), gives the table's
+/// memory back, and counts a [`reset`](Self::resets): removals of blocks stored
+/// before it then pass, which a router tolerates (it may drop a block another copy
+/// still holds), where an unbounded table would not be tolerated at all.
 ///
 /// ```
 /// use eventplane::kv::{BlockHash, DedupFilter, DedupMode, KvEventData, Placement, StorageTier, StoredBlock, TokensHash, WorkerId};
@@ -67,6 +69,8 @@ pub struct DedupFilter {
     mode: DedupMode,
     counts: HashMap<(DpRank, StorageTier), HashMap<BlockHash, u32>>,
     suppressed: u64,
+    /// Hashes in `counts`, all pairs together.
+    tracked: usize,
     max_hashes: usize,
     max_ranks: usize,
     resets: u64,
@@ -85,14 +89,15 @@ impl DedupFilter {
             mode,
             counts: HashMap::new(),
             suppressed: 0,
+            tracked: 0,
             max_hashes: DEFAULT_MAX_TRACKED_HASHES,
             max_ranks: DEFAULT_MAX_TRACKED_RANKS,
             resets: 0,
         }
     }
 
-    /// Caps on hashes tracked per `(dp_rank, tier)` and on distinct pairs (each at
-    /// least 1).
+    /// Caps on hashes tracked (all pairs together) and on distinct `(dp_rank, tier)`
+    /// pairs (each at least 1).
     ///
     /// ```
     /// use eventplane::kv::{BlockHash, DedupFilter, DedupMode, KvEventData, Placement, StorageTier, StoredBlock, TokensHash, WorkerId};
@@ -116,7 +121,27 @@ impl DedupFilter {
 
     /// Hashes currently tracked (all ranks and tiers).
     pub fn tracked(&self) -> usize {
-        self.counts.values().map(HashMap::len).sum()
+        self.tracked
+    }
+
+    /// Forgets the pair tracking the most hashes, giving its memory back.
+    fn reset_largest(&mut self) {
+        let largest = self
+            .counts
+            .iter()
+            .max_by_key(|(_, c)| c.len())
+            .map(|(k, _)| *k);
+        if let Some(key) = largest {
+            self.forget(&key);
+        }
+        self.resets += 1;
+    }
+
+    /// Forgets one pair's counts.
+    fn forget(&mut self, key: &(DpRank, StorageTier)) {
+        if let Some(counts) = self.counts.remove(key) {
+            self.tracked -= counts.len();
+        }
     }
 
     /// Events that disappeared so far (removals whose every hash was still stored
@@ -137,16 +162,27 @@ impl DedupFilter {
                 blocks,
             } => {
                 if !self.counts.contains_key(&key) && self.counts.len() >= self.max_ranks {
-                    self.counts.clear();
+                    self.counts = HashMap::new();
+                    self.tracked = 0;
                     self.resets += 1;
                 }
-                let counts = self.counts.entry(key).or_default();
                 for b in &blocks {
-                    if counts.len() >= self.max_hashes && !counts.contains_key(&b.block_hash) {
-                        counts.clear();
-                        self.resets += 1;
+                    let known = self
+                        .counts
+                        .get(&key)
+                        .is_some_and(|c| c.contains_key(&b.block_hash));
+                    if !known && self.tracked >= self.max_hashes {
+                        self.reset_largest();
                     }
-                    let n = counts.entry(b.block_hash).or_insert(0);
+                    let n = self
+                        .counts
+                        .entry(key)
+                        .or_default()
+                        .entry(b.block_hash)
+                        .or_insert(0);
+                    if *n == 0 {
+                        self.tracked += 1;
+                    }
                     *n = n.saturating_add(1);
                 }
                 Some(KvEventData::Stored {
@@ -156,6 +192,7 @@ impl DedupFilter {
             }
             KvEventData::Removed { mut block_hashes } => {
                 if let Some(counts) = self.counts.get_mut(&key) {
+                    let before = counts.len();
                     block_hashes.retain(|h| match counts.get_mut(h) {
                         None => true,
                         Some(n) => {
@@ -168,6 +205,7 @@ impl DedupFilter {
                             }
                         }
                     });
+                    self.tracked -= before - counts.len();
                     if counts.is_empty() {
                         self.counts.remove(&key);
                     }
@@ -179,7 +217,7 @@ impl DedupFilter {
                 Some(KvEventData::Removed { block_hashes })
             }
             KvEventData::Cleared => {
-                self.counts.remove(&key);
+                self.forget(&key);
                 Some(KvEventData::Cleared)
             }
         }
@@ -219,12 +257,15 @@ mod tests {
     }
 
     #[test]
-    fn hashes_per_rank_are_capped_with_a_counted_reset() {
+    fn tracked_hashes_are_capped_with_a_counted_reset() {
         let mut d = DedupFilter::new(DedupMode::RefCounted).with_limits(100, 8);
-        d.filter(&at(0), store(0..100));
+        d.filter(&at(1), store(1000..1010));
+        d.filter(&at(0), store(0..90));
         assert_eq!((d.tracked(), d.resets()), (100, 0));
+        // Over the cap: the pair tracking the most (rank 0) is forgotten.
         d.filter(&at(0), store([100]));
-        assert_eq!((d.tracked(), d.resets()), (1, 1));
+        assert_eq!((d.tracked(), d.resets()), (11, 1));
+        assert_eq!(d.filter(&at(1), remove(1000)), Some(remove(1000)));
         // Forgotten hashes pass on removal; the tracked one is still counted.
         assert_eq!(d.filter(&at(0), remove(5)), Some(remove(5)));
         d.filter(&at(0), store([100]));
@@ -248,6 +289,7 @@ mod tests {
             .entry((0, StorageTier::Device))
             .or_default()
             .insert(BlockHash(7), u32::MAX);
+        d.tracked = 1;
         d.filter(&at(0), store([7])); // would overflow: saturates
         assert_eq!(d.filter(&at(0), remove(7)), None);
         assert_eq!(d.tracked(), 1);

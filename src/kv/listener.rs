@@ -59,7 +59,7 @@ impl EngineListenerConfig {
         }
     }
 
-    /// Per-batch decoding budgets (see [`EngineDecoder::with_limits`]). Defaults 2^20
+    /// Per-batch decoding budgets (see [`EngineDecoder::with_limits`]). Defaults 2^19
     /// msgpack elements and 2^16 events.
     pub fn batch_limits(mut self, max_elements: usize, max_events: usize) -> Self {
         self.max_batch_elements = max_elements;

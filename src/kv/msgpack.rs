@@ -2,9 +2,9 @@
 //! from the input, limits nesting depth and the number of elements decoded (each
 //! value, and each integer of an integer array, costs one), and never reserves from
 //! a declared length: containers start at a small constant capacity and grow as
-//! elements actually decode. A decoded value costs at most ~40 bytes per element, so
-//! the element budget bounds what a payload can make us allocate whatever it
-//! declares. Nothing here can panic on hostile bytes.
+//! elements actually decode. A decoded element costs at most 64 bytes (a 32-byte
+//! value in a vector grown by doubling), so the element budget bounds what a payload
+//! can make us allocate whatever it declares. Nothing here can panic on hostile bytes.
 
 use crate::zmtp::codec::reader::Reader;
 

@@ -160,7 +160,7 @@ impl ProcessorConfig {
         self.dedup = mode;
         self
     }
-    /// Dedup caps: hashes tracked per `(dp_rank, tier)` (default 2^21) and distinct
+    /// Dedup caps: hashes tracked, all pairs together (default 2^21), and distinct
     /// pairs (default 64); see [`DedupFilter`]. Values of 0 count as 1.
     pub fn dedup_limits(mut self, max_hashes: usize, max_ranks: usize) -> Self {
         self.dedup_max_hashes = max_hashes;

@@ -33,7 +33,11 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
-/// Bytes charged per item on top of its size (bookkeeping the bound must cover).
+/// Bytes charged per item on top of its size for the bookkeeping the bound must cover:
+/// its queue slot and the headers of the allocations it references. Items whose queue
+/// slot (`size_of::<(T, usize)>()`) plus 32 bytes of headers is larger are charged
+/// that instead (a subscriber's `Delivery`: about 170 bytes), so what lanes hold in
+/// memory never exceeds what they are charged.
 ///
 /// ```
 /// use eventplane::lossy::{Merge, MergeConfig, ITEM_OVERHEAD};
@@ -44,9 +48,14 @@ use std::task::{Context, Poll, Waker};
 /// ```
 pub const ITEM_OVERHEAD: usize = 64;
 
-/// Queue slots an empty lane keeps; a lane that grew past this (during a burst)
-/// gives the rest back once it drains, so idle lanes cost little whatever they once
-/// held.
+/// What an item of type `T` is charged beyond its size (see [`ITEM_OVERHEAD`]).
+fn overhead<T>() -> usize {
+    ITEM_OVERHEAD.max(std::mem::size_of::<(T, usize)>() + 32)
+}
+
+/// Queue slots a lane keeps however empty; a lane that grew past this (during a
+/// burst) gives slots back once it holds less than a quarter of its capacity, so a
+/// lane holds at most 4 × its charged slots, or 64.
 const IDLE_LANE_SLOTS: usize = 64;
 
 /// What to drop when a bound is hit.
@@ -103,7 +112,8 @@ impl MergeConfig {
         self.lane_capacity = items.max(1);
         self
     }
-    /// Bytes per lane (items charged size + 64). Default 4 MiB.
+    /// Bytes per lane (items charged their size plus [`ITEM_OVERHEAD`] or their slot).
+    /// Default 4 MiB.
     pub fn lane_bytes(mut self, bytes: usize) -> Self {
         self.lane_bytes = bytes.max(1);
         self
@@ -369,11 +379,13 @@ fn take<T>(st: &mut State<T>, out: &mut Vec<T>, max: usize) -> usize {
         lane.stats.delivered += 1;
         let now_empty = lane.items.is_empty();
         let closed = !lane.open;
+        let capacity = lane.items.capacity();
+        if capacity > IDLE_LANE_SLOTS && lane.items.len() < capacity / 4 {
+            lane.items
+                .shrink_to((2 * lane.items.len()).max(IDLE_LANE_SLOTS));
+        }
         if now_empty {
             lane.in_ready = false;
-            if lane.items.capacity() > IDLE_LANE_SLOTS {
-                lane.items.shrink_to(IDLE_LANE_SLOTS);
-            }
         } else {
             st.ready.push_back(id);
         }
@@ -387,8 +399,13 @@ fn take<T>(st: &mut State<T>, out: &mut Vec<T>, max: usize) -> usize {
     n
 }
 
+/// Frees `id`'s slot for reuse; a slot still listed as ready is unlisted first, or a
+/// lane reusing it would be served twice per round.
 fn free_lane<T>(st: &mut State<T>, id: usize) {
     if let Some(slot) = st.lanes.get_mut(id) {
+        if slot.as_ref().is_some_and(|l| l.in_ready) {
+            st.ready.retain(|&r| r != id);
+        }
         *slot = None;
         st.free.push(id);
     }
@@ -401,7 +418,8 @@ impl<T> Drop for Merge<T> {
 }
 
 impl<T> Lane<T> {
-    /// Pushes `item` of `size` bytes (charged `size + ITEM_OVERHEAD`). Never waits.
+    /// Pushes `item` of `size` bytes (charged `size` plus its bookkeeping, see
+    /// [`ITEM_OVERHEAD`]). Never waits.
     pub fn push(&self, item: T, size: usize) -> PushOutcome {
         let mut st = self.shared.lock();
         let outcome = push_locked(&mut st, self.id, item, size);
@@ -458,7 +476,7 @@ fn push_locked<T>(st: &mut State<T>, id: usize, item: T, size: usize) -> PushOut
     if st.closed {
         return PushOutcome::Closed;
     }
-    let charge = size.saturating_add(ITEM_OVERHEAD);
+    let charge = size.saturating_add(overhead::<T>());
     let config = st.config;
     let share = config.max_buffered_bytes / st.open_lanes.max(1);
     let mut evicted = 0;
@@ -556,8 +574,6 @@ fn evict_oldest<T>(st: &mut State<T>, id: usize) -> bool {
     let freed = lane.items.is_empty() && !lane.open;
     st.total_bytes -= c;
     if freed {
-        // Its slot may be reused at once: it must not stay listed as ready.
-        st.ready.retain(|&r| r != id);
         free_lane(st, id);
     }
     true

@@ -4,8 +4,10 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// Keys kept at most; past that the table is cleared (warnings then log once more).
-const MAX_KEYS: usize = 4096;
+/// Keys kept at most (four per publisher a `DynamicSubscriber` may follow). When full,
+/// keys whose interval has passed are dropped (they would log at once anyway); if none
+/// has, the table is cleared (warnings then log once more).
+const MAX_KEYS: usize = 16_384;
 /// Longest key stored as given; a longer one (an endpoint from a hostile discovery
 /// record, say) is stored as its first bytes and a hash of the whole key.
 const MAX_KEY_LEN: usize = 128;
@@ -62,7 +64,11 @@ impl RateLimitedWarn {
             return Some(n);
         }
         if keys.len() >= MAX_KEYS {
-            keys.clear();
+            let interval = self.interval;
+            keys.retain(|_, (last, _)| now.saturating_duration_since(*last) < interval);
+            if keys.len() >= MAX_KEYS {
+                keys.clear();
+            }
         }
         keys.insert(key.to_owned(), (now, 0));
         Some(0)
@@ -70,7 +76,7 @@ impl RateLimitedWarn {
 }
 
 /// `key`, or for a key longer than [`MAX_KEY_LEN`] its first bytes and a hash of it,
-/// so the table holds at most `MAX_KEYS × (MAX_KEY_LEN + 17)` bytes of keys.
+/// so the table holds at most `MAX_KEYS × MAX_KEY_LEN` bytes of keys (2 MiB).
 fn bounded_key(key: &str) -> std::borrow::Cow<'_, str> {
     if key.len() <= MAX_KEY_LEN {
         return key.into();

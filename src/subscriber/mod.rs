@@ -10,11 +10,12 @@
 //!   dropped *here* and counted.
 //! - **Bounded memory.** Each publisher has its own lane of at most `lane_capacity`
 //!   messages (default 4096) and `lane_bytes` (4 MiB), each message charged its bytes
-//!   plus 64; all lanes together hold at most `max_buffered_bytes` (64 MiB). Messages
-//!   are zero-copy slices of their connection's read buffer while the read buffers
-//!   they keep alive total at most the ZMTP config's `max_retained_bytes` (8 MiB,
-//!   shared by all connections, [`SubscriberStats::retained_bytes`]); beyond, small
-//!   frames are copied into allocations of their own size. So the process holds at
+//!   plus its bookkeeping (about 170 bytes); all lanes together hold at most
+//!   `max_buffered_bytes` (64 MiB). Messages are zero-copy slices of their
+//!   connection's read buffer while the read buffers they keep alive total at most
+//!   the ZMTP config's `max_retained_bytes` (8 MiB, shared by all connections,
+//!   [`SubscriberStats::retained_bytes`]); beyond, small frames are copied into
+//!   allocations of their own size. So the process holds at
 //!   most `max_buffered_bytes` + `max_retained_bytes` + one read buffer per connection
 //!   (`read_chunk`, 64 KiB, or the frame being assembled) for messages, however slow
 //!   the consumer and whatever the publishers send. At most `max_publishers` (4096)
@@ -153,7 +154,9 @@ impl DynamicSubscriberBuilder {
         self.config.merge = self.config.merge.lane_capacity(messages);
         self
     }
-    /// Bytes per publisher lane (each message charged its bytes + 64). Default 4 MiB.
+    /// Bytes per publisher lane (each message charged its bytes plus about 170 bytes of
+    /// bookkeeping, see [`lossy::ITEM_OVERHEAD`](crate::lossy::ITEM_OVERHEAD)). Default
+    /// 4 MiB.
     pub fn lane_bytes(mut self, bytes: usize) -> Self {
         self.config.merge = self.config.merge.lane_bytes(bytes);
         self
@@ -510,6 +513,7 @@ impl SubscriberHandle {
             buffered_bytes: self.merge.buffered_bytes(),
             retained_bytes: self.shared.retention.retained(),
             copied_messages: self.shared.retention.copied(),
+            read_buffer_bytes: self.shared.retention.current(),
             refused_publishers: self.shared.refused_publishers.load(Ordering::Relaxed),
             rewatches: self.shared.rewatches.load(Ordering::Relaxed),
         }
@@ -537,5 +541,14 @@ impl SubscriberHandle {
         self.cancel.cancel();
         self.shared.tracker.close();
         self.shared.tracker.wait().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_delivery_costs_about_170_bytes_of_bookkeeping() {
+        let slot = std::mem::size_of::<(super::Delivery, usize)>() + 32;
+        assert!((150..=200).contains(&slot), "{slot}");
     }
 }

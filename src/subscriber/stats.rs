@@ -107,6 +107,9 @@ pub struct SubscriberStats {
     /// Messages copied out of their read buffer because `retained_bytes` was over
     /// the limit.
     pub copied_messages: u64,
+    /// The read buffers connections read into now (64 KiB each, or the frame being
+    /// assembled): what the connections cost besides lanes and retained buffers.
+    pub read_buffer_bytes: usize,
     /// Publishers discovery reported that were not followed because
     /// `max_publishers` were already followed.
     pub refused_publishers: u64,

@@ -12,6 +12,10 @@ use std::time::Duration;
 /// ```
 pub const MAX_HEARTBEAT_TTL: Duration = Duration::from_millis(65_500);
 
+/// The largest `max_message_size` accepted (4 GiB): keeps every size computation far
+/// from overflow.
+const MAX_MESSAGE_SIZE_LIMIT: usize = 1 << 32;
+
 /// Bounds and timers shared by [`SubSocket`](crate::zmtp::SubSocket),
 /// [`PubSocket`](crate::zmtp::PubSocket) and [`Session`](crate::zmtp::Session).
 ///
@@ -195,8 +199,8 @@ impl ConfigBuilder {
         self.config.max_frame_size = bytes;
         self
     }
-    /// Largest message (sum of frames). Default 16 MiB. Costs up to this much memory
-    /// per connection while a message is being assembled.
+    /// Largest message (sum of frames). Default 16 MiB, at most 4 GiB. Costs up to
+    /// this much memory per connection while a message is being assembled.
     pub fn max_message_size(mut self, bytes: usize) -> Self {
         self.config.max_message_size = bytes;
         self
@@ -282,7 +286,8 @@ impl ConfigBuilder {
         self.config.max_subscriptions = count;
         self
     }
-    /// Publisher: longest subscription prefix accepted. Default 1 KiB.
+    /// Publisher: longest subscription prefix accepted. Default 1 KiB. Must be below
+    /// `max_frame_size`; a subscriber's frames are capped at this + 1.
     pub fn max_subscription_size(mut self, bytes: usize) -> Self {
         self.config.max_subscription_size = bytes;
         self
@@ -309,6 +314,17 @@ impl ConfigBuilder {
         if c.max_frame_size > c.max_message_size {
             return Err(ConfigError::Inconsistent {
                 reason: "max_frame_size exceeds max_message_size",
+            });
+        }
+        if c.max_message_size > MAX_MESSAGE_SIZE_LIMIT {
+            return Err(ConfigError::OutOfRange {
+                field: "max_message_size",
+                reason: "must be at most 4 GiB",
+            });
+        }
+        if c.max_subscription_size >= c.max_frame_size {
+            return Err(ConfigError::Inconsistent {
+                reason: "max_subscription_size must be below max_frame_size",
             });
         }
         if c.max_metadata_size < 64 {

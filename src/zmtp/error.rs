@@ -189,6 +189,14 @@ pub enum ProtocolError {
         /// The limit.
         max: usize,
     },
+    /// A READY carried more than
+    /// [`MAX_METADATA_PROPERTIES`](crate::zmtp::codec::MAX_METADATA_PROPERTIES)
+    /// properties.
+    #[error("READY has more than {max} properties")]
+    TooManyProperties {
+        /// The limit.
+        max: usize,
+    },
     /// A command frame had the MORE flag set (commands are single frames; a command
     /// *between* the frames of a message is accepted, as libzmq sends its heartbeats).
     #[error("command frame with the MORE flag")]

@@ -46,6 +46,13 @@ pub(crate) struct Conn<S> {
     /// Since when output has waited without a byte being written.
     blocked_since: Option<Instant>,
     write_stall_timeout: Option<Duration>,
+    /// The most the write buffer held since it was last empty (its allocation is at
+    /// least that large).
+    wbuf_high: usize,
+    /// A liveness deadline passed and one read found nothing: declared on the next
+    /// poll if the next read finds nothing either (a read can be refused by tokio's
+    /// cooperative budget although bytes are waiting).
+    silence_seen: bool,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
@@ -67,6 +74,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             retention,
             blocked_since: None,
             write_stall_timeout: config.write_stall_timeout,
+            wbuf_high: 0,
+            silence_seen: false,
         }
     }
 
@@ -80,6 +89,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             if self.wbuf.is_empty() {
                 break;
             }
+            self.wbuf_high = self.wbuf_high.max(self.wbuf.len());
             match Pin::new(&mut self.stream).poll_write(cx, &self.wbuf) {
                 Poll::Ready(Ok(0)) => {
                     return Poll::Ready(Err(
@@ -96,7 +106,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
                         self.blocked_since = Some(Instant::now());
                         // Wake for the stall deadline even if the peer never reads.
                         if let Some(deadline) = self.stall_deadline() {
-                            self.arm(deadline, cx);
+                            if self.arm(deadline, cx) {
+                                cx.waker().wake_by_ref();
+                            }
                         }
                     }
                     return Poll::Pending;
@@ -104,12 +116,23 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             }
         }
         self.blocked_since = None;
-        if self.wbuf.capacity() > 2 * WRITE_BATCH {
-            // A large message went out: give its copy back.
+        if std::mem::take(&mut self.wbuf_high) > 2 * WRITE_BATCH {
+            // A large message went out: give its copy back (`capacity()` no longer
+            // shows the allocation once the buffer has advanced to its end).
             self.wbuf = BytesMut::new();
         }
         ready!(Pin::new(&mut self.stream).poll_flush(cx))?;
         Poll::Ready(Ok(()))
+    }
+
+    /// [`poll_flush`](Self::poll_flush) with the timers run first, for callers that
+    /// wait only for their output to go out (a subscribe): a peer that reads nothing
+    /// fails it after `write_stall_timeout` instead of holding it forever.
+    pub(crate) fn poll_write_out(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
+        if let Err(e) = self.poll_timers(cx) {
+            return Poll::Ready(Err(e));
+        }
+        self.poll_flush(cx)
     }
 
     /// Reads once into the session. `Ok(n)` with n > 0, or an error (`Closed` at EOF).
@@ -123,6 +146,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         if n == 0 {
             return Poll::Ready(Err(Error::Closed));
         }
+        self.silence_seen = false;
         self.session.handle_input(Instant::now().into_std());
         Poll::Ready(Ok(n))
     }
@@ -135,7 +159,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
     ///   place (the common case: the consumer keeps up);
     /// - otherwise a new buffer is allocated, a chunk, or for a frame larger than a
     ///   chunk up to twice the bytes already received of it (never past its end), and
-    ///   the unconsumed bytes move over; the old buffer is retired.
+    ///   the unconsumed bytes move over. Frames of an incomplete message are copied
+    ///   out first, so they never pin the old buffer. A chunk that delivered frames
+    ///   still reference is retired into the retention account; an allocation grown
+    ///   for one large frame belongs to that frame (its holder is charged its size).
     fn prepare_read_buffer(&mut self) {
         let chunk = self.read_chunk;
         let needed = self.session.input_needed();
@@ -148,19 +175,22 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             frame_end.min(len.saturating_mul(2).max(chunk))
         };
         let spare = buf.capacity() - len;
-        let oversized = self.allocation > 2 * frame_end.max(chunk);
+        let oversized = self.allocation > frame_end.max(chunk).saturating_mul(2);
         if spare >= needed.min(chunk / 8).max(1) && !oversized {
             return;
         }
         if !oversized && target <= self.allocation && buf.try_reclaim(target - len) {
             return;
         }
-        let mut fresh = BytesMut::with_capacity(target.max(len + 1));
+        self.session.compact_partial_message(chunk);
+        let buf = self.session.input_buffer();
+        let size = target.max(len + 1);
+        let mut fresh = BytesMut::with_capacity(size);
         fresh.extend_from_slice(buf);
         let old = std::mem::replace(buf, fresh);
-        let old_allocation = std::mem::replace(&mut self.allocation, target.max(len + 1));
+        let old_allocation = std::mem::replace(&mut self.allocation, size);
         if let Some(retention) = &self.retention {
-            retention.retire(old, old_allocation);
+            retention.replace_read_buffer(old, old_allocation, size, chunk);
         }
     }
 
@@ -184,12 +214,26 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             let now = Instant::now();
             if deadline <= now {
                 if stall.is_some_and(|d| d <= now) {
-                    return Err(Error::Timeout(TimeoutKind::WriteStall));
+                    // Try once more: the peer may have read while we were not polled.
+                    if let Poll::Ready(Err(e)) = self.poll_flush(cx) {
+                        return Err(e);
+                    }
+                    if self.stall_deadline().is_some_and(|d| d <= now) {
+                        return Err(Error::Timeout(TimeoutKind::WriteStall));
+                    }
+                    continue;
                 }
                 if self.session.peer_silent(now.into_std()) {
                     match self.poll_read(cx) {
                         Poll::Ready(Ok(_)) => continue,
                         Poll::Ready(Err(e)) => return Err(e),
+                        Poll::Pending if !self.silence_seen => {
+                            // Nothing read: look once more on the next poll before
+                            // blaming the peer.
+                            self.silence_seen = true;
+                            cx.waker().wake_by_ref();
+                            return Ok(());
+                        }
                         Poll::Pending => {}
                     }
                 }
@@ -277,7 +321,7 @@ impl<S> Drop for Conn<S> {
         // Frames handed out may outlive the connection: their buffer stays counted.
         if let Some(retention) = &self.retention {
             let buf = std::mem::take(self.session.input_buffer());
-            retention.retire(buf, self.allocation);
+            retention.replace_read_buffer(buf, self.allocation, 0, self.read_chunk);
         }
     }
 }

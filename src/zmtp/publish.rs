@@ -240,38 +240,59 @@ struct Encoded {
 }
 
 /// One subscriber's queue, charged for the memory it keeps alive: a message with its
-/// own allocation costs its length; messages sharing an arena cost one whole arena,
-/// counted once per run of queued messages from it (queues hold messages in send
-/// order, and arenas are filled in send order, so each arena's messages are adjacent).
+/// own allocation costs its length; messages sharing an arena cost that whole arena,
+/// once for all of them. Arenas are filled in send order and queues hold messages in
+/// send order, so the arena ids of a queue's arena messages never decrease: the queue
+/// keeps one run (id, count) per arena it holds messages of.
 #[derive(Debug, Default)]
 struct Queue {
     items: VecDeque<Encoded>,
+    arenas: VecDeque<(u64, usize)>,
     charge: usize,
 }
+
+/// Queue slots an empty queue keeps; one that grew past this gives the rest back once
+/// it drains to a quarter of its capacity.
+const IDLE_QUEUE_SLOTS: usize = 64;
 
 impl Queue {
     /// What pushing `e` would add to the charge.
     fn cost(&self, e: &Encoded) -> usize {
         match e.arena {
             0 => e.bytes.len(),
-            id if self.items.back().is_some_and(|b| b.arena == id) => 0,
+            id if self.arenas.back().is_some_and(|(last, _)| *last == id) => 0,
             _ => ARENA_SIZE,
         }
     }
 
     fn push(&mut self, e: Encoded) {
         self.charge += self.cost(&e);
+        if e.arena != 0 {
+            match self.arenas.back_mut() {
+                Some((last, count)) if *last == e.arena => *count += 1,
+                _ => self.arenas.push_back((e.arena, 1)),
+            }
+        }
         self.items.push_back(e);
     }
 
     fn pop(&mut self) -> Option<Bytes> {
         let e = self.items.pop_front()?;
-        let freed = match e.arena {
-            0 => e.bytes.len(),
-            id if self.items.front().is_some_and(|f| f.arena == id) => 0,
-            _ => ARENA_SIZE,
-        };
-        self.charge -= freed;
+        if e.arena == 0 {
+            self.charge -= e.bytes.len();
+        } else if let Some((_, count)) = self.arenas.front_mut() {
+            // The front run is this message's arena (ids never decrease).
+            *count -= 1;
+            if *count == 0 {
+                self.arenas.pop_front();
+                self.charge -= ARENA_SIZE;
+            }
+        }
+        if self.items.capacity() > IDLE_QUEUE_SLOTS && self.items.len() < self.items.capacity() / 4
+        {
+            self.items
+                .shrink_to((2 * self.items.len()).max(IDLE_QUEUE_SLOTS));
+        }
         Some(e.bytes)
     }
 
@@ -522,7 +543,11 @@ impl PubSocket {
     /// # Ok(()) }
     /// ```
     pub async fn flush(&self, timeout: Duration) -> bool {
-        let deadline = tokio::time::Instant::now() + timeout;
+        let now = tokio::time::Instant::now();
+        // A timeout too large to add (Duration::MAX) waits a century instead.
+        let deadline = now
+            .checked_add(timeout)
+            .unwrap_or(now + Duration::from_secs(100 * 365 * 86_400));
         loop {
             let notified = self.shared.drained.notified();
             tokio::pin!(notified);
@@ -854,5 +879,53 @@ fn on_peer_event(shared: &Shared, id: usize, event: Event) {
             }
         }
         Event::Message(_) => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn encoded(arena: u64, len: usize) -> Encoded {
+        Encoded {
+            bytes: Bytes::from(vec![0u8; len]),
+            arena,
+        }
+    }
+
+    #[test]
+    fn queues_pay_one_arena_per_run_whatever_sits_between() {
+        let mut q = Queue::default();
+        q.push(encoded(1, 10));
+        q.push(encoded(0, 20_000)); // an own allocation between two of arena 1
+        q.push(encoded(1, 10));
+        q.push(encoded(2, 10));
+        assert_eq!(q.charge, 2 * ARENA_SIZE + 20_000);
+        assert_eq!(q.cost(&encoded(2, 10)), 0);
+        assert_eq!(q.cost(&encoded(3, 10)), ARENA_SIZE);
+        q.pop();
+        assert_eq!(q.charge, 2 * ARENA_SIZE + 20_000);
+        q.pop();
+        assert_eq!(q.charge, 2 * ARENA_SIZE);
+        q.pop();
+        assert_eq!(q.charge, ARENA_SIZE);
+        q.pop();
+        assert_eq!((q.charge, q.len()), (0, 0));
+        assert!(q.pop().is_none());
+    }
+
+    #[test]
+    fn a_drained_queue_gives_back_its_slots() {
+        let mut q = Queue::default();
+        for _ in 0..10_000 {
+            q.push(encoded(0, 1));
+        }
+        while q.pop().is_some() {}
+        assert!(
+            q.items.capacity() <= 2 * IDLE_QUEUE_SLOTS,
+            "{}",
+            q.items.capacity()
+        );
+        assert_eq!(q.charge, 0);
     }
 }

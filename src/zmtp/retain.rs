@@ -11,11 +11,21 @@
 //! Sockets consult [`Retention::over_limit`] before handing out a message: past the
 //! limit, small frames are copied into an allocation of their own size, so new
 //! messages pin nothing more while the old ones drain.
+//!
+//! Only shared read chunks are retired here. An allocation grown for one frame larger
+//! than a chunk holds nothing but that frame: whoever keeps the frame is charged its
+//! size (a lane, a queue), so counting it again would be double.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+
+/// While over the limit, retired buffers are looked at again at most this often (each
+/// look takes the lock and scans the list, which every connection would otherwise do
+/// on every poll).
+const PRUNE_INTERVAL: Duration = Duration::from_millis(1);
 
 /// Read buffers retired by one or more connections, with their sizes.
 #[derive(Debug)]
@@ -26,6 +36,11 @@ pub(crate) struct Retention {
     retired: Mutex<Vec<(Bytes, usize)>>,
     /// Messages copied out because the limit was exceeded.
     copied: AtomicU64,
+    /// Allocations of the read buffers connections read into now.
+    current: AtomicUsize,
+    /// When the list was last pruned, in nanoseconds since `epoch`.
+    pruned_at: AtomicU64,
+    epoch: Instant,
 }
 
 impl Retention {
@@ -36,7 +51,37 @@ impl Retention {
             bytes: AtomicUsize::new(0),
             retired: Mutex::new(Vec::new()),
             copied: AtomicU64::new(0),
+            current: AtomicUsize::new(0),
+            pruned_at: AtomicU64::new(0),
+            epoch: Instant::now(),
         }
+    }
+
+    /// A connection moved from `old` (allocated with `old_allocation` bytes) to a new
+    /// read buffer of `new_allocation` bytes (0 when it closes). `old` is retired when
+    /// it was a shared chunk (at most `chunk` bytes) that frames still reference.
+    pub(crate) fn replace_read_buffer(
+        &self,
+        old: BytesMut,
+        old_allocation: usize,
+        new_allocation: usize,
+        chunk: usize,
+    ) {
+        self.current.fetch_add(new_allocation, Ordering::Relaxed);
+        // Saturating: a buffer allocated before this account knew about it.
+        let _ = self
+            .current
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+                Some(c.saturating_sub(old_allocation))
+            });
+        if old_allocation <= chunk {
+            self.retire(old, old_allocation);
+        }
+    }
+
+    /// Read buffers connections read into now (what a connection costs while alive).
+    pub(crate) fn current(&self) -> usize {
+        self.current.load(Ordering::Relaxed)
     }
 
     fn lock(&self) -> MutexGuard<'_, Vec<(Bytes, usize)>> {
@@ -60,6 +105,11 @@ impl Retention {
     pub(crate) fn prune(&self) {
         let mut retired = self.lock();
         Self::prune_locked(&mut retired, &self.bytes);
+        self.pruned_at.store(self.nanos(), Ordering::Relaxed);
+    }
+
+    fn nanos(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
     fn prune_locked(retired: &mut Vec<(Bytes, usize)>, bytes: &AtomicUsize) {
@@ -84,7 +134,12 @@ impl Retention {
         if self.retained() <= self.limit {
             return false;
         }
-        self.prune();
+        let since = self
+            .nanos()
+            .saturating_sub(self.pruned_at.load(Ordering::Relaxed));
+        if u128::from(since) >= PRUNE_INTERVAL.as_nanos() {
+            self.prune();
+        }
         self.retained() > self.limit
     }
 
@@ -113,6 +168,7 @@ mod tests {
         assert_eq!(account.retained(), 1024);
         assert!(account.over_limit());
         drop(frame);
+        account.prune();
         assert!(!account.over_limit());
         assert_eq!(account.retained(), 0);
     }

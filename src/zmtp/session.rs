@@ -160,6 +160,9 @@ pub struct SessionStats {
     pub pongs_coalesced: u64,
     /// PONGs received.
     pub pongs_received: u64,
+    /// Commands that arrived between the frames of a multipart message (libzmq's
+    /// heartbeat does this).
+    pub commands_between_frames: u64,
 }
 
 #[derive(Debug)]
@@ -336,6 +339,15 @@ impl Session {
     pub fn pending_output(&self) -> usize {
         let pong = self.pending_pong.as_ref().map_or(0, |c| c.len() + 7);
         self.output.len() + pong
+    }
+
+    /// Copies the frames of a partly received message out of the input buffer (see
+    /// [`FrameDecoder::compact_parts`]); an I/O layer calls it before replacing the
+    /// buffer it reads into.
+    pub fn compact_partial_message(&mut self, max_part: usize) {
+        if self.decoder.in_message() {
+            self.decoder.compact_parts(max_part);
+        }
     }
 
     /// `true` when the peer has been silent past the heartbeat timeout or its own
@@ -521,7 +533,12 @@ impl Session {
                     };
                     let event = match decoded {
                         Decoded::Message(msg) => self.on_message(msg)?,
-                        Decoded::Command(body) => self.on_command(Command::parse(body)?)?,
+                        Decoded::Command(body) => {
+                            if self.decoder.in_message() {
+                                self.stats.commands_between_frames += 1;
+                            }
+                            self.on_command(Command::parse(body)?)?
+                        }
                     };
                     if event.is_some() {
                         return Ok(event);

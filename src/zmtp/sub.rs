@@ -268,7 +268,7 @@ where
     }
 
     async fn flush(&mut self) -> Result<(), Error> {
-        poll_fn(|cx| self.conn.poll_flush(cx)).await
+        poll_fn(|cx| self.conn.poll_write_out(cx)).await
     }
 
     /// Receives the next message that matches a subscription.

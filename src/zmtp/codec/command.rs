@@ -13,6 +13,15 @@ use crate::zmtp::ProtocolError;
 /// ```
 pub const MAX_PING_CONTEXT: usize = 16;
 
+/// Most properties a READY may carry (libzmq sends one or two; applications add a few
+/// with `ZMQ_METADATA`). Kept for the connection's lifetime, each costs about 100 bytes
+/// of bookkeeping beyond its size, so their number is bounded as well as their bytes.
+///
+/// ```
+/// assert_eq!(eventplane::zmtp::codec::MAX_METADATA_PROPERTIES, 64);
+/// ```
+pub const MAX_METADATA_PROPERTIES: usize = 64;
+
 /// READY metadata: `(name, value)` properties in wire order. Names compare
 /// case-insensitively.
 ///
@@ -51,25 +60,37 @@ impl Metadata {
         self.properties.iter().map(|(n, v)| (n, v))
     }
 
-    fn parse(body: &Bytes, mut r: Reader<'_>) -> Option<Metadata> {
+    fn parse(body: &Bytes, mut r: Reader<'_>) -> Result<Metadata, ProtocolError> {
+        let malformed = ProtocolError::MalformedCommand { command: "READY" };
         let mut md = Metadata::new();
         while r.remaining() > 0 {
-            let name_len = usize::from(r.u8()?);
+            if md.properties.len() >= MAX_METADATA_PROPERTIES {
+                return Err(ProtocolError::TooManyProperties {
+                    max: MAX_METADATA_PROPERTIES,
+                });
+            }
+            let name_len = usize::from(r.u8().ok_or(malformed.clone())?);
             if name_len == 0 {
-                return None;
+                return Err(malformed);
             }
             let name_at = r.position();
-            r.take(name_len)?;
-            let value_len = usize::try_from(r.u32_be()?).ok()?;
+            r.take(name_len).ok_or(malformed.clone())?;
+            let value_len = r
+                .u32_be()
+                .and_then(|l| usize::try_from(l).ok())
+                .ok_or(malformed.clone())?;
             let value_at = r.position();
-            r.take(value_len)?;
+            r.take(value_len).ok_or(malformed.clone())?;
             // Copied: metadata lives as long as the connection and must not pin the
             // read buffer the READY arrived in.
-            let name = body.get(name_at..name_at + name_len)?;
-            let value = body.get(value_at..value_at + value_len)?;
+            let name = body.get(name_at..name_at + name_len);
+            let value = body.get(value_at..value_at + value_len);
+            let (Some(name), Some(value)) = (name, value) else {
+                return Err(malformed);
+            };
             md.push(Bytes::copy_from_slice(name), Bytes::copy_from_slice(value));
         }
-        Some(md)
+        Ok(md)
     }
 
     fn encode(&self, buf: &mut BytesMut) {
@@ -160,7 +181,7 @@ impl Command {
         let name = r.take(name_len).ok_or(malformed("truncated"))?;
         let data_at = r.position();
         let cmd = match name {
-            b"READY" => Command::Ready(Metadata::parse(&body, r).ok_or(malformed("READY"))?),
+            b"READY" => Command::Ready(Metadata::parse(&body, r)?),
             b"ERROR" => {
                 let len = usize::from(r.u8().ok_or(malformed("ERROR"))?);
                 let at = r.position();

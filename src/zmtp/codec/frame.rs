@@ -166,6 +166,35 @@ impl FrameDecoder {
         matches!(self.state, State::Header) && self.parts.is_empty()
     }
 
+    /// `true` while some frames of a multipart message have arrived and the rest have
+    /// not.
+    pub fn in_message(&self) -> bool {
+        !self.parts.is_empty()
+    }
+
+    /// Copies the frames of the message being assembled that are at most `max_part`
+    /// bytes into one allocation of their combined size, so they no longer keep the
+    /// buffer they were cut from alive. An I/O layer calls this before it moves on to
+    /// a new read buffer while a message is incomplete (a peer that never sends the
+    /// last frame must not pin every buffer its frames arrived in).
+    ///
+    /// ```
+    /// use bytes::BytesMut;
+    /// use eventplane::zmtp::codec::{FrameDecoder, FrameLimits};
+    /// let mut decoder = FrameDecoder::new(FrameLimits { max_frame_size: 64, max_message_size: 256,
+    ///     max_message_parts: 8, max_command_size: 64, strict: false });
+    /// let mut src = BytesMut::from(&b"\x01\x02ab"[..]);
+    /// assert!(decoder.decode(&mut src)?.is_none()); // first frame of two, held
+    /// decoder.compact_parts(1024);
+    /// assert!(decoder.in_message());
+    /// # Ok::<(), eventplane::zmtp::ProtocolError>(())
+    /// ```
+    pub fn compact_parts(&mut self, max_part: usize) {
+        let mut message = Message::from_smallvec(std::mem::take(&mut self.parts));
+        message.compact(max_part);
+        self.parts = message.into_smallvec();
+    }
+
     /// Bytes that must be in `src` before the next call can make progress (a lower
     /// bound, never more than the current frame's validated size plus a header).
     pub fn needed(&self, buffered: usize) -> usize {
@@ -203,7 +232,12 @@ impl FrameDecoder {
                     if src.len() < size {
                         return Ok(None);
                     }
-                    let body = src.split_to(size).freeze();
+                    // An empty body references nothing (a slice would pin `src`).
+                    let body = if size == 0 {
+                        Bytes::new()
+                    } else {
+                        src.split_to(size).freeze()
+                    };
                     self.state = State::Header;
                     if command {
                         return Ok(Some(Decoded::Command(body)));

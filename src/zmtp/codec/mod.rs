@@ -10,7 +10,7 @@ mod frame;
 mod greeting;
 pub(crate) mod reader;
 
-pub use command::{Command, MAX_PING_CONTEXT, Metadata};
+pub use command::{Command, MAX_METADATA_PROPERTIES, MAX_PING_CONTEXT, Metadata};
 pub use frame::{
     Decoded, FLAG_COMMAND, FLAG_LONG, FLAG_MORE, FrameDecoder, FrameLimits, LONG_HEADER_LEN,
     SHORT_HEADER_LEN, encode_frame_header, encode_message, encoded_len,

@@ -146,6 +146,41 @@ fn ours(rt: &tokio::runtime::Runtime, b: &Blaster, iters: u64, batch: Option<usi
     elapsed
 }
 
+/// `recv_many` by a consumer that keeps the last 65 536 messages (about 7 MiB at
+/// 100 B) alive: with `max_retained_bytes` at 1 MiB the socket copies small frames out
+/// once the read buffers they pin pass it; with it unbounded every message stays a
+/// slice (and pins its 64 KiB read buffer). The difference is the price of the copy.
+fn hoarding(rt: &tokio::runtime::Runtime, b: &Blaster, iters: u64, retained: usize) -> Duration {
+    const KEEP: usize = 1 << 16;
+    let server = b.serve(iters + 1);
+    let config = Config::builder()
+        .max_retained_bytes(retained)
+        .build()
+        .unwrap();
+    let elapsed = rt.block_on(async {
+        let mut sub = SubSocket::connect(&b.endpoint, config).await.unwrap();
+        sub.subscribe(&TOPIC[..]).await.unwrap();
+        sub.recv().await.unwrap();
+        let mut kept = std::collections::VecDeque::with_capacity(KEEP);
+        let start = Instant::now();
+        let mut got = 0u64;
+        let mut buf = Vec::with_capacity(256);
+        while got < iters {
+            let want = 256.min((iters - got) as usize);
+            got += sub.recv_many(&mut buf, want).await.unwrap() as u64;
+            for m in buf.drain(..) {
+                if kept.len() == KEEP {
+                    kept.pop_front();
+                }
+                kept.push_back(m);
+            }
+        }
+        start.elapsed()
+    });
+    server.join().unwrap();
+    elapsed
+}
+
 fn zeromq_crate(rt: &tokio::runtime::Runtime, b: &Blaster, iters: u64) -> Duration {
     let server = b.serve(iters + 1);
     let elapsed = rt.block_on(async {
@@ -246,6 +281,12 @@ fn bench(c: &mut Criterion) {
         });
         group.bench_function(BenchmarkId::new("eventplane", "recv_many"), |bch| {
             bch.iter_custom(|iters| ours(&rt, &blaster, iters, Some(256)))
+        });
+        group.bench_function(BenchmarkId::new("eventplane", "hoard_copied"), |bch| {
+            bch.iter_custom(|iters| hoarding(&rt, &blaster, iters, 1 << 20))
+        });
+        group.bench_function(BenchmarkId::new("eventplane", "hoard_sliced"), |bch| {
+            bch.iter_custom(|iters| hoarding(&rt, &blaster, iters, 1 << 40))
         });
         group.bench_function("zeromq", |bch| {
             bch.iter_custom(|iters| zeromq_crate(&rt, &blaster, iters))

@@ -53,9 +53,10 @@ fn overhead<T>() -> usize {
     ITEM_OVERHEAD.max(std::mem::size_of::<(T, usize)>() + 32)
 }
 
-/// Queue slots a lane keeps however empty; a lane that grew past this (during a
-/// burst) gives slots back once it holds less than a quarter of its capacity, so a
-/// lane holds at most 4 × its charged slots, or 64.
+/// Queue slots a lane keeps however empty. A lane that grew past this (during a
+/// burst) gives slots back when, over as many deliveries as it has slots, it never
+/// held more than a quarter of them; a lane that fills and drains every round keeps
+/// its slots (no reallocation churn).
 const IDLE_LANE_SLOTS: usize = 64;
 
 /// What to drop when a bound is hit.
@@ -192,6 +193,9 @@ pub enum PushOutcome {
 
 struct LaneState<T> {
     items: VecDeque<(T, usize)>,
+    /// Most items held since the last trim check, and deliveries since then.
+    high: usize,
+    takes: usize,
     bytes: usize,
     in_ready: bool,
     open: bool,
@@ -292,6 +296,8 @@ impl<T> Merge<T> {
         let mut st = self.shared.lock();
         let lane = LaneState {
             items: VecDeque::new(),
+            high: 0,
+            takes: 0,
             bytes: 0,
             in_ready: false,
             open: true,
@@ -379,10 +385,14 @@ fn take<T>(st: &mut State<T>, out: &mut Vec<T>, max: usize) -> usize {
         lane.stats.delivered += 1;
         let now_empty = lane.items.is_empty();
         let closed = !lane.open;
+        lane.takes += 1;
         let capacity = lane.items.capacity();
-        if capacity > IDLE_LANE_SLOTS && lane.items.len() < capacity / 4 {
-            lane.items
-                .shrink_to((2 * lane.items.len()).max(IDLE_LANE_SLOTS));
+        if lane.takes >= capacity {
+            if capacity > IDLE_LANE_SLOTS && lane.high < capacity / 4 {
+                lane.items.shrink_to((2 * lane.high).max(IDLE_LANE_SLOTS));
+            }
+            lane.takes = 0;
+            lane.high = lane.items.len();
         }
         if now_empty {
             lane.in_ready = false;
@@ -539,6 +549,7 @@ fn push_locked<T>(st: &mut State<T>, id: usize, item: T, size: usize) -> PushOut
         return PushOutcome::Closed;
     };
     lane.items.push_back((item, charge));
+    lane.high = lane.high.max(lane.items.len());
     lane.bytes += charge;
     let enqueue = !lane.in_ready;
     lane.in_ready = true;

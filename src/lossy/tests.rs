@@ -208,6 +208,11 @@ fn drained_lanes_give_back_queue_slots() {
         l.push(i, 1);
     }
     assert_eq!(drain(&m).len(), 5000);
+    // Then a quiet period: one item at a time.
+    for i in 0..20_000 {
+        l.push(i, 1);
+        drain(&m);
+    }
     let st = m.shared.lock();
     let capacity = st
         .lanes

@@ -4,7 +4,8 @@
 //! distinct prefix lengths in use. Matching a topic costs one hash look-up per distinct
 //! length no longer than the topic — independent of how many prefixes (or subscribers)
 //! there are. Subscription prefixes are short and few distinct lengths occur, so this
-//! beats a byte trie both in look-ups and in memory.
+//! beats a byte trie both in look-ups and in memory. The empty prefix ("everything",
+//! the most common subscription) has a slot of its own: it matches without a look-up.
 
 use std::collections::HashMap;
 
@@ -12,6 +13,10 @@ use bytes::Bytes;
 
 #[derive(Debug, Clone)]
 pub(crate) struct PrefixMap<V> {
+    /// The value of the empty prefix. Kept out of `map`: an empty `Bytes` points at a
+    /// dangling address, and comparing keys with it costs a microcode assist on every
+    /// look-up with some `memcmp` implementations.
+    empty: Option<(Bytes, V)>,
     map: HashMap<Bytes, V>,
     /// `(length, number of prefixes of that length)`, sorted by length.
     lens: Vec<(usize, usize)>,
@@ -20,6 +25,7 @@ pub(crate) struct PrefixMap<V> {
 impl<V> Default for PrefixMap<V> {
     fn default() -> Self {
         PrefixMap {
+            empty: None,
             map: HashMap::new(),
             lens: Vec::new(),
         }
@@ -29,15 +35,22 @@ impl<V> Default for PrefixMap<V> {
 impl<V> PrefixMap<V> {
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.map.len()
+        self.map.len() + usize::from(self.empty.is_some())
     }
 
     pub(crate) fn get_mut(&mut self, prefix: &[u8]) -> Option<&mut V> {
+        if prefix.is_empty() {
+            return self.empty.as_mut().map(|(_, v)| v);
+        }
         self.map.get_mut(prefix)
     }
 
     /// The value for `prefix`, inserting `make()` when absent.
     pub(crate) fn entry(&mut self, prefix: &Bytes, make: impl FnOnce() -> V) -> &mut V {
+        if prefix.is_empty() {
+            let (_, v) = self.empty.get_or_insert_with(|| (Bytes::new(), make()));
+            return v;
+        }
         if !self.map.contains_key(&prefix[..]) {
             let len = prefix.len();
             match self.lens.binary_search_by_key(&len, |(l, _)| *l) {
@@ -53,6 +66,9 @@ impl<V> PrefixMap<V> {
     }
 
     pub(crate) fn remove(&mut self, prefix: &[u8]) -> Option<V> {
+        if prefix.is_empty() {
+            return self.empty.take().map(|(_, v)| v);
+        }
         let v = self.map.remove(prefix)?;
         if let Ok(i) = self.lens.binary_search_by_key(&prefix.len(), |(l, _)| *l) {
             if let Some((_, n)) = self.lens.get_mut(i) {
@@ -67,6 +83,9 @@ impl<V> PrefixMap<V> {
 
     /// Calls `f` with the value of every stored prefix of `topic`.
     pub(crate) fn for_each_match(&self, topic: &[u8], mut f: impl FnMut(&V)) {
+        if let Some((_, v)) = &self.empty {
+            f(v);
+        }
         for (len, _) in &self.lens {
             let Some(head) = topic.get(..*len) else {
                 break;
@@ -79,15 +98,16 @@ impl<V> PrefixMap<V> {
 
     /// `true` when some stored prefix is a prefix of `topic`.
     pub(crate) fn matches(&self, topic: &[u8]) -> bool {
-        self.lens.iter().any(|(len, _)| {
-            topic
-                .get(..*len)
-                .is_some_and(|head| self.map.contains_key(head))
-        })
+        self.empty.is_some()
+            || self.lens.iter().any(|(len, _)| {
+                topic
+                    .get(..*len)
+                    .is_some_and(|head| self.map.contains_key(head))
+            })
     }
 
     pub(crate) fn keys(&self) -> impl Iterator<Item = &Bytes> {
-        self.map.keys()
+        self.empty.iter().map(|(k, _)| k).chain(self.map.keys())
     }
 }
 
@@ -113,5 +133,12 @@ mod tests {
         assert!(m.matches(b""));
         assert!(m.matches(b"anything"));
         assert_eq!(m.len(), 2);
+        let mut seen = 0;
+        m.for_each_match(b"comp", |v| seen += v);
+        assert_eq!(seen, 2);
+        assert_eq!(m.keys().count(), 2);
+        assert_eq!(m.remove(b""), Some(1));
+        assert!(!m.matches(b"anything"));
+        assert_eq!(m.len(), 1);
     }
 }

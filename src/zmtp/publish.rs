@@ -249,10 +249,14 @@ struct Queue {
     items: VecDeque<Encoded>,
     arenas: VecDeque<(u64, usize)>,
     charge: usize,
+    /// Most items held since the last trim check, and pops since then.
+    high: usize,
+    pops: usize,
 }
 
-/// Queue slots an empty queue keeps; one that grew past this gives the rest back once
-/// it drains to a quarter of its capacity.
+/// Queue slots a queue keeps however empty. One that grew past this gives slots back
+/// when, over as many pops as it has slots, it never held more than a quarter of them
+/// (a queue that fills and drains every round keeps its slots: no reallocation churn).
 const IDLE_QUEUE_SLOTS: usize = 64;
 
 impl Queue {
@@ -265,15 +269,17 @@ impl Queue {
         }
     }
 
-    fn push(&mut self, e: Encoded) {
-        self.charge += self.cost(&e);
+    /// Queues `e`, whose [`cost`](Self::cost) the caller computed.
+    fn push(&mut self, e: Encoded, cost: usize) {
+        self.charge += cost;
         if e.arena != 0 {
             match self.arenas.back_mut() {
-                Some((last, count)) if *last == e.arena => *count += 1,
+                Some((_, count)) if cost == 0 => *count += 1,
                 _ => self.arenas.push_back((e.arena, 1)),
             }
         }
         self.items.push_back(e);
+        self.high = self.high.max(self.items.len());
     }
 
     fn pop(&mut self) -> Option<Bytes> {
@@ -288,10 +294,14 @@ impl Queue {
                 self.charge -= ARENA_SIZE;
             }
         }
-        if self.items.capacity() > IDLE_QUEUE_SLOTS && self.items.len() < self.items.capacity() / 4
-        {
-            self.items
-                .shrink_to((2 * self.items.len()).max(IDLE_QUEUE_SLOTS));
+        self.pops += 1;
+        let capacity = self.items.capacity();
+        if self.pops >= capacity {
+            if capacity > IDLE_QUEUE_SLOTS && self.high < capacity / 4 {
+                self.items.shrink_to((2 * self.high).max(IDLE_QUEUE_SLOTS));
+            }
+            self.pops = 0;
+            self.high = self.items.len();
         }
         Some(e.bytes)
     }
@@ -451,7 +461,8 @@ impl PubSocket {
                     }
                     peer.mark = seq;
                     let frame = encoded.get_or_insert_with(|| arena.encode(&msg, use_arena));
-                    let pending = peer.queue.charge + peer.in_flight + peer.queue.cost(frame);
+                    let cost = peer.queue.cost(frame);
+                    let pending = peer.queue.charge + peer.in_flight + cost;
                     if peer.queue.len() >= cfg.send_queue_messages || pending > cfg.send_queue_bytes
                     {
                         peer.dropped += 1;
@@ -459,7 +470,7 @@ impl PubSocket {
                         peer.note_drop();
                         continue;
                     }
-                    peer.queue.push(frame.clone());
+                    peer.queue.push(frame.clone(), cost);
                     report.queued += 1;
                     if let Some(w) = peer.waker.take() {
                         wake.push(w);
@@ -704,10 +715,9 @@ where
     let span = tracing::debug_span!("zmtp_pub_peer", peer = %label);
     let task = async move {
         let mut conn = Conn::new(stream, SocketType::Pub, &shared.config, None);
-        let mut reported = 0;
         let result = tokio::select! {
             () = cancel.cancelled() => Ok(()),
-            r = poll_fn(|cx| drive_peer(&mut conn, &shared, id, &mut reported, cx)) => r,
+            r = poll_fn(|cx| drive_peer(&mut conn, &shared, id, cx)) => r,
         };
         let stalled = matches!(result, Err(Error::Timeout(TimeoutKind::WriteStall)));
         remove_peer(&shared, id, result.is_err(), stalled);
@@ -768,7 +778,6 @@ fn drive_peer<S: AsyncRead + AsyncWrite + Unpin>(
     conn: &mut Conn<S>,
     shared: &Shared,
     id: usize,
-    reported: &mut usize,
     cx: &mut Context<'_>,
 ) -> Poll<Result<(), Error>> {
     // Yield after this many rounds of progress so one busy subscriber cannot hog a
@@ -791,7 +800,6 @@ fn drive_peer<S: AsyncRead + AsyncWrite + Unpin>(
             Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
             Poll::Pending => {}
         }
-        report_in_flight(shared, id, conn, reported);
         if conn.may_read() {
             match conn.poll_read(cx) {
                 Poll::Ready(Ok(_)) => progress = true,
@@ -805,18 +813,6 @@ fn drive_peer<S: AsyncRead + AsyncWrite + Unpin>(
     }
     cx.waker().wake_by_ref();
     Poll::Pending
-}
-
-/// Publishes what the connection holds beyond its queue (write buffer, control
-/// output) for `send`'s bound and the stats, when it changed.
-fn report_in_flight<S>(shared: &Shared, id: usize, conn: &Conn<S>, reported: &mut usize) {
-    let now = conn.pending_output();
-    if now != *reported {
-        *reported = now;
-        if let Some(Some(peer)) = shared.lock().peers.get_mut(id) {
-            peer.in_flight = now;
-        }
-    }
 }
 
 /// Moves queued messages into the write buffer. Registers the waker when the queue is
@@ -835,6 +831,10 @@ fn take_queued<S>(shared: &Shared, id: usize, conn: &mut Conn<S>, cx: &mut Conte
         took += 1;
     }
     peer.written += took;
+    // What the connection holds beyond the queue, for `send`'s bound and the stats.
+    // Refreshed whenever the writer refills (every round it can write); while the
+    // peer reads nothing it stays at its last, highest, value.
+    peer.in_flight = conn.pending_output();
     let was_busy = peer.busy;
     peer.busy = !conn.wbuf.is_empty();
     if peer.queue.is_empty() {
@@ -886,6 +886,13 @@ fn on_peer_event(shared: &Shared, id: usize, event: Event) {
 mod tests {
     use super::*;
 
+    impl Queue {
+        fn push_new(&mut self, e: Encoded) {
+            let cost = self.cost(&e);
+            self.push(e, cost);
+        }
+    }
+
     fn encoded(arena: u64, len: usize) -> Encoded {
         Encoded {
             bytes: Bytes::from(vec![0u8; len]),
@@ -896,10 +903,10 @@ mod tests {
     #[test]
     fn queues_pay_one_arena_per_run_whatever_sits_between() {
         let mut q = Queue::default();
-        q.push(encoded(1, 10));
-        q.push(encoded(0, 20_000)); // an own allocation between two of arena 1
-        q.push(encoded(1, 10));
-        q.push(encoded(2, 10));
+        q.push_new(encoded(1, 10));
+        q.push_new(encoded(0, 20_000)); // an own allocation between two of arena 1
+        q.push_new(encoded(1, 10));
+        q.push_new(encoded(2, 10));
         assert_eq!(q.charge, 2 * ARENA_SIZE + 20_000);
         assert_eq!(q.cost(&encoded(2, 10)), 0);
         assert_eq!(q.cost(&encoded(3, 10)), ARENA_SIZE);
@@ -918,9 +925,14 @@ mod tests {
     fn a_drained_queue_gives_back_its_slots() {
         let mut q = Queue::default();
         for _ in 0..10_000 {
-            q.push(encoded(0, 1));
+            q.push_new(encoded(0, 1));
         }
         while q.pop().is_some() {}
+        // Then a quiet period: one message at a time, for two trim windows.
+        for _ in 0..40_000 {
+            q.push_new(encoded(0, 1));
+            q.pop();
+        }
         assert!(
             q.items.capacity() <= 2 * IDLE_QUEUE_SLOTS,
             "{}",

@@ -227,7 +227,7 @@ impl DynamicSubscriberBuilder {
         let merge = Arc::new(Merge::new(config.merge));
         let shared = Arc::new(Shared {
             publishers: Mutex::new(HashMap::new()),
-            retired: Mutex::new(PublisherStats::default()),
+            retired: Mutex::new(Retired::default()),
             retention: Arc::new(Retention::new(config.zmtp.max_retained_bytes())),
             refused_publishers: AtomicU64::new(0),
             rewatches: AtomicU64::new(0),
@@ -307,7 +307,7 @@ pub struct SubscriberHandle {
 
 pub(crate) struct Shared {
     publishers: Mutex<HashMap<ChannelId, Arc<PublisherCell>>>,
-    retired: Mutex<PublisherStats>,
+    retired: Mutex<Retired>,
     /// Read buffers that delivered messages keep alive, across every connection.
     pub(crate) retention: Arc<Retention>,
     pub(crate) refused_publishers: AtomicU64,
@@ -341,8 +341,10 @@ impl Shared {
         self.publishers.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Moves a departed publisher's counters into the retired total, once its
-    /// connection task has ended (a replacement under the same id stays listed).
+    /// Takes a departed publisher out of the list once its connection task has ended
+    /// (a replacement under the same id stays listed). Its counters keep counting
+    /// until its lane is drained — messages still in it are delivered after this —
+    /// and then join the retired total.
     pub(crate) fn retire(&self, id: &ChannelId, cell: &Arc<PublisherCell>) {
         {
             let mut publishers = self.lock();
@@ -350,13 +352,47 @@ impl Shared {
                 publishers.remove(id);
             }
         }
-        let mut s = cell.snapshot();
-        // Its lane is closing: a depth here would linger in the totals.
-        s.depth = 0;
-        self.retired
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .add(&s);
+        let mut retired = self.lock_retired();
+        retired.draining.push(cell.clone());
+        retired.settle();
+    }
+
+    fn lock_retired(&self) -> MutexGuard<'_, Retired> {
+        self.retired.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Departed publishers: those whose lanes are drained, summed; the others still
+/// counting (their lanes hold messages the consumer has not taken yet).
+#[derive(Default)]
+struct Retired {
+    total: PublisherStats,
+    draining: Vec<Arc<PublisherCell>>,
+}
+
+impl Retired {
+    /// Folds the departed publishers whose lanes are empty into the total (nothing
+    /// can enter their lanes any more, so their counters are final).
+    fn settle(&mut self) {
+        let total = &mut self.total;
+        self.draining.retain(|cell| {
+            let s = cell.snapshot();
+            if s.depth > 0 {
+                return true;
+            }
+            total.add(&s);
+            false
+        });
+    }
+
+    /// The total of every departed publisher, drained or not.
+    fn sum(&mut self) -> PublisherStats {
+        self.settle();
+        let mut sum = self.total;
+        for cell in &self.draining {
+            sum.add(&cell.snapshot());
+        }
+        sum
     }
 }
 
@@ -491,11 +527,7 @@ impl Drop for DynamicSubscriber {
 impl SubscriberHandle {
     /// Counters, per publisher and total (departed publishers included in the total).
     pub fn stats(&self) -> SubscriberStats {
-        let mut total = *self
-            .shared
-            .retired
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut total = self.shared.lock_retired().sum();
         let mut publishers: Vec<(ChannelId, PublisherStats)> = self
             .shared
             .lock()

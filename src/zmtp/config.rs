@@ -286,8 +286,8 @@ impl ConfigBuilder {
         self.config.max_subscriptions = count;
         self
     }
-    /// Publisher: longest subscription prefix accepted. Default 1 KiB. Must be below
-    /// `max_frame_size`; a subscriber's frames are capped at this + 1.
+    /// Publisher: longest subscription prefix accepted. Default 1 KiB. A subscriber's
+    /// frames are capped at this + 1 (and at `max_frame_size`).
     pub fn max_subscription_size(mut self, bytes: usize) -> Self {
         self.config.max_subscription_size = bytes;
         self
@@ -322,9 +322,10 @@ impl ConfigBuilder {
                 reason: "must be at most 4 GiB",
             });
         }
-        if c.max_subscription_size >= c.max_frame_size {
-            return Err(ConfigError::Inconsistent {
-                reason: "max_subscription_size must be below max_frame_size",
+        if c.max_subscription_size > MAX_MESSAGE_SIZE_LIMIT {
+            return Err(ConfigError::OutOfRange {
+                field: "max_subscription_size",
+                reason: "must be at most 4 GiB",
             });
         }
         if c.max_metadata_size < 64 {

@@ -609,9 +609,12 @@ impl Session {
                 // `0x01 prefix`, or a command) and heartbeats: a publisher never
                 // assembles a larger frame only to ignore it.
                 let sub = self.config.max_subscription_size;
-                limits.max_frame_size = sub + 1;
-                limits.max_message_size = sub + 1;
-                limits.max_command_size = (sub + 16).max(PUB_MIN_COMMAND_SIZE);
+                limits.max_frame_size = sub.saturating_add(1).min(limits.max_frame_size);
+                limits.max_message_size = sub.saturating_add(1).min(limits.max_message_size);
+                limits.max_command_size = sub
+                    .saturating_add(16)
+                    .max(PUB_MIN_COMMAND_SIZE)
+                    .min(self.config.max_frame_size.max(PUB_MIN_COMMAND_SIZE));
             }
         }
         self.decoder.set_limits(limits);

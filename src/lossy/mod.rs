@@ -54,9 +54,8 @@ fn overhead<T>() -> usize {
 }
 
 /// Queue slots a lane keeps however empty. A lane that grew past this (during a
-/// burst) gives slots back when, over as many deliveries as it has slots, it never
-/// held more than a quarter of them; a lane that fills and drains every round keeps
-/// its slots (no reallocation churn).
+/// burst) gives the rest back when it drains, and also when, over as many deliveries
+/// as it has slots, it never held more than a quarter of them.
 const IDLE_LANE_SLOTS: usize = 64;
 
 /// What to drop when a bound is hit.
@@ -387,7 +386,12 @@ fn take<T>(st: &mut State<T>, out: &mut Vec<T>, max: usize) -> usize {
         let closed = !lane.open;
         lane.takes += 1;
         let capacity = lane.items.capacity();
-        if lane.takes >= capacity {
+        if capacity > IDLE_LANE_SLOTS && now_empty {
+            // Drained: an idle lane keeps little, whatever its last burst needed.
+            lane.items.shrink_to(IDLE_LANE_SLOTS);
+            lane.takes = 0;
+            lane.high = 0;
+        } else if lane.takes >= capacity {
             if capacity > IDLE_LANE_SLOTS && lane.high < capacity / 4 {
                 lane.items.shrink_to((2 * lane.high).max(IDLE_LANE_SLOTS));
             }

@@ -204,23 +204,28 @@ fn closed_lane_emptied_by_eviction_frees_its_slot() {
 fn drained_lanes_give_back_queue_slots() {
     let m = merge(10_000, 1 << 30, 1 << 30, DropPolicy::DropNewest);
     let l = m.lane();
+    let capacity = |m: &Merge<u32>| {
+        let st = m.shared.lock();
+        st.lanes
+            .first()
+            .and_then(Option::as_ref)
+            .map_or(0, |l| l.items.capacity())
+    };
+    // A burst, drained: the lane gives its slots back at once.
     for i in 0..5000 {
         l.push(i, 1);
     }
     assert_eq!(drain(&m).len(), 5000);
-    // Then a quiet period: one item at a time.
+    assert!(capacity(&m) <= 2 * IDLE_LANE_SLOTS, "{}", capacity(&m));
+    // A burst, then a lane that never empties again: trimmed over a window.
+    for i in 0..5000 {
+        l.push(i, 1);
+    }
+    let mut out = Vec::new();
+    m.try_recv_many(&mut out, 4999);
     for i in 0..20_000 {
         l.push(i, 1);
-        drain(&m);
+        m.try_recv_many(&mut out, 1);
     }
-    let st = m.shared.lock();
-    let capacity = st
-        .lanes
-        .first()
-        .and_then(Option::as_ref)
-        .map(|l| l.items.capacity());
-    assert!(
-        capacity.is_some_and(|c| c <= 2 * IDLE_LANE_SLOTS),
-        "{capacity:?}"
-    );
+    assert!(capacity(&m) <= 2 * IDLE_LANE_SLOTS, "{}", capacity(&m));
 }

@@ -328,6 +328,8 @@ pub(crate) struct PublisherCell {
     pub(crate) instance: Mutex<Arc<Instance>>,
     pub(crate) counters: Counters,
     pub(crate) lane: DeliveryLane,
+    /// Set once its connection task has ended: nothing enters its lane any more.
+    pub(crate) ended: std::sync::atomic::AtomicBool,
 }
 
 impl PublisherCell {
@@ -346,15 +348,32 @@ impl Shared {
     /// until its lane is drained — messages still in it are delivered after this —
     /// and then join the retired total.
     pub(crate) fn retire(&self, id: &ChannelId, cell: &Arc<PublisherCell>) {
+        cell.ended.store(true, Ordering::Release);
+        // Lock order: retired, then publishers (as `stats`), so a cell is never
+        // missing from both.
+        let mut retired = self.lock_retired();
         {
             let mut publishers = self.lock();
             if publishers.get(id).is_some_and(|c| Arc::ptr_eq(c, cell)) {
                 publishers.remove(id);
             }
         }
-        let mut retired = self.lock_retired();
-        retired.draining.push(cell.clone());
+        retired.add(cell);
         retired.settle();
+    }
+
+    /// Lists `cell` for `id`; a cell it replaces (a publisher that moved) keeps
+    /// counting with the departed ones while its connection drains.
+    pub(crate) fn insert(&self, id: ChannelId, cell: Arc<PublisherCell>) {
+        let mut retired = self.lock_retired();
+        if let Some(old) = self.lock().insert(id, cell) {
+            retired.add(&old);
+        }
+    }
+
+    /// Folds drained departed publishers into the retired total (their lanes closed).
+    pub(crate) fn settle_retired(&self) {
+        self.lock_retired().settle();
     }
 
     fn lock_retired(&self) -> MutexGuard<'_, Retired> {
@@ -371,11 +390,20 @@ struct Retired {
 }
 
 impl Retired {
-    /// Folds the departed publishers whose lanes are empty into the total (nothing
-    /// can enter their lanes any more, so their counters are final).
+    fn add(&mut self, cell: &Arc<PublisherCell>) {
+        if !self.draining.iter().any(|c| Arc::ptr_eq(c, cell)) {
+            self.draining.push(cell.clone());
+        }
+    }
+
+    /// Folds the departed publishers whose connection ended and whose lanes are empty
+    /// into the total (their counters are final) and lets their lanes go.
     fn settle(&mut self) {
         let total = &mut self.total;
         self.draining.retain(|cell| {
+            if !cell.ended.load(Ordering::Acquire) {
+                return true;
+            }
             let s = cell.snapshot();
             if s.depth > 0 {
                 return true;
@@ -527,13 +555,15 @@ impl Drop for DynamicSubscriber {
 impl SubscriberHandle {
     /// Counters, per publisher and total (departed publishers included in the total).
     pub fn stats(&self) -> SubscriberStats {
-        let mut total = self.shared.lock_retired().sum();
+        let mut retired = self.shared.lock_retired();
+        let mut total = retired.sum();
         let mut publishers: Vec<(ChannelId, PublisherStats)> = self
             .shared
             .lock()
             .iter()
             .map(|(id, cell)| (id.clone(), cell.snapshot()))
             .collect();
+        drop(retired);
         publishers.sort_by(|a, b| a.0.cmp(&b.0));
         for (_, s) in &publishers {
             total.add(s);

@@ -23,6 +23,10 @@ use crate::zmtp::{Error as ZmtpError, Message, SubSocket};
 /// long (or until the publisher closes it), so messages already sent are delivered.
 const DRAIN_GRACE: Duration = Duration::from_millis(500);
 
+/// How often departed publishers whose lanes drained are folded into the totals (and
+/// their lanes let go) when nothing else does it.
+const SETTLE_INTERVAL: Duration = Duration::from_secs(1);
+
 /// What the watch loop tracks per publisher.
 struct Tracked {
     incarnation: u64,
@@ -41,6 +45,8 @@ pub(crate) async fn watch_loop(
     let cancel = config.cancel.clone();
     let mut tracked: HashMap<ChannelId, Tracked> = HashMap::new();
     let mut backoff = Backoff::new(config.rewatch_min, config.rewatch_max);
+    let mut settle = tokio::time::interval(SETTLE_INTERVAL);
+    settle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut first = true;
     'rewatch: while !cancel.is_cancelled() {
         if !first {
@@ -69,6 +75,11 @@ pub(crate) async fn watch_loop(
             let next = tokio::select! {
                 () = cancel.cancelled() => break 'rewatch,
                 ev = stream.next() => ev,
+                _ = settle.tick() => {
+                    // Departed publishers whose lanes drained let their lanes go.
+                    shared.settle_retired();
+                    continue;
+                }
             };
             match next {
                 Some(Ok(event)) => {
@@ -173,8 +184,9 @@ fn upsert(
         instance: Mutex::new(Arc::new(instance.clone())),
         counters: Counters::default(),
         lane: merge.lane(),
+        ended: std::sync::atomic::AtomicBool::new(false),
     });
-    shared.lock().insert(instance.id.clone(), cell.clone());
+    shared.insert(instance.id.clone(), cell.clone());
     tracked.insert(
         instance.id.clone(),
         Tracked {

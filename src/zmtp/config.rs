@@ -14,7 +14,7 @@ pub const MAX_HEARTBEAT_TTL: Duration = Duration::from_millis(65_500);
 
 /// The largest `max_message_size` accepted (4 GiB): keeps every size computation far
 /// from overflow.
-const MAX_MESSAGE_SIZE_LIMIT: usize = 1 << 32;
+const MAX_MESSAGE_SIZE_LIMIT: u64 = 1 << 32;
 
 /// Bounds and timers shared by [`SubSocket`](crate::zmtp::SubSocket),
 /// [`PubSocket`](crate::zmtp::PubSocket) and [`Session`](crate::zmtp::Session).
@@ -316,13 +316,13 @@ impl ConfigBuilder {
                 reason: "max_frame_size exceeds max_message_size",
             });
         }
-        if c.max_message_size > MAX_MESSAGE_SIZE_LIMIT {
+        if c.max_message_size as u64 > MAX_MESSAGE_SIZE_LIMIT {
             return Err(ConfigError::OutOfRange {
                 field: "max_message_size",
                 reason: "must be at most 4 GiB",
             });
         }
-        if c.max_subscription_size > MAX_MESSAGE_SIZE_LIMIT {
+        if c.max_subscription_size as u64 > MAX_MESSAGE_SIZE_LIMIT {
             return Err(ConfigError::OutOfRange {
                 field: "max_subscription_size",
                 reason: "must be at most 4 GiB",

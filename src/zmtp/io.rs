@@ -53,6 +53,10 @@ pub(crate) struct Conn<S> {
     /// poll if the next read finds nothing either (a read can be refused by tokio's
     /// cooperative budget although bytes are waiting).
     silence_seen: bool,
+    /// Set when a timer check asked to be polled again before declaring silence: a
+    /// driver looping on progress must yield first (the next poll gets a fresh
+    /// cooperative budget).
+    yield_requested: bool,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
@@ -76,6 +80,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             write_stall_timeout: config.write_stall_timeout,
             wbuf_high: 0,
             silence_seen: false,
+            yield_requested: false,
         }
     }
 
@@ -175,7 +180,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             frame_end.min(len.saturating_mul(2).max(chunk))
         };
         let spare = buf.capacity() - len;
-        let oversized = self.allocation > frame_end.max(chunk).saturating_mul(2);
+        // An allocation grown for one large frame is never reused for small frames
+        // (they would share it, pinning it whole, while it is not counted as a shared
+        // chunk), nor kept far larger than what decoding needs.
+        let oversized = (self.allocation > chunk && frame_end <= chunk)
+            || self.allocation > frame_end.max(chunk).saturating_mul(2);
         if spare >= needed.min(chunk / 8).max(1) && !oversized {
             return;
         }
@@ -231,6 +240,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
                             // Nothing read: look once more on the next poll before
                             // blaming the peer.
                             self.silence_seen = true;
+                            self.yield_requested = true;
                             cx.waker().wake_by_ref();
                             return Ok(());
                         }
@@ -305,6 +315,11 @@ impl<S> Conn<S> {
         self.session.wants_input() && self.pending_output() < WRITE_BATCH
     }
 
+    /// `true` once after a timer check asked the driver to yield before looping on.
+    pub(crate) fn take_yield(&mut self) -> bool {
+        std::mem::take(&mut self.yield_requested)
+    }
+
     /// Size of one socket read.
     pub(crate) fn read_chunk(&self) -> usize {
         self.read_chunk
@@ -352,5 +367,30 @@ mod tests {
         }
         let capacity = sub.input_capacity();
         assert!(capacity <= 2 * config.read_chunk, "{capacity}");
+    }
+
+    #[tokio::test]
+    async fn a_buffer_grown_for_one_frame_never_becomes_a_shared_chunk() {
+        // Frames between one and two chunks leave an allocation that would pass the
+        // `2 ×` size check: it must still not be reclaimed for small frames.
+        let config = Config::default();
+        let publisher = PubSocket::new(config.clone());
+        let (a, b) = tokio::io::duplex(1 << 20);
+        publisher.accept_stream(a, "t");
+        let mut sub = SubSocket::handshake(b, config.clone()).await.unwrap();
+        sub.subscribe("").await.unwrap();
+        publisher.wait_for_subscribers(1).await;
+        let big = config.read_chunk * 19 / 10;
+        let mut kept = Vec::new();
+        for _ in 0..20 {
+            publisher.send(Message::from_parts([vec![1u8; big]]));
+            assert_eq!(sub.recv().await.unwrap().byte_len(), big); // dropped
+            for _ in 0..10 {
+                publisher.send(Message::from_parts([vec![2u8; 100]]));
+                kept.push(sub.recv().await.unwrap());
+                let allocation = sub.input_capacity();
+                assert!(allocation <= config.read_chunk, "{allocation}");
+            }
+        }
     }
 }

@@ -105,10 +105,6 @@ impl Message {
         Message { parts }
     }
 
-    pub(crate) fn into_smallvec(self) -> SmallVec<[Bytes; 3]> {
-        self.parts
-    }
-
     /// Copies every frame of at most `max_frame` bytes into one allocation of their
     /// combined size, so the message no longer keeps the buffers it was sliced from
     /// alive. Larger frames, which own their allocation, are left as they are.

@@ -157,7 +157,8 @@ pub struct SubscriberStats {
     /// Messages waiting in its queue.
     pub queue_len: usize,
     /// Bytes its queue keeps alive: messages with an allocation of their own at their
-    /// size, small messages as the whole encoding buffers they share.
+    /// size, small messages as the whole encoding buffers they share, and the queue's
+    /// slots.
     pub queue_bytes: usize,
     /// Everything pending toward it, the figure bounded by `send_queue_bytes`:
     /// `queue_bytes` plus its write buffer and unsent control replies.
@@ -256,7 +257,9 @@ struct Queue {
 
 /// Queue slots a queue keeps however empty. One that grew past this gives slots back
 /// when, over as many pops as it has slots, it never held more than a quarter of them
-/// (a queue that fills and drains every round keeps its slots: no reallocation churn).
+/// (a queue that fills and drains every round keeps its slots: no reallocation
+/// churn). What its slots take is charged to the subscriber ([`Queue::held`]), so an
+/// idle queue that keeps a burst's slots is counted and capped like the rest.
 const IDLE_QUEUE_SLOTS: usize = 64;
 
 impl Queue {
@@ -308,6 +311,11 @@ impl Queue {
 
     fn len(&self) -> usize {
         self.items.len()
+    }
+
+    /// Memory the queue keeps alive: its charge and its slots.
+    fn held(&self) -> usize {
+        self.charge + self.items.capacity() * std::mem::size_of::<Encoded>()
     }
 
     fn is_empty(&self) -> bool {
@@ -462,7 +470,7 @@ impl PubSocket {
                     peer.mark = seq;
                     let frame = encoded.get_or_insert_with(|| arena.encode(&msg, use_arena));
                     let cost = peer.queue.cost(frame);
-                    let pending = peer.queue.charge + peer.in_flight + cost;
+                    let pending = peer.queue.held() + peer.in_flight + cost;
                     if peer.queue.len() >= cfg.send_queue_messages || pending > cfg.send_queue_bytes
                     {
                         peer.dropped += 1;
@@ -494,7 +502,7 @@ impl PubSocket {
             .peers
             .iter()
             .flatten()
-            .map(|p| p.queue.charge + p.in_flight)
+            .map(|p| p.queue.held() + p.in_flight)
             .sum();
         stats
     }
@@ -524,8 +532,8 @@ impl PubSocket {
                 peer: p.label.clone(),
                 subscriptions: p.prefixes.len(),
                 queue_len: p.queue.len(),
-                queue_bytes: p.queue.charge,
-                pending_bytes: p.queue.charge + p.in_flight,
+                queue_bytes: p.queue.held(),
+                pending_bytes: p.queue.held() + p.in_flight,
                 written: p.written,
                 dropped: p.dropped,
             })
@@ -785,6 +793,10 @@ fn drive_peer<S: AsyncRead + AsyncWrite + Unpin>(
     for _ in 0..64 {
         let mut progress = false;
         conn.poll_timers(cx)?;
+        if conn.take_yield() {
+            // A silence check wants a fresh poll (already woken) before it decides.
+            return Poll::Pending;
+        }
         while let Some(event) = conn.session.poll_event()? {
             progress = true;
             on_peer_event(shared, id, event);
@@ -928,6 +940,8 @@ mod tests {
             q.push_new(encoded(0, 1));
         }
         while q.pop().is_some() {}
+        // Drained but not trimmed yet: its slots are charged.
+        assert!(q.held() >= 10_000 * std::mem::size_of::<Encoded>());
         // Then a quiet period: one message at a time, for two trim windows.
         for _ in 0..40_000 {
             q.push_new(encoded(0, 1));

@@ -118,6 +118,8 @@ pub struct FrameDecoder {
     limits: FrameLimits,
     state: State,
     parts: SmallVec<[Bytes; 3]>,
+    /// Leading parts already copied out by [`compact_parts`](Self::compact_parts).
+    compacted: usize,
     message_bytes: usize,
     commands_only: bool,
 }
@@ -129,6 +131,7 @@ impl FrameDecoder {
             limits,
             state: State::Header,
             parts: SmallVec::new(),
+            compacted: 0,
             message_bytes: 0,
             commands_only: false,
         }
@@ -190,9 +193,14 @@ impl FrameDecoder {
     /// # Ok::<(), eventplane::zmtp::ProtocolError>(())
     /// ```
     pub fn compact_parts(&mut self, max_part: usize) {
-        let mut message = Message::from_smallvec(std::mem::take(&mut self.parts));
-        message.compact(max_part);
-        self.parts = message.into_smallvec();
+        // Parts copied out by an earlier call own their allocation already.
+        let fresh = self.parts.get(self.compacted..).unwrap_or_default();
+        let mut tail = Message::from_parts(fresh.iter().cloned());
+        if tail.compact(max_part) {
+            self.parts.truncate(self.compacted);
+            self.parts.extend(tail.into_parts());
+        }
+        self.compacted = self.parts.len();
     }
 
     /// Bytes that must be in `src` before the next call can make progress (a lower
@@ -245,6 +253,7 @@ impl FrameDecoder {
                     self.parts.push(body);
                     if !more {
                         self.message_bytes = 0;
+                        self.compacted = 0;
                         let parts = std::mem::take(&mut self.parts);
                         return Ok(Some(Decoded::Message(Message::from_smallvec(parts))));
                     }
@@ -486,6 +495,27 @@ mod tests {
         };
         assert_eq!(m, &Message::from_parts(["a", "b", "c"]));
         assert!(d.is_idle());
+    }
+
+    #[test]
+    fn parts_are_copied_out_once() {
+        let mut d = FrameDecoder::new(limits());
+        let mut b = BytesMut::from(&[FLAG_MORE, 1, b'a'][..]);
+        assert!(d.decode(&mut b).unwrap().is_none());
+        d.compact_parts(100);
+        let first = d.parts.first().map(|p| p.as_ptr());
+        b.extend_from_slice(&[FLAG_MORE, 1, b'b']);
+        assert!(d.decode(&mut b).unwrap().is_none());
+        d.compact_parts(100);
+        // The first part keeps its copy; only the new one was copied.
+        assert_eq!(d.parts.first().map(|p| p.as_ptr()), first);
+        assert_eq!(d.compacted, 2);
+        b.extend_from_slice(&[0, 1, b'c']);
+        let Some(Decoded::Message(m)) = d.decode(&mut b).unwrap() else {
+            panic!("no message")
+        };
+        assert_eq!(m, Message::from_parts(["a", "b", "c"]));
+        assert_eq!(d.compacted, 0);
     }
 
     #[test]

@@ -4,7 +4,9 @@
 //! Each producer owns a [`Lane`]; one consumer reads a [`Merge`] of all lanes.
 //!
 //! - A lane holds at most `lane_capacity` items and `lane_bytes` bytes; every item is
-//!   charged its size plus [`ITEM_OVERHEAD`] bytes.
+//!   charged its size plus its bookkeeping ([`ITEM_OVERHEAD`], or its queue slot when
+//!   that is larger), so lanes never hold more memory than they are charged, beyond
+//!   64 idle slots per lane.
 //! - All lanes together hold at most `max_buffered_bytes`. The budget is fair: a lane
 //!   holding less than its share (`max_buffered_bytes / open lanes`) is never refused
 //!   for lack of budget — room is made by dropping the oldest item of the lane that

@@ -5,8 +5,8 @@
 //!
 //! - A lane holds at most `lane_capacity` items and `lane_bytes` bytes; every item is
 //!   charged its size plus its bookkeeping ([`ITEM_OVERHEAD`], or its queue slot when
-//!   that is larger), so lanes never hold more memory than they are charged, beyond
-//!   64 idle slots per lane.
+//!   that is larger). Beyond their charge, lanes hold only spare queue slots, given
+//!   back when a lane drains or stays below a quarter of them (64 kept per lane).
 //! - All lanes together hold at most `max_buffered_bytes`. The budget is fair: a lane
 //!   holding less than its share (`max_buffered_bytes / open lanes`) is never refused
 //!   for lack of budget — room is made by dropping the oldest item of the lane that
@@ -39,7 +39,7 @@ use std::task::{Context, Poll, Waker};
 /// its queue slot and the headers of the allocations it references. Items whose queue
 /// slot (`size_of::<(T, usize)>()`) plus 32 bytes of headers is larger are charged
 /// that instead (a subscriber's `Delivery`: about 170 bytes), so what lanes hold in
-/// memory never exceeds what they are charged.
+/// memory is their charge plus spare queue slots (see the [module docs](self)).
 ///
 /// ```
 /// use eventplane::lossy::{Merge, MergeConfig, ITEM_OVERHEAD};

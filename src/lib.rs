@@ -82,6 +82,7 @@ pub mod kv;
 pub mod lossy;
 pub mod net;
 pub mod publish;
+mod slots;
 pub mod subscriber;
 pub mod zmtp;
 

@@ -417,20 +417,23 @@ async fn big_then_small(publisher: &PubSocket, rounds: u64) {
     }
 }
 
-#[tokio::test]
-async fn hoarded_small_messages_are_copied_out_past_the_retention_limit() {
+/// A publisher and a subscriber to `t` over TCP whose retention limit is `limit`.
+async fn subscribed_with_retention_limit(limit: usize) -> (PubSocket, SubSocket) {
     let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
         .await
         .unwrap();
-    let config = Config::builder()
-        .max_retained_bytes(1 << 20)
-        .build()
-        .unwrap();
+    let config = Config::builder().max_retained_bytes(limit).build().unwrap();
     let mut sub = SubSocket::connect(publisher.local_endpoint().unwrap(), config)
         .await
         .unwrap();
     sub.subscribe("t").await.unwrap();
     within(publisher.wait_for_subscribers(1)).await;
+    (publisher, sub)
+}
+
+#[tokio::test]
+async fn hoarded_small_messages_are_copied_out_past_the_retention_limit() {
+    let (publisher, mut sub) = subscribed_with_retention_limit(1 << 20).await;
     let rounds = 100;
     let sending = big_then_small(&publisher, rounds);
     let receiving = async {
@@ -457,18 +460,7 @@ async fn hoarded_small_messages_are_copied_out_past_the_retention_limit() {
 
 #[tokio::test]
 async fn a_consumer_that_keeps_up_never_pays_for_a_copy() {
-    let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
-        .await
-        .unwrap();
-    let config = Config::builder()
-        .max_retained_bytes(1 << 20)
-        .build()
-        .unwrap();
-    let mut sub = SubSocket::connect(publisher.local_endpoint().unwrap(), config)
-        .await
-        .unwrap();
-    sub.subscribe("t").await.unwrap();
-    within(publisher.wait_for_subscribers(1)).await;
+    let (publisher, mut sub) = subscribed_with_retention_limit(1 << 20).await;
     let rounds = 50;
     let sending = big_then_small(&publisher, rounds);
     let receiving = async {

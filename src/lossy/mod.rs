@@ -35,6 +35,8 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
+use crate::slots::SlotTrim;
+
 /// Bytes charged per item on top of its size for the bookkeeping the bound must cover:
 /// its queue slot and the headers of the allocations it references. Items whose queue
 /// slot (`size_of::<(T, usize)>()`) plus 32 bytes of headers is larger are charged
@@ -54,11 +56,6 @@ pub const ITEM_OVERHEAD: usize = 64;
 fn overhead<T>() -> usize {
     ITEM_OVERHEAD.max(std::mem::size_of::<(T, usize)>() + 32)
 }
-
-/// Queue slots a lane keeps however empty. A lane that grew past this (during a
-/// burst) gives the rest back when it drains, and also when, over as many deliveries
-/// as it has slots, it never held more than a quarter of them.
-const IDLE_LANE_SLOTS: usize = 64;
 
 /// What to drop when a bound is hit.
 ///
@@ -194,9 +191,8 @@ pub enum PushOutcome {
 
 struct LaneState<T> {
     items: VecDeque<(T, usize)>,
-    /// Most items held since the last trim check, and deliveries since then.
-    high: usize,
-    takes: usize,
+    /// Gives a burst's slots back when the lane drains (or stays low).
+    trim: SlotTrim,
     bytes: usize,
     in_ready: bool,
     open: bool,
@@ -297,8 +293,7 @@ impl<T> Merge<T> {
         let mut st = self.shared.lock();
         let lane = LaneState {
             items: VecDeque::new(),
-            high: 0,
-            takes: 0,
+            trim: SlotTrim::default(),
             bytes: 0,
             in_ready: false,
             open: true,
@@ -386,20 +381,8 @@ fn take<T>(st: &mut State<T>, out: &mut Vec<T>, max: usize) -> usize {
         lane.stats.delivered += 1;
         let now_empty = lane.items.is_empty();
         let closed = !lane.open;
-        lane.takes += 1;
-        let capacity = lane.items.capacity();
-        if capacity > IDLE_LANE_SLOTS && now_empty {
-            // Drained: an idle lane keeps little, whatever its last burst needed.
-            lane.items.shrink_to(IDLE_LANE_SLOTS);
-            lane.takes = 0;
-            lane.high = 0;
-        } else if lane.takes >= capacity {
-            if capacity > IDLE_LANE_SLOTS && lane.high < capacity / 4 {
-                lane.items.shrink_to((2 * lane.high).max(IDLE_LANE_SLOTS));
-            }
-            lane.takes = 0;
-            lane.high = lane.items.len();
-        }
+        // Drained, an idle lane keeps little, whatever its last burst needed.
+        lane.trim.popped(&mut lane.items, true);
         if now_empty {
             lane.in_ready = false;
         } else {
@@ -555,7 +538,7 @@ fn push_locked<T>(st: &mut State<T>, id: usize, item: T, size: usize) -> PushOut
         return PushOutcome::Closed;
     };
     lane.items.push_back((item, charge));
-    lane.high = lane.high.max(lane.items.len());
+    lane.trim.pushed(lane.items.len());
     lane.bytes += charge;
     let enqueue = !lane.in_ready;
     lane.in_ready = true;

@@ -216,7 +216,11 @@ fn drained_lanes_give_back_queue_slots() {
         l.push(i, 1);
     }
     assert_eq!(drain(&m).len(), 5000);
-    assert!(capacity(&m) <= 2 * IDLE_LANE_SLOTS, "{}", capacity(&m));
+    assert!(
+        capacity(&m) <= 2 * crate::slots::IDLE_SLOTS,
+        "{}",
+        capacity(&m)
+    );
     // A burst, then a lane that never empties again: trimmed over a window.
     for i in 0..5000 {
         l.push(i, 1);
@@ -227,5 +231,9 @@ fn drained_lanes_give_back_queue_slots() {
         l.push(i, 1);
         m.try_recv_many(&mut out, 1);
     }
-    assert!(capacity(&m) <= 2 * IDLE_LANE_SLOTS, "{}", capacity(&m));
+    assert!(
+        capacity(&m) <= 2 * crate::slots::IDLE_SLOTS,
+        "{}",
+        capacity(&m)
+    );
 }

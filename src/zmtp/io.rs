@@ -346,15 +346,21 @@ mod tests {
     use super::*;
     use crate::zmtp::{Message, PubSocket, SubSocket};
 
-    #[tokio::test]
-    async fn read_buffer_shrinks_back_after_a_large_frame() {
-        let config = Config::default();
+    /// A publisher and a subscriber to everything, over an in-memory pipe.
+    async fn subscribed(config: &Config) -> (PubSocket, SubSocket<tokio::io::DuplexStream>) {
         let publisher = PubSocket::new(config.clone());
         let (a, b) = tokio::io::duplex(1 << 20);
         publisher.accept_stream(a, "t");
         let mut sub = SubSocket::handshake(b, config.clone()).await.unwrap();
         sub.subscribe("").await.unwrap();
         publisher.wait_for_subscribers(1).await;
+        (publisher, sub)
+    }
+
+    #[tokio::test]
+    async fn read_buffer_shrinks_back_after_a_large_frame() {
+        let config = Config::default();
+        let (publisher, mut sub) = subscribed(&config).await;
         publisher.send(Message::from_parts([vec![1u8; 4 << 20]]));
         assert_eq!(sub.recv().await.unwrap().byte_len(), 4 << 20);
         for _ in 0..3 {
@@ -374,12 +380,7 @@ mod tests {
         // Frames between one and two chunks leave an allocation that would pass the
         // `2 ×` size check: it must still not be reclaimed for small frames.
         let config = Config::default();
-        let publisher = PubSocket::new(config.clone());
-        let (a, b) = tokio::io::duplex(1 << 20);
-        publisher.accept_stream(a, "t");
-        let mut sub = SubSocket::handshake(b, config.clone()).await.unwrap();
-        sub.subscribe("").await.unwrap();
-        publisher.wait_for_subscribers(1).await;
+        let (publisher, mut sub) = subscribed(&config).await;
         let big = config.read_chunk * 19 / 10;
         let mut kept = Vec::new();
         for _ in 0..20 {

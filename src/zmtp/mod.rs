@@ -39,6 +39,7 @@ mod io;
 mod message;
 mod prefix;
 mod publish;
+mod queue;
 pub(crate) mod retain;
 mod session;
 pub(crate) mod sub;

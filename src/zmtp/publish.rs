@@ -1,13 +1,12 @@
 //! `PubSocket`: fan-out to many subscribers, each with its own bounded queue.
 
-use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use smallvec::SmallVec;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
@@ -15,10 +14,10 @@ use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::codec::{encode_message, encoded_len};
 use super::endpoint;
 use super::io::{Conn, WRITE_BATCH};
 use super::prefix::PrefixMap;
+use super::queue::{ARENA_MIN_QUEUE_BYTES, Arena, Encoded, Queue};
 use super::{Config, Error, Event, Message, SocketType, TimeoutKind};
 use crate::net::RateLimitedWarn;
 
@@ -183,144 +182,9 @@ struct Inner {
     index: PrefixMap<SmallVec<[usize; 4]>>,
     peers: Vec<Option<Peer>>,
     free: Vec<usize>,
-    /// Connections being served (handshaking ones included).
-    open: usize,
     send_seq: u64,
     stats: PubStats,
     arena: Arena,
-}
-
-/// Size of one encoding arena.
-const ARENA_SIZE: usize = 64 << 10;
-/// Messages larger than this get their own allocation.
-const ARENA_MAX_MESSAGE: usize = 8 << 10;
-/// Below this `send_queue_bytes`, every message gets its own allocation: a queue
-/// charged a whole arena per message it holds would hold too few.
-const ARENA_MIN_QUEUE_BYTES: usize = 1 << 20;
-
-/// Small messages are encoded back to back into a shared buffer and split off, so a
-/// send allocates once per `ARENA_SIZE` bytes instead of once per message. A message
-/// in a queue keeps its whole arena alive, so queues are charged per arena (see
-/// [`Queue`]).
-#[derive(Debug, Default)]
-struct Arena {
-    buf: BytesMut,
-    /// Identifies the current arena; 0 means "own allocation".
-    id: u64,
-}
-
-impl Arena {
-    /// Encodes `msg` once, into the arena when it is small and arenas are enabled.
-    fn encode(&mut self, msg: &Message, use_arena: bool) -> Encoded {
-        let len = encoded_len(msg);
-        if !use_arena || len > ARENA_MAX_MESSAGE {
-            let mut buf = BytesMut::with_capacity(len);
-            encode_message(msg, &mut buf);
-            return Encoded {
-                bytes: buf.freeze(),
-                arena: 0,
-            };
-        }
-        if self.buf.capacity() - self.buf.len() < len || self.id == 0 {
-            self.buf = BytesMut::with_capacity(ARENA_SIZE);
-            self.id += 1;
-        }
-        encode_message(msg, &mut self.buf);
-        Encoded {
-            bytes: self.buf.split().freeze(),
-            arena: self.id,
-        }
-    }
-}
-
-/// One encoded message and the arena it lives in (0: its own allocation).
-#[derive(Debug, Clone)]
-struct Encoded {
-    bytes: Bytes,
-    arena: u64,
-}
-
-/// One subscriber's queue, charged for the memory it keeps alive: a message with its
-/// own allocation costs its length; messages sharing an arena cost that whole arena,
-/// once for all of them. Arenas are filled in send order and queues hold messages in
-/// send order, so the arena ids of a queue's arena messages never decrease: the queue
-/// keeps one run (id, count) per arena it holds messages of.
-#[derive(Debug, Default)]
-struct Queue {
-    items: VecDeque<Encoded>,
-    arenas: VecDeque<(u64, usize)>,
-    charge: usize,
-    /// Most items held since the last trim check, and pops since then.
-    high: usize,
-    pops: usize,
-}
-
-/// Queue slots a queue keeps however empty. One that grew past this gives slots back
-/// when, over as many pops as it has slots, it never held more than a quarter of them
-/// (a queue that fills and drains every round keeps its slots: no reallocation
-/// churn). What its slots take is charged to the subscriber ([`Queue::held`]), so an
-/// idle queue that keeps a burst's slots is counted and capped like the rest.
-const IDLE_QUEUE_SLOTS: usize = 64;
-
-impl Queue {
-    /// What pushing `e` would add to the charge.
-    fn cost(&self, e: &Encoded) -> usize {
-        match e.arena {
-            0 => e.bytes.len(),
-            id if self.arenas.back().is_some_and(|(last, _)| *last == id) => 0,
-            _ => ARENA_SIZE,
-        }
-    }
-
-    /// Queues `e`, whose [`cost`](Self::cost) the caller computed.
-    fn push(&mut self, e: Encoded, cost: usize) {
-        self.charge += cost;
-        if e.arena != 0 {
-            match self.arenas.back_mut() {
-                Some((_, count)) if cost == 0 => *count += 1,
-                _ => self.arenas.push_back((e.arena, 1)),
-            }
-        }
-        self.items.push_back(e);
-        self.high = self.high.max(self.items.len());
-    }
-
-    fn pop(&mut self) -> Option<Bytes> {
-        let e = self.items.pop_front()?;
-        if e.arena == 0 {
-            self.charge -= e.bytes.len();
-        } else if let Some((_, count)) = self.arenas.front_mut() {
-            // The front run is this message's arena (ids never decrease).
-            *count -= 1;
-            if *count == 0 {
-                self.arenas.pop_front();
-                self.charge -= ARENA_SIZE;
-            }
-        }
-        self.pops += 1;
-        let capacity = self.items.capacity();
-        if self.pops >= capacity {
-            if capacity > IDLE_QUEUE_SLOTS && self.high < capacity / 4 {
-                self.items.shrink_to((2 * self.high).max(IDLE_QUEUE_SLOTS));
-            }
-            self.pops = 0;
-            self.high = self.items.len();
-        }
-        Some(e.bytes)
-    }
-
-    fn len(&self) -> usize {
-        self.items.len()
-    }
-
-    /// Memory the queue keeps alive: its charge and its slots.
-    fn held(&self) -> usize {
-        self.charge + self.items.capacity() * std::mem::size_of::<Encoded>()
-    }
-
-    fn is_empty(&self) -> bool {
-        self.items.is_empty()
-    }
 }
 
 #[derive(Debug)]
@@ -343,6 +207,13 @@ struct Peer {
     dropped: u64,
     dropped_since_warn: u64,
     last_warn: Option<Instant>,
+}
+
+impl Inner {
+    /// Connections being served (handshaking ones included): the occupied slots.
+    fn open(&self) -> usize {
+        self.peers.len() - self.free.len()
+    }
 }
 
 impl Shared {
@@ -689,7 +560,7 @@ where
 {
     let id = {
         let mut inner = shared.lock();
-        if inner.open >= shared.config.max_connections {
+        if inner.open() >= shared.config.max_connections {
             inner.stats.refused += 1;
             let refused = inner.stats.refused;
             drop(inner);
@@ -704,7 +575,6 @@ where
             }
             return false;
         }
-        inner.open += 1;
         inner.stats.accepted += 1;
         let peer = Peer::new(label.clone());
         match inner.free.pop() {
@@ -750,7 +620,6 @@ fn remove_peer(shared: &Shared, id: usize, failed: bool, stalled: bool) {
         return;
     };
     inner.free.push(id);
-    inner.open -= 1;
     if failed {
         inner.stats.failed += 1;
     }
@@ -891,67 +760,5 @@ fn on_peer_event(shared: &Shared, id: usize, event: Event) {
             }
         }
         Event::Message(_) => {}
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    impl Queue {
-        fn push_new(&mut self, e: Encoded) {
-            let cost = self.cost(&e);
-            self.push(e, cost);
-        }
-    }
-
-    fn encoded(arena: u64, len: usize) -> Encoded {
-        Encoded {
-            bytes: Bytes::from(vec![0u8; len]),
-            arena,
-        }
-    }
-
-    #[test]
-    fn queues_pay_one_arena_per_run_whatever_sits_between() {
-        let mut q = Queue::default();
-        q.push_new(encoded(1, 10));
-        q.push_new(encoded(0, 20_000)); // an own allocation between two of arena 1
-        q.push_new(encoded(1, 10));
-        q.push_new(encoded(2, 10));
-        assert_eq!(q.charge, 2 * ARENA_SIZE + 20_000);
-        assert_eq!(q.cost(&encoded(2, 10)), 0);
-        assert_eq!(q.cost(&encoded(3, 10)), ARENA_SIZE);
-        q.pop();
-        assert_eq!(q.charge, 2 * ARENA_SIZE + 20_000);
-        q.pop();
-        assert_eq!(q.charge, 2 * ARENA_SIZE);
-        q.pop();
-        assert_eq!(q.charge, ARENA_SIZE);
-        q.pop();
-        assert_eq!((q.charge, q.len()), (0, 0));
-        assert!(q.pop().is_none());
-    }
-
-    #[test]
-    fn a_drained_queue_gives_back_its_slots() {
-        let mut q = Queue::default();
-        for _ in 0..10_000 {
-            q.push_new(encoded(0, 1));
-        }
-        while q.pop().is_some() {}
-        // Drained but not trimmed yet: its slots are charged.
-        assert!(q.held() >= 10_000 * std::mem::size_of::<Encoded>());
-        // Then a quiet period: one message at a time, for two trim windows.
-        for _ in 0..40_000 {
-            q.push_new(encoded(0, 1));
-            q.pop();
-        }
-        assert!(
-            q.items.capacity() <= 2 * IDLE_QUEUE_SLOTS,
-            "{}",
-            q.items.capacity()
-        );
-        assert_eq!(q.charge, 0);
     }
 }

@@ -1,0 +1,94 @@
+//! When a queue that grew during a burst gives its spare slots back: the rule shared
+//! by the subscriber's lanes and the publisher's per-subscriber queues.
+
+use std::collections::VecDeque;
+
+/// Slots a trimmed queue keeps however empty.
+pub(crate) const IDLE_SLOTS: usize = 64;
+
+/// Watches one `VecDeque` and shrinks it when, over as many pops as it has slots, it
+/// never held more than a quarter of them (a queue that fills and drains every round
+/// keeps its slots: no reallocation churn), and optionally as soon as it drains.
+#[derive(Debug, Default)]
+pub(crate) struct SlotTrim {
+    /// Most items held since the last check.
+    high: usize,
+    /// Pops since the last check.
+    pops: usize,
+}
+
+impl SlotTrim {
+    /// After a push: `len` items are held now.
+    pub(crate) fn pushed(&mut self, len: usize) {
+        self.high = self.high.max(len);
+    }
+
+    /// After a pop from `items`; with `on_drain`, a queue left empty gives its spare
+    /// slots back at once.
+    pub(crate) fn popped<T>(&mut self, items: &mut VecDeque<T>, on_drain: bool) {
+        self.pops += 1;
+        let capacity = items.capacity();
+        if on_drain && items.is_empty() && capacity > IDLE_SLOTS {
+            items.shrink_to(IDLE_SLOTS);
+            *self = SlotTrim::default();
+        } else if self.pops >= capacity {
+            if capacity > IDLE_SLOTS && self.high < capacity / 4 {
+                items.shrink_to((2 * self.high).max(IDLE_SLOTS));
+            }
+            self.pops = 0;
+            self.high = items.len();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A burst of 10 000, drained, then one item at a time: trimmed after two windows,
+    /// or at once with `on_drain`.
+    fn burst_then_trickle(on_drain: bool, trickle: usize) -> usize {
+        let mut items = VecDeque::new();
+        let mut trim = SlotTrim::default();
+        for i in 0..10_000 {
+            items.push_back(i);
+            trim.pushed(items.len());
+        }
+        while items.pop_front().is_some() {
+            trim.popped(&mut items, on_drain);
+        }
+        for i in 0..trickle {
+            items.push_back(i);
+            trim.pushed(items.len());
+            items.pop_front();
+            trim.popped(&mut items, on_drain);
+        }
+        items.capacity()
+    }
+
+    #[test]
+    fn bursts_give_their_slots_back() {
+        assert!(burst_then_trickle(true, 0) <= 2 * IDLE_SLOTS);
+        assert!(burst_then_trickle(false, 0) > 4 * IDLE_SLOTS);
+        assert!(burst_then_trickle(false, 40_000) <= 2 * IDLE_SLOTS);
+    }
+
+    #[test]
+    fn a_queue_that_refills_keeps_its_slots() {
+        let mut items = VecDeque::new();
+        let mut trim = SlotTrim::default();
+        let mut capacities = std::collections::BTreeSet::new();
+        for _ in 0..50 {
+            for i in 0..4000 {
+                items.push_back(i);
+                trim.pushed(items.len());
+            }
+            while items.len() > 1 {
+                items.pop_front();
+                trim.popped(&mut items, false);
+            }
+            capacities.insert(items.capacity());
+        }
+        assert_eq!(capacities.len(), 1, "{capacities:?}");
+    }
+}

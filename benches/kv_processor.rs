@@ -1,10 +1,13 @@
 //! Block events per second through Coalescer + DedupFilter + id stamping (the sans-IO
-//! `kv::Pipeline`) into a null sink, one core: chained stores, random removes, and a
-//! mixed stream. Throughput is in block events (a stored or removed block each).
+//! `kv::Pipeline`) into a null sink, one core: chained stores, removes of hashes never
+//! stored (all filtered by dedup), and a mixed stream whose removes all hit stored
+//! blocks. Every iteration starts from a fresh `Pipeline`. Throughput is in block events (a stored or removed block each).
 //!
 //! Then engine batch decode (`EngineDecoder`) in events per second for both wire
 //! shapes (vLLM tagged arrays, tagged maps), and the full path: engine msgpack →
-//! decode → pipeline → router-event msgpack.
+//! decode → pipeline → router-event msgpack, again from a fresh `Pipeline` per
+//! iteration, so every remove in it hits a block stored earlier in its batch and is
+//! encoded.
 #![allow(missing_docs, clippy::unwrap_used, clippy::indexing_slicing)]
 
 use std::time::Duration;
@@ -67,8 +70,8 @@ fn chained_stores() -> Vec<PlacementEvent> {
         .collect()
 }
 
-/// Removes of random (mostly untracked) hashes.
-fn random_removes() -> Vec<PlacementEvent> {
+/// Removes of random hashes, none of them stored: all filtered by dedup.
+fn untracked_removes() -> Vec<PlacementEvent> {
     let mut x = 0x9E37_79B9_7F4A_7C15u64;
     (0..EVENTS as u64)
         .map(|i| {
@@ -130,7 +133,7 @@ fn bench(c: &mut Criterion) {
     group.measurement_time(Duration::from_secs(3));
     for (name, input) in [
         ("chained_stores", chained_stores()),
-        ("random_removes", random_removes()),
+        ("untracked_removes", untracked_removes()),
         ("mixed", mixed()),
     ] {
         let blocks: u64 = input
@@ -281,19 +284,55 @@ fn decode(c: &mut Criterion) {
                 }
             })
         });
-        group.bench_function(BenchmarkId::new("full_path", shape), |b| {
-            let mut pipeline = Pipeline::default();
+        // A fresh pipeline per iteration: with one kept across iterations, every
+        // store after the first pass would only bump a refcount and every remove would
+        // be deduplicated away, never encoded.
+        let removed_blocks = |pipeline: &mut Pipeline| {
             let mut out = Vec::new();
-            b.iter(|| {
-                for batch in &batches {
-                    for ev in decoder.decode_batch(batch).unwrap() {
-                        pipeline.push(ev, &mut out);
-                    }
-                    pipeline.flush(&mut out);
-                    std::hint::black_box(encode_router_events(&out).unwrap());
-                    out.clear();
+            let mut removed = 0;
+            for batch in &batches {
+                for ev in EngineDecoder::new(WorkerId(1), BLOCK_TOKENS)
+                    .decode_batch(batch)
+                    .unwrap()
+                {
+                    pipeline.push(ev, &mut out);
                 }
-            })
+                pipeline.flush(&mut out);
+                for e in out.drain(..) {
+                    if let KvEventData::Removed { block_hashes } = e.event.data {
+                        removed += block_hashes.len();
+                    }
+                }
+            }
+            removed
+        };
+        // Every engine remove (2 blocks, 1 event in 4) reaches the router from a fresh
+        // pipeline; a reused one would dedup them all away from its second pass.
+        let expected = 16 * (BATCH_EVENTS / 4) * 2;
+        assert_eq!(removed_blocks(&mut Pipeline::default()), expected);
+        let mut reused = Pipeline::default();
+        removed_blocks(&mut reused);
+        assert_eq!(
+            removed_blocks(&mut reused),
+            0,
+            "{shape}: dedup should filter the second pass"
+        );
+        group.bench_function(BenchmarkId::new("full_path", shape), |b| {
+            let mut out = Vec::new();
+            b.iter_batched_ref(
+                Pipeline::default,
+                |pipeline| {
+                    for batch in &batches {
+                        for ev in decoder.decode_batch(batch).unwrap() {
+                            pipeline.push(ev, &mut out);
+                        }
+                        pipeline.flush(&mut out);
+                        std::hint::black_box(encode_router_events(&out).unwrap());
+                        out.clear();
+                    }
+                },
+                criterion::BatchSize::SmallInput,
+            )
         });
     }
     group.finish();

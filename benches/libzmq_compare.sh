@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs benches/zmtp_recv.rs with libzmq's own SUB (benches/libzmq_sub.c, built here
 # against Debian's libzmq3-dev) side by side with ours, the zeromq crate and a plain
-# read-and-discard ceiling, all receiving the same pre-encoded stream.
+# read-and-discard reference, all receiving the same pre-encoded stream.
 #
 #   benches/libzmq_compare.sh            # full run
 #   benches/libzmq_compare.sh --quick    # criterion's quick mode

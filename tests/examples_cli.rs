@@ -113,9 +113,8 @@ async fn subscribe_exit_codes() {
     );
 
     // 3: nothing listens.
-    let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("tcp://{}", closed.local_addr().unwrap());
-    drop(closed);
+    let (_held, port) = support::refusing_port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
     let out = within(
         Command::new(example("subscribe"))
             .args(["--connect", &endpoint, "--count", "1"])
@@ -391,11 +390,7 @@ async fn watch_static_prints_deliveries_and_stats() {
 #[tokio::test]
 async fn watch_times_out_with_exit_1_and_still_prints_stats() {
     // Nothing listens there: the subscriber keeps redialling until the timeout.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let (_held, port) = support::refusing_port();
     let endpoint = format!("tcp://127.0.0.1:{port}");
     let out = run_example(
         "watch",
@@ -500,7 +495,12 @@ async fn kv_relay_publishes_router_events_and_reports_stats() {
     let clear = encode_engine_batch(0.0, WARM_RANK, 4, &[EngineEvent::Cleared]).unwrap();
     let mut seq = 0u64;
     let mut received = Vec::new();
+    let warm_until = std::time::Instant::now() + support::DEADLINE;
     loop {
+        assert!(
+            std::time::Instant::now() < warm_until,
+            "no warm-up clear came through the relay"
+        );
         engine.send(Message::from_parts([
             b"kv".to_vec(),
             seq.to_be_bytes().to_vec(),

@@ -113,13 +113,21 @@ async fn message_over_configured_limit() {
 }
 
 #[tokio::test]
-async fn too_many_parts() {
+async fn sixty_four_parts_pass_and_sixty_five_do_not() {
     let mut body = Vec::new();
-    for _ in 0..65 {
-        body.extend_from_slice(b"\x01\x01x");
+    for parts in [64, 65] {
+        for _ in 1..parts {
+            body.extend_from_slice(b"\x01\x01x");
+        }
+        body.extend_from_slice(b"\x00\x01x");
     }
-    body.extend_from_slice(b"\x00\x01x");
-    let err = first_error(handshake_then(&body), config()).await;
+    let endpoint = hostile_server(handshake_then(&body)).await;
+    let mut sub = within(SubSocket::connect(&endpoint, config()))
+        .await
+        .unwrap();
+    sub.subscribe("").await.unwrap();
+    assert_eq!(within(sub.recv()).await.unwrap().len(), 64);
+    let err = within(sub.recv()).await.unwrap_err();
     assert_eq!(
         err.protocol(),
         Some(&ProtocolError::TooManyParts { max: 64 }),
@@ -225,9 +233,8 @@ async fn peer_closing_gives_closed_after_delivering_buffered_messages() {
 
 #[tokio::test]
 async fn connect_refused_is_io() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
-    drop(listener);
+    let (_held, port) = support::refusing_port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
     let err = within(SubSocket::connect(&endpoint, config()))
         .await
         .unwrap_err();

@@ -32,12 +32,18 @@ async fn zeromq_pub_to_our_sub() {
 
     // zeromq-rs learns about the subscription asynchronously: publish warmups until
     // one arrives.
+    let (warm_tx, mut warm_rx) = tokio::sync::oneshot::channel();
     let receiver = tokio::spawn(async move {
         let mut data = Vec::new();
+        let mut warm_tx = Some(warm_tx);
         loop {
             let m = sub.recv().await.unwrap();
             match &m.get(1).unwrap()[..] {
-                b"warmup" => {}
+                b"warmup" => {
+                    if let Some(tx) = warm_tx.take() {
+                        let _ = tx.send(());
+                    }
+                }
                 b"end" => break,
                 _ => data.push(m),
             }
@@ -45,9 +51,15 @@ async fn zeromq_pub_to_our_sub() {
         (sub, data)
     });
     let mut ticker = tokio::time::interval(Duration::from_millis(10));
-    // 300 ms of warmups spans many heartbeat intervals of ours.
-    for _ in 0..30 {
+    // Warmups until one arrived, and for at least 300 ms (many heartbeat intervals
+    // of ours, which must not PING a 3.0 peer).
+    let mut ticks = 0;
+    let mut warm = false;
+    while !warm || ticks < 30 {
+        ticks += 1;
+        assert!(ticks < 3000, "no warmup arrived in 30 s");
         ticker.tick().await;
+        warm |= warm_rx.try_recv().is_ok();
         publisher
             .send(zmq_msg(vec!["kv".into(), "warmup".into()]))
             .await
@@ -81,7 +93,10 @@ async fn zeromq_pub_to_our_sub() {
         assert_eq!(&m.get(1).unwrap()[..], &(i as u64).to_be_bytes());
         assert_eq!(m.get(2).unwrap().len(), 100);
     }
-    assert_eq!(sub.stats().pings_sent, 0);
+    let stats = sub.stats();
+    assert_eq!(stats.pings_sent, 0);
+    // zeromq-rs filtered "other" on its side: none of it crossed the wire.
+    assert_eq!(stats.filtered, 0, "{stats:?}");
 }
 
 #[tokio::test]

@@ -4,6 +4,8 @@
 
 mod support;
 
+use tokio::io::DuplexStream;
+
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -232,25 +234,62 @@ async fn close_lingers_until_queues_drain() {
     assert!(err.is_io(), "{err:?}");
 }
 
-#[tokio::test(start_paused = true)]
-async fn heartbeats_keep_an_idle_connection_alive() {
-    let config = Config::builder()
-        .heartbeat_interval(Some(Duration::from_secs(1)))
+fn heartbeat(on: bool) -> Config {
+    Config::builder()
+        .heartbeat_interval(on.then_some(Duration::from_secs(1)))
+        .heartbeat_timeout(Some(Duration::from_secs(3)))
         .build()
-        .unwrap();
-    let publisher = PubSocket::new(config.clone());
+        .unwrap()
+}
+
+/// A publisher and a subscribed subscriber over an in-memory pipe, each with its own
+/// heartbeat setting, left idle for a minute of paused time.
+async fn idle_minute(pub_pings: bool, sub_pings: bool) -> (PubSocket, SubSocket<DuplexStream>) {
+    let publisher = PubSocket::new(heartbeat(pub_pings));
     let (a, b) = tokio::io::duplex(1 << 16);
     publisher.accept_stream(a, "hb");
-    let mut sub = SubSocket::handshake(b, config).await.unwrap();
+    let mut sub = SubSocket::handshake(b, heartbeat(sub_pings)).await.unwrap();
     sub.subscribe("").await.unwrap();
-    // A minute of paused time with no data: PINGs both ways, PONGs answer them.
+    publisher.wait_for_subscribers(1).await;
     let idle = tokio::time::timeout(Duration::from_secs(60), sub.recv()).await;
     assert!(idle.is_err(), "nothing was published");
-    let stats = sub.stats();
-    assert!(stats.pings_sent >= 50, "{stats:?}");
-    assert!(stats.pings_received >= 50, "{stats:?}");
-    publisher.send(Message::from_parts(["still", "alive"]));
+    (publisher, sub)
+}
+
+async fn still_alive(publisher: &PubSocket, sub: &mut SubSocket<DuplexStream>) {
+    assert_eq!(publisher.stats().failed, 0, "{:?}", publisher.stats());
+    let report = publisher.send(Message::from_parts(["still", "alive"]));
+    assert_eq!(report.queued, 1);
     assert_eq!(&sub.recv().await.unwrap().get(1).unwrap()[..], b"alive");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_subscribers_pongs_alone_keep_a_pinging_publisher_from_timing_out() {
+    // The subscriber sends nothing of its own after subscribing: only its PONGs show
+    // the publisher it is alive, through 20 heartbeat timeouts.
+    let (publisher, mut sub) = idle_minute(true, false).await;
+    let stats = sub.stats();
+    assert_eq!(stats.pings_sent, 0, "{stats:?}");
+    assert!(stats.pings_received >= 50, "{stats:?}");
+    assert_eq!(stats.pongs_sent, stats.pings_received, "{stats:?}");
+    still_alive(&publisher, &mut sub).await;
+    let session = publisher.subscriber_stats()[0].session;
+    assert!(session.pongs_received >= 50, "{session:?}");
+    assert_eq!(session.pings_received, 0, "{session:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_publishers_pongs_alone_keep_a_pinging_subscriber_from_timing_out() {
+    let (publisher, mut sub) = idle_minute(false, true).await;
+    let stats = sub.stats();
+    assert_eq!(stats.pings_received, 0, "{stats:?}");
+    assert!(stats.pings_sent >= 50, "{stats:?}");
+    assert!(stats.pongs_received >= 50, "{stats:?}");
+    still_alive(&publisher, &mut sub).await;
+    // (The publisher's figure is as of its writer's last turn: it may lag by one.)
+    let session = publisher.subscriber_stats()[0].session;
+    assert!(session.pongs_sent >= 50, "{session:?}");
+    assert_eq!(session.pings_sent, 0, "{session:?}");
 }
 
 #[tokio::test(start_paused = true)]

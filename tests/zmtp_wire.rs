@@ -364,9 +364,8 @@ fn publisher_accepts_both_subscription_forms_and_counts() {
     assert_eq!(p.stats().ignored_messages, 1);
 }
 
-#[test]
-fn publisher_subscription_limits() {
-    let now = Instant::now();
+/// A PUB session with at most 2 subscriptions of at most 4 bytes, past its handshake.
+fn limited_pub(now: Instant) -> Session {
     let config = Config::builder()
         .max_subscriptions(2)
         .max_subscription_size(4)
@@ -375,13 +374,134 @@ fn publisher_subscription_limits() {
     let mut p = Session::new(SocketType::Pub, &config, now);
     p.handle_bytes(now, &greeting(3, 1, b"NULL"));
     p.handle_bytes(now, &ready("SUB"));
-    p.handle_bytes(now, b"\x04\x0b\x09SUBSCRIBEa\x04\x0b\x09SUBSCRIBEb");
-    assert_eq!(events(&mut p).unwrap().len(), 3);
-    p.handle_bytes(now, b"\x04\x0b\x09SUBSCRIBEc");
-    assert!(matches!(
+    assert!(matches!(events(&mut p).unwrap()[..], [Event::Ready(_)]));
+    p
+}
+
+#[test]
+fn publisher_subscription_count_limit_at_its_boundary() {
+    let now = Instant::now();
+    let mut p = limited_pub(now);
+    p.handle_bytes(now, &support::wire::subscribe(b"a"));
+    p.handle_bytes(now, &support::wire::subscribe(b"b"));
+    assert_eq!(events(&mut p).unwrap().len(), 2, "2 = max_subscriptions");
+    // A repeat of a held prefix is a reference, not a new subscription.
+    p.handle_bytes(now, &support::wire::subscribe(b"a"));
+    assert!(events(&mut p).unwrap().is_empty());
+    p.handle_bytes(now, &support::wire::subscribe(b"c"));
+    assert_eq!(
         events(&mut p).unwrap_err().protocol(),
-        Some(ProtocolError::SubscriptionLimit { .. })
-    ));
+        Some(&ProtocolError::SubscriptionLimit {
+            what: "more than max_subscriptions subscriptions"
+        })
+    );
+}
+
+#[test]
+fn publisher_subscription_size_limit_at_its_boundary() {
+    let now = Instant::now();
+    // The SUBSCRIBE command form: 4 bytes accepted, 5 refused by the named limit.
+    let mut p = limited_pub(now);
+    p.handle_bytes(now, &support::wire::subscribe(b"abcd"));
+    assert_eq!(
+        events(&mut p).unwrap(),
+        [Event::Subscribe(Bytes::from_static(b"abcd"))]
+    );
+    p.handle_bytes(now, &support::wire::subscribe(b"abcde"));
+    assert_eq!(
+        events(&mut p).unwrap_err().protocol(),
+        Some(&ProtocolError::SubscriptionLimit {
+            what: "subscription longer than max_subscription_size"
+        })
+    );
+    // The 0x01-message form: a frame of 1 + 4 bytes accepted; 1 + 5 is refused at
+    // its header, before its body is read (frames from a subscriber are capped at
+    // max_subscription_size + 1).
+    let mut p = limited_pub(now);
+    p.handle_bytes(now, b"\x00\x05\x01abcd");
+    assert_eq!(
+        events(&mut p).unwrap(),
+        [Event::Subscribe(Bytes::from_static(b"abcd"))]
+    );
+    p.handle_bytes(now, b"\x00\x06");
+    assert_eq!(
+        events(&mut p).unwrap_err().protocol(),
+        Some(&ProtocolError::FrameTooLarge { size: 6, max: 5 })
+    );
+}
+
+/// A SUB session subscribed to everything, with 1000-byte frames and 1500-byte
+/// messages at most.
+fn limited_sub(now: Instant) -> Session {
+    let config = Config::builder()
+        .max_frame_size(1000)
+        .max_message_size(1500)
+        .build()
+        .unwrap();
+    let mut s = ready_sub(&config, 1, now);
+    s.subscribe(Bytes::new());
+    drain(&mut s);
+    s
+}
+
+fn message_of(parts: &[usize]) -> Vec<u8> {
+    let mut wire = Vec::new();
+    for (i, &len) in parts.iter().enumerate() {
+        wire.extend_from_slice(&support::wire::frame(&vec![7u8; len], i + 1 < parts.len()));
+    }
+    wire
+}
+
+fn delivered_parts(s: &mut Session) -> Vec<usize> {
+    match &events(s).unwrap()[..] {
+        [Event::Message(m)] => m.parts().iter().map(|f| f.len()).collect(),
+        other => panic!("expected one message, got {other:?}"),
+    }
+}
+
+#[test]
+fn frame_size_limit_at_its_boundary() {
+    let now = Instant::now();
+    let mut s = limited_sub(now);
+    s.handle_bytes(now, &message_of(&[1000]));
+    assert_eq!(delivered_parts(&mut s), [1000]);
+    s.handle_bytes(now, &message_of(&[1001]));
+    assert_eq!(
+        events(&mut s).unwrap_err().protocol(),
+        Some(&ProtocolError::FrameTooLarge {
+            size: 1001,
+            max: 1000
+        })
+    );
+}
+
+#[test]
+fn message_size_limit_at_its_boundary() {
+    let now = Instant::now();
+    let mut s = limited_sub(now);
+    s.handle_bytes(now, &message_of(&[1000, 500]));
+    assert_eq!(delivered_parts(&mut s), [1000, 500]);
+    s.handle_bytes(now, &message_of(&[1000, 501]));
+    assert_eq!(
+        events(&mut s).unwrap_err().protocol(),
+        Some(&ProtocolError::MessageTooLarge {
+            size: 1501,
+            max: 1500
+        })
+    );
+}
+
+#[test]
+fn part_count_limit_at_its_boundary() {
+    let now = Instant::now();
+    let mut s = limited_sub(now);
+    s.handle_bytes(now, &message_of(&[1; 64]));
+    assert_eq!(delivered_parts(&mut s), [1; 64]);
+    s.handle_bytes(now, &message_of(&[1; 65]));
+    assert_eq!(
+        events(&mut s).unwrap_err().protocol(),
+        Some(&ProtocolError::TooManyParts { max: 64 })
+    );
 }
 
 #[test]

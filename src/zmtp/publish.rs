@@ -18,7 +18,7 @@ use super::endpoint;
 use super::io::{Conn, WRITE_BATCH};
 use super::prefix::PrefixMap;
 use super::queue::{ARENA_MIN_QUEUE_BYTES, Arena, Encoded, Queue};
-use super::{Config, Error, Event, Message, SocketType, TimeoutKind};
+use super::{Config, Error, Event, Message, SessionStats, SocketType, TimeoutKind};
 use crate::net::RateLimitedWarn;
 
 /// How often (at most) a drop warning is logged per subscriber.
@@ -166,6 +166,9 @@ pub struct SubscriberStats {
     pub written: u64,
     /// Messages dropped because its queue was full.
     pub dropped: u64,
+    /// The connection's protocol counters (PINGs and PONGs each way, subscriptions
+    /// ignored, …), as of its writer's last turn.
+    pub session: SessionStats,
 }
 
 #[derive(Debug)]
@@ -205,6 +208,7 @@ struct Peer {
     prefixes: Vec<Bytes>,
     written: u64,
     dropped: u64,
+    session: SessionStats,
     dropped_since_warn: u64,
     last_warn: Option<Instant>,
 }
@@ -407,6 +411,7 @@ impl PubSocket {
                 pending_bytes: p.queue.held() + p.in_flight,
                 written: p.written,
                 dropped: p.dropped,
+                session: p.session,
             })
             .collect()
     }
@@ -481,6 +486,7 @@ impl Peer {
             prefixes: Vec::new(),
             written: 0,
             dropped: 0,
+            session: SessionStats::default(),
             dropped_since_warn: 0,
             last_warn: None,
         }
@@ -712,6 +718,7 @@ fn take_queued<S>(shared: &Shared, id: usize, conn: &mut Conn<S>, cx: &mut Conte
         took += 1;
     }
     peer.written += took;
+    peer.session = conn.session.stats();
     // What the connection holds beyond the queue, for `send`'s bound and the stats.
     // Refreshed whenever the writer refills (every round it can write); while the
     // peer reads nothing it stays at its last, highest, value.

@@ -135,7 +135,7 @@ pub enum Event {
 /// let session = Session::new(SocketType::Sub, &Config::default(), Instant::now());
 /// assert_eq!(session.stats().messages, 0);
 /// ```
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct SessionStats {
     /// Messages delivered through [`Event::Message`].

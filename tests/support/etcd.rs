@@ -162,10 +162,23 @@ impl EtcdServer {
         self.kill();
     }
 
-    /// Starts etcd again on the same ports and data.
+    /// Starts etcd again on the same ports and data. Clients keep the port, so it
+    /// cannot change; if another process took it meanwhile (or the kernel has not let
+    /// it go yet), the start is retried until that clears.
     pub async fn restart(&mut self) {
         self.kill();
-        assert!(self.spawn_and_wait().await, "etcd did not come back");
+        for attempt in 1..=10 {
+            if self.spawn_and_wait().await {
+                return;
+            }
+            self.kill();
+            eprintln!("etcd restart attempt {attempt} failed; retrying on the same ports");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        panic!(
+            "etcd did not come back on ports {}/{}",
+            self.client_port, self.peer_port
+        );
     }
 
     /// Runs `etcdctl` against this server; returns its stdout.

@@ -162,6 +162,15 @@ pub mod wire {
     }
 }
 
+/// A loopback port that refuses connections for as long as the returned socket lives:
+/// bound (so no other process can take it) but not listening.
+pub fn refusing_port() -> (tokio::net::TcpSocket, u16) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(([127, 0, 0, 1], 0).into()).unwrap();
+    let port = socket.local_addr().unwrap().port();
+    (socket, port)
+}
+
 /// Resident set size of this process, from /proc.
 pub fn rss_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap();

@@ -232,72 +232,112 @@ mod tests {
     }
 
     #[test]
-    fn hostile_records_are_rejected() {
+    fn hostile_records_are_rejected_with_the_named_error() {
+        use RecordError as E;
         let k = keys();
         let good = br#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":1},"transport":{"kind":"zmq","endpoint":"tcp://h:1"}}"#;
         let key = b"/eventplane/v1/channels/ns/c/t/1";
         assert!(k.parse(key, good, 1, MAX).is_ok());
-        let cases: Vec<(&[u8], Vec<u8>, i64)> = vec![
-            (b"/other/ns/c/t/1", good.to_vec(), 1),
-            (b"/eventplane/v1/channels/ns/c/t", good.to_vec(), 1),
-            (b"/eventplane/v1/channels/ns/c/t/zz", good.to_vec(), 1),
-            (b"/eventplane/v1/channels/ns/c/t/\xff", good.to_vec(), 1),
-            (b"/eventplane/v1/channels/ns/c/t/2", good.to_vec(), 1),
-            (key, good.to_vec(), 0),
-            (key, good.to_vec(), -5),
-            (key, b"".to_vec(), 1),
-            (key, b"null".to_vec(), 1),
-            (key, b"{\"id\":".to_vec(), 1),
-            (key, vec![b'['; 100_000], 1),
-            (key, vec![b'['; 10_000], 1),
+        let bad_value = || E::BadValue(String::new());
+        let bad_key = || E::BadKey(String::new());
+        let record = |id: &str, transport: &str| {
+            format!(
+                r#"{{"id":{{"namespace":"ns","component":"c","topic":"t","publisher_id":{id}}}{transport}}}"#
+            )
+            .into_bytes()
+        };
+        let zmq_x = r#","transport":{"kind":"zmq","endpoint":"x"}"#;
+        let cases: Vec<(&[u8], Vec<u8>, i64, E)> = vec![
+            (b"/other/ns/c/t/1", good.to_vec(), 1, E::ForeignKey),
+            (
+                b"/eventplane/v1/channels/ns/c/t",
+                good.to_vec(),
+                1,
+                bad_key(),
+            ),
+            (
+                b"/eventplane/v1/channels/ns/c/t/zz",
+                good.to_vec(),
+                1,
+                bad_key(),
+            ),
+            (
+                b"/eventplane/v1/channels/ns/c/t/\xff",
+                good.to_vec(),
+                1,
+                bad_key(),
+            ),
+            (
+                b"/eventplane/v1/channels/ns/c/t/2",
+                good.to_vec(),
+                1,
+                E::IdMismatch,
+            ),
+            (key, good.to_vec(), 0, E::BadRevision(0)),
+            (key, good.to_vec(), -5, E::BadRevision(-5)),
+            (key, b"".to_vec(), 1, bad_value()),
+            (key, b"null".to_vec(), 1, bad_value()),
+            (key, b"{\"id\":".to_vec(), 1, bad_value()),
             (
                 key,
-                br#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":9007199254740992},"transport":{"kind":"zmq","endpoint":"x"}}"#.to_vec(),
+                vec![b'['; 100_000],
                 1,
+                E::TooLarge {
+                    len: 100_000,
+                    max: MAX,
+                },
+            ),
+            (key, vec![b'['; 10_000], 1, bad_value()),
+            (key, record("9007199254740992", zmq_x), 1, bad_value()),
+            (key, record("-1", zmq_x), 1, bad_value()),
+            (key, record("1.5", zmq_x), 1, bad_value()),
+            (
+                key,
+                record("1", r#","transport":{"kind":"nats","endpoint":"x"}"#),
+                1,
+                E::UnsupportedTransport("nats".to_owned()),
             ),
             (
                 key,
-                br#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":-1},"transport":{"kind":"zmq","endpoint":"x"}}"#.to_vec(),
+                record("1", r#","transport":{"kind":"zmq","endpoint":""}"#),
                 1,
+                E::BadValue("empty endpoint".to_owned()),
             ),
-            (
-                key,
-                br#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":1.5},"transport":{"kind":"zmq","endpoint":"x"}}"#.to_vec(),
-                1,
-            ),
-            (
-                key,
-                br#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":1},"transport":{"kind":"nats","endpoint":"x"}}"#.to_vec(),
-                1,
-            ),
-            (
-                key,
-                br#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":1},"transport":{"kind":"zmq","endpoint":""}}"#.to_vec(),
-                1,
-            ),
-            (
-                key,
-                br#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":1}}"#
-                    .to_vec(),
-                1,
-            ),
+            (key, record("1", ""), 1, bad_value()),
         ];
-        for (key, value, rev) in cases {
-            assert!(
-                k.parse(key, &value, rev, MAX).is_err(),
-                "{:?} {:?}",
+        for (key, value, rev, expected) in cases {
+            let err = k.parse(key, &value, rev, MAX).unwrap_err();
+            let what = (
                 String::from_utf8_lossy(key),
-                String::from_utf8_lossy(&value[..value.len().min(80)])
+                String::from_utf8_lossy(&value[..value.len().min(80)]),
             );
+            // Messages from serde and key parsing are checked by variant; every other
+            // error by value.
+            match (&err, &expected) {
+                (E::BadValue(_), E::BadValue(m)) | (E::BadKey(_), E::BadKey(m)) if m.is_empty() => {
+                }
+                _ => assert_eq!(err, expected, "{what:?}"),
+            }
         }
-        let big = format!(
-            r#"{{"id":{{"namespace":"ns","component":"c","topic":"t","publisher_id":1}},"transport":{{"kind":"zmq","endpoint":"{}"}}}}"#,
-            "x".repeat(MAX)
+    }
+
+    #[test]
+    fn the_value_size_limit_holds_at_its_boundary() {
+        let k = keys();
+        let key = b"/eventplane/v1/channels/ns/c/t/1";
+        let record = br#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":1},"transport":{"kind":"zmq","endpoint":"tcp://h:1"}}"#;
+        // Padded with JSON whitespace to exactly MAX bytes: accepted; one more: refused.
+        let mut value = record.to_vec();
+        value.resize(MAX, b' ');
+        assert!(k.parse(key, &value, 1, MAX).is_ok());
+        value.push(b' ');
+        assert_eq!(
+            k.parse(key, &value, 1, MAX),
+            Err(RecordError::TooLarge {
+                len: MAX + 1,
+                max: MAX
+            })
         );
-        assert!(matches!(
-            k.parse(key, big.as_bytes(), 1, MAX),
-            Err(RecordError::TooLarge { .. })
-        ));
     }
 
     #[test]

@@ -1,0 +1,597 @@
+//! DynamicSubscriber end to end over real TCP: publishers appear, disappear, move,
+//! restart; stale removals; discovery failures; fairness; the memory bound; the address
+//! filter; shutdown; exact topics.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    missing_docs
+)]
+
+use crate::support;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use eventplane::discovery::{
+    BoxFuture, ChannelId, Discovery, DiscoveryError, DiscoveryEvent, DiscoveryStream,
+    FaultDiscovery, Instance, MemoryDiscovery, Query, Registration, Transport,
+};
+use eventplane::publish::EventPublisher;
+use eventplane::subscriber::{Delivery, DynamicSubscriber, Layout};
+use eventplane::zmtp::{Config, Message, PubSocket};
+use support::within;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+/// Polls `condition` every 10 ms until it holds (stats cannot be awaited).
+async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + support::DEADLINE;
+    while !condition() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never happened: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A publisher we control at the socket level, registered by hand.
+struct RawPub {
+    socket: PubSocket,
+    id: ChannelId,
+}
+
+impl RawPub {
+    async fn bind(port: u16, id: ChannelId) -> RawPub {
+        let socket = PubSocket::bind(&format!("tcp://127.0.0.1:{port}"), Config::default())
+            .await
+            .unwrap();
+        RawPub { socket, id }
+    }
+
+    fn endpoint(&self) -> String {
+        self.socket.local_endpoint().unwrap().to_owned()
+    }
+
+    async fn register(&self, d: &dyn Discovery) -> Registration {
+        d.register(self.id.clone(), Transport::zmq(self.endpoint()))
+            .await
+            .unwrap()
+    }
+
+    fn send(&self, topic: &str, seq: u64, payload: &[u8]) {
+        self.socket.send(Message::from_parts([
+            Bytes::copy_from_slice(topic.as_bytes()),
+            Bytes::copy_from_slice(&self.id.publisher_id().to_be_bytes()),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            Bytes::copy_from_slice(payload),
+        ]));
+    }
+}
+
+fn id(n: u64) -> ChannelId {
+    ChannelId::new("ns", "worker", "kv", n).unwrap()
+}
+
+fn subscriber(d: Arc<dyn Discovery>) -> DynamicSubscriber {
+    DynamicSubscriber::builder(d, Query::new("ns"))
+        .topic("kv")
+        .layout(Layout::TopicPublisherSeq)
+        .reconnect_backoff(Duration::from_millis(10), Duration::from_millis(100))
+        .rewatch_backoff(Duration::from_millis(10), Duration::from_millis(100))
+        .spawn()
+}
+
+async fn next(sub: &mut DynamicSubscriber) -> Delivery {
+    within(sub.recv()).await.expect("subscriber ended")
+}
+
+#[tokio::test]
+async fn publishers_appear_disappear_move_and_restart() {
+    let memory = MemoryDiscovery::new();
+    let d: Arc<dyn Discovery> = Arc::new(memory.clone());
+    let mut sub = subscriber(d.clone());
+
+    // Two EventPublishers appear.
+    let p1 = EventPublisher::builder(d.clone(), "ns", "worker", "kv")
+        .build()
+        .await
+        .unwrap();
+    let p2 = EventPublisher::builder(d.clone(), "ns", "worker", "kv")
+        .build()
+        .await
+        .unwrap();
+    within(p1.wait_for_subscribers(1)).await;
+    within(p2.wait_for_subscribers(1)).await;
+    for i in 0..10u8 {
+        p1.publish(vec![i]);
+        p2.publish(vec![100 + i]);
+    }
+    let mut seqs: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+    for _ in 0..20 {
+        let d = next(&mut sub).await;
+        seqs.entry(d.source.id.publisher_id())
+            .or_default()
+            .push(d.sequence.unwrap());
+    }
+    assert_eq!(seqs.len(), 2);
+    assert!(seqs.values().all(|s| *s == (0..10).collect::<Vec<_>>()));
+
+    // One disappears.
+    p2.shutdown().await;
+    let h = sub.handle();
+    eventually("p2 dropped from stats", || h.stats().publishers.len() == 1).await;
+
+    // A raw publisher registers, then re-registers the same id on a new port.
+    let a = RawPub::bind(0, id(7)).await;
+    let _old = a.register(&*d).await;
+    within(a.socket.wait_for_subscribers(1)).await;
+    a.send("kv", 0, b"from-a");
+    assert_eq!(&next(&mut sub).await.message.parts()[3][..], b"from-a");
+    let b = RawPub::bind(0, id(7)).await;
+    let moved = b.register(&*d).await;
+    within(b.socket.wait_for_subscribers(1)).await;
+    eventually("the old endpoint's connection closed", || {
+        a.socket.stats().connections == 0
+    })
+    .await;
+    b.send("kv", 0, b"from-b");
+    let got = next(&mut sub).await;
+    assert_eq!(&got.message.parts()[3][..], b"from-b");
+    assert_eq!(got.source.incarnation, moved.instance().incarnation);
+
+    // B restarts on the same port: reconnect, resubscribe, sequence reset is no gap.
+    let port = b.socket.local_addr().unwrap().port();
+    // `close` waits for the listener task, so the port is free to bind again.
+    b.socket.close(Duration::ZERO).await;
+    let b2 = RawPub::bind(port, id(7)).await;
+    within(b2.socket.wait_for_subscribers(1)).await;
+    b2.send("kv", 0, b"restarted");
+    assert_eq!(&next(&mut sub).await.message.parts()[3][..], b"restarted");
+    // Then a jump: 4 messages missing.
+    b2.send("kv", 5, b"jump");
+    assert_eq!(next(&mut sub).await.sequence, Some(5));
+    let stats = sub.stats();
+    let s7 = &stats
+        .publishers
+        .iter()
+        .find(|(i, _)| *i == id(7))
+        .unwrap()
+        .1;
+    assert!(s7.reconnects >= 1, "{s7:?}");
+    assert_eq!((s7.gaps, s7.gap_messages), (1, 4), "{s7:?}");
+    p1.shutdown().await;
+}
+
+/// A discovery whose single watch replays scripted events.
+#[derive(Debug)]
+struct Scripted {
+    events: std::sync::Mutex<Option<mpsc::Receiver<DiscoveryEvent>>>,
+}
+
+impl Discovery for Scripted {
+    fn register(
+        &self,
+        _: ChannelId,
+        _: Transport,
+    ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
+        Box::pin(async {
+            Err(DiscoveryError::Unsupported {
+                operation: "register",
+            })
+        })
+    }
+    fn list(&self, _: Query) -> BoxFuture<'_, Result<Vec<Instance>, DiscoveryError>> {
+        Box::pin(async { Ok(vec![]) })
+    }
+    fn watch(
+        &self,
+        _: Query,
+        _: CancellationToken,
+    ) -> BoxFuture<'_, Result<DiscoveryStream, DiscoveryError>> {
+        let rx = self.events.lock().unwrap().take();
+        Box::pin(async move {
+            let rx = rx.ok_or(DiscoveryError::Closed)?;
+            let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+                rx.recv().await.map(|e| (Ok(e), rx))
+            });
+            Ok(DiscoveryStream::new(stream))
+        })
+    }
+}
+
+#[tokio::test]
+async fn late_removal_of_an_older_incarnation_keeps_the_connection() {
+    let (tx, rx) = mpsc::channel(16);
+    let scripted: Arc<dyn Discovery> = Arc::new(Scripted {
+        events: std::sync::Mutex::new(Some(rx)),
+    });
+    let p = RawPub::bind(0, id(1)).await;
+    let current = Instance::new(id(1), Transport::zmq(p.endpoint()), 5);
+    let mut sub = subscriber(scripted);
+    tx.send(DiscoveryEvent::Added(current.clone()))
+        .await
+        .unwrap();
+    tx.send(DiscoveryEvent::Resync(vec![current]))
+        .await
+        .unwrap();
+    within(p.socket.wait_for_subscribers(1)).await;
+    tx.send(DiscoveryEvent::Removed {
+        id: id(1),
+        incarnation: 3,
+    })
+    .await
+    .unwrap();
+    p.send("kv", 0, b"still here");
+    assert_eq!(&next(&mut sub).await.message.parts()[3][..], b"still here");
+    assert_eq!(p.socket.stats().accepted, 1);
+    assert_eq!(sub.stats().total.reconnects, 0);
+    // The current incarnation's removal does cut it.
+    tx.send(DiscoveryEvent::Removed {
+        id: id(1),
+        incarnation: 5,
+    })
+    .await
+    .unwrap();
+    eventually("connection closed", || p.socket.stats().connections == 0).await;
+}
+
+#[tokio::test]
+async fn watch_failure_rewatches_keeps_connections_and_reconciles() {
+    let (d, faults) = FaultDiscovery::new(Arc::new(MemoryDiscovery::new()));
+    let d: Arc<dyn Discovery> = Arc::new(d);
+    let a = RawPub::bind(0, id(1)).await;
+    let b = RawPub::bind(0, id(2)).await;
+    let ga = a.register(&*d).await;
+    let _gb = b.register(&*d).await;
+    let mut sub = subscriber(d.clone());
+    within(a.socket.wait_for_subscribers(1)).await;
+    within(b.socket.wait_for_subscribers(1)).await;
+
+    // The watch fails; meanwhile A leaves and C arrives.
+    faults.fail_watches("injected");
+    drop(ga);
+    let c = RawPub::bind(0, id(3)).await;
+    let _gc = c.register(&*d).await;
+    // After the re-watch, its Resync drops A and adds C; B's connection is untouched.
+    within(c.socket.wait_for_subscribers(1)).await;
+    eventually("A's connection closed", || {
+        a.socket.stats().connections == 0
+    })
+    .await;
+    assert_eq!(b.socket.stats().accepted, 1, "B was never reconnected");
+    b.send("kv", 0, b"b");
+    c.send("kv", 0, b"c");
+    let mut got = [next(&mut sub).await, next(&mut sub).await];
+    got.sort_by_key(|d| d.source.id.publisher_id());
+    assert_eq!(&got[0].message.parts()[3][..], b"b");
+    assert_eq!(&got[1].message.parts()[3][..], b"c");
+    let stats = sub.stats();
+    assert!(stats.rewatches >= 1);
+    assert_eq!(stats.total.reconnects, 0);
+
+    // A backend-side Resync changes nothing when nothing changed.
+    faults.inject_resync();
+    b.send("kv", 1, b"b2");
+    assert_eq!(&next(&mut sub).await.message.parts()[3][..], b"b2");
+    assert_eq!(b.socket.stats().accepted, 1);
+}
+
+#[tokio::test]
+async fn a_flood_cannot_starve_a_quiet_publisher() {
+    let d: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let flood = Arc::new(RawPub::bind(0, id(1)).await);
+    let quiet = RawPub::bind(0, id(2)).await;
+    let _g1 = flood.register(&*d).await;
+    let _g2 = quiet.register(&*d).await;
+    let mut sub = DynamicSubscriber::builder(d.clone(), Query::new("ns"))
+        .topic("kv")
+        .layout(Layout::TopicPublisherSeq)
+        .lane_capacity(64)
+        .spawn();
+    within(flood.socket.wait_for_subscribers(1)).await;
+    within(quiet.socket.wait_for_subscribers(1)).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let flooder = {
+        let (flood, stop) = (flood.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut seq = 0;
+            while !stop.load(Ordering::Relaxed) {
+                for _ in 0..200 {
+                    flood.send("kv", seq, &[0u8; 200]);
+                    seq += 1;
+                }
+                tokio::task::yield_now().await;
+            }
+        })
+    };
+    // A slow consumer: one message every 2 ms, while the quiet one sends 10 msg/s.
+    let mut quiet_seqs = Vec::new();
+    let mut ticker = tokio::time::interval(Duration::from_millis(100));
+    let mut sent = 0;
+    let mut slow = tokio::time::interval(Duration::from_millis(2));
+    within(async {
+        while quiet_seqs.len() < 20 {
+            tokio::select! {
+                _ = ticker.tick(), if sent < 20 => {
+                    quiet.send("kv", sent, b"quiet");
+                    sent += 1;
+                }
+                _ = slow.tick() => {
+                    let d = next(&mut sub).await;
+                    if d.source.id == id(2) {
+                        quiet_seqs.push(d.sequence.unwrap());
+                    }
+                }
+            }
+        }
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    flooder.await.unwrap();
+    assert_eq!(quiet_seqs, (0..20).collect::<Vec<_>>());
+    let stats = sub.stats();
+    let by_id: BTreeMap<ChannelId, _> = stats.publishers.into_iter().collect();
+    let (f, q) = (&by_id[&id(1)], &by_id[&id(2)]);
+    assert!(f.dropped_lane_full + f.dropped_budget > 0, "{f:?}");
+    assert_eq!(q.dropped(), 0, "{q:?}");
+    assert_eq!((q.gaps, q.received, q.delivered), (0, 20, 20), "{q:?}");
+}
+
+#[tokio::test]
+async fn thirty_two_floods_and_a_slow_consumer_stay_within_the_budget_and_balance() {
+    const BUDGET: usize = 1 << 20;
+    let d: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let mut pubs = Vec::new();
+    let mut guards = Vec::new();
+    for n in 0..32 {
+        let p = Arc::new(RawPub::bind(0, id(n)).await);
+        guards.push(p.register(&*d).await);
+        pubs.push(p);
+    }
+    let sub = DynamicSubscriber::builder(d.clone(), Query::new("ns"))
+        .topic("kv")
+        .layout(Layout::TopicPublisherSeq)
+        .lane_bytes(256 << 10)
+        .max_buffered_bytes(BUDGET)
+        .spawn();
+    for p in &pubs {
+        within(p.socket.wait_for_subscribers(1)).await;
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for p in &pubs {
+        let (p, stop) = (p.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut seq = 0;
+            while !stop.load(Ordering::Relaxed) {
+                for _ in 0..50 {
+                    p.send("kv", seq, &[1u8; 1024]);
+                    seq += 1;
+                }
+                tokio::task::yield_now().await;
+            }
+        }));
+    }
+    // A slow consumer: 64 messages every 10 ms, counted per publisher.
+    let handle = sub.handle();
+    let consumer_stop = Arc::new(AtomicBool::new(false));
+    let consumer = {
+        let stop = consumer_stop.clone();
+        let mut sub = sub;
+        tokio::spawn(async move {
+            let mut per_publisher: BTreeMap<u64, u64> = BTreeMap::new();
+            let mut buf = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                buf.clear();
+                let got =
+                    tokio::time::timeout(Duration::from_millis(10), sub.recv_many(&mut buf, 64));
+                if got.await.is_ok() {
+                    for d in &buf {
+                        *per_publisher.entry(d.source.id.publisher_id()).or_default() += 1;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            (sub, per_publisher)
+        })
+    };
+    // Sample the budget throughout.
+    let mut max_seen = 0;
+    for _ in 0..150 {
+        let s = handle.stats();
+        max_seen = max_seen.max(s.buffered_bytes);
+        assert!(
+            s.buffered_bytes <= BUDGET,
+            "{} > {BUDGET}",
+            s.buffered_bytes
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    // Quiesce before reading any counter: every publisher's output is written out,
+    // then every byte of it has been read by the subscriber (nothing else is in
+    // flight), then the consumer stops. From here no counter moves.
+    for p in &pubs {
+        assert!(p.socket.flush(Duration::from_secs(30)).await);
+    }
+    let written: BTreeMap<u64, u64> = pubs
+        .iter()
+        .map(|p| (p.id.publisher_id(), p.socket.subscriber_stats()[0].written))
+        .collect();
+    eventually("the subscriber read everything written", || {
+        let s = handle.stats();
+        s.publishers.len() == 32
+            && s.publishers
+                .iter()
+                .all(|(id, p)| p.received == written[&id.publisher_id()])
+    })
+    .await;
+    consumer_stop.store(true, Ordering::Relaxed);
+    let (sub, consumed) = within(consumer).await.unwrap();
+    let s = sub.stats();
+    assert!(
+        max_seen > BUDGET / 2,
+        "the floods never filled the budget ({max_seen})"
+    );
+    assert!(
+        s.total.dropped_lane_full + s.total.dropped_budget > 0,
+        "{:?}",
+        s.total
+    );
+    assert_eq!(s.publishers.len(), 32);
+    // Per publisher (each its own lane here): every message read is delivered,
+    // still buffered, or counted as dropped; and what the consumer counted is what
+    // the subscriber says it delivered.
+    for (id, p) in &s.publishers {
+        assert!(p.received > 0, "{id}: {p:?}");
+        assert_eq!(
+            p.received,
+            p.delivered + p.depth as u64 + p.dropped(),
+            "{id}: {p:?}"
+        );
+        assert_eq!(
+            consumed.get(&id.publisher_id()).copied().unwrap_or(0),
+            p.delivered,
+            "{id}: {p:?}"
+        );
+    }
+    assert_eq!(
+        s.total.received,
+        s.total.delivered + s.total.depth as u64 + s.total.dropped(),
+        "{:?}",
+        s.total
+    );
+    assert!(s.total.delivered > 0, "the consumer never got anything");
+    // Shutting down moves every publisher's counters into the total, unchanged.
+    within(handle.shutdown()).await;
+    let after = sub.stats().total;
+    assert_eq!(
+        (after.received, after.delivered, after.dropped()),
+        (s.total.received, s.total.delivered, s.total.dropped()),
+        "{after:?}"
+    );
+}
+
+#[tokio::test]
+async fn metadata_address_is_refused_and_counted_never_dialled() {
+    let memory = MemoryDiscovery::new();
+    let d: Arc<dyn Discovery> = Arc::new(memory);
+    let _g = d
+        .register(id(1), Transport::zmq("tcp://169.254.169.254:5555"))
+        .await
+        .unwrap();
+    let _g6 = d
+        .register(id(2), Transport::zmq("tcp://[::ffff:169.254.169.254]:5555"))
+        .await
+        .unwrap();
+    let sub = subscriber(d.clone());
+    let h = sub.handle();
+    eventually("refusals counted", || {
+        let s = h.stats();
+        s.publishers.len() == 2 && s.publishers.iter().all(|(_, p)| p.refused_by_filter >= 1)
+    })
+    .await;
+    let s = sub.stats();
+    assert_eq!(
+        s.total.connect_failures, 0,
+        "a dial was attempted: {:?}",
+        s.total
+    );
+}
+
+#[tokio::test]
+async fn dropping_the_subscriber_closes_every_connection() {
+    let d: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let mut pubs = Vec::new();
+    let mut guards = Vec::new();
+    for n in 0..3 {
+        let p = RawPub::bind(0, id(n)).await;
+        guards.push(p.register(&*d).await);
+        pubs.push(p);
+    }
+    let sub = subscriber(d.clone());
+    for p in &pubs {
+        within(p.socket.wait_for_subscribers(1)).await;
+    }
+    let handle = sub.handle();
+    drop(sub);
+    within(handle.shutdown()).await;
+    eventually("publishers saw every connection close", || {
+        pubs.iter().all(|p| p.socket.stats().connections == 0)
+    })
+    .await;
+    // And the discovery watch was released.
+    assert_eq!(d.stats().watchers, 0);
+}
+
+#[tokio::test]
+async fn exact_topic_drops_prefix_collisions() {
+    let d: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let p = RawPub::bind(0, id(1)).await;
+    let _g = p.register(&*d).await;
+    let mut sub = subscriber(d.clone());
+    within(p.socket.wait_for_subscribers(1)).await;
+    p.send("kv-extra", 0, b"collision");
+    p.send("kv", 0, b"mine");
+    let got = next(&mut sub).await;
+    assert_eq!(&got.message.parts()[0][..], b"kv");
+    assert_eq!(&got.message.parts()[3][..], b"mine");
+    let s = sub.stats().total;
+    assert_eq!(s.dropped_filtered_topic, 1, "{s:?}");
+    // A malformed message for the layout is dropped and counted too.
+    p.socket.send(Message::from_parts(["kv", "short"]));
+    p.send("kv", 1, b"after");
+    assert_eq!(next(&mut sub).await.sequence, Some(1));
+    assert_eq!(sub.stats().total.dropped_malformed, 1);
+}
+
+#[tokio::test]
+async fn a_departing_publishers_last_messages_are_all_delivered() {
+    let d: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    // The consumer reads only after the publisher is gone: give the lane room for the
+    // whole burst, so what this test measures is the connection, not the lane.
+    let mut sub = DynamicSubscriber::builder(d.clone(), Query::new("ns"))
+        .topic("kv")
+        .layout(Layout::TopicPublisherSeq)
+        .lane_capacity(16_384)
+        .spawn();
+    let p = EventPublisher::builder(d.clone(), "ns", "worker", "kv")
+        .build()
+        .await
+        .unwrap();
+    within(p.wait_for_subscribers(1)).await;
+    // Below the publisher's 10 000-message queue, so nothing is lost at the PUB.
+    const N: u64 = 8_000;
+    for i in 0..N {
+        assert_eq!(p.publish(vec![(i % 251) as u8; 100]).dropped, 0);
+    }
+    // Drain, unregister, close — while the subscriber is still reading.
+    p.shutdown().await;
+    let mut got = 0;
+    while got < N {
+        let mut batch = Vec::new();
+        let n = match tokio::time::timeout(
+            std::time::Duration::from_secs(3),
+            sub.recv_many(&mut batch, 1024),
+        )
+        .await
+        {
+            Ok(n) => n,
+            Err(_) => panic!("stalled at {got}: {:?}", sub.stats()),
+        };
+        assert!(n > 0);
+        got += n as u64;
+    }
+    let s = sub.stats();
+    assert_eq!(s.total.delivered, N, "{:?}", s.total);
+    assert_eq!(s.total.dropped(), 0);
+}

@@ -57,6 +57,10 @@ struct Args {
     /// Exit 1 if the run lasts longer than this.
     #[arg(long = "timeout-ms")]
     timeout_ms: Option<u64>,
+    /// Bytes the subscriber may buffer across all publishers before it drops
+    /// (default: the library's, 64 MiB).
+    #[arg(long = "max-buffered-bytes")]
+    max_buffered_bytes: Option<usize>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -118,10 +122,13 @@ async fn main() -> ExitCode {
     if let Some(c) = &args.component {
         query = query.component(c);
     }
-    let mut sub = DynamicSubscriber::builder(discovery, query)
+    let mut builder = DynamicSubscriber::builder(discovery, query)
         .topic(args.topic.clone())
-        .layout(args.layout.into())
-        .spawn();
+        .layout(args.layout.into());
+    if let Some(bytes) = args.max_buffered_bytes {
+        builder = builder.max_buffered_bytes(bytes);
+    }
+    let mut sub = builder.spawn();
     let handle = sub.handle();
 
     let timeout = optional_timeout(args.timeout_ms);

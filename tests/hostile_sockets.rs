@@ -557,14 +557,7 @@ async fn watch_with_a_slow_reader_stays_within_its_budgets() {
     assert_eq!(within(reader).await.unwrap(), 400);
     let grown = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
     eprintln!("watch: +{} KiB ({} MiB before)", grown >> 10, before / MIB);
-    std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()
-        .unwrap();
-    let out = within(child.wait_with_output()).await.unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let stats: serde_json::Value =
-        serde_json::from_str(stderr.lines().last().unwrap_or_default()).unwrap();
+    let stats = support::terminate_for_stats(child).await;
     // The budgets in play: lanes (at most 400 × (2 KB + 64) here), retained read
     // buffers (8 MiB by default), and one 8 MiB frame being assembled plus the half
     // it grew from. Before the fix: 3.1 GB.

@@ -162,6 +162,22 @@ pub mod wire {
     }
 }
 
+/// Stops an example with SIGTERM and returns the JSON stats it prints as the last line
+/// of its stderr.
+pub async fn terminate_for_stats(child: tokio::process::Child) -> serde_json::Value {
+    let pid = child.id().unwrap();
+    let killed = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .await
+        .unwrap();
+    assert!(killed.success());
+    let out = within(child.wait_with_output()).await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    serde_json::from_str(stderr.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("no stats line ({e}): {stderr}"))
+}
+
 /// A loopback port that refuses connections for as long as the returned socket lives:
 /// bound (so no other process can take it) but not listening.
 pub fn refusing_port() -> (tokio::net::TcpSocket, u16) {
@@ -169,13 +185,6 @@ pub fn refusing_port() -> (tokio::net::TcpSocket, u16) {
     socket.bind(([127, 0, 0, 1], 0).into()).unwrap();
     let port = socket.local_addr().unwrap().port();
     (socket, port)
-}
-
-/// Resident set size of this process, from /proc.
-pub fn rss_bytes() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
-    let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
-    pages * 4096
 }
 
 /// Panics with a clear message unless the system Python can import `zmq`.

@@ -1,0 +1,93 @@
+//! Forged frame lengths never make us allocate what they claim. Resident memory cannot
+//! show this (a reservation that is never touched is not resident), so this test
+//! binary counts every allocation: its global allocator refuses to go more than a
+//! few MiB past what was allocated when the attack started, and a refused allocation
+//! aborts the process. One test in the binary, so nothing else allocates beside it.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+mod support;
+
+use std::alloc::System;
+use std::time::Duration;
+
+use bytes::{BufMut, BytesMut};
+use cap::Cap;
+use eventplane::zmtp::{Config, ProtocolError, SubSocket};
+use support::{greeting, within};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+#[global_allocator]
+static ALLOCATOR: Cap<System> = Cap::new(System, usize::MAX);
+
+const MIB: usize = 1 << 20;
+
+/// A publisher that completes the handshake, then sends a long-frame header claiming
+/// `size` bytes and never the body; keeps the connection open until the client leaves.
+async fn forger(size: u64) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let mut script = greeting(3, 1, b"NULL");
+        script.extend_from_slice(b"\x04\x19\x05READY\x0bSocket-Type\x00\x00\x00\x03PUB");
+        let mut header = BytesMut::new();
+        header.put_u8(0x02);
+        header.put_u64(size);
+        script.extend_from_slice(&header);
+        let _ = stream.write_all(&script).await;
+        let mut sink = [0u8; 1024];
+        while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+    });
+    endpoint
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn forged_lengths_never_allocate_what_they_claim() {
+    let config = Config::default(); // 8 MiB frames, 16 MiB messages
+    // Warm up everything that allocates once (runtime, resolver, tracing callsites).
+    let endpoint = forger(1 << 40).await;
+    let mut sub = within(SubSocket::connect(&endpoint, config.clone()))
+        .await
+        .unwrap();
+    sub.subscribe("").await.unwrap();
+    let _ = within(sub.recv()).await;
+    drop(sub);
+
+    // From here, at most 4 MiB more may be allocated at any moment.
+    let base = ALLOCATOR.allocated();
+    ALLOCATOR.set_limit(base + 4 * MIB).unwrap();
+    // Claims past the limit are refused at the header.
+    for size in [1u64 << 36, 1 << 63, u64::MAX, (8 << 20) + 1] {
+        let endpoint = forger(size).await;
+        let mut sub = within(SubSocket::connect(&endpoint, config.clone()))
+            .await
+            .unwrap();
+        sub.subscribe("").await.unwrap();
+        let err = within(sub.recv()).await.unwrap_err();
+        assert!(
+            matches!(err.protocol(), Some(ProtocolError::FrameTooLarge { size: s, .. }) if *s == size),
+            "{err:?}"
+        );
+    }
+    // Claims within the limit whose bodies never come: eight connections each
+    // claiming a whole 8 MiB frame hold only what actually arrived (nothing).
+    let mut subs = Vec::new();
+    for _ in 0..8 {
+        let endpoint = forger(8 << 20).await;
+        let mut sub = within(SubSocket::connect(&endpoint, config.clone()))
+            .await
+            .unwrap();
+        sub.subscribe("").await.unwrap();
+        let waited = tokio::time::timeout(Duration::from_millis(200), sub.recv()).await;
+        assert!(waited.is_err(), "the body never came: {waited:?}");
+        subs.push(sub);
+    }
+    let held = ALLOCATOR.allocated().saturating_sub(base);
+    ALLOCATOR.set_limit(usize::MAX).unwrap();
+    eprintln!(
+        "forged lengths: {} KiB held by 8 claims of 8 MiB",
+        held >> 10
+    );
+    assert!(held < 4 * MIB, "{held}");
+}

@@ -1,0 +1,144 @@
+//! Memory bounds measured where they matter: the peak RSS (VmHWM) of a subscriber
+//! process this test owns, fed by floods, drained by a slow (not stalled) consumer,
+//! and asserted against the budgets the process was given. A lane charge that
+//! under-counts, a budget that is not enforced or a buffer that is kept shows up here
+//! as real memory, not as a counter that agrees with itself.
+#![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)]
+
+mod support;
+
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use eventplane::zmtp::{Config, Message, PubSocket};
+use support::{example, proc_status_bytes, within};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+const MIB: u64 = 1 << 20;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_fed_by_32_floods_with_a_slow_reader_stays_within_its_budget() {
+    const PUBLISHERS: usize = 32;
+    // Small next to what the floods offer (and next to 32 lanes × 4 MiB), so an
+    // unenforced budget shows as memory far past the bound below.
+    const BUDGET: u64 = 8 * MIB;
+    let mut publishers = Vec::new();
+    for _ in 0..PUBLISHERS {
+        let p = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+            .await
+            .unwrap();
+        publishers.push(Arc::new(p));
+    }
+    let endpoints: Vec<String> = publishers
+        .iter()
+        .map(|p| p.local_endpoint().unwrap().to_owned())
+        .collect();
+    let mut args = vec!["--static".to_owned()];
+    args.extend(endpoints);
+    args.extend(
+        [
+            "--namespace",
+            "ns",
+            "--topic",
+            "t",
+            "--layout",
+            "topic-seq",
+            "--max-buffered-bytes",
+        ]
+        .map(String::from),
+    );
+    args.push(BUDGET.to_string());
+    let mut child = Command::new(example("watch"))
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pid = child.id().unwrap();
+    for p in &publishers {
+        within(p.wait_for_subscribers(1)).await;
+    }
+    let before = proc_status_bytes(pid, "VmRSS");
+
+    // The reader takes a line (one delivery) every millisecond: slow, not stalled.
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                match within(lines.next_line()).await {
+                    Ok(Some(_)) => n += 1,
+                    _ => break,
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            n
+        })
+    };
+    let payload = Bytes::from(vec![0x5a; 1024]);
+    let floods: Vec<_> = publishers
+        .iter()
+        .map(|p| {
+            let (p, stop, payload) = (p.clone(), stop.clone(), payload.clone());
+            tokio::spawn(async move {
+                let mut seq = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    for _ in 0..64 {
+                        p.send(Message::from_parts([
+                            Bytes::from_static(b"t"),
+                            Bytes::copy_from_slice(&seq.to_be_bytes()),
+                            payload.clone(),
+                        ]));
+                        seq += 1;
+                    }
+                    tokio::task::yield_now().await;
+                }
+                seq
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut offered = 0;
+    for f in floods {
+        offered += f.await.unwrap();
+    }
+    let read = within(reader).await.unwrap();
+    let grown = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
+    let stats = support::terminate_for_stats(child).await;
+    eprintln!(
+        "watch, {PUBLISHERS} floods ({offered} messages offered, {read} lines read): \
+         +{} MiB peak RSS ({} MiB before)",
+        grown / MIB,
+        before / MIB
+    );
+    // What the process may hold: the lanes' budget, the retained read buffers (8 MiB
+    // by default), per connection a 64 KiB read buffer and a message in assembly, and
+    // allocator and runtime slack.
+    let bound = BUDGET + 8 * MIB + PUBLISHERS as u64 * 256 * 1024 + 32 * MIB;
+    assert!(
+        grown <= bound,
+        "watch grew by {} MiB, past the {} MiB its budgets allow; buffered {}, total {}",
+        grown / MIB,
+        bound / MIB,
+        stats["buffered_bytes"],
+        stats["total"]
+    );
+    // The floods did exceed what it could take: the bound was exercised.
+    let total = &stats["total"];
+    let dropped =
+        total["dropped_lane_full"].as_u64().unwrap() + total["dropped_budget"].as_u64().unwrap();
+    assert!(dropped > 0, "nothing was dropped: {stats}");
+    assert!(
+        total["received"].as_u64().unwrap() > 2 * BUDGET / 1024,
+        "{stats}"
+    );
+    assert!(total["delivered"].as_u64().unwrap() >= read, "{stats}");
+}

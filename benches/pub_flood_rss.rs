@@ -60,6 +60,15 @@ fn main() {
             );
             let _ = child.kill();
             let _ = child.wait();
+            // The bound this bench exists to show: whatever the flood, our publisher
+            // process grows by a few MiB (the figures above are ≤ 6 MiB).
+            if publisher == "eventplane" {
+                assert!(
+                    grown < 16 * MIB,
+                    "{flood}: our publisher grew by {} MiB",
+                    grown / MIB
+                );
+            }
         }
     }
 }

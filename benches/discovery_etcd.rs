@@ -193,6 +193,11 @@ fn restart_convergence(rt: &tokio::runtime::Runtime, server: &mut EtcdServer) {
             "etcd restart {n}: kill → healthy {healthy:?}, healthy → watcher Resync {gap:?} \
              (default backoff 250 ms → 5 s)"
         );
+        // A watcher that slept out its first backoff step would lag by ≥ 250 ms.
+        assert!(
+            gap < Duration::from_millis(250),
+            "restart {n}: Resync {gap:?} after health"
+        );
         gaps.push(gap);
     }
     gaps.sort();

@@ -52,6 +52,11 @@ fn main() {
             let pid = child.id();
             let before = status_bytes(pid, "VmRSS");
             let (accepted, ending) = rt.block_on(run_flood(flood, &endpoint));
+            // A publisher that died under the flood has no VmHWM to read: fail, not 0.
+            assert!(
+                matches!(child.try_wait(), Ok(None)),
+                "{publisher} died under {flood}"
+            );
             let grown = status_bytes(pid, "VmHWM").saturating_sub(before);
             println!(
                 "{publisher:<12} {flood:<11} {:>14.1} {:>12.1}  {ending}",
@@ -68,6 +73,12 @@ fn main() {
                     "{flood}: our publisher grew by {} MiB",
                     grown / MIB
                 );
+                // And it served the flood the way the README says.
+                let expected = match flood {
+                    "big+sub" => "40 of 40 connections closed",
+                    _ => "served throughout",
+                };
+                assert_eq!(ending, expected, "{flood}");
             }
         }
     }

@@ -116,6 +116,48 @@ async fn fleet(d: &MemoryDiscovery, n: usize, config: Config) -> Fleet {
     }
 }
 
+/// `iters` messages (rounded up to a share per publisher) from every publisher of
+/// `fleet` to `sub`'s consumer through the closed loop; returns the time it took.
+async fn fan_in(
+    sub: &mut DynamicSubscriber,
+    fleet: &mut Fleet,
+    window: &Arc<Window>,
+    received: &mut u64,
+    iters: u64,
+) -> Duration {
+    let publishers = fleet.sockets.len() as u64;
+    let share = iters.div_ceil(publishers);
+    let total = share * publishers;
+    let start = Instant::now();
+    let from = fleet.sent;
+    let base = *received;
+    let senders: Vec<_> = fleet
+        .sockets
+        .iter()
+        .cloned()
+        .map(|s| {
+            let window = window.clone();
+            tokio::spawn(async move { pump(&s, from, share, &window, base, publishers).await })
+        })
+        .collect();
+    let mut got = 0u64;
+    let mut buf = Vec::with_capacity(1024);
+    while got < total {
+        buf.clear();
+        let n = tokio::time::timeout(Duration::from_secs(10), sub.recv_many(&mut buf, 1024))
+            .await
+            .expect("lossless: every message arrives") as u64;
+        got += n;
+        window.add(n);
+    }
+    for s in senders {
+        s.await.unwrap();
+    }
+    fleet.sent += share;
+    *received += got;
+    start.elapsed()
+}
+
 fn bench(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -158,7 +200,13 @@ fn bench(c: &mut Criterion) {
                 let mut buf = Vec::with_capacity(1024);
                 while got < iters {
                     buf.clear();
-                    let n = bare_sub.recv_many(&mut buf, 1024).await.unwrap() as u64;
+                    let n = tokio::time::timeout(
+                        Duration::from_secs(10),
+                        bare_sub.recv_many(&mut buf, 1024),
+                    )
+                    .await
+                    .expect("lossless: every message arrives")
+                    .unwrap() as u64;
                     got += n;
                     bare_window.add(n);
                 }
@@ -195,46 +243,19 @@ fn bench(c: &mut Criterion) {
         });
         let window = Arc::new(Window::default());
         let mut received = 0u64;
+        // Under load before timing (criterion's test mode runs one message per
+        // iteration): 32 batches per publisher through the same loop, lossless.
+        rt.block_on(fan_in(
+            &mut sub,
+            &mut fleet,
+            &window,
+            &mut received,
+            32 * BATCH * publishers as u64,
+        ));
+        assert_eq!(sub.stats().total.dropped(), 0, "{:?}", sub.stats().total);
         group.bench_function(BenchmarkId::new("dynamic_subscriber", publishers), |b| {
             b.iter_custom(|iters| {
-                rt.block_on(async {
-                    let share = iters.div_ceil(publishers as u64);
-                    let total = share * publishers as u64;
-                    let start = Instant::now();
-                    let from = fleet.sent;
-                    let base = received;
-                    let senders: Vec<_> = fleet
-                        .sockets
-                        .iter()
-                        .cloned()
-                        .map(|s| {
-                            let window = window.clone();
-                            tokio::spawn(async move {
-                                pump(&s, from, share, &window, base, publishers as u64).await
-                            })
-                        })
-                        .collect();
-                    let mut got = 0u64;
-                    let mut buf = Vec::with_capacity(1024);
-                    while got < total {
-                        buf.clear();
-                        let n = tokio::time::timeout(
-                            Duration::from_secs(10),
-                            sub.recv_many(&mut buf, 1024),
-                        )
-                        .await
-                        .expect("lossless: every message arrives")
-                            as u64;
-                        got += n;
-                        window.add(n);
-                    }
-                    for s in senders {
-                        s.await.unwrap();
-                    }
-                    fleet.sent += share;
-                    received += got;
-                    start.elapsed()
-                })
+                rt.block_on(fan_in(&mut sub, &mut fleet, &window, &mut received, iters))
             })
         });
         let stats = sub.stats();

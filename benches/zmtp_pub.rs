@@ -36,6 +36,13 @@ use eventplane::zmtp::{Config, Message, PubSocket};
 use zeromq::{Socket, SocketSend, ZmqMessage};
 
 const WINDOW: u64 = 4096;
+
+/// A wait that a drop (a message that never arrives) would make endless fails instead.
+async fn within<F: std::future::Future>(wait: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(10), wait)
+        .await
+        .expect("a subscriber stopped receiving: the publisher dropped or stalled")
+}
 const BATCH: u64 = 256;
 
 fn message() -> Message {
@@ -184,11 +191,9 @@ fn bench(c: &mut Criterion) {
                             ours.socket.send(msg.clone());
                         }
                         ours.sent += n;
-                        ours.counters
-                            .wait_until(ours.sent.saturating_sub(WINDOW))
-                            .await;
+                        within(ours.counters.wait_until(ours.sent.saturating_sub(WINDOW))).await;
                     }
-                    ours.counters.wait_until(end).await;
+                    within(ours.counters.wait_until(end)).await;
                     start.elapsed()
                 })
             })
@@ -234,10 +239,12 @@ fn bench(c: &mut Criterion) {
                             theirs.socket.send(zmsg.clone()).await.unwrap();
                         }
                         theirs.sent += n;
-                        theirs
-                            .counters
-                            .wait_until(theirs.sent.saturating_sub(WINDOW))
-                            .await;
+                        within(
+                            theirs
+                                .counters
+                                .wait_until(theirs.sent.saturating_sub(WINDOW)),
+                        )
+                        .await;
                     }
                     // A drop would stall here forever: bound the wait and report it.
                     let done = tokio::time::timeout(

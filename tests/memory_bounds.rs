@@ -131,11 +131,10 @@ async fn watch_fed_by_32_floods_with_a_slow_reader_stays_within_its_budget() {
         stats["buffered_bytes"],
         stats["total"]
     );
-    // The floods did exceed what it could take: the bound was exercised.
+    // The floods did exceed the global budget (not only a lane's own bound): the
+    // bound above was exercised.
     let total = &stats["total"];
-    let dropped =
-        total["dropped_lane_full"].as_u64().unwrap() + total["dropped_budget"].as_u64().unwrap();
-    assert!(dropped > 0, "nothing was dropped: {stats}");
+    assert!(total["dropped_budget"].as_u64().unwrap() > 0, "{total}");
     assert!(
         total["received"].as_u64().unwrap() > 2 * BUDGET / 1024,
         "{stats}"

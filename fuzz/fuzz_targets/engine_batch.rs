@@ -11,10 +11,10 @@
 #![no_main]
 
 use eventplane::kv::{
-    BlockHash, EngineDecoder, EngineEvent, KvEventData, Pipeline, PlacementEvent, WorkerId,
-    decode_router_events, encode_engine_batch, encode_router_events, tokens_hash,
+    BlockHash, EngineDecoder, EngineEvent, KvEventData, Pipeline, PlacementEvent, RouterEvent,
+    WorkerId, decode_router_events, encode_engine_batch, encode_router_events, tokens_hash,
 };
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use libfuzzer_sys::fuzz_target;
 
@@ -100,9 +100,80 @@ fn same_event(engine: &EngineEvent, decoded: &KvEventData, block_size: usize) ->
     }
 }
 
-/// Runs decoded events through a pipeline and checks its accounting and the
-/// router-event wire format.
+/// The blocks each placement holds, as (dp_rank, tier) → hashes.
+type View = HashMap<(u32, String), HashSet<u64>>;
+
+/// A reference for what the router must end up believing, computed from the engine
+/// events alone: a block is present while its stores outnumber its removes (a remove
+/// of an absent block is a no-op), and a clear empties the placement.
+fn reference_view(events: &[PlacementEvent]) -> View {
+    let mut counts: HashMap<(u32, String), HashMap<u64, u64>> = HashMap::new();
+    for ev in events {
+        let key = (ev.placement.dp_rank, format!("{:?}", ev.placement.tier));
+        match &ev.event.data {
+            KvEventData::Stored { blocks, .. } => {
+                let held = counts.entry(key).or_default();
+                for b in blocks {
+                    *held.entry(b.block_hash.0).or_default() += 1;
+                }
+            }
+            KvEventData::Removed { block_hashes } => {
+                if let Some(held) = counts.get_mut(&key) {
+                    for h in block_hashes {
+                        if let Some(n) = held.get_mut(&h.0) {
+                            *n -= 1;
+                            if *n == 0 {
+                                held.remove(&h.0);
+                            }
+                        }
+                    }
+                }
+            }
+            KvEventData::Cleared => {
+                counts.remove(&key);
+            }
+            _ => {}
+        }
+    }
+    counts
+        .into_iter()
+        .map(|(k, held)| (k, held.into_keys().collect::<HashSet<_>>()))
+        .filter(|(_, held)| !held.is_empty())
+        .collect()
+}
+
+/// What a router applying `out` as sets ends up believing.
+fn router_view(out: &[RouterEvent]) -> View {
+    let mut view: View = HashMap::new();
+    for ev in out {
+        let key = (ev.event.dp_rank, format!("{:?}", ev.tier));
+        match &ev.event.data {
+            KvEventData::Stored { blocks, .. } => {
+                view.entry(key)
+                    .or_default()
+                    .extend(blocks.iter().map(|b| b.block_hash.0));
+            }
+            KvEventData::Removed { block_hashes } => {
+                if let Some(held) = view.get_mut(&key) {
+                    for h in block_hashes {
+                        held.remove(&h.0);
+                    }
+                }
+            }
+            KvEventData::Cleared => {
+                view.remove(&key);
+            }
+            _ => {}
+        }
+    }
+    view.retain(|_, held| !held.is_empty());
+    view
+}
+
+/// Runs decoded events through a pipeline and checks it against the reference view,
+/// its accounting, and the router-event wire format.
 fn pipeline_balances(events: Vec<PlacementEvent>) {
+    let expected = reference_view(&events);
     let mut pipeline = Pipeline::default();
     let mut out = Vec::new();
     let pushed = events.len() as u64;
@@ -111,6 +182,15 @@ fn pipeline_balances(events: Vec<PlacementEvent>) {
     }
     pipeline.flush(&mut out);
     assert!(!pipeline.has_pending());
+    // Coalescing and dedup may change the events, never what the router concludes
+    // (unless a dedup cap made it forget, which these inputs are far too small for).
+    if pipeline.dedup_resets() == 0 {
+        assert_eq!(
+            router_view(&out),
+            expected,
+            "the router would believe otherwise"
+        );
+    }
     assert_eq!(
         pushed,
         out.len() as u64 + pipeline.merged() + pipeline.deduplicated(),

@@ -23,8 +23,10 @@ static ALLOCATOR: Cap<System> = Cap::new(System, usize::MAX);
 const MIB: usize = 1 << 20;
 
 /// A publisher that completes the handshake, then sends a long-frame header claiming
-/// `size` bytes and never the body; keeps the connection open until the client leaves.
-async fn forger(size: u64) -> String {
+/// `size` bytes and never the body. With `hang_up`, it then closes its side (so the
+/// reader sees the end of the stream right after the header); otherwise it keeps the
+/// connection open until the client leaves.
+async fn forger(size: u64, hang_up: bool) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
     tokio::spawn(async move {
@@ -36,6 +38,9 @@ async fn forger(size: u64) -> String {
         header.put_u64(size);
         script.extend_from_slice(&header);
         let _ = stream.write_all(&script).await;
+        if hang_up {
+            let _ = stream.shutdown().await;
+        }
         let mut sink = [0u8; 1024];
         while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
     });
@@ -46,7 +51,7 @@ async fn forger(size: u64) -> String {
 async fn forged_lengths_never_allocate_what_they_claim() {
     let config = Config::default(); // 8 MiB frames, 16 MiB messages
     // Warm up everything that allocates once (runtime, resolver, tracing callsites).
-    let endpoint = forger(1 << 40).await;
+    let endpoint = forger(1 << 40, false).await;
     let mut sub = within(SubSocket::connect(&endpoint, config.clone()))
         .await
         .unwrap();
@@ -59,7 +64,7 @@ async fn forged_lengths_never_allocate_what_they_claim() {
     ALLOCATOR.set_limit(base + 4 * MIB).unwrap();
     // Claims past the limit are refused at the header.
     for size in [1u64 << 36, 1 << 63, u64::MAX, (8 << 20) + 1] {
-        let endpoint = forger(size).await;
+        let endpoint = forger(size, false).await;
         let mut sub = within(SubSocket::connect(&endpoint, config.clone()))
             .await
             .unwrap();
@@ -74,7 +79,7 @@ async fn forged_lengths_never_allocate_what_they_claim() {
     // claiming a whole 8 MiB frame hold only what actually arrived (nothing).
     let mut subs = Vec::new();
     for _ in 0..8 {
-        let endpoint = forger(8 << 20).await;
+        let endpoint = forger(8 << 20, false).await;
         let mut sub = within(SubSocket::connect(&endpoint, config.clone()))
             .await
             .unwrap();
@@ -84,6 +89,17 @@ async fn forged_lengths_never_allocate_what_they_claim() {
         subs.push(sub);
     }
     let held = ALLOCATOR.allocated().saturating_sub(base);
+    // The same claim followed by the end of the stream: the error proves the header
+    // was read (and acted on) under the limit, not merely sent.
+    for _ in 0..4 {
+        let endpoint = forger(8 << 20, true).await;
+        let mut sub = within(SubSocket::connect(&endpoint, config.clone()))
+            .await
+            .unwrap();
+        sub.subscribe("").await.unwrap();
+        let err = within(sub.recv()).await.unwrap_err();
+        assert!(err.is_io(), "{err:?}");
+    }
     ALLOCATOR.set_limit(usize::MAX).unwrap();
     eprintln!(
         "forged lengths: {} KiB held by 8 claims of 8 MiB",

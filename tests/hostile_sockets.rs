@@ -18,7 +18,6 @@
 
 mod support;
 
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,36 +25,14 @@ use bytes::Bytes;
 use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Query, Transport};
 use eventplane::subscriber::{DynamicSubscriber, Layout};
 use eventplane::zmtp::{Config, Error, Message, PubSocket, SubSocket, TimeoutKind};
-use support::{DEADLINE, example, proc_status_bytes, wire, within};
+use support::{DEADLINE, proc_status_bytes, wire, within};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 
 const MIB: u64 = 1 << 20;
 /// Growth over the budgets the issue allows a process under attack.
 const SLACK: u64 = 64 * MIB;
-
-/// Spawns example `name`, returning it and its first stdout line (the endpoint for
-/// the ones that bind).
-async fn spawn_example(name: &str, args: &[&str], first_line: bool) -> (Child, Option<String>) {
-    let mut child = Command::new(example(name))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let line = if first_line {
-        let stdout = child.stdout.as_mut().unwrap();
-        let mut reader = BufReader::new(stdout);
-        let mut line = String::new();
-        within(reader.read_line(&mut line)).await.unwrap();
-        Some(line.trim().to_owned())
-    } else {
-        None
-    };
-    (child, line)
-}
 
 /// The `publish` example sending 10 messages a second on `t`: (child, pid, host:port).
 async fn spawn_publish() -> (Child, u32, String) {
@@ -67,7 +44,7 @@ async fn spawn_publish() -> (Child, u32, String) {
         "--rate",
         "10",
     ];
-    let (child, endpoint) = spawn_example("publish", &args, true).await;
+    let (child, endpoint) = support::spawn_example("publish", &args, true).await;
     let pid = child.id().unwrap();
     (child, pid, addr(&endpoint.unwrap()))
 }
@@ -522,7 +499,7 @@ async fn watch_with_a_slow_reader_stays_within_its_budgets() {
         .await
         .unwrap();
     let endpoint = publisher.local_endpoint().unwrap().to_owned();
-    let (mut child, _) = spawn_example(
+    let (mut child, _) = support::spawn_example(
         "watch",
         &[
             "--static",
@@ -749,7 +726,7 @@ async fn an_engine_batch_of_millions_of_nils_does_not_grow_kv_listen() {
         .await
         .unwrap();
     let endpoint = publisher.local_endpoint().unwrap().to_owned();
-    let (mut child, _) = spawn_example(
+    let (mut child, _) = support::spawn_example(
         "kv_listen",
         &[
             "--connect",

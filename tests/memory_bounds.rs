@@ -7,16 +7,14 @@
 
 mod support;
 
-use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
 use eventplane::zmtp::{Config, Message, PubSocket};
-use support::{example, proc_status_bytes, within};
+use support::{proc_status_bytes, within};
 use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::Command;
 
 const MIB: u64 = 1 << 20;
 
@@ -52,13 +50,7 @@ async fn watch_fed_by_32_floods_with_a_slow_reader_stays_within_its_budget() {
         .map(String::from),
     );
     args.push(BUDGET.to_string());
-    let mut child = Command::new(example("watch"))
-        .args(&args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let (mut child, _) = support::spawn_example("watch", &args, false).await;
     let pid = child.id().unwrap();
     for p in &publishers {
         within(p.wait_for_subscribers(1)).await;

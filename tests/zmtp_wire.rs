@@ -460,48 +460,35 @@ fn delivered_parts(s: &mut Session) -> Vec<usize> {
 }
 
 #[test]
-fn frame_size_limit_at_its_boundary() {
+fn frame_size_part_count_and_message_size_limits_at_their_boundaries() {
+    // (parts accepted, parts refused one byte or one part past the limit, the error)
+    let cases: [(&[usize], &[usize], ProtocolError); 3] = [
+        (
+            &[1000],
+            &[1001],
+            ProtocolError::FrameTooLarge {
+                size: 1001,
+                max: 1000,
+            },
+        ),
+        (
+            &[1000, 500],
+            &[1000, 501],
+            ProtocolError::MessageTooLarge {
+                size: 1501,
+                max: 1500,
+            },
+        ),
+        (&[1; 64], &[1; 65], ProtocolError::TooManyParts { max: 64 }),
+    ];
     let now = Instant::now();
-    let mut s = limited_sub(now);
-    s.handle_bytes(now, &message_of(&[1000]));
-    assert_eq!(delivered_parts(&mut s), [1000]);
-    s.handle_bytes(now, &message_of(&[1001]));
-    assert_eq!(
-        events(&mut s).unwrap_err().protocol(),
-        Some(&ProtocolError::FrameTooLarge {
-            size: 1001,
-            max: 1000
-        })
-    );
-}
-
-#[test]
-fn message_size_limit_at_its_boundary() {
-    let now = Instant::now();
-    let mut s = limited_sub(now);
-    s.handle_bytes(now, &message_of(&[1000, 500]));
-    assert_eq!(delivered_parts(&mut s), [1000, 500]);
-    s.handle_bytes(now, &message_of(&[1000, 501]));
-    assert_eq!(
-        events(&mut s).unwrap_err().protocol(),
-        Some(&ProtocolError::MessageTooLarge {
-            size: 1501,
-            max: 1500
-        })
-    );
-}
-
-#[test]
-fn part_count_limit_at_its_boundary() {
-    let now = Instant::now();
-    let mut s = limited_sub(now);
-    s.handle_bytes(now, &message_of(&[1; 64]));
-    assert_eq!(delivered_parts(&mut s), [1; 64]);
-    s.handle_bytes(now, &message_of(&[1; 65]));
-    assert_eq!(
-        events(&mut s).unwrap_err().protocol(),
-        Some(&ProtocolError::TooManyParts { max: 64 })
-    );
+    for (accepted, refused, error) in cases {
+        let mut s = limited_sub(now);
+        s.handle_bytes(now, &message_of(accepted));
+        assert_eq!(delivered_parts(&mut s), accepted);
+        s.handle_bytes(now, &message_of(refused));
+        assert_eq!(events(&mut s).unwrap_err().protocol(), Some(&error));
+    }
 }
 
 #[test]

@@ -162,6 +162,31 @@ pub mod wire {
     }
 }
 
+/// Starts example `name` with piped stdout and stderr; with `first_line`, also reads
+/// and returns the first line it prints (an endpoint, usually).
+pub async fn spawn_example<S: AsRef<std::ffi::OsStr>>(
+    name: &str,
+    args: &[S],
+    first_line: bool,
+) -> (Child, Option<String>) {
+    let mut child = Command::new(example(name))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let line = if first_line {
+        let mut reader = BufReader::new(child.stdout.as_mut().unwrap());
+        let mut line = String::new();
+        within(reader.read_line(&mut line)).await.unwrap();
+        Some(line.trim().to_owned())
+    } else {
+        None
+    };
+    (child, line)
+}
+
 /// Stops an example with SIGTERM and returns the JSON stats it prints as the last line
 /// of its stderr.
 pub async fn terminate_for_stats(child: tokio::process::Child) -> serde_json::Value {

@@ -80,10 +80,12 @@ mod counter;
 pub mod discovery;
 pub mod kv;
 pub mod lossy;
+mod msgpack;
 pub mod net;
 pub mod publish;
 mod slots;
 pub mod subscriber;
+pub mod wire;
 pub mod zmtp;
 
 /// The README's examples, compiled and run as doctests.

@@ -12,7 +12,8 @@ use crate::discovery::{
     ChannelId, Discovery, DiscoveryError, Instance, MAX_PUBLISHER_ID, Registration, Transport,
 };
 use crate::net::random_u64;
-use crate::zmtp::{self, Message, PubSocket, PubStats, SendReport};
+use crate::wire::Wire;
+use crate::zmtp::{self, PubSocket, PubStats, SendReport};
 
 /// Errors of [`EventPublisher`].
 ///
@@ -69,14 +70,16 @@ pub enum PublishError {
 #[derive(Debug)]
 #[must_use]
 pub struct EventPublisherBuilder {
-    discovery: Arc<dyn Discovery>,
+    discovery: Option<Arc<dyn Discovery>>,
     namespace: String,
     component: String,
     topic: String,
     bind_host: String,
+    bind: Option<String>,
     advertise_host: Option<String>,
     zmtp: zmtp::Config,
     linger: Duration,
+    wire: Wire,
 }
 
 impl EventPublisherBuilder {
@@ -84,6 +87,29 @@ impl EventPublisherBuilder {
     /// [`advertise_host`](Self::advertise_host) to serve other machines.
     pub fn bind_host(mut self, host: impl Into<String>) -> Self {
         self.bind_host = host.into();
+        self
+    }
+    /// Binds exactly `endpoint` (`tcp://host:port`; port 0 lets the OS pick) instead of
+    /// `tcp://{bind_host}:0`. Default: none.
+    pub fn bind(mut self, endpoint: impl Into<String>) -> Self {
+        self.bind = Some(endpoint.into());
+        self
+    }
+    /// What the publisher writes: [`Wire::EventPlane`] (default) or [`Wire::Dynamo`]
+    /// (Dynamo's framed envelope, sequences from 1). Which records discovery writes
+    /// is the discovery backend's choice (see `EtcdDiscoveryBuilder::record_format`).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::publish::PublishError> {
+    /// use eventplane::publish::EventPublisher;
+    /// use eventplane::wire::Wire;
+    /// let publisher = EventPublisher::unregistered("kv-events").wire(Wire::Dynamo).build().await?;
+    /// assert_eq!((publisher.wire(), publisher.next_sequence()), (Wire::Dynamo, 1));
+    /// # Ok(()) }
+    /// ```
+    pub fn wire(mut self, wire: Wire) -> Self {
+        self.wire = wire;
         self
     }
     /// Host others dial. Default: the bind host (which must then be routable).
@@ -103,40 +129,67 @@ impl EventPublisherBuilder {
         self
     }
 
-    /// Binds on an OS-assigned port, picks a random publisher id and registers.
+    /// Binds (by default on an OS-assigned port), picks a random publisher id and,
+    /// unless built by [`EventPublisher::unregistered`], registers in discovery.
     pub async fn build(self) -> Result<EventPublisher, PublishError> {
         let advertise = self
             .advertise_host
             .clone()
             .unwrap_or_else(|| self.bind_host.clone());
-        check_advertise_host(&advertise)?;
-        let socket = PubSocket::bind(&format!("tcp://{}:0", bracket(&self.bind_host)), self.zmtp)
+        let bind = self
+            .bind
+            .clone()
+            .unwrap_or_else(|| format!("tcp://{}:0", bracket(&self.bind_host)));
+        if self.discovery.is_some() && (self.bind.is_none() || self.advertise_host.is_some()) {
+            check_advertise_host(&advertise)?;
+        }
+        let socket = PubSocket::bind(&bind, self.zmtp)
             .await
             .map_err(PublishError::Bind)?;
-        let port = socket.local_addr().map(|a| a.port()).unwrap_or_default();
-        let endpoint = format!("tcp://{}:{port}", bracket(&advertise));
         let publisher_id = random_u64() & MAX_PUBLISHER_ID;
-        let id = ChannelId::new(
-            self.namespace,
-            self.component,
-            self.topic.clone(),
-            publisher_id,
-        )
-        .map_err(PublishError::Register)?;
-        let registration = self
-            .discovery
-            .register(id, Transport::zmq(endpoint.clone()))
-            .await
-            .map_err(PublishError::Register)?;
-        tracing::debug!(%endpoint, publisher_id, "event publisher registered");
+        let registration = match self.discovery {
+            None => None,
+            Some(discovery) => {
+                let endpoint = match (&self.bind, &self.advertise_host) {
+                    // Bound at an explicit endpoint: advertise what was bound, checked.
+                    (Some(_), None) => {
+                        let bound = socket.local_endpoint().unwrap_or_default().to_owned();
+                        let host = bound
+                            .strip_prefix("tcp://")
+                            .and_then(|r| r.rsplit_once(':'))
+                            .map(|(h, _)| h.to_owned())
+                            .unwrap_or_default();
+                        check_advertise_host(&host)?;
+                        bound
+                    }
+                    _ => {
+                        let port = socket.local_addr().map(|a| a.port()).unwrap_or_default();
+                        format!("tcp://{}:{port}", bracket(&advertise))
+                    }
+                };
+                let id = ChannelId::new(
+                    self.namespace,
+                    self.component,
+                    self.topic.clone(),
+                    publisher_id,
+                )
+                .map_err(PublishError::Register)?;
+                let registration = discovery
+                    .register(id, Transport::zmq(endpoint.clone()))
+                    .await
+                    .map_err(PublishError::Register)?;
+                tracing::debug!(%endpoint, publisher_id, wire = %self.wire, "event publisher registered");
+                Some(registration)
+            }
+        };
         Ok(EventPublisher {
             socket,
-            registration: Some(registration),
+            registration,
             topic: Bytes::from(self.topic),
             id: publisher_id,
-            publisher_id: Bytes::copy_from_slice(&publisher_id.to_be_bytes()),
-            sequence: AtomicU64::new(0),
+            sequence: AtomicU64::new(self.wire.first_sequence()),
             linger: self.linger,
+            wire: self.wire,
         })
     }
 }
@@ -201,10 +254,9 @@ pub struct EventPublisher {
     registration: Option<Registration>,
     topic: Bytes,
     id: u64,
-    /// `id` as sent: 8 bytes big-endian.
-    publisher_id: Bytes,
     sequence: AtomicU64,
     linger: Duration,
+    wire: Wire,
 }
 
 impl EventPublisher {
@@ -216,14 +268,42 @@ impl EventPublisher {
         topic: impl Into<String>,
     ) -> EventPublisherBuilder {
         EventPublisherBuilder {
-            discovery,
+            discovery: Some(discovery),
             namespace: namespace.into(),
             component: component.into(),
             topic: topic.into(),
             bind_host: "127.0.0.1".into(),
+            bind: None,
             advertise_host: None,
             zmtp: zmtp::Config::default(),
             linger: Duration::from_secs(1),
+            wire: Wire::EventPlane,
+        }
+    }
+
+    /// A builder for a publisher of `topic` registered nowhere, for deployments whose
+    /// subscribers are configured statically (`StaticDiscovery`, or a script).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::publish::PublishError> {
+    /// use eventplane::publish::EventPublisher;
+    /// let publisher = EventPublisher::unregistered("kv-events").bind("tcp://127.0.0.1:0").build().await?;
+    /// assert!(publisher.instance().is_none());
+    /// # Ok(()) }
+    /// ```
+    pub fn unregistered(topic: impl Into<String>) -> EventPublisherBuilder {
+        EventPublisherBuilder {
+            discovery: None,
+            namespace: String::new(),
+            component: String::new(),
+            topic: topic.into(),
+            bind_host: "127.0.0.1".into(),
+            bind: None,
+            advertise_host: None,
+            zmtp: zmtp::Config::default(),
+            linger: Duration::from_secs(1),
+            wire: Wire::EventPlane,
         }
     }
 
@@ -250,19 +330,11 @@ impl EventPublisher {
         topic: impl Into<String>,
         zmtp: zmtp::Config,
     ) -> Result<EventPublisher, PublishError> {
-        let socket = PubSocket::bind(endpoint, zmtp)
+        EventPublisher::unregistered(topic)
+            .bind(endpoint)
+            .zmtp_config(zmtp)
+            .build()
             .await
-            .map_err(PublishError::Bind)?;
-        let publisher_id = random_u64() & MAX_PUBLISHER_ID;
-        Ok(EventPublisher {
-            socket,
-            registration: None,
-            topic: Bytes::from(topic.into()),
-            id: publisher_id,
-            publisher_id: Bytes::copy_from_slice(&publisher_id.to_be_bytes()),
-            sequence: AtomicU64::new(0),
-            linger: Duration::from_secs(1),
-        })
     }
 
     /// The endpoint the socket is bound to (with the OS-assigned port).
@@ -292,12 +364,13 @@ impl EventPublisher {
     /// ```
     pub fn publish(&self, payload: impl Into<Bytes>) -> SendReport {
         let seq = self.sequence.fetch_add(1, Ordering::Relaxed);
-        self.socket.send(Message::from_parts([
-            self.topic.clone(),
-            self.publisher_id.clone(),
-            Bytes::copy_from_slice(&seq.to_be_bytes()),
-            payload.into(),
-        ]))
+        self.socket
+            .send(self.wire.encode(&self.topic, self.id, seq, payload.into()))
+    }
+
+    /// What this publisher writes.
+    pub fn wire(&self) -> Wire {
+        self.wire
     }
 
     /// The registered instance (id, endpoint, incarnation).

@@ -15,11 +15,11 @@
 //! [`StorageTier::HostPinned`]; `DISK` / `NVME` → [`StorageTier::Disk`]; anything
 //! else → [`StorageTier::External`].
 
-use super::msgpack::{self, MsgpackError, Value};
 use super::{
     BlockHash, KvEvent, KvEventData, Placement, PlacementEvent, StorageTier, StoredBlock, WorkerId,
     tokens_hash,
 };
+use crate::msgpack::{self, MsgpackError, Value};
 
 /// Counters of an [`EngineDecoder`].
 ///

@@ -10,7 +10,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::{EngineDecoder, EngineStats, PlacementEvent, WorkerId};
 use crate::counter;
-use crate::net::{Backoff, RateLimitedWarn, SeqStep, SeqTracker, random_unit};
+use crate::net::{Backoff, RateLimitedWarn, random_unit};
+use crate::wire::{Framed, Layout, SeqStep, SeqTracker};
 use crate::zmtp::{self, SubSocket};
 
 /// Settings of an [`EngineListener`].
@@ -257,23 +258,22 @@ impl EngineListener {
                         break;
                     }
                 };
-                let parts = msg.parts();
-                let (Some(topic), Some(seq), Some(payload), 3) =
-                    (parts.first(), parts.get(1), parts.get(2), parts.len())
+                // Engines send exactly [topic, seq, payload] (DESIGN §4.4).
+                let framed = Layout::TopicSeq.parse(Some(&self.config.topic), &msg);
+                let (
+                    Ok(Framed {
+                        sequence: Some(seq),
+                        payload: Some(payload),
+                        ..
+                    }),
+                    3,
+                ) = (framed, msg.len())
                 else {
                     counter::add(&self.counters.malformed, 1);
                     continue;
                 };
-                let Ok(seq) = <[u8; 8]>::try_from(&seq[..]).map(u64::from_be_bytes) else {
-                    counter::add(&self.counters.malformed, 1);
-                    continue;
-                };
-                if *topic != self.config.topic {
-                    counter::add(&self.counters.malformed, 1);
-                    continue;
-                }
                 self.observe_seq(&mut seq_tracker, seq);
-                let decoded = decoder.decode_batch(payload);
+                let decoded = decoder.decode_batch(&payload);
                 *self
                     .counters
                     .decoder

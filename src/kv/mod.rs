@@ -18,15 +18,16 @@
 
 mod coalesce;
 mod dedup;
+mod dynamo;
 mod engine;
 mod event;
 mod listener;
-mod msgpack;
 mod processor;
 mod sink;
 
 pub use coalesce::{Coalescer, DEFAULT_MAX_BATCH_BLOCKS};
 pub use dedup::{DEFAULT_MAX_TRACKED_HASHES, DEFAULT_MAX_TRACKED_RANKS, DedupFilter, DedupMode};
+pub use dynamo::{decode_dynamo_router_events, dynamo_storage_tier, encode_dynamo_router_events};
 pub use engine::{
     DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_BATCH_EVENTS, EncodeError, EngineDecodeError,
     EngineDecoder, EngineEvent, EngineStats, encode_engine_batch,
@@ -44,7 +45,8 @@ pub use processor::{
 };
 pub use sink::{
     EventPlaneSink, KvDecodeError, MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE,
-    decode_router_events, encode_router_events, split_messages,
+    decode_router_events, decode_router_payload, encode_router_events, encode_router_payload,
+    split_messages,
 };
 
 /// Coalescer → dedup → dense id stamping, sans-IO. Ids start at 1 and are stamped at

@@ -4,9 +4,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::RouterEvent;
+use super::dynamo::{decode_dynamo_router_events, encode_dynamo_router_events};
 use super::processor::{EventSink, SinkError};
 use crate::discovery::BoxFuture;
 use crate::publish::EventPublisher;
+use crate::wire::Wire;
 
 /// Most events in one event-plane message.
 ///
@@ -97,6 +99,39 @@ pub fn decode_router_events(payload: &[u8]) -> Result<Vec<RouterEvent>, KvDecode
     rmp_serde::from_slice(payload).map_err(|e| KvDecodeError(Box::new(e)))
 }
 
+/// Encodes router events as the payload `wire` carries: ours
+/// ([`encode_router_events`]) or Dynamo's ([`encode_dynamo_router_events`]).
+///
+/// ```
+/// use eventplane::kv::{decode_router_payload, encode_router_payload, KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId};
+/// use eventplane::wire::Wire;
+/// let events = vec![RouterEvent { worker_id: WorkerId(1), tier: StorageTier::Device,
+///     event: KvEvent { id: 1, dp_rank: 0, data: KvEventData::Cleared } }];
+/// for wire in [Wire::EventPlane, Wire::Dynamo] {
+///     let payload = encode_router_payload(wire, &events)?;
+///     assert_eq!(decode_router_payload(wire, &payload)?, events);
+/// }
+/// # Ok::<(), eventplane::kv::KvDecodeError>(())
+/// ```
+pub fn encode_router_payload(wire: Wire, events: &[RouterEvent]) -> Result<Vec<u8>, KvDecodeError> {
+    match wire {
+        Wire::Dynamo => encode_dynamo_router_events(events),
+        _ => encode_router_events(events),
+    }
+}
+
+/// Decodes the router events of a payload `wire` carries (see
+/// [`encode_router_payload`]).
+pub fn decode_router_payload(
+    wire: Wire,
+    payload: &[u8],
+) -> Result<Vec<RouterEvent>, KvDecodeError> {
+    match wire {
+        Wire::Dynamo => decode_dynamo_router_events(payload),
+        _ => decode_router_events(payload),
+    }
+}
+
 /// A payload that is not a msgpack list of router events (or could not be encoded).
 ///
 /// ```
@@ -106,10 +141,11 @@ pub fn decode_router_events(payload: &[u8]) -> Result<Vec<RouterEvent>, KvDecode
 /// ```
 #[derive(Debug, thiserror::Error)]
 #[error("malformed router-event payload")]
-pub struct KvDecodeError(#[source] Box<dyn std::error::Error + Send + Sync>);
+pub struct KvDecodeError(#[source] pub(crate) Box<dyn std::error::Error + Send + Sync>);
 
 /// Publishes router events on the event plane through an [`EventPublisher`]: split
-/// into messages of at most 128 events and 8192 blocks, msgpack with named fields.
+/// into messages of at most 128 events and 8192 blocks, msgpack with named fields, in
+/// the schema of the publisher's [`Wire`] (ours, or Dynamo's).
 /// Never blocks; subscribers that fall behind lose messages at the publisher, counted
 /// there (and seen by them as sequence gaps).
 ///
@@ -163,7 +199,8 @@ impl EventSink for EventPlaneSink {
     fn publish<'a>(&'a self, events: &'a [RouterEvent]) -> BoxFuture<'a, Result<(), SinkError>> {
         let result = (|| {
             for message in split_messages(events, MAX_EVENTS_PER_MESSAGE, MAX_BLOCKS_PER_MESSAGE) {
-                let payload = encode_router_events(message).map_err(|e| SinkError(Box::new(e)))?;
+                let payload = encode_router_payload(self.publisher.wire(), message)
+                    .map_err(|e| SinkError(Box::new(e)))?;
                 self.publisher.publish(payload);
                 self.messages.fetch_add(1, Ordering::Relaxed);
             }

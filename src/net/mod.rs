@@ -3,11 +3,9 @@
 
 mod addr_filter;
 mod backoff;
-mod seq;
 mod warn;
 
+pub use crate::wire::MAX_SEQUENCE_GAP;
 pub use addr_filter::{AddrFilter, Cidr, CidrError, Refusal, SpecialRange};
 pub use backoff::{Backoff, Throttle, random_u64, random_unit};
-pub use seq::MAX_SEQUENCE_GAP;
-pub(crate) use seq::{SeqStep, SeqTracker};
 pub use warn::RateLimitedWarn;

@@ -9,38 +9,8 @@ use tokio_util::sync::CancellationToken;
 use crate::discovery::{Discovery, Query};
 use crate::lossy::{DropPolicy, MergeConfig};
 use crate::net::AddrFilter;
+use crate::wire::Layout;
 use crate::zmtp;
-
-/// How a publisher's messages are framed.
-///
-/// ```
-/// use eventplane::subscriber::Layout;
-/// assert_eq!(Layout::default(), Layout::Raw);
-/// assert_eq!(Layout::TopicPublisherSeq.as_str(), "topic-publisher-seq");
-/// ```
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Layout {
-    /// Any frames; no sequence.
-    #[default]
-    Raw,
-    /// `[topic, seq u64be, payload…]` (vLLM / SGLang engines).
-    TopicSeq,
-    /// `[topic, publisher_id u64be, seq u64be, payload…]` (our `EventPublisher`, the
-    /// shape of Dynamo's event plane).
-    TopicPublisherSeq,
-}
-
-impl Layout {
-    /// The wire spelling used by the examples' `--layout` flag.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Layout::Raw => "raw",
-            Layout::TopicSeq => "topic-seq",
-            Layout::TopicPublisherSeq => "topic-publisher-seq",
-        }
-    }
-}
 
 /// Everything a [`DynamicSubscriber`](super::DynamicSubscriber) needs; built by
 /// [`DynamicSubscriberBuilder`](super::DynamicSubscriberBuilder), whose setters

@@ -62,7 +62,7 @@ use futures_core::Stream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-pub use config::Layout;
+pub use crate::wire::Layout;
 pub use stats::{PublisherStats, SubscriberStats};
 
 use crate::discovery::{ChannelId, Discovery, Instance, Query};
@@ -95,6 +95,7 @@ use worker::DeliveryLane;
 /// assert_eq!(delivery.source.id.publisher_id(), publisher.publisher_id());
 /// assert_eq!(delivery.sequence, Some(0));
 /// assert_eq!(delivery.message.get(3).map(|p| &p[..]), Some(&b"payload"[..]));
+/// assert_eq!(delivery.payload().as_deref(), Some(&b"payload"[..]));
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
@@ -106,6 +107,81 @@ pub struct Delivery {
     pub sequence: Option<u64>,
     /// The message (all frames).
     pub message: Message,
+    /// Where the layout placed the payload (see [`payload`](Self::payload)).
+    payload_at: Option<PayloadAt>,
+}
+
+/// A payload's place in its message: 12 bytes instead of a 32-byte `Bytes` handle in
+/// every queued delivery.
+#[derive(Debug, Clone, Copy)]
+struct PayloadAt {
+    frame: u32,
+    start: u32,
+    len: u32,
+}
+
+impl Delivery {
+    pub(crate) fn new(
+        source: Arc<Instance>,
+        sequence: Option<u64>,
+        message: Message,
+        payload: Option<&Bytes>,
+    ) -> Delivery {
+        let payload_at = payload.and_then(|p| {
+            // The payload is a slice of one of the message's frames: find which.
+            let at = p.as_ptr() as usize;
+            message.parts().iter().enumerate().find_map(|(i, f)| {
+                let start = at.checked_sub(f.as_ptr() as usize)?;
+                (start + p.len() <= f.len()).then_some(PayloadAt {
+                    frame: u32::try_from(i).ok()?,
+                    start: u32::try_from(start).ok()?,
+                    len: u32::try_from(p.len()).ok()?,
+                })
+            })
+        });
+        Delivery {
+            source,
+            sequence,
+            message,
+            payload_at,
+        }
+    }
+
+    /// The payload as the layout places it: the first payload frame, or for
+    /// [`Layout::Dynamo`] the envelope's payload, sharing the message's buffer.
+    /// `None` for [`Layout::Raw`].
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
+    /// # use eventplane::publish::EventPublisher;
+    /// # use eventplane::subscriber::{DynamicSubscriber, Layout};
+    /// use eventplane::wire::Wire;
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    /// let mut sub = DynamicSubscriber::builder(discovery.clone(), Query::new("ns"))
+    ///     .topic("kv-events")
+    ///     .layout(Layout::Dynamo)
+    ///     .spawn();
+    /// let publisher = EventPublisher::builder(discovery, "ns", "c", "kv-events")
+    ///     .wire(Wire::Dynamo)
+    ///     .build()
+    ///     .await?;
+    /// publisher.wait_for_subscribers(1).await;
+    /// publisher.publish("payload");
+    /// let delivery = sub.recv().await.ok_or("stopped")?;
+    /// assert_eq!(delivery.sequence, Some(1)); // Dynamo counts from 1
+    /// assert_eq!(delivery.payload().as_deref(), Some(&b"payload"[..]));
+    /// # Ok(()) }
+    /// ```
+    pub fn payload(&self) -> Option<Bytes> {
+        let at = self.payload_at?;
+        let frame = self.message.get(usize::try_from(at.frame).ok()?)?;
+        let start = usize::try_from(at.start).ok()?;
+        let end = start.checked_add(usize::try_from(at.len).ok()?)?;
+        (end <= frame.len()).then(|| frame.slice(start..end))
+    }
 }
 
 /// Builds a [`DynamicSubscriber`]; every setter names its default.

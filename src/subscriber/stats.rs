@@ -4,6 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::discovery::ChannelId;
 use crate::lossy::LaneStats;
+use crate::wire::{MalformedCounters, MalformedStats};
 
 /// Counters of one publisher (or, in [`SubscriberStats::total`], of all).
 ///
@@ -25,8 +26,12 @@ pub struct PublisherStats {
     pub dropped_budget: u64,
     /// Dropped: frame 0 was not exactly the configured topic.
     pub dropped_filtered_topic: u64,
-    /// Dropped: the message did not fit the configured layout.
+    /// Dropped: the message did not fit the configured layout (the sum of
+    /// [`malformed`](Self::malformed)).
     pub dropped_malformed: u64,
+    /// The malformed messages by reason (frames, Dynamo header, length, envelope,
+    /// identity).
+    pub malformed: MalformedStats,
     /// Sequence jumps seen.
     pub gaps: u64,
     /// Messages missing in those jumps.
@@ -57,6 +62,7 @@ impl PublisherStats {
         sum(&mut self.dropped_budget, o.dropped_budget);
         sum(&mut self.dropped_filtered_topic, o.dropped_filtered_topic);
         sum(&mut self.dropped_malformed, o.dropped_malformed);
+        self.malformed.add(&o.malformed);
         sum(&mut self.gaps, o.gaps);
         sum(&mut self.gap_messages, o.gap_messages);
         sum(&mut self.sequence_resets, o.sequence_resets);
@@ -123,6 +129,7 @@ pub(crate) struct Counters {
     pub(crate) bytes: AtomicU64,
     pub(crate) filtered_topic: AtomicU64,
     pub(crate) malformed: AtomicU64,
+    pub(crate) malformed_by_reason: MalformedCounters,
     pub(crate) gaps: AtomicU64,
     pub(crate) gap_messages: AtomicU64,
     pub(crate) sequence_resets: AtomicU64,
@@ -146,6 +153,7 @@ impl Counters {
             dropped_budget: lane.dropped_budget,
             dropped_filtered_topic: l(&self.filtered_topic),
             dropped_malformed: l(&self.malformed),
+            malformed: self.malformed_by_reason.snapshot(),
             gaps: l(&self.gaps),
             gap_messages: l(&self.gap_messages),
             sequence_resets: l(&self.sequence_resets),

@@ -7,17 +7,17 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::config::{Config, Layout};
+use super::config::Config;
 use super::stats::Counters;
 use super::{Delivery, PublisherCell, Shared};
 use crate::discovery::{ChannelId, DiscoveryEvent, Instance};
 use crate::lossy::{Lane, Merge};
-use crate::net::{Backoff, SeqStep, SeqTracker, random_unit};
-use crate::zmtp::{Error as ZmtpError, Message, SubSocket};
+use crate::net::{Backoff, random_unit};
+use crate::wire::{MalformedStats, SeqStep, SeqTracker, WireError};
+use crate::zmtp::{Error as ZmtpError, SubSocket};
 
 /// After discovery removes a publisher, its connection keeps reading for up to this
 /// long (or until the publisher closes it), so messages already sent are delivered.
@@ -247,7 +247,7 @@ async fn run_connection(
     drain: &CancellationToken,
 ) {
     let mut backoff = Backoff::new(config.reconnect_min, config.reconnect_max);
-    let mut seq = SeqTracker::default();
+    let mut seq = SeqTracker::starting_at(config.layout.first_sequence());
     let mut connected_before = false;
     while !cancel.is_cancelled() && !drain.is_cancelled() {
         let started = tokio::time::Instant::now();
@@ -357,13 +357,14 @@ async fn connect_and_read(
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         let mut bytes = 0u64;
-        let (mut filtered, mut malformed) = (0u64, 0u64);
+        let mut filtered = 0u64;
+        let mut malformed = MalformedStats::default();
         for message in batch.drain(..) {
             let size = message.byte_len();
             bytes += size as u64;
-            match parse(config.layout, config.topic.as_ref(), &message) {
-                Parsed::Ok(sequence) => {
-                    if let Some(s) = sequence {
+            match config.layout.parse(config.topic.as_deref(), &message) {
+                Ok(framed) => {
+                    if let Some(s) = framed.sequence {
                         match seq.observe(s) {
                             SeqStep::InOrder => {}
                             SeqStep::Gap(missing) => {
@@ -374,25 +375,30 @@ async fn connect_and_read(
                         }
                     }
                     out.push((
-                        Delivery {
-                            source: source.clone(),
-                            sequence,
+                        Delivery::new(
+                            source.clone(),
+                            framed.sequence,
                             message,
-                        },
+                            framed.payload.as_ref(),
+                        ),
                         size,
                     ));
                 }
-                Parsed::WrongTopic => filtered += 1,
-                Parsed::Malformed => malformed += 1,
+                Err(WireError::WrongTopic) => filtered += 1,
+                Err(e) => malformed.count(&e),
             }
         }
+        let malformed_total = malformed.total();
         Counters::add(
             &counters.received,
-            (out.len() as u64) + filtered + malformed,
+            (out.len() as u64) + filtered + malformed_total,
         );
         Counters::add(&counters.bytes, bytes);
         Counters::add(&counters.filtered_topic, filtered);
-        Counters::add(&counters.malformed, malformed);
+        if malformed_total > 0 {
+            Counters::add(&counters.malformed, malformed_total);
+            counters.malformed_by_reason.add(&malformed);
+        }
         if !out.is_empty() {
             let dropped = cell.lane.push_many(out.drain(..));
             if dropped > 0 {
@@ -429,71 +435,5 @@ async fn dial(
     Ok(sub)
 }
 
-/// How one message fits the layout.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Parsed {
-    Ok(Option<u64>),
-    WrongTopic,
-    Malformed,
-}
-
-/// Checks `message` against `layout` and the exact `topic`; returns its sequence.
-pub(crate) fn parse(layout: Layout, topic: Option<&Bytes>, message: &Message) -> Parsed {
-    if let Some(topic) = topic {
-        if message.get(0) != Some(topic) {
-            return Parsed::WrongTopic;
-        }
-    }
-    let u64_at = |i: usize| -> Option<u64> {
-        let frame = message.get(i)?;
-        Some(u64::from_be_bytes(frame.as_ref().try_into().ok()?))
-    };
-    match layout {
-        Layout::Raw => Parsed::Ok(None),
-        Layout::TopicSeq => match (message.len() >= 3, u64_at(1)) {
-            (true, Some(seq)) => Parsed::Ok(Some(seq)),
-            _ => Parsed::Malformed,
-        },
-        Layout::TopicPublisherSeq => match (message.len() >= 4, u64_at(1), u64_at(2)) {
-            (true, Some(_publisher), Some(seq)) => Parsed::Ok(Some(seq)),
-            _ => Parsed::Malformed,
-        },
-    }
-}
-
 /// Lane handles are per publisher; a type alias keeps signatures short.
 pub(crate) type DeliveryLane = Lane<Delivery>;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn layouts_and_exact_topic() {
-        let seq = Bytes::copy_from_slice(&7u64.to_be_bytes());
-        let pid = Bytes::copy_from_slice(&1u64.to_be_bytes());
-        let kv = Bytes::from_static(b"kv");
-        let m3 = Message::from_parts([kv.clone(), seq.clone(), Bytes::from_static(b"p")]);
-        let m4 = Message::from_parts([kv.clone(), pid, seq.clone(), Bytes::from_static(b"p")]);
-        assert_eq!(parse(Layout::TopicSeq, Some(&kv), &m3), Parsed::Ok(Some(7)));
-        assert_eq!(
-            parse(Layout::TopicPublisherSeq, Some(&kv), &m4),
-            Parsed::Ok(Some(7))
-        );
-        assert_eq!(
-            parse(Layout::TopicPublisherSeq, None, &m3),
-            Parsed::Malformed
-        );
-        assert_eq!(parse(Layout::Raw, None, &m3), Parsed::Ok(None));
-        let extra = Message::from_parts([Bytes::from_static(b"kv-extra"), seq, Bytes::new()]);
-        assert_eq!(
-            parse(Layout::TopicSeq, Some(&kv), &extra),
-            Parsed::WrongTopic
-        );
-        let short = Message::from_parts([kv.clone(), Bytes::from_static(b"1234567")]);
-        assert_eq!(
-            parse(Layout::TopicSeq, Some(&kv), &short),
-            Parsed::Malformed
-        );
-    }
-}

@@ -1,0 +1,342 @@
+//! Dynamo's event-plane frame: `0x01`, a `u32` big-endian length, then a msgpack
+//! envelope `{publisher_id, sequence, published_at, topic, payload: bin}` (DESIGN §8).
+//! Pure functions over bytes; everything a hostile frame can reach is tested here.
+
+use super::WireError;
+use crate::msgpack::{self, Value};
+
+/// The first byte of every Dynamo event frame (its format version).
+///
+/// ```
+/// assert_eq!(eventplane::wire::DYNAMO_FRAME_VERSION, 0x01);
+/// ```
+pub const DYNAMO_FRAME_VERSION: u8 = 0x01;
+
+/// Bytes before the envelope: the version and the envelope's length.
+const HEADER_LEN: usize = 5;
+
+/// Most msgpack elements an envelope may hold. Dynamo's has 6 (its map and five
+/// fields); the rest leaves room for fields later releases add, while a hostile
+/// envelope cannot make the decoder build more than this many values.
+///
+/// ```
+/// assert_eq!(eventplane::wire::MAX_ENVELOPE_ELEMENTS, 256);
+/// ```
+pub const MAX_ENVELOPE_ELEMENTS: usize = 256;
+
+/// A decoded Dynamo envelope, borrowing from the frame.
+///
+/// ```
+/// use eventplane::wire::{encode_dynamo_frame, parse_dynamo_frame};
+/// let mut frame = Vec::new();
+/// encode_dynamo_frame("kv-events", 42, 7, 1_700_000_000_000, b"payload", &mut frame);
+/// let envelope = parse_dynamo_frame(&frame)?;
+/// assert_eq!((envelope.topic, envelope.publisher_id, envelope.sequence), ("kv-events", 42, 7));
+/// assert_eq!(envelope.published_at, Some(1_700_000_000_000));
+/// assert_eq!(envelope.payload, b"payload");
+/// # Ok::<(), eventplane::wire::WireError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DynamoEnvelope<'a> {
+    /// The topic the envelope names (must equal frame 0).
+    pub topic: &'a str,
+    /// The publisher id the envelope names (must equal frame 1).
+    pub publisher_id: u64,
+    /// The sequence the envelope names (must equal frame 2).
+    pub sequence: u64,
+    /// Milliseconds since the Unix epoch at publication, when present.
+    pub published_at: Option<u64>,
+    /// The payload: for `kv-events`, a msgpack list of router events.
+    pub payload: &'a [u8],
+}
+
+/// Appends one Dynamo event frame to `out`: the version byte, the envelope length and
+/// the envelope, with its fields in the order a Dynamo 1.6.1 worker writes them and
+/// every integer in its shortest msgpack form (so the bytes equal Dynamo's own).
+///
+/// ```
+/// use eventplane::wire::encode_dynamo_frame;
+/// let mut frame = Vec::new();
+/// encode_dynamo_frame("t", 1, 2, 3, b"", &mut frame);
+/// assert_eq!(frame[0], 0x01);
+/// assert_eq!(u32::from_be_bytes(frame[1..5].try_into().unwrap()) as usize, frame.len() - 5);
+/// ```
+pub fn encode_dynamo_frame(
+    topic: &str,
+    publisher_id: u64,
+    sequence: u64,
+    published_at: u64,
+    payload: &[u8],
+    out: &mut Vec<u8>,
+) {
+    let start = out.len();
+    out.push(DYNAMO_FRAME_VERSION);
+    out.extend_from_slice(&[0; 4]);
+    out.push(0x85); // a map of five entries
+    write_str(out, "publisher_id");
+    write_uint(out, publisher_id);
+    write_str(out, "sequence");
+    write_uint(out, sequence);
+    write_str(out, "published_at");
+    write_uint(out, published_at);
+    write_str(out, "topic");
+    write_str(out, topic);
+    write_str(out, "payload");
+    write_bin(out, payload);
+    let envelope = out.len() - start - HEADER_LEN;
+    // Envelopes over 4 GiB cannot be framed; the length saturates and any reader
+    // rejects the frame (a length mismatch) rather than misreading it.
+    let len = u32::try_from(envelope).unwrap_or(u32::MAX).to_be_bytes();
+    if let Some(slot) = out.get_mut(start + 1..start + HEADER_LEN) {
+        slot.copy_from_slice(&len);
+    }
+}
+
+/// Parses one Dynamo event frame. Unknown envelope fields are ignored; a frame whose
+/// header, length or envelope is wrong gives the matching [`WireError`]. Never panics
+/// and never allocates from a length the frame declares.
+///
+/// ```
+/// use eventplane::wire::{parse_dynamo_frame, WireError};
+/// assert!(matches!(parse_dynamo_frame(b"\x02\0\0\0\0"), Err(WireError::Header { .. })));
+/// assert!(matches!(parse_dynamo_frame(b"\x01\0\0\0\x09\x80"), Err(WireError::Length { declared: 9, actual: 1 })));
+/// assert!(matches!(parse_dynamo_frame(b"\x01\0\0\0\x01\x80"), Err(WireError::Envelope(_))));
+/// ```
+pub fn parse_dynamo_frame(frame: &[u8]) -> Result<DynamoEnvelope<'_>, WireError> {
+    let (Some(&version), Some(len), Some(envelope)) = (
+        frame.first(),
+        frame.get(1..HEADER_LEN),
+        frame.get(HEADER_LEN..),
+    ) else {
+        return Err(WireError::Header {
+            version: frame.first().copied(),
+        });
+    };
+    if version != DYNAMO_FRAME_VERSION {
+        return Err(WireError::Header {
+            version: Some(version),
+        });
+    }
+    let declared = len
+        .try_into()
+        .map(u32::from_be_bytes)
+        .map_err(|_| WireError::Header {
+            version: Some(version),
+        })?;
+    if usize::try_from(declared).ok() != Some(envelope.len()) {
+        return Err(WireError::Length {
+            declared: u64::from(declared),
+            actual: envelope.len() as u64,
+        });
+    }
+    let value = msgpack::parse(envelope, MAX_ENVELOPE_ELEMENTS)
+        .map_err(|_| WireError::Envelope("not one msgpack value within the limits"))?;
+    if !matches!(value, Value::Map(_)) {
+        return Err(WireError::Envelope("not a map"));
+    }
+    let topic = value
+        .get("topic")
+        .and_then(Value::as_str)
+        .ok_or(WireError::Envelope("topic missing or not a string"))?;
+    let publisher_id =
+        value
+            .get("publisher_id")
+            .and_then(Value::as_u64)
+            .ok_or(WireError::Envelope(
+                "publisher_id missing or not an unsigned integer",
+            ))?;
+    let sequence = value
+        .get("sequence")
+        .and_then(Value::as_u64)
+        .ok_or(WireError::Envelope(
+            "sequence missing or not an unsigned integer",
+        ))?;
+    let published_at = value.get("published_at").and_then(Value::as_u64);
+    let payload = match value.get("payload") {
+        Some(Value::Bin(b)) => *b,
+        _ => return Err(WireError::Envelope("payload missing or not binary")),
+    };
+    Ok(DynamoEnvelope {
+        topic,
+        publisher_id,
+        sequence,
+        published_at,
+        payload,
+    })
+}
+
+fn write_uint(out: &mut Vec<u8>, v: u64) {
+    match v {
+        0..=0x7f => out.push(v as u8),
+        0x80..=0xff => out.extend_from_slice(&[0xcc, v as u8]),
+        0x100..=0xffff => {
+            out.push(0xcd);
+            out.extend_from_slice(&(v as u16).to_be_bytes());
+        }
+        0x1_0000..=0xffff_ffff => {
+            out.push(0xce);
+            out.extend_from_slice(&(v as u32).to_be_bytes());
+        }
+        _ => {
+            out.push(0xcf);
+            out.extend_from_slice(&v.to_be_bytes());
+        }
+    }
+}
+
+fn write_str(out: &mut Vec<u8>, s: &str) {
+    let len = s.len();
+    match len {
+        0..=31 => out.push(0xa0 | len as u8),
+        32..=0xff => out.extend_from_slice(&[0xd9, len as u8]),
+        0x100..=0xffff => {
+            out.push(0xda);
+            out.extend_from_slice(&(len as u16).to_be_bytes());
+        }
+        _ => {
+            out.push(0xdb);
+            out.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
+        }
+    }
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn write_bin(out: &mut Vec<u8>, b: &[u8]) {
+    let len = b.len();
+    match len {
+        0..=0xff => out.extend_from_slice(&[0xc4, len as u8]),
+        0x100..=0xffff => {
+            out.push(0xc5);
+            out.extend_from_slice(&(len as u16).to_be_bytes());
+        }
+        _ => {
+            out.push(0xc6);
+            out.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
+        }
+    }
+    out.extend_from_slice(b);
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+    use super::*;
+
+    #[test]
+    fn integers_strings_and_binaries_take_their_shortest_form() {
+        let cases: [(u64, &[u8]); 6] = [
+            (0x7f, &[0x7f]),
+            (0x80, &[0xcc, 0x80]),
+            (0x100, &[0xcd, 1, 0]),
+            (0x1_0000, &[0xce, 0, 1, 0, 0]),
+            (0x1_0000_0000, &[0xcf, 0, 0, 0, 1, 0, 0, 0, 0]),
+            (
+                u64::MAX,
+                &[0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff],
+            ),
+        ];
+        for (v, want) in cases {
+            let mut out = Vec::new();
+            write_uint(&mut out, v);
+            assert_eq!(out, want, "{v:#x}");
+        }
+        for (len, marker) in [(31, 0xa0 | 31), (32, 0xd9), (256, 0xda), (65536, 0xdb)] {
+            let mut out = Vec::new();
+            write_str(&mut out, &"x".repeat(len));
+            assert_eq!(out[0], marker, "str of {len}");
+        }
+        for (len, marker) in [(255, 0xc4), (256, 0xc5), (65536, 0xc6)] {
+            let mut out = Vec::new();
+            write_bin(&mut out, &vec![0; len]);
+            assert_eq!(out[0], marker, "bin of {len}");
+        }
+    }
+
+    #[test]
+    fn round_trip_and_unknown_fields() {
+        let mut frame = Vec::new();
+        let big = vec![7u8; 70_000];
+        encode_dynamo_frame("kv-events", u64::MAX >> 11, 1 << 40, 5, &big, &mut frame);
+        let e = parse_dynamo_frame(&frame).unwrap();
+        assert_eq!(e.publisher_id, u64::MAX >> 11);
+        assert_eq!(e.sequence, 1 << 40);
+        assert_eq!(e.payload, &big[..]);
+        // A later release adds a field (and drops published_at): still decodes.
+        let env = b"\x85\xa5topic\xa1t\xacpublisher_id\x01\xa8sequence\x02\xa7payload\xc4\x00\xa5extra\x92\x01\x02";
+        let mut frame = vec![1, 0, 0, 0, env.len() as u8];
+        frame.extend_from_slice(env);
+        let e = parse_dynamo_frame(&frame).unwrap();
+        assert_eq!(
+            (e.topic, e.publisher_id, e.sequence, e.published_at),
+            ("t", 1, 2, None)
+        );
+    }
+
+    #[test]
+    fn hostile_frames_get_the_named_error() {
+        let mut good = Vec::new();
+        encode_dynamo_frame("t", 1, 2, 3, b"p", &mut good);
+        assert!(parse_dynamo_frame(&good).is_ok());
+        let header = |v| WireError::Header { version: v };
+        let mut longer = good.clone();
+        longer.push(0);
+        let mut forged = good.clone();
+        forged[1..5].copy_from_slice(&u32::MAX.to_be_bytes());
+        let mut wrong_version = good.clone();
+        wrong_version[0] = 2;
+        let cases: Vec<(Vec<u8>, WireError)> = vec![
+            (vec![], header(None)),
+            (vec![1, 0, 0, 0], header(Some(1))),
+            (wrong_version, header(Some(2))),
+            (
+                longer.clone(),
+                WireError::Length {
+                    declared: (good.len() - 5) as u64,
+                    actual: (longer.len() - 5) as u64,
+                },
+            ),
+            (
+                good[..good.len() - 1].to_vec(),
+                WireError::Length {
+                    declared: (good.len() - 5) as u64,
+                    actual: (good.len() - 6) as u64,
+                },
+            ),
+            (
+                forged,
+                WireError::Length {
+                    declared: u64::from(u32::MAX),
+                    actual: (good.len() - 5) as u64,
+                },
+            ),
+        ];
+        for (frame, want) in cases {
+            assert_eq!(
+                parse_dynamo_frame(&frame).unwrap_err(),
+                want,
+                "{frame:02x?}"
+            );
+        }
+        let envelope = |env: &[u8]| {
+            let mut f = vec![1];
+            f.extend_from_slice(&(env.len() as u32).to_be_bytes());
+            f.extend_from_slice(env);
+            parse_dynamo_frame(&f).unwrap_err()
+        };
+        let field_errors: [&[u8]; 6] = [
+            b"\x91\x01",                                                                  // not a map
+            b"\x81\xa5topic\xa1t", // ids missing
+            b"\x84\xa5topic\x01\xacpublisher_id\x01\xa8sequence\x02\xa7payload\xc4\x00", // topic not a string
+            b"\x84\xa5topic\xa1t\xacpublisher_id\xff\xa8sequence\x02\xa7payload\xc4\x00", // negative id
+            b"\x84\xa5topic\xa1t\xacpublisher_id\x01\xa8sequence\x02\xa7payload\xa0", // payload a string
+            b"\xdf\xff\xff\xff\xff", // forged map length
+        ];
+        for env in field_errors {
+            assert!(
+                matches!(envelope(env), WireError::Envelope(_)),
+                "{env:02x?}"
+            );
+        }
+    }
+}

@@ -47,7 +47,9 @@ mod watch;
 pub use error::DiscoveryError;
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
-pub use etcd::{DEFAULT_PREFIX, EtcdDiscovery, EtcdDiscoveryBuilder, EtcdState};
+pub use etcd::{
+    DEFAULT_PREFIX, DynamoRecords, EtcdDiscovery, EtcdDiscoveryBuilder, EtcdState, RecordFormat,
+};
 #[cfg(feature = "test-support")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-support")))]
 pub use fault::{FaultControl, FaultDiscovery};

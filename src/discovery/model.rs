@@ -147,7 +147,7 @@ fn hex_digit(n: u8) -> char {
     char::from(if n < 10 { b'0' + n } else { b'A' + n - 10 })
 }
 
-fn decode_segment(seg: &str) -> Result<String, DiscoveryError> {
+pub(crate) fn decode_segment(seg: &str) -> Result<String, DiscoveryError> {
     let mut out = Vec::with_capacity(seg.len());
     let mut bytes = seg.bytes();
     while let Some(b) = bytes.next() {

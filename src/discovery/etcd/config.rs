@@ -27,6 +27,7 @@ pub(crate) struct EtcdConfig {
     pub(crate) backoff_min: Duration,
     pub(crate) backoff_max: Duration,
     pub(crate) credentials: Option<(String, Password)>,
+    pub(crate) format: super::RecordFormat,
 }
 
 /// A password that never shows in `Debug` output.
@@ -53,6 +54,7 @@ impl EtcdConfig {
             backoff_min: Duration::from_millis(250),
             backoff_max: Duration::from_secs(5),
             credentials: None,
+            format: super::RecordFormat::EventPlane,
         }
     }
 

@@ -1,6 +1,7 @@
 //! `EtcdDiscovery`: the distributed backend (feature `etcd`).
 
 mod config;
+mod dynamo;
 mod error;
 mod lease;
 mod record;
@@ -21,8 +22,10 @@ use tracing::{Instrument, debug, info, warn};
 
 pub use config::DEFAULT_PREFIX;
 use config::EtcdConfig;
+pub use dynamo::DynamoRecords;
 use error::{EtcdRequestError, failed, unavailable};
 use lease::Maintainer;
+pub use record::RecordFormat;
 use record::{Keys, RecordError, prefix_end};
 use registry::{PendingKind, PendingOp, Session, SignalOnDrop};
 
@@ -138,6 +141,28 @@ impl EtcdDiscoveryBuilder {
     /// [`DEFAULT_PREFIX`] (`/eventplane`). Must start with `/` and not end with one.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.config.prefix = prefix.into();
+        self
+    }
+
+    /// Which records to read and write: ours ([`RecordFormat::EventPlane`], the
+    /// default) or Dynamo's ([`RecordFormat::Dynamo`]: `v1/event_channels/…` with
+    /// `v1/event_sources/…` beside each registration, both under the lease), to
+    /// follow Dynamo workers or to be followed by a Dynamo router.
+    ///
+    /// ```no_run
+    /// use eventplane::discovery::{DynamoRecords, EtcdDiscovery, RecordFormat};
+    /// # #[tokio::main]
+    /// # async fn main() -> Result<(), eventplane::discovery::DiscoveryError> {
+    /// // A worker: its registrations are what a Dynamo 1.6 worker would write.
+    /// let discovery = EtcdDiscovery::builder(["http://127.0.0.1:2379"])
+    ///     .record_format(RecordFormat::Dynamo(DynamoRecords::new().endpoint("generate").worker(77, 0)))
+    ///     .connect()
+    ///     .await?;
+    /// # let _ = discovery;
+    /// # Ok(()) }
+    /// ```
+    pub fn record_format(mut self, format: RecordFormat) -> Self {
+        self.config.format = format;
         self
     }
 
@@ -304,8 +329,12 @@ impl Shared {
         self.client.clone()
     }
 
-    /// Counts and logs (rate-limited) a skipped record.
+    /// Counts and logs (rate-limited) a skipped record; a record of another Dynamo
+    /// endpoint is not followed, not malformed.
     pub(crate) fn skipped(&self, key: &[u8], err: &RecordError) {
+        if *err == RecordError::Unfollowed {
+            return;
+        }
         self.counters.malformed.fetch_add(1, Ordering::Relaxed);
         if let Some(suppressed) = self.warn.check("malformed", std::time::Instant::now()) {
             warn!(
@@ -461,7 +490,7 @@ impl EtcdDiscovery {
             }
         };
         let (state, _) = state_watch::channel(EtcdState::Live);
-        let keys = Keys::new(&config.prefix);
+        let keys = Keys::new(&config.prefix, &config.format);
         let mut shared = Shared {
             client,
             keys,

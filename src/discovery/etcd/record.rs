@@ -11,8 +11,9 @@ use std::borrow::Cow;
 
 use serde::{Deserialize, Serialize};
 
+use super::dynamo::DynamoRecords;
 use crate::discovery::model::encode_segment;
-use crate::discovery::{ChannelId, Instance, Query, Transport};
+use crate::discovery::{ChannelId, DiscoveryError, Instance, Query, Transport};
 
 /// Why a record was skipped.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -31,6 +32,32 @@ pub(crate) enum RecordError {
     UnsupportedTransport(String),
     #[error("revision {0} is not positive")]
     BadRevision(i64),
+    #[error("unsupported scope kind {0:?}")]
+    UnsupportedScope(String),
+    /// A well-formed key this backend does not follow (another Dynamo endpoint):
+    /// neither an error nor counted.
+    #[error("not followed")]
+    Unfollowed,
+}
+
+/// Which records an [`EtcdDiscovery`](super::EtcdDiscovery) reads and writes.
+///
+/// ```
+/// use eventplane::discovery::{DynamoRecords, RecordFormat};
+/// assert_eq!(RecordFormat::default(), RecordFormat::EventPlane);
+/// let dynamo = RecordFormat::Dynamo(DynamoRecords::new().endpoint("generate").worker(77, 0));
+/// # let _ = dynamo;
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RecordFormat {
+    /// Ours: `{prefix}/v1/channels/{ns}/{component}/{topic}/{publisher_id:x}` with
+    /// the documented JSON value.
+    #[default]
+    EventPlane,
+    /// Dynamo's `v1/event_channels/…` (+ `v1/event_sources/…` when registering); the
+    /// prefix setting does not apply (Dynamo's keys have none).
+    Dynamo(DynamoRecords),
 }
 
 #[derive(Serialize, Deserialize)]
@@ -60,33 +87,82 @@ struct RecordTransport<'a> {
     endpoint: Cow<'a, str>,
 }
 
-/// Key layout under one prefix.
+/// Key layout under one prefix, in one record format.
 #[derive(Debug, Clone)]
 pub(crate) struct Keys {
     /// `{prefix}/v1/channels/`
     root: String,
+    dynamo: Option<DynamoRecords>,
+}
+
+/// What a registration writes: its key and value, and for Dynamo the
+/// `event_sources` record beside it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub(crate) key: String,
+    pub(crate) value: String,
+    pub(crate) companion: Option<(String, String)>,
 }
 
 impl Keys {
     /// `prefix` must already be validated (non-empty, no trailing `/`).
-    pub(crate) fn new(prefix: &str) -> Keys {
+    pub(crate) fn new(prefix: &str, format: &RecordFormat) -> Keys {
         Keys {
             root: format!("{prefix}/v1/channels/"),
+            dynamo: match format {
+                RecordFormat::Dynamo(d) => Some(d.clone()),
+                RecordFormat::EventPlane => None,
+            },
         }
     }
 
-    /// `{prefix}/v1/channels/`: every key lives under it.
+    /// Every followed key lives under it.
     pub(crate) fn root(&self) -> &str {
-        &self.root
+        match &self.dynamo {
+            Some(d) => d.root(),
+            None => &self.root,
+        }
     }
 
-    pub(crate) fn key(&self, id: &ChannelId) -> String {
-        format!("{}{}", self.root, id.to_path())
+    /// What registering `id` at `transport` writes.
+    pub(crate) fn entry(
+        &self,
+        id: &ChannelId,
+        transport: &Transport,
+    ) -> Result<Entry, DiscoveryError> {
+        match &self.dynamo {
+            None => Ok(Entry {
+                key: format!("{}{}", self.root, id.to_path()),
+                value: encode_value(id, transport),
+                companion: None,
+            }),
+            Some(d) => {
+                if let Some(e) = d.registration_error() {
+                    return Err(e);
+                }
+                let key = d.key(id);
+                let (value, source) = d.encode(id, transport);
+                let companion = d.source_key(&key).map(|k| (k, source));
+                Ok(Entry {
+                    key,
+                    value,
+                    companion,
+                })
+            }
+        }
+    }
+
+    /// The key written beside `key`, if any (Dynamo's `event_sources` record).
+    pub(crate) fn companion_key(&self, key: &str) -> Option<String> {
+        self.dynamo.as_ref().and_then(|d| d.source_key(key))
     }
 
     /// The narrowest key prefix covering `query` (topic without component is filtered
     /// client-side by [`Query::matches`]).
     pub(crate) fn query_prefix(&self, query: &Query) -> String {
+        if let Some(d) = &self.dynamo {
+            return d.query_prefix(query);
+        }
         let mut out = self.root.clone();
         encode_segment(query.namespace_filter(), &mut out);
         out.push('/');
@@ -103,6 +179,9 @@ impl Keys {
 
     /// The id a key names.
     pub(crate) fn id_of(&self, key: &[u8]) -> Result<ChannelId, RecordError> {
+        if let Some(d) = &self.dynamo {
+            return d.id_of(key).map(|(id, _)| id);
+        }
         let rest = key
             .strip_prefix(self.root.as_bytes())
             .ok_or(RecordError::ForeignKey)?;
@@ -119,7 +198,13 @@ impl Keys {
         mod_revision: i64,
         max_value: usize,
     ) -> Result<Instance, RecordError> {
-        let id = self.id_of(key)?;
+        let (id, endpoint) = match &self.dynamo {
+            Some(d) => {
+                let (id, endpoint) = d.id_of(key)?;
+                (id, Some(endpoint))
+            }
+            None => (self.id_of(key)?, None),
+        };
         if value.len() > max_value {
             return Err(RecordError::TooLarge {
                 len: value.len(),
@@ -130,6 +215,10 @@ impl Keys {
             .ok()
             .filter(|&r| r > 0)
             .ok_or(RecordError::BadRevision(mod_revision))?;
+        if let (Some(d), Some(endpoint)) = (&self.dynamo, endpoint) {
+            let transport = d.parse_value(&id, &endpoint, value)?;
+            return Ok(Instance::new(id, transport, incarnation));
+        }
         let record: Record<'_> =
             serde_json::from_slice(value).map_err(|e| RecordError::BadValue(e.to_string()))?;
         let value_id = ChannelId::new(
@@ -158,8 +247,8 @@ impl Keys {
     }
 }
 
-/// The JSON value for a registration.
-pub(crate) fn encode_value(id: &ChannelId, transport: &Transport) -> String {
+/// The JSON value for a registration in our format.
+fn encode_value(id: &ChannelId, transport: &Transport) -> String {
     let (kind, endpoint) = match transport {
         Transport::Zmq { endpoint } => ("zmq", endpoint.as_str()),
     };
@@ -200,7 +289,7 @@ mod tests {
     const MAX: usize = 64 * 1024;
 
     fn keys() -> Keys {
-        Keys::new("/eventplane")
+        Keys::new("/eventplane", &RecordFormat::EventPlane)
     }
 
     #[test]
@@ -211,9 +300,16 @@ mod tests {
             value,
             r#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":42},"transport":{"kind":"zmq","endpoint":"tcp://10.0.0.5:41234"}}"#
         );
-        assert_eq!(keys().key(&id), "/eventplane/v1/channels/ns/c/t/2a");
+        let entry = keys()
+            .entry(&id, &Transport::zmq("tcp://10.0.0.5:41234"))
+            .unwrap();
+        assert_eq!(entry.key, "/eventplane/v1/channels/ns/c/t/2a");
+        assert_eq!(
+            (entry.value.as_str(), entry.companion),
+            (value.as_str(), None)
+        );
         let back = keys()
-            .parse(keys().key(&id).as_bytes(), value.as_bytes(), 7, MAX)
+            .parse(entry.key.as_bytes(), value.as_bytes(), 7, MAX)
             .unwrap();
         assert_eq!(
             back,

@@ -12,7 +12,7 @@ use tracing::{debug, warn};
 
 use super::Shared;
 use super::error::{EtcdRequestError, is_lease_not_found, unavailable};
-use super::record::encode_value;
+use super::record::Entry;
 use crate::discovery::{ChannelId, DiscoveryError, Instance, Transport};
 
 #[derive(Debug)]
@@ -26,6 +26,9 @@ pub(super) struct LocalReg {
     pub(super) serial: u64,
     pub(super) key: String,
     pub(super) value: String,
+    /// A record written beside the key, under the same lease and revision (Dynamo's
+    /// `event_sources`): key and value.
+    pub(super) companion: Option<(String, String)>,
     /// The key's current `mod_revision` (changes when the key is put again).
     pub(super) revision: i64,
 }
@@ -109,24 +112,41 @@ impl Shared {
         self.wake.notify_one();
     }
 
-    /// Puts `value` at `key` under `lease`; returns the new `mod_revision`.
+    /// Puts `value` at `key` (and the companion record beside it, in the same
+    /// transaction) under `lease`; returns the new `mod_revision`.
     pub(super) async fn put(
         &self,
         key: &str,
         value: &str,
+        companion: Option<&(String, String)>,
         lease: i64,
     ) -> Result<i64, DiscoveryError> {
         let mut kv = self.client.kv_client();
-        let response = self
-            .request(
-                "put",
-                kv.put(key, value, Some(PutOptions::new().with_lease(lease))),
-            )
-            .await?;
-        response
-            .header()
+        let header = match companion {
+            None => self
+                .request(
+                    "put",
+                    kv.put(key, value, Some(PutOptions::new().with_lease(lease))),
+                )
+                .await?
+                .header()
+                .cloned(),
+            Some(_) => {
+                let txn = Txn::new().and_then(put_ops(key, value, companion, lease));
+                self.request("put", kv.txn(txn)).await?.header().cloned()
+            }
+        };
+        header
             .map(|h| h.revision())
             .ok_or_else(|| unavailable(EtcdRequestError::NoHeader { op: "put" }))
+    }
+
+    /// Deletes `key` and the record beside it.
+    fn delete_ops(&self, key: &str) -> Vec<TxnOp> {
+        std::iter::once(key.to_owned())
+            .chain(self.keys.companion_key(key))
+            .map(|k| TxnOp::delete(k, None))
+            .collect()
     }
 
     pub(super) async fn grant(&self) -> Result<i64, DiscoveryError> {
@@ -147,8 +167,11 @@ impl Shared {
         id: ChannelId,
         transport: Transport,
     ) -> Result<(Instance, u64), DiscoveryError> {
-        let key = self.keys.key(&id);
-        let value = encode_value(&id, &transport);
+        let Entry {
+            key,
+            value,
+            companion,
+        } = self.keys.entry(&id, &transport)?;
         let mut session = self.session.lock().await;
         if self.shutdown.is_cancelled() {
             // `close` revoked the lease while this waited: do not grant a new one.
@@ -157,14 +180,16 @@ impl Shared {
         // Taken under the lock, serials order the puts of one id as etcd applies them
         // (which `clean_abandoned` relies on).
         let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
-        let (revision, cleanup) = match self.put_new(&id, serial, &key, &value, session.lease).await
+        let (revision, cleanup) = match self
+            .put_new(&id, serial, &key, &value, companion.as_ref(), session.lease)
+            .await
         {
             Ok(done) => done,
             Err(e) if is_lease_not_found(&e) => {
                 // The lease is gone: re-grant now (putting every registration again),
                 // then retry once under the new lease.
                 self.regrant(&mut session).await?;
-                self.put_new(&id, serial, &key, &value, session.lease)
+                self.put_new(&id, serial, &key, &value, companion.as_ref(), session.lease)
                     .await?
             }
             Err(e) => return Err(e),
@@ -175,6 +200,7 @@ impl Shared {
                 serial,
                 key,
                 value,
+                companion,
                 revision,
             },
         );
@@ -198,6 +224,7 @@ impl Shared {
         serial: u64,
         key: &str,
         value: &str,
+        companion: Option<&(String, String)>,
         lease: i64,
     ) -> Result<(i64, SignalOnDrop), DiscoveryError> {
         let cleanup = SignalOnDrop::arm(
@@ -212,7 +239,7 @@ impl Shared {
                 },
             },
         );
-        match self.put(key, value, lease).await {
+        match self.put(key, value, companion, lease).await {
             Ok(revision) => Ok((revision, cleanup)),
             Err(e) if is_lease_not_found(&e) || !e.is_transient() => {
                 cleanup.disarm();
@@ -278,7 +305,7 @@ impl Shared {
     ) -> Result<(), DiscoveryError> {
         let txn = Txn::new()
             .when([Compare::mod_revision(key, CompareOp::Equal, revision)])
-            .and_then([TxnOp::delete(key, None)]);
+            .and_then(self.delete_ops(key));
         let mut kv = self.client.kv_client();
         self.request("delete", kv.txn(txn)).await?;
         Ok(())
@@ -315,11 +342,7 @@ impl Shared {
                         Compare::lease(key, CompareOp::Equal, lease),
                         Compare::mod_revision(key, CompareOp::NotEqual, reg.revision),
                     ])
-                    .and_then([TxnOp::put(
-                        key,
-                        reg.value.clone(),
-                        Some(PutOptions::new().with_lease(lease)),
-                    )]);
+                    .and_then(put_ops(key, &reg.value, reg.companion.as_ref(), lease));
                 let response = self.request("restore", kv.txn(txn)).await?;
                 if !response.succeeded() {
                     return Ok(true);
@@ -334,7 +357,7 @@ impl Shared {
             None => {
                 let txn = Txn::new()
                     .when([Compare::lease(key, CompareOp::Equal, lease)])
-                    .and_then([TxnOp::delete(key, None)]);
+                    .and_then(self.delete_ops(key));
                 let response = self.request("delete", kv.txn(txn)).await?;
                 if response.succeeded() {
                     debug!(%id, "the key of an abandoned registration was deleted");
@@ -357,11 +380,12 @@ impl Shared {
                 CompareOp::Equal,
                 reg.revision,
             )])
-            .and_then([TxnOp::put(
-                reg.key.clone(),
-                reg.value.clone(),
-                Some(PutOptions::new().with_lease(orphan)),
-            )]);
+            .and_then(put_ops(
+                &reg.key,
+                &reg.value,
+                reg.companion.as_ref(),
+                orphan,
+            ));
         let mut kv = self.client.kv_client();
         self.request("detach", kv.txn(txn)).await?;
         session.regs.remove(id);
@@ -377,7 +401,9 @@ impl Shared {
         self.counters.lease_losses.fetch_add(1, Ordering::Relaxed);
         let lease = self.grant().await?;
         for (id, reg) in session.regs.iter_mut() {
-            reg.revision = self.put(&reg.key, &reg.value, lease).await?;
+            reg.revision = self
+                .put(&reg.key, &reg.value, reg.companion.as_ref(), lease)
+                .await?;
             debug!(%id, revision = reg.revision, "registration put again under the new lease");
         }
         session.lease = lease;
@@ -453,4 +479,12 @@ impl Shared {
         }
         outcome
     }
+}
+
+/// Puts `value` at `key`, and the companion record beside it, under `lease`.
+fn put_ops(key: &str, value: &str, companion: Option<&(String, String)>, lease: i64) -> Vec<TxnOp> {
+    std::iter::once((key, value))
+        .chain(companion.map(|(k, v)| (k.as_str(), v.as_str())))
+        .map(|(k, v)| TxnOp::put(k, v, Some(PutOptions::new().with_lease(lease))))
+        .collect()
 }

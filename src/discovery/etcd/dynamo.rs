@@ -1,0 +1,497 @@
+//! Dynamo's discovery records (DESIGN §8), as a Dynamo 1.6.1 worker writes them.
+//! Pure functions, no I/O.
+//!
+//! - `v1/event_channels/namespace/{ns}/component/{c}/endpoint/{e}/topic/{t}/{id:x}`:
+//!   `{"type":"EventChannel","scope":{"kind":"endpoint","endpoint":{"namespace","component","name"}},
+//!   "topic","instance_id","transport":{"kind":"Zmq","config":{"endpoint"}}}` — what a
+//!   subscriber follows.
+//! - `v1/event_sources/…` with the same tail:
+//!   `{"type":"EventSource","scope":…,"topic","publisher_id","metadata":{"kv_state_endpoint":{…},
+//!   "worker":{"worker_id","dp_rank"},"publisher_id"}}` — written beside it, under the
+//!   same lease, never read back.
+//!
+//! Keys carry no prefix before `v1/`; segments are percent-encoded as in
+//! [`ChannelId::to_path`]. Only endpoint scopes are followed (the scope kind Dynamo's
+//! KV event publishers use); a record of another scope kind is skipped and counted.
+
+use std::borrow::Cow;
+
+use serde::{Deserialize, Serialize};
+
+use super::record::RecordError;
+use crate::discovery::model::{decode_segment, encode_segment};
+use crate::discovery::{ChannelId, DiscoveryError, Query, Transport};
+
+const CHANNELS: &str = "v1/event_channels/";
+const SOURCES: &str = "v1/event_sources/";
+
+/// Records in Dynamo's layout, for
+/// [`RecordFormat::Dynamo`](super::RecordFormat::Dynamo).
+///
+/// - Watching needs nothing: without an endpoint it follows every endpoint of the
+///   query's namespace (and component); with one, only that endpoint.
+/// - Registering needs the endpoint and the worker (its `worker_id` and `dp_rank` go
+///   into the `event_sources` record that Dynamo's router reads).
+///
+/// ```
+/// use eventplane::discovery::{DynamoRecords, RecordFormat};
+/// let worker_side = RecordFormat::Dynamo(DynamoRecords::new().endpoint("generate").worker(77, 0));
+/// let router_side = RecordFormat::Dynamo(DynamoRecords::new()); // every endpoint
+/// assert_ne!(worker_side, router_side);
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DynamoRecords {
+    pub(crate) endpoint: Option<String>,
+    pub(crate) worker: Option<(u64, u32)>,
+}
+
+impl DynamoRecords {
+    /// Every endpoint, no worker (enough to watch).
+    pub fn new() -> DynamoRecords {
+        DynamoRecords::default()
+    }
+
+    /// The Dynamo endpoint (`scope.endpoint.name`, e.g. `generate`) registrations are
+    /// written under and watches are narrowed to.
+    pub fn endpoint(mut self, endpoint: impl Into<String>) -> DynamoRecords {
+        self.endpoint = Some(endpoint.into());
+        self
+    }
+
+    /// The worker whose events registrations publish (`metadata.worker`).
+    pub fn worker(mut self, worker_id: u64, dp_rank: u32) -> DynamoRecords {
+        self.worker = Some((worker_id, dp_rank));
+        self
+    }
+
+    /// Why this cannot register, if it cannot.
+    pub(crate) fn registration_error(&self) -> Option<DiscoveryError> {
+        let reason = match (&self.endpoint, &self.worker) {
+            (None, _) => "Dynamo records need an endpoint to register (DynamoRecords::endpoint)",
+            (_, None) => "Dynamo records need a worker to register (DynamoRecords::worker)",
+            _ => return None,
+        };
+        Some(DiscoveryError::InvalidConfig {
+            reason: reason.to_owned(),
+        })
+    }
+
+    /// The `event_channels` root: every followed key lives under it.
+    pub(crate) fn root(&self) -> &'static str {
+        CHANNELS
+    }
+
+    fn tail(&self, id: &ChannelId, endpoint: &str) -> String {
+        let mut out = String::with_capacity(64);
+        for (label, seg) in [
+            ("namespace", id.namespace()),
+            ("component", id.component()),
+            ("endpoint", endpoint),
+            ("topic", id.topic()),
+        ] {
+            out.push_str(label);
+            out.push('/');
+            encode_segment(seg, &mut out);
+            out.push('/');
+        }
+        out.push_str(&format!("{:x}", id.publisher_id()));
+        out
+    }
+
+    /// The `event_channels` key of `id` (the endpoint must be set).
+    pub(crate) fn key(&self, id: &ChannelId) -> String {
+        format!(
+            "{CHANNELS}{}",
+            self.tail(id, self.endpoint.as_deref().unwrap_or_default())
+        )
+    }
+
+    /// The `event_sources` key beside a channel key.
+    pub(crate) fn source_key(&self, channel_key: &str) -> Option<String> {
+        channel_key
+            .strip_prefix(CHANNELS)
+            .map(|tail| format!("{SOURCES}{tail}"))
+    }
+
+    /// The narrowest key prefix covering `query` (and the endpoint, when set).
+    pub(crate) fn query_prefix(&self, query: &Query) -> String {
+        let mut out = CHANNELS.to_owned();
+        let mut push = |label: &str, seg: &str| {
+            out.push_str(label);
+            out.push('/');
+            encode_segment(seg, &mut out);
+            out.push('/');
+        };
+        push("namespace", query.namespace_filter());
+        if let Some(component) = query.component_filter() {
+            push("component", component);
+            if let Some(endpoint) = &self.endpoint {
+                push("endpoint", endpoint);
+                if let Some(topic) = query.topic_filter() {
+                    push("topic", topic);
+                }
+            }
+        }
+        out
+    }
+
+    /// The id and endpoint a channel key names; `Unfollowed` for another endpoint
+    /// than the configured one.
+    pub(crate) fn id_of(&self, key: &[u8]) -> Result<(ChannelId, String), RecordError> {
+        let rest = key
+            .strip_prefix(CHANNELS.as_bytes())
+            .ok_or(RecordError::ForeignKey)?;
+        let path =
+            std::str::from_utf8(rest).map_err(|_| RecordError::BadKey("not UTF-8".to_owned()))?;
+        let bad = |why: &str| RecordError::BadKey(why.to_owned());
+        let segs: Vec<&str> = path.splitn(10, '/').collect();
+        let [
+            "namespace",
+            ns,
+            "component",
+            component,
+            "endpoint",
+            endpoint,
+            "topic",
+            topic,
+            id,
+        ] = segs[..]
+        else {
+            return Err(bad(
+                "not namespace/{ns}/component/{c}/endpoint/{e}/topic/{t}/{id}",
+            ));
+        };
+        let decode = |s: &str| decode_segment(s).map_err(|e| RecordError::BadKey(e.to_string()));
+        let endpoint = decode(endpoint)?;
+        if self.endpoint.as_ref().is_some_and(|e| *e != endpoint) {
+            return Err(RecordError::Unfollowed);
+        }
+        if id.is_empty() || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(bad("instance id is not hex"));
+        }
+        let publisher_id =
+            u64::from_str_radix(id, 16).map_err(|_| bad("instance id out of range"))?;
+        let id = ChannelId::new(
+            decode(ns)?,
+            decode(component)?,
+            decode(topic)?,
+            publisher_id,
+        )
+        .map_err(|e| RecordError::BadKey(e.to_string()))?;
+        Ok((id, endpoint))
+    }
+
+    /// Parses an `EventChannel` value against the key's id and endpoint.
+    pub(crate) fn parse_value(
+        &self,
+        id: &ChannelId,
+        endpoint: &str,
+        value: &[u8],
+    ) -> Result<Transport, RecordError> {
+        let record: Channel<'_> =
+            serde_json::from_slice(value).map_err(|e| RecordError::BadValue(e.to_string()))?;
+        if record.kind != "EventChannel" {
+            return Err(RecordError::BadValue(format!(
+                "type {:?} is not EventChannel",
+                record.kind.chars().take(32).collect::<String>()
+            )));
+        }
+        if record.scope.kind != "endpoint" {
+            return Err(RecordError::UnsupportedScope(
+                record.scope.kind.chars().take(32).collect(),
+            ));
+        }
+        let Some(scope) = record.scope.endpoint else {
+            return Err(RecordError::BadValue(
+                "endpoint scope without endpoint".to_owned(),
+            ));
+        };
+        if scope.namespace != id.namespace()
+            || scope.component != id.component()
+            || scope.name != endpoint
+            || record.topic != id.topic()
+            || record.instance_id != id.publisher_id()
+        {
+            return Err(RecordError::IdMismatch);
+        }
+        if record.transport.kind != "Zmq" {
+            return Err(RecordError::UnsupportedTransport(
+                record.transport.kind.chars().take(32).collect(),
+            ));
+        }
+        match record.transport.config.and_then(|c| c.endpoint) {
+            Some(e) if !e.is_empty() => Ok(Transport::zmq(e.into_owned())),
+            _ => Err(RecordError::BadValue("empty endpoint".to_owned())),
+        }
+    }
+
+    /// The `EventChannel` and `EventSource` values of a registration (endpoint and
+    /// worker must be set).
+    pub(crate) fn encode(&self, id: &ChannelId, transport: &Transport) -> (String, String) {
+        let endpoint = self.endpoint.as_deref().unwrap_or_default();
+        let (worker_id, dp_rank) = self.worker.unwrap_or_default();
+        let scope_endpoint = ScopeEndpoint {
+            namespace: Cow::Borrowed(id.namespace()),
+            component: Cow::Borrowed(id.component()),
+            name: Cow::Borrowed(endpoint),
+        };
+        let scope = Scope {
+            kind: Cow::Borrowed("endpoint"),
+            endpoint: Some(scope_endpoint.clone()),
+        };
+        let Transport::Zmq { endpoint: zmq } = transport;
+        let channel = Channel {
+            kind: Cow::Borrowed("EventChannel"),
+            scope: scope.clone(),
+            topic: Cow::Borrowed(id.topic()),
+            instance_id: id.publisher_id(),
+            transport: ChannelTransport {
+                kind: Cow::Borrowed("Zmq"),
+                config: Some(ZmqConfig {
+                    endpoint: Some(Cow::Borrowed(zmq)),
+                }),
+            },
+        };
+        let source = Source {
+            kind: "EventSource",
+            scope,
+            topic: id.topic(),
+            publisher_id: id.publisher_id(),
+            metadata: SourceMetadata {
+                kv_state_endpoint: scope_endpoint,
+                worker: Worker { worker_id, dp_rank },
+                publisher_id: id.publisher_id(),
+            },
+        };
+        // Serializing strings and integers into a String cannot fail.
+        (
+            serde_json::to_string(&channel).unwrap_or_default(),
+            serde_json::to_string(&source).unwrap_or_default(),
+        )
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct Channel<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Cow<'a, str>,
+    #[serde(borrow)]
+    scope: Scope<'a>,
+    #[serde(borrow)]
+    topic: Cow<'a, str>,
+    instance_id: u64,
+    #[serde(borrow)]
+    transport: ChannelTransport<'a>,
+}
+
+#[derive(Clone, Serialize, Deserialize)]
+struct Scope<'a> {
+    #[serde(borrow)]
+    kind: Cow<'a, str>,
+    #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
+    endpoint: Option<ScopeEndpoint<'a>>,
+}
+
+#[derive(Clone, Serialize, Deserialize)]
+struct ScopeEndpoint<'a> {
+    #[serde(borrow)]
+    namespace: Cow<'a, str>,
+    #[serde(borrow)]
+    component: Cow<'a, str>,
+    #[serde(borrow)]
+    name: Cow<'a, str>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ChannelTransport<'a> {
+    #[serde(borrow)]
+    kind: Cow<'a, str>,
+    #[serde(borrow, default)]
+    config: Option<ZmqConfig<'a>>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ZmqConfig<'a> {
+    #[serde(borrow, default)]
+    endpoint: Option<Cow<'a, str>>,
+}
+
+#[derive(Serialize)]
+struct Source<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    scope: Scope<'a>,
+    topic: &'a str,
+    publisher_id: u64,
+    metadata: SourceMetadata<'a>,
+}
+
+#[derive(Serialize)]
+struct SourceMetadata<'a> {
+    kv_state_endpoint: ScopeEndpoint<'a>,
+    worker: Worker,
+    publisher_id: u64,
+}
+
+#[derive(Serialize)]
+struct Worker {
+    worker_id: u64,
+    dp_rank: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn records() -> DynamoRecords {
+        DynamoRecords::new().endpoint("generate").worker(77, 0)
+    }
+
+    #[test]
+    fn keys_and_prefixes() {
+        let id = ChannelId::new("ns.with/slash", "c", "kv-events", 0xabc).unwrap();
+        let key = records().key(&id);
+        assert_eq!(
+            key,
+            "v1/event_channels/namespace/ns%2Ewith%2Fslash/component/c/endpoint/generate/topic/kv-events/abc"
+        );
+        assert_eq!(
+            records().source_key(&key).unwrap(),
+            "v1/event_sources/namespace/ns%2Ewith%2Fslash/component/c/endpoint/generate/topic/kv-events/abc"
+        );
+        assert_eq!(
+            records().id_of(key.as_bytes()).unwrap(),
+            (id, "generate".to_owned())
+        );
+        let q = Query::new("ns").component("c").topic("t");
+        assert_eq!(
+            records().query_prefix(&q),
+            "v1/event_channels/namespace/ns/component/c/endpoint/generate/topic/t/"
+        );
+        // Without an endpoint the topic cannot narrow the prefix (it comes after).
+        assert_eq!(
+            DynamoRecords::new().query_prefix(&q),
+            "v1/event_channels/namespace/ns/component/c/"
+        );
+        assert_eq!(
+            records().query_prefix(&Query::new("ns").topic("t")),
+            "v1/event_channels/namespace/ns/"
+        );
+    }
+
+    #[test]
+    fn hostile_keys_get_the_named_error() {
+        use RecordError as E;
+        let r = records();
+        let bad = |k: &str| r.id_of(k.as_bytes()).unwrap_err();
+        let root = "v1/event_channels/";
+        assert_eq!(bad("v1/event_sources/namespace/a"), E::ForeignKey);
+        for k in [
+            "namespace/ns/component/c/endpoint/generate/topic/t",
+            "namespace/ns/component/c/endpoint/generate/topic/t/1/extra",
+            "namespace/ns/component/c/endpoint/generate/topik/t/1",
+            "namespace/ns/component/c/endpoint/generate/topic/t/zz",
+            "namespace/ns/component/c/endpoint/generate/topic/t/",
+            "namespace/n%2/component/c/endpoint/generate/topic/t/1",
+            "namespace/ns/component/c/endpoint/generate/topic/t/20000000000000",
+            "namespace/ns/component/c/endpoint/generate/topic/t/10000000000000000",
+        ] {
+            assert!(matches!(bad(&format!("{root}{k}")), E::BadKey(_)), "{k}");
+        }
+        assert_eq!(
+            bad("v1/event_channels/namespace/ns/component/c/endpoint/other/topic/t/1"),
+            E::Unfollowed
+        );
+        // 2^53 - 1 is the largest id.
+        assert!(
+            r.id_of(b"v1/event_channels/namespace/ns/component/c/endpoint/generate/topic/t/1fffffffffffff")
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn hostile_values_get_the_named_error() {
+        use RecordError as E;
+        let r = records();
+        let id = ChannelId::new("ns", "c", "t", 1).unwrap();
+        let value = |scope: &str, topic: &str, iid: &str, transport: &str| {
+            format!(
+                r#"{{"type":"EventChannel","scope":{scope},"topic":"{topic}","instance_id":{iid},"transport":{transport}}}"#
+            )
+        };
+        let scope = r#"{"kind":"endpoint","endpoint":{"namespace":"ns","component":"c","name":"generate"}}"#;
+        let zmq = r#"{"kind":"Zmq","config":{"endpoint":"tcp://h:1"}}"#;
+        let good = value(scope, "t", "1", zmq);
+        assert_eq!(
+            r.parse_value(&id, "generate", good.as_bytes()).unwrap(),
+            Transport::zmq("tcp://h:1")
+        );
+        let other_scope = scope.replace("\"ns\"", "\"ns2\"");
+        let cases = [
+            (good.replace("EventChannel", "EventSource"), "bad"),
+            (
+                value(r#"{"kind":"namespace","namespace":"ns"}"#, "t", "1", zmq),
+                "scope",
+            ),
+            (value(r#"{"kind":"endpoint"}"#, "t", "1", zmq), "bad"),
+            (value(&other_scope, "t", "1", zmq), "id"),
+            (value(scope, "t2", "1", zmq), "id"),
+            (value(scope, "t", "2", zmq), "id"),
+            (value(scope, "t", "-1", zmq), "bad"),
+            (
+                value(
+                    scope,
+                    "t",
+                    "1",
+                    r#"{"kind":"Nats","config":{"subject":"x"}}"#,
+                ),
+                "transport",
+            ),
+            (
+                value(
+                    scope,
+                    "t",
+                    "1",
+                    r#"{"kind":"Zmq","config":{"endpoint":""}}"#,
+                ),
+                "bad",
+            ),
+            (value(scope, "t", "1", r#"{"kind":"Zmq"}"#), "bad"),
+            ("[]".to_owned(), "bad"),
+        ];
+        for (v, want) in cases {
+            let err = r.parse_value(&id, "generate", v.as_bytes()).unwrap_err();
+            let ok = match want {
+                "bad" => matches!(err, E::BadValue(_)),
+                "scope" => err == E::UnsupportedScope("namespace".to_owned()),
+                "id" => err == E::IdMismatch,
+                _ => err == E::UnsupportedTransport("Nats".to_owned()),
+            };
+            assert!(ok, "{v}: {err:?}");
+        }
+        // Unknown fields, anywhere: ignored.
+        let extra = good
+            .replace(r#""topic""#, r#""labels":{"a":[1]},"topic""#)
+            .replace(r#""kind":"Zmq","#, r#""kind":"Zmq","tls":true,"#);
+        assert!(r.parse_value(&id, "generate", extra.as_bytes()).is_ok());
+    }
+
+    #[test]
+    fn registering_needs_an_endpoint_and_a_worker() {
+        assert!(DynamoRecords::new().registration_error().is_some());
+        assert!(
+            DynamoRecords::new()
+                .endpoint("e")
+                .registration_error()
+                .is_some()
+        );
+        assert!(
+            DynamoRecords::new()
+                .worker(1, 0)
+                .registration_error()
+                .is_some()
+        );
+        assert!(records().registration_error().is_none());
+    }
+}

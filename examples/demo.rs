@@ -13,6 +13,9 @@
 //!
 //! Prints a progress line every second and a final table; exits 0.
 
+mod common;
+
+use common::Index;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,10 +26,10 @@ use clap::Parser;
 use eventplane::discovery::BoxFuture;
 use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
 use eventplane::kv::{
-    BlockHash, EngineEvent, EngineListener, EngineListenerConfig, EngineListenerHandle,
-    EngineListenerStats, EventPlaneSink, EventSink, KvEventData, MAX_BLOCKS_PER_MESSAGE,
-    MAX_EVENTS_PER_MESSAGE, Processor, ProcessorConfig, ProcessorStats, RouterEvent, SinkError,
-    StorageTier, WorkerId, decode_router_events, encode_engine_batch, split_messages,
+    EngineEvent, EngineListener, EngineListenerConfig, EngineListenerHandle, EngineListenerStats,
+    EventPlaneSink, EventSink, MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, Processor,
+    ProcessorConfig, ProcessorStats, RouterEvent, SinkError, WorkerId, decode_router_events,
+    encode_engine_batch, split_messages,
 };
 use eventplane::publish::EventPublisher;
 use eventplane::subscriber::{DynamicSubscriber, Layout};
@@ -393,40 +396,6 @@ impl Engine {
             gaps: listened.seq_gaps,
             publisher_dropped,
         }
-    }
-}
-
-/// The router's view: which blocks each worker holds.
-#[derive(Default)]
-struct Index {
-    blocks: HashMap<(WorkerId, StorageTier), HashSet<BlockHash>>,
-}
-
-impl Index {
-    fn apply(&mut self, ev: &eventplane::kv::RouterEvent) {
-        let set = self.blocks.entry((ev.worker_id, ev.tier)).or_default();
-        match &ev.event.data {
-            KvEventData::Stored { blocks, .. } => set.extend(blocks.iter().map(|b| b.block_hash)),
-            KvEventData::Removed { block_hashes } => {
-                for h in block_hashes {
-                    set.remove(h);
-                }
-            }
-            _ => set.clear(),
-        }
-    }
-
-    /// A worker left: forget its blocks, as a router does on its removal.
-    fn forget(&mut self, worker: WorkerId) {
-        self.blocks.retain(|(w, _), _| *w != worker);
-    }
-
-    fn size(&self) -> usize {
-        self.blocks.values().map(HashSet::len).sum()
-    }
-
-    fn distinct(&self) -> usize {
-        self.blocks.values().flatten().collect::<HashSet<_>>().len()
     }
 }
 

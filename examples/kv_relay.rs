@@ -1,19 +1,32 @@
 //! `kv_relay`: the worker-side KV job as a process — an engine's KV events in, router
-//! events out on a bound PUB.
+//! events out on a bound PUB, optionally registered in etcd.
 //!
 //! ```text
 //! kv_relay --connect EP --topic T --block-size B --worker-id W --bind EP2
 //!          [--publish-topic kv-events] [--batch-timeout-ms MS]
+//!          [--wire eventplane|dynamo]
+//!          [--etcd URL --namespace NS --component C [--endpoint E] [--advertise-host H]]
 //! ```
 //! Runs `EngineListener → Processor → EventPlaneSink → EventPublisher`, the publisher
-//! bound at EP2 and registered nowhere (`--bind tcp://127.0.0.1:0` lets the OS pick the
-//! port). Its messages are `[publish-topic, publisher_id u64be, seq u64be, payload]`,
-//! the payload a msgpack list of router events (`kv::decode_router_events`).
+//! bound at EP2 (`--bind tcp://127.0.0.1:0` lets the OS pick the port).
+//!
+//! - `--wire eventplane` (default): `[publish-topic, publisher_id u64be, seq u64be,
+//!   payload]`, sequences from 0, the payload a msgpack list of router events
+//!   (`kv::decode_router_events`).
+//! - `--wire dynamo`: Dynamo's frames (`[topic, publisher_id, seq, 0x01 + u32be len +
+//!   envelope]`, sequences from 1) and Dynamo's router-event schema: a Dynamo router
+//!   reads them unchanged.
+//!
+//! Without `--etcd` the publisher is registered nowhere. With it (feature `etcd`), it
+//! registers under its lease: our record with `--wire eventplane`; with `--wire
+//! dynamo`, Dynamo's two records (`v1/event_channels/…` and `v1/event_sources/…` with
+//! `worker_id` W, dp_rank 0) under endpoint E (default `generate`). Both are deleted on
+//! SIGTERM / Ctrl-C. A bind on `0.0.0.0` needs `--advertise-host`.
 //!
 //! Prints the bound endpoint as the first stdout line, then nothing per event; runs
 //! until Ctrl-C or SIGTERM, then prints its stats as one JSON object, the last line on
-//! stderr. Exit codes: 0 after a signal; 2 on bad arguments; 3 when EP2 cannot be
-//! bound.
+//! stderr. Exit codes: 0 after a signal; 2 on bad arguments; 3 when EP2 cannot be bound
+//! or etcd cannot be reached.
 
 mod common;
 
@@ -22,9 +35,10 @@ use std::sync::Arc;
 
 use clap::Parser;
 use common::{EngineArgs, chain, stop_signal};
+use eventplane::discovery::{BoxFuture, Discovery};
 use eventplane::kv::EventPlaneSink;
 use eventplane::publish::EventPublisher;
-use eventplane::zmtp::Config;
+use eventplane::wire::Wire;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser, Debug)]
@@ -38,21 +52,63 @@ struct Args {
     /// Topic of the published router events.
     #[arg(long = "publish-topic", default_value = "kv-events")]
     publish_topic: String,
+    /// What to publish: our wire, or Dynamo's.
+    #[arg(long, default_value = "eventplane")]
+    wire: Wire,
+    /// Register in this etcd (http://host:2379; repeat for a cluster). Needs feature
+    /// `etcd`.
+    #[arg(long, requires_all = ["namespace", "component"])]
+    etcd: Vec<String>,
+    /// Namespace to register under (with --etcd).
+    #[arg(long, requires = "etcd")]
+    namespace: Option<String>,
+    /// Component to register under (with --etcd).
+    #[arg(long, requires = "etcd")]
+    component: Option<String>,
+    /// Dynamo endpoint to register under (with --etcd --wire dynamo).
+    #[arg(long, requires = "etcd", default_value = "generate")]
+    endpoint: String,
+    /// Host subscribers dial, when --bind is on a wildcard address (with --etcd).
+    #[arg(long = "advertise-host", requires = "etcd")]
+    advertise_host: Option<String>,
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    let publisher = match EventPublisher::bind_unregistered(
-        &args.bind,
-        args.publish_topic.clone(),
-        Config::default(),
-    )
-    .await
+    let (builder, discovery) = if args.etcd.is_empty() {
+        (
+            EventPublisher::unregistered(args.publish_topic.clone()),
+            None,
+        )
+    } else {
+        let (discovery, closer) = match etcd(&args).await {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("cannot reach discovery: {e}");
+                return ExitCode::from(3);
+            }
+        };
+        let mut builder = EventPublisher::builder(
+            discovery,
+            args.namespace.clone().unwrap_or_default(),
+            args.component.clone().unwrap_or_default(),
+            args.publish_topic.clone(),
+        );
+        if let Some(host) = &args.advertise_host {
+            builder = builder.advertise_host(host.clone());
+        }
+        (builder, Some(closer))
+    };
+    let publisher = match builder
+        .bind(args.bind.clone())
+        .wire(args.wire)
+        .build()
+        .await
     {
         Ok(p) => Arc::new(p),
         Err(e) => {
-            eprintln!("cannot bind {}: {}", args.bind, chain(&e));
+            eprintln!("cannot bind or register {}: {}", args.bind, chain(&e));
             return ExitCode::from(3);
         }
     };
@@ -74,10 +130,18 @@ async fn main() -> ExitCode {
     let messages = sink.messages();
     drop(sink);
     let publisher_stats = publisher.stats();
-    if let Ok(p) = Arc::try_unwrap(publisher) {
-        p.shutdown().await;
+    let registered = publisher.instance().map(|i| i.id.publisher_id());
+    match Arc::try_unwrap(publisher) {
+        // Drains, then deletes its records from discovery.
+        Ok(p) => p.shutdown().await,
+        Err(_) => eprintln!("publisher still shared at exit: its records expire with the lease"),
+    }
+    if let Some(close) = discovery {
+        close().await;
     }
     let stats = serde_json::json!({
+        "wire": args.wire.as_str(),
+        "registered_publisher_id": registered,
         "listener": listener_stats,
         "processor": processor_stats,
         "published_messages": messages,
@@ -85,4 +149,33 @@ async fn main() -> ExitCode {
     });
     eprintln!("{stats}");
     ExitCode::SUCCESS
+}
+
+/// Closes the discovery backend at exit (revoking its lease).
+type Closer = Box<dyn FnOnce() -> BoxFuture<'static, ()> + Send>;
+
+#[cfg(feature = "etcd")]
+async fn etcd(args: &Args) -> Result<(Arc<dyn Discovery>, Closer), String> {
+    use eventplane::discovery::{DynamoRecords, EtcdDiscovery, RecordFormat};
+    let format = match args.wire {
+        Wire::Dynamo => RecordFormat::Dynamo(
+            DynamoRecords::new()
+                .endpoint(args.endpoint.clone())
+                .worker(args.engine.worker_id, 0),
+        ),
+        _ => RecordFormat::EventPlane,
+    };
+    let discovery = EtcdDiscovery::builder(&args.etcd)
+        .record_format(format)
+        .connect()
+        .await
+        .map_err(|e| chain(&e))?;
+    let closing = discovery.clone();
+    let closer: Closer = Box::new(move || Box::pin(async move { closing.close().await }));
+    Ok((Arc::new(discovery), closer))
+}
+
+#[cfg(not(feature = "etcd"))]
+async fn etcd(_: &Args) -> Result<(Arc<dyn Discovery>, Closer), String> {
+    Err("--etcd needs the `etcd` feature: cargo run --features etcd --example kv_relay".to_owned())
 }

@@ -1,6 +1,9 @@
 //! Helpers shared by the examples (not an example itself).
 #![allow(dead_code, unreachable_pub)]
 
+use std::collections::{HashMap, HashSet};
+
+use eventplane::kv::{BlockHash, KvEventData, StorageTier, WorkerId};
 use eventplane::zmtp::Message;
 
 /// Each frame in lower-case hex (an empty frame as `-`), frames separated by a space.
@@ -119,5 +122,39 @@ impl EngineArgs {
             listener: tokio::spawn(listener.run(cancel.clone())),
             processor: tokio::spawn(processor.run()),
         })
+    }
+}
+
+/// The router's view: which blocks each worker holds.
+#[derive(Default)]
+pub struct Index {
+    blocks: HashMap<(WorkerId, StorageTier), HashSet<BlockHash>>,
+}
+
+impl Index {
+    pub fn apply(&mut self, ev: &eventplane::kv::RouterEvent) {
+        let set = self.blocks.entry((ev.worker_id, ev.tier)).or_default();
+        match &ev.event.data {
+            KvEventData::Stored { blocks, .. } => set.extend(blocks.iter().map(|b| b.block_hash)),
+            KvEventData::Removed { block_hashes } => {
+                for h in block_hashes {
+                    set.remove(h);
+                }
+            }
+            _ => set.clear(),
+        }
+    }
+
+    /// A worker left: forget its blocks, as a router does on its removal.
+    pub fn forget(&mut self, worker: WorkerId) {
+        self.blocks.retain(|(w, _), _| *w != worker);
+    }
+
+    pub fn size(&self) -> usize {
+        self.blocks.values().map(HashSet::len).sum()
+    }
+
+    pub fn distinct(&self) -> usize {
+        self.blocks.values().flatten().collect::<HashSet<_>>().len()
     }
 }

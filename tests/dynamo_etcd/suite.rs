@@ -294,3 +294,241 @@ async fn a_revoked_lease_puts_both_records_back() {
     within(g.unregister()).await.unwrap();
     assert!(get_prefix(&server, "v1/").is_empty());
 }
+
+/// The engine batches of the capture's `engine_script`, as a vLLM ≤ 0.23 engine sends
+/// them.
+fn engine_batches(capture: &Value) -> Vec<Vec<u8>> {
+    capture["engine_script"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|events| rmp_serde::to_vec(&serde_json::json!([1_700_000_000.5, events, 0])).unwrap())
+        .collect()
+}
+
+/// The router events the capture lists, as `kv_router` prints them, without ids.
+fn captured_router_events(capture: &Value) -> Vec<Value> {
+    use eventplane::kv::decode_dynamo_router_events;
+    use eventplane::wire::Layout;
+    let mut out = Vec::new();
+    for frames in capture["frames"].as_array().unwrap() {
+        let parts: Vec<Vec<u8>> = frames
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| {
+                let f = f.as_str().unwrap();
+                (0..f.len())
+                    .step_by(2)
+                    .map(|i| u8::from_str_radix(&f[i..i + 2], 16).unwrap())
+                    .collect()
+            })
+            .collect();
+        let message = eventplane::zmtp::Message::from_parts(parts);
+        let payload = Layout::Dynamo
+            .parse(None, &message)
+            .unwrap()
+            .payload
+            .unwrap();
+        for ev in decode_dynamo_router_events(&payload).unwrap() {
+            let mut v = serde_json::to_value(&ev).unwrap();
+            v["event"]["id"] = Value::Null;
+            out.push(v);
+        }
+    }
+    out
+}
+
+/// The whole path next to Dynamo, as processes: an engine → `kv_relay --wire dynamo`
+/// registered in etcd with Dynamo's records → `kv_router --dynamo` following those
+/// records. The router prints exactly the router events the captured Dynamo worker
+/// published for the same engine batches (ids apart), and sees the worker stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_relay_dynamo_feeds_kv_router_dynamo_through_etcd() {
+    use eventplane::kv::{EngineEvent, encode_engine_batch};
+    use eventplane::zmtp::{Config, Message, PubSocket};
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    use tokio::process::Command;
+
+    let capture = capture();
+    let server = EtcdServer::start().await;
+    let url = server.url();
+    let engine = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+        .await
+        .unwrap();
+    let engine_ep = engine.local_endpoint().unwrap().to_owned();
+    let (relay, relay_ep) = support::spawn_example(
+        "kv_relay",
+        &[
+            "--connect",
+            &engine_ep,
+            "--topic",
+            "kv",
+            "--block-size",
+            "4",
+            "--worker-id",
+            "77",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--wire",
+            "dynamo",
+            "--etcd",
+            &url,
+            "--namespace",
+            "e2e",
+            "--component",
+            "kvworker",
+        ],
+        true,
+    )
+    .await;
+    let relay_ep = relay_ep.unwrap();
+    within(engine.wait_for_subscribers(1)).await;
+
+    // Dynamo's two records, under the relay's lease, naming worker 77 and its endpoint.
+    let channels = get_prefix(&server, "v1/event_channels/");
+    let sources = get_prefix(&server, "v1/event_sources/");
+    assert_eq!(
+        (channels.len(), sources.len()),
+        (1, 1),
+        "{channels:?} {sources:?}"
+    );
+    assert!(channels[0].0.starts_with(
+        "v1/event_channels/namespace/e2e/component/kvworker/endpoint/generate/topic/kv-events/"
+    ));
+    let channel: Value = serde_json::from_str(&channels[0].1).unwrap();
+    assert_eq!(
+        channel["transport"]["config"]["endpoint"],
+        relay_ep.as_str()
+    );
+    let source: Value = serde_json::from_str(&sources[0].1).unwrap();
+    assert_eq!(
+        source["metadata"]["worker"],
+        serde_json::json!({"worker_id": 77, "dp_rank": 0})
+    );
+
+    let mut router = Command::new(support::example("kv_router"))
+        .args([
+            "--etcd",
+            &url,
+            "--dynamo",
+            "--namespace",
+            "e2e",
+            "--component",
+            "kvworker",
+        ])
+        .args(["--topic", "kv-events"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(router.stdout.take().unwrap()).lines();
+    let (err_tx, mut err_rx) = tokio::sync::mpsc::channel::<String>(64);
+    let mut err_lines = BufReader::new(router.stderr.take().unwrap()).lines();
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = err_lines.next_line().await {
+            if err_tx.send(line).await.is_err() {
+                break;
+            }
+        }
+    });
+
+    // Until the router's subscription reaches the relay, send clears on a rank the
+    // script does not use; they come out as router events we skip.
+    const WARM_RANK: u32 = 7;
+    let clear = encode_engine_batch(0.0, WARM_RANK, 4, &[EngineEvent::Cleared]).unwrap();
+    let mut seq = 0u64;
+    let send = |seq: &mut u64, payload: Vec<u8>| {
+        engine.send(Message::from_parts([
+            b"kv".to_vec(),
+            seq.to_be_bytes().to_vec(),
+            payload,
+        ]));
+        *seq += 1;
+    };
+    let warm_until = tokio::time::Instant::now() + support::DEADLINE;
+    loop {
+        assert!(
+            tokio::time::Instant::now() < warm_until,
+            "no warm-up clear reached the router"
+        );
+        send(&mut seq, clear.clone());
+        if let Ok(line) = tokio::time::timeout(Duration::from_millis(100), out.next_line()).await {
+            let line: Value = serde_json::from_str(&line.unwrap().unwrap()).unwrap();
+            assert_eq!(line["event"]["dp_rank"], WARM_RANK);
+            break;
+        }
+    }
+    for batch in engine_batches(&capture) {
+        send(&mut seq, batch);
+    }
+    let want = captured_router_events(&capture);
+    let mut got = Vec::new();
+    let mut ids = Vec::new();
+    let mut warm_seen = 1u64;
+    while got.len() < want.len() {
+        let line = within(out.next_line())
+            .await
+            .unwrap()
+            .expect("router exited");
+        let mut v: Value = serde_json::from_str(&line).unwrap();
+        if v["event"]["dp_rank"] == WARM_RANK {
+            warm_seen += 1;
+            continue;
+        }
+        ids.push(v["event"]["id"].as_u64().unwrap());
+        v["event"]["id"] = Value::Null;
+        got.push(v);
+    }
+    assert_eq!(got, want);
+    // Dense ids, as Dynamo's are.
+    assert!(ids.windows(2).all(|w| w[1] == w[0] + 1), "{ids:?}");
+
+    // The worker stops: its records leave etcd and the router forgets its blocks.
+    let relay_stats = support::terminate_for_stats(relay).await;
+    assert_eq!(relay_stats["wire"], "dynamo");
+    assert_eq!(relay_stats["publisher"]["dropped"], 0, "{relay_stats}");
+    assert!(get_prefix(&server, "v1/").is_empty());
+    loop {
+        let line = within(err_rx.recv()).await.expect("router stderr closed");
+        if line.contains("left: forgot") {
+            // After the clear only worker 77's host-pinned block 201 was held.
+            assert!(line.contains("forgot 1 blocks of worker 77"), "{line}");
+            break;
+        }
+    }
+    let stats = terminate_reading(router, err_rx).await;
+    assert_eq!(stats["wire"], "dynamo");
+    assert_eq!(stats["publishers"], 0);
+    assert_eq!(stats["index_blocks"], 0);
+    assert_eq!(
+        stats["router_events"].as_u64().unwrap(),
+        warm_seen + want.len() as u64
+    );
+    for reason in [
+        "frames", "header", "length", "envelope", "identity", "payload",
+    ] {
+        assert_eq!(stats["decode_errors"][reason], 0, "{reason}: {stats}");
+    }
+}
+
+/// SIGTERM, then the JSON stats on the last stderr line (read through `lines`).
+async fn terminate_reading(
+    mut child: tokio::process::Child,
+    mut lines: tokio::sync::mpsc::Receiver<String>,
+) -> Value {
+    let pid = child.id().unwrap();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = within(child.wait()).await.unwrap();
+    assert_eq!(status.code(), Some(0));
+    let mut last = String::new();
+    while let Some(line) = within(lines.recv()).await {
+        last = line;
+    }
+    serde_json::from_str(&last).unwrap_or_else(|e| panic!("no stats line ({e}): {last}"))
+}

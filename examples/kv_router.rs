@@ -1,0 +1,251 @@
+//! `kv_router`: the router-side KV job as a process — follow every publisher of router
+//! events, decode them, keep a block index.
+//!
+//! ```text
+//! kv_router (--etcd URL [--dynamo] | --static EP… [--wire eventplane|dynamo])
+//!           --namespace NS [--component C] [--endpoint E] --topic T
+//!           [--count N] [--timeout-ms MS] [--format json|quiet]
+//! ```
+//! A `DynamicSubscriber` over etcd (feature `etcd`) or a static list of endpoints.
+//! With `--dynamo` it follows Dynamo's records (`v1/event_channels/…`, every endpoint
+//! unless `--endpoint E`) and reads Dynamo's wire: it follows Dynamo 1.6 workers as
+//! they run, or `kv_relay --wire dynamo`. Without it, our records and wire.
+//!
+//! Prints one JSON line per router event, as `kv_listen` does
+//! (`{"worker_id":…,"tier":…,"event":{"id":…,"dp_rank":…,"data":…}}`; none with
+//! `--format quiet`), and applies each to a block index. Publishers may come and go: when
+//! one leaves discovery, the blocks of the workers it reported are forgotten (a line on
+//! stderr says so). On Ctrl-C / SIGTERM or after N events it prints its stats as one JSON
+//! object, the last line on stderr: the subscriber's counters, decode errors per reason
+//! and the index size. Exit codes: 0 on a signal or after N events; 1 on timeout; 2 on
+//! bad arguments; 3 when discovery cannot be reached.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::io::Write;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use common::{Index, chain, optional_timeout, stop_signal};
+use eventplane::discovery::{ChannelId, Discovery, Query, StaticDiscovery};
+use eventplane::kv::{WorkerId, decode_router_payload};
+use eventplane::subscriber::DynamicSubscriber;
+use eventplane::wire::Wire;
+
+#[derive(Parser, Debug)]
+#[command(about = "Follow router-event publishers (ours or Dynamo's) into a block index")]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["etcd", "static_endpoints"])))]
+struct Args {
+    /// etcd endpoint (http://host:2379); repeat for a cluster. Needs feature `etcd`.
+    #[arg(long)]
+    etcd: Vec<String>,
+    /// Follow Dynamo's etcd records and read Dynamo's wire (with --etcd).
+    #[arg(long, requires = "etcd")]
+    dynamo: bool,
+    /// Publisher endpoints (tcp://host:port), instead of discovery.
+    #[arg(long = "static", num_args = 1..)]
+    static_endpoints: Vec<String>,
+    /// The publishers' wire (with --static; --dynamo implies dynamo).
+    #[arg(long, default_value = "eventplane", conflicts_with = "dynamo")]
+    wire: Wire,
+    /// Namespace to follow.
+    #[arg(long)]
+    namespace: String,
+    /// Component to follow (default: every component of the namespace).
+    #[arg(long)]
+    component: Option<String>,
+    /// Dynamo endpoint to follow (with --dynamo; default: every endpoint).
+    #[arg(long, requires = "dynamo")]
+    endpoint: Option<String>,
+    /// Topic of the router events.
+    #[arg(long)]
+    topic: String,
+    /// Exit 0 after this many router events.
+    #[arg(long)]
+    count: Option<u64>,
+    /// Exit 1 if the run lasts longer than this.
+    #[arg(long = "timeout-ms")]
+    timeout_ms: Option<u64>,
+    /// One JSON line per router event, or nothing.
+    #[arg(long, value_enum, default_value = "json")]
+    format: Format,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Format {
+    Json,
+    Quiet,
+}
+
+async fn discovery(args: &Args) -> Result<Arc<dyn Discovery>, String> {
+    if !args.static_endpoints.is_empty() {
+        let component = args.component.as_deref().unwrap_or("static");
+        return StaticDiscovery::from_endpoints(
+            &args.namespace,
+            component,
+            &args.topic,
+            args.static_endpoints.iter(),
+        )
+        .map(|d| Arc::new(d) as Arc<dyn Discovery>)
+        .map_err(|e| chain(&e));
+    }
+    etcd(args).await
+}
+
+#[cfg(feature = "etcd")]
+async fn etcd(args: &Args) -> Result<Arc<dyn Discovery>, String> {
+    use eventplane::discovery::{DynamoRecords, EtcdDiscovery, RecordFormat};
+    let format = if args.dynamo {
+        let records = DynamoRecords::new();
+        RecordFormat::Dynamo(match &args.endpoint {
+            Some(e) => records.endpoint(e.clone()),
+            None => records,
+        })
+    } else {
+        RecordFormat::EventPlane
+    };
+    EtcdDiscovery::builder(&args.etcd)
+        .record_format(format)
+        .connect()
+        .await
+        .map(|d| Arc::new(d) as Arc<dyn Discovery>)
+        .map_err(|e| chain(&e))
+}
+
+#[cfg(not(feature = "etcd"))]
+async fn etcd(_: &Args) -> Result<Arc<dyn Discovery>, String> {
+    Err("--etcd needs the `etcd` feature: cargo run --features etcd --example kv_router".to_owned())
+}
+
+/// What the router knows beyond its index: which workers each publisher reported, and
+/// what it could not decode.
+#[derive(Default)]
+struct Router {
+    index: Index,
+    workers_of: HashMap<ChannelId, HashSet<WorkerId>>,
+    events: u64,
+    payload_errors: u64,
+}
+
+impl Router {
+    /// Forgets the blocks of workers reported only by publishers no longer followed.
+    fn forget_gone(&mut self, live: &HashSet<ChannelId>) {
+        let gone: Vec<ChannelId> = self
+            .workers_of
+            .keys()
+            .filter(|id| !live.contains(*id))
+            .cloned()
+            .collect();
+        for id in gone {
+            let workers = self.workers_of.remove(&id).unwrap_or_default();
+            let still: HashSet<WorkerId> = self.workers_of.values().flatten().copied().collect();
+            for w in workers.difference(&still) {
+                let before = self.index.size();
+                self.index.forget(*w);
+                eprintln!(
+                    "publisher {id} left: forgot {} blocks of worker {}",
+                    before - self.index.size(),
+                    w.0
+                );
+            }
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    let wire = if args.dynamo { Wire::Dynamo } else { args.wire };
+    let discovery = match discovery(&args).await {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("cannot reach discovery: {e}");
+            return ExitCode::from(3);
+        }
+    };
+    let mut query = Query::new(args.namespace.clone()).topic(args.topic.clone());
+    if let Some(c) = &args.component {
+        query = query.component(c.clone());
+    }
+    let mut sub = DynamicSubscriber::builder(discovery, query)
+        .topic(args.topic.clone())
+        .layout(wire.layout())
+        .spawn();
+    let handle = sub.handle();
+    let mut router = Router::default();
+    let mut batch = Vec::with_capacity(256);
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let timeout = optional_timeout(args.timeout_ms);
+    tokio::pin!(timeout);
+    let stop = stop_signal();
+    tokio::pin!(stop);
+    let code = 'run: loop {
+        tokio::select! {
+            () = &mut stop => break 'run 0,
+            () = &mut timeout => break 'run 1,
+            _ = tick.tick() => {
+                let live = handle.stats().publishers.into_iter().map(|(id, _)| id).collect();
+                router.forget_gone(&live);
+            }
+            n = sub.recv_many(&mut batch, 256) => {
+                if n == 0 {
+                    eprintln!("the subscriber stopped");
+                    break 'run 1;
+                }
+                let mut out = std::io::stdout().lock();
+                for delivery in batch.drain(..) {
+                    let Some(payload) = delivery.payload() else { continue };
+                    let events = match decode_router_payload(wire, &payload) {
+                        Ok(events) => events,
+                        Err(e) => {
+                            router.payload_errors += 1;
+                            if router.payload_errors == 1 {
+                                eprintln!("undecodable payload from {}: {}", delivery.source.id, chain(&e));
+                            }
+                            continue;
+                        }
+                    };
+                    let workers = router.workers_of.entry(delivery.source.id.clone()).or_default();
+                    for ev in &events {
+                        workers.insert(ev.worker_id);
+                        router.index.apply(ev);
+                        if args.format == Format::Json {
+                            if let Ok(line) = serde_json::to_string(ev) {
+                                let _ = writeln!(out, "{line}");
+                            }
+                        }
+                        router.events += 1;
+                        if args.count.is_some_and(|n| router.events >= n) {
+                            let _ = out.flush();
+                            break 'run 0;
+                        }
+                    }
+                }
+                let _ = out.flush();
+            }
+        }
+    };
+    let stats = handle.stats();
+    let m = stats.total.malformed;
+    let summary = serde_json::json!({
+        "wire": wire.as_str(),
+        "router_events": router.events,
+        "index_blocks": router.index.size(),
+        "publishers": stats.publishers.len(),
+        "decode_errors": {
+            "frames": m.frames,
+            "header": m.header,
+            "length": m.length,
+            "envelope": m.envelope,
+            "identity": m.identity,
+            "payload": router.payload_errors,
+        },
+        "subscriber": stats,
+    });
+    handle.shutdown().await;
+    eprintln!("{summary}");
+    ExitCode::from(code)
+}

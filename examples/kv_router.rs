@@ -28,7 +28,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::{CommandFactory, Parser, ValueEnum};
 use common::{Index, chain, optional_timeout, stop_signal};
 use eventplane::discovery::{ChannelId, Discovery, Query, StaticDiscovery};
 use eventplane::kv::{WorkerId, decode_router_payload};
@@ -43,7 +43,7 @@ struct Args {
     #[arg(long)]
     etcd: Vec<String>,
     /// Follow Dynamo's etcd records and read Dynamo's wire (with --etcd).
-    #[arg(long, requires = "etcd")]
+    #[arg(long, conflicts_with = "static_endpoints")]
     dynamo: bool,
     /// Publisher endpoints (tcp://host:port), instead of discovery.
     #[arg(long = "static", num_args = 1..)]
@@ -58,7 +58,7 @@ struct Args {
     #[arg(long)]
     component: Option<String>,
     /// Dynamo endpoint to follow (with --dynamo; default: every endpoint).
-    #[arg(long, requires = "dynamo")]
+    #[arg(long)]
     endpoint: Option<String>,
     /// Topic of the router events.
     #[arg(long)]
@@ -158,6 +158,15 @@ impl Router {
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
+    if args.endpoint.is_some() && !args.dynamo {
+        // Checked here: clap counts an absent flag's default as present.
+        Args::command()
+            .error(
+                clap::error::ErrorKind::MissingRequiredArgument,
+                "--endpoint names a Dynamo endpoint: it needs --dynamo",
+            )
+            .exit();
+    }
     let wire = if args.dynamo { Wire::Dynamo } else { args.wire };
     let discovery = match discovery(&args).await {
         Ok(d) => d,

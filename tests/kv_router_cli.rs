@@ -1,0 +1,326 @@
+//! The `kv_router` example as a user runs it (its exit codes, its output and stats),
+//! fed by `kv_relay` processes over real sockets, in both wires. The etcd paths are in
+//! `tests/dynamo_etcd/suite.rs`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    missing_docs
+)]
+
+mod support;
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use eventplane::kv::{EngineEvent, RouterEvent, encode_engine_batch};
+use eventplane::zmtp::{Config, Message, PubSocket};
+use serde_json::Value;
+use support::{example, within};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+async fn run(args: &[&str]) -> std::process::Output {
+    within(Command::new(example("kv_router")).args(args).output())
+        .await
+        .unwrap()
+}
+
+fn last_json(stderr: &[u8]) -> Value {
+    let text = String::from_utf8_lossy(stderr);
+    serde_json::from_str(text.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("no stats line ({e}): {text}"))
+}
+
+#[tokio::test]
+async fn bad_arguments_exit_2() {
+    for args in [
+        // No source.
+        &["--namespace", "ns", "--topic", "t"][..],
+        // --dynamo needs --etcd.
+        &[
+            "--static",
+            "tcp://127.0.0.1:1",
+            "--dynamo",
+            "--namespace",
+            "ns",
+            "--topic",
+            "t",
+        ],
+        // --wire is for static publishers; --dynamo already says the wire.
+        &[
+            "--etcd",
+            "http://127.0.0.1:1",
+            "--dynamo",
+            "--wire",
+            "dynamo",
+            "--namespace",
+            "ns",
+            "--topic",
+            "t",
+        ],
+        &[
+            "--static",
+            "tcp://127.0.0.1:1",
+            "--wire",
+            "zmq",
+            "--namespace",
+            "ns",
+            "--topic",
+            "t",
+        ],
+        // --endpoint is Dynamo's.
+        &[
+            "--static",
+            "tcp://127.0.0.1:1",
+            "--endpoint",
+            "e",
+            "--namespace",
+            "ns",
+            "--topic",
+            "t",
+        ],
+    ] {
+        let out = run(args).await;
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[tokio::test]
+async fn unreachable_discovery_exits_3_and_silence_exits_1() {
+    let (_held, port) = support::refusing_port();
+    let etcd = format!("http://127.0.0.1:{port}");
+    let out = run(&[
+        "--etcd",
+        &etcd,
+        "--dynamo",
+        "--namespace",
+        "ns",
+        "--topic",
+        "t",
+    ])
+    .await;
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach discovery"));
+
+    // The worker side too: kv_relay cannot register.
+    let out = within(
+        Command::new(example("kv_relay"))
+            .args([
+                "--connect",
+                "tcp://127.0.0.1:1",
+                "--topic",
+                "kv",
+                "--block-size",
+                "4",
+            ])
+            .args([
+                "--worker-id",
+                "1",
+                "--bind",
+                "tcp://127.0.0.1:0",
+                "--wire",
+                "dynamo",
+            ])
+            .args(["--etcd", &etcd, "--namespace", "ns", "--component", "c"])
+            .output(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach discovery"));
+
+    // A static publisher that never answers: the run times out (exit 1) and still
+    // reports its stats.
+    let publisher = format!("tcp://127.0.0.1:{port}");
+    let out = run(&[
+        "--static",
+        &publisher,
+        "--namespace",
+        "ns",
+        "--topic",
+        "t",
+        "--timeout-ms",
+        "300",
+    ])
+    .await;
+    assert_eq!(out.status.code(), Some(1));
+    let stats = last_json(&out.stderr);
+    assert_eq!(stats["router_events"], 0);
+    assert!(
+        stats["subscriber"]["total"]["connect_failures"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{stats}"
+    );
+}
+
+/// A relay process on `wire`, its engine (a PUB in this process) and its endpoint.
+async fn relay(wire: &str) -> (PubSocket, Child, String) {
+    let engine = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+        .await
+        .unwrap();
+    let (child, endpoint) = support::spawn_example(
+        "kv_relay",
+        &[
+            "--connect",
+            engine.local_endpoint().unwrap(),
+            "--topic",
+            "kv",
+            "--block-size",
+            "4",
+            "--worker-id",
+            "11",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--wire",
+            wire,
+        ],
+        true,
+    )
+    .await;
+    within(engine.wait_for_subscribers(1)).await;
+    (engine, child, endpoint.unwrap())
+}
+
+const WARM_RANK: u32 = 7;
+
+/// Sends warm-up clears (rank 7) until `line` yields one back, then the fixtures;
+/// returns how many engine batches were sent.
+async fn warm_then_fixtures(
+    engine: &PubSocket,
+    mut line: impl AsyncFnMut(Duration) -> Option<String>,
+) -> u64 {
+    let clear = encode_engine_batch(0.0, WARM_RANK, 4, &[EngineEvent::Cleared]).unwrap();
+    let mut seq = 0u64;
+    let send = |seq: &mut u64, payload: Vec<u8>| {
+        engine.send(Message::from_parts([
+            b"kv".to_vec(),
+            seq.to_be_bytes().to_vec(),
+            payload,
+        ]));
+        *seq += 1;
+    };
+    let until = tokio::time::Instant::now() + support::DEADLINE;
+    loop {
+        assert!(tokio::time::Instant::now() < until, "nothing came through");
+        send(&mut seq, clear.clone());
+        if line(Duration::from_millis(100)).await.is_some() {
+            break;
+        }
+    }
+    for f in support::kv_fixture_files() {
+        send(&mut seq, std::fs::read(f).unwrap());
+    }
+    seq
+}
+
+/// `kv_relay --wire W` → `kv_router --static EP --wire W`, for both wires: the router
+/// prints exactly the router events the sans-IO pipeline makes of the fixtures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_router_reads_kv_relay_in_both_wires() {
+    let expected = support::expected_router_events(&support::kv_fixture_files(), 11, 4);
+    for wire in ["eventplane", "dynamo"] {
+        let (engine, relay, endpoint) = relay(wire).await;
+        let mut router = Command::new(example("kv_router"))
+            .args([
+                "--static",
+                &endpoint,
+                "--wire",
+                wire,
+                "--namespace",
+                "ns",
+                "--topic",
+                "kv-events",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(router.stdout.take().unwrap()).lines();
+        warm_then_fixtures(&engine, async |wait| {
+            tokio::time::timeout(wait, lines.next_line())
+                .await
+                .ok()
+                .map(|l| l.unwrap().unwrap())
+        })
+        .await;
+        let mut got = Vec::new();
+        while got.len() < expected.len() {
+            let line = within(lines.next_line())
+                .await
+                .unwrap()
+                .expect("router exited");
+            let ev: RouterEvent = serde_json::from_str(&line).unwrap();
+            if ev.event.dp_rank != WARM_RANK {
+                got.push(ev);
+            }
+        }
+        let first = got[0].event.id;
+        for (g, e) in got.iter_mut().zip(&expected) {
+            g.event.id = g.event.id - first + 1;
+            assert_eq!(g, e, "{wire}");
+        }
+        let stats = support::terminate_for_stats(router).await;
+        assert_eq!(stats["wire"], wire);
+        assert_eq!(
+            stats["subscriber"]["total"]["dropped_malformed"], 0,
+            "{stats}"
+        );
+        assert_eq!(stats["decode_errors"]["payload"], 0, "{stats}");
+        let relay_stats = support::terminate_for_stats(relay).await;
+        assert_eq!(relay_stats["wire"], wire);
+    }
+}
+
+/// A router told the wrong wire does not guess: our layout reads a Dynamo publisher's
+/// frames, but their payload is an envelope, not router events — each is counted as a
+/// payload decode error, none is printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wrong_wire_is_counted_not_guessed() {
+    let (engine, relay, endpoint) = relay("dynamo").await;
+    let out = tokio::spawn(async move {
+        run(&[
+            "--static",
+            &endpoint,
+            "--wire",
+            "eventplane",
+            "--namespace",
+            "ns",
+            "--topic",
+            "kv-events",
+            "--timeout-ms",
+            "1500",
+        ])
+        .await
+    });
+    // Keep sending until the router has had time to connect and count some.
+    let clear = encode_engine_batch(0.0, WARM_RANK, 4, &[EngineEvent::Cleared]).unwrap();
+    let mut seq = 0u64;
+    while !out.is_finished() {
+        engine.send(Message::from_parts([
+            b"kv".to_vec(),
+            seq.to_be_bytes().to_vec(),
+            clear.clone(),
+        ]));
+        seq += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let out = out.await.unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty());
+    let stats = last_json(&out.stderr);
+    assert!(
+        stats["decode_errors"]["payload"].as_u64().unwrap() > 0,
+        "{stats}"
+    );
+    assert_eq!(stats["router_events"], 0);
+    support::terminate_for_stats(relay).await;
+}

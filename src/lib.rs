@@ -40,13 +40,22 @@
 //!   starve another.
 //! - [`publish`]: [`EventPublisher`](publish::EventPublisher) — a `PubSocket` on an
 //!   OS-assigned port, registered in discovery, with sequence numbers.
+//! - [`wire`]: the message layouts of every publisher we read or write — engines',
+//!   ours, and NVIDIA Dynamo's (a framed msgpack envelope) — with their parsers,
+//!   encoders and sequence tracking, in one place.
 //! - [`lossy`]: the lanes and fair merge on their own (sync core, wakers).
 //! - [`net`]: jittered [`Backoff`](net::Backoff), the [`AddrFilter`](net::AddrFilter)
 //!   SSRF guard, [`RateLimitedWarn`](net::RateLimitedWarn).
-//!
 //! - [`kv`]: the KV-event model, the sans-IO coalescer, dedup filter and id stamping,
 //!   the processor loop, engine ingress (vLLM / SGLang msgpack batches) and the
-//!   event-plane sink with its router-side decoder.
+//!   event-plane sink with its router-side decoder, in our schema or Dynamo's.
+//!
+//! ## Next to Dynamo
+//! A router built on eventplane follows Dynamo ≥ 1.6 workers as they run, and an
+//! eventplane worker feeds a Dynamo router, neither side changed: Dynamo's etcd
+//! records (`RecordFormat::Dynamo` on `EtcdDiscovery`, feature `etcd`), its frames
+//! ([`wire::Layout::Dynamo`], [`wire::Wire::Dynamo`]) and its router-event schema
+//! ([`kv::decode_dynamo_router_events`]). Our formats stay the default.
 //!
 //! ## Features
 //! - `etcd`: `discovery::EtcdDiscovery`, distributed discovery on etcd v3 (pulls

@@ -1,5 +1,6 @@
 //! `EventPublisher`: a `PubSocket` registered in discovery, sending
-//! `[topic, publisher_id u64be, sequence u64be, payload]`.
+//! `[topic, publisher_id u64be, sequence u64be, payload]` or Dynamo's frames
+//! ([`Wire`]).
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -227,7 +228,8 @@ fn check_advertise_host(host: &str) -> Result<(), PublishError> {
 /// Publishes events on the event plane: binds a [`PubSocket`] on an OS-assigned
 /// port, registers `tcp://{advertise_host}:{port}` in discovery under a random
 /// publisher id (≤ 2^53 − 1), and sends `[topic, publisher_id u64be, sequence u64be,
-/// payload]` with the sequence counting from 0. Sending never blocks; slow subscribers
+/// payload]` with the sequence counting from 0 (or, with [`Wire::Dynamo`], Dynamo's
+/// frames counting from 1). Sending never blocks; slow subscribers
 /// lose messages, counted in [`stats`](Self::stats) (and visible to them as sequence
 /// gaps). [`shutdown`](Self::shutdown) unregisters and lingers; dropping it
 /// unregisters (best effort) and closes the socket.

@@ -1,5 +1,11 @@
 //! Dynamo's discovery records on a real etcd, and the processes end to end.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    missing_docs
+)]
 
 use crate::support;
 

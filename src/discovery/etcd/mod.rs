@@ -59,7 +59,9 @@ pub enum EtcdState {
 ///   `{"id":{"namespace","component","topic","publisher_id"},"transport":{"kind":"zmq","endpoint"}}`.
 ///   This is a public contract: processes in any language may register this way.
 ///   Unknown fields are ignored; a malformed record is skipped, counted in
-///   [`DiscoveryStats::malformed`] and logged (rate-limited), never fatal.
+///   [`DiscoveryStats::malformed`] and logged (rate-limited), never fatal. With
+///   [`RecordFormat::Dynamo`](EtcdDiscoveryBuilder::record_format) it reads and writes
+///   Dynamo's records instead.
 /// - One lease per `EtcdDiscovery` (TTL default 10 s, renewed every TTL/3) carries every
 ///   registration. If etcd reports the lease lost (expired during an outage, or revoked),
 ///   a new one is granted and every live registration is put again

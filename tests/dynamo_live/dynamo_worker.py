@@ -185,4 +185,9 @@ async def main():
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    rc = asyncio.run(main())
+    # Records and lease are gone by now; skip interpreter teardown of the
+    # runtime's native threads so that exit can never hang.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)

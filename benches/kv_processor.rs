@@ -8,6 +8,10 @@
 //! decode → pipeline → router-event msgpack, again from a fresh `Pipeline` per
 //! iteration, so every remove in it hits a block stored earlier in its batch and is
 //! encoded.
+//!
+//! Then the router side per event-plane message (128 router events of 4 blocks, as the
+//! sink cuts them), in our schema and in Dynamo's: payload encode and decode, and for
+//! Dynamo the whole message (frames parsed, envelope checked, payload decoded).
 #![allow(missing_docs, clippy::unwrap_used, clippy::indexing_slicing)]
 
 use std::time::Duration;
@@ -15,9 +19,11 @@ use std::time::Duration;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use eventplane::kv::{
     BlockHash, EngineDecoder, EngineEvent, KvEvent, KvEventData, Pipeline, Placement,
-    PlacementEvent, StorageTier, StoredBlock, TokensHash, WorkerId, encode_engine_batch,
-    encode_router_events,
+    PlacementEvent, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId,
+    decode_dynamo_router_events, decode_router_events, encode_dynamo_router_events,
+    encode_engine_batch, encode_router_events,
 };
+use eventplane::wire::{Layout, Wire};
 use serde::Serialize;
 
 const AT: Placement = Placement {
@@ -342,5 +348,74 @@ fn decode(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench, decode);
+/// One event-plane message as the sink cuts it: 128 router events, stores of 4 blocks
+/// chained on a parent and removes of 4 blocks, alternating.
+fn router_message() -> Vec<RouterEvent> {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    (0..128u64)
+        .map(|i| {
+            let hashes: Vec<BlockHash> = (0..4).map(|_| BlockHash(xorshift(&mut x))).collect();
+            let data = if i % 2 == 0 {
+                KvEventData::Stored {
+                    parent_hash: Some(BlockHash(xorshift(&mut x))),
+                    blocks: hashes
+                        .into_iter()
+                        .map(|h| StoredBlock {
+                            block_hash: h,
+                            tokens_hash: TokensHash(h.0.rotate_left(17)),
+                        })
+                        .collect(),
+                }
+            } else {
+                KvEventData::Removed {
+                    block_hashes: hashes,
+                }
+            };
+            RouterEvent {
+                worker_id: WorkerId(77),
+                tier: StorageTier::Device,
+                event: KvEvent {
+                    id: i + 1,
+                    dp_rank: 0,
+                    data,
+                },
+            }
+        })
+        .collect()
+}
+
+fn router_wire(c: &mut Criterion) {
+    let mut group = c.benchmark_group("kv_router_wire");
+    group.sample_size(20);
+    group.measurement_time(Duration::from_secs(3));
+    let events = router_message();
+    group.throughput(Throughput::Elements(events.len() as u64));
+    let ours = encode_router_events(&events).unwrap();
+    let dynamo = encode_dynamo_router_events(&events).unwrap();
+    assert_eq!(decode_router_events(&ours).unwrap(), events);
+    assert_eq!(decode_dynamo_router_events(&dynamo).unwrap(), events);
+    let topic = bytes::Bytes::from_static(b"kv-events");
+    let message = Wire::Dynamo.encode(&topic, 42, 1, bytes::Bytes::from(dynamo.clone()));
+    group.bench_function(BenchmarkId::new("encode", "eventplane"), |b| {
+        b.iter(|| std::hint::black_box(encode_router_events(&events).unwrap()))
+    });
+    group.bench_function(BenchmarkId::new("encode", "dynamo"), |b| {
+        b.iter(|| {
+            let payload = encode_dynamo_router_events(&events).unwrap();
+            std::hint::black_box(Wire::Dynamo.encode(&topic, 42, 1, bytes::Bytes::from(payload)))
+        })
+    });
+    group.bench_function(BenchmarkId::new("decode", "eventplane"), |b| {
+        b.iter(|| std::hint::black_box(decode_router_events(&ours).unwrap()))
+    });
+    group.bench_function(BenchmarkId::new("decode", "dynamo"), |b| {
+        b.iter(|| {
+            let framed = Layout::Dynamo.parse(Some(b"kv-events"), &message).unwrap();
+            std::hint::black_box(decode_dynamo_router_events(&framed.payload.unwrap()).unwrap())
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench, decode, router_wire);
 criterion_main!(benches);

@@ -7,7 +7,12 @@
 //! - our encoder reproduces the captured envelope and payload byte for byte (with the
 //!   captured `published_at`; with our own clock only those 8 bytes differ);
 //! - our worker pipeline, fed the same engine batches, emits the same router events.
-#![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic, missing_docs)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    missing_docs
+)]
 
 use bytes::Bytes;
 use eventplane::kv::{

@@ -231,6 +231,7 @@ async def main():
         if m:
             w, dp, pid = map(int, m.groups())
             emit({"kind": "source_live", "worker_id": w, "dp_rank": dp, "publisher_id": pid})
+            return
         m = WARN.search(line)
         if m:
             emit({"kind": "indexer_warning", "target": m.group(2), "message": m.group(3).strip()})

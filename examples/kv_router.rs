@@ -29,8 +29,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{CommandFactory, Parser, ValueEnum};
-use common::{Index, chain, optional_timeout, stop_signal};
-use eventplane::discovery::{ChannelId, Discovery, Query, StaticDiscovery};
+use common::{Index, chain, optional_timeout, static_discovery, stop_signal};
+use eventplane::discovery::{ChannelId, Discovery, Query};
 use eventplane::kv::{WorkerId, decode_router_payload};
 use eventplane::subscriber::DynamicSubscriber;
 use eventplane::wire::Wire;
@@ -82,15 +82,12 @@ enum Format {
 
 async fn discovery(args: &Args) -> Result<Arc<dyn Discovery>, String> {
     if !args.static_endpoints.is_empty() {
-        let component = args.component.as_deref().unwrap_or("static");
-        return StaticDiscovery::from_endpoints(
+        return static_discovery(
             &args.namespace,
-            component,
+            args.component.as_deref(),
             &args.topic,
-            args.static_endpoints.iter(),
-        )
-        .map(|d| Arc::new(d) as Arc<dyn Discovery>)
-        .map_err(|e| chain(&e));
+            &args.static_endpoints,
+        );
     }
     etcd(args).await
 }

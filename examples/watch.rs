@@ -25,8 +25,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Parser, ValueEnum};
-use common::{chain, hex_line, optional_timeout, stop_signal};
-use eventplane::discovery::{Discovery, Query, StaticDiscovery};
+use common::{hex_line, optional_timeout, static_discovery, stop_signal};
+use eventplane::discovery::{Discovery, Query};
 use eventplane::subscriber::{DynamicSubscriber, Layout};
 
 #[derive(Parser, Debug)]
@@ -82,15 +82,12 @@ impl From<LayoutArg> for Layout {
 
 async fn discovery(args: &Args) -> Result<Arc<dyn Discovery>, String> {
     if !args.static_endpoints.is_empty() {
-        let component = args.component.as_deref().unwrap_or("static");
-        return StaticDiscovery::from_endpoints(
+        return static_discovery(
             &args.namespace,
-            component,
+            args.component.as_deref(),
             &args.topic,
-            args.static_endpoints.iter(),
-        )
-        .map(|d| Arc::new(d) as Arc<dyn Discovery>)
-        .map_err(|e| chain(&e));
+            &args.static_endpoints,
+        );
     }
     etcd(&args.etcd).await
 }
@@ -100,7 +97,7 @@ async fn etcd(endpoints: &[String]) -> Result<Arc<dyn Discovery>, String> {
     eventplane::discovery::EtcdDiscovery::connect(endpoints)
         .await
         .map(|d| Arc::new(d) as Arc<dyn Discovery>)
-        .map_err(|e| chain(&e))
+        .map_err(|e| common::chain(&e))
 }
 
 #[cfg(not(feature = "etcd"))]

@@ -23,15 +23,12 @@ use eventplane::wire::{Layout, Wire, WireError, encode_dynamo_frame, parse_dynam
 use eventplane::zmtp::Message;
 use serde_json::Value;
 
+mod support;
+
 const PUBLISHER_ID: u64 = 3_390_985_166_245_404;
 
 fn capture() -> Value {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/dynamo-1.6.1-capture.json"
-    ))
-    .unwrap();
-    serde_json::from_str(&text).unwrap()
+    support::dynamo_capture()
 }
 
 fn unhex(s: &str) -> Vec<u8> {

@@ -14,9 +14,8 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use eventplane::kv::{EngineEvent, RouterEvent, encode_engine_batch};
-use eventplane::zmtp::{Config, Message, PubSocket};
 use serde_json::Value;
-use support::{example, within};
+use support::{Engine, WARM_RANK, example, within};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -161,16 +160,14 @@ async fn unreachable_discovery_exits_3_and_silence_exits_1() {
     );
 }
 
-/// A relay process on `wire`, its engine (a PUB in this process) and its endpoint.
-async fn relay(wire: &str) -> (PubSocket, Child, String) {
-    let engine = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
-        .await
-        .unwrap();
+/// A relay process on `wire`, its engine and its endpoint.
+async fn relay(wire: &str) -> (Engine, Child, String) {
+    let engine = Engine::bind("kv").await;
     let (child, endpoint) = support::spawn_example(
         "kv_relay",
         &[
             "--connect",
-            engine.local_endpoint().unwrap(),
+            &engine.endpoint(),
             "--topic",
             "kv",
             "--block-size",
@@ -185,40 +182,8 @@ async fn relay(wire: &str) -> (PubSocket, Child, String) {
         true,
     )
     .await;
-    within(engine.wait_for_subscribers(1)).await;
+    within(engine.socket.wait_for_subscribers(1)).await;
     (engine, child, endpoint.unwrap())
-}
-
-const WARM_RANK: u32 = 7;
-
-/// Sends warm-up clears (rank 7) until `line` yields one back, then the fixtures;
-/// returns how many engine batches were sent.
-async fn warm_then_fixtures(
-    engine: &PubSocket,
-    mut line: impl AsyncFnMut(Duration) -> Option<String>,
-) -> u64 {
-    let clear = encode_engine_batch(0.0, WARM_RANK, 4, &[EngineEvent::Cleared]).unwrap();
-    let mut seq = 0u64;
-    let send = |seq: &mut u64, payload: Vec<u8>| {
-        engine.send(Message::from_parts([
-            b"kv".to_vec(),
-            seq.to_be_bytes().to_vec(),
-            payload,
-        ]));
-        *seq += 1;
-    };
-    let until = tokio::time::Instant::now() + support::DEADLINE;
-    loop {
-        assert!(tokio::time::Instant::now() < until, "nothing came through");
-        send(&mut seq, clear.clone());
-        if line(Duration::from_millis(100)).await.is_some() {
-            break;
-        }
-    }
-    for f in support::kv_fixture_files() {
-        send(&mut seq, std::fs::read(f).unwrap());
-    }
-    seq
 }
 
 /// `kv_relay --wire W` → `kv_router --static EP --wire W`, for both wires: the router
@@ -227,7 +192,7 @@ async fn warm_then_fixtures(
 async fn kv_router_reads_kv_relay_in_both_wires() {
     let expected = support::expected_router_events(&support::kv_fixture_files(), 11, 4);
     for wire in ["eventplane", "dynamo"] {
-        let (engine, relay, endpoint) = relay(wire).await;
+        let (mut engine, relay, endpoint) = relay(wire).await;
         let mut router = Command::new(example("kv_router"))
             .args([
                 "--static",
@@ -245,13 +210,17 @@ async fn kv_router_reads_kv_relay_in_both_wires() {
             .spawn()
             .unwrap();
         let mut lines = BufReader::new(router.stdout.take().unwrap()).lines();
-        warm_then_fixtures(&engine, async |wait| {
-            tokio::time::timeout(wait, lines.next_line())
-                .await
-                .ok()
-                .map(|l| l.unwrap().unwrap())
-        })
-        .await;
+        engine
+            .warm_up(async |wait| {
+                tokio::time::timeout(wait, lines.next_line())
+                    .await
+                    .ok()
+                    .map(|l| l.unwrap().unwrap())
+            })
+            .await;
+        for f in support::kv_fixture_files() {
+            engine.send(std::fs::read(f).unwrap());
+        }
         let mut got = Vec::new();
         while got.len() < expected.len() {
             let line = within(lines.next_line())
@@ -285,7 +254,7 @@ async fn kv_router_reads_kv_relay_in_both_wires() {
 /// payload decode error, none is printed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_wrong_wire_is_counted_not_guessed() {
-    let (engine, relay, endpoint) = relay("dynamo").await;
+    let (mut engine, relay, endpoint) = relay("dynamo").await;
     let out = tokio::spawn(async move {
         run(&[
             "--static",
@@ -303,14 +272,8 @@ async fn the_wrong_wire_is_counted_not_guessed() {
     });
     // Keep sending until the router has had time to connect and count some.
     let clear = encode_engine_batch(0.0, WARM_RANK, 4, &[EngineEvent::Cleared]).unwrap();
-    let mut seq = 0u64;
     while !out.is_finished() {
-        engine.send(Message::from_parts([
-            b"kv".to_vec(),
-            seq.to_be_bytes().to_vec(),
-            clear.clone(),
-        ]));
-        seq += 1;
+        engine.send(clear.clone());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let out = out.await.unwrap();

@@ -158,3 +158,21 @@ impl Index {
         self.blocks.values().flatten().collect::<HashSet<_>>().len()
     }
 }
+
+/// A `StaticDiscovery` of `endpoints` under `namespace/{component or "static"}/topic`,
+/// for the examples' `--static` flag.
+pub fn static_discovery(
+    namespace: &str,
+    component: Option<&str>,
+    topic: &str,
+    endpoints: &[String],
+) -> Result<std::sync::Arc<dyn eventplane::discovery::Discovery>, String> {
+    eventplane::discovery::StaticDiscovery::from_endpoints(
+        namespace,
+        component.unwrap_or("static"),
+        topic,
+        endpoints.iter(),
+    )
+    .map(|d| std::sync::Arc::new(d) as std::sync::Arc<dyn eventplane::discovery::Discovery>)
+    .map_err(|e| chain(&e))
+}

@@ -149,34 +149,43 @@ async fn cut_short<F: Future>(fut: F, step: u64) -> Option<F::Output> {
     None
 }
 
+/// The conformance suite, in both record formats: ours and Dynamo's (which a worker
+/// registers with an endpoint and a worker id).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conforms_on_real_etcd() {
+    use eventplane::discovery::{DynamoRecords, RecordFormat};
     let server = EtcdServer::start().await;
     let url = server.url();
     let settings = Settings::default()
         .with_ttl(TTL)
         .with_overflow_churn(1500)
         .with_deadline(Duration::from_secs(20));
-    let failures = conformance::run_all(
-        || {
-            let url = url.clone();
-            async move {
-                Arc::new(
-                    // Small pages: every snapshot in the suite is read in several.
-                    EtcdDiscovery::builder([url])
-                        .lease_ttl(TTL)
-                        .watch_buffer(256)
-                        .page_size(4)
-                        .connect()
-                        .await
-                        .unwrap(),
-                ) as Arc<dyn Discovery>
-            }
-        },
-        &settings,
-    )
-    .await;
-    assert!(failures.is_empty(), "{failures:#?}");
+    for format in [
+        RecordFormat::EventPlane,
+        RecordFormat::Dynamo(DynamoRecords::new().endpoint("generate").worker(77, 0)),
+    ] {
+        let failures = conformance::run_all(
+            || {
+                let (url, format) = (url.clone(), format.clone());
+                async move {
+                    Arc::new(
+                        // Small pages: every snapshot in the suite is read in several.
+                        EtcdDiscovery::builder([url])
+                            .lease_ttl(TTL)
+                            .watch_buffer(256)
+                            .page_size(4)
+                            .record_format(format)
+                            .connect()
+                            .await
+                            .unwrap(),
+                    ) as Arc<dyn Discovery>
+                }
+            },
+            &settings,
+        )
+        .await;
+        assert!(failures.is_empty(), "{format:?}: {failures:#?}");
+    }
 }
 
 #[tokio::test]

@@ -9,17 +9,16 @@
 
 use crate::support;
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use eventplane::discovery::conformance::{self, Mirror, Settings};
+use eventplane::discovery::conformance::Mirror;
 use eventplane::discovery::{
     ChannelId, Discovery, DiscoveryError, DiscoveryEvent, DiscoveryStream, DynamoRecords,
     EtcdDiscovery, Query, RecordFormat, Transport,
 };
 use serde_json::Value;
 use support::etcd::EtcdServer;
-use support::within;
+use support::{WARM_RANK, within};
 use tokio_util::sync::CancellationToken;
 
 const TTL: Duration = Duration::from_secs(3);
@@ -27,12 +26,7 @@ const TTL: Duration = Duration::from_secs(3);
 const CAPTURED_ID: u64 = 3_390_985_166_245_404;
 
 fn capture() -> Value {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/dynamo-1.6.1-capture.json"
-    ))
-    .unwrap();
-    serde_json::from_str(&text).unwrap()
+    support::dynamo_capture()
 }
 
 async fn connect(url: &str, records: DynamoRecords) -> EtcdDiscovery {
@@ -82,36 +76,6 @@ fn get_prefix(server: &EtcdServer, prefix: &str) -> Vec<(String, String)> {
             )
         })
         .collect()
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dynamo_records_conform_on_real_etcd() {
-    let server = EtcdServer::start().await;
-    let url = server.url();
-    let settings = Settings::default()
-        .with_ttl(TTL)
-        .with_overflow_churn(1500)
-        .with_deadline(Duration::from_secs(20));
-    let failures = conformance::run_all(
-        || {
-            let url = url.clone();
-            async move {
-                Arc::new(
-                    EtcdDiscovery::builder([url])
-                        .lease_ttl(TTL)
-                        .watch_buffer(256)
-                        .page_size(4)
-                        .record_format(RecordFormat::Dynamo(worker()))
-                        .connect()
-                        .await
-                        .unwrap(),
-                ) as Arc<dyn Discovery>
-            }
-        },
-        &settings,
-    )
-    .await;
-    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 /// What we register is key- and JSON-equal to what the Dynamo 1.6.1 worker wrote for
@@ -351,18 +315,14 @@ fn captured_router_events(capture: &Value) -> Vec<Value> {
 /// published for the same engine batches (ids apart), and sees the worker stop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_relay_dynamo_feeds_kv_router_dynamo_through_etcd() {
-    use eventplane::kv::{EngineEvent, encode_engine_batch};
-    use eventplane::zmtp::{Config, Message, PubSocket};
     use tokio::io::{AsyncBufReadExt, BufReader};
     use tokio::process::Command;
 
     let capture = capture();
     let server = EtcdServer::start().await;
     let url = server.url();
-    let engine = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
-        .await
-        .unwrap();
-    let engine_ep = engine.local_endpoint().unwrap().to_owned();
+    let mut engine = support::Engine::bind("kv").await;
+    let engine_ep = engine.endpoint();
     let (relay, relay_ep) = support::spawn_example(
         "kv_relay",
         &[
@@ -389,7 +349,7 @@ async fn kv_relay_dynamo_feeds_kv_router_dynamo_through_etcd() {
     )
     .await;
     let relay_ep = relay_ep.unwrap();
-    within(engine.wait_for_subscribers(1)).await;
+    within(engine.socket.wait_for_subscribers(1)).await;
 
     // Dynamo's two records, under the relay's lease, naming worker 77 and its endpoint.
     let channels = get_prefix(&server, "v1/event_channels/");
@@ -440,34 +400,20 @@ async fn kv_relay_dynamo_feeds_kv_router_dynamo_through_etcd() {
         }
     });
 
-    // Until the router's subscription reaches the relay, send clears on a rank the
-    // script does not use; they come out as router events we skip.
-    const WARM_RANK: u32 = 7;
-    let clear = encode_engine_batch(0.0, WARM_RANK, 4, &[EngineEvent::Cleared]).unwrap();
-    let mut seq = 0u64;
-    let send = |seq: &mut u64, payload: Vec<u8>| {
-        engine.send(Message::from_parts([
-            b"kv".to_vec(),
-            seq.to_be_bytes().to_vec(),
-            payload,
-        ]));
-        *seq += 1;
-    };
-    let warm_until = tokio::time::Instant::now() + support::DEADLINE;
-    loop {
-        assert!(
-            tokio::time::Instant::now() < warm_until,
-            "no warm-up clear reached the router"
-        );
-        send(&mut seq, clear.clone());
-        if let Ok(line) = tokio::time::timeout(Duration::from_millis(100), out.next_line()).await {
-            let line: Value = serde_json::from_str(&line.unwrap().unwrap()).unwrap();
-            assert_eq!(line["event"]["dp_rank"], WARM_RANK);
-            break;
-        }
-    }
+    // Until the router's subscription reaches the relay, warm-up clears; they come out
+    // as router events we skip.
+    let first = engine
+        .warm_up(async |wait| {
+            tokio::time::timeout(wait, out.next_line())
+                .await
+                .ok()
+                .map(|l| l.unwrap().unwrap())
+        })
+        .await;
+    let first: Value = serde_json::from_str(&first).unwrap();
+    assert_eq!(first["event"]["dp_rank"], WARM_RANK);
     for batch in engine_batches(&capture) {
-        send(&mut seq, batch);
+        engine.send(batch);
     }
     let want = captured_router_events(&capture);
     let mut got = Vec::new();

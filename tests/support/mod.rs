@@ -283,3 +283,82 @@ pub async fn within<F: std::future::Future>(fut: F) -> F::Output {
         .await
         .expect("test deadline passed")
 }
+
+/// The dp rank of warm-up clears: a rank the fixtures never use, so the router events
+/// they become are easy to skip.
+pub const WARM_RANK: u32 = 7;
+
+/// A test engine: a PUB sending `[topic, seq u64be, batch]` with consecutive sequences,
+/// as vLLM does.
+pub struct Engine {
+    pub socket: eventplane::zmtp::PubSocket,
+    topic: Vec<u8>,
+    seq: u64,
+}
+
+impl Engine {
+    pub async fn bind(topic: &str) -> Engine {
+        let socket = eventplane::zmtp::PubSocket::bind(
+            "tcp://127.0.0.1:0",
+            eventplane::zmtp::Config::default(),
+        )
+        .await
+        .unwrap();
+        Engine {
+            socket,
+            topic: topic.as_bytes().to_vec(),
+            seq: 0,
+        }
+    }
+
+    pub fn endpoint(&self) -> String {
+        self.socket.local_endpoint().unwrap().to_owned()
+    }
+
+    /// Sends one engine batch (msgpack) with the next sequence number.
+    pub fn send(&mut self, batch: Vec<u8>) {
+        self.socket.send(eventplane::zmtp::Message::from_parts([
+            self.topic.clone(),
+            self.seq.to_be_bytes().to_vec(),
+            batch,
+        ]));
+        self.seq += 1;
+    }
+
+    /// Batches sent so far.
+    pub fn sent(&self) -> u64 {
+        self.seq
+    }
+
+    /// Sends clears on [`WARM_RANK`] until `line` (waiting at most the given time)
+    /// yields what came through at the far end; returns that. PUB/SUB drops what is sent
+    /// before a subscription arrives, so a test's real data goes only after this.
+    pub async fn warm_up(
+        &mut self,
+        mut line: impl AsyncFnMut(Duration) -> Option<String>,
+    ) -> String {
+        use eventplane::kv::{EngineEvent, encode_engine_batch};
+        let clear = encode_engine_batch(0.0, WARM_RANK, 4, &[EngineEvent::Cleared]).unwrap();
+        let until = tokio::time::Instant::now() + DEADLINE;
+        loop {
+            assert!(
+                tokio::time::Instant::now() < until,
+                "no warm-up clear came through"
+            );
+            self.send(clear.clone());
+            if let Some(l) = line(Duration::from_millis(100)).await {
+                return l;
+            }
+        }
+    }
+}
+
+/// What a live Dynamo 1.6.1 worker wrote (`tests/fixtures/dynamo-1.6.1-capture.json`).
+pub fn dynamo_capture() -> serde_json::Value {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/dynamo-1.6.1-capture.json"
+    ))
+    .unwrap();
+    serde_json::from_str(&text).unwrap()
+}

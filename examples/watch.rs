@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! watch (--etcd URL | --static EP…) --namespace NS [--component C] --topic T
-//!       [--layout raw|topic-seq|topic-publisher-seq] [--count N] [--timeout-ms MS]
+//!       [--layout raw|topic-seq|topic-publisher-seq|dynamo] [--count N] [--timeout-ms MS]
 //! ```
 //! One stdout line per delivery: `{publisher_id} {sequence or -} {frames}`, the frames
 //! as `subscribe` prints them (lower-case hex, an empty frame as `-`, separated by one
@@ -48,9 +48,9 @@ struct Args {
     /// Topic: the discovery topic and the exact first frame of every message.
     #[arg(long)]
     topic: String,
-    /// Wire layout of the messages.
-    #[arg(long, value_enum, default_value_t = LayoutArg::TopicPublisherSeq)]
-    layout: LayoutArg,
+    /// Wire layout of the messages: raw, topic-seq, topic-publisher-seq or dynamo.
+    #[arg(long, default_value = "topic-publisher-seq")]
+    layout: Layout,
     /// Exit 0 after this many deliveries.
     #[arg(long)]
     count: Option<u64>,
@@ -61,23 +61,6 @@ struct Args {
     /// (default: the library's, 64 MiB).
     #[arg(long = "max-buffered-bytes")]
     max_buffered_bytes: Option<usize>,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum LayoutArg {
-    Raw,
-    TopicSeq,
-    TopicPublisherSeq,
-}
-
-impl From<LayoutArg> for Layout {
-    fn from(l: LayoutArg) -> Layout {
-        match l {
-            LayoutArg::Raw => Layout::Raw,
-            LayoutArg::TopicSeq => Layout::TopicSeq,
-            LayoutArg::TopicPublisherSeq => Layout::TopicPublisherSeq,
-        }
-    }
 }
 
 async fn discovery(args: &Args) -> Result<Arc<dyn Discovery>, String> {
@@ -121,7 +104,7 @@ async fn main() -> ExitCode {
     }
     let mut builder = DynamicSubscriber::builder(discovery, query)
         .topic(args.topic.clone())
-        .layout(args.layout.into());
+        .layout(args.layout);
     if let Some(bytes) = args.max_buffered_bytes {
         builder = builder.max_buffered_bytes(bytes);
     }

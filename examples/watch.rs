@@ -24,7 +24,7 @@ use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use common::{hex_line, optional_timeout, static_discovery, stop_signal};
 use eventplane::discovery::{Discovery, Query};
 use eventplane::subscriber::{DynamicSubscriber, Layout};

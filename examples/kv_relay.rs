@@ -14,7 +14,7 @@
 //!   payload]`, sequences from 0, the payload a msgpack list of router events
 //!   (`kv::decode_router_events`).
 //! - `--wire dynamo`: Dynamo's frames (`[topic, publisher_id, seq, 0x01 + u32be len +
-//!   envelope]`, sequences from 1) and Dynamo's router-event schema: a Dynamo router
+//!   envelope]`) and Dynamo's router-event schema: a Dynamo router
 //!   reads them unchanged.
 //!
 //! Without `--etcd` the publisher is registered nowhere. With it (feature `etcd`), it

@@ -97,7 +97,7 @@ impl EventPublisherBuilder {
         self
     }
     /// What the publisher writes: [`Wire::EventPlane`] (default) or [`Wire::Dynamo`]
-    /// (Dynamo's framed envelope, sequences from 1). Which records discovery writes
+    /// (Dynamo's framed envelope). Which records discovery writes
     /// is the discovery backend's choice (see `EtcdDiscoveryBuilder::record_format`).
     ///
     /// ```
@@ -106,7 +106,7 @@ impl EventPublisherBuilder {
     /// use eventplane::publish::EventPublisher;
     /// use eventplane::wire::Wire;
     /// let publisher = EventPublisher::unregistered("kv-events").wire(Wire::Dynamo).build().await?;
-    /// assert_eq!((publisher.wire(), publisher.next_sequence()), (Wire::Dynamo, 1));
+    /// assert_eq!((publisher.wire(), publisher.next_sequence()), (Wire::Dynamo, 0));
     /// # Ok(()) }
     /// ```
     pub fn wire(mut self, wire: Wire) -> Self {
@@ -188,7 +188,7 @@ impl EventPublisherBuilder {
             registration,
             topic: Bytes::from(self.topic),
             id: publisher_id,
-            sequence: AtomicU64::new(self.wire.first_sequence()),
+            sequence: AtomicU64::new(0),
             linger: self.linger,
             wire: self.wire,
         })
@@ -229,7 +229,7 @@ fn check_advertise_host(host: &str) -> Result<(), PublishError> {
 /// port, registers `tcp://{advertise_host}:{port}` in discovery under a random
 /// publisher id (≤ 2^53 − 1), and sends `[topic, publisher_id u64be, sequence u64be,
 /// payload]` with the sequence counting from 0 (or, with [`Wire::Dynamo`], Dynamo's
-/// frames counting from 1). Sending never blocks; slow subscribers
+/// frames, also counting from 0). Sending never blocks; slow subscribers
 /// lose messages, counted in [`stats`](Self::stats) (and visible to them as sequence
 /// gaps). [`shutdown`](Self::shutdown) unregisters and lingers; dropping it
 /// unregisters (best effort) and closes the socket.

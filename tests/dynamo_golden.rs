@@ -125,7 +125,7 @@ fn every_captured_frame_decodes_to_the_listed_events() {
     {
         let framed = Layout::Dynamo.parse(Some(b"kv-events"), message).unwrap();
         assert_eq!(framed.publisher_id, Some(PUBLISHER_ID));
-        // Dynamo numbers a publisher's messages from 1, consecutively.
+        // Consecutive sequences (this capture left out the worker's first message, 0).
         assert_eq!(framed.sequence, Some(i as u64 + 1));
         let events = decode_dynamo_router_events(&framed.payload.unwrap()).unwrap();
         assert_eq!(events, expected_events(decoded), "frame {i}");

@@ -171,7 +171,7 @@ impl Delivery {
     /// publisher.wait_for_subscribers(1).await;
     /// publisher.publish("payload");
     /// let delivery = sub.recv().await.ok_or("stopped")?;
-    /// assert_eq!(delivery.sequence, Some(1)); // Dynamo counts from 1
+    /// assert_eq!(delivery.sequence, Some(0)); // Dynamo counts from 0, as we do
     /// assert_eq!(delivery.payload().as_deref(), Some(&b"payload"[..]));
     /// # Ok(()) }
     /// ```

@@ -247,7 +247,7 @@ async fn run_connection(
     drain: &CancellationToken,
 ) {
     let mut backoff = Backoff::new(config.reconnect_min, config.reconnect_max);
-    let mut seq = SeqTracker::starting_at(config.layout.first_sequence());
+    let mut seq = SeqTracker::default();
     let mut connected_before = false;
     while !cancel.is_cancelled() && !drain.is_cancelled() {
         let started = tokio::time::Instant::now();

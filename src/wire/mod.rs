@@ -81,21 +81,6 @@ impl Layout {
         }
     }
 
-    /// The first sequence number a publisher of this layout sends (Dynamo counts from
-    /// 1, everyone else from 0): a connection whose first message carries it again
-    /// saw a restarted publisher, not a gap.
-    ///
-    /// ```
-    /// use eventplane::wire::Layout;
-    /// assert_eq!((Layout::TopicSeq.first_sequence(), Layout::Dynamo.first_sequence()), (0, 1));
-    /// ```
-    pub fn first_sequence(&self) -> u64 {
-        match self {
-            Layout::Dynamo => 1,
-            _ => 0,
-        }
-    }
-
     /// Checks `message` against this layout and, when given, the exact `topic` of
     /// frame 0; returns what the frames carry.
     ///
@@ -206,12 +191,12 @@ impl FromStr for Layout {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Wire {
-    /// `[topic, publisher_id u64be, seq u64be, payload]`, sequences from 0; router
-    /// events as msgpack with our field names.
+    /// `[topic, publisher_id u64be, seq u64be, payload]`; router events as msgpack
+    /// with our field names.
     #[default]
     EventPlane,
-    /// Dynamo's frames (a framed msgpack envelope), sequences from 1; router events
-    /// in Dynamo's schema.
+    /// Dynamo's frames (a framed msgpack envelope); router events in Dynamo's
+    /// schema.
     Dynamo,
 }
 
@@ -230,11 +215,6 @@ impl Wire {
             Wire::EventPlane => "eventplane",
             Wire::Dynamo => "dynamo",
         }
-    }
-
-    /// The first sequence number a publisher of this wire sends.
-    pub fn first_sequence(&self) -> u64 {
-        self.layout().first_sequence()
     }
 
     /// One message on this wire. Dynamo's envelope is stamped with the current time

@@ -9,14 +9,12 @@
 /// ```
 pub const MAX_SEQUENCE_GAP: u64 = 1 << 32;
 
-/// Per-publisher sequence tracking: a jump forward is a gap; a restart at the first number on a
-/// new connection, a regression, or a jump of more than [`MAX_SEQUENCE_GAP`] is a reset.
+/// Per-publisher sequence tracking: a jump forward is a gap; a restart at 0 on a new
+/// connection, a regression, or a jump of more than [`MAX_SEQUENCE_GAP`] is a reset.
 #[derive(Debug, Default)]
 pub(crate) struct SeqTracker {
     last: Option<u64>,
     fresh_connection: bool,
-    /// The number a (re)started publisher sends first (Dynamo's count from 1).
-    first: u64,
 }
 
 /// What one sequence number says about the stream.
@@ -31,14 +29,6 @@ pub(crate) enum SeqStep {
 }
 
 impl SeqTracker {
-    /// A tracker for a publisher whose numbering starts at `first`.
-    pub(crate) fn starting_at(first: u64) -> SeqTracker {
-        SeqTracker {
-            first,
-            ..SeqTracker::default()
-        }
-    }
-
     pub(crate) fn new_connection(&mut self) {
         self.fresh_connection = true;
     }
@@ -48,7 +38,7 @@ impl SeqTracker {
         let fresh = std::mem::take(&mut self.fresh_connection);
         let step = match self.last {
             None => SeqStep::InOrder,
-            Some(_) if fresh && seq == self.first => SeqStep::Reset,
+            Some(_) if fresh && seq == 0 => SeqStep::Reset,
             Some(last) if seq > last => match seq - last - 1 {
                 0 => SeqStep::InOrder,
                 missing if missing > MAX_SEQUENCE_GAP => SeqStep::Reset,
@@ -85,18 +75,6 @@ mod tests {
         let mut t = SeqTracker::default();
         t.new_connection();
         assert_eq!(t.observe(42), SeqStep::InOrder);
-    }
-
-    #[test]
-    fn a_dynamo_publisher_restarts_at_one() {
-        let mut s = SeqTracker::starting_at(1);
-        s.new_connection();
-        assert_eq!(s.observe(1), SeqStep::InOrder);
-        assert_eq!(s.observe(2), SeqStep::InOrder);
-        s.new_connection();
-        assert_eq!(s.observe(1), SeqStep::Reset);
-        s.new_connection();
-        assert_eq!(s.observe(4), SeqStep::Gap(2));
     }
 
     #[test]

@@ -85,7 +85,8 @@ class Etcd:
     """Tiny client for etcd's v3 JSON gateway (no extra packages)."""
 
     def __init__(self, url):
-        self.url = url.split(",")[0].rstrip("/")
+        url = url.split(",")[0].strip().rstrip("/")
+        self.url = url if "://" in url else "http://" + url
 
     def call(self, path, body):
         req = urllib.request.Request(self.url + path, json.dumps(body).encode(),
@@ -109,8 +110,9 @@ class Etcd:
 
 def admit(etcd, args, stop_flag):
     """Write an instance record and a model card per admitted worker, as
-    register_model + serve_endpoint would (only the fields the router reads
-    matter); all under one lease, kept alive by a daemon thread."""
+    serve_endpoint + register_model would; all under one lease, kept alive by
+    a daemon thread. (In 1.6.1 the card alone is enough for admission; its
+    runtime_config.data_parallel_size gives the worker's dp ranks.)"""
     if args.admit.strip().lower() in ("", "none"):
         return None
     ns, comp, ep = args.namespace, args.component, args.endpoint
@@ -208,13 +210,11 @@ async def main():
     args = parse_args()
     os.environ["ETCD_ENDPOINTS"] = args.etcd
     for k, v in {"DYN_DISCOVERY_BACKEND": "etcd", "DYN_EVENT_PLANE": "zmq",
-                 "DYN_REQUEST_PLANE": "tcp", "DYN_LOG": "info"}.items():
+                 "DYN_REQUEST_PLANE": "tcp", "DYN_LOG": "info",
+                 "ETCD_STARTUP_CONNECT_TIMEOUT_SECONDS": "10"}.items():  # default 120
         os.environ.setdefault(k, v)
 
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
 
     # Lines scraped from Dynamo's log; held back until "ready" has been printed.
     held, held_lock = [], threading.Lock()
@@ -244,7 +244,12 @@ async def main():
     keep_stop = threading.Event()
     lease = admit(etcd, args, keep_stop)
 
+    # Blocks until etcd answers (ETCD_STARTUP_CONNECT_TIMEOUT_SECONDS); signals
+    # keep their default action until it returns.
     runtime = DistributedRuntime(loop, "etcd", "tcp", event_plane="zmq")
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     endpoint = runtime.endpoint(f"{args.namespace}.{args.component}.{args.endpoint}")
     router = KvRouter(endpoint, args.block_size, KvRouterConfig(use_kv_events=True))
     probes = [[int(t) for t in p.split(",") if t.strip()] for p in args.probe]

@@ -69,6 +69,7 @@ def configure_env(args):
         # address of this machine); the capture advertised 127.0.0.1.
         "DYN_EVENT_PLANE_HOST": "127.0.0.1",
         "DYN_LOG": "info",
+        "ETCD_STARTUP_CONNECT_TIMEOUT_SECONDS": "10",  # Dynamo's default: 120
     }.items():
         os.environ.setdefault(k, v)
 
@@ -98,11 +99,12 @@ async def main():
     from dynamo.runtime import DistributedRuntime
 
     loop = asyncio.get_running_loop()
+    # Blocks until etcd answers (ETCD_STARTUP_CONNECT_TIMEOUT_SECONDS); signals
+    # keep their default action until it returns.
+    runtime = DistributedRuntime(loop, "etcd", "tcp", event_plane="zmq")
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-
-    runtime = DistributedRuntime(loop, "etcd", "tcp", event_plane="zmq")
     endpoint = runtime.endpoint(f"{args.namespace}.{args.component}.{args.endpoint}")
 
     # The "engine": an XPUB (wire-compatible with vLLM's PUB) so that we see

@@ -277,7 +277,7 @@ fn engine_batches(capture: &Value) -> Vec<Vec<u8>> {
 }
 
 /// The router events the capture lists, as `kv_router` prints them, without ids.
-fn captured_router_events(capture: &Value) -> Vec<Value> {
+pub(crate) fn captured_router_events(capture: &Value) -> Vec<Value> {
     use eventplane::kv::decode_dynamo_router_events;
     use eventplane::wire::Layout;
     let mut out = Vec::new();
@@ -466,7 +466,7 @@ async fn kv_relay_dynamo_feeds_kv_router_dynamo_through_etcd() {
 }
 
 /// SIGTERM, then the JSON stats on the last stderr line (read through `lines`).
-async fn terminate_reading(
+pub(crate) async fn terminate_reading(
     mut child: tokio::process::Child,
     mut lines: tokio::sync::mpsc::Receiver<String>,
 ) -> Value {

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A real Dynamo 1.6.1 KV-event worker, for interop tests (not run by cargo).
+"""A real Dynamo 1.6.1 KV-event worker, for interop tests (tests/dynamo_etcd/live.rs).
 
 Runs the PyPI package ai-dynamo-runtime==1.6.1 exactly as the capture in
 shared/fixtures/dynamo-1.6.1/capture.json describes: a DistributedRuntime with

@@ -1,0 +1,417 @@
+//! Against the real thing: NVIDIA Dynamo 1.6.1 (PyPI `ai-dynamo-runtime==1.6.1`) run
+//! by `tests/dynamo_live/*.py` in a virtualenv that `.ci/run` creates
+//! (`target/dynamo-venv`; `EVENTPLANE_DYNAMO_PYTHON` points elsewhere).
+//!
+//! - A Dynamo worker is followed by `kv_router --dynamo` through etcd: the router prints
+//!   exactly the router events Dynamo publishes for the capture's engine batches.
+//! - Side by side: Dynamo's own KV router indexes `kv_relay --wire dynamo` exactly as it
+//!   indexes a Dynamo worker fed the same engine batches, state by state.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    missing_docs
+)]
+
+use crate::support;
+
+use std::path::PathBuf;
+use std::process::Stdio;
+
+use serde_json::{Value, json};
+use support::etcd::EtcdServer;
+use support::{DEADLINE, within};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+
+/// The virtualenv's Python, with `ai-dynamo-runtime==1.6.1`, `pyzmq` and `msgpack`.
+fn dynamo_python() -> PathBuf {
+    let path = std::env::var_os("EVENTPLANE_DYNAMO_PYTHON").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/dynamo-venv/bin/python"),
+        PathBuf::from,
+    );
+    let ok = std::process::Command::new(&path)
+        .args(["-c", "import dynamo._core, zmq, msgpack"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok,
+        "{} cannot import Dynamo: run .ci/run, or `python3 -m venv target/dynamo-venv && \
+         target/dynamo-venv/bin/pip install ai-dynamo-runtime==1.6.1 pyzmq msgpack`",
+        path.display()
+    );
+    path
+}
+
+/// A Dynamo process from `tests/dynamo_live/`, driven by stdin/stdout lines.
+struct Py {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Lines<BufReader<ChildStdout>>,
+}
+
+impl Py {
+    async fn spawn(script: &str, args: &[&str]) -> Py {
+        let mut child = Command::new(dynamo_python())
+            .arg(
+                PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                    .join("tests/dynamo_live")
+                    .join(script),
+            )
+            .args(args)
+            .env("DYN_LOG", "warn")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take();
+        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut py = Py {
+            child,
+            stdin,
+            lines,
+        };
+        py.until(|l| l == "ready").await;
+        py
+    }
+
+    async fn line(&mut self) -> String {
+        within(self.lines.next_line())
+            .await
+            .unwrap()
+            .expect("the Dynamo process exited")
+    }
+
+    /// Reads lines until one satisfies `pred`; returns it.
+    async fn until(&mut self, pred: impl Fn(&str) -> bool) -> String {
+        loop {
+            let line = self.line().await;
+            if pred(&line) {
+                return line;
+            }
+        }
+    }
+
+    /// As [`until`](Self::until), giving up (`None`) after `wait`.
+    async fn until_within(
+        &mut self,
+        wait: std::time::Duration,
+        pred: impl Fn(&str) -> bool,
+    ) -> Option<String> {
+        tokio::time::timeout(wait, self.until(pred)).await.ok()
+    }
+
+    async fn send(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().unwrap();
+        stdin
+            .write_all(format!("{line}\n").as_bytes())
+            .await
+            .unwrap();
+        stdin.flush().await.unwrap();
+    }
+
+    /// Closes stdin (the scripts' clean stop) and waits for exit 0.
+    async fn finish(mut self) {
+        drop(self.stdin.take());
+        let status = within(self.child.wait()).await.unwrap();
+        assert!(status.success(), "{status}");
+    }
+}
+
+fn json_line(line: &str) -> Value {
+    serde_json::from_str(line).unwrap_or(Value::Null)
+}
+
+/// The capture's engine batches, as JSON lines for `dynamo_worker.py`.
+fn script(capture: &Value) -> Vec<Value> {
+    capture["engine_script"].as_array().unwrap().clone()
+}
+
+/// An engine batch storing one block `hash` (no parent) on the host tier: a marker
+/// whose arrival in an index says that everything sent before it was applied.
+fn sentinel(hash: u64) -> Value {
+    json!([[
+        "BlockStored",
+        [hash],
+        null,
+        [hash, hash, hash, hash],
+        4,
+        null,
+        "CPU",
+        null
+    ]])
+}
+
+/// A Dynamo 1.6.1 worker publishes the capture's batches; `kv_router --dynamo`,
+/// following it through etcd, prints exactly the router events the capture lists (ids
+/// counted by the worker, consecutive) and sees the worker stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_router_follows_a_real_dynamo_worker() {
+    let capture = support::dynamo_capture();
+    let server = EtcdServer::start().await;
+    let url = server.url();
+    let mut worker = Py::spawn(
+        "dynamo_worker.py",
+        &[
+            "--etcd",
+            &url,
+            "--namespace",
+            "live1",
+            "--component",
+            "kvworker",
+        ],
+    )
+    .await;
+    let mut router = Command::new(support::example("kv_router"))
+        .args([
+            "--etcd",
+            &url,
+            "--dynamo",
+            "--namespace",
+            "live1",
+            "--component",
+            "kvworker",
+        ])
+        .args(["--topic", "kv-events"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(router.stdout.take().unwrap()).lines();
+    let (err_tx, mut err_rx) = tokio::sync::mpsc::channel::<String>(64);
+    let mut err_lines = BufReader::new(router.stderr.take().unwrap()).lines();
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = err_lines.next_line().await {
+            if err_tx.send(line).await.is_err() {
+                break;
+            }
+        }
+    });
+
+    // Until the router's subscription reaches the worker's PUB: clears, which come out
+    // as router events; the script's first event is a store.
+    let warm_until = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        assert!(
+            tokio::time::Instant::now() < warm_until,
+            "nothing reached kv_router"
+        );
+        worker.send(r#"[["AllBlocksCleared"]]"#).await;
+        let got =
+            tokio::time::timeout(std::time::Duration::from_millis(200), out.next_line()).await;
+        if let Ok(line) = got {
+            assert_eq!(
+                json_line(&line.unwrap().unwrap())["event"]["data"],
+                "cleared"
+            );
+            break;
+        }
+    }
+    for batch in script(&capture) {
+        worker.send(&batch.to_string()).await;
+    }
+    let want = super::suite::captured_router_events(&capture);
+    let mut got = Vec::new();
+    let mut ids = Vec::new();
+    while got.len() < want.len() {
+        let line = within(out.next_line())
+            .await
+            .unwrap()
+            .expect("kv_router exited");
+        let mut v = json_line(&line);
+        if got.is_empty() && v["event"]["data"] == "cleared" {
+            continue; // a warm-up clear still in flight
+        }
+        ids.push(v["event"]["id"].as_u64().unwrap());
+        v["event"]["id"] = Value::Null;
+        got.push(v);
+    }
+    assert_eq!(got, want);
+    assert!(ids.windows(2).all(|w| w[1] == w[0] + 1), "{ids:?}");
+
+    // The worker stops cleanly: its records leave etcd, the router forgets its blocks
+    // (after the script's clear, only the host-pinned block 201 was held).
+    worker.finish().await;
+    loop {
+        let line = within(err_rx.recv())
+            .await
+            .expect("kv_router stderr closed");
+        if line.contains("left: forgot") {
+            assert!(line.contains("forgot 1 blocks of worker 77"), "{line}");
+            break;
+        }
+    }
+    let stats = super::suite::terminate_reading(router, err_rx).await;
+    assert_eq!(
+        (stats["publishers"].as_u64(), stats["index_blocks"].as_u64()),
+        (Some(0), Some(0)),
+        "{stats}"
+    );
+    for reason in [
+        "frames", "header", "length", "envelope", "identity", "payload",
+    ] {
+        assert_eq!(stats["decode_errors"][reason], 0, "{reason}: {stats}");
+    }
+    assert_eq!(stats["subscriber"]["total"]["gaps"], 0, "{stats}");
+}
+
+/// Whether `line` is an index change that adds block `hash`.
+fn adds(line: &str, hash: u64) -> bool {
+    let v = json_line(line);
+    v["kind"] == "index"
+        && v["added"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|b| b["block_hash"] == hash))
+}
+
+/// Sends a sentinel until Dynamo's router has indexed one (so it is subscribed), then
+/// feeds the capture's batches, each followed by a sentinel, to a worker through
+/// `send`, and returns the state the router reports once each sentinel is indexed.
+async fn states_seen_by_dynamos_router(
+    router: &mut Py,
+    mut send: impl AsyncFnMut(Value),
+    capture: &Value,
+) -> Vec<Value> {
+    const WARM: u64 = 0x5dff;
+    let until = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        assert!(
+            tokio::time::Instant::now() < until,
+            "Dynamo's router indexed nothing"
+        );
+        send(sentinel(WARM)).await;
+        let wait = std::time::Duration::from_millis(300);
+        if router.until_within(wait, |l| adds(l, WARM)).await.is_some() {
+            break;
+        }
+    }
+    let mut states = Vec::new();
+    for (i, batch) in script(capture).into_iter().enumerate() {
+        let marker = 0x5e00 + i as u64;
+        send(batch).await;
+        send(sentinel(marker)).await;
+        router.until(|l| adds(l, marker)).await;
+        router.send("dump").await;
+        let state = json_line(&router.until(|l| json_line(l)["kind"] == "state").await);
+        let mut blocks = state["blocks"].as_array().unwrap().clone();
+        blocks.sort_by_key(|b| b.to_string());
+        states.push(json!({"blocks": blocks, "counts": state["counts"]}));
+    }
+    states
+}
+
+/// The block hashes of a state, sentinels aside.
+fn held(state: &Value) -> Vec<u64> {
+    let mut h: Vec<u64> = state["blocks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["block_hash"].as_u64().unwrap())
+        .filter(|h| !(0x5dff..0x5e10).contains(h))
+        .collect();
+    h.sort_unstable();
+    h
+}
+
+/// Side by side: Dynamo's own KV router follows a Dynamo worker, then `kv_relay --wire
+/// dynamo`, each fed the capture's engine batches (and a sentinel after each). The
+/// router's index must be the same after every batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamos_router_indexes_kv_relay_as_it_indexes_a_dynamo_worker() {
+    let capture = support::dynamo_capture();
+    let server = EtcdServer::start().await;
+    let url = server.url();
+    let args = |ns: &'static str| {
+        vec![
+            "--etcd".to_owned(),
+            url.clone(),
+            "--namespace".to_owned(),
+            ns.to_owned(),
+            "--component".to_owned(),
+            "kvworker".to_owned(),
+        ]
+    };
+
+    // Reference: Dynamo's worker.
+    let a = args("live2a");
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let mut router = Py::spawn("dynamo_router.py", &a).await;
+    let mut worker = Py::spawn("dynamo_worker.py", &a).await;
+    let reference = states_seen_by_dynamos_router(
+        &mut router,
+        async |batch: Value| worker.send(&batch.to_string()).await,
+        &capture,
+    )
+    .await;
+    worker.finish().await;
+    router.finish().await;
+
+    // Ours: kv_relay --wire dynamo, registered in the same etcd under another namespace.
+    let mut engine = support::Engine::bind("kv").await;
+    let b = args("live2b");
+    let b: Vec<&str> = b.iter().map(String::as_str).collect();
+    let engine_ep = engine.endpoint();
+    let relay_args = [
+        &[
+            "--connect",
+            &engine_ep,
+            "--topic",
+            "kv",
+            "--block-size",
+            "4",
+            "--worker-id",
+            "77",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--wire",
+            "dynamo",
+        ][..],
+        &b,
+    ]
+    .concat();
+    let (relay, _) = support::spawn_example("kv_relay", &relay_args, true).await;
+    within(engine.socket.wait_for_subscribers(1)).await;
+    let mut router = Py::spawn("dynamo_router.py", &b).await;
+    let ours = states_seen_by_dynamos_router(
+        &mut router,
+        async |batch: Value| {
+            let batch = json!([1_700_000_000.5, batch, 0]);
+            engine.send(rmp_serde::to_vec(&batch).unwrap());
+        },
+        &capture,
+    )
+    .await;
+    assert_eq!(ours, reference);
+
+    // What the reference shows is the capture's story, batch by batch: 101, 102 stored;
+    // 103 and the host-pinned 201 added; 103 removed; the 2^64 - 5 block added; and
+    // Dynamo's router takes the clear to empty every tier of the worker (only the last
+    // sentinel is left).
+    let story: Vec<Vec<u64>> = reference.iter().map(held).collect();
+    let big = 18_446_744_073_709_551_611;
+    assert_eq!(
+        story,
+        vec![
+            vec![101, 102],
+            vec![101, 102, 103, 201],
+            vec![101, 102, 201],
+            vec![101, 102, 201, big],
+            vec![],
+        ]
+    );
+    assert_eq!(
+        reference.last().unwrap()["blocks"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+    let relay_stats = support::terminate_for_stats(relay).await;
+    assert_eq!(relay_stats["publisher"]["dropped"], 0, "{relay_stats}");
+    router.finish().await;
+}

@@ -107,6 +107,98 @@ pub(crate) fn parse(input: &[u8], max_elements: usize) -> Result<Value<'_>, Msgp
     Ok(v)
 }
 
+/// Checks, without allocating, that `input` is exactly one msgpack value nested at most
+/// [`MAX_DEPTH`] deep, whose every container declares no more elements than bytes
+/// remain (each element takes at least one). Run before a decoder that sizes its
+/// vectors from declared lengths (serde's), it keeps what a payload can make it reserve
+/// proportional to the payload's real size.
+pub(crate) fn check_shape(input: &[u8]) -> Result<(), MsgpackError> {
+    use MsgpackError::Truncated as T;
+    let mut r = Reader::new(input);
+    // Values still to read at each open nesting level.
+    let mut pending = [0u64; MAX_DEPTH + 2];
+    let mut depth = 0usize;
+    if let Some(top) = pending.first_mut() {
+        *top = 1;
+    }
+    loop {
+        loop {
+            let left = pending.get_mut(depth).ok_or(MsgpackError::TooDeep)?;
+            if *left > 0 {
+                *left -= 1;
+                break;
+            }
+            if depth == 0 {
+                return if r.remaining() == 0 {
+                    Ok(())
+                } else {
+                    Err(MsgpackError::Trailing)
+                };
+            }
+            depth -= 1;
+        }
+        let marker = r.u8().ok_or(T)?;
+        let skip = |r: &mut Reader<'_>, n: usize| r.take(n).map(|_| ()).ok_or(T);
+        let elements: u64 = match marker {
+            0x80..=0x8f => 2 * u64::from(marker & 0x0f),
+            0x90..=0x9f => u64::from(marker & 0x0f),
+            0xdc => u64::from(r.u16_be().ok_or(T)?),
+            0xdd => u64::from(r.u32_be().ok_or(T)?),
+            0xde => 2 * u64::from(r.u16_be().ok_or(T)?),
+            0xdf => 2 * u64::from(r.u32_be().ok_or(T)?),
+            _ => {
+                match marker {
+                    0x00..=0x7f | 0xc0 | 0xc2 | 0xc3 | 0xe0..=0xff => {}
+                    0xc1 => return Err(MsgpackError::Reserved),
+                    0xa0..=0xbf => skip(&mut r, usize::from(marker & 0x1f))?,
+                    0xc4 | 0xd9 => {
+                        let n = usize::from(r.u8().ok_or(T)?);
+                        skip(&mut r, n)?;
+                    }
+                    0xc5 | 0xda => {
+                        let n = usize::from(r.u16_be().ok_or(T)?);
+                        skip(&mut r, n)?;
+                    }
+                    0xc6 | 0xdb => {
+                        let n = r.u32_be().ok_or(T)? as usize;
+                        skip(&mut r, n)?;
+                    }
+                    0xc7 => {
+                        let n = usize::from(r.u8().ok_or(T)?);
+                        skip(&mut r, n + 1)?;
+                    }
+                    0xc8 => {
+                        let n = usize::from(r.u16_be().ok_or(T)?);
+                        skip(&mut r, n + 1)?;
+                    }
+                    0xc9 => {
+                        let n = r.u32_be().ok_or(T)? as usize;
+                        skip(&mut r, n.checked_add(1).ok_or(T)?)?;
+                    }
+                    0xca | 0xce | 0xd2 => skip(&mut r, 4)?,
+                    0xcb | 0xcf | 0xd3 => skip(&mut r, 8)?,
+                    0xcc | 0xd0 => skip(&mut r, 1)?,
+                    0xcd | 0xd1 => skip(&mut r, 2)?,
+                    // fixext 1, 2, 4, 8, 16: a type byte and the data.
+                    0xd4..=0xd8 => skip(&mut r, (1usize << (marker - 0xd4)) + 1)?,
+                    _ => return Err(MsgpackError::Reserved),
+                }
+                0
+            }
+        };
+        if elements > r.remaining() as u64 {
+            return Err(T);
+        }
+        if elements > 0 {
+            depth += 1;
+            if depth > MAX_DEPTH {
+                return Err(MsgpackError::TooDeep);
+            }
+            *pending.get_mut(depth).ok_or(MsgpackError::TooDeep)? = elements;
+        }
+    }
+}
+
 /// Takes `n` elements from the budget.
 fn spend(budget: &mut usize, n: usize) -> Result<(), MsgpackError> {
     *budget = budget.checked_sub(n).ok_or(MsgpackError::TooManyElements)?;
@@ -278,6 +370,36 @@ fn map<'a>(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn shape_check_agrees_with_the_parser_and_refuses_forged_lengths() {
+        let good: [&[u8]; 5] = [
+            b"\x91\x84\xa9worker_id\x01\xa1a\xc0\xa1b\x92\x01\xcf\0\0\0\0\0\0\0\x02\xa1c\xc4\x01z",
+            b"\x90",
+            b"\xc0",
+            b"\x93\xd4\x01\x02\xcb\0\0\0\0\0\0\0\0\xd9\x01a",
+            b"\x81\xa0\x80",
+        ];
+        for g in good {
+            assert_eq!(check_shape(g), Ok(()), "{g:02x?}");
+            assert!(parse(g, 1000).is_ok(), "{g:02x?}");
+        }
+        let bad: [(&[u8], MsgpackError); 6] = [
+            (b"\xdd\xff\xff\xff\xff", MsgpackError::Truncated),
+            (b"\xdf\0\0\0\x02\x01\x01\x01", MsgpackError::Truncated),
+            (b"\x91\xdc\x01\x00", MsgpackError::Truncated),
+            (b"\xc1", MsgpackError::Reserved),
+            (b"\x90\x90", MsgpackError::Trailing),
+            (b"\xc6\xff\xff\xff\xff", MsgpackError::Truncated),
+        ];
+        for (b, want) in bad {
+            assert_eq!(check_shape(b), Err(want), "{b:02x?}");
+        }
+        let deep = [vec![0x91u8; MAX_DEPTH], vec![0xc0]].concat();
+        assert_eq!(check_shape(&deep), Ok(()));
+        let deeper = [vec![0x91u8; MAX_DEPTH + 1], vec![0xc0]].concat();
+        assert_eq!(check_shape(&deeper), Err(MsgpackError::TooDeep));
+    }
+
     use super::*;
 
     #[test]

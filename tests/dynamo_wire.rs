@@ -154,6 +154,10 @@ async fn event_publisher_and_dynamic_subscriber_speak_dynamo() {
         assert_eq!(d.payload().as_deref(), Some(&i.to_be_bytes()[..]));
         assert_eq!(d.source.id.publisher_id(), publisher.publisher_id());
     }
+    // An empty payload is a payload, not a missing one.
+    publisher.publish(Vec::new());
+    let d = within(sub.recv()).await.unwrap();
+    assert_eq!(d.payload().as_deref(), Some(&b""[..]));
     let stats = sub.handle().stats().total;
     assert_eq!(
         (stats.gaps, stats.sequence_resets, stats.dropped()),

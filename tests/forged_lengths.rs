@@ -22,6 +22,9 @@ static ALLOCATOR: Cap<System> = Cap::new(System, usize::MAX);
 
 const MIB: usize = 1 << 20;
 
+/// Held while a test runs under an allocation cap (the cap is process-wide).
+static CAPPED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// A publisher that completes the handshake, then sends a long-frame header claiming
 /// `size` bytes and never the body. With `hang_up`, it then closes its side (so the
 /// reader sees the end of the stream right after the header); otherwise it keeps the
@@ -60,6 +63,7 @@ async fn forged_lengths_never_allocate_what_they_claim() {
     drop(sub);
 
     // From here, at most 4 MiB more may be allocated at any moment.
+    let _capped = CAPPED.lock().unwrap_or_else(|p| p.into_inner());
     let base = ALLOCATOR.allocated();
     ALLOCATOR.set_limit(base + 4 * MIB).unwrap();
     // Claims past the limit are refused at the header.
@@ -106,4 +110,33 @@ async fn forged_lengths_never_allocate_what_they_claim() {
         held >> 10
     );
     assert!(held < 4 * MIB, "{held}");
+}
+
+/// Router-event payloads (ours and Dynamo's) whose containers claim far more elements
+/// than they hold: refused before serde reserves for the claim. Each payload is a few
+/// bytes; what decoding it may allocate at its peak is bounded by a small multiple of
+/// that, not by the 1 MiB per vector serde would reserve.
+#[test]
+fn forged_router_event_lengths_reserve_nothing() {
+    use eventplane::kv::{decode_dynamo_router_events, decode_router_events};
+    let forged: [&[u8]; 4] = [
+        b"\xdd\xff\xff\xff\xff",
+        b"\x91\x84\xa9worker_id\x01\xacstorage_tier\xa6device\xa5event\x83\xa8event_id\x01\xa7dp_rank\x00\xa4data\x81\xa6stored\x81\xa6blocks\xdd\x00\x10\x00\x00",
+        b"\x91\xdd\x00\x0f\xff\xff",
+        b"\xdc\xff\xff\xc0",
+    ];
+    for payload in forged {
+        // Warm: anything a first call allocates once.
+        let _ = decode_router_events(payload);
+        let _ = decode_dynamo_router_events(payload);
+        // Anything past 64 KiB more than now aborts the test process.
+        let _capped = CAPPED.lock().unwrap_or_else(|p| p.into_inner());
+        ALLOCATOR
+            .set_limit(ALLOCATOR.allocated() + 64 * 1024)
+            .unwrap();
+        let ours = decode_router_events(payload).is_err();
+        let dynamo = decode_dynamo_router_events(payload).is_err();
+        ALLOCATOR.set_limit(usize::MAX).unwrap();
+        assert!(ours && dynamo, "{payload:02x?} decoded");
+    }
 }

@@ -19,7 +19,7 @@ use std::borrow::Cow;
 use serde::ser::SerializeSeq;
 use serde::{Deserialize, Serialize, Serializer};
 
-use super::sink::KvDecodeError;
+use super::sink::{KvDecodeError, check_shape};
 use super::{
     BlockHash, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId,
 };
@@ -58,6 +58,7 @@ pub fn encode_dynamo_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, Kv
 /// # Ok::<(), eventplane::kv::KvDecodeError>(())
 /// ```
 pub fn decode_dynamo_router_events(payload: &[u8]) -> Result<Vec<RouterEvent>, KvDecodeError> {
+    check_shape(payload)?;
     let wire: Vec<InEvent<'_>> =
         rmp_serde::from_slice(payload).map_err(|e| KvDecodeError(Box::new(e)))?;
     Ok(wire.into_iter().map(RouterEvent::from).collect())

@@ -68,6 +68,7 @@ pub use stats::{PublisherStats, SubscriberStats};
 use crate::discovery::{ChannelId, Discovery, Instance, Query};
 use crate::lossy::{DropPolicy, Merge};
 use crate::net::{AddrFilter, RateLimitedWarn};
+use crate::wire::PayloadAt;
 use crate::zmtp::retain::Retention;
 use crate::zmtp::{self, Message};
 use config::Config;
@@ -111,34 +112,13 @@ pub struct Delivery {
     payload_at: Option<PayloadAt>,
 }
 
-/// A payload's place in its message: 12 bytes instead of a 32-byte `Bytes` handle in
-/// every queued delivery.
-#[derive(Debug, Clone, Copy)]
-struct PayloadAt {
-    frame: u32,
-    start: u32,
-    len: u32,
-}
-
 impl Delivery {
     pub(crate) fn new(
         source: Arc<Instance>,
         sequence: Option<u64>,
         message: Message,
-        payload: Option<&Bytes>,
+        payload_at: Option<PayloadAt>,
     ) -> Delivery {
-        let payload_at = payload.and_then(|p| {
-            // The payload is a slice of one of the message's frames: find which.
-            let at = p.as_ptr() as usize;
-            message.parts().iter().enumerate().find_map(|(i, f)| {
-                let start = at.checked_sub(f.as_ptr() as usize)?;
-                (start + p.len() <= f.len()).then_some(PayloadAt {
-                    frame: u32::try_from(i).ok()?,
-                    start: u32::try_from(start).ok()?,
-                    len: u32::try_from(p.len()).ok()?,
-                })
-            })
-        });
         Delivery {
             source,
             sequence,
@@ -176,11 +156,7 @@ impl Delivery {
     /// # Ok(()) }
     /// ```
     pub fn payload(&self) -> Option<Bytes> {
-        let at = self.payload_at?;
-        let frame = self.message.get(usize::try_from(at.frame).ok()?)?;
-        let start = usize::try_from(at.start).ok()?;
-        let end = start.checked_add(usize::try_from(at.len).ok()?)?;
-        (end <= frame.len()).then(|| frame.slice(start..end))
+        self.payload_at?.get(&self.message)
     }
 }
 

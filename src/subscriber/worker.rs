@@ -375,12 +375,7 @@ async fn connect_and_read(
                         }
                     }
                     out.push((
-                        Delivery::new(
-                            source.clone(),
-                            framed.sequence,
-                            message,
-                            framed.payload.as_ref(),
-                        ),
+                        Delivery::new(source.clone(), framed.sequence, message, framed.payload_at),
                         size,
                     ));
                 }

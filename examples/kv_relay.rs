@@ -5,7 +5,8 @@
 //! kv_relay --connect EP --topic T --block-size B --worker-id W --bind EP2
 //!          [--publish-topic kv-events] [--batch-timeout-ms MS]
 //!          [--wire eventplane|dynamo]
-//!          [--etcd URL --namespace NS --component C [--endpoint E] [--advertise-host H]]
+//!          [--etcd URL --namespace NS --component C [--advertise-host H]
+//!           [--endpoint E] [--dp-rank R]]
 //! ```
 //! Runs `EngineListener → Processor → EventPlaneSink → EventPublisher`, the publisher
 //! bound at EP2 (`--bind tcp://127.0.0.1:0` lets the OS pick the port).
@@ -20,29 +21,37 @@
 //! Without `--etcd` the publisher is registered nowhere. With it (feature `etcd`), it
 //! registers under its lease: our record with `--wire eventplane`; with `--wire
 //! dynamo`, Dynamo's two records (`v1/event_channels/…` and `v1/event_sources/…` with
-//! `worker_id` W, dp_rank 0) under endpoint E (default `generate`). Both are deleted on
-//! SIGTERM / Ctrl-C. A bind on `0.0.0.0` needs `--advertise-host`.
+//! `worker_id` W and dp rank R, default 0) under endpoint E (default `generate`). Both
+//! are deleted on SIGTERM / Ctrl-C (the handlers are installed before registering). A
+//! bind on `0.0.0.0` needs `--advertise-host`. A Dynamo router indexes a worker's
+//! events only once that worker serves the endpoint (its model card, `v1/mdc/…`, names
+//! W): relay for a worker that registers its model, with its id as W.
 //!
 //! Prints the bound endpoint as the first stdout line, then nothing per event; runs
 //! until Ctrl-C or SIGTERM, then prints its stats as one JSON object, the last line on
-//! stderr. Exit codes: 0 after a signal; 2 on bad arguments; 3 when EP2 cannot be bound
-//! or etcd cannot be reached.
+//! stderr. Exit codes: 0 after a signal; 2 on bad arguments (including an advertise
+//! host that cannot be dialled); 3 when EP2 cannot be bound or etcd cannot be reached.
 
 mod common;
 
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use common::{EngineArgs, chain, stop_signal};
 use eventplane::discovery::{BoxFuture, Discovery};
 use eventplane::kv::EventPlaneSink;
-use eventplane::publish::EventPublisher;
+use eventplane::publish::{EventPublisher, PublishError};
 use eventplane::wire::Wire;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser, Debug)]
-#[command(about = "Relay an engine's KV events as router events on a ZMQ PUB")]
+#[command(
+    about = "Relay an engine's KV events as router events on a ZMQ PUB",
+    after_help = "Exit codes: 0 after SIGTERM or Ctrl-C; 2 on bad arguments (including an \
+                  --advertise-host that cannot be dialled); 3 when the endpoint cannot be \
+                  bound or etcd cannot be reached."
+)]
 struct Args {
     #[command(flatten)]
     engine: EngineArgs,
@@ -65,9 +74,14 @@ struct Args {
     /// Component to register under (with --etcd).
     #[arg(long, requires = "etcd")]
     component: Option<String>,
-    /// Dynamo endpoint to register under (with --etcd --wire dynamo).
-    #[arg(long, requires = "etcd", default_value = "generate")]
-    endpoint: String,
+    /// Dynamo endpoint to register under (with --etcd --wire dynamo; default
+    /// `generate`).
+    #[arg(long, requires = "etcd")]
+    endpoint: Option<String>,
+    /// The worker's data-parallel rank, in Dynamo's `event_sources` record (with
+    /// --etcd --wire dynamo; default 0).
+    #[arg(long = "dp-rank", requires = "etcd")]
+    dp_rank: Option<u32>,
     /// Host subscribers dial, when --bind is on a wildcard address (with --etcd).
     #[arg(long = "advertise-host", requires = "etcd")]
     advertise_host: Option<String>,
@@ -75,7 +89,21 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // Before anything is registered: a SIGTERM from now on is handled (records deleted).
+    let stop = stop_signal();
     let args = Args::parse();
+    if (args.endpoint.is_some() || args.dp_rank.is_some()) && args.wire != Wire::Dynamo {
+        Args::command()
+            .error(
+                clap::error::ErrorKind::ArgumentConflict,
+                "--endpoint and --dp-rank describe Dynamo's records: they need --wire dynamo",
+            )
+            .exit();
+    }
+    if let Err(e) = args.engine.processor_config() {
+        eprintln!("{e}");
+        return ExitCode::from(2);
+    }
     let (builder, discovery) = if args.etcd.is_empty() {
         (
             EventPublisher::unregistered(args.publish_topic.clone()),
@@ -109,7 +137,11 @@ async fn main() -> ExitCode {
         Ok(p) => Arc::new(p),
         Err(e) => {
             eprintln!("cannot bind or register {}: {}", args.bind, chain(&e));
-            return ExitCode::from(3);
+            if let Some(close) = discovery {
+                close().await;
+            }
+            let bad_argument = matches!(e, PublishError::AdvertiseHost { .. });
+            return ExitCode::from(if bad_argument { 2 } else { 3 });
         }
     };
     let sink = Arc::new(EventPlaneSink::new(publisher.clone()));
@@ -123,7 +155,7 @@ async fn main() -> ExitCode {
     };
     println!("{}", publisher.local_endpoint().unwrap_or_default());
 
-    stop_signal().await;
+    stop.await;
     cancel.cancel();
     let listener_stats = pipeline.listener.await.unwrap_or_default();
     let processor_stats = pipeline.processor.await.unwrap_or_default();
@@ -160,8 +192,12 @@ async fn etcd(args: &Args) -> Result<(Arc<dyn Discovery>, Closer), String> {
     let format = match args.wire {
         Wire::Dynamo => RecordFormat::Dynamo(
             DynamoRecords::new()
-                .endpoint(args.endpoint.clone())
-                .worker(args.engine.worker_id, 0),
+                .endpoint(
+                    args.endpoint
+                        .clone()
+                        .unwrap_or_else(|| "generate".to_owned()),
+                )
+                .worker(args.engine.worker_id, args.dp_rank.unwrap_or(0)),
         ),
         _ => RecordFormat::EventPlane,
     };

@@ -13,12 +13,12 @@
 //!
 //! Prints one JSON line per router event, as `kv_listen` does
 //! (`{"worker_id":…,"tier":…,"event":{"id":…,"dp_rank":…,"data":…}}`; none with
-//! `--format quiet`), and applies each to a block index. Publishers may come and go: when
-//! one leaves discovery, the blocks of the workers it reported are forgotten (a line on
-//! stderr says so). On Ctrl-C / SIGTERM or after N events it prints its stats as one JSON
+//! `--format quiet`), and applies each to a block index, one per publisher. Publishers
+//! may come and go: when one leaves discovery, the blocks it reported are forgotten (a
+//! line on stderr says so). On Ctrl-C / SIGTERM or after N events it prints its stats as one JSON
 //! object, the last line on stderr: the subscriber's counters, decode errors per reason
-//! and the index size. Exit codes: 0 on a signal or after N events; 1 on timeout; 2 on
-//! bad arguments; 3 when discovery cannot be reached.
+//! and the index size. Exit codes: 0 on a signal or after N events; 1 on timeout (or if
+//! the subscriber stops); 2 on bad arguments; 3 when discovery cannot be reached.
 
 mod common;
 
@@ -31,12 +31,17 @@ use std::time::Duration;
 use clap::{CommandFactory, Parser, ValueEnum};
 use common::{Index, chain, optional_timeout, static_discovery, stop_signal};
 use eventplane::discovery::{ChannelId, Discovery, Query};
-use eventplane::kv::{WorkerId, decode_router_payload};
+use eventplane::kv::decode_router_payload;
 use eventplane::subscriber::DynamicSubscriber;
 use eventplane::wire::Wire;
 
 #[derive(Parser, Debug)]
-#[command(about = "Follow router-event publishers (ours or Dynamo's) into a block index")]
+#[command(
+    about = "Follow router-event publishers (ours or Dynamo's) into a block index",
+    after_help = "Exit codes: 0 on SIGTERM / Ctrl-C or after --count events; 1 on timeout or \
+                  if the subscriber stops; 2 on bad arguments; 3 when discovery cannot be \
+                  reached."
+)]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["etcd", "static_endpoints"])))]
 struct Args {
     /// etcd endpoint (http://host:2379); repeat for a cluster. Needs feature `etcd`.
@@ -48,7 +53,8 @@ struct Args {
     /// Publisher endpoints (tcp://host:port), instead of discovery.
     #[arg(long = "static", num_args = 1..)]
     static_endpoints: Vec<String>,
-    /// The publishers' wire (with --static; --dynamo implies dynamo).
+    /// The publishers' wire (--dynamo implies dynamo; with --etcd, our records name
+    /// publishers of either wire).
     #[arg(long, default_value = "eventplane", conflicts_with = "dynamo")]
     wire: Wire,
     /// Namespace to follow.
@@ -117,46 +123,40 @@ async fn etcd(_: &Args) -> Result<Arc<dyn Discovery>, String> {
     Err("--etcd needs the `etcd` feature: cargo run --features etcd --example kv_router".to_owned())
 }
 
-/// What the router knows beyond its index: which workers each publisher reported, and
-/// what it could not decode.
+/// The router's view: one block index per publisher, so a departing publisher takes
+/// exactly what it reported with it (a restarted worker's new publisher, or another
+/// publisher naming the same worker id, keeps its own), and what could not be decoded.
 #[derive(Default)]
 struct Router {
-    index: Index,
-    workers_of: HashMap<ChannelId, HashSet<WorkerId>>,
+    indexes: HashMap<ChannelId, Index>,
     events: u64,
     payload_errors: u64,
 }
 
 impl Router {
-    /// Forgets the blocks of workers reported only by publishers no longer followed.
+    fn blocks(&self) -> usize {
+        self.indexes.values().map(Index::size).sum()
+    }
+
+    /// Forgets the blocks of publishers no longer followed.
     fn forget_gone(&mut self, live: &HashSet<ChannelId>) {
-        let gone: Vec<ChannelId> = self
-            .workers_of
-            .keys()
-            .filter(|id| !live.contains(*id))
-            .cloned()
-            .collect();
-        for id in gone {
-            let workers = self.workers_of.remove(&id).unwrap_or_default();
-            let still: HashSet<WorkerId> = self.workers_of.values().flatten().copied().collect();
-            for w in workers.difference(&still) {
-                let before = self.index.size();
-                self.index.forget(*w);
-                eprintln!(
-                    "publisher {id} left: forgot {} blocks of worker {}",
-                    before - self.index.size(),
-                    w.0
-                );
+        self.indexes.retain(|id, index| {
+            let keep = live.contains(id);
+            if !keep {
+                eprintln!("publisher {id} left: forgot {} blocks", index.size());
             }
-        }
+            keep
+        });
     }
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    let stop = stop_signal();
     let args = Args::parse();
     if args.endpoint.is_some() && !args.dynamo {
-        // Checked here: clap counts an absent flag's default as present.
+        // Checked here: `requires = "dynamo"` on --endpoint did not refuse a command
+        // line without --dynamo (clap 4.5).
         Args::command()
             .error(
                 clap::error::ErrorKind::MissingRequiredArgument,
@@ -167,6 +167,11 @@ async fn main() -> ExitCode {
     let wire = if args.dynamo { Wire::Dynamo } else { args.wire };
     let discovery = match discovery(&args).await {
         Ok(d) => d,
+        // A static list that does not make publishers is an argument error.
+        Err(e) if !args.static_endpoints.is_empty() => {
+            eprintln!("invalid --static publishers: {e}");
+            return ExitCode::from(2);
+        }
         Err(e) => {
             eprintln!("cannot reach discovery: {e}");
             return ExitCode::from(3);
@@ -186,9 +191,11 @@ async fn main() -> ExitCode {
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     let timeout = optional_timeout(args.timeout_ms);
     tokio::pin!(timeout);
-    let stop = stop_signal();
     tokio::pin!(stop);
     let code = 'run: loop {
+        if args.count.is_some_and(|n| router.events >= n) {
+            break 'run 0;
+        }
         tokio::select! {
             () = &mut stop => break 'run 0,
             () = &mut timeout => break 'run 1,
@@ -203,7 +210,11 @@ async fn main() -> ExitCode {
                 }
                 let mut out = std::io::stdout().lock();
                 for delivery in batch.drain(..) {
-                    let Some(payload) = delivery.payload() else { continue };
+                    // Every layout but Raw places a payload; none is an undecodable one.
+                    let Some(payload) = delivery.payload() else {
+                        router.payload_errors += 1;
+                        continue;
+                    };
                     let events = match decode_router_payload(wire, &payload) {
                         Ok(events) => events,
                         Err(e) => {
@@ -214,10 +225,9 @@ async fn main() -> ExitCode {
                             continue;
                         }
                     };
-                    let workers = router.workers_of.entry(delivery.source.id.clone()).or_default();
+                    let index = router.indexes.entry(delivery.source.id.clone()).or_default();
                     for ev in &events {
-                        workers.insert(ev.worker_id);
-                        router.index.apply(ev);
+                        index.apply(ev);
                         if args.format == Format::Json {
                             if let Ok(line) = serde_json::to_string(ev) {
                                 let _ = writeln!(out, "{line}");
@@ -239,7 +249,7 @@ async fn main() -> ExitCode {
     let summary = serde_json::json!({
         "wire": wire.as_str(),
         "router_events": router.events,
-        "index_blocks": router.index.size(),
+        "index_blocks": router.blocks(),
         "publishers": stats.publishers.len(),
         "decode_errors": {
             "frames": m.frames,

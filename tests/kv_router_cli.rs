@@ -134,9 +134,55 @@ async fn unreachable_discovery_exits_3_and_silence_exits_1() {
     assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach discovery"));
 
+    // --count 0: nothing to wait for.
+    let publisher = format!("tcp://127.0.0.1:{port}");
+    let out = run(&[
+        "--static",
+        &publisher,
+        "--namespace",
+        "ns",
+        "--topic",
+        "t",
+        "--count",
+        "0",
+    ])
+    .await;
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(last_json(&out.stderr)["router_events"], 0);
+
+    // kv_relay: Dynamo's record details without Dynamo's wire, a zero block size.
+    for extra in [
+        &["--endpoint", "e"][..],
+        &["--dp-rank", "1"],
+        &["--wire", "dynamo", "--block-size", "0"],
+    ] {
+        let out = within(
+            Command::new(example("kv_relay"))
+                .args([
+                    "--connect",
+                    "tcp://127.0.0.1:1",
+                    "--topic",
+                    "kv",
+                    "--block-size",
+                    "4",
+                ])
+                .args(["--worker-id", "1", "--bind", "tcp://127.0.0.1:0"])
+                .args(["--etcd", &etcd, "--namespace", "ns", "--component", "c"])
+                .args(extra)
+                .output(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     // A static publisher that never answers: the run times out (exit 1) and still
     // reports its stats.
-    let publisher = format!("tcp://127.0.0.1:{port}");
     let out = run(&[
         "--static",
         &publisher,

@@ -35,26 +35,35 @@ pub fn chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// Completes on Ctrl-C or (on Unix) SIGTERM.
-pub async fn stop_signal() {
+/// Completes on Ctrl-C or (on Unix) SIGTERM. The handlers are installed when this is
+/// called, not when it is first awaited: call it early, and a signal that arrives
+/// while the process is still starting up is not lost (nor the process killed by the
+/// default action before it could clean up).
+pub fn stop_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
+        let term = signal(SignalKind::terminate()).ok();
+        let int = signal(SignalKind::interrupt()).ok();
+        async move {
+            match (term, int) {
+                (Some(mut term), Some(mut int)) => {
+                    tokio::select! {
+                        _ = term.recv() => {}
+                        _ = int.recv() => {}
+                    }
                 }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
+                _ => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
             }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = tokio::signal::ctrl_c().await;
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
 
@@ -93,6 +102,16 @@ pub struct Pipeline {
 }
 
 impl EngineArgs {
+    /// Checks the engine-side arguments (before anything is started or registered).
+    pub fn processor_config(&self) -> Result<eventplane::kv::ProcessorConfig, String> {
+        if self.block_size == 0 {
+            return Err("--block-size must be positive".to_owned());
+        }
+        eventplane::kv::ProcessorConfig::default()
+            .batch_timeout(self.batch_timeout_ms.map(std::time::Duration::from_millis))
+            .map_err(|e| format!("invalid --batch-timeout-ms: {}", chain(&e)))
+    }
+
     /// Validates the processor settings and starts the pipeline into `sink`; it stops
     /// when `cancel` is cancelled.
     pub fn start(
@@ -100,13 +119,8 @@ impl EngineArgs {
         sink: std::sync::Arc<dyn eventplane::kv::EventSink>,
         cancel: &tokio_util::sync::CancellationToken,
     ) -> Result<Pipeline, String> {
-        use eventplane::kv::{EngineListener, EngineListenerConfig, Processor, ProcessorConfig};
-        if self.block_size == 0 {
-            return Err("--block-size must be positive".to_owned());
-        }
-        let config = ProcessorConfig::default()
-            .batch_timeout(self.batch_timeout_ms.map(std::time::Duration::from_millis))
-            .map_err(|e| format!("invalid --batch-timeout-ms: {}", chain(&e)))?;
+        use eventplane::kv::{EngineListener, EngineListenerConfig, Processor};
+        let config = self.processor_config()?;
         let (tx, rx) = tokio::sync::mpsc::channel(256);
         let listener = EngineListener::new(
             EngineListenerConfig::new(

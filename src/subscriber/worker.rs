@@ -365,7 +365,7 @@ async fn connect_and_read(
             match config.layout.parse(config.topic.as_deref(), &message) {
                 Ok(framed) => {
                     if let Some(s) = framed.sequence {
-                        match seq.observe(s) {
+                        match seq.observe_from(framed.publisher_id, s) {
                             SeqStep::InOrder => {}
                             SeqStep::Gap(missing) => {
                                 Counters::add(&counters.gaps, 1);

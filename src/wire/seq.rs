@@ -15,6 +15,8 @@ pub const MAX_SEQUENCE_GAP: u64 = 1 << 32;
 pub(crate) struct SeqTracker {
     last: Option<u64>,
     fresh_connection: bool,
+    /// The publisher id the numbers came from, for layouts that carry one.
+    publisher: Option<u64>,
 }
 
 /// What one sequence number says about the stream.
@@ -31,6 +33,20 @@ pub(crate) enum SeqStep {
 impl SeqTracker {
     pub(crate) fn new_connection(&mut self) {
         self.fresh_connection = true;
+    }
+
+    /// Classifies `seq` from `publisher` (when the layout carries an id): numbers from
+    /// another publisher than before (one restarted behind the same endpoint) start a
+    /// new stream, a reset.
+    pub(crate) fn observe_from(&mut self, publisher: Option<u64>, seq: u64) -> SeqStep {
+        if let Some(id) = publisher {
+            if self.publisher.replace(id).is_some_and(|old| old != id) {
+                self.last = None;
+                self.observe(seq);
+                return SeqStep::Reset;
+            }
+        }
+        self.observe(seq)
     }
 
     /// Classifies `seq` against the previous one.
@@ -75,6 +91,19 @@ mod tests {
         let mut t = SeqTracker::default();
         t.new_connection();
         assert_eq!(t.observe(42), SeqStep::InOrder);
+    }
+
+    #[test]
+    fn another_publisher_behind_the_endpoint_is_a_reset_not_a_gap() {
+        let mut s = SeqTracker::default();
+        assert_eq!(s.observe_from(Some(1), 0), SeqStep::InOrder);
+        assert_eq!(s.observe_from(Some(1), 1), SeqStep::InOrder);
+        // Restarted as publisher 2, already at 50 when we reconnect.
+        s.new_connection();
+        assert_eq!(s.observe_from(Some(2), 50), SeqStep::Reset);
+        assert_eq!(s.observe_from(Some(2), 51), SeqStep::InOrder);
+        assert_eq!(s.observe_from(Some(2), 53), SeqStep::Gap(1));
+        assert_eq!(s.observe_from(None, 54), SeqStep::InOrder);
     }
 
     #[test]

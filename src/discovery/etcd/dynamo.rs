@@ -157,6 +157,14 @@ impl DynamoRecords {
             id,
         ] = segs[..]
         else {
+            // Channels of a namespace or component scope are well-formed Dynamo keys
+            // that this backend does not follow: not malformed.
+            if matches!(
+                segs[..],
+                ["namespace", _, "topic", _, _] | ["namespace", _, "component", _, "topic", _, _]
+            ) {
+                return Err(RecordError::Unfollowed);
+            }
             return Err(bad(
                 "not namespace/{ns}/component/{c}/endpoint/{e}/topic/{t}/{id}",
             ));
@@ -178,6 +186,11 @@ impl DynamoRecords {
             publisher_id,
         )
         .map_err(|e| RecordError::BadKey(e.to_string()))?;
+        // One key per id: `%61` for `a`, upper-case or zero-padded hex would name the
+        // same publisher under a second key, whose deletion would stop the first.
+        if rest != self.tail(&id, &endpoint).as_bytes() {
+            return Err(bad("not in canonical form"));
+        }
         Ok((id, endpoint))
     }
 
@@ -396,11 +409,25 @@ mod tests {
             "namespace/n%2/component/c/endpoint/generate/topic/t/1",
             "namespace/ns/component/c/endpoint/generate/topic/t/20000000000000",
             "namespace/ns/component/c/endpoint/generate/topic/t/10000000000000000",
+            // Aliases of …/t/1 and …/t/abc: not canonical.
+            "namespace/ns/component/c/endpoint/generate/topic/t/01",
+            "namespace/ns/component/c/endpoint/generate/topic/t/ABC",
+            "namespace/n%73/component/c/endpoint/generate/topic/t/1",
+            "namespace/ns/component/c/endpoint/generate/topic/t%2d/1",
         ] {
             assert!(matches!(bad(&format!("{root}{k}")), E::BadKey(_)), "{k}");
         }
         assert_eq!(
             bad("v1/event_channels/namespace/ns/component/c/endpoint/other/topic/t/1"),
+            E::Unfollowed
+        );
+        // Other scopes: well-formed, not followed, not malformed.
+        assert_eq!(
+            bad("v1/event_channels/namespace/ns/topic/t/1"),
+            E::Unfollowed
+        );
+        assert_eq!(
+            bad("v1/event_channels/namespace/ns/component/c/topic/t/1"),
             E::Unfollowed
         );
         // 2^53 - 1 is the largest id.

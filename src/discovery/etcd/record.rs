@@ -187,7 +187,12 @@ impl Keys {
             .ok_or(RecordError::ForeignKey)?;
         let path =
             std::str::from_utf8(rest).map_err(|_| RecordError::BadKey("not UTF-8".to_owned()))?;
-        ChannelId::from_path(path).map_err(|e| RecordError::BadKey(e.to_string()))
+        let id = ChannelId::from_path(path).map_err(|e| RecordError::BadKey(e.to_string()))?;
+        // One key per id (see the Dynamo format's check).
+        if id.to_path() != path {
+            return Err(RecordError::BadKey("not in canonical form".to_owned()));
+        }
+        Ok(id)
     }
 
     /// Parses one key-value pair into an instance; `mod_revision` is its incarnation.
@@ -368,6 +373,19 @@ mod tests {
                 good.to_vec(),
                 1,
                 E::IdMismatch,
+            ),
+            // Aliases of …/ns/c/t/1: not canonical.
+            (
+                b"/eventplane/v1/channels/ns/c/t/01",
+                good.to_vec(),
+                1,
+                bad_key(),
+            ),
+            (
+                b"/eventplane/v1/channels/n%73/c/t/1",
+                good.to_vec(),
+                1,
+                bad_key(),
             ),
             (key, good.to_vec(), 0, E::BadRevision(0)),
             (key, good.to_vec(), -5, E::BadRevision(-5)),

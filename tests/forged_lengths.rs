@@ -51,6 +51,9 @@ async fn forger(size: u64, hang_up: bool) -> String {
 }
 
 #[tokio::test(flavor = "current_thread")]
+// The guard serializes the process-wide allocation cap with the other test, which
+// waits for it on its own thread: held across awaits on purpose.
+#[allow(clippy::await_holding_lock)]
 async fn forged_lengths_never_allocate_what_they_claim() {
     let config = Config::default(); // 8 MiB frames, 16 MiB messages
     // Warm up everything that allocates once (runtime, resolver, tracing callsites).

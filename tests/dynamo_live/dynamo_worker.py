@@ -15,6 +15,7 @@ Usage:
   dynamo_worker.py [--etcd URL] [--namespace NS] [--component C]
                    [--endpoint E] [--worker-id N] [--block-size N]
                    [--dp-rank N] [--batches FILE]
+                   [--engine-endpoint EP [--engine-topic T]]
   (env fallbacks: ETCD_ENDPOINTS, DYN_NAMESPACE, DYN_COMPONENT, DYN_ENDPOINT,
    DYN_WORKER_ID, DYN_KV_BLOCK_SIZE; defaults capns/kvworker/generate, 77, 4)
 
@@ -54,6 +55,11 @@ def parse_args():
     p.add_argument("--dp-rank", type=int, default=0)
     p.add_argument("--batches", help="JSON list of engine batches, or a capture.json")
     p.add_argument("--ready-timeout", type=float, default=30.0)
+    p.add_argument("--engine-endpoint",
+                   help="relay the engine PUB at this endpoint (tcp://host:port) instead "
+                        "of playing the engine; stdin is then only read for EOF")
+    p.add_argument("--engine-topic", default="",
+                   help="with --engine-endpoint: the engine's topic (default: all)")
     return p.parse_args()
 
 
@@ -106,6 +112,28 @@ async def main():
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     endpoint = runtime.endpoint(f"{args.namespace}.{args.component}.{args.endpoint}")
+
+    if args.engine_endpoint:
+        # Someone else plays the engine (a benchmark): relay it, wait for EOF.
+        publisher = KvEventPublisher(
+            endpoint,
+            worker_id=args.worker_id,
+            kv_block_size=args.block_size,
+            dp_rank=args.dp_rank,
+            zmq_endpoint=args.engine_endpoint,
+            zmq_topic=args.engine_topic,
+        )
+        say("ready")
+        queue = asyncio.Queue()
+        stdin_lines(loop, queue)
+        get = asyncio.ensure_future(queue.get())
+        halt = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({get, halt}, return_when=asyncio.FIRST_COMPLETED)
+        publisher.shutdown()
+        runtime.shutdown()
+        await asyncio.sleep(0.5)
+        say("bye")
+        return 0
 
     # The "engine": an XPUB (wire-compatible with vLLM's PUB) so that we see
     # the relay's subscription arrive and never send into the void.

@@ -19,6 +19,7 @@
     clippy::unwrap_used,
     clippy::expect_used,
     clippy::panic,
+    clippy::indexing_slicing,
     dead_code,
     unreachable_pub
 )]

@@ -92,10 +92,23 @@ pub mod lossy;
 mod msgpack;
 pub mod net;
 pub mod publish;
+mod reader;
 mod slots;
 pub mod subscriber;
 pub mod wire;
 pub mod zmtp;
+
+/// A boxed, `Send` future: what the crate's dyn-compatible traits
+/// ([`Discovery`](discovery::Discovery), [`EventSink`](kv::EventSink)) return.
+///
+/// ```
+/// use eventplane::BoxFuture;
+/// fn answer() -> BoxFuture<'static, u32> {
+///     Box::pin(async { 42 })
+/// }
+/// # let _ = answer();
+/// ```
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
 
 /// The README's examples, compiled and run as doctests.
 #[cfg(doctest)]

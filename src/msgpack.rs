@@ -6,7 +6,7 @@
 //! value in a vector grown by doubling), so the element budget bounds what a payload
 //! can make us allocate whatever it declares. Nothing here can panic on hostile bytes.
 
-use crate::zmtp::codec::reader::Reader;
+use crate::reader::Reader;
 
 /// Deepest nesting accepted.
 pub(crate) const MAX_DEPTH: usize = 32;

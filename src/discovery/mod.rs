@@ -58,17 +58,8 @@ pub use model::{ChannelId, DiscoveryEvent, Instance, MAX_PUBLISHER_ID, Query, Tr
 pub use static_::StaticDiscovery;
 pub use watch::StaleFilter;
 
-/// A boxed, `Send` future: the return type of [`Discovery`]'s methods, which keeps the
-/// trait dyn-compatible (`Arc<dyn Discovery>`).
-///
-/// ```
-/// use eventplane::discovery::BoxFuture;
-/// fn answer() -> BoxFuture<'static, u32> {
-///     Box::pin(async { 42 })
-/// }
-/// # let _ = answer();
-/// ```
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+/// The boxed future of the [`Discovery`] trait's methods (also at the crate root).
+pub use crate::BoxFuture;
 
 /// A discovery backend. Dyn-compatible: use it as `Arc<dyn Discovery>`.
 ///

@@ -19,7 +19,8 @@ use std::borrow::Cow;
 use serde::ser::SerializeSeq;
 use serde::{Deserialize, Serialize, Serializer};
 
-use super::sink::{KvDecodeError, check_shape};
+use super::KvDecodeError;
+use super::sink::check_shape;
 use super::{
     BlockHash, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId,
 };

@@ -19,6 +19,7 @@ use super::{
     BlockHash, KvEvent, KvEventData, Placement, PlacementEvent, StorageTier, StoredBlock, WorkerId,
     tokens_hash,
 };
+use super::{EncodeError, EngineDecodeError};
 use crate::msgpack::{self, MsgpackError, Value};
 
 /// Counters of an [`EngineDecoder`].
@@ -51,19 +52,6 @@ pub struct EngineStats {
     pub truncated_events: u64,
     /// Stored events dropped because their hashes repeat (self-referencing).
     pub self_referencing: u64,
-}
-
-/// A payload that is not a KV event batch.
-///
-/// ```
-/// use eventplane::kv::{EngineDecoder, WorkerId};
-/// let err = EngineDecoder::new(WorkerId(1), 4).decode_batch(&[0xc1]).unwrap_err();
-/// assert!(err.to_string().contains("malformed engine batch"));
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("malformed engine batch: {reason}")]
-pub struct EngineDecodeError {
-    reason: &'static str,
 }
 
 /// Decodes engine batches for one worker, sans-IO.
@@ -451,18 +439,6 @@ pub fn encode_engine_batch(
         .collect();
     rmp_serde::to_vec(&(ts, wire, dp_rank)).map_err(|e| EncodeError(Box::new(e)))
 }
-
-/// An engine batch could not be encoded.
-///
-/// ```
-/// use eventplane::kv::{encode_engine_batch, EncodeError, EngineEvent};
-/// // Encoding in-memory values does not fail in practice; the error keeps its source.
-/// let result: Result<Vec<u8>, EncodeError> = encode_engine_batch(0.0, 0, 16, &[EngineEvent::Cleared]);
-/// assert!(result.is_ok());
-/// ```
-#[derive(Debug, thiserror::Error)]
-#[error("cannot encode the engine batch")]
-pub struct EncodeError(#[source] Box<dyn std::error::Error + Send + Sync>);
 
 #[cfg(test)]
 mod budget_tests {

@@ -104,7 +104,7 @@ pub struct EngineListenerStats {
     /// Batches missing in those jumps.
     pub seq_gap_batches: u64,
     /// Sequence restarts: a regression, a restart at 0 on a new connection, or a jump
-    /// of more than [`MAX_SEQUENCE_GAP`](crate::net::MAX_SEQUENCE_GAP).
+    /// of more than [`MAX_SEQUENCE_GAP`](crate::wire::MAX_SEQUENCE_GAP).
     pub seq_resets: u64,
     /// Connections that ended and were dialled again.
     pub reconnects: u64,

@@ -1,5 +1,6 @@
 //! The processor loop (DESIGN §4.3): engine lists in, router events out to a sink.
 
+use super::{IndexError, ProcessorConfigError, SinkError};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -11,8 +12,8 @@ use super::{
     DEFAULT_MAX_TRACKED_HASHES, DEFAULT_MAX_TRACKED_RANKS, DedupFilter, DedupMode, KvEventData,
     Pipeline, PlacementEvent, RouterEvent,
 };
+use crate::BoxFuture;
 use crate::counter;
-use crate::discovery::BoxFuture;
 use crate::net::RateLimitedWarn;
 
 /// Longest batching timeout accepted.
@@ -29,7 +30,7 @@ pub const MAX_BATCH_TIMEOUT: Duration = Duration::from_secs(15);
 ///
 /// ```
 /// use std::sync::Mutex;
-/// use eventplane::discovery::BoxFuture;
+/// use eventplane::BoxFuture;
 /// use eventplane::kv::{EventSink, RouterEvent, SinkError};
 ///
 /// /// Keeps everything in memory (a test collector).
@@ -49,18 +50,6 @@ pub trait EventSink: Send + Sync {
     /// retried.
     fn publish<'a>(&'a self, events: &'a [RouterEvent]) -> BoxFuture<'a, Result<(), SinkError>>;
 }
-
-/// A sink's failure.
-///
-/// ```
-/// use eventplane::kv::SinkError;
-/// let err = SinkError("the bus is down".into());
-/// assert_eq!(err.to_string(), "publishing router events failed");
-/// assert_eq!(std::error::Error::source(&err).unwrap().to_string(), "the bus is down");
-/// ```
-#[derive(Debug, thiserror::Error)]
-#[error("publishing router events failed")]
-pub struct SinkError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
 
 /// A worker-local index the processor keeps in step before publishing.
 ///
@@ -89,17 +78,6 @@ pub trait LocalIndex: Send {
     fn apply(&mut self, event: &RouterEvent) -> Result<(), IndexError>;
 }
 
-/// A local index's failure.
-///
-/// ```
-/// use eventplane::kv::IndexError;
-/// let err = IndexError("disk full".into());
-/// assert_eq!(err.to_string(), "local index rejected the event");
-/// ```
-#[derive(Debug, thiserror::Error)]
-#[error("local index rejected the event")]
-pub struct IndexError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
-
 /// Settings of a [`Processor`].
 ///
 /// ```
@@ -118,22 +96,6 @@ pub struct ProcessorConfig {
     dedup_max_ranks: usize,
     batch_timeout: Option<Duration>,
     publish_timeout: Duration,
-}
-
-/// A rejected [`ProcessorConfig`] value.
-///
-/// ```
-/// use std::time::Duration;
-/// use eventplane::kv::{ProcessorConfig, ProcessorConfigError};
-/// let err = ProcessorConfig::default().batch_timeout(Some(Duration::ZERO)).unwrap_err();
-/// assert_eq!(err, ProcessorConfigError::BatchTimeout);
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum ProcessorConfigError {
-    /// The batching timeout was zero or above 15 s.
-    #[error("batch timeout must be between 1 ms and 15 s")]
-    BatchTimeout,
 }
 
 impl Default for ProcessorConfig {
@@ -194,7 +156,7 @@ impl ProcessorConfig {
 ///
 /// ```
 /// use std::sync::Arc;
-/// use eventplane::discovery::BoxFuture;
+/// use eventplane::BoxFuture;
 /// use eventplane::kv::{EventSink, Processor, ProcessorConfig, RouterEvent, SinkError};
 /// struct Discard;
 /// impl EventSink for Discard {
@@ -260,7 +222,7 @@ struct Counters {
 ///
 /// ```
 /// use std::sync::Arc;
-/// use eventplane::discovery::BoxFuture;
+/// use eventplane::BoxFuture;
 /// use eventplane::kv::{EventSink, Processor, ProcessorConfig, RouterEvent, SinkError};
 /// struct Discard;
 /// impl EventSink for Discard {
@@ -331,7 +293,7 @@ impl ProcessorHandle {
 ///
 /// ```
 /// use std::sync::{Arc, Mutex};
-/// use eventplane::discovery::BoxFuture;
+/// use eventplane::BoxFuture;
 /// use eventplane::kv::{EventSink, Processor, ProcessorConfig, RouterEvent, SinkError};
 ///
 /// #[derive(Default)]

@@ -5,8 +5,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::RouterEvent;
 use super::dynamo::{decode_dynamo_router_events, encode_dynamo_router_events};
-use super::processor::{EventSink, SinkError};
-use crate::discovery::BoxFuture;
+use super::processor::EventSink;
+use super::{KvDecodeError, SinkError};
+use crate::BoxFuture;
 use crate::publish::EventPublisher;
 use crate::wire::Wire;
 
@@ -140,17 +141,6 @@ pub fn decode_router_payload(
         _ => decode_router_events(payload),
     }
 }
-
-/// A payload that is not a msgpack list of router events (or could not be encoded).
-///
-/// ```
-/// use eventplane::kv::decode_router_events;
-/// let err = decode_router_events(b"\xc1 not msgpack").unwrap_err();
-/// assert!(std::error::Error::source(&err).is_some());
-/// ```
-#[derive(Debug, thiserror::Error)]
-#[error("malformed router-event payload")]
-pub struct KvDecodeError(#[source] pub(crate) Box<dyn std::error::Error + Send + Sync>);
 
 /// Publishes router events on the event plane through an [`EventPublisher`]: split
 /// into messages of at most 128 events and 8192 blocks, msgpack with named fields, in

@@ -2,7 +2,7 @@
 
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Full-jitter exponential backoff: attempt *n* waits a uniformly random time in
 /// `[0, min(max, min × multiplier^n)]`. Pure: the caller passes the randomness, so
@@ -91,53 +91,9 @@ impl Backoff {
     }
 }
 
-/// A fast, short delay for planned moves (a publisher re-registering on a new port),
-/// falling back to the normal backoff when another move happened within `window`.
-///
-/// ```
-/// use std::time::{Duration, Instant};
-/// use eventplane::net::Throttle;
-/// let mut t = Throttle::new(Duration::from_millis(10), Duration::from_secs(5));
-/// let now = Instant::now();
-/// assert_eq!(t.delay(now, Duration::from_secs(1)), Duration::from_millis(10));
-/// // A second move within the window: use the normal backoff's delay.
-/// assert_eq!(t.delay(now + Duration::from_secs(1), Duration::from_secs(1)), Duration::from_secs(1));
-/// ```
-#[derive(Debug, Clone)]
-pub struct Throttle {
-    fast: Duration,
-    window: Duration,
-    last: Option<Instant>,
-}
-
-impl Throttle {
-    /// `fast` for an isolated move; moves closer than `window` fall back.
-    pub fn new(fast: Duration, window: Duration) -> Throttle {
-        Throttle {
-            fast,
-            window,
-            last: None,
-        }
-    }
-
-    /// The delay before acting on a move at `now`, given the normal backoff's delay.
-    pub fn delay(&mut self, now: Instant, backoff: Duration) -> Duration {
-        let recent = self
-            .last
-            .is_some_and(|t| now.saturating_duration_since(t) < self.window);
-        self.last = Some(now);
-        if recent { backoff } else { self.fast }
-    }
-}
-
 /// A random `u64` from the standard library's per-process random hash keys (no
 /// dependency; fine for jitter and ids, not for cryptography).
-///
-/// ```
-/// let (a, b) = (eventplane::net::random_u64(), eventplane::net::random_u64());
-/// assert_ne!(a, b);
-/// ```
-pub fn random_u64() -> u64 {
+pub(crate) fn random_u64() -> u64 {
     let mut h = RandomState::new().build_hasher();
     h.write_u64(
         std::time::SystemTime::now()
@@ -149,16 +105,7 @@ pub fn random_u64() -> u64 {
 }
 
 /// A random number in `[0, 1)`, for [`Backoff::next_delay`].
-///
-/// ```
-/// use std::time::Duration;
-/// use eventplane::net::{random_unit, Backoff};
-/// let x = random_unit();
-/// assert!((0.0..=1.0).contains(&x));
-/// let delay = Backoff::new(Duration::from_millis(100), Duration::from_secs(5)).next_delay(x);
-/// assert!(delay <= Duration::from_millis(100));
-/// ```
-pub fn random_unit() -> f64 {
+pub(crate) fn random_unit() -> f64 {
     (random_u64() >> 11) as f64 / (1u64 << 53) as f64
 }
 

@@ -5,7 +5,7 @@ mod addr_filter;
 mod backoff;
 mod warn;
 
-pub use crate::wire::MAX_SEQUENCE_GAP;
 pub use addr_filter::{AddrFilter, Cidr, CidrError, Refusal, SpecialRange};
-pub use backoff::{Backoff, Throttle, random_u64, random_unit};
+pub use backoff::Backoff;
+pub(crate) use backoff::{random_u64, random_unit};
 pub use warn::RateLimitedWarn;

@@ -5,7 +5,7 @@
 /// reset rather than billions of lost messages.
 ///
 /// ```
-/// assert_eq!(eventplane::net::MAX_SEQUENCE_GAP, 1 << 32);
+/// assert_eq!(eventplane::wire::MAX_SEQUENCE_GAP, 1 << 32);
 /// ```
 pub const MAX_SEQUENCE_GAP: u64 = 1 << 32;
 

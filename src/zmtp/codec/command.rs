@@ -3,7 +3,7 @@
 use bytes::{BufMut, Bytes, BytesMut};
 
 use super::frame::encode_frame_header;
-use super::reader::Reader;
+use crate::reader::Reader;
 use crate::zmtp::ProtocolError;
 
 /// Largest PING context (RFC 37: at most 16 bytes).

@@ -3,7 +3,7 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use smallvec::SmallVec;
 
-use super::reader::Reader;
+use crate::reader::Reader;
 use crate::zmtp::{Message, ProtocolError};
 
 /// More frames of this message follow.

@@ -8,7 +8,6 @@
 mod command;
 mod frame;
 mod greeting;
-pub(crate) mod reader;
 
 pub use command::{Command, MAX_METADATA_PROPERTIES, MAX_PING_CONTEXT, Metadata};
 pub use frame::{

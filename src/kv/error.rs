@@ -1,0 +1,77 @@
+//! The errors of the KV pipeline, in one place: engine decoding and encoding, the
+//! router-event payload, sinks, local indexes and processor configuration.
+
+/// A payload that is not a KV event batch.
+///
+/// ```
+/// use eventplane::kv::{EngineDecoder, WorkerId};
+/// let err = EngineDecoder::new(WorkerId(1), 4).decode_batch(&[0xc1]).unwrap_err();
+/// assert!(err.to_string().contains("malformed engine batch"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed engine batch: {reason}")]
+pub struct EngineDecodeError {
+    pub(crate) reason: &'static str,
+}
+
+/// An engine batch could not be encoded.
+///
+/// ```
+/// use eventplane::kv::{encode_engine_batch, EncodeError, EngineEvent};
+/// // Encoding in-memory values does not fail in practice; the error keeps its source.
+/// let result: Result<Vec<u8>, EncodeError> = encode_engine_batch(0.0, 0, 16, &[EngineEvent::Cleared]);
+/// assert!(result.is_ok());
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[error("cannot encode the engine batch")]
+pub struct EncodeError(#[source] pub(crate) Box<dyn std::error::Error + Send + Sync>);
+
+/// A sink's failure.
+///
+/// ```
+/// use eventplane::kv::SinkError;
+/// let err = SinkError("the bus is down".into());
+/// assert_eq!(err.to_string(), "publishing router events failed");
+/// assert_eq!(std::error::Error::source(&err).unwrap().to_string(), "the bus is down");
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[error("publishing router events failed")]
+pub struct SinkError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
+
+/// A local index's failure.
+///
+/// ```
+/// use eventplane::kv::IndexError;
+/// let err = IndexError("disk full".into());
+/// assert_eq!(err.to_string(), "local index rejected the event");
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[error("local index rejected the event")]
+pub struct IndexError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
+
+/// A rejected [`ProcessorConfig`] value.
+///
+/// ```
+/// use std::time::Duration;
+/// use eventplane::kv::{ProcessorConfig, ProcessorConfigError};
+/// let err = ProcessorConfig::default().batch_timeout(Some(Duration::ZERO)).unwrap_err();
+/// assert_eq!(err, ProcessorConfigError::BatchTimeout);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProcessorConfigError {
+    /// The batching timeout was zero or above 15 s.
+    #[error("batch timeout must be between 1 ms and 15 s")]
+    BatchTimeout,
+}
+
+/// A payload that is not a msgpack list of router events (or could not be encoded).
+///
+/// ```
+/// use eventplane::kv::decode_router_events;
+/// let err = decode_router_events(b"\xc1 not msgpack").unwrap_err();
+/// assert!(std::error::Error::source(&err).is_some());
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[error("malformed router-event payload")]
+pub struct KvDecodeError(#[source] pub(crate) Box<dyn std::error::Error + Send + Sync>);

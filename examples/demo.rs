@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::Parser;
-use eventplane::discovery::BoxFuture;
+use eventplane::BoxFuture;
 use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
 use eventplane::kv::{
     EngineEvent, EngineListener, EngineListenerConfig, EngineListenerHandle, EngineListenerStats,

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use clap::Parser;
 use common::{EngineArgs, optional_timeout, stop_signal};
-use eventplane::discovery::BoxFuture;
+use eventplane::BoxFuture;
 use eventplane::kv::{EventSink, RouterEvent, SinkError};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;

@@ -47,13 +47,14 @@
 mod config;
 #[cfg(feature = "metrics")]
 mod metrics;
+mod shared;
 mod stats;
 mod worker;
 
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -63,102 +64,16 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use crate::wire::Layout;
+pub use shared::Delivery;
 pub use stats::{PublisherStats, SubscriberStats};
 
-use crate::discovery::{ChannelId, Discovery, Instance, Query};
+use crate::discovery::{ChannelId, Discovery, Query};
 use crate::lossy::{DropPolicy, Merge};
 use crate::net::{AddrFilter, RateLimitedWarn};
-use crate::wire::PayloadAt;
+use crate::zmtp;
 use crate::zmtp::retain::Retention;
-use crate::zmtp::{self, Message};
 use config::Config;
-use stats::Counters;
-use worker::DeliveryLane;
-
-/// One message from one publisher.
-///
-/// ```
-/// use std::sync::Arc;
-/// use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
-/// use eventplane::publish::EventPublisher;
-/// use eventplane::subscriber::{DynamicSubscriber, Layout};
-/// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
-/// let mut sub = DynamicSubscriber::builder(discovery.clone(), Query::new("ns"))
-///     .topic("t")
-///     .layout(Layout::TopicPublisherSeq)
-///     .spawn();
-/// let publisher = EventPublisher::builder(discovery, "ns", "c", "t").build().await?;
-/// publisher.wait_for_subscribers(1).await;
-/// publisher.publish("payload");
-/// let delivery = sub.recv().await.ok_or("stopped")?;
-/// assert_eq!(delivery.source.id.publisher_id(), publisher.publisher_id());
-/// assert_eq!(delivery.sequence, Some(0));
-/// assert_eq!(delivery.message.get(3).map(|p| &p[..]), Some(&b"payload"[..]));
-/// assert_eq!(delivery.payload().as_deref(), Some(&b"payload"[..]));
-/// # Ok(()) }
-/// ```
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct Delivery {
-    /// The publisher, as discovery described it when the message was read.
-    pub source: Arc<Instance>,
-    /// The message's sequence number, for layouts that carry one.
-    pub sequence: Option<u64>,
-    /// The message (all frames).
-    pub message: Message,
-    /// Where the layout placed the payload (see [`payload`](Self::payload)).
-    payload_at: Option<PayloadAt>,
-}
-
-impl Delivery {
-    pub(crate) fn new(
-        source: Arc<Instance>,
-        sequence: Option<u64>,
-        message: Message,
-        payload_at: Option<PayloadAt>,
-    ) -> Delivery {
-        Delivery {
-            source,
-            sequence,
-            message,
-            payload_at,
-        }
-    }
-
-    /// The payload as the layout places it: the first payload frame, or for
-    /// [`Layout::Dynamo`] the envelope's payload, sharing the message's buffer.
-    /// `None` for [`Layout::Raw`].
-    ///
-    /// ```
-    /// # use std::sync::Arc;
-    /// # use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
-    /// # use eventplane::publish::EventPublisher;
-    /// # use eventplane::subscriber::{DynamicSubscriber, Layout};
-    /// use eventplane::wire::Wire;
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// # let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
-    /// let mut sub = DynamicSubscriber::builder(discovery.clone(), Query::new("ns"))
-    ///     .topic("kv-events")
-    ///     .layout(Layout::Dynamo)
-    ///     .spawn();
-    /// let publisher = EventPublisher::builder(discovery, "ns", "c", "kv-events")
-    ///     .wire(Wire::Dynamo)
-    ///     .build()
-    ///     .await?;
-    /// publisher.wait_for_subscribers(1).await;
-    /// publisher.publish("payload");
-    /// let delivery = sub.recv().await.ok_or("stopped")?;
-    /// assert_eq!(delivery.sequence, Some(0)); // Dynamo counts from 0, as we do
-    /// assert_eq!(delivery.payload().as_deref(), Some(&b"payload"[..]));
-    /// # Ok(()) }
-    /// ```
-    pub fn payload(&self) -> Option<Bytes> {
-        self.payload_at?.get(&self.message)
-    }
-}
+use shared::{Retired, Shared};
 
 /// Builds a [`DynamicSubscriber`]; every setter names its default.
 ///
@@ -355,125 +270,6 @@ pub struct SubscriberHandle {
     shared: Arc<Shared>,
     merge: Arc<Merge<Delivery>>,
     cancel: CancellationToken,
-}
-
-pub(crate) struct Shared {
-    publishers: Mutex<HashMap<ChannelId, Arc<PublisherCell>>>,
-    retired: Mutex<Retired>,
-    /// Read buffers that delivered messages keep alive, across every connection.
-    pub(crate) retention: Arc<Retention>,
-    pub(crate) refused_publishers: AtomicU64,
-    pub(crate) rewatches: AtomicU64,
-    pub(crate) tracker: TaskTracker,
-    pub(crate) warn: RateLimitedWarn,
-}
-
-impl std::fmt::Debug for Shared {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Shared")
-            .field("publishers", &self.lock().len())
-            .finish_non_exhaustive()
-    }
-}
-
-pub(crate) struct PublisherCell {
-    pub(crate) instance: Mutex<Arc<Instance>>,
-    pub(crate) counters: Counters,
-    pub(crate) lane: DeliveryLane,
-    /// Set once its connection task has ended: nothing enters its lane any more.
-    pub(crate) ended: std::sync::atomic::AtomicBool,
-}
-
-impl PublisherCell {
-    fn snapshot(&self) -> PublisherStats {
-        self.counters.snapshot(self.lane.stats())
-    }
-}
-
-impl Shared {
-    pub(crate) fn lock(&self) -> MutexGuard<'_, HashMap<ChannelId, Arc<PublisherCell>>> {
-        self.publishers.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Takes a departed publisher out of the list once its connection task has ended
-    /// (a replacement under the same id stays listed). Its counters keep counting
-    /// until its lane is drained — messages still in it are delivered after this —
-    /// and then join the retired total.
-    pub(crate) fn retire(&self, id: &ChannelId, cell: &Arc<PublisherCell>) {
-        cell.ended.store(true, Ordering::Release);
-        // Lock order: retired, then publishers (as `stats`), so a cell is never
-        // missing from both.
-        let mut retired = self.lock_retired();
-        {
-            let mut publishers = self.lock();
-            if publishers.get(id).is_some_and(|c| Arc::ptr_eq(c, cell)) {
-                publishers.remove(id);
-            }
-        }
-        retired.add(cell);
-        retired.settle();
-    }
-
-    /// Lists `cell` for `id`; a cell it replaces (a publisher that moved) keeps
-    /// counting with the departed ones while its connection drains.
-    pub(crate) fn insert(&self, id: ChannelId, cell: Arc<PublisherCell>) {
-        let mut retired = self.lock_retired();
-        if let Some(old) = self.lock().insert(id, cell) {
-            retired.add(&old);
-        }
-    }
-
-    /// Folds drained departed publishers into the retired total (their lanes closed).
-    pub(crate) fn settle_retired(&self) {
-        self.lock_retired().settle();
-    }
-
-    fn lock_retired(&self) -> MutexGuard<'_, Retired> {
-        self.retired.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-/// Departed publishers: those whose lanes are drained, summed; the others still
-/// counting (their lanes hold messages the consumer has not taken yet).
-#[derive(Default)]
-struct Retired {
-    total: PublisherStats,
-    draining: Vec<Arc<PublisherCell>>,
-}
-
-impl Retired {
-    fn add(&mut self, cell: &Arc<PublisherCell>) {
-        if !self.draining.iter().any(|c| Arc::ptr_eq(c, cell)) {
-            self.draining.push(cell.clone());
-        }
-    }
-
-    /// Folds the departed publishers whose connection ended and whose lanes are empty
-    /// into the total (their counters are final) and lets their lanes go.
-    fn settle(&mut self) {
-        let total = &mut self.total;
-        self.draining.retain(|cell| {
-            if !cell.ended.load(Ordering::Acquire) {
-                return true;
-            }
-            let s = cell.snapshot();
-            if s.depth > 0 {
-                return true;
-            }
-            total.add(&s);
-            false
-        });
-    }
-
-    /// The total of every departed publisher, drained or not.
-    fn sum(&mut self) -> PublisherStats {
-        self.settle();
-        let mut sum = self.total;
-        for cell in &self.draining {
-            sum.add(&cell.snapshot());
-        }
-        sum
-    }
 }
 
 impl DynamicSubscriber {

@@ -11,10 +11,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::config::Config;
+use super::shared::{Delivery, PublisherCell, Shared};
 use super::stats::Counters;
-use super::{Delivery, PublisherCell, Shared};
 use crate::discovery::{ChannelId, DiscoveryEvent, Instance};
-use crate::lossy::{Lane, Merge};
+use crate::lossy::Merge;
 use crate::net::{Backoff, random_unit};
 use crate::wire::{MalformedStats, SeqStep, SeqTracker, WireError};
 use crate::zmtp::{Error as ZmtpError, SubSocket};
@@ -429,6 +429,3 @@ async fn dial(
         .await?;
     Ok(sub)
 }
-
-/// Lane handles are per publisher; a type alias keeps signatures short.
-pub(crate) type DeliveryLane = Lane<Delivery>;

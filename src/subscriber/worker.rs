@@ -2,7 +2,6 @@
 //! one connection task per publisher that reads into its lane.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -300,29 +299,12 @@ async fn connect_and_read(
     drain: &CancellationToken,
 ) -> Outcome {
     let counters = &cell.counters;
-    let addrs = match resolve(endpoint, config.zmtp.connect_timeout()).await {
-        Ok(a) => a,
-        Err(e) => {
-            Counters::add(&counters.connect_failures, 1);
-            return Outcome::Failed(e);
-        }
-    };
-    let allowed: Vec<SocketAddr> = addrs
-        .iter()
-        .copied()
-        .filter(|a| config.addr_filter.check_socket(*a).is_ok())
-        .collect();
-    if allowed.is_empty() {
-        Counters::add(&counters.refused_by_filter, 1);
-        return Outcome::Refused(
-            addrs
-                .first()
-                .map(ToString::to_string)
-                .unwrap_or_else(|| endpoint.to_owned()),
-        );
-    }
-    let mut sub = match dial(shared, config, &allowed).await {
+    let mut sub = match dial(shared, config, endpoint).await {
         Ok(s) => s,
+        Err(ZmtpError::Refused { addr }) => {
+            Counters::add(&counters.refused_by_filter, 1);
+            return Outcome::Refused(addr.to_string());
+        }
         Err(e) => {
             Counters::add(&counters.connect_failures, 1);
             return Outcome::Failed(e);
@@ -410,20 +392,18 @@ async fn connect_and_read(
     }
 }
 
-async fn resolve(endpoint: &str, timeout: Duration) -> Result<Vec<SocketAddr>, ZmtpError> {
-    crate::zmtp::endpoint::resolve(endpoint, timeout).await
-}
-
-async fn dial(
-    shared: &Shared,
-    config: &Config,
-    addrs: &[SocketAddr],
-) -> Result<SubSocket, ZmtpError> {
-    let stream = crate::zmtp::sub::dial(addrs, &config.zmtp).await?;
+/// Resolves, checks the addresses against the filter (DNS rebinding is caught at dial
+/// time), dials, handshakes and subscribes.
+async fn dial(shared: &Shared, config: &Config, endpoint: &str) -> Result<SubSocket, ZmtpError> {
     // Every connection counts the read buffers its messages keep alive in one
     // account: past `max_retained_bytes` in total, small frames are copied out.
-    let mut sub =
-        SubSocket::handshake_sharing(stream, config.zmtp.clone(), shared.retention.clone()).await?;
+    let mut sub = SubSocket::connect_filtered_sharing(
+        endpoint,
+        config.zmtp.clone(),
+        &config.addr_filter,
+        shared.retention.clone(),
+    )
+    .await?;
     // Re-subscribed on every new connection.
     sub.subscribe(config.topic.clone().unwrap_or_default())
         .await?;

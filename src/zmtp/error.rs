@@ -38,6 +38,14 @@ pub enum Error {
     /// The socket was closed on this side, or failed earlier and stays failed.
     #[error("socket is closed")]
     SocketClosed,
+    /// Every address the endpoint resolved to was refused by the caller's address
+    /// filter ([`SubSocket::connect_filtered`](super::SubSocket::connect_filtered)):
+    /// nothing was dialled.
+    #[error("{addr} refused by the address filter; not dialled")]
+    Refused {
+        /// The first address refused.
+        addr: std::net::SocketAddr,
+    },
     /// The endpoint could not be parsed or resolved.
     #[error("invalid endpoint {endpoint:?}: {reason}")]
     InvalidEndpoint {

@@ -33,7 +33,7 @@
 pub mod codec;
 mod config;
 pub mod conformance;
-pub(crate) mod endpoint;
+mod endpoint;
 mod error;
 mod io;
 mod message;
@@ -42,7 +42,7 @@ mod publish;
 mod queue;
 pub(crate) mod retain;
 mod session;
-pub(crate) mod sub;
+mod sub;
 
 pub use config::{Config, ConfigBuilder, ConfigError, MAX_HEARTBEAT_TTL};
 pub use error::{Error, ProtocolError, TimeoutKind};

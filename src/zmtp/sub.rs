@@ -132,6 +132,57 @@ impl SubSocket<TcpStream> {
         let stream = connect_tcp(endpoint, &config).await?;
         Self::handshake(stream, config).await
     }
+
+    /// [`connect`](Self::connect), dialling only the resolved addresses `filter`
+    /// accepts: the check sits between resolving and connecting, so a name that
+    /// resolves somewhere it must not (DNS rebinding to a metadata address, say) is
+    /// never dialled. [`Error::Refused`] when it refuses them all.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// use eventplane::net::AddrFilter;
+    /// use eventplane::zmtp::{Config, Error, SubSocket};
+    /// let strict = AddrFilter::strict(); // refuses loopback too
+    /// let err = SubSocket::connect_filtered("tcp://127.0.0.1:5555", Config::default(), &strict)
+    ///     .await
+    ///     .unwrap_err();
+    /// assert!(matches!(err, Error::Refused { .. }));
+    /// # }
+    /// ```
+    pub async fn connect_filtered(
+        endpoint: &str,
+        config: Config,
+        filter: &crate::net::AddrFilter,
+    ) -> Result<Self, Error> {
+        let retention = Arc::new(Retention::new(config.max_retained_bytes));
+        Self::connect_filtered_sharing(endpoint, config, filter, retention).await
+    }
+
+    /// [`connect_filtered`](Self::connect_filtered), counting retained read buffers in
+    /// an account shared with other sockets.
+    pub(crate) async fn connect_filtered_sharing(
+        endpoint: &str,
+        config: Config,
+        filter: &crate::net::AddrFilter,
+        retention: Arc<Retention>,
+    ) -> Result<Self, Error> {
+        let addrs = endpoint::resolve(endpoint, config.connect_timeout).await?;
+        let allowed: Vec<std::net::SocketAddr> = addrs
+            .iter()
+            .copied()
+            .filter(|a| filter.check_socket(*a).is_ok())
+            .collect();
+        if allowed.is_empty() {
+            let addr = addrs
+                .first()
+                .copied()
+                .ok_or_else(|| Error::from(std::io::Error::from(std::io::ErrorKind::NotFound)))?;
+            return Err(Error::Refused { addr });
+        }
+        let stream = dial(&allowed, &config).await?;
+        Self::handshake_sharing(stream, config, retention).await
+    }
 }
 
 /// Dials `endpoint` with the configured connect timeout and sets `TCP_NODELAY`.
@@ -190,7 +241,7 @@ where
 
     /// [`handshake`](Self::handshake), counting retained read buffers in an account
     /// shared with other sockets (a `DynamicSubscriber`'s connections share one).
-    pub(crate) async fn handshake_sharing(
+    async fn handshake_sharing(
         stream: S,
         config: Config,
         retention: Arc<Retention>,

@@ -47,6 +47,6 @@ mod sub;
 pub use config::{Config, ConfigBuilder, ConfigError, MAX_HEARTBEAT_TTL};
 pub use error::{Error, ProtocolError, TimeoutKind};
 pub use message::Message;
-pub use publish::{PubSocket, PubStats, SendReport, SubscriberStats};
+pub use publish::{PeerStats, PubSocket, PubStats, SendReport};
 pub use session::{Event, MAX_PENDING_OUTPUT, PeerInfo, Session, SessionStats, SocketType};
 pub use sub::{RECV_MANY_BYTES, SubBuffers, SubSocket};

@@ -148,7 +148,7 @@ pub struct PubStats {
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
-pub struct SubscriberStats {
+pub struct PeerStats {
     /// The peer's address, or a label for non-TCP streams.
     pub peer: String,
     /// Distinct prefixes subscribed.
@@ -396,14 +396,14 @@ impl PubSocket {
     /// assert_eq!((peers.len(), peers[0].subscriptions, peers[0].dropped), (1, 1, 0));
     /// # Ok(()) }
     /// ```
-    pub fn subscriber_stats(&self) -> Vec<SubscriberStats> {
+    pub fn subscriber_stats(&self) -> Vec<PeerStats> {
         let inner = self.shared.lock();
         inner
             .peers
             .iter()
             .flatten()
             .filter(|p| p.ready)
-            .map(|p| SubscriberStats {
+            .map(|p| PeerStats {
                 peer: p.label.clone(),
                 subscriptions: p.prefixes.len(),
                 queue_len: p.queue.len(),

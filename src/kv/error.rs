@@ -49,7 +49,7 @@ pub struct SinkError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
 #[error("local index rejected the event")]
 pub struct IndexError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
 
-/// A rejected [`ProcessorConfig`] value.
+/// A rejected [`ProcessorConfig`](super::ProcessorConfig) value.
 ///
 /// ```
 /// use std::time::Duration;

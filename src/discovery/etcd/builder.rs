@@ -1,0 +1,124 @@
+//! The builder of `EtcdDiscovery`: every setting with its default.
+
+use super::*;
+
+/// Builds an [`EtcdDiscovery`]. Every setter documents its default.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use eventplane::discovery::EtcdDiscovery;
+/// # #[tokio::main]
+/// # async fn main() -> Result<(), eventplane::discovery::DiscoveryError> {
+/// let discovery = EtcdDiscovery::builder(["http://10.0.0.2:2379", "http://10.0.0.3:2379"])
+///     .prefix("/prod-eventplane")
+///     .lease_ttl(Duration::from_secs(15))
+///     .connect()
+///     .await?;
+/// # let _ = discovery;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct EtcdDiscoveryBuilder {
+    pub(super) config: EtcdConfig,
+}
+
+impl EtcdDiscoveryBuilder {
+    /// Key prefix; keys live under `{prefix}/v1/channels/`. Default
+    /// [`DEFAULT_PREFIX`] (`/eventplane`). Must start with `/` and not end with one.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.config.prefix = prefix.into();
+        self
+    }
+
+    /// Which records to read and write: ours ([`RecordFormat::EventPlane`], the
+    /// default) or Dynamo's ([`RecordFormat::Dynamo`]: `v1/event_channels/…` with
+    /// `v1/event_sources/…` beside each registration, both under the lease), to
+    /// follow Dynamo workers or to be followed by a Dynamo router.
+    ///
+    /// ```no_run
+    /// use eventplane::discovery::{DynamoRecords, EtcdDiscovery, RecordFormat};
+    /// # #[tokio::main]
+    /// # async fn main() -> Result<(), eventplane::discovery::DiscoveryError> {
+    /// // A worker: its registrations are what a Dynamo 1.6 worker would write.
+    /// let discovery = EtcdDiscovery::builder(["http://127.0.0.1:2379"])
+    ///     .record_format(RecordFormat::Dynamo(DynamoRecords::new().endpoint("generate").worker(77, 0)))
+    ///     .connect()
+    ///     .await?;
+    /// # let _ = discovery;
+    /// # Ok(()) }
+    /// ```
+    pub fn record_format(mut self, format: RecordFormat) -> Self {
+        self.config.format = format;
+        self
+    }
+
+    /// Lease TTL: how long registrations outlive this process (or an outage). Default
+    /// 10 s, renewed every TTL/3; 2 s ..= 1 h, whole seconds.
+    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.config.lease_ttl = ttl;
+        self
+    }
+
+    /// How long `connect` waits for etcd to answer its readiness check. Default 5 s.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.config.connect_timeout = timeout;
+        self
+    }
+
+    /// Deadline of each request to etcd (a `register`, one page of a `list`, a watch's
+    /// creation). Default 5 s.
+    pub fn request_timeout(mut self, timeout: Duration) -> Self {
+        self.config.request_timeout = timeout;
+        self
+    }
+
+    /// Events buffered per watch before its backlog collapses into a `Resync`. Default
+    /// 1024 (about 200 bytes each, plus the instances a `Resync` carries).
+    pub fn watch_buffer(mut self, events: usize) -> Self {
+        self.config.watch_buffer = events;
+        self
+    }
+
+    /// Keys read per page by `list` and a watch's (re)sync. Default 1000; a page too
+    /// large for the client's 4 MiB message limit is retried smaller.
+    pub fn page_size(mut self, keys: usize) -> Self {
+        self.config.page_size = keys;
+        self
+    }
+
+    /// Records larger than this are skipped as malformed. Default 64 KiB.
+    pub fn max_value_bytes(mut self, bytes: usize) -> Self {
+        self.config.max_value_bytes = bytes;
+        self
+    }
+
+    /// Authenticates as `user` (etcd with auth enabled); the token is refreshed when it
+    /// expires. Default: no authentication. (Plain `http://` endpoints: run etcd on a
+    /// trusted network or behind a TLS tunnel.)
+    pub fn credentials(mut self, user: impl Into<String>, password: impl Into<String>) -> Self {
+        self.config.credentials = Some((user.into(), config::Password(password.into())));
+        self
+    }
+
+    /// Reconnect backoff of watches and the keep-alive (full jitter). Default
+    /// 250 ms → 5 s.
+    pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.config.backoff_min = min;
+        self.config.backoff_max = max;
+        self
+    }
+
+    /// Validates the settings, checks that etcd answers (a status request, since the
+    /// client itself connects lazily) and that our keys may be read (a one-key read
+    /// under the prefix), grants the lease and starts its keep-alive.
+    ///
+    /// # Errors
+    /// [`DiscoveryError::InvalidConfig`] for bad settings,
+    /// [`DiscoveryError::Denied`] when etcd refuses the credentials (or, without
+    /// credentials, requires them), [`DiscoveryError::Unavailable`] when etcd does
+    /// not answer in time.
+    pub async fn connect(self) -> Result<EtcdDiscovery, DiscoveryError> {
+        EtcdDiscovery::start(self.config).await
+    }
+}

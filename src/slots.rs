@@ -1,5 +1,6 @@
-//! When a queue that grew during a burst gives its spare slots back: the rule shared
-//! by the subscriber's lanes and the publisher's per-subscriber queues.
+//! Slots, shared by the subscriber's lanes and the publisher's per-subscriber queues:
+//! the table that gives each lane or peer a reusable index ([`Slab`]), and when a queue
+//! that grew during a burst gives its spare slots back ([`SlotTrim`]).
 
 use std::collections::VecDeque;
 
@@ -41,8 +42,84 @@ impl SlotTrim {
     }
 }
 
+/// A table of values under reusable indices: a freed index is handed out again before
+/// the table grows, so indices stay dense under churn.
+#[derive(Debug)]
+pub(crate) struct Slab<T> {
+    slots: Vec<Option<T>>,
+    free: Vec<usize>,
+}
+
+impl<T> Default for Slab<T> {
+    fn default() -> Self {
+        Slab {
+            slots: Vec::new(),
+            free: Vec::new(),
+        }
+    }
+}
+
+impl<T> Slab<T> {
+    /// Stores `value`; returns its index.
+    pub(crate) fn insert(&mut self, value: T) -> usize {
+        if let Some(id) = self.free.pop() {
+            if let Some(slot) = self.slots.get_mut(id) {
+                *slot = Some(value);
+                return id;
+            }
+        }
+        self.slots.push(Some(value));
+        self.slots.len() - 1
+    }
+
+    /// Takes the value at `id` out; its index is reused by a later insert.
+    pub(crate) fn remove(&mut self, id: usize) -> Option<T> {
+        let value = self.slots.get_mut(id)?.take()?;
+        self.free.push(id);
+        Some(value)
+    }
+
+    pub(crate) fn get(&self, id: usize) -> Option<&T> {
+        self.slots.get(id)?.as_ref()
+    }
+
+    pub(crate) fn get_mut(&mut self, id: usize) -> Option<&mut T> {
+        self.slots.get_mut(id)?.as_mut()
+    }
+
+    /// The values held, with their indices.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (usize, &T)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, v)| v.as_ref().map(|v| (i, v)))
+    }
+
+    /// Values held.
+    pub(crate) fn len(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn slab_reuses_freed_indices() {
+        let mut slab = Slab::default();
+        let (a, b) = (slab.insert("a"), slab.insert("b"));
+        assert_eq!((a, b, slab.len()), (0, 1, 2));
+        assert_eq!(slab.remove(a), Some("a"));
+        assert_eq!(slab.remove(a), None);
+        assert_eq!(slab.get(a), None);
+        assert_eq!(slab.insert("c"), a);
+        assert_eq!(slab.iter().collect::<Vec<_>>(), vec![(0, &"c"), (1, &"b")]);
+        *slab.get_mut(b).unwrap() = "d";
+        assert_eq!(
+            (slab.get(b), slab.len(), slab.get(9)),
+            (Some(&"d"), 2, None)
+        );
+    }
+
     use super::*;
 
     /// A burst of 10 000, drained, then one item at a time: trimmed after two windows,

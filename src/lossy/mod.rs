@@ -35,7 +35,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
-use crate::slots::SlotTrim;
+use crate::slots::{Slab, SlotTrim};
 
 /// Bytes charged per item on top of its size for the bookkeeping the bound must cover:
 /// its queue slot and the headers of the allocations it references. Items whose queue
@@ -201,8 +201,7 @@ struct LaneState<T> {
 
 struct State<T> {
     config: MergeConfig,
-    lanes: Vec<Option<LaneState<T>>>,
-    free: Vec<usize>,
+    lanes: Slab<LaneState<T>>,
     ready: VecDeque<usize>,
     total_bytes: usize,
     open_lanes: usize,
@@ -276,8 +275,7 @@ impl<T> Merge<T> {
             shared: Arc::new(Shared {
                 state: Mutex::new(State {
                     config,
-                    lanes: Vec::new(),
-                    free: Vec::new(),
+                    lanes: Slab::default(),
                     ready: VecDeque::new(),
                     total_bytes: 0,
                     open_lanes: 0,
@@ -299,18 +297,7 @@ impl<T> Merge<T> {
             open: true,
             stats: LaneStats::default(),
         };
-        let id = match st.free.pop() {
-            Some(id) => {
-                if let Some(slot) = st.lanes.get_mut(id) {
-                    *slot = Some(lane);
-                }
-                id
-            }
-            None => {
-                st.lanes.push(Some(lane));
-                st.lanes.len() - 1
-            }
-        };
+        let id = st.lanes.insert(lane);
         st.open_lanes += 1;
         Lane {
             shared: self.shared.clone(),
@@ -370,7 +357,7 @@ fn take<T>(st: &mut State<T>, out: &mut Vec<T>, max: usize) -> usize {
         let Some(id) = st.ready.pop_front() else {
             break;
         };
-        let Some(Some(lane)) = st.lanes.get_mut(id) else {
+        let Some(lane) = st.lanes.get_mut(id) else {
             continue;
         };
         let Some((item, charge)) = lane.items.pop_front() else {
@@ -401,13 +388,10 @@ fn take<T>(st: &mut State<T>, out: &mut Vec<T>, max: usize) -> usize {
 /// Frees `id`'s slot for reuse; a slot still listed as ready is unlisted first, or a
 /// lane reusing it would be served twice per round.
 fn free_lane<T>(st: &mut State<T>, id: usize) {
-    if let Some(slot) = st.lanes.get_mut(id) {
-        if slot.as_ref().is_some_and(|l| l.in_ready) {
-            st.ready.retain(|&r| r != id);
-        }
-        *slot = None;
-        st.free.push(id);
+    if st.lanes.get(id).is_some_and(|l| l.in_ready) {
+        st.ready.retain(|&r| r != id);
     }
+    st.lanes.remove(id);
 }
 
 impl<T> Drop for Merge<T> {
@@ -461,7 +445,7 @@ impl<T> Lane<T> {
     pub fn stats(&self) -> LaneStats {
         let st = self.shared.lock();
         match st.lanes.get(self.id) {
-            Some(Some(lane)) => LaneStats {
+            Some(lane) => LaneStats {
                 depth: lane.items.len(),
                 bytes: lane.bytes,
                 ..lane.stats
@@ -480,7 +464,7 @@ fn push_locked<T>(st: &mut State<T>, id: usize, item: T, size: usize) -> PushOut
     let share = config.max_buffered_bytes / st.open_lanes.max(1);
     let mut evicted = 0;
     {
-        let Some(Some(lane)) = st.lanes.get_mut(id) else {
+        let Some(lane) = st.lanes.get_mut(id) else {
             return PushOutcome::Closed;
         };
         lane.stats.received += 1;
@@ -505,7 +489,7 @@ fn push_locked<T>(st: &mut State<T>, id: usize, item: T, size: usize) -> PushOut
     }
     if st.total_bytes + charge > config.max_buffered_bytes {
         let own = match st.lanes.get(id) {
-            Some(Some(lane)) => lane.bytes,
+            Some(lane) => lane.bytes,
             _ => 0,
         };
         if own + charge <= share {
@@ -528,13 +512,13 @@ fn push_locked<T>(st: &mut State<T>, id: usize, item: T, size: usize) -> PushOut
             }
         }
         if st.total_bytes + charge > config.max_buffered_bytes {
-            if let Some(Some(lane)) = st.lanes.get_mut(id) {
+            if let Some(lane) = st.lanes.get_mut(id) {
                 lane.stats.dropped_budget += 1;
             }
             return PushOutcome::DroppedBudget;
         }
     }
-    let Some(Some(lane)) = st.lanes.get_mut(id) else {
+    let Some(lane) = st.lanes.get_mut(id) else {
         return PushOutcome::Closed;
     };
     lane.items.push_back((item, charge));
@@ -552,8 +536,7 @@ fn push_locked<T>(st: &mut State<T>, id: usize, item: T, size: usize) -> PushOut
 fn largest_lane<T>(st: &State<T>) -> Option<usize> {
     st.lanes
         .iter()
-        .enumerate()
-        .filter_map(|(i, l)| l.as_ref().map(|l| (i, l.bytes)))
+        .map(|(i, l)| (i, l.bytes))
         .filter(|(_, b)| *b > 0)
         .max_by_key(|(_, b)| *b)
         .map(|(i, _)| i)
@@ -563,7 +546,7 @@ fn largest_lane<T>(st: &State<T>) -> Option<usize> {
 /// freed (nobody else would free it: its producer is gone and the consumer will not
 /// find it ready).
 fn evict_oldest<T>(st: &mut State<T>, id: usize) -> bool {
-    let Some(Some(lane)) = st.lanes.get_mut(id) else {
+    let Some(lane) = st.lanes.get_mut(id) else {
         return false;
     };
     let Some((_, c)) = lane.items.pop_front() else {
@@ -584,7 +567,7 @@ impl<T> Drop for Lane<T> {
         let mut st = self.shared.lock();
         st.open_lanes = st.open_lanes.saturating_sub(1);
         let empty = match st.lanes.get_mut(self.id) {
-            Some(Some(lane)) => {
+            Some(lane) => {
                 lane.open = false;
                 lane.items.is_empty()
             }

@@ -20,6 +20,7 @@ use super::prefix::PrefixMap;
 use super::queue::{ARENA_MIN_QUEUE_BYTES, Arena, Encoded, Queue};
 use super::{Config, Error, Event, Message, SessionStats, SocketType, TimeoutKind};
 use crate::net::RateLimitedWarn;
+use crate::slots::Slab;
 
 /// How often (at most) a drop warning is logged per subscriber.
 const DROP_WARN_INTERVAL: Duration = Duration::from_secs(60);
@@ -183,8 +184,7 @@ struct Shared {
 #[derive(Debug, Default)]
 struct Inner {
     index: PrefixMap<SmallVec<[usize; 4]>>,
-    peers: Vec<Option<Peer>>,
-    free: Vec<usize>,
+    peers: Slab<Peer>,
     send_seq: u64,
     stats: PubStats,
     arena: Arena,
@@ -216,7 +216,7 @@ struct Peer {
 impl Inner {
     /// Connections being served (handshaking ones included): the occupied slots.
     fn open(&self) -> usize {
-        self.peers.len() - self.free.len()
+        self.peers.len()
     }
 }
 
@@ -336,7 +336,7 @@ impl PubSocket {
             let arena = &mut inner.arena;
             inner.index.for_each_match(topic, |ids| {
                 for &id in ids {
-                    let Some(Some(peer)) = peers.get_mut(id) else {
+                    let Some(peer) = peers.get_mut(id) else {
                         continue;
                     };
                     if peer.mark == seq {
@@ -376,8 +376,7 @@ impl PubSocket {
         stats.pending_bytes = inner
             .peers
             .iter()
-            .flatten()
-            .map(|p| p.queue.held() + p.in_flight)
+            .map(|(_, p)| p.queue.held() + p.in_flight)
             .sum();
         stats
     }
@@ -401,7 +400,7 @@ impl PubSocket {
         inner
             .peers
             .iter()
-            .flatten()
+            .map(|(_, p)| p)
             .filter(|p| p.ready)
             .map(|p| PeerStats {
                 peer: p.label.clone(),
@@ -447,7 +446,7 @@ impl PubSocket {
             let notified = self.shared.drained.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if self.shared.lock().peers.iter().flatten().all(Peer::idle) {
+            if self.shared.lock().peers.iter().all(|(_, p)| p.idle()) {
                 return true;
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
@@ -583,18 +582,7 @@ where
         }
         inner.stats.accepted += 1;
         let peer = Peer::new(label.clone());
-        match inner.free.pop() {
-            Some(id) => {
-                if let Some(slot) = inner.peers.get_mut(id) {
-                    *slot = Some(peer);
-                }
-                id
-            }
-            None => {
-                inner.peers.push(Some(peer));
-                inner.peers.len() - 1
-            }
-        }
+        inner.peers.insert(peer)
     };
     let span = tracing::debug_span!("zmtp_pub_peer", peer = %label);
     let task = async move {
@@ -622,10 +610,9 @@ where
 fn remove_peer(shared: &Shared, id: usize, failed: bool, stalled: bool) {
     let mut guard = shared.lock();
     let inner = &mut *guard;
-    let Some(peer) = inner.peers.get_mut(id).and_then(Option::take) else {
+    let Some(peer) = inner.peers.remove(id) else {
         return;
     };
-    inner.free.push(id);
     if failed {
         inner.stats.failed += 1;
     }
@@ -706,7 +693,7 @@ fn drive_peer<S: AsyncRead + AsyncWrite + Unpin>(
 /// empty, and reports "drained" when nothing is left anywhere.
 fn take_queued<S>(shared: &Shared, id: usize, conn: &mut Conn<S>, cx: &mut Context<'_>) -> bool {
     let mut inner = shared.lock();
-    let Some(Some(peer)) = inner.peers.get_mut(id) else {
+    let Some(peer) = inner.peers.get_mut(id) else {
         return false;
     };
     let mut took = 0u64;
@@ -740,7 +727,7 @@ fn take_queued<S>(shared: &Shared, id: usize, conn: &mut Conn<S>, cx: &mut Conte
 fn on_peer_event(shared: &Shared, id: usize, event: Event) {
     let mut guard = shared.lock();
     let inner = &mut *guard;
-    let Some(Some(peer)) = inner.peers.get_mut(id) else {
+    let Some(peer) = inner.peers.get_mut(id) else {
         return;
     };
     match event {

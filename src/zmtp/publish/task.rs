@@ -1,0 +1,185 @@
+//! The tasks of a `PubSocket`: accepting connections, and one task per subscriber
+//! driving its session and writing its queue.
+
+use super::fanout::{on_peer_event, remove_peer};
+use super::*;
+
+pub(super) async fn accept_loop(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+    stop_accepting: CancellationToken,
+    tracker: TaskTracker,
+) {
+    loop {
+        let accepted = tokio::select! {
+            () = stop_accepting.cancelled() => return,
+            r = listener.accept() => r,
+        };
+        match accepted {
+            Ok((stream, addr)) => {
+                if let Err(e) = stream.set_nodelay(true) {
+                    tracing::debug!(%addr, error = %e, "set_nodelay failed");
+                }
+                spawn_peer(
+                    &tracker,
+                    shared.clone(),
+                    cancel.clone(),
+                    stream,
+                    addr.to_string(),
+                );
+            }
+            Err(e) => {
+                // EMFILE and friends: back off briefly instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::select! {
+                    () = stop_accepting.cancelled() => return,
+                    () = tokio::time::sleep(Duration::from_millis(100)) => {}
+                }
+            }
+        }
+    }
+}
+
+/// Serves `stream` in a task of its own, or refuses it (dropping it, counted) when
+/// `max_connections` are open. Returns whether it was accepted.
+pub(super) fn spawn_peer<S>(
+    tracker: &TaskTracker,
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+    stream: S,
+    label: String,
+) -> bool
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let id = {
+        let mut inner = shared.lock();
+        if inner.open() >= shared.config.max_connections {
+            inner.stats.refused += 1;
+            let refused = inner.stats.refused;
+            drop(inner);
+            if let Some(suppressed) = shared.warn.check("refused", Instant::now()) {
+                tracing::warn!(
+                    peer = %label,
+                    refused,
+                    suppressed,
+                    max_connections = shared.config.max_connections,
+                    "connection limit reached: refusing subscriber"
+                );
+            }
+            return false;
+        }
+        inner.stats.accepted += 1;
+        let peer = Peer::new(label.clone());
+        inner.peers.insert(peer)
+    };
+    let span = tracing::debug_span!("zmtp_pub_peer", peer = %label);
+    let task = async move {
+        let mut conn = Conn::new(stream, SocketType::Pub, &shared.config, None);
+        let result = tokio::select! {
+            () = cancel.cancelled() => Ok(()),
+            r = poll_fn(|cx| drive_peer(&mut conn, &shared, id, cx)) => r,
+        };
+        let stalled = matches!(result, Err(Error::Timeout(TimeoutKind::WriteStall)));
+        remove_peer(&shared, id, result.is_err(), stalled);
+        match result {
+            Ok(()) | Err(Error::Closed) => tracing::debug!("subscriber disconnected"),
+            Err(e) if stalled => {
+                if let Some(suppressed) = shared.warn.check("stalled", Instant::now()) {
+                    tracing::warn!(error = %e, suppressed, "closing a subscriber that reads nothing");
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "subscriber connection failed"),
+        }
+    };
+    tracker.spawn(tracing::Instrument::instrument(task, span));
+    true
+}
+
+/// The per-subscriber task body: handshake, subscriptions, PINGs, and writing the
+/// queue in batches.
+pub(super) fn drive_peer<S: AsyncRead + AsyncWrite + Unpin>(
+    conn: &mut Conn<S>,
+    shared: &Shared,
+    id: usize,
+    cx: &mut Context<'_>,
+) -> Poll<Result<(), Error>> {
+    // Yield after this many rounds of progress so one busy subscriber cannot hog a
+    // worker thread.
+    for _ in 0..64 {
+        let mut progress = false;
+        conn.poll_timers(cx)?;
+        if conn.take_yield() {
+            // A silence check wants a fresh poll (already woken) before it decides.
+            return Poll::Pending;
+        }
+        while let Some(event) = conn.session.poll_event()? {
+            progress = true;
+            on_peer_event(shared, id, event);
+        }
+        if conn.session.is_ready() && conn.wbuf.len() < WRITE_BATCH {
+            progress |= take_queued(shared, id, conn, cx);
+        }
+        let had_output = !conn.wbuf.is_empty();
+        match conn.poll_flush(cx) {
+            // A write that completes is progress: the next round takes more from the
+            // queue, or marks the peer idle so `flush` waiters hear about it.
+            Poll::Ready(Ok(())) => progress |= had_output,
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+            Poll::Pending => {}
+        }
+        if conn.may_read() {
+            match conn.poll_read(cx) {
+                Poll::Ready(Ok(_)) => progress = true,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {}
+            }
+        }
+        if !progress {
+            return Poll::Pending;
+        }
+    }
+    cx.waker().wake_by_ref();
+    Poll::Pending
+}
+
+/// Moves queued messages into the write buffer. Registers the waker when the queue is
+/// empty, and reports "drained" when nothing is left anywhere.
+pub(super) fn take_queued<S>(
+    shared: &Shared,
+    id: usize,
+    conn: &mut Conn<S>,
+    cx: &mut Context<'_>,
+) -> bool {
+    let mut inner = shared.lock();
+    let Some(peer) = inner.peers.get_mut(id) else {
+        return false;
+    };
+    let mut took = 0u64;
+    while conn.wbuf.len() < WRITE_BATCH {
+        let Some(frame) = peer.queue.pop() else {
+            break;
+        };
+        conn.wbuf.extend_from_slice(&frame);
+        took += 1;
+    }
+    peer.written += took;
+    peer.session = conn.session.stats();
+    // What the connection holds beyond the queue, for `send`'s bound and the stats.
+    // Refreshed whenever the writer refills (every round it can write); while the
+    // peer reads nothing it stays at its last, highest, value.
+    peer.in_flight = conn.pending_output();
+    let was_busy = peer.busy;
+    peer.busy = !conn.wbuf.is_empty();
+    if peer.queue.is_empty() {
+        if peer.waker.as_ref().is_none_or(|w| !w.will_wake(cx.waker())) {
+            peer.waker = Some(cx.waker().clone());
+        }
+        if was_busy && !peer.busy {
+            drop(inner);
+            shared.drained.notify_waiters();
+        }
+    }
+    took > 0
+}

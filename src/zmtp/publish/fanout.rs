@@ -49,6 +49,55 @@ impl Inner {
     pub(super) fn open(&self) -> usize {
         self.peers.len()
     }
+
+    /// Queues `msg` for every peer holding a prefix of its first frame: once per peer
+    /// however many of its prefixes match, dropped (and counted) for a peer whose
+    /// queue is full by messages or by bytes (its queue, plus what its connection
+    /// holds). The wakers of peers that got something are added to `wake`.
+    pub(super) fn fan_out(
+        &mut self,
+        cfg: &Config,
+        msg: &Message,
+        wake: &mut SmallVec<[Waker; 8]>,
+    ) -> SendReport {
+        let topic: &[u8] = msg.get(0).map(|f| &f[..]).unwrap_or_default();
+        let mut report = SendReport::default();
+        let mut encoded: Option<Encoded> = None;
+        let use_arena = cfg.send_queue_bytes >= ARENA_MIN_QUEUE_BYTES;
+        self.send_seq += 1;
+        self.stats.messages += 1;
+        let seq = self.send_seq;
+        let peers = &mut self.peers;
+        let arena = &mut self.arena;
+        self.index.for_each_match(topic, |ids| {
+            for &id in ids {
+                let Some(peer) = peers.get_mut(id) else {
+                    continue;
+                };
+                if peer.mark == seq {
+                    continue;
+                }
+                peer.mark = seq;
+                let frame = encoded.get_or_insert_with(|| arena.encode(msg, use_arena));
+                let cost = peer.queue.cost(frame);
+                let pending = peer.queue.held() + peer.in_flight + cost;
+                if peer.queue.len() >= cfg.send_queue_messages || pending > cfg.send_queue_bytes {
+                    peer.dropped += 1;
+                    report.dropped += 1;
+                    peer.note_drop();
+                    continue;
+                }
+                peer.queue.push(frame.clone(), cost);
+                report.queued += 1;
+                if let Some(w) = peer.waker.take() {
+                    wake.push(w);
+                }
+            }
+        });
+        self.stats.queued += report.queued as u64;
+        self.stats.dropped += report.dropped as u64;
+        report
+    }
 }
 
 impl Shared {
@@ -166,5 +215,88 @@ pub(super) fn on_peer_event(shared: &Shared, id: usize, event: Event) {
             }
         }
         Event::Message(_) => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// A core with peers subscribed to these prefix lists, no sockets anywhere.
+    fn core(subscriptions: &[&[&str]]) -> Inner {
+        let mut inner = Inner::default();
+        for prefixes in subscriptions {
+            let id = inner
+                .peers
+                .insert(Peer::new(format!("peer{}", inner.peers.len())));
+            for p in *prefixes {
+                let prefix = Bytes::copy_from_slice(p.as_bytes());
+                inner.index.entry(&prefix, SmallVec::new).push(id);
+                inner.peers.get_mut(id).unwrap().prefixes.push(prefix);
+            }
+        }
+        inner
+    }
+
+    #[test]
+    fn one_copy_per_matching_peer_and_bounded_queues() {
+        let cfg = Config::builder()
+            .send_queue_messages(2)
+            .send_queue_bytes(1 << 20)
+            .build()
+            .unwrap();
+        // peer0: "a"; peer1: "ab"; peer2: "a" and "ab" (one copy, not two); peer3: "b".
+        let mut inner = core(&[&["a"], &["ab"], &["a", "ab"], &["b"]]);
+        let mut wake = SmallVec::new();
+        let send = |inner: &mut Inner, topic: &'static str, wake: &mut SmallVec<[Waker; 8]>| {
+            inner.fan_out(&cfg, &Message::from_parts([topic, "x"]), wake)
+        };
+        let r = send(&mut inner, "abc", &mut wake);
+        assert_eq!((r.queued, r.dropped), (3, 0));
+        let r = send(&mut inner, "a", &mut wake);
+        assert_eq!((r.queued, r.dropped), (2, 0));
+        let lens: Vec<usize> = inner.peers.iter().map(|(_, p)| p.queue.len()).collect();
+        assert_eq!(lens, vec![2, 1, 2, 0]);
+        // peer0 and peer2 are full at 2 messages: dropped and counted, peer1 still queues.
+        let r = send(&mut inner, "abc", &mut wake);
+        assert_eq!((r.queued, r.dropped), (1, 2));
+        let dropped: Vec<u64> = inner.peers.iter().map(|(_, p)| p.dropped).collect();
+        assert_eq!(dropped, vec![1, 0, 1, 0]);
+        assert_eq!(
+            (
+                inner.stats.messages,
+                inner.stats.queued,
+                inner.stats.dropped
+            ),
+            (3, 6, 2)
+        );
+        // Nothing matches "c".
+        assert_eq!(send(&mut inner, "c", &mut wake), SendReport::default());
+    }
+
+    #[test]
+    fn bytes_bound_counts_what_the_connection_holds() {
+        let cfg = Config::builder()
+            .send_queue_messages(100)
+            .send_queue_bytes(1000)
+            .build()
+            .unwrap();
+        let mut inner = core(&[&[""]]);
+        inner.peers.get_mut(0).unwrap().in_flight = 990;
+        let mut wake = SmallVec::new();
+        let r = inner.fan_out(
+            &cfg,
+            &Message::from_parts(["t", "0123456789abcdef"]),
+            &mut wake,
+        );
+        assert_eq!((r.queued, r.dropped), (0, 1));
+        inner.peers.get_mut(0).unwrap().in_flight = 0;
+        let r = inner.fan_out(
+            &cfg,
+            &Message::from_parts(["t", "0123456789abcdef"]),
+            &mut wake,
+        );
+        assert_eq!((r.queued, r.dropped), (1, 0));
     }
 }

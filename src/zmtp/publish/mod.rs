@@ -272,49 +272,11 @@ impl PubSocket {
     /// assert_eq!((report.queued, report.dropped), (0, 0));
     /// ```
     pub fn send(&self, msg: Message) -> SendReport {
-        let topic: &[u8] = msg.get(0).map(|f| &f[..]).unwrap_or_default();
-        let mut report = SendReport::default();
         let mut wake: SmallVec<[Waker; 8]> = SmallVec::new();
-        let mut encoded: Option<Encoded> = None;
-        let cfg = &self.shared.config;
-        let use_arena = cfg.send_queue_bytes >= ARENA_MIN_QUEUE_BYTES;
-        {
-            let mut guard = self.shared.lock();
-            let inner = &mut *guard;
-            inner.send_seq += 1;
-            inner.stats.messages += 1;
-            let seq = inner.send_seq;
-            let peers = &mut inner.peers;
-            let arena = &mut inner.arena;
-            inner.index.for_each_match(topic, |ids| {
-                for &id in ids {
-                    let Some(peer) = peers.get_mut(id) else {
-                        continue;
-                    };
-                    if peer.mark == seq {
-                        continue;
-                    }
-                    peer.mark = seq;
-                    let frame = encoded.get_or_insert_with(|| arena.encode(&msg, use_arena));
-                    let cost = peer.queue.cost(frame);
-                    let pending = peer.queue.held() + peer.in_flight + cost;
-                    if peer.queue.len() >= cfg.send_queue_messages || pending > cfg.send_queue_bytes
-                    {
-                        peer.dropped += 1;
-                        report.dropped += 1;
-                        peer.note_drop();
-                        continue;
-                    }
-                    peer.queue.push(frame.clone(), cost);
-                    report.queued += 1;
-                    if let Some(w) = peer.waker.take() {
-                        wake.push(w);
-                    }
-                }
-            });
-            inner.stats.queued += report.queued as u64;
-            inner.stats.dropped += report.dropped as u64;
-        }
+        let report = self
+            .shared
+            .lock()
+            .fan_out(&self.shared.config, &msg, &mut wake);
         for w in wake {
             w.wake();
         }

@@ -12,6 +12,11 @@ use super::codec::{
 use super::prefix::PrefixMap;
 use super::{Config, Error, Message, ProtocolError, TimeoutKind};
 
+mod handshake;
+mod types;
+
+pub use types::{Event, PeerInfo, SessionStats, SocketType};
+
 /// Output the session will buffer before it stops decoding input until the I/O layer
 /// has written some of it out. Bounds what a peer can make us queue by sending PINGs
 /// (or subscriptions) without reading our replies.
@@ -24,146 +29,6 @@ pub const MAX_PENDING_OUTPUT: usize = 256 << 10;
 /// Smallest command limit of a publisher's session after the handshake: room for
 /// ERROR (255-byte reason) and PING/PONG whatever `max_subscription_size` is.
 const PUB_MIN_COMMAND_SIZE: usize = 512;
-
-/// Our side of the connection.
-///
-/// ```
-/// use eventplane::zmtp::SocketType;
-/// assert_eq!(SocketType::Sub.as_str(), "SUB");
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum SocketType {
-    /// A publisher: accepts subscriptions, sends messages.
-    Pub,
-    /// A subscriber: sends subscriptions, receives messages.
-    Sub,
-}
-
-impl SocketType {
-    /// The wire spelling sent in READY's `Socket-Type`.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            SocketType::Pub => "PUB",
-            SocketType::Sub => "SUB",
-        }
-    }
-
-    fn accepts_peer(&self, peer: &[u8]) -> bool {
-        let ok: &[&[u8]] = match self {
-            SocketType::Pub => &[b"SUB", b"XSUB"],
-            SocketType::Sub => &[b"PUB", b"XPUB"],
-        };
-        ok.iter().any(|t| t.eq_ignore_ascii_case(peer))
-    }
-}
-
-/// What the peer told us during the handshake; see [`Session`] for how to obtain one.
-///
-/// ```
-/// use eventplane::zmtp::{PeerInfo, codec::Metadata};
-/// let mut metadata = Metadata::new();
-/// metadata.push("Socket-Type", "PUB");
-/// let peer = PeerInfo { major: 3, minor: 0, metadata };
-/// assert!(!peer.speaks_3_1()); // zeromq-rs: subscriptions go as messages, no PINGs
-/// assert_eq!(peer.socket_type(), Some(&b"PUB"[..]));
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PeerInfo {
-    /// ZMTP major version.
-    pub major: u8,
-    /// ZMTP minor version: 0 (3.0, e.g. zeromq-rs) or 1 (3.1, libzmq ≥ 4.3).
-    pub minor: u8,
-    /// The peer's READY metadata.
-    pub metadata: Metadata,
-}
-
-impl PeerInfo {
-    /// The peer's `Socket-Type`, if it sent one.
-    pub fn socket_type(&self) -> Option<&[u8]> {
-        self.metadata.get("Socket-Type").map(|v| &v[..])
-    }
-
-    /// `true` for ZMTP ≥ 3.1 peers: they get SUBSCRIBE/CANCEL commands and PINGs.
-    pub fn speaks_3_1(&self) -> bool {
-        self.major > 3 || self.minor >= 1
-    }
-}
-
-/// Something the application must act on, from [`Session::poll_event`] (see the
-/// example there).
-///
-/// ```
-/// use std::time::Instant;
-/// use eventplane::zmtp::{Config, Event, Message, Session, SocketType};
-/// let now = Instant::now();
-/// let mut sub = Session::new(SocketType::Sub, &Config::default(), now);
-/// let mut publ = Session::new(SocketType::Pub, &Config::default(), now);
-/// sub.subscribe(b"kv".as_slice().into());
-/// let mut seen = Vec::new();
-/// for _ in 0..4 {
-///     while let Some(b) = sub.poll_transmit() { publ.handle_bytes(now, &b); }
-///     while let Some(b) = publ.poll_transmit() { sub.handle_bytes(now, &b); }
-///     while let Some(ev) = publ.poll_event()? {
-///         if let Event::Subscribe(_) = ev { publ.send_message(&Message::from_parts(["kv", "x"])); }
-///     }
-///     while let Some(ev) = sub.poll_event()? { seen.push(ev); }
-/// }
-/// assert!(matches!(seen.first(), Some(Event::Ready(_))));
-/// assert!(seen.iter().any(|e| matches!(e, Event::Message(m) if m.len() == 2)));
-/// # Ok::<(), eventplane::zmtp::Error>(())
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Event {
-    /// The handshake completed.
-    Ready(PeerInfo),
-    /// A message that passed the local subscription filter (SUB role).
-    Message(Message),
-    /// The peer's first subscription to this prefix (PUB role; repeats are counted, not
-    /// reported).
-    Subscribe(Bytes),
-    /// The peer's last subscription to this prefix went away (PUB role).
-    Cancel(Bytes),
-}
-
-/// Counters of one session.
-///
-/// ```
-/// use std::time::Instant;
-/// use eventplane::zmtp::{Config, Session, SocketType};
-/// let session = Session::new(SocketType::Sub, &Config::default(), Instant::now());
-/// assert_eq!(session.stats().messages, 0);
-/// ```
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-#[non_exhaustive]
-pub struct SessionStats {
-    /// Messages delivered through [`Event::Message`].
-    pub messages: u64,
-    /// Bytes of those messages (frame bodies).
-    pub bytes: u64,
-    /// Messages dropped by the local subscription filter.
-    pub filtered: u64,
-    /// Unknown commands ignored after the handshake.
-    pub unknown_commands: u64,
-    /// Messages a publisher ignored (not a subscription).
-    pub ignored_messages: u64,
-    /// PINGs received (each answered).
-    pub pings_received: u64,
-    /// PINGs sent.
-    pub pings_sent: u64,
-    /// PONGs queued in answer to PINGs (a PING that arrives while the previous answer
-    /// still waits to be written replaces it: at most one PONG is ever pending).
-    pub pongs_sent: u64,
-    /// PINGs whose answer replaced a PONG that was still pending (the peer pinged
-    /// faster than it read).
-    pub pongs_coalesced: u64,
-    /// PONGs received.
-    pub pongs_received: u64,
-    /// Commands that arrived between the frames of a multipart message (libzmq's
-    /// heartbeat does this).
-    pub commands_between_frames: u64,
-}
 
 #[derive(Debug)]
 enum State {
@@ -546,91 +411,6 @@ impl Session {
                 }
             }
         }
-    }
-
-    fn on_greeting(&mut self, greeting: Greeting) {
-        self.peer = Some(PeerInfo {
-            major: greeting.major,
-            minor: greeting.minor,
-            metadata: Metadata::new(),
-        });
-        let mut md = Metadata::new();
-        md.push("Socket-Type", self.socket_type.as_str());
-        Command::Ready(md).encode(&mut self.output);
-        self.state = State::AwaitReady;
-    }
-
-    fn on_handshake_frame(&mut self, decoded: Decoded) -> Result<Event, Error> {
-        let body = match decoded {
-            Decoded::Command(body) => body,
-            Decoded::Message(_) => {
-                return Err(ProtocolError::UnexpectedDuringHandshake {
-                    what: "message".into(),
-                }
-                .into());
-            }
-        };
-        let metadata = match Command::parse(body)? {
-            Command::Ready(md) => md,
-            Command::Error { reason } => {
-                return Err(Error::PeerError {
-                    reason: String::from_utf8_lossy(&reason).into_owned(),
-                });
-            }
-            other => {
-                return Err(ProtocolError::UnexpectedDuringHandshake {
-                    what: format!("{} command", String::from_utf8_lossy(other.name())),
-                }
-                .into());
-            }
-        };
-        if let Some(peer_type) = metadata.get("Socket-Type") {
-            if !self.socket_type.accepts_peer(peer_type) {
-                return Err(ProtocolError::IncompatibleSocketType {
-                    peer: String::from_utf8_lossy(peer_type).into_owned(),
-                    ours: self.socket_type.as_str(),
-                }
-                .into());
-            }
-        }
-        let mut peer = self.peer.take().unwrap_or(PeerInfo {
-            major: 3,
-            minor: 0,
-            metadata: Metadata::new(),
-        });
-        peer.metadata = metadata;
-        self.state = State::Active;
-        self.handshake_deadline = None;
-        let mut limits = *self.decoder.limits();
-        match self.socket_type {
-            SocketType::Sub => limits.max_command_size = self.config.max_frame_size,
-            SocketType::Pub => {
-                // A subscriber has nothing to send but subscriptions (a message of
-                // `0x01 prefix`, or a command) and heartbeats: a publisher never
-                // assembles a larger frame only to ignore it.
-                let sub = self.config.max_subscription_size;
-                limits.max_frame_size = sub.saturating_add(1).min(limits.max_frame_size);
-                limits.max_message_size = sub.saturating_add(1).min(limits.max_message_size);
-                limits.max_command_size = sub
-                    .saturating_add(16)
-                    .max(PUB_MIN_COMMAND_SIZE)
-                    .min(self.config.max_frame_size.max(PUB_MIN_COMMAND_SIZE));
-            }
-        }
-        self.decoder.set_limits(limits);
-        self.decoder.set_commands_only(false);
-        if peer.speaks_3_1() {
-            self.next_ping = self
-                .config
-                .heartbeat_interval
-                .and_then(|i| self.last_input.checked_add(i));
-        }
-        self.peer = Some(peer.clone());
-        let prefixes: Vec<Bytes> = self.subscriptions.keys().cloned().collect();
-        for prefix in prefixes {
-            self.queue_subscription(&prefix, true);
-        }
-        Ok(Event::Ready(peer))
     }
 
     fn on_message(&mut self, msg: Message) -> Result<Option<Event>, Error> {

@@ -1,4 +1,4 @@
-//! `Coalescer`: merges adjacent events of one placement and kind (DESIGN §4.2).
+//! `Coalescer`: merges adjacent events of one placement and kind.
 
 use super::event::{KvEventData, Placement};
 

@@ -1,4 +1,4 @@
-//! `DedupFilter`: reference-counted suppression of removals (DESIGN §4.2).
+//! `DedupFilter`: reference-counted suppression of removals.
 
 use std::collections::HashMap;
 

@@ -1,4 +1,4 @@
-//! Router events in Dynamo's schema (DESIGN §8): the payload of a Dynamo `kv-events`
+//! Router events in Dynamo's schema: the payload of a Dynamo `kv-events`
 //! envelope is a msgpack list of
 //! `{worker_id, storage_tier, residency_domain, event: {event_id, data, dp_rank}}`,
 //! `data` being `{"stored": {parent_hash, start_position, blocks: [{block_hash,

@@ -1,5 +1,5 @@
-//! Engine ingress: the KV event batches vLLM and SGLang publish over ZMQ
-//! (DESIGN §4.4), decoded into [`PlacementEvent`]s.
+//! Engine ingress: the KV event batches vLLM and SGLang publish over ZMQ, decoded into
+//! [`PlacementEvent`]s.
 //!
 //! Frames are `[topic, seq u64be, payload]`. The payload is a msgpack batch
 //! `[ts, events, dp_rank?]` (or a map with `ts`, `events`, `dp_rank` /

@@ -1,4 +1,4 @@
-//! The KV-event model (DESIGN §4.1). JSON uses snake_case, externally tagged enums.
+//! The KV-event model. JSON uses snake_case, externally tagged enums.
 
 use serde::{Deserialize, Serialize};
 

@@ -258,7 +258,7 @@ impl EngineListener {
                         break;
                     }
                 };
-                // Engines send exactly [topic, seq, payload] (DESIGN §4.4).
+                // Engines send exactly [topic, seq, payload].
                 let framed = Layout::TopicSeq.parse(Some(&self.config.topic), &msg);
                 let (
                     Ok(Framed {

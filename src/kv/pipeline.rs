@@ -1,4 +1,4 @@
-//! The sans-IO worker pipeline: coalescer → dedup → dense id stamping (DESIGN §4.2).
+//! The sans-IO worker pipeline: coalescer → dedup → dense id stamping.
 
 use super::{
     Coalescer, DEFAULT_MAX_BATCH_BLOCKS, DedupFilter, DedupMode, KvEvent, KvEventData, Placement,

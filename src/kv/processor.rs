@@ -1,4 +1,4 @@
-//! The processor loop (DESIGN §4.3): engine lists in, router events out to a sink.
+//! The processor loop: engine lists in, router events out to a sink.
 
 use super::{IndexError, ProcessorConfigError, SinkError};
 use std::sync::Arc;

@@ -1,4 +1,4 @@
-//! The event-plane sink and the router-side decoder (DESIGN §4.5).
+//! The event-plane sink and the router-side decoder.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

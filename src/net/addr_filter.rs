@@ -120,7 +120,8 @@ impl fmt::Display for Cidr {
     }
 }
 
-/// The always-special address ranges of DESIGN §3.1.
+/// The always-special address ranges: refused by default, reopened only by an explicit
+/// CIDR that lies inside them.
 ///
 /// ```
 /// use eventplane::net::SpecialRange;

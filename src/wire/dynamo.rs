@@ -1,5 +1,5 @@
 //! Dynamo's event-plane frame: `0x01`, a `u32` big-endian length, then a msgpack
-//! envelope `{publisher_id, sequence, published_at, topic, payload: bin}` (DESIGN §8).
+//! envelope `{publisher_id, sequence, published_at, topic, payload: bin}`.
 //! Pure functions over bytes; everything a hostile frame can reach is tested here.
 
 use super::WireError;

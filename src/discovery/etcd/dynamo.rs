@@ -1,4 +1,4 @@
-//! Dynamo's discovery records (DESIGN §8), as a Dynamo 1.6.1 worker writes them.
+//! Dynamo's discovery records, as a Dynamo 1.6.1 worker writes them.
 //! Pure functions, no I/O.
 //!
 //! - `v1/event_channels/namespace/{ns}/component/{c}/endpoint/{e}/topic/{t}/{id:x}`:

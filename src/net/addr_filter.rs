@@ -120,8 +120,8 @@ impl fmt::Display for Cidr {
     }
 }
 
-/// The always-special address ranges: refused by default, reopened only by an explicit
-/// CIDR that lies inside them.
+/// The always-special address ranges (loopback, unspecified, link-local, multicast, …)
+/// that an [`AddrFilter`] judges apart from ordinary addresses.
 ///
 /// ```
 /// use eventplane::net::SpecialRange;

@@ -171,7 +171,12 @@ mod checks;
 mod harness;
 mod mirror;
 
-pub use checks::*;
+pub use checks::{
+    check_cancel_and_drop_release_watch, check_empty_initial_resync, check_exact_query_matching,
+    check_incremental_changes, check_initial_sync, check_no_gap_between_snapshot_and_watch,
+    check_overflow_collapses_into_resync, check_register_list_unregister,
+    check_reregister_incarnations, check_stale_removal_suppressed, check_ttl_expiry,
+};
 use harness::*;
 pub use mirror::Mirror;
 use mirror::view;

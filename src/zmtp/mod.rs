@@ -48,5 +48,7 @@ pub use config::{Config, ConfigBuilder, ConfigError, MAX_HEARTBEAT_TTL};
 pub use error::{Error, ProtocolError, TimeoutKind};
 pub use message::Message;
 pub use publish::{PeerStats, PubSocket, PubStats, SendReport};
-pub use session::{Event, MAX_PENDING_OUTPUT, PeerInfo, Session, SessionStats, SocketType};
+pub use session::{
+    Event, MAX_PENDING_OUTPUT, Pair, PeerInfo, Session, SessionStats, Side, SocketType,
+};
 pub use sub::{RECV_MANY_BYTES, SubBuffers, SubSocket};

@@ -13,8 +13,10 @@ use super::prefix::PrefixMap;
 use super::{Config, Error, Message, ProtocolError, TimeoutKind};
 
 mod handshake;
+mod pair;
 mod types;
 
+pub use pair::{Pair, Side};
 pub use types::{Event, PeerInfo, SessionStats, SocketType};
 
 /// Output the session will buffer before it stops decoding input until the I/O layer
@@ -54,6 +56,8 @@ enum State {
 /// parsed as it trickles in. Events are decoded lazily, one per call, so nothing the
 /// peer sends is ever queued beyond the input buffer; and decoding pauses while more
 /// than [`MAX_PENDING_OUTPUT`] bytes of replies wait to be written.
+///
+/// Driven by hand, two sessions back to back (a [`Pair`] does this, with a clock):
 ///
 /// ```
 /// use std::time::Instant;

@@ -73,20 +73,14 @@ impl PeerInfo {
 ///
 /// ```
 /// use std::time::Instant;
-/// use eventplane::zmtp::{Config, Event, Message, Session, SocketType};
-/// let now = Instant::now();
-/// let mut sub = Session::new(SocketType::Sub, &Config::default(), now);
-/// let mut publ = Session::new(SocketType::Pub, &Config::default(), now);
-/// sub.subscribe(b"kv".as_slice().into());
-/// let mut seen = Vec::new();
-/// for _ in 0..4 {
-///     while let Some(b) = sub.poll_transmit() { publ.handle_bytes(now, &b); }
-///     while let Some(b) = publ.poll_transmit() { sub.handle_bytes(now, &b); }
-///     while let Some(ev) = publ.poll_event()? {
-///         if let Event::Subscribe(_) = ev { publ.send_message(&Message::from_parts(["kv", "x"])); }
-///     }
-///     while let Some(ev) = sub.poll_event()? { seen.push(ev); }
-/// }
+/// use eventplane::zmtp::{Config, Event, Message, Pair, Side};
+/// let mut pair = Pair::new(&Config::default(), &Config::default(), Instant::now());
+/// pair.sub.subscribe(b"kv".as_slice().into());
+/// pair.drive()?;
+/// assert!(pair.take_events(Side::Pub).iter().any(|e| matches!(e, Event::Subscribe(_))));
+/// pair.publ.send_message(&Message::from_parts(["kv", "x"]));
+/// pair.drive()?;
+/// let seen = pair.take_events(Side::Sub);
 /// assert!(matches!(seen.first(), Some(Event::Ready(_))));
 /// assert!(seen.iter().any(|e| matches!(e, Event::Message(m) if m.len() == 2)));
 /// # Ok::<(), eventplane::zmtp::Error>(())

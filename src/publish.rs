@@ -273,13 +273,7 @@ impl EventPublisher {
             discovery: Some(discovery),
             namespace: namespace.into(),
             component: component.into(),
-            topic: topic.into(),
-            bind_host: "127.0.0.1".into(),
-            bind: None,
-            advertise_host: None,
-            zmtp: zmtp::Config::default(),
-            linger: Duration::from_secs(1),
-            wire: Wire::EventPlane,
+            ..EventPublisher::unregistered(topic)
         }
     }
 

@@ -166,32 +166,7 @@ async fn kv_router_follows_a_real_dynamo_worker() {
         ],
     )
     .await;
-    let mut router = Command::new(support::example("kv_router"))
-        .args([
-            "--etcd",
-            &url,
-            "--dynamo",
-            "--namespace",
-            "live1",
-            "--component",
-            "kvworker",
-        ])
-        .args(["--topic", "kv-events"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(router.stdout.take().unwrap()).lines();
-    let (err_tx, mut err_rx) = tokio::sync::mpsc::channel::<String>(64);
-    let mut err_lines = BufReader::new(router.stderr.take().unwrap()).lines();
-    tokio::spawn(async move {
-        while let Ok(Some(line)) = err_lines.next_line().await {
-            if err_tx.send(line).await.is_err() {
-                break;
-            }
-        }
-    });
+    let (router, mut out, mut err_rx) = super::suite::spawn_kv_router_dynamo(&url, "live1");
 
     // Until the router's subscription reaches the worker's PUB: clears, which come out
     // as router events; the script's first event is a store.

@@ -315,8 +315,6 @@ pub(crate) fn captured_router_events(capture: &Value) -> Vec<Value> {
 /// published for the same engine batches (ids apart), and sees the worker stop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_relay_dynamo_feeds_kv_router_dynamo_through_etcd() {
-    use tokio::io::{AsyncBufReadExt, BufReader};
-    use tokio::process::Command;
 
     let capture = capture();
     let server = EtcdServer::start().await;
@@ -373,32 +371,7 @@ async fn kv_relay_dynamo_feeds_kv_router_dynamo_through_etcd() {
         serde_json::json!({"worker_id": 77, "dp_rank": 0})
     );
 
-    let mut router = Command::new(support::example("kv_router"))
-        .args([
-            "--etcd",
-            &url,
-            "--dynamo",
-            "--namespace",
-            "e2e",
-            "--component",
-            "kvworker",
-        ])
-        .args(["--topic", "kv-events"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(router.stdout.take().unwrap()).lines();
-    let (err_tx, mut err_rx) = tokio::sync::mpsc::channel::<String>(64);
-    let mut err_lines = BufReader::new(router.stderr.take().unwrap()).lines();
-    tokio::spawn(async move {
-        while let Ok(Some(line)) = err_lines.next_line().await {
-            if err_tx.send(line).await.is_err() {
-                break;
-            }
-        }
-    });
+    let (router, mut out, mut err_rx) = spawn_kv_router_dynamo(&url, "e2e");
 
     // Until the router's subscription reaches the relay, warm-up clears; they come out
     // as router events we skip.
@@ -483,4 +456,37 @@ pub(crate) async fn terminate_reading(
         last = line;
     }
     serde_json::from_str(&last).unwrap_or_else(|e| panic!("no stats line ({e}): {last}"))
+}
+
+/// `kv_router --etcd URL --dynamo --namespace NS --component kvworker --topic
+/// kv-events`: the child, its stdout lines, and its stderr lines forwarded to a channel
+/// (read by `terminate_reading`).
+pub(crate) fn spawn_kv_router_dynamo(
+    url: &str,
+    namespace: &str,
+) -> (
+    tokio::process::Child,
+    tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    tokio::sync::mpsc::Receiver<String>,
+) {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let mut router = tokio::process::Command::new(support::example("kv_router"))
+        .args(["--etcd", url, "--dynamo", "--namespace", namespace])
+        .args(["--component", "kvworker", "--topic", "kv-events"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let out = BufReader::new(router.stdout.take().unwrap()).lines();
+    let (err_tx, err_rx) = tokio::sync::mpsc::channel::<String>(64);
+    let mut err_lines = BufReader::new(router.stderr.take().unwrap()).lines();
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = err_lines.next_line().await {
+            if err_tx.send(line).await.is_err() {
+                break;
+            }
+        }
+    });
+    (router, out, err_rx)
 }

@@ -315,7 +315,6 @@ pub(crate) fn captured_router_events(capture: &Value) -> Vec<Value> {
 /// published for the same engine batches (ids apart), and sees the worker stop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_relay_dynamo_feeds_kv_router_dynamo_through_etcd() {
-
     let capture = capture();
     let server = EtcdServer::start().await;
     let url = server.url();

@@ -113,8 +113,19 @@ pub(crate) fn parse(input: &[u8], max_elements: usize) -> Result<Value<'_>, Msgp
 /// vectors from declared lengths (serde's), it keeps what a payload can make it reserve
 /// proportional to the payload's real size.
 pub(crate) fn check_shape(input: &[u8]) -> Result<(), MsgpackError> {
-    use MsgpackError::Truncated as T;
     let mut r = Reader::new(input);
+    skip_value(&mut r)?;
+    if r.remaining() == 0 {
+        Ok(())
+    } else {
+        Err(MsgpackError::Trailing)
+    }
+}
+
+/// Steps `r` over one value, without allocating: nested at most [`MAX_DEPTH`] deep, and
+/// no container declaring more elements than bytes remain.
+pub(crate) fn skip_value(r: &mut Reader<'_>) -> Result<(), MsgpackError> {
+    use MsgpackError::Truncated as T;
     // Values still to read at each open nesting level.
     let mut pending = [0u64; MAX_DEPTH + 2];
     let mut depth = 0usize;
@@ -129,11 +140,7 @@ pub(crate) fn check_shape(input: &[u8]) -> Result<(), MsgpackError> {
                 break;
             }
             if depth == 0 {
-                return if r.remaining() == 0 {
-                    Ok(())
-                } else {
-                    Err(MsgpackError::Trailing)
-                };
+                return Ok(());
             }
             depth -= 1;
         }
@@ -150,37 +157,37 @@ pub(crate) fn check_shape(input: &[u8]) -> Result<(), MsgpackError> {
                 match marker {
                     0x00..=0x7f | 0xc0 | 0xc2 | 0xc3 | 0xe0..=0xff => {}
                     0xc1 => return Err(MsgpackError::Reserved),
-                    0xa0..=0xbf => skip(&mut r, usize::from(marker & 0x1f))?,
+                    0xa0..=0xbf => skip(r, usize::from(marker & 0x1f))?,
                     0xc4 | 0xd9 => {
                         let n = usize::from(r.u8().ok_or(T)?);
-                        skip(&mut r, n)?;
+                        skip(r, n)?;
                     }
                     0xc5 | 0xda => {
                         let n = usize::from(r.u16_be().ok_or(T)?);
-                        skip(&mut r, n)?;
+                        skip(r, n)?;
                     }
                     0xc6 | 0xdb => {
                         let n = r.u32_be().ok_or(T)? as usize;
-                        skip(&mut r, n)?;
+                        skip(r, n)?;
                     }
                     0xc7 => {
                         let n = usize::from(r.u8().ok_or(T)?);
-                        skip(&mut r, n + 1)?;
+                        skip(r, n + 1)?;
                     }
                     0xc8 => {
                         let n = usize::from(r.u16_be().ok_or(T)?);
-                        skip(&mut r, n + 1)?;
+                        skip(r, n + 1)?;
                     }
                     0xc9 => {
                         let n = r.u32_be().ok_or(T)? as usize;
-                        skip(&mut r, n.checked_add(1).ok_or(T)?)?;
+                        skip(r, n.checked_add(1).ok_or(T)?)?;
                     }
-                    0xca | 0xce | 0xd2 => skip(&mut r, 4)?,
-                    0xcb | 0xcf | 0xd3 => skip(&mut r, 8)?,
-                    0xcc | 0xd0 => skip(&mut r, 1)?,
-                    0xcd | 0xd1 => skip(&mut r, 2)?,
+                    0xca | 0xce | 0xd2 => skip(r, 4)?,
+                    0xcb | 0xcf | 0xd3 => skip(r, 8)?,
+                    0xcc | 0xd0 => skip(r, 1)?,
+                    0xcd | 0xd1 => skip(r, 2)?,
                     // fixext 1, 2, 4, 8, 16: a type byte and the data.
-                    0xd4..=0xd8 => skip(&mut r, (1usize << (marker - 0xd4)) + 1)?,
+                    0xd4..=0xd8 => skip(r, (1usize << (marker - 0xd4)) + 1)?,
                     _ => return Err(MsgpackError::Reserved),
                 }
                 0
@@ -197,6 +204,63 @@ pub(crate) fn check_shape(input: &[u8]) -> Result<(), MsgpackError> {
             *pending.get_mut(depth).ok_or(MsgpackError::TooDeep)? = elements;
         }
     }
+}
+
+/// Reads a string if one is next (`r` is left where it was otherwise).
+pub(crate) fn read_str<'a>(r: &mut Reader<'a>) -> Option<&'a [u8]> {
+    let mut probe = *r;
+    let n = match probe.u8()? {
+        m @ 0xa0..=0xbf => usize::from(m & 0x1f),
+        0xd9 => usize::from(probe.u8()?),
+        0xda => usize::from(probe.u16_be()?),
+        0xdb => probe.u32_be()? as usize,
+        _ => return None,
+    };
+    let s = probe.take(n)?;
+    *r = probe;
+    Some(s)
+}
+
+/// Reads binary data if it is next (`r` is left where it was otherwise).
+pub(crate) fn read_bin<'a>(r: &mut Reader<'a>) -> Option<&'a [u8]> {
+    let mut probe = *r;
+    let n = match probe.u8()? {
+        0xc4 => usize::from(probe.u8()?),
+        0xc5 => usize::from(probe.u16_be()?),
+        0xc6 => probe.u32_be()? as usize,
+        _ => return None,
+    };
+    let b = probe.take(n)?;
+    *r = probe;
+    Some(b)
+}
+
+/// Reads a non-negative integer if one is next (`r` is left where it was otherwise).
+pub(crate) fn read_uint(r: &mut Reader<'_>) -> Option<u64> {
+    let mut probe = *r;
+    let v = match probe.u8()? {
+        m @ 0x00..=0x7f => u64::from(m),
+        0xcc => u64::from(probe.u8()?),
+        0xcd => u64::from(probe.u16_be()?),
+        0xce => u64::from(probe.u32_be()?),
+        0xcf => probe.u64_be()?,
+        _ => return None,
+    };
+    *r = probe;
+    Some(v)
+}
+
+/// Reads a map header if one is next: its number of entries.
+pub(crate) fn read_map_len(r: &mut Reader<'_>) -> Option<usize> {
+    let mut probe = *r;
+    let n = match probe.u8()? {
+        m @ 0x80..=0x8f => usize::from(m & 0x0f),
+        0xde => usize::from(probe.u16_be()?),
+        0xdf => probe.u32_be()? as usize,
+        _ => return None,
+    };
+    *r = probe;
+    Some(n)
 }
 
 /// Takes `n` elements from the budget.
@@ -336,15 +400,7 @@ fn array<'a>(
 fn uints(r: &mut Reader<'_>, n: usize) -> Option<Vec<u64>> {
     let mut out = Vec::with_capacity(n.min(INITIAL_UINTS));
     for _ in 0..n {
-        let v = match r.u8()? {
-            m @ 0x00..=0x7f => u64::from(m),
-            0xcc => u64::from(r.u8()?),
-            0xcd => u64::from(r.u16_be()?),
-            0xce => u64::from(r.u32_be()?),
-            0xcf => r.u64_be()?,
-            _ => return None,
-        };
-        out.push(v);
+        out.push(read_uint(r)?);
     }
     Some(out)
 }

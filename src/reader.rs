@@ -1,6 +1,7 @@
 //! A bounds-checked cursor over peer bytes: every read returns `None` instead of
 //! panicking when the input is short.
 
+#[derive(Clone, Copy)]
 pub(crate) struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,

@@ -3,7 +3,8 @@
 //! Pure functions over bytes; everything a hostile frame can reach is tested here.
 
 use super::WireError;
-use crate::msgpack::{self, Value};
+use crate::msgpack;
+use crate::reader::Reader;
 
 /// The first byte of every Dynamo event frame (its format version).
 ///
@@ -14,15 +15,6 @@ pub const DYNAMO_FRAME_VERSION: u8 = 0x01;
 
 /// Bytes before the envelope: the version and the envelope's length.
 const HEADER_LEN: usize = 5;
-
-/// Most msgpack elements an envelope may hold. Dynamo's has 6 (its map and five
-/// fields); the rest leaves room for fields later releases add, while a hostile
-/// envelope cannot make the decoder build more than this many values.
-///
-/// ```
-/// assert_eq!(eventplane::wire::MAX_ENVELOPE_ELEMENTS, 256);
-/// ```
-pub const MAX_ENVELOPE_ELEMENTS: usize = 256;
 
 /// A decoded Dynamo envelope, borrowing from the frame.
 ///
@@ -95,7 +87,7 @@ pub fn encode_dynamo_frame(
 
 /// Parses one Dynamo event frame. Unknown envelope fields are ignored; a frame whose
 /// header, length or envelope is wrong gives the matching [`WireError`]. Never panics
-/// and never allocates from a length the frame declares.
+/// and never allocates.
 ///
 /// ```
 /// use eventplane::wire::{parse_dynamo_frame, WireError};
@@ -130,33 +122,47 @@ pub fn parse_dynamo_frame(frame: &[u8]) -> Result<DynamoEnvelope<'_>, WireError>
             actual: envelope.len() as u64,
         });
     }
-    let value = msgpack::parse(envelope, MAX_ENVELOPE_ELEMENTS)
-        .map_err(|_| WireError::Envelope("not one msgpack value within the limits"))?;
-    if !matches!(value, Value::Map(_)) {
-        return Err(WireError::Envelope("not a map"));
+    // Read in place, field by field: nothing is allocated per frame; unknown fields are
+    // stepped over (nested at most `msgpack::MAX_DEPTH` deep).
+    let bad = WireError::Envelope;
+    let mut r = Reader::new(envelope);
+    let entries = msgpack::read_map_len(&mut r).ok_or(bad("not a map"))?;
+    let (mut topic, mut publisher_id, mut sequence) = (None, None, None);
+    let (mut published_at, mut payload) = (None, None);
+    for _ in 0..entries {
+        let Some(key) = msgpack::read_str(&mut r) else {
+            // A key that is not a string names no field of ours.
+            msgpack::skip_value(&mut r).map_err(|_| bad("truncated or too deep"))?;
+            msgpack::skip_value(&mut r).map_err(|_| bad("truncated or too deep"))?;
+            continue;
+        };
+        let read = match key {
+            b"topic" => msgpack::read_str(&mut r)
+                .and_then(|t| std::str::from_utf8(t).ok())
+                .map(|t| topic = topic.or(Some(t))),
+            b"publisher_id" => {
+                msgpack::read_uint(&mut r).map(|v| publisher_id = publisher_id.or(Some(v)))
+            }
+            b"sequence" => msgpack::read_uint(&mut r).map(|v| sequence = sequence.or(Some(v))),
+            b"published_at" => {
+                msgpack::read_uint(&mut r).map(|v| published_at = published_at.or(Some(v)))
+            }
+            b"payload" => msgpack::read_bin(&mut r).map(|p| payload = payload.or(Some(p))),
+            _ => None,
+        };
+        if read.is_none() {
+            // An unknown field, or a known one of another type (then missing below).
+            msgpack::skip_value(&mut r).map_err(|_| bad("truncated or too deep"))?;
+        }
     }
-    let topic = value
-        .get("topic")
-        .and_then(Value::as_str)
-        .ok_or(WireError::Envelope("topic missing or not a string"))?;
+    if r.remaining() != 0 {
+        return Err(bad("bytes after the envelope"));
+    }
+    let topic = topic.ok_or(bad("topic missing or not a string"))?;
     let publisher_id =
-        value
-            .get("publisher_id")
-            .and_then(Value::as_u64)
-            .ok_or(WireError::Envelope(
-                "publisher_id missing or not an unsigned integer",
-            ))?;
-    let sequence = value
-        .get("sequence")
-        .and_then(Value::as_u64)
-        .ok_or(WireError::Envelope(
-            "sequence missing or not an unsigned integer",
-        ))?;
-    let published_at = value.get("published_at").and_then(Value::as_u64);
-    let payload = match value.get("payload") {
-        Some(Value::Bin(b)) => *b,
-        _ => return Err(WireError::Envelope("payload missing or not binary")),
-    };
+        publisher_id.ok_or(bad("publisher_id missing or not an unsigned integer"))?;
+    let sequence = sequence.ok_or(bad("sequence missing or not an unsigned integer"))?;
+    let payload = payload.ok_or(bad("payload missing or not binary"))?;
     Ok(DynamoEnvelope {
         topic,
         publisher_id,
@@ -338,5 +344,17 @@ mod tests {
                 "{env:02x?}"
             );
         }
+        // An unknown field nested deeper than the reader goes: refused, not recursed.
+        let mut deep = b"\x81\xa1x".to_vec();
+        deep.extend(std::iter::repeat_n(0x91u8, 40));
+        deep.push(0xc0);
+        assert!(matches!(envelope(&deep), WireError::Envelope(_)));
+        // A key that is not a string is stepped over with its value.
+        let odd_key =
+            b"\x85\x01\x02\xa5topic\xa1t\xacpublisher_id\x01\xa8sequence\x02\xa7payload\xc4\x00";
+        let mut f = vec![1];
+        f.extend_from_slice(&(odd_key.len() as u32).to_be_bytes());
+        f.extend_from_slice(odd_key);
+        assert_eq!(parse_dynamo_frame(&f).unwrap().topic, "t");
     }
 }

@@ -27,10 +27,7 @@ use std::str::FromStr;
 
 use bytes::Bytes;
 
-pub use dynamo::{
-    DYNAMO_FRAME_VERSION, DynamoEnvelope, MAX_ENVELOPE_ELEMENTS, encode_dynamo_frame,
-    parse_dynamo_frame,
-};
+pub use dynamo::{DYNAMO_FRAME_VERSION, DynamoEnvelope, encode_dynamo_frame, parse_dynamo_frame};
 pub use seq::MAX_SEQUENCE_GAP;
 pub(crate) use seq::{SeqStep, SeqTracker};
 

@@ -344,7 +344,7 @@ async fn connect_and_read(
         for message in batch.drain(..) {
             let size = message.byte_len();
             bytes += size as u64;
-            match config.layout.parse(config.topic.as_deref(), &message) {
+            match config.layout.locate(config.topic.as_deref(), &message) {
                 Ok(framed) => {
                     if let Some(s) = framed.sequence {
                         match seq.observe_from(framed.publisher_id, s) {

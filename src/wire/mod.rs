@@ -92,6 +92,18 @@ impl Layout {
     /// # Ok::<(), WireError>(())
     /// ```
     pub fn parse(&self, topic: Option<&[u8]>, message: &Message) -> Result<Framed, WireError> {
+        let mut framed = self.locate(topic, message)?;
+        framed.payload = framed.payload_at.and_then(|at| at.get(message));
+        Ok(framed)
+    }
+
+    /// [`parse`](Self::parse) without making the payload's `Bytes` handle: only where it
+    /// lies (`payload_at`), for readers that keep the message and slice it later.
+    pub(crate) fn locate(
+        &self,
+        topic: Option<&[u8]>,
+        message: &Message,
+    ) -> Result<Framed, WireError> {
         if let Some(topic) = topic {
             if message.get(0).map(|t| &t[..]) != Some(topic) {
                 return Err(WireError::WrongTopic);
@@ -325,7 +337,8 @@ impl PayloadAt {
 }
 
 impl Framed {
-    /// Frame `frame` of `message`, or `range` (start, length) of it, as the payload.
+    /// Frame `frame` of `message`, or `range` (start, length) of it, as where the payload
+    /// lies (the handle itself is made by [`Layout::parse`]).
     fn with_payload(
         publisher_id: Option<u64>,
         sequence: u64,
@@ -346,7 +359,7 @@ impl Framed {
         Framed {
             publisher_id,
             sequence: Some(sequence),
-            payload: payload_at.and_then(|at| at.get(message)),
+            payload: None,
             payload_at,
         }
     }

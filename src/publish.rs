@@ -188,6 +188,7 @@ impl EventPublisherBuilder {
             registration,
             topic: Bytes::from(self.topic),
             id: publisher_id,
+            id_frame: Bytes::copy_from_slice(&publisher_id.to_be_bytes()),
             sequence: AtomicU64::new(0),
             linger: self.linger,
             wire: self.wire,
@@ -256,6 +257,8 @@ pub struct EventPublisher {
     registration: Option<Registration>,
     topic: Bytes,
     id: u64,
+    /// `id` as sent: 8 bytes big-endian, made once.
+    id_frame: Bytes,
     sequence: AtomicU64,
     linger: Duration,
     wire: Wire,
@@ -360,8 +363,13 @@ impl EventPublisher {
     /// ```
     pub fn publish(&self, payload: impl Into<Bytes>) -> SendReport {
         let seq = self.sequence.fetch_add(1, Ordering::Relaxed);
-        self.socket
-            .send(self.wire.encode(&self.topic, self.id, seq, payload.into()))
+        self.socket.send(self.wire.encode_with_id(
+            &self.topic,
+            self.id,
+            &self.id_frame,
+            seq,
+            payload.into(),
+        ))
     }
 
     /// What this publisher writes.

@@ -252,6 +252,20 @@ impl Wire {
         payload: Bytes,
     ) -> Message {
         let id = Bytes::copy_from_slice(&publisher_id.to_be_bytes());
+        self.encode_with_id(topic, publisher_id, &id, sequence, payload)
+    }
+
+    /// [`encode`](Self::encode) with the publisher-id frame made once by the caller
+    /// (a publisher sends the same one with every message).
+    pub(crate) fn encode_with_id(
+        &self,
+        topic: &Bytes,
+        publisher_id: u64,
+        id: &Bytes,
+        sequence: u64,
+        payload: Bytes,
+    ) -> Message {
+        let id = id.clone();
         let seq = Bytes::copy_from_slice(&sequence.to_be_bytes());
         match self {
             Wire::EventPlane => Message::from_parts([topic.clone(), id, seq, payload]),

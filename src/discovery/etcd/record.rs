@@ -202,12 +202,14 @@ impl Keys {
         value: &[u8],
         mod_revision: i64,
         max_value: usize,
-    ) -> Result<Instance, RecordError> {
+    ) -> Result<Option<Instance>, RecordError> {
         let (id, endpoint) = match &self.dynamo {
-            Some(d) => {
-                let (id, endpoint) = d.id_of(key)?;
-                (id, Some(endpoint))
-            }
+            Some(d) => match d.id_of(key) {
+                Ok((id, endpoint)) => (id, Some(endpoint)),
+                // Another endpoint or scope of Dynamo's: not ours to follow, not malformed.
+                Err(RecordError::Unfollowed) => return Ok(None),
+                Err(e) => return Err(e),
+            },
             None => (self.id_of(key)?, None),
         };
         if value.len() > max_value {
@@ -222,7 +224,7 @@ impl Keys {
             .ok_or(RecordError::BadRevision(mod_revision))?;
         if let (Some(d), Some(endpoint)) = (&self.dynamo, endpoint) {
             let transport = d.parse_value(&id, &endpoint, value)?;
-            return Ok(Instance::new(id, transport, incarnation));
+            return Ok(Some(Instance::new(id, transport, incarnation)));
         }
         let record: Record<'_> =
             serde_json::from_slice(value).map_err(|e| RecordError::BadValue(e.to_string()))?;
@@ -244,11 +246,11 @@ impl Keys {
         if record.transport.endpoint.is_empty() {
             return Err(RecordError::BadValue("empty endpoint".to_owned()));
         }
-        Ok(Instance::new(
+        Ok(Some(Instance::new(
             id,
             Transport::zmq(record.transport.endpoint.into_owned()),
             incarnation,
-        ))
+        )))
     }
 }
 
@@ -318,7 +320,7 @@ mod tests {
             .unwrap();
         assert_eq!(
             back,
-            Instance::new(id, Transport::zmq("tcp://10.0.0.5:41234"), 7)
+            Some(Instance::new(id, Transport::zmq("tcp://10.0.0.5:41234"), 7))
         );
     }
 
@@ -328,6 +330,7 @@ mod tests {
             "transport":{"endpoint":"tcp://h:1","kind":"zmq","tls":false},"labels":{"zone":"a"}}"#;
         let i = keys()
             .parse(b"/eventplane/v1/channels/ns/c/t/1", value, 3, MAX)
+            .unwrap()
             .unwrap();
         assert_eq!(i.transport.endpoint(), "tcp://h:1");
     }

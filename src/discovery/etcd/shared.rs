@@ -86,12 +86,8 @@ impl Shared {
         self.client.clone()
     }
 
-    /// Counts and logs (rate-limited) a skipped record; a record of another Dynamo
-    /// endpoint is not followed, not malformed.
+    /// Counts and logs (rate-limited) a skipped record.
     pub(crate) fn skipped(&self, key: &[u8], err: &RecordError) {
-        if *err == RecordError::Unfollowed {
-            return;
-        }
         self.counters.malformed.fetch_add(1, Ordering::Relaxed);
         if let Some(suppressed) = self.warn.check("malformed", std::time::Instant::now()) {
             warn!(
@@ -167,7 +163,7 @@ impl Shared {
                         kv.mod_revision(),
                         self.config.max_value_bytes,
                     ) {
-                        Ok(instance) if query.matches(&instance.id) => out.push(instance),
+                        Ok(Some(instance)) if query.matches(&instance.id) => out.push(instance),
                         Ok(_) => {}
                         Err(e) => self.skipped(kv.key(), &e),
                     }

@@ -312,7 +312,7 @@ impl Follower {
             let Some(kv) = event.kv() else { continue };
             let change = match event.0.r#type {
                 PUT => match keys.parse(kv.key(), kv.value(), kv.mod_revision(), max_value) {
-                    Ok(instance) if self.query.matches(&instance.id) => {
+                    Ok(Some(instance)) if self.query.matches(&instance.id) => {
                         match st.current.get_mut(&instance.id) {
                             // Same endpoint again (a detach, or a foreign refresh):
                             // not a change. Track the newer revision silently.

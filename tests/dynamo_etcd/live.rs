@@ -327,30 +327,9 @@ async fn dynamos_router_indexes_kv_relay_as_it_indexes_a_dynamo_worker() {
     router.finish().await;
 
     // Ours: kv_relay --wire dynamo, registered in the same etcd under another namespace.
-    let mut engine = support::Engine::bind("kv").await;
+    let (mut engine, relay, _) = super::suite::spawn_kv_relay_dynamo(&url, "live2b").await;
     let b = args("live2b");
     let b: Vec<&str> = b.iter().map(String::as_str).collect();
-    let engine_ep = engine.endpoint();
-    let relay_args = [
-        &[
-            "--connect",
-            &engine_ep,
-            "--topic",
-            "kv",
-            "--block-size",
-            "4",
-            "--worker-id",
-            "77",
-            "--bind",
-            "tcp://127.0.0.1:0",
-            "--wire",
-            "dynamo",
-        ][..],
-        &b,
-    ]
-    .concat();
-    let (relay, _) = support::spawn_example("kv_relay", &relay_args, true).await;
-    within(engine.socket.wait_for_subscribers(1)).await;
     let mut router = Py::spawn("dynamo_router.py", &b).await;
     let ours = states_seen_by_dynamos_router(
         &mut router,

@@ -318,35 +318,7 @@ async fn kv_relay_dynamo_feeds_kv_router_dynamo_through_etcd() {
     let capture = capture();
     let server = EtcdServer::start().await;
     let url = server.url();
-    let mut engine = support::Engine::bind("kv").await;
-    let engine_ep = engine.endpoint();
-    let (relay, relay_ep) = support::spawn_example(
-        "kv_relay",
-        &[
-            "--connect",
-            &engine_ep,
-            "--topic",
-            "kv",
-            "--block-size",
-            "4",
-            "--worker-id",
-            "77",
-            "--bind",
-            "tcp://127.0.0.1:0",
-            "--wire",
-            "dynamo",
-            "--etcd",
-            &url,
-            "--namespace",
-            "e2e",
-            "--component",
-            "kvworker",
-        ],
-        true,
-    )
-    .await;
-    let relay_ep = relay_ep.unwrap();
-    within(engine.socket.wait_for_subscribers(1)).await;
+    let (mut engine, relay, relay_ep) = spawn_kv_relay_dynamo(&url, "e2e").await;
 
     // Dynamo's two records, under the relay's lease, naming worker 77 and its endpoint.
     let channels = get_prefix(&server, "v1/event_channels/");
@@ -488,4 +460,42 @@ pub(crate) fn spawn_kv_router_dynamo(
         }
     });
     (router, out, err_rx)
+}
+
+/// A test engine and `kv_relay --wire dynamo` (worker 77, block size 4) relaying it,
+/// registered in etcd under `namespace/kvworker`, subscribed to the engine; returns
+/// the engine, the relay and the endpoint it publishes on.
+pub(crate) async fn spawn_kv_relay_dynamo(
+    url: &str,
+    namespace: &str,
+) -> (support::Engine, tokio::process::Child, String) {
+    let engine = support::Engine::bind("kv").await;
+    let engine_ep = engine.endpoint();
+    let (relay, relay_ep) = support::spawn_example(
+        "kv_relay",
+        &[
+            "--connect",
+            &engine_ep,
+            "--topic",
+            "kv",
+            "--block-size",
+            "4",
+            "--worker-id",
+            "77",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--wire",
+            "dynamo",
+            "--etcd",
+            url,
+            "--namespace",
+            namespace,
+            "--component",
+            "kvworker",
+        ],
+        true,
+    )
+    .await;
+    within(engine.socket.wait_for_subscribers(1)).await;
+    (engine, relay, relay_ep.unwrap())
 }

@@ -156,7 +156,8 @@ impl Rig {
         )
         .topic("kv-events")
         .layout(Layout::Dynamo)
-        .spawn();
+        .spawn()
+        .unwrap();
         let mut rig = Rig {
             engine,
             seq: 0,
@@ -306,9 +307,11 @@ fn run_relay(spec: &str) {
         let listener = EngineListener::new(
             EngineListenerConfig::new(&engine, "kv", WorkerId(77), 4),
             tx,
-        );
-        let processor =
-            Processor::new(ProcessorConfig::default(), rx, sink).with_cancellation(cancel.clone());
+        )
+        .unwrap();
+        let processor = Processor::new(ProcessorConfig::default(), rx, sink)
+            .unwrap()
+            .with_cancellation(cancel.clone());
         let listener = tokio::spawn(listener.run(cancel.clone()));
         let processor = tokio::spawn(processor.run());
         {

@@ -290,7 +290,7 @@ fn decode(c: &mut Criterion) {
         ("maps", map_batch),
     ] {
         let batches: Vec<Vec<u8>> = (1..=16).map(make).collect();
-        let mut decoder = EngineDecoder::new(WorkerId(1), BLOCK_TOKENS);
+        let mut decoder = EngineDecoder::new(WorkerId(1), BLOCK_TOKENS).unwrap();
         assert_eq!(
             decoder.decode_batch(&batches[0]).unwrap().len(),
             BATCH_EVENTS
@@ -310,6 +310,7 @@ fn decode(c: &mut Criterion) {
             let mut removed = 0;
             for batch in &batches {
                 for ev in EngineDecoder::new(WorkerId(1), BLOCK_TOKENS)
+                    .unwrap()
                     .decode_batch(batch)
                     .unwrap()
                 {

@@ -235,6 +235,7 @@ fn bench(c: &mut Criterion) {
                 .lane_bytes(1 << 20)
                 .max_buffered_bytes(publishers << 20)
                 .spawn()
+                .unwrap()
         };
         rt.block_on(async {
             for s in &fleet.sockets {
@@ -301,6 +302,7 @@ fn rss_under_flood(rt: &tokio::runtime::Runtime) {
             .layout(Layout::TopicSeq)
             .max_buffered_bytes(BUDGET)
             .spawn()
+            .unwrap()
     };
     rt.block_on(async {
         for s in &fleet.sockets {

@@ -201,17 +201,17 @@ async fn start_engine(
     let listener = EngineListener::new(
         EngineListenerConfig::new(endpoint, ENGINE_TOPIC, WorkerId(id), BLOCK_SIZE),
         tx,
-    );
+    )?;
     let listener_handle = listener.handle();
     let processor = Processor::new(
-        ProcessorConfig::default().batch_timeout(Some(Duration::from_millis(10)))?,
+        ProcessorConfig::default().batch_timeout(Some(Duration::from_millis(10))),
         rx,
         Arc::new(LedgerSink {
             inner: EventPlaneSink::new(publisher.clone()),
             publisher: publisher.clone(),
             ledger,
         }),
-    );
+    )?;
     // The processor stops when its input closes (once the listener stopped), after
     // draining everything queued.
     let listener_task = tokio::spawn(listener.run(listener_stop.clone()));
@@ -412,7 +412,7 @@ async fn main() -> anyhow::Result<()> {
         DynamicSubscriber::builder(discovery.clone(), Query::new(NAMESPACE).component("worker"))
             .topic("kv-events")
             .layout(Layout::TopicPublisherSeq)
-            .spawn();
+            .spawn()?;
     let router_stats = router.handle();
     let index = Arc::new(std::sync::Mutex::new(Index::default()));
     let router_events = Arc::new(AtomicU64::new(0));

@@ -181,10 +181,17 @@ async fn main() -> ExitCode {
     if let Some(c) = &args.component {
         query = query.component(c.clone());
     }
-    let mut sub = DynamicSubscriber::builder(discovery, query)
+    let spawned = DynamicSubscriber::builder(discovery, query)
         .topic(args.topic.clone())
         .layout(wire.layout())
         .spawn();
+    let mut sub = match spawned {
+        Ok(sub) => sub,
+        Err(e) => {
+            eprintln!("invalid subscriber settings: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let handle = sub.handle();
     let mut router = Router::default();
     let mut batch = Vec::with_capacity(256);

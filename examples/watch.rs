@@ -108,7 +108,13 @@ async fn main() -> ExitCode {
     if let Some(bytes) = args.max_buffered_bytes {
         builder = builder.max_buffered_bytes(bytes);
     }
-    let mut sub = builder.spawn();
+    let mut sub = match builder.spawn() {
+        Ok(sub) => sub,
+        Err(e) => {
+            eprintln!("invalid subscriber settings: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let handle = sub.handle();
 
     let timeout = optional_timeout(args.timeout_ms);

@@ -85,6 +85,7 @@
 //! Pre-1.0: minor versions may break the API. Public enums are `#[non_exhaustive]`.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod config;
 mod counter;
 pub mod discovery;
 pub mod kv;
@@ -97,6 +98,8 @@ mod slots;
 pub mod subscriber;
 pub mod wire;
 pub mod zmtp;
+
+pub use config::ConfigError;
 
 /// A boxed, `Send` future: what the crate's dyn-compatible traits
 /// ([`Discovery`](discovery::Discovery), [`EventSink`](kv::EventSink)) return.

@@ -23,7 +23,8 @@ fn ep(n: u64) -> Transport {
 async fn detached_registration_expires_exactly_at_ttl() {
     let d = MemoryDiscovery::builder()
         .ttl(Duration::from_secs(10))
-        .build();
+        .build()
+        .unwrap();
     let live = d.register(id(1), ep(1)).await.unwrap();
     let crashed = d.register(id(2), ep(2)).await.unwrap();
     let mut w = d
@@ -56,7 +57,8 @@ async fn detached_registration_expires_exactly_at_ttl() {
 async fn reregistration_survives_the_old_leases_expiry() {
     let d = MemoryDiscovery::builder()
         .ttl(Duration::from_secs(5))
-        .build();
+        .build()
+        .unwrap();
     let old = d.register(id(1), ep(1)).await.unwrap();
     old.detach();
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -69,7 +71,10 @@ async fn reregistration_survives_the_old_leases_expiry() {
 
 #[tokio::test]
 async fn silent_watcher_under_heavy_churn_stays_bounded_then_resyncs() {
-    let d = MemoryDiscovery::builder().watch_buffer(1024).build();
+    let d = MemoryDiscovery::builder()
+        .watch_buffer(1024)
+        .build()
+        .unwrap();
     let mut keep = Vec::new();
     for n in 0..10 {
         keep.push(d.register(id(1_000_000 + n), ep(n)).await.unwrap());
@@ -124,7 +129,7 @@ async fn silent_watcher_under_heavy_churn_stays_bounded_then_resyncs() {
 
 #[tokio::test]
 async fn one_slow_watcher_does_not_hold_back_another() {
-    let d = MemoryDiscovery::builder().watch_buffer(16).build();
+    let d = MemoryDiscovery::builder().watch_buffer(16).build().unwrap();
     let _slow = d
         .watch(Query::new("ns"), CancellationToken::new())
         .await

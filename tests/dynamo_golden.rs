@@ -213,7 +213,7 @@ fn engine_batches(capture: &Value) -> Vec<Vec<u8>> {
 fn our_worker_pipeline_emits_what_dynamo_emitted() {
     let capture = capture();
     // Worker 77, block size 4: what the captured Dynamo worker ran with.
-    let mut decoder = EngineDecoder::new(WorkerId(77), 4);
+    let mut decoder = EngineDecoder::new(WorkerId(77), 4).unwrap();
     let mut pipeline = Pipeline::default();
     let mut ours = Vec::new();
     for batch in engine_batches(&capture) {

@@ -47,7 +47,8 @@ async fn hostile_dynamo_frames_are_counted_by_reason_and_the_stream_goes_on() {
     let mut sub = DynamicSubscriber::builder(Arc::new(discovery), Query::new("ns"))
         .topic("kv-events")
         .layout(Layout::Dynamo)
-        .spawn();
+        .spawn()
+        .unwrap();
     within(publisher.wait_for_subscribers(1)).await;
     // Warm up: until one good message is through, nothing else is sent.
     let mut seq = 1;
@@ -138,7 +139,8 @@ async fn event_publisher_and_dynamic_subscriber_speak_dynamo() {
     let mut sub = DynamicSubscriber::builder(discovery.clone(), Query::new("ns"))
         .topic("kv-events")
         .layout(Layout::Dynamo)
-        .spawn();
+        .spawn()
+        .unwrap();
     let publisher = EventPublisher::builder(discovery, "ns", "worker", "kv-events")
         .wire(Wire::Dynamo)
         .build()

@@ -649,7 +649,8 @@ async fn a_removed_publisher_that_keeps_sending_is_cut_after_the_grace() {
     let mut sub = DynamicSubscriber::builder(d.clone(), Query::new("ns"))
         .topic("t")
         .layout(Layout::Raw)
-        .spawn();
+        .spawn()
+        .unwrap();
     within(publisher.wait_for_subscribers(1)).await;
     let sender = {
         let publisher = publisher.clone();
@@ -694,7 +695,8 @@ async fn publishers_beyond_the_cap_are_refused_and_counted() {
     let sub = DynamicSubscriber::builder(d.clone(), Query::new("ns"))
         .topic("t")
         .max_publishers(2)
-        .spawn();
+        .spawn()
+        .unwrap();
     eventually("two followed, one refused", || {
         let stats = sub.stats();
         stats.publishers.len() == 2 && stats.refused_publishers >= 1

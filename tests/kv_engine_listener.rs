@@ -55,12 +55,16 @@ async fn libzmq_engine_to_router_events() {
             4,
         ),
         tx,
-    );
+    )
+    .unwrap();
     let stats = listener.handle();
     let cancel = CancellationToken::new();
     let listening = tokio::spawn(listener.run(cancel.clone()));
-    let processing =
-        tokio::spawn(Processor::new(ProcessorConfig::default(), rx, sink.clone()).run());
+    let processing = tokio::spawn(
+        Processor::new(ProcessorConfig::default(), rx, sink.clone())
+            .unwrap()
+            .run(),
+    );
     assert_eq!(engine.line().await, "done");
 
     // What the same bytes must become.
@@ -101,7 +105,8 @@ async fn cancel_with_a_full_input_counts_what_it_discards() {
     let listener = EngineListener::new(
         EngineListenerConfig::new(engine.local_endpoint().unwrap(), "kv", WorkerId(1), 2),
         tx,
-    );
+    )
+    .unwrap();
     let stats = listener.handle();
     let cancel = CancellationToken::new();
     let listening = tokio::spawn(listener.run(cancel.clone()));

@@ -24,7 +24,7 @@ fn block(hash: u64, tokens: std::ops::Range<u32>) -> StoredBlock {
 
 #[test]
 fn vllm_v023_tagged_arrays() {
-    let mut d = EngineDecoder::new(WorkerId(7), 4);
+    let mut d = EngineDecoder::new(WorkerId(7), 4).unwrap();
     let events = d.decode_batch(&fixture("vllm_v023.msgpack")).unwrap();
     let got: Vec<(StorageTier, u32, KvEventData)> = events
         .iter()
@@ -94,7 +94,7 @@ fn vllm_v023_tagged_arrays() {
 
 #[test]
 fn vllm_v024_tagged_maps() {
-    let mut d = EngineDecoder::new(WorkerId(1), 4);
+    let mut d = EngineDecoder::new(WorkerId(1), 4).unwrap();
     let events = d.decode_batch(&fixture("vllm_v024.msgpack")).unwrap();
     assert_eq!(events.len(), 3);
     assert!(
@@ -127,7 +127,7 @@ fn vllm_v024_tagged_maps() {
 
 #[test]
 fn sglang_map_batch() {
-    let mut d = EngineDecoder::new(WorkerId(2), 4);
+    let mut d = EngineDecoder::new(WorkerId(2), 4).unwrap();
     let events = d.decode_batch(&fixture("sglang.msgpack")).unwrap();
     assert_eq!(events.len(), 2);
     assert_eq!(events[0].placement.dp_rank, 2);
@@ -144,7 +144,7 @@ fn sglang_map_batch() {
 
 #[test]
 fn malformed_batches_fail_whole_and_are_counted() {
-    let mut d = EngineDecoder::new(WorkerId(1), 4);
+    let mut d = EngineDecoder::new(WorkerId(1), 4).unwrap();
     for bad in [
         &b""[..],
         b"\xc1",

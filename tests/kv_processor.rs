@@ -88,7 +88,7 @@ fn start(
     sink: Arc<Collect>,
 ) -> (mpsc::Sender<Vec<PlacementEvent>>, Processor) {
     let (tx, rx) = mpsc::channel(16);
-    (tx, Processor::new(config, rx, sink))
+    (tx, Processor::new(config, rx, sink).unwrap())
 }
 
 #[tokio::test(start_paused = true)]
@@ -154,9 +154,7 @@ async fn every_input_event_is_accounted_for() {
 #[tokio::test(start_paused = true)]
 async fn with_a_timeout_the_first_event_after_idle_goes_alone_then_batches() {
     let sink = Arc::new(Collect::default());
-    let config = ProcessorConfig::default()
-        .batch_timeout(Some(Duration::from_millis(100)))
-        .unwrap();
+    let config = ProcessorConfig::default().batch_timeout(Some(Duration::from_millis(100)));
     let (tx, p) = start(config, sink.clone());
     let task = tokio::spawn(p.run());
     // Idle for a while: the first list goes out at once.
@@ -179,9 +177,7 @@ async fn with_a_timeout_the_first_event_after_idle_goes_alone_then_batches() {
 #[tokio::test(start_paused = true)]
 async fn a_list_is_never_split_by_the_timer() {
     let sink = Arc::new(Collect::default());
-    let config = ProcessorConfig::default()
-        .batch_timeout(Some(Duration::from_millis(10)))
-        .unwrap();
+    let config = ProcessorConfig::default().batch_timeout(Some(Duration::from_millis(10)));
     let (tx, p) = start(config, sink.clone());
     // Queue the whole list before the processor runs; its timer is long past.
     tx.send((1..=50).map(|i| removed(i, i)).collect())
@@ -197,9 +193,7 @@ async fn a_list_is_never_split_by_the_timer() {
 #[tokio::test(start_paused = true)]
 async fn cancellation_drains_what_is_queued_then_stops() {
     let sink = Arc::new(Collect::default());
-    let config = ProcessorConfig::default()
-        .batch_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
+    let config = ProcessorConfig::default().batch_timeout(Some(Duration::from_secs(10)));
     let (tx, p) = start(config, sink.clone());
     let token = CancellationToken::new();
     let p = p.with_cancellation(token.clone());
@@ -254,7 +248,6 @@ async fn a_stuck_sink_does_not_block_shutdown_forever() {
     });
     let config = ProcessorConfig::default()
         .batch_timeout(Some(Duration::from_secs(10)))
-        .unwrap()
         .publish_timeout(Duration::from_secs(2));
     let (tx, p) = start(config, sink.clone());
     tx.send(vec![removed(1, 1)]).await.unwrap();

@@ -123,12 +123,13 @@ async fn worker_to_router_over_the_event_plane() {
     let mut router = DynamicSubscriber::builder(discovery.clone(), Query::new("ns"))
         .topic("kv-events")
         .layout(Layout::TopicPublisherSeq)
-        .spawn();
+        .spawn()
+        .unwrap();
     within(publisher.wait_for_subscribers(1)).await;
 
     let sink = Arc::new(EventPlaneSink::new(publisher.clone()));
     let (tx, rx) = tokio::sync::mpsc::channel(8);
-    let processor = Processor::new(ProcessorConfig::default(), rx, sink.clone());
+    let processor = Processor::new(ProcessorConfig::default(), rx, sink.clone()).unwrap();
     let at = Placement {
         worker_id: WorkerId(5),
         dp_rank: 0,

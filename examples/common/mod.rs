@@ -104,12 +104,24 @@ pub struct Pipeline {
 impl EngineArgs {
     /// Checks the engine-side arguments (before anything is started or registered).
     pub fn processor_config(&self) -> Result<eventplane::kv::ProcessorConfig, String> {
-        if self.block_size == 0 {
-            return Err("--block-size must be positive".to_owned());
-        }
-        eventplane::kv::ProcessorConfig::default()
-            .batch_timeout(self.batch_timeout_ms.map(std::time::Duration::from_millis))
-            .map_err(|e| format!("invalid --batch-timeout-ms: {}", chain(&e)))
+        self.listener_config()
+            .validate()
+            .map_err(|e| format!("invalid --{}: {e}", flag(e.field())))?;
+        let config = eventplane::kv::ProcessorConfig::default()
+            .batch_timeout(self.batch_timeout_ms.map(std::time::Duration::from_millis));
+        config
+            .validate()
+            .map_err(|e| format!("invalid --{}-ms: {e}", flag(e.field())))?;
+        Ok(config)
+    }
+
+    fn listener_config(&self) -> eventplane::kv::EngineListenerConfig {
+        eventplane::kv::EngineListenerConfig::new(
+            &self.connect,
+            self.topic.clone(),
+            eventplane::kv::WorkerId(self.worker_id),
+            self.block_size,
+        )
     }
 
     /// Validates the processor settings and starts the pipeline into `sink`; it stops
@@ -119,19 +131,14 @@ impl EngineArgs {
         sink: std::sync::Arc<dyn eventplane::kv::EventSink>,
         cancel: &tokio_util::sync::CancellationToken,
     ) -> Result<Pipeline, String> {
-        use eventplane::kv::{EngineListener, EngineListenerConfig, Processor};
+        use eventplane::kv::{EngineListener, Processor};
         let config = self.processor_config()?;
         let (tx, rx) = tokio::sync::mpsc::channel(256);
-        let listener = EngineListener::new(
-            EngineListenerConfig::new(
-                &self.connect,
-                self.topic.clone(),
-                eventplane::kv::WorkerId(self.worker_id),
-                self.block_size,
-            ),
-            tx,
-        );
-        let processor = Processor::new(config, rx, sink).with_cancellation(cancel.clone());
+        let listener =
+            EngineListener::new(self.listener_config(), tx).map_err(|e| e.to_string())?;
+        let processor = Processor::new(config, rx, sink)
+            .map_err(|e| e.to_string())?
+            .with_cancellation(cancel.clone());
         Ok(Pipeline {
             listener: tokio::spawn(listener.run(cancel.clone())),
             processor: tokio::spawn(processor.run()),
@@ -189,4 +196,9 @@ pub fn static_discovery(
     )
     .map(|d| std::sync::Arc::new(d) as std::sync::Arc<dyn eventplane::discovery::Discovery>)
     .map_err(|e| chain(&e))
+}
+
+/// The command-line flag of a config field (`block_size` → `block-size`).
+fn flag(field: &str) -> String {
+    field.replace('_', "-")
 }

@@ -208,7 +208,7 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let block_size = usize::from(control >> 1 & 15) + 1;
-    let mut decoder = EngineDecoder::new(WorkerId(1), block_size);
+    let mut decoder = EngineDecoder::new(WorkerId(1), block_size).unwrap();
     if control & 1 == 0 {
         if let Ok(events) = decoder.decode_batch(rest) {
             pipeline_balances(events);

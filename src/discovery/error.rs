@@ -1,5 +1,7 @@
 //! Errors of the discovery layer.
 
+use crate::ConfigError;
+
 /// Everything a [`Discovery`](super::Discovery) backend can fail with.
 ///
 /// ```
@@ -23,12 +25,10 @@ pub enum DiscoveryError {
         /// The operation.
         operation: &'static str,
     },
-    /// A backend was configured with an invalid value (checked once, when it is built).
-    #[error("invalid discovery configuration: {reason}")]
-    InvalidConfig {
-        /// What is wrong.
-        reason: String,
-    },
+    /// A backend was configured with an invalid value (checked once, when it is
+    /// built), or the backend's client refused its arguments.
+    #[error("invalid discovery configuration")]
+    InvalidConfig(#[from] ConfigError),
     /// The backend is unreachable or failed; retry with backoff.
     #[error("discovery backend unavailable")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),

@@ -15,6 +15,7 @@ use super::{
     BoxFuture, ChannelId, Discovery, DiscoveryError, DiscoveryEvent, DiscoveryStats,
     DiscoveryStream, Instance, Query, Registration, RegistrationHandle, StaleFilter, Transport,
 };
+use crate::config::{self, ConfigError};
 
 /// The embedded discovery backend: one registry shared by every clone.
 ///
@@ -49,8 +50,9 @@ pub struct MemoryDiscovery {
 /// ```
 /// use std::time::Duration;
 /// use eventplane::discovery::MemoryDiscovery;
-/// let discovery = MemoryDiscovery::builder().ttl(Duration::from_secs(3)).watch_buffer(256).build();
+/// let discovery = MemoryDiscovery::builder().ttl(Duration::from_secs(3)).watch_buffer(256).build()?;
 /// # let _ = discovery;
+/// # Ok::<(), eventplane::ConfigError>(())
 /// ```
 #[derive(Debug, Clone)]
 #[must_use]
@@ -60,22 +62,36 @@ pub struct MemoryDiscoveryBuilder {
 }
 
 impl MemoryDiscoveryBuilder {
-    /// How long a detached registration survives. Default 10 s; zero is raised to 1 ms.
+    /// How long a detached registration survives. Default 10 s; must not be zero.
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl.max(Duration::from_millis(1));
+        self.ttl = ttl;
         self
     }
 
     /// Events buffered per watcher before its backlog collapses into a `Resync`.
-    /// Default 1024; zero is raised to 1. Costs up to this many events per slow
+    /// Default 1024; must not be zero. Costs up to this many events per slow
     /// watcher.
     pub fn watch_buffer(mut self, events: usize) -> Self {
-        self.watch_buffer = events.max(1);
+        self.watch_buffer = events;
         self
     }
 
-    /// The backend.
-    pub fn build(self) -> MemoryDiscovery {
+    /// The backend, or the [`ConfigError`] naming a zero setting.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use eventplane::ConfigError;
+    /// use eventplane::discovery::MemoryDiscovery;
+    /// let err = MemoryDiscovery::builder().ttl(Duration::ZERO).build().unwrap_err();
+    /// assert_eq!(err, ConfigError::Zero { field: "ttl" });
+    /// ```
+    pub fn build(self) -> Result<MemoryDiscovery, ConfigError> {
+        config::nonzero_duration("ttl", self.ttl)?;
+        config::nonzero("watch_buffer", self.watch_buffer)?;
+        Ok(self.build_checked())
+    }
+
+    fn build_checked(self) -> MemoryDiscovery {
         MemoryDiscovery {
             registry: Arc::new(Registry {
                 state: RwLock::new(State::default()),
@@ -270,7 +286,7 @@ impl State {
 
 impl Default for MemoryDiscovery {
     fn default() -> Self {
-        MemoryDiscovery::builder().build()
+        MemoryDiscovery::builder().build_checked()
     }
 }
 

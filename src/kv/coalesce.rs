@@ -1,6 +1,7 @@
 //! `Coalescer`: merges adjacent events of one placement and kind.
 
 use super::event::{KvEventData, Placement};
+use crate::config::{self, ConfigError};
 
 /// Default cap on the blocks of one merged event.
 ///
@@ -26,13 +27,14 @@ pub const DEFAULT_MAX_BATCH_BLOCKS: usize = 128;
 /// ```
 /// use eventplane::kv::{BlockHash, Coalescer, KvEventData, Placement, StorageTier, WorkerId};
 /// let at = Placement { worker_id: WorkerId(1), dp_rank: 0, tier: StorageTier::Device };
-/// let mut c = Coalescer::new(128);
+/// let mut c = Coalescer::new(128)?;
 /// let mut out = Vec::new();
 /// c.push(at, KvEventData::Removed { block_hashes: vec![BlockHash(1)] }, &mut |p, d| out.push((p, d)));
 /// c.push(at, KvEventData::Removed { block_hashes: vec![BlockHash(2)] }, &mut |p, d| out.push((p, d)));
 /// assert!(out.is_empty());
 /// c.flush(&mut |p, d| out.push((p, d)));
 /// assert_eq!(out, vec![(at, KvEventData::Removed { block_hashes: vec![BlockHash(1), BlockHash(2)] })]);
+/// # Ok::<(), eventplane::ConfigError>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct Coalescer {
@@ -43,15 +45,27 @@ pub struct Coalescer {
 
 impl Default for Coalescer {
     fn default() -> Self {
-        Coalescer::new(DEFAULT_MAX_BATCH_BLOCKS)
+        Coalescer::with_checked(DEFAULT_MAX_BATCH_BLOCKS)
     }
 }
 
 impl Coalescer {
-    /// A coalescer with a cap of `max_batch_blocks` (at least 1).
-    pub fn new(max_batch_blocks: usize) -> Coalescer {
+    /// A coalescer with a cap of `max_batch_blocks`, or [`ConfigError::Zero`] when it
+    /// is zero.
+    ///
+    /// ```
+    /// use eventplane::kv::Coalescer;
+    /// assert_eq!(Coalescer::new(0).unwrap_err().field(), "max_batch_blocks");
+    /// assert!(!Coalescer::new(128)?.has_pending());
+    /// # Ok::<(), eventplane::ConfigError>(())
+    /// ```
+    pub fn new(max_batch_blocks: usize) -> Result<Coalescer, ConfigError> {
+        config::nonzero("max_batch_blocks", max_batch_blocks).map(Coalescer::with_checked)
+    }
+
+    pub(crate) fn with_checked(max_batch_blocks: usize) -> Coalescer {
         Coalescer {
-            max_batch_blocks: max_batch_blocks.max(1),
+            max_batch_blocks,
             pending: None,
             merged: 0,
         }

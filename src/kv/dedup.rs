@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 
 use super::event::{BlockHash, DpRank, KvEventData, Placement, StorageTier};
+use crate::config::{self, ConfigError};
 
 /// How removals are filtered.
 ///
@@ -97,21 +98,25 @@ impl DedupFilter {
     }
 
     /// Caps on hashes tracked (all pairs together) and on distinct `(dp_rank, tier)`
-    /// pairs (each at least 1).
+    /// pairs; [`ConfigError::Zero`] names a zero cap.
     ///
     /// ```
     /// use eventplane::kv::{BlockHash, DedupFilter, DedupMode, KvEventData, Placement, StorageTier, StoredBlock, TokensHash, WorkerId};
-    /// let mut dedup = DedupFilter::new(DedupMode::RefCounted).with_limits(2, 1);
+    /// let mut dedup = DedupFilter::new(DedupMode::RefCounted).with_limits(2, 1)?;
     /// let at = Placement { worker_id: WorkerId(1), dp_rank: 0, tier: StorageTier::Device };
     /// let store = |h| KvEventData::Stored { parent_hash: None, blocks: vec![StoredBlock { block_hash: BlockHash(h), tokens_hash: TokensHash(0) }] };
     /// for h in 0..3 { dedup.filter(&at, store(h)); } // the third store passes the cap
     /// assert_eq!((dedup.tracked(), dedup.resets()), (1, 1));
+    /// # Ok::<(), eventplane::ConfigError>(())
     /// ```
-    #[must_use]
-    pub fn with_limits(mut self, max_hashes: usize, max_ranks: usize) -> DedupFilter {
-        self.max_hashes = max_hashes.max(1);
-        self.max_ranks = max_ranks.max(1);
-        self
+    pub fn with_limits(
+        mut self,
+        max_hashes: usize,
+        max_ranks: usize,
+    ) -> Result<DedupFilter, ConfigError> {
+        self.max_hashes = config::nonzero("max_hashes", max_hashes)?;
+        self.max_ranks = config::nonzero("max_ranks", max_ranks)?;
+        Ok(self)
     }
 
     /// Times a cap made the filter forget what it tracked.
@@ -258,7 +263,9 @@ mod tests {
 
     #[test]
     fn tracked_hashes_are_capped_with_a_counted_reset() {
-        let mut d = DedupFilter::new(DedupMode::RefCounted).with_limits(100, 8);
+        let mut d = DedupFilter::new(DedupMode::RefCounted)
+            .with_limits(100, 8)
+            .unwrap();
         d.filter(&at(1), store(1000..1010));
         d.filter(&at(0), store(0..90));
         assert_eq!((d.tracked(), d.resets()), (100, 0));
@@ -274,7 +281,9 @@ mod tests {
 
     #[test]
     fn ranks_are_capped_with_a_counted_reset() {
-        let mut d = DedupFilter::new(DedupMode::RefCounted).with_limits(100, 4);
+        let mut d = DedupFilter::new(DedupMode::RefCounted)
+            .with_limits(100, 4)
+            .unwrap();
         for rank in 0..1000 {
             d.filter(&at(rank), store([u64::from(rank)]));
             assert!(d.counts.len() <= 4);

@@ -20,19 +20,20 @@ use super::{
     tokens_hash,
 };
 use super::{EncodeError, EngineDecodeError};
+use crate::config::{self, ConfigError};
 use crate::msgpack::{self, MsgpackError, Value};
 
 /// Counters of an [`EngineDecoder`].
 ///
 /// ```
 /// use eventplane::kv::{encode_engine_batch, EngineDecoder, EngineEvent, WorkerId};
-/// let mut decoder = EngineDecoder::new(WorkerId(1), 4);
+/// let mut decoder = EngineDecoder::new(WorkerId(1), 4)?;
 /// let batch = encode_engine_batch(0.0, 0, 4, &[EngineEvent::Cleared])?;
-/// decoder.decode_batch(&batch).unwrap();
+/// decoder.decode_batch(&batch)?;
 /// assert!(decoder.decode_batch(b"not msgpack").is_err());
 /// let stats = decoder.stats();
 /// assert_eq!((stats.batches, stats.malformed_batches, stats.events), (1, 1, 1));
-/// # Ok::<(), eventplane::kv::EncodeError>(())
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
@@ -60,10 +61,11 @@ pub struct EngineStats {
 /// use eventplane::kv::{EngineDecoder, KvEventData, WorkerId};
 /// // [ts, [["AllBlocksCleared"]], 0] as msgpack:
 /// let payload = b"\x93\xcb\x00\x00\x00\x00\x00\x00\x00\x00\x91\x91\xb0AllBlocksCleared\x00";
-/// let mut decoder = EngineDecoder::new(WorkerId(1), 16);
+/// let mut decoder = EngineDecoder::new(WorkerId(1), 16)?;
 /// let events = decoder.decode_batch(payload)?;
 /// assert_eq!(events[0].event.data, KvEventData::Cleared);
-/// # Ok::<(), eventplane::kv::EngineDecodeError>(())
+/// assert!(EngineDecoder::new(WorkerId(1), 0).is_err()); // no zero block size
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct EngineDecoder {
@@ -94,37 +96,41 @@ pub const DEFAULT_MAX_BATCH_ELEMENTS: usize = 1 << 19;
 pub const DEFAULT_MAX_BATCH_EVENTS: usize = 1 << 16;
 
 impl EngineDecoder {
-    /// A decoder for `worker_id` whose engine uses `block_size` tokens per block.
-    pub fn new(worker_id: WorkerId, block_size: usize) -> EngineDecoder {
-        EngineDecoder {
+    /// A decoder for `worker_id` whose engine uses `block_size` tokens per block;
+    /// [`ConfigError::Zero`] when `block_size` is zero.
+    pub fn new(worker_id: WorkerId, block_size: usize) -> Result<EngineDecoder, ConfigError> {
+        Ok(EngineDecoder {
             worker_id,
-            block_size: block_size.max(1),
+            block_size: config::nonzero("block_size", block_size)?,
             next_raw_id: 0,
             max_elements: DEFAULT_MAX_BATCH_ELEMENTS,
             max_events: DEFAULT_MAX_BATCH_EVENTS,
             stats: EngineStats::default(),
-        }
+        })
     }
 
     /// Per-batch budgets: msgpack elements decoded (default
     /// [`DEFAULT_MAX_BATCH_ELEMENTS`]) and events (default
     /// [`DEFAULT_MAX_BATCH_EVENTS`]). A batch over either is rejected whole and
-    /// counted in `oversized_batches`; what it declares is never allocated. Values of
-    /// 0 count as 1.
+    /// counted in `oversized_batches`; what it declares is never allocated. Neither
+    /// may be zero.
     ///
     /// ```
     /// use eventplane::kv::{encode_engine_batch, EngineDecoder, EngineEvent, WorkerId};
-    /// let mut decoder = EngineDecoder::new(WorkerId(1), 4).with_limits(1 << 20, 2);
+    /// let mut decoder = EngineDecoder::new(WorkerId(1), 4)?.with_limits(1 << 20, 2)?;
     /// let batch = encode_engine_batch(0.0, 0, 4, &[EngineEvent::Cleared, EngineEvent::Cleared, EngineEvent::Cleared])?;
     /// assert!(decoder.decode_batch(&batch).is_err());
     /// assert_eq!(decoder.stats().oversized_batches, 1);
-    /// # Ok::<(), eventplane::kv::EncodeError>(())
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    #[must_use]
-    pub fn with_limits(mut self, max_elements: usize, max_events: usize) -> EngineDecoder {
-        self.max_elements = max_elements.max(1);
-        self.max_events = max_events.max(1);
-        self
+    pub fn with_limits(
+        mut self,
+        max_elements: usize,
+        max_events: usize,
+    ) -> Result<EngineDecoder, ConfigError> {
+        self.max_elements = config::nonzero("max_elements", max_elements)?;
+        self.max_events = config::nonzero("max_events", max_events)?;
+        Ok(self)
     }
 
     /// Counters.
@@ -344,9 +350,9 @@ fn tier(medium: Option<&Value<'_>>) -> StorageTier {
 ///     block_hashes: vec![5, 6],
 ///     medium: Some("CPU".into()),
 /// }])?;
-/// let events = EngineDecoder::new(WorkerId(1), 2).decode_batch(&batch).unwrap();
+/// let events = EngineDecoder::new(WorkerId(1), 2)?.decode_batch(&batch)?;
 /// assert_eq!(events[0].event.data.block_count(), 2);
-/// # Ok::<(), eventplane::kv::EncodeError>(())
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -402,10 +408,10 @@ enum Wire<'a> {
 ///         token_ids: vec![1, 2], medium: None },
 ///     EngineEvent::Cleared,
 /// ])?;
-/// let events = EngineDecoder::new(WorkerId(1), 2).decode_batch(&batch).unwrap();
+/// let events = EngineDecoder::new(WorkerId(1), 2)?.decode_batch(&batch)?;
 /// assert_eq!(events.len(), 2);
 /// assert_eq!(events[1].event.data, KvEventData::Cleared);
-/// # Ok::<(), eventplane::kv::EncodeError>(())
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn encode_engine_batch(
     ts: f64,
@@ -459,7 +465,9 @@ mod budget_tests {
     fn a_batch_at_the_element_budget_decodes_one_more_is_refused() {
         let budget = 1 << 16;
         let n = budget as u32 - 4;
-        let mut d = EngineDecoder::new(WorkerId(1), 4).with_limits(budget, usize::MAX);
+        let mut d = EngineDecoder::new(WorkerId(1), 4)
+            .and_then(|d| d.with_limits(budget, usize::MAX))
+            .unwrap();
         // Decoded element by element (each nil event fails alone)...
         assert_eq!(d.decode_batch(&nils(n)).map(|e| e.len()), Ok(0));
         assert_eq!(d.stats().failed_events, u64::from(n));
@@ -470,7 +478,9 @@ mod budget_tests {
 
     #[test]
     fn events_over_their_cap_refuse_the_batch() {
-        let mut d = EngineDecoder::new(WorkerId(1), 4).with_limits(usize::MAX, 100);
+        let mut d = EngineDecoder::new(WorkerId(1), 4)
+            .and_then(|d| d.with_limits(usize::MAX, 100))
+            .unwrap();
         assert!(d.decode_batch(&nils(100)).is_ok());
         assert!(d.decode_batch(&nils(101)).is_err());
         assert_eq!(d.stats().oversized_batches, 1);

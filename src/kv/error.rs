@@ -1,12 +1,14 @@
 //! The errors of the KV pipeline, in one place: engine decoding and encoding, the
-//! router-event payload, sinks, local indexes and processor configuration.
+//! router-event payload, sinks and local indexes. Configuration is refused with the
+//! crate's [`ConfigError`](crate::ConfigError).
 
 /// A payload that is not a KV event batch.
 ///
 /// ```
 /// use eventplane::kv::{EngineDecoder, WorkerId};
-/// let err = EngineDecoder::new(WorkerId(1), 4).decode_batch(&[0xc1]).unwrap_err();
+/// let err = EngineDecoder::new(WorkerId(1), 4)?.decode_batch(&[0xc1]).unwrap_err();
 /// assert!(err.to_string().contains("malformed engine batch"));
+/// # Ok::<(), eventplane::ConfigError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("malformed engine batch: {reason}")]
@@ -48,22 +50,6 @@ pub struct SinkError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
 #[derive(Debug, thiserror::Error)]
 #[error("local index rejected the event")]
 pub struct IndexError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
-
-/// A rejected [`ProcessorConfig`](super::ProcessorConfig) value.
-///
-/// ```
-/// use std::time::Duration;
-/// use eventplane::kv::{ProcessorConfig, ProcessorConfigError};
-/// let err = ProcessorConfig::default().batch_timeout(Some(Duration::ZERO)).unwrap_err();
-/// assert_eq!(err, ProcessorConfigError::BatchTimeout);
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum ProcessorConfigError {
-    /// The batching timeout was zero or above 15 s.
-    #[error("batch timeout must be between 1 ms and 15 s")]
-    BatchTimeout,
-}
 
 /// A payload that is not a msgpack list of router events (or could not be encoded).
 ///

@@ -9,6 +9,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{EngineDecoder, EngineStats, PlacementEvent, WorkerId};
+use crate::config::{self, ConfigError};
 use crate::counter;
 use crate::net::{Backoff, RateLimitedWarn, random_unit};
 use crate::wire::{Framed, Layout, SeqStep, SeqTracker};
@@ -68,6 +69,30 @@ impl EngineListenerConfig {
         self
     }
 
+    /// The first refused value, if any, named as its setter (`block_size` for the
+    /// constructor's block size). [`EngineListener::new`] calls it; call it yourself
+    /// to check settings before starting anything else.
+    ///
+    /// ```
+    /// use eventplane::kv::{EngineListenerConfig, WorkerId};
+    /// let config = EngineListenerConfig::new("tcp://127.0.0.1:5557", "kv", WorkerId(1), 0);
+    /// assert_eq!(config.validate().unwrap_err().field(), "block_size");
+    /// ```
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.decoder().map(drop)
+    }
+
+    fn decoder(&self) -> Result<EngineDecoder, ConfigError> {
+        config::backoff_range("reconnect_backoff", self.reconnect_min, self.reconnect_max)?;
+        if self.max_batch_elements == 0 || self.max_batch_events == 0 {
+            return Err(ConfigError::Zero {
+                field: "batch_limits",
+            });
+        }
+        EngineDecoder::new(self.worker_id, self.block_size)?
+            .with_limits(self.max_batch_elements, self.max_batch_events)
+    }
+
     /// ZMTP bounds and timeouts. Default `zmtp::Config::default()`.
     pub fn zmtp_config(mut self, config: zmtp::Config) -> Self {
         self.zmtp = config;
@@ -90,9 +115,10 @@ impl EngineListenerConfig {
 /// let listener = EngineListener::new(
 ///     EngineListenerConfig::new("tcp://127.0.0.1:5557", "kv", WorkerId(1), 16),
 ///     tx,
-/// );
+/// )?;
 /// let stats = listener.handle().stats();
 /// assert_eq!((stats.seq_gaps, stats.discarded_events, stats.decoder.batches), (0, 0, 0));
+/// # Ok::<(), eventplane::ConfigError>(())
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
@@ -138,9 +164,10 @@ struct Counters {
 /// let listener = EngineListener::new(
 ///     EngineListenerConfig::new("tcp://127.0.0.1:5557", "kv", WorkerId(1), 16),
 ///     tx,
-/// );
+/// )?;
 /// let handle = listener.handle(); // cloneable; read it while `run` owns the listener
 /// assert_eq!(handle.stats().reconnects, 0);
+/// # Ok::<(), eventplane::ConfigError>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct EngineListenerHandle {
@@ -178,30 +205,37 @@ impl EngineListenerHandle {
 /// ```no_run
 /// use eventplane::kv::{EngineListener, EngineListenerConfig, WorkerId};
 /// use tokio_util::sync::CancellationToken;
-/// # async fn run() {
+/// # async fn run() -> Result<(), eventplane::ConfigError> {
 /// let (tx, rx) = tokio::sync::mpsc::channel(256);
 /// let listener = EngineListener::new(
 ///     EngineListenerConfig::new("tcp://127.0.0.1:5557", "kv-events", WorkerId(1), 16),
 ///     tx,
-/// );
+/// )?;
 /// tokio::spawn(listener.run(CancellationToken::new()));
-/// # drop(rx); }
+/// # drop(rx); Ok(()) }
 /// ```
 #[derive(Debug)]
 pub struct EngineListener {
     config: EngineListenerConfig,
+    decoder: EngineDecoder,
     output: mpsc::Sender<Vec<PlacementEvent>>,
     counters: Arc<Counters>,
 }
 
 impl EngineListener {
-    /// A listener sending to `output`.
-    pub fn new(config: EngineListenerConfig, output: mpsc::Sender<Vec<PlacementEvent>>) -> Self {
-        EngineListener {
+    /// A listener sending to `output`, or the [`ConfigError`] naming the first refused
+    /// value (a zero block size or batch limit, a zero or inverted backoff).
+    pub fn new(
+        config: EngineListenerConfig,
+        output: mpsc::Sender<Vec<PlacementEvent>>,
+    ) -> Result<Self, ConfigError> {
+        let decoder = config.decoder()?;
+        Ok(EngineListener {
             config,
+            decoder,
             output,
             counters: Arc::default(),
-        }
+        })
     }
 
     /// A handle for stats.
@@ -213,8 +247,7 @@ impl EngineListener {
 
     /// Runs until `cancel` or until the processor's input closes.
     pub async fn run(self, cancel: CancellationToken) -> EngineListenerStats {
-        let mut decoder = EngineDecoder::new(self.config.worker_id, self.config.block_size)
-            .with_limits(self.config.max_batch_elements, self.config.max_batch_events);
+        let mut decoder = self.decoder.clone();
         let mut backoff = Backoff::new(self.config.reconnect_min, self.config.reconnect_max);
         let warn = RateLimitedWarn::default();
         let mut seq_tracker = SeqTracker::default();

@@ -34,9 +34,7 @@ pub use engine::{
     DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_BATCH_EVENTS, EngineDecoder, EngineEvent, EngineStats,
     encode_engine_batch,
 };
-pub use error::{
-    EncodeError, EngineDecodeError, IndexError, KvDecodeError, ProcessorConfigError, SinkError,
-};
+pub use error::{EncodeError, EngineDecodeError, IndexError, KvDecodeError, SinkError};
 pub use event::{
     BlockHash, DpRank, KvEvent, KvEventData, Placement, PlacementEvent, RouterEvent, StorageTier,
     StoredBlock, TOKENS_HASH_SEED, TokensHash, WorkerId, tokens_hash,

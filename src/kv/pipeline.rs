@@ -4,6 +4,7 @@ use super::{
     Coalescer, DEFAULT_MAX_BATCH_BLOCKS, DedupFilter, DedupMode, KvEvent, KvEventData, Placement,
     PlacementEvent, RouterEvent,
 };
+use crate::ConfigError;
 
 /// Coalescer → dedup → dense id stamping, sans-IO. Ids start at 1 and are stamped at
 /// emission, so an event that dedup drops consumes none.
@@ -33,13 +34,17 @@ pub struct Pipeline {
 
 impl Default for Pipeline {
     fn default() -> Self {
-        Pipeline::new(DEFAULT_MAX_BATCH_BLOCKS, DedupMode::RefCounted)
+        Pipeline::with_checked(
+            Coalescer::with_checked(DEFAULT_MAX_BATCH_BLOCKS),
+            DedupFilter::new(DedupMode::RefCounted),
+        )
     }
 }
 
 impl Pipeline {
-    /// A pipeline with these settings.
-    pub fn new(max_batch_blocks: usize, mode: DedupMode) -> Pipeline {
+    /// A pipeline with these settings; [`ConfigError::Zero`] when `max_batch_blocks`
+    /// is zero.
+    pub fn new(max_batch_blocks: usize, mode: DedupMode) -> Result<Pipeline, ConfigError> {
         Pipeline::with_dedup(max_batch_blocks, DedupFilter::new(mode))
     }
 
@@ -47,12 +52,23 @@ impl Pipeline {
     ///
     /// ```
     /// use eventplane::kv::{DedupFilter, DedupMode, Pipeline};
-    /// let pipeline = Pipeline::with_dedup(128, DedupFilter::new(DedupMode::RefCounted).with_limits(1 << 16, 8));
+    /// let pipeline = Pipeline::with_dedup(128, DedupFilter::new(DedupMode::RefCounted).with_limits(1 << 16, 8)?)?;
     /// assert_eq!(pipeline.dedup_resets(), 0);
+    /// # Ok::<(), eventplane::ConfigError>(())
     /// ```
-    pub fn with_dedup(max_batch_blocks: usize, dedup: DedupFilter) -> Pipeline {
+    pub fn with_dedup(
+        max_batch_blocks: usize,
+        dedup: DedupFilter,
+    ) -> Result<Pipeline, ConfigError> {
+        Ok(Pipeline::with_checked(
+            Coalescer::new(max_batch_blocks)?,
+            dedup,
+        ))
+    }
+
+    pub(crate) fn with_checked(coalescer: Coalescer, dedup: DedupFilter) -> Pipeline {
         Pipeline {
-            coalescer: Coalescer::new(max_batch_blocks),
+            coalescer,
             dedup,
             next_id: 1,
         }

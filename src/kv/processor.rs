@@ -1,6 +1,5 @@
 //! The processor loop: engine lists in, router events out to a sink.
 
-use super::{IndexError, ProcessorConfigError, SinkError};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -9,10 +8,11 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    DEFAULT_MAX_TRACKED_HASHES, DEFAULT_MAX_TRACKED_RANKS, DedupFilter, DedupMode, KvEventData,
-    Pipeline, PlacementEvent, RouterEvent,
+    Coalescer, DEFAULT_MAX_TRACKED_HASHES, DEFAULT_MAX_TRACKED_RANKS, DedupFilter, DedupMode,
+    IndexError, KvEventData, Pipeline, PlacementEvent, RouterEvent, SinkError,
 };
 use crate::BoxFuture;
+use crate::config::{self, ConfigError};
 use crate::counter;
 use crate::net::RateLimitedWarn;
 
@@ -21,8 +21,9 @@ use crate::net::RateLimitedWarn;
 /// ```
 /// use std::time::Duration;
 /// use eventplane::kv::{ProcessorConfig, MAX_BATCH_TIMEOUT};
-/// assert!(ProcessorConfig::default().batch_timeout(Some(MAX_BATCH_TIMEOUT)).is_ok());
-/// assert!(ProcessorConfig::default().batch_timeout(Some(MAX_BATCH_TIMEOUT + Duration::from_millis(1))).is_err());
+/// assert!(ProcessorConfig::default().batch_timeout(Some(MAX_BATCH_TIMEOUT)).validate().is_ok());
+/// let longer = MAX_BATCH_TIMEOUT + Duration::from_millis(1);
+/// assert!(ProcessorConfig::default().batch_timeout(Some(longer)).validate().is_err());
 /// ```
 pub const MAX_BATCH_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -83,9 +84,8 @@ pub trait LocalIndex: Send {
 /// ```
 /// use std::time::Duration;
 /// use eventplane::kv::ProcessorConfig;
-/// let config = ProcessorConfig::default().batch_timeout(Some(Duration::from_millis(50)))?;
+/// let config = ProcessorConfig::default().batch_timeout(Some(Duration::from_millis(50)));
 /// # let _ = config;
-/// # Ok::<(), eventplane::kv::ProcessorConfigError>(())
 /// ```
 #[derive(Debug, Clone)]
 #[must_use]
@@ -112,9 +112,9 @@ impl Default for ProcessorConfig {
 }
 
 impl ProcessorConfig {
-    /// Cap on blocks per merged event. Default 128.
+    /// Cap on blocks per merged event. Default 128; must not be zero.
     pub fn max_batch_blocks(mut self, blocks: usize) -> Self {
-        self.max_batch_blocks = blocks.max(1);
+        self.max_batch_blocks = blocks;
         self
     }
     /// Dedup mode. Default [`DedupMode::RefCounted`].
@@ -123,30 +123,59 @@ impl ProcessorConfig {
         self
     }
     /// Dedup caps: hashes tracked, all pairs together (default 2^21), and distinct
-    /// pairs (default 64); see [`DedupFilter`]. Values of 0 count as 1.
+    /// pairs (default 64); see [`DedupFilter`]. Neither may be zero.
     pub fn dedup_limits(mut self, max_hashes: usize, max_ranks: usize) -> Self {
         self.dedup_max_hashes = max_hashes;
         self.dedup_max_ranks = max_ranks;
         self
     }
     /// Batch across lists for up to this long, counted from the last flush. Default
-    /// `None`: flush at every list boundary. At most 15 s.
-    pub fn batch_timeout(
-        mut self,
-        timeout: Option<Duration>,
-    ) -> Result<Self, ProcessorConfigError> {
-        if timeout.is_some_and(|t| t.is_zero() || t > MAX_BATCH_TIMEOUT) {
-            return Err(ProcessorConfigError::BatchTimeout);
-        }
+    /// `None`: flush at every list boundary. Between 1 ns and 15 s.
+    pub fn batch_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.batch_timeout = timeout;
-        Ok(self)
+        self
     }
     /// Bound on one publish: a sink that has not answered by then is abandoned for
     /// that batch (counted in `publish_timeouts`), so a stuck sink can neither stall
-    /// the loop nor block shutdown. Default 5 s.
+    /// the loop nor block shutdown. Default 5 s; must not be zero.
     pub fn publish_timeout(mut self, timeout: Duration) -> Self {
         self.publish_timeout = timeout;
         self
+    }
+
+    /// The first refused value, if any, named as its setter. [`Processor::new`] calls
+    /// it; call it yourself to check settings before starting anything else.
+    ///
+    /// ```
+    /// use eventplane::kv::ProcessorConfig;
+    /// let err = ProcessorConfig::default().max_batch_blocks(0).validate().unwrap_err();
+    /// assert_eq!(err.to_string(), "max_batch_blocks must not be zero");
+    /// ```
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.pipeline().map(drop)
+    }
+
+    /// The pipeline these settings describe, or the first refused value.
+    fn pipeline(&self) -> Result<Pipeline, ConfigError> {
+        if self.dedup_max_hashes == 0 || self.dedup_max_ranks == 0 {
+            return Err(ConfigError::Zero {
+                field: "dedup_limits",
+            });
+        }
+        if self
+            .batch_timeout
+            .is_some_and(|t| t.is_zero() || t > MAX_BATCH_TIMEOUT)
+        {
+            return Err(ConfigError::OutOfRange {
+                field: "batch_timeout",
+                reason: "must lie within 1 ns ..= 15 s",
+            });
+        }
+        config::nonzero_duration("publish_timeout", self.publish_timeout)?;
+        let coalescer = Coalescer::new(self.max_batch_blocks)?;
+        let dedup = DedupFilter::new(self.dedup)
+            .with_limits(self.dedup_max_hashes, self.dedup_max_ranks)?;
+        Ok(Pipeline::with_checked(coalescer, dedup))
     }
 }
 
@@ -165,12 +194,13 @@ impl ProcessorConfig {
 ///     }
 /// }
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() {
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let (tx, rx) = tokio::sync::mpsc::channel(8);
 /// drop(tx); // input closed: the processor drains and stops
-/// let stats = Processor::new(ProcessorConfig::default(), rx, Arc::new(Discard)).run().await;
+/// let stats = Processor::new(ProcessorConfig::default(), rx, Arc::new(Discard))?.run().await;
 /// assert_eq!(stats.input_events, stats.output_events + stats.merged_events
 ///     + stats.deduplicated_events + stats.withheld_events);
+/// # Ok(())
 /// # }
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -231,14 +261,15 @@ struct Counters {
 ///     }
 /// }
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() {
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let (_tx, rx) = tokio::sync::mpsc::channel(8);
-/// let processor = Processor::new(ProcessorConfig::default(), rx, Arc::new(Discard));
+/// let processor = Processor::new(ProcessorConfig::default(), rx, Arc::new(Discard))?;
 /// let handle = processor.handle();
 /// let task = tokio::spawn(processor.run());
 /// assert_eq!(handle.stats().input_lists, 0);
 /// handle.cancel(); // drain, flush, publish, stop
-/// task.await.unwrap();
+/// task.await?;
+/// # Ok(())
 /// # }
 /// ```
 #[derive(Debug, Clone)]
@@ -305,17 +336,19 @@ impl ProcessorHandle {
 ///     }
 /// }
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() {
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let sink = Arc::new(Collect::default());
 /// let (tx, rx) = tokio::sync::mpsc::channel(64);
-/// let processor = Processor::new(ProcessorConfig::default(), rx, sink.clone());
+/// let processor = Processor::new(ProcessorConfig::default(), rx, sink.clone())?;
 /// let task = tokio::spawn(processor.run());
 /// drop(tx); // input closed: drain, flush, stop
-/// task.await.unwrap();
+/// task.await?;
+/// # Ok(())
 /// # }
 /// ```
 pub struct Processor {
     config: ProcessorConfig,
+    pipeline: Pipeline,
     input: mpsc::Receiver<Vec<PlacementEvent>>,
     sink: Arc<dyn EventSink>,
     index: Option<Box<dyn LocalIndex>>,
@@ -332,20 +365,39 @@ impl std::fmt::Debug for Processor {
 }
 
 impl Processor {
-    /// A processor reading `input` (a bounded channel of engine lists).
+    /// A processor reading `input` (a bounded channel of engine lists), or the
+    /// [`ConfigError`] naming the first refused [`ProcessorConfig`] value.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use eventplane::kv::{EventSink, Processor, ProcessorConfig, RouterEvent, SinkError};
+    /// # struct Nowhere;
+    /// # impl EventSink for Nowhere {
+    /// #     fn publish<'a>(&'a self, _: &'a [RouterEvent]) -> eventplane::BoxFuture<'a, Result<(), SinkError>> {
+    /// #         Box::pin(async { Ok(()) })
+    /// #     }
+    /// # }
+    /// let (_tx, rx) = tokio::sync::mpsc::channel(16);
+    /// let config = ProcessorConfig::default().batch_timeout(Some(Duration::from_secs(60)));
+    /// let err = Processor::new(config, rx, Arc::new(Nowhere)).unwrap_err();
+    /// assert_eq!(err.field(), "batch_timeout");
+    /// ```
     pub fn new(
         config: ProcessorConfig,
         input: mpsc::Receiver<Vec<PlacementEvent>>,
         sink: Arc<dyn EventSink>,
-    ) -> Processor {
-        Processor {
+    ) -> Result<Processor, ConfigError> {
+        let pipeline = config.pipeline()?;
+        Ok(Processor {
             config,
+            pipeline,
             input,
             sink,
             index: None,
             cancel: CancellationToken::new(),
             counters: Arc::default(),
-        }
+        })
     }
 
     /// Keeps `index` in step before publishing.
@@ -372,9 +424,7 @@ impl Processor {
 
     /// Runs until cancelled, the input closes, or a fence; returns the final counters.
     pub async fn run(mut self) -> ProcessorStats {
-        let dedup = DedupFilter::new(self.config.dedup)
-            .with_limits(self.config.dedup_max_hashes, self.config.dedup_max_ranks);
-        let mut pipeline = Pipeline::with_dedup(self.config.max_batch_blocks, dedup);
+        let mut pipeline = std::mem::take(&mut self.pipeline);
         let mut out: Vec<RouterEvent> = Vec::new();
         let mut last_raw: Option<u64> = None;
         let mut last_flush = tokio::time::Instant::now();

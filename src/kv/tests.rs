@@ -35,7 +35,7 @@ fn removed(hashes: &[u64]) -> KvEventData {
 
 /// Runs the coalescer over `input`, flushing at the end.
 fn coalesce(max: usize, input: Vec<(Placement, KvEventData)>) -> Vec<(Placement, KvEventData)> {
-    let mut c = Coalescer::new(max);
+    let mut c = Coalescer::new(max).unwrap();
     let mut out = Vec::new();
     for (p, d) in input {
         c.push(p, d, &mut |p, d| out.push((p, d)));
@@ -117,7 +117,7 @@ fn cleared_flushes_then_passes_alone() {
 
 #[test]
 fn cap_flushes_at_once_and_big_events_bypass() {
-    let mut c = Coalescer::new(4);
+    let mut c = Coalescer::new(4).unwrap();
     let mut out = Vec::new();
     c.push(A, removed(&[1, 2]), &mut |p, d| out.push((p, d)));
     assert!(out.is_empty());
@@ -237,7 +237,7 @@ fn set_like_bypasses() {
 
 #[test]
 fn ids_are_dense_from_one_across_kinds() {
-    let mut p = Pipeline::new(128, DedupMode::RefCounted);
+    let mut p = Pipeline::new(128, DedupMode::RefCounted).unwrap();
     let mut out = Vec::new();
     let events = [
         stored(None, &[1]),

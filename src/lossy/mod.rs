@@ -20,7 +20,7 @@
 //!
 //! ```
 //! use eventplane::lossy::{Merge, MergeConfig};
-//! let merge = Merge::new(MergeConfig::default());
+//! let merge = Merge::default();
 //! let flood = merge.lane();
 //! let quiet = merge.lane();
 //! for i in 0..5 { flood.push(("flood", i), 100); }
@@ -35,6 +35,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
+use crate::config::{self, ConfigError};
 use crate::slots::{Slab, SlotTrim};
 
 /// Bytes charged per item on top of its size for the bookkeeping the bound must cover:
@@ -45,7 +46,7 @@ use crate::slots::{Slab, SlotTrim};
 ///
 /// ```
 /// use eventplane::lossy::{Merge, MergeConfig, ITEM_OVERHEAD};
-/// let merge = Merge::new(MergeConfig::default());
+/// let merge = Merge::default();
 /// let lane = merge.lane();
 /// lane.push("x", 10);
 /// assert_eq!(lane.stats().bytes, 10 + ITEM_OVERHEAD);
@@ -61,12 +62,13 @@ fn overhead<T>() -> usize {
 ///
 /// ```
 /// use eventplane::lossy::{DropPolicy, Merge, MergeConfig};
-/// let merge = Merge::new(MergeConfig::default().lane_capacity(2).policy(DropPolicy::DropOldest));
+/// let merge = Merge::new(MergeConfig::default().lane_capacity(2).policy(DropPolicy::DropOldest))?;
 /// let lane = merge.lane();
 /// for i in 0..3 { lane.push(i, 1); }
 /// let mut out = Vec::new();
 /// merge.try_recv_many(&mut out, 10);
 /// assert_eq!(out, vec![1, 2]); // the oldest made room
+/// # Ok::<(), eventplane::ConfigError>(())
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -78,7 +80,7 @@ pub enum DropPolicy {
     DropOldest,
 }
 
-/// Bounds of a [`Merge`]. Values of zero are raised to 1.
+/// Bounds of a [`Merge`], checked by [`Merge::new`]: none may be zero.
 ///
 /// ```
 /// use eventplane::lossy::{DropPolicy, MergeConfig};
@@ -108,18 +110,18 @@ impl Default for MergeConfig {
 impl MergeConfig {
     /// Items per lane. Default 4096.
     pub fn lane_capacity(mut self, items: usize) -> Self {
-        self.lane_capacity = items.max(1);
+        self.lane_capacity = items;
         self
     }
     /// Bytes per lane (items charged their size plus [`ITEM_OVERHEAD`] or their slot).
     /// Default 4 MiB.
     pub fn lane_bytes(mut self, bytes: usize) -> Self {
-        self.lane_bytes = bytes.max(1);
+        self.lane_bytes = bytes;
         self
     }
     /// Bytes across all lanes. Default 64 MiB.
     pub fn max_buffered_bytes(mut self, bytes: usize) -> Self {
-        self.max_buffered_bytes = bytes.max(1);
+        self.max_buffered_bytes = bytes;
         self
     }
     /// Drop policy. Default [`DropPolicy::DropNewest`].
@@ -137,12 +139,13 @@ impl MergeConfig {
 ///
 /// ```
 /// use eventplane::lossy::{Merge, MergeConfig};
-/// let merge = Merge::new(MergeConfig::default().lane_capacity(1));
+/// let merge = Merge::new(MergeConfig::default().lane_capacity(1))?;
 /// let lane = merge.lane();
 /// lane.push(1, 1);
 /// lane.push(2, 1); // refused: the lane holds one item
 /// let stats = lane.stats();
 /// assert_eq!((stats.received, stats.dropped_lane_full, stats.depth), (2, 1, 1));
+/// # Ok::<(), eventplane::ConfigError>(())
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -165,12 +168,13 @@ pub struct LaneStats {
 ///
 /// ```
 /// use eventplane::lossy::{Merge, MergeConfig, PushOutcome};
-/// let merge = Merge::new(MergeConfig::default().lane_capacity(1));
+/// let merge = Merge::new(MergeConfig::default().lane_capacity(1))?;
 /// let lane = merge.lane();
 /// assert_eq!(lane.push("a", 1), PushOutcome::Queued { evicted: 0 });
 /// assert_eq!(lane.push("b", 1), PushOutcome::DroppedLaneFull);
 /// merge.close();
 /// assert_eq!(lane.push("c", 1), PushOutcome::Closed);
+/// # Ok::<(), eventplane::ConfigError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -223,7 +227,7 @@ impl<T> Shared<T> {
 ///
 /// ```
 /// use eventplane::lossy::{Merge, MergeConfig};
-/// let merge = Merge::new(MergeConfig::default());
+/// let merge = Merge::default();
 /// let lane = merge.lane();
 /// lane.push("hello", 5);
 /// let mut out = Vec::new();
@@ -239,7 +243,7 @@ pub struct Merge<T> {
 ///
 /// ```
 /// use eventplane::lossy::{Merge, MergeConfig};
-/// let merge = Merge::new(MergeConfig::default());
+/// let merge = Merge::default();
 /// let lane = merge.lane();
 /// assert_eq!(lane.push_many([("a", 1), ("b", 1)]), 0); // none dropped
 /// drop(lane); // closes it; what it holds is still delivered
@@ -268,9 +272,23 @@ impl<T> std::fmt::Debug for Lane<T> {
     }
 }
 
+impl<T> Default for Merge<T> {
+    /// A merge with [`MergeConfig::default`].
+    fn default() -> Self {
+        Merge::with_checked(MergeConfig::default())
+    }
+}
+
 impl<T> Merge<T> {
-    /// An empty merge.
-    pub fn new(config: MergeConfig) -> Merge<T> {
+    /// An empty merge, or the [`ConfigError`] naming the first zero bound.
+    pub fn new(config: MergeConfig) -> Result<Merge<T>, ConfigError> {
+        config::nonzero("lane_capacity", config.lane_capacity)?;
+        config::nonzero("lane_bytes", config.lane_bytes)?;
+        config::nonzero("max_buffered_bytes", config.max_buffered_bytes)?;
+        Ok(Merge::with_checked(config))
+    }
+
+    fn with_checked(config: MergeConfig) -> Merge<T> {
         Merge {
             shared: Arc::new(Shared {
                 state: Mutex::new(State {

@@ -8,6 +8,7 @@ fn merge(cap: usize, lane_bytes: usize, budget: usize, policy: DropPolicy) -> Me
             .max_buffered_bytes(budget)
             .policy(policy),
     )
+    .unwrap()
 }
 
 fn drain(m: &Merge<u32>) -> Vec<u32> {

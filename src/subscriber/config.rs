@@ -6,6 +6,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
+use crate::config::{self, ConfigError};
 use crate::discovery::{Discovery, Query};
 use crate::lossy::{DropPolicy, MergeConfig};
 use crate::net::AddrFilter;
@@ -57,5 +58,16 @@ impl Config {
             #[cfg(feature = "metrics")]
             metrics_interval: Duration::from_secs(1),
         }
+    }
+
+    /// The first refused value, named as its builder setter.
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        config::backoff_range("reconnect_backoff", self.reconnect_min, self.reconnect_max)?;
+        config::backoff_range("rewatch_backoff", self.rewatch_min, self.rewatch_max)?;
+        config::nonzero("recv_batch", self.recv_batch)?;
+        config::nonzero("max_publishers", self.max_publishers)?;
+        #[cfg(feature = "metrics")]
+        config::nonzero_duration("metrics_interval", self.metrics_interval)?;
+        Ok(())
     }
 }

@@ -67,6 +67,7 @@ pub use crate::wire::Layout;
 pub use shared::Delivery;
 pub use stats::{PublisherStats, SubscriberStats};
 
+use crate::ConfigError;
 use crate::discovery::{ChannelId, Discovery, Query};
 use crate::lossy::{DropPolicy, Merge};
 use crate::net::{AddrFilter, RateLimitedWarn};
@@ -85,7 +86,7 @@ use shared::{Retired, Shared};
 /// use eventplane::net::AddrFilter;
 /// use eventplane::subscriber::{DynamicSubscriber, Layout};
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() {
+/// # async fn main() -> Result<(), eventplane::ConfigError> {
 /// let sub = DynamicSubscriber::builder(Arc::new(MemoryDiscovery::new()), Query::new("prod").component("worker"))
 ///     .topic("kv-events")
 ///     .layout(Layout::TopicSeq)
@@ -94,9 +95,9 @@ use shared::{Retired, Shared};
 ///     .drop_policy(DropPolicy::DropOldest)
 ///     .addr_filter(AddrFilter::strict())
 ///     .reconnect_backoff(Duration::from_millis(50), Duration::from_secs(2))
-///     .spawn();
+///     .spawn()?;
 /// sub.handle().shutdown().await;
-/// # }
+/// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
 #[must_use]
@@ -163,14 +164,14 @@ impl DynamicSubscriberBuilder {
     }
     /// Messages read from a socket per batch. Default 256.
     pub fn recv_batch(mut self, messages: usize) -> Self {
-        self.config.recv_batch = messages.max(1);
+        self.config.recv_batch = messages;
         self
     }
     /// Most publishers followed at once. Default 4096. Publishers discovered beyond
     /// it are not dialled and counted in [`SubscriberStats::refused_publishers`]; the
     /// next discovery resync picks them up when room has been made.
     pub fn max_publishers(mut self, publishers: usize) -> Self {
-        self.config.max_publishers = publishers.max(1);
+        self.config.max_publishers = publishers;
         self
     }
     /// How often the `metrics` feature samples the counters into the `metrics` facade.
@@ -178,7 +179,7 @@ impl DynamicSubscriberBuilder {
     #[cfg(feature = "metrics")]
     #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
     pub fn metrics_interval(mut self, interval: Duration) -> Self {
-        self.config.metrics_interval = interval.max(Duration::from_millis(1));
+        self.config.metrics_interval = interval;
         self
     }
     /// Stop when `token` is cancelled (the subscriber uses a child of it). Default: a
@@ -188,10 +189,28 @@ impl DynamicSubscriberBuilder {
         self
     }
 
-    /// Starts the watch loop on the current tokio runtime.
-    pub fn spawn(self) -> DynamicSubscriber {
+    /// Checks the configuration, then starts the watch loop on the current tokio
+    /// runtime. A zero bound, a zero minimum backoff or a maximum below its minimum is
+    /// refused with a [`ConfigError`] naming the setter.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use eventplane::ConfigError;
+    /// use eventplane::discovery::{MemoryDiscovery, Query};
+    /// use eventplane::subscriber::DynamicSubscriber;
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let err = DynamicSubscriber::builder(Arc::new(MemoryDiscovery::new()), Query::new("ns"))
+    ///     .lane_capacity(0)
+    ///     .spawn()
+    ///     .unwrap_err();
+    /// assert_eq!(err, ConfigError::Zero { field: "lane_capacity" });
+    /// # }
+    /// ```
+    pub fn spawn(self) -> Result<DynamicSubscriber, ConfigError> {
+        self.config.validate()?;
         let config = Arc::new(self.config);
-        let merge = Arc::new(Merge::new(config.merge));
+        let merge = Arc::new(Merge::new(config.merge)?);
         let shared = Arc::new(Shared {
             publishers: Mutex::new(HashMap::new()),
             retired: Mutex::new(Retired::default()),
@@ -217,12 +236,12 @@ impl DynamicSubscriberBuilder {
             config.metrics_interval,
             config.cancel.clone(),
         ));
-        DynamicSubscriber {
+        Ok(DynamicSubscriber {
             handle,
             merge,
             ready: VecDeque::new(),
             scratch: Vec::new(),
-        }
+        })
     }
 }
 
@@ -233,15 +252,15 @@ impl DynamicSubscriberBuilder {
 /// use std::sync::Arc;
 /// use eventplane::discovery::{MemoryDiscovery, Query};
 /// use eventplane::subscriber::{DynamicSubscriber, Layout};
-/// # async fn run(discovery: MemoryDiscovery) {
+/// # async fn run(discovery: MemoryDiscovery) -> Result<(), eventplane::ConfigError> {
 /// let mut subscriber = DynamicSubscriber::builder(Arc::new(discovery), Query::new("prod"))
 ///     .topic("kv-events")
 ///     .layout(Layout::TopicPublisherSeq)
-///     .spawn();
+///     .spawn()?;
 /// while let Some(delivery) = subscriber.recv().await {
 ///     println!("{} #{:?}", delivery.source.id, delivery.sequence);
 /// }
-/// # }
+/// # Ok(()) }
 /// ```
 #[derive(Debug)]
 pub struct DynamicSubscriber {
@@ -258,12 +277,12 @@ pub struct DynamicSubscriber {
 /// use eventplane::discovery::{MemoryDiscovery, Query};
 /// use eventplane::subscriber::DynamicSubscriber;
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() {
-/// let sub = DynamicSubscriber::builder(Arc::new(MemoryDiscovery::new()), Query::new("ns")).spawn();
+/// # async fn main() -> Result<(), eventplane::ConfigError> {
+/// let sub = DynamicSubscriber::builder(Arc::new(MemoryDiscovery::new()), Query::new("ns")).spawn()?;
 /// let handle = sub.handle(); // Clone + Send: stats and shutdown from any task
 /// assert_eq!(handle.stats().total.received, 0);
 /// handle.shutdown().await; // stops every connection task and waits for them
-/// # }
+/// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
 pub struct SubscriberHandle {
@@ -296,7 +315,7 @@ impl DynamicSubscriber {
     /// use eventplane::subscriber::{DynamicSubscriber, Layout};
     /// let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     /// let mut sub = DynamicSubscriber::builder(discovery.clone(), Query::new("ns"))
-    ///     .topic("t").layout(Layout::TopicPublisherSeq).spawn();
+    ///     .topic("t").layout(Layout::TopicPublisherSeq).spawn()?;
     /// let publisher = EventPublisher::builder(discovery, "ns", "c", "t").build().await?;
     /// publisher.wait_for_subscribers(1).await;
     /// publisher.publish("x");
@@ -321,7 +340,7 @@ impl DynamicSubscriber {
     /// use eventplane::subscriber::{DynamicSubscriber, Layout};
     /// let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     /// let mut sub = DynamicSubscriber::builder(discovery.clone(), Query::new("ns"))
-    ///     .topic("t").layout(Layout::TopicPublisherSeq).spawn();
+    ///     .topic("t").layout(Layout::TopicPublisherSeq).spawn()?;
     /// let publisher = EventPublisher::builder(discovery, "ns", "c", "t").build().await?;
     /// publisher.wait_for_subscribers(1).await;
     /// publisher.publish("one");
@@ -345,7 +364,7 @@ impl DynamicSubscriber {
     /// use eventplane::subscriber::{DynamicSubscriber, Layout};
     /// let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     /// let mut sub = DynamicSubscriber::builder(discovery.clone(), Query::new("ns"))
-    ///     .topic("t").layout(Layout::TopicPublisherSeq).spawn();
+    ///     .topic("t").layout(Layout::TopicPublisherSeq).spawn()?;
     /// let publisher = EventPublisher::builder(discovery, "ns", "c", "t").build().await?;
     /// publisher.wait_for_subscribers(1).await;
     /// for _ in 0..10 { publisher.publish("x"); }
@@ -433,14 +452,14 @@ impl SubscriberHandle {
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() {
+    /// # async fn main() -> Result<(), eventplane::ConfigError> {
     /// use std::sync::Arc;
     /// use eventplane::discovery::{MemoryDiscovery, Query};
     /// use eventplane::subscriber::DynamicSubscriber;
-    /// let mut sub = DynamicSubscriber::builder(Arc::new(MemoryDiscovery::new()), Query::new("ns")).spawn();
+    /// let mut sub = DynamicSubscriber::builder(Arc::new(MemoryDiscovery::new()), Query::new("ns")).spawn()?;
     /// sub.handle().cancel();
     /// assert!(sub.recv().await.is_none()); // the stream ends
-    /// # }
+    /// # Ok(()) }
     /// ```
     pub fn cancel(&self) {
         self.cancel.cancel();

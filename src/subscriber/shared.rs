@@ -32,7 +32,7 @@ pub(crate) type DeliveryLane = Lane<Delivery>;
 /// let mut sub = DynamicSubscriber::builder(discovery.clone(), Query::new("ns"))
 ///     .topic("t")
 ///     .layout(Layout::TopicPublisherSeq)
-///     .spawn();
+///     .spawn()?;
 /// let publisher = EventPublisher::builder(discovery, "ns", "c", "t").build().await?;
 /// publisher.wait_for_subscribers(1).await;
 /// publisher.publish("payload");
@@ -87,7 +87,7 @@ impl Delivery {
     /// let mut sub = DynamicSubscriber::builder(discovery.clone(), Query::new("ns"))
     ///     .topic("kv-events")
     ///     .layout(Layout::Dynamo)
-    ///     .spawn();
+    ///     .spawn()?;
     /// let publisher = EventPublisher::builder(discovery, "ns", "c", "kv-events")
     ///     .wire(Wire::Dynamo)
     ///     .build()

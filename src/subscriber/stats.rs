@@ -89,13 +89,13 @@ impl PublisherStats {
 /// use eventplane::discovery::{MemoryDiscovery, Query};
 /// use eventplane::subscriber::DynamicSubscriber;
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() {
-/// let sub = DynamicSubscriber::builder(Arc::new(MemoryDiscovery::new()), Query::new("ns")).spawn();
+/// # async fn main() -> Result<(), eventplane::ConfigError> {
+/// let sub = DynamicSubscriber::builder(Arc::new(MemoryDiscovery::new()), Query::new("ns")).spawn()?;
 /// let stats = sub.stats();
 /// assert!(stats.publishers.is_empty());
 /// // Serializable, for logs and scripts.
 /// assert!(serde_json::to_string(&stats).unwrap().contains("\"buffered_bytes\":0"));
-/// # }
+/// # Ok(()) }
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::ConfigError;
+
 /// Largest heartbeat TTL we advertise: 655 deciseconds (libzmq wraps larger values,
 /// libzmq#4226).
 ///
@@ -37,7 +39,7 @@ const MAX_MESSAGE_SIZE_LIMIT: u64 = 1 << 32;
 ///     .build()?;
 /// assert_eq!(config.max_frame_size(), 1 << 20);
 /// assert_eq!(config.heartbeat_timeout(), Some(Duration::from_secs(1)));
-/// # Ok::<(), eventplane::zmtp::ConfigError>(())
+/// # Ok::<(), eventplane::ConfigError>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -182,7 +184,8 @@ impl Config {
 /// Builds a validated [`Config`]. Every setter names its default.
 ///
 /// ```
-/// use eventplane::zmtp::{Config, ConfigError};
+/// use eventplane::ConfigError;
+/// use eventplane::zmtp::Config;
 /// let err = Config::builder().send_queue_messages(0).build().unwrap_err();
 /// assert_eq!(err, ConfigError::Zero { field: "send_queue_messages" });
 /// ```
@@ -313,7 +316,8 @@ impl ConfigBuilder {
         }
         if c.max_frame_size > c.max_message_size {
             return Err(ConfigError::Inconsistent {
-                reason: "max_frame_size exceeds max_message_size",
+                field: "max_frame_size",
+                reason: "exceeds max_message_size",
             });
         }
         if c.max_message_size as u64 > MAX_MESSAGE_SIZE_LIMIT {
@@ -361,38 +365,6 @@ impl ConfigBuilder {
         }
         Ok(c)
     }
-}
-
-/// A rejected [`ConfigBuilder`] value.
-///
-/// ```
-/// use eventplane::zmtp::Config;
-/// let err = Config::builder().max_frame_size(32 << 20).build().unwrap_err();
-/// assert_eq!(err.to_string(), "inconsistent config: max_frame_size exceeds max_message_size");
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// A bound or duration was zero.
-    #[error("{field} must not be zero")]
-    Zero {
-        /// The field.
-        field: &'static str,
-    },
-    /// A value was outside its range.
-    #[error("{field} {reason}")]
-    OutOfRange {
-        /// The field.
-        field: &'static str,
-        /// The allowed range.
-        reason: &'static str,
-    },
-    /// Two values contradict each other.
-    #[error("inconsistent config: {reason}")]
-    Inconsistent {
-        /// What contradicts what.
-        reason: &'static str,
-    },
 }
 
 #[cfg(test)]

@@ -44,7 +44,7 @@ pub(crate) mod retain;
 mod session;
 mod sub;
 
-pub use config::{Config, ConfigBuilder, ConfigError, MAX_HEARTBEAT_TTL};
+pub use config::{Config, ConfigBuilder, MAX_HEARTBEAT_TTL};
 pub use error::{Error, ProtocolError, TimeoutKind};
 pub use message::Message;
 pub use publish::{PeerStats, PubSocket, PubStats, SendReport};

@@ -19,7 +19,8 @@ fn memory() -> Arc<dyn Discovery> {
     Arc::new(
         MemoryDiscovery::builder()
             .ttl(Duration::from_secs(10))
-            .build(),
+            .build()
+            .unwrap(),
     )
 }
 
@@ -153,7 +154,10 @@ fn toy(kind: Broken) -> Arc<dyn Discovery> {
         _ => 1024,
     };
     Arc::new(Toy {
-        inner: MemoryDiscovery::builder().watch_buffer(buffer).build(),
+        inner: MemoryDiscovery::builder()
+            .watch_buffer(buffer)
+            .build()
+            .unwrap(),
         kind,
     })
 }

@@ -203,16 +203,22 @@ async fn connect_fails_clearly_when_etcd_is_unreachable() {
     let chain = format!("{err}: {}", std::error::Error::source(&err).unwrap());
     assert!(chain.contains("status") && chain.contains(&url), "{chain}");
 
-    for bad in [
-        EtcdDiscovery::builder(Vec::<String>::new()),
-        EtcdDiscovery::builder([&url]).prefix("no-slash"),
-        EtcdDiscovery::builder([&url]).lease_ttl(Duration::from_millis(500)),
-        EtcdDiscovery::builder([&url]).watch_buffer(0),
+    for (field, bad) in [
+        ("endpoints", EtcdDiscovery::builder(Vec::<String>::new())),
+        ("prefix", EtcdDiscovery::builder([&url]).prefix("no-slash")),
+        (
+            "lease_ttl",
+            EtcdDiscovery::builder([&url]).lease_ttl(Duration::from_millis(500)),
+        ),
+        (
+            "watch_buffer",
+            EtcdDiscovery::builder([&url]).watch_buffer(0),
+        ),
     ] {
         let err = bad.connect().await.unwrap_err();
         assert!(
-            matches!(err, DiscoveryError::InvalidConfig { .. }),
-            "{err:?}"
+            matches!(&err, DiscoveryError::InvalidConfig(e) if e.field() == field),
+            "{field}: {err:?}"
         );
     }
 }
@@ -566,7 +572,8 @@ async fn dynamic_subscriber_follows_publishers_through_etcd() {
     let mut sub = DynamicSubscriber::builder(router, Query::new("e2e").component("worker"))
         .topic("kv-events")
         .layout(Layout::TopicPublisherSeq)
-        .spawn();
+        .spawn()
+        .unwrap();
     let first = EventPublisher::builder(workers.clone(), "e2e", "worker", "kv-events")
         .build()
         .await
@@ -620,7 +627,8 @@ async fn a_planted_metadata_endpoint_is_refused_and_counted() {
     let mut sub = DynamicSubscriber::builder(discovery.clone(), Query::new("ssrf"))
         .topic("kv-events")
         .layout(Layout::TopicPublisherSeq)
-        .spawn();
+        .spawn()
+        .unwrap();
     let real = EventPublisher::builder(discovery, "ssrf", "worker", "kv-events")
         .build()
         .await

@@ -85,6 +85,7 @@ fn subscriber(d: Arc<dyn Discovery>) -> DynamicSubscriber {
         .reconnect_backoff(Duration::from_millis(10), Duration::from_millis(100))
         .rewatch_backoff(Duration::from_millis(10), Duration::from_millis(100))
         .spawn()
+        .unwrap()
 }
 
 async fn next(sub: &mut DynamicSubscriber) -> Delivery {
@@ -293,7 +294,8 @@ async fn a_flood_cannot_starve_a_quiet_publisher() {
         .topic("kv")
         .layout(Layout::TopicPublisherSeq)
         .lane_capacity(64)
-        .spawn();
+        .spawn()
+        .unwrap();
     within(flood.socket.wait_for_subscribers(1)).await;
     within(quiet.socket.wait_for_subscribers(1)).await;
     let stop = Arc::new(AtomicBool::new(false));
@@ -359,7 +361,8 @@ async fn thirty_two_floods_and_a_slow_consumer_stay_within_the_budget_and_balanc
         .layout(Layout::TopicPublisherSeq)
         .lane_bytes(256 << 10)
         .max_buffered_bytes(BUDGET)
-        .spawn();
+        .spawn()
+        .unwrap();
     for p in &pubs {
         within(p.socket.wait_for_subscribers(1)).await;
     }
@@ -563,7 +566,8 @@ async fn a_departing_publishers_last_messages_are_all_delivered() {
         .topic("kv")
         .layout(Layout::TopicPublisherSeq)
         .lane_capacity(16_384)
-        .spawn();
+        .spawn()
+        .unwrap();
     let p = EventPublisher::builder(d.clone(), "ns", "worker", "kv")
         .build()
         .await

@@ -74,7 +74,8 @@ async fn counters_reach_the_metrics_facade() {
         .topic("kv")
         .layout(Layout::TopicSeq)
         .metrics_interval(Duration::from_millis(20))
-        .spawn();
+        .spawn()
+        .unwrap();
     support::within(p.wait_for_subscribers(1)).await;
     for seq in 0u64..10 {
         p.send(Message::from_parts([

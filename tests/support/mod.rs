@@ -58,7 +58,7 @@ pub fn expected_router_events(
     block_size: usize,
 ) -> Vec<eventplane::kv::RouterEvent> {
     use eventplane::kv::{EngineDecoder, Pipeline, WorkerId};
-    let mut decoder = EngineDecoder::new(WorkerId(worker), block_size);
+    let mut decoder = EngineDecoder::new(WorkerId(worker), block_size).unwrap();
     let mut pipeline = Pipeline::default();
     let mut expected = Vec::new();
     for f in files {

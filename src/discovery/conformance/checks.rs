@@ -460,7 +460,7 @@ pub async fn check_exact_query_matching(d: &dyn Discovery, settings: &Settings) 
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
 /// # async fn main() -> Result<(), eventplane::discovery::conformance::ConformanceFailure> {
 /// let ttl = Duration::from_secs(10);
-/// let discovery = MemoryDiscovery::builder().ttl(ttl).build();
+/// let discovery = MemoryDiscovery::builder().ttl(ttl).build().expect("ttl is not zero");
 /// check_ttl_expiry(&discovery, &Settings::default().with_ttl(ttl)).await?;
 /// # Ok(()) }
 /// ```

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::discovery::DiscoveryError;
+use crate::config::{self, ConfigError};
 
 /// The default key prefix.
 ///
@@ -58,41 +58,35 @@ impl EtcdConfig {
         }
     }
 
-    pub(crate) fn validate(&self) -> Result<(), DiscoveryError> {
-        let bad = |reason: String| Err(DiscoveryError::InvalidConfig { reason });
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |field, reason: String| Err(ConfigError::Invalid { field, reason });
         if self.endpoints.is_empty() {
-            return bad("no etcd endpoints given".to_owned());
+            return invalid("endpoints", "no etcd endpoint given".to_owned());
         }
         if let Some(e) = self.endpoints.iter().find(|e| e.trim().is_empty()) {
-            return bad(format!("empty etcd endpoint {e:?}"));
+            return invalid("endpoints", format!("empty etcd endpoint {e:?}"));
         }
         if !self.prefix.starts_with('/') || self.prefix.ends_with('/') || self.prefix.len() < 2 {
-            return bad(format!(
-                "prefix {:?} must start with '/', not end with '/', and not be \"/\"",
-                self.prefix
-            ));
+            return invalid(
+                "prefix",
+                format!(
+                    "{:?} must start with '/', not end with '/', and not be \"/\"",
+                    self.prefix
+                ),
+            );
         }
         if self.lease_ttl < Duration::from_secs(2) || self.lease_ttl > Duration::from_secs(3600) {
-            return bad(format!(
-                "lease TTL {:?} must lie within 2 s ..= 1 h (etcd counts whole seconds)",
-                self.lease_ttl
-            ));
+            return Err(ConfigError::OutOfRange {
+                field: "lease_ttl",
+                reason: "must lie within 2 s ..= 1 h (etcd counts whole seconds)",
+            });
         }
-        for (name, d) in [
-            ("connect timeout", self.connect_timeout),
-            ("request timeout", self.request_timeout),
-            ("minimum backoff", self.backoff_min),
-        ] {
-            if d.is_zero() {
-                return bad(format!("{name} must be positive"));
-            }
-        }
-        if self.backoff_max < self.backoff_min {
-            return bad("maximum backoff is below the minimum".to_owned());
-        }
-        if self.watch_buffer == 0 || self.page_size == 0 || self.max_value_bytes == 0 {
-            return bad("watch buffer, page size and value limit must be positive".to_owned());
-        }
+        config::nonzero_duration("connect_timeout", self.connect_timeout)?;
+        config::nonzero_duration("request_timeout", self.request_timeout)?;
+        config::backoff_range("backoff", self.backoff_min, self.backoff_max)?;
+        config::nonzero("watch_buffer", self.watch_buffer)?;
+        config::nonzero("page_size", self.page_size)?;
+        config::nonzero("max_value_bytes", self.max_value_bytes)?;
         Ok(())
     }
 
@@ -131,25 +125,37 @@ mod tests {
             Duration::from_millis(3333) + Duration::from_nanos(333_333)
         );
         type Mutation = Box<dyn Fn(&mut EtcdConfig)>;
-        let cases: Vec<Mutation> = vec![
-            Box::new(|c| c.endpoints.clear()),
-            Box::new(|c| c.endpoints.push(" ".to_owned())),
-            Box::new(|c| c.prefix = "eventplane".to_owned()),
-            Box::new(|c| c.prefix = "/eventplane/".to_owned()),
-            Box::new(|c| c.prefix = "/".to_owned()),
-            Box::new(|c| c.lease_ttl = Duration::from_secs(1)),
-            Box::new(|c| c.request_timeout = Duration::ZERO),
-            Box::new(|c| c.backoff_max = Duration::from_millis(1)),
-            Box::new(|c| c.watch_buffer = 0),
-            Box::new(|c| c.page_size = 0),
+        let cases: Vec<(&str, Mutation)> = vec![
+            ("endpoints", Box::new(|c| c.endpoints.clear())),
+            ("endpoints", Box::new(|c| c.endpoints.push(" ".to_owned()))),
+            ("prefix", Box::new(|c| c.prefix = "eventplane".to_owned())),
+            ("prefix", Box::new(|c| c.prefix = "/eventplane/".to_owned())),
+            ("prefix", Box::new(|c| c.prefix = "/".to_owned())),
+            (
+                "lease_ttl",
+                Box::new(|c| c.lease_ttl = Duration::from_secs(1)),
+            ),
+            (
+                "connect_timeout",
+                Box::new(|c| c.connect_timeout = Duration::ZERO),
+            ),
+            (
+                "request_timeout",
+                Box::new(|c| c.request_timeout = Duration::ZERO),
+            ),
+            (
+                "backoff",
+                Box::new(|c| c.backoff_max = Duration::from_millis(1)),
+            ),
+            ("backoff", Box::new(|c| c.backoff_min = Duration::ZERO)),
+            ("watch_buffer", Box::new(|c| c.watch_buffer = 0)),
+            ("page_size", Box::new(|c| c.page_size = 0)),
+            ("max_value_bytes", Box::new(|c| c.max_value_bytes = 0)),
         ];
-        for mutate in cases {
+        for (field, mutate) in cases {
             let mut c = ok.clone();
             mutate(&mut c);
-            assert!(
-                matches!(c.validate(), Err(DiscoveryError::InvalidConfig { .. })),
-                "{c:?}"
-            );
+            assert_eq!(c.validate().map_err(|e| e.field()), Err(field), "{c:?}");
         }
     }
 }

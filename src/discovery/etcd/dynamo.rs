@@ -19,6 +19,7 @@ use std::borrow::Cow;
 use serde::{Deserialize, Serialize};
 
 use super::record::RecordError;
+use crate::ConfigError;
 use crate::discovery::model::{decode_segment, encode_segment};
 use crate::discovery::{ChannelId, DiscoveryError, Query, Transport};
 
@@ -71,9 +72,10 @@ impl DynamoRecords {
             (_, None) => "Dynamo records need a worker to register (DynamoRecords::worker)",
             _ => return None,
         };
-        Some(DiscoveryError::InvalidConfig {
+        Some(DiscoveryError::InvalidConfig(ConfigError::Invalid {
+            field: "record_format",
             reason: reason.to_owned(),
-        })
+        }))
     }
 
     /// The `event_channels` root: every followed key lives under it.

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use crate::ConfigError;
 use crate::discovery::DiscoveryError;
 
 /// Why an etcd request failed (boxed into [`DiscoveryError::Unavailable`]).
@@ -41,9 +42,10 @@ pub(super) fn failed(
     use etcd_client::Error as E;
     match &source {
         E::InvalidArgs(_) | E::InvalidUri(_) | E::EndpointError(_) => {
-            DiscoveryError::InvalidConfig {
+            DiscoveryError::InvalidConfig(ConfigError::Invalid {
+                field: "endpoints",
                 reason: format!("etcd {op} (endpoints {endpoints}): {source}"),
-            }
+            })
         }
         E::GRpcStatus(status) if is_denial(status.message()) => {
             DiscoveryError::Denied(Box::new(EtcdRequestError::Failed {

@@ -10,6 +10,10 @@
 //!   a reader with different read sizes or timing can beat it, especially when the
 //!   single writer thread is the bottleneck (large messages).
 //!
+//! - `zmtp_session/{payload}B`: the sans-IO core alone, no socket: our PUB `Session`
+//!   encodes 256 messages, our SUB `Session` decodes them, through a `zmtp::Pair`.
+//!   What the sockets above add to it is I/O and scheduling.
+//!
 //! Every variant times from its first message to its last, so connection set-up is
 //! excluded. Throughput is reported in messages/s; multiply by the message's wire size
 //! (printed per group) for bytes/s.
@@ -28,7 +32,7 @@ use std::time::{Duration, Instant};
 use bytes::{BufMut, BytesMut};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use eventplane::zmtp::codec::{encode_greeting, encode_message};
-use eventplane::zmtp::{Config, Event, Message, Session, SocketType, SubSocket};
+use eventplane::zmtp::{Config, Event, Message, Pair, Session, Side, SocketType, SubSocket};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use zeromq::{Socket, SocketRecv};
 
@@ -257,7 +261,46 @@ fn raw_read(rt: &tokio::runtime::Runtime, b: &Blaster, iters: u64) -> Duration {
     elapsed
 }
 
+/// `iters` messages from our PUB session to our SUB session through a [`Pair`], 256
+/// per drive; the SUB's events are counted and dropped.
+fn session_pair(payload: usize, iters: u64) -> Duration {
+    let mut pair = Pair::new(&Config::default(), &Config::default(), Instant::now());
+    pair.sub.subscribe(bytes::Bytes::from_static(TOPIC));
+    pair.drive().unwrap();
+    pair.take_events(Side::Sub);
+    let msg = Message::from_parts([
+        bytes::Bytes::from_static(TOPIC),
+        bytes::Bytes::from(vec![0u8; 8]),
+        bytes::Bytes::from(vec![7u8; payload]),
+    ]);
+    let mut received = 0u64;
+    let start = Instant::now();
+    while received < iters {
+        for _ in 0..256.min(iters - received) {
+            pair.publ.send_message(&msg);
+        }
+        pair.drive().unwrap();
+        received += pair
+            .take_events(Side::Sub)
+            .iter()
+            .filter(|e| matches!(e, Event::Message(_)))
+            .count() as u64;
+    }
+    start.elapsed()
+}
+
 fn bench(c: &mut Criterion) {
+    for payload in [16, 1024] {
+        let mut group = c.benchmark_group(format!("zmtp_session/{payload}B"));
+        group.throughput(Throughput::Elements(1));
+        group.sample_size(10);
+        group.warm_up_time(Duration::from_millis(500));
+        group.measurement_time(Duration::from_secs(2));
+        group.bench_function("pair", |bch| {
+            bch.iter_custom(|iters| session_pair(payload, iters))
+        });
+        group.finish();
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -1,6 +1,17 @@
 //! One check per rule of the watch contract, and the register / list / TTL checks.
 
-use super::*;
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::harness::{
+    converge, endpoint, eventually, id, initial_sync, list, namespace, next_event, register,
+    synced_mirror, unregister, watch,
+};
+use super::mirror::{Mirror, view};
+use super::{CheckResult, Settings, fail};
+use crate::discovery::{ChannelId, Discovery, DiscoveryEvent, DiscoveryStream, Instance, Query};
 
 /// Rule 2: one `Added` per matching instance, then exactly one `Resync` with them.
 ///

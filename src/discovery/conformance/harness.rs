@@ -1,6 +1,15 @@
 //! What every check uses: fresh namespaces and ids, deadlines, convergence.
 
-use super::*;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::mirror::{Mirror, view};
+use super::{CheckResult, ConformanceFailure, Settings, fail};
+use crate::discovery::{
+    ChannelId, Discovery, DiscoveryEvent, DiscoveryStream, Instance, Query, Registration, Transport,
+};
 
 pub(super) static NAMESPACE_SEQ: AtomicU64 = AtomicU64::new(0);
 

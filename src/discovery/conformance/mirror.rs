@@ -1,6 +1,8 @@
 //! A consumer's view of a watch.
 
-use super::*;
+use std::collections::BTreeMap;
+
+use crate::discovery::{ChannelId, DiscoveryEvent, Instance};
 
 /// A consumer's view of a watch — what a correct consumer believes after each event:
 /// id → (endpoint, incarnation). For tests of backends and of consumers.

@@ -21,18 +21,12 @@
 //! # }
 //! ```
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use tokio_util::sync::CancellationToken;
-
-use super::{
-    ChannelId, Discovery, DiscoveryEvent, DiscoveryStream, Instance, Query, Registration, Transport,
-};
+use super::Discovery;
 
 /// Knobs for the suite.
 ///
@@ -177,6 +171,4 @@ pub use checks::{
     check_overflow_collapses_into_resync, check_register_list_unregister,
     check_reregister_incarnations, check_stale_removal_suppressed, check_ttl_expiry,
 };
-use harness::*;
 pub use mirror::Mirror;
-use mirror::view;

@@ -1,7 +1,19 @@
 //! `EtcdDiscovery` as a [`Discovery`] backend: register, list, watch, and the
 //! registration guard.
 
-use super::*;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use tokio_util::sync::CancellationToken;
+
+use super::registry::{PendingKind, PendingOp, SignalOnDrop};
+use super::{EtcdDiscovery, Handle, watch};
+use crate::BoxFuture;
+use crate::discovery::{
+    ChannelId, Discovery, DiscoveryError, DiscoveryStats, DiscoveryStream, Instance, Query,
+    Registration, RegistrationHandle, Transport,
+};
 
 impl Discovery for EtcdDiscovery {
     fn register(

@@ -1,6 +1,11 @@
 //! The builder of `EtcdDiscovery`: every setting with its default.
 
-use super::*;
+use std::time::Duration;
+
+use super::EtcdDiscovery;
+use super::config::{self, EtcdConfig};
+use super::record::RecordFormat;
+use crate::discovery::DiscoveryError;
 
 /// Builds an [`EtcdDiscovery`]. Every setter documents its default.
 ///

@@ -13,15 +13,14 @@ mod watch;
 
 use std::collections::HashMap;
 use std::fmt;
-use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use etcd_client::{Client, ConnectOptions, GetOptions};
 use tokio::sync::{Notify, watch as state_watch};
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, debug, info, warn};
+use tracing::{Instrument, debug, info};
 
 pub use builder::EtcdDiscoveryBuilder;
 pub use config::DEFAULT_PREFIX;
@@ -30,15 +29,12 @@ pub use dynamo::DynamoRecords;
 use error::{EtcdRequestError, failed, unavailable};
 use lease::Maintainer;
 pub use record::RecordFormat;
-use record::{Keys, RecordError, prefix_end};
-use registry::{PendingKind, PendingOp, Session, SignalOnDrop};
+use record::{Keys, prefix_end};
+use registry::Session;
 pub(crate) use shared::{Counters, Shared};
 
-use super::{
-    BoxFuture, ChannelId, Discovery, DiscoveryError, DiscoveryStats, DiscoveryStream, Instance,
-    Query, Registration, RegistrationHandle, Transport,
-};
-use crate::net::{Backoff, RateLimitedWarn};
+use super::DiscoveryError;
+use crate::net::RateLimitedWarn;
 
 /// Whether an [`EtcdDiscovery`]'s session with etcd is healthy.
 ///

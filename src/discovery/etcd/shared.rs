@@ -2,7 +2,22 @@
 //! session, the counters, and the reads they all use (requests with deadlines, paged
 //! snapshots).
 
-use super::*;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use etcd_client::{Client, GetOptions};
+use tokio::sync::{Notify, watch as state_watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use super::EtcdState;
+use super::config::EtcdConfig;
+use super::error::{EtcdRequestError, failed, unavailable};
+use super::record::{Keys, RecordError, prefix_end};
+use super::registry::{PendingOp, Session};
+use crate::discovery::{DiscoveryError, Instance, Query};
+use crate::net::{Backoff, RateLimitedWarn};
 
 pub(crate) struct Shared {
     pub(super) client: Client,

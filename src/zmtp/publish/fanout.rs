@@ -1,7 +1,20 @@
 //! The synchronous fan-out core of a `PubSocket`: the peer table, the prefix index
 //! and each peer's bounded queue, and how connection events change them.
 
-use super::*;
+use std::sync::{Mutex, MutexGuard};
+use std::task::Waker;
+use std::time::Instant;
+
+use bytes::Bytes;
+use smallvec::SmallVec;
+use tokio::sync::{Notify, watch};
+
+use super::{DROP_WARN_INTERVAL, PubStats, SendReport};
+use crate::net::RateLimitedWarn;
+use crate::slots::Slab;
+use crate::zmtp::prefix::PrefixMap;
+use crate::zmtp::queue::{ARENA_MIN_QUEUE_BYTES, Arena, Encoded, Queue};
+use crate::zmtp::{Config, Event, Message, SessionStats};
 
 #[derive(Debug)]
 pub(super) struct Shared {

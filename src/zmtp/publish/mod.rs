@@ -2,13 +2,11 @@
 //! file holds the public API and its stats; `fanout` the synchronous core (the peer
 //! table, the prefix index, the queues); `task` the per-subscriber connection tasks.
 
-use std::future::poll_fn;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::task::Waker;
+use std::time::Duration;
 
-use bytes::Bytes;
 use smallvec::SmallVec;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
@@ -17,12 +15,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::endpoint;
-use super::io::{Conn, WRITE_BATCH};
-use super::prefix::PrefixMap;
-use super::queue::{ARENA_MIN_QUEUE_BYTES, Arena, Encoded, Queue};
-use super::{Config, Error, Event, Message, SessionStats, SocketType, TimeoutKind};
+use super::{Config, Error, Message, SessionStats};
 use crate::net::RateLimitedWarn;
-use crate::slots::Slab;
 
 /// How often (at most) a drop warning is logged per subscriber.
 const DROP_WARN_INTERVAL: Duration = Duration::from_secs(60);
@@ -177,7 +171,7 @@ pub struct PeerStats {
 mod fanout;
 mod task;
 
-use fanout::{Inner, Peer, Shared};
+use fanout::{Inner, Shared};
 use task::{accept_loop, spawn_peer};
 
 impl PubSocket {

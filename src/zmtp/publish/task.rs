@@ -2,7 +2,19 @@
 //! driving its session and writing its queue.
 
 use super::fanout::{on_peer_event, remove_peer};
-use super::*;
+use std::future::poll_fn;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::fanout::{Peer, Shared};
+use crate::zmtp::io::{Conn, WRITE_BATCH};
+use crate::zmtp::{Error, SocketType, TimeoutKind};
 
 pub(super) async fn accept_loop(
     listener: TcpListener,

@@ -1,7 +1,12 @@
 //! The handshake half of a [`Session`]: the peer's greeting, then READY (or ERROR)
 //! and the checks on what it declares.
 
-use super::*;
+use bytes::Bytes;
+
+use super::types::{Event, PeerInfo, SocketType};
+use super::{PUB_MIN_COMMAND_SIZE, Session, State};
+use crate::zmtp::codec::{Command, Decoded, Greeting, Metadata};
+use crate::zmtp::{Error, ProtocolError};
 
 impl Session {
     pub(super) fn on_greeting(&mut self, greeting: Greeting) {

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use super::codec::{
-    Command, Decoded, FrameDecoder, FrameLimits, Greeting, GreetingDecoder, Metadata,
-    encode_frame_header, encode_greeting, encode_message,
+    Command, Decoded, FrameDecoder, FrameLimits, GreetingDecoder, encode_frame_header,
+    encode_greeting, encode_message,
 };
 use super::prefix::PrefixMap;
 use super::{Config, Error, Message, ProtocolError, TimeoutKind};

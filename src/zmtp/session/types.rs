@@ -1,7 +1,10 @@
 //! What a session tells its owner: the socket types, the peer's identity, the events
 //! and the counters.
 
-use super::*;
+use bytes::Bytes;
+
+use crate::zmtp::Message;
+use crate::zmtp::codec::Metadata;
 
 /// Our side of the connection.
 ///

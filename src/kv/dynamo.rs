@@ -20,7 +20,6 @@ use serde::ser::SerializeSeq;
 use serde::{Deserialize, Serialize, Serializer};
 
 use super::KvDecodeError;
-use super::sink::check_shape;
 use super::{
     BlockHash, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId,
 };
@@ -59,7 +58,7 @@ pub fn encode_dynamo_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, Kv
 /// # Ok::<(), eventplane::kv::KvDecodeError>(())
 /// ```
 pub fn decode_dynamo_router_events(payload: &[u8]) -> Result<Vec<RouterEvent>, KvDecodeError> {
-    check_shape(payload)?;
+    KvDecodeError::check_shape(payload)?;
     let wire: Vec<InEvent<'_>> =
         rmp_serde::from_slice(payload).map_err(|e| KvDecodeError(Box::new(e)))?;
     Ok(wire.into_iter().map(RouterEvent::from).collect())

@@ -61,3 +61,14 @@ pub struct IndexError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
 #[derive(Debug, thiserror::Error)]
 #[error("malformed router-event payload")]
 pub struct KvDecodeError(#[source] pub(crate) Box<dyn std::error::Error + Send + Sync>);
+
+impl KvDecodeError {
+    /// Refuses, before serde sees it, a payload whose declared lengths exceed its size
+    /// or whose nesting is deeper than the bounded reader's: serde reserves from
+    /// declared lengths (up to 1 MiB per vector), so a few forged bytes would cost that
+    /// much.
+    pub(crate) fn check_shape(payload: &[u8]) -> Result<(), KvDecodeError> {
+        crate::msgpack::check_shape(payload)
+            .map_err(|e| KvDecodeError(format!("msgpack shape: {e:?}").into()))
+    }
+}

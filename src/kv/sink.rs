@@ -97,16 +97,8 @@ pub fn encode_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, KvDecodeE
 /// # Ok::<(), eventplane::kv::KvDecodeError>(())
 /// ```
 pub fn decode_router_events(payload: &[u8]) -> Result<Vec<RouterEvent>, KvDecodeError> {
-    check_shape(payload)?;
+    KvDecodeError::check_shape(payload)?;
     rmp_serde::from_slice(payload).map_err(|e| KvDecodeError(Box::new(e)))
-}
-
-/// Refuses, before serde sees it, a payload whose declared lengths exceed its size or
-/// whose nesting is deeper than the bounded reader's: serde reserves from declared
-/// lengths (up to 1 MiB per vector), so a few forged bytes would cost that much.
-pub(crate) fn check_shape(payload: &[u8]) -> Result<(), KvDecodeError> {
-    crate::msgpack::check_shape(payload)
-        .map_err(|e| KvDecodeError(format!("msgpack shape: {e:?}").into()))
 }
 
 /// Encodes router events as the payload `wire` carries: ours

@@ -7,7 +7,8 @@ use std::sync::atomic::Ordering;
 
 use tokio_util::sync::CancellationToken;
 
-use super::registry::{PendingKind, PendingOp, SignalOnDrop};
+use super::registry::SignalOnDrop;
+use super::table::{PendingKind, PendingOp};
 use super::{EtcdDiscovery, Handle, watch};
 use crate::BoxFuture;
 use crate::discovery::{

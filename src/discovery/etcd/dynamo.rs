@@ -18,7 +18,7 @@ use std::borrow::Cow;
 
 use serde::{Deserialize, Serialize};
 
-use super::record::RecordError;
+use super::error::RecordError;
 use crate::ConfigError;
 use crate::discovery::model::{decode_segment, encode_segment};
 use crate::discovery::{ChannelId, DiscoveryError, Query, Transport};

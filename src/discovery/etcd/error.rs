@@ -1,10 +1,35 @@
-//! How etcd request failures are classified: denied, invalid configuration, or
-//! unavailable (worth retrying).
+//! The etcd backend's errors: how request failures are classified (denied, invalid
+//! configuration, or unavailable and worth retrying), and why a record was skipped.
 
 use std::time::Duration;
 
 use crate::ConfigError;
 use crate::discovery::DiscoveryError;
+
+/// Why a record was skipped.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum RecordError {
+    #[error("key is outside the channel prefix")]
+    ForeignKey,
+    #[error("key is not a channel path: {0}")]
+    BadKey(String),
+    #[error("value of {len} bytes exceeds the {max}-byte limit")]
+    TooLarge { len: usize, max: usize },
+    #[error("value is not a channel record: {0}")]
+    BadValue(String),
+    #[error("value's id does not match its key")]
+    IdMismatch,
+    #[error("unsupported transport kind {0:?}")]
+    UnsupportedTransport(String),
+    #[error("revision {0} is not positive")]
+    BadRevision(i64),
+    #[error("unsupported scope kind {0:?}")]
+    UnsupportedScope(String),
+    /// A well-formed key this backend does not follow (another Dynamo endpoint):
+    /// neither an error nor counted.
+    #[error("not followed")]
+    Unfollowed,
+}
 
 /// Why an etcd request failed (boxed into [`DiscoveryError::Unavailable`]).
 #[derive(Debug, thiserror::Error)]

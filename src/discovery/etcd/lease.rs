@@ -8,7 +8,7 @@ use etcd_client::{LeaseKeepAliveStream, LeaseKeeper};
 use tracing::{debug, info, warn};
 
 use super::error::is_lease_not_found;
-use super::{EtcdState, Shared};
+use super::shared::{EtcdState, Shared};
 use crate::discovery::DiscoveryError;
 use crate::net::random_unit;
 

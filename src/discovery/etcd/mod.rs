@@ -9,6 +9,7 @@ mod lease;
 mod record;
 mod registry;
 mod shared;
+mod table;
 mod watch;
 
 use std::collections::HashMap;
@@ -30,28 +31,12 @@ use error::{EtcdRequestError, failed, unavailable};
 use lease::Maintainer;
 pub use record::RecordFormat;
 use record::{Keys, prefix_end};
-use registry::Session;
+pub use shared::EtcdState;
 pub(crate) use shared::{Counters, Shared};
+use table::Session;
 
 use super::DiscoveryError;
 use crate::net::RateLimitedWarn;
-
-/// Whether an [`EtcdDiscovery`]'s session with etcd is healthy.
-///
-/// ```
-/// use eventplane::discovery::EtcdState;
-/// assert_ne!(EtcdState::Live, EtcdState::Reconnecting);
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum EtcdState {
-    /// The lease was renewed within the last keep-alive period: registrations are up.
-    Live,
-    /// The last keep-alive failed; the backend is retrying with backoff. Registrations
-    /// survive while etcd keeps the lease (its TTL); if it was lost, they are put again
-    /// under a new lease on reconnect.
-    Reconnecting,
-}
 
 /// The distributed discovery backend, on etcd v3 (feature `etcd`).
 ///
@@ -60,13 +45,13 @@ pub enum EtcdState {
 ///   `{"id":{"namespace","component","topic","publisher_id"},"transport":{"kind":"zmq","endpoint"}}`.
 ///   This is a public contract: processes in any language may register this way.
 ///   Unknown fields are ignored; a malformed record is skipped, counted in
-///   [`DiscoveryStats::malformed`] and logged (rate-limited), never fatal. With
+///   [`DiscoveryStats::malformed`](crate::discovery::DiscoveryStats::malformed) and logged (rate-limited), never fatal. With
 ///   [`RecordFormat::Dynamo`](EtcdDiscoveryBuilder::record_format) it reads and writes
 ///   Dynamo's records instead.
 /// - One lease per `EtcdDiscovery` (TTL default 10 s, renewed every TTL/3) carries every
 ///   registration. If etcd reports the lease lost (expired during an outage, or revoked),
 ///   a new one is granted and every live registration is put again
-///   ([`DiscoveryStats::lease_losses`]). [`state`](Self::state) tells whether the
+///   ([`DiscoveryStats::lease_losses`](crate::discovery::DiscoveryStats::lease_losses)). [`state`](Self::state) tells whether the
 ///   session is [`Live`](EtcdState::Live).
 /// - The incarnation of an instance is its key's `mod_revision`.
 /// - `watch` reads the matching keys at one revision R (in pages), then watches from
@@ -77,10 +62,10 @@ pub enum EtcdState {
 ///   `Resync` when the consumer falls behind.
 /// - A re-put that leaves a record's value unchanged (a detach, or a foreign writer
 ///   refreshing its key) is not a change and is not reported.
-/// - [`Registration::detach`] moves the key to its own lease that is never renewed, so
+/// - [`Registration::detach`](crate::discovery::Registration::detach) moves the key to its own lease that is never renewed, so
 ///   it expires after the TTL exactly as if this process had died.
 ///
-/// Dropping a [`Registration`] deletes its key in the background; the session (lease
+/// Dropping a [`Registration`](crate::discovery::Registration) deletes its key in the background; the session (lease
 /// keep-alive) lives while any clone of the `EtcdDiscovery` or any registration guard
 /// does. Dropping a `register` or `unregister` future part-way is safe: a put that
 /// etcd may have applied is taken back in the background (unless a later registration

@@ -12,33 +12,9 @@ use std::borrow::Cow;
 use serde::{Deserialize, Serialize};
 
 use super::dynamo::DynamoRecords;
+use super::error::RecordError;
 use crate::discovery::model::encode_segment;
 use crate::discovery::{ChannelId, DiscoveryError, Instance, Query, Transport};
-
-/// Why a record was skipped.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum RecordError {
-    #[error("key is outside the channel prefix")]
-    ForeignKey,
-    #[error("key is not a channel path: {0}")]
-    BadKey(String),
-    #[error("value of {len} bytes exceeds the {max}-byte limit")]
-    TooLarge { len: usize, max: usize },
-    #[error("value is not a channel record: {0}")]
-    BadValue(String),
-    #[error("value's id does not match its key")]
-    IdMismatch,
-    #[error("unsupported transport kind {0:?}")]
-    UnsupportedTransport(String),
-    #[error("revision {0} is not positive")]
-    BadRevision(i64),
-    #[error("unsupported scope kind {0:?}")]
-    UnsupportedScope(String),
-    /// A well-formed key this backend does not follow (another Dynamo endpoint):
-    /// neither an error nor counted.
-    #[error("not followed")]
-    Unfollowed,
-}
 
 /// Which records an [`EtcdDiscovery`](super::EtcdDiscovery) reads and writes.
 ///

@@ -11,13 +11,30 @@ use tokio::sync::{Notify, watch as state_watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use super::EtcdState;
 use super::config::EtcdConfig;
+use super::error::RecordError;
 use super::error::{EtcdRequestError, failed, unavailable};
-use super::record::{Keys, RecordError, prefix_end};
-use super::registry::{PendingOp, Session};
+use super::record::{Keys, prefix_end};
+use super::table::{PendingOp, Session};
 use crate::discovery::{DiscoveryError, Instance, Query};
 use crate::net::{Backoff, RateLimitedWarn};
+
+/// Whether an [`EtcdDiscovery`](super::EtcdDiscovery)'s session with etcd is healthy.
+///
+/// ```
+/// use eventplane::discovery::EtcdState;
+/// assert_ne!(EtcdState::Live, EtcdState::Reconnecting);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum EtcdState {
+    /// The lease was renewed within the last keep-alive period: registrations are up.
+    Live,
+    /// The last keep-alive failed; the backend is retrying with backoff. Registrations
+    /// survive while etcd keeps the lease (its TTL); if it was lost, they are put again
+    /// under a new lease on reconnect.
+    Reconnecting,
+}
 
 pub(crate) struct Shared {
     pub(super) client: Client,

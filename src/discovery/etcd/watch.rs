@@ -12,8 +12,8 @@ use futures_core::Stream;
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::{Instrument, debug, warn};
 
-use super::Shared;
 use super::record::prefix_end;
+use super::shared::Shared;
 use crate::discovery::{
     ChannelId, DiscoveryError, DiscoveryEvent, DiscoveryStream, Instance, Query,
 };

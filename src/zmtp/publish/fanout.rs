@@ -3,18 +3,21 @@
 
 use std::sync::{Mutex, MutexGuard};
 use std::task::Waker;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use smallvec::SmallVec;
 use tokio::sync::{Notify, watch};
 
-use super::{DROP_WARN_INTERVAL, PubStats, SendReport};
+use super::stats::{PubStats, SendReport};
 use crate::net::RateLimitedWarn;
 use crate::slots::Slab;
 use crate::zmtp::prefix::PrefixMap;
 use crate::zmtp::queue::{ARENA_MIN_QUEUE_BYTES, Arena, Encoded, Queue};
 use crate::zmtp::{Config, Event, Message, SessionStats};
+
+/// How often (at most) a drop warning is logged per subscriber.
+const DROP_WARN_INTERVAL: Duration = Duration::from_secs(60);
 
 #[derive(Debug)]
 pub(super) struct Shared {

@@ -39,7 +39,7 @@ impl SocketType {
     }
 }
 
-/// What the peer told us during the handshake; see [`Session`] for how to obtain one.
+/// What the peer told us during the handshake; see [`Session`](super::Session) for how to obtain one.
 ///
 /// ```
 /// use eventplane::zmtp::{PeerInfo, codec::Metadata};
@@ -71,7 +71,7 @@ impl PeerInfo {
     }
 }
 
-/// Something the application must act on, from [`Session::poll_event`] (see the
+/// Something the application must act on, from [`Session::poll_event`](super::Session::poll_event) (see the
 /// example there).
 ///
 /// ```

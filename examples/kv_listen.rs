@@ -6,7 +6,7 @@
 //! ```
 //! Runs `EngineListener → Processor` and prints each published `RouterEvent` as one
 //! line of JSON (snake_case, externally tagged). Exits 0 after N router events (or on
-//! Ctrl-C without `--count`), 1 on timeout.
+//! Ctrl-C without `--count`), 1 on timeout, 2 when an argument is refused.
 
 mod common;
 
@@ -79,10 +79,13 @@ async fn main() -> anyhow::Result<ExitCode> {
         reached: reached.clone(),
     });
     let cancel = CancellationToken::new();
-    let pipeline = args
-        .engine
-        .start(sink.clone(), &cancel)
-        .map_err(anyhow::Error::msg)?;
+    let pipeline = match args.engine.start(sink.clone(), &cancel) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("{e}");
+            return Ok(ExitCode::from(2));
+        }
+    };
 
     let code = tokio::select! {
         () = reached.notified() => 0,

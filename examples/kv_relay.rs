@@ -38,7 +38,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{CommandFactory, Parser};
-use common::{EngineArgs, chain, stop_signal};
+use common::{EngineArgs, StartError, chain, stop_signal};
 use eventplane::discovery::{BoxFuture, Discovery};
 use eventplane::kv::EventPlaneSink;
 use eventplane::publish::{EventPublisher, PublishError};
@@ -112,10 +112,7 @@ async fn main() -> ExitCode {
     } else {
         let (discovery, closer) = match etcd(&args).await {
             Ok(d) => d,
-            Err(e) => {
-                eprintln!("cannot reach discovery: {e}");
-                return ExitCode::from(3);
-            }
+            Err(e) => return e.report(),
         };
         let mut builder = EventPublisher::builder(
             discovery,
@@ -140,7 +137,11 @@ async fn main() -> ExitCode {
             if let Some(close) = discovery {
                 close().await;
             }
-            let bad_argument = matches!(e, PublishError::AdvertiseHost { .. });
+            let bad_argument = matches!(
+                e,
+                PublishError::AdvertiseHost { .. }
+                    | PublishError::Bind(eventplane::zmtp::Error::InvalidEndpoint { .. })
+            );
             return ExitCode::from(if bad_argument { 2 } else { 3 });
         }
     };
@@ -187,7 +188,7 @@ async fn main() -> ExitCode {
 type Closer = Box<dyn FnOnce() -> BoxFuture<'static, ()> + Send>;
 
 #[cfg(feature = "etcd")]
-async fn etcd(args: &Args) -> Result<(Arc<dyn Discovery>, Closer), String> {
+async fn etcd(args: &Args) -> Result<(Arc<dyn Discovery>, Closer), StartError> {
     use eventplane::discovery::{DynamoRecords, EtcdDiscovery, RecordFormat};
     let format = match args.wire {
         Wire::Dynamo => RecordFormat::Dynamo(
@@ -205,13 +206,15 @@ async fn etcd(args: &Args) -> Result<(Arc<dyn Discovery>, Closer), String> {
         .record_format(format)
         .connect()
         .await
-        .map_err(|e| chain(&e))?;
+        .map_err(|e| StartError::etcd(&e))?;
     let closing = discovery.clone();
     let closer: Closer = Box::new(move || Box::pin(async move { closing.close().await }));
     Ok((Arc::new(discovery), closer))
 }
 
 #[cfg(not(feature = "etcd"))]
-async fn etcd(_: &Args) -> Result<(Arc<dyn Discovery>, Closer), String> {
-    Err("--etcd needs the `etcd` feature: cargo run --features etcd --example kv_relay".to_owned())
+async fn etcd(_: &Args) -> Result<(Arc<dyn Discovery>, Closer), StartError> {
+    Err(StartError::Args(
+        "--etcd needs the `etcd` feature: cargo run --features etcd --example kv_relay".to_owned(),
+    ))
 }

@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{CommandFactory, Parser, ValueEnum};
-use common::{Index, chain, optional_timeout, static_discovery, stop_signal};
+use common::{Index, StartError, chain, optional_timeout, static_discovery, stop_signal};
 use eventplane::discovery::{ChannelId, Discovery, Query};
 use eventplane::kv::decode_router_payload;
 use eventplane::subscriber::DynamicSubscriber;
@@ -86,20 +86,21 @@ enum Format {
     Quiet,
 }
 
-async fn discovery(args: &Args) -> Result<Arc<dyn Discovery>, String> {
+async fn discovery(args: &Args) -> Result<Arc<dyn Discovery>, StartError> {
     if !args.static_endpoints.is_empty() {
         return static_discovery(
             &args.namespace,
             args.component.as_deref(),
             &args.topic,
             &args.static_endpoints,
-        );
+        )
+        .map_err(|e| StartError::Args(format!("invalid --static publishers: {e}")));
     }
     etcd(args).await
 }
 
 #[cfg(feature = "etcd")]
-async fn etcd(args: &Args) -> Result<Arc<dyn Discovery>, String> {
+async fn etcd(args: &Args) -> Result<Arc<dyn Discovery>, StartError> {
     use eventplane::discovery::{DynamoRecords, EtcdDiscovery, RecordFormat};
     let format = if args.dynamo {
         let records = DynamoRecords::new();
@@ -115,12 +116,14 @@ async fn etcd(args: &Args) -> Result<Arc<dyn Discovery>, String> {
         .connect()
         .await
         .map(|d| Arc::new(d) as Arc<dyn Discovery>)
-        .map_err(|e| chain(&e))
+        .map_err(|e| StartError::etcd(&e))
 }
 
 #[cfg(not(feature = "etcd"))]
-async fn etcd(_: &Args) -> Result<Arc<dyn Discovery>, String> {
-    Err("--etcd needs the `etcd` feature: cargo run --features etcd --example kv_router".to_owned())
+async fn etcd(_: &Args) -> Result<Arc<dyn Discovery>, StartError> {
+    Err(StartError::Args(
+        "--etcd needs the `etcd` feature: cargo run --features etcd --example kv_router".to_owned(),
+    ))
 }
 
 /// The router's view: one block index per publisher, so a departing publisher takes
@@ -167,15 +170,7 @@ async fn main() -> ExitCode {
     let wire = if args.dynamo { Wire::Dynamo } else { args.wire };
     let discovery = match discovery(&args).await {
         Ok(d) => d,
-        // A static list that does not make publishers is an argument error.
-        Err(e) if !args.static_endpoints.is_empty() => {
-            eprintln!("invalid --static publishers: {e}");
-            return ExitCode::from(2);
-        }
-        Err(e) => {
-            eprintln!("cannot reach discovery: {e}");
-            return ExitCode::from(3);
-        }
+        Err(e) => return e.report(),
     };
     let mut query = Query::new(args.namespace.clone()).topic(args.topic.clone());
     if let Some(c) = &args.component {

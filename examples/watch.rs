@@ -25,7 +25,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
-use common::{hex_line, optional_timeout, static_discovery, stop_signal};
+use common::{StartError, hex_line, optional_timeout, static_discovery, stop_signal};
 use eventplane::discovery::{Discovery, Query};
 use eventplane::subscriber::{DynamicSubscriber, Layout};
 
@@ -63,29 +63,32 @@ struct Args {
     max_buffered_bytes: Option<usize>,
 }
 
-async fn discovery(args: &Args) -> Result<Arc<dyn Discovery>, String> {
+async fn discovery(args: &Args) -> Result<Arc<dyn Discovery>, StartError> {
     if !args.static_endpoints.is_empty() {
         return static_discovery(
             &args.namespace,
             args.component.as_deref(),
             &args.topic,
             &args.static_endpoints,
-        );
+        )
+        .map_err(|e| StartError::Args(format!("invalid --static publishers: {e}")));
     }
     etcd(&args.etcd).await
 }
 
 #[cfg(feature = "etcd")]
-async fn etcd(endpoints: &[String]) -> Result<Arc<dyn Discovery>, String> {
+async fn etcd(endpoints: &[String]) -> Result<Arc<dyn Discovery>, StartError> {
     eventplane::discovery::EtcdDiscovery::connect(endpoints)
         .await
         .map(|d| Arc::new(d) as Arc<dyn Discovery>)
-        .map_err(|e| common::chain(&e))
+        .map_err(|e| StartError::etcd(&e))
 }
 
 #[cfg(not(feature = "etcd"))]
-async fn etcd(_: &[String]) -> Result<Arc<dyn Discovery>, String> {
-    Err("--etcd needs the `etcd` feature: cargo run --features etcd --example watch".to_owned())
+async fn etcd(_: &[String]) -> Result<Arc<dyn Discovery>, StartError> {
+    Err(StartError::Args(
+        "--etcd needs the `etcd` feature: cargo run --features etcd --example watch".to_owned(),
+    ))
 }
 
 #[tokio::main]
@@ -93,10 +96,7 @@ async fn main() -> ExitCode {
     let args = Args::parse();
     let discovery = match discovery(&args).await {
         Ok(d) => d,
-        Err(e) => {
-            eprintln!("cannot reach discovery: {e}");
-            return ExitCode::from(3);
-        }
+        Err(e) => return e.report(),
     };
     let mut query = Query::new(&args.namespace).topic(&args.topic);
     if let Some(c) = &args.component {
@@ -111,7 +111,7 @@ async fn main() -> ExitCode {
     let mut sub = match builder.spawn() {
         Ok(sub) => sub,
         Err(e) => {
-            eprintln!("invalid subscriber settings: {e}");
+            eprintln!("invalid --max-buffered-bytes: {e}");
             return ExitCode::from(2);
         }
     };

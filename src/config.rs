@@ -53,7 +53,8 @@ pub enum ConfigError {
 }
 
 impl ConfigError {
-    /// The refused field, named as its setter.
+    /// The refused field: the setter's name, or, for a constructor taking several
+    /// values (`EngineDecoder::with_limits`, `Backoff::new`), the parameter's.
     pub fn field(&self) -> &'static str {
         match self {
             ConfigError::Zero { field }

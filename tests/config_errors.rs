@@ -12,7 +12,8 @@ use eventplane::kv::{
     Coalescer, DedupFilter, DedupMode, EngineDecoder, EngineListener, EngineListenerConfig,
     EventSink, Pipeline, Processor, ProcessorConfig, RouterEvent, SinkError, WorkerId,
 };
-use eventplane::lossy::{Merge, MergeConfig};
+use eventplane::lossy::{ITEM_OVERHEAD, Merge, MergeConfig};
+use eventplane::net::Backoff;
 use eventplane::subscriber::{DynamicSubscriber, DynamicSubscriberBuilder};
 use eventplane::zmtp;
 
@@ -51,7 +52,36 @@ fn zmtp_and_lossy_name_the_field() {
     ] {
         assert_eq!(field(Merge::<u8>::new(config)), name);
     }
+    // A byte bound that cannot hold one item's bookkeeping would drop everything.
+    assert_eq!(
+        field(Merge::<u8>::new(
+            MergeConfig::default().lane_bytes(ITEM_OVERHEAD)
+        )),
+        "lane_bytes"
+    );
+    assert!(Merge::<u8>::new(MergeConfig::default().lane_bytes(ITEM_OVERHEAD + 1)).is_ok());
     assert!(Merge::<u8>::new(MergeConfig::default().lane_capacity(1)).is_ok());
+    let ms = Duration::from_millis;
+    assert_eq!(field(Backoff::new(ms(0), ms(1))), "backoff");
+    assert_eq!(field(Backoff::new(ms(2), ms(1))), "backoff");
+    assert_eq!(
+        field(Backoff::new(ms(1), ms(2)).unwrap().with_multiplier(0.5)),
+        "multiplier"
+    );
+    // Heartbeat TTLs are deciseconds on the wire: below one, the peer would see none.
+    let hb = || zmtp::Config::builder().heartbeat_interval(Some(Duration::from_secs(1)));
+    assert_eq!(
+        field(hb().heartbeat_ttl(Some(ms(50))).build()),
+        "heartbeat_ttl"
+    );
+    assert_eq!(
+        field(
+            zmtp::Config::builder()
+                .heartbeat_timeout(Some(Duration::from_secs(1)))
+                .build()
+        ),
+        "heartbeat_timeout"
+    );
 }
 
 #[test]
@@ -88,6 +118,7 @@ async fn the_subscriber_refuses_before_it_starts() {
         ("rewatch_backoff", builder().rewatch_backoff(ms(20), ms(10))),
     ];
     for (name, b) in cases {
+        assert_eq!(b.validate().unwrap_err().field(), name);
         assert_eq!(field(b.spawn()), name);
     }
     let sub = builder().recv_batch(1).max_publishers(1).spawn().unwrap();
@@ -148,6 +179,10 @@ fn the_kv_pipeline_names_the_field() {
     let ms = Duration::from_millis;
     for (name, c) in [
         ("block_size", config(0)),
+        (
+            "endpoint",
+            EngineListenerConfig::new("127.0.0.1:5557", "kv", WorkerId(1), 4),
+        ),
         ("batch_limits", config(4).batch_limits(0, 1)),
         (
             "reconnect_backoff",

@@ -586,3 +586,86 @@ async fn kv_relay_exits_3_when_it_cannot_bind() {
     assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot bind"));
 }
+
+#[tokio::test]
+async fn refused_arguments_exit_2_and_name_the_flag() {
+    let engine = |extra: &[&'static str]| {
+        let mut args = vec![
+            "--connect",
+            "tcp://127.0.0.1:1",
+            "--topic",
+            "kv",
+            "--block-size",
+            "4",
+            "--worker-id",
+            "1",
+        ];
+        args.extend_from_slice(extra);
+        args
+    };
+    let cases: Vec<(&str, Vec<&str>, &str)> = vec![
+        (
+            "kv_listen",
+            vec![
+                "--connect",
+                "127.0.0.1:1",
+                "--topic",
+                "kv",
+                "--block-size",
+                "4",
+                "--worker-id",
+                "1",
+            ],
+            "invalid --connect",
+        ),
+        (
+            "kv_listen",
+            vec![
+                "--connect",
+                "tcp://127.0.0.1:1",
+                "--topic",
+                "kv",
+                "--block-size",
+                "0",
+                "--worker-id",
+                "1",
+            ],
+            "invalid --block-size",
+        ),
+        (
+            "kv_listen",
+            engine(&["--batch-timeout-ms", "0"]),
+            "invalid --batch-timeout-ms",
+        ),
+        (
+            "kv_relay",
+            engine(&["--batch-timeout-ms", "60000", "--bind", "tcp://127.0.0.1:0"]),
+            "invalid --batch-timeout-ms",
+        ),
+        (
+            "kv_relay",
+            engine(&["--bind", "127.0.0.1:0"]),
+            "cannot bind",
+        ),
+        (
+            "watch",
+            vec![
+                "--static",
+                "tcp://127.0.0.1:1",
+                "--namespace",
+                "ns",
+                "--topic",
+                "t",
+                "--max-buffered-bytes",
+                "0",
+            ],
+            "invalid --max-buffered-bytes",
+        ),
+    ];
+    for (example, args, says) in cases {
+        let out = run_example(example, &args).await;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{example} {args:?}: {stderr}");
+        assert!(stderr.contains(says), "{example} {args:?}: {stderr}");
+    }
+}

@@ -79,6 +79,8 @@ async fn bad_arguments_exit_2() {
             "--topic",
             "t",
         ],
+        // An etcd endpoint the backend refuses is an argument, not an outage.
+        &["--etcd", " ", "--namespace", "ns", "--topic", "t"],
     ] {
         let out = run(args).await;
         assert_eq!(

@@ -237,7 +237,7 @@ async fn close_lingers_until_queues_drain() {
 fn heartbeat(on: bool) -> Config {
     Config::builder()
         .heartbeat_interval(on.then_some(Duration::from_secs(1)))
-        .heartbeat_timeout(Some(Duration::from_secs(3)))
+        .heartbeat_timeout(on.then_some(Duration::from_secs(3)))
         .build()
         .unwrap()
 }

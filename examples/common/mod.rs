@@ -104,14 +104,14 @@ pub struct Pipeline {
 impl EngineArgs {
     /// Checks the engine-side arguments (before anything is started or registered).
     pub fn processor_config(&self) -> Result<eventplane::kv::ProcessorConfig, String> {
-        self.listener_config()
-            .validate()
-            .map_err(|e| format!("invalid --{}: {e}", flag(e.field())))?;
+        let refused = |e: eventplane::ConfigError| match flag(e.field()) {
+            Some(flag) => format!("invalid {flag}: {e}"),
+            None => format!("invalid setting: {e}"),
+        };
+        self.listener_config().validate().map_err(refused)?;
         let config = eventplane::kv::ProcessorConfig::default()
             .batch_timeout(self.batch_timeout_ms.map(std::time::Duration::from_millis));
-        config
-            .validate()
-            .map_err(|e| format!("invalid --{}-ms: {e}", flag(e.field())))?;
+        config.validate().map_err(refused)?;
         Ok(config)
     }
 
@@ -198,7 +198,49 @@ pub fn static_discovery(
     .map_err(|e| chain(&e))
 }
 
-/// The command-line flag of a config field (`block_size` → `block-size`).
-fn flag(field: &str) -> String {
-    field.replace('_', "-")
+/// The command-line flag behind a config field, where there is one.
+fn flag(field: &str) -> Option<&'static str> {
+    match field {
+        "endpoint" => Some("--connect"),
+        "block_size" => Some("--block-size"),
+        "batch_timeout" => Some("--batch-timeout-ms"),
+        _ => None,
+    }
+}
+
+/// Why a CLI could not start: a bad argument (exit 2) or a service it could not reach
+/// (exit 3).
+#[allow(dead_code)] // not every example reaches a service
+pub enum StartError {
+    /// An argument was refused.
+    Args(String),
+    /// A service did not answer.
+    Unreachable(String),
+}
+
+#[allow(dead_code)]
+impl StartError {
+    /// Prints the reason on stderr and returns the exit code.
+    pub fn report(self) -> std::process::ExitCode {
+        match self {
+            StartError::Args(e) => {
+                eprintln!("{e}");
+                std::process::ExitCode::from(2)
+            }
+            StartError::Unreachable(e) => {
+                eprintln!("cannot reach discovery: {e}");
+                std::process::ExitCode::from(3)
+            }
+        }
+    }
+
+    /// A failed etcd connect: settings the backend refused are argument errors.
+    pub fn etcd(e: &eventplane::discovery::DiscoveryError) -> StartError {
+        match e {
+            eventplane::discovery::DiscoveryError::InvalidConfig(c) => {
+                StartError::Args(format!("invalid --etcd setting: {c}"))
+            }
+            other => StartError::Unreachable(chain(other)),
+        }
+    }
 }

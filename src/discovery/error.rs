@@ -27,7 +27,7 @@ pub enum DiscoveryError {
     },
     /// A backend was configured with an invalid value (checked once, when it is
     /// built), or the backend's client refused its arguments.
-    #[error("invalid discovery configuration")]
+    #[error("invalid discovery configuration: {0}")]
     InvalidConfig(#[from] ConfigError),
     /// The backend is unreachable or failed; retry with backoff.
     #[error("discovery backend unavailable")]

@@ -69,8 +69,8 @@ impl EngineListenerConfig {
         self
     }
 
-    /// The first refused value, if any, named as its setter (`block_size` for the
-    /// constructor's block size). [`EngineListener::new`] calls it; call it yourself
+    /// The first refused value, if any, named as its setter (`endpoint` and
+    /// `block_size` for the constructor's). [`EngineListener::new`] calls it; call it yourself
     /// to check settings before starting anything else.
     ///
     /// ```
@@ -83,6 +83,12 @@ impl EngineListenerConfig {
     }
 
     fn decoder(&self) -> Result<EngineDecoder, ConfigError> {
+        if let Err(e) = zmtp::parse_tcp(&self.endpoint) {
+            return Err(ConfigError::Invalid {
+                field: "endpoint",
+                reason: e.to_string(),
+            });
+        }
         config::backoff_range("reconnect_backoff", self.reconnect_min, self.reconnect_max)?;
         if self.max_batch_elements == 0 || self.max_batch_events == 0 {
             return Err(ConfigError::Zero {
@@ -248,7 +254,7 @@ impl EngineListener {
     /// Runs until `cancel` or until the processor's input closes.
     pub async fn run(self, cancel: CancellationToken) -> EngineListenerStats {
         let mut decoder = self.decoder.clone();
-        let mut backoff = Backoff::new(self.config.reconnect_min, self.config.reconnect_max);
+        let mut backoff = Backoff::checked(self.config.reconnect_min, self.config.reconnect_max);
         let warn = RateLimitedWarn::default();
         let mut seq_tracker = SeqTracker::default();
         let mut connected_before = false;

@@ -162,14 +162,14 @@ impl ProcessorConfig {
                 field: "dedup_limits",
             });
         }
-        if self
-            .batch_timeout
-            .is_some_and(|t| t.is_zero() || t > MAX_BATCH_TIMEOUT)
-        {
-            return Err(ConfigError::OutOfRange {
-                field: "batch_timeout",
-                reason: "must lie within 1 ns ..= 15 s",
-            });
+        if let Some(timeout) = self.batch_timeout {
+            config::nonzero_duration("batch_timeout", timeout)?;
+            if timeout > MAX_BATCH_TIMEOUT {
+                return Err(ConfigError::OutOfRange {
+                    field: "batch_timeout",
+                    reason: "must be at most 15 s",
+                });
+            }
         }
         config::nonzero_duration("publish_timeout", self.publish_timeout)?;
         let coalescer = Coalescer::new(self.max_batch_blocks)?;

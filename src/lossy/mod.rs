@@ -80,7 +80,8 @@ pub enum DropPolicy {
     DropOldest,
 }
 
-/// Bounds of a [`Merge`], checked by [`Merge::new`]: none may be zero.
+/// Bounds of a [`Merge`], checked by [`Merge::new`]: none may be zero, and the byte
+/// bounds must exceed one item's overhead ([`ITEM_OVERHEAD`], or the item's slot).
 ///
 /// ```
 /// use eventplane::lossy::{DropPolicy, MergeConfig};
@@ -285,6 +286,18 @@ impl<T> Merge<T> {
         config::nonzero("lane_capacity", config.lane_capacity)?;
         config::nonzero("lane_bytes", config.lane_bytes)?;
         config::nonzero("max_buffered_bytes", config.max_buffered_bytes)?;
+        // A byte bound that cannot hold one item's bookkeeping would drop everything.
+        for (field, bytes) in [
+            ("lane_bytes", config.lane_bytes),
+            ("max_buffered_bytes", config.max_buffered_bytes),
+        ] {
+            if bytes <= overhead::<T>() {
+                return Err(ConfigError::OutOfRange {
+                    field,
+                    reason: "must exceed one item's overhead (ITEM_OVERHEAD, or the item's slot)",
+                });
+            }
+        }
         Ok(Merge::with_checked(config))
     }
 

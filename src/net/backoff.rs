@@ -4,6 +4,8 @@ use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
 
+use crate::config::{self, ConfigError};
+
 /// Full-jitter exponential backoff: attempt *n* waits a uniformly random time in
 /// `[0, min(max, min × multiplier^n)]`. Pure: the caller passes the randomness, so
 /// tests are deterministic.
@@ -11,12 +13,14 @@ use std::time::Duration;
 /// ```
 /// use std::time::Duration;
 /// use eventplane::net::Backoff;
-/// let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+/// let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(5))?;
 /// assert_eq!(b.next_delay(1.0), Duration::from_millis(100));
 /// assert_eq!(b.next_delay(1.0), Duration::from_millis(200));
 /// assert_eq!(b.next_delay(0.5), Duration::from_millis(200));
 /// b.reset();
 /// assert_eq!(b.next_delay(0.0), Duration::ZERO);
+/// assert!(Backoff::new(Duration::from_secs(2), Duration::from_secs(1)).is_err()); // max below min
+/// # Ok::<(), eventplane::ConfigError>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct Backoff {
@@ -27,25 +31,34 @@ pub struct Backoff {
 }
 
 impl Backoff {
-    /// From `min` to `max`, doubling.
-    pub fn new(min: Duration, max: Duration) -> Backoff {
+    /// From `min` to `max`, doubling; [`ConfigError`] (field `backoff`) when `min` is
+    /// zero or `max` is below it.
+    pub fn new(min: Duration, max: Duration) -> Result<Backoff, ConfigError> {
+        config::backoff_range("backoff", min, max)?;
+        Ok(Backoff::checked(min, max))
+    }
+
+    /// From `min` to `max`, already checked by the caller's configuration.
+    pub(crate) fn checked(min: Duration, max: Duration) -> Backoff {
         Backoff {
             min,
-            max: max.max(min),
+            max,
             multiplier: 2.0,
             attempt: 0,
         }
     }
 
-    /// Changes the growth factor (at least 1).
-    #[must_use]
-    pub fn with_multiplier(mut self, multiplier: f64) -> Backoff {
-        self.multiplier = if multiplier.is_finite() {
-            multiplier.max(1.0)
-        } else {
-            2.0
-        };
-        self
+    /// Changes the growth factor; [`ConfigError`] (field `multiplier`) unless it is
+    /// finite and at least 1.
+    pub fn with_multiplier(mut self, multiplier: f64) -> Result<Backoff, ConfigError> {
+        if !(multiplier.is_finite() && multiplier >= 1.0) {
+            return Err(ConfigError::OutOfRange {
+                field: "multiplier",
+                reason: "must be finite and at least 1",
+            });
+        }
+        self.multiplier = multiplier;
+        Ok(self)
     }
 
     /// The ceiling for the current attempt, before jitter. Never panics: any
@@ -126,7 +139,12 @@ mod tests {
         for min in durations {
             for max in durations {
                 for m in multipliers {
-                    let mut b = Backoff::new(min, max).with_multiplier(m);
+                    let built = Backoff::new(min, max).and_then(|b| b.with_multiplier(m));
+                    let valid = !min.is_zero() && max >= min && m.is_finite() && m >= 1.0;
+                    assert_eq!(built.is_ok(), valid, "{min:?} {max:?} {m}");
+                    // Whatever the crate builds internally never panics either.
+                    let mut b = Backoff::checked(min, max.max(min));
+                    b.multiplier = if m.is_finite() { m.max(1.0) } else { 2.0 };
                     for i in 0..200 {
                         let r = [0.0, 0.5, 1.0, f64::NAN, 7.0][i % 5];
                         let d = b.next_delay(r);
@@ -139,7 +157,7 @@ mod tests {
 
     #[test]
     fn grows_and_caps() {
-        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(5)).unwrap();
         let ceilings: Vec<u128> = (0..10).map(|_| b.next_delay(1.0).as_millis()).collect();
         assert_eq!(
             ceilings,

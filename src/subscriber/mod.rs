@@ -189,6 +189,23 @@ impl DynamicSubscriberBuilder {
         self
     }
 
+    /// The first refused setting, if any, named as its setter;
+    /// [`spawn`](Self::spawn) calls it first. Starts nothing and needs no runtime.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use eventplane::discovery::{MemoryDiscovery, Query};
+    /// use eventplane::subscriber::DynamicSubscriber;
+    /// let builder = DynamicSubscriber::builder(Arc::new(MemoryDiscovery::new()), Query::new("ns"))
+    ///     .reconnect_backoff(Duration::from_secs(5), Duration::from_secs(1));
+    /// assert_eq!(builder.validate().unwrap_err().field(), "reconnect_backoff");
+    /// ```
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.config.validate()?;
+        Merge::<Delivery>::new(self.config.merge).map(drop)
+    }
+
     /// Checks the configuration, then starts the watch loop on the current tokio
     /// runtime. A zero bound, a zero minimum backoff or a maximum below its minimum is
     /// refused with a [`ConfigError`] naming the setter.

@@ -43,7 +43,7 @@ pub(crate) async fn watch_loop(
 ) {
     let cancel = config.cancel.clone();
     let mut tracked: HashMap<ChannelId, Tracked> = HashMap::new();
-    let mut backoff = Backoff::new(config.rewatch_min, config.rewatch_max);
+    let mut backoff = Backoff::checked(config.rewatch_min, config.rewatch_max);
     let mut settle = tokio::time::interval(SETTLE_INTERVAL);
     settle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut first = true;
@@ -245,7 +245,7 @@ async fn run_connection(
     cancel: &CancellationToken,
     drain: &CancellationToken,
 ) {
-    let mut backoff = Backoff::new(config.reconnect_min, config.reconnect_max);
+    let mut backoff = Backoff::checked(config.reconnect_min, config.reconnect_max);
     let mut seq = SeqTracker::default();
     let mut connected_before = false;
     while !cancel.is_cancelled() && !drain.is_cancelled() {

@@ -14,6 +14,9 @@ use crate::ConfigError;
 /// ```
 pub const MAX_HEARTBEAT_TTL: Duration = Duration::from_millis(65_500);
 
+/// Smallest heartbeat TTL: one decisecond (ZMTP's unit; 0 means "no TTL").
+const MIN_HEARTBEAT_TTL: Duration = Duration::from_millis(100);
+
 /// The largest `max_message_size` accepted (4 GiB): keeps every size computation far
 /// from overflow.
 const MAX_MESSAGE_SIZE_LIMIT: u64 = 1 << 32;
@@ -128,11 +131,13 @@ impl Config {
     pub fn heartbeat_timeout(&self) -> Option<Duration> {
         self.heartbeat_timeout.or(self.heartbeat_interval)
     }
-    /// TTL advertised in our PINGs. Default 3 × the interval, at most 65.5 s.
+    /// TTL advertised in our PINGs. Default 3 × the interval, kept within 100 ms
+    /// (ZMTP counts deciseconds; 0 would mean "no TTL") and 65.5 s.
     pub fn heartbeat_ttl(&self) -> Option<Duration> {
-        self.heartbeat_ttl
-            .or(self.heartbeat_interval.map(|i| i.saturating_mul(3)))
-            .map(|t| t.min(MAX_HEARTBEAT_TTL))
+        self.heartbeat_ttl.or(self.heartbeat_interval.map(|i| {
+            i.saturating_mul(3)
+                .clamp(MIN_HEARTBEAT_TTL, MAX_HEARTBEAT_TTL)
+        }))
     }
     /// Whether reserved frame-flag bits are a protocol error. Default `false`
     /// (libzmq ignores them too).
@@ -234,12 +239,13 @@ impl ConfigBuilder {
         self
     }
     /// Close the connection when nothing arrives this long after a PING. Default: the
-    /// interval.
+    /// interval. Only with an interval.
     pub fn heartbeat_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.config.heartbeat_timeout = timeout;
         self
     }
-    /// TTL we advertise in PINGs. Default 3 × interval; capped at 65.5 s.
+    /// TTL we advertise in PINGs. Default 3 × interval (kept within 100 ms and
+    /// 65.5 s). Set, it must lie within 100 ms ..= 65.5 s; only with an interval.
     pub fn heartbeat_ttl(mut self, ttl: Option<Duration>) -> Self {
         self.config.heartbeat_ttl = ttl;
         self
@@ -357,11 +363,26 @@ impl ConfigBuilder {
                 return Err(ConfigError::Zero { field });
             }
         }
-        if c.heartbeat_ttl.is_some_and(|t| t > MAX_HEARTBEAT_TTL) {
+        if c.heartbeat_ttl
+            .is_some_and(|t| !(MIN_HEARTBEAT_TTL..=MAX_HEARTBEAT_TTL).contains(&t))
+        {
             return Err(ConfigError::OutOfRange {
                 field: "heartbeat_ttl",
-                reason: "must be at most 65.5 s (655 deciseconds)",
+                reason: "must lie within 100 ms ..= 65.5 s (1 ..= 655 deciseconds)",
             });
+        }
+        if c.heartbeat_interval.is_none() {
+            for (field, value) in [
+                ("heartbeat_timeout", c.heartbeat_timeout),
+                ("heartbeat_ttl", c.heartbeat_ttl),
+            ] {
+                if value.is_some() {
+                    return Err(ConfigError::Inconsistent {
+                        field,
+                        reason: "is set without a heartbeat_interval (no PING is sent)",
+                    });
+                }
+            }
         }
         Ok(c)
     }
@@ -395,12 +416,26 @@ mod tests {
             }
         );
         assert!(Config::builder().max_frame_size(32 << 20).build().is_err());
+        let hb = || Config::builder().heartbeat_interval(Some(Duration::from_secs(1)));
+        for ttl in [Duration::from_secs(70), Duration::from_millis(99)] {
+            let err = hb().heartbeat_ttl(Some(ttl)).build().unwrap_err();
+            assert_eq!(err.field(), "heartbeat_ttl");
+        }
         assert!(
-            Config::builder()
-                .heartbeat_ttl(Some(Duration::from_secs(70)))
+            hb().heartbeat_ttl(Some(Duration::from_millis(100)))
                 .build()
-                .is_err()
+                .is_ok()
         );
+        // Without an interval no PING is sent: a timeout or TTL would be ignored.
+        for config in [
+            Config::builder().heartbeat_timeout(Some(Duration::from_secs(1))),
+            Config::builder().heartbeat_ttl(Some(Duration::from_secs(1))),
+        ] {
+            assert!(matches!(
+                config.build(),
+                Err(ConfigError::Inconsistent { .. })
+            ));
+        }
     }
 
     #[test]
@@ -411,5 +446,11 @@ mod tests {
             .unwrap();
         assert_eq!(c.heartbeat_timeout(), Some(Duration::from_secs(30)));
         assert_eq!(c.heartbeat_ttl(), Some(MAX_HEARTBEAT_TTL));
+        // A short interval still advertises a TTL (0 deciseconds would mean none).
+        let c = Config::builder()
+            .heartbeat_interval(Some(Duration::from_millis(20)))
+            .build()
+            .unwrap();
+        assert_eq!(c.heartbeat_ttl(), Some(Duration::from_millis(100)));
     }
 }

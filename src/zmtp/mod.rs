@@ -45,6 +45,7 @@ mod session;
 mod sub;
 
 pub use config::{Config, ConfigBuilder, MAX_HEARTBEAT_TTL};
+pub(crate) use endpoint::parse_tcp;
 pub use error::{Error, ProtocolError, TimeoutKind};
 pub use message::Message;
 pub use publish::{PeerStats, PubSocket, PubStats, SendReport};

@@ -114,6 +114,20 @@ impl EtcdDiscoveryBuilder {
         self
     }
 
+    /// The first refused setting, if any, named as its setter; [`connect`](Self::connect)
+    /// calls it first. Call it to tell a bad argument from an unreachable etcd
+    /// without going to the network.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use eventplane::discovery::EtcdDiscovery;
+    /// let builder = EtcdDiscovery::builder(["http://127.0.0.1:2379"]).lease_ttl(Duration::from_millis(2500));
+    /// assert_eq!(builder.validate().unwrap_err().field(), "lease_ttl"); // whole seconds only
+    /// ```
+    pub fn validate(&self) -> Result<(), crate::ConfigError> {
+        self.config.validate()
+    }
+
     /// Validates the settings, checks that etcd answers (a status request, since the
     /// client itself connects lazily) and that our keys may be read (a one-key read
     /// under the prefix), grants the lease and starts its keep-alive.

@@ -27,7 +27,7 @@ pub(crate) struct EtcdConfig {
     pub(crate) backoff_min: Duration,
     pub(crate) backoff_max: Duration,
     pub(crate) credentials: Option<(String, Password)>,
-    pub(crate) format: super::RecordFormat,
+    pub(crate) format: super::record::RecordFormat,
 }
 
 /// A password that never shows in `Debug` output.
@@ -54,7 +54,7 @@ impl EtcdConfig {
             backoff_min: Duration::from_millis(250),
             backoff_max: Duration::from_secs(5),
             credentials: None,
-            format: super::RecordFormat::EventPlane,
+            format: super::record::RecordFormat::EventPlane,
         }
     }
 
@@ -75,10 +75,13 @@ impl EtcdConfig {
                 ),
             );
         }
-        if self.lease_ttl < Duration::from_secs(2) || self.lease_ttl > Duration::from_secs(3600) {
+        if self.lease_ttl < Duration::from_secs(2)
+            || self.lease_ttl > Duration::from_secs(3600)
+            || self.lease_ttl.subsec_nanos() != 0
+        {
             return Err(ConfigError::OutOfRange {
                 field: "lease_ttl",
-                reason: "must lie within 2 s ..= 1 h (etcd counts whole seconds)",
+                reason: "must be whole seconds within 2 s ..= 1 h (etcd counts whole seconds)",
             });
         }
         config::nonzero_duration("connect_timeout", self.connect_timeout)?;
@@ -87,6 +90,11 @@ impl EtcdConfig {
         config::nonzero("watch_buffer", self.watch_buffer)?;
         config::nonzero("page_size", self.page_size)?;
         config::nonzero("max_value_bytes", self.max_value_bytes)?;
+        if let super::record::RecordFormat::Dynamo(d) = &self.format {
+            if d.endpoint.as_deref() == Some("") {
+                return invalid("record_format", "empty Dynamo endpoint".to_owned());
+            }
+        }
         Ok(())
     }
 
@@ -134,6 +142,10 @@ mod tests {
             (
                 "lease_ttl",
                 Box::new(|c| c.lease_ttl = Duration::from_secs(1)),
+            ),
+            (
+                "lease_ttl",
+                Box::new(|c| c.lease_ttl = Duration::from_millis(2500)),
             ),
             (
                 "connect_timeout",

@@ -111,7 +111,7 @@ impl Shared {
     }
 
     pub(crate) fn backoff(&self) -> Backoff {
-        Backoff::new(self.config.backoff_min, self.config.backoff_max)
+        Backoff::checked(self.config.backoff_min, self.config.backoff_max)
     }
 
     pub(crate) fn client(&self) -> Client {

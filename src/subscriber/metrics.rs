@@ -1,6 +1,6 @@
 //! The `metrics` feature: the subscriber's counters through the `metrics` facade.
 //!
-//! A sampler task reads [`SubscriberStats`](super::SubscriberStats) every
+//! A sampler task reads [`SubscriberStats`] every
 //! `metrics_interval` and adds the deltas to counters registered once per publisher
 //! (pre-bound handles: no label look-up per message or per sample). Names:
 //! `eventplane_subscriber_{received,delivered,bytes,gaps,gap_messages,reconnects,
@@ -16,7 +16,7 @@ use std::time::Duration;
 use metrics::{Counter, Gauge, counter, gauge};
 use tokio_util::sync::CancellationToken;
 
-use super::{PublisherStats, SubscriberHandle};
+use super::stats::{PublisherStats, SubscriberStats};
 use crate::discovery::ChannelId;
 
 struct Handles {
@@ -116,9 +116,10 @@ impl Handles {
     }
 }
 
-/// Samples `handle`'s stats every `interval` until `cancel`, once more at the end.
+/// Samples the subscriber's counters (`stats()`) every `interval` until `cancel`,
+/// once more at the end.
 pub(crate) async fn sampler(
-    handle: SubscriberHandle,
+    stats: impl Fn() -> SubscriberStats,
     interval: Duration,
     cancel: CancellationToken,
 ) {
@@ -133,7 +134,7 @@ pub(crate) async fn sampler(
             () = cancel.cancelled() => true,
             _ = ticker.tick() => false,
         };
-        let stats = handle.stats();
+        let stats = stats();
         let mut seen = std::collections::HashSet::new();
         for (id, p) in &stats.publishers {
             per_publisher

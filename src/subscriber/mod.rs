@@ -248,8 +248,9 @@ impl DynamicSubscriberBuilder {
             cancel: config.cancel.clone(),
         };
         #[cfg(feature = "metrics")]
+        let sampled = handle.clone();
         shared.tracker.spawn(metrics::sampler(
-            handle.clone(),
+            move || sampled.stats(),
             config.metrics_interval,
             config.cancel.clone(),
         ));

@@ -248,12 +248,14 @@ impl DynamicSubscriberBuilder {
             cancel: config.cancel.clone(),
         };
         #[cfg(feature = "metrics")]
-        let sampled = handle.clone();
-        shared.tracker.spawn(metrics::sampler(
-            move || sampled.stats(),
-            config.metrics_interval,
-            config.cancel.clone(),
-        ));
+        {
+            let sampled = handle.clone();
+            shared.tracker.spawn(metrics::sampler(
+                move || sampled.stats(),
+                config.metrics_interval,
+                config.cancel.clone(),
+            ));
+        }
         Ok(DynamicSubscriber {
             handle,
             merge,

@@ -67,6 +67,7 @@ impl KvDecodeError {
     /// or whose nesting is deeper than the bounded reader's: serde reserves from
     /// declared lengths (up to 1 MiB per vector), so a few forged bytes would cost that
     /// much.
+    #[inline]
     pub(crate) fn check_shape(payload: &[u8]) -> Result<(), KvDecodeError> {
         crate::msgpack::check_shape(payload)
             .map_err(|e| KvDecodeError(format!("msgpack shape: {e:?}").into()))

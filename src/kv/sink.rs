@@ -30,7 +30,7 @@ pub const MAX_BLOCKS_PER_MESSAGE: usize = 8192;
 
 /// Splits `events` into consecutive runs of at most `max_events` events and
 /// `max_blocks` blocks; every run has at least one event, so one event over the block
-/// limit travels alone.
+/// limit travels alone (and a `max_events` of 0 is taken as 1).
 ///
 /// ```
 /// use eventplane::kv::{split_messages, KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId};

@@ -669,3 +669,73 @@ async fn refused_arguments_exit_2_and_name_the_flag() {
         assert!(stderr.contains(says), "{example} {args:?}: {stderr}");
     }
 }
+
+#[tokio::test]
+async fn subscribe_stops_at_count_within_a_batch_and_merges_several_publishers() {
+    use eventplane::zmtp::{Message, PubSocket};
+    let a = PubSocket::bind("tcp://127.0.0.1:0", Default::default())
+        .await
+        .unwrap();
+    let b = PubSocket::bind("tcp://127.0.0.1:0", Default::default())
+        .await
+        .unwrap();
+    let run = |endpoints: Vec<String>, count: &'static str| {
+        let mut command = Command::new(example("subscribe"));
+        for e in &endpoints {
+            command.args(["--connect", e]);
+        }
+        command
+            .args(["--count", count, "--timeout-ms", "10000"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap()
+    };
+    // One socket, read in place: ten messages arrive in one batch, four are printed.
+    let one = run(vec![a.local_endpoint().unwrap().to_owned()], "4");
+    within(a.wait_for_subscribers(1)).await;
+    for i in 0..10u8 {
+        a.send(Message::from_parts([vec![b'a'], vec![i]]));
+    }
+    let out = within(one.wait_with_output()).await.unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(
+        stdout.lines().collect::<Vec<_>>(),
+        ["61 00", "61 01", "61 02", "61 03"]
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("received 4 messages, 8 bytes"));
+
+    // Two sockets, one task each: every message of both, in each publisher's order.
+    drop(a);
+    let a = PubSocket::bind("tcp://127.0.0.1:0", Default::default())
+        .await
+        .unwrap();
+    let endpoints = [a.local_endpoint().unwrap(), b.local_endpoint().unwrap()];
+    let two = run(endpoints.iter().map(|e| e.to_string()).collect(), "6");
+    within(a.wait_for_subscribers(1)).await;
+    within(b.wait_for_subscribers(1)).await;
+    for i in 0..3u8 {
+        a.send(Message::from_parts([vec![b'a'], vec![i]]));
+        b.send(Message::from_parts([vec![b'b'], vec![i]]));
+    }
+    let out = within(two.wait_with_output()).await.unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 6, "{stdout}");
+    for topic in ["61", "62"] {
+        let mine: Vec<&str> = lines
+            .iter()
+            .copied()
+            .filter(|l| l.starts_with(topic))
+            .collect();
+        assert_eq!(mine, [0, 1, 2].map(|i| format!("{topic} 0{i}")), "{stdout}");
+    }
+}

@@ -44,7 +44,8 @@ struct Print {
 
 impl EventSink for Print {
     fn publish<'a>(&'a self, events: &'a [RouterEvent]) -> BoxFuture<'a, Result<(), SinkError>> {
-        let mut out = std::io::stdout().lock();
+        // One lock and one write per batch (stdout alone flushes every line).
+        let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
         for ev in events {
             if self
                 .target
@@ -52,13 +53,10 @@ impl EventSink for Print {
             {
                 break;
             }
-            let line = serde_json::to_string(ev).map_err(|e| SinkError(Box::new(e)));
-            match line {
-                Ok(line) => {
-                    let _ = writeln!(out, "{line}");
-                }
-                Err(e) => return Box::pin(async move { Err(e) }),
+            if let Err(e) = serde_json::to_writer(&mut out, ev) {
+                return Box::pin(async move { Err(SinkError(Box::new(e))) });
             }
+            let _ = out.write_all(b"\n");
             let n = self.printed.fetch_add(1, Ordering::Relaxed) + 1;
             if self.target == Some(n) {
                 self.reached.notify_one();

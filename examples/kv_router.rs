@@ -210,7 +210,8 @@ async fn main() -> ExitCode {
                     eprintln!("the subscriber stopped");
                     break 'run 1;
                 }
-                let mut out = std::io::stdout().lock();
+                // One lock and one write per batch (stdout alone flushes every line).
+                let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
                 for delivery in batch.drain(..) {
                     // Every layout but Raw places a payload; none is an undecodable one.
                     let Some(payload) = delivery.payload() else {
@@ -230,10 +231,10 @@ async fn main() -> ExitCode {
                     let index = router.indexes.entry(delivery.source.id.clone()).or_default();
                     for ev in &events {
                         index.apply(ev);
-                        if args.format == Format::Json {
-                            if let Ok(line) = serde_json::to_string(ev) {
-                                let _ = writeln!(out, "{line}");
-                            }
+                        if args.format == Format::Json
+                            && serde_json::to_writer(&mut out, ev).is_ok()
+                        {
+                            let _ = out.write_all(b"\n");
                         }
                         router.events += 1;
                         if args.count.is_some_and(|n| router.events >= n) {

@@ -567,42 +567,30 @@ async fn kv_relay_publishes_router_events_and_reports_stats() {
 async fn kv_relay_exits_3_when_it_cannot_bind() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let bind = format!("tcp://{}", taken.local_addr().unwrap());
-    let out = run_example(
-        "kv_relay",
-        &[
-            "--connect",
-            "tcp://127.0.0.1:1",
-            "--topic",
-            "kv",
-            "--block-size",
-            "4",
-            "--worker-id",
-            "1",
-            "--bind",
-            &bind,
-        ],
-    )
-    .await;
+    let out = run_example("kv_relay", &engine_args(&["--bind", &bind])).await;
     assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot bind"));
 }
 
+/// An engine pipeline's arguments (an engine nobody runs), then `extra`.
+fn engine_args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "--connect",
+        "tcp://127.0.0.1:1",
+        "--topic",
+        "kv",
+        "--block-size",
+        "4",
+        "--worker-id",
+        "1",
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
 #[tokio::test]
 async fn refused_arguments_exit_2_and_name_the_flag() {
-    let engine = |extra: &[&'static str]| {
-        let mut args = vec![
-            "--connect",
-            "tcp://127.0.0.1:1",
-            "--topic",
-            "kv",
-            "--block-size",
-            "4",
-            "--worker-id",
-            "1",
-        ];
-        args.extend_from_slice(extra);
-        args
-    };
+    let engine = engine_args;
     let cases: Vec<(&str, Vec<&str>, &str)> = vec![
         (
             "kv_listen",

@@ -74,7 +74,12 @@ impl Source {
             Source::One(sub) => Some(sub.recv_many(batch, BATCH).await.map(drop)),
             Source::Many(rx) => match rx.recv().await? {
                 Ok(mut got) => {
-                    batch.append(&mut got);
+                    // Take the task's vector as it is (no copy into ours).
+                    if batch.is_empty() {
+                        std::mem::swap(batch, &mut got);
+                    } else {
+                        batch.append(&mut got);
+                    }
                     Some(Ok(()))
                 }
                 Err(e) => Some(Err(e)),

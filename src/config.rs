@@ -65,6 +65,19 @@ impl ConfigError {
     }
 }
 
+impl ConfigError {
+    /// The same refusal, named after `field`: for a setter that passes its values on
+    /// to a constructor checking them under its own parameter names.
+    pub(crate) fn renamed(self, field: &'static str) -> ConfigError {
+        match self {
+            ConfigError::Zero { .. } => ConfigError::Zero { field },
+            ConfigError::OutOfRange { reason, .. } => ConfigError::OutOfRange { field, reason },
+            ConfigError::Inconsistent { reason, .. } => ConfigError::Inconsistent { field, reason },
+            ConfigError::Invalid { reason, .. } => ConfigError::Invalid { field, reason },
+        }
+    }
+}
+
 /// `value`, or [`ConfigError::Zero`] naming `field`.
 pub(crate) fn nonzero(field: &'static str, value: usize) -> Result<usize, ConfigError> {
     if value == 0 {

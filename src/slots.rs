@@ -103,6 +103,8 @@ impl<T> Slab<T> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn slab_reuses_freed_indices() {
         let mut slab = Slab::default();
@@ -119,8 +121,6 @@ mod tests {
             (Some(&"d"), 2, None)
         );
     }
-
-    use super::*;
 
     /// A burst of 10 000, drained, then one item at a time: trimmed after two windows,
     /// or at once with `on_drain`.

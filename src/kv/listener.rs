@@ -90,13 +90,9 @@ impl EngineListenerConfig {
             });
         }
         config::backoff_range("reconnect_backoff", self.reconnect_min, self.reconnect_max)?;
-        if self.max_batch_elements == 0 || self.max_batch_events == 0 {
-            return Err(ConfigError::Zero {
-                field: "batch_limits",
-            });
-        }
         EngineDecoder::new(self.worker_id, self.block_size)?
             .with_limits(self.max_batch_elements, self.max_batch_events)
+            .map_err(|e| e.renamed("batch_limits"))
     }
 
     /// ZMTP bounds and timeouts. Default `zmtp::Config::default()`.

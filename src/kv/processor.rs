@@ -157,11 +157,6 @@ impl ProcessorConfig {
 
     /// The pipeline these settings describe, or the first refused value.
     fn pipeline(&self) -> Result<Pipeline, ConfigError> {
-        if self.dedup_max_hashes == 0 || self.dedup_max_ranks == 0 {
-            return Err(ConfigError::Zero {
-                field: "dedup_limits",
-            });
-        }
         if let Some(timeout) = self.batch_timeout {
             config::nonzero_duration("batch_timeout", timeout)?;
             if timeout > MAX_BATCH_TIMEOUT {
@@ -174,7 +169,8 @@ impl ProcessorConfig {
         config::nonzero_duration("publish_timeout", self.publish_timeout)?;
         let coalescer = Coalescer::new(self.max_batch_blocks)?;
         let dedup = DedupFilter::new(self.dedup)
-            .with_limits(self.dedup_max_hashes, self.dedup_max_ranks)?;
+            .with_limits(self.dedup_max_hashes, self.dedup_max_ranks)
+            .map_err(|e| e.renamed("dedup_limits"))?;
         Ok(Pipeline::with_checked(coalescer, dedup))
     }
 }

@@ -134,6 +134,26 @@ impl MergeConfig {
     pub fn max_buffered_bytes_value(&self) -> usize {
         self.max_buffered_bytes
     }
+
+    /// The first refused bound for items of type `T`, as [`Merge::new`] checks it.
+    pub(crate) fn check<T>(&self) -> Result<(), ConfigError> {
+        config::nonzero("lane_capacity", self.lane_capacity)?;
+        config::nonzero("lane_bytes", self.lane_bytes)?;
+        config::nonzero("max_buffered_bytes", self.max_buffered_bytes)?;
+        // A byte bound that cannot hold one item's bookkeeping would drop everything.
+        for (field, bytes) in [
+            ("lane_bytes", self.lane_bytes),
+            ("max_buffered_bytes", self.max_buffered_bytes),
+        ] {
+            if bytes <= overhead::<T>() {
+                return Err(ConfigError::OutOfRange {
+                    field,
+                    reason: "must exceed one item's overhead (ITEM_OVERHEAD, or the item's slot)",
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Counters of one lane.
@@ -283,21 +303,7 @@ impl<T> Default for Merge<T> {
 impl<T> Merge<T> {
     /// An empty merge, or the [`ConfigError`] naming the first zero bound.
     pub fn new(config: MergeConfig) -> Result<Merge<T>, ConfigError> {
-        config::nonzero("lane_capacity", config.lane_capacity)?;
-        config::nonzero("lane_bytes", config.lane_bytes)?;
-        config::nonzero("max_buffered_bytes", config.max_buffered_bytes)?;
-        // A byte bound that cannot hold one item's bookkeeping would drop everything.
-        for (field, bytes) in [
-            ("lane_bytes", config.lane_bytes),
-            ("max_buffered_bytes", config.max_buffered_bytes),
-        ] {
-            if bytes <= overhead::<T>() {
-                return Err(ConfigError::OutOfRange {
-                    field,
-                    reason: "must exceed one item's overhead (ITEM_OVERHEAD, or the item's slot)",
-                });
-            }
-        }
+        config.check::<T>()?;
         Ok(Merge::with_checked(config))
     }
 

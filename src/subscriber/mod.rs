@@ -203,7 +203,7 @@ impl DynamicSubscriberBuilder {
     /// ```
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.config.validate()?;
-        Merge::<Delivery>::new(self.config.merge).map(drop)
+        self.config.merge.check::<Delivery>()
     }
 
     /// Checks the configuration, then starts the watch loop on the current tokio

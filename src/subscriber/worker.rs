@@ -317,78 +317,130 @@ async fn connect_and_read(
     seq.new_connection();
     tracing::debug!("connected");
     let drop_key = format!("drop:{endpoint}");
-    let mut batch = Vec::with_capacity(config.recv_batch);
-    let mut out: Vec<(Delivery, usize)> = Vec::with_capacity(config.recv_batch);
     // Created once: a publisher that keeps sending after it left discovery is cut
     // `DRAIN_GRACE` after the removal, not kept alive batch after batch.
     let deadline = drain_deadline(drain);
     tokio::pin!(deadline);
     loop {
-        batch.clear();
-        // `recv_many` is cancel-safe: the drain deadline loses nothing.
-        let received = tokio::select! {
-            r = sub.recv_many(&mut batch, config.recv_batch) => r,
-            () = &mut deadline => return Outcome::Failed(ZmtpError::SocketClosed),
-        };
-        if let Err(e) = received {
-            return Outcome::Failed(e);
-        }
         let source = cell
             .instance
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        let mut bytes = 0u64;
-        let mut filtered = 0u64;
-        let mut malformed = MalformedStats::default();
-        for message in batch.drain(..) {
-            let size = message.byte_len();
-            bytes += size as u64;
-            match config.layout.locate(config.topic.as_deref(), &message) {
-                Ok(framed) => {
-                    if let Some(s) = framed.sequence {
-                        match seq.observe_from(framed.publisher_id, s) {
-                            SeqStep::InOrder => {}
-                            SeqStep::Gap(missing) => {
-                                Counters::add(&counters.gaps, 1);
-                                Counters::add(&counters.gap_messages, missing);
-                            }
-                            SeqStep::Reset => Counters::add(&counters.sequence_resets, 1),
-                        }
-                    }
-                    out.push((
-                        Delivery::new(source.clone(), framed.sequence, message, framed.payload_at),
-                        size,
-                    ));
-                }
-                Err(WireError::WrongTopic) => filtered += 1,
-                Err(e) => malformed.count(&e),
+        let mut filing = Filing::new(cell);
+        // The socket hands each message straight to `filing`, which pushes them into
+        // the lane `LANE_PUSH` at a time: between reads the connection holds no batch.
+        // `recv_with` is cancel-safe: the drain deadline loses nothing.
+        let received = tokio::select! {
+            r = sub.recv_with(config.recv_batch, |message| {
+                filing.file(config, seq, &source, message);
+            }) => Some(r),
+            () = &mut deadline => None,
+        };
+        let dropped = filing.flush();
+        if dropped > 0 {
+            if let Some(suppressed) = shared.warn.check(&drop_key, Instant::now()) {
+                tracing::warn!(
+                    dropped,
+                    earlier_drop_events = suppressed,
+                    "consumer is slow: dropping this publisher's messages (lane or budget full); \
+                     counted in stats"
+                );
             }
         }
-        let malformed_total = malformed.total();
-        Counters::add(
-            &counters.received,
-            (out.len() as u64) + filtered + malformed_total,
-        );
-        Counters::add(&counters.bytes, bytes);
-        Counters::add(&counters.filtered_topic, filtered);
-        if malformed_total > 0 {
-            Counters::add(&counters.malformed, malformed_total);
+        match received {
+            Some(Ok(_)) => {}
+            Some(Err(e)) => return Outcome::Failed(e),
+            None => return Outcome::Failed(ZmtpError::SocketClosed),
+        }
+    }
+}
+
+/// Messages handed to the lane per lock of the merge.
+const LANE_PUSH: usize = 64;
+
+/// One receive's messages on their way into the publisher's lane: located by the
+/// layout, sequence-checked, and pushed `LANE_PUSH` at a time, with the counters
+/// updated before each push (so `received` never trails what the lane counts).
+struct Filing<'a> {
+    cell: &'a PublisherCell,
+    out: Vec<(Delivery, usize)>,
+    received: u64,
+    bytes: u64,
+    filtered: u64,
+    malformed: MalformedStats,
+    /// Dropped by the lane (full or over budget) so far.
+    dropped: usize,
+}
+
+impl<'a> Filing<'a> {
+    fn new(cell: &'a PublisherCell) -> Filing<'a> {
+        Filing {
+            cell,
+            out: Vec::new(),
+            received: 0,
+            bytes: 0,
+            filtered: 0,
+            malformed: MalformedStats::default(),
+            dropped: 0,
+        }
+    }
+
+    fn file(
+        &mut self,
+        config: &Config,
+        seq: &mut SeqTracker,
+        source: &Arc<Instance>,
+        message: crate::zmtp::Message,
+    ) {
+        let size = message.byte_len();
+        self.received += 1;
+        self.bytes += size as u64;
+        match config.layout.locate(config.topic.as_deref(), &message) {
+            Ok(framed) => {
+                if let Some(s) = framed.sequence {
+                    let counters = &self.cell.counters;
+                    match seq.observe_from(framed.publisher_id, s) {
+                        SeqStep::InOrder => {}
+                        SeqStep::Gap(missing) => {
+                            Counters::add(&counters.gaps, 1);
+                            Counters::add(&counters.gap_messages, missing);
+                        }
+                        SeqStep::Reset => Counters::add(&counters.sequence_resets, 1),
+                    }
+                }
+                if self.out.capacity() == 0 {
+                    self.out.reserve_exact(LANE_PUSH);
+                }
+                self.out.push((
+                    Delivery::new(source.clone(), framed.sequence, message, framed.payload_at),
+                    size,
+                ));
+                if self.out.len() >= LANE_PUSH {
+                    self.flush();
+                }
+            }
+            Err(WireError::WrongTopic) => self.filtered += 1,
+            Err(e) => self.malformed.count(&e),
+        }
+    }
+
+    /// Counts what was filed since the last flush and pushes it into the lane;
+    /// returns the lane's drops so far.
+    fn flush(&mut self) -> usize {
+        let counters = &self.cell.counters;
+        Counters::add(&counters.received, std::mem::take(&mut self.received));
+        Counters::add(&counters.bytes, std::mem::take(&mut self.bytes));
+        Counters::add(&counters.filtered_topic, std::mem::take(&mut self.filtered));
+        let malformed = std::mem::take(&mut self.malformed);
+        if malformed.total() > 0 {
+            Counters::add(&counters.malformed, malformed.total());
             counters.malformed_by_reason.add(&malformed);
         }
-        if !out.is_empty() {
-            let dropped = cell.lane.push_many(out.drain(..));
-            if dropped > 0 {
-                if let Some(suppressed) = shared.warn.check(&drop_key, Instant::now()) {
-                    tracing::warn!(
-                        dropped,
-                        earlier_drop_events = suppressed,
-                        "consumer is slow: dropping this publisher's messages (lane or budget full); \
-                         counted in stats"
-                    );
-                }
-            }
+        if !self.out.is_empty() {
+            self.dropped += self.cell.lane.push_many(self.out.drain(..));
         }
+        self.dropped
     }
 }
 

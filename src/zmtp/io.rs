@@ -203,6 +203,37 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         }
     }
 
+    /// Gives the read buffer back between reads: the undecoded bytes (at most an
+    /// eighth of a chunk, or nothing is done) move to an allocation of their own
+    /// size and the chunk is retired, freed at once unless delivered frames still
+    /// reference it. The next read allocates a fresh chunk. Subscribers whose shared
+    /// account holds more read buffers than its limit call this after every receive,
+    /// so thousands of connections cost what the few being read at once hold, not a
+    /// chunk each. A buffer grown for one large frame is kept (that frame is what
+    /// it is for).
+    pub(crate) fn release_read_buffer(&mut self) {
+        let chunk = self.read_chunk;
+        if self.allocation == 0 || self.allocation > chunk {
+            return;
+        }
+        if self.session.input_buffer().len() > chunk / 8 {
+            return;
+        }
+        self.session.compact_partial_message(chunk);
+        let buf = self.session.input_buffer();
+        let rest = buf.len();
+        let kept = if rest == 0 {
+            BytesMut::new()
+        } else {
+            BytesMut::from(&buf[..])
+        };
+        let old = std::mem::replace(buf, kept);
+        let old_allocation = std::mem::replace(&mut self.allocation, rest);
+        if let Some(retention) = &self.retention {
+            retention.replace_read_buffer(old, old_allocation, rest, chunk);
+        }
+    }
+
     /// When output has waited this long without a byte written, the peer is stalled.
     fn stall_deadline(&self) -> Option<Instant> {
         let since = self.blocked_since?;

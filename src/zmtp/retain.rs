@@ -12,6 +12,11 @@
 //! limit, small frames are copied into an allocation of their own size, so new
 //! messages pin nothing more while the old ones drain.
 //!
+//! The same limit bounds the read buffers connections hold between reads: while
+//! their sum ([`Retention::current`]) exceeds it, as for a subscriber following
+//! thousands of publishers, each connection gives its buffer back after every
+//! receive ([`Retention::reads_over_limit`]), so idle connections hold none.
+//!
 //! Only shared read chunks are retired here. An allocation grown for one frame larger
 //! than a chunk holds nothing but that frame: whoever keeps the frame is charged its
 //! size (a lane, a queue), so counting it again would be double.
@@ -82,6 +87,12 @@ impl Retention {
     /// Read buffers connections read into now (what a connection costs while alive).
     pub(crate) fn current(&self) -> usize {
         self.current.load(Ordering::Relaxed)
+    }
+
+    /// `true` while the read buffers connections hold add up to more than the limit:
+    /// each should give its buffer back between reads.
+    pub(crate) fn reads_over_limit(&self) -> bool {
+        self.current() > self.limit
     }
 
     fn lock(&self) -> MutexGuard<'_, Vec<(Bytes, usize)>> {

@@ -364,6 +364,58 @@ where
         poll_fn(|cx| self.poll_recv_many(cx, out, max)).await
     }
 
+    /// Waits for at least one message, then hands every message already received (up
+    /// to `max`, and until they hold [`RECV_MANY_BYTES`]) to `f`, in order, without
+    /// further waiting. Returns how many it handed over.
+    ///
+    /// The batch form for a consumer that files each message somewhere of its own (a
+    /// queue, a parser, a lane of a `DynamicSubscriber`): nothing is collected in
+    /// between. Cancel-safe like [`recv_many`](Self::recv_many): a message is either
+    /// handed to `f` or still in the socket.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::zmtp::Error> {
+    /// use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
+    /// let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default()).await?;
+    /// let mut sub = SubSocket::connect(publisher.local_endpoint().unwrap_or_default(), Config::default()).await?;
+    /// sub.subscribe("").await?;
+    /// publisher.wait_for_subscribers(1).await;
+    /// for i in 1..=3u8 { publisher.send(Message::from_parts([vec![i]])); }
+    /// let (mut seen, mut sum) = (0, 0u32);
+    /// while seen < 3 {
+    ///     seen += sub.recv_with(64, |m| sum += u32::from(m.parts()[0][0])).await?;
+    /// }
+    /// assert_eq!(sum, 6);
+    /// # Ok(()) }
+    /// ```
+    pub async fn recv_with<F: FnMut(Message)>(
+        &mut self,
+        max: usize,
+        mut f: F,
+    ) -> Result<usize, Error> {
+        poll_fn(|cx| self.poll_recv_with(cx, max, &mut f)).await
+    }
+
+    /// Poll form of [`recv_with`](Self::recv_with).
+    pub fn poll_recv_with<F: FnMut(Message)>(
+        &mut self,
+        cx: &mut Context<'_>,
+        max: usize,
+        f: &mut F,
+    ) -> Poll<Result<usize, Error>> {
+        let max = max.max(1);
+        let mut got = 0;
+        let mut bytes = 0;
+        self.poll_inner(cx, &mut |m| {
+            bytes += m.byte_len();
+            f(m);
+            got += 1;
+            got < max && bytes < RECV_MANY_BYTES
+        })
+        .map(|r| r.map(|_| got))
+    }
+
     /// Poll form of [`recv`](Self::recv).
     pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Message, Error>> {
         let mut one = None;
@@ -381,22 +433,26 @@ where
         out: &mut Vec<Message>,
         max: usize,
     ) -> Poll<Result<usize, Error>> {
-        let max = max.max(1);
-        let mut got = 0;
-        let mut bytes = 0;
-        self.poll_inner(cx, &mut |m| {
-            bytes += m.byte_len();
-            out.push(m);
-            got += 1;
-            got < max && bytes < RECV_MANY_BYTES
-        })
-        .map(|r| r.map(|_| got))
+        self.poll_recv_with(cx, max, &mut |m| out.push(m))
     }
 
     /// Decodes messages into `sink` until it returns `false` or input runs dry after
     /// at least one message. Errors seen after a message was delivered are kept for the
-    /// next call, so no delivered message is lost to a later failure.
+    /// next call, so no delivered message is lost to a later failure. Between calls,
+    /// a socket whose account holds too many read buffers gives its own back.
     fn poll_inner(
+        &mut self,
+        cx: &mut Context<'_>,
+        sink: &mut dyn FnMut(Message) -> bool,
+    ) -> Poll<Result<(), Error>> {
+        let result = self.poll_pass(cx, sink);
+        if self.retention.reads_over_limit() {
+            self.conn.release_read_buffer();
+        }
+        result
+    }
+
+    fn poll_pass(
         &mut self,
         cx: &mut Context<'_>,
         sink: &mut dyn FnMut(Message) -> bool,

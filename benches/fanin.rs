@@ -1,0 +1,399 @@
+//! Fan-in at scale: 4,096 publishers in another process → one `DynamicSubscriber`.
+//!
+//! A child process (this bench binary, re-run) binds `FANIN_PUBLISHERS` (default
+//! 4,096) `PubSocket`s on loopback in one current-thread runtime and sends what the
+//! parent asks on its stdin. The parent registers them all in a `MemoryDiscovery`,
+//! starts one `DynamicSubscriber` (`TopicSeq` layout, default bounds) and reports,
+//! as `fanin: …` lines:
+//! - the time from spawning the subscriber until every publisher has its subscriber;
+//! - the parent's open file descriptors (must be publishers + O(1));
+//! - the parent's RSS per connected, idle publisher;
+//! - delivered throughput (criterion, `fanin/100B/dynamic_subscriber/N`): a closed
+//!   loop of rounds of 32 messages per publisher, at most two rounds in flight, so
+//!   the lanes never overflow and the run asserts zero drops;
+//! - a flood with a stalled consumer: every publisher sends as fast as it can for 3 s
+//!   while nothing reads the subscriber; the parent's peak RSS (VmHWM, reset first)
+//!   is asserted to grow by at most `max_buffered_bytes` + 32 MiB.
+//!
+//! 4,096 publishers need about 8,200 descriptors in the child and 4,100 in the parent:
+//! raise `ulimit -n` first if it is lower.
+//!
+//! ```text
+//! cargo bench --bench fanin
+//! FANIN_PUBLISHERS=512 cargo bench --bench fanin -- --quick
+//! ```
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use criterion::{BenchmarkId, Criterion, Throughput};
+use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Query, Transport};
+use eventplane::subscriber::{DynamicSubscriber, Layout};
+use eventplane::zmtp::{Config, Message, PubSocket};
+
+/// Set in the child: how many publishers to bind.
+const CHILD_ENV: &str = "EVENTPLANE_FANIN_CHILD";
+/// Messages per publisher per round of the throughput loop.
+const ROUND: u64 = 32;
+/// The subscriber's budget (its default).
+const BUDGET: usize = 64 << 20;
+
+fn message(seq: u64) -> Message {
+    Message::from_parts([
+        Bytes::from_static(b"kvev"),
+        Bytes::copy_from_slice(&seq.to_be_bytes()),
+        Bytes::from_static(&[0xab; 100]),
+    ])
+}
+
+// ---- the child: N publishers driven by stdin ----
+
+/// Commands, one per line: `await` (reply `connected` once every publisher has a
+/// subscriber), `rounds R` (send R rounds of [`ROUND`] per publisher, round r ≥ 2 only
+/// after an `ack` line; reply `sent DROPPED`), `flood` (send until `stop`; reply
+/// `flooded SENT DROPPED`). EOF ends the child.
+fn child(publishers: usize) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut sockets = Vec::with_capacity(publishers);
+        // A flood must not grow the child without bound either.
+        let config = Config::builder()
+            .send_queue_bytes(128 << 10)
+            .build()
+            .unwrap();
+        for _ in 0..publishers {
+            sockets.push(
+                PubSocket::bind("tcp://127.0.0.1:0", config.clone())
+                    .await
+                    .unwrap(),
+            );
+        }
+        let mut out = std::io::stdout().lock();
+        for s in &sockets {
+            writeln!(out, "{}", s.local_endpoint().unwrap()).unwrap();
+        }
+        writeln!(out, "END").unwrap();
+        out.flush().unwrap();
+        drop(out);
+        let (lines_tx, mut lines) = tokio::sync::mpsc::channel::<String>(16);
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop_reader = stop.clone();
+        std::thread::spawn(move || {
+            for line in std::io::stdin().lock().lines() {
+                let line = line.unwrap();
+                if line == "stop" {
+                    stop_reader.store(true, Ordering::Relaxed);
+                }
+                if lines_tx.blocking_send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut seq = 0u64;
+        let reply = |line: String| {
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "{line}").unwrap();
+            out.flush().unwrap();
+        };
+        while let Some(line) = lines.recv().await {
+            let mut words = line.split(' ');
+            match words.next().unwrap() {
+                "await" => {
+                    for s in &sockets {
+                        s.wait_for_subscribers(1).await;
+                    }
+                    reply("connected".into());
+                }
+                "rounds" => {
+                    let rounds: u64 = words.next().unwrap().parse().unwrap();
+                    let mut dropped = 0;
+                    for r in 0..rounds {
+                        if r >= 2 {
+                            let ack = lines.recv().await.unwrap();
+                            assert_eq!(ack, "ack");
+                        }
+                        for s in &sockets {
+                            for i in 0..ROUND {
+                                dropped += s.send(message(seq + i)).dropped;
+                            }
+                            tokio::task::yield_now().await;
+                        }
+                        seq += ROUND;
+                    }
+                    reply(format!("sent {dropped}"));
+                }
+                "flood" => {
+                    stop.store(false, Ordering::Relaxed);
+                    let (mut sent, mut dropped) = (0u64, 0usize);
+                    while !stop.load(Ordering::Relaxed) {
+                        for s in &sockets {
+                            for i in 0..16 {
+                                dropped += s.send(message(seq + i)).dropped;
+                            }
+                            sent += 16;
+                        }
+                        seq += 16;
+                        tokio::task::yield_now().await;
+                    }
+                    // The `stop` line itself.
+                    assert_eq!(lines.recv().await.as_deref(), Some("stop"));
+                    reply(format!("flooded {sent} {dropped}"));
+                }
+                other => panic!("unknown command {other}"),
+            }
+        }
+    });
+}
+
+// ---- the parent ----
+
+struct Publishers {
+    child: Child,
+    stdin: ChildStdin,
+    lines: tokio::sync::mpsc::Receiver<String>,
+    endpoints: Vec<String>,
+}
+
+impl Publishers {
+    fn spawn(n: usize) -> Publishers {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .env(CHILD_ENV, n.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut endpoints = Vec::with_capacity(n);
+        loop {
+            let mut line = String::new();
+            assert!(stdout.read_line(&mut line).unwrap() > 0, "child exited");
+            let line = line.trim_end();
+            if line == "END" {
+                break;
+            }
+            endpoints.push(line.to_owned());
+        }
+        let (tx, lines) = tokio::sync::mpsc::channel(16);
+        std::thread::spawn(move || {
+            for line in stdout.lines() {
+                if tx.blocking_send(line.unwrap()).is_err() {
+                    break;
+                }
+            }
+        });
+        Publishers {
+            child,
+            stdin,
+            lines,
+            endpoints,
+        }
+    }
+
+    fn tell(&mut self, line: &str) {
+        writeln!(self.stdin, "{line}").unwrap();
+        self.stdin.flush().unwrap();
+    }
+
+    async fn reply(&mut self) -> String {
+        self.lines.recv().await.expect("the child replies")
+    }
+}
+
+fn status_kib(field: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    status
+        .lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// `rounds` rounds of [`ROUND`] messages per publisher through the closed loop;
+/// returns the time and what was delivered.
+async fn closed_loop(
+    sub: &mut DynamicSubscriber,
+    publishers: &mut Publishers,
+    rounds: u64,
+) -> (Duration, u64) {
+    let n = publishers.endpoints.len() as u64;
+    let total = rounds * ROUND * n;
+    let start = Instant::now();
+    publishers.tell(&format!("rounds {rounds}"));
+    let (mut got, mut acked) = (0u64, 0u64);
+    let mut buf = Vec::with_capacity(1024);
+    while got < total {
+        buf.clear();
+        got += tokio::time::timeout(Duration::from_secs(20), sub.recv_many(&mut buf, 1024))
+            .await
+            .expect("lossless: every message arrives") as u64;
+        // Round r + 2 may go once round r is in.
+        while acked + 2 < rounds && got >= (acked + 1) * ROUND * n {
+            publishers.tell("ack");
+            acked += 1;
+        }
+    }
+    let elapsed = start.elapsed();
+    let reply = publishers.reply().await;
+    assert_eq!(reply, "sent 0", "the publishers' queues overflowed");
+    (elapsed, got)
+}
+
+fn bench() {
+    let n: usize = std::env::var("FANIN_PUBLISHERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4096);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut publishers = Publishers::spawn(n);
+    let memory = MemoryDiscovery::new();
+    let guards: Vec<_> = rt.block_on(async {
+        let mut guards = Vec::with_capacity(n);
+        for (i, endpoint) in publishers.endpoints.iter().enumerate() {
+            let id = ChannelId::new("fanin", "worker", "kv", i as u64).unwrap();
+            guards.push(
+                memory
+                    .register(id, Transport::zmq(endpoint.clone()))
+                    .await
+                    .unwrap(),
+            );
+        }
+        guards
+    });
+    let (fds_before, rss_before) = (open_fds(), status_kib("VmRSS:"));
+    let start = Instant::now();
+    let mut sub = {
+        let _guard = rt.enter();
+        DynamicSubscriber::builder(Arc::new(memory.clone()), Query::new("fanin"))
+            .topic("kvev")
+            .layout(Layout::TopicSeq)
+            .max_publishers(n)
+            .max_buffered_bytes(BUDGET)
+            .spawn()
+            .unwrap()
+    };
+    publishers.tell("await");
+    assert_eq!(rt.block_on(publishers.reply()), "connected");
+    let connected_in = start.elapsed();
+    std::thread::sleep(Duration::from_secs(1));
+    let (fds, rss_idle) = (open_fds(), status_kib("VmRSS:"));
+    eprintln!(
+        "fanin: {n} publishers connected in {:.2} s; parent fds {fds} ({} before the \
+         subscriber: +{}); idle RSS {} MiB, {:.1} KiB per publisher",
+        connected_in.as_secs_f64(),
+        fds_before,
+        fds - fds_before,
+        rss_idle / 1024,
+        rss_idle.saturating_sub(rss_before) as f64 / n as f64,
+    );
+
+    let mut c = Criterion::default().configure_from_args();
+    let mut group = c.benchmark_group("fanin/100B");
+    group.throughput(Throughput::Elements(1));
+    group.sample_size(10);
+    group.warm_up_time(Duration::from_millis(500));
+    group.measurement_time(Duration::from_secs(5));
+    let mut delivered = 0u64;
+    // Warm: two rounds through every lane.
+    delivered += rt.block_on(closed_loop(&mut sub, &mut publishers, 2)).1;
+    group.bench_function(BenchmarkId::new("dynamic_subscriber", n), |b| {
+        b.iter_custom(|iters| {
+            let rounds = iters.div_ceil(ROUND * n as u64).max(1);
+            let (elapsed, got) = rt.block_on(closed_loop(&mut sub, &mut publishers, rounds));
+            delivered += got;
+            elapsed.mul_f64(iters as f64 / got as f64)
+        })
+    });
+    group.finish();
+    let stats = sub.stats();
+    eprintln!(
+        "fanin: throughput loop delivered {delivered}, dropped {}",
+        stats.total.dropped()
+    );
+    assert_eq!(stats.total.dropped(), 0, "{:?}", stats.total);
+    assert_eq!(stats.total.delivered, delivered);
+
+    // Flood with a stalled consumer.
+    std::fs::write("/proc/self/clear_refs", "5").unwrap();
+    let before = status_kib("VmRSS:");
+    publishers.tell("flood");
+    let mut max_buffered = 0;
+    let mut max_read_buffers = 0;
+    let mut max_retained = 0;
+    rt.block_on(async {
+        for _ in 0..300 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            let stats = sub.stats();
+            max_buffered = max_buffered.max(stats.buffered_bytes);
+            max_read_buffers = max_read_buffers.max(stats.read_buffer_bytes);
+            max_retained = max_retained.max(stats.retained_bytes);
+        }
+    });
+    publishers.tell("stop");
+    let flooded = rt.block_on(publishers.reply());
+    let peak = status_kib("VmHWM:");
+    let stats = sub.stats();
+    eprintln!(
+        "fanin: {n}-publisher flood, stalled consumer: RSS before {} MiB, peak {} MiB \
+         (+{} MiB; max_buffered_bytes {} MiB); at most {:.1} MiB buffered, {:.1} MiB in read \
+         buffers, {:.1} MiB retained; child {flooded}; received {}, dropped {}",
+        before / 1024,
+        peak / 1024,
+        peak.saturating_sub(before) / 1024,
+        BUDGET >> 20,
+        max_buffered as f64 / (1 << 20) as f64,
+        max_read_buffers as f64 / (1 << 20) as f64,
+        max_retained as f64 / (1 << 20) as f64,
+        stats.total.received,
+        stats.total.dropped(),
+    );
+    rt.block_on(sub.handle().shutdown());
+    drop(sub);
+    drop(guards);
+    drop(publishers.stdin);
+    let _ = publishers.child.wait();
+    let grown = (peak.saturating_sub(before) as usize) << 10;
+    assert!(max_buffered <= BUDGET, "{max_buffered} > {BUDGET}");
+    assert!(
+        max_buffered > BUDGET / 2,
+        "the flood never filled the budget: the bound below proves nothing"
+    );
+    assert!(
+        grown <= BUDGET + (32 << 20),
+        "peak RSS grew by {} MiB under the flood, over max_buffered_bytes + 32 MiB",
+        grown >> 20
+    );
+    c.final_summary();
+}
+
+/// The child runs before criterion parses anything.
+fn main() {
+    if let Ok(n) = std::env::var(CHILD_ENV) {
+        child(n.parse().unwrap());
+        return;
+    }
+    bench();
+}

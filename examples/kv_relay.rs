@@ -87,7 +87,10 @@ struct Args {
     advertise_host: Option<String>,
 }
 
-#[tokio::main]
+// One thread: the relay is one sequential pipeline (listener → processor → publisher),
+// and on a multi-thread runtime every hand-off between its tasks woke another thread,
+// which cost CPU for no throughput (bench `kv_worker`).
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     // Before anything is registered: a SIGTERM from now on is handled (records deleted).
     let stop = stop_signal();

@@ -88,6 +88,7 @@
 mod config;
 mod counter;
 pub mod discovery;
+mod hash;
 pub mod kv;
 pub mod lossy;
 mod msgpack;

@@ -1,6 +1,6 @@
 //! `DedupFilter`: reference-counted suppression of removals.
 
-use std::collections::HashMap;
+use crate::hash::FastMap;
 
 use super::event::{BlockHash, DpRank, KvEventData, Placement, StorageTier};
 use crate::config::{self, ConfigError};
@@ -68,7 +68,7 @@ pub const DEFAULT_MAX_TRACKED_RANKS: usize = 64;
 #[derive(Debug, Clone)]
 pub struct DedupFilter {
     mode: DedupMode,
-    counts: HashMap<(DpRank, StorageTier), HashMap<BlockHash, u32>>,
+    counts: FastMap<(DpRank, StorageTier), FastMap<BlockHash, u32>>,
     suppressed: u64,
     /// Hashes in `counts`, all pairs together.
     tracked: usize,
@@ -88,7 +88,7 @@ impl DedupFilter {
     pub fn new(mode: DedupMode) -> DedupFilter {
         DedupFilter {
             mode,
-            counts: HashMap::new(),
+            counts: FastMap::default(),
             suppressed: 0,
             tracked: 0,
             max_hashes: DEFAULT_MAX_TRACKED_HASHES,
@@ -167,7 +167,7 @@ impl DedupFilter {
                 blocks,
             } => {
                 if !self.counts.contains_key(&key) && self.counts.len() >= self.max_ranks {
-                    self.counts = HashMap::new();
+                    self.counts = FastMap::default();
                     self.tracked = 0;
                     self.resets += 1;
                 }

@@ -15,9 +15,9 @@
 //! [`StorageTier::HostPinned`]; `DISK` / `NVME` → [`StorageTier::Disk`]; anything
 //! else → [`StorageTier::External`].
 
+use super::event::tokens_hash_wide;
 use super::{
     BlockHash, KvEvent, KvEventData, Placement, PlacementEvent, StorageTier, StoredBlock, WorkerId,
-    tokens_hash,
 };
 use super::{EncodeError, EngineDecodeError};
 use crate::config::{self, ConfigError};
@@ -180,9 +180,9 @@ impl EngineDecoder {
                     None | Some(Value::Nil) => None,
                     Some(v) => Some(hash(v)?),
                 };
-                let tokens = token_list(fields.at(3, "token_ids"))?;
+                let tokens = token_ids(fields.at(3, "token_ids"))?;
                 let medium = fields.at(6, "medium");
-                match self.stored(parent, &hashes, &tokens) {
+                match self.stored(parent, &hashes, tokens) {
                     Some(data) => (data, medium),
                     None => return Ok(None),
                 }
@@ -218,13 +218,9 @@ impl EngineDecoder {
         &mut self,
         parent: Option<BlockHash>,
         hashes: &[BlockHash],
-        tokens: &[u32],
+        tokens: &[u64],
     ) -> Option<KvEventData> {
-        let mut seen = std::collections::HashSet::with_capacity(hashes.len() + 1);
-        if let Some(p) = parent {
-            seen.insert(p);
-        }
-        if !hashes.iter().all(|h| seen.insert(*h)) {
+        if !distinct(parent, hashes) {
             self.stats.self_referencing += 1;
             return None;
         }
@@ -234,7 +230,7 @@ impl EngineDecoder {
             match tokens.get(start..start + self.block_size) {
                 Some(chunk) => blocks.push(StoredBlock {
                     block_hash: *h,
-                    tokens_hash: tokens_hash(chunk),
+                    tokens_hash: tokens_hash_wide(chunk),
                 }),
                 None => {
                     self.stats.truncated_events += 1;
@@ -294,6 +290,22 @@ impl<'v, 'a> Fields<'v, 'a> {
     }
 }
 
+/// `true` when no hash repeats, the parent included: a short list (as engines send)
+/// is compared pairwise without allocating, a longer one through a set.
+fn distinct(parent: Option<BlockHash>, hashes: &[BlockHash]) -> bool {
+    const PAIRWISE: usize = 32;
+    if hashes.len() <= PAIRWISE {
+        return hashes
+            .iter()
+            .enumerate()
+            .all(|(i, h)| Some(*h) != parent && !hashes.get(..i).unwrap_or_default().contains(h));
+    }
+    let mut seen =
+        crate::hash::FastSet::with_capacity_and_hasher(hashes.len() + 1, Default::default());
+    seen.extend(parent);
+    hashes.iter().all(|h| seen.insert(*h))
+}
+
 fn hash(v: &Value<'_>) -> Result<BlockHash, ()> {
     match v {
         Value::UInt(u) => Ok(BlockHash(*u)),
@@ -311,17 +323,18 @@ fn hash_list(v: Option<&Value<'_>>) -> Result<Vec<BlockHash>, ()> {
     v.as_array().ok_or(())?.iter().map(hash).collect()
 }
 
-fn token_list(v: Option<&Value<'_>>) -> Result<Vec<u32>, ()> {
+/// The token ids of a stored event, each checked to fit in a `u32`.
+fn token_ids<'v>(v: Option<&'v Value<'_>>) -> Result<&'v [u64], ()> {
     let v = v.ok_or(())?;
     if let Some(ints) = v.as_uints() {
-        return ints
-            .iter()
-            .map(|&t| u32::try_from(t).map_err(|_| ()))
-            .collect();
+        if ints.iter().any(|&t| u32::try_from(t).is_err()) {
+            return Err(());
+        }
+        return Ok(ints);
     }
     // An empty array parses generically.
     match v.array_len() {
-        Some(0) => Ok(Vec::new()),
+        Some(0) => Ok(&[]),
         _ => Err(()),
     }
 }
@@ -484,5 +497,21 @@ mod budget_tests {
         assert!(d.decode_batch(&nils(100)).is_ok());
         assert!(d.decode_batch(&nils(101)).is_err());
         assert_eq!(d.stats().oversized_batches, 1);
+    }
+
+    #[test]
+    fn repeated_hashes_are_caught_on_both_paths() {
+        for n in [4u64, 32, 33, 100] {
+            let hashes: Vec<BlockHash> = (1..=n).map(BlockHash).collect();
+            assert!(distinct(None, &hashes), "{n}");
+            assert!(distinct(Some(BlockHash(0)), &hashes), "{n}");
+            assert!(
+                !distinct(Some(BlockHash(n)), &hashes),
+                "{n}: the parent repeats"
+            );
+            let mut repeated = hashes.clone();
+            repeated.push(BlockHash(1));
+            assert!(!distinct(None, &repeated), "{n}: the first hash repeats");
+        }
     }
 }

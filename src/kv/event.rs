@@ -215,14 +215,31 @@ pub const TOKENS_HASH_SEED: u64 = 1337;
 /// assert_eq!(tokens_hash(&[1, 2, 3, 4]), TokensHash(14643705804678351452));
 /// ```
 pub fn tokens_hash(tokens: &[u32]) -> TokensHash {
-    // Blocks of up to 256 tokens (every common block size) hash from a stack buffer.
-    const STACK_TOKENS: usize = 256;
-    let mut stack = [0u8; STACK_TOKENS * 4];
-    let mut heap = Vec::new();
-    let bytes: &mut [u8] = if tokens.len() <= STACK_TOKENS {
-        stack.get_mut(..tokens.len() * 4).unwrap_or_default()
+    hash_token_ids(tokens.iter().copied())
+}
+
+/// [`tokens_hash`] of tokens the engine decoder holds as `u64` (each already checked
+/// to fit in a `u32`), without collecting them first.
+pub(crate) fn tokens_hash_wide(tokens: &[u64]) -> TokensHash {
+    hash_token_ids(tokens.iter().map(|&t| t as u32))
+}
+
+fn hash_token_ids(tokens: impl ExactSizeIterator<Item = u32>) -> TokensHash {
+    // Blocks of up to 64 tokens (the common block sizes) hash from a small stack
+    // buffer, up to 256 from a larger one (zeroing it costs as much as the hash).
+    const SMALL: usize = 64;
+    const LARGE: usize = 256;
+    let n = tokens.len();
+    let mut small = [0u8; SMALL * 4];
+    let mut large;
+    let mut heap;
+    let bytes: &mut [u8] = if n <= SMALL {
+        small.get_mut(..n * 4).unwrap_or_default()
+    } else if n <= LARGE {
+        large = [0u8; LARGE * 4];
+        large.get_mut(..n * 4).unwrap_or_default()
     } else {
-        heap.resize(tokens.len() * 4, 0);
+        heap = vec![0u8; n * 4];
         &mut heap
     };
     for (chunk, t) in bytes.chunks_exact_mut(4).zip(tokens) {

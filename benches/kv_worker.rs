@@ -1,0 +1,277 @@
+//! The KV worker as a process: the `kv_relay` example (`EngineListener → Processor →
+//! EventPlaneSink → EventPublisher`, our wire, no discovery) relaying an engine that
+//! this bench plays in Rust (a `PubSocket`, so nothing here is Python).
+//!
+//! The stream is vLLM-shaped: batches of 64 `BlockStored` events of 4 chained blocks
+//! each, every store batch followed by a batch of the 64 `BlockRemoved` that undo it
+//! (so the worker's state does not grow). One iteration sends a window of
+//! [`WINDOW_BATCHES`] batches and a sentinel store, then waits until a plain
+//! `SubSocket` on the relay's output sees the sentinel's router event: a lossless
+//! closed loop. Criterion reports engine events per wall-clock second through the
+//! whole process; the bench also reads the relay's CPU time from `/proc` and prints
+//! engine events per CPU-second (`kv_worker: …` lines), the figure that says what a
+//! worker pays per event.
+//!
+//! Build the example first (`cargo build --release --example kv_relay`; `.ci/run`
+//! does). `EVENTPLANE_KV_RELAY_BEFORE=path` adds another build of it, to compare two
+//! versions in one run.
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use eventplane::kv::{KvEventData, decode_router_events};
+use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
+use serde_json::json;
+
+/// Engine events per batch.
+const BATCH_EVENTS: u64 = 64;
+/// Batches per window: half stores, half removes.
+const WINDOW_BATCHES: u64 = 64;
+const WINDOW_EVENTS: u64 = WINDOW_BATCHES * BATCH_EVENTS;
+const BLOCKS: u64 = 4;
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// 64 stores of 4 chained blocks from `base` on, vLLM ≤ 0.23 arrays.
+fn stores(base: u64) -> Vec<u8> {
+    let events: Vec<_> = (0..BATCH_EVENTS)
+        .map(|i| {
+            let first = base + i * BLOCKS;
+            let hashes: Vec<u64> = (first..first + BLOCKS).collect();
+            let tokens: Vec<u64> = (0..BLOCKS * 16)
+                .map(|t| (first * 16 + t) % 50_000)
+                .collect();
+            let parent = (i > 0).then_some(first - 1);
+            json!(["BlockStored", hashes, parent, tokens, 16, null, "GPU", null])
+        })
+        .collect();
+    rmp_serde::to_vec(&json!([1_700_000_000.5, events, 0])).unwrap()
+}
+
+/// The 64 removes undoing [`stores`]`(base)`.
+fn removes(base: u64) -> Vec<u8> {
+    let events: Vec<_> = (0..BATCH_EVENTS)
+        .map(|i| {
+            let first = base + i * BLOCKS;
+            let hashes: Vec<u64> = (first..first + BLOCKS).collect();
+            json!(["BlockRemoved", hashes, "GPU"])
+        })
+        .collect();
+    rmp_serde::to_vec(&json!([1_700_000_000.5, events, 0])).unwrap()
+}
+
+fn sentinel(hash: u64) -> Vec<u8> {
+    let tokens: Vec<u64> = (1..=16).collect();
+    let event = json!(["BlockStored", [hash], null, tokens, 16, null, "CPU", null]);
+    rmp_serde::to_vec(&json!([1_700_000_000.5, [event], 0])).unwrap()
+}
+
+/// User plus system CPU time of process `pid`, from `/proc/PID/stat` (clock ticks of
+/// 10 ms).
+fn cpu_time(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name, which is in parentheses.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = rest.split(' ').collect();
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    Duration::from_millis(ticks * 10)
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The engine, one relay process and a subscriber on its output.
+struct Rig {
+    engine: PubSocket,
+    seq: u64,
+    next_hash: u64,
+    relay: Child,
+    sub: SubSocket,
+    batch: Vec<Message>,
+    events: u64,
+    cpu: Duration,
+}
+
+impl Rig {
+    async fn start(program: &Path) -> Rig {
+        let engine = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+            .await
+            .unwrap();
+        let engine_ep = engine.local_endpoint().unwrap().to_owned();
+        let mut relay = Command::new(program)
+            .args([
+                "--connect",
+                &engine_ep,
+                "--topic",
+                "kv",
+                "--block-size",
+                "16",
+            ])
+            .args(["--worker-id", "1", "--bind", "tcp://127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(relay.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let mut sub = SubSocket::connect(line.trim(), Config::default())
+            .await
+            .unwrap();
+        sub.subscribe("kv-events").await.unwrap();
+        tokio::time::timeout(DEADLINE, engine.wait_for_subscribers(1))
+            .await
+            .expect("the relay never subscribed to the engine");
+        let mut rig = Rig {
+            engine,
+            seq: 0,
+            next_hash: 1 << 40,
+            relay,
+            sub,
+            batch: Vec::new(),
+            events: 0,
+            cpu: Duration::ZERO,
+        };
+        // Until the relay's publisher has our subscription: sentinels.
+        let until = Instant::now() + DEADLINE;
+        while !rig.sentinel_round(Duration::from_millis(300)).await {
+            assert!(Instant::now() < until, "nothing came through the relay");
+        }
+        rig
+    }
+
+    fn send(&mut self, payload: Vec<u8>) {
+        let report = self.engine.send(Message::from_parts([
+            b"kv".to_vec(),
+            self.seq.to_be_bytes().to_vec(),
+            payload,
+        ]));
+        assert_eq!(
+            report.dropped, 0,
+            "the engine dropped: the relay fell behind"
+        );
+        self.seq += 1;
+    }
+
+    /// Sends a sentinel and waits (at most `wait`) for its router event.
+    async fn sentinel_round(&mut self, wait: Duration) -> bool {
+        let hash = self.next_hash;
+        self.next_hash += 1;
+        self.send(sentinel(hash));
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            self.batch.clear();
+            let Ok(received) =
+                tokio::time::timeout_at(deadline, self.sub.recv_many(&mut self.batch, 256)).await
+            else {
+                return false;
+            };
+            received.unwrap();
+            // The sentinel is the last event of a window: look only at the last message.
+            let last = self.batch.last().unwrap();
+            let events = decode_router_events(&last.parts()[3]).unwrap();
+            let seen = events.iter().any(|e| match &e.event.data {
+                KvEventData::Stored { blocks, .. } => blocks.iter().any(|b| b.block_hash.0 == hash),
+                _ => false,
+            });
+            if seen {
+                return true;
+            }
+        }
+    }
+
+    /// One window of engine events and its sentinel.
+    async fn window(&mut self) {
+        for _ in 0..WINDOW_BATCHES / 2 {
+            let base = self.next_hash;
+            self.next_hash += BATCH_EVENTS * BLOCKS;
+            self.send(stores(base));
+            self.send(removes(base));
+        }
+        assert!(
+            self.sentinel_round(DEADLINE).await,
+            "a window did not come through"
+        );
+        self.events += WINDOW_EVENTS;
+    }
+
+    fn stop(mut self, name: &str) {
+        let peak = rss_kib(self.relay.id());
+        let _ = self.relay.kill();
+        let _ = self.relay.wait();
+        eprintln!(
+            "kv_worker: {name}: {} engine events in {:.2} CPU-s of the relay: {:.2} M per \
+             CPU-second; relay peak RSS {:.1} MiB",
+            self.events,
+            self.cpu.as_secs_f64(),
+            self.events as f64 / self.cpu.as_secs_f64() / 1e6,
+            peak as f64 / 1024.0,
+        );
+    }
+}
+
+fn kv_relay() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let path = exe.parent()?.parent()?.join("examples").join("kv_relay");
+    path.exists().then_some(path)
+}
+
+fn bench(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut programs = Vec::new();
+    match kv_relay() {
+        Some(p) => programs.push(("kv_relay", p)),
+        None => eprintln!(
+            "kv_worker: target/release/examples/kv_relay is missing \
+             (cargo build --release --example kv_relay); skipping it"
+        ),
+    }
+    if let Some(p) = std::env::var_os("EVENTPLANE_KV_RELAY_BEFORE") {
+        programs.push(("kv_relay_before", PathBuf::from(p)));
+    }
+    let mut group = c.benchmark_group("kv_worker/vllm_64");
+    group.sample_size(10);
+    group.measurement_time(Duration::from_secs(10));
+    group.throughput(Throughput::Elements(WINDOW_EVENTS));
+    for (name, program) in programs {
+        let mut rig = Some(rt.block_on(Rig::start(&program)));
+        group.bench_function(BenchmarkId::new("eventplane", name), |b| {
+            b.iter_custom(|iters| {
+                let rig = rig.as_mut().unwrap();
+                rt.block_on(async {
+                    let (start, cpu) = (Instant::now(), cpu_time(rig.relay.id()));
+                    for _ in 0..iters {
+                        rig.window().await;
+                    }
+                    rig.cpu += cpu_time(rig.relay.id()).saturating_sub(cpu);
+                    start.elapsed()
+                })
+            })
+        });
+        rig.take().unwrap().stop(name);
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

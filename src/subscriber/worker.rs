@@ -327,9 +327,10 @@ async fn connect_and_read(
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        let mut filing = Filing::new(cell);
-        // The socket hands each message straight to `filing`, which pushes them into
-        // the lane `LANE_PUSH` at a time: between reads the connection holds no batch.
+        let mut filing = Filing::new(cell, config.recv_batch);
+        // The socket hands each message straight to `filing`, which pushes the call's
+        // messages into the lane under one lock; its vector lives for the call only,
+        // so between reads a connection holds no batch.
         // `recv_with` is cancel-safe: the drain deadline loses nothing.
         let received = tokio::select! {
             r = sub.recv_with(config.recv_batch, |message| {
@@ -356,33 +357,31 @@ async fn connect_and_read(
     }
 }
 
-/// Messages handed to the lane per lock of the merge.
-const LANE_PUSH: usize = 64;
-
 /// One receive's messages on their way into the publisher's lane: located by the
-/// layout, sequence-checked, and pushed `LANE_PUSH` at a time, with the counters
-/// updated before each push (so `received` never trails what the lane counts).
+/// layout, sequence-checked, and pushed into the lane together (one lock of the
+/// merge, one wake of the consumer), with the counters updated before the push (so
+/// `received` never trails what the lane counts).
 struct Filing<'a> {
     cell: &'a PublisherCell,
     out: Vec<(Delivery, usize)>,
+    /// Capacity reserved at the first message: the receive's `max`.
+    batch: usize,
     received: u64,
     bytes: u64,
     filtered: u64,
     malformed: MalformedStats,
-    /// Dropped by the lane (full or over budget) so far.
-    dropped: usize,
 }
 
 impl<'a> Filing<'a> {
-    fn new(cell: &'a PublisherCell) -> Filing<'a> {
+    fn new(cell: &'a PublisherCell, batch: usize) -> Filing<'a> {
         Filing {
             cell,
             out: Vec::new(),
+            batch,
             received: 0,
             bytes: 0,
             filtered: 0,
             malformed: MalformedStats::default(),
-            dropped: 0,
         }
     }
 
@@ -410,24 +409,20 @@ impl<'a> Filing<'a> {
                     }
                 }
                 if self.out.capacity() == 0 {
-                    self.out.reserve_exact(LANE_PUSH);
+                    self.out.reserve_exact(self.batch);
                 }
                 self.out.push((
                     Delivery::new(source.clone(), framed.sequence, message, framed.payload_at),
                     size,
                 ));
-                if self.out.len() >= LANE_PUSH {
-                    self.flush();
-                }
             }
             Err(WireError::WrongTopic) => self.filtered += 1,
             Err(e) => self.malformed.count(&e),
         }
     }
 
-    /// Counts what was filed since the last flush and pushes it into the lane;
-    /// returns the lane's drops so far.
-    fn flush(&mut self) -> usize {
+    /// Counts what was filed and pushes it into the lane; returns the lane's drops.
+    fn flush(mut self) -> usize {
         let counters = &self.cell.counters;
         Counters::add(&counters.received, std::mem::take(&mut self.received));
         Counters::add(&counters.bytes, std::mem::take(&mut self.bytes));
@@ -437,10 +432,10 @@ impl<'a> Filing<'a> {
             Counters::add(&counters.malformed, malformed.total());
             counters.malformed_by_reason.add(&malformed);
         }
-        if !self.out.is_empty() {
-            self.dropped += self.cell.lane.push_many(self.out.drain(..));
+        if self.out.is_empty() {
+            return 0;
         }
-        self.dropped
+        self.cell.lane.push_many(self.out)
     }
 }
 

@@ -172,7 +172,8 @@ impl Config {
     }
     /// Subscriber: read-buffer memory that received messages may keep alive before
     /// messages are copied out instead of sliced (see
-    /// [`SubSocket`](crate::zmtp::SubSocket#memory)). Default 8 MiB.
+    /// [`SubSocket`](crate::zmtp::SubSocket#memory)), and the read buffers connections
+    /// sharing one account may hold at once. Default 8 MiB.
     pub fn max_retained_bytes(&self) -> usize {
         self.max_retained_bytes
     }
@@ -285,7 +286,9 @@ impl ConfigBuilder {
         self
     }
     /// Subscriber: read-buffer memory received messages may keep alive before small
-    /// frames are copied out. Default 8 MiB. Must be ≥ 1.
+    /// frames are copied out. Default 8 MiB. Must be ≥ 1. The same limit bounds the
+    /// read buffers that the connections sharing one account (a `DynamicSubscriber`'s)
+    /// hold at once: above it, each gives its buffer back after every receive.
     pub fn max_retained_bytes(mut self, bytes: usize) -> Self {
         self.config.max_retained_bytes = bytes;
         self

@@ -599,3 +599,56 @@ async fn a_departing_publishers_last_messages_are_all_delivered() {
     assert_eq!(s.total.delivered, N, "{:?}", s.total);
     assert_eq!(s.total.dropped(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_connections_hold_read_buffers_within_the_shared_limit() {
+    // 64 connections of 64 KiB read buffers would hold 4 MiB; the account's limit is
+    // 1 MiB, so past it each connection gives its buffer back after every receive.
+    const LIMIT: usize = 1 << 20;
+    const PUBLISHERS: u64 = 64;
+    const EACH: u64 = 50;
+    let d = Arc::new(MemoryDiscovery::new());
+    let mut pubs = Vec::new();
+    let mut regs = Vec::new();
+    for n in 0..PUBLISHERS {
+        let p = RawPub::bind(0, id(n)).await;
+        regs.push(p.register(d.as_ref()).await);
+        pubs.push(p);
+    }
+    let zmtp = Config::builder().max_retained_bytes(LIMIT).build().unwrap();
+    let mut sub = DynamicSubscriber::builder(d.clone(), Query::new("ns"))
+        .topic("kv")
+        .layout(Layout::TopicPublisherSeq)
+        .zmtp_config(zmtp)
+        .spawn()
+        .unwrap();
+    for p in &pubs {
+        within(p.socket.wait_for_subscribers(1)).await;
+    }
+    for seq in 0..EACH {
+        for p in &pubs {
+            p.send("kv", seq, &[7u8; 1000]);
+        }
+    }
+    let mut got = 0;
+    let mut batch = Vec::new();
+    while got < PUBLISHERS * EACH {
+        batch.clear();
+        got += within(sub.recv_many(&mut batch, 1024)).await as u64;
+    }
+    drop(batch);
+    let chunk = Config::default().read_chunk();
+    eventually("read buffers back within the shared limit", || {
+        sub.stats().read_buffer_bytes <= LIMIT + chunk
+    })
+    .await;
+    let stats = sub.stats();
+    assert_eq!(stats.total.dropped(), 0, "{:?}", stats.total);
+    assert_eq!(stats.total.delivered, PUBLISHERS * EACH);
+    assert!(
+        stats.retained_bytes <= LIMIT + chunk,
+        "{}",
+        stats.retained_bytes
+    );
+    drop(regs);
+}

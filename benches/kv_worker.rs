@@ -186,7 +186,7 @@ impl Rig {
             received.unwrap();
             // The sentinel is the last event of a window: look only at the last message.
             let last = self.batch.last().unwrap();
-            let events = decode_router_events(&last.parts()[3]).unwrap();
+            let events = decode_router_events(last.get(3).unwrap()).unwrap();
             let seen = events.iter().any(|e| match &e.event.data {
                 KvEventData::Stored { blocks, .. } => blocks.iter().any(|b| b.block_hash.0 == hash),
                 _ => false,

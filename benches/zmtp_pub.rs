@@ -214,7 +214,7 @@ fn bench(c: &mut Criterion) {
             let mut counters = Counters::connect(&ep, subs, msg_len);
             // zeromq-rs has no subscriber count to await: probe until all receive,
             // let the last probes land, then count from there.
-            let probe = ZmqMessage::try_from(msg.parts().to_vec()).unwrap();
+            let probe = ZmqMessage::try_from(msg.clone().into_parts().collect::<Vec<_>>()).unwrap();
             while counters.min_received() == 0 {
                 socket.send(probe.clone()).await.unwrap();
                 tokio::time::sleep(Duration::from_millis(5)).await;
@@ -227,7 +227,7 @@ fn bench(c: &mut Criterion) {
                 sent: 0,
             }
         });
-        let zmsg = ZmqMessage::try_from(msg.parts().to_vec()).unwrap();
+        let zmsg = ZmqMessage::try_from(msg.clone().into_parts().collect::<Vec<_>>()).unwrap();
         group.bench_function(BenchmarkId::new("zeromq", subs), |b| {
             b.iter_custom(|iters| {
                 rt.block_on(async {

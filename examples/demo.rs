@@ -434,7 +434,7 @@ async fn main() -> anyhow::Result<()> {
                 }
                 let mut idx = index.lock().unwrap_or_else(|p| p.into_inner());
                 for d in &batch {
-                    match d.message.get(3).map(|p| decode_router_events(p)) {
+                    match d.message.get(3).map(decode_router_events) {
                         Some(Ok(events)) => {
                             router_events.fetch_add(events.len() as u64, Ordering::Relaxed);
                             for ev in &events {

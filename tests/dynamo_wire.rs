@@ -27,7 +27,7 @@ fn good(seq: u64, payload: &'static [u8]) -> Message {
 
 /// `good(seq)` with frame `i` replaced.
 fn with_frame(seq: u64, i: usize, frame: Vec<u8>) -> Message {
-    let mut parts = good(seq, b"x").parts().to_vec();
+    let mut parts = good(seq, b"x").into_parts().collect::<Vec<_>>();
     parts[i] = Bytes::from(frame);
     Message::from_parts(parts)
 }
@@ -61,7 +61,7 @@ async fn hostile_dynamo_frames_are_counted_by_reason_and_the_stream_goes_on() {
         }
     }
     let before = sub.handle().stats().total;
-    let mut frame = good(seq, b"x").parts()[3].to_vec();
+    let mut frame = good(seq, b"x").get(3).unwrap().to_vec();
     let mut longer = frame.clone();
     longer.push(0);
     frame[0] = 2;
@@ -80,7 +80,7 @@ async fn hostile_dynamo_frames_are_counted_by_reason_and_the_stream_goes_on() {
     }
     // The subscription is for "kv-events" exactly: a longer topic reaches us and is
     // filtered by the exact-topic check.
-    let mut parts = good(seq, b"x").parts().to_vec();
+    let mut parts = good(seq, b"x").into_parts().collect::<Vec<_>>();
     parts[0] = Bytes::from_static(b"kv-events-2");
     publisher.send(Message::from_parts(parts));
     publisher.send(good(seq, b"after"));

@@ -531,8 +531,8 @@ async fn kv_relay_publishes_router_events_and_reports_stats() {
             Some(m) => m,
             None => within(sub.recv()).await.unwrap(),
         };
-        assert_eq!(m.parts()[0].as_ref(), b"kv-events");
-        for ev in decode_router_events(&m.parts()[3]).unwrap() {
+        assert_eq!(m.get(0).unwrap(), b"kv-events");
+        for ev in decode_router_events(m.get(3).unwrap()).unwrap() {
             if ev.event.dp_rank != WARM_RANK {
                 got.push(ev);
             }

@@ -167,7 +167,7 @@ async fn worker_to_router_over_the_event_plane() {
     let mut received = Vec::new();
     while received.len() < 300 {
         let d = within(router.recv()).await.unwrap();
-        received.extend(decode_router_events(&d.message.parts()[3]).unwrap());
+        received.extend(decode_router_events(d.message.get(3).unwrap()).unwrap());
     }
     let ids: Vec<u64> = received.iter().map(|e| e.event.id).collect();
     assert_eq!(ids, (1..=300).collect::<Vec<_>>());

@@ -39,12 +39,12 @@ async fn publishes_the_documented_layout_from_sequence_zero() {
     }
     for seq in 0..3u64 {
         let m = within(sub.recv()).await.unwrap();
-        let parts = m.parts();
+        let parts: Vec<&[u8]> = m.parts().collect();
         assert_eq!(parts.len(), 4);
-        assert_eq!(&parts[0][..], b"kv-events");
-        assert_eq!(&parts[1][..], &instance.id.publisher_id().to_be_bytes());
-        assert_eq!(&parts[2][..], &seq.to_be_bytes());
-        assert_eq!(&parts[3][..], &[seq as u8]);
+        assert_eq!(parts[0], b"kv-events");
+        assert_eq!(parts[1], &instance.id.publisher_id().to_be_bytes());
+        assert_eq!(parts[2], &seq.to_be_bytes());
+        assert_eq!(parts[3], &[seq as u8]);
     }
     assert_eq!(publisher.next_sequence(), 3);
     assert_eq!(publisher.stats().dropped, 0);

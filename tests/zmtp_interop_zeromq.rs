@@ -38,7 +38,7 @@ async fn zeromq_pub_to_our_sub() {
         let mut warm_tx = Some(warm_tx);
         loop {
             let m = sub.recv().await.unwrap();
-            match &m.get(1).unwrap()[..] {
+            match m.get(1).unwrap() {
                 b"warmup" => {
                     if let Some(tx) = warm_tx.take() {
                         let _ = tx.send(());
@@ -90,7 +90,7 @@ async fn zeromq_pub_to_our_sub() {
     let (sub, data) = within(receiver).await.unwrap();
     assert_eq!(data.len(), 200);
     for (i, m) in data.iter().enumerate() {
-        assert_eq!(&m.get(1).unwrap()[..], &(i as u64).to_be_bytes());
+        assert_eq!(m.get(1).unwrap(), &(i as u64).to_be_bytes());
         assert_eq!(m.get(2).unwrap().len(), 100);
     }
     let stats = sub.stats();

@@ -77,7 +77,7 @@ async fn overlapping_subscriptions_deliver_once_and_cancel() {
     .await;
     assert_eq!(publisher.send(msg("kv-1", 0, 1)).queued, 1);
     let first = within(sub.recv()).await.unwrap();
-    assert_eq!(&first.get(0).unwrap()[..], b"kv-1");
+    assert_eq!(first.get(0).unwrap(), b"kv-1");
     sub.unsubscribe("").await.unwrap();
     sub.unsubscribe("k").await.unwrap();
     sub.unsubscribe("kv").await.unwrap();
@@ -94,7 +94,7 @@ async fn overlapping_subscriptions_deliver_once_and_cancel() {
     assert_eq!(publisher.send(msg("kv-2", 1, 1)).queued, 0);
     publisher.send(msg("end", 2, 1));
     let second = within(sub.recv()).await.unwrap();
-    assert_eq!(&second.get(0).unwrap()[..], b"end");
+    assert_eq!(second.get(0).unwrap(), b"end");
 }
 
 #[tokio::test]
@@ -123,15 +123,15 @@ async fn thousands_of_subscriptions() {
     let mut got0 = Vec::new();
     loop {
         let m = within(subs[0].recv()).await.unwrap();
-        if m.get(1).map(|f| &f[..]) == Some(b"last") {
+        if m.get(1) == Some(b"last") {
             break;
         }
-        if &m.get(0).unwrap()[..] != b"end" {
+        if m.get(0).unwrap() != b"end" {
             got0.push(m);
         }
     }
     assert_eq!(got0.len(), 1);
-    assert_eq!(&got0[0].get(0).unwrap()[..], b"t2999-x");
+    assert_eq!(got0[0].get(0).unwrap(), b"t2999-x");
     let s0 = publisher
         .subscriber_stats()
         .into_iter()
@@ -181,7 +181,7 @@ async fn slow_subscriber_drops_are_counted_and_isolated() {
     }
     assert_eq!(received.len() as u64, N);
     for (i, m) in received.iter().enumerate() {
-        assert_eq!(&m.get(1).unwrap()[..], &(i as u64).to_be_bytes());
+        assert_eq!(m.get(1).unwrap(), &(i as u64).to_be_bytes());
     }
     let per = publisher.subscriber_stats();
     let fast_stats = per.iter().find(|s| s.peer == "fast").unwrap();
@@ -260,7 +260,7 @@ async fn still_alive(publisher: &PubSocket, sub: &mut SubSocket<DuplexStream>) {
     assert_eq!(publisher.stats().failed, 0, "{:?}", publisher.stats());
     let report = publisher.send(Message::from_parts(["still", "alive"]));
     assert_eq!(report.queued, 1);
-    assert_eq!(&sub.recv().await.unwrap().get(1).unwrap()[..], b"alive");
+    assert_eq!(sub.recv().await.unwrap().get(1).unwrap(), b"alive");
 }
 
 #[tokio::test(start_paused = true)]
@@ -347,10 +347,7 @@ async fn protocol_error_on_pub_side_closes_only_that_subscriber() {
     let err = within(bad.recv()).await.unwrap_err();
     assert!(err.is_io(), "{err:?}");
     publisher.send(Message::from_parts(["ok", "1"]));
-    assert_eq!(
-        &within(subs[0].recv()).await.unwrap().get(1).unwrap()[..],
-        b"1"
-    );
+    assert_eq!(within(subs[0].recv()).await.unwrap().get(1).unwrap(), b"1");
     within(async {
         while publisher.stats().failed == 0 {
             tokio::task::yield_now().await;

@@ -329,7 +329,7 @@ fn local_filter_drops_unsubscribed_and_cancelled() {
         .unwrap()
         .into_iter()
         .map(|e| match e {
-            Event::Message(m) => m.get(0).unwrap().clone(),
+            Event::Message(m) => m.part(0).unwrap(),
             other => panic!("{other:?}"),
         })
         .collect();
@@ -454,7 +454,7 @@ fn message_of(parts: &[usize]) -> Vec<u8> {
 
 fn delivered_parts(s: &mut Session) -> Vec<usize> {
     match &events(s).unwrap()[..] {
-        [Event::Message(m)] => m.parts().iter().map(|f| f.len()).collect(),
+        [Event::Message(m)] => m.parts().map(<[u8]>::len).collect(),
         other => panic!("expected one message, got {other:?}"),
     }
 }

@@ -9,7 +9,7 @@ use eventplane::zmtp::Message;
 /// Each frame in lower-case hex (an empty frame as `-`), frames separated by a space.
 pub fn hex_line(m: &Message) -> String {
     let mut line = String::with_capacity(m.byte_len() * 2 + m.len());
-    for (i, frame) in m.parts().iter().enumerate() {
+    for (i, frame) in m.parts().enumerate() {
         if i > 0 {
             line.push(' ');
         }

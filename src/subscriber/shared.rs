@@ -39,7 +39,7 @@ pub(crate) type DeliveryLane = Lane<Delivery>;
 /// let delivery = sub.recv().await.ok_or("stopped")?;
 /// assert_eq!(delivery.source.id.publisher_id(), publisher.publisher_id());
 /// assert_eq!(delivery.sequence, Some(0));
-/// assert_eq!(delivery.message.get(3).map(|p| &p[..]), Some(&b"payload"[..]));
+/// assert_eq!(delivery.message.get(3), Some(&b"payload"[..]));
 /// assert_eq!(delivery.payload().as_deref(), Some(&b"payload"[..]));
 /// # Ok(()) }
 /// ```

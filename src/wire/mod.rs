@@ -105,13 +105,13 @@ impl Layout {
         message: &Message,
     ) -> Result<Framed, WireError> {
         if let Some(topic) = topic {
-            if message.get(0).map(|t| &t[..]) != Some(topic) {
+            if message.get(0) != Some(topic) {
                 return Err(WireError::WrongTopic);
             }
         }
         let u64_at = |i: usize| -> Result<u64, WireError> {
             let frame = message.get(i).ok_or(WireError::Frames(message.len()))?;
-            <[u8; 8]>::try_from(&frame[..])
+            <[u8; 8]>::try_from(frame)
                 .map(u64::from_be_bytes)
                 .map_err(|_| WireError::IdFrame {
                     index: i,
@@ -143,12 +143,13 @@ impl Layout {
                 ))
             }
             Layout::Dynamo => {
-                let [topic, _, _, frame] = message.parts() else {
+                let (4, Some(topic), Some(frame)) = (message.len(), message.get(0), message.get(3))
+                else {
                     return Err(WireError::Frames(message.len()));
                 };
                 let (publisher_id, sequence) = (u64_at(1)?, u64_at(2)?);
                 let envelope = parse_dynamo_frame(frame)?;
-                if envelope.topic.as_bytes() != &topic[..] {
+                if envelope.topic.as_bytes() != topic {
                     return Err(WireError::Identity("topic"));
                 }
                 if envelope.publisher_id != publisher_id {
@@ -241,8 +242,8 @@ impl Wire {
     /// let topic = Bytes::from_static(b"t");
     /// let ours = Wire::EventPlane.encode(&topic, 42, 0, Bytes::from_static(b"p"));
     /// assert_eq!(ours.len(), 4);
-    /// assert_eq!(&ours.get(1).unwrap()[..], &42u64.to_be_bytes());
-    /// assert_eq!(&ours.get(3).unwrap()[..], b"p");
+    /// assert_eq!(ours.get(1).unwrap(), &42u64.to_be_bytes());
+    /// assert_eq!(ours.get(3).unwrap(), b"p");
     /// ```
     pub fn encode(
         &self,
@@ -343,7 +344,7 @@ pub(crate) struct PayloadAt {
 impl PayloadAt {
     /// The payload of `message` this points at.
     pub(crate) fn get(self, message: &Message) -> Option<Bytes> {
-        let frame = message.get(usize::try_from(self.frame).ok()?)?;
+        let frame = message.part(usize::try_from(self.frame).ok()?)?;
         let start = usize::try_from(self.start).ok()?;
         let end = start.checked_add(usize::try_from(self.len).ok()?)?;
         (end <= frame.len()).then(|| frame.slice(start..end))
@@ -360,7 +361,7 @@ impl Framed {
         frame: usize,
         range: Option<(usize, usize)>,
     ) -> Framed {
-        let len = message.get(frame).map_or(0, Bytes::len);
+        let len = message.get(frame).map_or(0, <[u8]>::len);
         let (start, len) = range.unwrap_or((0, len));
         // Frames are below 4 GiB (`zmtp::Config` caps messages there).
         let payload_at = (|| {
@@ -602,7 +603,7 @@ mod tests {
             framed.payload_at.unwrap().get(&empty).as_deref(),
             Some(&b""[..])
         );
-        let mut parts: Vec<Bytes> = good.parts().to_vec();
+        let mut parts: Vec<Bytes> = good.clone().into_parts().collect();
         let with = |i: usize, b: &[u8], parts: &[Bytes]| {
             let mut p = parts.to_vec();
             p[i] = Bytes::copy_from_slice(b);

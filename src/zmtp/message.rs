@@ -1,12 +1,21 @@
 //! Multipart messages.
 
+use std::fmt;
+use std::hash::{Hash, Hasher};
+
 use bytes::Bytes;
 use smallvec::SmallVec;
 
-/// A multipart ZMQ message: an ordered list of frames, each a cheaply cloned [`Bytes`].
+/// A multipart ZMQ message: an ordered list of frames.
 ///
-/// Up to three frames live inline (the `[topic, sequence, payload]` layouts of the event
-/// plane), so cloning or building one allocates nothing beyond the frames themselves.
+/// A received message holds one [`Bytes`] handle on the read buffer its frames
+/// arrived in, plus each frame's place in it, so receiving costs one reference count,
+/// not one per frame. A message built with [`from_parts`](Self::from_parts) or
+/// [`push`](Self::push) holds each frame's own handle; up to three live inline (the
+/// `[topic, sequence, payload]` layouts of the event plane). Either way frames read as
+/// byte slices ([`get`](Self::get), [`parts`](Self::parts)), and
+/// [`part`](Self::part) or [`into_parts`](Self::into_parts) hand out zero-copy
+/// `Bytes` handles.
 ///
 /// ```
 /// use bytes::Bytes;
@@ -14,12 +23,76 @@ use smallvec::SmallVec;
 ///
 /// let msg = Message::from_parts([Bytes::from_static(b"kv"), Bytes::from_static(b"payload")]);
 /// assert_eq!(msg.len(), 2);
-/// assert_eq!(msg.get(0).map(|f| &f[..]), Some(&b"kv"[..]));
+/// assert_eq!(msg.get(0), Some(&b"kv"[..]));
 /// assert_eq!(msg.byte_len(), 9);
 /// ```
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Default)]
 pub struct Message {
-    parts: SmallVec<[Bytes; 3]>,
+    repr: Repr,
+}
+
+#[derive(Clone)]
+enum Repr {
+    /// Each frame its own handle.
+    Parts(SmallVec<[Bytes; 3]>),
+    /// Frames that arrived together: one handle on the bytes holding them all (frame
+    /// headers included) and each frame's `(offset, length)` in it.
+    Spans {
+        backing: Bytes,
+        spans: SmallVec<[(u32, u32); 4]>,
+    },
+}
+
+impl Default for Repr {
+    fn default() -> Self {
+        Repr::Parts(SmallVec::new())
+    }
+}
+
+/// The frames of a [`Message`] as byte slices, from [`Message::parts`].
+///
+/// ```
+/// use eventplane::zmtp::Message;
+/// let msg = Message::from_parts(["a", "bc"]);
+/// let lens: Vec<usize> = msg.parts().map(<[u8]>::len).collect();
+/// assert_eq!(lens, [1, 2]);
+/// assert_eq!(msg.parts().len(), 2);
+/// ```
+#[derive(Debug, Clone)]
+pub struct Parts<'a> {
+    message: &'a Message,
+    next: usize,
+    end: usize,
+}
+
+impl<'a> Iterator for Parts<'a> {
+    type Item = &'a [u8];
+
+    fn next(&mut self) -> Option<&'a [u8]> {
+        if self.next >= self.end {
+            return None;
+        }
+        let part = self.message.get(self.next);
+        self.next += 1;
+        part
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let n = self.end - self.next;
+        (n, Some(n))
+    }
+}
+
+impl ExactSizeIterator for Parts<'_> {}
+
+impl DoubleEndedIterator for Parts<'_> {
+    fn next_back(&mut self) -> Option<Self::Item> {
+        if self.next >= self.end {
+            return None;
+        }
+        self.end -= 1;
+        self.message.get(self.end)
+    }
 }
 
 impl Message {
@@ -41,7 +114,7 @@ impl Message {
         I::Item: Into<Bytes>,
     {
         Message {
-            parts: parts.into_iter().map(Into::into).collect(),
+            repr: Repr::Parts(parts.into_iter().map(Into::into).collect()),
         }
     }
 
@@ -55,12 +128,24 @@ impl Message {
     /// assert_eq!(msg.len(), 2);
     /// ```
     pub fn push(&mut self, part: impl Into<Bytes>) {
-        self.parts.push(part.into());
+        let mut parts = self.take_parts();
+        parts.push(part.into());
+        self.repr = Repr::Parts(parts);
     }
 
-    /// The frames.
-    pub fn parts(&self) -> &[Bytes] {
-        &self.parts
+    /// The frames as byte slices, in order.
+    ///
+    /// ```
+    /// use eventplane::zmtp::Message;
+    /// let msg = Message::from_parts(["kv", "x"]);
+    /// assert!(msg.parts().eq([&b"kv"[..], &b"x"[..]]));
+    /// ```
+    pub fn parts(&self) -> Parts<'_> {
+        Parts {
+            message: self,
+            next: 0,
+            end: self.len(),
+        }
     }
 
     /// Frame `index`, if present.
@@ -68,26 +153,58 @@ impl Message {
     /// ```
     /// use eventplane::zmtp::Message;
     /// let msg = Message::from_parts(["a", "b"]);
-    /// assert_eq!(msg.get(1).map(|b| &b[..]), Some(&b"b"[..]));
+    /// assert_eq!(msg.get(1), Some(&b"b"[..]));
     /// assert!(msg.get(2).is_none());
     /// ```
-    pub fn get(&self, index: usize) -> Option<&Bytes> {
-        self.parts.get(index)
+    pub fn get(&self, index: usize) -> Option<&[u8]> {
+        match &self.repr {
+            Repr::Parts(parts) => parts.get(index).map(|p| &p[..]),
+            Repr::Spans { backing, spans } => {
+                let &(start, len) = spans.get(index)?;
+                let start = start as usize;
+                backing.get(start..start + len as usize)
+            }
+        }
+    }
+
+    /// Frame `index` as its own zero-copy handle, if present.
+    ///
+    /// ```
+    /// use eventplane::zmtp::Message;
+    /// let msg = Message::from_parts(["a", "b"]);
+    /// assert_eq!(msg.part(1).as_deref(), Some(&b"b"[..]));
+    /// ```
+    pub fn part(&self, index: usize) -> Option<bytes::Bytes> {
+        match &self.repr {
+            Repr::Parts(parts) => parts.get(index).cloned(),
+            Repr::Spans { backing, spans } => {
+                let &(start, len) = spans.get(index)?;
+                let start = start as usize;
+                let end = start.checked_add(len as usize)?;
+                (end <= backing.len()).then(|| backing.slice(start..end))
+            }
+        }
     }
 
     /// Number of frames.
     pub fn len(&self) -> usize {
-        self.parts.len()
+        match &self.repr {
+            Repr::Parts(parts) => parts.len(),
+            Repr::Spans { spans, .. } => spans.len(),
+        }
     }
 
     /// `true` when the message has no frames.
     pub fn is_empty(&self) -> bool {
-        self.parts.is_empty()
+        self.len() == 0
     }
 
     /// Sum of the frames' sizes.
     pub fn byte_len(&self) -> usize {
-        self.parts.iter().map(Bytes::len).sum()
+        match &self.repr {
+            Repr::Parts(parts) => parts.iter().map(Bytes::len).sum(),
+            Repr::Spans { spans, .. } => spans.iter().map(|&(_, len)| len as usize).sum(),
+        }
     }
 
     /// The frames, by value.
@@ -97,12 +214,37 @@ impl Message {
     /// let parts: Vec<_> = Message::from_parts(["a", "b"]).into_parts().collect();
     /// assert_eq!(parts.len(), 2);
     /// ```
-    pub fn into_parts(self) -> impl ExactSizeIterator<Item = Bytes> {
-        self.parts.into_iter()
+    pub fn into_parts(mut self) -> impl ExactSizeIterator<Item = Bytes> {
+        self.take_parts().into_iter()
     }
 
     pub(crate) fn from_smallvec(parts: SmallVec<[Bytes; 3]>) -> Self {
-        Message { parts }
+        Message {
+            repr: Repr::Parts(parts),
+        }
+    }
+
+    /// A message whose frames lie in `backing` at `spans` (`(offset, length)` each,
+    /// within it: the decoder's contract).
+    pub(crate) fn from_spans(backing: Bytes, spans: SmallVec<[(u32, u32); 4]>) -> Self {
+        Message {
+            repr: Repr::Spans { backing, spans },
+        }
+    }
+
+    /// The frames as their own handles, leaving the message empty.
+    fn take_parts(&mut self) -> SmallVec<[Bytes; 3]> {
+        match std::mem::take(&mut self.repr) {
+            Repr::Parts(parts) => parts,
+            Repr::Spans { backing, spans } => spans
+                .iter()
+                .filter_map(|&(start, len)| {
+                    let start = start as usize;
+                    let end = start.checked_add(len as usize)?;
+                    (end <= backing.len()).then(|| backing.slice(start..end))
+                })
+                .collect(),
+        }
     }
 
     /// Copies every frame of at most `max_frame` bytes into one allocation of their
@@ -110,20 +252,74 @@ impl Message {
     /// alive. Larger frames, which own their allocation, are left as they are.
     /// Returns `false` when there was nothing to copy.
     pub(crate) fn compact(&mut self, max_frame: usize) -> bool {
+        if let Repr::Spans { backing, spans } = &self.repr {
+            if spans.iter().all(|&(_, len)| len as usize <= max_frame) {
+                let total = self.byte_len();
+                if total == 0 {
+                    return false;
+                }
+                let mut buf = bytes::BytesMut::with_capacity(total);
+                let mut fresh = SmallVec::with_capacity(spans.len());
+                for &(start, len) in spans {
+                    let start = start as usize;
+                    fresh.push((buf.len() as u32, len));
+                    buf.extend_from_slice(
+                        backing.get(start..start + len as usize).unwrap_or_default(),
+                    );
+                }
+                self.repr = Repr::Spans {
+                    backing: buf.freeze(),
+                    spans: fresh,
+                };
+                return true;
+            }
+        }
+        let mut parts = self.take_parts();
         let small = |p: &Bytes| !p.is_empty() && p.len() <= max_frame;
-        let total: usize = self.parts.iter().filter(|p| small(p)).map(Bytes::len).sum();
-        if total == 0 {
-            return false;
+        let total: usize = parts.iter().filter(|p| small(p)).map(Bytes::len).sum();
+        if total > 0 {
+            let mut buf = bytes::BytesMut::with_capacity(total);
+            for part in parts.iter().filter(|p| small(p)) {
+                buf.extend_from_slice(part);
+            }
+            let mut all = buf.freeze();
+            for part in parts.iter_mut().filter(|p| small(p)) {
+                *part = all.split_to(part.len());
+            }
         }
-        let mut buf = bytes::BytesMut::with_capacity(total);
-        for part in self.parts.iter().filter(|p| small(p)) {
-            buf.extend_from_slice(part);
+        self.repr = Repr::Parts(parts);
+        total > 0
+    }
+}
+
+impl PartialEq for Message {
+    fn eq(&self, other: &Message) -> bool {
+        self.len() == other.len() && self.parts().eq(other.parts())
+    }
+}
+
+impl Eq for Message {}
+
+impl Hash for Message {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_usize(self.len());
+        for part in self.parts() {
+            part.hash(state);
         }
-        let mut all = buf.freeze();
-        for part in self.parts.iter_mut().filter(|p| small(p)) {
-            *part = all.split_to(part.len());
+    }
+}
+
+impl fmt::Debug for Message {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        struct Frame<'a>(&'a [u8]);
+        impl fmt::Debug for Frame<'_> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "b\"{}\"", self.0.escape_ascii())
+            }
         }
-        true
+        f.debug_struct("Message")
+            .field("parts", &self.parts().map(Frame).collect::<Vec<_>>())
+            .finish()
     }
 }
 
@@ -159,7 +355,65 @@ mod tests {
         assert_eq!(msg, Message::from_parts([small, Bytes::new(), big.clone()]));
         // The small frame no longer shares the 4 KiB backing buffer.
         drop(backing);
-        assert!(msg.get(0).is_some_and(|f| f.is_unique()));
+        assert!(msg.into_parts().next().is_some_and(|f| f.is_unique()));
         assert!(!Message::from_parts([big]).compact(100));
+    }
+
+    /// `[2-byte header][frame]…` as the decoder leaves it: frames at `spans`.
+    fn spanned(frames: &[&[u8]]) -> (Message, Bytes) {
+        let mut buf = bytes::BytesMut::new();
+        let mut spans = SmallVec::new();
+        for f in frames {
+            buf.extend_from_slice(&[0, 0]);
+            spans.push((buf.len() as u32, f.len() as u32));
+            buf.extend_from_slice(f);
+        }
+        let backing = buf.freeze();
+        (Message::from_spans(backing.clone(), spans), backing)
+    }
+
+    #[test]
+    fn spans_read_like_parts() {
+        let (msg, _) = spanned(&[b"kv", b"", b"payload"]);
+        let parts = Message::from_parts(["kv", "", "payload"]);
+        assert_eq!(msg, parts);
+        assert_eq!((msg.len(), msg.byte_len()), (3, 9));
+        assert_eq!(msg.get(2), Some(&b"payload"[..]));
+        assert_eq!(msg.part(0).as_deref(), Some(&b"kv"[..]));
+        assert!(msg.get(3).is_none() && msg.part(3).is_none());
+        assert!(msg.parts().rev().eq(parts.parts().rev()));
+        assert_eq!(format!("{msg:?}"), format!("{parts:?}"));
+        let state = std::collections::hash_map::RandomState::new();
+        assert_eq!(
+            std::hash::BuildHasher::hash_one(&state, &msg),
+            std::hash::BuildHasher::hash_one(&state, &parts)
+        );
+        let mut pushed = msg.clone();
+        pushed.push("more");
+        assert_eq!(pushed, Message::from_parts(["kv", "", "payload", "more"]));
+        let owned: Vec<Bytes> = msg.into_parts().collect();
+        assert_eq!(owned, [&b"kv"[..], b"", b"payload"]);
+    }
+
+    #[test]
+    fn compacted_spans_let_the_read_buffer_go() {
+        let (mut msg, backing) = spanned(&[b"kv", b"payload"]);
+        assert!(!backing.is_unique());
+        assert!(msg.compact(100));
+        assert!(
+            backing.is_unique(),
+            "the message still pins the read buffer"
+        );
+        assert_eq!(msg, Message::from_parts(["kv", "payload"]));
+        // A frame above the limit stays a slice of its own buffer; the small one moves.
+        let big = vec![9u8; 200];
+        let (mut mixed, backing) = spanned(&[b"kv", &big]);
+        assert!(mixed.compact(100));
+        assert_eq!(
+            mixed,
+            Message::from_parts([Bytes::from_static(b"kv"), Bytes::from(big)])
+        );
+        drop(mixed);
+        assert!(backing.is_unique());
     }
 }

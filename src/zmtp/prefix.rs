@@ -6,6 +6,8 @@
 //! there are. Subscription prefixes are short and few distinct lengths occur, so this
 //! beats a byte trie both in look-ups and in memory. The empty prefix ("everything",
 //! the most common subscription) has a slot of its own: it matches without a look-up.
+//! Up to eight prefixes (a subscriber's usual case) are compared one by one instead,
+//! which costs less than hashing the topic.
 
 use std::collections::HashMap;
 
@@ -20,6 +22,18 @@ pub(crate) struct PrefixMap<V> {
     map: HashMap<Bytes, V>,
     /// `(length, number of prefixes of that length)`, sorted by length.
     lens: Vec<(usize, usize)>,
+    /// The keys of `map` while it holds at most [`FEW`]: a subscriber's usual one or
+    /// two prefixes are compared directly, which costs less than hashing the topic.
+    few: Vec<Bytes>,
+}
+
+/// Up to this many prefixes are matched by comparing each one.
+const FEW: usize = 8;
+
+/// `prefix` is a prefix of `topic`, compared byte by byte: prefixes are short, and a
+/// library `memcmp` call costs more than the comparison.
+fn starts_with(topic: &[u8], prefix: &[u8]) -> bool {
+    topic.len() >= prefix.len() && topic.iter().zip(prefix).all(|(a, b)| a == b)
 }
 
 impl<V> Default for PrefixMap<V> {
@@ -28,6 +42,7 @@ impl<V> Default for PrefixMap<V> {
             empty: None,
             map: HashMap::new(),
             lens: Vec::new(),
+            few: Vec::new(),
         }
     }
 }
@@ -61,6 +76,11 @@ impl<V> PrefixMap<V> {
                 }
                 Err(i) => self.lens.insert(i, (len, 1)),
             }
+            if self.map.len() < FEW {
+                self.few.push(prefix.clone());
+            } else {
+                self.few.clear();
+            }
         }
         self.map.entry(prefix.clone()).or_insert_with(make)
     }
@@ -70,6 +90,7 @@ impl<V> PrefixMap<V> {
             return self.empty.take().map(|(_, v)| v);
         }
         let v = self.map.remove(prefix)?;
+        self.refresh_few();
         if let Ok(i) = self.lens.binary_search_by_key(&prefix.len(), |(l, _)| *l) {
             if let Some((_, n)) = self.lens.get_mut(i) {
                 *n -= 1;
@@ -86,6 +107,16 @@ impl<V> PrefixMap<V> {
         if let Some((_, v)) = &self.empty {
             f(v);
         }
+        if self.map.len() <= FEW {
+            for key in &self.few {
+                if starts_with(topic, key) {
+                    if let Some(v) = self.map.get(key) {
+                        f(v);
+                    }
+                }
+            }
+            return;
+        }
         for (len, _) in &self.lens {
             let Some(head) = topic.get(..*len) else {
                 break;
@@ -96,14 +127,27 @@ impl<V> PrefixMap<V> {
         }
     }
 
+    /// Rebuilds `few` after `map` shrank.
+    fn refresh_few(&mut self) {
+        self.few.clear();
+        if self.map.len() <= FEW {
+            self.few.extend(self.map.keys().cloned());
+        }
+    }
+
     /// `true` when some stored prefix is a prefix of `topic`.
     pub(crate) fn matches(&self, topic: &[u8]) -> bool {
-        self.empty.is_some()
-            || self.lens.iter().any(|(len, _)| {
-                topic
-                    .get(..*len)
-                    .is_some_and(|head| self.map.contains_key(head))
-            })
+        if self.empty.is_some() {
+            return true;
+        }
+        if self.map.len() <= FEW {
+            return self.few.iter().any(|key| starts_with(topic, key));
+        }
+        self.lens.iter().any(|(len, _)| {
+            topic
+                .get(..*len)
+                .is_some_and(|head| self.map.contains_key(head))
+        })
     }
 
     pub(crate) fn keys(&self) -> impl Iterator<Item = &Bytes> {
@@ -140,5 +184,32 @@ mod tests {
         assert_eq!(m.remove(b""), Some(1));
         assert!(!m.matches(b"anything"));
         assert_eq!(m.len(), 1);
+    }
+
+    #[test]
+    fn few_and_many_prefixes_match_alike() {
+        let mut m = PrefixMap::default();
+        let key = |i: usize| Bytes::from(format!("p{i}/"));
+        for i in 0..20 {
+            *m.entry(&key(i), || 0) += 1;
+            // Both the compared and the hashed form (past `FEW`) see every prefix.
+            assert!(
+                (0..=i).all(|j| m.matches(format!("p{j}/x").as_bytes())),
+                "{i}"
+            );
+            assert!(!m.matches(b"p"));
+            let mut seen = 0;
+            m.for_each_match(b"p0/y", |v| seen += v);
+            assert_eq!(seen, 1);
+        }
+        for i in (0..20).rev() {
+            assert_eq!(m.remove(&key(i)), Some(1));
+            assert!(!m.matches(format!("p{i}/x").as_bytes()));
+            assert!(
+                (0..i).all(|j| m.matches(format!("p{j}/x").as_bytes())),
+                "{i}"
+            );
+        }
+        assert_eq!(m.len(), 0);
     }
 }

@@ -76,7 +76,7 @@ impl Inner {
         msg: &Message,
         wake: &mut SmallVec<[Waker; 8]>,
     ) -> SendReport {
-        let topic: &[u8] = msg.get(0).map(|f| &f[..]).unwrap_or_default();
+        let topic: &[u8] = msg.get(0).unwrap_or_default();
         let mut report = SendReport::default();
         let mut encoded: Option<Encoded> = None;
         let use_arena = cfg.send_queue_bytes >= ARENA_MIN_QUEUE_BYTES;

@@ -34,7 +34,7 @@ pub enum Side {
 ///
 /// pair.publ.send_message(&Message::from_parts(["kv", "hello"]));
 /// pair.drive()?;
-/// assert!(matches!(&pair.take_events(Side::Sub)[..], [Event::Message(m)] if &m.parts()[1][..] == b"hello"));
+/// assert!(matches!(&pair.take_events(Side::Sub)[..], [Event::Message(m)] if m.get(1).unwrap() == b"hello"));
 ///
 /// // A minute of heartbeats: the SUB pings every second, the PUB answers, nobody fails.
 /// for _ in 0..60 {
@@ -172,7 +172,9 @@ mod tests {
             .take_events(Side::Sub)
             .into_iter()
             .filter_map(|e| match e {
-                Event::Message(m) => Some(String::from_utf8_lossy(&m.parts()[0]).into_owned()),
+                Event::Message(m) => {
+                    Some(String::from_utf8_lossy(m.get(0).unwrap_or_default()).into_owned())
+                }
                 _ => None,
             })
             .collect();

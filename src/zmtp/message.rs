@@ -227,6 +227,12 @@ impl Message {
     /// A message whose frames lie in `backing` at `spans` (`(offset, length)` each,
     /// within it: the decoder's contract).
     pub(crate) fn from_spans(backing: Bytes, spans: SmallVec<[(u32, u32); 4]>) -> Self {
+        debug_assert!(
+            spans
+                .iter()
+                .all(|&(start, len)| u64::from(start) + u64::from(len) <= backing.len() as u64),
+            "a span outside its backing"
+        );
         Message {
             repr: Repr::Spans { backing, spans },
         }
@@ -250,13 +256,16 @@ impl Message {
     /// Copies every frame of at most `max_frame` bytes into one allocation of their
     /// combined size, so the message no longer keeps the buffers it was sliced from
     /// alive. Larger frames, which own their allocation, are left as they are.
-    /// Returns `false` when there was nothing to copy.
+    /// Returns `false` when the message referenced nothing to let go of.
     pub(crate) fn compact(&mut self, max_frame: usize) -> bool {
         if let Repr::Spans { backing, spans } = &self.repr {
             if spans.iter().all(|&(_, len)| len as usize <= max_frame) {
                 let total = self.byte_len();
                 if total == 0 {
-                    return false;
+                    // Empty frames need no bytes at all.
+                    let released = !backing.is_empty();
+                    self.repr = Repr::Parts(spans.iter().map(|_| Bytes::new()).collect());
+                    return released;
                 }
                 let mut buf = bytes::BytesMut::with_capacity(total);
                 let mut fresh = SmallVec::with_capacity(spans.len());
@@ -415,5 +424,10 @@ mod tests {
         );
         drop(mixed);
         assert!(backing.is_unique());
+        // Only empty frames: compacting lets the buffer go too.
+        let (mut empty, backing) = spanned(&[b"", b""]);
+        assert!(empty.compact(100));
+        assert!(backing.is_unique());
+        assert_eq!(empty, Message::from_parts(["", ""]));
     }
 }

@@ -1,7 +1,8 @@
 //! Accounting for read-buffer memory that received frames keep alive.
 //!
-//! Frames are sliced out of the connection's read buffer without copying. A slice
-//! keeps its whole allocation alive, so a small message kept for long (in a lane, in
+//! Messages are sliced out of the connection's read buffer without copying (one
+//! handle per message, on the bytes that hold its frames). A slice keeps its whole
+//! allocation alive, so a small message kept for long (in a lane, in
 //! the application) can pin a 64 KiB read buffer, or one grown for a large frame. When
 //! a connection moves on to a fresh read buffer, the old one is *retired* here with a
 //! sentinel handle: while any frame still references it, the sentinel is not unique and

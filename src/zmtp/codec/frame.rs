@@ -93,8 +93,10 @@ enum State {
 /// and returns at most one [`Decoded`] per call. A command frame between the frames of
 /// a multipart message is returned on its own while the message keeps assembling. A header is checked against
 /// [`FrameLimits`] as soon as its size bytes are present, *before* the body is
-/// buffered, so a forged size costs nothing but an error. Bodies are returned with
-/// `split_to(n).freeze()`; the caller reads more bytes into `src` when it returns
+/// buffered, so a forged size costs nothing but an error. A message whose frames are
+/// all in `src` is split off whole, its frames located in it (one reference count);
+/// otherwise bodies are split off one by one as they complete. An empty body
+/// references nothing. The caller reads more bytes into `src` when it returns
 /// `Ok(None)` ([`needed`](Self::needed) tells how many would make progress).
 ///
 /// ```
@@ -299,6 +301,13 @@ impl FrameDecoder {
             bytes += size;
             pos = end;
             if !more {
+                if bytes == 0 {
+                    // Only empty frames: nothing to reference (a slice would pin
+                    // the whole read buffer for no bytes at all).
+                    src.advance(pos);
+                    let empty = spans.iter().map(|_| Bytes::new());
+                    return Ok(Some(Message::from_smallvec(empty.collect())));
+                }
                 let backing = src.split_to(pos).freeze();
                 return Ok(Some(Message::from_spans(backing, spans)));
             }
@@ -557,6 +566,16 @@ mod tests {
         );
         // A message over the limits is refused whole, before anything is split off.
         let mut d = FrameDecoder::new(limits());
+        // A message of empty frames holds no part of the read buffer.
+        let mut src = BytesMut::from(&b"\x01\x00\x00\x00 and more"[..]);
+        let Ok(Some(Decoded::Message(empty))) = d.decode(&mut src) else {
+            panic!("two empty frames")
+        };
+        assert_eq!(empty, Message::from_parts(["", ""]));
+        assert!(
+            src.freeze().is_unique(),
+            "an empty message pins the read buffer"
+        );
         let mut big = BytesMut::new();
         encode_message(&Message::from_parts(["a", "b", "c", "d"]), &mut big);
         let len = big.len();

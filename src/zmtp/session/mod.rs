@@ -14,6 +14,7 @@ use super::{Config, Error, Message, ProtocolError, TimeoutKind};
 
 mod handshake;
 mod pair;
+mod receive;
 mod types;
 
 pub use pair::{Pair, Side};
@@ -414,72 +415,6 @@ impl Session {
                     }
                 }
             }
-        }
-    }
-
-    /// [`poll_event`](Self::poll_event) for a subscriber's receive loop: hands every
-    /// message to `f` until it returns `false` (then `Ok(false)`) or input runs dry
-    /// (`Ok(true)`); other events are consumed. An active SUB decodes and filters in
-    /// place, without wrapping each message in an event.
-    pub(crate) fn poll_messages(
-        &mut self,
-        mut f: impl FnMut(Message) -> bool,
-    ) -> Result<bool, Error> {
-        loop {
-            let fast = matches!(self.state, State::Active)
-                && self.socket_type == SocketType::Sub
-                && self.output.len() < MAX_PENDING_OUTPUT;
-            if !fast {
-                match self.poll_event()? {
-                    Some(Event::Message(m)) => {
-                        if !f(m) {
-                            return Ok(false);
-                        }
-                    }
-                    Some(_) => {}
-                    None => return Ok(true),
-                }
-                continue;
-            }
-            match self.decoder.decode(&mut self.input) {
-                Ok(Some(Decoded::Message(msg))) => {
-                    if self.sub_accepts(&msg) && !f(msg) {
-                        return Ok(false);
-                    }
-                }
-                Ok(Some(Decoded::Command(body))) => {
-                    if self.decoder.in_message() {
-                        self.stats.commands_between_frames += 1;
-                    }
-                    let handled = Command::parse(body)
-                        .map_err(Error::from)
-                        .and_then(|cmd| self.on_command(cmd));
-                    match handled {
-                        Ok(Some(Event::Message(m))) => {
-                            if !f(m) {
-                                return Ok(false);
-                            }
-                        }
-                        Ok(_) => {}
-                        Err(e) => return self.fail(e),
-                    }
-                }
-                Ok(None) => return Ok(true),
-                Err(e) => return self.fail(e.into()),
-            }
-        }
-    }
-
-    /// A SUB's local filter: `true` (and counted as received) when a subscription
-    /// matches the message's first frame; otherwise counted as filtered.
-    fn sub_accepts(&mut self, msg: &Message) -> bool {
-        if self.subscriptions.matches(msg.get(0).unwrap_or_default()) {
-            self.stats.messages += 1;
-            self.stats.bytes = self.stats.bytes.saturating_add(msg.byte_len() as u64);
-            true
-        } else {
-            self.stats.filtered += 1;
-            false
         }
     }
 

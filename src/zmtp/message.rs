@@ -60,25 +60,38 @@ impl Default for Repr {
 /// ```
 #[derive(Debug, Clone)]
 pub struct Parts<'a> {
-    message: &'a Message,
-    next: usize,
-    end: usize,
+    inner: PartsInner<'a>,
+}
+
+#[derive(Debug, Clone)]
+enum PartsInner<'a> {
+    Own(std::slice::Iter<'a, Bytes>),
+    Spans {
+        backing: &'a [u8],
+        spans: std::slice::Iter<'a, (u32, u32)>,
+    },
+}
+
+fn span(backing: &[u8], (start, len): (u32, u32)) -> &[u8] {
+    let start = start as usize;
+    backing.get(start..start + len as usize).unwrap_or_default()
 }
 
 impl<'a> Iterator for Parts<'a> {
     type Item = &'a [u8];
 
     fn next(&mut self) -> Option<&'a [u8]> {
-        if self.next >= self.end {
-            return None;
+        match &mut self.inner {
+            PartsInner::Own(parts) => parts.next().map(|p| &p[..]),
+            PartsInner::Spans { backing, spans } => spans.next().map(|&s| span(backing, s)),
         }
-        let part = self.message.get(self.next);
-        self.next += 1;
-        part
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        let n = self.end - self.next;
+        let n = match &self.inner {
+            PartsInner::Own(parts) => parts.len(),
+            PartsInner::Spans { spans, .. } => spans.len(),
+        };
         (n, Some(n))
     }
 }
@@ -87,11 +100,10 @@ impl ExactSizeIterator for Parts<'_> {}
 
 impl DoubleEndedIterator for Parts<'_> {
     fn next_back(&mut self) -> Option<Self::Item> {
-        if self.next >= self.end {
-            return None;
+        match &mut self.inner {
+            PartsInner::Own(parts) => parts.next_back().map(|p| &p[..]),
+            PartsInner::Spans { backing, spans } => spans.next_back().map(|&s| span(backing, s)),
         }
-        self.end -= 1;
-        self.message.get(self.end)
     }
 }
 
@@ -141,11 +153,14 @@ impl Message {
     /// assert!(msg.parts().eq([&b"kv"[..], &b"x"[..]]));
     /// ```
     pub fn parts(&self) -> Parts<'_> {
-        Parts {
-            message: self,
-            next: 0,
-            end: self.len(),
-        }
+        let inner = match &self.repr {
+            Repr::Parts(parts) => PartsInner::Own(parts.iter()),
+            Repr::Spans { backing, spans } => PartsInner::Spans {
+                backing,
+                spans: spans.iter(),
+            },
+        };
+        Parts { inner }
     }
 
     /// Frame `index`, if present.
@@ -159,11 +174,7 @@ impl Message {
     pub fn get(&self, index: usize) -> Option<&[u8]> {
         match &self.repr {
             Repr::Parts(parts) => parts.get(index).map(|p| &p[..]),
-            Repr::Spans { backing, spans } => {
-                let &(start, len) = spans.get(index)?;
-                let start = start as usize;
-                backing.get(start..start + len as usize)
-            }
+            Repr::Spans { backing, spans } => spans.get(index).map(|&s| span(backing, s)),
         }
     }
 

@@ -261,9 +261,10 @@ fn bench(c: &mut Criterion) {
         });
         let stats = sub.stats();
         report.push(format!(
-            "{publishers} publishers: delivered {}, dropped {}",
+            "{publishers} publishers: delivered {}, dropped {}, copied under retention {}",
             stats.total.delivered,
-            stats.total.dropped()
+            stats.total.dropped(),
+            stats.copied_messages
         ));
         assert_eq!(stats.total.dropped(), 0, "{:?}", stats.total);
         assert_eq!(stats.total.delivered, received);

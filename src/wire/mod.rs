@@ -344,10 +344,9 @@ pub(crate) struct PayloadAt {
 impl PayloadAt {
     /// The payload of `message` this points at.
     pub(crate) fn get(self, message: &Message) -> Option<Bytes> {
-        let frame = message.part(usize::try_from(self.frame).ok()?)?;
         let start = usize::try_from(self.start).ok()?;
         let end = start.checked_add(usize::try_from(self.len).ok()?)?;
-        (end <= frame.len()).then(|| frame.slice(start..end))
+        message.slice_of(usize::try_from(self.frame).ok()?, start, end)
     }
 }
 

@@ -197,6 +197,26 @@ impl Message {
         }
     }
 
+    /// Bytes `start..end` of frame `index` as their own handle (one reference count),
+    /// if the frame holds them.
+    pub(crate) fn slice_of(&self, index: usize, start: usize, end: usize) -> Option<Bytes> {
+        let (holder, offset, len) = match &self.repr {
+            Repr::Parts(parts) => {
+                let part = parts.get(index)?;
+                (part, 0, part.len())
+            }
+            Repr::Spans { backing, spans } => {
+                let &(offset, len) = spans.get(index)?;
+                (backing, offset as usize, len as usize)
+            }
+        };
+        if start > end || end > len {
+            return None;
+        }
+        let end = offset.checked_add(end)?;
+        (end <= holder.len()).then(|| holder.slice(offset + start..end))
+    }
+
     /// Number of frames.
     pub fn len(&self) -> usize {
         match &self.repr {
@@ -401,6 +421,12 @@ mod tests {
         assert_eq!(msg.get(2), Some(&b"payload"[..]));
         assert_eq!(msg.part(0).as_deref(), Some(&b"kv"[..]));
         assert!(msg.get(3).is_none() && msg.part(3).is_none());
+        for m in [&msg, &parts] {
+            assert_eq!(m.slice_of(2, 1, 4).as_deref(), Some(&b"ayl"[..]));
+            assert_eq!(m.slice_of(2, 7, 7).as_deref(), Some(&b""[..]));
+            assert!(m.slice_of(2, 2, 8).is_none() && m.slice_of(2, 3, 1).is_none());
+            assert!(m.slice_of(3, 0, 0).is_none());
+        }
         assert!(msg.parts().rev().eq(parts.parts().rev()));
         assert_eq!(format!("{msg:?}"), format!("{parts:?}"));
         let state = std::collections::hash_map::RandomState::new();

@@ -216,12 +216,16 @@ impl Rig {
         let peak = rss_kib(self.relay.id());
         let _ = self.relay.kill();
         let _ = self.relay.wait();
+        let per_cpu_second = if self.cpu >= Duration::from_millis(100) {
+            format!("{:.2} M", self.events as f64 / self.cpu.as_secs_f64() / 1e6)
+        } else {
+            "too little CPU time to tell".to_owned()
+        };
         eprintln!(
-            "kv_worker: {name}: {} engine events in {:.2} CPU-s of the relay: {:.2} M per \
-             CPU-second; relay peak RSS {:.1} MiB",
+            "kv_worker: {name}: {} engine events in {:.2} CPU-s of the relay: {per_cpu_second} \
+             per CPU-second; relay peak RSS {:.1} MiB",
             self.events,
             self.cpu.as_secs_f64(),
-            self.events as f64 / self.cpu.as_secs_f64() / 1e6,
             peak as f64 / 1024.0,
         );
     }

@@ -49,6 +49,24 @@ pub enum PublishError {
         /// Why.
         reason: &'static str,
     },
+    /// Fewer subscribers than awaited arrived in time
+    /// ([`EventPublisher::wait_for_subscribers_within`]): a subscriber that uses
+    /// another topic, namespace or component, or that cannot reach the advertised
+    /// endpoint, never arrives.
+    #[error(
+        "{subscribed} of {wanted} subscribers after {waited:?}: check that subscribers \
+         follow this namespace, component and topic and can reach {endpoint}"
+    )]
+    NoSubscribers {
+        /// Subscribers awaited.
+        wanted: usize,
+        /// Subscribers there when the time ran out.
+        subscribed: usize,
+        /// How long it waited.
+        waited: Duration,
+        /// The endpoint subscribers dial.
+        endpoint: String,
+    },
 }
 
 /// Builds an [`EventPublisher`].
@@ -392,9 +410,45 @@ impl EventPublisher {
         self.socket.stats()
     }
 
-    /// Waits until `count` subscribers have subscribed.
+    /// Waits until `count` subscribers have subscribed, however long that takes; see
+    /// [`wait_for_subscribers_within`](Self::wait_for_subscribers_within) for a bound.
     pub async fn wait_for_subscribers(&self, count: usize) {
         self.socket.wait_for_subscribers(count).await;
+    }
+
+    /// [`wait_for_subscribers`](Self::wait_for_subscribers) for at most `timeout`;
+    /// [`PublishError::NoSubscribers`] says how many came when it runs out.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::publish::PublishError> {
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use eventplane::discovery::MemoryDiscovery;
+    /// use eventplane::publish::{EventPublisher, PublishError};
+    /// let publisher = EventPublisher::builder(Arc::new(MemoryDiscovery::new()), "ns", "c", "t").build().await?;
+    /// // Nobody follows this topic: an error after 20 ms instead of a hang.
+    /// let err = publisher.wait_for_subscribers_within(1, Duration::from_millis(20)).await.unwrap_err();
+    /// assert!(matches!(err, PublishError::NoSubscribers { wanted: 1, subscribed: 0, .. }));
+    /// # Ok(()) }
+    /// ```
+    pub async fn wait_for_subscribers_within(
+        &self,
+        count: usize,
+        timeout: Duration,
+    ) -> Result<(), PublishError> {
+        match tokio::time::timeout(timeout, self.socket.wait_for_subscribers(count)).await {
+            Ok(()) => Ok(()),
+            Err(_) => Err(PublishError::NoSubscribers {
+                wanted: count,
+                subscribed: self.socket.stats().subscribed,
+                waited: timeout,
+                endpoint: match self.instance() {
+                    Some(instance) => instance.transport.endpoint().to_owned(),
+                    None => self.socket.local_endpoint().unwrap_or_default().to_owned(),
+                },
+            }),
+        }
     }
 
     /// Lets queued messages drain (up to the linger period), unregisters, and closes

@@ -102,3 +102,44 @@ async fn ids_are_random_and_dropping_unregisters() {
     assert_eq!(ids.len(), 20);
     assert!(d.list(Query::new("ns")).await.unwrap().is_empty());
 }
+
+#[tokio::test]
+async fn waiting_for_subscribers_is_bounded_when_asked() {
+    use std::time::Duration;
+    let d = Arc::new(MemoryDiscovery::new());
+    let publisher = EventPublisher::builder(d.clone(), "ns", "worker", "kv_events")
+        .build()
+        .await
+        .unwrap();
+    let endpoint = publisher
+        .instance()
+        .unwrap()
+        .transport
+        .endpoint()
+        .to_owned();
+    // Nobody follows `kv_events` yet: an error naming the endpoint, not a hang.
+    let err = publisher
+        .wait_for_subscribers_within(1, Duration::from_millis(50))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            PublishError::NoSubscribers {
+                wanted: 1,
+                subscribed: 0,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains(&endpoint), "{err}");
+    // A subscriber arrives: the same call returns at once.
+    let mut sub = SubSocket::connect(&endpoint, Config::default())
+        .await
+        .unwrap();
+    sub.subscribe("kv_events").await.unwrap();
+    within(publisher.wait_for_subscribers_within(1, Duration::from_secs(10)))
+        .await
+        .unwrap();
+}

@@ -43,7 +43,7 @@ impl Config {
             discovery,
             query,
             topic: None,
-            layout: Layout::Raw,
+            layout: Layout::default(),
             merge: MergeConfig::default().policy(DropPolicy::DropNewest),
             zmtp: zmtp::Config::default(),
             addr_filter: AddrFilter::default(),

@@ -112,7 +112,11 @@ impl DynamicSubscriberBuilder {
         self.config.topic = Some(topic.into());
         self
     }
-    /// Wire layout. Default [`Layout::Raw`].
+    /// Wire layout. Default [`Layout::TopicPublisherSeq`], what
+    /// [`EventPublisher`](crate::publish::EventPublisher) sends, so its sequence gaps
+    /// are counted without configuring anything (the `watch` example's default too).
+    /// Engines (`[topic, seq, payload]`) need [`Layout::TopicSeq`]; any other framing
+    /// [`Layout::Raw`], or every message is counted as malformed.
     pub fn layout(mut self, layout: Layout) -> Self {
         self.config.layout = layout;
         self

@@ -37,7 +37,8 @@ use crate::zmtp::Message;
 ///
 /// ```
 /// use eventplane::wire::Layout;
-/// assert_eq!(Layout::default(), Layout::Raw);
+/// // What our own `EventPublisher` sends, so a reader with the defaults sees its gaps.
+/// assert_eq!(Layout::default(), Layout::TopicPublisherSeq);
 /// assert_eq!(Layout::TopicPublisherSeq.as_str(), "topic-publisher-seq");
 /// assert_eq!("dynamo".parse::<Layout>()?, Layout::Dynamo);
 /// # Ok::<(), eventplane::wire::UnknownName>(())
@@ -46,11 +47,12 @@ use crate::zmtp::Message;
 #[non_exhaustive]
 pub enum Layout {
     /// Any frames; no sequence.
-    #[default]
     Raw,
     /// `[topic, seq u64be, payload…]` (vLLM / SGLang engines).
     TopicSeq,
-    /// `[topic, publisher_id u64be, seq u64be, payload…]` (our `EventPublisher`).
+    /// `[topic, publisher_id u64be, seq u64be, payload…]` (our `EventPublisher`; the
+    /// default).
+    #[default]
     TopicPublisherSeq,
     /// `[topic, publisher_id u64be, seq u64be, 0x01 + u32be len + msgpack envelope]`
     /// (Dynamo's event plane): exactly four frames, the envelope's identity equal to

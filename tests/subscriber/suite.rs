@@ -652,3 +652,86 @@ async fn many_connections_hold_read_buffers_within_the_shared_limit() {
     );
     drop(regs);
 }
+
+/// received = delivered + dropped + depth, for live and departed publishers alike:
+/// never fewer received than accounted for while messages move, equal once still.
+fn assert_accounted(stats: &eventplane::subscriber::SubscriberStats, settled: bool) {
+    let t = &stats.total;
+    let accounted = t.delivered + t.dropped() + t.depth as u64;
+    if settled {
+        assert_eq!(t.received, accounted, "{t:?}");
+    } else {
+        assert!(t.received >= accounted, "{t:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn departed_publishers_stay_accounted_under_churn() {
+    let d: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let mut sub = DynamicSubscriber::builder(d.clone(), Query::new("ns"))
+        .topic("kv")
+        .lane_capacity(16_384)
+        .spawn()
+        .unwrap();
+    const N: u64 = 1000;
+    let mut got = 0u64;
+    for round in 0..3u64 {
+        let mut pubs = Vec::new();
+        for _ in 0..2 {
+            let p = EventPublisher::builder(d.clone(), "ns", "worker", "kv")
+                .build()
+                .await
+                .unwrap();
+            within(p.wait_for_subscribers(1)).await;
+            pubs.push(p);
+        }
+        for i in 0..N {
+            for p in &pubs {
+                assert_eq!(p.publish(vec![(i % 251) as u8; 64]).dropped, 0);
+            }
+        }
+        // Both leave discovery while their messages are still on the way.
+        for p in pubs {
+            p.shutdown().await;
+        }
+        while got < (round + 1) * 2 * N {
+            let mut batch = Vec::new();
+            got += within(sub.recv_many(&mut batch, 97)).await as u64;
+            assert_accounted(&sub.stats(), false);
+        }
+    }
+    let h = sub.handle();
+    eventually("every departed publisher settled", || {
+        h.stats().publishers.is_empty()
+    })
+    .await;
+    let stats = sub.stats();
+    assert_accounted(&stats, true);
+    assert_eq!(stats.total.delivered, 6 * N, "{:?}", stats.total);
+    assert_eq!(stats.total.received, 6 * N);
+}
+
+#[tokio::test]
+async fn the_default_layout_counts_our_publishers_gaps() {
+    let d: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    // Nothing but the topic: the defaults must read what `EventPublisher` sends.
+    let mut sub = DynamicSubscriber::builder(d.clone(), Query::new("ns"))
+        .topic("kv")
+        .spawn()
+        .unwrap();
+    let p = RawPub::bind(0, id(3)).await;
+    let _reg = p.register(d.as_ref()).await;
+    within(p.socket.wait_for_subscribers(1)).await;
+    for seq in [0, 1, 5] {
+        p.send("kv", seq, b"x");
+    }
+    for expected in [0, 1, 5] {
+        assert_eq!(next(&mut sub).await.sequence, Some(expected));
+    }
+    let t = sub.stats().total;
+    assert_eq!(
+        (t.gaps, t.gap_messages, t.dropped_malformed),
+        (1, 3, 0),
+        "{t:?}"
+    );
+}

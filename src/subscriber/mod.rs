@@ -237,6 +237,7 @@ impl DynamicSubscriberBuilder {
             retired: Mutex::new(Retired::default()),
             retention: Arc::new(Retention::new(config.zmtp.max_retained_bytes())),
             refused_publishers: AtomicU64::new(0),
+            other_topic_publishers: std::sync::atomic::AtomicUsize::new(0),
             rewatches: AtomicU64::new(0),
             tracker: TaskTracker::new(),
             warn: RateLimitedWarn::default(),
@@ -468,6 +469,7 @@ impl SubscriberHandle {
             copied_messages: self.shared.retention.copied(),
             read_buffer_bytes: self.shared.retention.current(),
             refused_publishers: self.shared.refused_publishers.load(Ordering::Relaxed),
+            other_topic_publishers: self.shared.other_topic_publishers.load(Ordering::Relaxed),
             rewatches: self.shared.rewatches.load(Ordering::Relaxed),
         }
     }

@@ -110,6 +110,8 @@ pub(crate) struct Shared {
     /// Read buffers that delivered messages keep alive, across every connection.
     pub(crate) retention: Arc<Retention>,
     pub(crate) refused_publishers: AtomicU64,
+    /// Publishers discovered now whose topic is not the subscriber's.
+    pub(crate) other_topic_publishers: std::sync::atomic::AtomicUsize,
     pub(crate) rewatches: AtomicU64,
     pub(crate) tracker: TaskTracker,
     pub(crate) warn: RateLimitedWarn,

@@ -119,6 +119,11 @@ pub struct SubscriberStats {
     /// Publishers discovery reported that were not followed because
     /// `max_publishers` were already followed.
     pub refused_publishers: u64,
+    /// Publishers discovered now under the query whose topic is not this subscriber's
+    /// (a typo such as `kv_events` for `kv-events`, or another stream in the same
+    /// namespace): not followed, since none of their messages would match. A
+    /// rate-limited warning names both topics.
+    pub other_topic_publishers: usize,
     /// Times the discovery watch was re-opened.
     pub rewatches: u64,
 }

@@ -42,7 +42,7 @@ pub(crate) async fn watch_loop(
     merge: Arc<Merge<Delivery>>,
 ) {
     let cancel = config.cancel.clone();
-    let mut tracked: HashMap<ChannelId, Tracked> = HashMap::new();
+    let mut tracked = Tracking::default();
     let mut backoff = Backoff::checked(config.rewatch_min, config.rewatch_max);
     let mut settle = tokio::time::interval(SETTLE_INTERVAL);
     settle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -98,7 +98,7 @@ pub(crate) async fn watch_loop(
         }
     }
     // Cancelling the subscriber's token has already stopped every connection.
-    tracked.clear();
+    tracked.followed.clear();
     merge.close();
 }
 
@@ -108,48 +108,85 @@ fn warn_limited(shared: &Shared, key: &str, log: impl FnOnce()) {
     }
 }
 
+/// What the watch loop knows of discovered publishers: the followed ones, and those
+/// whose topic is not the subscriber's (not followed, counted).
+#[derive(Default)]
+struct Tracking {
+    followed: HashMap<ChannelId, Tracked>,
+    other_topic: std::collections::HashSet<ChannelId>,
+}
+
 fn apply(
     shared: &Arc<Shared>,
     config: &Arc<Config>,
     merge: &Arc<Merge<Delivery>>,
-    tracked: &mut HashMap<ChannelId, Tracked>,
+    tracking: &mut Tracking,
     event: DiscoveryEvent,
 ) {
     match event {
-        DiscoveryEvent::Added(instance) => upsert(shared, config, merge, tracked, instance),
+        DiscoveryEvent::Added(instance) => upsert(shared, config, merge, tracking, instance),
         DiscoveryEvent::Removed { id, incarnation } => {
+            tracking.other_topic.remove(&id);
             // A late removal of an older incarnation must not cut its replacement.
-            if tracked
+            if tracking
+                .followed
                 .get(&id)
                 .is_some_and(|t| incarnation >= t.incarnation)
             {
-                stop(tracked, &id);
+                stop(&mut tracking.followed, &id);
             }
         }
         DiscoveryEvent::Resync(all) => {
+            tracking.other_topic.clear();
             let keep: std::collections::HashSet<&ChannelId> = all.iter().map(|i| &i.id).collect();
-            let gone: Vec<ChannelId> = tracked
+            let gone: Vec<ChannelId> = tracking
+                .followed
                 .keys()
                 .filter(|id| !keep.contains(id))
                 .cloned()
                 .collect();
             for id in gone {
-                stop(tracked, &id);
+                stop(&mut tracking.followed, &id);
             }
             for instance in all {
-                upsert(shared, config, merge, tracked, instance);
+                upsert(shared, config, merge, tracking, instance);
             }
         }
     }
+    shared
+        .other_topic_publishers
+        .store(tracking.other_topic.len(), Ordering::Relaxed);
 }
 
 fn upsert(
     shared: &Arc<Shared>,
     config: &Arc<Config>,
     merge: &Arc<Merge<Delivery>>,
-    tracked: &mut HashMap<ChannelId, Tracked>,
+    tracking: &mut Tracking,
     instance: Instance,
 ) {
+    if let Some(topic) = &config.topic {
+        if instance.id.topic().as_bytes() != &topic[..] {
+            // None of its messages could match: following it would only look like a
+            // silent publisher.
+            if tracking.other_topic.len() < config.max_publishers {
+                tracking.other_topic.insert(instance.id.clone());
+            }
+            stop(&mut tracking.followed, &instance.id);
+            warn_limited(shared, "other_topic", || {
+                tracing::warn!(
+                    id = %instance.id,
+                    publisher_topic = instance.id.topic(),
+                    subscriber_topic = %String::from_utf8_lossy(topic),
+                    "discovered publisher has another topic: not followed \
+                     (counted in other_topic_publishers)"
+                );
+            });
+            return;
+        }
+    }
+    tracking.other_topic.remove(&instance.id);
+    let tracked = &mut tracking.followed;
     let endpoint = instance.transport.endpoint().to_owned();
     if !tracked.contains_key(&instance.id) && tracked.len() >= config.max_publishers {
         crate::counter::add(&shared.refused_publishers, 1);

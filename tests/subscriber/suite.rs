@@ -735,3 +735,37 @@ async fn the_default_layout_counts_our_publishers_gaps() {
         "{t:?}"
     );
 }
+
+#[tokio::test]
+async fn a_publisher_on_another_topic_is_counted_not_followed() {
+    let d: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let sub = DynamicSubscriber::builder(d.clone(), Query::new("ns"))
+        .topic("kv-events")
+        .spawn()
+        .unwrap();
+    // A typo on the publisher's side: `kv_events`.
+    let typo = EventPublisher::builder(d.clone(), "ns", "worker", "kv_events")
+        .build()
+        .await
+        .unwrap();
+    let right = EventPublisher::builder(d.clone(), "ns", "worker", "kv-events")
+        .build()
+        .await
+        .unwrap();
+    within(right.wait_for_subscribers(1)).await;
+    let h = sub.handle();
+    eventually("the typo counted", || h.stats().other_topic_publishers == 1).await;
+    let stats = h.stats();
+    assert_eq!(
+        stats.publishers.len(),
+        1,
+        "only the right topic is followed"
+    );
+    assert_eq!(typo.stats().connections, 0, "the typo is never dialled");
+    typo.shutdown().await;
+    eventually("the typo's departure uncounted", || {
+        h.stats().other_topic_publishers == 0
+    })
+    .await;
+    right.shutdown().await;
+}

@@ -102,6 +102,27 @@ pub mod zmtp;
 
 pub use config::ConfigError;
 
+/// The token every long-running part of the crate stops on (the subscriber's
+/// `cancellation`, the processor's `with_cancellation`, the engine listener's `run`),
+/// re-exported so applications need no `tokio-util` dependency of their own to build one.
+///
+/// ```
+/// use std::sync::Arc;
+/// use eventplane::CancellationToken;
+/// use eventplane::discovery::{MemoryDiscovery, Query};
+/// use eventplane::subscriber::DynamicSubscriber;
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::ConfigError> {
+/// let stop = CancellationToken::new();
+/// let mut sub = DynamicSubscriber::builder(Arc::new(MemoryDiscovery::new()), Query::new("ns"))
+///     .cancellation(&stop)
+///     .spawn()?;
+/// stop.cancel();
+/// assert!(sub.recv().await.is_none());
+/// # Ok(()) }
+/// ```
+pub use tokio_util::sync::CancellationToken;
+
 /// A boxed, `Send` future: what the crate's dyn-compatible traits
 /// ([`Discovery`](discovery::Discovery), [`EventSink`](kv::EventSink)) return.
 ///

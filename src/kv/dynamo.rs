@@ -19,10 +19,10 @@ use std::borrow::Cow;
 use serde::ser::SerializeSeq;
 use serde::{Deserialize, Serialize, Serializer};
 
-use super::KvDecodeError;
 use super::{
     BlockHash, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId,
 };
+use super::{EncodeError, KvDecodeError};
 
 /// Encodes router events as a Dynamo `kv-events` payload, byte for byte what a Dynamo
 /// 1.6.1 worker writes for the same events.
@@ -38,11 +38,11 @@ use super::{
 /// let payload = encode_dynamo_router_events(&events)?;
 /// assert!(payload.windows(11).any(|w| w == b"host_pinned"));
 /// assert_eq!(decode_dynamo_router_events(&payload)?, events);
-/// # Ok::<(), eventplane::kv::KvDecodeError>(())
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub fn encode_dynamo_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, KvDecodeError> {
+pub fn encode_dynamo_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, EncodeError> {
     let wire: Vec<OutEvent<'_>> = events.iter().map(OutEvent::from).collect();
-    rmp_serde::to_vec_named(&wire).map_err(|e| KvDecodeError(Box::new(e)))
+    rmp_serde::to_vec_named(&wire).map_err(|e| EncodeError::new("Dynamo router events", e))
 }
 
 /// Decodes a Dynamo `kv-events` payload into router events. Never panics on hostile

@@ -456,7 +456,7 @@ pub fn encode_engine_batch(
             EngineEvent::Cleared => Wire::Cleared(("AllBlocksCleared",)),
         })
         .collect();
-    rmp_serde::to_vec(&(ts, wire, dp_rank)).map_err(|e| EncodeError(Box::new(e)))
+    rmp_serde::to_vec(&(ts, wire, dp_rank)).map_err(|e| EncodeError::new("the engine batch", e))
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ pub struct EngineDecodeError {
     pub(crate) reason: &'static str,
 }
 
-/// An engine batch could not be encoded.
+/// An engine batch or a router-event payload could not be encoded.
 ///
 /// ```
 /// use eventplane::kv::{encode_engine_batch, EncodeError, EngineEvent};
@@ -25,8 +25,26 @@ pub struct EngineDecodeError {
 /// assert!(result.is_ok());
 /// ```
 #[derive(Debug, thiserror::Error)]
-#[error("cannot encode the engine batch")]
-pub struct EncodeError(#[source] pub(crate) Box<dyn std::error::Error + Send + Sync>);
+#[error("cannot encode {what}")]
+pub struct EncodeError {
+    /// What was being encoded.
+    pub(crate) what: &'static str,
+    #[source]
+    pub(crate) source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl EncodeError {
+    /// `what` could not be encoded because of `source` (kept as the error's source).
+    pub(crate) fn new(
+        what: &'static str,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        EncodeError {
+            what,
+            source: Box::new(source),
+        }
+    }
+}
 
 /// A sink's failure.
 ///
@@ -51,7 +69,7 @@ pub struct SinkError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
 #[error("local index rejected the event")]
 pub struct IndexError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
 
-/// A payload that is not a msgpack list of router events (or could not be encoded).
+/// A payload that is not a msgpack list of router events.
 ///
 /// ```
 /// use eventplane::kv::decode_router_events;
@@ -71,5 +89,18 @@ impl KvDecodeError {
     pub(crate) fn check_shape(payload: &[u8]) -> Result<(), KvDecodeError> {
         crate::msgpack::check_shape(payload)
             .map_err(|e| KvDecodeError(format!("msgpack shape: {e:?}").into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_encoding_failure_names_what_and_keeps_its_cause() {
+        let err = EncodeError::new("router events", std::io::Error::other("out of space"));
+        assert_eq!(err.to_string(), "cannot encode router events");
+        let cause = std::error::Error::source(&err).map(ToString::to_string);
+        assert_eq!(cause.as_deref(), Some("out of space"));
     }
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::RouterEvent;
 use super::dynamo::{decode_dynamo_router_events, encode_dynamo_router_events};
 use super::processor::EventSink;
-use super::{KvDecodeError, SinkError};
+use super::{EncodeError, KvDecodeError, SinkError};
 use crate::BoxFuture;
 use crate::publish::EventPublisher;
 use crate::wire::Wire;
@@ -78,10 +78,10 @@ pub fn split_messages(
 /// }];
 /// let payload = encode_router_events(&events)?;
 /// assert_eq!(decode_router_events(&payload)?, events);
-/// # Ok::<(), eventplane::kv::KvDecodeError>(())
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub fn encode_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, KvDecodeError> {
-    rmp_serde::to_vec_named(events).map_err(|e| KvDecodeError(Box::new(e)))
+pub fn encode_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, EncodeError> {
+    rmp_serde::to_vec_named(events).map_err(|e| EncodeError::new("router events", e))
 }
 
 /// Decodes an event-plane payload back into router events. Never panics on hostile
@@ -94,7 +94,7 @@ pub fn encode_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, KvDecodeE
 /// let bytes = encode_router_events(&events)?;
 /// assert_eq!(decode_router_events(&bytes)?, events);
 /// assert!(decode_router_events(b"\xdd\xff\xff\xff\xff").is_err()); // forged length
-/// # Ok::<(), eventplane::kv::KvDecodeError>(())
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn decode_router_events(payload: &[u8]) -> Result<Vec<RouterEvent>, KvDecodeError> {
     KvDecodeError::check_shape(payload)?;
@@ -113,9 +113,9 @@ pub fn decode_router_events(payload: &[u8]) -> Result<Vec<RouterEvent>, KvDecode
 ///     let payload = encode_router_payload(wire, &events)?;
 ///     assert_eq!(decode_router_payload(wire, &payload)?, events);
 /// }
-/// # Ok::<(), eventplane::kv::KvDecodeError>(())
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub fn encode_router_payload(wire: Wire, events: &[RouterEvent]) -> Result<Vec<u8>, KvDecodeError> {
+pub fn encode_router_payload(wire: Wire, events: &[RouterEvent]) -> Result<Vec<u8>, EncodeError> {
     match wire {
         Wire::Dynamo => encode_dynamo_router_events(events),
         _ => encode_router_events(events),

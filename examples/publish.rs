@@ -10,16 +10,25 @@
 //! (default 1000 ms) so queued messages drain, and exits 0. Without `--rate` it sends
 //! as fast as the subscribers drain their queues, so nothing is dropped for a
 //! subscriber that keeps up. The last stderr line is `sent N messages, D dropped`.
+//! Exit codes: 0 when done; 2 on bad arguments (a malformed `--bind`); 3 when the
+//! endpoint cannot be bound.
+
+mod common;
 
 use std::io::Write;
 use std::time::Duration;
 
 use bytes::Bytes;
 use clap::Parser;
+use common::chain;
 use eventplane::zmtp::{Config, Message, PubSocket};
 
 #[derive(Parser, Debug)]
-#[command(about = "Publish a numbered test stream on a ZMQ PUB socket")]
+#[command(
+    about = "Publish a numbered test stream on a ZMQ PUB socket",
+    after_help = "Exit codes: 0 when done; 2 on bad arguments (a malformed --bind); 3 when \
+                  the endpoint cannot be bound."
+)]
 struct Args {
     /// Endpoint to bind, e.g. tcp://127.0.0.1:0 (port 0: the OS picks one).
     #[arg(long)]
@@ -52,9 +61,18 @@ fn payload(seq: u64, size: usize) -> Bytes {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> anyhow::Result<std::process::ExitCode> {
     let args = Args::parse();
-    let publisher = PubSocket::bind(&args.bind, Config::default()).await?;
+    let publisher = match PubSocket::bind(&args.bind, Config::default()).await {
+        Ok(p) => p,
+        Err(e) => {
+            // A malformed endpoint is a bad argument (exit 2); an address that cannot
+            // be bound is the machine's answer (exit 3). Both name the endpoint.
+            eprintln!("cannot bind --bind {}: {}", args.bind, chain(&e));
+            let bad = matches!(e, eventplane::zmtp::Error::InvalidEndpoint { .. });
+            return Ok(std::process::ExitCode::from(if bad { 2 } else { 3 }));
+        }
+    };
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "{}", publisher.local_endpoint().unwrap_or_default())?;
@@ -62,7 +80,7 @@ async fn main() -> anyhow::Result<()> {
     }
     tokio::select! {
         () = publisher.wait_for_subscribers(args.subscribers) => {}
-        _ = tokio::signal::ctrl_c() => return Ok(()),
+        _ = tokio::signal::ctrl_c() => return Ok(std::process::ExitCode::SUCCESS),
     }
     let topic = Bytes::from(args.topic.clone());
     let start = tokio::time::Instant::now();
@@ -96,5 +114,5 @@ async fn main() -> anyhow::Result<()> {
     let dropped = publisher.stats().dropped;
     publisher.close(Duration::from_millis(args.linger_ms)).await;
     eprintln!("sent {seq} messages, {dropped} dropped");
-    Ok(())
+    Ok(std::process::ExitCode::SUCCESS)
 }

@@ -649,6 +649,23 @@ async fn refused_arguments_exit_2_and_name_the_flag() {
             ],
             "invalid --max-buffered-bytes",
         ),
+        (
+            "watch",
+            vec![
+                "--static",
+                "127.0.0.1:5",
+                "--namespace",
+                "ns",
+                "--topic",
+                "t",
+            ],
+            "only tcp://",
+        ),
+        (
+            "publish",
+            vec!["--bind", "tcp://127.0.0.1:99999", "--topic", "t"],
+            "port is above 65535",
+        ),
     ];
     for (example, args, says) in cases {
         let out = run_example(example, &args).await;

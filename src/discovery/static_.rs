@@ -4,6 +4,8 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
+use crate::ConfigError;
+
 use super::{
     BoxFuture, ChannelId, Discovery, DiscoveryError, DiscoveryEvent, DiscoveryStats,
     DiscoveryStream, Instance, Query, Registration, Transport,
@@ -38,7 +40,15 @@ impl StaticDiscovery {
     }
 
     /// One instance per endpoint under `namespace/component/topic`, with publisher ids
-    /// 0, 1, 2, … in order and incarnation 1.
+    /// 0, 1, 2, … in order and incarnation 1. An endpoint that is not `tcp://host:port`
+    /// is refused ([`DiscoveryError::InvalidConfig`], field `endpoints`).
+    ///
+    /// ```
+    /// use eventplane::discovery::{DiscoveryError, StaticDiscovery};
+    /// let err = StaticDiscovery::from_endpoints("ns", "c", "t", ["127.0.0.1:5555"]).unwrap_err();
+    /// assert!(matches!(err, DiscoveryError::InvalidConfig(_)));
+    /// assert!(err.to_string().contains("only tcp://"), "{err}");
+    /// ```
     pub fn from_endpoints<I, S>(
         namespace: &str,
         component: &str,
@@ -54,6 +64,14 @@ impl StaticDiscovery {
             .enumerate()
             .map(|(i, ep)| {
                 let id = ChannelId::new(namespace, component, topic, i as u64)?;
+                let ep = ep.into();
+                // Refused now, not found out by a dial that can only time out.
+                if let Err(e) = crate::zmtp::parse_tcp(&ep) {
+                    return Err(DiscoveryError::InvalidConfig(ConfigError::Invalid {
+                        field: "endpoints",
+                        reason: e.to_string(),
+                    }));
+                }
                 Ok(Instance::new(id, Transport::zmq(ep), 1))
             })
             .collect::<Result<Vec<_>, DiscoveryError>>()?;

@@ -17,7 +17,11 @@ pub(crate) fn parse_tcp(endpoint: &str) -> Result<(String, u16), Error> {
     let (host, port) = rest
         .rsplit_once(':')
         .ok_or_else(|| invalid("missing :port"))?;
-    let port: u16 = port.parse().map_err(|_| invalid("port is not a number"))?;
+    let port: u16 = match port.parse::<u64>() {
+        Ok(n) => u16::try_from(n).map_err(|_| invalid("port is above 65535"))?,
+        Err(_) if port.is_empty() => return Err(invalid("missing port after ':'")),
+        Err(_) => return Err(invalid("port is not a number")),
+    };
     let host = host.trim_start_matches('[').trim_end_matches(']');
     if host.is_empty() {
         return Err(invalid("missing host"));
@@ -68,6 +72,13 @@ mod tests {
         assert!(parse_tcp("ipc:///tmp/x").is_err());
         assert!(parse_tcp("tcp://host").is_err());
         assert!(parse_tcp("tcp://:1").is_err());
-        assert!(parse_tcp("tcp://h:99999").is_err());
+        let reason = |e| match parse_tcp(e) {
+            Err(Error::InvalidEndpoint { reason, .. }) => reason,
+            other => panic!("{e}: {other:?}"),
+        };
+        assert_eq!(reason("tcp://h:99999"), "port is above 65535");
+        assert_eq!(reason("tcp://h:port"), "port is not a number");
+        assert_eq!(reason("tcp://h:"), "missing port after ':'");
+        assert_eq!(reason("127.0.0.1:5"), "only tcp:// endpoints are supported");
     }
 }

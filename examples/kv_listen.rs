@@ -5,7 +5,8 @@
 //!           [--timeout-ms MS] [--batch-timeout-ms MS]
 //! ```
 //! Runs `EngineListener → Processor` and prints each published `RouterEvent` as one
-//! line of JSON (snake_case, externally tagged). Exits 0 after N router events (or on
+//! line of JSON (snake_case, externally tagged); its stats are the last stderr line,
+//! one JSON object (`listener`, `processor`). Exits 0 after N router events (or on
 //! Ctrl-C without `--count`), 1 on timeout, 2 when an argument is refused.
 
 mod common;
@@ -23,7 +24,11 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser, Debug)]
-#[command(about = "Print an engine's KV events as router events (JSON lines)")]
+#[command(
+    about = "Print an engine's KV events as router events (JSON lines)",
+    after_help = "Exit codes: 0 after --count router events (or on Ctrl-C without \
+                  --count); 1 on timeout; 2 when an argument is refused."
+)]
 struct Args {
     #[command(flatten)]
     engine: EngineArgs,
@@ -96,7 +101,10 @@ async fn main() -> anyhow::Result<ExitCode> {
     cancel.cancel();
     let listener_stats = pipeline.listener.await?;
     let processor_stats = pipeline.processor.await?;
-    eprintln!("listener: {listener_stats:?}");
-    eprintln!("processor: {processor_stats:?}");
+    // One JSON object, the last stderr line, as kv_relay and kv_router print theirs.
+    eprintln!(
+        "{}",
+        serde_json::json!({"listener": listener_stats, "processor": processor_stats})
+    );
     Ok(ExitCode::from(code))
 }

@@ -13,8 +13,8 @@
 //! [`BATCHES_IN_FLIGHT`] batches. Output is written per batch, under one lock.
 //!
 //! Exit codes: 0 when N messages arrived (or on Ctrl-C without `--count`); 1 on
-//! timeout or when every publisher went away; 2 on a ZMTP protocol error (stderr
-//! `protocol error: …`); 3 when it cannot connect.
+//! timeout (connecting included) or when every publisher went away; 2 on a ZMTP
+//! protocol error (stderr `protocol error: …`); 3 when it cannot connect.
 
 mod common;
 
@@ -35,7 +35,12 @@ const BATCH: usize = 256;
 const BATCHES_IN_FLIGHT: usize = 16;
 
 #[derive(Parser, Debug)]
-#[command(about = "Subscribe to ZMQ publishers and print their messages")]
+#[command(
+    about = "Subscribe to ZMQ publishers and print their messages",
+    after_help = "Exit codes: 0 when --count messages arrived (or on Ctrl-C without \
+                  --count); 1 on timeout (connecting included) or when every publisher \
+                  went away; 2 on a ZMTP protocol error; 3 when it cannot connect."
+)]
 struct Args {
     /// Publisher endpoint (tcp://host:port); repeat for several.
     #[arg(long = "connect", required = true)]
@@ -108,16 +113,31 @@ async fn main() -> ExitCode {
     } else {
         args.topic.clone()
     };
+    // The deadline covers connecting too: a peer that accepts and never answers
+    // times out at --timeout-ms, not at the handshake's own limit.
+    let deadline = args
+        .timeout_ms
+        .map(|ms| tokio::time::Instant::now() + Duration::from_millis(ms));
     let mut sockets = Vec::new();
     for endpoint in &args.connect {
-        let connected = async {
+        let connecting = async {
             let mut sub = SubSocket::connect(endpoint, Config::default()).await?;
             for t in &topics {
                 sub.subscribe(t.clone()).await?;
             }
             Ok::<_, Error>(sub)
-        }
-        .await;
+        };
+        let connected = match deadline {
+            Some(d) => match tokio::time::timeout_at(d, connecting).await {
+                Ok(connected) => connected,
+                Err(_) => {
+                    eprintln!("timed out connecting to {endpoint}");
+                    eprintln!("received 0 messages, 0 bytes");
+                    return ExitCode::from(1);
+                }
+            },
+            None => connecting.await,
+        };
         match connected {
             Ok(sub) => sockets.push(sub),
             Err(e) if e.is_protocol() => {
@@ -141,9 +161,6 @@ async fn main() -> ExitCode {
         Source::Many(rx)
     };
 
-    let deadline = args
-        .timeout_ms
-        .map(|ms| tokio::time::Instant::now() + Duration::from_millis(ms));
     let sleep = async {
         match deadline {
             Some(d) => tokio::time::sleep_until(d).await,

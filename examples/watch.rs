@@ -16,7 +16,8 @@
 //! it lists under the default key prefix `/eventplane`.
 //!
 //! Exit codes: 0 after N deliveries (or on Ctrl-C / SIGTERM without `--count`); 1 on
-//! timeout; 3 when discovery cannot be reached (or `--etcd` without the feature).
+//! timeout; 2 on bad arguments (`--etcd` without the feature included); 3 when
+//! discovery cannot be reached.
 
 mod common;
 
@@ -30,7 +31,12 @@ use eventplane::discovery::{Discovery, Query};
 use eventplane::subscriber::{DynamicSubscriber, Layout};
 
 #[derive(Parser, Debug)]
-#[command(about = "Follow publishers through discovery and print what they send")]
+#[command(
+    about = "Follow publishers through discovery and print what they send",
+    after_help = "Exit codes: 0 after --count deliveries (or on Ctrl-C / SIGTERM without \
+                  --count); 1 on timeout; 2 on bad arguments; 3 when discovery cannot be \
+                  reached."
+)]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["etcd", "static_endpoints"])))]
 struct Args {
     /// etcd endpoint (http://host:2379); repeat for a cluster. Needs feature `etcd`.

@@ -744,3 +744,46 @@ async fn subscribe_stops_at_count_within_a_batch_and_merges_several_publishers()
         assert_eq!(mine, [0, 1, 2].map(|i| format!("{topic} 0{i}")), "{stdout}");
     }
 }
+
+#[tokio::test]
+async fn subscribe_timeout_covers_a_peer_that_never_answers() {
+    // Accepts the connection, never sends a greeting.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("tcp://{}", silent.local_addr().unwrap());
+    let hold = tokio::spawn(async move {
+        let (conn, _) = silent.accept().await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_secs(30)).await;
+        drop(conn);
+    });
+    let out = run_example(
+        "subscribe",
+        &["--connect", &endpoint, "--timeout-ms", "300"],
+    )
+    .await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // Our timeout (exit 1), not the handshake's own 10 s limit (exit 3, "handshake
+    // timed out").
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("timed out connecting to"), "{stderr}");
+    hold.abort();
+}
+
+#[tokio::test]
+async fn every_cli_lists_its_exit_codes_in_help() {
+    for example_name in [
+        "subscribe",
+        "publish",
+        "watch",
+        "kv_listen",
+        "kv_relay",
+        "kv_router",
+    ] {
+        let out = run_example(example_name, &["--help"]).await;
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "{example_name}: {help}");
+        assert!(
+            help.contains("Exit codes:"),
+            "{example_name} --help: {help}"
+        );
+    }
+}

@@ -476,15 +476,20 @@ async fn main() -> anyhow::Result<()> {
     let mut last = (0u64, 0u64, started);
     let mut swapped = false;
     let mut ticker = tokio::time::interval(Duration::from_secs(1));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ticker.tick().await;
     let ctrl_c = tokio::signal::ctrl_c();
     tokio::pin!(ctrl_c);
-    for second in 1..=args.seconds {
+    // `--seconds` is a deadline for the load, whatever the swap or a slow line costs.
+    let end = tokio::time::Instant::from_std(started) + Duration::from_secs(args.seconds);
+    let halfway = started + Duration::from_secs(args.seconds) / 2;
+    while tokio::time::Instant::now() < end {
         tokio::select! {
             _ = ticker.tick() => {}
+            () = tokio::time::sleep_until(end) => {}
             _ = &mut ctrl_c => break,
         }
-        if !swapped && second >= args.seconds.div_ceil(2) && !engines.is_empty() {
+        if !swapped && Instant::now() >= halfway && !engines.is_empty() {
             swapped = true;
             let leaving = engines.remove(0);
             let left_id = leaving.id;
@@ -516,8 +521,11 @@ async fn main() -> anyhow::Result<()> {
         let dt = now.duration_since(last.2).as_secs_f64().max(1e-9);
         let s = router_stats.stats();
         let idx = index.lock().unwrap_or_else(|p| p.into_inner()).size();
+        // Labelled with the real time since the start: under overload a line can
+        // come late, and its rates are over the time it really covers.
         println!(
-            "t={second:>3}s  in {:>8.0} ev/s  out {:>8.0} router ev/s  drops {:>5}  gaps {:>3}  publishers {:>2}  index {:>7} blocks",
+            "t={:>5.1}s  in {:>8.0} ev/s  out {:>8.0} router ev/s  drops {:>5}  gaps {:>3}  publishers {:>2}  index {:>7} blocks",
+            now.duration_since(started).as_secs_f64(),
             (inn - last.0) as f64 / dt,
             (out - last.1) as f64 / dt,
             s.total.dropped(),
@@ -528,15 +536,27 @@ async fn main() -> anyhow::Result<()> {
         last = (inn, out, now);
     }
 
-    // Wind down: engines stop, pipelines drain, the router catches up.
+    // Wind down: every engine stops producing at once, then each pipeline drains
+    // and the router catches up (draining one engine while the others still send
+    // would stretch the run and mix load into the drain).
+    let load_ended = Instant::now();
+    for e in &engines {
+        e.stop.cancel();
+    }
     for e in engines {
         account.add(&e.stop(&ledger).await);
     }
+    println!(
+        "load ended at t={:.1}s; drained in {:.1}s",
+        load_ended.duration_since(started).as_secs_f64(),
+        load_ended.elapsed().as_secs_f64()
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
     let s = router_stats.stats();
     router_stats.shutdown().await;
     let _ = consumer.await;
-    let elapsed = started.elapsed().as_secs_f64();
+    // Rates are over the load, not the drain after it.
+    let elapsed = load_ended.duration_since(started).as_secs_f64().max(1e-9);
     let idx = index.lock().unwrap_or_else(|p| p.into_inner());
     let engine_events = totals.engine_events.load(Ordering::Relaxed);
     let out = router_events.load(Ordering::Relaxed);
@@ -574,7 +594,7 @@ async fn main() -> anyhow::Result<()> {
         malformed.load(Ordering::Relaxed),
     );
     row(
-        "engine events/s",
+        "engine events/s (while the engines ran)",
         (engine_events as f64 / elapsed).round() as u64,
     );
     row("index entries (worker × block)", idx.size() as u64);

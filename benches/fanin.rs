@@ -210,8 +210,13 @@ impl Publishers {
         self.stdin.flush().unwrap();
     }
 
+    /// The child's next line; a setup where it never comes (publishers nobody
+    /// follows, say) fails instead of hanging.
     async fn reply(&mut self) -> String {
-        self.lines.recv().await.expect("the child replies")
+        tokio::time::timeout(Duration::from_secs(60), self.lines.recv())
+            .await
+            .expect("the child did not answer within 60 s (is every publisher followed?)")
+            .expect("the child replies")
     }
 }
 
@@ -277,7 +282,7 @@ fn bench() {
     let guards: Vec<_> = rt.block_on(async {
         let mut guards = Vec::with_capacity(n);
         for (i, endpoint) in publishers.endpoints.iter().enumerate() {
-            let id = ChannelId::new("fanin", "worker", "kv", i as u64).unwrap();
+            let id = ChannelId::new("fanin", "worker", "kvev", i as u64).unwrap();
             guards.push(
                 memory
                     .register(id, Transport::zmq(endpoint.clone()))

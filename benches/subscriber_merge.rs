@@ -101,7 +101,7 @@ async fn fleet(d: &MemoryDiscovery, n: usize, config: Config) -> Fleet {
         let s = PubSocket::bind("tcp://127.0.0.1:0", config.clone())
             .await
             .unwrap();
-        let id = ChannelId::new("bench", "worker", "kv", i as u64).unwrap();
+        let id = ChannelId::new("bench", "worker", "kvev", i as u64).unwrap();
         guards.push(
             d.register(id, Transport::zmq(s.local_endpoint().unwrap()))
                 .await

@@ -107,7 +107,11 @@ pub struct DynamicSubscriberBuilder {
 
 impl DynamicSubscriberBuilder {
     /// Subscribe to this topic: frame 0 must equal it exactly (prefix collisions are
-    /// dropped and counted). Default: everything.
+    /// dropped and counted), and only publishers whose discovery record carries this
+    /// topic are followed. Others matching the query are not dialled (none of their
+    /// messages could match); they are counted in
+    /// [`SubscriberStats::other_topic_publishers`] with a rate-limited warning, so a
+    /// typo shows. Default: everything, every publisher of the query.
     pub fn topic(mut self, topic: impl Into<Bytes>) -> Self {
         self.config.topic = Some(topic.into());
         self

@@ -32,6 +32,7 @@ pub(crate) struct Config {
     pub(crate) rewatch_max: Duration,
     pub(crate) recv_batch: usize,
     pub(crate) max_publishers: usize,
+    pub(crate) notices: usize,
     pub(crate) cancel: CancellationToken,
     #[cfg(feature = "metrics")]
     pub(crate) metrics_interval: Duration,
@@ -54,6 +55,7 @@ impl Config {
             rewatch_max: Duration::from_secs(5),
             recv_batch: 256,
             max_publishers: 4096,
+            notices: 0,
             cancel: CancellationToken::new(),
             #[cfg(feature = "metrics")]
             metrics_interval: Duration::from_secs(1),

@@ -47,6 +47,7 @@
 mod config;
 #[cfg(feature = "metrics")]
 mod metrics;
+mod notice;
 mod shared;
 mod stats;
 mod worker;
@@ -64,6 +65,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use crate::wire::Layout;
+pub use notice::Notice;
 pub use shared::Delivery;
 pub use stats::{PublisherStats, SubscriberStats};
 
@@ -182,6 +184,13 @@ impl DynamicSubscriberBuilder {
         self.config.max_publishers = publishers;
         self
     }
+    /// Keep up to `capacity` lifecycle [`Notice`]s (connected, gap, reset, departed)
+    /// for [`DynamicSubscriber::take_notices`]; a full queue drops the newest and
+    /// counts it in [`SubscriberStats::notices_dropped`]. Default 0: none are kept.
+    pub fn notices(mut self, capacity: usize) -> Self {
+        self.config.notices = capacity;
+        self
+    }
     /// How often the `metrics` feature samples the counters into the `metrics` facade.
     /// Default 1 s.
     #[cfg(feature = "metrics")]
@@ -245,6 +254,7 @@ impl DynamicSubscriberBuilder {
             rewatches: AtomicU64::new(0),
             tracker: TaskTracker::new(),
             warn: RateLimitedWarn::default(),
+            notices: notice::Notices::new(config.notices),
         });
         shared.tracker.spawn(worker::watch_loop(
             shared.clone(),
@@ -357,6 +367,14 @@ impl DynamicSubscriber {
         self.handle.stats()
     }
 
+    /// Moves the lifecycle [`Notice`]s queued so far into `out` without waiting;
+    /// returns how many (always 0 unless [`notices`](DynamicSubscriberBuilder::notices)
+    /// was set). Call it after handling each batch: a [`Notice::Departed`] comes only
+    /// once every message of that publisher was taken from its lane.
+    pub fn take_notices(&self, out: &mut Vec<Notice>) -> usize {
+        self.handle.shared.notices.take(out)
+    }
+
     /// The next delivery; `None` once the subscriber was shut down and drained.
     /// Cancel-safe.
     ///
@@ -452,6 +470,7 @@ impl SubscriberHandle {
     /// Counters, per publisher and total (departed publishers included in the total).
     pub fn stats(&self) -> SubscriberStats {
         let mut retired = self.shared.lock_retired();
+        self.shared.settle_locked(&mut retired);
         let mut total = retired.sum();
         let mut publishers: Vec<(ChannelId, PublisherStats)> = self
             .shared
@@ -474,6 +493,7 @@ impl SubscriberHandle {
             read_buffer_bytes: self.shared.retention.current(),
             refused_publishers: self.shared.refused_publishers.load(Ordering::Relaxed),
             other_topic_publishers: self.shared.other_topic_publishers.load(Ordering::Relaxed),
+            notices_dropped: self.shared.notices.dropped(),
             rewatches: self.shared.rewatches.load(Ordering::Relaxed),
         }
     }

@@ -16,6 +16,8 @@ use crate::wire::PayloadAt;
 use crate::zmtp::Message;
 use crate::zmtp::retain::Retention;
 
+use super::notice::{Notice, Notices};
+
 /// Lane handles are per publisher; a type alias keeps signatures short.
 pub(crate) type DeliveryLane = Lane<Delivery>;
 
@@ -115,6 +117,8 @@ pub(crate) struct Shared {
     pub(crate) rewatches: AtomicU64,
     pub(crate) tracker: TaskTracker,
     pub(crate) warn: RateLimitedWarn,
+    /// Lifecycle notices for the consumer (none kept unless enabled).
+    pub(crate) notices: Notices,
 }
 
 impl std::fmt::Debug for Shared {
@@ -160,7 +164,7 @@ impl Shared {
             }
         }
         retired.add(cell);
-        retired.settle();
+        self.settle_locked(&mut retired);
     }
 
     /// Lists `cell` for `id`; a cell it replaces (a publisher that moved) keeps
@@ -174,7 +178,22 @@ impl Shared {
 
     /// Folds drained departed publishers into the retired total (their lanes closed).
     pub(crate) fn settle_retired(&self) {
-        self.lock_retired().settle();
+        self.settle_locked(&mut self.lock_retired());
+    }
+
+    /// Settles `retired` (held by the caller) and sends [`Notice::Departed`] for each
+    /// settled publisher whose id is not followed again (a moved publisher is).
+    pub(super) fn settle_locked(&self, retired: &mut Retired) {
+        let settled = retired.settle();
+        if settled.is_empty() || !self.notices.enabled() {
+            return;
+        }
+        let publishers = self.lock();
+        for id in settled {
+            if !publishers.contains_key(&id) {
+                self.notices.push(Notice::Departed(id));
+            }
+        }
     }
 
     pub(super) fn lock_retired(&self) -> MutexGuard<'_, Retired> {
@@ -198,9 +217,11 @@ impl Retired {
     }
 
     /// Folds the departed publishers whose connection ended and whose lanes are empty
-    /// into the total (their counters are final) and lets their lanes go.
-    fn settle(&mut self) {
+    /// into the total (their counters are final) and lets their lanes go; returns
+    /// their ids.
+    fn settle(&mut self) -> Vec<ChannelId> {
         let total = &mut self.total;
+        let mut settled = Vec::new();
         self.draining.retain(|cell| {
             if !cell.ended.load(Ordering::Acquire) {
                 return true;
@@ -210,13 +231,20 @@ impl Retired {
                 return true;
             }
             total.add(&s);
+            settled.push(
+                cell.instance
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .id
+                    .clone(),
+            );
             false
         });
+        settled
     }
 
-    /// The total of every departed publisher, drained or not.
-    pub(super) fn sum(&mut self) -> PublisherStats {
-        self.settle();
+    /// The total of every departed publisher, drained or not (settle first).
+    pub(super) fn sum(&self) -> PublisherStats {
         let mut sum = self.total;
         for cell in &self.draining {
             sum.add(&cell.snapshot());

@@ -124,6 +124,9 @@ pub struct SubscriberStats {
     /// namespace): not followed, since none of their messages would match. A
     /// rate-limited warning names both topics.
     pub other_topic_publishers: usize,
+    /// [`Notice`](super::Notice)s dropped because the queue
+    /// ([`notices`](super::DynamicSubscriberBuilder::notices)) was full.
+    pub notices_dropped: u64,
     /// Times the discovery watch was re-opened.
     pub rewatches: u64,
 }

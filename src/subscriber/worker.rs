@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::config::Config;
+use super::notice::{Notice, Notices};
 use super::shared::{Delivery, PublisherCell, Shared};
 use super::stats::Counters;
 use crate::discovery::{ChannelId, DiscoveryEvent, Instance};
@@ -353,6 +354,14 @@ async fn connect_and_read(
     *connected_before = true;
     seq.new_connection();
     tracing::debug!("connected");
+    if shared.notices.enabled() {
+        let instance = cell
+            .instance
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        shared.notices.push(Notice::Connected(instance));
+    }
     let drop_key = format!("drop:{endpoint}");
     // Created once: a publisher that keeps sending after it left discovery is cut
     // `DRAIN_GRACE` after the removal, not kept alive batch after batch.
@@ -364,7 +373,7 @@ async fn connect_and_read(
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        let mut filing = Filing::new(cell, config.recv_batch);
+        let mut filing = Filing::new(cell, &shared.notices, config.recv_batch);
         // The socket hands each message straight to `filing`, which pushes the call's
         // messages into the lane under one lock; its vector lives for the call only,
         // so between reads a connection holds no batch.
@@ -400,6 +409,7 @@ async fn connect_and_read(
 /// `received` never trails what the lane counts).
 struct Filing<'a> {
     cell: &'a PublisherCell,
+    notices: &'a Notices,
     out: Vec<(Delivery, usize)>,
     /// Capacity reserved at the first message: the receive's `max`.
     batch: usize,
@@ -410,9 +420,10 @@ struct Filing<'a> {
 }
 
 impl<'a> Filing<'a> {
-    fn new(cell: &'a PublisherCell, batch: usize) -> Filing<'a> {
+    fn new(cell: &'a PublisherCell, notices: &'a Notices, batch: usize) -> Filing<'a> {
         Filing {
             cell,
+            notices,
             out: Vec::new(),
             batch,
             received: 0,
@@ -441,8 +452,17 @@ impl<'a> Filing<'a> {
                         SeqStep::Gap(missing) => {
                             Counters::add(&counters.gaps, 1);
                             Counters::add(&counters.gap_messages, missing);
+                            self.notices.push(Notice::Gap {
+                                id: source.id.clone(),
+                                missing,
+                            });
                         }
-                        SeqStep::Reset => Counters::add(&counters.sequence_resets, 1),
+                        SeqStep::Reset => {
+                            Counters::add(&counters.sequence_resets, 1);
+                            self.notices.push(Notice::Reset {
+                                id: source.id.clone(),
+                            });
+                        }
                     }
                 }
                 if self.out.capacity() == 0 {

@@ -769,3 +769,43 @@ async fn a_publisher_on_another_topic_is_counted_not_followed() {
     .await;
     right.shutdown().await;
 }
+
+#[tokio::test]
+async fn notices_tell_a_router_when_a_publisher_connects_loses_messages_and_departs() {
+    use eventplane::subscriber::Notice;
+    let d: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let mut sub = DynamicSubscriber::builder(d.clone(), Query::new("ns"))
+        .topic("kv")
+        .notices(64)
+        .spawn()
+        .unwrap();
+    let p = RawPub::bind(0, id(4)).await;
+    let reg = p.register(d.as_ref()).await;
+    within(p.socket.wait_for_subscribers(1)).await;
+    for seq in [0, 1, 5] {
+        p.send("kv", seq, b"x");
+    }
+    for _ in 0..3 {
+        next(&mut sub).await;
+    }
+    let mut notices = Vec::new();
+    sub.take_notices(&mut notices);
+    assert!(
+        matches!(&notices[..], [Notice::Connected(i), Notice::Gap { id: g, missing: 3 }]
+            if i.id == id(4) && *g == id(4)),
+        "{notices:?}"
+    );
+    // It leaves discovery: a departure once its messages were all handed over.
+    p.send("kv", 6, b"last");
+    drop(reg);
+    assert_eq!(next(&mut sub).await.sequence, Some(6));
+    let h = sub.handle();
+    let mut departed = Vec::new();
+    eventually("the departure noticed", || {
+        let _ = h.stats(); // settles departed publishers
+        sub.take_notices(&mut departed);
+        departed.contains(&Notice::Departed(id(4)))
+    })
+    .await;
+    assert_eq!(sub.stats().notices_dropped, 0);
+}

@@ -15,11 +15,12 @@
 //!   connection's read buffer while the read buffers they keep alive total at most
 //!   the ZMTP config's `max_retained_bytes` (8 MiB, shared by all connections,
 //!   [`SubscriberStats::retained_bytes`]); beyond, small frames are copied into
-//!   allocations of their own size. So the process holds at
-//!   most `max_buffered_bytes` + `max_retained_bytes` + one read buffer per connection
-//!   (`read_chunk`, 64 KiB, or the frame being assembled) for messages, however slow
-//!   the consumer and whatever the publishers send. At most `max_publishers` (4096)
-//!   publishers are followed.
+//!   allocations of their own size. The read buffers connections hold between reads
+//!   count against the same limit together: above it, each connection gives its
+//!   buffer back after every receive. So the process holds about
+//!   `max_buffered_bytes` + twice `max_retained_bytes` (plus a frame being assembled
+//!   per connection) for messages, however slow the consumer and whatever the
+//!   publishers send. At most `max_publishers` (4096) publishers are followed.
 //! - **Fair.** The consumer takes from ready lanes round-robin, and the global budget
 //!   never refuses a lane that holds less than its share — it evicts from the largest
 //!   lane instead — so a flooding publisher cannot starve a quiet one.
@@ -43,6 +44,62 @@
 //! # Shutdown
 //! Dropping the subscriber or cancelling its token stops every task and closes every
 //! socket; [`SubscriberHandle::shutdown`] waits for them.
+//!
+//! # A router, start to finish
+//! Follow every KV-event publisher, decode their router events into a per-publisher
+//! index, and keep that index honest with [`Notice`]s: a gap or a restart makes a
+//! publisher's entries incomplete, a departure makes them obsolete.
+//!
+//! ```
+//! use std::collections::{HashMap, HashSet};
+//! use std::sync::Arc;
+//! use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Query};
+//! use eventplane::kv::{decode_router_events, encode_router_events, KvEvent, KvEventData};
+//! use eventplane::kv::{RouterEvent, StorageTier, StoredBlock, BlockHash, TokensHash, WorkerId};
+//! use eventplane::publish::EventPublisher;
+//! use eventplane::subscriber::{DynamicSubscriber, Notice};
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new()); // or EtcdDiscovery
+//! let mut router = DynamicSubscriber::builder(discovery.clone(), Query::new("prod"))
+//!     .topic("kv-events") // the default layout is what EventPublisher sends
+//!     .notices(1024)
+//!     .spawn()?;
+//! # let worker = EventPublisher::builder(discovery, "prod", "worker", "kv-events").build().await?;
+//! # worker.wait_for_subscribers(1).await;
+//! # let block = StoredBlock { block_hash: BlockHash(42), tokens_hash: TokensHash(1) };
+//! # let data = KvEventData::Stored { parent_hash: None, blocks: vec![block] };
+//! # let event = KvEvent { id: 0, dp_rank: 0, data };
+//! # worker.publish(encode_router_events(&[RouterEvent { worker_id: WorkerId(7), tier: StorageTier::Device, event }])?);
+//! let mut index: HashMap<ChannelId, HashSet<u64>> = HashMap::new(); // publisher → blocks
+//! let mut stale: HashSet<ChannelId> = HashSet::new();
+//! let (mut batch, mut notices) = (Vec::new(), Vec::new());
+//! while router.recv_many(&mut batch, 256).await > 0 {
+//!     for delivery in batch.drain(..) {
+//!         let Some(payload) = delivery.payload() else { continue };
+//!         let blocks = index.entry(delivery.source.id.clone()).or_default();
+//!         for ev in decode_router_events(&payload)? {
+//!             match ev.event.data {
+//!                 KvEventData::Stored { blocks: b, .. } => blocks.extend(b.iter().map(|b| b.block_hash.0)),
+//!                 KvEventData::Removed { block_hashes } => block_hashes.iter().for_each(|h| { blocks.remove(&h.0); }),
+//!                 KvEventData::Cleared => blocks.clear(),
+//!                 _ => {}
+//!             }
+//!         }
+//!     }
+//!     router.take_notices(&mut notices);
+//!     for notice in notices.drain(..) {
+//!         match notice {
+//!             Notice::Gap { id, .. } | Notice::Reset { id } => { stale.insert(id); }
+//!             Notice::Departed(id) => { index.remove(&id); stale.remove(&id); }
+//!             _ => {}
+//!         }
+//!     }
+//! #   if index.values().any(|b| b.contains(&42)) { break; }
+//! }
+//! # assert!(stale.is_empty());
+//! # Ok(()) }
+//! ```
 
 mod config;
 #[cfg(feature = "metrics")]

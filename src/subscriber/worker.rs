@@ -373,7 +373,7 @@ async fn connect_and_read(
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        let mut filing = Filing::new(cell, &shared.notices, config.recv_batch);
+        let mut filing = Filing::new(cell, &shared.notices);
         // The socket hands each message straight to `filing`, which pushes the call's
         // messages into the lane under one lock; its vector lives for the call only,
         // so between reads a connection holds no batch.
@@ -403,6 +403,9 @@ async fn connect_and_read(
     }
 }
 
+/// Slots a receive's filing vector starts with; it grows if the receive brings more.
+const FILING_START: usize = 16;
+
 /// One receive's messages on their way into the publisher's lane: located by the
 /// layout, sequence-checked, and pushed into the lane together (one lock of the
 /// merge, one wake of the consumer), with the counters updated before the push (so
@@ -410,9 +413,8 @@ async fn connect_and_read(
 struct Filing<'a> {
     cell: &'a PublisherCell,
     notices: &'a Notices,
+    /// Grows with the receive (from [`FILING_START`] slots), freed after it.
     out: Vec<(Delivery, usize)>,
-    /// Capacity reserved at the first message: the receive's `max`.
-    batch: usize,
     received: u64,
     bytes: u64,
     filtered: u64,
@@ -420,12 +422,11 @@ struct Filing<'a> {
 }
 
 impl<'a> Filing<'a> {
-    fn new(cell: &'a PublisherCell, notices: &'a Notices, batch: usize) -> Filing<'a> {
+    fn new(cell: &'a PublisherCell, notices: &'a Notices) -> Filing<'a> {
         Filing {
             cell,
             notices,
             out: Vec::new(),
-            batch,
             received: 0,
             bytes: 0,
             filtered: 0,
@@ -466,7 +467,9 @@ impl<'a> Filing<'a> {
                     }
                 }
                 if self.out.capacity() == 0 {
-                    self.out.reserve_exact(self.batch);
+                    // A receive of one message (a trickle over thousands of publishers)
+                    // must not allocate a full batch.
+                    self.out.reserve(FILING_START);
                 }
                 self.out.push((
                     Delivery::new(source.clone(), framed.sequence, message, framed.payload_at),

@@ -188,11 +188,9 @@ impl Message {
     pub fn part(&self, index: usize) -> Option<bytes::Bytes> {
         match &self.repr {
             Repr::Parts(parts) => parts.get(index).cloned(),
-            Repr::Spans { backing, spans } => {
-                let &(start, len) = spans.get(index)?;
-                let start = start as usize;
-                let end = start.checked_add(len as usize)?;
-                (end <= backing.len()).then(|| backing.slice(start..end))
+            Repr::Spans { spans, .. } => {
+                let &(_, len) = spans.get(index)?;
+                self.slice_of(index, 0, len as usize)
             }
         }
     }
@@ -273,14 +271,10 @@ impl Message {
     fn take_parts(&mut self) -> SmallVec<[Bytes; 3]> {
         match std::mem::take(&mut self.repr) {
             Repr::Parts(parts) => parts,
-            Repr::Spans { backing, spans } => spans
-                .iter()
-                .filter_map(|&(start, len)| {
-                    let start = start as usize;
-                    let end = start.checked_add(len as usize)?;
-                    (end <= backing.len()).then(|| backing.slice(start..end))
-                })
-                .collect(),
+            spans => {
+                let spanned = Message { repr: spans };
+                (0..spanned.len()).filter_map(|i| spanned.part(i)).collect()
+            }
         }
     }
 

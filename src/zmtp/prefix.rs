@@ -22,12 +22,10 @@ pub(crate) struct PrefixMap<V> {
     map: HashMap<Bytes, V>,
     /// `(length, number of prefixes of that length)`, sorted by length.
     lens: Vec<(usize, usize)>,
-    /// The keys of `map` while it holds at most [`FEW`]: a subscriber's usual one or
-    /// two prefixes are compared directly, which costs less than hashing the topic.
-    few: Vec<Bytes>,
 }
 
-/// Up to this many prefixes are matched by comparing each one.
+/// Up to this many prefixes (a subscriber's usual one or two) are matched by comparing
+/// each one, which costs less than hashing the topic.
 const FEW: usize = 8;
 
 /// `prefix` is a prefix of `topic`, compared byte by byte: prefixes are short, and a
@@ -42,7 +40,6 @@ impl<V> Default for PrefixMap<V> {
             empty: None,
             map: HashMap::new(),
             lens: Vec::new(),
-            few: Vec::new(),
         }
     }
 }
@@ -76,11 +73,6 @@ impl<V> PrefixMap<V> {
                 }
                 Err(i) => self.lens.insert(i, (len, 1)),
             }
-            if self.map.len() < FEW {
-                self.few.push(prefix.clone());
-            } else {
-                self.few.clear();
-            }
         }
         self.map.entry(prefix.clone()).or_insert_with(make)
     }
@@ -90,7 +82,11 @@ impl<V> PrefixMap<V> {
             return self.empty.take().map(|(_, v)| v);
         }
         let v = self.map.remove(prefix)?;
-        self.refresh_few();
+        // A table that grew for thousands of prefixes and kept few would make the
+        // direct comparison scan all its empty buckets.
+        if self.map.capacity() > 4 * self.map.len().max(FEW) {
+            self.map.shrink_to_fit();
+        }
         if let Ok(i) = self.lens.binary_search_by_key(&prefix.len(), |(l, _)| *l) {
             if let Some((_, n)) = self.lens.get_mut(i) {
                 *n -= 1;
@@ -108,11 +104,9 @@ impl<V> PrefixMap<V> {
             f(v);
         }
         if self.map.len() <= FEW {
-            for key in &self.few {
+            for (key, v) in &self.map {
                 if starts_with(topic, key) {
-                    if let Some(v) = self.map.get(key) {
-                        f(v);
-                    }
+                    f(v);
                 }
             }
             return;
@@ -127,21 +121,13 @@ impl<V> PrefixMap<V> {
         }
     }
 
-    /// Rebuilds `few` after `map` shrank.
-    fn refresh_few(&mut self) {
-        self.few.clear();
-        if self.map.len() <= FEW {
-            self.few.extend(self.map.keys().cloned());
-        }
-    }
-
     /// `true` when some stored prefix is a prefix of `topic`.
     pub(crate) fn matches(&self, topic: &[u8]) -> bool {
         if self.empty.is_some() {
             return true;
         }
         if self.map.len() <= FEW {
-            return self.few.iter().any(|key| starts_with(topic, key));
+            return self.map.keys().any(|key| starts_with(topic, key));
         }
         self.lens.iter().any(|(len, _)| {
             topic

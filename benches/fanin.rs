@@ -31,6 +31,9 @@
     clippy::panic
 )]
 
+#[path = "common/procfs.rs"]
+mod procfs;
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Arc;
@@ -42,6 +45,7 @@ use criterion::{BenchmarkId, Criterion, Throughput};
 use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Query, Transport};
 use eventplane::subscriber::{DynamicSubscriber, Layout};
 use eventplane::zmtp::{Config, Message, PubSocket};
+use procfs::status_kib;
 
 /// Set in the child: how many publishers to bind.
 const CHILD_ENV: &str = "EVENTPLANE_FANIN_CHILD";
@@ -220,16 +224,6 @@ impl Publishers {
     }
 }
 
-fn status_kib(field: &str) -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    status
-        .lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
@@ -292,7 +286,7 @@ fn bench() {
         }
         guards
     });
-    let (fds_before, rss_before) = (open_fds(), status_kib("VmRSS:"));
+    let (fds_before, rss_before) = (open_fds(), status_kib("self", "VmRSS:"));
     let start = Instant::now();
     let mut sub = {
         let _guard = rt.enter();
@@ -308,7 +302,7 @@ fn bench() {
     assert_eq!(rt.block_on(publishers.reply()), "connected");
     let connected_in = start.elapsed();
     std::thread::sleep(Duration::from_secs(1));
-    let (fds, rss_idle) = (open_fds(), status_kib("VmRSS:"));
+    let (fds, rss_idle) = (open_fds(), status_kib("self", "VmRSS:"));
     eprintln!(
         "fanin: {n} publishers connected in {:.2} s; parent fds {fds} ({} before the \
          subscriber: +{}); idle RSS {} MiB, {:.1} KiB per publisher",
@@ -347,7 +341,7 @@ fn bench() {
 
     // Flood with a stalled consumer.
     std::fs::write("/proc/self/clear_refs", "5").unwrap();
-    let before = status_kib("VmRSS:");
+    let before = status_kib("self", "VmRSS:");
     publishers.tell("flood");
     let mut max_buffered = 0;
     let mut max_read_buffers = 0;
@@ -363,7 +357,7 @@ fn bench() {
     });
     publishers.tell("stop");
     let flooded = rt.block_on(publishers.reply());
-    let peak = status_kib("VmHWM:");
+    let peak = status_kib("self", "VmHWM:");
     let stats = sub.stats();
     eprintln!(
         "fanin: {n}-publisher flood, stalled consumer: RSS before {} MiB, peak {} MiB \

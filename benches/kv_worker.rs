@@ -23,6 +23,9 @@
     clippy::indexing_slicing
 )]
 
+#[path = "common/procfs.rs"]
+mod procfs;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -31,6 +34,7 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use eventplane::kv::{KvEventData, decode_router_events};
 use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
+use procfs::status_kib;
 use serde_json::json;
 
 /// Engine events per batch.
@@ -84,16 +88,6 @@ fn cpu_time(pid: u32) -> Duration {
     let fields: Vec<&str> = rest.split(' ').collect();
     let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
     Duration::from_millis(ticks * 10)
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find(|l| l.starts_with("VmHWM:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
 }
 
 /// The engine, one relay process and a subscriber on its output.
@@ -213,7 +207,7 @@ impl Rig {
     }
 
     fn stop(mut self, name: &str) {
-        let peak = rss_kib(self.relay.id());
+        let peak = status_kib(&self.relay.id().to_string(), "VmHWM:");
         let _ = self.relay.kill();
         let _ = self.relay.wait();
         let per_cpu_second = if self.cpu >= Duration::from_millis(100) {

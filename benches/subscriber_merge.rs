@@ -18,6 +18,9 @@
     clippy::panic
 )]
 
+#[path = "common/procfs.rs"]
+mod procfs;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -29,6 +32,7 @@ use eventplane::discovery::{
 };
 use eventplane::subscriber::{DynamicSubscriber, Layout};
 use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
+use procfs::status_kib;
 
 const BATCH: u64 = 512;
 
@@ -276,16 +280,6 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-fn rss_kib(field: &str) -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    status
-        .lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
 /// 128 publishers flood for 3 s while the consumer never reads. Publisher queues are
 /// bounded at 256 KiB each so the publishers' own memory stays a fixed overhead.
 fn rss_under_flood(rt: &tokio::runtime::Runtime) {
@@ -310,7 +304,7 @@ fn rss_under_flood(rt: &tokio::runtime::Runtime) {
             s.wait_for_subscribers(1).await;
         }
     });
-    let before = rss_kib("VmRSS:");
+    let before = status_kib("self", "VmRSS:");
     let stop = Arc::new(AtomicBool::new(false));
     let mut max_buffered = 0;
     rt.block_on(async {
@@ -342,7 +336,7 @@ fn rss_under_flood(rt: &tokio::runtime::Runtime) {
         }
     });
     let stats = sub.stats();
-    let peak = rss_kib("VmHWM:");
+    let peak = status_kib("self", "VmHWM:");
     // Leave nothing running for the timed benchmarks.
     rt.block_on(async {
         sub.handle().shutdown().await;

@@ -117,10 +117,7 @@ impl Rig {
                 .spawn()
                 .unwrap(),
             _ => Command::new(dynamo_python())
-                .arg(
-                    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                        .join("tests/dynamo_live/dynamo_worker.py"),
-                )
+                .arg(repo_root().join("tests/dynamo_live/dynamo_worker.py"))
                 .args([
                     "--etcd",
                     etcd,
@@ -232,9 +229,14 @@ impl Rig {
     }
 }
 
+/// The repository's root: this bench's crate is its `benches/` folder.
+fn repo_root() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+}
+
 fn dynamo_python() -> PathBuf {
     let path = std::env::var_os("EVENTPLANE_DYNAMO_PYTHON").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/dynamo-venv/bin/python"),
+        || repo_root().join("target/dynamo-venv/bin/python"),
         PathBuf::from,
     );
     assert!(
@@ -311,8 +313,8 @@ fn run_relay(spec: &str) {
         .unwrap();
         let processor = Processor::new(ProcessorConfig::default(), rx, sink)
             .unwrap()
-            .with_cancellation(cancel.clone());
-        let listener = tokio::spawn(listener.run(cancel.clone()));
+            .cancellation(&cancel);
+        let listener = tokio::spawn(listener.cancellation(&cancel).run());
         let processor = tokio::spawn(processor.run());
         {
             let mut out = std::io::stdout().lock();

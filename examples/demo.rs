@@ -214,7 +214,7 @@ async fn start_engine(
     )?;
     // The processor stops when its input closes (once the listener stopped), after
     // draining everything queued.
-    let listener_task = tokio::spawn(listener.run(listener_stop.clone()));
+    let listener_task = tokio::spawn(listener.cancellation(&listener_stop).run());
     let processor_task = tokio::spawn(processor.run());
 
     // PUB/SUB has no memory for late joiners: start the engine once the router has
@@ -401,6 +401,7 @@ impl Engine {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    common::init_tracing();
     let args = Args::parse();
     let engines_n = args.engines.max(1);
     let per_engine_rate = (args.rate / engines_n as u64).max(1);

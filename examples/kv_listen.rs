@@ -19,9 +19,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use clap::Parser;
 use common::{EngineArgs, optional_timeout, stop_signal};
 use eventplane::BoxFuture;
-use eventplane::kv::{EventSink, RouterEvent, SinkError};
+use eventplane::kv::{EventSink, RouterEvent, SinkError, Worker};
 use tokio::sync::Notify;
-use tokio_util::sync::CancellationToken;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -74,6 +73,7 @@ impl EventSink for Print {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<ExitCode> {
+    common::init_tracing();
     let args = Args::parse();
     let reached = Arc::new(Notify::new());
     let sink = Arc::new(Print {
@@ -81,9 +81,11 @@ async fn main() -> anyhow::Result<ExitCode> {
         target: args.count,
         reached: reached.clone(),
     });
-    let cancel = CancellationToken::new();
-    let pipeline = match args.engine.start(sink.clone(), &cancel) {
-        Ok(p) => p,
+    let worker = match args
+        .engine
+        .start(|engine| Worker::with_sink(engine, sink.clone()))
+    {
+        Ok(w) => w,
         Err(e) => {
             eprintln!("{e}");
             return Ok(ExitCode::from(2));
@@ -98,13 +100,12 @@ async fn main() -> anyhow::Result<ExitCode> {
         }
         () = stop_signal() => if args.count.is_some() { 1 } else { 0 },
     };
-    cancel.cancel();
-    let listener_stats = pipeline.listener.await?;
-    let processor_stats = pipeline.processor.await?;
+    // Stops taking engine batches, prints what was queued, stops.
+    let stats = worker.shutdown().await;
     // One JSON object, the last stderr line, as kv_relay and kv_router print theirs.
     eprintln!(
         "{}",
-        serde_json::json!({"listener": listener_stats, "processor": processor_stats})
+        serde_json::json!({"listener": stats.listener, "processor": stats.processor})
     );
     Ok(ExitCode::from(code))
 }

@@ -40,10 +40,9 @@ use std::sync::Arc;
 use clap::{CommandFactory, Parser};
 use common::{EngineArgs, StartError, chain, stop_signal};
 use eventplane::discovery::{BoxFuture, Discovery};
-use eventplane::kv::EventPlaneSink;
+use eventplane::kv::Worker;
 use eventplane::publish::{EventPublisher, PublishError};
 use eventplane::wire::Wire;
-use tokio_util::sync::CancellationToken;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -92,6 +91,7 @@ struct Args {
 // which cost CPU for no throughput (bench `kv_worker`).
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
+    common::init_tracing();
     // Before anything is registered: a SIGTERM from now on is handled (records deleted).
     let stop = stop_signal();
     let args = Args::parse();
@@ -134,7 +134,7 @@ async fn main() -> ExitCode {
         .build()
         .await
     {
-        Ok(p) => Arc::new(p),
+        Ok(p) => p,
         Err(e) => {
             eprintln!("cannot bind or register {}: {}", args.bind, chain(&e));
             if let Some(close) = discovery {
@@ -148,40 +148,34 @@ async fn main() -> ExitCode {
             return ExitCode::from(if bad_argument { 2 } else { 3 });
         }
     };
-    let sink = Arc::new(EventPlaneSink::new(publisher.clone()));
-    let cancel = CancellationToken::new();
-    let pipeline = match args.engine.start(sink.clone(), &cancel) {
-        Ok(p) => p,
+    let endpoint = publisher.local_endpoint().unwrap_or_default().to_owned();
+    let registered = publisher.instance().map(|i| i.id.publisher_id());
+    // EngineListener → Processor → EventPlaneSink → this publisher.
+    let worker = match args
+        .engine
+        .start(|engine| Worker::builder(engine, publisher))
+    {
+        Ok(w) => w,
         Err(e) => {
             eprintln!("{e}");
             return ExitCode::from(2);
         }
     };
-    println!("{}", publisher.local_endpoint().unwrap_or_default());
+    println!("{endpoint}");
 
     stop.await;
-    cancel.cancel();
-    let listener_stats = pipeline.listener.await.unwrap_or_default();
-    let processor_stats = pipeline.processor.await.unwrap_or_default();
-    let messages = sink.messages();
-    drop(sink);
-    let publisher_stats = publisher.stats();
-    let registered = publisher.instance().map(|i| i.id.publisher_id());
-    match Arc::try_unwrap(publisher) {
-        // Drains, then deletes its records from discovery.
-        Ok(p) => p.shutdown().await,
-        Err(_) => eprintln!("publisher still shared at exit: its records expire with the lease"),
-    }
+    // Publishes what was queued, then drains the publisher and deletes its records.
+    let worker_stats = worker.shutdown().await;
     if let Some(close) = discovery {
         close().await;
     }
     let stats = serde_json::json!({
         "wire": args.wire.as_str(),
         "registered_publisher_id": registered,
-        "listener": listener_stats,
-        "processor": processor_stats,
-        "published_messages": messages,
-        "publisher": publisher_stats,
+        "listener": worker_stats.listener,
+        "processor": worker_stats.processor,
+        "published_messages": worker_stats.published_messages,
+        "publisher": worker_stats.publisher,
     });
     eprintln!("{stats}");
     ExitCode::SUCCESS

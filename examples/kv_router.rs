@@ -155,6 +155,7 @@ impl Router {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    common::init_tracing();
     let stop = stop_signal();
     let args = Args::parse();
     if args.endpoint.is_some() && !args.dynamo {

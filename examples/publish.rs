@@ -62,6 +62,7 @@ fn payload(seq: u64, size: usize) -> Bytes {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<std::process::ExitCode> {
+    common::init_tracing();
     let args = Args::parse();
     let publisher = match PubSocket::bind(&args.bind, Config::default()).await {
         Ok(p) => p,

@@ -107,6 +107,7 @@ async fn pump(mut sub: SubSocket, tx: mpsc::Sender<Result<Vec<Message>, Error>>)
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    common::init_tracing();
     let args = Args::parse();
     let topics: Vec<String> = if args.topic.is_empty() {
         vec![String::new()]

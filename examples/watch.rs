@@ -99,6 +99,7 @@ async fn etcd(_: &[String]) -> Result<Arc<dyn Discovery>, StartError> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    common::init_tracing();
     let args = Args::parse();
     let discovery = match discovery(&args).await {
         Ok(d) => d,
@@ -165,6 +166,15 @@ async fn main() -> ExitCode {
     let _ = out.flush();
     let stats = handle.stats();
     handle.shutdown().await;
+    if stats.total.dropped_malformed > 0 {
+        // Before the JSON line, which stays the last one.
+        eprintln!(
+            "hint: {} message(s) did not fit --layout {} and were dropped; a publisher \
+             sending another layout? (EventPublisher: topic-publisher-seq, engines: \
+             topic-seq, Dynamo workers: dynamo; --layout raw shows any message's frames)",
+            stats.total.dropped_malformed, args.layout
+        );
+    }
     match serde_json::to_string(&stats) {
         Ok(json) => eprintln!("{json}"),
         Err(e) => eprintln!("{{\"error\":{:?}}}", e.to_string()),

@@ -24,6 +24,9 @@
 //! Every arrow is bounded, and every place that can drop counts what it drops.
 //!
 //! ## What is here
+//! Start with the [`guide`]: a router and a worker process, start to finish, the
+//! bounds, and a tracing setup.
+//!
 //! - [`zmtp`]: a pure-Rust, bounded ZMTP 3.x implementation — a sans-IO codec and
 //!   session, and async [`SubSocket`](zmtp::SubSocket) / [`PubSocket`](zmtp::PubSocket)
 //!   over any byte stream. It interoperates with libzmq and zeromq-rs, and a forged
@@ -48,7 +51,8 @@
 //!   SSRF guard, [`RateLimitedWarn`](net::RateLimitedWarn).
 //! - [`kv`]: the KV-event model, the sans-IO coalescer, dedup filter and id stamping,
 //!   the processor loop, engine ingress (vLLM / SGLang msgpack batches) and the
-//!   event-plane sink with its router-side decoder, in our schema or Dynamo's.
+//!   event-plane sink with its router-side decoder, in our schema or Dynamo's, and
+//!   [`kv::Worker`], which wires engine → listener → processor → publisher.
 //!
 //! ## Next to Dynamo
 //! A router built on eventplane follows Dynamo ≥ 1.6 workers as they run, and an
@@ -73,8 +77,8 @@
 //! `DynamicSubscriber::recv`/`recv_many`, `DiscoveryStream::next`) is cancel-safe: state
 //! lives in the socket or stream, never in the future, so using them in `select!` loses
 //! nothing. `Drop` only signals tasks to stop; it never blocks or spawns. Long-running
-//! tasks (`EngineListener::run`, `Processor::run`, the subscriber) stop through a
-//! `CancellationToken` and report their final counters.
+//! parts (the subscriber, `EngineListener`, `Processor`, `kv::Worker`) take
+//! `.cancellation(&token)` ([`CancellationToken`]) and report their final counters.
 //!
 //! ## Tracing
 //! The crate logs through `tracing` and never installs a subscriber. Connections get a
@@ -88,6 +92,7 @@
 mod config;
 mod counter;
 pub mod discovery;
+pub mod guide;
 mod hash;
 pub mod kv;
 pub mod lossy;
@@ -102,9 +107,16 @@ pub mod zmtp;
 
 pub use config::ConfigError;
 
-/// The token every long-running part of the crate stops on (the subscriber's
-/// `cancellation`, the processor's `with_cancellation`, the engine listener's `run`),
-/// re-exported so applications need no `tokio-util` dependency of their own to build one.
+/// The token every long-running part of the crate stops on, re-exported so applications
+/// need no `tokio-util` dependency of their own to build one.
+///
+/// One style throughout: each long-running part takes `.cancellation(&token)` before it
+/// runs and stops when that token is cancelled, using a child of it (so stopping one
+/// part never cancels the caller's token); its handle's `cancel()` stops that part
+/// alone. The parts: [`DynamicSubscriberBuilder`](subscriber::DynamicSubscriberBuilder),
+/// [`EngineListener`](kv::EngineListener), [`Processor`](kv::Processor) and
+/// [`WorkerBuilder`](kv::WorkerBuilder). ([`Discovery::watch`](discovery::Discovery::watch)
+/// takes a token as an argument: it is the backend's side of the same contract.)
 ///
 /// ```
 /// use std::sync::Arc;

@@ -1,6 +1,42 @@
-//! `EventPublisher`: a `PubSocket` registered in discovery, sending
-//! `[topic, publisher_id u64be, sequence u64be, payload]` or Dynamo's frames
-//! ([`Wire`]).
+//! [`EventPublisher`]: a `PubSocket` registered in discovery, sending
+//! `[topic, publisher_id u64be, sequence u64be, payload]` (what a
+//! `DynamicSubscriber`'s default layout reads, so every gap is counted) or Dynamo's
+//! frames ([`Wire`]).
+//!
+//! The socket binds an OS-assigned port on `127.0.0.1` unless told otherwise
+//! ([`bind`](EventPublisherBuilder::bind), [`bind_host`](EventPublisherBuilder::bind_host)
+//! with [`advertise_host`](EventPublisherBuilder::advertise_host) to serve other
+//! machines); the registration lives as long as the publisher and is removed by
+//! [`shutdown`](EventPublisher::shutdown) after queued messages drained. Publishing
+//! never waits: each subscriber has a bounded send queue, and what does not fit is
+//! dropped and counted ([`PubStats`]). PUB/SUB keeps nothing for late joiners, so wait
+//! for the subscribers you expect, with a deadline.
+//!
+//! ```
+//! use std::{sync::Arc, time::Duration};
+//! use eventplane::discovery::{MemoryDiscovery, Query};
+//! use eventplane::publish::{EventPublisher, PublishError};
+//! use eventplane::subscriber::DynamicSubscriber;
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let discovery = Arc::new(MemoryDiscovery::new());
+//! let publisher = EventPublisher::builder(discovery.clone(), "prod", "worker", "kv-events")
+//!     .worker(7, 0) // optional: the worker identity routers see in discovery
+//!     .build()
+//!     .await?;
+//! // Nobody subscribed yet: waiting is bounded, and the error says what to check.
+//! let err = publisher.wait_for_subscribers_within(1, Duration::from_millis(50)).await.unwrap_err();
+//! assert!(matches!(err, PublishError::NoSubscribers { subscribed: 0, .. }));
+//!
+//! let mut router = DynamicSubscriber::builder(discovery, Query::new("prod")).topic("kv-events").spawn()?;
+//! publisher.wait_for_subscribers_within(1, Duration::from_secs(10)).await?;
+//! let report = publisher.publish(&b"router events"[..]);
+//! assert_eq!(report.dropped, 0);
+//! let delivery = router.recv().await.ok_or("router stopped")?;
+//! assert_eq!((delivery.sequence, delivery.payload().as_deref()), (Some(0), Some(&b"router events"[..])));
+//! publisher.shutdown().await; // drain, unregister, close
+//! # Ok(()) }
+//! ```
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -11,6 +47,7 @@ use bytes::Bytes;
 
 use crate::discovery::{
     ChannelId, Discovery, DiscoveryError, Instance, MAX_PUBLISHER_ID, Registration, Transport,
+    WorkerIdentity,
 };
 use crate::net::random_u64;
 use crate::wire::Wire;
@@ -99,6 +136,7 @@ pub struct EventPublisherBuilder {
     zmtp: zmtp::Config,
     linger: Duration,
     wire: Wire,
+    worker: Option<WorkerIdentity>,
 }
 
 impl EventPublisherBuilder {
@@ -148,6 +186,29 @@ impl EventPublisherBuilder {
         self
     }
 
+    /// The worker this publisher speaks for, registered with it (see
+    /// [`Discovery::register_with`]): every subscriber's [`Instance`] of this publisher
+    /// (a delivery's `source`, a `Connected` notice) carries it. Default: none. An
+    /// [`unregistered`](EventPublisher::unregistered) publisher refuses it.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::publish::PublishError> {
+    /// use std::sync::Arc;
+    /// use eventplane::discovery::{MemoryDiscovery, WorkerIdentity};
+    /// use eventplane::publish::EventPublisher;
+    /// let publisher = EventPublisher::builder(Arc::new(MemoryDiscovery::new()), "prod", "worker", "kv-events")
+    ///     .worker(7, 0)
+    ///     .build()
+    ///     .await?;
+    /// assert_eq!(publisher.instance().unwrap().worker, Some(WorkerIdentity::new(7, 0)));
+    /// # Ok(()) }
+    /// ```
+    pub fn worker(mut self, worker_id: u64, dp_rank: u32) -> Self {
+        self.worker = Some(WorkerIdentity::new(worker_id, dp_rank));
+        self
+    }
+
     /// Binds (by default on an OS-assigned port), picks a random publisher id and,
     /// unless built by [`EventPublisher::unregistered`], registers in discovery.
     pub async fn build(self) -> Result<EventPublisher, PublishError> {
@@ -161,6 +222,14 @@ impl EventPublisherBuilder {
             .unwrap_or_else(|| format!("tcp://{}:0", bracket(&self.bind_host)));
         if self.discovery.is_some() && (self.bind.is_none() || self.advertise_host.is_some()) {
             check_advertise_host(&advertise)?;
+        }
+        if self.discovery.is_none() && self.worker.is_some() {
+            return Err(PublishError::Register(DiscoveryError::InvalidConfig(
+                crate::ConfigError::Inconsistent {
+                    field: "worker",
+                    reason: "needs a registered publisher: an unregistered one has no record to carry it",
+                },
+            )));
         }
         let socket = PubSocket::bind(&bind, self.zmtp)
             .await
@@ -194,7 +263,7 @@ impl EventPublisherBuilder {
                 )
                 .map_err(PublishError::Register)?;
                 let registration = discovery
-                    .register(id, Transport::zmq(endpoint.clone()))
+                    .register_with(id, Transport::zmq(endpoint.clone()), self.worker)
                     .await
                     .map_err(PublishError::Register)?;
                 tracing::debug!(%endpoint, publisher_id, wire = %self.wire, "event publisher registered");
@@ -321,6 +390,7 @@ impl EventPublisher {
             zmtp: zmtp::Config::default(),
             linger: Duration::from_secs(1),
             wire: Wire::EventPlane,
+            worker: None,
         }
     }
 

@@ -340,10 +340,11 @@ fn stats_json(stderr: &[u8]) -> serde_json::Value {
     serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: last stderr line {last:?}"))
 }
 
-#[tokio::test]
-async fn watch_static_prints_deliveries_and_stats() {
+/// The `publish` CLI sending 20 × 3-byte `[topic, seq, payload]` once subscribed,
+/// and the endpoint it bound.
+async fn spawn_publish(topic: &str) -> (tokio::process::Child, String) {
     let mut publisher = Command::new(example("publish"))
-        .args(["--bind", "tcp://127.0.0.1:0", "--topic", "wt"])
+        .args(["--bind", "tcp://127.0.0.1:0", "--topic", topic])
         .args(["--count", "20", "--size", "3", "--linger-ms", "2000"])
         .stdout(Stdio::piped())
         .kill_on_drop(true)
@@ -351,6 +352,12 @@ async fn watch_static_prints_deliveries_and_stats() {
         .unwrap();
     let mut lines = BufReader::new(publisher.stdout.take().unwrap()).lines();
     let endpoint = within(lines.next_line()).await.unwrap().unwrap();
+    (publisher, endpoint)
+}
+
+#[tokio::test]
+async fn watch_static_prints_deliveries_and_stats() {
+    let (mut publisher, endpoint) = spawn_publish("wt").await;
     let out = within(
         Command::new(example("watch"))
             .args(["--static", &endpoint, "--namespace", "ns", "--topic", "wt"])
@@ -384,6 +391,37 @@ async fn watch_static_prints_deliveries_and_stats() {
     let stats = stats_json(&out.stderr);
     assert_eq!(stats["total"]["delivered"], 20, "{stats}");
     assert_eq!(stats["total"]["gaps"], 0, "{stats}");
+    within(publisher.wait()).await.unwrap();
+}
+
+#[tokio::test]
+async fn watch_on_another_layout_counts_malformed_and_says_why() {
+    // `publish` sends [topic, seq, payload]; watch's default layout expects our
+    // publisher's [topic, publisher_id, seq, payload].
+    let (mut publisher, endpoint) = spawn_publish("wl").await;
+    let out = within(
+        Command::new(example("watch"))
+            .args(["--static", &endpoint, "--namespace", "ns", "--topic", "wl"])
+            .args(["--count", "1", "--timeout-ms", "3000"])
+            .output(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.status.code(), Some(1), "nothing fits: it times out");
+    let stats = stats_json(&out.stderr);
+    let malformed = stats["total"]["dropped_malformed"].as_u64().unwrap();
+    assert!(malformed > 0, "{stats}");
+    assert_eq!(stats["total"]["malformed"]["frames"], malformed, "{stats}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("did not fit --layout topic-publisher-seq"),
+        "{stderr}"
+    );
+    // The library's own rate-limited warning (the examples log warnings by default).
+    assert!(
+        stderr.contains("do not fit the subscriber's layout"),
+        "{stderr}"
+    );
     within(publisher.wait()).await.unwrap();
 }
 

@@ -5,25 +5,11 @@
 
 mod support;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use eventplane::discovery::BoxFuture;
-use eventplane::kv::{
-    EngineListener, EngineListenerConfig, EventSink, Processor, ProcessorConfig, RouterEvent,
-    SinkError, WorkerId,
-};
-use support::{PyPeer, within};
+use eventplane::kv::{EngineListener, EngineListenerConfig, Processor, ProcessorConfig, WorkerId};
+use support::{CollectSink, PyPeer, within};
 use tokio_util::sync::CancellationToken;
-
-#[derive(Default)]
-struct Collect(Mutex<Vec<RouterEvent>>);
-
-impl EventSink for Collect {
-    fn publish<'a>(&'a self, events: &'a [RouterEvent]) -> BoxFuture<'a, Result<(), SinkError>> {
-        self.0.lock().unwrap().extend_from_slice(events);
-        Box::pin(async { Ok(()) })
-    }
-}
 
 #[tokio::test]
 async fn libzmq_engine_to_router_events() {
@@ -45,7 +31,7 @@ async fn libzmq_engine_to_router_events() {
         .unwrap()
         .to_owned();
 
-    let sink = Arc::new(Collect::default());
+    let sink = Arc::new(CollectSink::default());
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let listener = EngineListener::new(
         EngineListenerConfig::new(
@@ -59,7 +45,7 @@ async fn libzmq_engine_to_router_events() {
     .unwrap();
     let stats = listener.handle();
     let cancel = CancellationToken::new();
-    let listening = tokio::spawn(listener.run(cancel.clone()));
+    let listening = tokio::spawn(listener.cancellation(&cancel).run());
     let processing = tokio::spawn(
         Processor::new(ProcessorConfig::default(), rx, sink.clone())
             .unwrap()
@@ -109,7 +95,7 @@ async fn cancel_with_a_full_input_counts_what_it_discards() {
     .unwrap();
     let stats = listener.handle();
     let cancel = CancellationToken::new();
-    let listening = tokio::spawn(listener.run(cancel.clone()));
+    let listening = tokio::spawn(listener.cancellation(&cancel).run());
     within(engine.wait_for_subscribers(1)).await;
     let batch = |n: usize| encode_engine_batch(0.0, 0, 2, &vec![EngineEvent::Cleared; n]).unwrap();
     for (seq, n) in [(0u64, 1), (1, 3)] {

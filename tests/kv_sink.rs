@@ -14,7 +14,7 @@ use eventplane::kv::{
 };
 use eventplane::publish::EventPublisher;
 use eventplane::subscriber::{DynamicSubscriber, Layout};
-use proptest::prelude::*;
+use support::cases::cases;
 use support::within;
 
 fn router_event(id: u64, blocks: usize) -> RouterEvent {
@@ -31,23 +31,25 @@ fn router_event(id: u64, blocks: usize) -> RouterEvent {
     }
 }
 
-proptest! {
-    #[test]
-    fn splitting_respects_both_limits_and_keeps_everything(
-        sizes in proptest::collection::vec(0usize..400, 0..600),
-    ) {
-        let events: Vec<RouterEvent> =
-            sizes.iter().enumerate().map(|(i, &b)| router_event(i as u64, b)).collect();
+#[test]
+fn splitting_respects_both_limits_and_keeps_everything() {
+    cases(256, |rng| {
+        let sizes = rng.vec(0..600, |r| r.range(0..400));
+        let events: Vec<RouterEvent> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| router_event(i as u64, b))
+            .collect();
         let messages: Vec<&[RouterEvent]> = split_messages(&events, 128, 8192).collect();
         let mut joined = Vec::new();
         for m in &messages {
-            prop_assert!(!m.is_empty() && m.len() <= 128);
+            assert!(!m.is_empty() && m.len() <= 128);
             let blocks: usize = m.iter().map(|e| e.event.data.block_count()).sum();
-            prop_assert!(blocks <= 8192 || m.len() == 1);
+            assert!(blocks <= 8192 || m.len() == 1);
             joined.extend_from_slice(m);
         }
-        prop_assert_eq!(joined, events);
-    }
+        assert_eq!(joined, events);
+    });
 }
 
 #[test]

@@ -2,11 +2,13 @@
 //! target in `fuzz/`): never a panic, and buffered input stays within the bounds.
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)]
 
+mod support;
+
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use eventplane::zmtp::{Config, Session, SocketType};
-use proptest::prelude::*;
+use support::cases::cases;
 
 fn handshake() -> Vec<u8> {
     let mut g = vec![0u8; 64];
@@ -19,15 +21,14 @@ fn handshake() -> Vec<u8> {
     g
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(2000))]
-    #[test]
-    fn sessions_survive_random_input(
-        data in proptest::collection::vec(any::<u8>(), 0..4096),
-        chunk in 1usize..300,
-        after_handshake in any::<bool>(),
-        pub_role in any::<bool>(),
-    ) {
+#[test]
+fn sessions_survive_random_input() {
+    cases(2000, |rng| {
+        let len = rng.range(0..4096);
+        let data = rng.bytes(len);
+        let chunk = rng.range(1..300);
+        let after_handshake = rng.bool();
+        let pub_role = rng.bool();
         let config = Config::builder()
             .max_frame_size(1024)
             .max_message_size(2048)
@@ -35,7 +36,11 @@ proptest! {
             .heartbeat_interval(Some(Duration::from_secs(1)))
             .build()
             .unwrap();
-        let role = if pub_role { SocketType::Pub } else { SocketType::Sub };
+        let role = if pub_role {
+            SocketType::Pub
+        } else {
+            SocketType::Sub
+        };
         let mut now = Instant::now();
         let mut s = Session::new(role, &config, now);
         s.subscribe(Bytes::from_static(b""));
@@ -46,12 +51,12 @@ proptest! {
             s.handle_bytes(now, piece);
             while s.poll_transmit().is_some() {}
             while let Ok(Some(_)) = s.poll_event() {}
-            prop_assert!(s.input_buffer().len() <= 2048 + 9 + chunk);
+            assert!(s.input_buffer().len() <= 2048 + 9 + chunk);
             now += Duration::from_millis(300);
             let _ = s.handle_timeout(now);
             if s.is_failed() {
                 break;
             }
         }
-    }
+    });
 }

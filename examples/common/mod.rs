@@ -23,6 +23,28 @@ pub fn hex_line(m: &Message) -> String {
     line
 }
 
+/// Logs to stderr through `tracing`, filtered by `RUST_LOG` (`warn` when unset):
+/// a level (`debug`), or `target=level` pairs (`eventplane::subscriber=debug,warn`).
+/// The library only emits events; installing a subscriber is the application's job,
+/// as here. A `RUST_LOG` that does not parse is reported and the default used.
+pub fn init_tracing() {
+    use tracing_subscriber::filter::Targets;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let default = || Targets::new().with_default(tracing::Level::WARN);
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(spec) if !spec.trim().is_empty() => spec.parse().unwrap_or_else(|e| {
+            eprintln!("ignoring RUST_LOG={spec:?} ({e}); logging warnings");
+            default()
+        }),
+        _ => default(),
+    };
+    let _ = tracing_subscriber::registry()
+        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with(filter)
+        .try_init();
+}
+
 /// An error and its sources, `: `-separated.
 pub fn chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
@@ -95,12 +117,6 @@ pub struct EngineArgs {
     pub batch_timeout_ms: Option<u64>,
 }
 
-/// The running worker pipeline: `EngineListener → Processor → sink`.
-pub struct Pipeline {
-    pub listener: tokio::task::JoinHandle<eventplane::kv::EngineListenerStats>,
-    pub processor: tokio::task::JoinHandle<eventplane::kv::ProcessorStats>,
-}
-
 impl EngineArgs {
     /// Checks the engine-side arguments (before anything is started or registered).
     pub fn processor_config(&self) -> Result<eventplane::kv::ProcessorConfig, String> {
@@ -115,7 +131,8 @@ impl EngineArgs {
         Ok(config)
     }
 
-    fn listener_config(&self) -> eventplane::kv::EngineListenerConfig {
+    /// The engine side of a [`eventplane::kv::Worker`].
+    pub fn listener_config(&self) -> eventplane::kv::EngineListenerConfig {
         eventplane::kv::EngineListenerConfig::new(
             &self.connect,
             self.topic.clone(),
@@ -124,25 +141,17 @@ impl EngineArgs {
         )
     }
 
-    /// Validates the processor settings and starts the pipeline into `sink`; it stops
-    /// when `cancel` is cancelled.
+    /// Starts a worker (`EngineListener → Processor → sink`) from these arguments;
+    /// `builder` picks the sink (`Worker::builder` or `Worker::with_sink`).
     pub fn start(
         &self,
-        sink: std::sync::Arc<dyn eventplane::kv::EventSink>,
-        cancel: &tokio_util::sync::CancellationToken,
-    ) -> Result<Pipeline, String> {
-        use eventplane::kv::{EngineListener, Processor};
+        builder: impl FnOnce(eventplane::kv::EngineListenerConfig) -> eventplane::kv::WorkerBuilder,
+    ) -> Result<eventplane::kv::Worker, String> {
         let config = self.processor_config()?;
-        let (tx, rx) = tokio::sync::mpsc::channel(256);
-        let listener =
-            EngineListener::new(self.listener_config(), tx).map_err(|e| e.to_string())?;
-        let processor = Processor::new(config, rx, sink)
-            .map_err(|e| e.to_string())?
-            .with_cancellation(cancel.clone());
-        Ok(Pipeline {
-            listener: tokio::spawn(listener.run(cancel.clone())),
-            processor: tokio::spawn(processor.run()),
-        })
+        builder(self.listener_config())
+            .processor(config)
+            .spawn()
+            .map_err(|e| e.to_string())
     }
 }
 

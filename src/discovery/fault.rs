@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     BoxFuture, ChannelId, Discovery, DiscoveryError, DiscoveryEvent, DiscoveryStats,
-    DiscoveryStream, Instance, Query, Registration, Transport,
+    DiscoveryStream, Instance, Query, Registration, Transport, WorkerIdentity,
 };
 
 /// A [`Discovery`] wrapper that, on command from its [`FaultControl`], ends or fails
@@ -139,12 +139,13 @@ impl FaultControl {
 }
 
 impl Discovery for FaultDiscovery {
-    fn register(
+    fn register_with(
         &self,
         id: ChannelId,
         transport: Transport,
+        worker: Option<WorkerIdentity>,
     ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
-        self.inner.register(id, transport)
+        self.inner.register_with(id, transport, worker)
     }
 
     fn list(&self, query: Query) -> BoxFuture<'_, Result<Vec<Instance>, DiscoveryError>> {

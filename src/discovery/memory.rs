@@ -14,6 +14,7 @@ use super::watch::WatchBuffer;
 use super::{
     BoxFuture, ChannelId, Discovery, DiscoveryError, DiscoveryEvent, DiscoveryStats,
     DiscoveryStream, Instance, Query, Registration, RegistrationHandle, StaleFilter, Transport,
+    WorkerIdentity,
 };
 use crate::config::{self, ConfigError};
 
@@ -309,10 +310,16 @@ impl MemoryDiscovery {
         self.registry.read().get(id).map(|e| e.instance.clone())
     }
 
-    fn register_now(&self, id: ChannelId, transport: Transport) -> Registration {
+    fn register_now(
+        &self,
+        id: ChannelId,
+        transport: Transport,
+        worker: Option<WorkerIdentity>,
+    ) -> Registration {
         let mut st = self.registry.lock();
         st.next_incarnation += 1;
-        let instance = Instance::new(id.clone(), transport, st.next_incarnation);
+        let mut instance = Instance::new(id.clone(), transport, st.next_incarnation);
+        instance.worker = worker;
         st.insert(instance.clone());
         drop(st);
         tracing::debug!(%id, incarnation = instance.incarnation, "registered");
@@ -362,12 +369,13 @@ impl MemoryDiscovery {
 }
 
 impl Discovery for MemoryDiscovery {
-    fn register(
+    fn register_with(
         &self,
         id: ChannelId,
         transport: Transport,
+        worker: Option<WorkerIdentity>,
     ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
-        let registration = self.register_now(id, transport);
+        let registration = self.register_now(id, transport, worker);
         Box::pin(async move { Ok(registration) })
     }
 

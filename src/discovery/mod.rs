@@ -54,7 +54,9 @@ pub use etcd::{
 #[cfg_attr(docsrs, doc(cfg(feature = "test-support")))]
 pub use fault::{FaultControl, FaultDiscovery};
 pub use memory::{MemoryDiscovery, MemoryDiscoveryBuilder};
-pub use model::{ChannelId, DiscoveryEvent, Instance, MAX_PUBLISHER_ID, Query, Transport};
+pub use model::{
+    ChannelId, DiscoveryEvent, Instance, MAX_PUBLISHER_ID, Query, Transport, WorkerIdentity,
+};
 pub use static_::StaticDiscovery;
 pub use watch::StaleFilter;
 
@@ -85,11 +87,39 @@ pub trait Discovery: Send + Sync + fmt::Debug {
     /// alive (renewing its lease where the backend has one); dropping it signals the
     /// backend to remove it, [`Registration::unregister`] removes it and waits.
     /// Registering an id again replaces the earlier registration with a new
-    /// incarnation.
+    /// incarnation. The same as [`register_with`](Self::register_with) without a
+    /// worker identity.
     fn register(
         &self,
         id: ChannelId,
         transport: Transport,
+    ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
+        self.register_with(id, transport, None)
+    }
+
+    /// Registers `transport` under `id`, as [`register`](Self::register) does, with
+    /// the worker it publishes for: every [`Instance`] of this registration (listed or
+    /// watched, on any machine) carries `worker`. A backend must store it or refuse the
+    /// registration; it never drops it silently.
+    ///
+    /// ```
+    /// use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Query, Transport, WorkerIdentity};
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::discovery::DiscoveryError> {
+    /// let discovery = MemoryDiscovery::new();
+    /// let id = ChannelId::new("prod", "worker", "kv-events", 7)?;
+    /// let _registered = discovery
+    ///     .register_with(id, Transport::zmq("tcp://127.0.0.1:5555"), Some(WorkerIdentity::new(42, 0)))
+    ///     .await?;
+    /// let listed = discovery.list(Query::new("prod")).await?;
+    /// assert_eq!(listed[0].worker, Some(WorkerIdentity::new(42, 0)));
+    /// # Ok(()) }
+    /// ```
+    fn register_with(
+        &self,
+        id: ChannelId,
+        transport: Transport,
+        worker: Option<WorkerIdentity>,
     ) -> BoxFuture<'_, Result<Registration, DiscoveryError>>;
 
     /// The instances matching `query` now.

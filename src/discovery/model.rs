@@ -230,6 +230,10 @@ pub struct Instance {
     pub transport: Transport,
     /// Strictly increasing per id across re-registrations.
     pub incarnation: u64,
+    /// The worker whose events this publisher sends, when it registered one (see
+    /// [`Discovery::register_with`](super::Discovery::register_with)). A router maps
+    /// deliveries to workers with it instead of reading payloads.
+    pub worker: Option<WorkerIdentity>,
 }
 
 impl Instance {
@@ -239,7 +243,57 @@ impl Instance {
             id,
             transport,
             incarnation,
+            worker: None,
         }
+    }
+
+    /// The same instance, naming the worker it publishes for.
+    ///
+    /// ```
+    /// use eventplane::discovery::{ChannelId, Instance, Transport, WorkerIdentity};
+    /// let id = ChannelId::new("ns", "c", "t", 7)?;
+    /// let instance = Instance::new(id, Transport::zmq("tcp://127.0.0.1:5555"), 1)
+    ///     .with_worker(WorkerIdentity::new(42, 1));
+    /// assert_eq!(instance.worker.map(|w| (w.worker_id, w.dp_rank)), Some((42, 1)));
+    /// # Ok::<(), eventplane::discovery::DiscoveryError>(())
+    /// ```
+    #[must_use]
+    pub fn with_worker(mut self, worker: WorkerIdentity) -> Instance {
+        self.worker = Some(worker);
+        self
+    }
+}
+
+/// Which worker a publisher speaks for: the identity Dynamo's records carry
+/// (`worker_id`, `dp_rank`), travelling in the discovery record so that a router knows
+/// the worker of every delivery before decoding it.
+///
+/// ```
+/// use eventplane::discovery::WorkerIdentity;
+/// let w = WorkerIdentity::new(7, 0);
+/// assert_eq!((w.worker_id, w.dp_rank), (7, 0));
+/// assert_eq!(w.to_string(), "worker 7 rank 0");
+/// ```
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+pub struct WorkerIdentity {
+    /// The worker (Dynamo: the worker's instance id; `kv::WorkerId`'s value).
+    pub worker_id: u64,
+    /// Its data-parallel rank.
+    pub dp_rank: u32,
+}
+
+impl WorkerIdentity {
+    /// A worker identity.
+    pub fn new(worker_id: u64, dp_rank: u32) -> WorkerIdentity {
+        WorkerIdentity { worker_id, dp_rank }
+    }
+}
+
+impl fmt::Display for WorkerIdentity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "worker {} rank {}", self.worker_id, self.dp_rank)
     }
 }
 

@@ -8,7 +8,7 @@ use crate::ConfigError;
 
 use super::{
     BoxFuture, ChannelId, Discovery, DiscoveryError, DiscoveryEvent, DiscoveryStats,
-    DiscoveryStream, Instance, Query, Registration, Transport,
+    DiscoveryStream, Instance, Query, Registration, Transport, WorkerIdentity,
 };
 
 /// A fixed set of instances: for examples, tests and deployments whose publishers
@@ -88,10 +88,11 @@ impl StaticDiscovery {
 }
 
 impl Discovery for StaticDiscovery {
-    fn register(
+    fn register_with(
         &self,
         _id: ChannelId,
         _transport: Transport,
+        _worker: Option<WorkerIdentity>,
     ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
         Box::pin(async {
             Err(DiscoveryError::Unsupported {

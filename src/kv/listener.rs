@@ -174,6 +174,7 @@ struct Counters {
 #[derive(Debug, Clone)]
 pub struct EngineListenerHandle {
     counters: Arc<Counters>,
+    cancel: CancellationToken,
 }
 
 impl EngineListenerHandle {
@@ -191,6 +192,12 @@ impl EngineListenerHandle {
             discarded_events: l(&c.discarded_events),
             decoder: *c.decoder.lock().unwrap_or_else(|p| p.into_inner()),
         }
+    }
+
+    /// Asks the listener to stop (as cancelling the token given to
+    /// [`EngineListener::cancellation`] does).
+    pub fn cancel(&self) {
+        self.cancel.cancel();
     }
 }
 
@@ -213,7 +220,9 @@ impl EngineListenerHandle {
 ///     EngineListenerConfig::new("tcp://127.0.0.1:5557", "kv-events", WorkerId(1), 16),
 ///     tx,
 /// )?;
-/// tokio::spawn(listener.run(CancellationToken::new()));
+/// let stop = CancellationToken::new();
+/// tokio::spawn(listener.cancellation(&stop).run());
+/// // ... later: stop.cancel(), then let the processor drain on input close.
 /// # drop(rx); Ok(()) }
 /// ```
 #[derive(Debug)]
@@ -222,6 +231,7 @@ pub struct EngineListener {
     decoder: EngineDecoder,
     output: mpsc::Sender<Vec<PlacementEvent>>,
     counters: Arc<Counters>,
+    cancel: CancellationToken,
 }
 
 impl EngineListener {
@@ -237,18 +247,30 @@ impl EngineListener {
             decoder,
             output,
             counters: Arc::default(),
+            cancel: CancellationToken::new(),
         })
     }
 
-    /// A handle for stats.
+    /// Stop when `token` is cancelled (the listener uses a child of it). Default: a
+    /// token of its own, cancelled through [`EngineListenerHandle::cancel`]. Every
+    /// long-running part of the crate takes its token this way.
+    #[must_use]
+    pub fn cancellation(mut self, token: &CancellationToken) -> Self {
+        self.cancel = token.child_token();
+        self
+    }
+
+    /// A handle for stats and cancellation.
     pub fn handle(&self) -> EngineListenerHandle {
         EngineListenerHandle {
             counters: self.counters.clone(),
+            cancel: self.cancel.clone(),
         }
     }
 
-    /// Runs until `cancel` or until the processor's input closes.
-    pub async fn run(self, cancel: CancellationToken) -> EngineListenerStats {
+    /// Runs until cancelled or until the processor's input closes.
+    pub async fn run(self) -> EngineListenerStats {
+        let cancel = self.cancel.clone();
         let mut decoder = self.decoder.clone();
         let mut backoff = Backoff::checked(self.config.reconnect_min, self.config.reconnect_max);
         let warn = RateLimitedWarn::default();

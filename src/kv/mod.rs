@@ -1,6 +1,7 @@
 //! KV events: the model, and the sans-IO stages that turn engine events into router
 //! events — [`Coalescer`], [`DedupFilter`] and dense id stamping, composed by
-//! [`Pipeline`].
+//! [`Pipeline`] — with the async parts around them ([`EngineListener`], [`Processor`],
+//! [`EventPlaneSink`]) and [`Worker`], which wires those into one worker process.
 //!
 //! ```
 //! use eventplane::kv::{BlockHash, KvEvent, KvEventData, Pipeline, Placement, PlacementEvent, StorageTier, WorkerId};
@@ -26,6 +27,7 @@ mod listener;
 mod pipeline;
 mod processor;
 mod sink;
+mod worker;
 
 pub use coalesce::{Coalescer, DEFAULT_MAX_BATCH_BLOCKS};
 pub use dedup::{DEFAULT_MAX_TRACKED_HASHES, DEFAULT_MAX_TRACKED_RANKS, DedupFilter, DedupMode};
@@ -51,6 +53,7 @@ pub use sink::{
     EventPlaneSink, MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, decode_router_events,
     decode_router_payload, encode_router_events, encode_router_payload, split_messages,
 };
+pub use worker::{DEFAULT_WORKER_QUEUE, Worker, WorkerBuilder, WorkerStats};
 
 #[cfg(test)]
 mod tests;

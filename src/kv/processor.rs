@@ -403,10 +403,13 @@ impl Processor {
         self
     }
 
-    /// Stops when `token` is cancelled (and cancels it when fencing).
+    /// Stop when `token` is cancelled (the processor uses a child of it, which a fence
+    /// cancels). Default: a token of its own, cancelled through
+    /// [`ProcessorHandle::cancel`]. Every long-running part of the crate takes its
+    /// token this way.
     #[must_use]
-    pub fn with_cancellation(mut self, token: CancellationToken) -> Processor {
-        self.cancel = token;
+    pub fn cancellation(mut self, token: &CancellationToken) -> Processor {
+        self.cancel = token.child_token();
         self
     }
 

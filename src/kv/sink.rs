@@ -184,6 +184,11 @@ impl EventPlaneSink {
     pub fn publisher(&self) -> &Arc<EventPublisher> {
         &self.publisher
     }
+
+    /// The publisher back (for [`EventPublisher::shutdown`] once no one else holds it).
+    pub fn into_publisher(self) -> Arc<EventPublisher> {
+        self.publisher
+    }
 }
 
 impl EventSink for EventPlaneSink {

@@ -363,6 +363,7 @@ async fn connect_and_read(
         shared.notices.push(Notice::Connected(instance));
     }
     let drop_key = format!("drop:{endpoint}");
+    let malformed_key = format!("malformed:{endpoint}");
     // Created once: a publisher that keeps sending after it left discovery is cut
     // `DRAIN_GRACE` after the removal, not kept alive batch after batch.
     let deadline = drain_deadline(drain);
@@ -384,7 +385,21 @@ async fn connect_and_read(
             }) => Some(r),
             () = &mut deadline => None,
         };
-        let dropped = filing.flush();
+        let (dropped, malformed) = filing.flush();
+        if malformed.total() > 0 {
+            if let Some(suppressed) = shared.warn.check(&malformed_key, Instant::now()) {
+                tracing::warn!(
+                    %endpoint,
+                    layout = ?config.layout,
+                    malformed = malformed.total(),
+                    wrong_frames = malformed.frames,
+                    earlier_malformed_events = suppressed,
+                    "messages do not fit the subscriber's layout and are dropped (counted in \
+                     stats): does this publisher send another layout? EventPublisher sends \
+                     TopicPublisherSeq (the default), engines TopicSeq, Dynamo's workers Dynamo"
+                );
+            }
+        }
         if dropped > 0 {
             if let Some(suppressed) = shared.warn.check(&drop_key, Instant::now()) {
                 tracing::warn!(
@@ -481,8 +496,9 @@ impl<'a> Filing<'a> {
         }
     }
 
-    /// Counts what was filed and pushes it into the lane; returns the lane's drops.
-    fn flush(mut self) -> usize {
+    /// Counts what was filed and pushes it into the lane; returns the lane's drops
+    /// and the messages the layout refused.
+    fn flush(mut self) -> (usize, MalformedStats) {
         let counters = &self.cell.counters;
         Counters::add(&counters.received, std::mem::take(&mut self.received));
         Counters::add(&counters.bytes, std::mem::take(&mut self.bytes));
@@ -493,9 +509,9 @@ impl<'a> Filing<'a> {
             counters.malformed_by_reason.add(&malformed);
         }
         if self.out.is_empty() {
-            return 0;
+            return (0, malformed);
         }
-        self.cell.lane.push_many(self.out)
+        (self.cell.lane.push_many(self.out), malformed)
     }
 }
 

@@ -1,5 +1,5 @@
 //! The conformance suite passes for `MemoryDiscovery` and is strong enough to fail
-//! backends that break the watch contract: four deliberately broken toy backends each
+//! backends that break the contract: five deliberately broken toy backends each
 //! fail the check for the rule they break.
 #![allow(clippy::unwrap_used, clippy::panic, missing_docs)]
 
@@ -10,7 +10,7 @@ use std::time::Duration;
 use eventplane::discovery::conformance::{self, ConformanceFailure, Settings};
 use eventplane::discovery::{
     BoxFuture, ChannelId, Discovery, DiscoveryError, DiscoveryEvent, DiscoveryStream,
-    FaultDiscovery, Instance, MemoryDiscovery, Query, Registration, Transport,
+    FaultDiscovery, Instance, MemoryDiscovery, Query, Registration, Transport, WorkerIdentity,
 };
 use futures_util::StreamExt;
 use tokio_util::sync::CancellationToken;
@@ -64,15 +64,24 @@ enum Broken {
     StaleRemoval,
     /// Ends the stream when its buffer overflows instead of resyncing.
     DisconnectOnOverflow,
+    /// Stores registrations without the worker identity they were given.
+    ForgetsWorker,
 }
 
 impl Discovery for Toy {
-    fn register(
+    fn register_with(
         &self,
         id: ChannelId,
         transport: Transport,
+        worker: Option<WorkerIdentity>,
     ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
-        self.inner.register(id, transport)
+        // The fifth toy keeps the endpoint and forgets whose worker it is.
+        let worker = if matches!(self.kind, Broken::ForgetsWorker) {
+            None
+        } else {
+            worker
+        };
+        self.inner.register_with(id, transport, worker)
     }
 
     fn list(&self, query: Query) -> BoxFuture<'_, Result<Vec<Instance>, DiscoveryError>> {
@@ -143,6 +152,7 @@ impl Discovery for Toy {
                         std::future::ready(resyncs <= 1)
                     })))
                 }
+                Broken::ForgetsWorker => self.inner.watch(query, cancel).await,
             }
         })
     }
@@ -204,6 +214,16 @@ async fn suite_catches_disconnect_on_overflow() {
     let failures = failures_of(Broken::DisconnectOnOverflow).await;
     assert!(
         failed_checks(&failures).contains(&"overflow_collapses_into_resync"),
+        "{failures:#?}"
+    );
+}
+
+#[tokio::test]
+async fn suite_catches_a_forgotten_worker_identity() {
+    let failures = failures_of(Broken::ForgetsWorker).await;
+    assert_eq!(
+        failed_checks(&failures),
+        vec!["worker_identity"],
         "{failures:#?}"
     );
 }

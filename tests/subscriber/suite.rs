@@ -176,10 +176,11 @@ struct Scripted {
 }
 
 impl Discovery for Scripted {
-    fn register(
+    fn register_with(
         &self,
         _: ChannelId,
         _: Transport,
+        _: Option<eventplane::discovery::WorkerIdentity>,
     ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
         Box::pin(async {
             Err(DiscoveryError::Unsupported {

@@ -8,6 +8,7 @@
     clippy::panic
 )]
 
+pub mod cases;
 pub mod etcd;
 
 use std::path::PathBuf;
@@ -25,8 +26,16 @@ pub const PYTHON: &str = "/usr/bin/python3";
 /// hanging CI. Not a timing assertion.
 pub const DEADLINE: Duration = Duration::from_secs(30);
 
+/// This folder, from the library's tests and from the benches crate's (which include
+/// this module by path from `benches/tests/`).
 pub fn support_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/support")
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let here = manifest.join("tests/support");
+    if here.join("mod.rs").exists() {
+        here
+    } else {
+        manifest.join("../tests/support")
+    }
 }
 
 /// A ZMTP greeting with the given version and mechanism, as a peer would send it.
@@ -361,4 +370,18 @@ pub fn dynamo_capture() -> serde_json::Value {
     ))
     .unwrap();
     serde_json::from_str(&text).unwrap()
+}
+
+/// An `EventSink` that keeps every router event it is given.
+#[derive(Default)]
+pub struct CollectSink(pub std::sync::Mutex<Vec<eventplane::kv::RouterEvent>>);
+
+impl eventplane::kv::EventSink for CollectSink {
+    fn publish<'a>(
+        &'a self,
+        events: &'a [eventplane::kv::RouterEvent],
+    ) -> eventplane::BoxFuture<'a, Result<(), eventplane::kv::SinkError>> {
+        self.0.lock().unwrap().extend_from_slice(events);
+        Box::pin(async { Ok(()) })
+    }
 }

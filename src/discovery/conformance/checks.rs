@@ -11,7 +11,9 @@ use super::harness::{
 };
 use super::mirror::{Mirror, view};
 use super::{CheckResult, Settings, fail};
-use crate::discovery::{ChannelId, Discovery, DiscoveryEvent, DiscoveryStream, Instance, Query};
+use crate::discovery::{
+    ChannelId, Discovery, DiscoveryEvent, DiscoveryStream, Instance, Query, WorkerIdentity,
+};
 
 /// Rule 2: one `Added` per matching instance, then exactly one `Resync` with them.
 ///
@@ -380,6 +382,54 @@ pub async fn check_register_list_unregister(d: &dyn Discovery, settings: &Settin
         || async { Ok(list(C, d, q.clone()).await?.is_empty()) },
     )
     .await
+}
+
+/// A registration's worker identity reaches every reader: the returned instance, `list`
+/// and a watch's `Added` all carry it; a registration without one carries none.
+///
+/// ```
+/// use eventplane::discovery::MemoryDiscovery;
+/// use eventplane::discovery::conformance::{check_worker_identity, Settings};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::discovery::conformance::ConformanceFailure> {
+/// check_worker_identity(&MemoryDiscovery::new(), &Settings::default()).await?;
+/// # Ok(()) }
+/// ```
+pub async fn check_worker_identity(d: &dyn Discovery, settings: &Settings) -> CheckResult {
+    const C: &str = "worker_identity";
+    let ns = namespace(C);
+    let worker = WorkerIdentity::new(0x1_0000_0001, 3);
+    let mut s = watch(C, d, Query::new(&ns), CancellationToken::new()).await?;
+    initial_sync(C, &mut s, settings).await?;
+    let a = d
+        .register_with(id(&ns, "c", "t", 1), endpoint(1), Some(worker))
+        .await
+        .map_err(|e| fail(C, format!("register_with failed: {e}")))?;
+    if a.instance().worker != Some(worker) {
+        return Err(fail(C, format!("registered as {:?}", a.instance())));
+    }
+    match next_event(C, &mut s, settings.deadline).await? {
+        DiscoveryEvent::Added(i) if i.worker == Some(worker) && i == *a.instance() => {}
+        other => {
+            return Err(fail(
+                C,
+                format!("expected Added with {worker}, got {other:?}"),
+            ));
+        }
+    }
+    let b = register(C, d, id(&ns, "c", "t", 2), 2).await?;
+    let listed = list(C, d, Query::new(&ns)).await?;
+    let workers: Vec<Option<WorkerIdentity>> = listed.iter().map(|i| i.worker).collect();
+    let expected = if listed.first().map(|i| &i.id) == Some(&a.instance().id) {
+        vec![Some(worker), None]
+    } else {
+        vec![None, Some(worker)]
+    };
+    if workers != expected {
+        return Err(fail(C, format!("list returned {listed:?}")));
+    }
+    unregister(C, a).await?;
+    unregister(C, b).await
 }
 
 /// Incarnations strictly increase across re-registrations; a re-registration with a

@@ -50,6 +50,11 @@ pub struct Settings {
     pub deadline: Duration,
     /// How long to watch for spurious events after the initial sync. Default 200 ms.
     pub quiet: Duration,
+    /// Whether readers return a registration's worker identity
+    /// ([`check_worker_identity`]). Default `true`; `false` only for a backend that
+    /// documents otherwise (etcd with Dynamo's records writes the identity into
+    /// Dynamo's `event_sources` record, which its reader does not join).
+    pub worker_identity: bool,
 }
 
 impl Default for Settings {
@@ -59,6 +64,7 @@ impl Default for Settings {
             ttl: None,
             deadline: Duration::from_secs(10),
             quiet: Duration::from_millis(200),
+            worker_identity: true,
         }
     }
 }
@@ -79,6 +85,12 @@ impl Settings {
     /// With a different churn count for the overflow check.
     pub fn with_overflow_churn(mut self, churn: usize) -> Self {
         self.overflow_churn = churn;
+        self
+    }
+
+    /// Without the worker-identity check (see [`Settings::worker_identity`]).
+    pub fn without_worker_identity(mut self) -> Self {
+        self.worker_identity = false;
         self
     }
 }
@@ -154,6 +166,9 @@ where
     run!(check_cancel_and_drop_release_watch);
     run!(check_register_list_unregister);
     run!(check_reregister_incarnations);
+    if settings.worker_identity {
+        run!(check_worker_identity);
+    }
     run!(check_exact_query_matching);
     if settings.ttl.is_some() {
         run!(check_ttl_expiry);
@@ -170,5 +185,6 @@ pub use checks::{
     check_incremental_changes, check_initial_sync, check_no_gap_between_snapshot_and_watch,
     check_overflow_collapses_into_resync, check_register_list_unregister,
     check_reregister_incarnations, check_stale_removal_suppressed, check_ttl_expiry,
+    check_worker_identity,
 };
 pub use mirror::Mirror;

@@ -13,20 +13,21 @@ use super::{EtcdDiscovery, Handle, watch};
 use crate::BoxFuture;
 use crate::discovery::{
     ChannelId, Discovery, DiscoveryError, DiscoveryStats, DiscoveryStream, Instance, Query,
-    Registration, RegistrationHandle, Transport,
+    Registration, RegistrationHandle, Transport, WorkerIdentity,
 };
 
 impl Discovery for EtcdDiscovery {
-    fn register(
+    fn register_with(
         &self,
         id: ChannelId,
         transport: Transport,
+        worker: Option<WorkerIdentity>,
     ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
         Box::pin(async move {
             if self.handle.shared.shutdown.is_cancelled() {
                 return Err(DiscoveryError::Closed);
             }
-            let (instance, serial) = self.handle.shared.register(id, transport).await?;
+            let (instance, serial) = self.handle.shared.register(id, transport, worker).await?;
             let guard = EtcdRegistration {
                 handle: Arc::clone(&self.handle),
                 id: instance.id.clone(),

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use super::dynamo::DynamoRecords;
 use super::error::RecordError;
 use crate::discovery::model::encode_segment;
-use crate::discovery::{ChannelId, DiscoveryError, Instance, Query, Transport};
+use crate::discovery::{ChannelId, DiscoveryError, Instance, Query, Transport, WorkerIdentity};
 
 /// Which records an [`EtcdDiscovery`](super::EtcdDiscovery) reads and writes.
 ///
@@ -32,7 +32,9 @@ pub enum RecordFormat {
     #[default]
     EventPlane,
     /// Dynamo's `v1/event_channels/…` (+ `v1/event_sources/…` when registering); the
-    /// prefix setting does not apply (Dynamo's keys have none).
+    /// prefix setting does not apply (Dynamo's keys have none). A registration's
+    /// worker identity goes into its `event_sources` record; instances read back carry
+    /// none, because the reader follows `event_channels` only.
     Dynamo(DynamoRecords),
 }
 
@@ -42,6 +44,9 @@ struct Record<'a> {
     id: RecordId<'a>,
     #[serde(borrow)]
     transport: RecordTransport<'a>,
+    /// The worker the publisher speaks for; absent when it registered none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    worker: Option<WorkerIdentity>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -105,14 +110,25 @@ impl Keys {
         &self,
         id: &ChannelId,
         transport: &Transport,
+        worker: Option<WorkerIdentity>,
     ) -> Result<Entry, DiscoveryError> {
         match &self.dynamo {
             None => Ok(Entry {
                 key: format!("{}{}", self.root, id.to_path()),
-                value: encode_value(id, transport),
+                value: encode_value(id, transport, worker),
                 companion: None,
             }),
             Some(d) => {
+                // A registration's own worker goes into Dynamo's `event_sources`
+                // record, in place of the one the format was configured with.
+                let with_worker;
+                let d = match worker {
+                    Some(w) => {
+                        with_worker = d.clone().worker(w.worker_id, w.dp_rank);
+                        &with_worker
+                    }
+                    None => d,
+                };
                 if let Some(e) = d.registration_error() {
                     return Err(e);
                 }
@@ -222,16 +238,18 @@ impl Keys {
         if record.transport.endpoint.is_empty() {
             return Err(RecordError::BadValue("empty endpoint".to_owned()));
         }
-        Ok(Some(Instance::new(
+        let mut instance = Instance::new(
             id,
             Transport::zmq(record.transport.endpoint.into_owned()),
             incarnation,
-        )))
+        );
+        instance.worker = record.worker;
+        Ok(Some(instance))
     }
 }
 
 /// The JSON value for a registration in our format.
-fn encode_value(id: &ChannelId, transport: &Transport) -> String {
+fn encode_value(id: &ChannelId, transport: &Transport, worker: Option<WorkerIdentity>) -> String {
     let (kind, endpoint) = match transport {
         Transport::Zmq { endpoint } => ("zmq", endpoint.as_str()),
     };
@@ -246,6 +264,7 @@ fn encode_value(id: &ChannelId, transport: &Transport) -> String {
             kind: Cow::Borrowed(kind),
             endpoint: Cow::Borrowed(endpoint),
         },
+        worker,
     };
     // Serializing strings and integers into a String cannot fail.
     serde_json::to_string(&record).unwrap_or_default()
@@ -278,13 +297,13 @@ mod tests {
     #[test]
     fn encodes_the_documented_format() {
         let id = ChannelId::new("ns", "c", "t", 42).unwrap();
-        let value = encode_value(&id, &Transport::zmq("tcp://10.0.0.5:41234"));
+        let value = encode_value(&id, &Transport::zmq("tcp://10.0.0.5:41234"), None);
         assert_eq!(
             value,
             r#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":42},"transport":{"kind":"zmq","endpoint":"tcp://10.0.0.5:41234"}}"#
         );
         let entry = keys()
-            .entry(&id, &Transport::zmq("tcp://10.0.0.5:41234"))
+            .entry(&id, &Transport::zmq("tcp://10.0.0.5:41234"), None)
             .unwrap();
         assert_eq!(entry.key, "/eventplane/v1/channels/ns/c/t/2a");
         assert_eq!(
@@ -298,6 +317,83 @@ mod tests {
             back,
             Some(Instance::new(id, Transport::zmq("tcp://10.0.0.5:41234"), 7))
         );
+    }
+
+    #[test]
+    fn the_worker_identity_travels_in_the_record() {
+        let id = ChannelId::new("ns", "c", "t", 42).unwrap();
+        let transport = Transport::zmq("tcp://10.0.0.5:41234");
+        let entry = keys()
+            .entry(&id, &transport, Some(WorkerIdentity::new(7, 2)))
+            .unwrap();
+        assert!(
+            entry
+                .value
+                .ends_with(r#","worker":{"worker_id":7,"dp_rank":2}}"#),
+            "{}",
+            entry.value
+        );
+        let back = keys()
+            .parse(entry.key.as_bytes(), entry.value.as_bytes(), 9, MAX)
+            .unwrap()
+            .unwrap();
+        assert_eq!(back.worker, Some(WorkerIdentity::new(7, 2)));
+        assert_eq!(
+            back,
+            Instance::new(id, transport, 9).with_worker(WorkerIdentity::new(7, 2))
+        );
+        // A record without one (every earlier writer) parses with none.
+        let plain = br#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":1},"transport":{"kind":"zmq","endpoint":"tcp://h:1"}}"#;
+        let i = keys()
+            .parse(b"/eventplane/v1/channels/ns/c/t/1", plain, 3, MAX)
+            .unwrap()
+            .unwrap();
+        assert_eq!(i.worker, None);
+    }
+
+    #[test]
+    fn a_registrations_worker_goes_into_dynamos_event_source() {
+        let format = RecordFormat::Dynamo(DynamoRecords::new().endpoint("generate").worker(1, 0));
+        let keys = Keys::new("/eventplane", &format);
+        let id = ChannelId::new("ns", "c", "t", 42).unwrap();
+        let transport = Transport::zmq("tcp://10.0.0.5:41234");
+        let source = |worker| {
+            let entry = keys.entry(&id, &transport, worker).unwrap();
+            entry.companion.unwrap().1
+        };
+        assert!(source(None).contains(r#""worker":{"worker_id":1,"dp_rank":0}"#));
+        assert!(
+            source(Some(WorkerIdentity::new(77, 3)))
+                .contains(r#""worker":{"worker_id":77,"dp_rank":3}"#)
+        );
+        // Without a configured worker, the registration's own is enough.
+        let keys = Keys::new(
+            "/eventplane",
+            &RecordFormat::Dynamo(DynamoRecords::new().endpoint("generate")),
+        );
+        assert!(keys.entry(&id, &transport, None).is_err());
+        assert!(
+            keys.entry(&id, &transport, Some(WorkerIdentity::new(5, 0)))
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn a_malformed_worker_identity_is_a_bad_value() {
+        let key = b"/eventplane/v1/channels/ns/c/t/1";
+        for worker in [
+            r#""seven""#,
+            r#"{"worker_id":-1,"dp_rank":0}"#,
+            r#"{"worker_id":1,"dp_rank":4294967296}"#,
+            r#"{"worker_id":18446744073709551616,"dp_rank":0}"#,
+            r#"{"dp_rank":0}"#,
+        ] {
+            let value = format!(
+                r#"{{"id":{{"namespace":"ns","component":"c","topic":"t","publisher_id":1}},"transport":{{"kind":"zmq","endpoint":"tcp://h:1"}},"worker":{worker}}}"#
+            );
+            let err = keys().parse(key, value.as_bytes(), 3, MAX).unwrap_err();
+            assert!(matches!(err, RecordError::BadValue(_)), "{worker}: {err:?}");
+        }
     }
 
     #[test]

@@ -12,7 +12,7 @@ use super::error::{EtcdRequestError, is_lease_not_found, unavailable};
 use super::record::Entry;
 use super::shared::Shared;
 use super::table::{LocalReg, PendingKind, PendingOp, Session};
-use crate::discovery::{ChannelId, DiscoveryError, Instance, Transport};
+use crate::discovery::{ChannelId, DiscoveryError, Instance, Transport, WorkerIdentity};
 
 /// Hands its op to the session task if dropped before [`disarm`](Self::disarm): how a
 /// request whose future may be dropped part-way (or that failed without telling
@@ -117,12 +117,13 @@ impl Shared {
         self: &Arc<Self>,
         id: ChannelId,
         transport: Transport,
+        worker: Option<WorkerIdentity>,
     ) -> Result<(Instance, u64), DiscoveryError> {
         let Entry {
             key,
             value,
             companion,
-        } = self.keys.entry(&id, &transport)?;
+        } = self.keys.entry(&id, &transport, worker)?;
         let mut session = self.session.lock().await;
         if self.shutdown.is_cancelled() {
             // `close` revoked the lease while this waited: do not grant a new one.
@@ -162,7 +163,9 @@ impl Shared {
             .store(session.regs.len(), Ordering::Relaxed);
         let incarnation = u64::try_from(revision).unwrap_or_default();
         debug!(%id, incarnation, "registered in etcd");
-        Ok((Instance::new(id, transport, incarnation), serial))
+        let mut instance = Instance::new(id, transport, incarnation);
+        instance.worker = worker;
+        Ok((instance, serial))
     }
 
     /// Puts a new registration's key under `lease`. Until the caller disarms the

@@ -3,6 +3,7 @@
 //! must never PING it.
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)]
 
+#[path = "../../tests/support/mod.rs"]
 mod support;
 
 use std::time::Duration;

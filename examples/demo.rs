@@ -5,8 +5,9 @@
 //! ```
 //! - N simulated inference engines publish real msgpack KV event batches (vLLM's
 //!   tagged-array layout, with prefixes shared across engines) on ZMQ PUB sockets.
-//! - Each engine has a worker pipeline: `EngineListener → Processor → EventPlaneSink →
-//!   EventPublisher`, registered in a `MemoryDiscovery`.
+//! - Each engine has a worker pipeline, a `kv::Worker` (`EngineListener → Processor →
+//!   EventPlaneSink → EventPublisher`), its publisher registered in a `MemoryDiscovery`
+//!   with the worker's identity.
 //! - A router `DynamicSubscriber` discovers every worker's publisher, merges their
 //!   streams, and decodes the router events into a small block index.
 //! - Halfway through, one engine leaves and a new one joins: discovery-driven fan-in.
@@ -26,10 +27,9 @@ use clap::Parser;
 use eventplane::BoxFuture;
 use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
 use eventplane::kv::{
-    EngineEvent, EngineListener, EngineListenerConfig, EngineListenerHandle, EngineListenerStats,
-    EventPlaneSink, EventSink, MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, Processor,
-    ProcessorConfig, ProcessorStats, RouterEvent, SinkError, WorkerId, decode_router_events,
-    encode_engine_batch, split_messages,
+    EngineEvent, EngineListenerConfig, EngineListenerStats, EventPlaneSink, EventSink,
+    MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, ProcessorConfig, RouterEvent, SinkError,
+    Worker, WorkerId, decode_router_events, encode_engine_batch, split_messages,
 };
 use eventplane::publish::EventPublisher;
 use eventplane::subscriber::{DynamicSubscriber, Layout};
@@ -66,13 +66,11 @@ fn prefix_hash(prefix: u64, depth: u64) -> u64 {
 struct Engine {
     id: u64,
     stop: CancellationToken,
-    listener_stop: CancellationToken,
     engine_pub: Arc<PubSocket>,
     generator: tokio::task::JoinHandle<u64>,
     publisher: Arc<EventPublisher>,
-    listener: EngineListenerHandle,
-    listener_task: tokio::task::JoinHandle<EngineListenerStats>,
-    processor_task: tokio::task::JoinHandle<ProcessorStats>,
+    /// `EngineListener → Processor → LedgerSink → publisher`.
+    worker: Worker,
 }
 
 /// Which event-plane message carried how many router events: recorded when a worker
@@ -193,29 +191,22 @@ async fn start_engine(
     // The worker pipeline for this engine.
     let publisher = Arc::new(
         EventPublisher::builder(discovery, NAMESPACE, "worker", "kv-events")
+            .worker(id, 0)
             .build()
             .await?,
     );
-    let listener_stop = CancellationToken::new();
-    let (tx, rx) = tokio::sync::mpsc::channel(256);
-    let listener = EngineListener::new(
+    // A sink of our own (the ledger's), so `Worker::with_sink`; a worker that only
+    // publishes uses `Worker::builder(engine, publisher)`.
+    let worker = Worker::with_sink(
         EngineListenerConfig::new(endpoint, ENGINE_TOPIC, WorkerId(id), BLOCK_SIZE),
-        tx,
-    )?;
-    let listener_handle = listener.handle();
-    let processor = Processor::new(
-        ProcessorConfig::default().batch_timeout(Some(Duration::from_millis(10))),
-        rx,
         Arc::new(LedgerSink {
             inner: EventPlaneSink::new(publisher.clone()),
             publisher: publisher.clone(),
             ledger,
         }),
-    )?;
-    // The processor stops when its input closes (once the listener stopped), after
-    // draining everything queued.
-    let listener_task = tokio::spawn(listener.cancellation(&listener_stop).run());
-    let processor_task = tokio::spawn(processor.run());
+    )
+    .processor(ProcessorConfig::default().batch_timeout(Some(Duration::from_millis(10))))
+    .spawn()?;
 
     // PUB/SUB has no memory for late joiners: start the engine once the router has
     // subscribed to this worker's publisher, so the final table can add up exactly.
@@ -238,13 +229,10 @@ async fn start_engine(
     Ok(Engine {
         id,
         stop,
-        listener_stop,
         engine_pub,
         generator,
         publisher,
-        listener: listener_handle,
-        listener_task,
-        processor_task,
+        worker,
     })
 }
 
@@ -366,11 +354,11 @@ impl Engine {
                 + s.malformed_messages
                 + engine_dropped.max(s.seq_gap_batches)
         };
-        wait_while_progressing(|| batches.saturating_sub(settled(self.listener.stats()))).await;
-        // Stop the listener first; the processor drains its input, then stops.
-        self.listener_stop.cancel();
-        let listened = self.listener_task.await.unwrap_or_default();
-        let processed = self.processor_task.await.unwrap_or_default();
+        wait_while_progressing(|| batches.saturating_sub(settled(self.worker.stats().listener)))
+            .await;
+        // The listener stops first; the processor publishes what was queued, then stops.
+        let stats = self.worker.shutdown().await;
+        let (listened, processed) = (stats.listener, stats.processor);
         let publisher_id = self.publisher.publisher_id();
         wait_while_progressing(|| ledger.missing_from(publisher_id)).await;
         let publisher_dropped = self.publisher.stats().dropped;

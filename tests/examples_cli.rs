@@ -450,6 +450,47 @@ async fn watch_times_out_with_exit_1_and_still_prints_stats() {
     assert_eq!(stats_json(&out.stderr)["total"]["delivered"], 0);
 }
 
+#[tokio::test]
+async fn the_examples_log_warnings_by_default_and_honour_rust_log() {
+    // A publisher that refuses connections: the subscriber warns (rate-limited).
+    let (_held, port) = support::refusing_port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let args = [
+        "--static",
+        &endpoint,
+        "--namespace",
+        "ns",
+        "--topic",
+        "t",
+        "--count",
+        "1",
+        "--timeout-ms",
+        "500",
+    ];
+    let watch = |rust_log: Option<&'static str>| {
+        let mut command = Command::new(example("watch"));
+        command.args(args).env_remove("RUST_LOG");
+        if let Some(value) = rust_log {
+            command.env("RUST_LOG", value);
+        }
+        async move { within(command.output()).await.unwrap() }
+    };
+    let stderr = |out: &std::process::Output| String::from_utf8_lossy(&out.stderr).into_owned();
+
+    let default = stderr(&watch(None).await);
+    assert!(
+        default.contains("WARN") && default.contains("publisher connection failed"),
+        "{default}"
+    );
+    let off = stderr(&watch(Some("off")).await);
+    assert!(!off.contains("WARN"), "{off}");
+    let debug = stderr(&watch(Some("eventplane=debug")).await);
+    assert!(debug.contains("DEBUG"), "{debug}");
+    let bad = stderr(&watch(Some("eventplane=loud")).await);
+    assert!(bad.contains("ignoring RUST_LOG"), "{bad}");
+    assert!(bad.contains("WARN"), "the default still applies: {bad}");
+}
+
 #[cfg(feature = "etcd")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_follows_publishers_registered_in_etcd() {

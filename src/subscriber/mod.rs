@@ -20,7 +20,8 @@
 //!   buffer back after every receive. So the process holds about
 //!   `max_buffered_bytes` + twice `max_retained_bytes` (plus a frame being assembled
 //!   per connection) for messages, however slow the consumer and whatever the
-//!   publishers send. At most `max_publishers` (4096) publishers are followed.
+//!   publishers send. At most `max_publishers` (4096) publishers are followed. The
+//!   [guide](crate::guide#bounds) sets every one of these bounds in one example.
 //! - **Fair.** The consumer takes from ready lanes round-robin, and the global budget
 //!   never refuses a lane that holds less than its share — it evicts from the largest
 //!   lane instead — so a flooding publisher cannot starve a quiet one.

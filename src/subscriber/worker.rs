@@ -215,6 +215,7 @@ fn upsert(
         tracing::debug!(id = %instance.id, %endpoint, "publisher moved; replacing its connection");
         stop(tracked, &instance.id.clone());
     }
+    tracing::debug!(id = %instance.id, %endpoint, worker = ?instance.worker, "following a discovered publisher");
     let cancel = config.cancel.child_token();
     let drain = CancellationToken::new();
     let cell = Arc::new(PublisherCell {
@@ -303,6 +304,14 @@ async fn run_connection(
             Outcome::Refused(addr) => warn_limited(shared, &key, || {
                 tracing::warn!(%addr, "endpoint refused by the address filter; not dialling");
             }),
+            // A clean close is what a publisher leaving discovery does (its removal
+            // usually arrives a moment later): not worth a warning. A publisher that
+            // is really gone fails the reconnect, and that warns.
+            Outcome::Failed(ZmtpError::Closed) => {
+                tracing::debug!(
+                    "publisher closed its connection; reconnecting with backoff unless it left discovery"
+                );
+            }
             Outcome::Failed(e) => warn_limited(shared, &key, || {
                 tracing::warn!(error = %e, "publisher connection failed; reconnecting with backoff");
             }),

@@ -472,35 +472,52 @@ async fn main() -> anyhow::Result<()> {
     // `--seconds` is a deadline for the load, whatever the swap or a slow line costs.
     let end = tokio::time::Instant::from_std(started) + Duration::from_secs(args.seconds);
     let halfway = started + Duration::from_secs(args.seconds) / 2;
+    // The leave/join runs beside the progress lines (a departure drains for up to
+    // seconds), its result collected here.
+    let mut swap: Option<tokio::task::JoinHandle<anyhow::Result<(Account, Engine)>>> = None;
     while tokio::time::Instant::now() < end {
         tokio::select! {
             _ = ticker.tick() => {}
             () = tokio::time::sleep_until(end) => {}
             _ = &mut ctrl_c => break,
+            done = async {
+                match swap.as_mut() {
+                    Some(task) => task.await,
+                    None => std::future::pending().await,
+                }
+            }, if swap.is_some() => {
+                let (left, joined) = done??;
+                account.add(&left);
+                engines.push(joined);
+                swap = None;
+                continue; // lines stay on the tick
+            }
         }
         if !swapped && Instant::now() >= halfway && !engines.is_empty() {
             swapped = true;
             let leaving = engines.remove(0);
-            let left_id = leaving.id;
-            account.add(&leaving.stop(&ledger).await);
-            // Its last events are on their way; once delivered, forget the worker.
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            index
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .forget(WorkerId(left_id));
-            engines.push(
-                start_engine(
-                    next_id,
-                    discovery.clone(),
-                    per_engine_rate,
-                    totals.clone(),
-                    ledger.clone(),
-                )
-                .await?,
+            let (ledger, index, discovery, totals) = (
+                ledger.clone(),
+                index.clone(),
+                discovery.clone(),
+                totals.clone(),
             );
-            println!("  engine {left_id} left; engine {next_id} joined");
+            let joining = next_id;
             next_id += 1;
+            swap = Some(tokio::spawn(async move {
+                let left_id = leaving.id;
+                let left = leaving.stop(&ledger).await;
+                // Its last events are on their way; once delivered, forget the worker.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                index
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .forget(WorkerId(left_id));
+                let joined =
+                    start_engine(joining, discovery, per_engine_rate, totals, ledger).await?;
+                println!("  engine {left_id} left; engine {joining} joined");
+                Ok((left, joined))
+            }));
         }
         let now = Instant::now();
         let (inn, out) = (
@@ -512,11 +529,19 @@ async fn main() -> anyhow::Result<()> {
         let idx = index.lock().unwrap_or_else(|p| p.into_inner()).size();
         // Labelled with the real time since the start: under overload a line can
         // come late, and its rates are over the time it really covers.
+        // Engine PUB drops (batches an engine could not hand its worker) and the
+        // router's lane drops and sequence gaps, since the start.
+        let engine_drops = account.engine_lost / EVENTS_PER_BATCH as u64
+            + engines
+                .iter()
+                .map(|e| e.engine_pub.stats().dropped)
+                .sum::<u64>();
         println!(
-            "t={:>5.1}s  in {:>8.0} ev/s  out {:>8.0} router ev/s  drops {:>5}  gaps {:>3}  publishers {:>2}  index {:>7} blocks",
+            "t={:>5.1}s  in {:>8.0} ev/s  out {:>8.0} router ev/s  engine drops {:>5}  router drops {:>5}  gaps {:>3}  publishers {:>2}  index {:>7} blocks",
             now.duration_since(started).as_secs_f64(),
             (inn - last.0) as f64 / dt,
             (out - last.1) as f64 / dt,
+            engine_drops,
             s.total.dropped(),
             s.total.gaps,
             s.publishers.len(),
@@ -529,6 +554,11 @@ async fn main() -> anyhow::Result<()> {
     // and the router catches up (draining one engine while the others still send
     // would stretch the run and mix load into the drain).
     let load_ended = Instant::now();
+    if let Some(task) = swap.take() {
+        let (left, joined) = task.await??;
+        account.add(&left);
+        engines.push(joined);
+    }
     for e in &engines {
         e.stop.cancel();
     }

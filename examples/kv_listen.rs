@@ -26,7 +26,8 @@ use tokio::sync::Notify;
 #[command(
     about = "Print an engine's KV events as router events (JSON lines)",
     after_help = "Exit codes: 0 after --count router events (or on Ctrl-C without \
-                  --count); 1 on timeout; 2 when an argument is refused."
+                  --count); 1 on timeout; 2 when an argument is refused.\n\nLogs: warnings go to stderr; RUST_LOG sets the level (off, debug, or \
+                  target=level pairs such as eventplane=debug)."
 )]
 struct Args {
     #[command(flatten)]

@@ -49,7 +49,8 @@ use eventplane::wire::Wire;
     about = "Relay an engine's KV events as router events on a ZMQ PUB",
     after_help = "Exit codes: 0 after SIGTERM or Ctrl-C; 2 on bad arguments (including an \
                   --advertise-host that cannot be dialled); 3 when the endpoint cannot be \
-                  bound or etcd cannot be reached."
+                  bound or etcd cannot be reached.\n\nLogs: warnings go to stderr; RUST_LOG sets the level (off, debug, or \
+                  target=level pairs such as eventplane=debug)."
 )]
 struct Args {
     #[command(flatten)]

@@ -40,7 +40,8 @@ use eventplane::wire::Wire;
     about = "Follow router-event publishers (ours or Dynamo's) into a block index",
     after_help = "Exit codes: 0 on SIGTERM / Ctrl-C or after --count events; 1 on timeout or \
                   if the subscriber stops; 2 on bad arguments; 3 when discovery cannot be \
-                  reached."
+                  reached.\n\nLogs: warnings go to stderr; RUST_LOG sets the level (off, debug, or \
+                  target=level pairs such as eventplane=debug)."
 )]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["etcd", "static_endpoints"])))]
 struct Args {

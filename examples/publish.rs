@@ -27,7 +27,8 @@ use eventplane::zmtp::{Config, Message, PubSocket};
 #[command(
     about = "Publish a numbered test stream on a ZMQ PUB socket",
     after_help = "Exit codes: 0 when done; 2 on bad arguments (a malformed --bind); 3 when \
-                  the endpoint cannot be bound."
+                  the endpoint cannot be bound.\n\nLogs: warnings go to stderr; RUST_LOG sets the level (off, debug, or \
+                  target=level pairs such as eventplane=debug)."
 )]
 struct Args {
     /// Endpoint to bind, e.g. tcp://127.0.0.1:0 (port 0: the OS picks one).
@@ -69,8 +70,12 @@ async fn main() -> anyhow::Result<std::process::ExitCode> {
         Err(e) => {
             // A malformed endpoint is a bad argument (exit 2); an address that cannot
             // be bound is the machine's answer (exit 3). Both name the endpoint.
-            eprintln!("cannot bind --bind {}: {}", args.bind, chain(&e));
             let bad = matches!(e, eventplane::zmtp::Error::InvalidEndpoint { .. });
+            if bad {
+                eprintln!("invalid --bind {}: {}", args.bind, chain(&e));
+            } else {
+                eprintln!("cannot bind --bind {}: {}", args.bind, chain(&e));
+            }
             return Ok(std::process::ExitCode::from(if bad { 2 } else { 3 }));
         }
     };

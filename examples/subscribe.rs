@@ -39,7 +39,8 @@ const BATCHES_IN_FLIGHT: usize = 16;
     about = "Subscribe to ZMQ publishers and print their messages",
     after_help = "Exit codes: 0 when --count messages arrived (or on Ctrl-C without \
                   --count); 1 on timeout (connecting included) or when every publisher \
-                  went away; 2 on a ZMTP protocol error; 3 when it cannot connect."
+                  went away; 2 on a ZMTP protocol error; 3 when it cannot connect.\n\nLogs: warnings go to stderr; RUST_LOG sets the level (off, debug, or \
+                  target=level pairs such as eventplane=debug)."
 )]
 struct Args {
     /// Publisher endpoint (tcp://host:port); repeat for several.
@@ -132,7 +133,11 @@ async fn main() -> ExitCode {
             Some(d) => match tokio::time::timeout_at(d, connecting).await {
                 Ok(connected) => connected,
                 Err(_) => {
-                    eprintln!("timed out connecting to {endpoint}");
+                    eprintln!(
+                        "timed out connecting to {endpoint}: no TCP connection, or no ZMTP \
+                         handshake from the peer, within --timeout-ms {}",
+                        args.timeout_ms.unwrap_or_default()
+                    );
                     eprintln!("received 0 messages, 0 bytes");
                     return ExitCode::from(1);
                 }

@@ -35,7 +35,8 @@ use eventplane::subscriber::{DynamicSubscriber, Layout};
     about = "Follow publishers through discovery and print what they send",
     after_help = "Exit codes: 0 after --count deliveries (or on Ctrl-C / SIGTERM without \
                   --count); 1 on timeout; 2 on bad arguments; 3 when discovery cannot be \
-                  reached."
+                  reached.\n\nLogs: warnings go to stderr; RUST_LOG sets the level (off, debug, or \
+                  target=level pairs such as eventplane=debug)."
 )]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["etcd", "static_endpoints"])))]
 struct Args {

@@ -547,7 +547,7 @@ impl EventPublisher {
         socket.flush(linger).await;
         if let Some(r) = registration {
             if let Err(e) = r.unregister().await {
-                tracing::warn!(error = %e, "unregister failed; the lease will expire");
+                tracing::warn!(error = %crate::net::ErrorChain(&e), "unregister failed; the lease will expire");
             }
         }
         socket.close(Duration::ZERO).await;

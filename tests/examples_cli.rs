@@ -738,12 +738,12 @@ async fn refused_arguments_exit_2_and_name_the_flag() {
                 "--topic",
                 "t",
             ],
-            "only tcp://",
+            "(write tcp://host:port)",
         ),
         (
             "publish",
             vec!["--bind", "tcp://127.0.0.1:99999", "--topic", "t"],
-            "port is above 65535",
+            "invalid --bind tcp://127.0.0.1:99999: invalid endpoint \"tcp://127.0.0.1:99999\": port is above 65535",
         ),
     ];
     for (example, args, says) in cases {
@@ -848,7 +848,7 @@ async fn subscribe_timeout_covers_a_peer_that_never_answers() {
 }
 
 #[tokio::test]
-async fn every_cli_lists_its_exit_codes_in_help() {
+async fn every_cli_lists_its_exit_codes_and_logging_in_help() {
     for example_name in [
         "subscribe",
         "publish",
@@ -861,7 +861,7 @@ async fn every_cli_lists_its_exit_codes_in_help() {
         let help = String::from_utf8_lossy(&out.stdout);
         assert_eq!(out.status.code(), Some(0), "{example_name}: {help}");
         assert!(
-            help.contains("Exit codes:"),
+            help.contains("Exit codes:") && help.contains("RUST_LOG"),
             "{example_name} --help: {help}"
         );
     }

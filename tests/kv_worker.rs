@@ -191,3 +191,21 @@ async fn refused_settings_are_named_before_anything_starts() {
     .unwrap_err();
     assert_eq!(err.field(), "block_size");
 }
+
+#[tokio::test]
+async fn a_publisher_registered_for_another_worker_is_refused() {
+    let discovery = Arc::new(MemoryDiscovery::new());
+    let publisher = EventPublisher::builder(discovery.clone(), "ns", "w", "kv-events")
+        .worker(1, 0)
+        .build()
+        .await
+        .unwrap();
+    // The engine's events would be stamped worker 2 while discovery says worker 1.
+    let err = Worker::builder(
+        EngineListenerConfig::new("tcp://127.0.0.1:1", "kv", WorkerId(2), 16),
+        publisher,
+    )
+    .spawn()
+    .unwrap_err();
+    assert_eq!(err.field(), "worker_id");
+}

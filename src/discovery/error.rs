@@ -27,8 +27,9 @@ pub enum DiscoveryError {
     },
     /// A backend was configured with an invalid value (checked once, when it is
     /// built), or the backend's client refused its arguments.
+    /// (The message includes the refused value's; it is not repeated as a source.)
     #[error("invalid discovery configuration: {0}")]
-    InvalidConfig(#[from] ConfigError),
+    InvalidConfig(ConfigError),
     /// The backend is unreachable or failed; retry with backoff.
     #[error("discovery backend unavailable")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
@@ -61,5 +62,11 @@ impl DiscoveryError {
         DiscoveryError::InvalidId {
             reason: reason.into(),
         }
+    }
+}
+
+impl From<ConfigError> for DiscoveryError {
+    fn from(e: ConfigError) -> Self {
+        DiscoveryError::InvalidConfig(e)
     }
 }

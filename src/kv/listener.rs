@@ -39,6 +39,11 @@ pub struct EngineListenerConfig {
 }
 
 impl EngineListenerConfig {
+    /// The worker the router events are stamped with.
+    pub fn worker_id(&self) -> WorkerId {
+        self.worker_id
+    }
+
     /// Listen to `endpoint` (`tcp://host:port`) for `topic`, as `worker_id`, whose
     /// engine uses `block_size` tokens per block. Reconnects with full-jitter backoff
     /// 100 ms → 5 s.
@@ -286,7 +291,7 @@ impl EngineListener {
                 Err(e) => {
                     counter::add(&self.counters.connect_failures, 1);
                     if warn.check("connect", Instant::now()).is_some() {
-                        tracing::warn!(endpoint = %self.config.endpoint, error = %e, "engine connection failed; retrying with backoff");
+                        tracing::warn!(endpoint = %self.config.endpoint, error = %crate::net::ErrorChain(&e), "engine connection failed; retrying with backoff");
                     }
                     let delay = backoff.next_delay(random_unit());
                     tokio::select! {
@@ -310,7 +315,7 @@ impl EngineListener {
                     Ok(m) => m,
                     Err(e) => {
                         if warn.check("recv", Instant::now()).is_some() {
-                            tracing::warn!(endpoint = %self.config.endpoint, error = %e, "engine connection lost; reconnecting");
+                            tracing::warn!(endpoint = %self.config.endpoint, error = %crate::net::ErrorChain(&e), "engine connection lost; reconnecting");
                         }
                         break;
                     }

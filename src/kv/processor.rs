@@ -512,7 +512,7 @@ impl Processor {
             for (i, ev) in out.iter().enumerate() {
                 if let Err(e) = index.apply(ev) {
                     if matches!(ev.event.data, KvEventData::Cleared) {
-                        tracing::error!(error = %e, "local index failed to apply a Cleared; fencing the processor");
+                        tracing::error!(error = %crate::net::ErrorChain(&e), "local index failed to apply a Cleared; fencing the processor");
                         self.counters
                             .withheld_events
                             .fetch_add((out.len() - i) as u64, Ordering::Relaxed);
@@ -520,7 +520,7 @@ impl Processor {
                         fenced = true;
                         break;
                     }
-                    tracing::warn!(error = %e, "local index rejected an event");
+                    tracing::warn!(error = %crate::net::ErrorChain(&e), "local index rejected an event");
                 }
             }
         }
@@ -541,7 +541,7 @@ impl Processor {
             if let Err(e) = result {
                 counter::add(&self.counters.publish_errors, 1);
                 if let Some(suppressed) = warn.check("publish", Instant::now()) {
-                    tracing::warn!(error = %e, suppressed, "publishing router events failed; not retried");
+                    tracing::warn!(error = %crate::net::ErrorChain(&e), suppressed, "publishing router events failed; not retried");
                 }
             }
             out.clear();

@@ -78,6 +78,13 @@ impl WorkerBuilder {
 
     /// The first refused setting, if any, named as its setter (or as the
     /// [`EngineListenerConfig`] / [`ProcessorConfig`] field). Starts nothing.
+    ///
+    /// A publisher registered with a worker identity
+    /// ([`EventPublisherBuilder::worker`](crate::publish::EventPublisherBuilder::worker))
+    /// must name the engine's worker: otherwise routers would file this worker's
+    /// events under another one (`worker_id` is refused). One registered without an
+    /// identity is accepted with a warning, since routers then cannot tell from
+    /// discovery whose events these are.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.engine.validate()?;
         self.processor.validate()?;
@@ -86,6 +93,15 @@ impl WorkerBuilder {
                 field: "queue_capacity",
             });
         }
+        let registered = self.plane.as_ref().and_then(|p| p.publisher().instance());
+        if let Some(worker) = registered.and_then(|i| i.worker) {
+            if worker.worker_id != self.engine.worker_id().0 {
+                return Err(ConfigError::Inconsistent {
+                    field: "worker_id",
+                    reason: "differs from the worker identity the publisher registered",
+                });
+            }
+        }
         Ok(())
     }
 
@@ -93,6 +109,16 @@ impl WorkerBuilder {
     /// current Tokio runtime (it must be called within one).
     pub fn spawn(self) -> Result<Worker, ConfigError> {
         self.validate()?;
+        if let Some(instance) = self.plane.as_ref().and_then(|p| p.publisher().instance()) {
+            if instance.worker.is_none() {
+                tracing::warn!(
+                    id = %instance.id,
+                    worker_id = self.engine.worker_id().0,
+                    "the worker's publisher registered no worker identity: routers cannot tell \
+                     from discovery whose events these are (EventPublisherBuilder::worker)"
+                );
+            }
+        }
         let (tx, rx) = mpsc::channel(self.queue);
         let listener = EngineListener::new(self.engine, tx)?.cancellation(&self.cancel);
         // The processor does not stop on the worker's token: it stops when its input
@@ -129,7 +155,10 @@ impl WorkerBuilder {
 /// # let engine_endpoint = engine.local_endpoint().unwrap_or_default().to_owned();
 /// let discovery = Arc::new(MemoryDiscovery::new());
 /// // Router events go out on a publisher registered in discovery...
-/// let publisher = EventPublisher::builder(discovery, "prod", "worker-7", "kv-events").build().await?;
+/// let publisher = EventPublisher::builder(discovery, "prod", "worker-7", "kv-events")
+///     .worker(7, 0) // routers see whose events these are; must match the WorkerId below
+///     .build()
+///     .await?;
 /// // ...fed from the engine's KV-event PUB (vLLM: `tcp://127.0.0.1:5557`, topic "", 16-token blocks).
 /// let worker = Worker::builder(EngineListenerConfig::new(&engine_endpoint, "", WorkerId(7), 16), publisher)
 ///     .processor(ProcessorConfig::default().batch_timeout(Some(Duration::from_millis(10))))

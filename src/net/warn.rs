@@ -107,3 +107,31 @@ mod tests {
         assert_eq!(keys.len(), 2);
     }
 }
+
+/// An error and its sources, `: `-separated, for log fields: `error = %ErrorChain(&e)`.
+/// (`%e` alone shows only the outermost message, "I/O error" without its cause.)
+pub(crate) struct ErrorChain<'a>(pub(crate) &'a (dyn std::error::Error + 'a));
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(inner) = source {
+            write!(f, ": {inner}")?;
+            source = inner.source();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod chain_tests {
+    use super::ErrorChain;
+
+    #[test]
+    fn the_chain_names_every_cause() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let e = crate::zmtp::Error::Io(io);
+        assert_eq!(ErrorChain(&e).to_string(), "I/O error: refused");
+    }
+}

@@ -74,8 +74,12 @@
 //! # worker.publish(encode_router_events(&[RouterEvent { worker_id: WorkerId(7), tier: StorageTier::Device, event }])?);
 //! let mut index: HashMap<ChannelId, HashSet<u64>> = HashMap::new(); // publisher → blocks
 //! let mut stale: HashSet<ChannelId> = HashSet::new();
-//! let (mut batch, mut notices) = (Vec::new(), Vec::new());
-//! while router.recv_many(&mut batch, 256).await > 0 {
+//! let (lifecycle, mut batch, mut notices) = (router.handle(), Vec::new(), Vec::new());
+//! loop {
+//!     tokio::select! {
+//!         n = router.recv_many(&mut batch, 256) => if n == 0 { break },
+//!         () = lifecycle.notice_ready() => {} // a departure while nothing arrives
+//!     }
 //!     for delivery in batch.drain(..) {
 //!         let Some(payload) = delivery.payload() else { continue };
 //!         let blocks = index.entry(delivery.source.id.clone()).or_default();
@@ -88,7 +92,7 @@
 //!             }
 //!         }
 //!     }
-//!     router.take_notices(&mut notices);
+//!     router.take_notices(&mut notices); // after the batch: Departed follows the last delivery
 //!     for notice in notices.drain(..) {
 //!         match notice {
 //!             Notice::Gap { id, .. } | Notice::Reset { id } => { stale.insert(id); }
@@ -428,7 +432,8 @@ impl DynamicSubscriber {
     /// Moves the lifecycle [`Notice`]s queued so far into `out` without waiting;
     /// returns how many (always 0 unless [`notices`](DynamicSubscriberBuilder::notices)
     /// was set). Call it after handling each batch: a [`Notice::Departed`] comes only
-    /// once every message of that publisher was taken from its lane.
+    /// once every message of that publisher was taken from its lane, so handling the
+    /// batch first never re-creates state for a publisher that already departed.
     pub fn take_notices(&self, out: &mut Vec<Notice>) -> usize {
         self.handle.shared.notices.take(out)
     }
@@ -525,6 +530,46 @@ impl Drop for DynamicSubscriber {
 }
 
 impl SubscriberHandle {
+    /// Completes once a [`Notice`] is queued (at once if one is), so that a router
+    /// hears of a departure or a gap while no message arrives: wait on it beside
+    /// [`DynamicSubscriber::recv_many`] in a `select!` (a handle, so that the
+    /// subscriber itself stays free for `recv_many`). Never completes with notices off.
+    /// Cancel-safe.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
+    /// use eventplane::publish::EventPublisher;
+    /// use eventplane::subscriber::{DynamicSubscriber, Notice};
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    /// let mut router = DynamicSubscriber::builder(discovery.clone(), Query::new("ns")).topic("t").notices(64).spawn()?;
+    /// let lifecycle = router.handle();
+    /// let publisher = EventPublisher::builder(discovery, "ns", "c", "t").build().await?;
+    /// publisher.wait_for_subscribers(1).await;
+    /// publisher.shutdown().await; // leaves without sending anything
+    /// let (mut batch, mut notices) = (Vec::new(), Vec::new());
+    /// 'run: loop {
+    ///     tokio::select! {
+    ///         n = router.recv_many(&mut batch, 256) => if n == 0 { break }, // shut down
+    ///         () = lifecycle.notice_ready() => {}
+    ///     }
+    ///     // ... handle `batch` first, then the notices:
+    ///     router.take_notices(&mut notices);
+    ///     for notice in notices.drain(..) {
+    ///         if let Notice::Departed(id) = notice {
+    ///             println!("{id} left: forget what it sent");
+    ///             break 'run;
+    ///         }
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn notice_ready(&self) {
+        self.shared.notices.ready().await;
+    }
+
     /// Counters, per publisher and total (departed publishers included in the total).
     pub fn stats(&self) -> SubscriberStats {
         let mut retired = self.shared.lock_retired();

@@ -66,6 +66,8 @@ pub(crate) struct Notices {
     queue: Mutex<VecDeque<Notice>>,
     capacity: usize,
     dropped: AtomicU64,
+    /// Wakes a consumer waiting in [`ready`](Self::ready).
+    queued: tokio::sync::Notify,
 }
 
 impl Notices {
@@ -75,6 +77,7 @@ impl Notices {
             queue: Mutex::new(VecDeque::new()),
             capacity,
             dropped: AtomicU64::new(0),
+            queued: tokio::sync::Notify::new(),
         }
     }
 
@@ -89,6 +92,8 @@ impl Notices {
         let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
         if queue.len() < self.capacity {
             queue.push_back(notice);
+            drop(queue);
+            self.queued.notify_one();
         } else {
             crate::counter::add(&self.dropped, 1);
         }
@@ -100,6 +105,27 @@ impl Notices {
         let n = queue.len();
         out.extend(queue.drain(..));
         n
+    }
+
+    /// Completes once a notice is queued (at once if one is); never with notices off.
+    /// Cancel-safe: a wake-up that was not awaited stays stored for the next call.
+    pub(crate) async fn ready(&self) {
+        if !self.enabled() {
+            return std::future::pending().await;
+        }
+        loop {
+            // Created before the check: a push in between stores its wake-up here.
+            let queued = self.queued.notified();
+            if !self
+                .queue
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty()
+            {
+                return;
+            }
+            queued.await;
+        }
     }
 
     /// Notices dropped because the queue was full.

@@ -66,7 +66,7 @@ pub(crate) async fn watch_loop(
             Ok(s) => s,
             Err(e) => {
                 warn_limited(&shared, "watch", || {
-                    tracing::warn!(error = %e, "discovery watch failed; retrying with backoff");
+                    tracing::warn!(error = %crate::net::ErrorChain(&e), "discovery watch failed; retrying with backoff");
                 });
                 continue;
             }
@@ -90,7 +90,7 @@ pub(crate) async fn watch_loop(
                 }
                 Some(Err(e)) => {
                     warn_limited(&shared, "watch", || {
-                        tracing::warn!(error = %e, "discovery watch ended; re-watching, existing connections kept");
+                        tracing::warn!(error = %crate::net::ErrorChain(&e), "discovery watch ended; re-watching, existing connections kept");
                     });
                     continue 'rewatch;
                 }
@@ -177,7 +177,7 @@ fn upsert(
             warn_limited(shared, "other_topic", || {
                 tracing::warn!(
                     id = %instance.id,
-                    publisher_topic = instance.id.topic(),
+                    publisher_topic = %instance.id.topic(),
                     subscriber_topic = %String::from_utf8_lossy(topic),
                     "discovered publisher has another topic: not followed \
                      (counted in other_topic_publishers)"
@@ -313,7 +313,7 @@ async fn run_connection(
                 );
             }
             Outcome::Failed(e) => warn_limited(shared, &key, || {
-                tracing::warn!(error = %e, "publisher connection failed; reconnecting with backoff");
+                tracing::warn!(error = %crate::net::ErrorChain(&e), "publisher connection failed; reconnecting with backoff");
             }),
         }
         let delay = backoff.next_delay(random_unit());

@@ -11,9 +11,14 @@ pub(crate) fn parse_tcp(endpoint: &str) -> Result<(String, u16), Error> {
         endpoint: endpoint.to_owned(),
         reason,
     };
-    let rest = endpoint
-        .strip_prefix("tcp://")
-        .ok_or_else(|| invalid("only tcp:// endpoints are supported"))?;
+    let rest = endpoint.strip_prefix("tcp://").ok_or_else(|| {
+        // `host:port` without a scheme is the usual slip: say what was meant.
+        invalid(if endpoint.contains("://") {
+            "only tcp:// endpoints are supported"
+        } else {
+            "only tcp:// endpoints are supported (write tcp://host:port)"
+        })
+    })?;
     let (host, port) = rest
         .rsplit_once(':')
         .ok_or_else(|| invalid("missing :port"))?;
@@ -79,6 +84,13 @@ mod tests {
         assert_eq!(reason("tcp://h:99999"), "port is above 65535");
         assert_eq!(reason("tcp://h:port"), "port is not a number");
         assert_eq!(reason("tcp://h:"), "missing port after ':'");
-        assert_eq!(reason("127.0.0.1:5"), "only tcp:// endpoints are supported");
+        assert_eq!(
+            reason("127.0.0.1:5"),
+            "only tcp:// endpoints are supported (write tcp://host:port)"
+        );
+        assert_eq!(
+            reason("ipc:///tmp/s"),
+            "only tcp:// endpoints are supported"
+        );
     }
 }

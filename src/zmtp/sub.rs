@@ -214,8 +214,10 @@ pub(crate) async fn dial(
     };
     let stream = tokio::time::timeout(config.connect_timeout, dial)
         .await
-        .map_err(|_| Error::Timeout(TimeoutKind::Connect))??;
+        .map_err(|_| Error::Timeout(TimeoutKind::Connect))?
+        .inspect_err(|e| tracing::debug!(?addrs, error = %e, "tcp connect failed"))?;
     stream.set_nodelay(true)?;
+    tracing::debug!(peer = ?stream.peer_addr().ok(), "tcp connected; zmtp handshake next");
     Ok(stream)
 }
 

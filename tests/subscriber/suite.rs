@@ -771,18 +771,25 @@ async fn a_publisher_on_another_topic_is_counted_not_followed() {
     right.shutdown().await;
 }
 
-#[tokio::test]
-async fn notices_tell_a_router_when_a_publisher_connects_loses_messages_and_departs() {
-    use eventplane::subscriber::Notice;
+/// A subscriber with notices on, following one raw publisher (`id(n)`, topic `kv`)
+/// that has its subscription.
+async fn followed_with_notices(n: u64) -> (DynamicSubscriber, RawPub, Registration) {
     let d: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
-    let mut sub = DynamicSubscriber::builder(d.clone(), Query::new("ns"))
+    let sub = DynamicSubscriber::builder(d.clone(), Query::new("ns"))
         .topic("kv")
         .notices(64)
         .spawn()
         .unwrap();
-    let p = RawPub::bind(0, id(4)).await;
+    let p = RawPub::bind(0, id(n)).await;
     let reg = p.register(d.as_ref()).await;
     within(p.socket.wait_for_subscribers(1)).await;
+    (sub, p, reg)
+}
+
+#[tokio::test]
+async fn notices_tell_a_router_when_a_publisher_connects_loses_messages_and_departs() {
+    use eventplane::subscriber::Notice;
+    let (mut sub, p, reg) = followed_with_notices(4).await;
     for seq in [0, 1, 5] {
         p.send("kv", seq, b"x");
     }
@@ -809,4 +816,31 @@ async fn notices_tell_a_router_when_a_publisher_connects_loses_messages_and_depa
     })
     .await;
     assert_eq!(sub.stats().notices_dropped, 0);
+}
+
+#[tokio::test]
+async fn a_departure_wakes_a_router_that_receives_nothing() {
+    use eventplane::subscriber::Notice;
+    let (mut sub, _publisher, reg) = followed_with_notices(9).await;
+    // Nothing is ever sent: only the notices can wake the router.
+    drop(reg);
+    let (mut batch, mut notices) = (Vec::new(), Vec::new());
+    let lifecycle = sub.handle();
+    within(async {
+        loop {
+            tokio::select! {
+                n = sub.recv_many(&mut batch, 16) => panic!("{n} deliveries from a silent publisher"),
+                () = lifecycle.notice_ready() => {}
+            }
+            sub.take_notices(&mut notices);
+            if notices.contains(&Notice::Departed(id(9))) {
+                break;
+            }
+        }
+    })
+    .await;
+    assert!(
+        matches!(&notices[0], Notice::Connected(i) if i.id == id(9)),
+        "{notices:?}"
+    );
 }

@@ -35,7 +35,7 @@ impl Maintainer {
                 () = shared.shutdown.cancelled() => break,
                 () = shared.wake.notified() => {
                     if let Err(e) = shared.process_pending().await {
-                        debug!(error = %e, "deferred etcd work failed; retrying with the keep-alive");
+                        debug!(error = %crate::net::ErrorChain(&e), "deferred etcd work failed; retrying with the keep-alive");
                     }
                 }
                 () = tokio::time::sleep_until(next) => {
@@ -51,7 +51,7 @@ impl Maintainer {
                             match shared.regrant(&mut session).await {
                                 Ok(()) => true,
                                 Err(e) => {
-                                    warn!(error = %e, "could not re-grant the etcd lease");
+                                    warn!(error = %crate::net::ErrorChain(&e), "could not re-grant the etcd lease");
                                     false
                                 }
                             }
@@ -61,7 +61,7 @@ impl Maintainer {
                             if let Some(suppressed) =
                                 shared.warn.check("keepalive", std::time::Instant::now())
                             {
-                                warn!(error = %e, suppressed, "etcd keep-alive failed; reconnecting");
+                                warn!(error = %crate::net::ErrorChain(&e), suppressed, "etcd keep-alive failed; reconnecting");
                             }
                             false
                         }
@@ -73,7 +73,7 @@ impl Maintainer {
                         shared.set_state(EtcdState::Live);
                         backoff.reset();
                         if let Err(e) = shared.process_pending().await {
-                            debug!(error = %e, "deferred etcd work failed");
+                            debug!(error = %crate::net::ErrorChain(&e), "deferred etcd work failed");
                         }
                         next = tokio::time::Instant::now() + shared.config.keepalive_every();
                     } else {

@@ -302,7 +302,9 @@ impl EtcdDiscovery {
             .await
         {
             Ok(_) => debug!(lease = session.lease, "etcd lease revoked"),
-            Err(e) => debug!(error = %e, "could not revoke the etcd lease; it will expire"),
+            Err(e) => {
+                debug!(error = %crate::net::ErrorChain(&e), "could not revoke the etcd lease; it will expire")
+            }
         }
         session.regs.clear();
         shared.counters.registrations.store(0, Ordering::Relaxed);

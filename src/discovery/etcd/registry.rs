@@ -413,7 +413,7 @@ impl Shared {
                     if let Some(suppressed) =
                         self.warn.check("pending-denied", std::time::Instant::now())
                     {
-                        warn!(error = %e, id = %op.id, suppressed, "giving up deferred etcd work");
+                        warn!(error = %crate::net::ErrorChain(&e), id = %op.id, suppressed, "giving up deferred etcd work");
                     }
                 }
                 Err(e) => {

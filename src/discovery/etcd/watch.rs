@@ -269,7 +269,9 @@ impl Follower {
                     return Some(stream);
                 }
                 Err(Establish::Compacted(reason)) => debug!(%reason, "reading again"),
-                Err(Establish::Failed(e)) => debug!(error = %e, "etcd watch reconnect failed"),
+                Err(Establish::Failed(e)) => {
+                    debug!(error = %crate::net::ErrorChain(&e), "etcd watch reconnect failed")
+                }
             }
         }
     }

@@ -158,7 +158,9 @@ impl Peer {
                 peer = %self.label,
                 dropped = self.dropped_since_warn,
                 total_dropped = self.dropped,
-                "subscriber queue full: dropping messages for this subscriber"
+                "subscriber queue full: dropping messages for this subscriber (every drop \
+                 is counted in PubStats::dropped; this warning repeats at most once per \
+                 interval, with the drops since the last one)"
             );
             self.last_warn = Some(now);
             self.dropped_since_warn = 0;

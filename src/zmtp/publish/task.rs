@@ -31,7 +31,7 @@ pub(super) async fn accept_loop(
         match accepted {
             Ok((stream, addr)) => {
                 if let Err(e) = stream.set_nodelay(true) {
-                    tracing::debug!(%addr, error = %e, "set_nodelay failed");
+                    tracing::debug!(%addr, error = %crate::net::ErrorChain(&e), "set_nodelay failed");
                 }
                 spawn_peer(
                     &tracker,
@@ -43,7 +43,7 @@ pub(super) async fn accept_loop(
             }
             Err(e) => {
                 // EMFILE and friends: back off briefly instead of spinning.
-                tracing::warn!(error = %e, "accept failed");
+                tracing::warn!(error = %crate::net::ErrorChain(&e), "accept failed");
                 tokio::select! {
                     () = stop_accepting.cancelled() => return,
                     () = tokio::time::sleep(Duration::from_millis(100)) => {}
@@ -99,10 +99,12 @@ where
             Ok(()) | Err(Error::Closed) => tracing::debug!("subscriber disconnected"),
             Err(e) if stalled => {
                 if let Some(suppressed) = shared.warn.check("stalled", Instant::now()) {
-                    tracing::warn!(error = %e, suppressed, "closing a subscriber that reads nothing");
+                    tracing::warn!(error = %crate::net::ErrorChain(&e), suppressed, "closing a subscriber that reads nothing");
                 }
             }
-            Err(e) => tracing::debug!(error = %e, "subscriber connection failed"),
+            Err(e) => {
+                tracing::debug!(error = %crate::net::ErrorChain(&e), "subscriber connection failed")
+            }
         }
     };
     tracker.spawn(tracing::Instrument::instrument(task, span));

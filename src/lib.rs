@@ -68,6 +68,8 @@
 //!   `Discovery` backend) and `discovery::FaultDiscovery` (fault injection for
 //!   consumers).
 //! - `metrics`: the dynamic subscriber's counters through the `metrics` facade.
+//! - `tunnel`: [`tunnel`], the broker/router tunnel protocol for routers outside the
+//!   cluster (so far its sans-IO core: frames, sessions, budgets, rendezvous).
 //!
 //! Every component also has a plain `stats()` snapshot, so users without a metrics
 //! stack still see every counter.
@@ -102,6 +104,9 @@ pub mod publish;
 mod reader;
 mod slots;
 pub mod subscriber;
+#[cfg(feature = "tunnel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tunnel")))]
+pub mod tunnel;
 pub mod wire;
 pub mod zmtp;
 

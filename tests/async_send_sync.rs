@@ -46,6 +46,32 @@ fn main_types_are_send_and_sync() {
     send_sync::<Lane<Delivery>>();
 }
 
+#[test]
+fn worker_types_are_send_and_sync() {
+    use eventplane::kv::{Worker, WorkerBuilder, WorkerStats};
+    send_sync::<Worker>();
+    send::<WorkerBuilder>();
+    send_sync::<WorkerStats>();
+    send_sync::<eventplane::discovery::WorkerIdentity>();
+}
+
+#[cfg(feature = "tunnel")]
+#[test]
+fn tunnel_types_are_send_and_sync() {
+    use eventplane::tunnel::{
+        BrokerSession, Control, ControlDecoder, FrameError, Reconnect, RelayBudget, RouterSession,
+        SessionEnd,
+    };
+    send_sync::<BrokerSession>();
+    send_sync::<RouterSession>();
+    send_sync::<Control>();
+    send_sync::<ControlDecoder>();
+    send_sync::<FrameError>();
+    send_sync::<SessionEnd>();
+    send_sync::<Reconnect>();
+    send_sync::<RelayBudget>();
+}
+
 #[cfg(feature = "etcd")]
 #[test]
 fn etcd_types_are_send_and_sync() {

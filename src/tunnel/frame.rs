@@ -1,0 +1,819 @@
+//! Control frames on a tunnel session (DESIGN §7.1): a 4-byte big-endian body length,
+//! then one msgpack map whose `"type"` names the frame. Decoding is bounded: a declared
+//! length over the limit is refused before its body is buffered, and the body is read
+//! with the crate's bounded msgpack reader (no length the peer declares is reserved).
+
+use std::time::Duration;
+
+use crate::msgpack::{self, Value};
+
+/// The session protocol version this crate speaks (the only one, so far).
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Largest control-frame body accepted by default (64 KiB).
+pub const MAX_CONTROL_FRAME: usize = 64 * 1024;
+
+/// Most namespaces a broker may say it covers in its `hello`.
+pub const MAX_NAMESPACES: usize = 256;
+
+/// Most protocol versions a `hello` may offer.
+pub const MAX_VERSIONS: usize = 16;
+
+/// Longest client id, namespace or target, in bytes.
+pub const MAX_NAME_LEN: usize = 1024;
+
+/// Most msgpack elements decoded from one frame (a full `hello` needs ~270).
+const MAX_ELEMENTS: usize = 2048;
+
+/// A control frame.
+///
+/// ```
+/// use eventplane::tunnel::{Control, ControlDecoder, RefuseCode};
+/// let frame = Control::StreamRefused { stream_id: 7, code: RefuseCode::AddressFiltered };
+/// let mut wire = Vec::new();
+/// frame.encode(&mut wire);
+/// let mut decoder = ControlDecoder::default();
+/// let mut input = &wire[..];
+/// assert_eq!(decoder.decode(&mut input)?, Some(frame));
+/// # Ok::<(), eventplane::tunnel::FrameError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Control {
+    /// Broker → router, first on a session: who it is and what it covers.
+    Hello(Hello),
+    /// Router → broker, the answer to `hello`: the negotiated terms.
+    Welcome(Welcome),
+    /// Either way, every heartbeat interval: the session is alive.
+    Heartbeat,
+    /// Router → broker: open a TCP connection to `target` and relay it as data stream
+    /// `stream_id`.
+    Subscribe {
+        /// The router's id for the stream.
+        stream_id: u64,
+        /// The publisher's endpoint, `tcp://host:port`.
+        target: String,
+    },
+    /// Router → broker: close stream `stream_id` (silently: no `stream_closed`).
+    Unsubscribe {
+        /// The stream.
+        stream_id: u64,
+    },
+    /// Router → broker: take no new streams, let open ones finish within `deadline`,
+    /// then reconnect (after a rebalance delay, for `Rebalance`).
+    Drain {
+        /// How long open streams may still run.
+        deadline: Duration,
+        /// Why.
+        reason: DrainReason,
+    },
+    /// Broker → router: the publisher connection is up; the data stream follows.
+    StreamOpened {
+        /// The stream.
+        stream_id: u64,
+    },
+    /// Broker → router: the subscribe was refused; nothing was or stays open.
+    StreamRefused {
+        /// The stream.
+        stream_id: u64,
+        /// Why.
+        code: RefuseCode,
+    },
+    /// Broker → router: an open stream ended on the broker's side.
+    StreamClosed {
+        /// The stream.
+        stream_id: u64,
+        /// Why.
+        code: CloseCode,
+    },
+    /// Broker → router: the broker is shutting down; it takes no new streams.
+    Draining,
+    /// A frame type this version does not know (from a newer peer): skipped.
+    Unknown,
+}
+
+/// A broker's `hello`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Hello {
+    /// The broker's id; a new session with the same id supersedes the old one.
+    pub client_id: String,
+    /// The discovery namespaces it can reach publishers in.
+    pub namespaces: Vec<String>,
+    /// Protocol versions it speaks.
+    pub versions: Vec<u32>,
+}
+
+impl Hello {
+    /// A `hello` offering [`PROTOCOL_VERSION`].
+    pub fn new(client_id: impl Into<String>, namespaces: Vec<String>) -> Hello {
+        Hello {
+            client_id: client_id.into(),
+            namespaces,
+            versions: vec![PROTOCOL_VERSION],
+        }
+    }
+}
+
+/// A router's `welcome`: the version both speak and the limits the broker must keep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Welcome {
+    /// The negotiated protocol version.
+    pub version: u32,
+    /// The router's id for this session (for logs and `supersede` bookkeeping).
+    pub session_id: u64,
+    /// The session's effective limits.
+    pub limits: Limits,
+}
+
+impl Welcome {
+    /// A `welcome` for `version` with `limits`.
+    pub fn new(version: u32, session_id: u64, limits: Limits) -> Welcome {
+        Welcome {
+            version,
+            session_id,
+            limits,
+        }
+    }
+}
+
+/// The limits a router sets for a session (in its `welcome`).
+///
+/// ```
+/// use std::time::Duration;
+/// use eventplane::tunnel::Limits;
+/// let limits = Limits::default();
+/// assert_eq!(limits.max_stream_buffer_bytes, 1 << 20);
+/// assert_eq!(limits.heartbeat_interval, Duration::from_secs(10));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Limits {
+    /// Most data streams open at once. Default 1024.
+    pub max_streams: u32,
+    /// Bytes a broker may queue toward the router per stream (each chunk charged its
+    /// length + 64). Default and maximum 1 MiB; never below 16 KiB.
+    pub max_stream_buffer_bytes: u32,
+    /// How often each side sends `heartbeat`. Default 10 s.
+    pub heartbeat_interval: Duration,
+    /// A side silent this long ends the session. Default 30 s.
+    pub idle_timeout: Duration,
+}
+
+impl Limits {
+    /// With at most `streams` data streams open at once.
+    #[must_use]
+    pub fn with_max_streams(mut self, streams: u32) -> Limits {
+        self.max_streams = streams;
+        self
+    }
+
+    /// With brokers queueing at most `bytes` per stream (clamped to 16 KiB ..= 1 MiB
+    /// by the broker).
+    #[must_use]
+    pub fn with_stream_buffer(mut self, bytes: u32) -> Limits {
+        self.max_stream_buffer_bytes = bytes;
+        self
+    }
+
+    /// With heartbeats every `interval`, and sessions ended after `idle_timeout` of
+    /// silence (a broker refuses a `welcome` whose timeout does not exceed the
+    /// interval).
+    #[must_use]
+    pub fn with_heartbeat(mut self, interval: Duration, idle_timeout: Duration) -> Limits {
+        self.heartbeat_interval = interval;
+        self.idle_timeout = idle_timeout;
+        self
+    }
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_streams: 1024,
+            max_stream_buffer_bytes: 1 << 20,
+            heartbeat_interval: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+macro_rules! closed_codes {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident = $text:literal,)* }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[non_exhaustive]
+        pub enum $name {
+            $($(#[$vmeta])* $variant,)*
+            /// A code this version does not know.
+            Unknown,
+        }
+
+        impl $name {
+            /// Every known code (not `Unknown`), for bounded metric label sets.
+            pub const ALL: &'static [$name] = &[$($name::$variant,)*];
+
+            /// The code on the wire (`"unknown"` for `Unknown`).
+            pub fn as_str(&self) -> &'static str {
+                match self {
+                    $($name::$variant => $text,)*
+                    $name::Unknown => "unknown",
+                }
+            }
+
+            /// The code `text` names; `Unknown` for any other text.
+            pub fn parse(text: &str) -> $name {
+                match text {
+                    $($text => $name::$variant,)*
+                    _ => $name::Unknown,
+                }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
+closed_codes! {
+    /// Why a broker refused a `subscribe` (a closed set; anything else reads as
+    /// `Unknown`).
+    ///
+    /// ```
+    /// use eventplane::tunnel::RefuseCode;
+    /// assert_eq!(RefuseCode::parse("target_not_advertised"), RefuseCode::TargetNotAdvertised);
+    /// assert_eq!(RefuseCode::parse("from_the_future"), RefuseCode::Unknown);
+    /// ```
+    RefuseCode {
+        /// The target is not in the broker's discovery view.
+        TargetNotAdvertised = "target_not_advertised",
+        /// A resolved address is refused by the broker's address filter.
+        AddressFiltered = "address_filtered",
+        /// The target's host does not resolve.
+        DnsFailed = "dns_failed",
+        /// Resolving took longer than its deadline.
+        DnsTimeout = "dns_timeout",
+        /// No resolved address accepted the connection.
+        ConnectFailed = "connect_failed",
+        /// Connecting took longer than its deadline.
+        ConnectTimeout = "connect_timeout",
+        /// No HTTP/2 stream slot within its deadline.
+        StreamSlotTimeout = "stream_slot_timeout",
+        /// The router's response head did not come within its deadline.
+        ResponseTimeout = "response_timeout",
+        /// The broker is draining.
+        Draining = "draining",
+        /// The session's stream limit is reached.
+        TooManyStreams = "too_many_streams",
+        /// The stream id is already in use.
+        DuplicateStream = "duplicate_stream",
+        /// The target is not `tcp://host:port`.
+        BadTarget = "bad_target",
+        /// A data stream for a subscribe the router does not know (late or expired).
+        UnknownStream = "unknown_stream",
+    }
+}
+
+closed_codes! {
+    /// Why an open stream ended on the broker's side.
+    ///
+    /// ```
+    /// use eventplane::tunnel::CloseCode;
+    /// assert_eq!(CloseCode::BufferOverflow.as_str(), "buffer_overflow");
+    /// ```
+    CloseCode {
+        /// The publisher closed its connection.
+        UpstreamClosed = "upstream_closed",
+        /// The router read too slowly: the stream's or session's buffer was full.
+        BufferOverflow = "buffer_overflow",
+    }
+}
+
+closed_codes! {
+    /// Why a router drains a broker.
+    ///
+    /// ```
+    /// use eventplane::tunnel::DrainReason;
+    /// assert_eq!(DrainReason::parse("rebalance"), DrainReason::Rebalance);
+    /// ```
+    DrainReason {
+        /// The router is shutting down.
+        Shutdown = "shutdown",
+        /// The router moves this broker's subscriptions elsewhere.
+        Rebalance = "rebalance",
+    }
+}
+
+/// A control frame that could not be decoded. The session that read it fails: the
+/// peer does not speak this protocol.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FrameError {
+    /// The declared body length exceeds the limit (nothing of it was buffered).
+    #[error("control frame of {len} bytes exceeds the {max}-byte limit")]
+    Oversized {
+        /// The declared length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The body is not one bounded msgpack map.
+    #[error("control frame is not a msgpack map we accept ({0})")]
+    NotMsgpack(&'static str),
+    /// A field is missing or has the wrong type.
+    #[error("control frame {frame:?}: field {field:?} is missing or malformed")]
+    Field {
+        /// The frame type.
+        frame: &'static str,
+        /// The field.
+        field: &'static str,
+    },
+    /// A field is present and typed right, but out of bounds.
+    #[error("control frame {frame:?}: field {field:?} {reason}")]
+    OutOfBounds {
+        /// The frame type.
+        frame: &'static str,
+        /// The field.
+        field: &'static str,
+        /// What bound it breaks.
+        reason: &'static str,
+    },
+}
+
+impl Control {
+    /// The frame's type on the wire.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Control::Hello(_) => "hello",
+            Control::Welcome(_) => "welcome",
+            Control::Heartbeat => "heartbeat",
+            Control::Subscribe { .. } => "subscribe",
+            Control::Unsubscribe { .. } => "unsubscribe",
+            Control::Drain { .. } => "drain",
+            Control::StreamOpened { .. } => "stream_opened",
+            Control::StreamRefused { .. } => "stream_refused",
+            Control::StreamClosed { .. } => "stream_closed",
+            Control::Draining => "draining",
+            Control::Unknown => "unknown",
+        }
+    }
+
+    /// Appends the frame (length prefix and body) to `out`. `Unknown` encodes as a
+    /// frame of type `"unknown"`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        let start = out.len();
+        out.extend_from_slice(&[0; 4]);
+        let mut w = Writer(out);
+        let kind = self.kind();
+        match self {
+            Control::Hello(h) => {
+                w.map(5);
+                w.entry_str("type", kind);
+                w.entry_str("role", "broker");
+                w.entry_str("client_id", &h.client_id);
+                w.str("namespaces");
+                w.array(h.namespaces.len());
+                for ns in &h.namespaces {
+                    w.str(ns);
+                }
+                w.str("versions");
+                w.array(h.versions.len());
+                for v in &h.versions {
+                    w.uint(u64::from(*v));
+                }
+            }
+            Control::Welcome(welcome) => {
+                w.map(7);
+                w.entry_str("type", kind);
+                w.entry_uint("version", u64::from(welcome.version));
+                w.entry_uint("session_id", welcome.session_id);
+                let l = &welcome.limits;
+                w.entry_uint("max_streams", u64::from(l.max_streams));
+                w.entry_uint(
+                    "max_stream_buffer_bytes",
+                    u64::from(l.max_stream_buffer_bytes),
+                );
+                w.entry_uint("heartbeat_interval_ms", millis(l.heartbeat_interval));
+                w.entry_uint("idle_timeout_ms", millis(l.idle_timeout));
+            }
+            Control::Heartbeat | Control::Draining | Control::Unknown => {
+                w.map(1);
+                w.entry_str("type", kind);
+            }
+            Control::Subscribe { stream_id, target } => {
+                w.map(3);
+                w.entry_str("type", kind);
+                w.entry_uint("stream_id", *stream_id);
+                w.entry_str("target", target);
+            }
+            Control::Unsubscribe { stream_id } | Control::StreamOpened { stream_id } => {
+                w.map(2);
+                w.entry_str("type", kind);
+                w.entry_uint("stream_id", *stream_id);
+            }
+            Control::Drain { deadline, reason } => {
+                w.map(3);
+                w.entry_str("type", kind);
+                w.entry_uint("deadline_ms", millis(*deadline));
+                w.entry_str("reason", reason.as_str());
+            }
+            Control::StreamRefused { stream_id, code } => {
+                w.map(3);
+                w.entry_str("type", kind);
+                w.entry_uint("stream_id", *stream_id);
+                w.entry_str("code", code.as_str());
+            }
+            Control::StreamClosed { stream_id, code } => {
+                w.map(3);
+                w.entry_str("type", kind);
+                w.entry_uint("stream_id", *stream_id);
+                w.entry_str("code", code.as_str());
+            }
+        }
+        let len = u32::try_from(out.len() - start - 4).unwrap_or(u32::MAX);
+        if let Some(prefix) = out.get_mut(start..start + 4) {
+            prefix.copy_from_slice(&len.to_be_bytes());
+        }
+    }
+
+    /// Decodes one frame body (without its length prefix).
+    pub fn decode_body(body: &[u8]) -> Result<Control, FrameError> {
+        let value = msgpack::parse(body, MAX_ELEMENTS).map_err(|e| {
+            FrameError::NotMsgpack(match e {
+                msgpack::MsgpackError::Truncated => "truncated",
+                msgpack::MsgpackError::TooDeep => "nested too deep",
+                msgpack::MsgpackError::Reserved => "reserved type byte",
+                msgpack::MsgpackError::Trailing => "bytes after the value",
+                msgpack::MsgpackError::TooManyElements => "too many elements",
+            })
+        })?;
+        if !matches!(value, Value::Map(_)) {
+            return Err(FrameError::NotMsgpack("not a map"));
+        }
+        let kind = value
+            .get("type")
+            .and_then(Value::as_str)
+            .ok_or(FrameError::Field {
+                frame: "?",
+                field: "type",
+            })?;
+        let f = Fields { value: &value };
+        Ok(match kind {
+            "hello" => {
+                const F: &str = "hello";
+                if f.str(F, "role", 16)? != "broker" {
+                    return Err(FrameError::OutOfBounds {
+                        frame: F,
+                        field: "role",
+                        reason: "is not \"broker\"",
+                    });
+                }
+                let client_id = f.name(F, "client_id")?;
+                let namespaces = f.array(F, "namespaces", MAX_NAMESPACES)?;
+                let namespaces = namespaces
+                    .iter()
+                    .map(|v| name_of(v, F, "namespaces"))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let versions = f.uints(F, "versions", MAX_VERSIONS)?;
+                if versions.is_empty() {
+                    return Err(FrameError::OutOfBounds {
+                        frame: F,
+                        field: "versions",
+                        reason: "is empty",
+                    });
+                }
+                let versions = versions
+                    .into_iter()
+                    .map(|v| {
+                        u32::try_from(v).map_err(|_| FrameError::OutOfBounds {
+                            frame: F,
+                            field: "versions",
+                            reason: "exceeds 2^32 - 1",
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                Control::Hello(Hello {
+                    client_id,
+                    namespaces,
+                    versions,
+                })
+            }
+            "welcome" => {
+                const F: &str = "welcome";
+                let limits = Limits {
+                    max_streams: f.u32(F, "max_streams")?,
+                    max_stream_buffer_bytes: f.u32(F, "max_stream_buffer_bytes")?,
+                    heartbeat_interval: Duration::from_millis(f.u64(F, "heartbeat_interval_ms")?),
+                    idle_timeout: Duration::from_millis(f.u64(F, "idle_timeout_ms")?),
+                };
+                Control::Welcome(Welcome {
+                    version: f.u32(F, "version")?,
+                    session_id: f.u64(F, "session_id")?,
+                    limits,
+                })
+            }
+            "heartbeat" => Control::Heartbeat,
+            "draining" => Control::Draining,
+            "subscribe" => Control::Subscribe {
+                stream_id: f.u64("subscribe", "stream_id")?,
+                target: f.str("subscribe", "target", MAX_NAME_LEN)?.to_owned(),
+            },
+            "unsubscribe" => Control::Unsubscribe {
+                stream_id: f.u64("unsubscribe", "stream_id")?,
+            },
+            "stream_opened" => Control::StreamOpened {
+                stream_id: f.u64("stream_opened", "stream_id")?,
+            },
+            "drain" => Control::Drain {
+                deadline: Duration::from_millis(f.u64("drain", "deadline_ms")?),
+                reason: DrainReason::parse(f.str("drain", "reason", 64)?),
+            },
+            "stream_refused" => Control::StreamRefused {
+                stream_id: f.u64("stream_refused", "stream_id")?,
+                code: RefuseCode::parse(f.str("stream_refused", "code", 64)?),
+            },
+            "stream_closed" => Control::StreamClosed {
+                stream_id: f.u64("stream_closed", "stream_id")?,
+                code: CloseCode::parse(f.str("stream_closed", "code", 64)?),
+            },
+            _ => Control::Unknown,
+        })
+    }
+}
+
+/// Typed access to a frame's fields, each failure naming frame and field.
+struct Fields<'v, 'a> {
+    value: &'v Value<'a>,
+}
+
+impl<'v, 'a> Fields<'v, 'a> {
+    fn get(&self, frame: &'static str, field: &'static str) -> Result<&'v Value<'a>, FrameError> {
+        self.value
+            .get(field)
+            .ok_or(FrameError::Field { frame, field })
+    }
+
+    fn u64(&self, frame: &'static str, field: &'static str) -> Result<u64, FrameError> {
+        self.get(frame, field)?
+            .as_u64()
+            .ok_or(FrameError::Field { frame, field })
+    }
+
+    fn u32(&self, frame: &'static str, field: &'static str) -> Result<u32, FrameError> {
+        u32::try_from(self.u64(frame, field)?).map_err(|_| FrameError::OutOfBounds {
+            frame,
+            field,
+            reason: "exceeds 2^32 - 1",
+        })
+    }
+
+    fn str(
+        &self,
+        frame: &'static str,
+        field: &'static str,
+        max: usize,
+    ) -> Result<&'a str, FrameError> {
+        let s = self
+            .get(frame, field)?
+            .as_str()
+            .ok_or(FrameError::Field { frame, field })?;
+        if s.is_empty() || s.len() > max {
+            return Err(FrameError::OutOfBounds {
+                frame,
+                field,
+                reason: "is empty or too long",
+            });
+        }
+        Ok(s)
+    }
+
+    fn name(&self, frame: &'static str, field: &'static str) -> Result<String, FrameError> {
+        name_of(self.get(frame, field)?, frame, field)
+    }
+
+    fn array(
+        &self,
+        frame: &'static str,
+        field: &'static str,
+        max: usize,
+    ) -> Result<Vec<&'v Value<'a>>, FrameError> {
+        let out: Vec<&Value<'a>> = match self.get(frame, field)? {
+            Value::Array(items) => items.iter().collect(),
+            _ => return Err(FrameError::Field { frame, field }),
+        };
+        if out.len() > max {
+            return Err(FrameError::OutOfBounds {
+                frame,
+                field,
+                reason: "has too many elements",
+            });
+        }
+        Ok(out)
+    }
+
+    /// An array of non-negative integers (the reader's compact form, or an empty
+    /// array), at most `max` long.
+    fn uints(
+        &self,
+        frame: &'static str,
+        field: &'static str,
+        max: usize,
+    ) -> Result<Vec<u64>, FrameError> {
+        let ints = match self.get(frame, field)? {
+            Value::UInts(ints) => ints.clone(),
+            Value::Array(items) if items.is_empty() => Vec::new(),
+            _ => return Err(FrameError::Field { frame, field }),
+        };
+        if ints.len() > max {
+            return Err(FrameError::OutOfBounds {
+                frame,
+                field,
+                reason: "has too many elements",
+            });
+        }
+        Ok(ints)
+    }
+}
+
+fn name_of(
+    value: &Value<'_>,
+    frame: &'static str,
+    field: &'static str,
+) -> Result<String, FrameError> {
+    let s = value.as_str().ok_or(FrameError::Field { frame, field })?;
+    if s.is_empty() || s.len() > MAX_NAME_LEN {
+        return Err(FrameError::OutOfBounds {
+            frame,
+            field,
+            reason: "is empty or too long",
+        });
+    }
+    Ok(s.to_owned())
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Reads control frames from a byte stream, one at a time, holding at most one
+/// frame's body. Sans-IO: hand it what arrived, in any pieces.
+///
+/// ```
+/// use eventplane::tunnel::{Control, ControlDecoder, FrameError};
+/// let mut wire = Vec::new();
+/// Control::Heartbeat.encode(&mut wire);
+/// Control::Draining.encode(&mut wire);
+/// let mut decoder = ControlDecoder::default();
+/// let (first, second) = wire.split_at(3); // any split
+/// let mut input = first;
+/// assert_eq!(decoder.decode(&mut input)?, None);
+/// let mut input = second;
+/// assert_eq!(decoder.decode(&mut input)?, Some(Control::Heartbeat));
+/// assert_eq!(decoder.decode(&mut input)?, Some(Control::Draining));
+/// // A forged length is refused before anything of it is buffered.
+/// let mut forged = &[0xff, 0xff, 0xff, 0xff][..];
+/// assert!(matches!(decoder.decode(&mut forged), Err(FrameError::Oversized { .. })));
+/// # Ok::<(), FrameError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct ControlDecoder {
+    max: usize,
+    header: [u8; 4],
+    header_len: usize,
+    /// The body being assembled, once the header is complete.
+    body: Option<(usize, Vec<u8>)>,
+}
+
+impl Default for ControlDecoder {
+    fn default() -> Self {
+        ControlDecoder::new(MAX_CONTROL_FRAME)
+    }
+}
+
+impl ControlDecoder {
+    /// A decoder accepting bodies of at most `max_frame` bytes.
+    pub fn new(max_frame: usize) -> ControlDecoder {
+        ControlDecoder {
+            max: max_frame,
+            header: [0; 4],
+            header_len: 0,
+            body: None,
+        }
+    }
+
+    /// Takes bytes from the front of `input` until one frame is complete, and returns
+    /// it; `Ok(None)` when `input` ran out first (the partial frame is kept). After an
+    /// error the stream is unusable.
+    pub fn decode(&mut self, input: &mut &[u8]) -> Result<Option<Control>, FrameError> {
+        loop {
+            if let Some((len, body)) = &mut self.body {
+                let want = *len - body.len();
+                let take = want.min(input.len());
+                let (now, rest) = input.split_at(take);
+                body.extend_from_slice(now);
+                *input = rest;
+                if body.len() < *len {
+                    return Ok(None);
+                }
+                let frame = Control::decode_body(body);
+                self.body = None;
+                self.header_len = 0;
+                return frame.map(Some);
+            }
+            let Some((&byte, rest)) = input.split_first() else {
+                return Ok(None);
+            };
+            *input = rest;
+            if let Some(slot) = self.header.get_mut(self.header_len) {
+                *slot = byte;
+            }
+            self.header_len += 1;
+            if self.header_len == 4 {
+                let len = u32::from_be_bytes(self.header) as usize;
+                if len > self.max {
+                    return Err(FrameError::Oversized { len, max: self.max });
+                }
+                self.body = Some((len, Vec::with_capacity(len)));
+            }
+        }
+    }
+
+    /// Bytes of a partial frame held now.
+    pub fn buffered(&self) -> usize {
+        self.header_len + self.body.as_ref().map_or(0, |(_, b)| b.len())
+    }
+}
+
+/// A minimal msgpack writer for the frames above (maps, strings, unsigned integers).
+struct Writer<'a>(&'a mut Vec<u8>);
+
+impl Writer<'_> {
+    fn map(&mut self, len: u8) {
+        // Every frame has fewer than 16 fields: a fixmap.
+        self.0.push(0x80 | (len & 0x0f));
+    }
+
+    fn array(&mut self, len: usize) {
+        match u16::try_from(len) {
+            Ok(n) if n < 16 => self.0.push(0x90 | n as u8),
+            Ok(n) => {
+                self.0.push(0xdc);
+                self.0.extend_from_slice(&n.to_be_bytes());
+            }
+            Err(_) => {
+                self.0.push(0xdd);
+                self.0
+                    .extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
+            }
+        }
+    }
+
+    fn str(&mut self, s: &str) {
+        let len = s.len();
+        if len < 32 {
+            self.0.push(0xa0 | len as u8);
+        } else if let Ok(n) = u8::try_from(len) {
+            self.0.push(0xd9);
+            self.0.push(n);
+        } else if let Ok(n) = u16::try_from(len) {
+            self.0.push(0xda);
+            self.0.extend_from_slice(&n.to_be_bytes());
+        } else {
+            self.0.push(0xdb);
+            self.0
+                .extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
+        }
+        self.0.extend_from_slice(s.as_bytes());
+    }
+
+    fn uint(&mut self, v: u64) {
+        if v < 128 {
+            self.0.push(v as u8);
+        } else if let Ok(n) = u8::try_from(v) {
+            self.0.extend_from_slice(&[0xcc, n]);
+        } else if let Ok(n) = u16::try_from(v) {
+            self.0.push(0xcd);
+            self.0.extend_from_slice(&n.to_be_bytes());
+        } else if let Ok(n) = u32::try_from(v) {
+            self.0.push(0xce);
+            self.0.extend_from_slice(&n.to_be_bytes());
+        } else {
+            self.0.push(0xcf);
+            self.0.extend_from_slice(&v.to_be_bytes());
+        }
+    }
+
+    fn entry_str(&mut self, key: &str, value: &str) {
+        self.str(key);
+        self.str(value);
+    }
+
+    fn entry_uint(&mut self, key: &str, value: u64) {
+        self.str(key);
+        self.uint(value);
+    }
+}

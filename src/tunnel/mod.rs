@@ -1,0 +1,63 @@
+//! The tunnel (feature `tunnel`): routers outside a cluster following publishers
+//! inside it, through an event broker that dials out to the router's event bus and
+//! relays raw ZMTP bytes (DESIGN §7).
+//!
+//! This part is the protocol, sans-IO, so that every rule is testable without sockets
+//! and with time passed in:
+//! - [`Control`] frames and their bounded codec ([`ControlDecoder`]): `hello`,
+//!   `welcome`, heartbeats, `subscribe` / `unsubscribe`, `drain`, and the broker's
+//!   `stream_opened` / `stream_refused` / `stream_closed` / `draining`, with closed code
+//!   sets ([`RefuseCode`], [`CloseCode`], [`DrainReason`]; anything else reads as
+//!   `Unknown`);
+//! - the two session state machines, [`BrokerSession`] and [`RouterSession`]
+//!   (handshake and version negotiation, heartbeats and the idle timeout, stream
+//!   bookkeeping, pending subscribes that expire after 30 s, late data streams refused
+//!   with `unknown_stream`, draining), and the broker's [`Reconnect`] policy (jittered
+//!   backoff, rebalance throttling);
+//! - [`RelayBudget`], the per-stream and per-session byte accounting of what a broker
+//!   queues toward the router (64 B charged per chunk);
+//! - [`rendezvous_owner`], which broker carries which publisher.
+//!
+//! The HTTP/2 + TLS transport, the `event_broker` example and the router's bus server
+//! build on these.
+//!
+//! ```
+//! use std::time::Instant;
+//! use eventplane::tunnel::{BrokerEvent, BrokerSession, Control, ControlDecoder, Hello, Limits, RouterEvent, RouterSession};
+//! let now = Instant::now();
+//! let mut broker = BrokerSession::new(Hello::new("broker-1", vec!["prod".into()]), now);
+//! let mut router = RouterSession::new(1, Limits::default(), now);
+//! // Frames cross as bytes, in both directions.
+//! let mut pump = |from: &mut dyn FnMut() -> Option<Control>, to: &mut dyn FnMut(Control)| {
+//!     let mut wire = Vec::new();
+//!     while let Some(frame) = from() { frame.encode(&mut wire); }
+//!     let (mut decoder, mut input) = (ControlDecoder::default(), &wire[..]);
+//!     while let Some(frame) = decoder.decode(&mut input).unwrap() { to(frame); }
+//! };
+//! pump(&mut || broker.poll_transmit(), &mut |f| router.handle(f, now));
+//! pump(&mut || router.poll_transmit(), &mut |f| broker.handle(f, now));
+//! assert!(matches!(router.poll_event(), Some(RouterEvent::Welcomed { .. })));
+//! assert!(matches!(broker.poll_event(), Some(BrokerEvent::Welcomed(_))));
+//! ```
+
+mod budget;
+mod frame;
+mod rendezvous;
+mod session;
+
+pub use budget::{
+    CHUNK_OVERHEAD, MAX_SESSION_BUFFER_BYTES, MAX_STREAM_BUFFER_BYTES, MIN_STREAM_BUFFER_BYTES,
+    Overflow, RelayBudget,
+};
+pub use frame::{
+    CloseCode, Control, ControlDecoder, DrainReason, FrameError, Hello, Limits, MAX_CONTROL_FRAME,
+    MAX_NAME_LEN, MAX_NAMESPACES, MAX_VERSIONS, PROTOCOL_VERSION, RefuseCode, Welcome,
+};
+pub use rendezvous::{rendezvous_owner, weight as rendezvous_weight};
+pub use session::{
+    BrokerEvent, BrokerSession, HANDSHAKE_TIMEOUT, MAX_QUEUED_CONTROL, PENDING_SUBSCRIBE_TIMEOUT,
+    REBALANCE_WINDOW, Reconnect, RouterEvent, RouterSession, SessionEnd, SubscribeError,
+};
+
+#[cfg(test)]
+mod tests;

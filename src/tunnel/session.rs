@@ -1,0 +1,769 @@
+//! The two ends of a tunnel session as sans-IO state machines (DESIGN §7.1–7.3): the
+//! broker's ([`BrokerSession`]) and the router's ([`RouterSession`]). They take frames
+//! and time, and give frames to send, events, and the next instant they need a call
+//! at; the I/O layer moves bytes and dials publishers.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use super::frame::{
+    CloseCode, Control, DrainReason, Hello, Limits, PROTOCOL_VERSION, RefuseCode, Welcome,
+};
+use crate::net::Backoff;
+
+/// How long a broker waits for `welcome`, and a router for `hello`.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a router waits for a subscribe to be opened (or refused), and for its data
+/// stream, before it gives up on it.
+pub const PENDING_SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Control frames a session may have waiting to be sent before it fails: a peer that
+/// sends commands and never reads the answers cannot grow this queue further.
+pub const MAX_QUEUED_CONTROL: usize = 4096;
+
+/// Why a session ended.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SessionEnd {
+    /// The handshake (`hello` / `welcome`) did not complete in time.
+    #[error("the handshake did not complete within {0:?}")]
+    HandshakeTimeout(Duration),
+    /// The peer sent nothing for the idle timeout.
+    #[error("the peer was silent for {0:?}")]
+    IdleTimeout(Duration),
+    /// No protocol version both sides speak.
+    #[error("no common protocol version (peer offers {offered:?})")]
+    NoCommonVersion {
+        /// What the peer offered.
+        offered: Vec<u32>,
+    },
+    /// The peer broke the protocol.
+    #[error("protocol violation: {0}")]
+    Protocol(&'static str),
+    /// The peer let too many answers pile up unsent (it does not read).
+    #[error("more than {MAX_QUEUED_CONTROL} control frames waited to be sent")]
+    ControlBacklog,
+    /// This side closed it.
+    #[error("closed by this side")]
+    Closed,
+}
+
+/// Heartbeats both ways and the idle deadline, with time passed in.
+#[derive(Debug, Clone)]
+struct Liveness {
+    interval: Duration,
+    idle: Duration,
+    last_sent: Instant,
+    last_heard: Instant,
+}
+
+impl Liveness {
+    fn new(limits: &Limits, now: Instant) -> Liveness {
+        Liveness {
+            interval: limits.heartbeat_interval,
+            idle: limits.idle_timeout,
+            last_sent: now,
+            last_heard: now,
+        }
+    }
+
+    fn next_deadline(&self) -> Instant {
+        (self.last_sent + self.interval).min(self.last_heard + self.idle)
+    }
+}
+
+/// A bounded outgoing queue; overflowing it ends the session.
+#[derive(Debug, Default)]
+struct Outbox {
+    frames: VecDeque<Control>,
+}
+
+impl Outbox {
+    fn push(&mut self, frame: Control) -> Result<(), SessionEnd> {
+        if self.frames.len() >= MAX_QUEUED_CONTROL {
+            return Err(SessionEnd::ControlBacklog);
+        }
+        self.frames.push_back(frame);
+        Ok(())
+    }
+}
+
+/// What a broker session asks its I/O layer to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BrokerEvent {
+    /// The router accepted the session, with these terms.
+    Welcomed(Welcome),
+    /// Check `target` (advertised? allowed address?), connect, and report with
+    /// [`BrokerSession::stream_opened`] or [`BrokerSession::stream_refused`].
+    Open {
+        /// The stream.
+        stream_id: u64,
+        /// The publisher's endpoint.
+        target: String,
+    },
+    /// Close the stream silently (the router unsubscribed).
+    Close {
+        /// The stream.
+        stream_id: u64,
+    },
+    /// The router asks to drain: no new streams; open ones may run until `deadline`.
+    Drain {
+        /// How long open streams may still run.
+        deadline: Duration,
+        /// Why (it decides the reconnect delay: see [`Reconnect`]).
+        reason: DrainReason,
+    },
+    /// The session is over; every stream of it ends with it.
+    Ended(SessionEnd),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BrokerState {
+    AwaitingWelcome { deadline: Instant },
+    Active,
+    Ended,
+}
+
+/// The broker's end of a session: sends `hello`, checks `welcome`, answers heartbeats,
+/// turns commands into [`BrokerEvent`]s, and frames the I/O layer's answers.
+///
+/// ```
+/// use std::time::Instant;
+/// use eventplane::tunnel::{BrokerEvent, BrokerSession, Control, Hello, Limits, Welcome};
+/// let now = Instant::now();
+/// let mut broker = BrokerSession::new(Hello::new("broker-1", vec!["prod".into()]), now);
+/// assert!(matches!(broker.poll_transmit(), Some(Control::Hello(_))));
+/// broker.handle(Control::Welcome(Welcome::new(1, 9, Limits::default())), now);
+/// assert!(matches!(broker.poll_event(), Some(BrokerEvent::Welcomed(_))));
+/// broker.handle(Control::Subscribe { stream_id: 1, target: "tcp://10.0.0.5:5557".into() }, now);
+/// assert!(matches!(broker.poll_event(), Some(BrokerEvent::Open { stream_id: 1, .. })));
+/// broker.stream_opened(1);
+/// assert_eq!(broker.poll_transmit(), Some(Control::StreamOpened { stream_id: 1 }));
+/// ```
+#[derive(Debug)]
+pub struct BrokerSession {
+    state: BrokerState,
+    offered: Vec<u32>,
+    limits: Limits,
+    liveness: Option<Liveness>,
+    /// Streams asked for and not yet refused or closed.
+    streams: HashSet<u64>,
+    draining: bool,
+    outbox: Outbox,
+    events: VecDeque<BrokerEvent>,
+}
+
+impl BrokerSession {
+    /// A session that starts by sending `hello`.
+    pub fn new(hello: Hello, now: Instant) -> BrokerSession {
+        let offered = hello.versions.clone();
+        let mut outbox = Outbox::default();
+        outbox.frames.push_back(Control::Hello(hello));
+        BrokerSession {
+            state: BrokerState::AwaitingWelcome {
+                deadline: now + HANDSHAKE_TIMEOUT,
+            },
+            offered,
+            limits: Limits::default(),
+            liveness: None,
+            streams: HashSet::new(),
+            draining: false,
+            outbox,
+            events: VecDeque::new(),
+        }
+    }
+
+    /// The next frame to send.
+    pub fn poll_transmit(&mut self) -> Option<Control> {
+        let frame = self.outbox.frames.pop_front()?;
+        Some(frame)
+    }
+
+    /// The next event for the I/O layer.
+    pub fn poll_event(&mut self) -> Option<BrokerEvent> {
+        self.events.pop_front()
+    }
+
+    /// The limits in force (the `welcome`'s, once welcomed).
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// `true` once the session ended (an `Ended` event says why).
+    pub fn is_ended(&self) -> bool {
+        self.state == BrokerState::Ended
+    }
+
+    /// Streams open or being opened.
+    pub fn streams(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) must be called next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match self.state {
+            BrokerState::AwaitingWelcome { deadline } => Some(deadline),
+            BrokerState::Active => self.liveness.as_ref().map(Liveness::next_deadline),
+            BrokerState::Ended => None,
+        }
+    }
+
+    /// Sends a heartbeat when one is due; ends the session when the router was silent
+    /// past the idle timeout, or the handshake ran out of time.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        match self.state {
+            BrokerState::AwaitingWelcome { deadline } if now >= deadline => {
+                self.end(SessionEnd::HandshakeTimeout(HANDSHAKE_TIMEOUT));
+            }
+            BrokerState::Active => {
+                let Some(l) = self.liveness.as_mut() else {
+                    return;
+                };
+                if now >= l.last_heard + l.idle {
+                    let idle = l.idle;
+                    self.end(SessionEnd::IdleTimeout(idle));
+                } else if now >= l.last_sent + l.interval {
+                    l.last_sent = now;
+                    self.send(Control::Heartbeat);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// A frame from the router.
+    pub fn handle(&mut self, frame: Control, now: Instant) {
+        if let Some(l) = self.liveness.as_mut() {
+            l.last_heard = now;
+        }
+        match (self.state, frame) {
+            (BrokerState::Ended, _) => {}
+            (BrokerState::AwaitingWelcome { .. }, Control::Welcome(welcome)) => {
+                if !self.offered.contains(&welcome.version) {
+                    return self.end(SessionEnd::Protocol(
+                        "welcome names a version the hello did not offer",
+                    ));
+                }
+                let l = welcome.limits;
+                if l.heartbeat_interval.is_zero() || l.idle_timeout <= l.heartbeat_interval {
+                    return self.end(SessionEnd::Protocol(
+                        "welcome's idle timeout must exceed a non-zero heartbeat interval",
+                    ));
+                }
+                self.limits = l;
+                self.liveness = Some(Liveness::new(&l, now));
+                self.state = BrokerState::Active;
+                self.events.push_back(BrokerEvent::Welcomed(welcome));
+            }
+            (BrokerState::AwaitingWelcome { .. }, _) => {
+                self.end(SessionEnd::Protocol("the first frame was not a welcome"));
+            }
+            (BrokerState::Active, Control::Heartbeat | Control::Unknown) => {}
+            (BrokerState::Active, Control::Subscribe { stream_id, target }) => {
+                let refuse = if self.draining {
+                    Some(RefuseCode::Draining)
+                } else if self.streams.contains(&stream_id) {
+                    Some(RefuseCode::DuplicateStream)
+                } else if self.streams.len() >= self.limits.max_streams as usize {
+                    Some(RefuseCode::TooManyStreams)
+                } else if crate::zmtp::parse_tcp(&target).is_err() {
+                    Some(RefuseCode::BadTarget)
+                } else {
+                    None
+                };
+                match refuse {
+                    Some(code) => self.send(Control::StreamRefused { stream_id, code }),
+                    None => {
+                        self.streams.insert(stream_id);
+                        self.events
+                            .push_back(BrokerEvent::Open { stream_id, target });
+                    }
+                }
+            }
+            (BrokerState::Active, Control::Unsubscribe { stream_id }) => {
+                if self.streams.remove(&stream_id) {
+                    self.events.push_back(BrokerEvent::Close { stream_id });
+                }
+            }
+            (BrokerState::Active, Control::Drain { deadline, reason }) => {
+                self.draining = true;
+                self.events
+                    .push_back(BrokerEvent::Drain { deadline, reason });
+            }
+            (BrokerState::Active, Control::Welcome(_)) => {
+                self.end(SessionEnd::Protocol("a second welcome"));
+            }
+            (BrokerState::Active, _) => {
+                self.end(SessionEnd::Protocol(
+                    "a frame only a broker sends came from the router",
+                ));
+            }
+        }
+    }
+
+    /// The publisher connection for `stream_id` is up.
+    pub fn stream_opened(&mut self, stream_id: u64) {
+        if self.streams.contains(&stream_id) {
+            self.send(Control::StreamOpened { stream_id });
+        }
+    }
+
+    /// The subscribe for `stream_id` is refused (by the target checks, a deadline, …).
+    pub fn stream_refused(&mut self, stream_id: u64, code: RefuseCode) {
+        if self.streams.remove(&stream_id) {
+            self.send(Control::StreamRefused { stream_id, code });
+        }
+    }
+
+    /// An open stream ended on this side (publisher gone, buffer overflow).
+    pub fn stream_closed(&mut self, stream_id: u64, code: CloseCode) {
+        if self.streams.remove(&stream_id) {
+            self.send(Control::StreamClosed { stream_id, code });
+        }
+    }
+
+    /// This broker is shutting down: says `draining`, and refuses every new subscribe
+    /// with `draining` from now on.
+    pub fn begin_draining(&mut self) {
+        if !self.draining {
+            self.draining = true;
+            self.send(Control::Draining);
+        }
+    }
+
+    /// `true` once draining (asked by the router, or by [`begin_draining`](Self::begin_draining)).
+    pub fn is_draining(&self) -> bool {
+        self.draining
+    }
+
+    /// Ends the session from this side.
+    pub fn close(&mut self) {
+        self.end(SessionEnd::Closed);
+    }
+
+    fn send(&mut self, frame: Control) {
+        if let Err(end) = self.outbox.push(frame) {
+            self.end(end);
+        }
+    }
+
+    fn end(&mut self, why: SessionEnd) {
+        if self.state != BrokerState::Ended {
+            self.state = BrokerState::Ended;
+            self.streams.clear();
+            self.outbox.frames.clear();
+            self.events.push_back(BrokerEvent::Ended(why));
+        }
+    }
+}
+
+/// How long a broker waits before reconnecting (DESIGN §7.2): jittered exponential
+/// backoff (1 s → 60 s) after a failure; after a `drain{rebalance}`, a 250–500 ms
+/// jittered delay, unless another rebalance came in the last 60 s (then the backoff:
+/// no tight loops).
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use eventplane::tunnel::{DrainReason, Reconnect};
+/// let mut reconnect = Reconnect::default();
+/// let now = Instant::now();
+/// let first = reconnect.after_drain(DrainReason::Rebalance, now, 0.5);
+/// assert!(first >= Duration::from_millis(250) && first <= Duration::from_millis(500));
+/// // A second rebalance within 60 s waits like a failure.
+/// let second = reconnect.after_drain(DrainReason::Rebalance, now + Duration::from_secs(5), 1.0);
+/// assert!(second <= Duration::from_secs(1));
+/// ```
+#[derive(Debug, Clone)]
+pub struct Reconnect {
+    backoff: Backoff,
+    last_rebalance: Option<Instant>,
+}
+
+/// The window in which a second rebalance falls back to the normal backoff.
+pub const REBALANCE_WINDOW: Duration = Duration::from_secs(60);
+
+impl Default for Reconnect {
+    fn default() -> Self {
+        Reconnect {
+            backoff: Backoff::checked(Duration::from_secs(1), Duration::from_secs(60)),
+            last_rebalance: None,
+        }
+    }
+}
+
+impl Reconnect {
+    /// The delay after a failed or lost session; `random` in `0.0..=1.0`.
+    pub fn after_failure(&mut self, random: f64) -> Duration {
+        self.backoff.next_delay(random)
+    }
+
+    /// The delay after the router drained this broker for `reason`.
+    pub fn after_drain(&mut self, reason: DrainReason, now: Instant, random: f64) -> Duration {
+        let recent = self
+            .last_rebalance
+            .is_some_and(|t| now.saturating_duration_since(t) < REBALANCE_WINDOW);
+        match reason {
+            DrainReason::Rebalance if !recent => {
+                self.last_rebalance = Some(now);
+                Duration::from_millis(250)
+                    + Duration::from_millis(250).mul_f64(random.clamp(0.0, 1.0))
+            }
+            DrainReason::Rebalance => {
+                self.last_rebalance = Some(now);
+                self.backoff.next_delay(random)
+            }
+            _ => self.backoff.next_delay(random),
+        }
+    }
+
+    /// A session was welcomed: the next failure starts the backoff over.
+    pub fn reset(&mut self) {
+        self.backoff.reset();
+    }
+}
+
+/// What a router session tells its owner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RouterEvent {
+    /// A broker said `hello` and was welcomed.
+    Welcomed {
+        /// Its client id (a session with the same id supersedes the older one).
+        client_id: String,
+        /// The namespaces it covers.
+        namespaces: Vec<String>,
+        /// The negotiated version.
+        version: u32,
+    },
+    /// The broker connected the publisher; the data stream follows.
+    Opened(u64),
+    /// The broker refused the subscribe.
+    Refused {
+        /// The stream.
+        stream_id: u64,
+        /// Why.
+        code: RefuseCode,
+    },
+    /// An open stream ended on the broker's side: resubscribe.
+    Closed {
+        /// The stream.
+        stream_id: u64,
+        /// Why.
+        code: CloseCode,
+    },
+    /// A subscribe got no answer, or no data stream, within
+    /// [`PENDING_SUBSCRIBE_TIMEOUT`]: resubscribe (elsewhere, perhaps).
+    Expired(u64),
+    /// The broker is shutting down: move its subscriptions.
+    BrokerDraining,
+    /// The session is over; every stream of it ends with it.
+    Ended(SessionEnd),
+}
+
+/// Why the router cannot subscribe through this session now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SubscribeError {
+    /// The broker has not said `hello` yet, or the session ended.
+    #[error("the session is not active")]
+    NotActive,
+    /// The broker is draining.
+    #[error("the broker is draining")]
+    Draining,
+    /// The session's stream limit is reached.
+    #[error("the session's stream limit is reached")]
+    TooManyStreams,
+    /// The stream id is in use in this session.
+    #[error("the stream id is in use")]
+    DuplicateStream,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StreamState {
+    /// Subscribed; until the deadline, waiting for `stream_opened` and the data stream.
+    Pending { deadline: Instant, opened: bool },
+    /// The data stream is attached.
+    Active,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum RouterState {
+    AwaitingHello { deadline: Instant },
+    Active { draining: bool },
+    Ended,
+}
+
+/// The router's end of a session: waits for `hello`, answers `welcome`, tracks every
+/// stream from subscribe to data stream to close, and expires what never completes.
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use eventplane::tunnel::{Control, Hello, Limits, RefuseCode, RouterEvent, RouterSession};
+/// let now = Instant::now();
+/// let limits = Limits::default().with_heartbeat(Duration::from_secs(10), Duration::from_secs(60));
+/// let mut router = RouterSession::new(7, limits, now);
+/// router.handle(Control::Hello(Hello::new("broker-1", vec!["prod".into()])), now);
+/// assert!(matches!(router.poll_transmit(), Some(Control::Welcome(_))));
+/// assert!(matches!(router.poll_event(), Some(RouterEvent::Welcomed { .. })));
+/// router.subscribe(1, "tcp://10.0.0.5:5557".into(), now)?;
+/// assert!(matches!(router.poll_transmit(), Some(Control::Subscribe { stream_id: 1, .. })));
+/// // No answer and no data stream for 30 s: expired, and a late data stream is refused.
+/// router.handle(Control::Heartbeat, now + Duration::from_secs(20)); // the broker is alive
+/// router.handle_timeout(now + Duration::from_secs(31));
+/// assert_eq!(router.poll_event(), Some(RouterEvent::Expired(1)));
+/// assert_eq!(router.accept_data_stream(1), Err(RefuseCode::UnknownStream));
+/// # Ok::<(), eventplane::tunnel::SubscribeError>(())
+/// ```
+#[derive(Debug)]
+pub struct RouterSession {
+    state: RouterState,
+    session_id: u64,
+    limits: Limits,
+    liveness: Liveness,
+    streams: HashMap<u64, StreamState>,
+    outbox: Outbox,
+    events: VecDeque<RouterEvent>,
+}
+
+impl RouterSession {
+    /// A session that waits for the broker's `hello` and will offer `limits`.
+    pub fn new(session_id: u64, limits: Limits, now: Instant) -> RouterSession {
+        RouterSession {
+            state: RouterState::AwaitingHello {
+                deadline: now + HANDSHAKE_TIMEOUT,
+            },
+            session_id,
+            liveness: Liveness::new(&limits, now),
+            limits,
+            streams: HashMap::new(),
+            outbox: Outbox::default(),
+            events: VecDeque::new(),
+        }
+    }
+
+    /// The next frame to send.
+    pub fn poll_transmit(&mut self) -> Option<Control> {
+        self.outbox.frames.pop_front()
+    }
+
+    /// The next event.
+    pub fn poll_event(&mut self) -> Option<RouterEvent> {
+        self.events.pop_front()
+    }
+
+    /// `true` once the session ended.
+    pub fn is_ended(&self) -> bool {
+        self.state == RouterState::Ended
+    }
+
+    /// `true` while the broker can take subscribes.
+    pub fn is_available(&self) -> bool {
+        self.state == RouterState::Active { draining: false }
+    }
+
+    /// Streams subscribed and not yet closed, refused or expired.
+    pub fn streams(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) must be called next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match self.state {
+            RouterState::AwaitingHello { deadline } => Some(deadline),
+            RouterState::Active { .. } => {
+                let pending = self.streams.values().filter_map(|s| match s {
+                    StreamState::Pending { deadline, .. } => Some(*deadline),
+                    StreamState::Active => None,
+                });
+                Some(pending.fold(self.liveness.next_deadline(), Instant::min))
+            }
+            RouterState::Ended => None,
+        }
+    }
+
+    /// Heartbeats, the idle timeout, the handshake deadline, and expired subscribes.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        match self.state {
+            RouterState::AwaitingHello { deadline } if now >= deadline => {
+                self.end(SessionEnd::HandshakeTimeout(HANDSHAKE_TIMEOUT));
+            }
+            RouterState::Active { .. } => {
+                let l = &mut self.liveness;
+                if now >= l.last_heard + l.idle {
+                    let idle = l.idle;
+                    return self.end(SessionEnd::IdleTimeout(idle));
+                }
+                if now >= l.last_sent + l.interval {
+                    l.last_sent = now;
+                    self.send(Control::Heartbeat);
+                }
+                let mut expired: Vec<u64> = self
+                    .streams
+                    .iter()
+                    .filter(|(_, s)| matches!(s, StreamState::Pending { deadline, .. } if now >= *deadline))
+                    .map(|(id, _)| *id)
+                    .collect();
+                expired.sort_unstable();
+                for id in expired {
+                    self.streams.remove(&id);
+                    // The broker may have it open: tell it to let go.
+                    self.send(Control::Unsubscribe { stream_id: id });
+                    self.events.push_back(RouterEvent::Expired(id));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// A frame from the broker.
+    pub fn handle(&mut self, frame: Control, now: Instant) {
+        self.liveness.last_heard = now;
+        match (&self.state, frame) {
+            (RouterState::Ended, _) => {}
+            (RouterState::AwaitingHello { .. }, Control::Hello(hello)) => {
+                // The highest version both speak.
+                let Some(version) = hello
+                    .versions
+                    .iter()
+                    .copied()
+                    .filter(|v| *v == PROTOCOL_VERSION)
+                    .max()
+                else {
+                    return self.end(SessionEnd::NoCommonVersion {
+                        offered: hello.versions,
+                    });
+                };
+                self.state = RouterState::Active { draining: false };
+                self.liveness = Liveness::new(&self.limits, now);
+                self.send(Control::Welcome(Welcome::new(
+                    version,
+                    self.session_id,
+                    self.limits,
+                )));
+                self.events.push_back(RouterEvent::Welcomed {
+                    client_id: hello.client_id,
+                    namespaces: hello.namespaces,
+                    version,
+                });
+            }
+            (RouterState::AwaitingHello { .. }, _) => {
+                self.end(SessionEnd::Protocol("the first frame was not a hello"));
+            }
+            (RouterState::Active { .. }, Control::Heartbeat | Control::Unknown) => {}
+            (RouterState::Active { .. }, Control::StreamOpened { stream_id }) => {
+                if let Some(StreamState::Pending { opened, .. }) = self.streams.get_mut(&stream_id)
+                {
+                    *opened = true;
+                    self.events.push_back(RouterEvent::Opened(stream_id));
+                }
+            }
+            (RouterState::Active { .. }, Control::StreamRefused { stream_id, code }) => {
+                if self.streams.remove(&stream_id).is_some() {
+                    self.events
+                        .push_back(RouterEvent::Refused { stream_id, code });
+                }
+            }
+            (RouterState::Active { .. }, Control::StreamClosed { stream_id, code }) => {
+                if self.streams.remove(&stream_id).is_some() {
+                    self.events
+                        .push_back(RouterEvent::Closed { stream_id, code });
+                }
+            }
+            (RouterState::Active { .. }, Control::Draining) => {
+                self.state = RouterState::Active { draining: true };
+                self.events.push_back(RouterEvent::BrokerDraining);
+            }
+            (RouterState::Active { .. }, _) => {
+                self.end(SessionEnd::Protocol(
+                    "a frame only a router sends came from the broker",
+                ));
+            }
+        }
+    }
+
+    /// Asks the broker to relay `target` as `stream_id`.
+    pub fn subscribe(
+        &mut self,
+        stream_id: u64,
+        target: String,
+        now: Instant,
+    ) -> Result<(), SubscribeError> {
+        match self.state {
+            RouterState::Active { draining: false } => {}
+            RouterState::Active { draining: true } => return Err(SubscribeError::Draining),
+            _ => return Err(SubscribeError::NotActive),
+        }
+        if self.streams.contains_key(&stream_id) {
+            return Err(SubscribeError::DuplicateStream);
+        }
+        if self.streams.len() >= self.limits.max_streams as usize {
+            return Err(SubscribeError::TooManyStreams);
+        }
+        self.streams.insert(
+            stream_id,
+            StreamState::Pending {
+                deadline: now + PENDING_SUBSCRIBE_TIMEOUT,
+                opened: false,
+            },
+        );
+        self.send(Control::Subscribe { stream_id, target });
+        Ok(())
+    }
+
+    /// Stops relaying `stream_id` (the broker closes it silently).
+    pub fn unsubscribe(&mut self, stream_id: u64) {
+        if self.streams.remove(&stream_id).is_some() {
+            self.send(Control::Unsubscribe { stream_id });
+        }
+    }
+
+    /// A data stream for `stream_id` arrived: attach it, or refuse it with
+    /// `unknown_stream` (never subscribed here, expired, or already attached).
+    pub fn accept_data_stream(&mut self, stream_id: u64) -> Result<(), RefuseCode> {
+        match self.streams.get_mut(&stream_id) {
+            // The data stream may overtake `stream_opened` (they travel separately).
+            Some(s @ StreamState::Pending { .. }) => {
+                *s = StreamState::Active;
+                Ok(())
+            }
+            _ => Err(RefuseCode::UnknownStream),
+        }
+    }
+
+    /// The data stream of `stream_id` ended on this side (the router's socket closed
+    /// it, or the transport failed): forget it and tell the broker.
+    pub fn data_stream_ended(&mut self, stream_id: u64) {
+        self.unsubscribe(stream_id);
+    }
+
+    /// Asks the broker to drain (shutdown, or moving its subscriptions elsewhere).
+    pub fn drain(&mut self, deadline: Duration, reason: DrainReason) {
+        if let RouterState::Active { .. } = self.state {
+            self.state = RouterState::Active { draining: true };
+            self.send(Control::Drain { deadline, reason });
+        }
+    }
+
+    /// Ends the session from this side (a newer session of the same client id
+    /// superseded it, or the router is stopping).
+    pub fn close(&mut self) {
+        self.end(SessionEnd::Closed);
+    }
+
+    fn send(&mut self, frame: Control) {
+        if let Err(end) = self.outbox.push(frame) {
+            self.end(end);
+        }
+    }
+
+    fn end(&mut self, why: SessionEnd) {
+        if self.state != RouterState::Ended {
+            self.state = RouterState::Ended;
+            self.streams.clear();
+            self.outbox.frames.clear();
+            self.events.push_back(RouterEvent::Ended(why));
+        }
+    }
+}

@@ -18,8 +18,13 @@
 //!   queues toward the router (64 B charged per chunk);
 //! - [`rendezvous_owner`], which broker carries which publisher.
 //!
-//! The HTTP/2 + TLS transport, the `event_broker` example and the router's bus server
-//! build on these.
+//! On top, the transport: [`EventBus`], the router's TLS + HTTP/2 server that runs
+//! broker sessions and opens publisher connections through them
+//! ([`EventBus::open_stream`] gives a [`TunnelStream`] a `SubSocket` can run ZMTP over),
+//! and [`Broker`], which dials out to the bus, checks each target (advertised in its
+//! discovery view, allowed by its [`AddrFilter`](crate::net::AddrFilter)), connects under
+//! per-stage deadlines and relays raw bytes within its [`RelayBudget`]. TLS uses rustls
+//! with the ring provider ([`server_tls`], [`client_tls`]).
 //!
 //! ```
 //! use std::time::Instant;
@@ -40,10 +45,22 @@
 //! assert!(matches!(broker.poll_event(), Some(BrokerEvent::Welcomed(_))));
 //! ```
 
+mod broker;
 mod budget;
+mod bus;
+mod error;
 mod frame;
+mod io;
 mod rendezvous;
 mod session;
+
+pub use broker::{
+    BUS_CONNECT_TIMEOUT, Broker, BrokerConfig, BrokerStats, CONNECT_TIMEOUT, DNS_TIMEOUT,
+    RESPONSE_TIMEOUT,
+};
+pub use bus::{BusStats, EventBus};
+pub use error::TunnelError;
+pub use io::{Secret, TunnelStream, client_tls, server_tls};
 
 pub use budget::{
     CHUNK_OVERHEAD, MAX_SESSION_BUFFER_BYTES, MAX_STREAM_BUFFER_BYTES, MIN_STREAM_BUFFER_BYTES,

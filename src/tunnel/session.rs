@@ -343,6 +343,11 @@ impl BrokerSession {
         self.end(SessionEnd::Closed);
     }
 
+    /// Ends the session for `why` (the I/O layer found the peer's bytes unusable).
+    pub fn abort(&mut self, why: SessionEnd) {
+        self.end(why);
+    }
+
     fn send(&mut self, frame: Control) {
         if let Err(end) = self.outbox.push(frame) {
             self.end(end);
@@ -750,6 +755,11 @@ impl RouterSession {
     /// superseded it, or the router is stopping).
     pub fn close(&mut self) {
         self.end(SessionEnd::Closed);
+    }
+
+    /// Ends the session for `why` (the I/O layer found the peer's bytes unusable).
+    pub fn abort(&mut self, why: SessionEnd) {
+        self.end(why);
     }
 
     fn send(&mut self, frame: Control) {

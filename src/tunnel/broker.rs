@@ -1,0 +1,668 @@
+//! The event broker (DESIGN §7.2): inside the cluster, it dials out to the router's
+//! event bus, and per `subscribe` checks the target, connects to the publisher and
+//! relays raw bytes both ways, without parsing them.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hyper::Request;
+use hyper::client::conn::http2::SendRequest;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::error::TunnelError;
+use super::io::{BODY_CHANNEL, ChannelBody, Secret, next_chunk};
+use super::{
+    BrokerEvent, BrokerSession, CHUNK_OVERHEAD, CloseCode, ControlDecoder, DrainReason, Hello,
+    MAX_SESSION_BUFFER_BYTES, Reconnect, RefuseCode, RelayBudget,
+};
+use crate::discovery::{Discovery, Query};
+use crate::net::{AddrFilter, random_unit};
+
+/// Deadline for resolving a target's host.
+pub const DNS_TIMEOUT: Duration = Duration::from_secs(5);
+/// Deadline for connecting to a target, across all its resolved addresses.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Deadline for the router's response head on a session or data stream.
+pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Deadline for reaching the bus (TCP and TLS).
+pub const BUS_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What a broker needs: where the bus is, who it is, what it covers, and what it may
+/// dial.
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct BrokerConfig {
+    /// The router's bus, `https://host:port` (plaintext is refused).
+    pub bus_url: String,
+    /// This broker's id (one session per id: a new one supersedes the old).
+    pub client_id: String,
+    /// The discovery namespaces it serves.
+    pub namespaces: Vec<String>,
+    /// The bearer credential.
+    pub token: Secret,
+    /// TLS for the bus (see [`client_tls`](super::client_tls)).
+    pub tls: Arc<rustls::ClientConfig>,
+    /// Its own view of the publishers: only endpoints advertised here are dialled.
+    pub discovery: Arc<dyn Discovery>,
+    /// Which resolved addresses may be dialled.
+    pub addr_filter: AddrFilter,
+    /// How long open streams may run after a SIGTERM or `drain{shutdown}`.
+    pub drain_deadline: Duration,
+}
+
+impl std::fmt::Debug for BrokerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BrokerConfig")
+            .field("bus_url", &self.bus_url)
+            .field("client_id", &self.client_id)
+            .field("namespaces", &self.namespaces)
+            .field("token", &self.token)
+            .finish_non_exhaustive()
+    }
+}
+
+impl BrokerConfig {
+    /// A configuration with the default address filter and a 30 s drain deadline.
+    pub fn new(
+        bus_url: impl Into<String>,
+        client_id: impl Into<String>,
+        namespaces: Vec<String>,
+        token: Secret,
+        tls: Arc<rustls::ClientConfig>,
+        discovery: Arc<dyn Discovery>,
+    ) -> BrokerConfig {
+        BrokerConfig {
+            bus_url: bus_url.into(),
+            client_id: client_id.into(),
+            namespaces,
+            token,
+            tls,
+            discovery,
+            addr_filter: AddrFilter::default(),
+            drain_deadline: Duration::from_secs(30),
+        }
+    }
+
+    /// With open streams allowed `deadline` to finish when draining (default 30 s).
+    #[must_use]
+    pub fn drain_deadline(mut self, deadline: Duration) -> BrokerConfig {
+        self.drain_deadline = deadline;
+        self
+    }
+
+    /// With `filter` deciding which resolved addresses may be dialled.
+    #[must_use]
+    pub fn addr_filter(mut self, filter: AddrFilter) -> BrokerConfig {
+        self.addr_filter = filter;
+        self
+    }
+
+    /// `host`, `port` and `authority` of the bus URL, or why it is refused.
+    fn bus(&self) -> Result<(String, u16, String), TunnelError> {
+        let bad = |reason: &str| TunnelError::Config {
+            field: "bus_url",
+            reason: format!("{:?} {reason}", self.bus_url),
+        };
+        let rest = self
+            .bus_url
+            .strip_prefix("https://")
+            .ok_or_else(|| bad("is not https:// (plaintext is refused)"))?;
+        let authority = rest.split('/').next().unwrap_or_default();
+        let (host, port) = match authority.rsplit_once(':') {
+            Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => {
+                (h, p.parse::<u16>().map_err(|_| bad("has a bad port"))?)
+            }
+            _ => (authority, 443),
+        };
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() {
+            return Err(bad("has no host"));
+        }
+        Ok((host.to_owned(), port, authority.to_owned()))
+    }
+
+    /// The first refused setting, if any.
+    pub fn validate(&self) -> Result<(), TunnelError> {
+        self.bus()?;
+        if self.client_id.is_empty() || self.client_id.len() > super::MAX_NAME_LEN {
+            return Err(TunnelError::Config {
+                field: "client_id",
+                reason: "is empty or too long".into(),
+            });
+        }
+        if self.namespaces.is_empty() || self.namespaces.len() > super::MAX_NAMESPACES {
+            return Err(TunnelError::Config {
+                field: "namespaces",
+                reason: format!("must name 1 to {}", super::MAX_NAMESPACES),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Counters of a [`Broker`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct BrokerStats {
+    /// Sessions welcomed by the bus.
+    pub sessions: u64,
+    /// Session attempts that failed before or after their welcome.
+    pub session_failures: u64,
+    /// Streams opened to publishers.
+    pub streams_opened: u64,
+    /// Subscribes refused, by code.
+    pub refused: HashMap<String, u64>,
+    /// Streams closed by the broker, by code.
+    pub closed: HashMap<String, u64>,
+    /// Bytes relayed publisher → router.
+    pub bytes_up: u64,
+    /// Bytes relayed router → publisher.
+    pub bytes_down: u64,
+    /// The most the broker ever had queued toward the router in one session.
+    pub buffer_high_water: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    sessions: AtomicU64,
+    session_failures: AtomicU64,
+    streams_opened: AtomicU64,
+    bytes_up: AtomicU64,
+    bytes_down: AtomicU64,
+    high_water: AtomicU64,
+    codes: Mutex<(HashMap<String, u64>, HashMap<String, u64>)>,
+}
+
+/// A running broker: it keeps a session with the bus (reconnecting with backoff) until
+/// shut down.
+#[derive(Debug)]
+pub struct Broker {
+    cancel: CancellationToken,
+    counters: Arc<Counters>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for Counters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Counters").finish_non_exhaustive()
+    }
+}
+
+impl Broker {
+    /// Validates `config` and starts the broker on the current Tokio runtime.
+    pub fn spawn(config: BrokerConfig) -> Result<Broker, TunnelError> {
+        config.validate()?;
+        let cancel = CancellationToken::new();
+        let counters = Arc::new(Counters::default());
+        let task = tokio::spawn(run(config, cancel.clone(), counters.clone()));
+        Ok(Broker {
+            cancel,
+            counters,
+            task,
+        })
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> BrokerStats {
+        let c = &self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let codes = c.codes.lock().unwrap_or_else(|p| p.into_inner());
+        BrokerStats {
+            sessions: l(&c.sessions),
+            session_failures: l(&c.session_failures),
+            streams_opened: l(&c.streams_opened),
+            refused: codes.0.clone(),
+            closed: codes.1.clone(),
+            bytes_up: l(&c.bytes_up),
+            bytes_down: l(&c.bytes_down),
+            buffer_high_water: l(&c.high_water),
+        }
+    }
+
+    /// Drains (says `draining`, refuses new subscribes, lets open streams run until
+    /// the drain deadline) and stops.
+    pub async fn shutdown(self) {
+        self.cancel.cancel();
+        let _ = self.task.await;
+    }
+
+    /// Stops at once, open streams cut.
+    pub fn abort(self) {
+        self.task.abort();
+    }
+}
+
+impl Counters {
+    fn count(&self, refused: bool, code: &str) {
+        let mut codes = self.codes.lock().unwrap_or_else(|p| p.into_inner());
+        let map = if refused { &mut codes.0 } else { &mut codes.1 };
+        *map.entry(code.to_owned()).or_default() += 1;
+    }
+}
+
+/// How a session ended, for the reconnect delay.
+enum Outcome {
+    Failed,
+    Drained(DrainReason),
+    Stopped,
+}
+
+async fn run(config: BrokerConfig, cancel: CancellationToken, counters: Arc<Counters>) {
+    let mut reconnect = Reconnect::default();
+    loop {
+        let outcome = match session(&config, &cancel, &counters, &mut reconnect).await {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                counters.session_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(bus = %config.bus_url, error = %crate::net::ErrorChain(&e), "bus session failed");
+                Outcome::Failed
+            }
+        };
+        let delay = match outcome {
+            Outcome::Stopped => return,
+            Outcome::Failed => reconnect.after_failure(random_unit()),
+            Outcome::Drained(reason) => {
+                reconnect.after_drain(reason, Instant::now(), random_unit())
+            }
+        };
+        tracing::info!(?delay, "reconnecting to the bus");
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(delay) => {}
+        }
+    }
+}
+
+/// What a stream task reports to its session.
+enum Report {
+    Opened(u64),
+    Refused(u64, RefuseCode),
+    Closed(u64, CloseCode),
+}
+
+async fn session(
+    config: &BrokerConfig,
+    cancel: &CancellationToken,
+    counters: &Arc<Counters>,
+    reconnect: &mut Reconnect,
+) -> Result<Outcome, TunnelError> {
+    let (host, port, authority) = config.bus()?;
+    let tcp = tokio::time::timeout(
+        BUS_CONNECT_TIMEOUT,
+        TcpStream::connect((host.as_str(), port)),
+    )
+    .await
+    .map_err(|_| TunnelError::Timeout("connecting to the bus"))??;
+    let _ = tcp.set_nodelay(true);
+    let name =
+        rustls::pki_types::ServerName::try_from(host.clone()).map_err(|e| TunnelError::Config {
+            field: "bus_url",
+            reason: e.to_string(),
+        })?;
+    let tls = tokio::time::timeout(
+        BUS_CONNECT_TIMEOUT,
+        tokio_rustls::TlsConnector::from(config.tls.clone()).connect(name, tcp),
+    )
+    .await
+    .map_err(|_| TunnelError::Timeout("the TLS handshake with the bus"))??;
+    let (sender, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls)).await?;
+    let conn_done = CancellationToken::new();
+    let conn_guard = conn_done.clone();
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "bus connection ended");
+        }
+        conn_guard.cancel();
+    });
+    let (ctrl_tx, ctrl_rx) = mpsc::channel(BODY_CHANNEL);
+    let request = Request::post(format!("https://{authority}/bus/v1/session"))
+        .header(hyper::header::AUTHORIZATION, config.token.header())
+        .body(ChannelBody::new(ctrl_rx))
+        .map_err(|e| TunnelError::Config {
+            field: "bus_url",
+            reason: e.to_string(),
+        })?;
+    let mut sender_for_session = sender.clone();
+    let response = tokio::time::timeout(RESPONSE_TIMEOUT, sender_for_session.send_request(request))
+        .await
+        .map_err(|_| TunnelError::Timeout("the bus's answer"))??;
+    match response.status().as_u16() {
+        200 => {}
+        401 => return Err(TunnelError::Unauthorized),
+        other => return Err(TunnelError::Status(other)),
+    }
+    let mut body = response.into_body();
+    let mut broker = BrokerSession::new(
+        Hello::new(config.client_id.clone(), config.namespaces.clone()),
+        Instant::now(),
+    );
+    let mut decoder = ControlDecoder::default();
+    let (report_tx, mut report_rx) = mpsc::channel::<Report>(1024);
+    let budget = Arc::new(Mutex::new(RelayBudget::new(
+        1 << 20,
+        MAX_SESSION_BUFFER_BYTES,
+    )));
+    let streams_cancel = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    let mut stream_stops: HashMap<u64, CancellationToken> = HashMap::new();
+    let mut drain: Option<(DrainReason, tokio::time::Instant)> = None;
+    let mut stopping: Option<tokio::time::Instant> = None;
+    let outcome = loop {
+        let mut wire = Vec::new();
+        while let Some(frame) = broker.poll_transmit() {
+            frame.encode(&mut wire);
+        }
+        if !wire.is_empty() && ctrl_tx.send(Ok(Bytes::from(wire))).await.is_err() {
+            broker.close();
+        }
+        let mut ended = None;
+        while let Some(event) = broker.poll_event() {
+            match event {
+                BrokerEvent::Welcomed(welcome) => {
+                    counters.sessions.fetch_add(1, Ordering::Relaxed);
+                    reconnect.reset();
+                    *budget.lock().unwrap_or_else(|p| p.into_inner()) = RelayBudget::new(
+                        welcome.limits.max_stream_buffer_bytes as usize,
+                        MAX_SESSION_BUFFER_BYTES,
+                    );
+                    tracing::info!(client_id = %config.client_id, session_id = welcome.session_id, "bus session welcomed");
+                }
+                BrokerEvent::Open { stream_id, target } => {
+                    let stop = streams_cancel.child_token();
+                    stream_stops.insert(stream_id, stop.clone());
+                    tracker.spawn(relay(
+                        config.clone(),
+                        sender.clone(),
+                        authority.clone(),
+                        stream_id,
+                        target,
+                        budget.clone(),
+                        report_tx.clone(),
+                        counters.clone(),
+                        stop,
+                    ));
+                }
+                BrokerEvent::Close { stream_id } => {
+                    if let Some(stop) = stream_stops.remove(&stream_id) {
+                        stop.cancel();
+                    }
+                }
+                BrokerEvent::Drain { deadline, reason } => {
+                    tracing::info!(?reason, ?deadline, "the router asks to drain");
+                    drain = Some((reason, tokio::time::Instant::now() + deadline));
+                }
+                BrokerEvent::Ended(end) => {
+                    tracing::info!(reason = %end, "bus session ended");
+                    ended = Some(end);
+                }
+            }
+        }
+        if let Some(end) = ended {
+            let _ = end;
+            break match (drain, stopping) {
+                (_, Some(_)) => Outcome::Stopped,
+                (Some((reason, _)), _) => Outcome::Drained(reason),
+                _ => Outcome::Failed,
+            };
+        }
+        // Drained with nothing open, or past the drain deadline: this session is done.
+        let deadline = stopping.or(drain.map(|(_, d)| d));
+        if deadline.is_some() && broker.streams() == 0 {
+            broker.close();
+            continue;
+        }
+        let timer = [
+            broker.poll_timeout().map(tokio::time::Instant::from_std),
+            deadline,
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        tokio::select! {
+            chunk = next_chunk(&mut body) => match chunk {
+                Some(Ok(bytes)) => {
+                    let now = Instant::now();
+                    let mut input = &bytes[..];
+                    loop {
+                        match decoder.decode(&mut input) {
+                            Ok(Some(frame)) => broker.handle(frame, now),
+                            Ok(None) => break,
+                            Err(e) => {
+                                tracing::warn!(error = %e, "undecodable control frame from the bus");
+                                broker.abort(super::SessionEnd::Protocol("undecodable control frame"));
+                                break;
+                            }
+                        }
+                    }
+                }
+                _ => broker.close(),
+            },
+            report = report_rx.recv() => if let Some(report) = report {
+                match report {
+                    Report::Opened(id) => {
+                        counters.streams_opened.fetch_add(1, Ordering::Relaxed);
+                        broker.stream_opened(id);
+                    }
+                    Report::Refused(id, code) => {
+                        counters.count(true, code.as_str());
+                        stream_stops.remove(&id);
+                        broker.stream_refused(id, code);
+                    }
+                    Report::Closed(id, code) => {
+                        counters.count(false, code.as_str());
+                        stream_stops.remove(&id);
+                        broker.stream_closed(id, code);
+                    }
+                }
+            },
+            () = sleep_until(timer) => {
+                let now = tokio::time::Instant::now();
+                if deadline.is_some_and(|d| now >= d) {
+                    broker.close();
+                } else {
+                    broker.handle_timeout(now.into_std());
+                }
+            }
+            () = cancel.cancelled(), if stopping.is_none() => {
+                tracing::info!("draining before exit");
+                broker.begin_draining();
+                stopping = Some(tokio::time::Instant::now() + config.drain_deadline);
+            }
+            () = conn_done.cancelled() => broker.close(),
+        }
+    };
+    streams_cancel.cancel();
+    tracker.close();
+    tracker.wait().await;
+    let high = budget
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .high_water() as u64;
+    counters.high_water.fetch_max(high, Ordering::Relaxed);
+    Ok(outcome)
+}
+
+async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Checks `target`, connects to it, and relays it as data stream `stream_id`.
+#[allow(clippy::too_many_arguments)]
+async fn relay(
+    config: BrokerConfig,
+    sender: SendRequest<ChannelBody>,
+    authority: String,
+    stream_id: u64,
+    target: String,
+    budget: Arc<Mutex<RelayBudget>>,
+    report: mpsc::Sender<Report>,
+    counters: Arc<Counters>,
+    stop: CancellationToken,
+) {
+    let tcp = tokio::select! {
+        () = stop.cancelled() => return,
+        r = dial(&config, &target) => r,
+    };
+    let tcp = match tcp {
+        Ok(tcp) => tcp,
+        Err(code) => {
+            let _ = report.send(Report::Refused(stream_id, code)).await;
+            return;
+        }
+    };
+    let _ = report.send(Report::Opened(stream_id)).await;
+    let code = pump(
+        sender,
+        authority,
+        config.token,
+        stream_id,
+        tcp,
+        budget,
+        &counters,
+        &stop,
+    )
+    .await;
+    if let Some(code) = code {
+        let _ = report.send(Report::Closed(stream_id, code)).await;
+    }
+}
+
+/// The target checks and the connection, each stage under its deadline.
+async fn dial(config: &BrokerConfig, target: &str) -> Result<TcpStream, RefuseCode> {
+    let mut advertised = false;
+    for ns in &config.namespaces {
+        let listed = config
+            .discovery
+            .list(Query::new(ns))
+            .await
+            .unwrap_or_default();
+        if listed.iter().any(|i| i.transport.endpoint() == target) {
+            advertised = true;
+            break;
+        }
+    }
+    if !advertised {
+        return Err(RefuseCode::TargetNotAdvertised);
+    }
+    let (host, port) = crate::zmtp::parse_tcp(target).map_err(|_| RefuseCode::BadTarget)?;
+    let addrs: Vec<std::net::SocketAddr> =
+        match tokio::time::timeout(DNS_TIMEOUT, tokio::net::lookup_host((host.as_str(), port)))
+            .await
+        {
+            Err(_) => return Err(RefuseCode::DnsTimeout),
+            Ok(Err(_)) => return Err(RefuseCode::DnsFailed),
+            Ok(Ok(addrs)) => addrs.collect(),
+        };
+    if addrs.is_empty() {
+        return Err(RefuseCode::DnsFailed);
+    }
+    let allowed: Vec<std::net::SocketAddr> = addrs
+        .into_iter()
+        .filter(|a| config.addr_filter.check_socket(*a).is_ok())
+        .collect();
+    if allowed.is_empty() {
+        return Err(RefuseCode::AddressFiltered);
+    }
+    let connect = async {
+        for addr in &allowed {
+            if let Ok(Ok(tcp)) =
+                tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await
+            {
+                return Ok(tcp);
+            }
+        }
+        Err(RefuseCode::ConnectFailed)
+    };
+    match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
+        Ok(r) => {
+            let tcp = r?;
+            let _ = tcp.set_nodelay(true);
+            Ok(tcp)
+        }
+        Err(_) => Err(RefuseCode::ConnectTimeout),
+    }
+}
+
+/// Relays until either side ends; `Some(code)` when the broker must report the close
+/// (`None` when the router let go first).
+#[allow(clippy::too_many_arguments)]
+async fn pump(
+    mut sender: SendRequest<ChannelBody>,
+    authority: String,
+    token: Secret,
+    stream_id: u64,
+    tcp: TcpStream,
+    budget: Arc<Mutex<RelayBudget>>,
+    counters: &Counters,
+    stop: &CancellationToken,
+) -> Option<CloseCode> {
+    let (mut read, mut write) = tcp.into_split();
+    budget
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .open(stream_id);
+    // Enough slots that the byte budget, not the slot count, is what fills first.
+    let slots = (super::MAX_STREAM_BUFFER_BYTES / CHUNK_OVERHEAD).max(1);
+    let (up_tx, up_rx) = mpsc::channel(slots);
+    let request = Request::post(format!("https://{authority}/bus/v1/streams/{stream_id}"))
+        .header(hyper::header::AUTHORIZATION, token.header())
+        .body(ChannelBody::charged(up_rx, budget.clone(), stream_id))
+        .ok()?;
+    let reader_budget = budget.clone();
+    let overflow = CancellationToken::new();
+    let overflowed = overflow.clone();
+    // Publisher → router: read continuously; a chunk over budget resets the stream.
+    let up = async move {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            let n = match read.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            counters.bytes_up.fetch_add(n as u64, Ordering::Relaxed);
+            let charged = reader_budget
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .charge(stream_id, n);
+            let chunk = Bytes::copy_from_slice(buf.get(..n).unwrap_or_default());
+            if charged.is_err() || up_tx.try_send(Ok(chunk)).is_err() {
+                let _ = up_tx.try_send(Err(std::io::Error::other("buffer overflow")));
+                overflowed.cancel();
+                return;
+            }
+        }
+    };
+    let down = async {
+        let response =
+            match tokio::time::timeout(RESPONSE_TIMEOUT, sender.send_request(request)).await {
+                Ok(Ok(r)) if r.status().is_success() => r,
+                _ => return,
+            };
+        let mut body = response.into_body();
+        while let Some(Ok(chunk)) = next_chunk(&mut body).await {
+            counters
+                .bytes_down
+                .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+            if write.write_all(&chunk).await.is_err() {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        () = stop.cancelled() => None,
+        () = up => Some(if overflow.is_cancelled() { CloseCode::BufferOverflow } else { CloseCode::UpstreamClosed }),
+        () = down => Some(CloseCode::UpstreamClosed),
+    }
+}

@@ -1,0 +1,302 @@
+//! The thin I/O layer under the sessions: HTTP/2 bodies fed from bounded channels,
+//! a byte stream over a data stream's two bodies, TLS configuration, and the bearer
+//! credential.
+
+use std::io;
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, ready};
+
+use bytes::{Buf, Bytes};
+use http_body::{Body, Frame};
+use hyper::body::Incoming;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::mpsc;
+use tokio_util::sync::PollSender;
+
+use super::RelayBudget;
+use super::error::TunnelError;
+
+/// Chunks a body channel holds at most (its bytes are bounded by the relay budget or
+/// by the writer's own pacing).
+pub(crate) const BODY_CHANNEL: usize = 64;
+
+/// An HTTP/2 body whose chunks come from a bounded channel; it ends when every sender
+/// is gone, and fails (resetting the stream) on an `Err` item. When it belongs to a
+/// relayed stream it gives each chunk's budget back as hyper takes it.
+pub(crate) struct ChannelBody {
+    rx: mpsc::Receiver<Result<Bytes, io::Error>>,
+    budget: Option<(Arc<Mutex<RelayBudget>>, u64)>,
+}
+
+impl ChannelBody {
+    pub(crate) fn new(rx: mpsc::Receiver<Result<Bytes, io::Error>>) -> ChannelBody {
+        ChannelBody { rx, budget: None }
+    }
+
+    pub(crate) fn charged(
+        rx: mpsc::Receiver<Result<Bytes, io::Error>>,
+        budget: Arc<Mutex<RelayBudget>>,
+        stream: u64,
+    ) -> ChannelBody {
+        ChannelBody {
+            rx,
+            budget: Some((budget, stream)),
+        }
+    }
+}
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        match ready!(self.rx.poll_recv(cx)) {
+            Some(Ok(chunk)) => {
+                if let Some((budget, stream)) = &self.budget {
+                    budget
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .release(*stream, chunk.len());
+                }
+                Poll::Ready(Some(Ok(Frame::data(chunk))))
+            }
+            Some(Err(e)) => Poll::Ready(Some(Err(e))),
+            None => Poll::Ready(None),
+        }
+    }
+}
+
+impl Drop for ChannelBody {
+    fn drop(&mut self) {
+        if let Some((budget, stream)) = &self.budget {
+            budget
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .close(*stream);
+        }
+    }
+}
+
+/// The next data chunk of an incoming body (trailers skipped); `None` at its end.
+pub(crate) async fn next_chunk(body: &mut Incoming) -> Option<Result<Bytes, hyper::Error>> {
+    loop {
+        let frame = std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await?;
+        match frame {
+            Ok(frame) => {
+                if let Ok(data) = frame.into_data() {
+                    return Some(Ok(data));
+                }
+            }
+            Err(e) => return Some(Err(e)),
+        }
+    }
+}
+
+/// A publisher connection through the tunnel, as the router sees it: bytes from the
+/// publisher arrive in the data stream's request body, bytes to it go out in its
+/// response body. A `SubSocket` runs ZMTP over it exactly as over TCP.
+pub struct TunnelStream {
+    incoming: Incoming,
+    pending: Bytes,
+    outgoing: PollSender<Result<Bytes, io::Error>>,
+}
+
+impl std::fmt::Debug for TunnelStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TunnelStream")
+            .field("pending", &self.pending.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl TunnelStream {
+    pub(crate) fn new(
+        incoming: Incoming,
+        outgoing: mpsc::Sender<Result<Bytes, io::Error>>,
+    ) -> TunnelStream {
+        TunnelStream {
+            incoming,
+            pending: Bytes::new(),
+            outgoing: PollSender::new(outgoing),
+        }
+    }
+}
+
+impl AsyncRead for TunnelStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        while self.pending.is_empty() {
+            match ready!(Pin::new(&mut self.incoming).poll_frame(cx)) {
+                None => return Poll::Ready(Ok(())),
+                Some(Err(e)) => return Poll::Ready(Err(io::Error::other(e))),
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        self.pending = data;
+                    }
+                }
+            }
+        }
+        let n = self.pending.len().min(buf.remaining());
+        buf.put_slice(self.pending.get(..n).unwrap_or_default());
+        self.pending.advance(n);
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for TunnelStream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        if ready!(self.outgoing.poll_reserve(cx)).is_err() {
+            return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
+        }
+        let n = buf.len().min(64 << 10);
+        let chunk = Bytes::copy_from_slice(buf.get(..n).unwrap_or_default());
+        match self.outgoing.send_item(Ok(chunk)) {
+            Ok(()) => Poll::Ready(Ok(n)),
+            Err(_) => Poll::Ready(Err(io::ErrorKind::BrokenPipe.into())),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.outgoing.close();
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// A bearer credential: compared in constant time, never printed.
+#[derive(Clone)]
+pub struct Secret(Arc<str>);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+impl Secret {
+    /// A credential (surrounding whitespace, such as a file's final newline, removed).
+    pub fn new(token: impl AsRef<str>) -> Result<Secret, TunnelError> {
+        let token = token.as_ref().trim();
+        if token.is_empty() {
+            return Err(TunnelError::Config {
+                field: "token",
+                reason: "is empty".into(),
+            });
+        }
+        Ok(Secret(token.into()))
+    }
+
+    /// The credential in `path` (a file holding just the token).
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Secret, TunnelError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| TunnelError::Config {
+            field: "token_file",
+            reason: format!("{}: {e}", path.display()),
+        })?;
+        Secret::new(text)
+    }
+
+    pub(crate) fn header(&self) -> String {
+        format!("Bearer {}", self.0)
+    }
+
+    /// `true` when `header` is `Bearer <this token>`; constant-time in the token.
+    pub(crate) fn matches_header(&self, header: Option<&[u8]>) -> bool {
+        let Some(given) = header.and_then(|h| h.strip_prefix(b"Bearer ")) else {
+            return false;
+        };
+        let want = self.0.as_bytes();
+        let mut diff = u8::from(given.len() != want.len());
+        for (i, w) in want.iter().enumerate() {
+            diff |= w ^ given.get(i).copied().unwrap_or(0);
+        }
+        diff == 0
+    }
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn pem_error(what: &'static str, path: &Path, e: impl std::fmt::Display) -> TunnelError {
+    TunnelError::Config {
+        field: what,
+        reason: format!("{}: {e}", path.display()),
+    }
+}
+
+/// The TLS configuration of an event bus: its certificate chain and private key, in
+/// PEM files; HTTP/2 only.
+pub fn server_tls(
+    cert_pem: impl AsRef<Path>,
+    key_pem: impl AsRef<Path>,
+) -> Result<Arc<rustls::ServerConfig>, TunnelError> {
+    let (cert_pem, key_pem) = (cert_pem.as_ref(), key_pem.as_ref());
+    let certs = rustls_pemfile::certs(&mut io::BufReader::new(
+        std::fs::File::open(cert_pem).map_err(|e| pem_error("cert", cert_pem, e))?,
+    ))
+    .collect::<Result<Vec<_>, _>>()
+    .map_err(|e| pem_error("cert", cert_pem, e))?;
+    if certs.is_empty() {
+        return Err(pem_error("cert", cert_pem, "no certificate in the file"));
+    }
+    let key = rustls_pemfile::private_key(&mut io::BufReader::new(
+        std::fs::File::open(key_pem).map_err(|e| pem_error("key", key_pem, e))?,
+    ))
+    .map_err(|e| pem_error("key", key_pem, e))?
+    .ok_or_else(|| pem_error("key", key_pem, "no private key in the file"))?;
+    let mut config = rustls::ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(TunnelError::Tls)?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(TunnelError::Tls)?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// The TLS configuration of a broker: the CA bundle (PEM) its bus certificate must
+/// chain to; HTTP/2 only.
+pub fn client_tls(ca_pem: impl AsRef<Path>) -> Result<Arc<rustls::ClientConfig>, TunnelError> {
+    let ca_pem = ca_pem.as_ref();
+    let mut roots = rustls::RootCertStore::empty();
+    let certs = rustls_pemfile::certs(&mut io::BufReader::new(
+        std::fs::File::open(ca_pem).map_err(|e| pem_error("ca_file", ca_pem, e))?,
+    ))
+    .collect::<Result<Vec<_>, _>>()
+    .map_err(|e| pem_error("ca_file", ca_pem, e))?;
+    for cert in certs {
+        roots
+            .add(cert)
+            .map_err(|e| pem_error("ca_file", ca_pem, e))?;
+    }
+    if roots.is_empty() {
+        return Err(pem_error(
+            "ca_file",
+            ca_pem,
+            "no CA certificate in the file",
+        ));
+    }
+    let mut config = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(TunnelError::Tls)?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(Arc::new(config))
+}

@@ -1,0 +1,354 @@
+//! The tunnel over real sockets: an in-process TLS + HTTP/2 event bus (test
+//! certificates from `tests/fixtures/tunnel/`), an in-process broker, and local TCP
+//! publishers. ZMTP runs end to end through it; every refusal is named.
+#![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::support::{self, within};
+use bytes::Bytes;
+use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Registration, Transport};
+use eventplane::tunnel::{
+    Broker, BrokerConfig, DrainReason, EventBus, Limits, RefuseCode, Secret, TunnelError,
+    client_tls, server_tls,
+};
+use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
+
+const TOKEN: &str = "test-token-0123456789";
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tunnel")
+        .join(name)
+}
+
+async fn bus() -> EventBus {
+    bus_at("127.0.0.1:0").await
+}
+
+async fn bus_at(addr: &str) -> EventBus {
+    let tls = server_tls(fixture("bus.pem"), fixture("bus.key")).unwrap();
+    EventBus::bind(addr, tls, Secret::new(TOKEN).unwrap(), Limits::default())
+        .await
+        .unwrap()
+}
+
+/// Polls `done` until it holds (bounded by the support deadline, not a timing claim).
+async fn until(mut done: impl FnMut() -> bool) {
+    within(async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+}
+
+fn broker_config(bus: &EventBus, id: &str, view: Arc<dyn Discovery>) -> BrokerConfig {
+    BrokerConfig::new(
+        format!("https://localhost:{}", bus.local_addr().port()),
+        id,
+        vec!["prod".to_owned()],
+        Secret::new(TOKEN).unwrap(),
+        client_tls(fixture("ca.pem")).unwrap(),
+        view,
+    )
+}
+
+/// Waits until `bus` has a broker for "prod".
+async fn connected(bus: &EventBus) {
+    within(async {
+        while bus.brokers_for("prod").is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+}
+
+/// A publisher advertised in `view` under "prod".
+async fn publisher(view: &MemoryDiscovery, n: u64) -> (PubSocket, String, Registration) {
+    let socket = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+        .await
+        .unwrap();
+    let endpoint = socket.local_endpoint().unwrap().to_owned();
+    let registration = view
+        .register(
+            ChannelId::new("prod", "worker", "kv", n).unwrap(),
+            Transport::zmq(endpoint.clone()),
+        )
+        .await
+        .unwrap();
+    (socket, endpoint, registration)
+}
+
+fn message(i: u64) -> Message {
+    Message::from_parts([
+        Bytes::from_static(b"kv"),
+        Bytes::copy_from_slice(&i.to_be_bytes()),
+        Bytes::from(vec![i as u8; (i as usize * 37) % 3000]),
+    ])
+}
+
+#[tokio::test]
+async fn zmtp_runs_end_to_end_and_receives_what_a_direct_connection_receives() {
+    let bus = bus().await;
+    let view = Arc::new(MemoryDiscovery::new());
+    let (publisher, endpoint, _reg) = publisher(&view, 7).await;
+    let broker = Broker::spawn(broker_config(&bus, "broker-1", view.clone())).unwrap();
+    connected(&bus).await;
+
+    let stream = within(bus.open_stream("prod", 7, &endpoint)).await.unwrap();
+    let mut tunnelled = within(SubSocket::handshake(stream, Config::default()))
+        .await
+        .unwrap();
+    tunnelled.subscribe("kv").await.unwrap();
+    let mut direct = within(SubSocket::connect(&endpoint, Config::default()))
+        .await
+        .unwrap();
+    direct.subscribe("kv").await.unwrap();
+    within(publisher.wait_for_subscribers(2)).await;
+
+    for i in 0..500 {
+        publisher.send(message(i));
+    }
+    for i in 0..500 {
+        let through = within(tunnelled.recv()).await.unwrap();
+        let straight = within(direct.recv()).await.unwrap();
+        assert_eq!(through, message(i));
+        assert_eq!(straight, through);
+    }
+    let stats = broker.stats();
+    assert_eq!((stats.sessions, stats.streams_opened), (1, 1));
+    // The router lets go: the broker's side of the stream ends too.
+    drop(tunnelled);
+    within(async {
+        while broker.stats().closed.is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(stats.bytes_up > 500 * 20, "{stats:?}");
+    assert!(
+        stats.bytes_down > 0,
+        "the SUB's greeting and subscription went down"
+    );
+    assert_eq!(bus.stats().streams_opened, 1);
+    broker.shutdown().await;
+    bus.shutdown().await;
+}
+
+#[tokio::test]
+async fn each_refusal_is_named() {
+    let bus = bus().await;
+    let view = Arc::new(MemoryDiscovery::new());
+    let register = |n, endpoint: &str| {
+        let view = view.clone();
+        let endpoint = endpoint.to_owned();
+        async move {
+            view.register(
+                ChannelId::new("prod", "worker", "kv", n).unwrap(),
+                Transport::zmq(endpoint),
+            )
+            .await
+            .unwrap()
+        }
+    };
+    // Advertised, but a cloud metadata address; advertised, but no such host.
+    let _metadata = register(1, "tcp://169.254.169.254:80").await;
+    let _nowhere = register(2, "tcp://no-such-host.invalid:5557").await;
+    let broker = Broker::spawn(broker_config(&bus, "broker-1", view.clone())).unwrap();
+    connected(&bus).await;
+
+    let refused = |result: Result<_, TunnelError>| match result {
+        Err(TunnelError::Refused(code)) => code,
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    // Not in the broker's discovery view.
+    let r = within(bus.open_stream("prod", 9, "tcp://127.0.0.1:9")).await;
+    assert_eq!(refused(r), RefuseCode::TargetNotAdvertised);
+    let r = within(bus.open_stream("prod", 1, "tcp://169.254.169.254:80")).await;
+    assert_eq!(refused(r), RefuseCode::AddressFiltered);
+    let r = within(bus.open_stream("prod", 2, "tcp://no-such-host.invalid:5557")).await;
+    assert_eq!(refused(r), RefuseCode::DnsFailed);
+    // No broker covers another namespace.
+    assert!(matches!(
+        bus.open_stream("staging", 1, "tcp://127.0.0.1:9").await,
+        Err(TunnelError::NoBroker(ns)) if ns == "staging"
+    ));
+    let stats = broker.stats();
+    for code in ["target_not_advertised", "address_filtered", "dns_failed"] {
+        assert_eq!(stats.refused.get(code), Some(&1), "{code}: {stats:?}");
+    }
+    broker.shutdown().await;
+    bus.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_wrong_credential_or_ca_gets_no_session_and_plaintext_is_refused() {
+    let bus = bus().await;
+    let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let mut wrong = broker_config(&bus, "intruder", view.clone());
+    wrong.token = Secret::new("not-the-token").unwrap();
+    let intruder = Broker::spawn(wrong).unwrap();
+    within(async {
+        while bus.stats().unauthorized == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert_eq!(bus.stats().sessions, 0);
+    within(async {
+        while intruder.stats().session_failures == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    intruder.abort();
+
+    // A bus whose certificate does not chain to the broker's CA: TLS fails.
+    let mut other_ca = broker_config(&bus, "b", view.clone());
+    other_ca.tls = client_tls(fixture("other-ca.pem")).unwrap();
+    let lost = Broker::spawn(other_ca).unwrap();
+    within(async {
+        while lost.stats().session_failures == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert_eq!(bus.stats().sessions_started, 0);
+    lost.abort();
+
+    let mut plaintext = broker_config(&bus, "b", view);
+    plaintext.bus_url = format!("http://localhost:{}", bus.local_addr().port());
+    match Broker::spawn(plaintext) {
+        Err(TunnelError::Config { field, .. }) => assert_eq!(field, "bus_url"),
+        other => panic!("{other:?}"),
+    }
+    bus.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_new_session_with_the_same_client_id_supersedes_the_old() {
+    let bus = bus().await;
+    let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let first = Broker::spawn(broker_config(&bus, "broker-1", view.clone())).unwrap();
+    connected(&bus).await;
+    let second = Broker::spawn(broker_config(&bus, "broker-1", view.clone())).unwrap();
+    within(async {
+        while bus.stats().superseded == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert_eq!(bus.brokers_for("prod"), ["broker-1"]);
+    first.abort();
+    second.abort();
+    bus.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_router_that_never_reads_overflows_the_stream_not_the_broker() {
+    let bus = bus().await;
+    let view = Arc::new(MemoryDiscovery::new());
+    let (publisher, endpoint, _reg) = publisher(&view, 3).await;
+    let broker = Broker::spawn(broker_config(&bus, "broker-1", view.clone())).unwrap();
+    connected(&bus).await;
+    let stream = within(bus.open_stream("prod", 3, &endpoint)).await.unwrap();
+    let mut sub = within(SubSocket::handshake(stream, Config::default()))
+        .await
+        .unwrap();
+    sub.subscribe("kv").await.unwrap();
+    within(publisher.wait_for_subscribers(1)).await;
+    // 32 MiB toward a router that reads nothing: the broker keeps reading the
+    // publisher, its 1 MiB stream budget fills, and the stream is reset.
+    let big = Bytes::from(vec![7u8; 64 << 10]);
+    for _ in 0..512 {
+        publisher.send(Message::from_parts([
+            Bytes::from_static(b"kv"),
+            big.clone(),
+        ]));
+        tokio::task::yield_now().await;
+    }
+    until(|| broker.stats().closed.contains_key("buffer_overflow")).await;
+    let stats = broker.stats();
+    assert!(
+        stats.buffer_high_water <= 64 << 20,
+        "within the session cap: {stats:?}"
+    );
+    // The router's socket sees its stream end, and resubscribes (here: the error).
+    let ended = within(async {
+        loop {
+            if sub.recv().await.is_err() {
+                return true;
+            }
+        }
+    })
+    .await;
+    assert!(ended);
+    assert_eq!(
+        publisher.stats().dropped,
+        0,
+        "the publisher never had to drop"
+    );
+    broker.abort();
+    bus.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_closed_port_is_connect_failed() {
+    let bus = bus().await;
+    let view = Arc::new(MemoryDiscovery::new());
+    let (_held, port) = support::refusing_port();
+    let target = format!("tcp://127.0.0.1:{port}");
+    let _reg = view
+        .register(
+            ChannelId::new("prod", "w", "kv", 4).unwrap(),
+            Transport::zmq(target.clone()),
+        )
+        .await
+        .unwrap();
+    let broker = Broker::spawn(broker_config(&bus, "broker-1", view.clone())).unwrap();
+    connected(&bus).await;
+    match within(bus.open_stream("prod", 4, &target)).await {
+        Err(TunnelError::Refused(code)) => assert_eq!(code, RefuseCode::ConnectFailed),
+        other => panic!("{other:?}"),
+    }
+    broker.abort();
+    bus.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_broker_reconnects_with_backoff_and_after_a_rebalance() {
+    // The bus is not up yet: the broker's first attempts fail and back off.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let config = BrokerConfig::new(
+        format!("https://localhost:{port}"),
+        "broker-1",
+        vec!["prod".to_owned()],
+        Secret::new(TOKEN).unwrap(),
+        client_tls(fixture("ca.pem")).unwrap(),
+        view,
+    );
+    let broker = Broker::spawn(config).unwrap();
+    until(|| broker.stats().session_failures >= 1).await;
+    let bus = bus_at(&format!("127.0.0.1:{port}")).await;
+    connected(&bus).await;
+    assert_eq!(broker.stats().sessions, 1);
+    // The router moves this broker's share elsewhere: it drains and comes back.
+    assert!(bus.drain_broker(
+        "broker-1",
+        Duration::from_millis(100),
+        DrainReason::Rebalance
+    ));
+    until(|| broker.stats().sessions == 2).await;
+    connected(&bus).await;
+    assert!(!bus.drain_broker("nobody", Duration::ZERO, DrainReason::Rebalance));
+    broker.shutdown().await;
+    bus.shutdown().await;
+}

@@ -856,6 +856,8 @@ async fn every_cli_lists_its_exit_codes_and_logging_in_help() {
         "kv_listen",
         "kv_relay",
         "kv_router",
+        #[cfg(feature = "tunnel")]
+        "event_broker",
     ] {
         let out = run_example(example_name, &["--help"]).await;
         let help = String::from_utf8_lossy(&out.stdout);
@@ -864,5 +866,248 @@ async fn every_cli_lists_its_exit_codes_and_logging_in_help() {
             help.contains("Exit codes:") && help.contains("RUST_LOG"),
             "{example_name} --help: {help}"
         );
+    }
+}
+
+/// `event_broker` (feature `tunnel`): its configuration is checked before anything
+/// connects, it relays through a real TLS bus, and SIGTERM drains it.
+#[cfg(feature = "tunnel")]
+mod event_broker {
+    use std::path::{Path, PathBuf};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use eventplane::tunnel::{EventBus, Limits, Secret, server_tls};
+    use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
+
+    use super::{Command, Stdio, example, stats_json, within};
+
+    const TOKEN: &str = "event-broker-test-token";
+
+    fn fixture(name: &str) -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/tunnel")
+            .join(name)
+    }
+
+    /// A fresh directory with the token file and `broker.toml` holding `body`.
+    fn config(name: &str, body: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("eventplane-broker-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("token"), format!("{TOKEN}\n")).unwrap();
+        let path = dir.join("broker.toml");
+        std::fs::write(&path, body).unwrap();
+        path
+    }
+
+    fn body(bus_url: &str, token_dir: &Path, endpoints: &[&str], extra: &str) -> String {
+        let endpoints: Vec<String> = endpoints.iter().map(|e| format!("{e:?}")).collect();
+        format!(
+            "bus_url = {bus_url:?}\nclient_id = \"broker-a\"\nca_file = {ca:?}\n\
+             token_file = {token:?}\ndrain_deadline_ms = 300\n{extra}\n\
+             [discovery]\nnamespaces = [\"prod\"]\nstatic_endpoints = [{}]\n",
+            endpoints.join(", "),
+            ca = fixture("ca.pem"),
+            token = token_dir.join("token"),
+        )
+    }
+
+    async fn run(config: &Path, extra: &[&str]) -> std::process::Output {
+        within(
+            Command::new(example("event_broker"))
+                .arg("--config")
+                .arg(config)
+                .args(extra)
+                .output(),
+        )
+        .await
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn configurations_are_checked_and_refused_by_name() {
+        let dir = config("check", "").parent().unwrap().to_owned();
+        let good = config(
+            "check",
+            &body("https://localhost:1", &dir, &["tcp://127.0.0.1:5"], ""),
+        );
+        let out = run(&good, &["--check-config"]).await;
+        assert_eq!(out.status.code(), Some(0), "{out:?}");
+        assert!(String::from_utf8_lossy(&out.stdout).contains("configuration ok"));
+        let cases = [
+            (
+                body("http://localhost:1", &dir, &["tcp://127.0.0.1:5"], ""),
+                "is not https://",
+            ),
+            (
+                body(
+                    "https://localhost:1",
+                    &dir,
+                    &["tcp://127.0.0.1:5"],
+                    "colour = \"blue\"",
+                ),
+                "unknown field",
+            ),
+            (
+                body(
+                    "https://localhost:1",
+                    &dir,
+                    &["tcp://127.0.0.1:5"],
+                    "allowed_cidrs = [\"10.0.0.0/40\"]",
+                ),
+                "allowed_cidrs",
+            ),
+            (
+                body("https://localhost:1", &dir, &[], ""),
+                "exactly one of etcd and static_endpoints",
+            ),
+        ];
+        for (text, says) in cases {
+            let path = config("check", &text);
+            let out = run(&path, &["--check-config"]).await;
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{says}: {stderr}");
+            assert!(stderr.contains(says), "{says}: {stderr}");
+            // The credential never shows.
+            assert!(!stderr.contains(TOKEN), "{stderr}");
+        }
+    }
+
+    #[tokio::test]
+    async fn it_relays_through_the_bus_and_drains_on_sigterm() {
+        let tls = server_tls(fixture("bus.pem"), fixture("bus.key")).unwrap();
+        let bus = EventBus::bind(
+            "127.0.0.1:0",
+            tls,
+            Secret::new(TOKEN).unwrap(),
+            Limits::default(),
+        )
+        .await
+        .unwrap();
+        let publisher = Arc::new(
+            PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+                .await
+                .unwrap(),
+        );
+        let endpoint = publisher.local_endpoint().unwrap().to_owned();
+        let dir = config("relay", "").parent().unwrap().to_owned();
+        let path = config(
+            "relay",
+            &body(
+                &format!("https://localhost:{}", bus.local_addr().port()),
+                &dir,
+                &[&endpoint],
+                "",
+            ),
+        );
+        let broker = Command::new(example("event_broker"))
+            .arg("--config")
+            .arg(&path)
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        within(async {
+            while bus.brokers_for("prod").is_empty() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        let stream = within(bus.open_stream("prod", 0, &endpoint)).await.unwrap();
+        let mut sub = within(SubSocket::handshake(stream, Config::default()))
+            .await
+            .unwrap();
+        sub.subscribe("t").await.unwrap();
+        within(publisher.wait_for_subscribers(1)).await;
+        let message = Message::from_parts([Bytes::from_static(b"t"), Bytes::from_static(b"hello")]);
+        publisher.send(message.clone());
+        assert_eq!(within(sub.recv()).await.unwrap(), message);
+
+        // SIGTERM: `draining` (the bus stops offering it), the open stream gets its
+        // 300 ms, then stats and exit 0.
+        let pid = broker.id().unwrap().to_string();
+        assert!(
+            std::process::Command::new("kill")
+                .args(["-TERM", &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+        let out = within(broker.wait_with_output()).await.unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{stderr}");
+        assert!(stderr.contains("bus session welcomed"), "{stderr}");
+        assert!(stderr.contains("draining before exit"), "{stderr}");
+        assert!(!stderr.contains(TOKEN), "{stderr}");
+        let stats = stats_json(&out.stderr);
+        assert_eq!(stats["streams_opened"], 1, "{stats}");
+        assert!(stats["bytes_up"].as_u64().unwrap() > 0, "{stats}");
+        bus.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_second_signal_stops_it_at_once() {
+        use tokio::io::{AsyncBufReadExt, BufReader};
+        let tls = server_tls(fixture("bus.pem"), fixture("bus.key")).unwrap();
+        let bus = EventBus::bind(
+            "127.0.0.1:0",
+            tls,
+            Secret::new(TOKEN).unwrap(),
+            Limits::default(),
+        )
+        .await
+        .unwrap();
+        let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+            .await
+            .unwrap();
+        let endpoint = publisher.local_endpoint().unwrap().to_owned();
+        let dir = config("twice", "").parent().unwrap().to_owned();
+        // A long drain: only the second signal can end it soon.
+        let text = body(
+            &format!("https://localhost:{}", bus.local_addr().port()),
+            &dir,
+            &[&endpoint],
+            "",
+        )
+        .replace("drain_deadline_ms = 300", "drain_deadline_ms = 600000");
+        let path = config("twice", &text);
+        let mut broker = Command::new(example("event_broker"))
+            .arg("--config")
+            .arg(&path)
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        within(async {
+            while bus.brokers_for("prod").is_empty() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        let _stream = within(bus.open_stream("prod", 0, &endpoint)).await.unwrap();
+        let pid = broker.id().unwrap().to_string();
+        let term = || {
+            std::process::Command::new("kill")
+                .args(["-TERM", &pid])
+                .status()
+                .unwrap()
+        };
+        assert!(term().success());
+        let mut lines = BufReader::new(broker.stderr.take().unwrap()).lines();
+        within(async {
+            while let Some(line) = lines.next_line().await.unwrap() {
+                if line.contains("draining before exit") {
+                    return;
+                }
+            }
+            panic!("no draining line");
+        })
+        .await;
+        assert!(term().success());
+        let status = within(broker.wait()).await.unwrap();
+        assert_eq!(status.code(), Some(1));
+        bus.shutdown().await;
     }
 }

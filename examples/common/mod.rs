@@ -28,10 +28,20 @@ pub fn hex_line(m: &Message) -> String {
 /// The library only emits events; installing a subscriber is the application's job,
 /// as here. A `RUST_LOG` that does not parse is reported and the default used.
 pub fn init_tracing() {
+    init_tracing_or("warn");
+}
+
+/// [`init_tracing`] with another default than `warn` when `RUST_LOG` is unset (a
+/// `target=level` list, like `RUST_LOG`).
+pub fn init_tracing_or(default_spec: &str) {
     use tracing_subscriber::filter::Targets;
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
-    let default = || Targets::new().with_default(tracing::Level::WARN);
+    let default = || {
+        default_spec
+            .parse::<Targets>()
+            .unwrap_or_else(|_| Targets::new().with_default(tracing::Level::WARN))
+    };
     let filter = match std::env::var("RUST_LOG") {
         Ok(spec) if !spec.trim().is_empty() => spec.parse().unwrap_or_else(|e| {
             eprintln!("ignoring RUST_LOG={spec:?} ({e}); logging warnings");
@@ -55,6 +65,56 @@ pub fn chain(e: &dyn std::error::Error) -> String {
         src = inner.source();
     }
     s
+}
+
+/// SIGTERM and Ctrl-C, to be awaited more than once (a first signal drains, a second
+/// stops at once). Installed when created.
+pub struct Signals {
+    #[cfg(unix)]
+    term: Option<tokio::signal::unix::Signal>,
+    #[cfg(unix)]
+    int: Option<tokio::signal::unix::Signal>,
+}
+
+/// Installs the handlers now (see [`stop_signal`] for why early matters).
+pub fn signals() -> Signals {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        Signals {
+            term: signal(SignalKind::terminate()).ok(),
+            int: signal(SignalKind::interrupt()).ok(),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        Signals {}
+    }
+}
+
+impl Signals {
+    /// The next SIGTERM or Ctrl-C.
+    pub async fn recv(&mut self) {
+        #[cfg(unix)]
+        {
+            async fn next(s: &mut Option<tokio::signal::unix::Signal>) {
+                match s {
+                    Some(s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending().await,
+                }
+            }
+            tokio::select! {
+                () = next(&mut self.term) => {}
+                () = next(&mut self.int) => {}
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
 }
 
 /// Completes on Ctrl-C or (on Unix) SIGTERM. The handlers are installed when this is

@@ -212,18 +212,13 @@ impl Broker {
 
     /// Counters.
     pub fn stats(&self) -> BrokerStats {
-        let c = &self.counters;
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let codes = c.codes.lock().unwrap_or_else(|p| p.into_inner());
-        BrokerStats {
-            sessions: l(&c.sessions),
-            session_failures: l(&c.session_failures),
-            streams_opened: l(&c.streams_opened),
-            refused: codes.0.clone(),
-            closed: codes.1.clone(),
-            bytes_up: l(&c.bytes_up),
-            bytes_down: l(&c.bytes_down),
-            buffer_high_water: l(&c.high_water),
+        self.handle().stats()
+    }
+
+    /// A handle for counters that outlives [`shutdown`](Self::shutdown).
+    pub fn handle(&self) -> BrokerHandle {
+        BrokerHandle {
+            counters: self.counters.clone(),
         }
     }
 
@@ -237,6 +232,31 @@ impl Broker {
     /// Stops at once, open streams cut.
     pub fn abort(self) {
         self.task.abort();
+    }
+}
+
+/// The counters of a [`Broker`], readable after it stopped.
+#[derive(Debug, Clone)]
+pub struct BrokerHandle {
+    counters: Arc<Counters>,
+}
+
+impl BrokerHandle {
+    /// Counters.
+    pub fn stats(&self) -> BrokerStats {
+        let c = &self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let codes = c.codes.lock().unwrap_or_else(|p| p.into_inner());
+        BrokerStats {
+            sessions: l(&c.sessions),
+            session_failures: l(&c.session_failures),
+            streams_opened: l(&c.streams_opened),
+            refused: codes.0.clone(),
+            closed: codes.1.clone(),
+            bytes_up: l(&c.bytes_up),
+            bytes_down: l(&c.bytes_down),
+            buffer_high_water: l(&c.high_water),
+        }
     }
 }
 

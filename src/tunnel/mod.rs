@@ -55,8 +55,8 @@ mod rendezvous;
 mod session;
 
 pub use broker::{
-    BUS_CONNECT_TIMEOUT, Broker, BrokerConfig, BrokerStats, CONNECT_TIMEOUT, DNS_TIMEOUT,
-    RESPONSE_TIMEOUT,
+    BUS_CONNECT_TIMEOUT, Broker, BrokerConfig, BrokerHandle, BrokerStats, CONNECT_TIMEOUT,
+    DNS_TIMEOUT, RESPONSE_TIMEOUT,
 };
 pub use bus::{BusStats, EventBus};
 pub use error::TunnelError;

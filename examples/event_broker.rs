@@ -1,0 +1,233 @@
+//! `event_broker`: the in-cluster end of the tunnel. It dials out to a router's event
+//! bus over HTTP/2 + TLS and relays the publishers the router subscribes to (DESIGN §7).
+//!
+//! ```text
+//! event_broker --config FILE [--check-config]
+//! ```
+//! The configuration is TOML; unknown fields are refused:
+//! ```toml
+//! bus_url = "https://router.example:8443"   # https only
+//! client_id = "broker-a"                    # one session per id
+//! ca_file = "/etc/eventplane/bus-ca.pem"    # the CA the bus certificate chains to
+//! token_file = "/etc/eventplane/bus.token"  # or token_env = "EVENTPLANE_BUS_TOKEN"
+//! allowed_cidrs = ["10.0.0.0/8"]            # optional: only these networks are dialled
+//! drain_deadline_ms = 30000                 # optional: streams' grace on SIGTERM
+//!
+//! [discovery]
+//! namespaces = ["prod"]
+//! etcd = ["http://etcd:2379"]               # needs feature etcd; or:
+//! static_endpoints = ["tcp://10.1.2.3:5557"]
+//! record_format = "eventplane"              # or "dynamo" (etcd only)
+//! ```
+//! Logs one line per session change (welcomed, ended, reconnecting) on stderr
+//! (`RUST_LOG` adjusts). On SIGTERM or Ctrl-C it says `draining`, refuses new streams,
+//! lets open ones run until `drain_deadline_ms`, prints its stats as one JSON object
+//! (the last stderr line) and exits 0; a second signal exits at once with 1.
+//! `--check-config` checks the configuration, the credential and the CA bundle, then
+//! exits. Exit codes: 0 after a drain (or a good `--check-config`); 1 on a second
+//! signal; 2 on a refused configuration; 3 when discovery cannot be reached.
+
+mod common;
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use common::chain;
+use eventplane::discovery::{Discovery, StaticDiscovery};
+use eventplane::net::AddrFilter;
+use eventplane::tunnel::{Broker, BrokerConfig, Secret, client_tls};
+
+#[derive(Parser, Debug)]
+#[command(
+    about = "Relay publishers inside a cluster to a router's event bus outside it",
+    after_help = "Exit codes: 0 after a drain (or a good --check-config); 1 on a second \
+                  signal; 2 on a refused configuration; 3 when discovery cannot be reached.\
+                  \n\nLogs: session changes go to stderr; RUST_LOG sets the level (off, debug, \
+                  or target=level pairs such as eventplane=debug)."
+)]
+struct Args {
+    /// The TOML configuration file.
+    #[arg(long)]
+    config: std::path::PathBuf,
+    /// Check the configuration, credential and CA bundle, then exit.
+    #[arg(long = "check-config")]
+    check_config: bool,
+}
+
+#[derive(serde::Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    bus_url: String,
+    client_id: String,
+    ca_file: std::path::PathBuf,
+    token_file: Option<std::path::PathBuf>,
+    token_env: Option<String>,
+    #[serde(default)]
+    allowed_cidrs: Vec<String>,
+    drain_deadline_ms: Option<u64>,
+    discovery: DiscoveryConfig,
+}
+
+#[derive(serde::Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct DiscoveryConfig {
+    namespaces: Vec<String>,
+    #[serde(default)]
+    etcd: Vec<String>,
+    #[serde(default)]
+    static_endpoints: Vec<String>,
+    record_format: Option<String>,
+}
+
+/// A refused configuration (exit 2) or unreachable discovery (exit 3).
+enum Refusal {
+    Config(String),
+    Discovery(String),
+}
+
+fn load(args: &Args) -> Result<(FileConfig, Secret, AddrFilter), Refusal> {
+    let c = |e: String| Refusal::Config(e);
+    let text = std::fs::read_to_string(&args.config)
+        .map_err(|e| c(format!("cannot read {}: {e}", args.config.display())))?;
+    let config: FileConfig =
+        toml::from_str(&text).map_err(|e| c(format!("{}: {e}", args.config.display())))?;
+    let token = match (&config.token_file, &config.token_env) {
+        (Some(file), None) => Secret::from_file(file).map_err(|e| c(chain(&e)))?,
+        (None, Some(var)) => {
+            let value =
+                std::env::var(var).map_err(|_| c(format!("token_env: {var} is not set")))?;
+            Secret::new(value).map_err(|e| c(chain(&e)))?
+        }
+        _ => return Err(c("exactly one of token_file and token_env is needed".into())),
+    };
+    let mut filter = AddrFilter::default();
+    for cidr in &config.allowed_cidrs {
+        let parsed = cidr
+            .parse()
+            .map_err(|e| c(format!("allowed_cidrs: {cidr:?}: {e}")))?;
+        filter = filter.allow_cidr(parsed);
+    }
+    let d = &config.discovery;
+    if d.etcd.is_empty() == d.static_endpoints.is_empty() {
+        return Err(c(
+            "discovery: exactly one of etcd and static_endpoints is needed".into(),
+        ));
+    }
+    if !matches!(
+        d.record_format.as_deref(),
+        None | Some("eventplane" | "dynamo")
+    ) {
+        return Err(c("discovery.record_format: eventplane or dynamo".into()));
+    }
+    Ok((config, token, filter))
+}
+
+async fn discovery(config: &DiscoveryConfig) -> Result<Arc<dyn Discovery>, Refusal> {
+    if !config.static_endpoints.is_empty() {
+        let ns = config
+            .namespaces
+            .first()
+            .map(String::as_str)
+            .unwrap_or_default();
+        return StaticDiscovery::from_endpoints(
+            ns,
+            "static",
+            "static",
+            config.static_endpoints.iter(),
+        )
+        .map(|d| Arc::new(d) as Arc<dyn Discovery>)
+        .map_err(|e| Refusal::Config(chain(&e)));
+    }
+    etcd(config).await
+}
+
+#[cfg(feature = "etcd")]
+async fn etcd(config: &DiscoveryConfig) -> Result<Arc<dyn Discovery>, Refusal> {
+    use eventplane::discovery::{DynamoRecords, EtcdDiscovery, RecordFormat};
+    let format = match config.record_format.as_deref() {
+        Some("dynamo") => RecordFormat::Dynamo(DynamoRecords::new()),
+        _ => RecordFormat::EventPlane,
+    };
+    EtcdDiscovery::builder(&config.etcd)
+        .record_format(format)
+        .connect()
+        .await
+        .map(|d| Arc::new(d) as Arc<dyn Discovery>)
+        .map_err(|e| Refusal::Discovery(chain(&e)))
+}
+
+#[cfg(not(feature = "etcd"))]
+async fn etcd(_: &DiscoveryConfig) -> Result<Arc<dyn Discovery>, Refusal> {
+    Err(Refusal::Config(
+        "discovery.etcd needs the `etcd` feature: cargo run --features tunnel,etcd --example event_broker".into(),
+    ))
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    common::init_tracing_or("warn,eventplane::tunnel=info");
+    // Before anything connects: a signal from now on drains.
+    let mut signals = common::signals();
+    let args = Args::parse();
+    let refused = |r: Refusal| match r {
+        Refusal::Config(e) => {
+            eprintln!("refused configuration: {e}");
+            ExitCode::from(2)
+        }
+        Refusal::Discovery(e) => {
+            eprintln!("cannot reach discovery: {e}");
+            ExitCode::from(3)
+        }
+    };
+    let (file, token, filter) = match load(&args) {
+        Ok(loaded) => loaded,
+        Err(r) => return refused(r),
+    };
+    let tls = match client_tls(&file.ca_file) {
+        Ok(tls) => tls,
+        Err(e) => return refused(Refusal::Config(chain(&e))),
+    };
+    let discovery = match discovery(&file.discovery).await {
+        Ok(d) => d,
+        Err(r) => return refused(r),
+    };
+    let mut config = BrokerConfig::new(
+        file.bus_url.clone(),
+        file.client_id.clone(),
+        file.discovery.namespaces.clone(),
+        token,
+        tls,
+        discovery,
+    )
+    .addr_filter(filter);
+    if let Some(ms) = file.drain_deadline_ms {
+        config = config.drain_deadline(Duration::from_millis(ms));
+    }
+    if let Err(e) = config.validate() {
+        return refused(Refusal::Config(chain(&e)));
+    }
+    if args.check_config {
+        println!("configuration ok: {} as {}", file.bus_url, file.client_id);
+        return ExitCode::SUCCESS;
+    }
+    let broker = match Broker::spawn(config) {
+        Ok(b) => b,
+        Err(e) => return refused(Refusal::Config(chain(&e))),
+    };
+    signals.recv().await;
+    let stats = broker.handle();
+    let code = tokio::select! {
+        () = broker.shutdown() => 0,
+        _ = signals.recv() => {
+            eprintln!("second signal: exiting now");
+            1
+        }
+    };
+    eprintln!(
+        "{}",
+        serde_json::to_string(&stats.stats()).unwrap_or_default()
+    );
+    ExitCode::from(code)
+}

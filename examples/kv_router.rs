@@ -5,7 +5,11 @@
 //! kv_router (--etcd URL [--dynamo] | --static EP… [--wire eventplane|dynamo])
 //!           --namespace NS [--component C] [--endpoint E] --topic T
 //!           [--count N] [--timeout-ms MS] [--format json|quiet]
+//!           [--bus-listen ADDR --bus-cert PEM --bus-key PEM --bus-token-file FILE]
 //! ```
+//! With `--bus-listen` (feature `tunnel`) it also runs an event bus there: brokers
+//! inside a cluster dial in (`event_broker`), and the publishers of every namespace a
+//! connected broker covers are reached through it; the others directly.
 //! A `DynamicSubscriber` over etcd (feature `etcd`) or a static list of endpoints.
 //! With `--dynamo` it follows Dynamo's records (`v1/event_channels/…`, every endpoint
 //! unless `--endpoint E`) and reads Dynamo's wire: it follows Dynamo 1.6 workers as
@@ -18,7 +22,8 @@
 //! line on stderr says so). On Ctrl-C / SIGTERM or after N events it prints its stats as one JSON
 //! object, the last line on stderr: the subscriber's counters, decode errors per reason
 //! and the index size. Exit codes: 0 on a signal or after N events; 1 on timeout (or if
-//! the subscriber stops); 2 on bad arguments; 3 when discovery cannot be reached.
+//! the subscriber stops); 2 on bad arguments; 3 when discovery cannot be reached (or
+//! --bus-listen cannot be bound).
 
 mod common;
 
@@ -40,7 +45,7 @@ use eventplane::wire::Wire;
     about = "Follow router-event publishers (ours or Dynamo's) into a block index",
     after_help = "Exit codes: 0 on SIGTERM / Ctrl-C or after --count events; 1 on timeout or \
                   if the subscriber stops; 2 on bad arguments; 3 when discovery cannot be \
-                  reached.\n\nLogs: warnings go to stderr; RUST_LOG sets the level (off, debug, or \
+                  reached or --bus-listen cannot be bound.\n\nLogs: warnings go to stderr; RUST_LOG sets the level (off, debug, or \
                   target=level pairs such as eventplane=debug)."
 )]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["etcd", "static_endpoints"])))]
@@ -79,6 +84,20 @@ struct Args {
     /// One JSON line per router event, or nothing.
     #[arg(long, value_enum, default_value = "json")]
     format: Format,
+    /// Run an event bus here (host:port) for brokers inside the cluster: publishers of a
+    /// namespace a connected broker covers are reached through it. Needs feature
+    /// `tunnel`, and --bus-cert, --bus-key, --bus-token-file.
+    #[arg(long = "bus-listen", requires_all = ["bus_cert", "bus_key", "bus_token_file"])]
+    bus_listen: Option<String>,
+    /// The bus's TLS certificate chain (PEM).
+    #[arg(long = "bus-cert", requires = "bus_listen")]
+    bus_cert: Option<std::path::PathBuf>,
+    /// The bus's TLS private key (PEM).
+    #[arg(long = "bus-key", requires = "bus_listen")]
+    bus_key: Option<std::path::PathBuf>,
+    /// A file holding the brokers' bearer token.
+    #[arg(long = "bus-token-file", requires = "bus_listen")]
+    bus_token_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -178,10 +197,14 @@ async fn main() -> ExitCode {
     if let Some(c) = &args.component {
         query = query.component(c.clone());
     }
-    let spawned = DynamicSubscriber::builder(discovery, query)
+    let builder = DynamicSubscriber::builder(discovery, query)
         .topic(args.topic.clone())
-        .layout(wire.layout())
-        .spawn();
+        .layout(wire.layout());
+    let builder = match bus(&args, builder).await {
+        Ok(b) => b,
+        Err(e) => return e.report(),
+    };
+    let spawned = builder.spawn();
     let mut sub = match spawned {
         Ok(sub) => sub,
         Err(e) => {
@@ -269,4 +292,48 @@ async fn main() -> ExitCode {
     handle.shutdown().await;
     eprintln!("{summary}");
     ExitCode::from(code)
+}
+
+/// With --bus-listen: the event bus, started, and the subscriber told to use it.
+#[cfg(feature = "tunnel")]
+async fn bus(
+    args: &Args,
+    builder: eventplane::subscriber::DynamicSubscriberBuilder,
+) -> Result<eventplane::subscriber::DynamicSubscriberBuilder, StartError> {
+    use eventplane::tunnel::{EventBus, Limits, Secret, server_tls};
+    let (Some(listen), Some(cert), Some(key), Some(token)) = (
+        &args.bus_listen,
+        &args.bus_cert,
+        &args.bus_key,
+        &args.bus_token_file,
+    ) else {
+        return Ok(builder);
+    };
+    let refused =
+        |e: eventplane::tunnel::TunnelError| StartError::Args(format!("event bus: {}", chain(&e)));
+    let tls = server_tls(cert, key).map_err(refused)?;
+    let token = Secret::from_file(token).map_err(refused)?;
+    let bus = EventBus::bind(listen, tls, token, Limits::default())
+        .await
+        .map_err(|e| {
+            StartError::Unreachable(format!(
+                "cannot listen on --bus-listen {listen}: {}",
+                chain(&e)
+            ))
+        })?;
+    eprintln!("event bus listening on {}", bus.local_addr());
+    Ok(builder.tunnel(bus))
+}
+
+#[cfg(not(feature = "tunnel"))]
+async fn bus(
+    args: &Args,
+    builder: eventplane::subscriber::DynamicSubscriberBuilder,
+) -> Result<eventplane::subscriber::DynamicSubscriberBuilder, StartError> {
+    if args.bus_listen.is_some() {
+        return Err(StartError::Args(
+            "--bus-listen needs the `tunnel` feature: cargo run --features tunnel --example kv_router".to_owned(),
+        ));
+    }
+    Ok(builder)
 }

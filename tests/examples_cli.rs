@@ -1110,4 +1110,88 @@ mod event_broker {
         assert_eq!(status.code(), Some(1));
         bus.shutdown().await;
     }
+
+    #[tokio::test]
+    async fn kv_router_runs_an_event_bus_that_brokers_join() {
+        use tokio::io::{AsyncBufReadExt, BufReader};
+        let dir = config("router", "").parent().unwrap().to_owned();
+        let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+            .await
+            .unwrap();
+        let endpoint = publisher.local_endpoint().unwrap().to_owned();
+        let follow = [
+            "--static",
+            &endpoint,
+            "--namespace",
+            "prod",
+            "--topic",
+            "kv",
+        ];
+        let mut router = Command::new(example("kv_router"))
+            .args(follow)
+            .args(["--format", "quiet", "--bus-listen", "127.0.0.1:0"])
+            .arg("--bus-cert")
+            .arg(fixture("bus.pem"))
+            .arg("--bus-key")
+            .arg(fixture("bus.key"))
+            .arg("--bus-token-file")
+            .arg(dir.join("token"))
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(router.stderr.take().unwrap()).lines();
+        let addr = within(async {
+            loop {
+                let line = lines.next_line().await.unwrap().unwrap();
+                if let Some(addr) = line.strip_prefix("event bus listening on ") {
+                    return addr.to_owned();
+                }
+            }
+        })
+        .await;
+        let port = addr.rsplit(':').next().unwrap();
+        // A broker joins with the router's token and the test CA.
+        let view: Arc<dyn eventplane::discovery::Discovery> =
+            Arc::new(eventplane::discovery::MemoryDiscovery::new());
+        let broker = eventplane::tunnel::Broker::spawn(eventplane::tunnel::BrokerConfig::new(
+            format!("https://localhost:{port}"),
+            "broker-a",
+            vec!["prod".to_owned()],
+            Secret::new(TOKEN).unwrap(),
+            eventplane::tunnel::client_tls(fixture("ca.pem")).unwrap(),
+            view,
+        ))
+        .unwrap();
+        within(async {
+            while broker.stats().sessions == 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        broker.abort();
+        router.kill().await.unwrap();
+
+        // A key that is not there: refused as an argument (2), naming the bus.
+        let out = within(
+            Command::new(example("kv_router"))
+                .args(follow)
+                .args([
+                    "--bus-listen",
+                    "127.0.0.1:0",
+                    "--bus-key",
+                    "/nonexistent.key",
+                ])
+                .arg("--bus-cert")
+                .arg(fixture("bus.pem"))
+                .arg("--bus-token-file")
+                .arg(dir.join("token"))
+                .output(),
+        )
+        .await
+        .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains("event bus"), "{stderr}");
+    }
 }

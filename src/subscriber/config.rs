@@ -36,6 +36,9 @@ pub(crate) struct Config {
     pub(crate) cancel: CancellationToken,
     #[cfg(feature = "metrics")]
     pub(crate) metrics_interval: Duration,
+    /// Publishers of namespaces a connected broker covers are reached through it.
+    #[cfg(feature = "tunnel")]
+    pub(crate) bus: Option<crate::tunnel::EventBus>,
 }
 
 impl Config {
@@ -59,6 +62,8 @@ impl Config {
             cancel: CancellationToken::new(),
             #[cfg(feature = "metrics")]
             metrics_interval: Duration::from_secs(1),
+            #[cfg(feature = "tunnel")]
+            bus: None,
         }
     }
 

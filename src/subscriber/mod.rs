@@ -107,6 +107,7 @@
 //! ```
 
 mod config;
+mod link;
 #[cfg(feature = "metrics")]
 mod metrics;
 mod notice;
@@ -259,6 +260,31 @@ impl DynamicSubscriberBuilder {
     #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
     pub fn metrics_interval(mut self, interval: Duration) -> Self {
         self.config.metrics_interval = interval;
+        self
+    }
+    /// Reach the publishers of every namespace a broker connected to `bus` covers
+    /// through that broker (the one rendezvous hashing picks per publisher), and the
+    /// others directly. A broker lost or draining ends its streams; each reconnects
+    /// through the next owner, or directly once no broker covers the namespace. The
+    /// connection is otherwise the same: ZMTP, bounds and stats are unchanged.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::sync::Arc;
+    /// use eventplane::discovery::{MemoryDiscovery, Query};
+    /// use eventplane::subscriber::DynamicSubscriber;
+    /// use eventplane::tunnel::{EventBus, Limits, Secret, server_tls};
+    /// let bus = EventBus::bind("0.0.0.0:8443", server_tls("bus.pem", "bus.key")?, Secret::from_file("bus.token")?, Limits::default()).await?;
+    /// let router = DynamicSubscriber::builder(Arc::new(MemoryDiscovery::new()), Query::new("prod"))
+    ///     .topic("kv-events")
+    ///     .tunnel(bus)
+    ///     .spawn()?;
+    /// # drop(router); Ok(()) }
+    /// ```
+    #[cfg(feature = "tunnel")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tunnel")))]
+    pub fn tunnel(mut self, bus: crate::tunnel::EventBus) -> Self {
+        self.config.bus = Some(bus);
         self
     }
     /// Stop when `token` is cancelled (the subscriber uses a child of it). Default: a

@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::config::Config;
+use super::link::Link;
 use super::notice::{Notice, Notices};
 use super::shared::{Delivery, PublisherCell, Shared};
 use super::stats::Counters;
@@ -346,7 +347,12 @@ async fn connect_and_read(
     drain: &CancellationToken,
 ) -> Outcome {
     let counters = &cell.counters;
-    let mut sub = match dial(shared, config, endpoint).await {
+    let instance = cell
+        .instance
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    let mut sub = match dial(shared, config, &instance).await {
         Ok(s) => s,
         Err(ZmtpError::Refused { addr }) => {
             Counters::add(&counters.refused_by_filter, 1);
@@ -526,18 +532,52 @@ impl<'a> Filing<'a> {
 
 /// Resolves, checks the addresses against the filter (DNS rebinding is caught at dial
 /// time), dials, handshakes and subscribes.
-async fn dial(shared: &Shared, config: &Config, endpoint: &str) -> Result<SubSocket, ZmtpError> {
+async fn dial(
+    shared: &Shared,
+    config: &Config,
+    instance: &Instance,
+) -> Result<SubSocket<Link>, ZmtpError> {
+    let endpoint = instance.transport.endpoint();
+    let link = match tunnel_link(config, instance).await {
+        Some(link) => link?,
+        None => Link::Tcp(
+            crate::zmtp::dial_filtered(endpoint, &config.zmtp, &config.addr_filter).await?,
+        ),
+    };
     // Every connection counts the read buffers its messages keep alive in one
     // account: past `max_retained_bytes` in total, small frames are copied out.
-    let mut sub = SubSocket::connect_filtered_sharing(
-        endpoint,
-        config.zmtp.clone(),
-        &config.addr_filter,
-        shared.retention.clone(),
-    )
-    .await?;
+    let mut sub =
+        SubSocket::handshake_sharing(link, config.zmtp.clone(), shared.retention.clone()).await?;
     // Re-subscribed on every new connection.
     sub.subscribe(config.topic.clone().unwrap_or_default())
         .await?;
     Ok(sub)
+}
+
+/// A stream through the broker that owns `instance`, when a broker connected to the
+/// configured bus covers its namespace; `None` to dial directly.
+#[cfg(feature = "tunnel")]
+async fn tunnel_link(config: &Config, instance: &Instance) -> Option<Result<Link, ZmtpError>> {
+    let bus = config.bus.as_ref()?;
+    let namespace = instance.id.namespace();
+    if bus.brokers_for(namespace).is_empty() {
+        return None;
+    }
+    let opened = bus
+        .open_stream(
+            namespace,
+            instance.id.publisher_id(),
+            instance.transport.endpoint(),
+        )
+        .await;
+    Some(
+        opened
+            .map(Link::Tunnel)
+            .map_err(|e| ZmtpError::Io(std::io::Error::other(e))),
+    )
+}
+
+#[cfg(not(feature = "tunnel"))]
+async fn tunnel_link(_: &Config, _: &Instance) -> Option<Result<Link, ZmtpError>> {
+    None
 }

@@ -186,6 +186,8 @@ struct Counters {
 #[derive(Debug)]
 pub struct Broker {
     cancel: CancellationToken,
+    /// Cancelled by `abort`: every relay and the bus connection stop at once.
+    hard: CancellationToken,
     counters: Arc<Counters>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -201,10 +203,12 @@ impl Broker {
     pub fn spawn(config: BrokerConfig) -> Result<Broker, TunnelError> {
         config.validate()?;
         let cancel = CancellationToken::new();
+        let hard = CancellationToken::new();
         let counters = Arc::new(Counters::default());
-        let task = tokio::spawn(run(config, cancel.clone(), counters.clone()));
+        let task = tokio::spawn(run(config, cancel.clone(), hard.clone(), counters.clone()));
         Ok(Broker {
             cancel,
+            hard,
             counters,
             task,
         })
@@ -227,10 +231,13 @@ impl Broker {
     pub async fn shutdown(self) {
         self.cancel.cancel();
         let _ = self.task.await;
+        self.hard.cancel();
     }
 
-    /// Stops at once, open streams cut.
+    /// Stops at once: open streams are cut and the bus connection dropped, as when the
+    /// process is killed.
     pub fn abort(self) {
+        self.hard.cancel();
         self.task.abort();
     }
 }
@@ -275,10 +282,15 @@ enum Outcome {
     Stopped,
 }
 
-async fn run(config: BrokerConfig, cancel: CancellationToken, counters: Arc<Counters>) {
+async fn run(
+    config: BrokerConfig,
+    cancel: CancellationToken,
+    hard: CancellationToken,
+    counters: Arc<Counters>,
+) {
     let mut reconnect = Reconnect::default();
     loop {
-        let outcome = match session(&config, &cancel, &counters, &mut reconnect).await {
+        let outcome = match session(&config, &cancel, &hard, &counters, &mut reconnect).await {
             Ok(outcome) => outcome,
             Err(e) => {
                 counters.session_failures.fetch_add(1, Ordering::Relaxed);
@@ -311,6 +323,7 @@ enum Report {
 async fn session(
     config: &BrokerConfig,
     cancel: &CancellationToken,
+    hard: &CancellationToken,
     counters: &Arc<Counters>,
     reconnect: &mut Reconnect,
 ) -> Result<Outcome, TunnelError> {
@@ -337,9 +350,13 @@ async fn session(
         hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls)).await?;
     let conn_done = CancellationToken::new();
     let conn_guard = conn_done.clone();
+    let cut = hard.clone();
     tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "bus connection ended");
+        tokio::select! {
+            r = conn => if let Err(e) = r {
+                tracing::debug!(error = %e, "bus connection ended");
+            },
+            () = cut.cancelled() => {}
         }
         conn_guard.cancel();
     });
@@ -371,7 +388,7 @@ async fn session(
         1 << 20,
         MAX_SESSION_BUFFER_BYTES,
     )));
-    let streams_cancel = CancellationToken::new();
+    let streams_cancel = hard.child_token();
     let tracker = TaskTracker::new();
     let mut stream_stops: HashMap<u64, CancellationToken> = HashMap::new();
     let mut drain: Option<(DrainReason, tokio::time::Instant)> = None;

@@ -52,4 +52,5 @@ pub use publish::{PeerStats, PubSocket, PubStats, SendReport};
 pub use session::{
     Event, MAX_PENDING_OUTPUT, Pair, PeerInfo, Session, SessionStats, Side, SocketType,
 };
+pub(crate) use sub::dial_filtered;
 pub use sub::{RECV_MANY_BYTES, SubBuffers, SubSocket};

@@ -173,6 +173,19 @@ impl SubSocket<TcpStream> {
         filter: &crate::net::AddrFilter,
         retention: Arc<Retention>,
     ) -> Result<Self, Error> {
+        let stream = dial_filtered(endpoint, &config, filter).await?;
+        Self::handshake_sharing(stream, config, retention).await
+    }
+}
+
+/// Resolves `endpoint`, refuses it when the filter allows none of its addresses, and
+/// dials the allowed ones (a connection before any handshake).
+pub(crate) async fn dial_filtered(
+    endpoint: &str,
+    config: &Config,
+    filter: &crate::net::AddrFilter,
+) -> Result<TcpStream, Error> {
+    {
         let addrs = endpoint::resolve(endpoint, config.connect_timeout).await?;
         let allowed: Vec<std::net::SocketAddr> = addrs
             .iter()
@@ -186,8 +199,7 @@ impl SubSocket<TcpStream> {
                 .ok_or_else(|| Error::from(std::io::Error::from(std::io::ErrorKind::NotFound)))?;
             return Err(Error::Refused { addr });
         }
-        let stream = dial(&allowed, &config).await?;
-        Self::handshake_sharing(stream, config, retention).await
+        dial(&allowed, config).await
     }
 }
 
@@ -249,7 +261,7 @@ where
 
     /// [`handshake`](Self::handshake), counting retained read buffers in an account
     /// shared with other sockets (a `DynamicSubscriber`'s connections share one).
-    async fn handshake_sharing(
+    pub(crate) async fn handshake_sharing(
         stream: S,
         config: Config,
         retention: Arc<Retention>,

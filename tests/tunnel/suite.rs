@@ -352,3 +352,92 @@ async fn a_broker_reconnects_with_backoff_and_after_a_rebalance() {
     broker.shutdown().await;
     bus.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_brokers_split_the_publishers_and_one_takes_over_when_the_other_is_lost() {
+    use eventplane::publish::EventPublisher;
+    use eventplane::subscriber::DynamicSubscriber;
+    use eventplane::tunnel::rendezvous_owner;
+
+    let bus = bus().await;
+    // One discovery: the router's view and both brokers' (all inside the "cluster").
+    let view = Arc::new(MemoryDiscovery::new());
+    let a = Broker::spawn(broker_config(&bus, "broker-a", view.clone())).unwrap();
+    let b = Broker::spawn(broker_config(&bus, "broker-b", view.clone())).unwrap();
+    until(|| bus.brokers_for("prod").len() == 2).await;
+    let mut publishers = Vec::new();
+    for _ in 0..32 {
+        publishers.push(
+            EventPublisher::builder(view.clone(), "prod", "worker", "kv")
+                .build()
+                .await
+                .unwrap(),
+        );
+    }
+    let mut router =
+        DynamicSubscriber::builder(view.clone(), eventplane::discovery::Query::new("prod"))
+            .topic("kv")
+            .tunnel(bus.clone())
+            .spawn()
+            .unwrap();
+    for p in &publishers {
+        p.wait_for_subscribers_within(1, support::DEADLINE)
+            .await
+            .unwrap();
+    }
+    // Every publisher went through the broker rendezvous hashing picks for it.
+    let owned_by_a = publishers
+        .iter()
+        .filter(|p| {
+            rendezvous_owner(["broker-a", "broker-b"], p.publisher_id()) == Some("broker-a")
+        })
+        .count() as u64;
+    assert!(
+        (1..32).contains(&owned_by_a),
+        "an even enough split: {owned_by_a}"
+    );
+    assert_eq!(a.stats().streams_opened, owned_by_a);
+    assert_eq!(b.stats().streams_opened, 32 - owned_by_a);
+    for p in &publishers {
+        p.publish(&b"before"[..]);
+    }
+    assert_eq!(receive(&mut router, 32).await.len(), 32);
+
+    // Broker A is lost: its streams end, and each of its publishers reconnects through
+    // broker B within one reconnect cycle.
+    a.abort();
+    until(|| b.stats().streams_opened == 32).await;
+    for p in &publishers {
+        while p.stats().subscribed == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    for p in &publishers {
+        p.publish(&b"after"[..]);
+    }
+    let after = receive(&mut router, 32).await;
+    assert!(
+        after
+            .iter()
+            .all(|d| d.payload().as_deref() == Some(&b"after"[..]))
+    );
+    let stats = router.stats();
+    assert_eq!(stats.total.reconnects, owned_by_a, "{stats:?}");
+    assert_eq!(stats.total.dropped(), 0, "{stats:?}");
+    b.abort();
+    bus.shutdown().await;
+}
+
+async fn receive(
+    router: &mut eventplane::subscriber::DynamicSubscriber,
+    n: usize,
+) -> Vec<eventplane::subscriber::Delivery> {
+    let mut got = Vec::new();
+    within(async {
+        while got.len() < n {
+            got.push(router.recv().await.unwrap());
+        }
+    })
+    .await;
+    got
+}

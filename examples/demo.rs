@@ -48,6 +48,11 @@ struct Args {
     /// Engine events per second, across all engines.
     #[arg(long, default_value_t = 40_000)]
     rate: u64,
+    /// Reach the workers' publishers only through an event broker (feature `tunnel`):
+    /// an in-process TLS event bus (the repository's test certificates) and broker,
+    /// with the router forbidden to dial them directly.
+    #[arg(long)]
+    tunnel: bool,
 }
 
 const BLOCK_SIZE: usize = 16;
@@ -397,11 +402,12 @@ async fn main() -> anyhow::Result<()> {
     let totals = Arc::new(Totals::default());
 
     // The router: every worker's events, merged and decoded into an index.
-    let mut router =
+    let builder =
         DynamicSubscriber::builder(discovery.clone(), Query::new(NAMESPACE).component("worker"))
             .topic("kv-events")
-            .layout(Layout::TopicPublisherSeq)
-            .spawn()?;
+            .layout(Layout::TopicPublisherSeq);
+    let (builder, tunnel) = tunnel::start(args.tunnel, builder, discovery.clone()).await?;
+    let mut router = builder.spawn()?;
     let router_stats = router.handle();
     let index = Arc::new(std::sync::Mutex::new(Index::default()));
     let router_events = Arc::new(AtomicU64::new(0));
@@ -576,7 +582,10 @@ async fn main() -> anyhow::Result<()> {
     let _ = consumer.await;
     // Rates are over the load, not the drain after it.
     let elapsed = load_ended.duration_since(started).as_secs_f64().max(1e-9);
-    let idx = index.lock().unwrap_or_else(|p| p.into_inner());
+    let (index_size, index_distinct) = {
+        let idx = index.lock().unwrap_or_else(|p| p.into_inner());
+        (idx.size() as u64, idx.distinct() as u64)
+    };
     let engine_events = totals.engine_events.load(Ordering::Relaxed);
     let out = router_events.load(Ordering::Relaxed);
     let lost_on_plane = ledger.missing() + ledger.unsent.load(Ordering::Relaxed);
@@ -616,7 +625,114 @@ async fn main() -> anyhow::Result<()> {
         "engine events/s (while the engines ran)",
         (engine_events as f64 / elapsed).round() as u64,
     );
-    row("index entries (worker × block)", idx.size() as u64);
-    row("distinct blocks in the index", idx.distinct() as u64);
+    row("index entries (worker × block)", index_size);
+    row("distinct blocks in the index", index_distinct);
+    tunnel::report(tunnel, row).await;
     Ok(())
+}
+
+/// `--tunnel`: an event bus and a broker in this process, the router's direct dials
+/// refused by its address filter, so every worker is reached through the broker.
+#[cfg(feature = "tunnel")]
+mod tunnel {
+    use std::path::PathBuf;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use eventplane::discovery::Discovery;
+    use eventplane::net::AddrFilter;
+    use eventplane::subscriber::DynamicSubscriberBuilder;
+    use eventplane::tunnel::{
+        Broker, BrokerConfig, EventBus, Limits, Secret, client_tls, server_tls,
+    };
+
+    pub(super) struct Tunnel {
+        bus: EventBus,
+        broker: Broker,
+    }
+
+    fn fixture(name: &str) -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/tunnel")
+            .join(name)
+    }
+
+    pub(super) async fn start(
+        on: bool,
+        builder: DynamicSubscriberBuilder,
+        discovery: Arc<dyn Discovery>,
+    ) -> anyhow::Result<(DynamicSubscriberBuilder, Option<Tunnel>)> {
+        if !on {
+            return Ok((builder, None));
+        }
+        let token = Secret::new("demo-bus-token")?;
+        let bus = EventBus::bind(
+            "127.0.0.1:0",
+            server_tls(fixture("bus.pem"), fixture("bus.key"))?,
+            token.clone(),
+            Limits::default(),
+        )
+        .await?;
+        let broker = Broker::spawn(BrokerConfig::new(
+            format!("https://localhost:{}", bus.local_addr().port()),
+            "demo-broker",
+            vec![super::NAMESPACE.to_owned()],
+            token,
+            client_tls(fixture("ca.pem"))?,
+            discovery,
+        ))?;
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while bus.brokers_for(super::NAMESPACE).is_empty() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .map_err(|_| anyhow::anyhow!("the broker did not join the bus within 10 s"))?;
+        println!(
+            "tunnel: broker joined the event bus at {}",
+            bus.local_addr()
+        );
+        let builder = builder
+            .tunnel(bus.clone())
+            // Loopback refused: the workers are "inside the cluster".
+            .addr_filter(AddrFilter::strict());
+        Ok((builder, Some(Tunnel { bus, broker })))
+    }
+
+    pub(super) async fn report(tunnel: Option<Tunnel>, row: impl Fn(&str, u64)) {
+        let Some(Tunnel { bus, broker }) = tunnel else {
+            return;
+        };
+        let stats = broker.stats();
+        row("streams through the tunnel", stats.streams_opened);
+        row("bytes relayed publishers → router", stats.bytes_up);
+        row("refused or failed subscribes", bus.stats().streams_failed);
+        broker.shutdown().await;
+        bus.shutdown().await;
+    }
+}
+
+#[cfg(not(feature = "tunnel"))]
+mod tunnel {
+    use std::sync::Arc;
+
+    use eventplane::discovery::Discovery;
+    use eventplane::subscriber::DynamicSubscriberBuilder;
+
+    pub(super) enum Tunnel {}
+
+    pub(super) async fn start(
+        on: bool,
+        builder: DynamicSubscriberBuilder,
+        _: Arc<dyn Discovery>,
+    ) -> anyhow::Result<(DynamicSubscriberBuilder, Option<Tunnel>)> {
+        if on {
+            anyhow::bail!(
+                "--tunnel needs the `tunnel` feature: cargo run --release --features tunnel --example demo -- --tunnel"
+            );
+        }
+        Ok((builder, None))
+    }
+
+    pub(super) async fn report(_: Option<Tunnel>, _: impl Fn(&str, u64)) {}
 }

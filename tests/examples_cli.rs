@@ -315,6 +315,46 @@ async fn demo_runs_and_accounts_for_every_event() {
     assert!(value("index entries (worker × block)") > 0);
 }
 
+#[cfg(feature = "tunnel")]
+#[tokio::test]
+async fn demo_through_the_tunnel_reaches_every_worker_only_through_the_broker() {
+    let out = run_example(
+        "demo",
+        &[
+            "--tunnel",
+            "--engines",
+            "3",
+            "--seconds",
+            "2",
+            "--rate",
+            "6000",
+        ],
+    )
+    .await;
+    let stdout = success_stdout(&out);
+    let value = |label: &str| -> u64 {
+        let line = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(label))
+            .unwrap_or_else(|| panic!("no {label:?} in\n{stdout}"));
+        line.split_whitespace().last().unwrap().parse().unwrap()
+    };
+    assert!(
+        stdout.contains("tunnel: broker joined the event bus"),
+        "{stdout}"
+    );
+    // Three workers, then one more: each reached through the broker (the router's
+    // own dials to loopback are refused).
+    assert!(value("streams through the tunnel") >= 4, "{stdout}");
+    assert!(value("bytes relayed publishers → router") > 0);
+    assert_eq!(value("unaccounted engine events"), 0, "{stdout}");
+    assert_eq!(
+        value("router events applied to the router index"),
+        value("router events emitted"),
+        "{stdout}"
+    );
+}
+
 /// Runs an example to completion (bounded by the test deadline).
 async fn run_example(name: &str, args: &[&str]) -> std::process::Output {
     within(Command::new(example(name)).args(args).output())

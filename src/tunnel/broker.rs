@@ -662,7 +662,8 @@ async fn pump(
     let overflowed = overflow.clone();
     // Publisher → router: read continuously; a chunk over budget resets the stream.
     let up = async move {
-        let mut buf = vec![0u8; 64 << 10];
+        // 16 KiB: a relay holds it for its whole life (1,000 streams: 16 MiB).
+        let mut buf = vec![0u8; 16 << 10];
         loop {
             let n = match read.read(&mut buf).await {
                 Ok(0) | Err(_) => return,

@@ -316,7 +316,9 @@ async fn accept_loop(
                 let inner = service_inner.clone();
                 async move { Ok::<_, Infallible>(route(inner, req).await) }
             });
+            // Every stream the welcome allows, plus the session's own.
             let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                .max_concurrent_streams(inner2.limits.max_streams.saturating_add(1))
                 .serve_connection(TokioIo::new(tls), service);
             tokio::select! {
                 () = inner2.cancel.cancelled() => {}

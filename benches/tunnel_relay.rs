@@ -1,0 +1,308 @@
+//! The tunnel beside a direct connection, in the same run (feature `tunnel`):
+//! - throughput: 100 B messages `[topic, seq, payload]`, a closed loop of up to 1,000
+//!   in flight (below the PUB's per-subscriber queue, so nothing drops), received with
+//!   `recv_many`: through the tunnel (router `SubSocket` ← HTTP/2 + TLS ← broker ←
+//!   publisher) and directly (`SubSocket` ← publisher);
+//! - added latency: one message sent and received at a time, both ways;
+//! - the broker's memory with 1,000 open streams: the `event_broker` example in its own
+//!   process (`target/release/examples/event_broker`, built with `--features tunnel`),
+//!   its RSS read from `/proc` once every stream carries ZMTP. In criterion's test mode
+//!   (`-- --test`, as `.ci/run` runs it) 64 streams, so that any descriptor limit
+//!   suffices.
+//!
+//! Bus, publishers and sockets are in this process on loopback; for the first two the
+//! broker runs in-process too. TLS uses the repository's test certificates.
+//!
+//! ```text
+//! cargo build --release --features tunnel --example event_broker
+//! cargo bench --features tunnel --bench tunnel_relay
+//! ```
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
+#[path = "common/procfs.rs"]
+mod procfs;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Registration, Transport};
+use eventplane::tunnel::{
+    Broker, BrokerConfig, EventBus, Limits, Secret, TunnelStream, client_tls, server_tls,
+};
+use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
+use tokio::io::{AsyncRead, AsyncWrite};
+
+const TOKEN: &str = "tunnel-relay-bench-token";
+const WINDOW: u64 = 1_000;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/tunnel")
+        .join(name)
+}
+
+fn test_mode() -> bool {
+    std::env::args().any(|a| a == "--test")
+}
+
+async fn bus() -> EventBus {
+    let tls = server_tls(fixture("bus.pem"), fixture("bus.key")).unwrap();
+    EventBus::bind(
+        "127.0.0.1:0",
+        tls,
+        Secret::new(TOKEN).unwrap(),
+        Limits::default(),
+    )
+    .await
+    .unwrap()
+}
+
+async fn publisher(view: &MemoryDiscovery, n: u64) -> (PubSocket, String, Registration) {
+    let socket = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+        .await
+        .unwrap();
+    let endpoint = socket.local_endpoint().unwrap().to_owned();
+    let registration = view
+        .register(
+            ChannelId::new("bench", "worker", "t", n).unwrap(),
+            Transport::zmq(endpoint.clone()),
+        )
+        .await
+        .unwrap();
+    (socket, endpoint, registration)
+}
+
+fn message() -> Message {
+    Message::from_parts([
+        Bytes::from_static(b"t"),
+        Bytes::from_static(&[0; 8]),
+        Bytes::from(vec![7u8; 100]),
+    ])
+}
+
+/// Sends and receives `n` messages, at most `WINDOW` in flight.
+async fn closed_loop<S>(
+    publisher: &PubSocket,
+    sub: &mut SubSocket<S>,
+    n: u64,
+    batch: &mut Vec<Message>,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let m = message();
+    let (mut sent, mut got) = (0u64, 0u64);
+    while got < n {
+        while sent < n && sent - got < WINDOW {
+            publisher.send(m.clone());
+            sent += 1;
+        }
+        batch.clear();
+        got += sub.recv_many(batch, 1024).await.unwrap() as u64;
+    }
+}
+
+/// One message at a time: the time from send to receipt, `n` times.
+async fn ping<S>(publisher: &PubSocket, sub: &mut SubSocket<S>, n: u64) -> Duration
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let m = message();
+    let start = Instant::now();
+    for _ in 0..n {
+        publisher.send(m.clone());
+        sub.recv().await.unwrap();
+    }
+    start.elapsed()
+}
+
+struct Pair {
+    direct_pub: PubSocket,
+    direct: SubSocket,
+    tunnel_pub: PubSocket,
+    tunnel: SubSocket<TunnelStream>,
+    _regs: Vec<Registration>,
+    _broker: Broker,
+    _bus: EventBus,
+}
+
+async fn pair() -> Pair {
+    let bus = bus().await;
+    let view = Arc::new(MemoryDiscovery::new());
+    let (direct_pub, direct_ep, r1) = publisher(&view, 1).await;
+    let (tunnel_pub, tunnel_ep, r2) = publisher(&view, 2).await;
+    let broker = Broker::spawn(BrokerConfig::new(
+        format!("https://localhost:{}", bus.local_addr().port()),
+        "bench-broker",
+        vec!["bench".to_owned()],
+        Secret::new(TOKEN).unwrap(),
+        client_tls(fixture("ca.pem")).unwrap(),
+        view.clone() as Arc<dyn Discovery>,
+    ))
+    .unwrap();
+    while bus.brokers_for("bench").is_empty() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let stream = bus.open_stream("bench", 2, &tunnel_ep).await.unwrap();
+    let mut tunnel = SubSocket::handshake(stream, Config::default())
+        .await
+        .unwrap();
+    tunnel.subscribe("t").await.unwrap();
+    let mut direct = SubSocket::connect(&direct_ep, Config::default())
+        .await
+        .unwrap();
+    direct.subscribe("t").await.unwrap();
+    direct_pub.wait_for_subscribers(1).await;
+    tunnel_pub.wait_for_subscribers(1).await;
+    Pair {
+        direct_pub,
+        direct,
+        tunnel_pub,
+        tunnel,
+        _regs: vec![r1, r2],
+        _broker: broker,
+        _bus: bus,
+    }
+}
+
+fn relay(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut p = rt.block_on(pair());
+    let mut batch = Vec::with_capacity(1024);
+
+    let mut group = c.benchmark_group("tunnel_relay/100B");
+    group.throughput(Throughput::Elements(1));
+    group.sample_size(10);
+    group.measurement_time(Duration::from_secs(5));
+    group.bench_function(BenchmarkId::new("throughput", "direct"), |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            rt.block_on(closed_loop(&p.direct_pub, &mut p.direct, iters, &mut batch));
+            start.elapsed()
+        })
+    });
+    group.bench_function(BenchmarkId::new("throughput", "tunnel"), |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            rt.block_on(closed_loop(&p.tunnel_pub, &mut p.tunnel, iters, &mut batch));
+            start.elapsed()
+        })
+    });
+    group.bench_function(BenchmarkId::new("latency", "direct"), |b| {
+        b.iter_custom(|iters| rt.block_on(ping(&p.direct_pub, &mut p.direct, iters)))
+    });
+    group.bench_function(BenchmarkId::new("latency", "tunnel"), |b| {
+        b.iter_custom(|iters| rt.block_on(ping(&p.tunnel_pub, &mut p.tunnel, iters)))
+    });
+    group.finish();
+    drop(p);
+    broker_memory(&rt);
+}
+
+/// The `event_broker` example next to this bench's binary.
+fn event_broker() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let path = exe
+        .parent()?
+        .parent()?
+        .join("examples")
+        .join("event_broker");
+    path.exists().then_some(path)
+}
+
+/// The broker process's RSS with `n` open streams, each carrying a ZMTP connection.
+fn broker_memory(rt: &tokio::runtime::Runtime) {
+    let Some(program) = event_broker() else {
+        eprintln!(
+            "tunnel_relay: target/release/examples/event_broker is missing \
+             (cargo build --release --features tunnel --example event_broker); skipping the broker's RSS"
+        );
+        return;
+    };
+    let n: u64 = if test_mode() { 64 } else { 1000 };
+    rt.block_on(async move {
+        let bus = bus().await;
+        let view = MemoryDiscovery::new();
+        let mut publishers = Vec::new();
+        for i in 0..n {
+            publishers.push(publisher(&view, i).await);
+        }
+        let dir = std::env::temp_dir().join(format!("tunnel-relay-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("token"), TOKEN).unwrap();
+        let endpoints: Vec<String> = publishers.iter().map(|p| format!("{:?}", p.1)).collect();
+        let config = format!(
+            "bus_url = \"https://localhost:{}\"\nclient_id = \"rss\"\nca_file = {:?}\n\
+             token_file = {:?}\ndrain_deadline_ms = 100\n[discovery]\nnamespaces = [\"bench\"]\n\
+             static_endpoints = [{}]\n",
+            bus.local_addr().port(),
+            fixture("ca.pem"),
+            dir.join("token"),
+            endpoints.join(", ")
+        );
+        std::fs::write(dir.join("broker.toml"), config).unwrap();
+        let mut child = tokio::process::Command::new(program)
+            .arg("--config")
+            .arg(dir.join("broker.toml"))
+            .env("RUST_LOG", "off")
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let pid = child.id().unwrap().to_string();
+        while bus.brokers_for("bench").is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let idle = procfs::status_kib(&pid, "VmRSS:");
+        let mut subs = Vec::new();
+        for (i, (_, endpoint, _)) in publishers.iter().enumerate() {
+            let stream = bus.open_stream("bench", i as u64, endpoint).await.unwrap();
+            let mut sub = SubSocket::handshake(stream, Config::default())
+                .await
+                .unwrap();
+            sub.subscribe("t").await.unwrap();
+            subs.push(sub);
+        }
+        for (p, _, _) in &publishers {
+            p.wait_for_subscribers(1).await;
+            p.send(message());
+        }
+        for sub in &mut subs {
+            sub.recv().await.unwrap();
+        }
+        let rss = procfs::status_kib(&pid, "VmRSS:");
+        let hwm = procfs::status_kib(&pid, "VmHWM:");
+        eprintln!(
+            "tunnel_relay: broker with {n} open streams: RSS {:.1} MiB (idle {:.1} MiB, \
+             {:.1} KiB per stream), peak {:.1} MiB; bus streams opened {}",
+            rss as f64 / 1024.0,
+            idle as f64 / 1024.0,
+            rss.saturating_sub(idle) as f64 / n as f64,
+            hwm as f64 / 1024.0,
+            bus.stats().streams_opened
+        );
+        assert_eq!(bus.stats().streams_opened, n);
+        // Each stream is bounded by its 1 MiB budget; idle streams hold far less.
+        assert!(
+            rss < idle + n * 1024,
+            "broker RSS {rss} KiB for {n} streams"
+        );
+        let _ = child.kill().await;
+        let _ = std::fs::remove_dir_all(&dir);
+        bus.shutdown().await;
+    });
+}
+
+criterion_group!(benches, relay);
+criterion_main!(benches);

@@ -346,8 +346,12 @@ async fn session(
     )
     .await
     .map_err(|_| TunnelError::Timeout("the TLS handshake with the bus"))??;
-    let (sender, conn) =
-        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls)).await?;
+    // Router → publisher is bounded by a 64 KiB stream window (DESIGN §7.2).
+    let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .initial_stream_window_size(64 << 10)
+        .initial_connection_window_size(16 << 20)
+        .handshake(TokioIo::new(tls))
+        .await?;
     let conn_done = CancellationToken::new();
     let conn_guard = conn_done.clone();
     let cut = hard.clone();
@@ -362,7 +366,7 @@ async fn session(
     });
     let (ctrl_tx, ctrl_rx) = mpsc::channel(BODY_CHANNEL);
     let request = Request::post(format!("https://{authority}/bus/v1/session"))
-        .header(hyper::header::AUTHORIZATION, config.token.header())
+        .header(hyper::header::AUTHORIZATION, config.token.header_value())
         .body(ChannelBody::new(ctrl_rx))
         .map_err(|e| TunnelError::Config {
             field: "bus_url",
@@ -394,12 +398,12 @@ async fn session(
     let mut drain: Option<(DrainReason, tokio::time::Instant)> = None;
     let mut stopping: Option<tokio::time::Instant> = None;
     let outcome = loop {
-        let mut wire = Vec::new();
-        while let Some(frame) = broker.poll_transmit() {
-            frame.encode(&mut wire);
-        }
-        if !wire.is_empty() && ctrl_tx.send(Ok(Bytes::from(wire))).await.is_err() {
-            broker.close();
+        // Frames go out only as the router reads them; a router that stops reading
+        // fills the session's bounded outbox, which ends the session.
+        match ctrl_tx.try_reserve() {
+            Ok(permit) if broker.has_transmit() => permit.send(Ok(encode_all(&mut broker))),
+            Err(mpsc::error::TrySendError::Closed(())) => broker.close(),
+            _ => {}
         }
         let mut ended = None;
         while let Some(event) = broker.poll_event() {
@@ -515,9 +519,15 @@ async fn session(
                 stopping = Some(tokio::time::Instant::now() + config.drain_deadline);
             }
             () = conn_done.cancelled() => broker.close(),
+            permit = ctrl_tx.reserve(), if broker.has_transmit() => match permit {
+                Ok(permit) => permit.send(Ok(encode_all(&mut broker))),
+                Err(_) => broker.close(),
+            },
         }
     };
     streams_cancel.cancel();
+    // Relays blocked reporting to a session that is gone must not hold it up.
+    drop(report_rx);
     tracker.close();
     tracker.wait().await;
     let high = budget
@@ -526,6 +536,14 @@ async fn session(
         .high_water() as u64;
     counters.high_water.fetch_max(high, Ordering::Relaxed);
     Ok(outcome)
+}
+
+fn encode_all(session: &mut BrokerSession) -> Bytes {
+    let mut wire = Vec::new();
+    while let Some(frame) = session.poll_transmit() {
+        frame.encode(&mut wire);
+    }
+    Bytes::from(wire)
 }
 
 async fn sleep_until(deadline: Option<tokio::time::Instant>) {
@@ -654,7 +672,7 @@ async fn pump(
     let slots = (super::MAX_STREAM_BUFFER_BYTES / CHUNK_OVERHEAD).max(1);
     let (up_tx, up_rx) = mpsc::channel(slots);
     let request = Request::post(format!("https://{authority}/bus/v1/streams/{stream_id}"))
-        .header(hyper::header::AUTHORIZATION, token.header())
+        .header(hyper::header::AUTHORIZATION, token.header_value())
         .body(ChannelBody::charged(up_rx, budget.clone(), stream_id))
         .ok()?;
     let reader_budget = budget.clone();
@@ -670,12 +688,22 @@ async fn pump(
                 Ok(n) => n,
             };
             counters.bytes_up.fetch_add(n as u64, Ordering::Relaxed);
+            if up_tx.is_closed() {
+                // The router let go of the stream (reset or done).
+                return;
+            }
             let charged = reader_budget
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .charge(stream_id, n);
             let chunk = Bytes::copy_from_slice(buf.get(..n).unwrap_or_default());
-            if charged.is_err() || up_tx.try_send(Ok(chunk)).is_err() {
+            let sent = charged.is_ok() && up_tx.try_send(Ok(chunk)).is_ok();
+            if !sent {
+                // Over budget: the stream resets, and what it had queued stops
+                // counting against the session right away.
+                let mut budget = reader_budget.lock().unwrap_or_else(|p| p.into_inner());
+                budget.close(stream_id);
+                drop(budget);
                 let _ = up_tx.try_send(Err(std::io::Error::other("buffer overflow")));
                 overflowed.cancel();
                 return;
@@ -701,6 +729,7 @@ async fn pump(
     tokio::select! {
         () = stop.cancelled() => None,
         () = up => Some(if overflow.is_cancelled() { CloseCode::BufferOverflow } else { CloseCode::UpstreamClosed }),
-        () = down => Some(CloseCode::UpstreamClosed),
+        // The router ended its side (it unsubscribes too): closed silently.
+        () = down => None,
     }
 }

@@ -35,6 +35,7 @@ pub enum Overflow {
 /// let mut budget = RelayBudget::new(16 << 10, 64 << 20);
 /// budget.open(1);
 /// budget.charge(1, 1000)?;
+/// assert_eq!(budget.charge(2, 10), Err(Overflow::Stream)); // never opened
 /// assert_eq!(budget.queued(1), 1000 + CHUNK_OVERHEAD);
 /// // A router that never reads: the stream's limit is reached, the stream must reset.
 /// assert_eq!(budget.charge(1, 16 << 10), Err(Overflow::Stream));
@@ -75,11 +76,13 @@ impl RelayBudget {
     }
 
     /// Charges a chunk of `len` bytes (plus [`CHUNK_OVERHEAD`]) to `stream`, or says
-    /// which limit it would break (and charges nothing). A stream not opened is
-    /// charged as if it had just been.
+    /// which limit it would break (and charges nothing). A stream not opened, or
+    /// already closed, takes nothing ([`Overflow::Stream`]).
     pub fn charge(&mut self, stream: u64, len: usize) -> Result<(), Overflow> {
         let cost = len.saturating_add(CHUNK_OVERHEAD);
-        let queued = self.streams.get(&stream).copied().unwrap_or(0);
+        let Some(&queued) = self.streams.get(&stream) else {
+            return Err(Overflow::Stream);
+        };
         if queued.saturating_add(cost) > self.stream_limit {
             return Err(Overflow::Stream);
         }
@@ -144,8 +147,10 @@ mod tests {
         // The session cap holds whatever was asked: 80 streams of up to 1 MiB each
         // would queue 80 MiB.
         for s in 0..80 {
+            b.open(s);
             while b.charge(s, 16 << 10).is_ok() {}
         }
+        b.open(99);
         assert!(b.total() <= MAX_SESSION_BUFFER_BYTES);
         assert_eq!(b.charge(99, 16 << 10), Err(Overflow::Session));
     }
@@ -153,6 +158,9 @@ mod tests {
     #[test]
     fn the_session_limit_binds_across_streams_and_release_restores_room() {
         let mut b = RelayBudget::new(64 << 10, 100 << 10);
+        for s in 1..=3 {
+            b.open(s);
+        }
         b.charge(1, 60 << 10).unwrap();
         assert_eq!(b.charge(1, 8 << 10), Err(Overflow::Stream));
         b.charge(2, 30 << 10).unwrap();
@@ -165,12 +173,15 @@ mod tests {
         // Releasing more than was charged (a bug upstream) never underflows.
         b.release(3, 1 << 30);
         assert_eq!(b.total(), 0);
+        // A closed stream takes nothing more.
+        assert_eq!(b.charge(2, 1), Err(Overflow::Stream));
     }
 
     #[test]
     fn every_chunk_pays_the_overhead() {
         // 1,000 empty chunks on a 16 KiB stream: the overhead alone fills it.
         let mut b = RelayBudget::new(16 << 10, 64 << 20);
+        b.open(7);
         let fits = (0..1000).take_while(|_| b.charge(7, 0).is_ok()).count();
         assert_eq!(fits, (16 << 10) / CHUNK_OVERHEAD);
     }

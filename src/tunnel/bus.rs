@@ -25,6 +25,9 @@ use super::{
     SessionEnd, rendezvous_owner,
 };
 
+/// Connections the bus holds at once (brokers need one each).
+pub const MAX_CONNECTIONS: usize = 1024;
+
 /// How long a connection may take to complete its TLS handshake.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -34,6 +37,7 @@ enum Command {
         stream_id: u64,
         target: String,
     },
+    Unsubscribe(u64),
     Drain {
         deadline: Duration,
         reason: DrainReason,
@@ -47,6 +51,8 @@ enum Command {
 
 struct Entry {
     session_id: u64,
+    /// The HTTP/2 connection the session runs on: its data streams must come on it.
+    conn_id: u64,
     namespaces: Vec<String>,
     commands: mpsc::Sender<Command>,
     available: Arc<AtomicBool>,
@@ -73,7 +79,7 @@ struct Inner {
     sessions: Mutex<HashMap<String, Entry>>,
     waiting: Mutex<HashMap<u64, Waiter>>,
     next_session: AtomicU64,
-    next_stream: AtomicU64,
+    next_conn: AtomicU64,
     counters: Counters,
     cancel: CancellationToken,
     tracker: TaskTracker,
@@ -158,7 +164,7 @@ impl EventBus {
             sessions: Mutex::new(HashMap::new()),
             waiting: Mutex::new(HashMap::new()),
             next_session: AtomicU64::new(1),
-            next_stream: AtomicU64::new(1),
+            next_conn: AtomicU64::new(1),
             counters: Counters::default(),
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
@@ -236,19 +242,29 @@ impl EventBus {
                 .ok_or_else(|| TunnelError::NoBroker(namespace.to_owned()))?;
             (entry.session_id, entry.commands.clone())
         };
-        let stream_id = inner.next_stream.fetch_add(1, Ordering::Relaxed);
         let (reply, answer) = oneshot::channel();
-        inner
-            .waiting
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(stream_id, Waiter { session_id, reply });
+        // Random ids: a broker cannot guess another's streams.
+        let stream_id = {
+            let mut waiting = inner.waiting.lock().unwrap_or_else(|p| p.into_inner());
+            let mut id = crate::net::random_u64() >> 1;
+            while id == 0 || waiting.contains_key(&id) {
+                id = crate::net::random_u64() >> 1;
+            }
+            waiting.insert(id, Waiter { session_id, reply });
+            id
+        };
+        // Cancelled or not, the waiter goes when this call does.
+        let _forget = Forget { inner, stream_id };
         let subscribe = Command::Subscribe {
             stream_id,
             target: target.to_owned(),
         };
-        if commands.send(subscribe).await.is_err() {
-            inner.fail(stream_id, TunnelError::Shutdown);
+        // Never waits on a session that stopped taking commands.
+        if commands.try_send(subscribe).is_err() {
+            inner.fail(
+                stream_id,
+                TunnelError::Timeout("the broker session's command queue"),
+            );
         }
         // The session expires the subscribe itself after 30 s; this is a backstop.
         match tokio::time::timeout(PENDING_SUBSCRIBE_TIMEOUT + Duration::from_secs(5), answer).await
@@ -286,22 +302,47 @@ impl EventBus {
     }
 }
 
+/// Removes a stream's waiter when `open_stream` returns or is cancelled.
+struct Forget<'a> {
+    inner: &'a Inner,
+    stream_id: u64,
+}
+
+impl Drop for Forget<'_> {
+    fn drop(&mut self) {
+        self.inner
+            .waiting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.stream_id);
+    }
+}
+
 async fn accept_loop(
     inner: Arc<Inner>,
     listener: TcpListener,
     acceptor: tokio_rustls::TlsAcceptor,
 ) {
+    let connections = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let accepted = tokio::select! {
             () = inner.cancel.cancelled() => return,
             a = listener.accept() => a,
         };
         let Ok((tcp, _peer)) = accepted else {
+            // Out of descriptors, most likely: pause instead of spinning.
+            tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
         let _ = tcp.set_nodelay(true);
+        // A bounded number of connections, authenticated or not.
+        let Ok(permit) = connections.clone().try_acquire_owned() else {
+            tracing::debug!("event bus connection limit reached: refusing a connection");
+            continue;
+        };
         let (inner2, acceptor) = (inner.clone(), acceptor.clone());
         inner.tracker.spawn(async move {
+            let _permit = permit;
             let tls = match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
             {
                 Ok(Ok(tls)) => tls,
@@ -311,14 +352,19 @@ async fn accept_loop(
                 }
                 Err(_) => return,
             };
+            let conn_id = inner2.next_conn.fetch_add(1, Ordering::Relaxed);
             let service_inner = inner2.clone();
             let service = hyper::service::service_fn(move |req| {
                 let inner = service_inner.clone();
-                async move { Ok::<_, Infallible>(route(inner, req).await) }
+                async move { Ok::<_, Infallible>(route(inner, conn_id, req).await) }
             });
             // Every stream the welcome allows, plus the session's own.
+            // Windows: one stalled stream holds at most 256 KiB of the connection's
+            // 16 MiB, so it cannot stall the session or the other streams.
             let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
                 .max_concurrent_streams(inner2.limits.max_streams.saturating_add(1))
+                .initial_stream_window_size(256 << 10)
+                .initial_connection_window_size(16 << 20)
                 .serve_connection(TokioIo::new(tls), service);
             tokio::select! {
                 () = inner2.cancel.cancelled() => {}
@@ -337,7 +383,7 @@ fn empty(status: StatusCode) -> Response<ChannelBody> {
     response
 }
 
-async fn route(inner: Arc<Inner>, req: Request<Incoming>) -> Response<ChannelBody> {
+async fn route(inner: Arc<Inner>, conn_id: u64, req: Request<Incoming>) -> Response<ChannelBody> {
     if req.method() != hyper::Method::POST {
         return empty(StatusCode::METHOD_NOT_ALLOWED);
     }
@@ -351,18 +397,18 @@ async fn route(inner: Arc<Inner>, req: Request<Incoming>) -> Response<ChannelBod
     }
     let path = req.uri().path().to_owned();
     if path == "/bus/v1/session" {
-        return start_session(inner, req);
+        return start_session(inner, conn_id, req);
     }
     if let Some(id) = path.strip_prefix("/bus/v1/streams/") {
         return match id.parse::<u64>() {
-            Ok(id) => data_stream(inner, id, req).await,
+            Ok(id) => data_stream(inner, conn_id, id, req).await,
             Err(_) => empty(StatusCode::NOT_FOUND),
         };
     }
     empty(StatusCode::NOT_FOUND)
 }
 
-fn start_session(inner: Arc<Inner>, req: Request<Incoming>) -> Response<ChannelBody> {
+fn start_session(inner: Arc<Inner>, conn_id: u64, req: Request<Incoming>) -> Response<ChannelBody> {
     let session_id = inner.next_session.fetch_add(1, Ordering::Relaxed);
     inner
         .counters
@@ -374,6 +420,7 @@ fn start_session(inner: Arc<Inner>, req: Request<Incoming>) -> Response<ChannelB
     tracker.spawn(run_session(
         inner,
         session_id,
+        conn_id,
         req.into_body(),
         out_tx,
         cmd_tx,
@@ -385,6 +432,7 @@ fn start_session(inner: Arc<Inner>, req: Request<Incoming>) -> Response<ChannelB
 async fn run_session(
     inner: Arc<Inner>,
     session_id: u64,
+    conn_id: u64,
     mut body: Incoming,
     out: mpsc::Sender<Result<Bytes, std::io::Error>>,
     commands: mpsc::Sender<Command>,
@@ -396,12 +444,12 @@ async fn run_session(
     let mut client: Option<String> = None;
     let mut body_open = true;
     loop {
-        let mut wire = Vec::new();
-        while let Some(frame) = session.poll_transmit() {
-            frame.encode(&mut wire);
-        }
-        if !wire.is_empty() && out.send(Ok(Bytes::from(wire))).await.is_err() {
-            session.close();
+        // Frames go out only as the broker reads them: a broker that stops reading
+        // fills the session's bounded outbox, which ends the session.
+        match out.try_reserve() {
+            Ok(permit) if session.has_transmit() => permit.send(Ok(encode_all(&mut session))),
+            Err(mpsc::error::TrySendError::Closed(())) => session.close(),
+            _ => {}
         }
         while let Some(event) = session.poll_event() {
             match event {
@@ -413,6 +461,7 @@ async fn run_session(
                     tracing::info!(%client_id, session_id, ?namespaces, "broker session welcomed");
                     let entry = Entry {
                         session_id,
+                        conn_id,
                         namespaces,
                         commands: commands.clone(),
                         available: available.clone(),
@@ -480,15 +529,28 @@ async fn run_session(
                     }
                 }
                 Some(Command::Drain { deadline, reason }) => session.drain(deadline, reason),
+                Some(Command::Unsubscribe(stream_id)) => session.unsubscribe(stream_id),
                 Some(Command::Attach { stream_id, reply }) => {
                     let _ = reply.send(session.accept_data_stream(stream_id).is_ok());
                 }
                 Some(Command::Close) | None => session.close(),
             },
+            permit = out.reserve(), if session.has_transmit() => match permit {
+                Ok(permit) => permit.send(Ok(encode_all(&mut session))),
+                Err(_) => session.close(),
+            },
             () = sleep_until(deadline) => session.handle_timeout(std::time::Instant::now()),
             () = inner.cancel.cancelled() => session.close(),
         }
     }
+}
+
+fn encode_all(session: &mut RouterSession) -> Bytes {
+    let mut wire = Vec::new();
+    while let Some(frame) = session.poll_transmit() {
+        frame.encode(&mut wire);
+    }
+    Bytes::from(wire)
 }
 
 async fn sleep_until(deadline: Option<tokio::time::Instant>) {
@@ -525,6 +587,7 @@ fn finish(inner: &Inner, session_id: u64, client: Option<&str>, end: &SessionEnd
 
 async fn data_stream(
     inner: Arc<Inner>,
+    conn_id: u64,
     stream_id: u64,
     req: Request<Incoming>,
 ) -> Response<ChannelBody> {
@@ -546,7 +609,8 @@ async fn data_stream(
         let sessions = inner.sessions.lock().unwrap_or_else(|p| p.into_inner());
         sessions
             .values()
-            .find(|e| e.session_id == session_id)
+            // Only on the connection of the session that asked for it.
+            .find(|e| e.session_id == session_id && e.conn_id == conn_id)
             .map(|e| e.commands.clone())
     };
     let Some(commands) = commands else {
@@ -554,10 +618,9 @@ async fn data_stream(
     };
     let (reply, attached) = oneshot::channel();
     if commands
-        .send(Command::Attach { stream_id, reply })
-        .await
+        .try_send(Command::Attach { stream_id, reply })
         .is_err()
-        || attached.await != Ok(true)
+        || tokio::time::timeout(Duration::from_secs(5), attached).await != Ok(Ok(true))
     {
         return unknown(&inner);
     }
@@ -570,7 +633,14 @@ async fn data_stream(
         return unknown(&inner);
     };
     let (tx, rx) = mpsc::channel(BODY_CHANNEL);
-    let stream = TunnelStream::new(req.into_body(), tx);
+    let detach = commands.clone();
+    let stream = TunnelStream::new(
+        req.into_body(),
+        tx,
+        Box::new(move || {
+            let _ = detach.try_send(Command::Unsubscribe(stream_id));
+        }),
+    );
     inner
         .counters
         .streams_opened

@@ -104,6 +104,17 @@ pub struct TunnelStream {
     incoming: Incoming,
     pending: Bytes,
     outgoing: PollSender<Result<Bytes, io::Error>>,
+    /// Tells the session the router let go (it unsubscribes: the broker closes the
+    /// publisher connection silently).
+    on_drop: Option<Box<dyn FnOnce() + Send + Sync>>,
+}
+
+impl Drop for TunnelStream {
+    fn drop(&mut self) {
+        if let Some(f) = self.on_drop.take() {
+            f();
+        }
+    }
 }
 
 impl std::fmt::Debug for TunnelStream {
@@ -118,11 +129,13 @@ impl TunnelStream {
     pub(crate) fn new(
         incoming: Incoming,
         outgoing: mpsc::Sender<Result<Bytes, io::Error>>,
+        on_drop: Box<dyn FnOnce() + Send + Sync>,
     ) -> TunnelStream {
         TunnelStream {
             incoming,
             pending: Bytes::new(),
             outgoing: PollSender::new(outgoing),
+            on_drop: Some(on_drop),
         }
     }
 }
@@ -211,8 +224,13 @@ impl Secret {
         Secret::new(text)
     }
 
-    pub(crate) fn header(&self) -> String {
-        format!("Bearer {}", self.0)
+    /// The `Authorization` header value, marked sensitive (never indexed by HPACK,
+    /// redacted from its `Debug`).
+    pub(crate) fn header_value(&self) -> hyper::header::HeaderValue {
+        let mut value = hyper::header::HeaderValue::from_str(&format!("Bearer {}", self.0))
+            .unwrap_or_else(|_| hyper::header::HeaderValue::from_static("Bearer"));
+        value.set_sensitive(true);
+        value
     }
 
     /// `true` when `header` is `Bearer <this token>`; constant-time in the token.

@@ -58,7 +58,7 @@ pub use broker::{
     BUS_CONNECT_TIMEOUT, Broker, BrokerConfig, BrokerHandle, BrokerStats, CONNECT_TIMEOUT,
     DNS_TIMEOUT, RESPONSE_TIMEOUT,
 };
-pub use bus::{BusStats, EventBus};
+pub use bus::{BusStats, EventBus, MAX_CONNECTIONS};
 pub use error::TunnelError;
 pub use io::{Secret, TunnelStream, client_tls, server_tls};
 
@@ -72,8 +72,9 @@ pub use frame::{
 };
 pub use rendezvous::{rendezvous_owner, weight as rendezvous_weight};
 pub use session::{
-    BrokerEvent, BrokerSession, HANDSHAKE_TIMEOUT, MAX_QUEUED_CONTROL, PENDING_SUBSCRIBE_TIMEOUT,
-    REBALANCE_WINDOW, Reconnect, RouterEvent, RouterSession, SessionEnd, SubscribeError,
+    BrokerEvent, BrokerSession, HANDSHAKE_TIMEOUT, MAX_BROKER_STREAMS, MAX_QUEUED_CONTROL,
+    PENDING_SUBSCRIBE_TIMEOUT, REBALANCE_WINDOW, Reconnect, RouterEvent, RouterSession, SessionEnd,
+    SubscribeError,
 };
 
 #[cfg(test)]

@@ -18,6 +18,9 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// stream, before it gives up on it.
 pub const PENDING_SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The most streams a broker keeps open at once, whatever a `welcome` allows.
+pub const MAX_BROKER_STREAMS: u32 = 4096;
+
 /// Control frames a session may have waiting to be sent before it fails: a peer that
 /// sends commands and never reads the answers cannot grow this queue further.
 pub const MAX_QUEUED_CONTROL: usize = 4096;
@@ -181,6 +184,11 @@ impl BrokerSession {
         Some(frame)
     }
 
+    /// `true` while frames wait to be sent.
+    pub fn has_transmit(&self) -> bool {
+        !self.outbox.frames.is_empty()
+    }
+
     /// The next event for the I/O layer.
     pub fn poll_event(&mut self) -> Option<BrokerEvent> {
         self.events.pop_front()
@@ -252,7 +260,11 @@ impl BrokerSession {
                         "welcome's idle timeout must exceed a non-zero heartbeat interval",
                     ));
                 }
-                self.limits = l;
+                // A router cannot make this broker hold more than its own cap.
+                self.limits = Limits {
+                    max_streams: l.max_streams.min(MAX_BROKER_STREAMS),
+                    ..l
+                };
                 self.liveness = Some(Liveness::new(&l, now));
                 self.state = BrokerState::Active;
                 self.events.push_back(BrokerEvent::Welcomed(welcome));
@@ -551,6 +563,11 @@ impl RouterSession {
     /// The next frame to send.
     pub fn poll_transmit(&mut self) -> Option<Control> {
         self.outbox.frames.pop_front()
+    }
+
+    /// `true` while frames wait to be sent.
+    pub fn has_transmit(&self) -> bool {
+        !self.outbox.frames.is_empty()
     }
 
     /// The next event.

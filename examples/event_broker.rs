@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use common::chain;
-use eventplane::discovery::{Discovery, StaticDiscovery};
+use eventplane::discovery::{ChannelId, Discovery, Instance, StaticDiscovery, Transport};
 use eventplane::net::AddrFilter;
 use eventplane::tunnel::{Broker, BrokerConfig, Secret, client_tls};
 
@@ -126,19 +126,21 @@ fn load(args: &Args) -> Result<(FileConfig, Secret, AddrFilter), Refusal> {
 
 async fn discovery(config: &DiscoveryConfig) -> Result<Arc<dyn Discovery>, Refusal> {
     if !config.static_endpoints.is_empty() {
-        let ns = config
-            .namespaces
-            .first()
-            .map(String::as_str)
-            .unwrap_or_default();
-        return StaticDiscovery::from_endpoints(
-            ns,
-            "static",
-            "static",
-            config.static_endpoints.iter(),
-        )
-        .map(|d| Arc::new(d) as Arc<dyn Discovery>)
-        .map_err(|e| Refusal::Config(chain(&e)));
+        // Checked as endpoints (tcp://host:port) once, then advertised in every
+        // namespace the broker covers.
+        for ns in &config.namespaces {
+            StaticDiscovery::from_endpoints(ns, "static", "static", config.static_endpoints.iter())
+                .map_err(|e| Refusal::Config(chain(&e)))?;
+        }
+        let mut instances = Vec::new();
+        for ns in &config.namespaces {
+            for (i, endpoint) in config.static_endpoints.iter().enumerate() {
+                let id = ChannelId::new(ns.clone(), "static", "static", i as u64)
+                    .map_err(|e| Refusal::Config(chain(&e)))?;
+                instances.push(Instance::new(id, Transport::zmq(endpoint.clone()), 1));
+            }
+        }
+        return Ok(Arc::new(StaticDiscovery::new(instances)) as Arc<dyn Discovery>);
     }
     etcd(config).await
 }

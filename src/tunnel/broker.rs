@@ -179,6 +179,8 @@ struct Counters {
     bytes_down: AtomicU64,
     high_water: AtomicU64,
     codes: Mutex<(HashMap<String, u64>, HashMap<String, u64>)>,
+    /// Refusals warn once a minute per code, with the count suppressed.
+    warn: crate::net::RateLimitedWarn,
 }
 
 /// A running broker: it keeps a session with the bus (reconnecting with backoff) until
@@ -495,6 +497,9 @@ async fn session(
                     }
                     Report::Refused(id, code) => {
                         counters.count(true, code.as_str());
+                        if let Some(suppressed) = counters.warn.check(code.as_str(), Instant::now()) {
+                            tracing::warn!(%code, suppressed, "refused a subscribe");
+                        }
                         stream_stops.remove(&id);
                         broker.stream_refused(id, code);
                     }
@@ -598,10 +603,11 @@ async fn relay(
 async fn dial(config: &BrokerConfig, target: &str) -> Result<TcpStream, RefuseCode> {
     let mut advertised = false;
     for ns in &config.namespaces {
-        let listed = config
-            .discovery
-            .list(Query::new(ns))
+        // A discovery that does not answer is not an advertisement.
+        let listed = tokio::time::timeout(DNS_TIMEOUT, config.discovery.list(Query::new(ns)))
             .await
+            .ok()
+            .and_then(Result::ok)
             .unwrap_or_default();
         if listed.iter().any(|i| i.transport.endpoint() == target) {
             advertised = true;

@@ -104,6 +104,7 @@ pub mod publish;
 mod reader;
 mod slots;
 pub mod subscriber;
+mod time;
 #[cfg(feature = "tunnel")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tunnel")))]
 pub mod tunnel;

@@ -1015,8 +1015,12 @@ mod event_broker {
         }
     }
 
-    #[tokio::test]
-    async fn it_relays_through_the_bus_and_drains_on_sigterm() {
+    /// A TLS bus, one publisher, and `event_broker` running with a config for them
+    /// (`drain_deadline_ms` as given) and joined to the bus.
+    async fn running(
+        name: &str,
+        drain_ms: u64,
+    ) -> (EventBus, Arc<PubSocket>, String, tokio::process::Child) {
         let tls = server_tls(fixture("bus.pem"), fixture("bus.key")).unwrap();
         let bus = EventBus::bind(
             "127.0.0.1:0",
@@ -1032,16 +1036,18 @@ mod event_broker {
                 .unwrap(),
         );
         let endpoint = publisher.local_endpoint().unwrap().to_owned();
-        let dir = config("relay", "").parent().unwrap().to_owned();
-        let path = config(
-            "relay",
-            &body(
-                &format!("https://localhost:{}", bus.local_addr().port()),
-                &dir,
-                &[&endpoint],
-                "",
-            ),
+        let dir = config(name, "").parent().unwrap().to_owned();
+        let text = body(
+            &format!("https://localhost:{}", bus.local_addr().port()),
+            &dir,
+            &[&endpoint],
+            "",
+        )
+        .replace(
+            "drain_deadline_ms = 300",
+            &format!("drain_deadline_ms = {drain_ms}"),
         );
+        let path = config(name, &text);
         let broker = Command::new(example("event_broker"))
             .arg("--config")
             .arg(&path)
@@ -1055,6 +1061,12 @@ mod event_broker {
             }
         })
         .await;
+        (bus, publisher, endpoint, broker)
+    }
+
+    #[tokio::test]
+    async fn it_relays_through_the_bus_and_drains_on_sigterm() {
+        let (bus, publisher, endpoint, broker) = running("relay", 300).await;
         let stream = within(bus.open_stream("prod", 0, &endpoint)).await.unwrap();
         let mut sub = within(SubSocket::handshake(stream, Config::default()))
             .await
@@ -1090,42 +1102,8 @@ mod event_broker {
     #[tokio::test]
     async fn a_second_signal_stops_it_at_once() {
         use tokio::io::{AsyncBufReadExt, BufReader};
-        let tls = server_tls(fixture("bus.pem"), fixture("bus.key")).unwrap();
-        let bus = EventBus::bind(
-            "127.0.0.1:0",
-            tls,
-            Secret::new(TOKEN).unwrap(),
-            Limits::default(),
-        )
-        .await
-        .unwrap();
-        let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
-            .await
-            .unwrap();
-        let endpoint = publisher.local_endpoint().unwrap().to_owned();
-        let dir = config("twice", "").parent().unwrap().to_owned();
         // A long drain: only the second signal can end it soon.
-        let text = body(
-            &format!("https://localhost:{}", bus.local_addr().port()),
-            &dir,
-            &[&endpoint],
-            "",
-        )
-        .replace("drain_deadline_ms = 300", "drain_deadline_ms = 600000");
-        let path = config("twice", &text);
-        let mut broker = Command::new(example("event_broker"))
-            .arg("--config")
-            .arg(&path)
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        within(async {
-            while bus.brokers_for("prod").is_empty() {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-        .await;
+        let (bus, _publisher, endpoint, mut broker) = running("twice", 600_000).await;
         let _stream = within(bus.open_stream("prod", 0, &endpoint)).await.unwrap();
         let pid = broker.id().unwrap().to_string();
         let term = || {

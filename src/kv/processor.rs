@@ -449,7 +449,7 @@ impl Processor {
                         last_flush = tokio::time::Instant::now();
                     }
                 }
-                () = sleep_until_opt(deadline) => {
+                () = crate::time::sleep_until_opt(deadline) => {
                     pipeline.flush(&mut out);
                     last_flush = tokio::time::Instant::now();
                 }
@@ -552,12 +552,5 @@ impl Processor {
             return false;
         }
         true
-    }
-}
-
-async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
     }
 }

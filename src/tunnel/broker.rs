@@ -403,7 +403,9 @@ async fn session(
         // Frames go out only as the router reads them; a router that stops reading
         // fills the session's bounded outbox, which ends the session.
         match ctrl_tx.try_reserve() {
-            Ok(permit) if broker.has_transmit() => permit.send(Ok(encode_all(&mut broker))),
+            Ok(permit) if broker.has_transmit() => {
+                permit.send(Ok(super::frame::encode_frames(|| broker.poll_transmit())))
+            }
             Err(mpsc::error::TrySendError::Closed(())) => broker.close(),
             _ => {}
         }
@@ -510,7 +512,7 @@ async fn session(
                     }
                 }
             },
-            () = sleep_until(timer) => {
+            () = crate::time::sleep_until_opt(timer) => {
                 let now = tokio::time::Instant::now();
                 if deadline.is_some_and(|d| now >= d) {
                     broker.close();
@@ -525,7 +527,7 @@ async fn session(
             }
             () = conn_done.cancelled() => broker.close(),
             permit = ctrl_tx.reserve(), if broker.has_transmit() => match permit {
-                Ok(permit) => permit.send(Ok(encode_all(&mut broker))),
+                Ok(permit) => permit.send(Ok(super::frame::encode_frames(|| broker.poll_transmit()))),
                 Err(_) => broker.close(),
             },
         }
@@ -541,21 +543,6 @@ async fn session(
         .high_water() as u64;
     counters.high_water.fetch_max(high, Ordering::Relaxed);
     Ok(outcome)
-}
-
-fn encode_all(session: &mut BrokerSession) -> Bytes {
-    let mut wire = Vec::new();
-    while let Some(frame) = session.poll_transmit() {
-        frame.encode(&mut wire);
-    }
-    Bytes::from(wire)
-}
-
-async fn sleep_until(deadline: Option<tokio::time::Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
-    }
 }
 
 /// Checks `target`, connects to it, and relays it as data stream `stream_id`.

@@ -447,7 +447,9 @@ async fn run_session(
         // Frames go out only as the broker reads them: a broker that stops reading
         // fills the session's bounded outbox, which ends the session.
         match out.try_reserve() {
-            Ok(permit) if session.has_transmit() => permit.send(Ok(encode_all(&mut session))),
+            Ok(permit) if session.has_transmit() => {
+                permit.send(Ok(super::frame::encode_frames(|| session.poll_transmit())))
+            }
             Err(mpsc::error::TrySendError::Closed(())) => session.close(),
             _ => {}
         }
@@ -536,27 +538,12 @@ async fn run_session(
                 Some(Command::Close) | None => session.close(),
             },
             permit = out.reserve(), if session.has_transmit() => match permit {
-                Ok(permit) => permit.send(Ok(encode_all(&mut session))),
+                Ok(permit) => permit.send(Ok(super::frame::encode_frames(|| session.poll_transmit()))),
                 Err(_) => session.close(),
             },
-            () = sleep_until(deadline) => session.handle_timeout(std::time::Instant::now()),
+            () = crate::time::sleep_until_opt(deadline) => session.handle_timeout(std::time::Instant::now()),
             () = inner.cancel.cancelled() => session.close(),
         }
-    }
-}
-
-fn encode_all(session: &mut RouterSession) -> Bytes {
-    let mut wire = Vec::new();
-    while let Some(frame) = session.poll_transmit() {
-        frame.encode(&mut wire);
-    }
-    Bytes::from(wire)
-}
-
-async fn sleep_until(deadline: Option<tokio::time::Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
     }
 }
 

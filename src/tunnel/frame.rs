@@ -545,6 +545,16 @@ impl Control {
     }
 }
 
+/// Every frame `next` yields, encoded one after the other (a session's outbox in one
+/// write).
+pub(crate) fn encode_frames(mut next: impl FnMut() -> Option<Control>) -> bytes::Bytes {
+    let mut wire = Vec::new();
+    while let Some(frame) = next() {
+        frame.encode(&mut wire);
+    }
+    bytes::Bytes::from(wire)
+}
+
 /// Typed access to a frame's fields, each failure naming frame and field.
 struct Fields<'v, 'a> {
     value: &'v Value<'a>,

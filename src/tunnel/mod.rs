@@ -48,6 +48,7 @@
 mod broker;
 mod budget;
 mod bus;
+mod codes;
 mod error;
 mod frame;
 mod io;

@@ -1,0 +1,112 @@
+//! The tunnel's closed code sets (DESIGN §7.1): what each side may say about a
+//! stream or a drain. Unknown text reads as `Unknown`, so a newer peer's code never
+//! fails a session.
+
+macro_rules! closed_codes {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident = $text:literal,)* }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[non_exhaustive]
+        pub enum $name {
+            $($(#[$vmeta])* $variant,)*
+            /// A code this version does not know.
+            Unknown,
+        }
+
+        impl $name {
+            /// Every known code (not `Unknown`), for bounded metric label sets.
+            pub const ALL: &'static [$name] = &[$($name::$variant,)*];
+
+            /// The code on the wire (`"unknown"` for `Unknown`).
+            pub fn as_str(&self) -> &'static str {
+                match self {
+                    $($name::$variant => $text,)*
+                    $name::Unknown => "unknown",
+                }
+            }
+
+            /// The code `text` names; `Unknown` for any other text.
+            pub fn parse(text: &str) -> $name {
+                match text {
+                    $($text => $name::$variant,)*
+                    _ => $name::Unknown,
+                }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
+closed_codes! {
+    /// Why a broker refused a `subscribe` (a closed set; anything else reads as
+    /// `Unknown`).
+    ///
+    /// ```
+    /// use eventplane::tunnel::RefuseCode;
+    /// assert_eq!(RefuseCode::parse("target_not_advertised"), RefuseCode::TargetNotAdvertised);
+    /// assert_eq!(RefuseCode::parse("from_the_future"), RefuseCode::Unknown);
+    /// ```
+    RefuseCode {
+        /// The target is not in the broker's discovery view.
+        TargetNotAdvertised = "target_not_advertised",
+        /// A resolved address is refused by the broker's address filter.
+        AddressFiltered = "address_filtered",
+        /// The target's host does not resolve.
+        DnsFailed = "dns_failed",
+        /// Resolving took longer than its deadline.
+        DnsTimeout = "dns_timeout",
+        /// No resolved address accepted the connection.
+        ConnectFailed = "connect_failed",
+        /// Connecting took longer than its deadline.
+        ConnectTimeout = "connect_timeout",
+        /// No HTTP/2 stream slot within its deadline.
+        StreamSlotTimeout = "stream_slot_timeout",
+        /// The router's response head did not come within its deadline.
+        ResponseTimeout = "response_timeout",
+        /// The broker is draining.
+        Draining = "draining",
+        /// The session's stream limit is reached.
+        TooManyStreams = "too_many_streams",
+        /// The stream id is already in use.
+        DuplicateStream = "duplicate_stream",
+        /// The target is not `tcp://host:port`.
+        BadTarget = "bad_target",
+        /// A data stream for a subscribe the router does not know (late or expired).
+        UnknownStream = "unknown_stream",
+    }
+}
+
+closed_codes! {
+    /// Why an open stream ended on the broker's side.
+    ///
+    /// ```
+    /// use eventplane::tunnel::CloseCode;
+    /// assert_eq!(CloseCode::BufferOverflow.as_str(), "buffer_overflow");
+    /// ```
+    CloseCode {
+        /// The publisher closed its connection.
+        UpstreamClosed = "upstream_closed",
+        /// The router read too slowly: the stream's or session's buffer was full.
+        BufferOverflow = "buffer_overflow",
+    }
+}
+
+closed_codes! {
+    /// Why a router drains a broker.
+    ///
+    /// ```
+    /// use eventplane::tunnel::DrainReason;
+    /// assert_eq!(DrainReason::parse("rebalance"), DrainReason::Rebalance);
+    /// ```
+    DrainReason {
+        /// The router is shutting down.
+        Shutdown = "shutdown",
+        /// The router moves this broker's subscriptions elsewhere.
+        Rebalance = "rebalance",
+    }
+}

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use hyper::Request;
@@ -13,140 +13,19 @@ use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::config::BrokerConfig;
 use super::error::TunnelError;
-use super::io::{BODY_CHANNEL, ChannelBody, Secret, next_chunk};
+use super::io::{BODY_CHANNEL, ChannelBody, next_chunk};
+use super::view::View;
 use super::{
     BrokerEvent, BrokerSession, CHUNK_OVERHEAD, CloseCode, ControlDecoder, DrainReason, Hello,
-    MAX_SESSION_BUFFER_BYTES, Reconnect, RefuseCode, RelayBudget,
+    Reconnect, RefuseCode, RelayBudget,
 };
-use crate::discovery::{Discovery, Query};
-use crate::net::{AddrFilter, random_unit};
-
-/// Deadline for resolving a target's host.
-pub const DNS_TIMEOUT: Duration = Duration::from_secs(5);
-/// Deadline for connecting to a target, across all its resolved addresses.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// Deadline for the router's response head on a session or data stream.
-pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Deadline for reaching the bus (TCP and TLS).
-pub const BUS_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// What a broker needs: where the bus is, who it is, what it covers, and what it may
-/// dial.
-#[derive(Clone)]
-#[non_exhaustive]
-pub struct BrokerConfig {
-    /// The router's bus, `https://host:port` (plaintext is refused).
-    pub bus_url: String,
-    /// This broker's id (one session per id: a new one supersedes the old).
-    pub client_id: String,
-    /// The discovery namespaces it serves.
-    pub namespaces: Vec<String>,
-    /// The bearer credential.
-    pub token: Secret,
-    /// TLS for the bus (see [`client_tls`](super::client_tls)).
-    pub tls: Arc<rustls::ClientConfig>,
-    /// Its own view of the publishers: only endpoints advertised here are dialled.
-    pub discovery: Arc<dyn Discovery>,
-    /// Which resolved addresses may be dialled.
-    pub addr_filter: AddrFilter,
-    /// How long open streams may run after a SIGTERM or `drain{shutdown}`.
-    pub drain_deadline: Duration,
-}
-
-impl std::fmt::Debug for BrokerConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BrokerConfig")
-            .field("bus_url", &self.bus_url)
-            .field("client_id", &self.client_id)
-            .field("namespaces", &self.namespaces)
-            .field("token", &self.token)
-            .finish_non_exhaustive()
-    }
-}
-
-impl BrokerConfig {
-    /// A configuration with the default address filter and a 30 s drain deadline.
-    pub fn new(
-        bus_url: impl Into<String>,
-        client_id: impl Into<String>,
-        namespaces: Vec<String>,
-        token: Secret,
-        tls: Arc<rustls::ClientConfig>,
-        discovery: Arc<dyn Discovery>,
-    ) -> BrokerConfig {
-        BrokerConfig {
-            bus_url: bus_url.into(),
-            client_id: client_id.into(),
-            namespaces,
-            token,
-            tls,
-            discovery,
-            addr_filter: AddrFilter::default(),
-            drain_deadline: Duration::from_secs(30),
-        }
-    }
-
-    /// With open streams allowed `deadline` to finish when draining (default 30 s).
-    #[must_use]
-    pub fn drain_deadline(mut self, deadline: Duration) -> BrokerConfig {
-        self.drain_deadline = deadline;
-        self
-    }
-
-    /// With `filter` deciding which resolved addresses may be dialled.
-    #[must_use]
-    pub fn addr_filter(mut self, filter: AddrFilter) -> BrokerConfig {
-        self.addr_filter = filter;
-        self
-    }
-
-    /// `host`, `port` and `authority` of the bus URL, or why it is refused.
-    fn bus(&self) -> Result<(String, u16, String), TunnelError> {
-        let bad = |reason: &str| TunnelError::Config {
-            field: "bus_url",
-            reason: format!("{:?} {reason}", self.bus_url),
-        };
-        let rest = self
-            .bus_url
-            .strip_prefix("https://")
-            .ok_or_else(|| bad("is not https:// (plaintext is refused)"))?;
-        let authority = rest.split('/').next().unwrap_or_default();
-        let (host, port) = match authority.rsplit_once(':') {
-            Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => {
-                (h, p.parse::<u16>().map_err(|_| bad("has a bad port"))?)
-            }
-            _ => (authority, 443),
-        };
-        let host = host.trim_start_matches('[').trim_end_matches(']');
-        if host.is_empty() {
-            return Err(bad("has no host"));
-        }
-        Ok((host.to_owned(), port, authority.to_owned()))
-    }
-
-    /// The first refused setting, if any.
-    pub fn validate(&self) -> Result<(), TunnelError> {
-        self.bus()?;
-        if self.client_id.is_empty() || self.client_id.len() > super::MAX_NAME_LEN {
-            return Err(TunnelError::Config {
-                field: "client_id",
-                reason: "is empty or too long".into(),
-            });
-        }
-        if self.namespaces.is_empty() || self.namespaces.len() > super::MAX_NAMESPACES {
-            return Err(TunnelError::Config {
-                field: "namespaces",
-                reason: format!("must name 1 to {}", super::MAX_NAMESPACES),
-            });
-        }
-        Ok(())
-    }
-}
+use crate::net::random_unit;
 
 /// Counters of a [`Broker`].
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
@@ -168,9 +47,13 @@ pub struct BrokerStats {
     pub bytes_down: u64,
     /// The most the broker ever had queued toward the router in one session.
     pub buffer_high_water: u64,
+    /// Whether every namespace's initial discovery list is complete (the broker
+    /// dials the bus only then).
+    pub discovery_ready: bool,
+    /// Distinct endpoints advertised in its discovery view now.
+    pub advertised_endpoints: usize,
 }
 
-#[derive(Default)]
 struct Counters {
     sessions: AtomicU64,
     session_failures: AtomicU64,
@@ -181,6 +64,7 @@ struct Counters {
     codes: Mutex<(HashMap<String, u64>, HashMap<String, u64>)>,
     /// Refusals warn once a minute per code, with the count suppressed.
     warn: crate::net::RateLimitedWarn,
+    view: View,
 }
 
 /// A running broker: it keeps a session with the bus (reconnecting with backoff) until
@@ -206,7 +90,18 @@ impl Broker {
         config.validate()?;
         let cancel = CancellationToken::new();
         let hard = CancellationToken::new();
-        let counters = Arc::new(Counters::default());
+        let view = View::spawn(config.discovery.clone(), &config.namespaces, &hard);
+        let counters = Arc::new(Counters {
+            sessions: AtomicU64::new(0),
+            session_failures: AtomicU64::new(0),
+            streams_opened: AtomicU64::new(0),
+            bytes_up: AtomicU64::new(0),
+            bytes_down: AtomicU64::new(0),
+            high_water: AtomicU64::new(0),
+            codes: Mutex::default(),
+            warn: crate::net::RateLimitedWarn::default(),
+            view,
+        });
         let task = tokio::spawn(run(config, cancel.clone(), hard.clone(), counters.clone()));
         Ok(Broker {
             cancel,
@@ -265,6 +160,8 @@ impl BrokerHandle {
             bytes_up: l(&c.bytes_up),
             bytes_down: l(&c.bytes_down),
             buffer_high_water: l(&c.high_water),
+            discovery_ready: c.view.is_ready(),
+            advertised_endpoints: c.view.endpoints(),
         }
     }
 }
@@ -290,7 +187,18 @@ async fn run(
     hard: CancellationToken,
     counters: Arc<Counters>,
 ) {
-    let mut reconnect = Reconnect::default();
+    let mut reconnect = Reconnect::with_backoff(crate::net::Backoff::checked(
+        config.reconnect_min,
+        config.reconnect_max,
+    ));
+    // No session before the view can answer: every subscribe would be refused.
+    if !counters.view.is_ready() {
+        tracing::info!(namespaces = ?config.namespaces, "waiting for the initial discovery lists");
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = counters.view.ready() => {}
+        }
+    }
     loop {
         let outcome = match session(&config, &cancel, &hard, &counters, &mut reconnect).await {
             Ok(outcome) => outcome,
@@ -330,8 +238,9 @@ async fn session(
     reconnect: &mut Reconnect,
 ) -> Result<Outcome, TunnelError> {
     let (host, port, authority) = config.bus()?;
+    let deadlines = config.deadlines;
     let tcp = tokio::time::timeout(
-        BUS_CONNECT_TIMEOUT,
+        deadlines.bus_connect,
         TcpStream::connect((host.as_str(), port)),
     )
     .await
@@ -343,7 +252,7 @@ async fn session(
             reason: e.to_string(),
         })?;
     let tls = tokio::time::timeout(
-        BUS_CONNECT_TIMEOUT,
+        deadlines.bus_connect,
         tokio_rustls::TlsConnector::from(config.tls.clone()).connect(name, tcp),
     )
     .await
@@ -375,7 +284,7 @@ async fn session(
             reason: e.to_string(),
         })?;
     let mut sender_for_session = sender.clone();
-    let response = tokio::time::timeout(RESPONSE_TIMEOUT, sender_for_session.send_request(request))
+    let response = tokio::time::timeout(deadlines.response, sender_for_session.send_request(request))
         .await
         .map_err(|_| TunnelError::Timeout("the bus's answer"))??;
     match response.status().as_u16() {
@@ -391,9 +300,17 @@ async fn session(
     let mut decoder = ControlDecoder::default();
     let (report_tx, mut report_rx) = mpsc::channel::<Report>(1024);
     let budget = Arc::new(Mutex::new(RelayBudget::new(
-        1 << 20,
-        MAX_SESSION_BUFFER_BYTES,
+        config.max_stream_buffer_bytes,
+        config.max_session_buffer_bytes,
     )));
+    let relay_ctx = Arc::new(Relay {
+        config: config.clone(),
+        view: counters.view.clone(),
+        sender: sender.clone(),
+        authority: authority.clone(),
+        budget: budget.clone(),
+        counters: counters.clone(),
+    });
     let streams_cancel = hard.child_token();
     let tracker = TaskTracker::new();
     let mut stream_stops: HashMap<u64, CancellationToken> = HashMap::new();
@@ -416,8 +333,9 @@ async fn session(
                     counters.sessions.fetch_add(1, Ordering::Relaxed);
                     reconnect.reset();
                     *budget.lock().unwrap_or_else(|p| p.into_inner()) = RelayBudget::new(
-                        welcome.limits.max_stream_buffer_bytes as usize,
-                        MAX_SESSION_BUFFER_BYTES,
+                        (welcome.limits.max_stream_buffer_bytes as usize)
+                            .min(config.max_stream_buffer_bytes),
+                        config.max_session_buffer_bytes,
                     );
                     tracing::info!(client_id = %config.client_id, session_id = welcome.session_id, "bus session welcomed");
                 }
@@ -425,14 +343,10 @@ async fn session(
                     let stop = streams_cancel.child_token();
                     stream_stops.insert(stream_id, stop.clone());
                     tracker.spawn(relay(
-                        config.clone(),
-                        sender.clone(),
-                        authority.clone(),
+                        relay_ctx.clone(),
                         stream_id,
                         target,
-                        budget.clone(),
                         report_tx.clone(),
-                        counters.clone(),
                         stop,
                     ));
                 }
@@ -545,74 +459,118 @@ async fn session(
     Ok(outcome)
 }
 
-/// Checks `target`, connects to it, and relays it as data stream `stream_id`.
-#[allow(clippy::too_many_arguments)]
-async fn relay(
+/// What the relays of one session share.
+struct Relay {
     config: BrokerConfig,
+    view: View,
     sender: SendRequest<ChannelBody>,
     authority: String,
+    budget: Arc<Mutex<RelayBudget>>,
+    counters: Arc<Counters>,
+}
+
+/// A data stream through every stage: the publisher connected, the router answered.
+struct Opened {
+    tcp: TcpStream,
+    /// Publisher → router: the data stream's request body.
+    up: mpsc::Sender<Result<Bytes, std::io::Error>>,
+    /// Router → publisher: the data stream's response body.
+    down: hyper::body::Incoming,
+}
+
+/// Opens data stream `stream_id` to `target` stage by stage, then relays it.
+async fn relay(
+    ctx: Arc<Relay>,
     stream_id: u64,
     target: String,
-    budget: Arc<Mutex<RelayBudget>>,
     report: mpsc::Sender<Report>,
-    counters: Arc<Counters>,
     stop: CancellationToken,
 ) {
-    let tcp = tokio::select! {
+    let opened = tokio::select! {
         () = stop.cancelled() => return,
-        r = dial(&config, &target) => r,
+        r = open(&ctx, stream_id, &target) => r,
     };
-    let tcp = match tcp {
-        Ok(tcp) => tcp,
+    let opened = match opened {
+        Ok(opened) => opened,
         Err(code) => {
             let _ = report.send(Report::Refused(stream_id, code)).await;
             return;
         }
     };
     let _ = report.send(Report::Opened(stream_id)).await;
-    let code = pump(
-        sender,
-        authority,
-        config.token,
-        stream_id,
-        tcp,
-        budget,
-        &counters,
-        &stop,
-    )
-    .await;
-    if let Some(code) = code {
+    if let Some(code) = pump(&ctx, stream_id, opened, &stop).await {
         let _ = report.send(Report::Closed(stream_id, code)).await;
     }
 }
 
-/// The target checks and the connection, each stage under its deadline.
-async fn dial(config: &BrokerConfig, target: &str) -> Result<TcpStream, RefuseCode> {
-    let mut advertised = false;
-    for ns in &config.namespaces {
-        // A discovery that does not answer is not an advertisement.
-        let listed = tokio::time::timeout(DNS_TIMEOUT, config.discovery.list(Query::new(ns)))
-            .await
-            .ok()
-            .and_then(Result::ok)
-            .unwrap_or_default();
-        if listed.iter().any(|i| i.transport.endpoint() == target) {
-            advertised = true;
-            break;
+/// The stages after the target checks, each under its deadline: the data stream's
+/// slot, then the router's response head. A refusal resets the half-made stream.
+async fn open(ctx: &Relay, stream_id: u64, target: &str) -> Result<Opened, RefuseCode> {
+    let tcp = dial(ctx, target).await?;
+    let deadlines = ctx.config.deadlines;
+    ctx.budget
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .open(stream_id);
+    // Enough slots that the byte budget, not the slot count, is what fills first.
+    let slots = (super::MAX_STREAM_BUFFER_BYTES / CHUNK_OVERHEAD).max(1);
+    let (up, up_rx) = mpsc::channel(slots);
+    let (started_tx, started) = oneshot::channel();
+    let body = ChannelBody::charged(up_rx, ctx.budget.clone(), stream_id).on_start(started_tx);
+    let request = Request::post(format!(
+        "https://{}/bus/v1/streams/{stream_id}",
+        ctx.authority
+    ))
+    .header(hyper::header::AUTHORIZATION, ctx.config.token.header_value())
+    .body(body)
+    .map_err(|_| RefuseCode::StreamFailed)?;
+    let response = ctx.sender.clone().send_request(request);
+    let staged = async {
+        // hyper asks the body for data once the stream is open and may send.
+        match tokio::time::timeout(deadlines.stream_slot, started).await {
+            Ok(Ok(())) => {}
+            // The request failed before it could be sent.
+            Ok(Err(_)) => return Err(RefuseCode::StreamFailed),
+            Err(_) => return Err(RefuseCode::StreamSlotTimeout),
+        }
+        match tokio::time::timeout(deadlines.response, response).await {
+            Err(_) => Err(RefuseCode::ResponseTimeout),
+            Ok(Ok(r)) if r.status().is_success() => Ok(r),
+            Ok(Ok(r)) if r.status() == hyper::StatusCode::NOT_FOUND => {
+                Err(RefuseCode::UnknownStream)
+            }
+            Ok(_) => Err(RefuseCode::StreamFailed),
+        }
+    };
+    match staged.await {
+        Ok(response) => Ok(Opened {
+            tcp,
+            up,
+            down: response.into_body(),
+        }),
+        Err(code) => {
+            // The stream resets as soon as hyper polls its body.
+            let _ = up.try_send(Err(std::io::Error::other(code.as_str())));
+            Err(code)
         }
     }
-    if !advertised {
+}
+
+/// The target checks and the connection, each stage under its deadline.
+async fn dial(ctx: &Relay, target: &str) -> Result<TcpStream, RefuseCode> {
+    if !ctx.view.advertised(target) {
         return Err(RefuseCode::TargetNotAdvertised);
     }
+    let config = &ctx.config;
+    let deadlines = config.deadlines;
     let (host, port) = crate::zmtp::parse_tcp(target).map_err(|_| RefuseCode::BadTarget)?;
-    let addrs: Vec<std::net::SocketAddr> =
-        match tokio::time::timeout(DNS_TIMEOUT, tokio::net::lookup_host((host.as_str(), port)))
-            .await
-        {
-            Err(_) => return Err(RefuseCode::DnsTimeout),
-            Ok(Err(_)) => return Err(RefuseCode::DnsFailed),
-            Ok(Ok(addrs)) => addrs.collect(),
-        };
+    let addrs = match tokio::time::timeout(deadlines.dns, config.resolver.resolve(&host, port))
+        .await
+    {
+        Err(_) => return Err(RefuseCode::DnsTimeout),
+        Ok(Err(_)) => return Err(RefuseCode::DnsFailed),
+        Ok(Ok(addrs)) => addrs,
+    };
     if addrs.is_empty() {
         return Err(RefuseCode::DnsFailed);
     }
@@ -624,16 +582,21 @@ async fn dial(config: &BrokerConfig, target: &str) -> Result<TcpStream, RefuseCo
         return Err(RefuseCode::AddressFiltered);
     }
     let connect = async {
+        let mut timed_out = false;
         for addr in &allowed {
-            if let Ok(Ok(tcp)) =
-                tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await
-            {
-                return Ok(tcp);
+            match tokio::time::timeout(deadlines.connect_attempt, TcpStream::connect(addr)).await {
+                Ok(Ok(tcp)) => return Ok(tcp),
+                Ok(Err(_)) => {}
+                Err(_) => timed_out = true,
             }
         }
-        Err(RefuseCode::ConnectFailed)
+        Err(if timed_out {
+            RefuseCode::ConnectTimeout
+        } else {
+            RefuseCode::ConnectFailed
+        })
     };
-    match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
+    match tokio::time::timeout(deadlines.connect, connect).await {
         Ok(r) => {
             let tcp = r?;
             let _ = tcp.set_nodelay(true);
@@ -645,30 +608,19 @@ async fn dial(config: &BrokerConfig, target: &str) -> Result<TcpStream, RefuseCo
 
 /// Relays until either side ends; `Some(code)` when the broker must report the close
 /// (`None` when the router let go first).
-#[allow(clippy::too_many_arguments)]
 async fn pump(
-    mut sender: SendRequest<ChannelBody>,
-    authority: String,
-    token: Secret,
+    ctx: &Relay,
     stream_id: u64,
-    tcp: TcpStream,
-    budget: Arc<Mutex<RelayBudget>>,
-    counters: &Counters,
+    opened: Opened,
     stop: &CancellationToken,
 ) -> Option<CloseCode> {
+    let Opened {
+        tcp,
+        up: up_tx,
+        down: mut body,
+    } = opened;
     let (mut read, mut write) = tcp.into_split();
-    budget
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .open(stream_id);
-    // Enough slots that the byte budget, not the slot count, is what fills first.
-    let slots = (super::MAX_STREAM_BUFFER_BYTES / CHUNK_OVERHEAD).max(1);
-    let (up_tx, up_rx) = mpsc::channel(slots);
-    let request = Request::post(format!("https://{authority}/bus/v1/streams/{stream_id}"))
-        .header(hyper::header::AUTHORIZATION, token.header_value())
-        .body(ChannelBody::charged(up_rx, budget.clone(), stream_id))
-        .ok()?;
-    let reader_budget = budget.clone();
+    let counters = &ctx.counters;
     let overflow = CancellationToken::new();
     let overflowed = overflow.clone();
     // Publisher → router: read continuously; a chunk over budget resets the stream.
@@ -685,7 +637,8 @@ async fn pump(
                 // The router let go of the stream (reset or done).
                 return;
             }
-            let charged = reader_budget
+            let charged = ctx
+                .budget
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .charge(stream_id, n);
@@ -694,7 +647,7 @@ async fn pump(
             if !sent {
                 // Over budget: the stream resets, and what it had queued stops
                 // counting against the session right away.
-                let mut budget = reader_budget.lock().unwrap_or_else(|p| p.into_inner());
+                let mut budget = ctx.budget.lock().unwrap_or_else(|p| p.into_inner());
                 budget.close(stream_id);
                 drop(budget);
                 let _ = up_tx.try_send(Err(std::io::Error::other("buffer overflow")));
@@ -704,12 +657,6 @@ async fn pump(
         }
     };
     let down = async {
-        let response =
-            match tokio::time::timeout(RESPONSE_TIMEOUT, sender.send_request(request)).await {
-                Ok(Ok(r)) if r.status().is_success() => r,
-                _ => return,
-            };
-        let mut body = response.into_body();
         while let Some(Ok(chunk)) = next_chunk(&mut body).await {
             counters
                 .bytes_down

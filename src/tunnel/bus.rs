@@ -56,6 +56,8 @@ struct Entry {
     namespaces: Vec<String>,
     commands: mpsc::Sender<Command>,
     available: Arc<AtomicBool>,
+    /// Cancelled when the session ends: its data streams end with it.
+    ended: CancellationToken,
 }
 
 struct Waiter {
@@ -440,6 +442,9 @@ async fn run_session(
 ) {
     let mut session = RouterSession::new(session_id, inner.limits, std::time::Instant::now());
     let mut decoder = ControlDecoder::default();
+    // However the session ends, its data streams end with it.
+    let ended = CancellationToken::new();
+    let _end_streams = ended.clone().drop_guard();
     let available = Arc::new(AtomicBool::new(false));
     let mut client: Option<String> = None;
     let mut body_open = true;
@@ -467,6 +472,7 @@ async fn run_session(
                         namespaces,
                         commands: commands.clone(),
                         available: available.clone(),
+                        ended: ended.clone(),
                     };
                     let old = inner
                         .sessions
@@ -592,15 +598,15 @@ async fn data_stream(
             None => return unknown(&inner),
         }
     };
-    let commands = {
+    let found = {
         let sessions = inner.sessions.lock().unwrap_or_else(|p| p.into_inner());
         sessions
             .values()
             // Only on the connection of the session that asked for it.
             .find(|e| e.session_id == session_id && e.conn_id == conn_id)
-            .map(|e| e.commands.clone())
+            .map(|e| (e.commands.clone(), e.ended.clone()))
     };
-    let Some(commands) = commands else {
+    let Some((commands, ended)) = found else {
         return unknown(&inner);
     };
     let (reply, attached) = oneshot::channel();
@@ -627,11 +633,12 @@ async fn data_stream(
         Box::new(move || {
             let _ = detach.try_send(Command::Unsubscribe(stream_id));
         }),
+        ended.clone(),
     );
     inner
         .counters
         .streams_opened
         .fetch_add(1, Ordering::Relaxed);
     let _ = waiter.reply.send(Ok(stream));
-    Response::new(ChannelBody::new(rx))
+    Response::new(ChannelBody::new(rx).until(ended))
 }

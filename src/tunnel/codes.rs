@@ -78,6 +78,9 @@ closed_codes! {
         BadTarget = "bad_target",
         /// A data stream for a subscribe the router does not know (late or expired).
         UnknownStream = "unknown_stream",
+        /// The data stream failed before the router answered it (reset, or the bus
+        /// connection went).
+        StreamFailed = "stream_failed",
     }
 }
 

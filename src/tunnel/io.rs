@@ -12,8 +12,8 @@ use bytes::{Buf, Bytes};
 use http_body::{Body, Frame};
 use hyper::body::Incoming;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::mpsc;
-use tokio_util::sync::PollSender;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::{CancellationToken, PollSender, WaitForCancellationFutureOwned};
 
 use super::RelayBudget;
 use super::error::TunnelError;
@@ -28,11 +28,20 @@ pub(crate) const BODY_CHANNEL: usize = 64;
 pub(crate) struct ChannelBody {
     rx: mpsc::Receiver<Result<Bytes, io::Error>>,
     budget: Option<(Arc<Mutex<RelayBudget>>, u64)>,
+    /// Told when hyper first asks for data: the HTTP/2 stream is open and may send.
+    started: Option<oneshot::Sender<()>>,
+    /// Ends the body with an error (resetting the stream) when cancelled.
+    ended: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
 }
 
 impl ChannelBody {
     pub(crate) fn new(rx: mpsc::Receiver<Result<Bytes, io::Error>>) -> ChannelBody {
-        ChannelBody { rx, budget: None }
+        ChannelBody {
+            rx,
+            budget: None,
+            started: None,
+            ended: None,
+        }
     }
 
     pub(crate) fn charged(
@@ -43,7 +52,22 @@ impl ChannelBody {
         ChannelBody {
             rx,
             budget: Some((budget, stream)),
+            started: None,
+            ended: None,
         }
+    }
+
+    /// Tells `started` when hyper first polls the body: for a request, the stream got
+    /// a slot under the peer's concurrency limit and flow-control room.
+    pub(crate) fn on_start(mut self, started: oneshot::Sender<()>) -> ChannelBody {
+        self.started = Some(started);
+        self
+    }
+
+    /// Resets the stream when `ended` is cancelled.
+    pub(crate) fn until(mut self, ended: CancellationToken) -> ChannelBody {
+        self.ended = Some(Box::pin(ended.cancelled_owned()));
+        self
     }
 }
 
@@ -55,6 +79,16 @@ impl Body for ChannelBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        if let Some(started) = self.started.take() {
+            let _ = started.send(());
+        }
+        if let Some(ended) = self.ended.as_mut() {
+            if ended.as_mut().poll(cx).is_ready() {
+                self.ended = None;
+                self.rx.close();
+                return Poll::Ready(Some(Err(session_ended())));
+            }
+        }
         match ready!(self.rx.poll_recv(cx)) {
             Some(Ok(chunk)) => {
                 if let Some((budget, stream)) = &self.budget {
@@ -82,6 +116,11 @@ impl Drop for ChannelBody {
     }
 }
 
+/// The error a data stream ends with when its session ended.
+fn session_ended() -> io::Error {
+    io::Error::new(io::ErrorKind::ConnectionAborted, "the broker session ended")
+}
+
 /// The next data chunk of an incoming body (trailers skipped); `None` at its end.
 pub(crate) async fn next_chunk(body: &mut Incoming) -> Option<Result<Bytes, hyper::Error>> {
     loop {
@@ -107,6 +146,8 @@ pub struct TunnelStream {
     /// Tells the session the router let go (it unsubscribes: the broker closes the
     /// publisher connection silently).
     on_drop: Option<Box<dyn FnOnce() + Send + Sync>>,
+    /// Cancelled when the stream's session ends: reads and writes fail from then on.
+    ended: Pin<Box<WaitForCancellationFutureOwned>>,
 }
 
 impl Drop for TunnelStream {
@@ -130,13 +171,25 @@ impl TunnelStream {
         incoming: Incoming,
         outgoing: mpsc::Sender<Result<Bytes, io::Error>>,
         on_drop: Box<dyn FnOnce() + Send + Sync>,
+        ended: CancellationToken,
     ) -> TunnelStream {
         TunnelStream {
             incoming,
             pending: Bytes::new(),
             outgoing: PollSender::new(outgoing),
             on_drop: Some(on_drop),
+            ended: Box::pin(ended.cancelled_owned()),
         }
+    }
+
+    /// `Err` once the session ended (a dropped bus connection, a superseded or
+    /// idle session): the stream ends with it.
+    fn check_session(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
+        if self.ended.as_mut().poll(cx).is_ready() {
+            self.outgoing.close();
+            return Err(session_ended());
+        }
+        Ok(())
     }
 }
 
@@ -146,6 +199,7 @@ impl AsyncRead for TunnelStream {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        self.check_session(cx)?;
         while self.pending.is_empty() {
             match ready!(Pin::new(&mut self.incoming).poll_frame(cx)) {
                 None => return Poll::Ready(Ok(())),
@@ -170,6 +224,7 @@ impl AsyncWrite for TunnelStream {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        self.check_session(cx)?;
         if ready!(self.outgoing.poll_reserve(cx)).is_err() {
             return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
         }

@@ -49,15 +49,18 @@ mod broker;
 mod budget;
 mod bus;
 mod codes;
+mod config;
 mod error;
 mod frame;
 mod io;
 mod rendezvous;
 mod session;
+mod view;
 
-pub use broker::{
-    BUS_CONNECT_TIMEOUT, Broker, BrokerConfig, BrokerHandle, BrokerStats, CONNECT_TIMEOUT,
-    DNS_TIMEOUT, RESPONSE_TIMEOUT,
+pub use broker::{Broker, BrokerHandle, BrokerStats};
+pub use config::{
+    BUS_CONNECT_TIMEOUT, BrokerConfig, CONNECT_ATTEMPT_TIMEOUT, CONNECT_TIMEOUT, DNS_TIMEOUT,
+    Deadlines, RESPONSE_TIMEOUT, Resolver, STREAM_SLOT_TIMEOUT, SystemResolver,
 };
 pub use bus::{BusStats, EventBus, MAX_CONNECTIONS};
 pub use error::TunnelError;

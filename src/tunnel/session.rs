@@ -411,6 +411,15 @@ impl Default for Reconnect {
 }
 
 impl Reconnect {
+    /// A policy whose failures back off along `backoff` (the default: 1 s doubling
+    /// to 60 s, jittered).
+    pub fn with_backoff(backoff: crate::net::Backoff) -> Reconnect {
+        Reconnect {
+            backoff,
+            last_rebalance: None,
+        }
+    }
+
     /// The delay after a failed or lost session; `random` in `0.0..=1.0`.
     pub fn after_failure(&mut self, random: f64) -> Duration {
         self.backoff.next_delay(random)

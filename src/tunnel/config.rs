@@ -1,0 +1,340 @@
+//! What a broker is told: where the bus is, who it is, what it covers and may dial,
+//! its per-stage deadlines, buffer sizes and reconnect backoff (DESIGN §7.2).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::error::TunnelError;
+use super::io::Secret;
+use super::{MAX_SESSION_BUFFER_BYTES, MAX_STREAM_BUFFER_BYTES, MIN_STREAM_BUFFER_BYTES};
+use crate::BoxFuture;
+use crate::discovery::Discovery;
+use crate::net::AddrFilter;
+
+/// Default deadline for resolving a target's host.
+pub const DNS_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default deadline for connecting to a target, across all its resolved addresses.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default cap on one connection attempt (one resolved address).
+pub const CONNECT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default deadline for obtaining an HTTP/2 stream slot for a data stream.
+pub const STREAM_SLOT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default deadline for the router's response head on a session or data stream.
+pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default deadline for reaching the bus (TCP, then TLS, each).
+pub const BUS_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A broker's per-stage deadlines (DESIGN §7.2). A stage that misses its deadline is
+/// refused with its own code (`dns_timeout`, `connect_timeout`,
+/// `stream_slot_timeout`, `response_timeout`) and releases what it held.
+///
+/// ```
+/// use std::time::Duration;
+/// use eventplane::tunnel::Deadlines;
+/// let mut deadlines = Deadlines::default();
+/// assert_eq!(deadlines.dns, Duration::from_secs(5));
+/// deadlines.connect = Duration::from_secs(3);
+/// assert!(deadlines.validate().is_ok());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Deadlines {
+    /// Resolving a target's host (default 5 s).
+    pub dns: Duration,
+    /// Connecting to a target, all resolved addresses together (default 10 s).
+    pub connect: Duration,
+    /// One connection attempt to one resolved address (default 5 s).
+    pub connect_attempt: Duration,
+    /// A data stream starting to send: an HTTP/2 stream slot under the bus's
+    /// concurrency limit, and flow-control room (default 5 s).
+    pub stream_slot: Duration,
+    /// The router's response head, on the session and on each data stream (default
+    /// 10 s).
+    pub response: Duration,
+    /// Reaching the bus: the TCP connect, then the TLS handshake (default 10 s each).
+    pub bus_connect: Duration,
+}
+
+impl Default for Deadlines {
+    fn default() -> Deadlines {
+        Deadlines {
+            dns: DNS_TIMEOUT,
+            connect: CONNECT_TIMEOUT,
+            connect_attempt: CONNECT_ATTEMPT_TIMEOUT,
+            stream_slot: STREAM_SLOT_TIMEOUT,
+            response: RESPONSE_TIMEOUT,
+            bus_connect: BUS_CONNECT_TIMEOUT,
+        }
+    }
+}
+
+impl Deadlines {
+    /// The first deadline that is zero or over an hour ([`TunnelError::Config`] names
+    /// it).
+    pub fn validate(&self) -> Result<(), TunnelError> {
+        for (field, value) in [
+            ("deadlines.dns", self.dns),
+            ("deadlines.connect", self.connect),
+            ("deadlines.connect_attempt", self.connect_attempt),
+            ("deadlines.stream_slot", self.stream_slot),
+            ("deadlines.response", self.response),
+            ("deadlines.bus_connect", self.bus_connect),
+        ] {
+            if value.is_zero() || value > Duration::from_secs(3600) {
+                return Err(TunnelError::Config {
+                    field,
+                    reason: format!("{value:?} is not within 1 ns..=1 h"),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How a broker resolves a target's host: the system resolver by default
+/// ([`SystemResolver`]); a cluster may plug in its own.
+///
+/// ```
+/// use std::net::SocketAddr;
+/// use eventplane::BoxFuture;
+/// use eventplane::tunnel::Resolver;
+/// /// Every name is one fixed address.
+/// struct Fixed(SocketAddr);
+/// impl Resolver for Fixed {
+///     fn resolve(&self, _host: &str, _port: u16) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> {
+///         let addr = self.0;
+///         Box::pin(async move { Ok(vec![addr]) })
+///     }
+/// }
+/// ```
+pub trait Resolver: Send + Sync + 'static {
+    /// The addresses of `host` at `port` (an empty list reads as a DNS failure).
+    fn resolve(&self, host: &str, port: u16)
+    -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>>;
+}
+
+/// The system resolver (`getaddrinfo` on a blocking thread, through Tokio).
+///
+/// ```
+/// # #[tokio::main] async fn main() -> std::io::Result<()> {
+/// use eventplane::tunnel::{Resolver, SystemResolver};
+/// let addrs = SystemResolver.resolve("127.0.0.1", 80).await?;
+/// assert_eq!(addrs[0].port(), 80);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemResolver;
+
+impl Resolver for SystemResolver {
+    fn resolve(
+        &self,
+        host: &str,
+        port: u16,
+    ) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> {
+        let host = host.to_owned();
+        Box::pin(async move {
+            Ok(tokio::net::lookup_host((host.as_str(), port))
+                .await?
+                .collect())
+        })
+    }
+}
+
+/// What a broker needs: where the bus is, who it is, what it covers, what it may dial,
+/// and its deadlines, buffers and backoff.
+///
+/// ```no_run
+/// # fn main() -> Result<(), eventplane::tunnel::TunnelError> {
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use eventplane::discovery::MemoryDiscovery;
+/// use eventplane::tunnel::{BrokerConfig, Secret, client_tls};
+/// let mut config = BrokerConfig::new(
+///     "https://router.example:8443",
+///     "broker-a",
+///     vec!["prod".to_owned()],
+///     Secret::from_file("/etc/eventplane/bus.token")?,
+///     client_tls("/etc/eventplane/bus-ca.pem")?,
+///     Arc::new(MemoryDiscovery::new()),
+/// )
+/// .drain_deadline(Duration::from_secs(10));
+/// config.deadlines.dns = Duration::from_secs(2);
+/// config.validate()?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct BrokerConfig {
+    /// The router's bus, `https://host:port` (plaintext is refused).
+    pub bus_url: String,
+    /// This broker's id (one session per id: a new one supersedes the old).
+    pub client_id: String,
+    /// The discovery namespaces it serves.
+    pub namespaces: Vec<String>,
+    /// The bearer credential.
+    pub token: Secret,
+    /// TLS for the bus (see [`client_tls`](super::client_tls)).
+    pub tls: Arc<rustls::ClientConfig>,
+    /// Its own view of the publishers: only endpoints advertised here are dialled. The
+    /// broker watches each namespace and does not dial the bus before every initial
+    /// list is complete.
+    pub discovery: Arc<dyn Discovery>,
+    /// Which resolved addresses may be dialled.
+    pub addr_filter: AddrFilter,
+    /// How long open streams may run after a SIGTERM or `drain{shutdown}` (default
+    /// 30 s).
+    pub drain_deadline: Duration,
+    /// The per-stage deadlines.
+    pub deadlines: Deadlines,
+    /// Bytes one stream may queue toward the router, 64 B per chunk included (default
+    /// and most 1 MiB, least 16 KiB; the welcome may lower it).
+    pub max_stream_buffer_bytes: usize,
+    /// Bytes all streams of a session may queue toward the router (default and most
+    /// 64 MiB; at least the stream buffer).
+    pub max_session_buffer_bytes: usize,
+    /// The first reconnect delay (default 1 s), doubling with jitter up to
+    /// `reconnect_max` (default 60 s).
+    pub reconnect_min: Duration,
+    /// The longest reconnect delay (default 60 s).
+    pub reconnect_max: Duration,
+    /// How target hosts are resolved (default [`SystemResolver`]).
+    pub resolver: Arc<dyn Resolver>,
+}
+
+impl std::fmt::Debug for BrokerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BrokerConfig")
+            .field("bus_url", &self.bus_url)
+            .field("client_id", &self.client_id)
+            .field("namespaces", &self.namespaces)
+            .field("token", &self.token)
+            .field("deadlines", &self.deadlines)
+            .field("max_stream_buffer_bytes", &self.max_stream_buffer_bytes)
+            .field("max_session_buffer_bytes", &self.max_session_buffer_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl BrokerConfig {
+    /// A configuration with the default address filter, deadlines, buffers and
+    /// backoff, and a 30 s drain deadline.
+    pub fn new(
+        bus_url: impl Into<String>,
+        client_id: impl Into<String>,
+        namespaces: Vec<String>,
+        token: Secret,
+        tls: Arc<rustls::ClientConfig>,
+        discovery: Arc<dyn Discovery>,
+    ) -> BrokerConfig {
+        BrokerConfig {
+            bus_url: bus_url.into(),
+            client_id: client_id.into(),
+            namespaces,
+            token,
+            tls,
+            discovery,
+            addr_filter: AddrFilter::default(),
+            drain_deadline: Duration::from_secs(30),
+            deadlines: Deadlines::default(),
+            max_stream_buffer_bytes: MAX_STREAM_BUFFER_BYTES,
+            max_session_buffer_bytes: MAX_SESSION_BUFFER_BYTES,
+            reconnect_min: Duration::from_secs(1),
+            reconnect_max: Duration::from_secs(60),
+            resolver: Arc::new(SystemResolver),
+        }
+    }
+
+    /// With open streams allowed `deadline` to finish when draining (default 30 s).
+    #[must_use]
+    pub fn drain_deadline(mut self, deadline: Duration) -> BrokerConfig {
+        self.drain_deadline = deadline;
+        self
+    }
+
+    /// With `filter` deciding which resolved addresses may be dialled.
+    #[must_use]
+    pub fn addr_filter(mut self, filter: AddrFilter) -> BrokerConfig {
+        self.addr_filter = filter;
+        self
+    }
+
+    /// With `resolver` resolving target hosts.
+    #[must_use]
+    pub fn resolver(mut self, resolver: Arc<dyn Resolver>) -> BrokerConfig {
+        self.resolver = resolver;
+        self
+    }
+
+    /// `host`, `port` and `authority` of the bus URL, or why it is refused.
+    pub(crate) fn bus(&self) -> Result<(String, u16, String), TunnelError> {
+        let bad = |reason: &str| TunnelError::Config {
+            field: "bus_url",
+            reason: format!("{:?} {reason}", self.bus_url),
+        };
+        let rest = self
+            .bus_url
+            .strip_prefix("https://")
+            .ok_or_else(|| bad("is not https:// (plaintext is refused)"))?;
+        let authority = rest.split('/').next().unwrap_or_default();
+        let (host, port) = match authority.rsplit_once(':') {
+            Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => {
+                (h, p.parse::<u16>().map_err(|_| bad("has a bad port"))?)
+            }
+            _ => (authority, 443),
+        };
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() {
+            return Err(bad("has no host"));
+        }
+        Ok((host.to_owned(), port, authority.to_owned()))
+    }
+
+    /// The first refused setting, if any.
+    pub fn validate(&self) -> Result<(), TunnelError> {
+        let refuse = |field: &'static str, reason: String| Err(TunnelError::Config { field, reason });
+        self.bus()?;
+        if self.client_id.is_empty() || self.client_id.len() > super::MAX_NAME_LEN {
+            return refuse("client_id", "is empty or too long".into());
+        }
+        if self.namespaces.is_empty() || self.namespaces.len() > super::MAX_NAMESPACES {
+            return refuse(
+                "namespaces",
+                format!("must name 1 to {}", super::MAX_NAMESPACES),
+            );
+        }
+        self.deadlines.validate()?;
+        if self.drain_deadline > Duration::from_secs(3600) {
+            return refuse("drain_deadline", "is over an hour".into());
+        }
+        if !(MIN_STREAM_BUFFER_BYTES..=MAX_STREAM_BUFFER_BYTES)
+            .contains(&self.max_stream_buffer_bytes)
+        {
+            return refuse(
+                "max_stream_buffer_bytes",
+                format!(
+                    "{} is not within {MIN_STREAM_BUFFER_BYTES}..={MAX_STREAM_BUFFER_BYTES}",
+                    self.max_stream_buffer_bytes
+                ),
+            );
+        }
+        if !(self.max_stream_buffer_bytes..=MAX_SESSION_BUFFER_BYTES)
+            .contains(&self.max_session_buffer_bytes)
+        {
+            return refuse(
+                "max_session_buffer_bytes",
+                format!(
+                    "{} is not within max_stream_buffer_bytes..={MAX_SESSION_BUFFER_BYTES}",
+                    self.max_session_buffer_bytes
+                ),
+            );
+        }
+        crate::net::Backoff::new(self.reconnect_min, self.reconnect_max).map_err(|e| {
+            TunnelError::Config {
+                field: "reconnect",
+                reason: e.to_string(),
+            }
+        })?;
+        Ok(())
+    }
+}

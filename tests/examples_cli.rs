@@ -1021,15 +1021,18 @@ mod event_broker {
         name: &str,
         drain_ms: u64,
     ) -> (EventBus, Arc<PubSocket>, String, tokio::process::Child) {
+        running_with(name, drain_ms, Limits::default()).await
+    }
+
+    async fn running_with(
+        name: &str,
+        drain_ms: u64,
+        limits: Limits,
+    ) -> (EventBus, Arc<PubSocket>, String, tokio::process::Child) {
         let tls = server_tls(fixture("bus.pem"), fixture("bus.key")).unwrap();
-        let bus = EventBus::bind(
-            "127.0.0.1:0",
-            tls,
-            Secret::new(TOKEN).unwrap(),
-            Limits::default(),
-        )
-        .await
-        .unwrap();
+        let bus = EventBus::bind("127.0.0.1:0", tls, Secret::new(TOKEN).unwrap(), limits)
+            .await
+            .unwrap();
         let publisher = Arc::new(
             PubSocket::bind("tcp://127.0.0.1:0", Config::default())
                 .await
@@ -1096,6 +1099,54 @@ mod event_broker {
         let stats = stats_json(&out.stderr);
         assert_eq!(stats["streams_opened"], 1, "{stats}");
         assert!(stats["bytes_up"].as_u64().unwrap() > 0, "{stats}");
+        bus.shutdown().await;
+    }
+
+    fn signal(child: &tokio::process::Child, signal: &str) {
+        let pid = child.id().unwrap().to_string();
+        let status = std::process::Command::new("kill")
+            .args([signal, &pid])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill {signal}");
+    }
+
+    #[tokio::test]
+    async fn a_frozen_broker_is_ended_for_silence_and_its_streams_with_it() {
+        let limits = Limits::default()
+            .with_heartbeat(Duration::from_millis(200), Duration::from_millis(1000));
+        let (bus, publisher, endpoint, broker) = running_with("frozen", 300, limits).await;
+        let stream = within(bus.open_stream("prod", 0, &endpoint)).await.unwrap();
+        let mut sub = within(SubSocket::handshake(stream, Config::default()))
+            .await
+            .unwrap();
+        sub.subscribe("t").await.unwrap();
+        within(publisher.wait_for_subscribers(1)).await;
+        let message = Message::from_parts([Bytes::from_static(b"t"), Bytes::from_static(b"x")]);
+        publisher.send(message.clone());
+        assert_eq!(within(sub.recv()).await.unwrap(), message);
+
+        // The broker process freezes with its connection open: the bus hears no
+        // heartbeat, ends the session after its idle timeout, and the stream through
+        // it ends too (nothing on the broker's side could end it now).
+        signal(&broker, "-STOP");
+        within(async { while sub.recv().await.is_ok() {} }).await;
+        assert_eq!(bus.stats().sessions, 0);
+        assert!(bus.brokers_for("prod").is_empty());
+
+        // Thawed, it finds its session gone and comes back.
+        signal(&broker, "-CONT");
+        within(async {
+            while bus.stats().sessions_started < 2 || bus.brokers_for("prod").is_empty() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        signal(&broker, "-TERM");
+        let out = within(broker.wait_with_output()).await.unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{stderr}");
+        assert!(stderr.contains("bus session ended"), "{stderr}");
         bus.shutdown().await;
     }
 

@@ -4,6 +4,12 @@
 //! vanishing.
 
 #[cfg(feature = "tunnel")]
+#[path = "tunnel/common.rs"]
+mod common;
+#[cfg(feature = "tunnel")]
+#[path = "tunnel/stages.rs"]
+mod stages;
+#[cfg(feature = "tunnel")]
 #[path = "tunnel/suite.rs"]
 mod suite;
 #[cfg(feature = "tunnel")]

@@ -284,9 +284,10 @@ async fn session(
             reason: e.to_string(),
         })?;
     let mut sender_for_session = sender.clone();
-    let response = tokio::time::timeout(deadlines.response, sender_for_session.send_request(request))
-        .await
-        .map_err(|_| TunnelError::Timeout("the bus's answer"))??;
+    let response =
+        tokio::time::timeout(deadlines.response, sender_for_session.send_request(request))
+            .await
+            .map_err(|_| TunnelError::Timeout("the bus's answer"))??;
     match response.status().as_u16() {
         200 => {}
         401 => return Err(TunnelError::Unauthorized),
@@ -521,7 +522,10 @@ async fn open(ctx: &Relay, stream_id: u64, target: &str) -> Result<Opened, Refus
         "https://{}/bus/v1/streams/{stream_id}",
         ctx.authority
     ))
-    .header(hyper::header::AUTHORIZATION, ctx.config.token.header_value())
+    .header(
+        hyper::header::AUTHORIZATION,
+        ctx.config.token.header_value(),
+    )
     .body(body)
     .map_err(|_| RefuseCode::StreamFailed)?;
     let response = ctx.sender.clone().send_request(request);
@@ -564,13 +568,12 @@ async fn dial(ctx: &Relay, target: &str) -> Result<TcpStream, RefuseCode> {
     let config = &ctx.config;
     let deadlines = config.deadlines;
     let (host, port) = crate::zmtp::parse_tcp(target).map_err(|_| RefuseCode::BadTarget)?;
-    let addrs = match tokio::time::timeout(deadlines.dns, config.resolver.resolve(&host, port))
-        .await
-    {
-        Err(_) => return Err(RefuseCode::DnsTimeout),
-        Ok(Err(_)) => return Err(RefuseCode::DnsFailed),
-        Ok(Ok(addrs)) => addrs,
-    };
+    let addrs =
+        match tokio::time::timeout(deadlines.dns, config.resolver.resolve(&host, port)).await {
+            Err(_) => return Err(RefuseCode::DnsTimeout),
+            Ok(Err(_)) => return Err(RefuseCode::DnsFailed),
+            Ok(Ok(addrs)) => addrs,
+        };
     if addrs.is_empty() {
         return Err(RefuseCode::DnsFailed);
     }

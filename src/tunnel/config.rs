@@ -110,8 +110,11 @@ impl Deadlines {
 /// ```
 pub trait Resolver: Send + Sync + 'static {
     /// The addresses of `host` at `port` (an empty list reads as a DNS failure).
-    fn resolve(&self, host: &str, port: u16)
-    -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>>;
+    fn resolve(
+        &self,
+        host: &str,
+        port: u16,
+    ) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>>;
 }
 
 /// The system resolver (`getaddrinfo` on a blocking thread, through Tokio).
@@ -292,7 +295,8 @@ impl BrokerConfig {
 
     /// The first refused setting, if any.
     pub fn validate(&self) -> Result<(), TunnelError> {
-        let refuse = |field: &'static str, reason: String| Err(TunnelError::Config { field, reason });
+        let refuse =
+            |field: &'static str, reason: String| Err(TunnelError::Config { field, reason });
         self.bus()?;
         if self.client_id.is_empty() || self.client_id.len() > super::MAX_NAME_LEN {
             return refuse("client_id", "is empty or too long".into());

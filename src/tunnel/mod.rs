@@ -58,11 +58,11 @@ mod session;
 mod view;
 
 pub use broker::{Broker, BrokerHandle, BrokerStats};
+pub use bus::{BusStats, EventBus, MAX_CONNECTIONS};
 pub use config::{
     BUS_CONNECT_TIMEOUT, BrokerConfig, CONNECT_ATTEMPT_TIMEOUT, CONNECT_TIMEOUT, DNS_TIMEOUT,
     Deadlines, RESPONSE_TIMEOUT, Resolver, STREAM_SLOT_TIMEOUT, SystemResolver,
 };
-pub use bus::{BusStats, EventBus, MAX_CONNECTIONS};
 pub use error::TunnelError;
 pub use io::{Secret, TunnelStream, client_tls, server_tls};
 

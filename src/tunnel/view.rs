@@ -35,7 +35,11 @@ impl Namespace {
     }
 
     fn remove(&mut self, id: &ChannelId, incarnation: u64) {
-        if self.by_id.get(id).is_some_and(|(seen, _)| *seen <= incarnation) {
+        if self
+            .by_id
+            .get(id)
+            .is_some_and(|(seen, _)| *seen <= incarnation)
+        {
             if let Some((_, endpoint)) = self.by_id.remove(id) {
                 self.forget(&endpoint);
             }
@@ -114,7 +118,11 @@ impl View {
     /// How many distinct endpoints the view advertises.
     pub(crate) fn endpoints(&self) -> usize {
         let snapshots = self.snapshots.lock().unwrap_or_else(|p| p.into_inner());
-        snapshots.values().flatten().map(|ns| ns.endpoints.len()).sum()
+        snapshots
+            .values()
+            .flatten()
+            .map(|ns| ns.endpoints.len())
+            .sum()
     }
 
     /// Whether every namespace completed its initial list.

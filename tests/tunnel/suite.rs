@@ -3,92 +3,19 @@
 //! publishers. ZMTP runs end to end through it; every refusal is named.
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::common::{
+    TOKEN, broker_config, bus, bus_at, connected, fixture, message, publisher, until,
+};
 use crate::support::{self, within};
 use bytes::Bytes;
-use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Registration, Transport};
+use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Transport};
 use eventplane::tunnel::{
-    Broker, BrokerConfig, DrainReason, EventBus, Limits, RefuseCode, Secret, TunnelError,
-    client_tls, server_tls,
+    Broker, BrokerConfig, DrainReason, RefuseCode, Secret, TunnelError, client_tls,
 };
-use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
-
-const TOKEN: &str = "test-token-0123456789";
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/tunnel")
-        .join(name)
-}
-
-async fn bus() -> EventBus {
-    bus_at("127.0.0.1:0").await
-}
-
-async fn bus_at(addr: &str) -> EventBus {
-    let tls = server_tls(fixture("bus.pem"), fixture("bus.key")).unwrap();
-    EventBus::bind(addr, tls, Secret::new(TOKEN).unwrap(), Limits::default())
-        .await
-        .unwrap()
-}
-
-/// Polls `done` until it holds (bounded by the support deadline, not a timing claim).
-async fn until(mut done: impl FnMut() -> bool) {
-    within(async {
-        while !done() {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
-}
-
-fn broker_config(bus: &EventBus, id: &str, view: Arc<dyn Discovery>) -> BrokerConfig {
-    BrokerConfig::new(
-        format!("https://localhost:{}", bus.local_addr().port()),
-        id,
-        vec!["prod".to_owned()],
-        Secret::new(TOKEN).unwrap(),
-        client_tls(fixture("ca.pem")).unwrap(),
-        view,
-    )
-}
-
-/// Waits until `bus` has a broker for "prod".
-async fn connected(bus: &EventBus) {
-    within(async {
-        while bus.brokers_for("prod").is_empty() {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
-}
-
-/// A publisher advertised in `view` under "prod".
-async fn publisher(view: &MemoryDiscovery, n: u64) -> (PubSocket, String, Registration) {
-    let socket = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
-        .await
-        .unwrap();
-    let endpoint = socket.local_endpoint().unwrap().to_owned();
-    let registration = view
-        .register(
-            ChannelId::new("prod", "worker", "kv", n).unwrap(),
-            Transport::zmq(endpoint.clone()),
-        )
-        .await
-        .unwrap();
-    (socket, endpoint, registration)
-}
-
-fn message(i: u64) -> Message {
-    Message::from_parts([
-        Bytes::from_static(b"kv"),
-        Bytes::copy_from_slice(&i.to_be_bytes()),
-        Bytes::from(vec![i as u8; (i as usize * 37) % 3000]),
-    ])
-}
+use eventplane::zmtp::{Config, Message, SubSocket};
 
 #[tokio::test]
 async fn zmtp_runs_end_to_end_and_receives_what_a_direct_connection_receives() {

@@ -1,0 +1,305 @@
+//! What the tunnel tests share: the test bus and broker configurations, publishers
+//! advertised in a memory discovery, and a bus that misbehaves on purpose.
+#![allow(
+    clippy::unwrap_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    dead_code,
+    unreachable_pub
+)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::support::within;
+use bytes::Bytes;
+use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Registration, Transport};
+use eventplane::tunnel::{BrokerConfig, EventBus, Limits, Secret, client_tls, server_tls};
+use eventplane::zmtp::{Config, Message, PubSocket};
+
+pub const TOKEN: &str = "test-token-0123456789";
+
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tunnel")
+        .join(name)
+}
+
+pub async fn bus() -> EventBus {
+    bus_at("127.0.0.1:0").await
+}
+
+pub async fn bus_at(addr: &str) -> EventBus {
+    let tls = server_tls(fixture("bus.pem"), fixture("bus.key")).unwrap();
+    EventBus::bind(addr, tls, Secret::new(TOKEN).unwrap(), Limits::default())
+        .await
+        .unwrap()
+}
+
+/// Polls `done` until it holds (bounded by the support deadline, not a timing claim).
+pub async fn until(mut done: impl FnMut() -> bool) {
+    within(async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+}
+
+pub fn broker_config(bus: &EventBus, id: &str, view: Arc<dyn Discovery>) -> BrokerConfig {
+    BrokerConfig::new(
+        format!("https://localhost:{}", bus.local_addr().port()),
+        id,
+        vec!["prod".to_owned()],
+        Secret::new(TOKEN).unwrap(),
+        client_tls(fixture("ca.pem")).unwrap(),
+        view,
+    )
+}
+
+/// Waits until `bus` has a broker for "prod".
+pub async fn connected(bus: &EventBus) {
+    within(async {
+        while bus.brokers_for("prod").is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+}
+
+/// A publisher advertised in `view` under "prod".
+pub async fn publisher(view: &MemoryDiscovery, n: u64) -> (PubSocket, String, Registration) {
+    let socket = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+        .await
+        .unwrap();
+    let endpoint = socket.local_endpoint().unwrap().to_owned();
+    let registration = view
+        .register(
+            ChannelId::new("prod", "worker", "kv", n).unwrap(),
+            Transport::zmq(endpoint.clone()),
+        )
+        .await
+        .unwrap();
+    (socket, endpoint, registration)
+}
+
+pub fn message(i: u64) -> Message {
+    Message::from_parts([
+        Bytes::from_static(b"kv"),
+        Bytes::copy_from_slice(&i.to_be_bytes()),
+        Bytes::from(vec![i as u8; (i as usize * 37) % 3000]),
+    ])
+}
+
+/// A resolver that never answers: every lookup runs into the DNS deadline.
+pub struct NeverResolves;
+
+impl eventplane::tunnel::Resolver for NeverResolves {
+    fn resolve(
+        &self,
+        _host: &str,
+        _port: u16,
+    ) -> eventplane::BoxFuture<'static, std::io::Result<Vec<std::net::SocketAddr>>> {
+        Box::pin(std::future::pending())
+    }
+}
+
+/// A resolver that answers every name with `addrs`, in order.
+pub struct FixedResolver(pub Vec<std::net::SocketAddr>);
+
+impl eventplane::tunnel::Resolver for FixedResolver {
+    fn resolve(
+        &self,
+        _host: &str,
+        _port: u16,
+    ) -> eventplane::BoxFuture<'static, std::io::Result<Vec<std::net::SocketAddr>>> {
+        let addrs = self.0.clone();
+        Box::pin(async move { Ok(addrs) })
+    }
+}
+
+/// A loopback listener that never accepts, its one-slot backlog already taken: a
+/// connect to it hangs until its deadline (the root network namespace answers
+/// connects to arbitrary addresses, so an "unroutable" address would not).
+pub fn unaccepting_listener() -> (tokio::net::TcpListener, std::net::TcpStream, u16) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(([127, 0, 0, 1], 0).into()).unwrap();
+    let listener = socket.listen(0).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let filler = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    (listener, filler, port)
+}
+
+/// How a [`ScriptedBus`] misbehaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Script {
+    /// Welcomes, then never sends another frame (no heartbeats) while keeping the
+    /// connection and the session's body open.
+    FallSilent,
+    /// Subscribes stream 1 to the target, then never answers its data stream's head.
+    HoldResponseHead,
+    /// Allows one HTTP/2 stream per connection (the session's): stream 1's data
+    /// stream never gets a slot.
+    NoStreamSlot,
+}
+
+/// A bus that speaks the session protocol (through the public sans-IO
+/// `RouterSession`) but misbehaves as its [`Script`] says, to drive the broker's
+/// deadlines over real TLS + HTTP/2.
+pub struct ScriptedBus {
+    pub url: String,
+    /// Sessions the broker opened.
+    pub sessions: Arc<std::sync::atomic::AtomicU64>,
+    /// What the broker said about streams.
+    pub events: tokio::sync::mpsc::Receiver<eventplane::tunnel::RouterEvent>,
+}
+
+/// An HTTP/2 body fed by a channel.
+struct ChanBody(tokio::sync::mpsc::Receiver<Bytes>);
+
+impl http_body::Body for ChanBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|chunk| chunk.map(|c| Ok(http_body::Frame::data(c))))
+    }
+}
+
+impl ScriptedBus {
+    pub async fn start(script: Script, limits: Limits, target: &str) -> ScriptedBus {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let acceptor = tokio_rustls::TlsAcceptor::from(
+            server_tls(fixture("bus.pem"), fixture("bus.key")).unwrap(),
+        );
+        let sessions = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (events_tx, events) = tokio::sync::mpsc::channel(64);
+        let (counted, target) = (sessions.clone(), target.to_owned());
+        tokio::spawn(async move {
+            loop {
+                let (tcp, _) = listener.accept().await.unwrap();
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    continue;
+                };
+                let (counted, events_tx, target) =
+                    (counted.clone(), events_tx.clone(), target.clone());
+                let service = hyper::service::service_fn(
+                    move |req: hyper::Request<hyper::body::Incoming>| {
+                        let (counted, events_tx, target) =
+                            (counted.clone(), events_tx.clone(), target.clone());
+                        async move {
+                            if req.uri().path() != "/bus/v1/session" {
+                                // A data stream: its head never comes.
+                                std::future::pending::<()>().await;
+                            }
+                            let session = counted.fetch_add(1, Ordering::Relaxed) + 1;
+                            let (out, rx) = tokio::sync::mpsc::channel(64);
+                            tokio::spawn(run_scripted_session(
+                                script,
+                                limits,
+                                session,
+                                target,
+                                req.into_body(),
+                                out,
+                                events_tx,
+                            ));
+                            Ok::<_, std::convert::Infallible>(hyper::Response::new(ChanBody(rx)))
+                        }
+                    },
+                );
+                let mut builder =
+                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
+                if script == Script::NoStreamSlot {
+                    builder.max_concurrent_streams(1);
+                }
+                let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(tls), service);
+                tokio::spawn(conn);
+            }
+        });
+        ScriptedBus {
+            url: format!("https://localhost:{port}"),
+            sessions,
+            events,
+        }
+    }
+}
+
+async fn run_scripted_session(
+    script: Script,
+    limits: Limits,
+    session_id: u64,
+    target: String,
+    mut body: hyper::body::Incoming,
+    out: tokio::sync::mpsc::Sender<Bytes>,
+    events: tokio::sync::mpsc::Sender<eventplane::tunnel::RouterEvent>,
+) {
+    use eventplane::tunnel::{ControlDecoder, RouterEvent, RouterSession};
+    use http_body::Body;
+    let mut session = RouterSession::new(session_id, limits, std::time::Instant::now());
+    let mut decoder = ControlDecoder::default();
+    let mut silent = false;
+    loop {
+        while let Some(event) = session.poll_event() {
+            if let RouterEvent::Welcomed { .. } = event {
+                match script {
+                    // The welcome itself still goes out below.
+                    Script::FallSilent => {}
+                    _ => session
+                        .subscribe(1, target.clone(), std::time::Instant::now())
+                        .unwrap(),
+                }
+                continue;
+            }
+            let _ = events.send(event).await;
+        }
+        if !silent {
+            let mut wire = Vec::new();
+            while let Some(frame) = session.poll_transmit() {
+                if matches!(frame, eventplane::tunnel::Control::Welcome(_))
+                    && script == Script::FallSilent
+                {
+                    silent = true;
+                }
+                frame.encode(&mut wire);
+            }
+            if !wire.is_empty() && out.send(Bytes::from(wire)).await.is_err() {
+                return;
+            }
+        }
+        if silent {
+            // Read (and drop) what the broker says, answer nothing, time nothing out.
+            let frame =
+                std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await;
+            if !matches!(frame, Some(Ok(_))) {
+                return;
+            }
+            continue;
+        }
+        let timeout = session.poll_timeout().map(tokio::time::Instant::from_std);
+        tokio::select! {
+            frame = std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)) => {
+                let Some(Ok(frame)) = frame else { return };
+                if let Ok(data) = frame.into_data() {
+                    let mut input = &data[..];
+                    while let Some(f) = decoder.decode(&mut input).unwrap() {
+                        session.handle(f, std::time::Instant::now());
+                    }
+                }
+            }
+            () = async {
+                match timeout {
+                    Some(t) => tokio::time::sleep_until(t).await,
+                    None => std::future::pending().await,
+                }
+            } => session.handle_timeout(std::time::Instant::now()),
+        }
+    }
+}

@@ -1,0 +1,242 @@
+//! Every per-stage deadline of a broker, over real TLS + HTTP/2 and real sockets
+//! (DESIGN §7.2): DNS, the connection (across resolved addresses, each attempt
+//! capped), the data stream's slot, the router's response head; the idle timeout both
+//! ways; and the discovery view the broker dials from.
+#![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use crate::common::{
+    FixedResolver, NeverResolves, Script, ScriptedBus, TOKEN, broker_config, bus, connected,
+    fixture, publisher, unaccepting_listener, until,
+};
+use crate::support::{refusing_port, within};
+use eventplane::discovery::{
+    ChannelId, Discovery, FaultDiscovery, MemoryDiscovery, Registration, Transport,
+};
+use eventplane::tunnel::{
+    Broker, BrokerConfig, Limits, RefuseCode, RouterEvent, Secret, TunnelError, client_tls,
+};
+
+fn refused(result: Result<eventplane::tunnel::TunnelStream, TunnelError>) -> RefuseCode {
+    match result {
+        Err(TunnelError::Refused(code)) => code,
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+async fn advertise(view: &MemoryDiscovery, n: u64, endpoint: &str) -> Registration {
+    view.register(
+        ChannelId::new("prod", "worker", "kv", n).unwrap(),
+        Transport::zmq(endpoint),
+    )
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_resolver_that_never_answers_is_dns_timeout() {
+    let bus = bus().await;
+    let view = Arc::new(MemoryDiscovery::new());
+    let _reg = advertise(&view, 1, "tcp://slow-dns.test:5557").await;
+    let mut config =
+        broker_config(&bus, "broker-1", view.clone()).resolver(Arc::new(NeverResolves));
+    config.deadlines.dns = Duration::from_millis(200);
+    let broker = Broker::spawn(config).unwrap();
+    connected(&bus).await;
+    let r = within(bus.open_stream("prod", 1, "tcp://slow-dns.test:5557")).await;
+    assert_eq!(refused(r), RefuseCode::DnsTimeout);
+    assert_eq!(broker.stats().refused.get("dns_timeout"), Some(&1));
+    broker.shutdown().await;
+    bus.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_listener_that_never_accepts_is_connect_timeout_and_other_addresses_are_tried() {
+    let bus = bus().await;
+    let view = Arc::new(MemoryDiscovery::new());
+    let (_listener, _filler, hanging) = unaccepting_listener();
+    let (_held, closed) = refusing_port();
+    let target = "tcp://publisher.test:5557";
+    let _reg = advertise(&view, 1, target).await;
+    let at = |port: u16| std::net::SocketAddr::from(([127, 0, 0, 1], port));
+
+    // Only a listener that never accepts: the attempt runs out, the stage refuses.
+    let mut config = broker_config(&bus, "broker-1", view.clone())
+        .resolver(Arc::new(FixedResolver(vec![at(closed), at(hanging)])));
+    config.deadlines.connect_attempt = Duration::from_millis(200);
+    config.deadlines.connect = Duration::from_secs(5);
+    let broker = Broker::spawn(config).unwrap();
+    connected(&bus).await;
+    let r = within(bus.open_stream("prod", 1, target)).await;
+    assert_eq!(refused(r), RefuseCode::ConnectTimeout);
+    assert_eq!(broker.stats().refused.get("connect_timeout"), Some(&1));
+    broker.shutdown().await;
+    until(|| bus.stats().sessions == 0).await;
+
+    // The total deadline holds even when each attempt's cap is longer.
+    let mut config = broker_config(&bus, "broker-1", view.clone())
+        .resolver(Arc::new(FixedResolver(vec![at(hanging), at(hanging)])));
+    config.deadlines.connect_attempt = Duration::from_secs(20);
+    config.deadlines.connect = Duration::from_millis(300);
+    let broker = Broker::spawn(config).unwrap();
+    connected(&bus).await;
+    let r = within(bus.open_stream("prod", 1, target)).await;
+    assert_eq!(refused(r), RefuseCode::ConnectTimeout);
+    broker.shutdown().await;
+    until(|| bus.stats().sessions == 0).await;
+
+    // A refused and a hanging address before a live one: the broker gets there.
+    let (publisher, _endpoint, _reg2) = publisher(&view, 2).await;
+    let live = publisher.local_addr().unwrap().port();
+    let mut config =
+        broker_config(&bus, "broker-1", view.clone()).resolver(Arc::new(FixedResolver(vec![
+            at(closed),
+            at(hanging),
+            at(live),
+        ])));
+    config.deadlines.connect_attempt = Duration::from_millis(200);
+    let broker = Broker::spawn(config).unwrap();
+    connected(&bus).await;
+    let stream = within(bus.open_stream("prod", 1, target)).await;
+    assert!(stream.is_ok(), "{stream:?}");
+    until(|| broker.stats().streams_opened == 1).await;
+    drop(stream);
+    broker.shutdown().await;
+    bus.shutdown().await;
+}
+
+/// A broker toward a scripted bus, with `target` advertised.
+async fn broker_toward(
+    script: Script,
+    limits: Limits,
+    tweak: impl FnOnce(&mut BrokerConfig),
+) -> (ScriptedBus, Broker, (tokio::net::TcpListener, Registration)) {
+    let target_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let target = format!("tcp://{}", target_listener.local_addr().unwrap());
+    let view = Arc::new(MemoryDiscovery::new());
+    let registration = advertise(&view, 1, &target).await;
+    let bus = ScriptedBus::start(script, limits, &target).await;
+    let mut config = BrokerConfig::new(
+        bus.url.clone(),
+        "broker-1",
+        vec!["prod".to_owned()],
+        Secret::new(TOKEN).unwrap(),
+        client_tls(fixture("ca.pem")).unwrap(),
+        view,
+    );
+    tweak(&mut config);
+    (
+        bus,
+        Broker::spawn(config).unwrap(),
+        (target_listener, registration),
+    )
+}
+
+#[tokio::test]
+async fn a_data_stream_without_a_slot_is_stream_slot_timeout() {
+    let (mut bus, broker, _target) = broker_toward(Script::NoStreamSlot, Limits::default(), |c| {
+        c.deadlines.stream_slot = Duration::from_millis(300);
+    })
+    .await;
+    let event = within(bus.events.recv()).await.unwrap();
+    assert_eq!(
+        event,
+        RouterEvent::Refused {
+            stream_id: 1,
+            code: RefuseCode::StreamSlotTimeout
+        }
+    );
+    assert_eq!(broker.stats().refused.get("stream_slot_timeout"), Some(&1));
+    assert_eq!(broker.stats().streams_opened, 0);
+    broker.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_router_that_never_answers_the_head_is_response_timeout() {
+    let (mut bus, broker, _target) =
+        broker_toward(Script::HoldResponseHead, Limits::default(), |c| {
+            c.deadlines.response = Duration::from_millis(300);
+        })
+        .await;
+    let event = within(bus.events.recv()).await.unwrap();
+    assert_eq!(
+        event,
+        RouterEvent::Refused {
+            stream_id: 1,
+            code: RefuseCode::ResponseTimeout
+        }
+    );
+    assert_eq!(broker.stats().refused.get("response_timeout"), Some(&1));
+    broker.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_broker_leaves_a_silent_bus_after_the_idle_timeout_and_reconnects() {
+    let limits =
+        Limits::default().with_heartbeat(Duration::from_millis(100), Duration::from_millis(400));
+    let (bus, broker, _target) = broker_toward(Script::FallSilent, limits, |c| {
+        c.reconnect_min = Duration::from_millis(20);
+        c.reconnect_max = Duration::from_millis(100);
+    })
+    .await;
+    // The scripted bus never closes a session: a second one means the broker ended the
+    // first itself, for silence.
+    until(|| bus.sessions.load(Ordering::Relaxed) >= 2).await;
+    until(|| broker.stats().sessions >= 2).await;
+    broker.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_broker_dials_only_once_its_initial_list_is_complete_and_keeps_its_snapshot() {
+    let bus = bus().await;
+    let memory = Arc::new(MemoryDiscovery::new());
+    let (discovery, faults) = FaultDiscovery::new(memory.clone());
+    let (_publisher, endpoint, _reg) = publisher(&memory, 1).await;
+    // The first watches fail: the view retries, and the bus hears nothing meanwhile.
+    faults.fail_next_watch_calls(2);
+    let broker = Broker::spawn(broker_config(&bus, "broker-1", Arc::new(discovery))).unwrap();
+    let mut waited = 0;
+    within(async {
+        while !broker.stats().discovery_ready {
+            assert_eq!(bus.stats().sessions_started, 0, "dialled before the list");
+            waited += 1;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(
+        waited > 0,
+        "the view was ready before its watches could succeed"
+    );
+    connected(&bus).await;
+    assert_eq!(broker.stats().advertised_endpoints, 1);
+    assert!(within(bus.open_stream("prod", 1, &endpoint)).await.is_ok());
+
+    // Discovery goes away: the last snapshot still answers.
+    faults.fail_next_watch_calls(1_000);
+    faults.fail_watches("etcd is down");
+    let (_late, late_endpoint, _late_reg) = publisher(&memory, 2).await;
+    assert!(within(bus.open_stream("prod", 1, &endpoint)).await.is_ok());
+    // Not yet seen: a registration made while the watch is down.
+    let r = within(bus.open_stream("prod", 2, &late_endpoint)).await;
+    assert_eq!(refused(r), RefuseCode::TargetNotAdvertised);
+    // Back: the next complete list replaces the snapshot.
+    faults.fail_next_watch_calls(0);
+    until(|| broker.stats().advertised_endpoints == 2).await;
+    assert!(
+        within(bus.open_stream("prod", 2, &late_endpoint))
+            .await
+            .is_ok()
+    );
+
+    // An unregistered publisher is no longer dialled.
+    drop(_reg);
+    until(|| broker.stats().advertised_endpoints == 1).await;
+    let r = within(bus.open_stream("prod", 1, &endpoint)).await;
+    assert_eq!(refused(r), RefuseCode::TargetNotAdvertised);
+    broker.shutdown().await;
+    bus.shutdown().await;
+}

@@ -12,6 +12,20 @@
 //! token_file = "/etc/eventplane/bus.token"  # or token_env = "EVENTPLANE_BUS_TOKEN"
 //! allowed_cidrs = ["10.0.0.0/8"]            # optional: only these networks are dialled
 //! drain_deadline_ms = 30000                 # optional: streams' grace on SIGTERM
+//! max_stream_buffer_bytes = 1048576         # optional: 16 KiB ..= 1 MiB per stream
+//! max_session_buffer_bytes = 67108864       # optional: ..= 64 MiB per session
+//!
+//! [timeouts]                                # optional, each stage's deadline
+//! dns_ms = 5000
+//! connect_ms = 10000                        # all resolved addresses together
+//! connect_attempt_ms = 5000                 # one address
+//! stream_slot_ms = 5000
+//! response_ms = 10000
+//! bus_connect_ms = 10000
+//!
+//! [backoff]                                 # optional: reconnects to the bus
+//! min_ms = 1000
+//! max_ms = 60000
 //!
 //! [discovery]
 //! namespaces = ["prod"]
@@ -67,7 +81,32 @@ struct FileConfig {
     #[serde(default)]
     allowed_cidrs: Vec<String>,
     drain_deadline_ms: Option<u64>,
+    max_stream_buffer_bytes: Option<usize>,
+    max_session_buffer_bytes: Option<usize>,
+    #[serde(default)]
+    timeouts: TimeoutsConfig,
+    #[serde(default)]
+    backoff: BackoffConfig,
     discovery: DiscoveryConfig,
+}
+
+/// Per-stage deadlines in milliseconds; absent ones keep their defaults.
+#[derive(serde::Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+struct TimeoutsConfig {
+    dns_ms: Option<u64>,
+    connect_ms: Option<u64>,
+    connect_attempt_ms: Option<u64>,
+    stream_slot_ms: Option<u64>,
+    response_ms: Option<u64>,
+    bus_connect_ms: Option<u64>,
+}
+
+#[derive(serde::Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+struct BackoffConfig {
+    min_ms: Option<u64>,
+    max_ms: Option<u64>,
 }
 
 #[derive(serde::Deserialize, Debug)]
@@ -167,6 +206,31 @@ async fn etcd(_: &DiscoveryConfig) -> Result<Arc<dyn Discovery>, Refusal> {
     ))
 }
 
+/// The optional buffer sizes, deadlines and backoff; `BrokerConfig::validate` checks
+/// the result.
+fn apply_tuning(file: &FileConfig, config: &mut BrokerConfig) {
+    let set = |slot: &mut Duration, ms: Option<u64>| {
+        if let Some(ms) = ms {
+            *slot = Duration::from_millis(ms);
+        }
+    };
+    let (t, d) = (&file.timeouts, &mut config.deadlines);
+    set(&mut d.dns, t.dns_ms);
+    set(&mut d.connect, t.connect_ms);
+    set(&mut d.connect_attempt, t.connect_attempt_ms);
+    set(&mut d.stream_slot, t.stream_slot_ms);
+    set(&mut d.response, t.response_ms);
+    set(&mut d.bus_connect, t.bus_connect_ms);
+    set(&mut config.reconnect_min, file.backoff.min_ms);
+    set(&mut config.reconnect_max, file.backoff.max_ms);
+    if let Some(bytes) = file.max_stream_buffer_bytes {
+        config.max_stream_buffer_bytes = bytes;
+    }
+    if let Some(bytes) = file.max_session_buffer_bytes {
+        config.max_session_buffer_bytes = bytes;
+    }
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     common::init_tracing_or("warn,eventplane::tunnel=info");
@@ -207,6 +271,7 @@ async fn main() -> ExitCode {
     if let Some(ms) = file.drain_deadline_ms {
         config = config.drain_deadline(Duration::from_millis(ms));
     }
+    apply_tuning(&file, &mut config);
     if let Err(e) = config.validate() {
         return refused(Refusal::Config(chain(&e)));
     }

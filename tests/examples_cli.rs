@@ -976,6 +976,21 @@ mod event_broker {
         let out = run(&good, &["--check-config"]).await;
         assert_eq!(out.status.code(), Some(0), "{out:?}");
         assert!(String::from_utf8_lossy(&out.stdout).contains("configuration ok"));
+        // Every tuning knob, set.
+        let tuned = config(
+            "check",
+            &body(
+                "https://localhost:1",
+                &dir,
+                &["tcp://127.0.0.1:5"],
+                "max_stream_buffer_bytes = 65536\nmax_session_buffer_bytes = 8388608\n\
+                 [timeouts]\ndns_ms = 1000\nconnect_ms = 2000\nconnect_attempt_ms = 500\n\
+                 stream_slot_ms = 1000\nresponse_ms = 2000\nbus_connect_ms = 3000\n\
+                 [backoff]\nmin_ms = 100\nmax_ms = 5000",
+            ),
+        );
+        let out = run(&tuned, &["--check-config"]).await;
+        assert_eq!(out.status.code(), Some(0), "{out:?}");
         let cases = [
             (
                 body("http://localhost:1", &dir, &["tcp://127.0.0.1:5"], ""),
@@ -1002,6 +1017,42 @@ mod event_broker {
             (
                 body("https://localhost:1", &dir, &[], ""),
                 "exactly one of etcd and static_endpoints",
+            ),
+            (
+                body(
+                    "https://localhost:1",
+                    &dir,
+                    &["tcp://127.0.0.1:5"],
+                    "max_stream_buffer_bytes = 1024",
+                ),
+                "max_stream_buffer_bytes",
+            ),
+            (
+                body(
+                    "https://localhost:1",
+                    &dir,
+                    &["tcp://127.0.0.1:5"],
+                    "[timeouts]\ndns_ms = 0",
+                ),
+                "deadlines.dns",
+            ),
+            (
+                body(
+                    "https://localhost:1",
+                    &dir,
+                    &["tcp://127.0.0.1:5"],
+                    "[backoff]\nmin_ms = 5000\nmax_ms = 10",
+                ),
+                "reconnect",
+            ),
+            (
+                body(
+                    "https://localhost:1",
+                    &dir,
+                    &["tcp://127.0.0.1:5"],
+                    "[timeouts]\ndns_seconds = 5",
+                ),
+                "unknown field",
             ),
         ];
         for (text, says) in cases {

@@ -68,9 +68,12 @@ struct Counters {
 }
 
 /// A running broker: it keeps a session with the bus (reconnecting with backoff) until
-/// shut down.
+/// [`shutdown`](Self::shutdown) drains it; [`abort`](Self::abort), or dropping it,
+/// stops it at once.
 #[derive(Debug)]
 pub struct Broker {
+    /// Stops the broker at once when it is dropped without `shutdown` or `abort`.
+    _stop_on_drop: tokio_util::sync::DropGuard,
     cancel: CancellationToken,
     /// Cancelled by `abort`: every relay and the bus connection stop at once.
     hard: CancellationToken,
@@ -88,8 +91,9 @@ impl Broker {
     /// Validates `config` and starts the broker on the current Tokio runtime.
     pub fn spawn(config: BrokerConfig) -> Result<Broker, TunnelError> {
         config.validate()?;
-        let cancel = CancellationToken::new();
         let hard = CancellationToken::new();
+        // A hard stop stops the reconnect loop too.
+        let cancel = hard.child_token();
         let view = View::spawn(config.discovery.clone(), &config.namespaces, &hard);
         let counters = Arc::new(Counters {
             sessions: AtomicU64::new(0),
@@ -104,6 +108,7 @@ impl Broker {
         });
         let task = tokio::spawn(run(config, cancel.clone(), hard.clone(), counters.clone()));
         Ok(Broker {
+            _stop_on_drop: hard.clone().drop_guard(),
             cancel,
             hard,
             counters,

@@ -31,6 +31,10 @@ pub const MAX_CONNECTIONS: usize = 1024;
 /// How long a connection may take to complete its TLS handshake.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a connection may take, after TLS, to start a session with the right
+/// credential.
+pub const SESSION_START_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Commands a session task takes from the rest of the bus.
 enum Command {
     Subscribe {
@@ -122,7 +126,12 @@ pub struct BusStats {
 }
 
 /// The router's event bus: brokers dial in, the router opens publisher connections
-/// through them.
+/// through them. It runs until [`shutdown`](Self::shutdown), or until its last handle
+/// (clones included) is dropped.
+///
+/// A connection must complete TLS within 10 s and start an authenticated session
+/// within [`SESSION_START_TIMEOUT`] of that, or it is closed: connections that never
+/// authenticate cannot hold the [`MAX_CONNECTIONS`] slots.
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), eventplane::tunnel::TunnelError> {
@@ -138,6 +147,8 @@ pub struct BusStats {
 pub struct EventBus {
     inner: Arc<Inner>,
     local_addr: SocketAddr,
+    /// The last handle dropped without `shutdown` stops the bus.
+    _alive: Arc<tokio_util::sync::DropGuard>,
 }
 
 impl std::fmt::Debug for EventBus {
@@ -175,7 +186,11 @@ impl EventBus {
         inner
             .tracker
             .spawn(accept_loop(inner.clone(), listener, acceptor));
-        Ok(EventBus { inner, local_addr })
+        Ok(EventBus {
+            _alive: Arc::new(inner.cancel.clone().drop_guard()),
+            inner,
+            local_addr,
+        })
     }
 
     /// The address it listens on.
@@ -356,10 +371,21 @@ async fn accept_loop(
             };
             let conn_id = inner2.next_conn.fetch_add(1, Ordering::Relaxed);
             let service_inner = inner2.clone();
+            let authenticated = Arc::new(AtomicBool::new(false));
+            let session_started = authenticated.clone();
             let service = hyper::service::service_fn(move |req| {
                 let inner = service_inner.clone();
-                async move { Ok::<_, Infallible>(route(inner, conn_id, req).await) }
+                let session_started = session_started.clone();
+                async move {
+                    Ok::<_, Infallible>(route(inner, conn_id, &session_started, req).await)
+                }
             });
+            let unauthenticated = async {
+                tokio::time::sleep(SESSION_START_TIMEOUT).await;
+                if authenticated.load(Ordering::Relaxed) {
+                    std::future::pending::<()>().await;
+                }
+            };
             // Every stream the welcome allows, plus the session's own.
             // Windows: one stalled stream holds at most 256 KiB of the connection's
             // 16 MiB, so it cannot stall the session or the other streams.
@@ -373,6 +399,9 @@ async fn accept_loop(
                 r = conn => if let Err(e) = r {
                     tracing::debug!(error = %e, "broker connection ended");
                 },
+                () = unauthenticated => {
+                    tracing::debug!("a connection started no authenticated session in time: closed");
+                }
             }
         });
     }
@@ -385,7 +414,12 @@ fn empty(status: StatusCode) -> Response<ChannelBody> {
     response
 }
 
-async fn route(inner: Arc<Inner>, conn_id: u64, req: Request<Incoming>) -> Response<ChannelBody> {
+async fn route(
+    inner: Arc<Inner>,
+    conn_id: u64,
+    session_started: &AtomicBool,
+    req: Request<Incoming>,
+) -> Response<ChannelBody> {
     if req.method() != hyper::Method::POST {
         return empty(StatusCode::METHOD_NOT_ALLOWED);
     }
@@ -399,6 +433,7 @@ async fn route(inner: Arc<Inner>, conn_id: u64, req: Request<Incoming>) -> Respo
     }
     let path = req.uri().path().to_owned();
     if path == "/bus/v1/session" {
+        session_started.store(true, Ordering::Relaxed);
         return start_session(inner, conn_id, req);
     }
     if let Some(id) = path.strip_prefix("/bus/v1/streams/") {

@@ -58,7 +58,7 @@ mod session;
 mod view;
 
 pub use broker::{Broker, BrokerHandle, BrokerStats};
-pub use bus::{BusStats, EventBus, MAX_CONNECTIONS};
+pub use bus::{BusStats, EventBus, MAX_CONNECTIONS, SESSION_START_TIMEOUT};
 pub use config::{
     BUS_CONNECT_TIMEOUT, BrokerConfig, CONNECT_ATTEMPT_TIMEOUT, CONNECT_TIMEOUT, DNS_TIMEOUT,
     Deadlines, RESPONSE_TIMEOUT, Resolver, STREAM_SLOT_TIMEOUT, SystemResolver,

@@ -240,3 +240,31 @@ async fn a_broker_dials_only_once_its_initial_list_is_complete_and_keeps_its_sna
     broker.shutdown().await;
     bus.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_connection_that_never_starts_a_session_is_closed() {
+    use tokio::io::AsyncReadExt;
+    let bus = bus().await;
+    let tcp = tokio::net::TcpStream::connect(bus.local_addr())
+        .await
+        .unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut tls = tokio_rustls::TlsConnector::from(client_tls(fixture("ca.pem")).unwrap())
+        .connect(name, tcp)
+        .await
+        .unwrap();
+    // TLS completes, then nothing: the bus hangs up after SESSION_START_TIMEOUT
+    // instead of holding one of its connection slots forever.
+    let mut buf = [0u8; 1024];
+    within(async {
+        loop {
+            match tls.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert_eq!(bus.stats().sessions_started, 0);
+    bus.shutdown().await;
+}

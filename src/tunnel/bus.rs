@@ -66,7 +66,18 @@ struct Entry {
 
 struct Waiter {
     session_id: u64,
+    namespace: String,
+    publisher_id: u64,
     reply: oneshot::Sender<Result<TunnelStream, TunnelError>>,
+}
+
+/// An open data stream, for moving it when its publisher's owner changes.
+struct OpenStream {
+    namespace: String,
+    publisher_id: u64,
+    client_id: String,
+    /// Ends the stream (both bodies) when cancelled.
+    stop: CancellationToken,
 }
 
 #[derive(Default)]
@@ -77,6 +88,7 @@ struct Counters {
     streams_opened: AtomicU64,
     streams_failed: AtomicU64,
     unknown_streams: AtomicU64,
+    streams_moved: AtomicU64,
 }
 
 struct Inner {
@@ -84,6 +96,7 @@ struct Inner {
     limits: Limits,
     sessions: Mutex<HashMap<String, Entry>>,
     waiting: Mutex<HashMap<u64, Waiter>>,
+    open: Mutex<HashMap<u64, OpenStream>>,
     next_session: AtomicU64,
     next_conn: AtomicU64,
     counters: Counters,
@@ -92,6 +105,52 @@ struct Inner {
 }
 
 impl Inner {
+    /// Broker `joined` was welcomed: ends the open streams of other brokers whose
+    /// publisher it now owns by rendezvous hashing, so their subscribers reconnect
+    /// through it. Only its share moves.
+    fn move_share_to(&self, joined: &str) {
+        let live: HashMap<String, Vec<String>> = {
+            let sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(entry) = sessions.get(joined) else {
+                return;
+            };
+            entry
+                .namespaces
+                .iter()
+                .map(|ns| {
+                    let ids = sessions
+                        .iter()
+                        .filter(|(id, e)| {
+                            (id.as_str() == joined || e.available.load(Ordering::Relaxed))
+                                && e.namespaces.contains(ns)
+                        })
+                        .map(|(id, _)| id.clone())
+                        .collect();
+                    (ns.clone(), ids)
+                })
+                .collect()
+        };
+        let mut moved = 0u64;
+        for stream in self.open.lock().unwrap_or_else(|p| p.into_inner()).values() {
+            let Some(ids) = live.get(&stream.namespace) else {
+                continue;
+            };
+            if stream.client_id != joined
+                && rendezvous_owner(ids.iter().map(String::as_str), stream.publisher_id)
+                    == Some(joined)
+            {
+                stream.stop.cancel();
+                moved += 1;
+            }
+        }
+        if moved > 0 {
+            self.counters
+                .streams_moved
+                .fetch_add(moved, Ordering::Relaxed);
+            tracing::info!(client_id = %joined, moved, "a broker joined: its share of the streams moves to it");
+        }
+    }
+
     fn fail(&self, stream_id: u64, error: TunnelError) {
         let waiter = self
             .waiting
@@ -123,6 +182,11 @@ pub struct BusStats {
     pub streams_failed: u64,
     /// Data streams refused with `unknown_stream`.
     pub unknown_streams: u64,
+    /// Streams ended because a joining broker became their publisher's owner (their
+    /// subscribers reconnect through it).
+    pub streams_moved: u64,
+    /// Data streams open now.
+    pub streams_open: usize,
 }
 
 /// The router's event bus: brokers dial in, the router opens publisher connections
@@ -176,6 +240,7 @@ impl EventBus {
             limits,
             sessions: Mutex::new(HashMap::new()),
             waiting: Mutex::new(HashMap::new()),
+            open: Mutex::new(HashMap::new()),
             next_session: AtomicU64::new(1),
             next_conn: AtomicU64::new(1),
             counters: Counters::default(),
@@ -215,6 +280,13 @@ impl EventBus {
             streams_opened: l(&c.streams_opened),
             streams_failed: l(&c.streams_failed),
             unknown_streams: l(&c.unknown_streams),
+            streams_moved: l(&c.streams_moved),
+            streams_open: self
+                .inner
+                .open
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .len(),
         }
     }
 
@@ -267,7 +339,15 @@ impl EventBus {
             while id == 0 || waiting.contains_key(&id) {
                 id = crate::net::random_u64() >> 1;
             }
-            waiting.insert(id, Waiter { session_id, reply });
+            waiting.insert(
+                id,
+                Waiter {
+                    session_id,
+                    namespace: namespace.to_owned(),
+                    publisher_id,
+                    reply,
+                },
+            );
             id
         };
         // Cancelled or not, the waiter goes when this call does.
@@ -519,6 +599,7 @@ async fn run_session(
                         tracing::info!(%client_id, "a newer session supersedes the broker's previous one");
                         let _ = old.commands.try_send(Command::Close);
                     }
+                    inner.move_share_to(&client_id);
                     client = Some(client_id);
                 }
                 RouterEvent::Opened(_) => {}
@@ -662,18 +743,45 @@ async fn data_stream(
     };
     let (tx, rx) = mpsc::channel(BODY_CHANNEL);
     let detach = commands.clone();
+    // Ends with its session, or alone when it moves to another broker.
+    let stop = ended.child_token();
+    let client_id = {
+        let sessions = inner.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        sessions
+            .iter()
+            .find(|(_, e)| e.session_id == session_id)
+            .map(|(id, _)| id.clone())
+            .unwrap_or_default()
+    };
+    inner.open.lock().unwrap_or_else(|p| p.into_inner()).insert(
+        stream_id,
+        OpenStream {
+            namespace: waiter.namespace.clone(),
+            publisher_id: waiter.publisher_id,
+            client_id,
+            stop: stop.clone(),
+        },
+    );
+    let registry = Arc::downgrade(&inner);
     let stream = TunnelStream::new(
         req.into_body(),
         tx,
         Box::new(move || {
             let _ = detach.try_send(Command::Unsubscribe(stream_id));
+            if let Some(inner) = registry.upgrade() {
+                inner
+                    .open
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&stream_id);
+            }
         }),
-        ended.clone(),
+        stop.clone(),
     );
     inner
         .counters
         .streams_opened
         .fetch_add(1, Ordering::Relaxed);
     let _ = waiter.reply.send(Ok(stream));
-    Response::new(ChannelBody::new(rx).until(ended))
+    Response::new(ChannelBody::new(rx).until(stop))
 }

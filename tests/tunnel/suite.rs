@@ -372,6 +372,76 @@ async fn two_brokers_split_the_publishers_and_one_takes_over_when_the_other_is_l
     bus.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joining_broker_takes_over_its_share_and_nothing_else() {
+    use eventplane::publish::EventPublisher;
+    use eventplane::subscriber::DynamicSubscriber;
+    use eventplane::tunnel::rendezvous_owner;
+
+    let bus = bus().await;
+    let view = Arc::new(MemoryDiscovery::new());
+    let a = Broker::spawn(broker_config(&bus, "broker-a", view.clone())).unwrap();
+    connected(&bus).await;
+    let mut publishers = Vec::new();
+    for _ in 0..32 {
+        publishers.push(
+            EventPublisher::builder(view.clone(), "prod", "worker", "kv")
+                .build()
+                .await
+                .unwrap(),
+        );
+    }
+    let mut router =
+        DynamicSubscriber::builder(view.clone(), eventplane::discovery::Query::new("prod"))
+            .topic("kv")
+            .tunnel(bus.clone())
+            .spawn()
+            .unwrap();
+    for p in &publishers {
+        p.wait_for_subscribers_within(1, support::DEADLINE)
+            .await
+            .unwrap();
+    }
+    assert_eq!(a.stats().streams_opened, 32, "A alone carries everything");
+
+    // B joins: exactly the publishers rendezvous hashing now gives B move to it.
+    let share_b = publishers
+        .iter()
+        .filter(|p| {
+            rendezvous_owner(["broker-a", "broker-b"], p.publisher_id()) == Some("broker-b")
+        })
+        .count() as u64;
+    assert!((1..32).contains(&share_b), "{share_b}");
+    let b = Broker::spawn(broker_config(&bus, "broker-b", view.clone())).unwrap();
+    until(|| b.stats().streams_opened == share_b && bus.stats().streams_open == 32).await;
+    assert_eq!(bus.stats().streams_moved, share_b);
+    assert_eq!(a.stats().streams_opened, 32, "A's own share stayed put");
+    // Every publisher has its one subscriber again; the moved ones a second
+    // connection, the others still their first.
+    until(|| {
+        publishers.iter().all(|p| {
+            let (stats, moved) = (
+                p.stats(),
+                rendezvous_owner(["broker-a", "broker-b"], p.publisher_id()) == Some("broker-b"),
+            );
+            stats.subscribed == 1
+                && stats.connections == 1
+                && stats.accepted == 1 + u64::from(moved)
+        })
+    })
+    .await;
+    for p in &publishers {
+        p.publish(&b"after"[..]);
+    }
+    assert_eq!(receive(&mut router, 32).await.len(), 32);
+    let stats = router.stats();
+    assert_eq!(stats.total.reconnects, share_b, "{stats:?}");
+    assert_eq!(stats.total.dropped(), 0, "{stats:?}");
+    a.abort();
+    b.abort();
+    bus.shutdown().await;
+}
+
 async fn receive(
     router: &mut eventplane::subscriber::DynamicSubscriber,
     n: usize,

@@ -53,6 +53,7 @@ mod config;
 mod error;
 mod frame;
 mod io;
+mod reconnect;
 mod rendezvous;
 mod session;
 mod view;
@@ -74,11 +75,11 @@ pub use frame::{
     CloseCode, Control, ControlDecoder, DrainReason, FrameError, Hello, Limits, MAX_CONTROL_FRAME,
     MAX_NAME_LEN, MAX_NAMESPACES, MAX_VERSIONS, PROTOCOL_VERSION, RefuseCode, Welcome,
 };
+pub use reconnect::{REBALANCE_WINDOW, Reconnect};
 pub use rendezvous::{rendezvous_owner, weight as rendezvous_weight};
 pub use session::{
     BrokerEvent, BrokerSession, HANDSHAKE_TIMEOUT, MAX_BROKER_STREAMS, MAX_QUEUED_CONTROL,
-    PENDING_SUBSCRIBE_TIMEOUT, REBALANCE_WINDOW, Reconnect, RouterEvent, RouterSession, SessionEnd,
-    SubscribeError,
+    PENDING_SUBSCRIBE_TIMEOUT, RouterEvent, RouterSession, SessionEnd, SubscribeError,
 };
 
 #[cfg(test)]

@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 use super::frame::{
     CloseCode, Control, DrainReason, Hello, Limits, PROTOCOL_VERSION, RefuseCode, Welcome,
 };
-use crate::net::Backoff;
 
 /// How long a broker waits for `welcome`, and a router for `hello`.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -115,7 +114,7 @@ pub enum BrokerEvent {
     Drain {
         /// How long open streams may still run.
         deadline: Duration,
-        /// Why (it decides the reconnect delay: see [`Reconnect`]).
+        /// Why (it decides the reconnect delay: see [`Reconnect`](super::Reconnect)).
         reason: DrainReason,
     },
     /// The session is over; every stream of it ends with it.
@@ -373,80 +372,6 @@ impl BrokerSession {
             self.outbox.frames.clear();
             self.events.push_back(BrokerEvent::Ended(why));
         }
-    }
-}
-
-/// How long a broker waits before reconnecting (DESIGN §7.2): jittered exponential
-/// backoff (1 s → 60 s) after a failure; after a `drain{rebalance}`, a 250–500 ms
-/// jittered delay, unless another rebalance came in the last 60 s (then the backoff:
-/// no tight loops).
-///
-/// ```
-/// use std::time::{Duration, Instant};
-/// use eventplane::tunnel::{DrainReason, Reconnect};
-/// let mut reconnect = Reconnect::default();
-/// let now = Instant::now();
-/// let first = reconnect.after_drain(DrainReason::Rebalance, now, 0.5);
-/// assert!(first >= Duration::from_millis(250) && first <= Duration::from_millis(500));
-/// // A second rebalance within 60 s waits like a failure.
-/// let second = reconnect.after_drain(DrainReason::Rebalance, now + Duration::from_secs(5), 1.0);
-/// assert!(second <= Duration::from_secs(1));
-/// ```
-#[derive(Debug, Clone)]
-pub struct Reconnect {
-    backoff: Backoff,
-    last_rebalance: Option<Instant>,
-}
-
-/// The window in which a second rebalance falls back to the normal backoff.
-pub const REBALANCE_WINDOW: Duration = Duration::from_secs(60);
-
-impl Default for Reconnect {
-    fn default() -> Self {
-        Reconnect {
-            backoff: Backoff::checked(Duration::from_secs(1), Duration::from_secs(60)),
-            last_rebalance: None,
-        }
-    }
-}
-
-impl Reconnect {
-    /// A policy whose failures back off along `backoff` (the default: 1 s doubling
-    /// to 60 s, jittered).
-    pub fn with_backoff(backoff: crate::net::Backoff) -> Reconnect {
-        Reconnect {
-            backoff,
-            last_rebalance: None,
-        }
-    }
-
-    /// The delay after a failed or lost session; `random` in `0.0..=1.0`.
-    pub fn after_failure(&mut self, random: f64) -> Duration {
-        self.backoff.next_delay(random)
-    }
-
-    /// The delay after the router drained this broker for `reason`.
-    pub fn after_drain(&mut self, reason: DrainReason, now: Instant, random: f64) -> Duration {
-        let recent = self
-            .last_rebalance
-            .is_some_and(|t| now.saturating_duration_since(t) < REBALANCE_WINDOW);
-        match reason {
-            DrainReason::Rebalance if !recent => {
-                self.last_rebalance = Some(now);
-                Duration::from_millis(250)
-                    + Duration::from_millis(250).mul_f64(random.clamp(0.0, 1.0))
-            }
-            DrainReason::Rebalance => {
-                self.last_rebalance = Some(now);
-                self.backoff.next_delay(random)
-            }
-            _ => self.backoff.next_delay(random),
-        }
-    }
-
-    /// A session was welcomed: the next failure starts the backoff over.
-    pub fn reset(&mut self) {
-        self.backoff.reset();
     }
 }
 

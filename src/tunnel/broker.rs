@@ -37,6 +37,9 @@ pub struct BrokerStats {
     pub session_failures: u64,
     /// Streams opened to publishers.
     pub streams_opened: u64,
+    /// Rebalances that came within a minute of the previous one and so waited the
+    /// normal backoff instead of 250–500 ms.
+    pub rebalances_throttled: u64,
     /// Subscribes refused, by code.
     pub refused: HashMap<String, u64>,
     /// Streams closed by the broker, by code.
@@ -58,6 +61,7 @@ struct Counters {
     sessions: AtomicU64,
     session_failures: AtomicU64,
     streams_opened: AtomicU64,
+    rebalances_throttled: AtomicU64,
     bytes_up: AtomicU64,
     bytes_down: AtomicU64,
     high_water: AtomicU64,
@@ -99,6 +103,7 @@ impl Broker {
             sessions: AtomicU64::new(0),
             session_failures: AtomicU64::new(0),
             streams_opened: AtomicU64::new(0),
+            rebalances_throttled: AtomicU64::new(0),
             bytes_up: AtomicU64::new(0),
             bytes_down: AtomicU64::new(0),
             high_water: AtomicU64::new(0),
@@ -160,6 +165,7 @@ impl BrokerHandle {
             sessions: l(&c.sessions),
             session_failures: l(&c.session_failures),
             streams_opened: l(&c.streams_opened),
+            rebalances_throttled: l(&c.rebalances_throttled),
             refused: codes.0.clone(),
             closed: codes.1.clone(),
             bytes_up: l(&c.bytes_up),
@@ -217,7 +223,16 @@ async fn run(
             Outcome::Stopped => return,
             Outcome::Failed => reconnect.after_failure(random_unit()),
             Outcome::Drained(reason) => {
-                reconnect.after_drain(reason, Instant::now(), random_unit())
+                let now = Instant::now();
+                if reason == DrainReason::Rebalance && reconnect.is_throttled(now) {
+                    counters
+                        .rebalances_throttled
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        "a second rebalance within a minute: reconnecting after the normal backoff"
+                    );
+                }
+                reconnect.after_drain(reason, now, random_unit())
             }
         };
         tracing::info!(?delay, "reconnecting to the bus");

@@ -55,11 +55,26 @@ impl Reconnect {
         self.backoff.next_delay(random)
     }
 
+    /// Whether a rebalance at `now` would be throttled: another came within
+    /// [`REBALANCE_WINDOW`].
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// use eventplane::tunnel::{DrainReason, Reconnect};
+    /// let (mut reconnect, now) = (Reconnect::default(), Instant::now());
+    /// assert!(!reconnect.is_throttled(now));
+    /// reconnect.after_drain(DrainReason::Rebalance, now, 0.5);
+    /// assert!(reconnect.is_throttled(now + Duration::from_secs(59)));
+    /// assert!(!reconnect.is_throttled(now + Duration::from_secs(61)));
+    /// ```
+    pub fn is_throttled(&self, now: Instant) -> bool {
+        self.last_rebalance
+            .is_some_and(|t| now.saturating_duration_since(t) < REBALANCE_WINDOW)
+    }
+
     /// The delay after the router drained this broker for `reason`.
     pub fn after_drain(&mut self, reason: DrainReason, now: Instant, random: f64) -> Duration {
-        let recent = self
-            .last_rebalance
-            .is_some_and(|t| now.saturating_duration_since(t) < REBALANCE_WINDOW);
+        let recent = self.is_throttled(now);
         match reason {
             DrainReason::Rebalance if !recent => {
                 self.last_rebalance = Some(now);

@@ -251,7 +251,7 @@ async fn a_broker_reconnects_with_backoff_and_after_a_rebalance() {
         .unwrap()
         .port();
     let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
-    let config = BrokerConfig::new(
+    let mut config = BrokerConfig::new(
         format!("https://localhost:{port}"),
         "broker-1",
         vec!["prod".to_owned()],
@@ -259,6 +259,7 @@ async fn a_broker_reconnects_with_backoff_and_after_a_rebalance() {
         client_tls(fixture("ca.pem")).unwrap(),
         view,
     );
+    config.reconnect_min = Duration::from_millis(200);
     let broker = Broker::spawn(config).unwrap();
     until(|| broker.stats().session_failures >= 1).await;
     let bus = bus_at(&format!("127.0.0.1:{port}")).await;
@@ -272,7 +273,53 @@ async fn a_broker_reconnects_with_backoff_and_after_a_rebalance() {
     ));
     until(|| broker.stats().sessions == 2).await;
     connected(&bus).await;
+    assert_eq!(broker.stats().rebalances_throttled, 0);
+    // A second rebalance within a minute: the broker waits its normal backoff instead
+    // (no tight loop), then comes back all the same.
+    assert!(bus.drain_broker(
+        "broker-1",
+        Duration::from_millis(100),
+        DrainReason::Rebalance
+    ));
+    until(|| broker.stats().sessions == 3).await;
+    assert_eq!(broker.stats().rebalances_throttled, 1);
+    connected(&bus).await;
     assert!(!bus.drain_broker("nobody", Duration::ZERO, DrainReason::Rebalance));
+    broker.shutdown().await;
+    bus.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_router_drain_lets_open_streams_finish_then_the_broker_returns() {
+    let bus = bus().await;
+    let view = Arc::new(MemoryDiscovery::new());
+    let (publisher, endpoint, _reg) = publisher(&view, 1).await;
+    let mut config = broker_config(&bus, "broker-1", view.clone());
+    config.reconnect_min = Duration::from_millis(100);
+    let broker = Broker::spawn(config).unwrap();
+    connected(&bus).await;
+    let stream = within(bus.open_stream("prod", 1, &endpoint)).await.unwrap();
+    let mut sub = within(SubSocket::handshake(stream, Config::default()))
+        .await
+        .unwrap();
+    sub.subscribe("kv").await.unwrap();
+    within(publisher.wait_for_subscribers(1)).await;
+
+    assert!(bus.drain_broker("broker-1", Duration::from_secs(2), DrainReason::Shutdown));
+    // Draining: offered for no new stream...
+    until(|| bus.brokers_for("prod").is_empty()).await;
+    assert!(matches!(
+        bus.open_stream("prod", 1, &endpoint).await,
+        Err(TunnelError::NoBroker(_))
+    ));
+    // ...while the open one still flows until the deadline.
+    publisher.send(message(1));
+    assert_eq!(within(sub.recv()).await.unwrap(), message(1));
+    // Then it ends, and the broker comes back for new streams.
+    within(async { while sub.recv().await.is_ok() {} }).await;
+    until(|| broker.stats().sessions == 2).await;
+    connected(&bus).await;
+    assert!(within(bus.open_stream("prod", 1, &endpoint)).await.is_ok());
     broker.shutdown().await;
     bus.shutdown().await;
 }

@@ -324,7 +324,10 @@ async fn session(
         config.max_stream_buffer_bytes,
         config.max_session_buffer_bytes,
     )));
+    // HTTP/2 stream slots: as many as the welcome allows (none before it).
+    let slots = Arc::new(tokio::sync::Semaphore::new(0));
     let relay_ctx = Arc::new(Relay {
+        slots: slots.clone(),
         config: config.clone(),
         view: counters.view.clone(),
         sender: sender.clone(),
@@ -353,6 +356,9 @@ async fn session(
                 BrokerEvent::Welcomed(welcome) => {
                     counters.sessions.fetch_add(1, Ordering::Relaxed);
                     reconnect.reset();
+                    slots.add_permits(
+                        welcome.limits.max_streams.min(super::MAX_BROKER_STREAMS) as usize
+                    );
                     *budget.lock().unwrap_or_else(|p| p.into_inner()) = RelayBudget::new(
                         (welcome.limits.max_stream_buffer_bytes as usize)
                             .min(config.max_stream_buffer_bytes),
@@ -482,6 +488,8 @@ async fn session(
 
 /// What the relays of one session share.
 struct Relay {
+    /// One permit per data stream the router's concurrency limit allows.
+    slots: Arc<tokio::sync::Semaphore>,
     config: BrokerConfig,
     view: View,
     sender: SendRequest<ChannelBody>,
@@ -497,6 +505,8 @@ struct Opened {
     up: mpsc::Sender<Result<Bytes, std::io::Error>>,
     /// Router → publisher: the data stream's response body.
     down: hyper::body::Incoming,
+    /// Its HTTP/2 stream slot, held for its life.
+    _slot: tokio::sync::OwnedSemaphorePermit,
 }
 
 /// Opens data stream `stream_id` to `target` stage by stage, then relays it.
@@ -529,6 +539,15 @@ async fn relay(
 async fn open(ctx: &Relay, stream_id: u64, target: &str) -> Result<Opened, RefuseCode> {
     let tcp = dial(ctx, target).await?;
     let deadlines = ctx.config.deadlines;
+    // The slot stage: a permit under the welcome's stream limit, then hyper asking for
+    // the body (the HTTP/2 stream is open), both within one deadline.
+    let slot_deadline = tokio::time::Instant::now() + deadlines.stream_slot;
+    let slot = match tokio::time::timeout_at(slot_deadline, ctx.slots.clone().acquire_owned()).await
+    {
+        Ok(Ok(permit)) => permit,
+        Ok(Err(_)) => return Err(RefuseCode::StreamFailed),
+        Err(_) => return Err(RefuseCode::StreamSlotTimeout),
+    };
     ctx.budget
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -550,8 +569,7 @@ async fn open(ctx: &Relay, stream_id: u64, target: &str) -> Result<Opened, Refus
     .map_err(|_| RefuseCode::StreamFailed)?;
     let response = ctx.sender.clone().send_request(request);
     let staged = async {
-        // hyper asks the body for data once the stream is open and may send.
-        match tokio::time::timeout(deadlines.stream_slot, started).await {
+        match tokio::time::timeout_at(slot_deadline, started).await {
             Ok(Ok(())) => {}
             // The request failed before it could be sent.
             Ok(Err(_)) => return Err(RefuseCode::StreamFailed),
@@ -571,6 +589,7 @@ async fn open(ctx: &Relay, stream_id: u64, target: &str) -> Result<Opened, Refus
             tcp,
             up,
             down: response.into_body(),
+            _slot: slot,
         }),
         Err(code) => {
             // The stream resets as soon as hyper polls its body.
@@ -641,6 +660,7 @@ async fn pump(
         tcp,
         up: up_tx,
         down: mut body,
+        _slot,
     } = opened;
     let (mut read, mut write) = tcp.into_split();
     let counters = &ctx.counters;
@@ -679,20 +699,22 @@ async fn pump(
             }
         }
     };
+    // `Some` when the publisher's side failed, `None` when the router ended its side.
     let down = async {
         while let Some(Ok(chunk)) = next_chunk(&mut body).await {
             counters
                 .bytes_down
                 .fetch_add(chunk.len() as u64, Ordering::Relaxed);
             if write.write_all(&chunk).await.is_err() {
-                return;
+                return Some(CloseCode::UpstreamClosed);
             }
         }
+        None
     };
     tokio::select! {
         () = stop.cancelled() => None,
         () = up => Some(if overflow.is_cancelled() { CloseCode::BufferOverflow } else { CloseCode::UpstreamClosed }),
         // The router ended its side (it unsubscribes too): closed silently.
-        () = down => None,
+        code = down => code,
     }
 }

@@ -46,8 +46,9 @@ pub struct Deadlines {
     pub connect: Duration,
     /// One connection attempt to one resolved address (default 5 s).
     pub connect_attempt: Duration,
-    /// A data stream starting to send: an HTTP/2 stream slot under the bus's
-    /// concurrency limit, and flow-control room (default 5 s).
+    /// A data stream getting its HTTP/2 stream slot: a permit under the welcome's
+    /// stream limit, and hyper taking the request (it waits while the bus's
+    /// concurrency limit is reached) (default 5 s).
     pub stream_slot: Duration,
     /// The router's response head, on the session and on each data stream (default
     /// 10 s).
@@ -306,6 +307,10 @@ impl BrokerConfig {
                 "namespaces",
                 format!("must name 1 to {}", super::MAX_NAMESPACES),
             );
+        }
+        let distinct: std::collections::HashSet<&String> = self.namespaces.iter().collect();
+        if distinct.len() != self.namespaces.len() {
+            return refuse("namespaces", "names one twice".into());
         }
         self.deadlines.validate()?;
         if self.drain_deadline > Duration::from_secs(3600) {

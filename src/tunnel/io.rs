@@ -57,8 +57,10 @@ impl ChannelBody {
         }
     }
 
-    /// Tells `started` when hyper first polls the body: for a request, the stream got
-    /// a slot under the peer's concurrency limit and flow-control room.
+    /// Tells `started` when hyper first polls the body: for a request, hyper has
+    /// handed the stream to h2 (h2 holds a request back while the peer's concurrency
+    /// limit is reached, though a burst in one poll may get past that check; the
+    /// broker's own slot permits bound the rest).
     pub(crate) fn on_start(mut self, started: oneshot::Sender<()>) -> ChannelBody {
         self.started = Some(started);
         self

@@ -55,17 +55,19 @@ mod frame;
 mod io;
 mod reconnect;
 mod rendezvous;
+mod serve;
 mod session;
 mod view;
 
 pub use broker::{Broker, BrokerHandle, BrokerStats};
-pub use bus::{BusStats, EventBus, MAX_CONNECTIONS, SESSION_START_TIMEOUT};
+pub use bus::{BusStats, EventBus};
 pub use config::{
     BUS_CONNECT_TIMEOUT, BrokerConfig, CONNECT_ATTEMPT_TIMEOUT, CONNECT_TIMEOUT, DNS_TIMEOUT,
     Deadlines, RESPONSE_TIMEOUT, Resolver, STREAM_SLOT_TIMEOUT, SystemResolver,
 };
 pub use error::TunnelError;
 pub use io::{Secret, TunnelStream, client_tls, server_tls};
+pub use serve::{JOIN_HOLD_DOWN, MAX_CONNECTIONS, SESSION_START_TIMEOUT};
 
 pub use budget::{
     CHUNK_OVERHEAD, MAX_SESSION_BUFFER_BYTES, MAX_STREAM_BUFFER_BYTES, MIN_STREAM_BUFFER_BYTES,

@@ -115,7 +115,7 @@ impl View {
             .any(|ns| ns.endpoints.contains_key(endpoint))
     }
 
-    /// How many distinct endpoints the view advertises.
+    /// How many endpoints the view advertises (distinct within each namespace).
     pub(crate) fn endpoints(&self) -> usize {
         let snapshots = self.snapshots.lock().unwrap_or_else(|p| p.into_inner());
         snapshots
@@ -199,7 +199,7 @@ async fn follow(
                         }
                         Some(Ok(_)) => {}
                         Some(Err(e)) => {
-                            if let Some(suppressed) = warn.check("watch", Instant::now()) {
+                            if let Some(suppressed) = warn.check(&ns, Instant::now()) {
                                 tracing::warn!(namespace = %ns, error = %crate::net::ErrorChain(&e), suppressed, "discovery watch error; keeping the last snapshot");
                             }
                         }
@@ -207,7 +207,7 @@ async fn follow(
                 }
             }
             Err(e) => {
-                if let Some(suppressed) = warn.check("watch", Instant::now()) {
+                if let Some(suppressed) = warn.check(&ns, Instant::now()) {
                     tracing::warn!(namespace = %ns, error = %crate::net::ErrorChain(&e), suppressed, "cannot watch discovery; keeping the last snapshot");
                 }
             }

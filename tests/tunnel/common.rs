@@ -303,3 +303,19 @@ async fn run_scripted_session(
         }
     }
 }
+
+/// An HTTP/2 body with nothing in it (that stays open: the session's hello never
+/// comes).
+pub struct EmptyBody;
+
+impl http_body::Body for EmptyBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Pending
+    }
+}

@@ -268,3 +268,40 @@ async fn a_connection_that_never_starts_a_session_is_closed() {
     assert_eq!(bus.stats().sessions_started, 0);
     bus.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_connection_carries_one_session_at_a_time() {
+    let bus = bus().await;
+    let tcp = tokio::net::TcpStream::connect(bus.local_addr())
+        .await
+        .unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let tls = tokio_rustls::TlsConnector::from(client_tls(fixture("ca.pem")).unwrap())
+        .connect(name, tcp)
+        .await
+        .unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tls),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let post = || {
+        hyper::Request::post(format!(
+            "https://localhost:{}/bus/v1/session",
+            bus.local_addr().port()
+        ))
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .body(crate::common::EmptyBody)
+        .unwrap()
+    };
+    let first = within(sender.send_request(post())).await.unwrap();
+    assert_eq!(first.status(), 200);
+    // A second session on the same connection is refused: a broker reconnects on a
+    // new connection, so one credential holder cannot stack sessions on one.
+    let second = within(sender.send_request(post())).await.unwrap();
+    assert_eq!(second.status(), 409);
+    drop(first);
+    bus.shutdown().await;
+}

@@ -1121,15 +1121,7 @@ mod event_broker {
     #[tokio::test]
     async fn it_relays_through_the_bus_and_drains_on_sigterm() {
         let (bus, publisher, endpoint, broker) = running("relay", 300).await;
-        let stream = within(bus.open_stream("prod", 0, &endpoint)).await.unwrap();
-        let mut sub = within(SubSocket::handshake(stream, Config::default()))
-            .await
-            .unwrap();
-        sub.subscribe("t").await.unwrap();
-        within(publisher.wait_for_subscribers(1)).await;
-        let message = Message::from_parts([Bytes::from_static(b"t"), Bytes::from_static(b"hello")]);
-        publisher.send(message.clone());
-        assert_eq!(within(sub.recv()).await.unwrap(), message);
+        let _sub = subscribed(&bus, &publisher, &endpoint).await;
 
         // SIGTERM: `draining` (the bus stops offering it), the open stream gets its
         // 300 ms, then stats and exit 0.
@@ -1153,6 +1145,25 @@ mod event_broker {
         bus.shutdown().await;
     }
 
+    /// A `SubSocket` through the broker to `publisher`, subscribed to "t" and checked
+    /// with one message.
+    async fn subscribed(
+        bus: &EventBus,
+        publisher: &PubSocket,
+        endpoint: &str,
+    ) -> SubSocket<eventplane::tunnel::TunnelStream> {
+        let stream = within(bus.open_stream("prod", 0, endpoint)).await.unwrap();
+        let mut sub = within(SubSocket::handshake(stream, Config::default()))
+            .await
+            .unwrap();
+        sub.subscribe("t").await.unwrap();
+        within(publisher.wait_for_subscribers(1)).await;
+        let message = Message::from_parts([Bytes::from_static(b"t"), Bytes::from_static(b"x")]);
+        publisher.send(message.clone());
+        assert_eq!(within(sub.recv()).await.unwrap(), message);
+        sub
+    }
+
     fn signal(child: &tokio::process::Child, signal: &str) {
         let pid = child.id().unwrap().to_string();
         let status = std::process::Command::new("kill")
@@ -1167,15 +1178,7 @@ mod event_broker {
         let limits = Limits::default()
             .with_heartbeat(Duration::from_millis(200), Duration::from_millis(1000));
         let (bus, publisher, endpoint, broker) = running_with("frozen", 300, limits).await;
-        let stream = within(bus.open_stream("prod", 0, &endpoint)).await.unwrap();
-        let mut sub = within(SubSocket::handshake(stream, Config::default()))
-            .await
-            .unwrap();
-        sub.subscribe("t").await.unwrap();
-        within(publisher.wait_for_subscribers(1)).await;
-        let message = Message::from_parts([Bytes::from_static(b"t"), Bytes::from_static(b"x")]);
-        publisher.send(message.clone());
-        assert_eq!(within(sub.recv()).await.unwrap(), message);
+        let mut sub = subscribed(&bus, &publisher, &endpoint).await;
 
         // The broker process freezes with its connection open: the bus hears no
         // heartbeat, ends the session after its idle timeout, and the stream through

@@ -63,12 +63,17 @@ async fn a_listener_that_never_accepts_is_connect_timeout_and_other_addresses_ar
     let _reg = advertise(&view, 1, target).await;
     let at = |port: u16| std::net::SocketAddr::from(([127, 0, 0, 1], port));
 
+    // A broker whose resolver answers `ports`, with these connect deadlines.
+    let resolving = |ports: Vec<u16>, attempt_ms: u64, total_ms: u64| {
+        let mut config = broker_config(&bus, "broker-1", view.clone())
+            .resolver(Arc::new(FixedResolver(ports.into_iter().map(at).collect())));
+        config.deadlines.connect_attempt = Duration::from_millis(attempt_ms);
+        config.deadlines.connect = Duration::from_millis(total_ms);
+        Broker::spawn(config).unwrap()
+    };
+
     // Only a listener that never accepts: the attempt runs out, the stage refuses.
-    let mut config = broker_config(&bus, "broker-1", view.clone())
-        .resolver(Arc::new(FixedResolver(vec![at(closed), at(hanging)])));
-    config.deadlines.connect_attempt = Duration::from_millis(200);
-    config.deadlines.connect = Duration::from_secs(5);
-    let broker = Broker::spawn(config).unwrap();
+    let broker = resolving(vec![closed, hanging], 200, 5_000);
     connected(&bus).await;
     let r = within(bus.open_stream("prod", 1, target)).await;
     assert_eq!(refused(r), RefuseCode::ConnectTimeout);
@@ -77,11 +82,7 @@ async fn a_listener_that_never_accepts_is_connect_timeout_and_other_addresses_ar
     until(|| bus.stats().sessions == 0).await;
 
     // The total deadline holds even when each attempt's cap is longer.
-    let mut config = broker_config(&bus, "broker-1", view.clone())
-        .resolver(Arc::new(FixedResolver(vec![at(hanging), at(hanging)])));
-    config.deadlines.connect_attempt = Duration::from_secs(20);
-    config.deadlines.connect = Duration::from_millis(300);
-    let broker = Broker::spawn(config).unwrap();
+    let broker = resolving(vec![hanging, hanging], 20_000, 300);
     connected(&bus).await;
     let r = within(bus.open_stream("prod", 1, target)).await;
     assert_eq!(refused(r), RefuseCode::ConnectTimeout);
@@ -91,14 +92,7 @@ async fn a_listener_that_never_accepts_is_connect_timeout_and_other_addresses_ar
     // A refused and a hanging address before a live one: the broker gets there.
     let (publisher, _endpoint, _reg2) = publisher(&view, 2).await;
     let live = publisher.local_addr().unwrap().port();
-    let mut config =
-        broker_config(&bus, "broker-1", view.clone()).resolver(Arc::new(FixedResolver(vec![
-            at(closed),
-            at(hanging),
-            at(live),
-        ])));
-    config.deadlines.connect_attempt = Duration::from_millis(200);
-    let broker = Broker::spawn(config).unwrap();
+    let broker = resolving(vec![closed, hanging, live], 200, 10_000);
     connected(&bus).await;
     let stream = within(bus.open_stream("prod", 1, target)).await;
     assert!(stream.is_ok(), "{stream:?}");
@@ -135,42 +129,35 @@ async fn broker_toward(
     )
 }
 
-#[tokio::test]
-async fn a_data_stream_without_a_slot_is_stream_slot_timeout() {
-    let (mut bus, broker, _target) = broker_toward(Script::NoStreamSlot, Limits::default(), |c| {
-        c.deadlines.stream_slot = Duration::from_millis(300);
-    })
-    .await;
+/// A broker toward a bus scripted as `script` is refused with `code` for stream 1,
+/// counted, and opens nothing.
+async fn refused_by_script(
+    script: Script,
+    code: RefuseCode,
+    tweak: impl FnOnce(&mut BrokerConfig),
+) {
+    let (mut bus, broker, _target) = broker_toward(script, Limits::default(), tweak).await;
     let event = within(bus.events.recv()).await.unwrap();
-    assert_eq!(
-        event,
-        RouterEvent::Refused {
-            stream_id: 1,
-            code: RefuseCode::StreamSlotTimeout
-        }
-    );
-    assert_eq!(broker.stats().refused.get("stream_slot_timeout"), Some(&1));
+    assert_eq!(event, RouterEvent::Refused { stream_id: 1, code });
+    assert_eq!(broker.stats().refused.get(code.as_str()), Some(&1));
     assert_eq!(broker.stats().streams_opened, 0);
     broker.shutdown().await;
 }
 
 #[tokio::test]
+async fn a_data_stream_without_a_slot_is_stream_slot_timeout() {
+    refused_by_script(Script::NoStreamSlot, RefuseCode::StreamSlotTimeout, |c| {
+        c.deadlines.stream_slot = Duration::from_millis(300);
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn a_router_that_never_answers_the_head_is_response_timeout() {
-    let (mut bus, broker, _target) =
-        broker_toward(Script::HoldResponseHead, Limits::default(), |c| {
-            c.deadlines.response = Duration::from_millis(300);
-        })
-        .await;
-    let event = within(bus.events.recv()).await.unwrap();
-    assert_eq!(
-        event,
-        RouterEvent::Refused {
-            stream_id: 1,
-            code: RefuseCode::ResponseTimeout
-        }
-    );
-    assert_eq!(broker.stats().refused.get("response_timeout"), Some(&1));
-    broker.shutdown().await;
+    refused_by_script(Script::HoldResponseHead, RefuseCode::ResponseTimeout, |c| {
+        c.deadlines.response = Duration::from_millis(300);
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -245,14 +232,7 @@ async fn a_broker_dials_only_once_its_initial_list_is_complete_and_keeps_its_sna
 async fn a_connection_that_never_starts_a_session_is_closed() {
     use tokio::io::AsyncReadExt;
     let bus = bus().await;
-    let tcp = tokio::net::TcpStream::connect(bus.local_addr())
-        .await
-        .unwrap();
-    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-    let mut tls = tokio_rustls::TlsConnector::from(client_tls(fixture("ca.pem")).unwrap())
-        .connect(name, tcp)
-        .await
-        .unwrap();
+    let mut tls = tls_to(&bus).await;
     // TLS completes, then nothing: the bus hangs up after SESSION_START_TIMEOUT
     // instead of holding one of its connection slots forever.
     let mut buf = [0u8; 1024];
@@ -272,14 +252,7 @@ async fn a_connection_that_never_starts_a_session_is_closed() {
 #[tokio::test]
 async fn a_connection_carries_one_session_at_a_time() {
     let bus = bus().await;
-    let tcp = tokio::net::TcpStream::connect(bus.local_addr())
-        .await
-        .unwrap();
-    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-    let tls = tokio_rustls::TlsConnector::from(client_tls(fixture("ca.pem")).unwrap())
-        .connect(name, tcp)
-        .await
-        .unwrap();
+    let tls = tls_to(&bus).await;
     let (mut sender, conn) = hyper::client::conn::http2::handshake(
         hyper_util::rt::TokioExecutor::new(),
         hyper_util::rt::TokioIo::new(tls),
@@ -304,4 +277,18 @@ async fn a_connection_carries_one_session_at_a_time() {
     assert_eq!(second.status(), 409);
     drop(first);
     bus.shutdown().await;
+}
+
+/// A TLS connection to `bus` (ALPN h2) that has said nothing yet.
+async fn tls_to(
+    bus: &eventplane::tunnel::EventBus,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    let tcp = tokio::net::TcpStream::connect(bus.local_addr())
+        .await
+        .unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    tokio_rustls::TlsConnector::from(client_tls(fixture("ca.pem")).unwrap())
+        .connect(name, tcp)
+        .await
+        .unwrap()
 }

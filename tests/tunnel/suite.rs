@@ -326,8 +326,6 @@ async fn a_router_drain_lets_open_streams_finish_then_the_broker_returns() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_brokers_split_the_publishers_and_one_takes_over_when_the_other_is_lost() {
-    use eventplane::publish::EventPublisher;
-    use eventplane::subscriber::DynamicSubscriber;
     use eventplane::tunnel::rendezvous_owner;
 
     let bus = bus().await;
@@ -336,26 +334,7 @@ async fn two_brokers_split_the_publishers_and_one_takes_over_when_the_other_is_l
     let a = Broker::spawn(broker_config(&bus, "broker-a", view.clone())).unwrap();
     let b = Broker::spawn(broker_config(&bus, "broker-b", view.clone())).unwrap();
     until(|| bus.brokers_for("prod").len() == 2).await;
-    let mut publishers = Vec::new();
-    for _ in 0..32 {
-        publishers.push(
-            EventPublisher::builder(view.clone(), "prod", "worker", "kv")
-                .build()
-                .await
-                .unwrap(),
-        );
-    }
-    let mut router =
-        DynamicSubscriber::builder(view.clone(), eventplane::discovery::Query::new("prod"))
-            .topic("kv")
-            .tunnel(bus.clone())
-            .spawn()
-            .unwrap();
-    for p in &publishers {
-        p.wait_for_subscribers_within(1, support::DEADLINE)
-            .await
-            .unwrap();
-    }
+    let (publishers, mut router) = followed_through(&bus, &view, 32).await;
     // Every publisher went through the broker rendezvous hashing picks for it.
     let owned_by_a = publishers
         .iter()
@@ -421,34 +400,13 @@ async fn two_brokers_split_the_publishers_and_one_takes_over_when_the_other_is_l
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_joining_broker_takes_over_its_share_and_nothing_else() {
-    use eventplane::publish::EventPublisher;
-    use eventplane::subscriber::DynamicSubscriber;
     use eventplane::tunnel::rendezvous_owner;
 
     let bus = bus().await;
     let view = Arc::new(MemoryDiscovery::new());
     let a = Broker::spawn(broker_config(&bus, "broker-a", view.clone())).unwrap();
     connected(&bus).await;
-    let mut publishers = Vec::new();
-    for _ in 0..32 {
-        publishers.push(
-            EventPublisher::builder(view.clone(), "prod", "worker", "kv")
-                .build()
-                .await
-                .unwrap(),
-        );
-    }
-    let mut router =
-        DynamicSubscriber::builder(view.clone(), eventplane::discovery::Query::new("prod"))
-            .topic("kv")
-            .tunnel(bus.clone())
-            .spawn()
-            .unwrap();
-    for p in &publishers {
-        p.wait_for_subscribers_within(1, support::DEADLINE)
-            .await
-            .unwrap();
-    }
+    let (publishers, mut router) = followed_through(&bus, &view, 32).await;
     assert_eq!(a.stats().streams_opened, 32, "A alone carries everything");
 
     // B joins: exactly the publishers rendezvous hashing now gives B move to it.
@@ -487,6 +445,41 @@ async fn a_joining_broker_takes_over_its_share_and_nothing_else() {
     a.abort();
     b.abort();
     bus.shutdown().await;
+}
+
+/// `n` publishers registered in `view`, and a router following them through `bus`,
+/// once each has its subscriber.
+async fn followed_through(
+    bus: &eventplane::tunnel::EventBus,
+    view: &Arc<MemoryDiscovery>,
+    n: usize,
+) -> (
+    Vec<eventplane::publish::EventPublisher>,
+    eventplane::subscriber::DynamicSubscriber,
+) {
+    let mut publishers = Vec::new();
+    for _ in 0..n {
+        publishers.push(
+            eventplane::publish::EventPublisher::builder(view.clone(), "prod", "worker", "kv")
+                .build()
+                .await
+                .unwrap(),
+        );
+    }
+    let router = eventplane::subscriber::DynamicSubscriber::builder(
+        view.clone(),
+        eventplane::discovery::Query::new("prod"),
+    )
+    .topic("kv")
+    .tunnel(bus.clone())
+    .spawn()
+    .unwrap();
+    for p in &publishers {
+        p.wait_for_subscribers_within(1, support::DEADLINE)
+            .await
+            .unwrap();
+    }
+    (publishers, router)
 }
 
 async fn receive(

@@ -53,8 +53,12 @@ pub struct BrokerStats {
     /// Whether every namespace's initial discovery list is complete (the broker
     /// dials the bus only then).
     pub discovery_ready: bool,
-    /// Distinct endpoints advertised in its discovery view now.
+    /// Endpoints advertised in its discovery view now (distinct within each
+    /// namespace).
     pub advertised_endpoints: usize,
+    /// Discovery instances not advertised because their namespace already held
+    /// [`MAX_VIEW_INSTANCES`](super::MAX_VIEW_INSTANCES).
+    pub view_ignored: u64,
 }
 
 struct Counters {
@@ -173,6 +177,7 @@ impl BrokerHandle {
             buffer_high_water: l(&c.high_water),
             discovery_ready: c.view.is_ready(),
             advertised_endpoints: c.view.endpoints(),
+            view_ignored: c.view.ignored(),
         }
     }
 }

@@ -68,6 +68,7 @@ pub use config::{
 pub use error::TunnelError;
 pub use io::{Secret, TunnelStream, client_tls, server_tls};
 pub use serve::{JOIN_HOLD_DOWN, MAX_CONNECTIONS, SESSION_START_TIMEOUT};
+pub use view::MAX_VIEW_INSTANCES;
 
 pub use budget::{
     CHUNK_OVERHEAD, MAX_SESSION_BUFFER_BYTES, MAX_STREAM_BUFFER_BYTES, MIN_STREAM_BUFFER_BYTES,

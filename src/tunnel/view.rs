@@ -4,6 +4,7 @@
 //! by the next complete list (the watch's `Resync`).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -12,6 +13,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::discovery::{ChannelId, Discovery, DiscoveryEvent, Instance, Query};
 use crate::net::{Backoff, RateLimitedWarn, random_unit};
+
+/// Instances a broker's view holds per namespace; more are not advertised (counted in
+/// `BrokerStats::view_ignored`), so discovery records cannot grow a broker without
+/// bound.
+pub const MAX_VIEW_INSTANCES: usize = 65_536;
 
 /// One namespace's advertised endpoints.
 #[derive(Default)]
@@ -23,7 +29,11 @@ struct Namespace {
 }
 
 impl Namespace {
-    fn add(&mut self, instance: &Instance) {
+    /// Adds or replaces `instance`; `false` when the namespace is full.
+    fn add(&mut self, instance: &Instance) -> bool {
+        if self.by_id.len() >= MAX_VIEW_INSTANCES && !self.by_id.contains_key(&instance.id) {
+            return false;
+        }
         let endpoint = instance.transport.endpoint().to_owned();
         *self.endpoints.entry(endpoint.clone()).or_default() += 1;
         if let Some((_, old)) = self
@@ -32,6 +42,7 @@ impl Namespace {
         {
             self.forget(&old);
         }
+        true
     }
 
     fn remove(&mut self, id: &ChannelId, incarnation: u64) {
@@ -55,12 +66,16 @@ impl Namespace {
         }
     }
 
-    fn from_snapshot(all: &[Instance]) -> Namespace {
+    /// The namespace holding `all`, and how many did not fit.
+    fn from_snapshot(all: &[Instance]) -> (Namespace, u64) {
         let mut ns = Namespace::default();
+        let mut ignored = 0;
         for instance in all {
-            ns.add(instance);
+            if !ns.add(instance) {
+                ignored += 1;
+            }
         }
-        ns
+        (ns, ignored)
     }
 }
 
@@ -74,6 +89,8 @@ pub(crate) struct View {
     /// How many namespaces have completed an initial list.
     synced: watch::Receiver<usize>,
     namespaces: usize,
+    /// Instances not advertised because their namespace was full.
+    ignored: Arc<AtomicU64>,
 }
 
 impl View {
@@ -89,13 +106,17 @@ impl View {
         let (synced_tx, synced) = watch::channel(0);
         let synced_tx = Arc::new(synced_tx);
         let warn = Arc::new(RateLimitedWarn::default());
+        let ignored = Arc::new(AtomicU64::new(0));
         for ns in namespaces {
             tokio::spawn(follow(
                 discovery.clone(),
                 ns.clone(),
                 snapshots.clone(),
-                synced_tx.clone(),
-                warn.clone(),
+                Shared {
+                    synced: synced_tx.clone(),
+                    warn: warn.clone(),
+                    ignored: ignored.clone(),
+                },
                 cancel.child_token(),
             ));
         }
@@ -103,6 +124,7 @@ impl View {
             snapshots,
             synced,
             namespaces: namespaces.len(),
+            ignored,
         }
     }
 
@@ -125,6 +147,12 @@ impl View {
             .sum()
     }
 
+    /// Instances not advertised because their namespace held
+    /// [`MAX_VIEW_INSTANCES`] already.
+    pub(crate) fn ignored(&self) -> u64 {
+        self.ignored.load(Ordering::Relaxed)
+    }
+
     /// Whether every namespace completed its initial list.
     pub(crate) fn is_ready(&self) -> bool {
         *self.synced.borrow() >= self.namespaces
@@ -138,16 +166,35 @@ impl View {
     }
 }
 
+/// What the namespaces' followers share.
+struct Shared {
+    synced: Arc<watch::Sender<usize>>,
+    warn: Arc<RateLimitedWarn>,
+    ignored: Arc<AtomicU64>,
+}
+
 /// Follows one namespace: watches, applies the events, restarts a watch that fails or
 /// ends (with backoff), keeping the last snapshot until the next complete list.
 async fn follow(
     discovery: Arc<dyn Discovery>,
     ns: String,
     snapshots: Snapshots,
-    synced: Arc<watch::Sender<usize>>,
-    warn: Arc<RateLimitedWarn>,
+    shared: Shared,
     cancel: CancellationToken,
 ) {
+    let Shared {
+        synced,
+        warn,
+        ignored,
+    } = shared;
+    let full = |ns: &str, n: u64| {
+        if n > 0 {
+            ignored.fetch_add(n, Ordering::Relaxed);
+            if let Some(suppressed) = warn.check("full", Instant::now()) {
+                tracing::warn!(namespace = %ns, ignored = n, suppressed, max = MAX_VIEW_INSTANCES, "discovery view full: instances not advertised");
+            }
+        }
+    };
     let mut backoff = Backoff::checked(Duration::from_millis(200), Duration::from_secs(30));
     let mut ever_synced = false;
     let apply = |f: &mut dyn FnMut(&mut Option<Namespace>)| {
@@ -174,7 +221,10 @@ async fn follow(
                     match event {
                         None => break,
                         Some(Ok(DiscoveryEvent::Resync(all))) => {
-                            apply(&mut |slot| *slot = Some(Namespace::from_snapshot(&all)));
+                            let (view, left_out) = Namespace::from_snapshot(&all);
+                            let mut view = Some(view);
+                            apply(&mut |slot| *slot = view.take());
+                            full(&ns, left_out);
                             listed = true;
                             backoff.reset();
                             if !ever_synced {
@@ -184,11 +234,13 @@ async fn follow(
                             }
                         }
                         Some(Ok(DiscoveryEvent::Added(instance))) if listed => {
+                            let mut added = true;
                             apply(&mut |slot| {
                                 if let Some(view) = slot {
-                                    view.add(&instance);
+                                    added = view.add(&instance);
                                 }
                             });
+                            full(&ns, u64::from(!added));
                         }
                         Some(Ok(DiscoveryEvent::Removed { id, incarnation })) if listed => {
                             apply(&mut |slot| {
@@ -217,5 +269,61 @@ async fn follow(
             () = cancel.cancelled() => return,
             () = tokio::time::sleep(delay) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::discovery::Transport;
+
+    fn instance(n: u64, incarnation: u64) -> Instance {
+        Instance::new(
+            ChannelId::new("ns", "c", "t", n).unwrap(),
+            Transport::zmq(format!("tcp://10.0.{}.{}:5557", n / 250, n % 250)),
+            incarnation,
+        )
+    }
+
+    #[test]
+    fn a_namespace_holds_at_most_its_cap_and_still_takes_replacements() {
+        let all: Vec<Instance> = (0..=MAX_VIEW_INSTANCES as u64)
+            .map(|n| instance(n, 1))
+            .collect();
+        let (mut ns, ignored) = Namespace::from_snapshot(&all);
+        assert_eq!(ignored, 1);
+        assert_eq!(ns.by_id.len(), MAX_VIEW_INSTANCES);
+        // Full: a new id is refused, a known id's new incarnation is taken.
+        assert!(!ns.add(&instance(MAX_VIEW_INSTANCES as u64 + 7, 1)));
+        assert!(ns.add(&instance(3, 2)));
+        // A stale removal leaves the newer incarnation; a current one removes it.
+        ns.remove(&instance(3, 1).id, 1);
+        assert!(
+            ns.endpoints
+                .contains_key(instance(3, 2).transport.endpoint())
+        );
+        ns.remove(&instance(3, 2).id, 2);
+        assert!(
+            !ns.endpoints
+                .contains_key(instance(3, 2).transport.endpoint())
+        );
+        assert!(ns.add(&instance(MAX_VIEW_INSTANCES as u64 + 7, 1)));
+    }
+
+    #[test]
+    fn an_endpoint_shared_by_two_instances_stays_until_both_go() {
+        let shared = |n| {
+            Instance::new(
+                ChannelId::new("ns", "c", "t", n).unwrap(),
+                Transport::zmq("tcp://10.0.0.1:5557"),
+                1,
+            )
+        };
+        let (mut ns, _) = Namespace::from_snapshot(&[shared(1), shared(2)]);
+        ns.remove(&shared(1).id, 1);
+        assert!(ns.endpoints.contains_key("tcp://10.0.0.1:5557"));
+        ns.remove(&shared(2).id, 1);
+        assert!(ns.endpoints.is_empty());
     }
 }

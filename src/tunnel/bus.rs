@@ -9,14 +9,31 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::error::TunnelError;
 use super::io::{Secret, TunnelStream};
 use super::serve::{Command, Counters, Inner, Waiter, accept_loop};
-use super::{DrainReason, Limits, PENDING_SUBSCRIBE_TIMEOUT, rendezvous_owner};
+use super::{DrainReason, Limits, PENDING_SUBSCRIBE_TIMEOUT, RefuseCode, rendezvous_ranked};
+
+/// Brokers `open_stream` tries for one publisher: its rendezvous owner, then once the
+/// runner-up when the owner cannot reach it.
+pub const OPEN_ATTEMPTS: usize = 2;
+
+/// Whether a refusal is about the broker that gave it (its view, its network, its
+/// load, its session), so another broker may succeed.
+fn another_broker_may(error: &TunnelError) -> bool {
+    match error {
+        TunnelError::Refused(code) => !matches!(
+            code,
+            RefuseCode::BadTarget | RefuseCode::DuplicateStream | RefuseCode::UnknownStream
+        ),
+        TunnelError::Session(_) | TunnelError::Timeout(_) => true,
+        _ => false,
+    }
+}
 
 /// Counters of an [`EventBus`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -41,6 +58,8 @@ pub struct BusStats {
     pub streams_moved: u64,
     /// Data streams open now.
     pub streams_open: usize,
+    /// Subscribes the owner could not serve that were tried through the runner-up.
+    pub fallbacks: u64,
 }
 
 /// The router's event bus: brokers dial in, the router opens publisher connections
@@ -139,6 +158,7 @@ impl EventBus {
             streams_failed: l(&c.streams_failed),
             unknown_streams: l(&c.unknown_streams),
             streams_moved: l(&c.streams_moved),
+            fallbacks: l(&c.fallbacks),
             streams_open: self
                 .inner
                 .open
@@ -169,26 +189,63 @@ impl EventBus {
     /// Opens a connection to the publisher `publisher_id` at `target` (`tcp://host:port`)
     /// through the broker that owns it among those covering `namespace` (rendezvous
     /// hashing), and returns the byte stream once the broker connected and its data
-    /// stream arrived.
+    /// stream arrived. When the owner refuses for a reason of its own (the target is
+    /// not in its view, its filter, DNS or network failed it, it is draining or full,
+    /// its session ended), the runner-up is tried once ([`OPEN_ATTEMPTS`]); the last
+    /// error is returned.
     pub async fn open_stream(
         &self,
         namespace: &str,
         publisher_id: u64,
         target: &str,
     ) -> Result<TunnelStream, TunnelError> {
-        let inner = &self.inner;
-        let (session_id, commands) = {
-            let sessions = inner.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        let candidates: Vec<(u64, mpsc::Sender<Command>)> = {
+            let sessions = self
+                .inner
+                .sessions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             let live = sessions.iter().filter(|(_, e)| {
                 e.available.load(Ordering::Relaxed) && e.namespaces.iter().any(|n| n == namespace)
             });
-            let owner = rendezvous_owner(live.map(|(id, _)| id.as_str()), publisher_id)
-                .ok_or_else(|| TunnelError::NoBroker(namespace.to_owned()))?;
-            let entry = sessions
-                .get(owner)
-                .ok_or_else(|| TunnelError::NoBroker(namespace.to_owned()))?;
-            (entry.session_id, entry.commands.clone())
+            rendezvous_ranked(live.map(|(id, _)| id.as_str()), publisher_id)
+                .into_iter()
+                .take(OPEN_ATTEMPTS)
+                .filter_map(|id| sessions.get(id))
+                .map(|e| (e.session_id, e.commands.clone()))
+                .collect()
         };
+        let mut last = TunnelError::NoBroker(namespace.to_owned());
+        let tries = candidates.len();
+        for (i, (session_id, commands)) in candidates.into_iter().enumerate() {
+            if i > 0 {
+                self.inner
+                    .counters
+                    .fallbacks
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            match self
+                .open_via(session_id, commands, namespace, publisher_id, target)
+                .await
+            {
+                Ok(stream) => return Ok(stream),
+                Err(e) if another_broker_may(&e) && i + 1 < tries => last = e,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last)
+    }
+
+    /// One subscribe through the session `session_id`.
+    async fn open_via(
+        &self,
+        session_id: u64,
+        commands: mpsc::Sender<Command>,
+        namespace: &str,
+        publisher_id: u64,
+        target: &str,
+    ) -> Result<TunnelStream, TunnelError> {
+        let inner = &self.inner;
         let (reply, answer) = oneshot::channel();
         // Random ids: a broker cannot guess another's streams.
         let stream_id = {

@@ -60,7 +60,7 @@ mod session;
 mod view;
 
 pub use broker::{Broker, BrokerHandle, BrokerStats};
-pub use bus::{BusStats, EventBus};
+pub use bus::{BusStats, EventBus, OPEN_ATTEMPTS};
 pub use config::{
     BUS_CONNECT_TIMEOUT, BrokerConfig, CONNECT_ATTEMPT_TIMEOUT, CONNECT_TIMEOUT, DNS_TIMEOUT,
     Deadlines, RESPONSE_TIMEOUT, Resolver, STREAM_SLOT_TIMEOUT, SystemResolver,
@@ -79,7 +79,7 @@ pub use frame::{
     MAX_NAME_LEN, MAX_NAMESPACES, MAX_VERSIONS, PROTOCOL_VERSION, RefuseCode, Welcome,
 };
 pub use reconnect::{REBALANCE_WINDOW, Reconnect};
-pub use rendezvous::{rendezvous_owner, weight as rendezvous_weight};
+pub use rendezvous::{rendezvous_owner, rendezvous_ranked, weight as rendezvous_weight};
 pub use session::{
     BrokerEvent, BrokerSession, HANDSHAKE_TIMEOUT, MAX_BROKER_STREAMS, MAX_QUEUED_CONTROL,
     PENDING_SUBSCRIBE_TIMEOUT, RouterEvent, RouterSession, SessionEnd, SubscribeError,

@@ -34,6 +34,30 @@ where
         .map(|(_, _, b)| b)
 }
 
+/// `brokers` in rendezvous order for `publisher_id`: the owner first, then the broker
+/// that would own it if the owner left, and so on.
+///
+/// ```
+/// use eventplane::tunnel::{rendezvous_owner, rendezvous_ranked};
+/// let brokers = ["broker-a", "broker-b", "broker-c"];
+/// let ranked = rendezvous_ranked(brokers, 42);
+/// assert_eq!(ranked.first().copied(), rendezvous_owner(brokers, 42));
+/// // The runner-up is the owner once the first is gone.
+/// let without_owner: Vec<&str> = brokers.into_iter().filter(|b| *b != ranked[0]).collect();
+/// assert_eq!(rendezvous_owner(without_owner, 42), Some(ranked[1]));
+/// ```
+pub fn rendezvous_ranked<'a, I>(brokers: I, publisher_id: u64) -> Vec<&'a str>
+where
+    I: IntoIterator<Item = &'a str>,
+{
+    let mut ranked: Vec<(u64, std::cmp::Reverse<&str>, &str)> = brokers
+        .into_iter()
+        .map(|b| (weight(b, publisher_id), std::cmp::Reverse(b), b))
+        .collect();
+    ranked.sort_unstable_by(|x, y| y.cmp(x));
+    ranked.into_iter().map(|(_, _, b)| b).collect()
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::indexing_slicing)]

@@ -88,6 +88,7 @@ pub(super) struct Counters {
     pub(super) streams_failed: AtomicU64,
     pub(super) unknown_streams: AtomicU64,
     pub(super) streams_moved: AtomicU64,
+    pub(super) fallbacks: AtomicU64,
 }
 
 pub(super) struct Inner {

@@ -447,6 +447,41 @@ async fn a_joining_broker_takes_over_its_share_and_nothing_else() {
     bus.shutdown().await;
 }
 
+#[tokio::test]
+async fn a_publisher_its_owner_cannot_reach_is_tried_through_the_runner_up() {
+    use eventplane::tunnel::rendezvous_owner;
+    let bus = bus().await;
+    // Broker A sees the publisher; broker B's view is empty (another zone, say).
+    let view_a = Arc::new(MemoryDiscovery::new());
+    let view_b: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let id = (1..)
+        .find(|id| rendezvous_owner(["broker-a", "broker-b"], *id) == Some("broker-b"))
+        .unwrap();
+    let (_publisher, endpoint, _reg) = publisher(&view_a, id).await;
+    let a = Broker::spawn(broker_config(&bus, "broker-a", view_a.clone())).unwrap();
+    let b = Broker::spawn(broker_config(&bus, "broker-b", view_b)).unwrap();
+    until(|| bus.brokers_for("prod").len() == 2).await;
+    let stream = within(bus.open_stream("prod", id, &endpoint)).await;
+    assert!(stream.is_ok(), "{stream:?}");
+    assert_eq!(b.stats().refused.get("target_not_advertised"), Some(&1));
+    until(|| a.stats().streams_opened == 1).await;
+    assert_eq!(bus.stats().fallbacks, 1);
+    // A target neither can reach: the runner-up's refusal is the answer.
+    let r = within(bus.open_stream("prod", id, "tcp://127.0.0.1:9")).await;
+    assert!(
+        matches!(
+            r,
+            Err(TunnelError::Refused(RefuseCode::TargetNotAdvertised))
+        ),
+        "{r:?}"
+    );
+    assert_eq!(bus.stats().fallbacks, 2);
+    drop(stream);
+    a.abort();
+    b.abort();
+    bus.shutdown().await;
+}
+
 /// `n` publishers registered in `view`, and a router following them through `bus`,
 /// once each has its subscriber.
 async fn followed_through(

@@ -41,6 +41,7 @@ mod etcd;
 mod fault;
 mod memory;
 mod model;
+mod rewatch;
 mod static_;
 mod watch;
 
@@ -57,6 +58,7 @@ pub use memory::{MemoryDiscovery, MemoryDiscoveryBuilder};
 pub use model::{
     ChannelId, DiscoveryEvent, Instance, MAX_PUBLISHER_ID, Query, Transport, WorkerIdentity,
 };
+pub(crate) use rewatch::{Rewatch, Rewatched};
 pub use static_::StaticDiscovery;
 pub use watch::StaleFilter;
 

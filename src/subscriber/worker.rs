@@ -14,7 +14,7 @@ use super::link::Link;
 use super::notice::{Notice, Notices};
 use super::shared::{Delivery, PublisherCell, Shared};
 use super::stats::Counters;
-use crate::discovery::{ChannelId, DiscoveryEvent, Instance};
+use crate::discovery::{ChannelId, DiscoveryEvent, Instance, Rewatch, Rewatched};
 use crate::lossy::Merge;
 use crate::net::{Backoff, random_unit};
 use crate::wire::{MalformedStats, SeqStep, SeqTracker, WireError};
@@ -43,59 +43,40 @@ pub(crate) async fn watch_loop(
     config: Arc<Config>,
     merge: Arc<Merge<Delivery>>,
 ) {
-    let cancel = config.cancel.clone();
     let mut tracked = Tracking::default();
-    let mut backoff = Backoff::checked(config.rewatch_min, config.rewatch_max);
+    let mut watch = Rewatch::new(
+        config.discovery.clone(),
+        config.query.clone(),
+        Backoff::checked(config.rewatch_min, config.rewatch_max),
+        config.cancel.clone(),
+    );
     let mut settle = tokio::time::interval(SETTLE_INTERVAL);
     settle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut first = true;
-    'rewatch: while !cancel.is_cancelled() {
-        if !first {
-            shared.rewatches.fetch_add(1, Ordering::Relaxed);
-            let delay = backoff.next_delay(random_unit());
-            tokio::select! {
-                () = cancel.cancelled() => break,
-                () = tokio::time::sleep(delay) => {}
-            }
-        }
-        first = false;
-        let watch = tokio::select! {
-            () = cancel.cancelled() => break,
-            w = config.discovery.watch(config.query.clone(), cancel.child_token()) => w,
-        };
-        let mut stream = match watch {
-            Ok(s) => s,
-            Err(e) => {
-                warn_limited(&shared, "watch", || {
-                    tracing::warn!(error = %crate::net::ErrorChain(&e), "discovery watch failed; retrying with backoff");
-                });
+    loop {
+        let next = tokio::select! {
+            next = watch.next() => next,
+            _ = settle.tick() => {
+                // Departed publishers whose lanes drained let their lanes go.
+                shared.settle_retired();
                 continue;
             }
         };
-        loop {
-            let next = tokio::select! {
-                () = cancel.cancelled() => break 'rewatch,
-                ev = stream.next() => ev,
-                _ = settle.tick() => {
-                    // Departed publishers whose lanes drained let their lanes go.
-                    shared.settle_retired();
-                    continue;
-                }
-            };
-            match next {
-                Some(Ok(event)) => {
-                    if matches!(event, DiscoveryEvent::Resync(_)) {
-                        backoff.reset();
-                    }
-                    apply(&shared, &config, &merge, &mut tracked, event);
-                }
-                Some(Err(e)) => {
+        match next {
+            None => break,
+            Some(Rewatched::Event(event)) => apply(&shared, &config, &merge, &mut tracked, event),
+            Some(Rewatched::Failed(e)) => {
+                shared.rewatches.fetch_add(1, Ordering::Relaxed);
+                warn_limited(&shared, "watch", || {
+                    tracing::warn!(error = %crate::net::ErrorChain(&e), "discovery watch failed; retrying with backoff");
+                });
+            }
+            Some(Rewatched::Ended(e)) => {
+                shared.rewatches.fetch_add(1, Ordering::Relaxed);
+                if let Some(e) = e {
                     warn_limited(&shared, "watch", || {
                         tracing::warn!(error = %crate::net::ErrorChain(&e), "discovery watch ended; re-watching, existing connections kept");
                     });
-                    continue 'rewatch;
                 }
-                None => continue 'rewatch,
             }
         }
     }

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::discovery::{ChannelId, Discovery, DiscoveryEvent, Instance, Query};
-use crate::net::{Backoff, RateLimitedWarn, random_unit};
+use crate::discovery::{ChannelId, Discovery, DiscoveryEvent, Instance, Query, Rewatch, Rewatched};
+use crate::net::{Backoff, RateLimitedWarn};
 
 /// Instances a broker's view holds per namespace; more are not advertised (counted in
 /// `BrokerStats::view_ignored`), so discovery records cannot grow a broker without
@@ -173,8 +173,8 @@ struct Shared {
     ignored: Arc<AtomicU64>,
 }
 
-/// Follows one namespace: watches, applies the events, restarts a watch that fails or
-/// ends (with backoff), keeping the last snapshot until the next complete list.
+/// Follows one namespace: applies each watch's events to its snapshot, keeping the
+/// last snapshot while discovery fails, until the next complete list.
 async fn follow(
     discovery: Arc<dyn Discovery>,
     ns: String,
@@ -182,92 +182,62 @@ async fn follow(
     shared: Shared,
     cancel: CancellationToken,
 ) {
-    let Shared {
-        synced,
-        warn,
-        ignored,
-    } = shared;
-    let full = |ns: &str, n: u64| {
-        if n > 0 {
-            ignored.fetch_add(n, Ordering::Relaxed);
-            if let Some(suppressed) = warn.check("full", Instant::now()) {
-                tracing::warn!(namespace = %ns, ignored = n, suppressed, max = MAX_VIEW_INSTANCES, "discovery view full: instances not advertised");
-            }
-        }
-    };
-    let mut backoff = Backoff::checked(Duration::from_millis(200), Duration::from_secs(30));
-    let mut ever_synced = false;
-    let apply = |f: &mut dyn FnMut(&mut Option<Namespace>)| {
+    let backoff = Backoff::checked(Duration::from_millis(200), Duration::from_secs(30));
+    let mut watch = Rewatch::new(discovery, Query::new(&ns), backoff, cancel);
+    // Before a watch's first complete list its events are partial: the list replaces
+    // the snapshot in one step.
+    let mut listed = false;
+    let mut ever_listed = false;
+    let with_view = |f: &mut dyn FnMut(&mut Option<Namespace>)| {
         let mut snapshots = snapshots.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(slot) = snapshots.get_mut(&ns) {
             f(slot);
         }
     };
-    loop {
-        let watched = tokio::select! {
-            () = cancel.cancelled() => return,
-            w = discovery.watch(Query::new(&ns), cancel.child_token()) => w,
-        };
-        match watched {
-            Ok(mut stream) => {
-                // Before this watch's first complete list its events are partial: the
-                // list replaces the snapshot in one step.
-                let mut listed = false;
-                loop {
-                    let event = tokio::select! {
-                        () = cancel.cancelled() => return,
-                        e = stream.next() => e,
-                    };
-                    match event {
-                        None => break,
-                        Some(Ok(DiscoveryEvent::Resync(all))) => {
-                            let (view, left_out) = Namespace::from_snapshot(&all);
-                            let mut view = Some(view);
-                            apply(&mut |slot| *slot = view.take());
-                            full(&ns, left_out);
-                            listed = true;
-                            backoff.reset();
-                            if !ever_synced {
-                                ever_synced = true;
-                                synced.send_modify(|n| *n += 1);
-                                tracing::info!(namespace = %ns, publishers = all.len(), "discovery view listed");
-                            }
-                        }
-                        Some(Ok(DiscoveryEvent::Added(instance))) if listed => {
-                            let mut added = true;
-                            apply(&mut |slot| {
-                                if let Some(view) = slot {
-                                    added = view.add(&instance);
-                                }
-                            });
-                            full(&ns, u64::from(!added));
-                        }
-                        Some(Ok(DiscoveryEvent::Removed { id, incarnation })) if listed => {
-                            apply(&mut |slot| {
-                                if let Some(view) = slot {
-                                    view.remove(&id, incarnation);
-                                }
-                            });
-                        }
-                        Some(Ok(_)) => {}
-                        Some(Err(e)) => {
-                            if let Some(suppressed) = warn.check(&ns, Instant::now()) {
-                                tracing::warn!(namespace = %ns, error = %crate::net::ErrorChain(&e), suppressed, "discovery watch error; keeping the last snapshot");
-                            }
-                        }
+    while let Some(next) = watch.next().await {
+        let left_out = match next {
+            Rewatched::Event(DiscoveryEvent::Resync(all)) => {
+                let (mut fresh, left_out) = Namespace::from_snapshot(&all);
+                with_view(&mut |slot| *slot = Some(std::mem::take(&mut fresh)));
+                listed = true;
+                if !ever_listed {
+                    ever_listed = true;
+                    shared.synced.send_modify(|n| *n += 1);
+                    tracing::info!(namespace = %ns, publishers = all.len(), "discovery view listed");
+                }
+                left_out
+            }
+            Rewatched::Event(DiscoveryEvent::Added(instance)) if listed => {
+                let mut added = true;
+                with_view(&mut |slot| added = slot.as_mut().is_none_or(|v| v.add(&instance)));
+                u64::from(!added)
+            }
+            Rewatched::Event(DiscoveryEvent::Removed { id, incarnation }) if listed => {
+                with_view(&mut |slot| {
+                    if let Some(view) = slot {
+                        view.remove(&id, incarnation);
                     }
-                }
+                });
+                0
             }
-            Err(e) => {
-                if let Some(suppressed) = warn.check(&ns, Instant::now()) {
-                    tracing::warn!(namespace = %ns, error = %crate::net::ErrorChain(&e), suppressed, "cannot watch discovery; keeping the last snapshot");
+            Rewatched::Event(_) => 0,
+            Rewatched::Failed(e) | Rewatched::Ended(Some(e)) => {
+                listed = false;
+                if let Some(suppressed) = shared.warn.check(&ns, Instant::now()) {
+                    tracing::warn!(namespace = %ns, error = %crate::net::ErrorChain(&e), suppressed, "discovery watch failed; keeping the last snapshot");
                 }
+                0
             }
-        }
-        let delay = backoff.next_delay(random_unit());
-        tokio::select! {
-            () = cancel.cancelled() => return,
-            () = tokio::time::sleep(delay) => {}
+            Rewatched::Ended(None) => {
+                listed = false;
+                0
+            }
+        };
+        if left_out > 0 {
+            shared.ignored.fetch_add(left_out, Ordering::Relaxed);
+            if let Some(suppressed) = shared.warn.check("full", Instant::now()) {
+                tracing::warn!(namespace = %ns, ignored = left_out, suppressed, max = MAX_VIEW_INSTANCES, "discovery view full: instances not advertised");
+            }
         }
     }
 }

@@ -17,6 +17,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::codes::CodeCounts;
 use super::config::BrokerConfig;
 use super::error::TunnelError;
 use super::io::{BODY_CHANNEL, ChannelBody, next_chunk};
@@ -37,6 +38,8 @@ pub struct BrokerStats {
     pub session_failures: u64,
     /// Streams opened to publishers.
     pub streams_opened: u64,
+    /// Streams relaying now.
+    pub streams_open: u64,
     /// Rebalances that came within a minute of the previous one and so waited the
     /// normal backoff instead of 250–500 ms.
     pub rebalances_throttled: u64,
@@ -69,7 +72,10 @@ struct Counters {
     bytes_up: AtomicU64,
     bytes_down: AtomicU64,
     high_water: AtomicU64,
-    codes: Mutex<(HashMap<String, u64>, HashMap<String, u64>)>,
+    refused: CodeCounts,
+    closed: CodeCounts,
+    /// Streams relaying now.
+    open: AtomicU64,
     /// Refusals warn once a minute per code, with the count suppressed.
     warn: crate::net::RateLimitedWarn,
     view: View,
@@ -111,7 +117,9 @@ impl Broker {
             bytes_up: AtomicU64::new(0),
             bytes_down: AtomicU64::new(0),
             high_water: AtomicU64::new(0),
-            codes: Mutex::default(),
+            refused: CodeCounts::default(),
+            closed: CodeCounts::default(),
+            open: AtomicU64::new(0),
             warn: crate::net::RateLimitedWarn::default(),
             view,
         });
@@ -164,14 +172,14 @@ impl BrokerHandle {
     pub fn stats(&self) -> BrokerStats {
         let c = &self.counters;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let codes = c.codes.lock().unwrap_or_else(|p| p.into_inner());
         BrokerStats {
             sessions: l(&c.sessions),
             session_failures: l(&c.session_failures),
             streams_opened: l(&c.streams_opened),
             rebalances_throttled: l(&c.rebalances_throttled),
-            refused: codes.0.clone(),
-            closed: codes.1.clone(),
+            refused: c.refused.snapshot(),
+            closed: c.closed.snapshot(),
+            streams_open: l(&c.open),
             bytes_up: l(&c.bytes_up),
             bytes_down: l(&c.bytes_down),
             buffer_high_water: l(&c.high_water),
@@ -179,14 +187,6 @@ impl BrokerHandle {
             advertised_endpoints: c.view.endpoints(),
             view_ignored: c.view.ignored(),
         }
-    }
-}
-
-impl Counters {
-    fn count(&self, refused: bool, code: &str) {
-        let mut codes = self.codes.lock().unwrap_or_else(|p| p.into_inner());
-        let map = if refused { &mut codes.0 } else { &mut codes.1 };
-        *map.entry(code.to_owned()).or_default() += 1;
     }
 }
 
@@ -355,7 +355,7 @@ async fn session(
             Err(mpsc::error::TrySendError::Closed(())) => broker.close(),
             _ => {}
         }
-        let mut ended = None;
+        let mut ended = false;
         while let Some(event) = broker.poll_event() {
             match event {
                 BrokerEvent::Welcomed(welcome) => {
@@ -393,12 +393,11 @@ async fn session(
                 }
                 BrokerEvent::Ended(end) => {
                     tracing::info!(reason = %end, "bus session ended");
-                    ended = Some(end);
+                    ended = true;
                 }
             }
         }
-        if let Some(end) = ended {
-            let _ = end;
+        if ended {
             break match (drain, stopping) {
                 (_, Some(_)) => Outcome::Stopped,
                 (Some((reason, _)), _) => Outcome::Drained(reason),
@@ -444,7 +443,7 @@ async fn session(
                         broker.stream_opened(id);
                     }
                     Report::Refused(id, code) => {
-                        counters.count(true, code.as_str());
+                        counters.refused.add(code.as_str());
                         if let Some(suppressed) = counters.warn.check(code.as_str(), Instant::now()) {
                             tracing::warn!(%code, suppressed, "refused a subscribe");
                         }
@@ -452,7 +451,7 @@ async fn session(
                         broker.stream_refused(id, code);
                     }
                     Report::Closed(id, code) => {
-                        counters.count(false, code.as_str());
+                        counters.closed.add(code.as_str());
                         stream_stops.remove(&id);
                         broker.stream_closed(id, code);
                     }
@@ -534,7 +533,10 @@ async fn relay(
         }
     };
     let _ = report.send(Report::Opened(stream_id)).await;
-    if let Some(code) = pump(&ctx, stream_id, opened, &stop).await {
+    ctx.counters.open.fetch_add(1, Ordering::Relaxed);
+    let closed = pump(&ctx, stream_id, opened, &stop).await;
+    ctx.counters.open.fetch_sub(1, Ordering::Relaxed);
+    if let Some(code) = closed {
         let _ = report.send(Report::Closed(stream_id, code)).await;
     }
 }

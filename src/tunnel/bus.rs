@@ -36,7 +36,7 @@ fn another_broker_may(error: &TunnelError) -> bool {
 }
 
 /// Counters of an [`EventBus`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct BusStats {
     /// Broker sessions welcomed now.
@@ -60,6 +60,16 @@ pub struct BusStats {
     pub streams_open: usize,
     /// Subscribes the owner could not serve that were tried through the runner-up.
     pub fallbacks: u64,
+    /// Subscribes waiting for their broker's answer now.
+    pub streams_pending: usize,
+    /// Subscribes brokers refused, by code (`RefuseCode`).
+    pub refused: HashMap<String, u64>,
+    /// Streams brokers closed, by code (`CloseCode`).
+    pub closed: HashMap<String, u64>,
+    /// Bytes the router read from publishers through the tunnel.
+    pub bytes_in: u64,
+    /// Bytes the router wrote to publishers through the tunnel.
+    pub bytes_out: u64,
 }
 
 /// The router's event bus: brokers dial in, the router opens publisher connections
@@ -159,6 +169,16 @@ impl EventBus {
             unknown_streams: l(&c.unknown_streams),
             streams_moved: l(&c.streams_moved),
             fallbacks: l(&c.fallbacks),
+            streams_pending: self
+                .inner
+                .waiting
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .len(),
+            refused: c.refused.snapshot(),
+            closed: c.closed.snapshot(),
+            bytes_in: l(&c.bytes.read),
+            bytes_out: l(&c.bytes.written),
             streams_open: self
                 .inner
                 .open
@@ -177,9 +197,7 @@ impl EventBus {
             .unwrap_or_else(|p| p.into_inner());
         let mut ids: Vec<String> = sessions
             .iter()
-            .filter(|(_, e)| {
-                e.available.load(Ordering::Relaxed) && e.namespaces.iter().any(|n| n == namespace)
-            })
+            .filter(|(_, e)| e.serves(namespace))
             .map(|(id, _)| id.clone())
             .collect();
         ids.sort_unstable();
@@ -205,9 +223,7 @@ impl EventBus {
                 .sessions
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
-            let live = sessions.iter().filter(|(_, e)| {
-                e.available.load(Ordering::Relaxed) && e.namespaces.iter().any(|n| n == namespace)
-            });
+            let live = sessions.iter().filter(|(_, e)| e.serves(namespace));
             rendezvous_ranked(live.map(|(id, _)| id.as_str()), publisher_id)
                 .into_iter()
                 .take(OPEN_ATTEMPTS)

@@ -113,3 +113,29 @@ closed_codes! {
         Rebalance = "rebalance",
     }
 }
+
+/// Counts per code (a closed set, so the label set is bounded); no allocation per
+/// count.
+#[derive(Debug, Default)]
+pub(crate) struct CodeCounts(std::sync::Mutex<std::collections::HashMap<&'static str, u64>>);
+
+impl CodeCounts {
+    pub(crate) fn add(&self, code: &'static str) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(code)
+            .or_default() += 1;
+    }
+
+    /// The counts, by code.
+    pub(crate) fn snapshot(&self) -> std::collections::HashMap<String, u64> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(code, n)| ((*code).to_owned(), *n))
+            .collect()
+    }
+}

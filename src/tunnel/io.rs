@@ -5,6 +5,7 @@
 use std::io;
 use std::path::Path;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, ready};
 
@@ -66,7 +67,8 @@ impl ChannelBody {
         self
     }
 
-    /// Resets the stream when `ended` is cancelled.
+    /// Resets the stream when `ended` is cancelled: as a data stream's response body,
+    /// that ends both directions (the request body the router reads fails too).
     pub(crate) fn until(mut self, ended: CancellationToken) -> ChannelBody {
         self.ended = Some(Box::pin(ended.cancelled_owned()));
         self
@@ -138,6 +140,13 @@ pub(crate) async fn next_chunk(body: &mut Incoming) -> Option<Result<Bytes, hype
     }
 }
 
+/// Bytes through the tunnel streams of one bus.
+#[derive(Debug, Default)]
+pub(crate) struct StreamBytes {
+    pub(crate) read: AtomicU64,
+    pub(crate) written: AtomicU64,
+}
+
 /// A publisher connection through the tunnel, as the router sees it: bytes from the
 /// publisher arrive in the data stream's request body, bytes to it go out in its
 /// response body. A `SubSocket` runs ZMTP over it exactly as over TCP.
@@ -145,11 +154,10 @@ pub struct TunnelStream {
     incoming: Incoming,
     pending: Bytes,
     outgoing: PollSender<Result<Bytes, io::Error>>,
+    bytes: Arc<StreamBytes>,
     /// Tells the session the router let go (it unsubscribes: the broker closes the
     /// publisher connection silently).
     on_drop: Option<Box<dyn FnOnce() + Send + Sync>>,
-    /// Cancelled when the stream's session ends: reads and writes fail from then on.
-    ended: Pin<Box<WaitForCancellationFutureOwned>>,
 }
 
 impl Drop for TunnelStream {
@@ -172,26 +180,16 @@ impl TunnelStream {
     pub(crate) fn new(
         incoming: Incoming,
         outgoing: mpsc::Sender<Result<Bytes, io::Error>>,
+        bytes: Arc<StreamBytes>,
         on_drop: Box<dyn FnOnce() + Send + Sync>,
-        ended: CancellationToken,
     ) -> TunnelStream {
         TunnelStream {
             incoming,
             pending: Bytes::new(),
             outgoing: PollSender::new(outgoing),
+            bytes,
             on_drop: Some(on_drop),
-            ended: Box::pin(ended.cancelled_owned()),
         }
-    }
-
-    /// `Err` once the session ended (a dropped bus connection, a superseded or
-    /// idle session): the stream ends with it.
-    fn check_session(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
-        if self.ended.as_mut().poll(cx).is_ready() {
-            self.outgoing.close();
-            return Err(session_ended());
-        }
-        Ok(())
     }
 }
 
@@ -201,13 +199,15 @@ impl AsyncRead for TunnelStream {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        self.check_session(cx)?;
         while self.pending.is_empty() {
             match ready!(Pin::new(&mut self.incoming).poll_frame(cx)) {
                 None => return Poll::Ready(Ok(())),
                 Some(Err(e)) => return Poll::Ready(Err(io::Error::other(e))),
                 Some(Ok(frame)) => {
                     if let Ok(data) = frame.into_data() {
+                        self.bytes
+                            .read
+                            .fetch_add(data.len() as u64, Ordering::Relaxed);
                         self.pending = data;
                     }
                 }
@@ -226,14 +226,16 @@ impl AsyncWrite for TunnelStream {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        self.check_session(cx)?;
         if ready!(self.outgoing.poll_reserve(cx)).is_err() {
             return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
         }
         let n = buf.len().min(64 << 10);
         let chunk = Bytes::copy_from_slice(buf.get(..n).unwrap_or_default());
         match self.outgoing.send_item(Ok(chunk)) {
-            Ok(()) => Poll::Ready(Ok(n)),
+            Ok(()) => {
+                self.bytes.written.fetch_add(n as u64, Ordering::Relaxed);
+                Poll::Ready(Ok(n))
+            }
             Err(_) => Poll::Ready(Err(io::ErrorKind::BrokenPipe.into())),
         }
     }

@@ -17,8 +17,9 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::codes::CodeCounts;
 use super::error::TunnelError;
-use super::io::{BODY_CHANNEL, ChannelBody, Secret, TunnelStream, next_chunk};
+use super::io::{BODY_CHANNEL, ChannelBody, Secret, StreamBytes, TunnelStream, next_chunk};
 use super::{
     ControlDecoder, DrainReason, Limits, RouterEvent, RouterSession, SessionEnd, rendezvous_owner,
 };
@@ -63,6 +64,14 @@ pub(super) struct Entry {
     pub(super) ended: CancellationToken,
 }
 
+impl Entry {
+    /// Whether this session takes new streams for `namespace` (welcomed, covering it,
+    /// not draining).
+    pub(super) fn serves(&self, namespace: &str) -> bool {
+        self.available.load(Ordering::Relaxed) && self.namespaces.iter().any(|n| n == namespace)
+    }
+}
+
 pub(super) struct Waiter {
     pub(super) session_id: u64,
     pub(super) namespace: String,
@@ -89,6 +98,9 @@ pub(super) struct Counters {
     pub(super) unknown_streams: AtomicU64,
     pub(super) streams_moved: AtomicU64,
     pub(super) fallbacks: AtomicU64,
+    pub(super) refused: CodeCounts,
+    pub(super) closed: CodeCounts,
+    pub(super) bytes: Arc<StreamBytes>,
 }
 
 pub(super) struct Inner {
@@ -120,10 +132,7 @@ impl Inner {
                 .map(|ns| {
                     let ids = sessions
                         .iter()
-                        .filter(|(id, e)| {
-                            (id.as_str() == joined || e.available.load(Ordering::Relaxed))
-                                && e.namespaces.contains(ns)
-                        })
+                        .filter(|(_, e)| e.serves(ns))
                         .map(|(id, _)| id.clone())
                         .collect();
                     (ns.clone(), ids)
@@ -393,10 +402,12 @@ async fn run_session(
                 }
                 RouterEvent::Opened(_) => {}
                 RouterEvent::Refused { stream_id, code } => {
+                    inner.counters.refused.add(code.as_str());
                     inner.fail(stream_id, TunnelError::Refused(code));
                     inner.end_stream(stream_id);
                 }
                 RouterEvent::Closed { stream_id, code } => {
+                    inner.counters.closed.add(code.as_str());
                     inner.fail(stream_id, TunnelError::Closed(code));
                     inner.end_stream(stream_id);
                 }
@@ -555,6 +566,7 @@ async fn data_stream(
     let stream = TunnelStream::new(
         req.into_body(),
         tx,
+        inner.counters.bytes.clone(),
         Box::new(move || {
             let _ = detach.try_send(Command::Unsubscribe(stream_id));
             if let Some(inner) = registry.upgrade() {
@@ -565,7 +577,6 @@ async fn data_stream(
                     .remove(&stream_id);
             }
         }),
-        stop.clone(),
     );
     inner
         .counters

@@ -58,6 +58,13 @@ async fn zmtp_runs_end_to_end_and_receives_what_a_direct_connection_receives() {
         "the SUB's greeting and subscription went down"
     );
     assert_eq!(bus.stats().streams_opened, 1);
+    // Both ends count the same bytes: all the broker read went to the router's socket,
+    // all the router wrote went to the publisher.
+    let seen = bus.stats();
+    assert_eq!(
+        (seen.bytes_in, seen.bytes_out),
+        (stats.bytes_up, stats.bytes_down)
+    );
     broker.shutdown().await;
     bus.shutdown().await;
 }
@@ -101,8 +108,10 @@ async fn each_refusal_is_named() {
         Err(TunnelError::NoBroker(ns)) if ns == "staging"
     ));
     let stats = broker.stats();
+    let seen = bus.stats();
     for code in ["target_not_advertised", "address_filtered", "dns_failed"] {
         assert_eq!(stats.refused.get(code), Some(&1), "{code}: {stats:?}");
+        assert_eq!(seen.refused.get(code), Some(&1), "{code}: {seen:?}");
     }
     broker.shutdown().await;
     bus.shutdown().await;
@@ -195,6 +204,7 @@ async fn a_router_that_never_reads_overflows_the_stream_not_the_broker() {
         tokio::task::yield_now().await;
     }
     until(|| broker.stats().closed.contains_key("buffer_overflow")).await;
+    until(|| bus.stats().closed.get("buffer_overflow") == Some(&1)).await;
     let stats = broker.stats();
     assert!(
         stats.buffer_high_water <= 64 << 20,

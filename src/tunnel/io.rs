@@ -23,6 +23,11 @@ use super::error::TunnelError;
 /// by the writer's own pacing).
 pub(crate) const BODY_CHANNEL: usize = 64;
 
+/// Chunks (each at most 64 KiB) a [`TunnelStream`] queues toward the publisher before
+/// its writes wait: 256 KiB per stream here, plus the chunk hyper holds while it waits
+/// for the broker's 64 KiB stream window.
+pub(crate) const TUNNEL_WRITE_CHUNKS: usize = 4;
+
 /// An HTTP/2 body whose chunks come from a bounded channel; it ends when every sender
 /// is gone, and fails (resetting the stream) on an `Err` item. When it belongs to a
 /// relayed stream it gives each chunk's budget back as hyper takes it.

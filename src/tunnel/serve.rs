@@ -19,7 +19,9 @@ use tokio_util::task::TaskTracker;
 
 use super::codes::CodeCounts;
 use super::error::TunnelError;
-use super::io::{BODY_CHANNEL, ChannelBody, Secret, StreamBytes, TunnelStream, next_chunk};
+use super::io::{
+    BODY_CHANNEL, ChannelBody, Secret, StreamBytes, TUNNEL_WRITE_CHUNKS, TunnelStream, next_chunk,
+};
 use super::{
     ControlDecoder, DrainReason, Limits, RouterEvent, RouterSession, SessionEnd, rendezvous_owner,
 };
@@ -549,7 +551,7 @@ async fn data_stream(
     let Some(waiter) = waiter else {
         return unknown(&inner);
     };
-    let (tx, rx) = mpsc::channel(BODY_CHANNEL);
+    let (tx, rx) = mpsc::channel(TUNNEL_WRITE_CHUNKS);
     let detach = commands.clone();
     // Ends with its session, or alone when it moves to another broker.
     let stop = ended.child_token();

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Runs every fuzz target coverage-guided and fails unless each one really explored.
+#
+#   tools/fuzz.sh [--seconds N] [--bin-dir DIR] [TARGET ...]
+#
+# Builds the targets with `cargo +nightly fuzz build -s none` (libFuzzer's coverage
+# instrumentation, debug assertions and overflow checks on) unless --bin-dir names a
+# folder of already built target binaries. Each target starts from its committed,
+# minimized corpus (fuzz/corpus/T) and its hand-written seeds (fuzz/seeds/T); what it
+# finds goes to target/fuzz-corpus/T, so the repository stays clean. It fails when:
+# - a target loads no coverage counters (the line `Loaded 1 modules (N inline 8-bit
+#   counters)` missing or N = 0): the binary is not instrumented;
+# - libFuzzer warns `no interesting inputs were found` (it sees no coverage feedback);
+# - a target runs fewer than its floor of executions (FLOOR below, per second);
+# - a target crashes, leaks, times out or runs out of memory (the input is kept in
+#   target/fuzz-artifacts/T, the log in target/fuzz-logs/T.log);
+# - a committed corpus exceeds its size cap (CORPUS_CAP_KIB, CORPUS_CAP_FILES).
+# It prints one line per target: counters, executions, new units, coverage, features.
+#
+# After a campaign, refresh a committed corpus with `cargo fuzz cmin` or
+# `T -merge=1 fuzz/corpus/T CAMPAIGN_DIR` (see fuzz/README.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+seconds=20
+bin_dir=""
+targets=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --seconds) seconds="$2"; shift 2 ;;
+    --bin-dir) bin_dir="$2"; shift 2 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    *) targets+=("$1"); shift ;;
+  esac
+done
+[ ${#targets[@]} -gt 0 ] || targets=(zmtp_decode pub_session engine_batch dynamo_wire tunnel_control)
+
+# Executions per second each target must reach on one core (a tenth or less of what
+# the 2-core development machine measures: the floor catches a target gone slow or
+# stuck, not a slow machine).
+declare -A FLOOR=([zmtp_decode]=300 [pub_session]=300 [engine_batch]=300 [dynamo_wire]=300 [tunnel_control]=300)
+CORPUS_CAP_KIB=1024
+CORPUS_CAP_FILES=2000
+
+for t in "${targets[@]}"; do
+  if [ -d "fuzz/corpus/$t" ]; then
+    kib=$(du -sk "fuzz/corpus/$t" | cut -f1)
+    files=$(find "fuzz/corpus/$t" -type f | wc -l)
+    if [ "$kib" -gt "$CORPUS_CAP_KIB" ] || [ "$files" -gt "$CORPUS_CAP_FILES" ]; then
+      echo "fuzz/corpus/$t: $files files, $kib KiB: over the cap ($CORPUS_CAP_FILES files, $CORPUS_CAP_KIB KiB); minimize it"
+      exit 1
+    fi
+  fi
+done
+
+if [ -z "$bin_dir" ]; then
+  # Without a name, cargo fuzz builds every target in one cargo run.
+  (cd fuzz && cargo +nightly fuzz build -s none) || { echo "building the fuzz targets failed"; exit 1; }
+  bin_dir=fuzz/target/x86_64-unknown-linux-gnu/release
+fi
+
+mkdir -p target/fuzz-logs
+failed=0
+printf '%-15s %9s %11s %8s %6s %7s %s\n' target counters executions "exec/s" "new" "cov" "ft"
+for t in "${targets[@]}"; do
+  bin="$bin_dir/$t"
+  [ -x "$bin" ] || { echo "$t: no binary at $bin"; failed=1; continue; }
+  work="target/fuzz-corpus/$t"
+  artifacts="target/fuzz-artifacts/$t/"
+  log="target/fuzz-logs/$t.log"
+  mkdir -p "$work" "$artifacts" "fuzz/corpus/$t"
+  rc=0
+  "$bin" "$work" "fuzz/corpus/$t" "fuzz/seeds/$t" -max_total_time="$seconds" \
+    -rss_limit_mb=2048 -timeout=20 -print_final_stats=1 -artifact_prefix="$artifacts" \
+    >"$log" 2>&1 || rc=$?
+  counters=$(sed -n 's/.*Loaded [0-9]* modules *(\([0-9]*\) inline 8-bit counters).*/\1/p' "$log" | head -n 1)
+  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
+  rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log")
+  new=$(sed -n 's/^stat::new_units_added: *//p' "$log")
+  last=$(grep -E '^#[0-9]+[[:space:]]+(DONE|INITED|NEW|REDUCE|pulse)' "$log" | tail -n 1 || true)
+  cov=$(sed -n 's/.* cov: \([0-9]*\) .*/\1/p' <<<"$last")
+  ft=$(sed -n 's/.* ft: \([0-9]*\) .*/\1/p' <<<"$last")
+  printf '%-15s %9s %11s %8s %6s %7s %s\n' "$t" "${counters:-none}" "${execs:-?}" "${rate:-?}" \
+    "${new:-?}" "${cov:-?}" "${ft:-?}"
+  why=()
+  [ "$rc" = 0 ] || why+=("libFuzzer exited $rc (a crash, leak, timeout or OOM: see $log and $artifacts)")
+  [ "${counters:-0}" -gt 0 ] || why+=("no coverage counters loaded: the binary is not instrumented")
+  if grep -q 'no interesting inputs were found' "$log"; then
+    why+=("libFuzzer found no interesting inputs: it has no coverage feedback")
+  fi
+  floor=$(( ${FLOOR[$t]:-300} * seconds ))
+  [ "${execs:-0}" -ge "$floor" ] || why+=("${execs:-0} executions, under the floor of $floor")
+  if [ ${#why[@]} -gt 0 ]; then
+    failed=1
+    for w in "${why[@]}"; do echo "  $t: $w"; done
+    grep -E 'WARNING|ERROR|panicked|SUMMARY' "$log" | head -n 20 | sed 's/^/    /' || true
+  fi
+done
+if [ "$failed" != 0 ]; then
+  echo "fuzzing failed"
+  exit 1
+fi

@@ -36,7 +36,7 @@ use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Registration, Transport};
 use eventplane::tunnel::{
-    Broker, BrokerConfig, EventBus, Limits, Secret, TunnelStream, client_tls, server_tls,
+    Broker, BrokerConfig, EventBus, EventBusConfig, Secret, TunnelStream, client_tls, server_tls,
 };
 use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -60,7 +60,7 @@ async fn bus() -> EventBus {
         "127.0.0.1:0",
         tls,
         Secret::new(TOKEN).unwrap(),
-        Limits::default(),
+        EventBusConfig::default(),
     )
     .await
     .unwrap()

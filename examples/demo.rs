@@ -643,7 +643,7 @@ mod tunnel {
     use eventplane::net::AddrFilter;
     use eventplane::subscriber::DynamicSubscriberBuilder;
     use eventplane::tunnel::{
-        Broker, BrokerConfig, EventBus, Limits, Secret, client_tls, server_tls,
+        Broker, BrokerConfig, EventBus, EventBusConfig, Secret, client_tls, server_tls,
     };
 
     pub(super) struct Tunnel {
@@ -670,7 +670,7 @@ mod tunnel {
             "127.0.0.1:0",
             server_tls(fixture("bus.pem"), fixture("bus.key"))?,
             token.clone(),
-            Limits::default(),
+            EventBusConfig::default(),
         )
         .await?;
         let broker = Broker::spawn(BrokerConfig::new(

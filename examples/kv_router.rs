@@ -300,7 +300,7 @@ async fn bus(
     args: &Args,
     builder: eventplane::subscriber::DynamicSubscriberBuilder,
 ) -> Result<eventplane::subscriber::DynamicSubscriberBuilder, StartError> {
-    use eventplane::tunnel::{EventBus, Limits, Secret, server_tls};
+    use eventplane::tunnel::{EventBus, EventBusConfig, Secret, server_tls};
     let (Some(listen), Some(cert), Some(key), Some(token)) = (
         &args.bus_listen,
         &args.bus_cert,
@@ -313,7 +313,7 @@ async fn bus(
         |e: eventplane::tunnel::TunnelError| StartError::Args(format!("event bus: {}", chain(&e)));
     let tls = server_tls(cert, key).map_err(refused)?;
     let token = Secret::from_file(token).map_err(refused)?;
-    let bus = EventBus::bind(listen, tls, token, Limits::default())
+    let bus = EventBus::bind(listen, tls, token, EventBusConfig::default())
         .await
         .map_err(|e| {
             StartError::Unreachable(format!(

@@ -7,6 +7,9 @@
 #[path = "tunnel/common.rs"]
 mod common;
 #[cfg(feature = "tunnel")]
+#[path = "tunnel/event_broker.rs"]
+mod event_broker;
+#[cfg(feature = "tunnel")]
 #[path = "tunnel/stages.rs"]
 mod stages;
 #[cfg(feature = "tunnel")]

@@ -273,8 +273,8 @@ impl DynamicSubscriberBuilder {
     /// use std::sync::Arc;
     /// use eventplane::discovery::{MemoryDiscovery, Query};
     /// use eventplane::subscriber::DynamicSubscriber;
-    /// use eventplane::tunnel::{EventBus, Limits, Secret, server_tls};
-    /// let bus = EventBus::bind("0.0.0.0:8443", server_tls("bus.pem", "bus.key")?, Secret::from_file("bus.token")?, Limits::default()).await?;
+    /// use eventplane::tunnel::{EventBus, EventBusConfig, Secret, server_tls};
+    /// let bus = EventBus::bind("0.0.0.0:8443", server_tls("bus.pem", "bus.key")?, Secret::from_file("bus.token")?, EventBusConfig::default()).await?;
     /// let router = DynamicSubscriber::builder(Arc::new(MemoryDiscovery::new()), Query::new("prod"))
     ///     .topic("kv-events")
     ///     .tunnel(bus)

@@ -34,8 +34,11 @@ use crate::net::random_unit;
 pub struct BrokerStats {
     /// Sessions welcomed by the bus.
     pub sessions: u64,
-    /// Session attempts that failed before or after their welcome.
+    /// Session attempts that failed before their welcome, and welcomed sessions that
+    /// ended without a drain (lost, timed out, closed or superseded by the bus).
     pub session_failures: u64,
+    /// Whether a session is welcomed now.
+    pub connected: bool,
     /// Streams opened to publishers.
     pub streams_opened: u64,
     /// Streams relaying now.
@@ -66,6 +69,7 @@ pub struct BrokerStats {
 
 struct Counters {
     sessions: AtomicU64,
+    connected: std::sync::atomic::AtomicBool,
     session_failures: AtomicU64,
     streams_opened: AtomicU64,
     rebalances_throttled: AtomicU64,
@@ -112,6 +116,7 @@ impl Broker {
         let counters = Arc::new(Counters {
             sessions: AtomicU64::new(0),
             session_failures: AtomicU64::new(0),
+            connected: std::sync::atomic::AtomicBool::new(false),
             streams_opened: AtomicU64::new(0),
             rebalances_throttled: AtomicU64::new(0),
             bytes_up: AtomicU64::new(0),
@@ -175,6 +180,7 @@ impl BrokerHandle {
         BrokerStats {
             sessions: l(&c.sessions),
             session_failures: l(&c.session_failures),
+            connected: c.connected.load(Ordering::Relaxed),
             streams_opened: l(&c.streams_opened),
             rebalances_throttled: l(&c.rebalances_throttled),
             refused: c.refused.snapshot(),
@@ -216,7 +222,13 @@ async fn run(
         }
     }
     loop {
-        let outcome = match session(&config, &cancel, &hard, &counters, &mut reconnect).await {
+        let outcome = session(&config, &cancel, &hard, &counters, &mut reconnect).await;
+        counters.connected.store(false, Ordering::Relaxed);
+        let outcome = match outcome {
+            Ok(Outcome::Failed) => {
+                counters.session_failures.fetch_add(1, Ordering::Relaxed);
+                Outcome::Failed
+            }
             Ok(outcome) => outcome,
             Err(e) => {
                 counters.session_failures.fetch_add(1, Ordering::Relaxed);
@@ -360,6 +372,7 @@ async fn session(
             match event {
                 BrokerEvent::Welcomed(welcome) => {
                     counters.sessions.fetch_add(1, Ordering::Relaxed);
+                    counters.connected.store(true, Ordering::Relaxed);
                     reconnect.reset();
                     slots.add_permits(
                         welcome.limits.max_streams.min(super::MAX_BROKER_STREAMS) as usize

@@ -16,7 +16,7 @@ use tokio_util::task::TaskTracker;
 use super::error::TunnelError;
 use super::io::{Secret, TunnelStream};
 use super::serve::{Command, Counters, Inner, Waiter, accept_loop};
-use super::{DrainReason, Limits, PENDING_SUBSCRIBE_TIMEOUT, RefuseCode, rendezvous_ranked};
+use super::{DrainReason, PENDING_SUBSCRIBE_TIMEOUT, RefuseCode, rendezvous_ranked};
 
 /// Brokers `open_stream` tries for one publisher: its rendezvous owner, then once the
 /// runner-up when the owner cannot reach it.
@@ -77,18 +77,17 @@ pub struct BusStats {
 /// (clones included) is dropped.
 ///
 /// A connection carries one broker session and closes with it. It must complete TLS
-/// within 10 s and have its session welcomed within
-/// [`SESSION_START_TIMEOUT`](super::SESSION_START_TIMEOUT) of that, or it is closed:
-/// connections that never authenticate cannot hold the
-/// [`MAX_CONNECTIONS`](super::MAX_CONNECTIONS) slots. A broker that joins takes over
-/// its rendezvous share of the open streams once its session held for
-/// [`JOIN_HOLD_DOWN`](super::JOIN_HOLD_DOWN).
+/// within [`EventBusConfig::tls_handshake_timeout`](super::EventBusConfig) and have
+/// its session welcomed within its `session_start_timeout` (10 s each by default), or
+/// it is closed: connections that never authenticate cannot hold the
+/// `max_connections` slots for long. A broker that joins takes over its rendezvous
+/// share of the open streams once its session held for `join_hold_down`.
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), eventplane::tunnel::TunnelError> {
-/// use eventplane::tunnel::{EventBus, Limits, Secret, server_tls};
+/// use eventplane::tunnel::{EventBus, EventBusConfig, Secret, server_tls};
 /// let tls = server_tls("bus.pem", "bus.key")?;
-/// let bus = EventBus::bind("0.0.0.0:8443", tls, Secret::from_file("bus.token")?, Limits::default()).await?;
+/// let bus = EventBus::bind("0.0.0.0:8443", tls, Secret::from_file("bus.token")?, EventBusConfig::default()).await?;
 /// // A SubSocket runs ZMTP through a broker covering namespace "prod":
 /// let stream = bus.open_stream("prod", 7, "tcp://10.1.2.3:5557").await?;
 /// let sub = eventplane::zmtp::SubSocket::handshake(stream, Default::default()).await;
@@ -106,25 +105,28 @@ impl std::fmt::Debug for EventBus {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EventBus")
             .field("local_addr", &self.local_addr)
-            .field("limits", &self.inner.limits)
+            .field("config", &self.inner.config)
             .finish_non_exhaustive()
     }
 }
 
 impl EventBus {
     /// Listens on `addr` (`host:port`; port 0 for any) with `tls`, accepting brokers
-    /// that present `token`, and offering them `limits`.
+    /// that present `token`, offering them `config.limits` and holding their
+    /// connections to `config`'s cap and deadlines (refused by
+    /// [`EventBusConfig::validate`](super::EventBusConfig::validate) before binding).
     pub async fn bind(
         addr: &str,
         tls: Arc<rustls::ServerConfig>,
         token: Secret,
-        limits: Limits,
+        config: super::EventBusConfig,
     ) -> Result<EventBus, TunnelError> {
+        config.validate()?;
         let listener = TcpListener::bind(addr).await?;
         let local_addr = listener.local_addr()?;
         let inner = Arc::new(Inner {
             token,
-            limits,
+            config,
             sessions: Mutex::new(HashMap::new()),
             waiting: Mutex::new(HashMap::new()),
             open: Mutex::new(HashMap::new()),

@@ -1,5 +1,7 @@
 //! What a broker is told: where the bus is, who it is, what it covers and may dial,
-//! its per-stage deadlines, buffer sizes and reconnect backoff (DESIGN §7.2).
+//! its per-stage deadlines, buffer sizes and reconnect backoff (DESIGN §7.2); and what
+//! the router's bus is told: the limits it offers, its connection cap and the
+//! deadlines it holds connections to (DESIGN §7.3).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -7,7 +9,7 @@ use std::time::Duration;
 
 use super::error::TunnelError;
 use super::io::Secret;
-use super::{MAX_SESSION_BUFFER_BYTES, MAX_STREAM_BUFFER_BYTES, MIN_STREAM_BUFFER_BYTES};
+use super::{Limits, MAX_SESSION_BUFFER_BYTES, MAX_STREAM_BUFFER_BYTES, MIN_STREAM_BUFFER_BYTES};
 use crate::BoxFuture;
 use crate::discovery::Discovery;
 use crate::net::AddrFilter;
@@ -344,6 +346,115 @@ impl BrokerConfig {
                 reason: e.to_string(),
             }
         })?;
+        Ok(())
+    }
+}
+
+/// Default cap on the connections an [`EventBus`](super::EventBus) holds at once,
+/// authenticated or not (brokers need one each).
+pub const MAX_CONNECTIONS: usize = 1024;
+
+/// Default deadline for a broker connection's TLS handshake at the bus.
+pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Default time a connection may take, after TLS, to have a session welcomed (the
+/// right credential and a valid `hello`).
+pub const SESSION_START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Default time a joining broker's session must live before it takes its share of
+/// the open streams: a broker that flaps moves nothing.
+pub const JOIN_HOLD_DOWN: Duration = Duration::from_secs(10);
+
+/// What the router's [`EventBus`](super::EventBus) offers brokers and holds them to.
+///
+/// ```
+/// use std::time::Duration;
+/// use eventplane::tunnel::{EventBusConfig, Limits};
+/// let mut config = EventBusConfig::default().limits(Limits::default().with_max_streams(256));
+/// assert_eq!(config.session_start_timeout, Duration::from_secs(10));
+/// config.join_hold_down = Duration::from_secs(30);
+/// assert!(config.validate().is_ok());
+/// config.max_connections = 0;
+/// assert!(config.validate().is_err());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EventBusConfig {
+    /// What each welcome offers: stream count, per-stream buffer, heartbeats and idle
+    /// timeout (default [`Limits::default`]).
+    pub limits: Limits,
+    /// Connections held at once, authenticated or not; one past it is closed on
+    /// accept (default [`MAX_CONNECTIONS`], 1,024; at most 65,536). Each costs a file
+    /// descriptor and, once TLS is up, its HTTP/2 buffers.
+    pub max_connections: usize,
+    /// A connection's TLS handshake, from accept (default 10 s).
+    pub tls_handshake_timeout: Duration,
+    /// A session welcomed on a connection, from the end of its TLS handshake; else
+    /// the connection is closed (default 10 s).
+    pub session_start_timeout: Duration,
+    /// How long a joining broker's session must hold before its rendezvous share of
+    /// the open streams moves to it (default 10 s; zero moves at the welcome).
+    pub join_hold_down: Duration,
+}
+
+impl Default for EventBusConfig {
+    fn default() -> EventBusConfig {
+        EventBusConfig {
+            limits: Limits::default(),
+            max_connections: MAX_CONNECTIONS,
+            tls_handshake_timeout: TLS_HANDSHAKE_TIMEOUT,
+            session_start_timeout: SESSION_START_TIMEOUT,
+            join_hold_down: JOIN_HOLD_DOWN,
+        }
+    }
+}
+
+impl EventBusConfig {
+    /// With `limits` offered in every welcome.
+    #[must_use]
+    pub fn limits(mut self, limits: Limits) -> EventBusConfig {
+        self.limits = limits;
+        self
+    }
+
+    /// The first refused setting, if any ([`TunnelError::Config`] names it).
+    pub fn validate(&self) -> Result<(), TunnelError> {
+        let refuse =
+            |field: &'static str, reason: String| Err(TunnelError::Config { field, reason });
+        if !(1..=65_536).contains(&self.max_connections) {
+            return refuse(
+                "max_connections",
+                format!("{} is not within 1..=65536", self.max_connections),
+            );
+        }
+        for (field, value) in [
+            ("tls_handshake_timeout", self.tls_handshake_timeout),
+            ("session_start_timeout", self.session_start_timeout),
+        ] {
+            if value.is_zero() || value > Duration::from_secs(3600) {
+                return refuse(field, format!("{value:?} is not within 1 ns..=1 h"));
+            }
+        }
+        if self.join_hold_down > Duration::from_secs(3600) {
+            return refuse(
+                "join_hold_down",
+                format!("{:?} is over an hour", self.join_hold_down),
+            );
+        }
+        if self.limits.max_streams == 0 {
+            return refuse("limits.max_streams", "is zero".into());
+        }
+        if self.limits.heartbeat_interval.is_zero()
+            || self.limits.idle_timeout <= self.limits.heartbeat_interval
+        {
+            return refuse(
+                "limits.idle_timeout",
+                format!(
+                    "{:?} must exceed a non-zero heartbeat interval ({:?})",
+                    self.limits.idle_timeout, self.limits.heartbeat_interval
+                ),
+            );
+        }
         Ok(())
     }
 }

@@ -63,11 +63,11 @@ pub use broker::{Broker, BrokerHandle, BrokerStats};
 pub use bus::{BusStats, EventBus, OPEN_ATTEMPTS};
 pub use config::{
     BUS_CONNECT_TIMEOUT, BrokerConfig, CONNECT_ATTEMPT_TIMEOUT, CONNECT_TIMEOUT, DNS_TIMEOUT,
-    Deadlines, RESPONSE_TIMEOUT, Resolver, STREAM_SLOT_TIMEOUT, SystemResolver,
+    Deadlines, EventBusConfig, JOIN_HOLD_DOWN, MAX_CONNECTIONS, RESPONSE_TIMEOUT, Resolver,
+    SESSION_START_TIMEOUT, STREAM_SLOT_TIMEOUT, SystemResolver, TLS_HANDSHAKE_TIMEOUT,
 };
 pub use error::TunnelError;
 pub use io::{Secret, TunnelStream, client_tls, server_tls};
-pub use serve::{JOIN_HOLD_DOWN, MAX_CONNECTIONS, SESSION_START_TIMEOUT};
 pub use view::MAX_VIEW_INSTANCES;
 
 pub use budget::{

@@ -23,19 +23,9 @@ use super::io::{
     BODY_CHANNEL, ChannelBody, Secret, StreamBytes, TUNNEL_WRITE_CHUNKS, TunnelStream, next_chunk,
 };
 use super::{
-    ControlDecoder, DrainReason, Limits, RouterEvent, RouterSession, SessionEnd, rendezvous_owner,
+    ControlDecoder, DrainReason, EventBusConfig, RouterEvent, RouterSession, SessionEnd,
+    rendezvous_owner,
 };
-
-/// Connections the bus holds at once (brokers need one each).
-pub const MAX_CONNECTIONS: usize = 1024;
-
-/// How long a connection may take, after TLS, to start a session with the right
-/// credential.
-pub const SESSION_START_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// How long a joining broker's session must live before it takes its share of the
-/// open streams: a broker that flaps moves nothing.
-pub const JOIN_HOLD_DOWN: Duration = Duration::from_secs(10);
 
 /// Commands a session task takes from the rest of the bus.
 pub(super) enum Command {
@@ -107,7 +97,7 @@ pub(super) struct Counters {
 
 pub(super) struct Inner {
     pub(super) token: Secret,
-    pub(super) limits: Limits,
+    pub(super) config: EventBusConfig,
     pub(super) sessions: Mutex<HashMap<String, Entry>>,
     pub(super) waiting: Mutex<HashMap<u64, Waiter>>,
     pub(super) open: Mutex<HashMap<u64, OpenStream>>,
@@ -188,11 +178,9 @@ impl Inner {
     }
 }
 
-/// How long a connection may take to complete its TLS handshake.
-const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// One broker connection: it carries one session at a time, and closes when that
-/// session ends or when none is welcomed within [`SESSION_START_TIMEOUT`].
+/// session ends or when none is welcomed within
+/// [`EventBusConfig::session_start_timeout`].
 struct Conn {
     id: u64,
     /// A session runs on it.
@@ -208,7 +196,7 @@ pub(super) async fn accept_loop(
     listener: TcpListener,
     acceptor: tokio_rustls::TlsAcceptor,
 ) {
-    let connections = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let connections = Arc::new(tokio::sync::Semaphore::new(inner.config.max_connections));
     loop {
         let accepted = tokio::select! {
             () = inner.cancel.cancelled() => return,
@@ -228,7 +216,11 @@ pub(super) async fn accept_loop(
         let (inner2, acceptor) = (inner.clone(), acceptor.clone());
         inner.tracker.spawn(async move {
             let _permit = permit;
-            let tls = match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
+            let tls = match tokio::time::timeout(
+                inner2.config.tls_handshake_timeout,
+                acceptor.accept(tcp),
+            )
+            .await
             {
                 Ok(Ok(tls)) => tls,
                 Ok(Err(e)) => {
@@ -249,7 +241,7 @@ pub(super) async fn accept_loop(
                 async move { Ok::<_, Infallible>(route(inner, state, req).await) }
             });
             let unwelcomed = async {
-                tokio::time::sleep(SESSION_START_TIMEOUT).await;
+                tokio::time::sleep(inner2.config.session_start_timeout).await;
                 if state.welcomed.load(Ordering::Relaxed) {
                     std::future::pending::<()>().await;
                 }
@@ -258,7 +250,7 @@ pub(super) async fn accept_loop(
             // Windows: one stalled stream holds at most 256 KiB of the connection's
             // 16 MiB, so it cannot stall the session or the other streams.
             let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                .max_concurrent_streams(inner2.limits.max_streams.saturating_add(1))
+                .max_concurrent_streams(inner2.config.limits.max_streams.saturating_add(1))
                 .initial_stream_window_size(256 << 10)
                 .initial_connection_window_size(16 << 20)
                 .serve_connection(TokioIo::new(tls), service);
@@ -350,7 +342,8 @@ async fn run_session(
     commands: mpsc::Sender<Command>,
     mut cmd_rx: mpsc::Receiver<Command>,
 ) {
-    let mut session = RouterSession::new(session_id, inner.limits, std::time::Instant::now());
+    let mut session =
+        RouterSession::new(session_id, inner.config.limits, std::time::Instant::now());
     let mut decoder = ControlDecoder::default();
     // However the session ends, its data streams and its connection end with it.
     let ended = CancellationToken::new();
@@ -399,7 +392,7 @@ async fn run_session(
                         let _ = old.commands.try_send(Command::Close);
                     }
                     conn.welcomed.store(true, Ordering::Relaxed);
-                    take_share_at = Some(tokio::time::Instant::now() + JOIN_HOLD_DOWN);
+                    take_share_at = Some(tokio::time::Instant::now() + inner.config.join_hold_down);
                     client = Some(client_id);
                 }
                 RouterEvent::Opened(_) => {}

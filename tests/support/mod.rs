@@ -293,6 +293,31 @@ pub async fn within<F: std::future::Future>(fut: F) -> F::Output {
         .expect("test deadline passed")
 }
 
+/// How late a deadline may fire in a deadline test: scheduling on a loaded 2-core CI
+/// machine, not a tolerance of the component.
+pub const DEADLINE_SLACK: Duration = Duration::from_secs(1);
+
+/// Awaits `fut` (within [`DEADLINE`]) and returns its output and how long it took.
+pub async fn timed<F: std::future::Future>(fut: F) -> (F::Output, Duration) {
+    let start = std::time::Instant::now();
+    let output = within(fut).await;
+    (output, start.elapsed())
+}
+
+/// Asserts that `what`, set to `deadline`, fired after `elapsed`: not before 0.9 ×
+/// `deadline` (it did wait) and not after `deadline` + [`DEADLINE_SLACK`] (it was
+/// this deadline, not a default or another timer). Set `deadline` well under the
+/// default, so a component that ignores its setting fails.
+#[track_caller]
+pub fn assert_fired_at(what: &str, elapsed: Duration, deadline: Duration) {
+    assert!(
+        elapsed >= deadline.mul_f64(0.9) && elapsed <= deadline + DEADLINE_SLACK,
+        "{what}: fired after {elapsed:?}, set to {deadline:?} (allowed {:?}..={:?})",
+        deadline.mul_f64(0.9),
+        deadline + DEADLINE_SLACK
+    );
+}
+
 /// The dp rank of warm-up clears: a rank the fixtures never use, so the router events
 /// they become are easy to skip.
 pub const WARM_RANK: u32 = 7;

@@ -15,7 +15,9 @@ use std::time::Duration;
 use crate::support::within;
 use bytes::Bytes;
 use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Registration, Transport};
-use eventplane::tunnel::{BrokerConfig, EventBus, Limits, Secret, client_tls, server_tls};
+use eventplane::tunnel::{
+    BrokerConfig, EventBus, EventBusConfig, Limits, Secret, client_tls, server_tls,
+};
 use eventplane::zmtp::{Config, Message, PubSocket};
 
 pub const TOKEN: &str = "test-token-0123456789";
@@ -31,8 +33,17 @@ pub async fn bus() -> EventBus {
 }
 
 pub async fn bus_at(addr: &str) -> EventBus {
+    bus_configured(addr, EventBusConfig::default()).await
+}
+
+/// A bus on a free loopback port with `config`.
+pub async fn bus_with(config: EventBusConfig) -> EventBus {
+    bus_configured("127.0.0.1:0", config).await
+}
+
+async fn bus_configured(addr: &str, config: EventBusConfig) -> EventBus {
     let tls = server_tls(fixture("bus.pem"), fixture("bus.key")).unwrap();
-    EventBus::bind(addr, tls, Secret::new(TOKEN).unwrap(), Limits::default())
+    EventBus::bind(addr, tls, Secret::new(TOKEN).unwrap(), config)
         .await
         .unwrap()
 }
@@ -153,6 +164,47 @@ pub struct ScriptedBus {
     pub sessions: Arc<std::sync::atomic::AtomicU64>,
     /// What the broker said about streams.
     pub events: tokio::sync::mpsc::Receiver<eventplane::tunnel::RouterEvent>,
+    /// When things happened, for deadline assertions.
+    pub marks: Marks,
+}
+
+/// What a [`ScriptedBus`] marks in its timeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mark {
+    /// A session request arrived.
+    Session,
+    /// A welcome was sent.
+    Welcomed,
+    /// Stream 1 was subscribed.
+    Subscribed,
+}
+
+/// A shared timeline of [`Mark`]s.
+#[derive(Clone, Default)]
+pub struct Marks(Arc<std::sync::Mutex<Vec<(Mark, std::time::Instant)>>>);
+
+impl Marks {
+    pub fn mark(&self, mark: Mark) {
+        self.0
+            .lock()
+            .unwrap()
+            .push((mark, std::time::Instant::now()));
+    }
+
+    /// Every time `mark` happened, in order.
+    pub fn all(&self, mark: Mark) -> Vec<std::time::Instant> {
+        let marks = self.0.lock().unwrap();
+        marks
+            .iter()
+            .filter(|(m, _)| *m == mark)
+            .map(|(_, t)| *t)
+            .collect()
+    }
+
+    /// The first time `mark` happened.
+    pub fn first(&self, mark: Mark) -> std::time::Instant {
+        self.all(mark)[0]
+    }
 }
 
 /// An HTTP/2 body fed by a channel.
@@ -182,24 +234,34 @@ impl ScriptedBus {
         );
         let sessions = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let (events_tx, events) = tokio::sync::mpsc::channel(64);
-        let (counted, target) = (sessions.clone(), target.to_owned());
+        let marks = Marks::default();
+        let (counted, target, marked) = (sessions.clone(), target.to_owned(), marks.clone());
         tokio::spawn(async move {
             loop {
                 let (tcp, _) = listener.accept().await.unwrap();
                 let Ok(tls) = acceptor.accept(tcp).await else {
                     continue;
                 };
-                let (counted, events_tx, target) =
-                    (counted.clone(), events_tx.clone(), target.clone());
+                let (counted, events_tx, target, marked) = (
+                    counted.clone(),
+                    events_tx.clone(),
+                    target.clone(),
+                    marked.clone(),
+                );
                 let service = hyper::service::service_fn(
                     move |req: hyper::Request<hyper::body::Incoming>| {
-                        let (counted, events_tx, target) =
-                            (counted.clone(), events_tx.clone(), target.clone());
+                        let (counted, events_tx, target, marked) = (
+                            counted.clone(),
+                            events_tx.clone(),
+                            target.clone(),
+                            marked.clone(),
+                        );
                         async move {
                             if req.uri().path() != "/bus/v1/session" {
                                 // A data stream: its head never comes.
                                 std::future::pending::<()>().await;
                             }
+                            marked.mark(Mark::Session);
                             let session = counted.fetch_add(1, Ordering::Relaxed) + 1;
                             let (out, rx) = tokio::sync::mpsc::channel(64);
                             tokio::spawn(run_scripted_session(
@@ -210,6 +272,7 @@ impl ScriptedBus {
                                 req.into_body(),
                                 out,
                                 events_tx,
+                                marked,
                             ));
                             Ok::<_, std::convert::Infallible>(hyper::Response::new(ChanBody(rx)))
                         }
@@ -228,6 +291,7 @@ impl ScriptedBus {
             url: format!("https://localhost:{port}"),
             sessions,
             events,
+            marks,
         }
     }
 }
@@ -240,6 +304,7 @@ async fn run_scripted_session(
     mut body: hyper::body::Incoming,
     out: tokio::sync::mpsc::Sender<Bytes>,
     events: tokio::sync::mpsc::Sender<eventplane::tunnel::RouterEvent>,
+    marks: Marks,
 ) {
     use eventplane::tunnel::{ControlDecoder, RouterEvent, RouterSession};
     use http_body::Body;
@@ -252,9 +317,12 @@ async fn run_scripted_session(
                 match script {
                     // The welcome itself still goes out below.
                     Script::FallSilent => {}
-                    _ => session
-                        .subscribe(1, target.clone(), std::time::Instant::now())
-                        .unwrap(),
+                    _ => {
+                        session
+                            .subscribe(1, target.clone(), std::time::Instant::now())
+                            .unwrap();
+                        marks.mark(Mark::Subscribed);
+                    }
                 }
                 continue;
             }
@@ -263,10 +331,9 @@ async fn run_scripted_session(
         if !silent {
             let mut wire = Vec::new();
             while let Some(frame) = session.poll_transmit() {
-                if matches!(frame, eventplane::tunnel::Control::Welcome(_))
-                    && script == Script::FallSilent
-                {
-                    silent = true;
+                if matches!(frame, eventplane::tunnel::Control::Welcome(_)) {
+                    marks.mark(Mark::Welcomed);
+                    silent = script == Script::FallSilent;
                 }
                 frame.encode(&mut wire);
             }

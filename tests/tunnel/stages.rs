@@ -9,15 +9,16 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::common::{
-    FixedResolver, NeverResolves, Script, ScriptedBus, TOKEN, broker_config, bus, connected,
-    fixture, publisher, unaccepting_listener, until,
+    FixedResolver, Mark, NeverResolves, Script, ScriptedBus, TOKEN, broker_config, bus, bus_with,
+    connected, fixture, publisher, unaccepting_listener, until,
 };
-use crate::support::{refusing_port, within};
+use crate::support::{assert_fired_at, refusing_port, timed, within};
 use eventplane::discovery::{
     ChannelId, Discovery, FaultDiscovery, MemoryDiscovery, Registration, Transport,
 };
 use eventplane::tunnel::{
-    Broker, BrokerConfig, Limits, RefuseCode, RouterEvent, Secret, TunnelError, client_tls,
+    Broker, BrokerConfig, EventBusConfig, Limits, RefuseCode, RouterEvent, Secret, TunnelError,
+    client_tls,
 };
 
 fn refused(result: Result<eventplane::tunnel::TunnelStream, TunnelError>) -> RefuseCode {
@@ -43,11 +44,14 @@ async fn a_resolver_that_never_answers_is_dns_timeout() {
     let _reg = advertise(&view, 1, "tcp://slow-dns.test:5557").await;
     let mut config =
         broker_config(&bus, "broker-1", view.clone()).resolver(Arc::new(NeverResolves));
-    config.deadlines.dns = Duration::from_millis(200);
+    // Well under the 5 s default: a broker that ignored it would answer late.
+    let dns = Duration::from_millis(300);
+    config.deadlines.dns = dns;
     let broker = Broker::spawn(config).unwrap();
     connected(&bus).await;
-    let r = within(bus.open_stream("prod", 1, "tcp://slow-dns.test:5557")).await;
+    let (r, elapsed) = timed(bus.open_stream("prod", 1, "tcp://slow-dns.test:5557")).await;
     assert_eq!(refused(r), RefuseCode::DnsTimeout);
+    assert_fired_at("deadlines.dns", elapsed, dns);
     assert_eq!(broker.stats().refused.get("dns_timeout"), Some(&1));
     broker.shutdown().await;
     bus.shutdown().await;
@@ -73,10 +77,15 @@ async fn a_listener_that_never_accepts_is_connect_timeout_and_other_addresses_ar
     };
 
     // Only a listener that never accepts: the attempt runs out, the stage refuses.
-    let broker = resolving(vec![closed, hanging], 200, 5_000);
+    let broker = resolving(vec![closed, hanging], 300, 5_000);
     connected(&bus).await;
-    let r = within(bus.open_stream("prod", 1, target)).await;
+    let (r, elapsed) = timed(bus.open_stream("prod", 1, target)).await;
     assert_eq!(refused(r), RefuseCode::ConnectTimeout);
+    assert_fired_at(
+        "deadlines.connect_attempt",
+        elapsed,
+        Duration::from_millis(300),
+    );
     assert_eq!(broker.stats().refused.get("connect_timeout"), Some(&1));
     broker.shutdown().await;
     until(|| bus.stats().sessions == 0).await;
@@ -84,18 +93,25 @@ async fn a_listener_that_never_accepts_is_connect_timeout_and_other_addresses_ar
     // The total deadline holds even when each attempt's cap is longer.
     let broker = resolving(vec![hanging, hanging], 20_000, 300);
     connected(&bus).await;
-    let r = within(bus.open_stream("prod", 1, target)).await;
+    let (r, elapsed) = timed(bus.open_stream("prod", 1, target)).await;
     assert_eq!(refused(r), RefuseCode::ConnectTimeout);
+    assert_fired_at("deadlines.connect", elapsed, Duration::from_millis(300));
     broker.shutdown().await;
     until(|| bus.stats().sessions == 0).await;
 
     // A refused and a hanging address before a live one: the broker gets there.
     let (publisher, _endpoint, _reg2) = publisher(&view, 2).await;
     let live = publisher.local_addr().unwrap().port();
-    let broker = resolving(vec![closed, hanging, live], 200, 10_000);
+    let broker = resolving(vec![closed, hanging, live], 300, 10_000);
     connected(&bus).await;
-    let stream = within(bus.open_stream("prod", 1, target)).await;
+    let (stream, elapsed) = timed(bus.open_stream("prod", 1, target)).await;
     assert!(stream.is_ok(), "{stream:?}");
+    // It gave the hanging address its whole attempt, no more.
+    assert_fired_at(
+        "deadlines.connect_attempt, then the next address",
+        elapsed,
+        Duration::from_millis(300),
+    );
     until(|| broker.stats().streams_opened == 1).await;
     drop(stream);
     broker.shutdown().await;
@@ -130,15 +146,18 @@ async fn broker_toward(
 }
 
 /// A broker toward a bus scripted as `script` is refused with `code` for stream 1,
-/// counted, and opens nothing.
+/// `deadline` after the subscribe, counted, and opens nothing.
 async fn refused_by_script(
     script: Script,
     code: RefuseCode,
+    deadline: Duration,
     tweak: impl FnOnce(&mut BrokerConfig),
 ) {
     let (mut bus, broker, _target) = broker_toward(script, Limits::default(), tweak).await;
     let event = within(bus.events.recv()).await.unwrap();
+    let elapsed = bus.marks.first(Mark::Subscribed).elapsed();
     assert_eq!(event, RouterEvent::Refused { stream_id: 1, code });
+    assert_fired_at(code.as_str(), elapsed, deadline);
     assert_eq!(broker.stats().refused.get(code.as_str()), Some(&1));
     assert_eq!(broker.stats().streams_opened, 0);
     broker.shutdown().await;
@@ -146,32 +165,48 @@ async fn refused_by_script(
 
 #[tokio::test]
 async fn a_data_stream_without_a_slot_is_stream_slot_timeout() {
-    refused_by_script(Script::NoStreamSlot, RefuseCode::StreamSlotTimeout, |c| {
-        c.deadlines.stream_slot = Duration::from_millis(300);
-    })
+    let slot = Duration::from_millis(300);
+    refused_by_script(
+        Script::NoStreamSlot,
+        RefuseCode::StreamSlotTimeout,
+        slot,
+        |c| {
+            c.deadlines.stream_slot = slot;
+        },
+    )
     .await;
 }
 
 #[tokio::test]
 async fn a_router_that_never_answers_the_head_is_response_timeout() {
-    refused_by_script(Script::HoldResponseHead, RefuseCode::ResponseTimeout, |c| {
-        c.deadlines.response = Duration::from_millis(300);
-    })
+    let response = Duration::from_millis(300);
+    refused_by_script(
+        Script::HoldResponseHead,
+        RefuseCode::ResponseTimeout,
+        response,
+        |c| c.deadlines.response = response,
+    )
     .await;
 }
 
 #[tokio::test]
 async fn a_broker_leaves_a_silent_bus_after_the_idle_timeout_and_reconnects() {
-    let limits =
-        Limits::default().with_heartbeat(Duration::from_millis(100), Duration::from_millis(400));
+    let idle = Duration::from_millis(400);
+    let limits = Limits::default().with_heartbeat(Duration::from_millis(100), idle);
     let (bus, broker, _target) = broker_toward(Script::FallSilent, limits, |c| {
         c.reconnect_min = Duration::from_millis(20);
         c.reconnect_max = Duration::from_millis(100);
     })
     .await;
     // The scripted bus never closes a session: a second one means the broker ended the
-    // first itself, for silence.
+    // first itself, for silence: the idle timeout after the welcome (the last frame it
+    // heard), then at most 100 ms of backoff.
     until(|| bus.sessions.load(Ordering::Relaxed) >= 2).await;
+    let (welcomed, again) = (
+        bus.marks.first(Mark::Welcomed),
+        bus.marks.all(Mark::Session)[1],
+    );
+    assert_fired_at("the broker's idle timeout", again - welcomed, idle);
     until(|| broker.stats().sessions >= 2).await;
     broker.shutdown().await;
 }
@@ -228,24 +263,91 @@ async fn a_broker_dials_only_once_its_initial_list_is_complete_and_keeps_its_sna
     bus.shutdown().await;
 }
 
-#[tokio::test]
-async fn a_connection_that_never_starts_a_session_is_closed() {
+/// Reads `stream` until it ends (EOF or an error), within the support deadline.
+async fn read_to_end(stream: &mut (impl tokio::io::AsyncRead + Unpin)) {
     use tokio::io::AsyncReadExt;
-    let bus = bus().await;
-    let mut tls = tls_to(&bus).await;
-    // TLS completes, then nothing: the bus hangs up after SESSION_START_TIMEOUT
-    // instead of holding one of its connection slots forever.
     let mut buf = [0u8; 1024];
     within(async {
         loop {
-            match tls.read(&mut buf).await {
+            match stream.read(&mut buf).await {
                 Ok(0) | Err(_) => return,
                 Ok(_) => {}
             }
         }
     })
     .await;
+}
+
+/// Whether `stream` is still open after `wait` of reading (what arrives, such as the
+/// bus's HTTP/2 settings, is read and dropped; nothing ends it).
+async fn still_open(stream: &mut (impl tokio::io::AsyncRead + Unpin), wait: Duration) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 1024];
+    let ended = async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    };
+    tokio::time::timeout(wait, ended).await.is_err()
+}
+
+#[tokio::test]
+async fn a_connection_that_never_starts_a_session_is_closed_at_its_deadline() {
+    let start = Duration::from_millis(600);
+    let mut config = EventBusConfig::default();
+    config.session_start_timeout = start;
+    let bus = bus_with(config).await;
+    // TLS completes, then nothing: the bus hangs up after session_start_timeout
+    // instead of holding one of its connection slots forever.
+    let mut tls = tls_to(&bus).await;
+    let since_tls = std::time::Instant::now();
+    assert!(
+        still_open(&mut tls, start / 2).await,
+        "closed before its deadline"
+    );
+    read_to_end(&mut tls).await;
+    assert_fired_at("session_start_timeout", since_tls.elapsed(), start);
     assert_eq!(bus.stats().sessions_started, 0);
+
+    // A broker whose session is welcomed in time keeps its connection past it.
+    let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let broker = Broker::spawn(broker_config(&bus, "broker-1", view)).unwrap();
+    connected(&bus).await;
+    tokio::time::sleep(start * 2).await;
+    assert_eq!(bus.brokers_for("prod"), ["broker-1"]);
+    assert_eq!(
+        (bus.stats().sessions_started, broker.stats().sessions),
+        (1, 1)
+    );
+    broker.shutdown().await;
+    bus.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_connection_that_never_completes_tls_is_closed_at_its_deadline() {
+    let handshake = Duration::from_millis(600);
+    let mut config = EventBusConfig::default();
+    config.tls_handshake_timeout = handshake;
+    let bus = bus_with(config).await;
+    // TCP, then not one byte of TLS.
+    let mut tcp = tokio::net::TcpStream::connect(bus.local_addr())
+        .await
+        .unwrap();
+    let since = std::time::Instant::now();
+    assert!(
+        still_open(&mut tcp, handshake / 2).await,
+        "closed before its deadline"
+    );
+    read_to_end(&mut tcp).await;
+    assert_fired_at("tls_handshake_timeout", since.elapsed(), handshake);
+    // A broker's handshake within it is not cut.
+    let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let broker = Broker::spawn(broker_config(&bus, "broker-1", view)).unwrap();
+    connected(&bus).await;
+    broker.shutdown().await;
     bus.shutdown().await;
 }
 

@@ -7,13 +7,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::common::{
-    TOKEN, broker_config, bus, bus_at, connected, fixture, message, publisher, until,
+    TOKEN, broker_config, bus, bus_at, bus_with, connected, fixture, message, publisher, until,
 };
-use crate::support::{self, within};
+use crate::support::{self, assert_fired_at, within};
 use bytes::Bytes;
 use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Transport};
 use eventplane::tunnel::{
-    Broker, BrokerConfig, DrainReason, RefuseCode, Secret, TunnelError, client_tls,
+    Broker, BrokerConfig, DrainReason, EventBusConfig, RefuseCode, Secret, TunnelError, client_tls,
 };
 use eventplane::zmtp::{Config, Message, SubSocket};
 
@@ -164,7 +164,9 @@ async fn a_wrong_credential_or_ca_gets_no_session_and_plaintext_is_refused() {
 #[tokio::test]
 async fn a_new_session_with_the_same_client_id_supersedes_the_old() {
     let bus = bus().await;
-    let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let view_memory = Arc::new(MemoryDiscovery::new());
+    let view: Arc<dyn Discovery> = view_memory.clone();
+    let (publisher, endpoint, _reg) = publisher(&view_memory, 1).await;
     let first = Broker::spawn(broker_config(&bus, "broker-1", view.clone())).unwrap();
     connected(&bus).await;
     let second = Broker::spawn(broker_config(&bus, "broker-1", view.clone())).unwrap();
@@ -175,7 +177,20 @@ async fn a_new_session_with_the_same_client_id_supersedes_the_old() {
     })
     .await;
     assert_eq!(bus.brokers_for("prod"), ["broker-1"]);
+    // The newer session is the one that survived: the first broker saw its session
+    // end (it is stopped before its reconnect could supersede in turn), the second
+    // never lost its own, and the next stream goes through it.
+    until(|| first.stats().session_failures >= 1).await;
+    let old = first.stats();
     first.abort();
+    let stream = within(bus.open_stream("prod", 1, &endpoint)).await;
+    assert!(stream.is_ok(), "{stream:?}");
+    until(|| second.stats().streams_opened == 1).await;
+    let new = second.stats();
+    assert_eq!((old.sessions, old.streams_opened), (1, 0), "{old:?}");
+    assert_eq!((new.sessions, new.session_failures), (1, 0), "{new:?}");
+    assert_eq!(bus.stats().sessions, 1);
+    drop((stream, publisher));
     second.abort();
     bus.shutdown().await;
 }
@@ -270,28 +285,43 @@ async fn a_broker_reconnects_with_backoff_and_after_a_rebalance() {
         view,
     );
     config.reconnect_min = Duration::from_millis(200);
+    config.reconnect_max = Duration::from_millis(300);
     let broker = Broker::spawn(config).unwrap();
     until(|| broker.stats().session_failures >= 1).await;
     let bus = bus_at(&format!("127.0.0.1:{port}")).await;
     connected(&bus).await;
     assert_eq!(broker.stats().sessions, 1);
-    // The router moves this broker's share elsewhere: it drains and comes back.
+    // The router moves this broker's share elsewhere: it drains (nothing is open, so
+    // at once) and comes back after its 250-500 ms rebalance delay, not at once.
+    let drained = std::time::Instant::now();
     assert!(bus.drain_broker(
         "broker-1",
         Duration::from_millis(100),
         DrainReason::Rebalance
     ));
     until(|| broker.stats().sessions == 2).await;
+    let back = drained.elapsed();
+    assert!(
+        back >= Duration::from_millis(225)
+            && back <= Duration::from_millis(500) + support::DEADLINE_SLACK,
+        "back after {back:?}, not the rebalance delay"
+    );
     connected(&bus).await;
     assert_eq!(broker.stats().rebalances_throttled, 0);
     // A second rebalance within a minute: the broker waits its normal backoff instead
-    // (no tight loop), then comes back all the same.
+    // (no tight loop: here at most reconnect_max, 300 ms), then comes back all the same.
+    let drained = std::time::Instant::now();
     assert!(bus.drain_broker(
         "broker-1",
         Duration::from_millis(100),
         DrainReason::Rebalance
     ));
     until(|| broker.stats().sessions == 3).await;
+    let back = drained.elapsed();
+    assert!(
+        back <= Duration::from_millis(300) + support::DEADLINE_SLACK,
+        "back after {back:?}, past reconnect_max"
+    );
     assert_eq!(broker.stats().rebalances_throttled, 1);
     connected(&bus).await;
     assert!(!bus.drain_broker("nobody", Duration::ZERO, DrainReason::Rebalance));
@@ -315,18 +345,22 @@ async fn a_router_drain_lets_open_streams_finish_then_the_broker_returns() {
     sub.subscribe("kv").await.unwrap();
     within(publisher.wait_for_subscribers(1)).await;
 
-    assert!(bus.drain_broker("broker-1", Duration::from_secs(2), DrainReason::Shutdown));
+    let deadline = Duration::from_millis(1500);
+    let drained = std::time::Instant::now();
+    assert!(bus.drain_broker("broker-1", deadline, DrainReason::Shutdown));
     // Draining: offered for no new stream...
     until(|| bus.brokers_for("prod").is_empty()).await;
     assert!(matches!(
         bus.open_stream("prod", 1, &endpoint).await,
         Err(TunnelError::NoBroker(_))
     ));
-    // ...while the open one still flows until the deadline.
+    // ...while the open one still flows, up to just before the deadline.
+    tokio::time::sleep((deadline * 3 / 4).saturating_sub(drained.elapsed())).await;
     publisher.send(message(1));
     assert_eq!(within(sub.recv()).await.unwrap(), message(1));
-    // Then it ends, and the broker comes back for new streams.
+    // Then it ends at the deadline, and the broker comes back for new streams.
     within(async { while sub.recv().await.is_ok() {} }).await;
+    assert_fired_at("the drain deadline", drained.elapsed(), deadline);
     until(|| broker.stats().sessions == 2).await;
     connected(&bus).await;
     assert!(within(bus.open_stream("prod", 1, &endpoint)).await.is_ok());
@@ -412,7 +446,11 @@ async fn two_brokers_split_the_publishers_and_one_takes_over_when_the_other_is_l
 async fn a_joining_broker_takes_over_its_share_and_nothing_else() {
     use eventplane::tunnel::rendezvous_owner;
 
-    let bus = bus().await;
+    // Well under the 10 s default, so that a bus ignoring it moves too early or late.
+    let hold = Duration::from_millis(1500);
+    let mut config = EventBusConfig::default();
+    config.join_hold_down = hold;
+    let bus = bus_with(config).await;
     let view = Arc::new(MemoryDiscovery::new());
     let a = Broker::spawn(broker_config(&bus, "broker-a", view.clone())).unwrap();
     connected(&bus).await;
@@ -428,6 +466,11 @@ async fn a_joining_broker_takes_over_its_share_and_nothing_else() {
         .count() as u64;
     assert!((1..32).contains(&share_b), "{share_b}");
     let b = Broker::spawn(broker_config(&bus, "broker-b", view.clone())).unwrap();
+    until(|| bus.brokers_for("prod").len() == 2).await;
+    let joined = std::time::Instant::now();
+    // Nothing moves during the hold-down; then B's share moves at once.
+    until(|| bus.stats().streams_moved > 0).await;
+    assert_fired_at("join_hold_down", joined.elapsed(), hold);
     until(|| b.stats().streams_opened == share_b && bus.stats().streams_open == 32).await;
     assert_eq!(bus.stats().streams_moved, share_b);
     assert_eq!(a.stats().streams_opened, 32, "A's own share stayed put");

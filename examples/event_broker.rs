@@ -123,6 +123,8 @@ struct DiscoveryConfig {
 /// A refused configuration (exit 2) or unreachable discovery (exit 3).
 enum Refusal {
     Config(String),
+    // Only etcd can be unreachable.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
     Discovery(String),
 }
 

@@ -54,7 +54,8 @@ pub struct BrokerStats {
     pub bytes_up: u64,
     /// Bytes relayed router → publisher.
     pub bytes_down: u64,
-    /// The most the broker ever had queued toward the router in one session.
+    /// The most the broker ever had queued toward the router in one session (its
+    /// streams together, chunk overheads included), kept up to date while it runs.
     pub buffer_high_water: u64,
     /// Whether every namespace's initial discovery list is complete (the broker
     /// dials the bus only then).
@@ -495,11 +496,6 @@ async fn session(
     drop(report_rx);
     tracker.close();
     tracker.wait().await;
-    let high = budget
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .high_water() as u64;
-    counters.high_water.fetch_max(high, Ordering::Relaxed);
     Ok(outcome)
 }
 
@@ -700,11 +696,14 @@ async fn pump(
                 // The router let go of the stream (reset or done).
                 return;
             }
-            let charged = ctx
-                .budget
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .charge(stream_id, n);
+            let charged = {
+                let mut budget = ctx.budget.lock().unwrap_or_else(|p| p.into_inner());
+                let charged = budget.charge(stream_id, n);
+                counters
+                    .high_water
+                    .fetch_max(budget.high_water() as u64, Ordering::Relaxed);
+                charged
+            };
             let chunk = Bytes::copy_from_slice(buf.get(..n).unwrap_or_default());
             let sent = charged.is_ok() && up_tx.try_send(Ok(chunk)).is_ok();
             if !sent {

@@ -110,6 +110,15 @@ pub fn proc_status_bytes(pid: u32, field: &str) -> u64 {
     kib * 1024
 }
 
+/// Resets the peak RSS (VmHWM) of `pid` to its RSS now (Linux: `5` written to
+/// /proc/PID/clear_refs) and returns that RSS in bytes: `VmHWM` read later minus this
+/// is what the process grew to since, whatever its start-up peaked at.
+pub fn reset_peak_rss(pid: u32) -> u64 {
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5")
+        .unwrap_or_else(|e| panic!("cannot reset the peak RSS of {pid}: {e}"));
+    proc_status_bytes(pid, "VmRSS")
+}
+
 /// ZMTP 3.1 frames a raw test peer writes.
 pub mod wire {
     /// `READY` with `Socket-Type` = `socket_type` (3 letters).
@@ -171,8 +180,20 @@ pub mod wire {
     }
 }
 
-/// Starts example `name` with piped stdout and stderr; with `first_line`, also reads
-/// and returns the first line it prints (an endpoint, usually).
+/// The environment of a child process whose memory a test measures: glibc's mmap
+/// threshold fixed at 128 KiB (its default's starting value; setting it turns off
+/// glibc's raising it up to 32 MiB after large frees). A freed large buffer then goes
+/// back to the system at once, so the peak RSS shows what the process held at its
+/// peak, not what the allocator kept in its arenas for reuse.
+pub const FIXED_MMAP_THRESHOLD: (&str, &str) = ("MALLOC_MMAP_THRESHOLD_", "131072");
+
+/// How much a measured child may grow past the budgets in play: the runtime's and
+/// allocator's working set in a debug build (tests' own figures: 0.1-0.9 MiB).
+pub const RSS_SLACK: u64 = 4 << 20;
+
+/// Starts example `name` with piped stdout and stderr (and
+/// [`FIXED_MMAP_THRESHOLD`]); with `first_line`, also reads and returns the first
+/// line it prints (an endpoint, usually).
 pub async fn spawn_example<S: AsRef<std::ffi::OsStr>>(
     name: &str,
     args: &[S],
@@ -180,6 +201,7 @@ pub async fn spawn_example<S: AsRef<std::ffi::OsStr>>(
 ) -> (Child, Option<String>) {
     let mut child = Command::new(example(name))
         .args(args)
+        .env(FIXED_MMAP_THRESHOLD.0, FIXED_MMAP_THRESHOLD.1)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)

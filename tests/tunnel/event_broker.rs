@@ -755,3 +755,48 @@ async fn sigterm_lets_open_streams_run_for_the_drain_deadline_then_exits() {
     assert_fired_at("exit after the drain", termed.elapsed(), drain);
     bus.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_router_that_never_reads_costs_the_broker_process_one_stream_budget() {
+    use crate::support::{proc_status_bytes, reset_peak_rss};
+    use eventplane::tunnel::{CHUNK_OVERHEAD, MAX_STREAM_BUFFER_BYTES};
+    let (bus, publisher, endpoint, broker) = running("overflow", 300).await;
+    // Subscribed, one message read, then never read again.
+    let _sub = subscribed(&bus, &publisher, &endpoint).await;
+    let pid = broker.id().unwrap();
+    let before = reset_peak_rss(pid);
+    // 32 MiB toward it. The broker keeps reading the publisher; what the router's
+    // windows (256 KiB) do not take queues in the broker until the stream's 1 MiB
+    // budget is full, and the stream is reset.
+    let big = Bytes::from(vec![7u8; 64 << 10]);
+    for _ in 0..512 {
+        publisher.send(Message::from_parts([Bytes::from_static(b"t"), big.clone()]));
+        tokio::task::yield_now().await;
+    }
+    within(async {
+        while bus.stats().closed.get("buffer_overflow") != Some(&1) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let grown = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
+    // The stream's budget, one 16 KiB relay read past it, and the allocator's and
+    // HTTP/2's working room (SLACK).
+    const SLACK: u64 = 1 << 20;
+    let bound = (MAX_STREAM_BUFFER_BYTES + (16 << 10) + CHUNK_OVERHEAD) as u64 + SLACK;
+    eprintln!(
+        "event_broker under a router that reads nothing: +{} KiB (bound {} KiB)",
+        grown >> 10,
+        bound >> 10
+    );
+    assert!(
+        grown <= bound,
+        "event_broker grew by {grown} B, bound {bound} B"
+    );
+    assert_eq!(
+        publisher.stats().dropped,
+        0,
+        "the publisher never had to drop"
+    );
+    bus.shutdown().await;
+}

@@ -1,9 +1,10 @@
 //! The worker job as a process, side by side with Dynamo's: engine KV events in, Dynamo
 //! frames out, through a real etcd (feature `etcd`).
 //!
-//! - `eventplane`: this bench re-executed as a child process running what `kv_relay
-//!   --wire dynamo --etcd …` runs (`EngineListener → Processor → EventPlaneSink →
-//!   EventPublisher` on Dynamo's wire, Dynamo's records in etcd);
+//! - `eventplane`: the `kv_relay` example users run, `kv_relay --wire dynamo --etcd …`
+//!   (`target/release/examples/kv_relay`, built with `--features etcd`: a
+//!   current-thread `EngineListener → Processor → EventPlaneSink → EventPublisher` on
+//!   Dynamo's wire, Dynamo's records in etcd);
 //! - `dynamo`: NVIDIA Dynamo 1.6.1's own worker (`KvEventPublisher` relaying the
 //!   engine, `tests/dynamo_live/dynamo_worker.py`; PyPI `ai-dynamo-runtime` in
 //!   `target/dynamo-venv`, which `.ci/run` installs).
@@ -12,8 +13,12 @@
 //! `DynamicSubscriber` on Dynamo's records and wire. One iteration sends a window of
 //! 1024 engine events (64 vLLM batches of 16: stores of 4 chained blocks, then removes
 //! of them) and a sentinel store, and waits until the sentinel's router event arrives:
-//! a lossless closed loop; throughput in engine events per second through the whole
-//! process. A window not through within 30 s fails the bench.
+//! a lossless closed loop, checked as one: every delivery is decoded and each window
+//! must bring exactly its 2,048 stored and 2,048 removed blocks (and the sentinel's)
+//! with no sequence gap and no drop, and `kv_relay`, stopped with SIGTERM, must report
+//! every batch decoded, every event processed and nothing dropped. Throughput in
+//! engine events per second through the whole process. A window not through within
+//! 30 s fails the bench.
 #![allow(
     missing_docs,
     clippy::unwrap_used,
@@ -26,30 +31,29 @@
 
 #[path = "../tests/support/etcd.rs"]
 mod etcd_support;
+#[path = "common/relay.rs"]
+mod relay;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use criterion::{Criterion, Throughput, criterion_group};
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use etcd_support::EtcdServer;
 use eventplane::discovery::{Discovery, DynamoRecords, EtcdDiscovery, Query, RecordFormat};
-use eventplane::kv::{
-    EngineListener, EngineListenerConfig, EventPlaneSink, KvEventData, Processor, ProcessorConfig,
-    WorkerId, decode_dynamo_router_events,
-};
-use eventplane::publish::EventPublisher;
+use eventplane::kv::{KvEventData, decode_dynamo_router_events};
 use eventplane::subscriber::{DynamicSubscriber, Layout};
-use eventplane::wire::Wire;
 use eventplane::zmtp::{Config, Message, PubSocket};
+use relay::{Stderr, Tally, assert_relay_lossless, terminate_for_stats};
 use serde_json::json;
 
-const CHILD_ENV: &str = "EVENTPLANE_BENCH_RELAY";
 const WINDOW_BATCHES: u64 = 64;
 const BATCH_EVENTS: u64 = 16;
 const WINDOW_EVENTS: u64 = WINDOW_BATCHES * BATCH_EVENTS;
+/// Blocks a window stores, and then removes.
+const WINDOW_BLOCKS: u64 = WINDOW_BATCHES * BATCH_EVENTS / 2 * 4;
 const DEADLINE: Duration = Duration::from_secs(30);
 
 /// One engine batch, vLLM ≤ 0.23 arrays: 8 stores of 4 chained blocks, then the 8
@@ -95,25 +99,46 @@ fn sentinel(hash: u64) -> Vec<u8> {
 
 /// The engine, a worker process relaying it, and our subscriber following the worker.
 struct Rig {
+    which: &'static str,
     engine: PubSocket,
     seq: u64,
+    events_sent: u64,
     next_hash: u64,
     worker: Child,
+    stderr: Option<Stderr>,
     sub: DynamicSubscriber,
+    tally: Tally,
 }
 
 impl Rig {
-    async fn start(which: &str, etcd: &str) -> Rig {
+    async fn start(which: &'static str, etcd: &str) -> Rig {
         let engine = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
             .await
             .unwrap();
         let engine_ep = engine.local_endpoint().unwrap().to_owned();
         let namespace = format!("bench-{which}");
         let mut worker = match which {
-            "eventplane" => Command::new(std::env::current_exe().unwrap())
-                .env(CHILD_ENV, format!("{etcd} {namespace} {engine_ep}"))
-                .stdin(Stdio::piped())
+            "eventplane" => Command::new(kv_relay())
+                .args([
+                    "--connect",
+                    &engine_ep,
+                    "--topic",
+                    "kv",
+                    "--block-size",
+                    "4",
+                ])
+                .args(["--worker-id", "77", "--bind", "tcp://127.0.0.1:0"])
+                .args([
+                    "--wire",
+                    "dynamo",
+                    "--etcd",
+                    etcd,
+                    "--namespace",
+                    &namespace,
+                ])
+                .args(["--component", "kvworker", "--endpoint", "generate"])
                 .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
                 .spawn()
                 .unwrap(),
             _ => Command::new(dynamo_python())
@@ -130,15 +155,27 @@ impl Rig {
                 .env("DYN_LOG", "error")
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
-                .stderr(Stdio::null())
+                .stderr(Stdio::piped())
                 .spawn()
                 .unwrap(),
         };
+        let stderr = Stderr::drain(&mut worker);
         let mut line = String::new();
         BufReader::new(worker.stdout.take().unwrap())
             .read_line(&mut line)
             .unwrap();
-        assert_eq!(line.trim(), "ready", "{which} worker did not start");
+        // kv_relay prints its endpoint, Dynamo's script "ready".
+        let started = match which {
+            "eventplane" => line.starts_with("tcp://"),
+            _ => line.trim() == "ready",
+        };
+        if !started {
+            let _ = worker.kill();
+            panic!(
+                "{which} worker did not start: {line:?}\n{}",
+                stderr.finish()
+            );
+        }
         tokio::time::timeout(DEADLINE, engine.wait_for_subscribers(1))
             .await
             .expect("the worker never subscribed to the engine");
@@ -156,11 +193,15 @@ impl Rig {
         .spawn()
         .unwrap();
         let mut rig = Rig {
+            which,
             engine,
             seq: 0,
+            events_sent: 0,
             next_hash: 1 << 40,
             worker,
+            stderr: Some(stderr),
             sub,
+            tally: Tally::default(),
         };
         // Until the subscriber is through: sentinels.
         let until = Instant::now() + DEADLINE;
@@ -173,7 +214,7 @@ impl Rig {
         rig
     }
 
-    fn send(&mut self, payload: Vec<u8>) {
+    fn send(&mut self, payload: Vec<u8>, events: u64) {
         let report = self.engine.send(Message::from_parts([
             b"kv".to_vec(),
             self.seq.to_be_bytes().to_vec(),
@@ -184,19 +225,22 @@ impl Rig {
             "the engine dropped: a worker fell behind"
         );
         self.seq += 1;
+        self.events_sent += events;
     }
 
-    /// Sends a sentinel and waits (at most `wait`) for its router event.
+    /// Sends a sentinel and waits (at most `wait`) for its router event, decoding and
+    /// tallying every delivery on the way.
     async fn sentinel_round(&mut self, wait: Duration) -> bool {
         let hash = self.next_hash;
         self.next_hash += 1;
-        self.send(sentinel(hash));
+        self.send(sentinel(hash), 1);
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             let Ok(Some(d)) = tokio::time::timeout_at(deadline, self.sub.recv()).await else {
                 return false;
             };
             let events = decode_dynamo_router_events(&d.payload().unwrap()).unwrap();
+            self.tally.add(&events);
             let seen = events.iter().any(|e| match &e.event.data {
                 KvEventData::Stored { blocks, .. } => blocks.iter().any(|b| b.block_hash.0 == hash),
                 _ => false,
@@ -207,31 +251,71 @@ impl Rig {
         }
     }
 
-    /// One window of engine events and its sentinel.
+    /// One window of engine events and its sentinel; asserts that exactly its blocks
+    /// came out, with no gap or drop.
     async fn window(&mut self) {
+        let before = self.tally;
         for _ in 0..WINDOW_BATCHES {
             let base = self.next_hash;
             self.next_hash += BATCH_EVENTS * 4;
-            self.send(batch(base));
+            self.send(batch(base), BATCH_EVENTS);
         }
         assert!(
             self.sentinel_round(DEADLINE).await,
             "a window did not come through"
         );
+        let came = self.tally.since(&before);
+        let total = self.sub.handle().stats().total;
+        assert_eq!(
+            (came.stored_blocks, came.removed_blocks),
+            (WINDOW_BLOCKS + 1, WINDOW_BLOCKS),
+            "{}: a window's blocks (stored with the sentinel, removed); {total:?}",
+            self.which
+        );
+        assert_eq!(
+            (total.gaps, total.gap_messages, total.dropped()),
+            (0, 0, 0),
+            "{}: {total:?}",
+            self.which
+        );
     }
 
     async fn stop(mut self) {
-        let stats = self.sub.handle().stats().total;
-        assert_eq!(stats.dropped(), 0, "{stats:?}");
         self.sub.handle().shutdown().await;
-        drop(self.worker.stdin.take()); // EOF: the worker stops and unregisters
-        let _ = self.worker.wait();
+        let stderr = self.stderr.take().unwrap();
+        if self.which == "eventplane" {
+            // SIGTERM: it publishes what it holds, deletes its records, prints stats.
+            let stats = terminate_for_stats(&mut self.worker, stderr);
+            assert_relay_lossless("kv_relay", &stats, self.seq, self.events_sent);
+        } else {
+            drop(self.worker.stdin.take()); // EOF: the worker stops and unregisters
+            let _ = self.worker.wait();
+            drop(stderr.finish());
+        }
     }
 }
 
 /// The repository's root: this bench's crate is its `benches/` folder.
 fn repo_root() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+}
+
+/// The `kv_relay` example next to this bench's binary (a release build with feature
+/// `etcd`).
+fn kv_relay() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples/kv_relay");
+    assert!(
+        path.exists(),
+        "{} missing: cargo build --release --features etcd --example kv_relay",
+        path.display()
+    );
+    path
 }
 
 fn dynamo_python() -> PathBuf {
@@ -274,76 +358,5 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
-/// The child: what `kv_relay --wire dynamo --etcd URL --namespace NS --component
-/// kvworker` runs, until stdin closes.
-fn run_relay(spec: &str) {
-    let mut parts = spec.split(' ');
-    let (etcd, namespace, engine) = (
-        parts.next().unwrap().to_owned(),
-        parts.next().unwrap().to_owned(),
-        parts.next().unwrap().to_owned(),
-    );
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async move {
-        let discovery = EtcdDiscovery::builder([etcd])
-            .record_format(RecordFormat::Dynamo(
-                DynamoRecords::new().endpoint("generate").worker(77, 0),
-            ))
-            .connect()
-            .await
-            .unwrap();
-        let publisher = EventPublisher::builder(
-            Arc::new(discovery.clone()),
-            namespace,
-            "kvworker",
-            "kv-events",
-        )
-        .wire(Wire::Dynamo)
-        .build()
-        .await
-        .unwrap();
-        let publisher = Arc::new(publisher);
-        let sink = Arc::new(EventPlaneSink::new(publisher.clone()));
-        let (tx, rx) = tokio::sync::mpsc::channel(256);
-        let cancel = tokio_util::sync::CancellationToken::new();
-        let listener = EngineListener::new(
-            EngineListenerConfig::new(&engine, "kv", WorkerId(77), 4),
-            tx,
-        )
-        .unwrap();
-        let processor = Processor::new(ProcessorConfig::default(), rx, sink)
-            .unwrap()
-            .cancellation(&cancel);
-        let listener = tokio::spawn(listener.cancellation(&cancel).run());
-        let processor = tokio::spawn(processor.run());
-        {
-            let mut out = std::io::stdout().lock();
-            writeln!(out, "ready").unwrap();
-            out.flush().unwrap();
-        }
-        // Until the parent closes our stdin.
-        let _ = tokio::task::spawn_blocking(|| {
-            let mut sink = String::new();
-            while std::io::stdin().read_line(&mut sink).is_ok_and(|n| n > 0) {}
-        })
-        .await;
-        cancel.cancel();
-        let _ = listener.await;
-        let _ = processor.await;
-        if let Ok(p) = Arc::try_unwrap(publisher) {
-            p.shutdown().await;
-        }
-        discovery.close().await;
-    });
-}
-
 criterion_group!(benches, bench);
-
-fn main() {
-    if let Ok(spec) = std::env::var(CHILD_ENV) {
-        run_relay(&spec);
-        return;
-    }
-    benches();
-    Criterion::default().configure_from_args().final_summary();
-}
+criterion_main!(benches);

@@ -7,10 +7,14 @@
 //! (so the worker's state does not grow). One iteration sends a window of
 //! [`WINDOW_BATCHES`] batches and a sentinel store, then waits until a plain
 //! `SubSocket` on the relay's output sees the sentinel's router event: a lossless
-//! closed loop. Criterion reports engine events per wall-clock second through the
-//! whole process; the bench also reads the relay's CPU time from `/proc` and prints
-//! engine events per CPU-second (`kv_worker: …` lines), the figure that says what a
-//! worker pays per event.
+//! closed loop, and checked as one: every message on the relay's output is decoded,
+//! each window must bring exactly its 8,192 stored and 8,192 removed blocks (and the
+//! sentinel's), with no sequence gap, and at the end the relay (stopped with SIGTERM)
+//! must report every batch decoded, every event processed and nothing dropped.
+//! Criterion reports engine events per wall-clock second through the whole process;
+//! the bench also reads the relay's CPU time from `/proc` and prints engine events per
+//! CPU-second (`kv_worker: …` lines), the figure that says what a worker pays per
+//! event.
 //!
 //! Build the example first (`cargo build --release --example kv_relay`; `.ci/run`
 //! does). `EVENTPLANE_KV_RELAY_BEFORE=path` adds another build of it, to compare two
@@ -25,6 +29,8 @@
 
 #[path = "common/procfs.rs"]
 mod procfs;
+#[path = "common/relay.rs"]
+mod relay;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -35,6 +41,7 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use eventplane::kv::{KvEventData, decode_router_events};
 use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
 use procfs::status_kib;
+use relay::{Stderr, Tally, assert_relay_lossless, terminate_for_stats};
 use serde_json::json;
 
 /// Engine events per batch.
@@ -43,6 +50,8 @@ const BATCH_EVENTS: u64 = 64;
 const WINDOW_BATCHES: u64 = 64;
 const WINDOW_EVENTS: u64 = WINDOW_BATCHES * BATCH_EVENTS;
 const BLOCKS: u64 = 4;
+/// Blocks a window stores, and then removes.
+const WINDOW_BLOCKS: u64 = WINDOW_BATCHES / 2 * BATCH_EVENTS * BLOCKS;
 const DEADLINE: Duration = Duration::from_secs(30);
 
 /// 64 stores of 4 chained blocks from `base` on, vLLM ≤ 0.23 arrays.
@@ -96,9 +105,19 @@ struct Rig {
     seq: u64,
     next_hash: u64,
     relay: Child,
+    stderr: Option<Stderr>,
     sub: SubSocket,
     batch: Vec<Message>,
+    /// Engine events in measured windows.
     events: u64,
+    /// Engine events sent in all (sentinels included).
+    events_sent: u64,
+    /// What came out, from every message on the relay's output.
+    tally: Tally,
+    /// The relay's next output sequence number, once one was seen.
+    next_out_seq: Option<u64>,
+    /// Output sequence numbers skipped.
+    gaps: u64,
     cpu: Duration,
 }
 
@@ -119,9 +138,10 @@ impl Rig {
             ])
             .args(["--worker-id", "1", "--bind", "tcp://127.0.0.1:0"])
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(Stdio::piped())
             .spawn()
             .unwrap();
+        let stderr = Stderr::drain(&mut relay);
         let mut line = String::new();
         BufReader::new(relay.stdout.take().unwrap())
             .read_line(&mut line)
@@ -138,12 +158,18 @@ impl Rig {
             seq: 0,
             next_hash: 1 << 40,
             relay,
+            stderr: Some(stderr),
             sub,
             batch: Vec::new(),
             events: 0,
+            events_sent: 0,
+            tally: Tally::default(),
+            next_out_seq: None,
+            gaps: 0,
             cpu: Duration::ZERO,
         };
-        // Until the relay's publisher has our subscription: sentinels.
+        // Until the relay's publisher has our subscription: sentinels (what the relay
+        // published before it had our subscription is not ours to count).
         let until = Instant::now() + DEADLINE;
         while !rig.sentinel_round(Duration::from_millis(300)).await {
             assert!(Instant::now() < until, "nothing came through the relay");
@@ -151,7 +177,8 @@ impl Rig {
         rig
     }
 
-    fn send(&mut self, payload: Vec<u8>) {
+    fn send(&mut self, payload: Vec<u8>, events: u64) {
+        self.events_sent += events;
         let report = self.engine.send(Message::from_parts([
             b"kv".to_vec(),
             self.seq.to_be_bytes().to_vec(),
@@ -164,11 +191,12 @@ impl Rig {
         self.seq += 1;
     }
 
-    /// Sends a sentinel and waits (at most `wait`) for its router event.
+    /// Sends a sentinel and waits (at most `wait`) for its router event, decoding,
+    /// tallying and sequence-checking every message on the way.
     async fn sentinel_round(&mut self, wait: Duration) -> bool {
         let hash = self.next_hash;
         self.next_hash += 1;
-        self.send(sentinel(hash));
+        self.send(sentinel(hash), 1);
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             self.batch.clear();
@@ -178,38 +206,57 @@ impl Rig {
                 return false;
             };
             received.unwrap();
-            // The sentinel is the last event of a window: look only at the last message.
-            let last = self.batch.last().unwrap();
-            let events = decode_router_events(last.get(3).unwrap()).unwrap();
-            let seen = events.iter().any(|e| match &e.event.data {
-                KvEventData::Stored { blocks, .. } => blocks.iter().any(|b| b.block_hash.0 == hash),
-                _ => false,
-            });
+            let mut seen = false;
+            for message in &self.batch {
+                let seq = u64::from_be_bytes(message.get(2).unwrap().try_into().unwrap());
+                if let Some(next) = self.next_out_seq {
+                    self.gaps += seq.saturating_sub(next);
+                }
+                self.next_out_seq = Some(seq + 1);
+                let events = decode_router_events(message.get(3).unwrap()).unwrap();
+                self.tally.add(&events);
+                seen |= events.iter().any(|e| match &e.event.data {
+                    KvEventData::Stored { blocks, .. } => {
+                        blocks.iter().any(|b| b.block_hash.0 == hash)
+                    }
+                    _ => false,
+                });
+            }
             if seen {
                 return true;
             }
         }
     }
 
-    /// One window of engine events and its sentinel.
+    /// One window of engine events and its sentinel; asserts that exactly its blocks
+    /// came out, with no gap.
     async fn window(&mut self) {
+        let before = self.tally;
         for _ in 0..WINDOW_BATCHES / 2 {
             let base = self.next_hash;
             self.next_hash += BATCH_EVENTS * BLOCKS;
-            self.send(stores(base));
-            self.send(removes(base));
+            self.send(stores(base), BATCH_EVENTS);
+            self.send(removes(base), BATCH_EVENTS);
         }
         assert!(
             self.sentinel_round(DEADLINE).await,
             "a window did not come through"
+        );
+        let came = self.tally.since(&before);
+        assert_eq!(
+            (came.stored_blocks, came.removed_blocks, self.gaps),
+            (WINDOW_BLOCKS + 1, WINDOW_BLOCKS, 0),
+            "a window's blocks (stored with the sentinel, removed) and output gaps"
         );
         self.events += WINDOW_EVENTS;
     }
 
     fn stop(mut self, name: &str) {
         let peak = status_kib(&self.relay.id().to_string(), "VmHWM:");
-        let _ = self.relay.kill();
-        let _ = self.relay.wait();
+        let stats = terminate_for_stats(&mut self.relay, self.stderr.take().unwrap());
+        if name == "kv_relay" {
+            assert_relay_lossless(name, &stats, self.seq, self.events_sent);
+        }
         let per_cpu_second = if self.cpu >= Duration::from_millis(100) {
             format!("{:.2} M", self.events as f64 / self.cpu.as_secs_f64() / 1e6)
         } else {

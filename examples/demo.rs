@@ -166,6 +166,8 @@ struct Account {
     gaps: u64,
     /// Event-plane messages the worker's publisher dropped.
     publisher_dropped: u64,
+    /// Subscriber connections the worker's publisher accepted.
+    publisher_accepted: u64,
 }
 
 impl Account {
@@ -179,6 +181,7 @@ impl Account {
         self.emitted += o.emitted;
         self.gaps += o.gaps;
         self.publisher_dropped += o.publisher_dropped;
+        self.publisher_accepted += o.publisher_accepted;
     }
 }
 
@@ -366,7 +369,10 @@ impl Engine {
         let (listened, processed) = (stats.listener, stats.processor);
         let publisher_id = self.publisher.publisher_id();
         wait_while_progressing(|| ledger.missing_from(publisher_id)).await;
-        let publisher_dropped = self.publisher.stats().dropped;
+        let (publisher_dropped, publisher_accepted) = {
+            let s = self.publisher.stats();
+            (s.dropped, s.accepted)
+        };
         if let Ok(p) = Arc::try_unwrap(self.publisher) {
             p.shutdown().await;
         }
@@ -388,6 +394,7 @@ impl Engine {
             emitted: processed.output_events,
             gaps: listened.seq_gaps,
             publisher_dropped,
+            publisher_accepted,
         }
     }
 }
@@ -627,7 +634,7 @@ async fn main() -> anyhow::Result<()> {
     );
     row("index entries (worker × block)", index_size);
     row("distinct blocks in the index", index_distinct);
-    tunnel::report(tunnel, row).await;
+    tunnel::report(tunnel, a.publisher_accepted, row).await;
     Ok(())
 }
 
@@ -699,12 +706,18 @@ mod tunnel {
         Ok((builder, Some(Tunnel { bus, broker })))
     }
 
-    pub(super) async fn report(tunnel: Option<Tunnel>, row: impl Fn(&str, u64)) {
+    /// The tunnel's rows; `accepted` is how many connections the workers' publishers
+    /// accepted in all (the broker's, and any the router made directly).
+    pub(super) async fn report(tunnel: Option<Tunnel>, accepted: u64, row: impl Fn(&str, u64)) {
         let Some(Tunnel { bus, broker }) = tunnel else {
             return;
         };
         let stats = broker.stats();
         row("streams through the tunnel", stats.streams_opened);
+        row(
+            "worker connections not through the broker",
+            accepted.saturating_sub(stats.streams_opened),
+        );
         row("bytes relayed publishers → router", stats.bytes_up);
         row("refused or failed subscribes", bus.stats().streams_failed);
         broker.shutdown().await;
@@ -734,5 +747,5 @@ mod tunnel {
         Ok((builder, None))
     }
 
-    pub(super) async fn report(_: Option<Tunnel>, _: impl Fn(&str, u64)) {}
+    pub(super) async fn report(_: Option<Tunnel>, _: u64, _: impl Fn(&str, u64)) {}
 }

@@ -16,8 +16,8 @@
 
 use bytes::Bytes;
 use eventplane::kv::{
-    BlockHash, EngineDecoder, KvEvent, KvEventData, Pipeline, RouterEvent, StorageTier,
-    StoredBlock, TokensHash, WorkerId, decode_dynamo_router_events, encode_dynamo_router_events,
+    EngineDecoder, Pipeline, RouterEvent, WorkerId, decode_dynamo_router_events,
+    encode_dynamo_router_events,
 };
 use eventplane::wire::{Layout, Wire, WireError, encode_dynamo_frame, parse_dynamo_frame};
 use eventplane::zmtp::Message;
@@ -57,60 +57,7 @@ fn frames(capture: &Value) -> Vec<Message> {
 /// The router events the capture's `decoded` section lists for one frame, built from
 /// the JSON by hand (not by our decoder).
 fn expected_events(decoded: &Value) -> Vec<RouterEvent> {
-    let u = |v: &Value| v.as_u64().unwrap();
-    decoded["payload"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| {
-            let tier = match e["storage_tier"].as_str().unwrap() {
-                "device" => StorageTier::Device,
-                "host_pinned" => StorageTier::HostPinned,
-                other => panic!("tier {other} not in the capture"),
-            };
-            assert_eq!(e["residency_domain"], "worker");
-            let ev = &e["event"];
-            let data = &ev["data"];
-            let data = if data == "cleared" {
-                KvEventData::Cleared
-            } else if let Some(s) = data.get("stored") {
-                assert!(s["start_position"].is_null());
-                KvEventData::Stored {
-                    parent_hash: s["parent_hash"].as_u64().map(BlockHash),
-                    blocks: s["blocks"]
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .map(|b| {
-                            assert!(b["mm_extra_info"].is_null());
-                            StoredBlock {
-                                block_hash: BlockHash(u(&b["block_hash"])),
-                                tokens_hash: TokensHash(u(&b["tokens_hash"])),
-                            }
-                        })
-                        .collect(),
-                }
-            } else {
-                KvEventData::Removed {
-                    block_hashes: data["removed"]["block_hashes"]
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .map(|h| BlockHash(u(h)))
-                        .collect(),
-                }
-            };
-            RouterEvent {
-                worker_id: WorkerId(u(&e["worker_id"])),
-                tier,
-                event: KvEvent {
-                    id: u(&ev["event_id"]),
-                    dp_rank: u32::try_from(u(&ev["dp_rank"])).unwrap(),
-                    data,
-                },
-            }
-        })
-        .collect()
+    support::dynamo_decoded_events(decoded)
 }
 
 #[test]
@@ -168,6 +115,22 @@ fn our_encoder_reproduces_the_captured_bytes() {
             "frames 0-2 of {i}"
         );
         let (a, b) = (ours.get(3).unwrap(), captured);
+        // The unit Dynamo uses (milliseconds since the epoch, as in the capture) and
+        // our clock's now: not seconds, not microseconds, not a constant.
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        let stamped = parse_dynamo_frame(a).unwrap().published_at.unwrap();
+        assert!(
+            stamped.abs_diff(now_ms) < 60_000,
+            "frame {i}: published_at {stamped} is not near now ({now_ms} ms)"
+        );
+        let captured_at = envelope.published_at.unwrap();
+        assert!(
+            (1_700_000_000_000..4_000_000_000_000).contains(&captured_at),
+            "the capture's published_at {captured_at} is in milliseconds"
+        );
         assert_eq!(a.len(), b.len());
         let differing: Vec<usize> = (0..a.len()).filter(|&j| a[j] != b[j]).collect();
         let at = b.windows(12).position(|w| w == b"published_at").unwrap();

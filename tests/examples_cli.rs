@@ -346,6 +346,12 @@ async fn demo_through_the_tunnel_reaches_every_worker_only_through_the_broker() 
     // Three workers, then one more: each reached through the broker (the router's
     // own dials to loopback are refused).
     assert!(value("streams through the tunnel") >= 4, "{stdout}");
+    // No worker accepted a connection but the broker's: the router dialled none.
+    assert_eq!(
+        value("worker connections not through the broker"),
+        0,
+        "{stdout}"
+    );
     assert!(value("bytes relayed publishers → router") > 0);
     assert_eq!(value("unaccounted engine events"), 0, "{stdout}");
     assert_eq!(

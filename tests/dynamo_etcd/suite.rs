@@ -275,35 +275,15 @@ fn engine_batches(capture: &Value) -> Vec<Vec<u8>> {
 
 /// The router events the capture lists, as `kv_router` prints them, without ids.
 pub(crate) fn captured_router_events(capture: &Value) -> Vec<Value> {
-    use eventplane::kv::decode_dynamo_router_events;
-    use eventplane::wire::Layout;
-    let mut out = Vec::new();
-    for frames in capture["frames"].as_array().unwrap() {
-        let parts: Vec<Vec<u8>> = frames
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|f| {
-                let f = f.as_str().unwrap();
-                (0..f.len())
-                    .step_by(2)
-                    .map(|i| u8::from_str_radix(&f[i..i + 2], 16).unwrap())
-                    .collect()
-            })
-            .collect();
-        let message = eventplane::zmtp::Message::from_parts(parts);
-        let payload = Layout::Dynamo
-            .parse(None, &message)
-            .unwrap()
-            .payload
-            .unwrap();
-        for ev in decode_dynamo_router_events(&payload).unwrap() {
+    // From the capture's hand-written `decoded` section, not our decoder.
+    support::dynamo_capture_events(capture)
+        .into_iter()
+        .map(|ev| {
             let mut v = serde_json::to_value(&ev).unwrap();
             v["event"]["id"] = Value::Null;
-            out.push(v);
-        }
-    }
-    out
+            v
+        })
+        .collect()
 }
 
 /// The whole path next to Dynamo, as processes: an engine → `kv_relay --wire dynamo`

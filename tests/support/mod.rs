@@ -419,6 +419,80 @@ pub fn dynamo_capture() -> serde_json::Value {
     serde_json::from_str(&text).unwrap()
 }
 
+use eventplane::kv::{
+    BlockHash, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId,
+};
+
+/// The router events the capture's `decoded` section lists for one frame, built from
+/// the JSON by hand (not by our decoder).
+pub fn dynamo_decoded_events(decoded: &serde_json::Value) -> Vec<RouterEvent> {
+    let u = |v: &serde_json::Value| v.as_u64().unwrap();
+    decoded["payload"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let tier = match e["storage_tier"].as_str().unwrap() {
+                "device" => StorageTier::Device,
+                "host_pinned" => StorageTier::HostPinned,
+                other => panic!("tier {other} not in the capture"),
+            };
+            assert_eq!(e["residency_domain"], "worker");
+            let ev = &e["event"];
+            let data = &ev["data"];
+            let data = if data == "cleared" {
+                KvEventData::Cleared
+            } else if let Some(s) = data.get("stored") {
+                assert!(s["start_position"].is_null());
+                KvEventData::Stored {
+                    parent_hash: s["parent_hash"].as_u64().map(BlockHash),
+                    blocks: s["blocks"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|b| {
+                            assert!(b["mm_extra_info"].is_null());
+                            StoredBlock {
+                                block_hash: BlockHash(u(&b["block_hash"])),
+                                tokens_hash: TokensHash(u(&b["tokens_hash"])),
+                            }
+                        })
+                        .collect(),
+                }
+            } else {
+                KvEventData::Removed {
+                    block_hashes: data["removed"]["block_hashes"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|h| BlockHash(u(h)))
+                        .collect(),
+                }
+            };
+            RouterEvent {
+                worker_id: WorkerId(u(&e["worker_id"])),
+                tier,
+                event: KvEvent {
+                    id: u(&ev["event_id"]),
+                    dp_rank: u32::try_from(u(&ev["dp_rank"])).unwrap(),
+                    data,
+                },
+            }
+        })
+        .collect()
+}
+
+/// Every router event of the capture's frames, in order, from its hand-written
+/// `decoded` section (the oracle for end-to-end tests: not our decoder's view).
+pub fn dynamo_capture_events(capture: &serde_json::Value) -> Vec<RouterEvent> {
+    capture["decoded"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(dynamo_decoded_events)
+        .collect()
+}
+
 /// An `EventSink` that keeps every router event it is given.
 #[derive(Default)]
 pub struct CollectSink(pub std::sync::Mutex<Vec<eventplane::kv::RouterEvent>>);

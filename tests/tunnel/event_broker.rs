@@ -334,30 +334,37 @@ async fn a_second_signal_stops_it_at_once() {
 }
 
 #[tokio::test]
-async fn kv_router_runs_an_event_bus_that_brokers_join() {
+async fn kv_router_runs_an_event_bus_that_carries_events_through_a_broker() {
+    use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Transport};
+    use eventplane::kv::{KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId};
     use tokio::io::{AsyncBufReadExt, BufReader};
     let dir = config("router", "").parent().unwrap().to_owned();
-    let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+    let publisher = eventplane::publish::EventPublisher::unregistered("kv")
+        .bind("tcp://127.0.0.1:0")
+        .build()
         .await
         .unwrap();
-    let endpoint = publisher.local_endpoint().unwrap().to_owned();
-    let follow = [
-        "--static",
-        &endpoint,
-        "--namespace",
-        "prod",
-        "--topic",
-        "kv",
-    ];
+    let port = publisher
+        .local_endpoint()
+        .unwrap()
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .to_owned();
+    // A name only the broker resolves ("inside the cluster"): the router cannot dial
+    // it directly, so what it indexes came through the broker.
+    let inside = format!("tcp://publisher.inside.invalid:{port}");
+    let follow = ["--static", &inside, "--namespace", "prod", "--topic", "kv"];
     let mut router = Command::new(example("kv_router"))
         .args(follow)
-        .args(["--format", "quiet", "--bus-listen", "127.0.0.1:0"])
+        .args(["--count", "2", "--bus-listen", "127.0.0.1:0"])
         .arg("--bus-cert")
         .arg(fixture("bus.pem"))
         .arg("--bus-key")
         .arg(fixture("bus.key"))
         .arg("--bus-token-file")
         .arg(dir.join("token"))
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
@@ -372,27 +379,64 @@ async fn kv_router_runs_an_event_bus_that_brokers_join() {
         }
     })
     .await;
-    let port = addr.rsplit(':').next().unwrap();
-    // A broker joins with the router's token and the test CA.
-    let view: Arc<dyn eventplane::discovery::Discovery> =
-        Arc::new(eventplane::discovery::MemoryDiscovery::new());
-    let broker = eventplane::tunnel::Broker::spawn(eventplane::tunnel::BrokerConfig::new(
-        format!("https://localhost:{port}"),
-        "broker-a",
-        vec!["prod".to_owned()],
-        Secret::new(TOKEN).unwrap(),
-        eventplane::tunnel::client_tls(fixture("ca.pem")).unwrap(),
-        view,
-    ))
+    let bus_port = addr.rsplit(':').next().unwrap();
+    // A broker joins with the router's token and the test CA; its view advertises the
+    // publisher, its resolver knows the name.
+    let view = Arc::new(MemoryDiscovery::new());
+    let _reg = view
+        .register(
+            ChannelId::new("prod", "worker", "kv", 1).unwrap(),
+            Transport::zmq(inside.clone()),
+        )
+        .await
+        .unwrap();
+    let local: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let broker = eventplane::tunnel::Broker::spawn(
+        eventplane::tunnel::BrokerConfig::new(
+            format!("https://localhost:{bus_port}"),
+            "broker-a",
+            vec!["prod".to_owned()],
+            Secret::new(TOKEN).unwrap(),
+            eventplane::tunnel::client_tls(fixture("ca.pem")).unwrap(),
+            view.clone() as Arc<dyn Discovery>,
+        )
+        .resolver(Arc::new(crate::common::FixedResolver(vec![local]))),
+    )
     .unwrap();
-    within(async {
-        while broker.stats().sessions == 0 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    publisher
+        .wait_for_subscribers_within(1, crate::support::DEADLINE)
+        .await
+        .unwrap();
+    for (id, worker) in [(1, 7), (2, 8)] {
+        let event = RouterEvent {
+            worker_id: WorkerId(worker),
+            tier: StorageTier::Device,
+            event: KvEvent {
+                id,
+                dp_rank: 0,
+                data: KvEventData::Cleared,
+            },
+        };
+        publisher.publish(eventplane::kv::encode_router_events(&[event]).unwrap());
+    }
+    // --count 2: it prints both and exits 0.
+    let mut stdout = String::new();
+    tokio::io::AsyncReadExt::read_to_string(router.stdout.as_mut().unwrap(), &mut stdout)
+        .await
+        .unwrap();
+    let status = within(router.wait()).await.unwrap();
+    let printed: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(status.code(), Some(0), "{stdout}");
+    let workers: Vec<_> = printed.iter().map(|e| e["worker_id"].clone()).collect();
+    assert_eq!(workers, [7, 8], "{stdout}");
+    let stats = broker.stats();
+    assert_eq!(stats.streams_opened, 1, "{stats:?}");
+    assert!(stats.bytes_up > 0, "{stats:?}");
+    assert_eq!(publisher.stats().accepted, 1, "only the broker connected");
     broker.abort();
-    router.kill().await.unwrap();
 
     // A key that is not there: refused as an argument (2), naming the bus.
     let out = within(

@@ -99,7 +99,8 @@ async fn hoarded_small_messages_cost_the_retention_limit_not_a_read_buffer_each(
     }
     let held = peak.stop();
     eprintln!(
-        "{HOARD} hoarded 2 KB messages: {} KiB allocated at most (bound {} KiB)",
+        "figure: a SUB hoarding {HOARD} small messages, each read alone (1 MiB retention \
+         limit): {} KiB allocated at most (bound {} KiB)",
         held / KIB,
         bound / KIB
     );
@@ -141,7 +142,8 @@ async fn a_ping_flood_costs_a_publisher_one_pending_pong() {
     }
     let held = peak.stop();
     eprintln!(
-        "a publisher after {} MiB of PINGs: {} KiB allocated at most (bound {} KiB)",
+        "figure: a publisher under {} MiB of PINGs whose PONGs are never read: {} KiB \
+         allocated at most (bound {} KiB)",
         written / MIB,
         held / KIB,
         bound / KIB

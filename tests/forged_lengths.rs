@@ -109,7 +109,8 @@ async fn forged_lengths_never_allocate_what_they_claim() {
     }
     ALLOCATOR.set_limit(usize::MAX).unwrap();
     eprintln!(
-        "forged lengths: {} KiB held by 8 claims of 8 MiB",
+        "figure: a SUB with eight connections each claiming an 8 MiB frame and never \
+         sending it: {} KiB allocated (bound 4096 KiB)",
         held >> 10
     );
     assert!(held < 4 * MIB, "{held}");

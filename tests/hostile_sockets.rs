@@ -42,11 +42,11 @@ const READ_BUFFER: u64 = 64 * KIB;
 /// most `budget`, the bounds in play for this attack, plus [`RSS_SLACK`].
 #[track_caller]
 fn assert_within_budget(process: &str, grown: u64, budget: u64) {
+    // One line per figure, for tools/figures.py.
     eprintln!(
-        "{process}: +{} KiB (budget {} KiB + {} KiB slack)",
+        "figure: {process}: +{} KiB peak RSS (bound {} KiB)",
         grown / KIB,
-        budget / KIB,
-        RSS_SLACK / KIB
+        (budget + RSS_SLACK) / KIB
     );
     assert!(
         grown <= budget + RSS_SLACK,
@@ -132,7 +132,7 @@ async fn ping_flood_does_not_grow_the_publish_process() {
     let written = flood(&mut s, &ping_chunk(), 1300 * MIB, over).await;
     let grown = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
     assert_within_budget(
-        &format!("publish after {} MiB of PINGs", written / MIB),
+        "publish, 1.3 GB of PINGs never reading a PONG",
         grown,
         budget,
     );
@@ -366,7 +366,11 @@ async fn prefixes_and_ignored_messages_do_not_grow_the_publish_process() {
     // connection before the body (+24.9 MiB when bodies were read, +257.7 MiB when each
     // prefix pinned its read buffer).
     let budget = 4096 * (1001 + 64) + 2 * READ_BUFFER;
-    assert_within_budget("publish under subscription floods", grown, budget);
+    assert_within_budget(
+        "publish, 40 × [8 MiB message, 1000-byte subscription], then 4096 × [64 KiB ignored, 1000-byte subscription]",
+        grown,
+        budget,
+    );
 }
 
 /// [8 MiB on `tzz`][2 KB on `t`] × `rounds`, paced so nothing is dropped at the
@@ -460,7 +464,11 @@ async fn unfinished_multipart_messages_do_not_pin_read_buffers() {
     let grown = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
     // 100 connections × a read buffer and a PONG each; before the fix, 100 × 4 MiB.
     let budget = 100 * (READ_BUFFER + KIB);
-    assert_within_budget("publish with 100 unfinished messages", grown, budget);
+    assert_within_budget(
+        "publish, 100 connections each leaving a 64-part message unfinished, 64 KiB of commands after every part",
+        grown,
+        budget,
+    );
 }
 
 #[tokio::test]
@@ -508,7 +516,11 @@ async fn watch_with_a_slow_reader_stays_within_its_budgets() {
     // buffers (8 MiB by default), and one 8 MiB frame being assembled plus the half
     // it grew from. Before the fix: 3.1 GB.
     let budget = 8 * MIB + 12 * MIB + 400 * 2200;
-    assert_within_budget("watch with a slow reader", grown, budget);
+    assert_within_budget(
+        "watch, 400 × [8 MiB on a topic it drops, 2 KB on its topic], a line read per 5 ms",
+        grown,
+        budget,
+    );
     assert_eq!(stats["total"]["delivered"], 400, "{stats}");
     assert!(
         stats["retained_bytes"].as_u64().unwrap() <= (8 << 20) + (128 << 10),
@@ -738,5 +750,9 @@ async fn an_engine_batch_of_millions_of_nils_does_not_grow_kv_listen() {
     // allocated at its checked length; the batch is rejected at its array header
     // (+296 MiB when its 8.4 M elements were decoded).
     let budget = 16 * MIB + 2 * READ_BUFFER;
-    assert_within_budget("kv_listen after five batches of 8.4 M nils", grown, budget);
+    assert_within_budget(
+        "kv_listen, five engine batches of 8.4 M nils",
+        grown,
+        budget,
+    );
 }

@@ -115,6 +115,12 @@ async fn watch_fed_by_32_floods_with_a_slow_reader_stays_within_its_budget() {
     // by default), per connection a 64 KiB read buffer and a message in assembly, and
     // the runtime's and allocator's working set (`support::RSS_SLACK`).
     let bound = BUDGET + 8 * MIB + PUBLISHERS as u64 * 256 * 1024 + support::RSS_SLACK;
+    eprintln!(
+        "figure: watch with --max-buffered-bytes 8 MiB, {PUBLISHERS} publishers flooding, a \
+         line read per ms: +{} KiB peak RSS (bound {} KiB)",
+        grown >> 10,
+        bound >> 10
+    );
     assert!(
         grown <= bound,
         "watch grew by {} MiB, past the {} MiB its budgets allow; buffered {}, total {}",

@@ -829,7 +829,8 @@ async fn a_router_that_never_reads_costs_the_broker_process_one_stream_budget() 
     const SLACK: u64 = 1 << 20;
     let bound = (MAX_STREAM_BUFFER_BYTES + (16 << 10) + CHUNK_OVERHEAD) as u64 + SLACK;
     eprintln!(
-        "event_broker under a router that reads nothing: +{} KiB (bound {} KiB)",
+        "figure: event_broker relaying 32 MiB to a router that reads nothing: +{} KiB peak \
+         RSS (bound {} KiB)",
         grown >> 10,
         bound >> 10
     );

@@ -27,6 +27,9 @@
 #[path = "common/blaster.rs"]
 mod blaster;
 
+#[path = "common/watchdog.rs"]
+mod watchdog;
+
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -193,6 +196,7 @@ fn main() {
         child(kind, endpoint, count);
         return;
     }
+    watchdog::arm("cli_subscribe", std::time::Duration::from_secs(2700));
     benches();
     Criterion::default().configure_from_args().final_summary();
 }

@@ -10,6 +10,9 @@
     clippy::indexing_slicing
 )]
 
+#[path = "common/watchdog.rs"]
+mod watchdog;
+
 use std::collections::HashMap;
 use std::sync::RwLock;
 use std::time::{Duration, Instant};
@@ -71,6 +74,7 @@ fn on_threads(threads: u64, iters: u64, op: impl Fn(u64) + Sync) -> Duration {
 }
 
 fn lookups(c: &mut Criterion) {
+    watchdog::arm("discovery", std::time::Duration::from_secs(2700));
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -20,6 +20,9 @@
 #[path = "../tests/support/etcd.rs"]
 mod etcd_support;
 
+#[path = "common/watchdog.rs"]
+mod watchdog;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -208,6 +211,7 @@ fn restart_convergence(rt: &tokio::runtime::Runtime, server: &mut EtcdServer) {
 }
 
 fn main() {
+    watchdog::arm("discovery_etcd", std::time::Duration::from_secs(2700));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

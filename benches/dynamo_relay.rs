@@ -34,6 +34,9 @@ mod etcd_support;
 #[path = "common/relay.rs"]
 mod relay;
 
+#[path = "common/watchdog.rs"]
+mod watchdog;
+
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -332,6 +335,7 @@ fn dynamo_python() -> PathBuf {
 }
 
 fn bench(c: &mut Criterion) {
+    watchdog::arm("dynamo_relay", std::time::Duration::from_secs(2700));
     let rt = tokio::runtime::Runtime::new().unwrap();
     let etcd = rt.block_on(EtcdServer::start());
     let url = etcd.url();

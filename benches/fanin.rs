@@ -34,6 +34,9 @@
 #[path = "common/procfs.rs"]
 mod procfs;
 
+#[path = "common/watchdog.rs"]
+mod watchdog;
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Arc;
@@ -421,5 +424,6 @@ fn main() {
         child(n.parse().unwrap());
         return;
     }
+    watchdog::arm("fanin", std::time::Duration::from_secs(2700));
     bench();
 }

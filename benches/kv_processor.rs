@@ -14,6 +14,9 @@
 //! Dynamo the whole message (frames parsed, envelope checked, payload decoded).
 #![allow(missing_docs, clippy::unwrap_used, clippy::indexing_slicing)]
 
+#[path = "common/watchdog.rs"]
+mod watchdog;
+
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
@@ -135,6 +138,7 @@ fn mixed() -> Vec<PlacementEvent> {
 }
 
 fn bench(c: &mut Criterion) {
+    watchdog::arm("kv_processor", std::time::Duration::from_secs(2700));
     let mut group = c.benchmark_group("kv_pipeline");
     group.sample_size(20);
     group.measurement_time(Duration::from_secs(3));

@@ -32,6 +32,9 @@ mod procfs;
 #[path = "common/relay.rs"]
 mod relay;
 
+#[path = "common/watchdog.rs"]
+mod watchdog;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -279,6 +282,7 @@ fn kv_relay() -> Option<PathBuf> {
 }
 
 fn bench(c: &mut Criterion) {
+    watchdog::arm("kv_worker", std::time::Duration::from_secs(2700));
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -21,6 +21,9 @@
     clippy::indexing_slicing
 )]
 
+#[path = "common/watchdog.rs"]
+mod watchdog;
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -36,6 +39,7 @@ fn main() {
         run_publisher(&which);
         return;
     }
+    watchdog::arm("pub_flood_rss", Duration::from_secs(2700));
     // `cargo bench` passes `--bench`; a filter argument picks floods by name.
     let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let rt = tokio::runtime::Runtime::new().unwrap();

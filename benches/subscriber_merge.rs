@@ -21,6 +21,9 @@
 #[path = "common/procfs.rs"]
 mod procfs;
 
+#[path = "common/watchdog.rs"]
+mod watchdog;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -163,6 +166,7 @@ async fn fan_in(
 }
 
 fn bench(c: &mut Criterion) {
+    watchdog::arm("subscriber_merge", std::time::Duration::from_secs(2700));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

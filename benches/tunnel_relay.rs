@@ -6,7 +6,8 @@
 //! - added latency: one message sent and received at a time, both ways;
 //! - the broker's memory with 1,000 open streams: the `event_broker` example in its own
 //!   process (`target/release/examples/event_broker`, built with `--features tunnel`),
-//!   its RSS read from `/proc` once every stream carries ZMTP, asserted at most
+//!   its RSS read from `/proc` once every stream carries ZMTP and has relayed a 64 KiB
+//!   message (so every relay's read buffer was filled), asserted at most
 //!   [`MAX_KIB_PER_STREAM`] per stream over its idle RSS. In criterion's test mode
 //!   (`-- --test`, as `.ci/run` runs it) 256 streams: more than hyper's default of 200
 //!   concurrent HTTP/2 streams, within a 1,024-descriptor limit.
@@ -29,6 +30,9 @@
 #[path = "common/procfs.rs"]
 mod procfs;
 
+#[path = "common/watchdog.rs"]
+mod watchdog;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -44,10 +48,10 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 const TOKEN: &str = "tunnel-relay-bench-token";
 const WINDOW: u64 = 1_000;
-/// What one open stream may cost the broker process: its 16 KiB relay read buffer, the
-/// HTTP/2 stream's state and 64 KiB receive window (mostly untouched), the publisher
-/// connection and the allocator's share; the README figure is 24 KiB (64 KiB read
-/// buffers made it 70 KiB).
+/// What one open stream may cost the broker process once it relayed a 64 KiB message:
+/// its 16 KiB relay read buffer, the HTTP/2 stream's state and receive window, the
+/// publisher connection and the allocator's share (64 KiB read buffers make it 70 KiB
+/// or more).
 const MAX_KIB_PER_STREAM: u64 = 48;
 
 fn fixture(name: &str) -> PathBuf {
@@ -180,6 +184,7 @@ async fn pair() -> Pair {
 }
 
 fn relay(c: &mut Criterion) {
+    watchdog::arm("tunnel_relay", std::time::Duration::from_secs(2700));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -283,6 +288,15 @@ fn broker_memory(rt: &tokio::runtime::Runtime) {
         for (p, _, _) in &publishers {
             p.wait_for_subscribers(1).await;
             p.send(message());
+        }
+        for sub in &mut subs {
+            sub.recv().await.unwrap();
+        }
+        // Then 64 KiB through each stream, so every relay's read buffer has been filled
+        // (a buffer never written to is not resident, whatever its size).
+        let big = Message::from_parts([Bytes::from_static(b"t"), Bytes::from(vec![5u8; 64 << 10])]);
+        for (p, _, _) in &publishers {
+            p.send(big.clone());
         }
         for sub in &mut subs {
             sub.recv().await.unwrap();

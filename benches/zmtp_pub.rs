@@ -21,6 +21,9 @@
     clippy::indexing_slicing
 )]
 
+#[path = "common/watchdog.rs"]
+mod watchdog;
+
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
@@ -153,6 +156,7 @@ struct Theirs {
 }
 
 fn bench(c: &mut Criterion) {
+    watchdog::arm("zmtp_pub", std::time::Duration::from_secs(2700));
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

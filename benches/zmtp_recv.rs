@@ -27,6 +27,9 @@
 #[path = "common/blaster.rs"]
 mod blaster;
 
+#[path = "common/watchdog.rs"]
+mod watchdog;
+
 use std::time::{Duration, Instant};
 
 use blaster::{Blaster, TOPIC};
@@ -207,6 +210,7 @@ fn session_pair(payload: usize, iters: u64) -> Duration {
 }
 
 fn bench(c: &mut Criterion) {
+    watchdog::arm("zmtp_recv", std::time::Duration::from_secs(2700));
     for payload in [16, 1024] {
         let mut group = c.benchmark_group(format!("zmtp_session/{payload}B"));
         group.throughput(Throughput::Elements(1));

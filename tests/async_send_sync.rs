@@ -59,9 +59,18 @@ fn worker_types_are_send_and_sync() {
 #[test]
 fn tunnel_types_are_send_and_sync() {
     use eventplane::tunnel::{
-        BrokerSession, Control, ControlDecoder, FrameError, Reconnect, RelayBudget, RouterSession,
-        SessionEnd,
+        Broker, BrokerConfig, BrokerSession, BrokerStats, BusStats, Control, ControlDecoder,
+        EventBus, EventBusConfig, FrameError, Reconnect, RelayBudget, RouterSession, SessionEnd,
+        TunnelError, TunnelStream,
     };
+    send_sync::<EventBus>();
+    send_sync::<EventBusConfig>();
+    send_sync::<BusStats>();
+    send_sync::<Broker>();
+    send_sync::<BrokerConfig>();
+    send_sync::<BrokerStats>();
+    send_sync::<TunnelStream>();
+    send_sync::<TunnelError>();
     send_sync::<BrokerSession>();
     send_sync::<RouterSession>();
     send_sync::<Control>();

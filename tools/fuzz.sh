@@ -44,7 +44,7 @@ CORPUS_CAP_FILES=2000
 
 for t in "${targets[@]}"; do
   if [ -d "fuzz/corpus/$t" ]; then
-    kib=$(du -sk "fuzz/corpus/$t" | cut -f1)
+    kib=$(du -sk --apparent-size "fuzz/corpus/$t" | cut -f1)
     files=$(find "fuzz/corpus/$t" -type f | wc -l)
     if [ "$kib" -gt "$CORPUS_CAP_KIB" ] || [ "$files" -gt "$CORPUS_CAP_FILES" ]; then
       echo "fuzz/corpus/$t: $files files, $kib KiB: over the cap ($CORPUS_CAP_FILES files, $CORPUS_CAP_KIB KiB); minimize it"

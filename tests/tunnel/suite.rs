@@ -409,11 +409,7 @@ async fn two_brokers_split_the_publishers_and_one_takes_over_when_the_other_is_l
         p.publish(&b"during"[..]);
     }
     until(|| b.stats().streams_opened == 32).await;
-    for p in &publishers {
-        while p.stats().subscribed == 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
+    until(|| publishers.iter().all(|p| p.stats().subscribed > 0)).await;
     for p in &publishers {
         p.publish(&b"after"[..]);
     }

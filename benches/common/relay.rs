@@ -61,6 +61,13 @@ impl Stderr {
 /// Sends SIGTERM to `child`, waits for it (at most 30 s) and returns the JSON stats
 /// object it printed as the last line of stderr.
 pub(crate) fn terminate_for_stats(child: &mut Child, stderr: Stderr) -> serde_json::Value {
+    let text = terminate(child, stderr);
+    let last = text.lines().last().unwrap_or_default();
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("no stats line ({e}): {text}"))
+}
+
+/// Sends SIGTERM to `child`, waits for it (at most 30 s) and returns its stderr.
+pub(crate) fn terminate(child: &mut Child, stderr: Stderr) -> String {
     let killed = std::process::Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -77,9 +84,7 @@ pub(crate) fn terminate_for_stats(child: &mut Child, stderr: Stderr) -> serde_js
         );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    let text = stderr.finish();
-    let last = text.lines().last().unwrap_or_default();
-    serde_json::from_str(last).unwrap_or_else(|e| panic!("no stats line ({e}): {text}"))
+    stderr.finish()
 }
 
 /// Asserts from `kv_relay`'s own stats that it decoded every engine batch it was sent,

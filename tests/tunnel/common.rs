@@ -296,6 +296,8 @@ impl ScriptedBus {
     }
 }
 
+// One scripted session's whole context, spelled out: a test helper, called once.
+#[allow(clippy::too_many_arguments)]
 async fn run_scripted_session(
     script: Script,
     limits: Limits,

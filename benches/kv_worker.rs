@@ -294,10 +294,17 @@ fn bench(c: &mut Criterion) {
     let mut programs = Vec::new();
     match kv_relay() {
         Some(p) => programs.push(("kv_relay", p)),
-        None => eprintln!(
-            "kv_worker: target/release/examples/kv_relay is missing \
-             (cargo build --release --example kv_relay); skipping it"
-        ),
+        None => {
+            // In test mode (.ci/run) a missing binary is a failure, not a skipped claim.
+            assert!(
+                !std::env::args().any(|a| a == "--test"),
+                "target/release/examples/kv_relay is missing: cargo build --release --example kv_relay"
+            );
+            eprintln!(
+                "kv_worker: target/release/examples/kv_relay is missing \
+                 (cargo build --release --example kv_relay); skipping it"
+            )
+        }
     }
     if let Some(p) = std::env::var_os("EVENTPLANE_KV_RELAY_BEFORE") {
         programs.push(("kv_relay_before", PathBuf::from(p)));

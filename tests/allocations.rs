@@ -3,7 +3,9 @@
 //! `max_retained_bytes`, and a publisher flooded with PINGs whose PONGs are never read.
 //! This binary's global allocator counts every byte allocated; each test reads how
 //! far past its starting point the process went (sampled while the attack runs) and
-//! caps the process at twice its bound, so a runaway aborts it. The tests take turns
+//! caps the process (for the PING flood, at the bound itself), so that any
+//! allocation past the cap aborts it. The hoarding test also shows its premise (with
+//! the limit lifted, each hoarded message pins a read buffer). The tests take turns
 //! (the count is process-wide).
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)]
 
@@ -30,7 +32,8 @@ const READ_BUFFER: usize = 64 * KIB;
 /// Held while a test counts (the count and the cap are process-wide).
 static COUNTING: Mutex<()> = Mutex::new(());
 
-/// What the process allocated past `base`, at its most, over the samples taken.
+/// What the process allocated past `base`, at its most over the samples taken, with
+/// a cap on the process past which any allocation aborts it.
 struct Peak {
     base: usize,
     max: usize,
@@ -58,21 +61,15 @@ impl Peak {
     }
 }
 
-#[tokio::test(flavor = "current_thread")]
-// The guard keeps the other test's allocations out of this count: held across
-// awaits on purpose (each test has a runtime of its own).
-#[allow(clippy::await_holding_lock)]
-async fn hoarded_small_messages_cost_the_retention_limit_not_a_read_buffer_each() {
-    // Set-up allocates too: the whole test takes its turn.
-    let _counting = COUNTING.lock().unwrap_or_else(|p| p.into_inner());
-    const ROUNDS: usize = 100;
-    const RETAIN: usize = MIB;
-    const BIG: usize = 8 << 20;
-    let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
-        .await
-        .unwrap();
+const ROUNDS: usize = 100;
+const BIG: usize = 8 << 20;
+
+/// A SUB with `max_retained_bytes = retain` hoards the small message of each of
+/// [`ROUNDS`] rounds of [an 8 MiB message, a 2 KB one]: what stays allocated between
+/// rounds at its most (sampled after each), and how many it copied out.
+async fn hoard(publisher: &PubSocket, retain: usize, cap: usize) -> (usize, u64) {
     let config = Config::builder()
-        .max_retained_bytes(RETAIN)
+        .max_retained_bytes(retain)
         .build()
         .unwrap();
     let mut sub = SubSocket::connect(publisher.local_endpoint().unwrap(), config)
@@ -80,19 +77,18 @@ async fn hoarded_small_messages_cost_the_retention_limit_not_a_read_buffer_each(
         .unwrap();
     sub.subscribe("t").await.unwrap();
     within(publisher.wait_for_subscribers(1)).await;
-    // Each round: an 8 MiB message (a frame that large gets an allocation of its own),
-    // then a 2 KB one the consumer keeps. The small one lands in a fresh read buffer
-    // each time: sliced, each would keep its 64 KiB buffer alive (ROUNDS × 64 KiB).
+    // A frame that large gets an allocation of its own, so the small message after it
+    // lands in a fresh read buffer each round: sliced, each keeps its 64 KiB alive.
     let big = Message::from_parts([Bytes::from_static(b"tzz"), Bytes::from(vec![9u8; BIG])]);
     let small = Message::from_parts([Bytes::from_static(b"t"), Bytes::from(vec![1u8; 2000])]);
-    let mut hoard = Vec::with_capacity(ROUNDS);
-    let mut round = async |hoard: &mut Vec<Message>| {
+    let mut kept = Vec::with_capacity(ROUNDS);
+    let mut round = async |kept: &mut Vec<Message>| {
         publisher.send(big.clone());
         publisher.send(small.clone());
         loop {
             let m = within(sub.recv()).await.unwrap();
             if m.get(0) == Some(b"t") {
-                hoard.push(m);
+                kept.push(m);
                 return;
             }
         }
@@ -101,18 +97,41 @@ async fn hoarded_small_messages_cost_the_retention_limit_not_a_read_buffer_each(
     for _ in 0..2 {
         round(&mut Vec::new()).await;
     }
-
-    // What it may keep between rounds (sampled after each): the retention limit, the
-    // hoard's own copies, two read buffers, and 256 KiB of the runtime's working set.
-    // Within a round the large message is in flight on both sides (the cap, past which
-    // the process aborts, leaves room for it several times over).
-    let bound = RETAIN + ROUNDS * (2000 + 256) + 2 * READ_BUFFER + 256 * KIB;
-    let mut peak = Peak::start(bound + 8 * BIG);
+    let mut peak = Peak::start(cap);
     for _ in 0..ROUNDS {
-        round(&mut hoard).await;
+        round(&mut kept).await;
         peak.sample();
     }
     let held = peak.stop();
+    assert!(kept.iter().all(|m| m == &small));
+    let copied = sub.buffers().copied_messages;
+    drop((kept, sub));
+    within(async {
+        while publisher.stats().connections > 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    (held, copied)
+}
+
+#[tokio::test(flavor = "current_thread")]
+// The guard keeps the other test's allocations out of this count: held across
+// awaits on purpose (each test has a runtime of its own).
+#[allow(clippy::await_holding_lock)]
+async fn hoarded_small_messages_cost_the_retention_limit_not_a_read_buffer_each() {
+    // Set-up allocates too: the whole test takes its turn.
+    let _counting = COUNTING.lock().unwrap_or_else(|p| p.into_inner());
+    const RETAIN: usize = MIB;
+    let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+        .await
+        .unwrap();
+    // What it may keep between rounds: the retention limit, the hoard's own copies, two
+    // read buffers, and 256 KiB of the runtime's working set. Within a round the large
+    // message is in flight on both sides (the cap, past which the process aborts,
+    // leaves room for it several times over).
+    let bound = RETAIN + ROUNDS * (2000 + 256) + 2 * READ_BUFFER + 256 * KIB;
+    let (held, copied) = hoard(&publisher, RETAIN, bound + 8 * BIG).await;
     eprintln!(
         "figure: a SUB hoarding {ROUNDS} small messages, each after an 8 MiB one (1 MiB \
          retention limit): {} KiB allocated at most (bound {} KiB)",
@@ -120,9 +139,27 @@ async fn hoarded_small_messages_cost_the_retention_limit_not_a_read_buffer_each(
         bound / KIB
     );
     assert!(held <= bound, "{held} > {bound}");
-    assert!(hoard.iter().all(|m| m == &small));
-    let buffers = sub.buffers();
-    assert!(buffers.copied_messages > 0, "{buffers:?}");
+    // Copied from the moment the limit was passed (about 16 rounds in), every time.
+    let pinned_before_limit = RETAIN / READ_BUFFER + 2;
+    assert!(
+        copied >= (ROUNDS - pinned_before_limit) as u64,
+        "only {copied} of {ROUNDS} copied"
+    );
+
+    // The premise, shown: with the limit lifted, each hoarded message does keep a
+    // read buffer of its own alive.
+    let (held, copied) = hoard(
+        &publisher,
+        usize::MAX >> 1,
+        2 * ROUNDS * READ_BUFFER + 8 * BIG,
+    )
+    .await;
+    assert_eq!(copied, 0);
+    assert!(
+        held >= ROUNDS * READ_BUFFER / 2,
+        "sliced, {ROUNDS} hoarded messages held only {} KiB: they did not each pin a buffer",
+        held / KIB
+    );
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -145,10 +182,13 @@ async fn a_ping_flood_costs_a_publisher_one_pending_pong() {
     let chunk = wire::ping(&[0x5a; 16]).repeat(40_000);
     s.write_all(&chunk).await.unwrap();
 
-    // The PONGs of 7.5 M PINGs, never read: what the publisher holds is its read
-    // buffer, one write batch and one PONG (each PONG kept would be 12 B: 90 MB).
-    let bound = 2 * READ_BUFFER + KIB + 256 * KIB;
-    let mut peak = Peak::start(2 * bound);
+    // The PONGs of 7.5 M PINGs, never read (each PONG kept would be 12 B: 90 MB). The
+    // connection's read buffer, write batch and one PONG are already allocated: past
+    // that, the publisher may allocate a write batch again and a PONG, no more. The
+    // cap is the bound: one allocation past it aborts the process, between samples
+    // or not.
+    let bound = READ_BUFFER + 2 * KIB;
+    let mut peak = Peak::start(bound);
     let mut written = 0;
     while written < 300 * MIB {
         s.write_all(&chunk).await.unwrap();

@@ -9,7 +9,7 @@
 //! refusals, stalls); where the test owns the process (the examples, run as child
 //! processes) the growth of its peak RSS (VmHWM, reset when the attack starts) is
 //! asserted against the budgets in play for that attack plus `support::RSS_SLACK`
-//! (4 MiB). In-process claims (hoarding, pending PONGs) are counted by allocation in
+//! (2 MiB). In-process claims (hoarding, pending PONGs) are counted by allocation in
 //! `tests/allocations.rs`.
 #![allow(
     clippy::unwrap_used,
@@ -639,12 +639,18 @@ async fn a_removed_publisher_that_keeps_sending_is_cut_after_the_grace() {
         })
     };
     within(sub.recv()).await.unwrap();
+    let removed = std::time::Instant::now();
     registration.unregister().await.unwrap();
     // Drained for 500 ms, then cut, although it never stops sending.
     eventually("the departed publisher's connection cut", || {
         publisher.stats().connections == 0
     })
     .await;
+    support::assert_fired_at(
+        "the drain grace",
+        removed.elapsed(),
+        Duration::from_millis(500),
+    );
     sender.abort();
     let stats = sub.stats();
     assert!(stats.publishers.is_empty(), "{stats:?}");

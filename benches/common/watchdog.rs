@@ -15,6 +15,11 @@ pub(crate) fn arm(bench: &'static str, full: Duration) {
     std::thread::spawn(move || {
         std::thread::sleep(limit);
         eprintln!("{bench}: still running after {limit:?}: a wait that never ended (watchdog)");
+        // Exiting runs no destructor: end the children (relays, etcd, Python peers)
+        // here, so they do not outlive the bench.
+        let _ = std::process::Command::new("pkill")
+            .args(["-KILL", "-P", &std::process::id().to_string()])
+            .status();
         std::process::exit(3);
     });
 }

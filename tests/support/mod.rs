@@ -188,8 +188,8 @@ pub mod wire {
 pub const FIXED_MMAP_THRESHOLD: (&str, &str) = ("MALLOC_MMAP_THRESHOLD_", "131072");
 
 /// How much a measured child may grow past the budgets in play: the runtime's and
-/// allocator's working set in a debug build (tests' own figures: 0.1-0.9 MiB).
-pub const RSS_SLACK: u64 = 4 << 20;
+/// allocator's working set in a debug build (the tests' own excess over budget: 0.1-0.9 MiB).
+pub const RSS_SLACK: u64 = 2 << 20;
 
 /// Starts example `name` with piped stdout and stderr (and
 /// [`FIXED_MMAP_THRESHOLD`]); with `first_line`, also reads and returns the first

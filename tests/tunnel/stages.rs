@@ -202,6 +202,7 @@ async fn a_broker_leaves_a_silent_bus_after_the_idle_timeout_and_reconnects() {
     // first itself, for silence: the idle timeout after the welcome (the last frame it
     // heard), then at most 100 ms of backoff.
     until(|| bus.sessions.load(Ordering::Relaxed) >= 2).await;
+    until(|| broker.stats().connected).await;
     let (welcomed, again) = (
         bus.marks.first(Mark::Welcomed),
         bus.marks.all(Mark::Session)[1],
@@ -301,9 +302,11 @@ async fn a_connection_that_never_starts_a_session_is_closed_at_its_deadline() {
     config.session_start_timeout = start;
     let bus = bus_with(config).await;
     // TLS completes, then nothing: the bus hangs up after session_start_timeout
-    // instead of holding one of its connection slots forever.
-    let mut tls = tls_to(&bus).await;
+    // instead of holding one of its connection slots forever. The clock starts before
+    // the handshake (the bus's starts at its end): the lower bound holds by
+    // construction, the handshake's time counts against the slack.
     let since_tls = std::time::Instant::now();
+    let mut tls = tls_to(&bus).await;
     assert!(
         still_open(&mut tls, start / 2).await,
         "closed before its deadline"
@@ -332,21 +335,27 @@ async fn a_connection_that_never_completes_tls_is_closed_at_its_deadline() {
     let mut config = EventBusConfig::default();
     config.tls_handshake_timeout = handshake;
     let bus = bus_with(config).await;
-    // TCP, then not one byte of TLS.
+    // TCP, then not one byte of TLS (the clock starts before the connect).
+    let since = std::time::Instant::now();
     let mut tcp = tokio::net::TcpStream::connect(bus.local_addr())
         .await
         .unwrap();
-    let since = std::time::Instant::now();
     assert!(
         still_open(&mut tcp, handshake / 2).await,
         "closed before its deadline"
     );
     read_to_end(&mut tcp).await;
     assert_fired_at("tls_handshake_timeout", since.elapsed(), handshake);
-    // A broker's handshake within it is not cut.
+    // A broker's handshake within it is not cut, nor its connection after it.
     let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     let broker = Broker::spawn(broker_config(&bus, "broker-1", view)).unwrap();
     connected(&bus).await;
+    tokio::time::sleep(handshake * 2).await;
+    assert_eq!(
+        (bus.stats().sessions_started, broker.stats().sessions),
+        (1, 1)
+    );
+    assert!(broker.stats().connected);
     broker.shutdown().await;
     bus.shutdown().await;
 }
@@ -393,4 +402,27 @@ async fn tls_to(
         .connect(name, tcp)
         .await
         .unwrap()
+}
+
+#[tokio::test]
+async fn connections_past_max_connections_are_closed_on_accept() {
+    let mut config = EventBusConfig::default();
+    config.max_connections = 2;
+    let bus = bus_with(config).await;
+    // Two connections that say nothing hold both slots...
+    let _held = [tls_to(&bus).await, tls_to(&bus).await];
+    // ...so a third is closed at once, before any TLS (an unauthenticated peer cannot
+    // queue more than the cap).
+    let mut third = tokio::net::TcpStream::connect(bus.local_addr())
+        .await
+        .unwrap();
+    let (_, elapsed) = timed(read_to_end(&mut third)).await;
+    assert!(elapsed < Duration::from_secs(1), "closed after {elapsed:?}");
+    // A broker gets in once the slots are free.
+    drop(_held);
+    let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let broker = Broker::spawn(broker_config(&bus, "broker-1", view)).unwrap();
+    connected(&bus).await;
+    broker.shutdown().await;
+    bus.shutdown().await;
 }

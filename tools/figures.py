@@ -314,7 +314,8 @@ def src_bounds(ctx):
         # another's measurement.
         text = run(["cargo", "test", "--all-features"] + args
                    + ["--", "--nocapture", "--test-threads=1"], log)
-        for m in re.finditer(r"^figure: (.+): \+?(\d+) KiB(.*?)\(bound (\d+) KiB\)", text, re.M):
+        # libtest prints a test's name, then its output, on one line: not anchored.
+        for m in re.finditer(r"figure: (.+?): \+?(\d+) KiB([^\n]*?)\(bound (\d+) KiB\)", text):
             what = m.group(1)
             v[f"{what}/kib"] = float(m.group(2))
             v[f"{what}/bound"] = float(m.group(4))

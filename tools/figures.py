@@ -4,6 +4,7 @@ peer from the same run, and writes them between the README's figure markers.
 
     tools/figures.py [--runs N] [--quick] [--before REV] [--only NAME,...]
                      [--write README.md | --out FILE]
+    tools/figures.py --check README.md
 
 Runs each source below N times (criterion benches, the demo, the memory tests) and
 reports medians (ranges for figures a bench prints), every table stamped with the
@@ -13,7 +14,9 @@ commit, machine and date it was measured at. `--before REV` builds `subscribe` a
 criterion's quick mode with small sizes: it checks that every source still runs and
 parses, its figures are not for the README (it never writes README.md unless told to).
 `--only` runs some sources (`--list` names them); the others keep the figures the
-README has. Logs go to target/figures/.
+README has. Logs go to target/figures/. `--check README.md` runs nothing: it fails
+unless the README's block has every source's section, each from a full run on a
+committed tree (.ci/run calls it).
 
 Needs what .ci/run installs (libzmq3-dev, etcd, protoc, Dynamo's virtualenv) and about
 an hour per run on a 2-core machine; run nothing else meanwhile.
@@ -743,6 +746,44 @@ class Ctx:
         self.quick, self.before, self.run, self.env = quick, before, 0, {}
 
 
+ORDER = ["recv", "pub", "cli", "flood", "bounds", "discovery", "etcd", "merge", "fanin",
+         "kv", "demo", "tunnel", "dynamo", "worker"]
+
+
+def check(readme):
+    """Fails unless the README's figure block has every source's section, each stamped
+    by a full run (not quick mode), and nothing outside the sections."""
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        print(f"figures: {readme} has no figure markers", file=sys.stderr)
+        return 1
+    block = text.split(BEGIN, 1)[1].split(END, 1)[0]
+    chunks = re.split(r"(?m)^(?=<!-- figure: )", block)
+    found = {}
+    for chunk in chunks:
+        mm = re.match(r"<!-- figure: (\w+) -->\n", chunk)
+        if mm:
+            found[mm.group(1)] = chunk
+        elif chunk.strip():
+            print(f"figures: {readme}: text outside a generated section", file=sys.stderr)
+            return 1
+    bad = []
+    for name in ORDER:
+        chunk = found.get(name)
+        if chunk is None:
+            bad.append(f"no section for {name}")
+        elif "*Measured at `" not in chunk:
+            bad.append(f"{name}: no measurement stamp")
+        elif "in quick mode" in chunk or "-dirty`" in chunk:
+            bad.append(f"{name}: measured in quick mode or on an uncommitted tree")
+    for b in bad:
+        print(f"figures: {readme}: {b} (regenerate: tools/figures.py --write {readme})",
+              file=sys.stderr)
+    if not bad:
+        print(f"figures: {readme}: {len(ORDER)} generated sections", file=sys.stderr)
+    return 1 if bad else 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=1)
@@ -752,10 +793,13 @@ def main():
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--write", metavar="README")
     ap.add_argument("--out", metavar="FILE")
+    ap.add_argument("--check", metavar="README")
     args = ap.parse_args()
     if args.list:
         print(" ".join(SOURCES))
         return 0
+    if args.check:
+        return check(pathlib.Path(args.check))
     chosen = [s for s in args.only.split(",") if s] or list(SOURCES)
     unknown = [s for s in chosen if s not in SOURCES]
     if unknown:
@@ -815,8 +859,7 @@ def main():
         except (Failed, KeyError, ZeroDivisionError) as e:
             print(f"figures: rendering {name}: {e!r}", file=sys.stderr)
             return 1
-    order = ["recv", "pub", "cli", "flood", "bounds", "discovery", "etcd", "merge", "fanin",
-             "kv", "demo", "tunnel", "dynamo", "worker"]
+    order = ORDER
     if args.write:
         readme = pathlib.Path(args.write)
         text = readme.read_text()

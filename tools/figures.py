@@ -311,6 +311,9 @@ MEMORY_TESTS = [
 
 def src_bounds(ctx):
     v = {}
+    # The process tests spawn example binaries, which `cargo test --test NAME` does not
+    # build (a whole `cargo test` does).
+    run(["cargo", "build", "--all-features", "--examples"], LOGS / "build-examples-debug.log")
     for i, args in enumerate(MEMORY_TESTS):
         log = LOGS / f"bounds-{i}.{ctx.run}.log"
         # One test at a time: figure lines never interleave, and no test's load is

@@ -19,7 +19,8 @@ unless the README's block has every source's section, each from a full run on a
 committed tree (.ci/run calls it).
 
 Needs what .ci/run installs (libzmq3-dev, etcd, protoc, Dynamo's virtualenv) and about
-an hour per run on a 2-core machine; run nothing else meanwhile.
+15 minutes per run on a 2-core machine once built (the first build takes longer); run
+nothing else meanwhile.
 """
 
 import argparse

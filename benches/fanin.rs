@@ -330,7 +330,8 @@ fn bench() {
     eprintln!(
         "fanin: {n} publishers connected in {:.2} s; parent fds {fds} ({} before the \
          subscriber: +{}); idle RSS {} MiB, {idle_per_publisher:.1} KiB per publisher \
-         ({average:.1} KiB on average with the subscriber's fixed costs)",
+         ({average:.1} KiB on average with the subscriber's fixed costs); asserted: fds \
+         within publishers + {MAX_EXTRA_FDS}, {IDLE_KIB_PER_PUBLISHER} KiB + 50% per publisher",
         connected_in.as_secs_f64(),
         fds_before,
         fds - fds_before,

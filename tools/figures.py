@@ -212,7 +212,11 @@ def src_fanin(ctx):
     v = {"n": n, "delivered": rate(r, f"fanin/100B/dynamic_subscriber/{n}")}
     v["connect_s"] = grab(r"publishers connected in ([\d.]+) s", text, "fanin connect")
     v["extra_fds"] = grab(r"before the subscriber: \+(\d+)\)", text, "fanin fds") - n
-    v["idle_kib"] = grab(r"([\d.]+) KiB per publisher", text, "fanin idle")
+    v["idle_kib"] = grab(r"([\d.]+) KiB per publisher \(", text, "fanin idle")
+    # The bounds the bench asserts, as it prints them (not repeated here).
+    v["bound/extra_fds"] = grab(r"asserted: fds within publishers \+ (\d+)", text, "fanin fd bound")
+    v["bound/idle_kib"] = grab(r"asserted: .*?, ([\d.]+) KiB \+ 50% per publisher", text,
+                                 "fanin idle bound")
     m = re.search(r"flood, stalled consumer: RSS before (\d+) MiB, peak (\d+) MiB \(\+(\d+) MiB.*?"
                   r"([\d.]+) MiB in read buffers.*?received (\d+), dropped (\d+)", text)
     if not m:
@@ -578,8 +582,8 @@ fixed per-connection buffers and the in-process publishers' 256 KiB queues, plus
         section(f"Fan-in at scale: {n:,} publishers", "cargo bench --bench fanin", f"""
 A child process holds {n:,} `PubSocket`s on loopback; one `DynamicSubscriber` (default
 bounds) follows them all through `MemoryDiscovery`. The bench asserts zero drops and gaps
-in the loop, descriptors within publishers + 32, idle RSS per additional publisher within
-8.8 KiB + 50%, and a flood growth of at most `max_buffered_bytes` + 32 MiB.
+in the loop, descriptors within publishers + {f('bound/extra_fds'):.0f}, idle RSS per additional publisher within
+{f('bound/idle_kib'):.1f} KiB + 50%, and a flood growth of at most `max_buffered_bytes` + 32 MiB.
 
 {table([f"{n:,} publishers", "this build"], rows)}
 """)
@@ -750,41 +754,59 @@ class Ctx:
         self.quick, self.before, self.run, self.env = quick, before, 0, {}
 
 
+# The README's order of sections: every source, once.
 ORDER = ["recv", "pub", "cli", "flood", "bounds", "discovery", "etcd", "merge", "fanin",
          "kv", "demo", "tunnel", "dynamo", "worker"]
+assert sorted(ORDER) == sorted(SOURCES), "ORDER must name every source once"
+
+
+def split_block(text):
+    """The README's text before, inside and after the figure markers, and the sections
+    inside: (head, {name: body}, stray text outside any section, tail); None without
+    markers."""
+    if BEGIN not in text or END not in text:
+        return None
+    head, rest = text.split(BEGIN, 1)
+    block, tail = rest.split(END, 1)
+    sections, stray = {}, ""
+    for chunk in re.split(r"(?m)^(?=<!-- figure: )", block):
+        mm = re.match(r"<!-- figure: (\w+) -->\n", chunk)
+        if mm:
+            sections[mm.group(1)] = chunk[mm.end():].strip() + "\n"
+        else:
+            stray += chunk.strip()
+    return head, sections, stray, tail
 
 
 def check(readme):
-    """Fails unless the README's figure block has every source's section, each stamped
-    by a full run (not quick mode), and nothing outside the sections."""
-    text = readme.read_text()
-    if BEGIN not in text or END not in text:
+    """Fails unless the README's figure block has every source's section, all stamped by
+    one full run (not quick mode) at one committed tree, and nothing outside them."""
+    split = split_block(readme.read_text())
+    if split is None:
         print(f"figures: {readme} has no figure markers", file=sys.stderr)
         return 1
-    block = text.split(BEGIN, 1)[1].split(END, 1)[0]
-    chunks = re.split(r"(?m)^(?=<!-- figure: )", block)
-    found = {}
-    for chunk in chunks:
-        mm = re.match(r"<!-- figure: (\w+) -->\n", chunk)
-        if mm:
-            found[mm.group(1)] = chunk
-        elif chunk.strip():
-            print(f"figures: {readme}: text outside a generated section", file=sys.stderr)
-            return 1
-    bad = []
+    _, found, stray, _ = split
+    bad = ["text outside a generated section"] if stray else []
+    commits = set()
     for name in ORDER:
-        chunk = found.get(name)
-        if chunk is None:
+        body = found.get(name)
+        stamp = re.search(r"\*Measured at `([^`]+)`", body or "")
+        if body is None:
             bad.append(f"no section for {name}")
-        elif "*Measured at `" not in chunk:
+        elif not stamp:
             bad.append(f"{name}: no measurement stamp")
-        elif "in quick mode" in chunk or "-dirty`" in chunk:
+        elif "in quick mode" in body or stamp.group(1).endswith("-dirty"):
             bad.append(f"{name}: measured in quick mode or on an uncommitted tree")
+        else:
+            commits.add(stamp.group(1))
+    if len(commits) > 1:
+        bad.append(f"sections measured at different commits ({', '.join(sorted(commits))})")
     for b in bad:
         print(f"figures: {readme}: {b} (regenerate: tools/figures.py --write {readme})",
               file=sys.stderr)
     if not bad:
-        print(f"figures: {readme}: {len(ORDER)} generated sections", file=sys.stderr)
+        print(f"figures: {readme}: {len(ORDER)} generated sections, measured at {commits.pop()}",
+              file=sys.stderr)
     return 1 if bad else 0
 
 
@@ -863,29 +885,22 @@ def main():
         except (Failed, KeyError, ZeroDivisionError) as e:
             print(f"figures: rendering {name}: {e!r}", file=sys.stderr)
             return 1
-    order = ORDER
     if args.write:
         readme = pathlib.Path(args.write)
-        text = readme.read_text()
-        if BEGIN not in text or END not in text:
+        split = split_block(readme.read_text())
+        if split is None:
             print(f"figures: {readme} has no figure markers", file=sys.stderr)
             return 1
-        head, rest = text.split(BEGIN, 1)
-        old, tail = rest.split(END, 1)
         # Sections not rerun keep what the README had.
-        kept = {}
-        for chunk in re.split(r"(?m)^(?=<!-- figure: )", old):
-            mm = re.match(r"<!-- figure: (\w+) -->\n", chunk)
-            if mm:
-                kept[mm.group(1)] = chunk[mm.end():].strip() + "\n"
+        head, kept, _, tail = split
         kept.update(blocks)
-        body = "\n".join(f"<!-- figure: {n} -->\n{kept[n]}" for n in order if n in kept)
+        body = "\n".join(f"<!-- figure: {n} -->\n{kept[n]}" for n in ORDER if n in kept)
         readme.write_text(head + BEGIN + "\n" + body + "\n" + END + tail)
         print(f"figures: wrote {len(blocks)} sections of {readme} in {time.time() - started:.0f} s",
               file=sys.stderr)
     out = pathlib.Path(args.out) if args.out else LOGS / "figures.md"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(f"<!-- figure: {n} -->\n{blocks[n]}" for n in order if n in blocks))
+    out.write_text("\n".join(f"<!-- figure: {n} -->\n{blocks[n]}" for n in ORDER if n in blocks))
     print(f"figures: {out} ({time.time() - started:.0f} s)", file=sys.stderr)
     return 0
 

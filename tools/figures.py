@@ -15,7 +15,7 @@ criterion's quick mode with small sizes: it checks that every source still runs 
 parses, its figures are not for the README (it never writes README.md unless told to).
 `--only` runs some sources (`--list` names them); the others keep the figures the
 README has. Logs go to target/figures/. `--check README.md` runs nothing: it fails
-unless the README's block has every source's section, each from a full run on a
+unless the README's block has every source's section, all from full runs at one
 committed tree (.ci/run calls it).
 
 Needs what .ci/run installs (libzmq3-dev, etcd, protoc, Dynamo's virtualenv) and about

@@ -2,7 +2,7 @@
 //! bus over HTTP/2 + TLS and relays the publishers the router subscribes to (DESIGN §7).
 //!
 //! ```text
-//! event_broker --config FILE [--check-config]
+//! event_broker --config FILE [--check-config | --check-bus]
 //! ```
 //! The configuration is TOML; unknown fields are refused:
 //! ```toml
@@ -24,8 +24,8 @@
 //! bus_connect_ms = 10000
 //!
 //! [backoff]                                 # optional: reconnects to the bus
-//! min_ms = 1000
-//! max_ms = 60000
+//! min_ms = 1000                             # never sooner; jittered up to 2 × min,
+//! max_ms = 60000                            # the window doubling up to max
 //!
 //! [discovery]
 //! namespaces = ["prod"]
@@ -37,9 +37,13 @@
 //! (`RUST_LOG` adjusts). On SIGTERM or Ctrl-C it says `draining`, refuses new streams,
 //! lets open ones run until `drain_deadline_ms`, prints its stats as one JSON object
 //! (the last stderr line) and exits 0; a second signal exits at once with 1.
-//! `--check-config` checks the configuration, the credential and the CA bundle, then
-//! exits. Exit codes: 0 after a drain (or a good `--check-config`); 1 on a second
-//! signal; 2 on a refused configuration; 3 when discovery cannot be reached.
+//! `--check-config` checks the configuration, the credential and the CA bundle, and
+//! that discovery answers, then exits without contacting the bus (a wrong token or CA
+//! passes it); `--check-bus`
+//! also opens one session with the bus and exits 0 once welcomed, 3 if the bus
+//! refuses or cannot be reached. Exit codes: 0 after a drain (or a good check); 1 on
+//! a second signal; 2 on a refused configuration; 3 when discovery or (with
+//! `--check-bus`) the bus cannot be reached.
 
 mod common;
 
@@ -56,8 +60,9 @@ use eventplane::tunnel::{Broker, BrokerConfig, Secret, client_tls};
 #[derive(Parser, Debug)]
 #[command(
     about = "Relay publishers inside a cluster to a router's event bus outside it",
-    after_help = "Exit codes: 0 after a drain (or a good --check-config); 1 on a second \
-                  signal; 2 on a refused configuration; 3 when discovery cannot be reached.\
+    after_help = "Exit codes: 0 after a drain (or a good --check-config / --check-bus); 1 on \
+                  a second signal; 2 on a refused configuration; 3 when discovery (or with \
+                  --check-bus the bus) cannot be reached.\
                   \n\nLogs: session changes go to stderr; RUST_LOG sets the level (off, debug, \
                   or target=level pairs such as eventplane=debug)."
 )]
@@ -65,9 +70,18 @@ struct Args {
     /// The TOML configuration file.
     #[arg(long)]
     config: std::path::PathBuf,
-    /// Check the configuration, credential and CA bundle, then exit.
+    /// Check that the configuration parses and is valid, that the credential and the
+    /// CA bundle can be read, and that discovery answers, then exit. The bus is not
+    /// contacted: a token it does not accept, or a CA that did not sign its
+    /// certificate, shows only with --check-bus.
     #[arg(long = "check-config")]
     check_config: bool,
+    /// Check the configuration, then open one session with the bus (TLS with the CA
+    /// bundle, the token, the hello) and exit: 0 once the bus welcomes this broker, 3
+    /// if it refuses or cannot be reached (the warning before says why: a wrong token,
+    /// an unknown CA, a closed port), within the bus connect deadline.
+    #[arg(long = "check-bus", conflicts_with = "check_config")]
+    check_bus: bool,
 }
 
 #[derive(serde::Deserialize, Debug)]
@@ -281,10 +295,14 @@ async fn main() -> ExitCode {
         println!("configuration ok: {} as {}", file.bus_url, file.client_id);
         return ExitCode::SUCCESS;
     }
+    let bus_deadline = config.deadlines.bus_connect;
     let broker = match Broker::spawn(config) {
         Ok(b) => b,
         Err(e) => return refused(Refusal::Config(chain(&e))),
     };
+    if args.check_bus {
+        return check_bus(broker, &file, bus_deadline).await;
+    }
     signals.recv().await;
     let stats = broker.handle();
     let code = tokio::select! {
@@ -298,5 +316,37 @@ async fn main() -> ExitCode {
         "{}",
         serde_json::to_string(&stats.stats()).unwrap_or_default()
     );
+    ExitCode::from(code)
+}
+
+/// `--check-bus`: the first session's outcome, then a prompt stop.
+async fn check_bus(broker: Broker, file: &FileConfig, bus_deadline: Duration) -> ExitCode {
+    let handle = broker.handle();
+    // The session's own deadline, plus the discovery view's first list.
+    let give_up = tokio::time::Instant::now() + bus_deadline + Duration::from_secs(5);
+    let code = loop {
+        let stats = handle.stats();
+        if stats.connected {
+            println!("bus ok: {} welcomed {}", file.bus_url, file.client_id);
+            break 0;
+        }
+        if stats.session_failures > 0 {
+            eprintln!(
+                "bus check failed: {} did not welcome {} (see the warning above)",
+                file.bus_url, file.client_id
+            );
+            break 3;
+        }
+        if tokio::time::Instant::now() >= give_up {
+            eprintln!(
+                "bus check failed: no session with {} within {:?}",
+                file.bus_url,
+                bus_deadline + Duration::from_secs(5)
+            );
+            break 3;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    broker.abort();
     ExitCode::from(code)
 }

@@ -27,7 +27,17 @@ use tokio::sync::Notify;
     about = "Print an engine's KV events as router events (JSON lines)",
     after_help = "Exit codes: 0 after --count router events (or on Ctrl-C without \
                   --count); 1 on timeout; 2 when an argument is refused.\n\nLogs: warnings go to stderr; RUST_LOG sets the level (off, debug, or \
-                  target=level pairs such as eventplane=debug)."
+                  target=level pairs such as eventplane=debug).",
+    after_long_help = format!(
+        "{}\n\nOutput: one router event per stdout line. {}\nThe last stderr line, \
+         at exit: the counters as one JSON object {{\"listener\": {{...}}, \"processor\": \
+         {{...}}}}.\n\nExit codes: 0 after --count router events (or on Ctrl-C without \
+         --count); 1 on timeout; 2 when an argument is refused.\n\nLogs: warnings go to \
+         stderr; RUST_LOG sets the level (off, debug, or target=level pairs such as \
+         eventplane=debug).",
+        common::ENGINE_INPUT_HELP,
+        common::ROUTER_EVENT_HELP
+    )
 )]
 struct Args {
     #[command(flatten)]

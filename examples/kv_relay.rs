@@ -50,7 +50,25 @@ use eventplane::wire::Wire;
     after_help = "Exit codes: 0 after SIGTERM or Ctrl-C; 2 on bad arguments (including an \
                   --advertise-host that cannot be dialled); 3 when the endpoint cannot be \
                   bound or etcd cannot be reached.\n\nLogs: warnings go to stderr; RUST_LOG sets the level (off, debug, or \
-                  target=level pairs such as eventplane=debug)."
+                  target=level pairs such as eventplane=debug).",
+    after_long_help = format!(
+        "{}\n\nOutput: the bound endpoint, the first stdout line; then nothing per event. \
+         Published on it: with --wire eventplane, [publish-topic, publisher_id u64be, seq \
+         u64be, payload], seq from 0, payload a msgpack array of router events with named \
+         fields (eventplane::kv::decode_router_events; kv_router --help shows them as \
+         JSON); with --wire dynamo, Dynamo's frames and router-event schema. With --etcd, \
+         registered under a lease: our record (key \
+         /eventplane/v1/channels/NS/C/TOPIC/PUBLISHER_ID_HEX, value {{\"id\":{{...}}, \
+         \"transport\":{{...}}, \"worker\":{{\"worker_id\":W,\"dp_rank\":R}}}}) or Dynamo's \
+         two; deleted at exit. The last stderr line, at exit: the counters as one JSON \
+         object {{\"wire\", \"registered_publisher_id\", \"listener\", \"processor\", \
+         \"published_messages\", \"publisher\"}}.\n\nExit codes: 0 after SIGTERM or \
+         Ctrl-C; 2 on bad arguments (including an --advertise-host that cannot be \
+         dialled); 3 when the endpoint cannot be bound or etcd cannot be reached.\n\n\
+         Logs: warnings go to stderr; RUST_LOG sets the level (off, debug, or \
+         target=level pairs such as eventplane=debug).",
+        common::ENGINE_INPUT_HELP
+    )
 )]
 struct Args {
     #[command(flatten)]
@@ -78,8 +96,8 @@ struct Args {
     /// `generate`).
     #[arg(long, requires = "etcd")]
     endpoint: Option<String>,
-    /// The worker's data-parallel rank, in Dynamo's `event_sources` record (with
-    /// --etcd --wire dynamo; default 0).
+    /// The worker's data-parallel rank, registered with its worker id (with --etcd;
+    /// default 0): our record's `worker`, or Dynamo's `event_sources` record.
     #[arg(long = "dp-rank", requires = "etcd")]
     dp_rank: Option<u32>,
     /// Host subscribers dial, when --bind is on a wildcard address (with --etcd).
@@ -96,11 +114,11 @@ async fn main() -> ExitCode {
     // Before anything is registered: a SIGTERM from now on is handled (records deleted).
     let stop = stop_signal();
     let args = Args::parse();
-    if (args.endpoint.is_some() || args.dp_rank.is_some()) && args.wire != Wire::Dynamo {
+    if args.endpoint.is_some() && args.wire != Wire::Dynamo {
         Args::command()
             .error(
                 clap::error::ErrorKind::ArgumentConflict,
-                "--endpoint and --dp-rank describe Dynamo's records: they need --wire dynamo",
+                "--endpoint names a Dynamo endpoint in Dynamo's records: it needs --wire dynamo",
             )
             .exit();
     }
@@ -127,6 +145,8 @@ async fn main() -> ExitCode {
         if let Some(host) = &args.advertise_host {
             builder = builder.advertise_host(host.clone());
         }
+        // Routers see whose events these are in discovery, before any payload.
+        builder = builder.worker(args.engine.worker_id, args.dp_rank.unwrap_or(0));
         (builder, Some(closer))
     };
     let publisher = match builder

@@ -27,17 +27,16 @@
 
 mod common;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Duration;
 
 use clap::{CommandFactory, Parser, ValueEnum};
 use common::{Index, StartError, chain, optional_timeout, static_discovery, stop_signal};
 use eventplane::discovery::{ChannelId, Discovery, Query};
 use eventplane::kv::decode_router_payload;
-use eventplane::subscriber::DynamicSubscriber;
+use eventplane::subscriber::{DynamicSubscriber, Notice};
 use eventplane::wire::Wire;
 
 #[derive(Parser, Debug)]
@@ -46,7 +45,28 @@ use eventplane::wire::Wire;
     after_help = "Exit codes: 0 on SIGTERM / Ctrl-C or after --count events; 1 on timeout or \
                   if the subscriber stops; 2 on bad arguments; 3 when discovery cannot be \
                   reached or --bus-listen cannot be bound.\n\nLogs: warnings go to stderr; RUST_LOG sets the level (off, debug, or \
-                  target=level pairs such as eventplane=debug)."
+                  target=level pairs such as eventplane=debug).",
+    after_long_help = format!(
+        "The index: one per publisher, per (worker, dp rank, tier) a set of block hashes. \
+         stored adds, removed removes, cleared empties every tier of its worker and rank. \
+         A publisher whose messages were lost (a sequence gap) or that restarted has its \
+         blocks forgotten; one that left discovery takes its blocks with it. So nothing \
+         is kept that a worker may no longer hold (its relay also sends cleared when it \
+         lost track of its engine).\n\nOutput: one router event per stdout line (none \
+         with --format quiet). {}\nOn stderr: `event bus listening on ADDR` (with \
+         --bus-listen), `publisher ID left: forgot N blocks`, `publisher ID lost \
+         messages: forgot N blocks` (the first ten), and last, at exit, the counters as \
+         one JSON object: {{\"wire\", \"router_events\", \"index_blocks\", \
+         \"publishers\", \"unidentified_deliveries\" (from publishers that registered no \
+         worker identity), \"lost_views\" (gaps and restarts), \"decode_errors\": \
+         {{\"frames\", \"header\", \"length\", \"envelope\", \"identity\", \"payload\"}}, \
+         \"subscriber\": {{...}}, and with --dump-index \"index\"}}.\n\nExit codes: 0 on \
+         SIGTERM / Ctrl-C or after --count events; 1 on timeout or if the subscriber \
+         stops; 2 on bad arguments; 3 when discovery cannot be reached or --bus-listen \
+         cannot be bound.\n\nLogs: warnings go to stderr; RUST_LOG sets the level (off, \
+         debug, or target=level pairs such as eventplane=debug).",
+        common::ROUTER_EVENT_HELP
+    )
 )]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["etcd", "static_endpoints"])))]
 struct Args {
@@ -84,6 +104,10 @@ struct Args {
     /// One JSON line per router event, or nothing.
     #[arg(long, value_enum, default_value = "json")]
     format: Format,
+    /// Add the final index to the stats line: `"index": [{"worker_id", "dp_rank",
+    /// "tier", "block_hashes": [...]}, ...]`, sorted.
+    #[arg(long = "dump-index")]
+    dump_index: bool,
     /// Run an event bus here (host:port) for brokers inside the cluster: publishers of a
     /// namespace a connected broker covers are reached through it. Needs feature
     /// `tunnel`, and --bus-cert, --bus-key, --bus-token-file.
@@ -99,6 +123,9 @@ struct Args {
     #[arg(long = "bus-token-file", requires = "bus_listen")]
     bus_token_file: Option<std::path::PathBuf>,
 }
+
+/// Lifecycle notices queued between two batches (Gap, Reset, Departed per publisher).
+const NOTICES: usize = 4096;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Format {
@@ -154,6 +181,10 @@ struct Router {
     indexes: HashMap<ChannelId, Index>,
     events: u64,
     payload_errors: u64,
+    /// Deliveries from publishers that registered no worker identity.
+    unidentified: u64,
+    /// Times a publisher's messages were lost (a gap or a restart): its blocks forgotten.
+    lost: u64,
 }
 
 impl Router {
@@ -161,15 +192,49 @@ impl Router {
         self.indexes.values().map(Index::size).sum()
     }
 
-    /// Forgets the blocks of publishers no longer followed.
-    fn forget_gone(&mut self, live: &HashSet<ChannelId>) {
-        self.indexes.retain(|id, index| {
-            let keep = live.contains(id);
-            if !keep {
-                eprintln!("publisher {id} left: forgot {} blocks", index.size());
+    /// Applies what the subscriber noticed: a publisher that lost messages or
+    /// restarted has its blocks forgotten (what it holds now is unknown: no ghosts),
+    /// one that left has its index dropped.
+    fn notice(&mut self, notice: Notice) {
+        match notice {
+            Notice::Gap { id, .. } | Notice::Reset { id } => {
+                self.lost += 1;
+                if let Some(index) = self.indexes.get_mut(&id) {
+                    if index.size() > 0 && self.lost <= 10 {
+                        eprintln!(
+                            "publisher {id} lost messages: forgot {} blocks",
+                            index.size()
+                        );
+                    }
+                    index.clear();
+                }
             }
-            keep
-        });
+            Notice::Departed(id) => {
+                let forgot = self.indexes.remove(&id).map_or(0, |i| i.size());
+                eprintln!("publisher {id} left: forgot {forgot} blocks");
+            }
+            _ => {}
+        }
+    }
+
+    /// Every block held, one JSON object per (worker, dp rank, tier).
+    fn entries(&self) -> Vec<serde_json::Value> {
+        let mut all: Vec<_> = self.indexes.values().flat_map(Index::entries).collect();
+        all.sort_unstable();
+        all.dedup();
+        let mut out: Vec<serde_json::Value> = Vec::new();
+        for chunk in all.chunk_by(|a, b| (a.0, a.1, a.2) == (b.0, b.1, b.2)) {
+            let Some(&(w, r, t, _)) = chunk.first() else {
+                continue;
+            };
+            out.push(serde_json::json!({
+                "worker_id": w,
+                "dp_rank": r,
+                "tier": t,
+                "block_hashes": chunk.iter().map(|e| e.3).collect::<Vec<_>>(),
+            }));
+        }
+        out
     }
 }
 
@@ -199,12 +264,15 @@ async fn main() -> ExitCode {
     }
     let builder = DynamicSubscriber::builder(discovery, query)
         .topic(args.topic.clone())
+        // Our records name their worker; static endpoints cannot, and Dynamo's worker
+        // identity is in its payload (its `event_sources` record is not read back).
+        .expect_worker_identity(args.static_endpoints.is_empty() && !args.dynamo)
         .layout(wire.layout());
     let builder = match bus(&args, builder).await {
         Ok(b) => b,
         Err(e) => return e.report(),
     };
-    let spawned = builder.spawn();
+    let spawned = builder.notices(NOTICES).spawn();
     let mut sub = match spawned {
         Ok(sub) => sub,
         Err(e) => {
@@ -215,7 +283,7 @@ async fn main() -> ExitCode {
     let handle = sub.handle();
     let mut router = Router::default();
     let mut batch = Vec::with_capacity(256);
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut notices = Vec::new();
     let timeout = optional_timeout(args.timeout_ms);
     tokio::pin!(timeout);
     tokio::pin!(stop);
@@ -226,10 +294,7 @@ async fn main() -> ExitCode {
         tokio::select! {
             () = &mut stop => break 'run 0,
             () = &mut timeout => break 'run 1,
-            _ = tick.tick() => {
-                let live = handle.stats().publishers.into_iter().map(|(id, _)| id).collect();
-                router.forget_gone(&live);
-            }
+            () = handle.notice_ready() => {}
             n = sub.recv_many(&mut batch, 256) => {
                 if n == 0 {
                     eprintln!("the subscriber stopped");
@@ -238,6 +303,9 @@ async fn main() -> ExitCode {
                 // One lock and one write per batch (stdout alone flushes every line).
                 let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
                 for delivery in batch.drain(..) {
+                    // Warned about by the subscriber (expect_worker_identity); the
+                    // events are indexed under the worker ids in their payload.
+                    router.unidentified += u64::from(delivery.source.worker.is_none());
                     // Every layout but Raw places a payload; none is an undecodable one.
                     let Some(payload) = delivery.payload() else {
                         router.payload_errors += 1;
@@ -271,14 +339,21 @@ async fn main() -> ExitCode {
                 let _ = out.flush();
             }
         }
+        // After the batch: a publisher's `Departed` follows its last delivery.
+        sub.take_notices(&mut notices);
+        for notice in notices.drain(..) {
+            router.notice(notice);
+        }
     };
     let stats = handle.stats();
     let m = stats.total.malformed;
-    let summary = serde_json::json!({
+    let mut summary = serde_json::json!({
         "wire": wire.as_str(),
         "router_events": router.events,
         "index_blocks": router.blocks(),
         "publishers": stats.publishers.len(),
+        "unidentified_deliveries": router.unidentified,
+        "lost_views": router.lost,
         "decode_errors": {
             "frames": m.frames,
             "header": m.header,
@@ -289,6 +364,9 @@ async fn main() -> ExitCode {
         },
         "subscriber": stats,
     });
+    if let (true, Some(fields)) = (args.dump_index, summary.as_object_mut()) {
+        fields.insert("index".to_owned(), router.entries().into());
+    }
     handle.shutdown().await;
     eprintln!("{summary}");
     ExitCode::from(code)
@@ -316,7 +394,7 @@ async fn bus(
     let bus = EventBus::bind(listen, tls, token, EventBusConfig::default())
         .await
         .map_err(|e| {
-            StartError::Unreachable(format!(
+            StartError::Unavailable(format!(
                 "cannot listen on --bus-listen {listen}: {}",
                 chain(&e)
             ))

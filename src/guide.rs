@@ -12,84 +12,56 @@
 //! A router follows every worker's KV-event publisher through discovery and keeps an
 //! index of which worker holds which block. Three things keep that index honest:
 //!
-//! - **Who sent it.** A publisher registered with
-//!   [`EventPublisherBuilder::worker`](crate::publish::EventPublisherBuilder::worker)
-//!   carries its worker identity in discovery, so every delivery's `source.worker`
-//!   names the worker before the payload is decoded.
-//! - **What was lost.** With [`notices`](crate::subscriber::DynamicSubscriberBuilder::notices)
-//!   on, a [`Notice::Gap`](crate::subscriber::Notice::Gap) or `Reset` says that a
-//!   publisher's messages went missing: that worker's entries are incomplete until it
-//!   clears or re-sends.
+//! - **Who sent it.** A worker registers its identity with its publisher
+//!   ([`EventPublisherBuilder::worker`](crate::publish::EventPublisherBuilder::worker);
+//!   `kv_relay` does, from `--worker-id` and `--dp-rank`), so every delivery's
+//!   `source.worker` names the worker before the payload is decoded. A publisher
+//!   that registered none is counted here, and
+//!   [`expect_worker_identity`](crate::subscriber::DynamicSubscriberBuilder::expect_worker_identity)
+//!   makes the subscriber warn about it.
+//! - **What was lost.** Nothing is kept that the worker may no longer hold. A worker
+//!   that loses track of its engine (a dropped batch, an engine restart) sends
+//!   `Cleared`, and the index empties that worker
+//!   ([`EngineListener`](crate::kv::EngineListener)). Messages lost between worker
+//!   and router come as a [`Notice::Gap`](crate::subscriber::Notice::Gap) or `Reset`
+//!   ([`notices`](crate::subscriber::DynamicSubscriberBuilder::notices) on): the index
+//!   drops that worker too, and its next events rebuild it. This is also what
+//!   Dynamo's router does (DESIGN §4.6).
 //! - **Who left.** `Notice::Departed` comes once every message the departed publisher
 //!   sent was handed over: drop that worker's entries then, not earlier. Handle each
 //!   batch before the notices, and wait for notices beside `recv_many`
 //!   ([`SubscriberHandle::notice_ready`](crate::subscriber::SubscriberHandle::notice_ready)):
 //!   otherwise a departure among quiet workers is heard only when a message arrives.
 //!
-//! ```
-//! use std::collections::{HashMap, HashSet};
-//! use std::sync::Arc;
-//! use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Query, WorkerIdentity};
-//! use eventplane::kv::{decode_router_events, KvEventData};
-//! use eventplane::subscriber::{DynamicSubscriber, Notice};
-//! # use eventplane::kv::{encode_router_events, KvEvent, RouterEvent, StorageTier, StoredBlock, BlockHash, TokensHash, WorkerId};
-//! # use eventplane::publish::EventPublisher;
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new()); // or EtcdDiscovery
-//! let mut router = DynamicSubscriber::builder(discovery.clone(), Query::new("prod"))
-//!     .topic("kv-events")
-//!     .notices(1024)
-//!     .spawn()?;
-//! # let worker = EventPublisher::builder(discovery, "prod", "w", "kv-events").worker(7, 0).build().await?;
-//! # worker.wait_for_subscribers(1).await;
-//! # let data = KvEventData::Stored { parent_hash: None, blocks: vec![StoredBlock { block_hash: BlockHash(42), tokens_hash: TokensHash(1) }] };
-//! # worker.publish(encode_router_events(&[RouterEvent { worker_id: WorkerId(7), tier: StorageTier::Device, event: KvEvent { id: 1, dp_rank: 0, data } }])?);
-//! let mut blocks: HashMap<WorkerIdentity, HashSet<u64>> = HashMap::new();
-//! let mut worker_of: HashMap<ChannelId, WorkerIdentity> = HashMap::new();
-//! let mut incomplete: HashSet<WorkerIdentity> = HashSet::new();
-//! let (mut unidentified, mut undecodable) = (0u64, 0u64);
-//! let lifecycle = router.handle(); // waits for notices while `router` receives
-//! let (mut batch, mut notices) = (Vec::new(), Vec::new());
-//! loop {
-//!     tokio::select! {
-//!         n = router.recv_many(&mut batch, 256) => if n == 0 { break }, // shut down
-//!         () = lifecycle.notice_ready() => {} // a departure while nothing arrives
-//!     }
-//!     // The batch first: a publisher's `Departed` comes after its last delivery.
-//!     for delivery in batch.drain(..) {
-//!         // A publisher registered without `.worker(..)`: count it, or key by source.id.
-//!         let Some(worker) = delivery.source.worker else { unidentified += 1; continue };
-//!         worker_of.insert(delivery.source.id.clone(), worker);
-//!         let Some(Ok(events)) = delivery.payload().map(|p| decode_router_events(&p)) else {
-//!             undecodable += 1; // and `incomplete.insert(worker)`, if that matters
-//!             continue;
-//!         };
-//!         let held = blocks.entry(worker).or_default();
-//!         for event in events {
-//!             match event.event.data {
-//!                 KvEventData::Stored { blocks: b, .. } => held.extend(b.iter().map(|b| b.block_hash.0)),
-//!                 KvEventData::Removed { block_hashes } => block_hashes.iter().for_each(|h| { held.remove(&h.0); }),
-//!                 KvEventData::Cleared => { held.clear(); incomplete.remove(&worker); }
-//!                 _ => {}
-//!             }
-//!         }
-//!     }
-//!     router.take_notices(&mut notices);
-//!     for notice in notices.drain(..) {
-//!         match notice {
-//!             Notice::Gap { id, .. } | Notice::Reset { id } => incomplete.extend(worker_of.get(&id).copied()),
-//!             Notice::Departed(id) => {
-//!                 if let Some(w) = worker_of.remove(&id) { blocks.remove(&w); incomplete.remove(&w); }
-//!             }
-//!             _ => {} // Connected: the instance, with its worker, before its first delivery
-//!         }
-//!     }
-//! #   if blocks.get(&WorkerIdentity::new(7, 0)).is_some_and(|b| b.contains(&42)) { break; }
-//! }
-//! # assert_eq!((incomplete.len(), unidentified, undecodable), (0, 0, 0));
-//! # Ok(()) }
-//! ```
+//! The code below is `examples/guide_router/router.rs`, word for word: the
+//! `guide_router` example runs it over etcd (`cargo run --features etcd --example
+//! guide_router -- --etcd http://127.0.0.1:2379 --namespace prod`), and the test
+//! suite runs that program against `kv_relay` workers fed by a real ZMQ engine,
+//! through an engine restart. Here it runs against a worker in the same process.
+//!
+#![doc = concat!(
+    "```\n",
+    include_str!("../examples/guide_router/router.rs"),
+    "# use eventplane::discovery::MemoryDiscovery;\n",
+    "# use eventplane::kv::{encode_router_events, BlockHash, KvEvent, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId};\n",
+    "# use eventplane::publish::EventPublisher;\n",
+    "# #[tokio::main(flavor = \"current_thread\")]\n",
+    "# async fn main() -> Result<(), Box<dyn std::error::Error>> {\n",
+    "let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new()); // or EtcdDiscovery\n",
+    "let mut router = subscribe(discovery.clone(), \"prod\")?;\n",
+    "# let worker = EventPublisher::builder(discovery, \"prod\", \"w\", \"kv-events\").worker(7, 0).build().await?;\n",
+    "# worker.wait_for_subscribers(1).await;\n",
+    "# let data = KvEventData::Stored { parent_hash: None, blocks: vec![StoredBlock { block_hash: BlockHash(42), tokens_hash: TokensHash(1) }] };\n",
+    "# worker.publish(encode_router_events(&[RouterEvent { worker_id: WorkerId(7), tier: StorageTier::Device, event: KvEvent { id: 1, dp_rank: 0, data } }])?);\n",
+    "let mut index = Index::default();\n",
+    "let worker_7 = WorkerIdentity::new(7, 0);\n",
+    "route(&mut router, &mut index, |i| i.blocks.get(&worker_7).is_some_and(|b| b.contains(&42))).await;\n",
+    "println!(\"{} deliveries, {} unidentified, {} undecodable, {} lost\",\n",
+    "    index.deliveries, index.unidentified, index.undecodable, index.lost);\n",
+    "# assert_eq!((index.deliveries, index.unidentified, index.undecodable, index.lost), (1, 0, 0, 0));\n",
+    "# Ok(()) }\n",
+    "```"
+)]
 //!
 //! A topic typo does not fail silently: publishers discovered under the query with
 //! another topic are not dialled, and

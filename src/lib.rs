@@ -68,8 +68,11 @@
 //!   `Discovery` backend) and `discovery::FaultDiscovery` (fault injection for
 //!   consumers).
 //! - `metrics`: the dynamic subscriber's counters through the `metrics` facade.
-//! - `tunnel`: [`tunnel`], the broker/router tunnel protocol for routers outside the
-//!   cluster (so far its sans-IO core: frames, sessions, budgets, rendezvous).
+//! - `tunnel`: [`tunnel`], routers outside the cluster reaching publishers inside it
+//!   through an event broker: the sans-IO protocol (frames, sessions, budgets,
+//!   rendezvous), the router's [`EventBus`](tunnel::EventBus) (TLS + HTTP/2), the
+//!   [`Broker`](tunnel::Broker), and `DynamicSubscriberBuilder::tunnel`. The
+//!   `event_broker` example is the broker as a process.
 //!
 //! Every component also has a plain `stats()` snapshot, so users without a metrics
 //! stack still see every counter.

@@ -69,6 +69,9 @@ async fn libzmq_engine_to_router_events() {
         (listener_stats.seq_gaps, listener_stats.seq_gap_batches),
         (1, 3)
     );
+    // Each fixture batch ends with its rank's AllBlocksCleared: the gap found nothing
+    // forwarded since a clear, so it needed none of its own.
+    assert_eq!(listener_stats.stale_clears, 0);
     assert_eq!(listener_stats.decoder.batches, 3);
     assert_eq!(listener_stats.decoder.failed_events, 2);
     assert_eq!(stats.stats().malformed_messages, 0);
@@ -115,4 +118,117 @@ async fn cancel_with_a_full_input_counts_what_it_discards() {
     let finished = within(listening).await.unwrap();
     assert_eq!(finished.discarded_events, 3);
     assert_eq!(finished.decoder.events, 4);
+}
+
+/// Loss before the worker reaches the routers: a skipped engine batch, the engine's
+/// connection ending (a crash) and its restart each cost routers what they held of
+/// it — a `Cleared` for the ranks forwarded since the last clear, ahead of what
+/// follows — and never more than one clear per loss. Applied in order, the router
+/// events hold exactly what the new engine stored.
+#[tokio::test]
+async fn a_lost_engine_view_becomes_a_cleared_ahead_of_what_follows() {
+    use eventplane::kv::KvEventData;
+    use std::time::Duration;
+    use support::EnginePy;
+
+    let mut engine = EnginePy::spawn("tcp://127.0.0.1:0", &[]).await;
+    let port = engine.port();
+    let sink = Arc::new(CollectSink::default());
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let listener = EngineListener::new(
+        EngineListenerConfig::new(&engine.endpoint, "kv-events", WorkerId(3), 4)
+            .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(100)),
+        tx,
+    )
+    .unwrap();
+    let handle = listener.handle();
+    let cancel = CancellationToken::new();
+    let listening = tokio::spawn(listener.cancellation(&cancel).run());
+    let processing = tokio::spawn(
+        Processor::new(ProcessorConfig::default(), rx, sink.clone())
+            .unwrap()
+            .run(),
+    );
+    let events = |n: usize| {
+        let sink = sink.clone();
+        async move {
+            within(async {
+                while sink.0.lock().unwrap().len() < n {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            })
+            .await;
+            sink.0.lock().unwrap().clone()
+        }
+    };
+    let stored = |hashes: &[u64]| -> Vec<u64> { hashes.to_vec() };
+    let kinds = |evs: &[eventplane::kv::RouterEvent]| -> Vec<(Option<Vec<u64>>, u32)> {
+        evs.iter()
+            .map(|e| match &e.event.data {
+                KvEventData::Stored { blocks, .. } => (
+                    Some(blocks.iter().map(|b| b.block_hash.0).collect()),
+                    e.event.dp_rank,
+                ),
+                _ => (None, e.event.dp_rank),
+            })
+            .collect()
+    };
+
+    // A batch the engine's PUB dropped: a clear before the next batch.
+    assert_eq!(engine.send("store 1 2").await, 0);
+    assert_eq!(engine.send("skip").await, 1);
+    assert_eq!(engine.send("store 3").await, 2);
+    let got = events(3).await;
+    assert!(matches!(got[1].event.data, KvEventData::Cleared), "{got:?}");
+    assert_eq!(
+        kinds(&got),
+        [
+            (Some(stored(&[1, 2])), 0),
+            (None, 0),
+            (Some(stored(&[3])), 0)
+        ]
+    );
+    let s = handle.stats();
+    assert_eq!((s.seq_gaps, s.seq_gap_batches, s.stale_clears), (1, 1, 1));
+
+    // The engine crashes: the connection's end is a clear, at once (not when a new
+    // engine speaks: it may take minutes to load a model).
+    engine.kill().await;
+    let got = events(4).await;
+    assert_eq!(kinds(&got[3..]), [(None, 0)]);
+    assert_eq!(handle.stats().stale_clears, 2);
+
+    // A new engine on the same endpoint, numbering from 0: nothing was forwarded since
+    // the last clear, so no second one; its blocks are all routers hold.
+    let mut engine = EnginePy::spawn(&format!("tcp://127.0.0.1:{port}"), &[]).await;
+    assert_eq!(engine.send("store 10 11").await, 0);
+    let got = events(5).await;
+    assert_eq!(kinds(&got[4..]), [(Some(stored(&[10, 11])), 0)]);
+    let s = handle.stats();
+    assert_eq!(
+        (s.stale_clears, s.seq_resets, s.reconnects),
+        (2, 1, 1),
+        "{s:?}"
+    );
+    let mut held = std::collections::BTreeSet::new();
+    for ev in &got {
+        match &ev.event.data {
+            KvEventData::Stored { blocks, .. } => {
+                held.extend(blocks.iter().map(|b| b.block_hash.0))
+            }
+            KvEventData::Removed { block_hashes } => {
+                block_hashes.iter().for_each(|h| {
+                    held.remove(&h.0);
+                });
+            }
+            _ => held.clear(),
+        }
+    }
+    assert_eq!(held.into_iter().collect::<Vec<_>>(), [10, 11]);
+    assert_eq!(sink.0.lock().unwrap().len(), 5, "nothing else was sent");
+
+    cancel.cancel();
+    listening.await.unwrap();
+    processing.await.unwrap();
+    engine.kill().await;
 }

@@ -152,10 +152,9 @@ async fn unreachable_discovery_exits_3_and_silence_exits_1() {
     assert_eq!(out.status.code(), Some(0));
     assert_eq!(last_json(&out.stderr)["router_events"], 0);
 
-    // kv_relay: Dynamo's record details without Dynamo's wire, a zero block size.
+    // kv_relay: a Dynamo endpoint without Dynamo's wire, a zero block size.
     for extra in [
         &["--endpoint", "e"][..],
-        &["--dp-rank", "1"],
         &["--wire", "dynamo", "--block-size", "0"],
     ] {
         let out = within(

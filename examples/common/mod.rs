@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use eventplane::kv::{BlockHash, KvEventData, StorageTier, WorkerId};
+use eventplane::kv::{BlockHash, DpRank, KvEventData, StorageTier, WorkerId};
 use eventplane::zmtp::Message;
 
 /// Each frame in lower-case hex (an empty frame as `-`), frames separated by a space.
@@ -157,6 +157,29 @@ pub async fn optional_timeout(ms: Option<u64>) {
     }
 }
 
+/// What `kv_listen --help` and `kv_relay --help` say of their input.
+pub const ENGINE_INPUT_HELP: &str = "\
+Input: the engine's ZMQ PUB (--connect), messages of three frames [topic, seq, batch]: \
+seq a big-endian u64 counted per batch, batch msgpack [ts, events, dp_rank] (or a map \
+with those names). Events as vLLM sends them, tagged arrays [\"BlockStored\", \
+block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, ...], \
+[\"BlockRemoved\", block_hashes, medium], [\"AllBlocksCleared\"], or as maps with a \
+\"type\" key (vLLM >= 0.24, SGLang). token_ids holds --block-size tokens per stored \
+hash. Every field, with types and what is ignored: the `eventplane::kv` docs, \
+\"The engine's format\" (cargo doc --open). An engine to copy: examples/engine.py.\n\n\
+When the engine's sequence skips (its PUB dropped batches), starts again (a new \
+engine) or its connection ends, the worker no longer knows what the engine holds: it \
+emits a `cleared` router event for each data-parallel rank it forwarded events for, \
+so routers drop those blocks (counted in listener.stale_clears).";
+
+/// What `kv_listen --help`, `kv_router --help` say a router event looks like.
+pub const ROUTER_EVENT_HELP: &str = "\
+A router event as JSON: {\"worker_id\":W,\"tier\":\"device\"|\"host_pinned\"|\"disk\"|\
+\"external\",\"event\":{\"id\":N,\"dp_rank\":R,\"data\":D}} with D one of \
+{\"stored\":{\"parent_hash\":H|null,\"blocks\":[{\"block_hash\":H,\"tokens_hash\":T}]}}, \
+{\"removed\":{\"block_hashes\":[H]}}, \"cleared\" (the rank holds nothing, in any tier). \
+Ids count from 1, one more per event.";
+
 /// The engine side shared by `kv_listen` and `kv_relay`.
 #[derive(clap::Args, Debug)]
 pub struct EngineArgs {
@@ -215,29 +238,45 @@ impl EngineArgs {
     }
 }
 
-/// The router's view: which blocks each worker holds.
+/// The router's view: which blocks each worker holds, per data-parallel rank and
+/// storage tier. A `Cleared` empties every tier of its worker and rank, as Dynamo's
+/// router does (DESIGN §4.6).
 #[derive(Default)]
 pub struct Index {
-    blocks: HashMap<(WorkerId, StorageTier), HashSet<BlockHash>>,
+    blocks: HashMap<(WorkerId, DpRank, StorageTier), HashSet<BlockHash>>,
 }
 
 impl Index {
     pub fn apply(&mut self, ev: &eventplane::kv::RouterEvent) {
-        let set = self.blocks.entry((ev.worker_id, ev.tier)).or_default();
+        let (worker, rank) = (ev.worker_id, ev.event.dp_rank);
         match &ev.event.data {
-            KvEventData::Stored { blocks, .. } => set.extend(blocks.iter().map(|b| b.block_hash)),
+            KvEventData::Stored { blocks, .. } => self
+                .blocks
+                .entry((worker, rank, ev.tier))
+                .or_default()
+                .extend(blocks.iter().map(|b| b.block_hash)),
             KvEventData::Removed { block_hashes } => {
-                for h in block_hashes {
-                    set.remove(h);
+                if let Some(set) = self.blocks.get_mut(&(worker, rank, ev.tier)) {
+                    for h in block_hashes {
+                        set.remove(h);
+                    }
                 }
             }
-            _ => set.clear(),
+            _ => self
+                .blocks
+                .retain(|(w, r, _), _| (*w, *r) != (worker, rank)),
         }
     }
 
     /// A worker left: forget its blocks, as a router does on its removal.
     pub fn forget(&mut self, worker: WorkerId) {
-        self.blocks.retain(|(w, _), _| *w != worker);
+        self.blocks.retain(|(w, _, _), _| *w != worker);
+    }
+
+    /// Forget everything (the publisher's messages were lost: what is held may be
+    /// stale).
+    pub fn clear(&mut self) {
+        self.blocks.clear();
     }
 
     pub fn size(&self) -> usize {
@@ -246,6 +285,17 @@ impl Index {
 
     pub fn distinct(&self) -> usize {
         self.blocks.values().flatten().collect::<HashSet<_>>().len()
+    }
+
+    /// Every block held, as (worker, dp rank, tier, block hash), sorted.
+    pub fn entries(&self) -> Vec<(WorkerId, DpRank, StorageTier, BlockHash)> {
+        let mut all: Vec<_> = self
+            .blocks
+            .iter()
+            .flat_map(|(&(w, r, t), set)| set.iter().map(move |&h| (w, r, t, h)))
+            .collect();
+        all.sort_unstable();
+        all
     }
 }
 
@@ -277,14 +327,17 @@ fn flag(field: &str) -> Option<&'static str> {
     }
 }
 
-/// Why a CLI could not start: a bad argument (exit 2) or a service it could not reach
-/// (exit 3).
+/// Why a CLI could not start: a bad argument (exit 2), or discovery or another
+/// resource it could not have (exit 3).
 #[allow(dead_code)] // not every example reaches a service
 pub enum StartError {
     /// An argument was refused.
     Args(String),
-    /// A service did not answer.
+    /// Discovery did not answer.
     Unreachable(String),
+    /// Something else the process needs could not be had (a port to listen on): the
+    /// message says what.
+    Unavailable(String),
 }
 
 #[allow(dead_code)]
@@ -298,6 +351,10 @@ impl StartError {
             }
             StartError::Unreachable(e) => {
                 eprintln!("cannot reach discovery: {e}");
+                std::process::ExitCode::from(3)
+            }
+            StartError::Unavailable(e) => {
+                eprintln!("{e}");
                 std::process::ExitCode::from(3)
             }
         }

@@ -44,7 +44,9 @@ pub const DEFAULT_MAX_TRACKED_RANKS: usize = 64;
 /// Each stored block hash counts +1 (repeats within one event too; counts saturate).
 /// A removed hash passes only when its count reaches 0, and is then forgotten; hashes
 /// never stored pass. A `Removed` whose hashes are all filtered disappears (and so
-/// consumes no id). `Cleared` forgets the counts of its own `(dp_rank, tier)` only.
+/// consumes no id). `Cleared` forgets the counts of every tier of its `dp_rank` (a
+/// router takes a clear to empty that rank in every tier: [`KvEventData::Cleared`]),
+/// and no other rank's.
 ///
 /// Memory is bounded: at most `max_hashes` hashes across all pairs and `max_ranks`
 /// pairs (defaults [`DEFAULT_MAX_TRACKED_HASHES`], [`DEFAULT_MAX_TRACKED_RANKS`]). A
@@ -222,7 +224,16 @@ impl DedupFilter {
                 Some(KvEventData::Removed { block_hashes })
             }
             KvEventData::Cleared => {
-                self.forget(&key);
+                let rank = placement.dp_rank;
+                let mut forgotten = 0;
+                self.counts.retain(|(r, _), counts| {
+                    let keep = *r != rank;
+                    if !keep {
+                        forgotten += counts.len();
+                    }
+                    keep
+                });
+                self.tracked -= forgotten;
                 Some(KvEventData::Cleared)
             }
         }

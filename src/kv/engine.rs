@@ -1,19 +1,6 @@
 //! Engine ingress: the KV event batches vLLM and SGLang publish over ZMQ, decoded into
-//! [`PlacementEvent`]s.
-//!
-//! Frames are `[topic, seq u64be, payload]`. The payload is a msgpack batch
-//! `[ts, events, dp_rank?]` (or a map with `ts`, `events`, `dp_rank` /
-//! `data_parallel_rank`). Each event is a tagged array — vLLM ≤ 0.23:
-//! `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-//! medium, …]`, `["BlockRemoved", block_hashes, medium, …]`, `["AllBlocksCleared", …]`
-//! — or a tagged map (vLLM ≥ 0.24, SGLang): `{"type": "BlockStored", "block_hashes":
-//! …}`. Unknown keys and trailing elements are ignored.
-//!
-//! Hashes arrive as unsigned integers, negative integers (their two's-complement bits
-//! are taken), or byte strings (folded to u64 with xxh3-64, seed 0). `medium`: absent,
-//! empty or `GPU` → [`StorageTier::Device`]; `CPU` / `CPU_PINNED` →
-//! [`StorageTier::HostPinned`]; `DISK` / `NVME` → [`StorageTier::Disk`]; anything
-//! else → [`StorageTier::External`].
+//! [`PlacementEvent`]s. The format, field by field, is documented publicly in the
+//! `kv` module's docs ("The engine's format"); keep the two in step.
 
 use super::event::tokens_hash_wide;
 use super::{
@@ -210,6 +197,25 @@ impl EngineDecoder {
             },
             event: KvEvent { id, dp_rank, data },
         }))
+    }
+
+    /// A `Cleared` of `dp_rank` that the worker makes itself (it lost track of its
+    /// engine), with the next raw id so that ids stay consecutive.
+    pub(crate) fn cleared(&mut self, dp_rank: u32) -> PlacementEvent {
+        let id = self.next_raw_id;
+        self.next_raw_id += 1;
+        PlacementEvent {
+            placement: Placement {
+                worker_id: self.worker_id,
+                dp_rank,
+                tier: StorageTier::Device,
+            },
+            event: KvEvent {
+                id,
+                dp_rank,
+                data: KvEventData::Cleared,
+            },
+        }
     }
 
     /// Builds a stored event with exactly `block_size` tokens per block; `None` when it

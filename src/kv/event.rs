@@ -108,7 +108,11 @@ pub enum KvEventData {
         /// The evicted blocks.
         block_hashes: Vec<BlockHash>,
     },
-    /// Every block was dropped.
+    /// The worker's data-parallel rank (`KvEvent::dp_rank`) holds no blocks, in any
+    /// storage tier: a router drops everything it holds for that worker and rank
+    /// (Dynamo's router does the same). Engines send it when they reset their cache;
+    /// a worker also sends it when it lost track of its engine (a dropped batch, an
+    /// engine restart: see [`EngineListener`](super::EngineListener)).
     Cleared,
 }
 

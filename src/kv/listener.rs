@@ -8,6 +8,7 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use super::stale::{Forwarded, ViewLoss};
 use super::{EngineDecoder, EngineStats, PlacementEvent, WorkerId};
 use crate::config::{self, ConfigError};
 use crate::counter;
@@ -45,7 +46,7 @@ impl EngineListenerConfig {
     }
 
     /// Listen to `endpoint` (`tcp://host:port`) for `topic`, as `worker_id`, whose
-    /// engine uses `block_size` tokens per block. Reconnects with full-jitter backoff
+    /// engine uses `block_size` tokens per block. Reconnects with jittered backoff
     /// 100 ms → 5 s.
     pub fn new(
         endpoint: impl Into<String>,
@@ -147,6 +148,15 @@ pub struct EngineListenerStats {
     /// processor's input was full (stop the listener first and let the processor
     /// drain to make this 0).
     pub discarded_events: u64,
+    /// `Cleared` events the listener made itself because it lost track of the engine
+    /// (a connection that ended, a sequence gap or reset): one per data-parallel rank
+    /// it had forwarded events for since the last clear, so that routers drop what
+    /// they hold of this engine (DESIGN §4.6).
+    pub stale_clears: u64,
+    /// Events forwarded for a rank beyond the first
+    /// [`MAX_FORWARDED_RANKS`](super::MAX_FORWARDED_RANKS) since the last clear: a
+    /// lost view cannot be cleared for those ranks.
+    pub untracked_ranks: u64,
     /// Decoder counters.
     pub decoder: EngineStats,
 }
@@ -160,6 +170,8 @@ struct Counters {
     reconnects: AtomicU64,
     connect_failures: AtomicU64,
     discarded_events: AtomicU64,
+    stale_clears: AtomicU64,
+    untracked_ranks: AtomicU64,
     decoder: std::sync::Mutex<EngineStats>,
 }
 
@@ -195,6 +207,8 @@ impl EngineListenerHandle {
             reconnects: l(&c.reconnects),
             connect_failures: l(&c.connect_failures),
             discarded_events: l(&c.discarded_events),
+            stale_clears: l(&c.stale_clears),
+            untracked_ranks: l(&c.untracked_ranks),
             decoder: *c.decoder.lock().unwrap_or_else(|p| p.into_inner()),
         }
     }
@@ -213,8 +227,19 @@ impl EngineListenerHandle {
 /// while running); the engine's PUB then drops at its high-water mark, which shows
 /// here as `seq_gaps`. Cancelled while waiting, it discards that one batch and counts
 /// it in `discarded_events`: to stop without loss, cancel the listener, await it, and
-/// let the processor drain on input close. The connection is re-established with backoff until cancelled; a batch
-/// sequence restarting at 0 on a new connection is a reset, not a gap.
+/// let the processor drain on input close. The connection is re-established with
+/// backoff until cancelled; a batch sequence restarting at 0 on a new connection is a
+/// reset, not a gap.
+///
+/// **Loss before the worker reaches the routers.** When the listener loses track of
+/// what the engine holds — the connection ends, the batch sequence skips (the engine's
+/// PUB dropped batches) or starts again (a new engine) — it sends, ahead of any later
+/// event, a `Cleared` for every data-parallel rank it forwarded events for since the
+/// last clear. A router that applies `Cleared` (ours, the [guide](crate::guide)'s,
+/// Dynamo's) then drops those ranks' blocks instead of keeping blocks the engine may
+/// no longer hold; after an engine restart it holds only what the new engine stored.
+/// Counted in [`EngineListenerStats::stale_clears`], warned about (rate-limited).
+/// Event ids stay dense: a router sees a clear, not a hole (DESIGN §4.6).
 ///
 /// ```no_run
 /// use eventplane::kv::{EngineListener, EngineListenerConfig, WorkerId};
@@ -280,6 +305,7 @@ impl EngineListener {
         let mut backoff = Backoff::checked(self.config.reconnect_min, self.config.reconnect_max);
         let warn = RateLimitedWarn::default();
         let mut seq_tracker = SeqTracker::default();
+        let mut forwarded = Forwarded::default();
         let mut connected_before = false;
         loop {
             let connected = tokio::select! {
@@ -334,40 +360,35 @@ impl EngineListener {
                     counter::add(&self.counters.malformed, 1);
                     continue;
                 };
-                self.observe_seq(&mut seq_tracker, seq);
+                let loss = self.observe_seq(&mut seq_tracker, seq);
+                // The clears come first: what this batch says is what the engine
+                // holds after the loss.
+                let mut events = match loss {
+                    Some(loss) => self.clears(loss, &mut forwarded, &mut decoder, &warn),
+                    None => Vec::new(),
+                };
                 let decoded = decoder.decode_batch(&payload);
                 *self
                     .counters
                     .decoder
                     .lock()
                     .unwrap_or_else(|p| p.into_inner()) = decoder.stats();
-                let Ok(events) = decoded else {
-                    continue;
-                };
-                if events.is_empty() {
-                    continue;
-                }
-                let permit = tokio::select! {
-                    () = cancel.cancelled() => {
-                        // Last chance without waiting; otherwise counted, not lost.
-                        match self.output.try_send(events) {
-                            Ok(()) => {}
-                            Err(e) => {
-                                counter::add(&self.counters.discarded_events, e.into_inner().len() as u64);
-                            }
-                        }
-                        return self.finish(&decoder);
-                    }
-                    r = self.output.reserve() => r,
-                };
-                match permit {
-                    Ok(permit) => permit.send(events),
-                    // The processor is gone: nothing will ever take these.
-                    Err(_) => {
-                        counter::add(&self.counters.discarded_events, events.len() as u64);
-                        return self.finish(&decoder);
+                if let Ok(batch) = decoded {
+                    if events.is_empty() {
+                        events = batch;
+                    } else {
+                        events.extend(batch);
                     }
                 }
+                if !self.forward(events, &mut forwarded).await {
+                    return self.finish(&decoder);
+                }
+            }
+            // What the engine sends until the next connection is lost, and a new
+            // engine holds nothing of what this one stored.
+            let clears = self.clears(ViewLoss::Disconnected, &mut forwarded, &mut decoder, &warn);
+            if !self.forward(clears, &mut forwarded).await {
+                return self.finish(&decoder);
             }
             let delay = backoff.next_delay(random_unit());
             tokio::select! {
@@ -378,22 +399,89 @@ impl EngineListener {
         self.finish(&decoder)
     }
 
+    /// Sends `events` (if any) to the processor as one list, noting what routers will
+    /// hold. `false` when the listener must stop: cancelled while the processor's
+    /// input was full (the list is then counted as discarded), or the processor gone.
+    async fn forward(&self, events: Vec<PlacementEvent>, forwarded: &mut Forwarded) -> bool {
+        if events.is_empty() {
+            return true;
+        }
+        let permit = tokio::select! {
+            () = self.cancel.cancelled() => {
+                // Last chance without waiting; otherwise counted, not lost.
+                let n = events.len() as u64;
+                let untracked = forwarded.note(&events);
+                match self.output.try_send(events) {
+                    Ok(()) => counter::add(&self.counters.untracked_ranks, untracked),
+                    Err(_) => counter::add(&self.counters.discarded_events, n),
+                }
+                return false;
+            }
+            r = self.output.reserve() => r,
+        };
+        match permit {
+            Ok(permit) => {
+                counter::add(&self.counters.untracked_ranks, forwarded.note(&events));
+                permit.send(events);
+                true
+            }
+            // The processor is gone: nothing will ever take these.
+            Err(_) => {
+                counter::add(&self.counters.discarded_events, events.len() as u64);
+                false
+            }
+        }
+    }
+
+    /// The `Cleared` events that make routers drop what they hold of this engine,
+    /// after `loss` (none when nothing was forwarded since the last clear).
+    fn clears(
+        &self,
+        loss: ViewLoss,
+        forwarded: &mut Forwarded,
+        decoder: &mut EngineDecoder,
+        warn: &RateLimitedWarn,
+    ) -> Vec<PlacementEvent> {
+        let ranks = forwarded.take();
+        if ranks.is_empty() {
+            return Vec::new();
+        }
+        counter::add(&self.counters.stale_clears, ranks.len() as u64);
+        if let Some(suppressed) = warn.check(loss.as_str(), Instant::now()) {
+            let missing = match loss {
+                ViewLoss::Gap(n) => n,
+                _ => 0,
+            };
+            tracing::warn!(
+                endpoint = %self.config.endpoint,
+                cause = loss.as_str(),
+                missing_batches = missing,
+                ranks = ?ranks,
+                suppressed,
+                "lost track of the engine's KV state; sending Cleared so routers drop this worker's blocks"
+            );
+        }
+        ranks.into_iter().map(|r| decoder.cleared(r)).collect()
+    }
+
     async fn connect(&self) -> Result<SubSocket, zmtp::Error> {
         let mut sub = SubSocket::connect(&self.config.endpoint, self.config.zmtp.clone()).await?;
         sub.subscribe(self.config.topic.clone()).await?;
         Ok(sub)
     }
 
-    fn observe_seq(&self, tracker: &mut SeqTracker, seq: u64) {
+    fn observe_seq(&self, tracker: &mut SeqTracker, seq: u64) -> Option<ViewLoss> {
         let c = &self.counters;
         match tracker.observe(seq) {
-            SeqStep::InOrder => {}
+            SeqStep::InOrder => None,
             SeqStep::Gap(missing) => {
                 counter::add(&c.seq_gaps, 1);
                 counter::add(&c.seq_gap_batches, missing);
+                Some(ViewLoss::Gap(missing))
             }
             SeqStep::Reset => {
                 counter::add(&c.seq_resets, 1);
+                Some(ViewLoss::Reset)
             }
         }
     }

@@ -16,6 +16,95 @@
 //! assert_eq!(out.len(), 1);
 //! assert_eq!(out[0].event.id, 1); // dense outbound ids from 1
 //! ```
+//!
+//! # The engine's format
+//! What [`EngineListener`] (and `kv_listen`, `kv_relay`) read: the KV events vLLM and
+//! SGLang publish, as [`EngineDecoder`] decodes them.
+//!
+//! **Messages.** A ZMQ PUB (ZMTP 3.0 or 3.1, NULL security) sends messages of exactly
+//! three frames: `[topic, seq, batch]`. `topic` is the configured topic, byte for byte
+//! (the listener subscribes to it); `seq` is 8 bytes, a big-endian `u64` the engine
+//! counts up by one per batch; `batch` is msgpack. Any other shape is counted in
+//! [`EngineListenerStats::malformed_messages`] and skipped. A `seq` that skips
+//! forward counts a gap (`seq_gaps`), one that starts again at 0 on a new connection
+//! or goes back counts a reset (`seq_resets`): either, or a connection that ends,
+//! makes the listener send `Cleared` for what it forwarded (see [`EngineListener`]).
+//!
+//! **Batch.** `[ts, events, dp_rank]` — vLLM's `KVEventBatch` as an array — or a map
+//! with the same names (SGLang; `data_parallel_rank` is accepted for `dp_rank`):
+//!
+//! | field | msgpack type | use |
+//! |---|---|---|
+//! | `ts` | float (or anything) | ignored |
+//! | `events` | array of events | decoded in order |
+//! | `dp_rank` | unsigned int ≤ 2^32 − 1, nil, or absent | the data-parallel rank of every event (default 0; anything else rejects the batch) |
+//!
+//! Extra array elements and unknown map keys are ignored. A batch that is not msgpack,
+//! not one of these shapes, or over the per-batch budgets
+//! ([`EngineListenerConfig::batch_limits`]: 2^19 msgpack elements, 2^16 events) is
+//! rejected whole and counted (`malformed_batches`, `oversized_batches`), never
+//! allocated at the size it declares.
+//!
+//! **Events.** Each is a tagged array (vLLM ≤ 0.23) or a map with a `"type"` key
+//! (vLLM ≥ 0.24, SGLang); fields are read by position from an array, by name from a
+//! map:
+//!
+//! | position | name | type | use |
+//! |---|---|---|---|
+//! | 0 | `type` | `"BlockStored"` | |
+//! | 1 | `block_hashes` | array of hashes | the stored blocks, in chain order |
+//! | 2 | `parent_block_hash` | hash or nil | the block before the first one |
+//! | 3 | `token_ids` | array of unsigned ints ≤ 2^32 − 1 | `block_size` tokens per stored block |
+//! | 4 | `block_size` | int | ignored (the listener's configured block size rules) |
+//! | 5 | `lora_id` | any | ignored |
+//! | 6 | `medium` | string, nil or absent | the storage tier (below) |
+//! | 7… | `lora_name`, … | any | ignored |
+//!
+//! | position | name | type | use |
+//! |---|---|---|---|
+//! | 0 | `type` | `"BlockRemoved"` | |
+//! | 1 | `block_hashes` | array of hashes | the evicted blocks |
+//! | 2 | `medium` | string, nil or absent | the storage tier |
+//!
+//! `["AllBlocksCleared"]` (or `{"type": "AllBlocksCleared"}`): the rank holds nothing
+//! (further fields ignored).
+//!
+//! - **Hashes** are unsigned ints, negative ints (their two's-complement bits:
+//!   vLLM's Python hashes may be negative), or byte strings (folded to a `u64` with
+//!   xxh3-64, seed 0).
+//! - **`medium`** → [`StorageTier`]: absent, nil, `""` or `GPU` → `Device`; `CPU` or
+//!   `CPU_PINNED` → `HostPinned`; `DISK` or `NVME` → `Disk`; any other string (or a
+//!   non-string) → `External`. Case is ignored.
+//! - **Stored blocks** must each have exactly `block_size` tokens (the listener's
+//!   setting, the engine's block size): a stored event is cut at its first block
+//!   without a full set of tokens (`truncated_events`), and dropped when its hashes
+//!   repeat, parent included (`self_referencing`). Each block's tokens are hashed
+//!   with [`tokens_hash`] (what Dynamo's router computes).
+//! - An event with an unknown `type`, or whose fields have the wrong types, fails
+//!   alone (`failed_events`); the rest of its batch is kept. Unknown map keys and
+//!   extra array elements are ignored.
+//!
+//! **An engine to copy.** `examples/engine.py` publishes this format from Python
+//! (pyzmq and msgpack), driven line by line from stdin; the test suite uses it as the
+//! engine in front of `kv_relay`. Its core:
+//!
+//! ```python
+//! sock = zmq.Context.instance().socket(zmq.PUB)
+//! sock.bind("tcp://127.0.0.1:5557")
+//! seq = 0
+//! def publish(events, dp_rank=0):
+//!     global seq
+//!     batch = msgpack.packb([time.time(), events, dp_rank])
+//!     sock.send_multipart([b"kv-events", struct.pack(">Q", seq), batch])
+//!     seq += 1
+//! block_size = 4
+//! publish([["BlockStored", [101, 102], None, list(range(2 * block_size)), block_size, None, "GPU", None]])
+//! publish([["BlockRemoved", [102], "GPU"]])
+//! publish([["AllBlocksCleared"]])
+//! ```
+//!
+//! From Rust, [`encode_engine_batch`] writes the array forms (for simulators and
+//! tests).
 
 mod coalesce;
 mod dedup;
@@ -27,6 +116,7 @@ mod listener;
 mod pipeline;
 mod processor;
 mod sink;
+mod stale;
 mod worker;
 
 pub use coalesce::{Coalescer, DEFAULT_MAX_BATCH_BLOCKS};
@@ -53,6 +143,7 @@ pub use sink::{
     EventPlaneSink, MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, decode_router_events,
     decode_router_payload, encode_router_events, encode_router_payload, split_messages,
 };
+pub use stale::MAX_FORWARDED_RANKS;
 pub use worker::{DEFAULT_WORKER_QUEUE, Worker, WorkerBuilder, WorkerStats};
 
 #[cfg(test)]

@@ -199,18 +199,22 @@ fn dedup_is_per_rank_and_tier() {
 }
 
 #[test]
-fn cleared_forgets_only_its_rank() {
+fn cleared_forgets_every_tier_of_its_rank_only() {
     let mut d = DedupFilter::new(DedupMode::RefCounted);
     let rank1 = at(1, 1, StorageTier::Device);
-    for p in [&A, &A, &rank1, &rank1] {
+    let host = at(1, 0, StorageTier::HostPinned);
+    for p in [&A, &A, &rank1, &rank1, &host, &host] {
         d.filter(p, stored(None, &[5]));
     }
+    assert_eq!(d.tracked(), 3);
     assert_eq!(
         d.filter(&A, KvEventData::Cleared),
         Some(KvEventData::Cleared)
     );
-    // Rank 0 forgot: the removal passes as untracked.
+    assert_eq!(d.tracked(), 1);
+    // Rank 0 forgot, in every tier: the removals pass as untracked.
     assert_eq!(d.filter(&A, removed(&[5])), Some(removed(&[5])));
+    assert_eq!(d.filter(&host, removed(&[5])), Some(removed(&[5])));
     // Rank 1 still counts 2.
     assert_eq!(d.filter(&rank1, removed(&[5])), None);
     assert_eq!(d.filter(&rank1, removed(&[5])), Some(removed(&[5])));

@@ -6,19 +6,21 @@ use std::time::Duration;
 
 use crate::config::{self, ConfigError};
 
-/// Full-jitter exponential backoff: attempt *n* waits a uniformly random time in
-/// `[0, min(max, min × multiplier^n)]`. Pure: the caller passes the randomness, so
-/// tests are deterministic.
+/// Jittered exponential backoff with a floor: attempt *n* (from 0) waits a uniformly
+/// random time in `[min, min(max, min × multiplier^(n+1))]`. `min` is never undercut
+/// (a retry storm against a peer that just failed cannot happen), and the window
+/// doubles (by default) up to `max`, so reconnecting clients spread out. Pure: the
+/// caller passes the randomness, so tests are deterministic.
 ///
 /// ```
 /// use std::time::Duration;
 /// use eventplane::net::Backoff;
 /// let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(5))?;
-/// assert_eq!(b.next_delay(1.0), Duration::from_millis(100));
-/// assert_eq!(b.next_delay(1.0), Duration::from_millis(200));
-/// assert_eq!(b.next_delay(0.5), Duration::from_millis(200));
+/// assert_eq!(b.next_delay(0.0), Duration::from_millis(100)); // never below min
+/// assert_eq!(b.next_delay(1.0), Duration::from_millis(400)); // attempt 1: [100, 400] ms
+/// assert_eq!(b.next_delay(0.5), Duration::from_millis(450)); // attempt 2: [100, 800] ms
 /// b.reset();
-/// assert_eq!(b.next_delay(0.0), Duration::ZERO);
+/// assert_eq!(b.next_delay(1.0), Duration::from_millis(200)); // attempt 0: [100, 200] ms
 /// assert!(Backoff::new(Duration::from_secs(2), Duration::from_secs(1)).is_err()); // max below min
 /// # Ok::<(), eventplane::ConfigError>(())
 /// ```
@@ -61,13 +63,16 @@ impl Backoff {
         Ok(self)
     }
 
-    /// The ceiling for the current attempt, before jitter. Never panics: any
-    /// overflow (a huge multiplier, `Duration::MAX` bounds) saturates at `max`.
+    /// The longest delay of the current attempt: `min × multiplier^(attempt + 1)`,
+    /// at most `max`. Never panics: any overflow (a huge multiplier, `Duration::MAX`
+    /// bounds) saturates at `max`.
     pub fn ceiling(&self) -> Duration {
         if self.min.is_zero() {
             return Duration::ZERO;
         }
-        let factor = self.multiplier.powi(self.attempt.min(64) as i32);
+        let factor = self
+            .multiplier
+            .powi(self.attempt.saturating_add(1).min(64) as i32);
         let ceiling = self.min.as_secs_f64() * factor;
         // Anything not below `max` (NaN and infinity included) is `max`.
         if ceiling.partial_cmp(&self.max.as_secs_f64()) != Some(std::cmp::Ordering::Less) {
@@ -86,8 +91,10 @@ impl Backoff {
             1.0
         };
         let ceiling = self.ceiling();
-        let delay = Duration::try_from_secs_f64(ceiling.as_secs_f64() * random)
-            .unwrap_or(ceiling)
+        let floor = self.min.min(ceiling);
+        let spread = (ceiling - floor).as_secs_f64() * random;
+        let delay = Duration::try_from_secs_f64(spread)
+            .map_or(ceiling, |jitter| floor.saturating_add(jitter))
             .min(ceiling);
         self.attempt = self.attempt.saturating_add(1);
         delay
@@ -161,14 +168,27 @@ mod tests {
         let ceilings: Vec<u128> = (0..10).map(|_| b.next_delay(1.0).as_millis()).collect();
         assert_eq!(
             ceilings,
-            vec![100, 200, 400, 800, 1600, 3200, 5000, 5000, 5000, 5000]
+            vec![200, 400, 800, 1600, 3200, 5000, 5000, 5000, 5000, 5000]
         );
         for _ in 0..1000 {
             b.next_delay(1.0);
         }
         assert_eq!(b.next_delay(1.0), Duration::from_secs(5));
         assert_eq!(b.next_delay(f64::NAN), Duration::from_secs(5));
-        assert_eq!(b.next_delay(-3.0), Duration::ZERO);
+        assert_eq!(b.next_delay(-3.0), Duration::from_millis(100));
+    }
+
+    #[test]
+    fn never_below_the_minimum() {
+        let (min, max) = (Duration::from_secs(1), Duration::from_secs(60));
+        let mut b = Backoff::new(min, max).unwrap();
+        for i in 0..100 {
+            let d = b.next_delay(f64::from(i % 10) / 10.0);
+            assert!((min..=max).contains(&d), "attempt {i}: {d:?}");
+        }
+        // A fixed backoff (min = max) waits exactly that, whatever the draw.
+        let mut fixed = Backoff::new(min, min).unwrap();
+        assert_eq!((fixed.next_delay(0.0), fixed.next_delay(1.0)), (min, min));
     }
 
     #[test]

@@ -8,8 +8,8 @@
 //! use eventplane::net::{AddrFilter, Backoff, RateLimitedWarn};
 //! // Full-jitter exponential backoff: the caller supplies the randomness (0.0..1.0).
 //! let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5))?;
-//! assert!(backoff.next_delay(1.0) <= Duration::from_millis(100));
-//! assert!(backoff.next_delay(1.0) <= Duration::from_millis(200));
+//! assert!(backoff.next_delay(1.0) <= Duration::from_millis(200)); // in [100, 200] ms
+//! assert!(backoff.next_delay(0.0) >= Duration::from_millis(100)); // never below min
 //! backoff.reset(); // after a healthy period
 //!
 //! // Which resolved addresses a subscriber may dial (checked at dial time).

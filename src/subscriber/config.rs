@@ -33,6 +33,7 @@ pub(crate) struct Config {
     pub(crate) recv_batch: usize,
     pub(crate) max_publishers: usize,
     pub(crate) notices: usize,
+    pub(crate) expect_worker_identity: bool,
     pub(crate) cancel: CancellationToken,
     #[cfg(feature = "metrics")]
     pub(crate) metrics_interval: Duration,
@@ -59,6 +60,7 @@ impl Config {
             recv_batch: 256,
             max_publishers: 4096,
             notices: 0,
+            expect_worker_identity: false,
             cancel: CancellationToken::new(),
             #[cfg(feature = "metrics")]
             metrics_interval: Duration::from_secs(1),

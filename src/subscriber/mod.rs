@@ -36,7 +36,7 @@
 //!
 //! A new id is dialled (resolve → [`AddrFilter`] check on every
 //! resolved address → TCP connect → handshake → subscribe) in its own task; failures
-//! reconnect with full-jitter backoff (100 ms → 5 s, reset after 30 s healthy) until
+//! reconnect with jittered backoff (100 ms → 5 s, never below 100 ms, reset after 30 s healthy) until
 //! the publisher leaves discovery. A re-registration on the same endpoint keeps the
 //! connection; a new endpoint replaces it; a `Removed` counts only if its incarnation
 //! is at least the tracked one; a `Resync` reconciles. A failed watch is re-opened with
@@ -223,7 +223,8 @@ impl DynamicSubscriberBuilder {
         self.config.addr_filter = filter;
         self
     }
-    /// Reconnect backoff bounds. Default 100 ms → 5 s, full jitter.
+    /// Reconnect backoff bounds: each wait is at least `min`, jittered up to a ceiling
+    /// that doubles to `max` ([`Backoff`](crate::net::Backoff)). Default 100 ms → 5 s.
     pub fn reconnect_backoff(mut self, min: Duration, max: Duration) -> Self {
         self.config.reconnect_min = min;
         self.config.reconnect_max = max;
@@ -252,6 +253,36 @@ impl DynamicSubscriberBuilder {
     /// counts it in [`SubscriberStats::notices_dropped`]. Default 0: none are kept.
     pub fn notices(mut self, capacity: usize) -> Self {
         self.config.notices = capacity;
+        self
+    }
+    /// Whether this subscriber relies on the publishers' worker identities (a KV
+    /// router indexing by worker). When `true`, a publisher whose discovery record
+    /// carries none is still followed, but warned about (rate-limited, once a minute
+    /// per publisher) so a worker that forgot
+    /// [`EventPublisherBuilder::worker`](crate::publish::EventPublisherBuilder::worker)
+    /// shows on the router side. Either way, such publishers are counted in
+    /// [`SubscriberStats::unidentified_publishers`]. Default `false`.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::sync::Arc;
+    /// use eventplane::discovery::{MemoryDiscovery, Query};
+    /// use eventplane::publish::EventPublisher;
+    /// use eventplane::subscriber::DynamicSubscriber;
+    /// let discovery = Arc::new(MemoryDiscovery::new());
+    /// let router = DynamicSubscriber::builder(discovery.clone(), Query::new("prod"))
+    ///     .topic("kv-events")
+    ///     .expect_worker_identity(true)
+    ///     .spawn()?;
+    /// // A worker without `.worker(id, dp_rank)`: followed, warned about, counted.
+    /// let publisher = EventPublisher::builder(discovery, "prod", "w", "kv-events").build().await?;
+    /// publisher.wait_for_subscribers(1).await;
+    /// assert_eq!(router.stats().unidentified_publishers, 1);
+    /// # Ok(()) }
+    /// ```
+    pub fn expect_worker_identity(mut self, expect: bool) -> Self {
+        self.config.expect_worker_identity = expect;
         self
     }
     /// How often the `metrics` feature samples the counters into the `metrics` facade.
@@ -601,11 +632,16 @@ impl SubscriberHandle {
         let mut retired = self.shared.lock_retired();
         self.shared.settle_locked(&mut retired);
         let mut total = retired.sum();
+        let mut unidentified_publishers = 0;
         let mut publishers: Vec<(ChannelId, PublisherStats)> = self
             .shared
             .lock()
             .iter()
-            .map(|(id, cell)| (id.clone(), cell.snapshot()))
+            .map(|(id, cell)| {
+                let instance = cell.instance.lock().unwrap_or_else(|p| p.into_inner());
+                unidentified_publishers += usize::from(instance.worker.is_none());
+                (id.clone(), cell.snapshot())
+            })
             .collect();
         drop(retired);
         publishers.sort_by(|a, b| a.0.cmp(&b.0));
@@ -622,6 +658,7 @@ impl SubscriberHandle {
             read_buffer_bytes: self.shared.retention.current(),
             refused_publishers: self.shared.refused_publishers.load(Ordering::Relaxed),
             other_topic_publishers: self.shared.other_topic_publishers.load(Ordering::Relaxed),
+            unidentified_publishers,
             notices_dropped: self.shared.notices.dropped(),
             rewatches: self.shared.rewatches.load(Ordering::Relaxed),
         }

@@ -124,6 +124,10 @@ pub struct SubscriberStats {
     /// namespace): not followed, since none of their messages would match. A
     /// rate-limited warning names both topics.
     pub other_topic_publishers: usize,
+    /// Publishers followed now whose discovery record carries no worker identity:
+    /// their deliveries' `source.worker` is `None` (see
+    /// [`expect_worker_identity`](super::DynamicSubscriberBuilder::expect_worker_identity)).
+    pub unidentified_publishers: usize,
     /// [`Notice`](super::Notice)s dropped because the queue
     /// ([`notices`](super::DynamicSubscriberBuilder::notices)) was full.
     pub notices_dropped: u64,

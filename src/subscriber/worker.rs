@@ -350,6 +350,18 @@ async fn connect_and_read(
     *connected_before = true;
     seq.new_connection();
     tracing::debug!("connected");
+    if config.expect_worker_identity && instance.worker.is_none() {
+        let key = format!("unidentified:{}", instance.id);
+        if let Some(suppressed) = shared.warn.check(&key, Instant::now()) {
+            tracing::warn!(
+                id = %instance.id,
+                suppressed,
+                "publisher registered no worker identity: its deliveries have no `source.worker` \
+                 (a worker registers one with EventPublisherBuilder::worker, kv_relay from \
+                 --worker-id; other registrars write the record's `worker` field)"
+            );
+        }
+    }
     if shared.notices.enabled() {
         let instance = cell
             .instance

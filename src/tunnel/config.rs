@@ -199,8 +199,9 @@ pub struct BrokerConfig {
     /// Bytes all streams of a session may queue toward the router (default and most
     /// 64 MiB; at least the stream buffer).
     pub max_session_buffer_bytes: usize,
-    /// The first reconnect delay (default 1 s), doubling with jitter up to
-    /// `reconnect_max` (default 60 s).
+    /// The shortest reconnect delay (default 1 s): every wait is at least this, jittered
+    /// up to a ceiling that starts at twice it and doubles up to `reconnect_max`
+    /// (default 60 s; see [`Backoff`](crate::net::Backoff)).
     pub reconnect_min: Duration,
     /// The longest reconnect delay (default 60 s).
     pub reconnect_max: Duration,

@@ -308,6 +308,65 @@ impl PyPeer {
     }
 }
 
+/// The engine users copy, `examples/engine.py` (pyzmq + msgpack), as a child process:
+/// a real libzmq PUB sending vLLM-shaped KV batches, driven line by line.
+pub struct EnginePy {
+    peer: PyPeer,
+    /// The endpoint it bound (`tcp://127.0.0.1:PORT`).
+    pub endpoint: String,
+}
+
+impl EnginePy {
+    /// Binds `bind` (port 0 for any) and, unless `--no-wait` is among `extra`, waits
+    /// for a subscriber before it takes commands.
+    pub async fn spawn(bind: &str, extra: &[&str]) -> EnginePy {
+        require_pyzmq();
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/engine.py");
+        let mut child = Command::new(PYTHON)
+            .arg(script)
+            .args(["--bind", bind])
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut peer = PyPeer {
+            child,
+            stdin,
+            lines,
+        };
+        let bound = peer.line().await;
+        let endpoint = bound
+            .strip_prefix("bound ")
+            .unwrap_or_else(|| panic!("engine.py said {bound:?}"))
+            .to_owned();
+        EnginePy { peer, endpoint }
+    }
+
+    /// The port it bound.
+    pub fn port(&self) -> u16 {
+        self.endpoint.rsplit(':').next().unwrap().parse().unwrap()
+    }
+
+    /// Sends one command (`store 1 2`, `remove 1`, `clear`, `skip`, or a JSON list of
+    /// events) and returns the sequence number it used, once done.
+    pub async fn send(&mut self, command: &str) -> u64 {
+        self.peer.send_line(command).await;
+        let ok = self.peer.line().await;
+        ok.strip_prefix("ok ")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("engine.py answered {ok:?} to {command:?}"))
+    }
+
+    /// Kills it at once (SIGKILL), as an engine crash.
+    pub async fn kill(mut self) {
+        self.peer.child.kill().await.unwrap();
+    }
+}
+
 /// Awaits `fut` within [`DEADLINE`].
 pub async fn within<F: std::future::Future>(fut: F) -> F::Output {
     tokio::time::timeout(DEADLINE, fut)

@@ -472,6 +472,33 @@ async fn kv_router_runs_an_event_bus_that_carries_events_through_a_broker() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("event bus"), "{stderr}");
+
+    // A bus port already taken: exit 3, naming --bus-listen and the cause, not
+    // discovery (which was reached).
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_addr = taken.local_addr().unwrap().to_string();
+    let out = within(
+        Command::new(example("kv_router"))
+            .args(follow)
+            .args(["--bus-listen", &taken_addr, "--bus-key"])
+            .arg(fixture("bus.key"))
+            .arg("--bus-cert")
+            .arg(fixture("bus.pem"))
+            .arg("--bus-token-file")
+            .arg(dir.join("token"))
+            .output(),
+    )
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot listen on --bus-listen {taken_addr}"))
+            && stderr.contains("in use")
+            && !stderr.contains("discovery"),
+        "{stderr}"
+    );
+    drop(taken);
 }
 
 /// The last stderr line, parsed as the JSON stats object the examples print on exit.
@@ -703,6 +730,28 @@ async fn its_bus_connect_timeout_and_backoff_are_the_ones_configured() {
         "{failures} failures in 2 s with min_ms = 50, max_ms = 100"
     );
     broker.child.kill().await.unwrap();
+    // min_ms is a floor: no retry comes sooner (with jitter from zero, as before, one
+    // in three would).
+    let floored = config_for(
+        "backoff-floor",
+        &url,
+        &["tcp://127.0.0.1:5"],
+        "[backoff]\nmin_ms = 300\nmax_ms = 400",
+    );
+    let mut broker = Logged::spawn(&floored);
+    let mut at = Vec::new();
+    for _ in 0..6 {
+        at.push(broker.next("bus session failed").await);
+    }
+    for pair in at.windows(2) {
+        let waited = pair[1] - pair[0];
+        assert!(
+            waited >= Duration::from_millis(270),
+            "a retry after {waited:?} with min_ms = 300 (all: {:?})",
+            at.windows(2).map(|p| p[1] - p[0]).collect::<Vec<_>>()
+        );
+    }
+    broker.child.kill().await.unwrap();
     let slow = config_for("backoff-default", &url, &["tcp://127.0.0.1:5"], "");
     let mut broker = Logged::spawn(&slow);
     let failures = broker
@@ -870,4 +919,57 @@ async fn a_router_that_never_reads_costs_the_broker_process_one_stream_budget() 
         "the publisher never had to drop"
     );
     bus.shutdown().await;
+}
+
+/// `--check-config` contacts nothing (a wrong token passes it); `--check-bus` opens one
+/// session: 0 once welcomed, 3 with the reason for a wrong token or CA or a closed
+/// port.
+#[tokio::test]
+async fn check_bus_tells_a_wrong_token_or_ca_from_a_good_one() {
+    let bus = default_bus().await;
+    let url = default_bus_url(&bus);
+    let good = config_for("check-bus", &url, &["tcp://127.0.0.1:5"], "");
+    let out = run(&good, &["--check-bus"]).await;
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("bus ok"),
+        "{out:?}"
+    );
+
+    // A token the bus does not know: --check-config cannot tell, --check-bus can.
+    let wrong_token = config_for("check-bus-token", &url, &["tcp://127.0.0.1:5"], "");
+    std::fs::write(
+        wrong_token.parent().unwrap().join("token"),
+        "not-the-token\n",
+    )
+    .unwrap();
+    let out = run(&wrong_token, &["--check-config"]).await;
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let out = run(&wrong_token, &["--check-bus"]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("bus check failed"), "{stderr}");
+    assert!(stderr.contains("refused the credential"), "{stderr}");
+
+    // A CA that did not sign the bus's certificate.
+    let text = std::fs::read_to_string(&good)
+        .unwrap()
+        .replace("ca.pem", "other-ca.pem");
+    let wrong_ca = config("check-bus-ca", &text);
+    let out = run(&wrong_ca, &["--check-bus"]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("certificate"), "{stderr}");
+
+    // Nobody listening.
+    let (_held, closed) = crate::support::refusing_port();
+    let nowhere = config_for(
+        "check-bus-closed",
+        &format!("https://localhost:{closed}"),
+        &["tcp://127.0.0.1:5"],
+        "",
+    );
+    let out = run(&nowhere, &["--check-bus"]).await;
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    drop(bus);
 }

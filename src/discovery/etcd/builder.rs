@@ -106,7 +106,8 @@ impl EtcdDiscoveryBuilder {
         self
     }
 
-    /// Reconnect backoff of watches and the keep-alive (full jitter). Default
+    /// Reconnect backoff of watches and the keep-alive (jittered, never below the
+    /// minimum: [`Backoff`](crate::net::Backoff)). Default
     /// 250 ms → 5 s.
     pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
         self.config.backoff_min = min;

@@ -41,10 +41,27 @@ use crate::net::RateLimitedWarn;
 /// The distributed discovery backend, on etcd v3 (feature `etcd`).
 ///
 /// - Keys `{prefix}/v1/channels/{ns}/{component}/{topic}/{publisher_id:x}` (prefix
-///   default [`DEFAULT_PREFIX`]), each value a JSON record
-///   `{"id":{"namespace","component","topic","publisher_id"},"transport":{"kind":"zmq","endpoint"}}`.
-///   This is a public contract: processes in any language may register this way.
-///   Unknown fields are ignored; a malformed record is skipped, counted in
+///   default [`DEFAULT_PREFIX`]; each segment percent-encoded as in
+///   [`ChannelId::to_path`](crate::discovery::ChannelId::to_path)), each value a JSON
+///   record, at most 64 KiB:
+///
+///   ```text
+///   {"id": {"namespace": "prod", "component": "worker", "topic": "kv-events",
+///           "publisher_id": 42},
+///    "transport": {"kind": "zmq", "endpoint": "tcp://10.0.0.5:41234"},
+///    "worker": {"worker_id": 7, "dp_rank": 0}}
+///   ```
+///
+///   `publisher_id` is an integer ≤ 2^53 − 1 and the key's last segment is it in
+///   lower-case hex; `worker` (optional) is the worker the publisher speaks for,
+///   `worker_id` a `u64` and `dp_rank` a `u32`: subscribers see it as
+///   [`Instance::worker`](crate::discovery::Instance::worker), a KV router's way to
+///   know whose events these are before decoding them (write it; a record without it
+///   is followed, but its deliveries carry no worker). This is a public contract:
+///   processes in any language may register this way. Unknown fields are ignored; a
+///   malformed record (a missing or mistyped field, an id that disagrees with its key,
+///   a transport kind other than `zmq`, an empty endpoint, a `worker` out of range)
+///   is skipped, counted in
 ///   [`DiscoveryStats::malformed`](crate::discovery::DiscoveryStats::malformed) and logged (rate-limited), never fatal. With
 ///   [`RecordFormat::Dynamo`](EtcdDiscoveryBuilder::record_format) it reads and writes
 ///   Dynamo's records instead.

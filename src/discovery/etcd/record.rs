@@ -4,7 +4,8 @@
 //! Key: `{prefix}/v1/channels/{ns}/{component}/{topic}/{publisher_id:x}` (segments
 //! percent-encoded as in [`ChannelId::to_path`]). Value:
 //! `{"id":{"namespace":…,"component":…,"topic":…,"publisher_id":42},
-//! "transport":{"kind":"zmq","endpoint":"tcp://10.0.0.5:41234"}}`; unknown fields are
+//! "transport":{"kind":"zmq","endpoint":"tcp://10.0.0.5:41234"},
+//! "worker":{"worker_id":7,"dp_rank":0}}` (`worker` optional); unknown fields are
 //! ignored.
 
 use std::borrow::Cow;

@@ -1,0 +1,105 @@
+//! `guide_router`: the router of the crate's guide (`eventplane::guide`, "The router
+//! side") as a program. `router.rs` is the code the guide shows, word for word; this
+//! file only reads the command line, connects to etcd and prints what was indexed.
+//!
+//! ```text
+//! guide_router --etcd URL --namespace NS [--deliveries N] [--timeout-ms MS]
+//! ```
+//! Follows every `kv-events` publisher of NS registered in etcd (our records; start
+//! workers with `kv_relay --etcd URL --namespace NS --component C --worker-id W …`).
+//! After N deliveries, on timeout, or on Ctrl-C / SIGTERM it prints one JSON line on
+//! stdout:
+//!
+//! ```text
+//! {"deliveries":N,"unidentified":U,"undecodable":D,"lost":L,
+//!  "workers":[{"worker_id":W,"dp_rank":R,"blocks":[hash,...]},...]}
+//! ```
+//! (`workers` sorted by id and rank, `blocks` sorted). Exit codes: 0 after N
+//! deliveries or a signal; 1 on timeout; 2 on bad arguments; 3 when etcd cannot be
+//! reached.
+
+#[path = "../common/mod.rs"]
+mod common;
+// Written as a user copies it, with `pub` items.
+#[allow(unreachable_pub)]
+mod router;
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use common::{StartError, optional_timeout, stop_signal};
+use eventplane::discovery::{EtcdDiscovery, WorkerIdentity};
+
+#[derive(Parser, Debug)]
+#[command(
+    about = "The guide's KV router: follow every worker of a namespace through etcd, index their blocks",
+    after_help = "Output: one JSON line on stdout at exit: {\"deliveries\", \"unidentified\", \
+                  \"undecodable\", \"lost\", \"workers\": [{\"worker_id\", \"dp_rank\", \
+                  \"blocks\": [...]}]}.\n\nExit codes: 0 after --deliveries N or on SIGTERM / \
+                  Ctrl-C; 1 on timeout; 2 on bad arguments; 3 when etcd cannot be reached."
+)]
+struct Args {
+    /// etcd endpoint (http://host:2379); repeat for a cluster.
+    #[arg(long, required = true)]
+    etcd: Vec<String>,
+    /// Namespace whose workers to follow.
+    #[arg(long)]
+    namespace: String,
+    /// Stop after this many deliveries.
+    #[arg(long)]
+    deliveries: Option<u64>,
+    /// Stop (exit 1) after this long.
+    #[arg(long = "timeout-ms")]
+    timeout_ms: Option<u64>,
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    common::init_tracing();
+    let stop = stop_signal();
+    let args = Args::parse();
+    let discovery = match EtcdDiscovery::builder(&args.etcd).connect().await {
+        Ok(d) => d,
+        Err(e) => return StartError::etcd(&e).report(),
+    };
+    let mut subscriber = match router::subscribe(Arc::new(discovery.clone()), &args.namespace) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("invalid subscriber settings: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let mut index = router::Index::default();
+    let enough = args.deliveries;
+    let code = tokio::select! {
+        () = router::route(&mut subscriber, &mut index, |i| enough.is_some_and(|n| i.deliveries >= n)) => 0,
+        () = stop => 0,
+        () = optional_timeout(args.timeout_ms) => 1,
+    };
+    subscriber.handle().shutdown().await;
+    discovery.close().await;
+    let mut workers: Vec<(&WorkerIdentity, Vec<u64>)> = index
+        .blocks
+        .iter()
+        .map(|(w, blocks)| {
+            let mut blocks: Vec<u64> = blocks.iter().copied().collect();
+            blocks.sort_unstable();
+            (w, blocks)
+        })
+        .collect();
+    workers.sort_unstable_by_key(|(w, _)| (w.worker_id, w.dp_rank));
+    let report = serde_json::json!({
+        "deliveries": index.deliveries,
+        "unidentified": index.unidentified,
+        "undecodable": index.undecodable,
+        "lost": index.lost,
+        "workers": workers.iter().map(|(w, blocks)| serde_json::json!({
+            "worker_id": w.worker_id,
+            "dp_rank": w.dp_rank,
+            "blocks": blocks,
+        })).collect::<Vec<_>>(),
+    });
+    println!("{report}");
+    ExitCode::from(code)
+}

@@ -24,6 +24,7 @@ one a line, and prints "ok SEQ" after each (the sequence number it used):
   [EVENT, ...]        one batch of events as JSON (the tagged arrays above)
   store H [H ...]     one BlockStored of these hashes, chained on the previous
                       store's last hash, with made-up tokens
+  root H [H ...]      the same, starting a new chain (no parent)
   remove H [H ...]    one BlockRemoved
   clear               one AllBlocksCleared
   skip                use up a sequence number without sending (a dropped batch)
@@ -96,9 +97,10 @@ def main():
             continue
         if line.lstrip().startswith("["):
             seq = engine.publish(json.loads(line))
-        elif words[0] == "store":
+        elif words[0] in ("store", "root"):
             hashes = [int(h) for h in words[1:]]
-            seq = engine.publish([stored(hashes, parent, args.block_size)])
+            after = parent if words[0] == "store" else None
+            seq = engine.publish([stored(hashes, after, args.block_size)])
             parent = hashes[-1]
         elif words[0] == "remove":
             seq = engine.publish([["BlockRemoved", [int(h) for h in words[1:]], None]])

@@ -3,20 +3,22 @@
 //! file only reads the command line, connects to etcd and prints what was indexed.
 //!
 //! ```text
-//! guide_router --etcd URL --namespace NS [--deliveries N] [--timeout-ms MS]
+//! guide_router --etcd URL --namespace NS [--deliveries N] [--until-block H]
+//!              [--timeout-ms MS]
 //! ```
 //! Follows every `kv-events` publisher of NS registered in etcd (our records; start
-//! workers with `kv_relay --etcd URL --namespace NS --component C --worker-id W …`).
-//! After N deliveries, on timeout, or on Ctrl-C / SIGTERM it prints one JSON line on
-//! stdout:
+//! workers with `kv_relay --etcd URL --namespace NS --component C --worker-id W …`),
+//! saying `connected (N connections)` on stderr at each connection. After N
+//! deliveries, once a worker holds block H, on timeout, or on Ctrl-C / SIGTERM it
+//! prints one JSON line on stdout:
 //!
 //! ```text
 //! {"deliveries":N,"unidentified":U,"undecodable":D,"lost":L,
 //!  "workers":[{"worker_id":W,"dp_rank":R,"blocks":[hash,...]},...]}
 //! ```
 //! (`workers` sorted by id and rank, `blocks` sorted). Exit codes: 0 after N
-//! deliveries or a signal; 1 on timeout; 2 on bad arguments; 3 when etcd cannot be
-//! reached.
+//! deliveries, block H, or a signal; 1 on timeout (or if the subscriber stops); 2 on
+//! bad arguments; 3 when etcd cannot be reached.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -34,10 +36,12 @@ use eventplane::discovery::{EtcdDiscovery, WorkerIdentity};
 #[derive(Parser, Debug)]
 #[command(
     about = "The guide's KV router: follow every worker of a namespace through etcd, index their blocks",
-    after_help = "Output: one JSON line on stdout at exit: {\"deliveries\", \"unidentified\", \
-                  \"undecodable\", \"lost\", \"workers\": [{\"worker_id\", \"dp_rank\", \
-                  \"blocks\": [...]}]}.\n\nExit codes: 0 after --deliveries N or on SIGTERM / \
-                  Ctrl-C; 1 on timeout; 2 on bad arguments; 3 when etcd cannot be reached."
+    after_help = "Output: `connected (N connections)` on stderr at each connection; one JSON \
+                  line on stdout at exit: {\"deliveries\", \"unidentified\", \"undecodable\", \
+                  \"lost\", \"workers\": [{\"worker_id\", \"dp_rank\", \"blocks\": [...]}]}.\
+                  \n\nExit codes: 0 after --deliveries N, --until-block H, or on SIGTERM / \
+                  Ctrl-C; 1 on timeout or if the subscriber stops; 2 on bad arguments; 3 when \
+                  etcd cannot be reached."
 )]
 struct Args {
     /// etcd endpoint (http://host:2379); repeat for a cluster.
@@ -49,6 +53,9 @@ struct Args {
     /// Stop after this many deliveries.
     #[arg(long)]
     deliveries: Option<u64>,
+    /// Stop once a worker holds this block (a marker a script sends last).
+    #[arg(long = "until-block")]
+    until_block: Option<u64>,
     /// Stop (exit 1) after this long.
     #[arg(long = "timeout-ms")]
     timeout_ms: Option<u64>,
@@ -71,11 +78,28 @@ async fn main() -> ExitCode {
         }
     };
     let mut index = router::Index::default();
-    let enough = args.deliveries;
-    let code = tokio::select! {
-        () = router::route(&mut subscriber, &mut index, |i| enough.is_some_and(|n| i.deliveries >= n)) => 0,
-        () = stop => 0,
-        () = optional_timeout(args.timeout_ms) => 1,
+    let (enough, until) = (args.deliveries, args.until_block);
+    let finished = |i: &router::Index| {
+        enough.is_some_and(|n| i.deliveries >= n)
+            || until.is_some_and(|h| i.blocks.values().any(|b| b.contains(&h)))
+    };
+    let timeout = optional_timeout(args.timeout_ms);
+    tokio::pin!(stop, timeout);
+    let code = loop {
+        let seen = index.connections;
+        tokio::select! {
+            () = router::route(&mut subscriber, &mut index, |i| finished(i) || i.connections > seen) => {}
+            () = &mut stop => break 0,
+            () = &mut timeout => break 1,
+        }
+        if finished(&index) {
+            break 0;
+        }
+        if index.connections == seen {
+            eprintln!("the subscriber stopped");
+            break 1;
+        }
+        eprintln!("connected ({} connections)", index.connections);
     };
     subscriber.handle().shutdown().await;
     discovery.close().await;

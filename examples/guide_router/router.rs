@@ -32,6 +32,8 @@ pub struct Index {
     pub undecodable: u64,
     /// Times a worker's blocks were dropped because its messages were lost.
     pub lost: u64,
+    /// Connections to publishers so far (reconnections included).
+    pub connections: u64,
     worker_of: HashMap<ChannelId, WorkerIdentity>,
 }
 
@@ -87,7 +89,9 @@ impl Index {
                     self.blocks.remove(&worker);
                 }
             }
-            _ => {} // Connected: the instance, with its worker, before its first delivery
+            // The instance, with its worker, before its first delivery.
+            Notice::Connected(_) => self.connections += 1,
+            _ => {}
         }
     }
 }

@@ -209,8 +209,16 @@ async fn kv_router_follows_a_real_dynamo_worker() {
     assert_eq!(got, want);
     assert!(ids.windows(2).all(|w| w[1] == w[0] + 1), "{ids:?}");
 
-    // The worker stops cleanly: its records leave etcd, the router forgets its blocks
-    // (after the script's clear, only the host-pinned block 201 was held).
+    // The script ends with a clear, which empties every tier of the worker (as in
+    // Dynamo's router); one block stored after it is what the index holds.
+    worker.send(&sentinel(0x5dff).to_string()).await;
+    let line = within(out.next_line()).await.unwrap().unwrap();
+    assert_eq!(
+        json_line(&line)["event"]["data"]["stored"]["blocks"][0]["block_hash"],
+        0x5dff
+    );
+
+    // The worker stops cleanly: its records leave etcd, the router forgets its blocks.
     worker.finish().await;
     loop {
         let line = within(err_rx.recv())
@@ -368,4 +376,161 @@ async fn dynamos_router_indexes_kv_relay_as_it_indexes_a_dynamo_worker() {
     let relay_stats = support::terminate_for_stats(relay).await;
     assert_eq!(relay_stats["publisher"]["dropped"], 0, "{relay_stats}");
     router.finish().await;
+}
+
+/// The blocks a `kv_router` event line stores (empty for anything else).
+fn stored_by(line: &str) -> Vec<u64> {
+    json_line(line)["event"]["data"]["stored"]["blocks"]
+        .as_array()
+        .map(|b| b.iter().filter_map(|b| b["block_hash"].as_u64()).collect())
+        .unwrap_or_default()
+}
+
+/// What `kv_router` event lines leave in an index: stored adds, removed removes,
+/// cleared empties (one worker and rank here).
+fn replay(lines: &[String]) -> Vec<u64> {
+    let mut held = std::collections::BTreeSet::new();
+    for line in lines {
+        let v = json_line(line);
+        let data = &v["event"]["data"];
+        if data == "cleared" {
+            held.clear();
+        }
+        held.extend(stored_by(line));
+        for h in data["removed"]["block_hashes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            held.remove(&h.as_u64().unwrap());
+        }
+    }
+    held.into_iter().collect()
+}
+
+/// Loss before the worker, on Dynamo's wire: a real engine (`examples/engine.py`)
+/// drops a batch, crashes and restarts behind `kv_relay --wire dynamo`. Dynamo 1.6.1's
+/// own router and `kv_router --dynamo` follow the relay through etcd; after the gap and
+/// after the restart both indexes are the same, and hold exactly what the live engine
+/// stored (the relay's clears empty the worker in Dynamo's router too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_an_engine_restart_dynamos_router_and_kv_router_hold_what_the_new_engine_stored() {
+    use support::EnginePy;
+    let server = EtcdServer::start().await;
+    let url = server.url();
+    let mut engine = EnginePy::spawn("tcp://127.0.0.1:0", &[]).await;
+    let port = engine.port();
+    let (relay, _) = support::spawn_example(
+        "kv_relay",
+        &[
+            "--connect",
+            &engine.endpoint,
+            "--topic",
+            "kv-events",
+            "--block-size",
+            "4",
+            "--worker-id",
+            "77",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--wire",
+            "dynamo",
+            "--etcd",
+            &url,
+            "--namespace",
+            "live3",
+            "--component",
+            "kvworker",
+        ],
+        true,
+    )
+    .await;
+    let mut dynamo = Py::spawn(
+        "dynamo_router.py",
+        &[
+            "--etcd",
+            &url,
+            "--namespace",
+            "live3",
+            "--component",
+            "kvworker",
+        ],
+    )
+    .await;
+    let (router, mut out, err_rx) = super::suite::spawn_kv_router_dynamo(&url, "live3");
+    let kv_router_add = std::time::Duration::from_millis(300);
+    let mut ours = Vec::new();
+
+    // Until both routers are subscribed: a marker block, re-sent.
+    let (mut dynamo_has, mut kv_router_has) = (false, false);
+    let until = tokio::time::Instant::now() + DEADLINE;
+    while !(dynamo_has && kv_router_has) {
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the routers saw nothing"
+        );
+        engine.send("root 900").await;
+        if !dynamo_has {
+            dynamo_has = dynamo
+                .until_within(kv_router_add, |l| adds(l, 900))
+                .await
+                .is_some();
+        }
+        while let Ok(Ok(Some(line))) = tokio::time::timeout(kv_router_add, out.next_line()).await {
+            kv_router_has |= stored_by(&line) == [900];
+            ours.push(line);
+        }
+    }
+
+    // Both indexes once `marker` is in both.
+    async fn states(
+        dynamo: &mut Py,
+        out: &mut Lines<BufReader<ChildStdout>>,
+        ours: &mut Vec<String>,
+        marker: u64,
+    ) -> (Vec<u64>, Vec<u64>) {
+        dynamo.until(|l| adds(l, marker)).await;
+        dynamo.send("dump").await;
+        let state = json_line(&dynamo.until(|l| json_line(l)["kind"] == "state").await);
+        let mut theirs: Vec<u64> = state["blocks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|b| b["worker_id"] == 77 && b["dp_rank"] == 0)
+            .map(|b| b["block_hash"].as_u64().unwrap())
+            .collect();
+        theirs.sort_unstable();
+        while !ours.last().is_some_and(|l| stored_by(l).contains(&marker)) {
+            let line = within(out.next_line())
+                .await
+                .unwrap()
+                .expect("kv_router exited");
+            ours.push(line);
+        }
+        (theirs, replay(ours))
+    }
+
+    // Engine A: a chain, a removal, a batch its PUB dropped, then a new chain.
+    for command in ["root 1 2", "store 3", "remove 3", "skip", "root 4"] {
+        engine.send(command).await;
+    }
+    let (theirs, mine) = states(&mut dynamo, &mut out, &mut ours, 4).await;
+    assert_eq!((theirs.as_slice(), mine.as_slice()), (&[4][..], &[4][..]));
+
+    // It crashes; engine B on the same endpoint numbers from 0.
+    engine.kill().await;
+    let mut engine = EnginePy::spawn(&format!("tcp://127.0.0.1:{port}"), &[]).await;
+    for command in ["root 10 11", "store 12", "remove 12", "root 20"] {
+        engine.send(command).await;
+    }
+    let (theirs, mine) = states(&mut dynamo, &mut out, &mut ours, 20).await;
+    assert_eq!(theirs, [10, 11, 20], "Dynamo's router");
+    assert_eq!(mine, [10, 11, 20], "kv_router's events");
+
+    let stats = super::suite::terminate_reading(router, err_rx).await;
+    assert_eq!(stats["index_blocks"], 3, "{stats}");
+    let relay_stats = support::terminate_for_stats(relay).await;
+    assert_eq!(relay_stats["listener"]["stale_clears"], 2, "{relay_stats}");
+    dynamo.finish().await;
+    engine.kill().await;
 }

@@ -16,6 +16,7 @@ use eventplane::discovery::{
     ChannelId, Discovery, DiscoveryError, DiscoveryEvent, DiscoveryStream, DynamoRecords,
     EtcdDiscovery, Query, RecordFormat, Transport,
 };
+use eventplane::kv::{EngineEvent, encode_engine_batch};
 use serde_json::Value;
 use support::etcd::EtcdServer;
 use support::{WARM_RANK, within};
@@ -358,6 +359,26 @@ async fn kv_relay_dynamo_feeds_kv_router_dynamo_through_etcd() {
     // Dense ids, as Dynamo's are.
     assert!(ids.windows(2).all(|w| w[1] == w[0] + 1), "{ids:?}");
 
+    // The capture ends with a clear, which empties every tier of worker 77 (as in
+    // Dynamo's router); one block stored after it is what the index holds.
+    engine.send(
+        encode_engine_batch(
+            0.0,
+            WARM_RANK,
+            4,
+            &[EngineEvent::Stored {
+                block_hashes: vec![0x5dff],
+                parent_block_hash: None,
+                token_ids: vec![1, 2, 3, 4],
+                medium: None,
+            }],
+        )
+        .unwrap(),
+    );
+    let line = within(out.next_line()).await.unwrap().unwrap();
+    assert!(line.contains(&0x5dff.to_string()), "{line}");
+    warm_seen += 1;
+
     // The worker stops: its records leave etcd and the router forgets its blocks.
     let relay_stats = support::terminate_for_stats(relay).await;
     assert_eq!(relay_stats["wire"], "dynamo");
@@ -366,7 +387,6 @@ async fn kv_relay_dynamo_feeds_kv_router_dynamo_through_etcd() {
     loop {
         let line = within(err_rx.recv()).await.expect("router stderr closed");
         if line.contains("left: forgot") {
-            // After the clear only worker 77's host-pinned block 201 was held.
             assert!(line.contains("left: forgot 1 blocks"), "{line}");
             break;
         }

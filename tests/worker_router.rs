@@ -1,0 +1,249 @@
+//! The worker we ship and the routers we teach, as a user runs them: a real ZMQ engine
+//! (`examples/engine.py`, libzmq through pyzmq) → `kv_relay --etcd` → the guide's
+//! router (`guide_router`, compiled from the guide's own text) and `kv_router`, over a
+//! real etcd. Every delivery names its worker, and loss before the worker (a dropped
+//! engine batch, an engine crash and restart) leaves no ghost in either router. The
+//! same story on Dynamo's wire, against Dynamo 1.6.1's own router, is in
+//! `tests/dynamo_etcd/live.rs`. Needs `--features etcd`.
+
+#[cfg(feature = "etcd")]
+mod support;
+
+#[cfg(feature = "etcd")]
+mod with_etcd {
+    use std::process::Stdio;
+
+    use serde_json::{Value, json};
+    use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+    use tokio::process::{Child, ChildStdout, Command};
+
+    use crate::support::etcd::EtcdServer;
+    use crate::support::{EnginePy, example, spawn_example, within};
+
+    /// A child whose stdout and stderr are read line by line.
+    struct Watched {
+        child: Child,
+        out: Lines<BufReader<ChildStdout>>,
+        err: tokio::sync::mpsc::Receiver<String>,
+    }
+
+    impl Watched {
+        fn spawn(name: &str, args: &[&str]) -> Watched {
+            let mut child = Command::new(example(name))
+                .args(args)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .kill_on_drop(true)
+                .spawn()
+                .unwrap();
+            let out = BufReader::new(child.stdout.take().unwrap()).lines();
+            let (tx, err) = tokio::sync::mpsc::channel(256);
+            let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+            tokio::spawn(async move {
+                while let Ok(Some(line)) = lines.next_line().await {
+                    if tx.send(line).await.is_err() {
+                        break;
+                    }
+                }
+            });
+            Watched { child, out, err }
+        }
+
+        /// The next stdout line.
+        async fn line(&mut self) -> String {
+            within(self.out.next_line())
+                .await
+                .unwrap()
+                .expect("the process exited")
+        }
+
+        /// Reads stderr until a line contains `text`.
+        async fn stderr_until(&mut self, text: &str) -> String {
+            within(async {
+                loop {
+                    let line = self.err.recv().await.expect("stderr closed");
+                    if line.contains(text) {
+                        return line;
+                    }
+                }
+            })
+            .await
+        }
+
+        /// SIGTERM, exit 0, and the last stderr line as JSON.
+        async fn terminate(mut self) -> Value {
+            let pid = self.child.id().unwrap();
+            let killed = std::process::Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status()
+                .unwrap();
+            assert!(killed.success());
+            let status = within(self.child.wait()).await.unwrap();
+            assert_eq!(status.code(), Some(0));
+            let mut last = String::new();
+            while let Some(line) = within(self.err.recv()).await {
+                last = line;
+            }
+            serde_json::from_str(&last).unwrap_or_else(|e| panic!("no stats line ({e}): {last}"))
+        }
+    }
+
+    /// The blocks a router event line stores (empty for anything else).
+    fn stored(line: &str) -> Vec<u64> {
+        let v: Value = serde_json::from_str(line).unwrap_or(Value::Null);
+        v["event"]["data"]["stored"]["blocks"]
+            .as_array()
+            .map(|b| b.iter().filter_map(|b| b["block_hash"].as_u64()).collect())
+            .unwrap_or_default()
+    }
+
+    /// Worker 7's `kv_relay` (our wire) registered in etcd under `prod/worker`, in
+    /// front of `engine`; returns it once it has subscribed to the engine (engine.py
+    /// takes commands only then).
+    async fn relay(url: &str, engine: &EnginePy) -> Child {
+        let (relay, _) = spawn_example(
+            "kv_relay",
+            &[
+                "--connect",
+                &engine.endpoint,
+                "--topic",
+                "kv-events",
+                "--block-size",
+                "4",
+                "--worker-id",
+                "7",
+                "--dp-rank",
+                "0",
+                "--bind",
+                "tcp://127.0.0.1:0",
+                "--etcd",
+                url,
+                "--namespace",
+                "prod",
+                "--component",
+                "worker",
+            ],
+            true,
+        )
+        .await;
+        relay
+    }
+
+    /// The guide's router and `kv_router` follow `kv_relay` through etcd: the record
+    /// carries the worker, every delivery is identified, and after a dropped batch, an
+    /// engine crash and a new engine on the same endpoint both indexes hold exactly what
+    /// the new engine stored.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_guides_router_and_kv_router_follow_kv_relay_through_an_engine_restart() {
+        let server = EtcdServer::start().await;
+        let url = server.url();
+        let mut engine = EnginePy::spawn("tcp://127.0.0.1:0", &[]).await;
+        let port = engine.port();
+        let relay = relay(&url, &engine).await;
+
+        // The record is our public contract, with the worker in it.
+        let listed = server.etcdctl(&["get", "--prefix", "/eventplane/v1/channels/prod/"]);
+        let record: Value = listed
+            .lines()
+            .find_map(|l| serde_json::from_str(l).ok())
+            .unwrap_or_else(|| panic!("no record: {listed}"));
+        assert_eq!(
+            record["worker"],
+            json!({"worker_id": 7, "dp_rank": 0}),
+            "{record}"
+        );
+
+        let mut guide = Watched::spawn(
+            "guide_router",
+            &["--etcd", &url, "--namespace", "prod", "--until-block", "20"],
+        );
+        let mut router = Watched::spawn(
+            "kv_router",
+            &[
+                "--etcd",
+                &url,
+                "--namespace",
+                "prod",
+                "--topic",
+                "kv-events",
+                "--dump-index",
+            ],
+        );
+        guide.stderr_until("connected (1 connections)").await;
+        // Until kv_router's subscription is through too: a marker block, re-sent.
+        loop {
+            engine.send("root 900").await;
+            let got = tokio::time::timeout(std::time::Duration::from_millis(200), router.line());
+            if got.await.is_ok_and(|l| stored(&l) == [900]) {
+                break;
+            }
+        }
+
+        // Engine A: a chain, a removal, a batch its PUB dropped, a new chain.
+        for command in ["root 1 2", "store 3", "remove 3", "skip", "root 4"] {
+            engine.send(command).await;
+        }
+        // It crashes; engine B starts on the same endpoint, numbering from 0.
+        engine.kill().await;
+        let mut engine = EnginePy::spawn(&format!("tcp://127.0.0.1:{port}"), &[]).await;
+        for command in ["root 10 11", "store 12", "remove 12", "root 20"] {
+            engine.send(command).await;
+        }
+        // What engine B holds, and nothing else.
+        let holds = json!([10, 11, 20]);
+
+        let mut seen = Vec::new();
+        loop {
+            let line = router.line().await;
+            let blocks = stored(&line);
+            seen.push(line);
+            if blocks == [20] {
+                break;
+            }
+        }
+        let cleared = seen.iter().filter(|l| l.contains("\"cleared\"")).count();
+        assert_eq!(
+            cleared, 2,
+            "one clear for the dropped batch, one for the crash: {seen:#?}"
+        );
+        let stats = router.terminate().await;
+        assert_eq!(
+            stats["index"],
+            json!([{"worker_id": 7, "dp_rank": 0, "tier": "device", "block_hashes": holds}]),
+            "{stats}"
+        );
+        assert_eq!(stats["unidentified_deliveries"], 0, "{stats}");
+        assert_eq!(stats["subscriber"]["total"]["gaps"], 0, "{stats}");
+
+        let line = guide.line().await;
+        let status = within(guide.child.wait()).await.unwrap();
+        assert_eq!(status.code(), Some(0), "{line}");
+        let report: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(
+            report["workers"],
+            json!([{"worker_id": 7, "dp_rank": 0, "blocks": holds}]),
+            "{report}"
+        );
+        assert!(report["deliveries"].as_u64().unwrap() >= 10, "{report}");
+        assert_eq!(
+            (
+                &report["unidentified"],
+                &report["undecodable"],
+                &report["lost"]
+            ),
+            (&json!(0), &json!(0), &json!(0)),
+            "{report}"
+        );
+
+        let relay_stats = crate::support::terminate_for_stats(relay).await;
+        assert_eq!(relay_stats["listener"]["stale_clears"], 2, "{relay_stats}");
+        assert_eq!(relay_stats["listener"]["seq_gaps"], 1, "{relay_stats}");
+        assert_eq!(relay_stats["publisher"]["dropped"], 0, "{relay_stats}");
+        engine.kill().await;
+    }
+}
+
+#[cfg(not(feature = "etcd"))]
+#[test]
+#[ignore = "needs `--features etcd`: run `cargo test --all-features`"]
+fn skipped_without_feature_etcd() {}

@@ -35,7 +35,7 @@ use std::sync::Arc;
 use clap::{CommandFactory, Parser, ValueEnum};
 use common::{Index, StartError, chain, optional_timeout, static_discovery, stop_signal};
 use eventplane::discovery::{ChannelId, Discovery, Query};
-use eventplane::kv::decode_router_payload;
+use eventplane::kv::{RouterEvent, decode_router_payload};
 use eventplane::subscriber::{DynamicSubscriber, Notice};
 use eventplane::wire::Wire;
 
@@ -49,16 +49,18 @@ use eventplane::wire::Wire;
     after_long_help = format!(
         "The index: one per publisher, per (worker, dp rank, tier) a set of block hashes. \
          stored adds, removed removes, cleared empties every tier of its worker and rank. \
-         A publisher whose messages were lost (a sequence gap) or that restarted has its \
-         blocks forgotten; one that left discovery takes its blocks with it. So nothing \
-         is kept that a worker may no longer hold (its relay also sends cleared when it \
-         lost track of its engine).\n\nOutput: one router event per stdout line (none \
+         Event ids are dense per publisher: an event whose id is not the next one \
+         follows lost events (a full queue, a dropped connection, this router's own \
+         lanes), so that publisher's blocks are forgotten before it is applied, as \
+         Dynamo's router does. A publisher that left discovery takes its blocks with it. \
+         So nothing is kept that a worker may no longer hold (its relay also sends \
+         cleared when it lost track of its engine).\n\nOutput: one router event per stdout line (none \
          with --format quiet). {}\nOn stderr: `event bus listening on ADDR` (with \
          --bus-listen), `publisher ID left: forgot N blocks`, `publisher ID lost \
-         messages: forgot N blocks` (the first ten), and last, at exit, the counters as \
+         events (id N after M): forgot N blocks` (the first ten), and last, at exit, the counters as \
          one JSON object: {{\"wire\", \"router_events\", \"index_blocks\", \
          \"publishers\", \"unidentified_deliveries\" (from publishers that registered no \
-         worker identity), \"lost_views\" (gaps and restarts), \"decode_errors\": \
+         worker identity), \"lost_views\" (event id gaps), \"decode_errors\": \
          {{\"frames\", \"header\", \"length\", \"envelope\", \"identity\", \"payload\"}}, \
          \"subscriber\": {{...}}, and with --dump-index \"index\"}}.\n\nExit codes: 0 on \
          SIGTERM / Ctrl-C or after --count events; 1 on timeout or if the subscriber \
@@ -124,7 +126,7 @@ struct Args {
     bus_token_file: Option<std::path::PathBuf>,
 }
 
-/// Lifecycle notices queued between two batches (Gap, Reset, Departed per publisher).
+/// Lifecycle notices queued between two batches (connections, gaps, departures).
 const NOTICES: usize = 4096;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -183,8 +185,11 @@ struct Router {
     payload_errors: u64,
     /// Deliveries from publishers that registered no worker identity.
     unidentified: u64,
-    /// Times a publisher's messages were lost (a gap or a restart): its blocks forgotten.
+    /// Times a publisher's events were lost (an event id other than the next): its
+    /// blocks forgotten.
     lost: u64,
+    /// The id each publisher's next event must have (ids are dense from 1).
+    next_ids: HashMap<ChannelId, u64>,
 }
 
 impl Router {
@@ -192,24 +197,41 @@ impl Router {
         self.indexes.values().map(Index::size).sum()
     }
 
-    /// Applies what the subscriber noticed: a publisher that lost messages or
-    /// restarted has its blocks forgotten (what it holds now is unknown: no ghosts),
-    /// one that left has its index dropped.
+    /// Applies one event of publisher `id`. Event ids are dense per publisher: an id
+    /// other than the next means events were lost on the way (its queue, the network,
+    /// our own lanes), so what is held of it may be stale and is forgotten first (as
+    /// Dynamo's router resets a worker on an id gap): no ghosts.
+    fn apply(&mut self, id: &ChannelId, ev: &RouterEvent) {
+        if !self.indexes.contains_key(id) {
+            self.indexes.insert(id.clone(), Index::default());
+            self.next_ids.insert(id.clone(), 0);
+        }
+        let (Some(index), Some(next)) = (self.indexes.get_mut(id), self.next_ids.get_mut(id))
+        else {
+            return;
+        };
+        if *next != 0 && ev.event.id != *next {
+            self.lost += 1;
+            if index.size() > 0 && self.lost <= 10 {
+                eprintln!(
+                    "publisher {id} lost events (id {} after {}): forgot {} blocks",
+                    ev.event.id,
+                    next.saturating_sub(1),
+                    index.size()
+                );
+            }
+            index.clear();
+        }
+        *next = ev.event.id.saturating_add(1);
+        index.apply(ev);
+    }
+
+    /// Applies what the subscriber noticed: a publisher that left has its index
+    /// dropped (after its last delivery).
     fn notice(&mut self, notice: Notice) {
         match notice {
-            Notice::Gap { id, .. } | Notice::Reset { id } => {
-                self.lost += 1;
-                if let Some(index) = self.indexes.get_mut(&id) {
-                    if index.size() > 0 && self.lost <= 10 {
-                        eprintln!(
-                            "publisher {id} lost messages: forgot {} blocks",
-                            index.size()
-                        );
-                    }
-                    index.clear();
-                }
-            }
             Notice::Departed(id) => {
+                self.next_ids.remove(&id);
                 let forgot = self.indexes.remove(&id).map_or(0, |i| i.size());
                 eprintln!("publisher {id} left: forgot {forgot} blocks");
             }
@@ -321,9 +343,8 @@ async fn main() -> ExitCode {
                             continue;
                         }
                     };
-                    let index = router.indexes.entry(delivery.source.id.clone()).or_default();
                     for ev in &events {
-                        index.apply(ev);
+                        router.apply(&delivery.source.id, ev);
                         if args.format == Format::Json
                             && serde_json::to_writer(&mut out, ev).is_ok()
                         {

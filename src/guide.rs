@@ -22,11 +22,14 @@
 //! - **What was lost.** Nothing is kept that the worker may no longer hold. A worker
 //!   that loses track of its engine (a dropped batch, an engine restart) sends
 //!   `Cleared`, and the index empties that worker
-//!   ([`EngineListener`](crate::kv::EngineListener)). Messages lost between worker
-//!   and router come as a [`Notice::Gap`](crate::subscriber::Notice::Gap) or `Reset`
-//!   ([`notices`](crate::subscriber::DynamicSubscriberBuilder::notices) on): the index
-//!   drops that worker too, and its next events rebuild it. This is also what
-//!   Dynamo's router does (DESIGN §4.6).
+//!   ([`EngineListener`](crate::kv::EngineListener)). Events lost between worker and
+//!   router — a full send queue, a dropped connection, this router's own lanes — show
+//!   in the event ids, which a worker numbers 1, 2, 3, …: at an id that is not the
+//!   next one the index drops that worker before applying it, and what follows
+//!   rebuilds it. Dynamo's router does the same (DESIGN §4.5, §4.6). (The
+//!   subscriber's [`Notice::Gap`](crate::subscriber::Notice::Gap) reports the message
+//!   sequence's gaps too, but only those before the router's lanes, and after the
+//!   batch they came in.)
 //! - **Who left.** `Notice::Departed` comes once every message the departed publisher
 //!   sent was handed over: drop that worker's entries then, not earlier. Handle each
 //!   batch before the notices, and wait for notices beside `recv_many`

@@ -25,7 +25,8 @@
 //!
 //! ## What is here
 //! Start with the [`guide`]: a router and a worker process, start to finish, the
-//! bounds, and a tracing setup.
+//! bounds, and a tracing setup. The semantics and wire formats behind every module are
+//! in the repository's `docs/DESIGN.md`, which the docs cite as "DESIGN §N".
 //!
 //! - [`zmtp`]: a pure-Rust, bounded ZMTP 3.x implementation — a sans-IO codec and
 //!   session, and async [`SubSocket`](zmtp::SubSocket) / [`PubSocket`](zmtp::PubSocket)

@@ -334,3 +334,91 @@ async fn the_wrong_wire_is_counted_not_guessed() {
     assert_eq!(stats["router_events"], 0);
     support::terminate_for_stats(relay).await;
 }
+
+/// Event ids are dense per publisher: an event whose id skips (events lost between the
+/// worker's processor and the router) makes `kv_router` forget that publisher's
+/// blocks before applying it, as Dynamo's router does: no ghost survives the loss.
+#[tokio::test]
+async fn an_event_id_gap_forgets_the_publishers_blocks_first() {
+    use eventplane::kv::{
+        BlockHash, KvEvent, KvEventData, StorageTier, StoredBlock, TokensHash, WorkerId,
+        encode_router_events,
+    };
+    use eventplane::publish::EventPublisher;
+    let publisher = EventPublisher::bind_unregistered(
+        "tcp://127.0.0.1:0",
+        "kv-events",
+        eventplane::zmtp::Config::default(),
+    )
+    .await
+    .unwrap();
+    let endpoint = publisher.local_endpoint().unwrap().to_owned();
+    let mut router = Command::new(example("kv_router"))
+        .args([
+            "--static",
+            &endpoint,
+            "--namespace",
+            "ns",
+            "--topic",
+            "kv-events",
+        ])
+        .arg("--dump-index")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(router.stdout.take().unwrap()).lines();
+    within(publisher.wait_for_subscribers(1)).await;
+    let stored = |id: u64, hashes: &[u64]| {
+        let blocks = hashes
+            .iter()
+            .map(|&h| StoredBlock {
+                block_hash: BlockHash(h),
+                tokens_hash: TokensHash(h),
+            })
+            .collect();
+        let data = KvEventData::Stored {
+            parent_hash: None,
+            blocks,
+        };
+        encode_router_events(&[RouterEvent {
+            worker_id: WorkerId(7),
+            tier: StorageTier::Device,
+            event: KvEvent {
+                id,
+                dp_rank: 0,
+                data,
+            },
+        }])
+        .unwrap()
+    };
+    // Ids 1, 2, then 4: event 3 never came (the message sequence has no gap: the
+    // loss was before the publisher, where only the ids show it).
+    for (id, hashes) in [(1, &[1, 2][..]), (2, &[3]), (4, &[5])] {
+        publisher.publish(stored(id, hashes));
+        within(out.next_line()).await.unwrap().unwrap();
+    }
+    let pid = router.id().unwrap();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let done = within(router.wait_with_output()).await.unwrap();
+    let stderr = String::from_utf8_lossy(&done.stderr);
+    assert!(
+        stderr.contains("lost events (id 4 after 2): forgot 3 blocks"),
+        "{stderr}"
+    );
+    let stats = last_json(&done.stderr);
+    assert_eq!(stats["lost_views"], 1, "{stats}");
+    assert_eq!(stats["subscriber"]["total"]["gaps"], 0, "{stats}");
+    assert_eq!(
+        stats["index"],
+        serde_json::json!([{"worker_id": 7, "dp_rank": 0, "tier": "device", "block_hashes": [5]}]),
+        "{stats}"
+    );
+}

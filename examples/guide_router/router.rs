@@ -13,7 +13,7 @@ pub fn subscribe(
 ) -> Result<DynamicSubscriber, ConfigError> {
     DynamicSubscriber::builder(discovery, Query::new(namespace))
         .topic("kv-events")
-        .notices(1024) // gaps, restarts and departures, next to the messages
+        .notices(1024) // connections and departures, next to the messages
         .expect_worker_identity(true) // warns about a worker that registered none
         .spawn()
 }
@@ -30,11 +30,14 @@ pub struct Index {
     pub unidentified: u64,
     /// Deliveries whose payload did not decode (that worker's blocks dropped).
     pub undecodable: u64,
-    /// Times a worker's blocks were dropped because its messages were lost.
+    /// Times a worker's blocks were dropped because some of its events were lost.
     pub lost: u64,
     /// Connections to publishers so far (reconnections included).
     pub connections: u64,
     worker_of: HashMap<ChannelId, WorkerIdentity>,
+    /// The id each publisher's next event must have: a worker numbers its events
+    /// 1, 2, 3, … so any other id means events were lost on the way.
+    next_id: HashMap<ChannelId, u64>,
 }
 
 impl Index {
@@ -54,7 +57,17 @@ impl Index {
             return;
         };
         let held = self.blocks.entry(worker).or_default();
+        // 0: nothing seen from this publisher yet (ids start at 1).
+        let next = self.next_id.entry(delivery.source.id.clone()).or_insert(0);
         for event in events {
+            if *next != 0 && event.event.id != *next {
+                // Events were lost between the worker and us (a full queue, a dropped
+                // connection): what we hold of it may be stale. Drop it; what follows
+                // rebuilds it. (Dynamo's router does the same on an id gap.)
+                held.clear();
+                self.lost += 1;
+            }
+            *next = event.event.id.saturating_add(1);
             match event.event.data {
                 KvEventData::Stored { blocks, .. } => {
                     held.extend(blocks.iter().map(|b| b.block_hash.0))
@@ -75,22 +88,17 @@ impl Index {
     /// Applies one lifecycle notice (after the batch it came with).
     pub fn notice(&mut self, notice: Notice) {
         match notice {
-            // Messages of this publisher were lost, or it restarted: what we hold
-            // for it may be stale. Drop it; its next events rebuild it.
-            Notice::Gap { id, .. } | Notice::Reset { id } => {
-                if let Some(worker) = self.worker_of.get(&id) {
-                    self.blocks.remove(worker);
-                    self.lost += 1;
-                }
-            }
             // It left, and every message it sent has been delivered.
             Notice::Departed(id) => {
+                self.next_id.remove(&id);
                 if let Some(worker) = self.worker_of.remove(&id) {
                     self.blocks.remove(&worker);
                 }
             }
             // The instance, with its worker, before its first delivery.
             Notice::Connected(_) => self.connections += 1,
+            // Gap, Reset: messages lost or renumbered; the event ids above tell which
+            // events, in order, including those this process dropped itself.
             _ => {}
         }
     }

@@ -229,13 +229,10 @@ impl Router {
     /// Applies what the subscriber noticed: a publisher that left has its index
     /// dropped (after its last delivery).
     fn notice(&mut self, notice: Notice) {
-        match notice {
-            Notice::Departed(id) => {
-                self.next_ids.remove(&id);
-                let forgot = self.indexes.remove(&id).map_or(0, |i| i.size());
-                eprintln!("publisher {id} left: forgot {forgot} blocks");
-            }
-            _ => {}
+        if let Notice::Departed(id) = notice {
+            self.next_ids.remove(&id);
+            let forgot = self.indexes.remove(&id).map_or(0, |i| i.size());
+            eprintln!("publisher {id} left: forgot {forgot} blocks");
         }
     }
 

@@ -5,6 +5,13 @@
 //! engine batch, an engine crash and restart) leaves no ghost in either router. The
 //! same story on Dynamo's wire, against Dynamo 1.6.1's own router, is in
 //! `tests/dynamo_etcd/live.rs`. Needs `--features etcd`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    missing_docs
+)]
 
 #[cfg(feature = "etcd")]
 mod support;

@@ -208,11 +208,6 @@ mod with_etcd {
                 break;
             }
         }
-        let cleared = seen.iter().filter(|l| l.contains("\"cleared\"")).count();
-        assert_eq!(
-            cleared, 2,
-            "one clear for the dropped batch, one for the crash: {seen:#?}"
-        );
         let stats = router.terminate().await;
         assert_eq!(
             stats["index"],
@@ -220,6 +215,11 @@ mod with_etcd {
             "{stats}"
         );
         assert_eq!(stats["unidentified_deliveries"], 0, "{stats}");
+        let cleared = seen.iter().filter(|l| l.contains("\"cleared\"")).count();
+        assert_eq!(
+            cleared, 2,
+            "one clear for the dropped batch, one for the crash: {seen:#?}"
+        );
         assert_eq!(stats["subscriber"]["total"]["gaps"], 0, "{stats}");
 
         let line = guide.line().await;
@@ -247,6 +247,72 @@ mod with_etcd {
         assert_eq!(relay_stats["listener"]["seq_gaps"], 1, "{relay_stats}");
         assert_eq!(relay_stats["publisher"]["dropped"], 0, "{relay_stats}");
         engine.kill().await;
+    }
+
+    /// A worker registered by hand (another language, following the record contract)
+    /// without `worker`: the router follows it, and says so on its own side — the
+    /// subscriber's warning names the publisher, the stats count its deliveries.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_publisher_without_a_worker_identity_is_reported_by_the_router() {
+        use eventplane::kv::{KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId};
+        let server = EtcdServer::start().await;
+        let url = server.url();
+        let publisher = eventplane::publish::EventPublisher::bind_unregistered(
+            "tcp://127.0.0.1:0",
+            "kv-events",
+            eventplane::zmtp::Config::default(),
+        )
+        .await
+        .unwrap();
+        let record = json!({
+            "id": {"namespace": "prod", "component": "py", "topic": "kv-events",
+                   "publisher_id": publisher.publisher_id()},
+            "transport": {"kind": "zmq", "endpoint": publisher.local_endpoint().unwrap()},
+        });
+        let key = format!(
+            "/eventplane/v1/channels/prod/py/kv-events/{:x}",
+            publisher.publisher_id()
+        );
+        server.etcdctl(&["put", &key, &record.to_string()]);
+        let mut router = Watched::spawn(
+            "kv_router",
+            &[
+                "--etcd",
+                &url,
+                "--namespace",
+                "prod",
+                "--topic",
+                "kv-events",
+                "--count",
+                "1",
+            ],
+        );
+        within(publisher.wait_for_subscribers(1)).await;
+        let event = KvEvent {
+            id: 1,
+            dp_rank: 0,
+            data: KvEventData::Cleared,
+        };
+        publisher.publish(
+            eventplane::kv::encode_router_events(&[RouterEvent {
+                worker_id: WorkerId(9),
+                tier: StorageTier::Device,
+                event,
+            }])
+            .unwrap(),
+        );
+        let warning = router.stderr_until("registered no worker identity").await;
+        assert!(warning.contains("prod/py/kv-events"), "{warning}");
+        router.line().await;
+        let status = within(router.child.wait()).await.unwrap();
+        assert_eq!(status.code(), Some(0));
+        let mut last = String::new();
+        while let Some(line) = within(router.err.recv()).await {
+            last = line;
+        }
+        let stats: Value = serde_json::from_str(&last).unwrap();
+        assert_eq!(stats["unidentified_deliveries"], 1, "{stats}");
+        assert_eq!(stats["subscriber"]["unidentified_publishers"], 1, "{stats}");
     }
 }
 

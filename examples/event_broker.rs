@@ -40,8 +40,9 @@
 //! `--check-config` checks the configuration, the credential and the CA bundle, and
 //! that discovery answers, then exits without contacting the bus (a wrong token or CA
 //! passes it); `--check-bus`
-//! also opens one session with the bus and exits 0 once welcomed, 3 if the bus
-//! refuses or cannot be reached. Exit codes: 0 after a drain (or a good check); 1 on
+//! also opens one session with the bus (as `CLIENT_ID.check`, so a running broker is
+//! not superseded) and exits 0 once welcomed, 3 if the bus refuses or cannot be
+//! reached. Exit codes: 0 after a drain (or a good check); 1 on
 //! a second signal; 2 on a refused configuration; 3 when discovery or (with
 //! `--check-bus`) the bus cannot be reached.
 
@@ -61,8 +62,9 @@ use eventplane::tunnel::{Broker, BrokerConfig, Secret, client_tls};
 #[command(
     about = "Relay publishers inside a cluster to a router's event bus outside it",
     after_help = "Exit codes: 0 after a drain (or a good --check-config / --check-bus); 1 on \
-                  a second signal; 2 on a refused configuration; 3 when discovery (or with \
-                  --check-bus the bus) cannot be reached.\
+                  a second signal (or a signal during --check-bus); 2 on a refused \
+                  configuration; 3 when discovery cannot be reached, or with --check-bus \
+                  when the bus refuses or cannot be reached.\
                   \n\nLogs: session changes go to stderr; RUST_LOG sets the level (off, debug, \
                   or target=level pairs such as eventplane=debug)."
 )]
@@ -77,9 +79,11 @@ struct Args {
     #[arg(long = "check-config")]
     check_config: bool,
     /// Check the configuration, then open one session with the bus (TLS with the CA
-    /// bundle, the token, the hello) and exit: 0 once the bus welcomes this broker, 3
-    /// if it refuses or cannot be reached (the warning before says why: a wrong token,
-    /// an unknown CA, a closed port), within the bus connect deadline.
+    /// bundle, the token, the hello) and exit: 0 once the bus welcomes it, 3 if the bus
+    /// refuses or cannot be reached (the warning before says why: a wrong token, an
+    /// unknown CA, a closed port) or no session completes within the session's
+    /// deadlines (two bus_connect_ms, one response_ms) plus 5 s. The session uses the
+    /// client id CLIENT_ID.check, so a broker running as CLIENT_ID is not superseded.
     #[arg(long = "check-bus", conflicts_with = "check_config")]
     check_bus: bool,
 }
@@ -295,13 +299,24 @@ async fn main() -> ExitCode {
         println!("configuration ok: {} as {}", file.bus_url, file.client_id);
         return ExitCode::SUCCESS;
     }
-    let bus_deadline = config.deadlines.bus_connect;
+    // A session's stages, one after the other: TCP and TLS (each within
+    // bus_connect), then the bus's answer (response); the check waits that long, plus
+    // discovery's first list.
+    let session_deadline = config.deadlines.bus_connect * 2 + config.deadlines.response;
+    if args.check_bus {
+        // Under an id of its own: a session as CLIENT_ID would supersede a broker
+        // running with this configuration (and reset every stream it carries).
+        config.client_id = format!("{}.check", file.client_id);
+        if let Err(e) = config.validate() {
+            return refused(Refusal::Config(chain(&e)));
+        }
+    }
     let broker = match Broker::spawn(config) {
         Ok(b) => b,
         Err(e) => return refused(Refusal::Config(chain(&e))),
     };
     if args.check_bus {
-        return check_bus(broker, &file, bus_deadline).await;
+        return check_bus(broker, &file, session_deadline, &mut signals).await;
     }
     signals.recv().await;
     let stats = broker.handle();
@@ -320,32 +335,46 @@ async fn main() -> ExitCode {
 }
 
 /// `--check-bus`: the first session's outcome, then a prompt stop.
-async fn check_bus(broker: Broker, file: &FileConfig, bus_deadline: Duration) -> ExitCode {
+async fn check_bus(
+    broker: Broker,
+    file: &FileConfig,
+    session_deadline: Duration,
+    signals: &mut common::Signals,
+) -> ExitCode {
     let handle = broker.handle();
-    // The session's own deadline, plus the discovery view's first list.
-    let give_up = tokio::time::Instant::now() + bus_deadline + Duration::from_secs(5);
+    let waited = session_deadline + Duration::from_secs(5);
+    let give_up = tokio::time::Instant::now() + waited;
     let code = loop {
         let stats = handle.stats();
-        if stats.connected {
-            println!("bus ok: {} welcomed {}", file.bus_url, file.client_id);
+        // Welcomed at least once (it may have ended since: a welcome is the answer).
+        if stats.sessions > 0 {
+            println!(
+                "bus ok: {} welcomed {}.check (this configuration's credential and CA)",
+                file.bus_url, file.client_id
+            );
             break 0;
         }
         if stats.session_failures > 0 {
             eprintln!(
-                "bus check failed: {} did not welcome {} (see the warning above)",
+                "bus check failed: {} did not welcome {}.check (see the warning above)",
                 file.bus_url, file.client_id
             );
             break 3;
         }
         if tokio::time::Instant::now() >= give_up {
             eprintln!(
-                "bus check failed: no session with {} within {:?}",
-                file.bus_url,
-                bus_deadline + Duration::from_secs(5)
+                "bus check failed: no session with {} within {waited:?}",
+                file.bus_url
             );
             break 3;
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_millis(20)) => {}
+            () = signals.recv() => {
+                eprintln!("bus check interrupted");
+                break 1;
+            }
+        }
     };
     broker.abort();
     ExitCode::from(code)

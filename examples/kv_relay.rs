@@ -19,10 +19,18 @@
 //!   reads them unchanged.
 //!
 //! Without `--etcd` the publisher is registered nowhere. With it (feature `etcd`), it
-//! registers under its lease: our record with `--wire eventplane`; with `--wire
-//! dynamo`, Dynamo's two records (`v1/event_channels/…` and `v1/event_sources/…` with
-//! `worker_id` W and dp rank R, default 0) under endpoint E (default `generate`). Both
-//! are deleted on SIGTERM / Ctrl-C (the handlers are installed before registering). A
+//! registers under its lease, with its worker identity (`worker_id` W, dp rank R,
+//! default 0) so routers know whose events these are before decoding them: our record
+//! (its `worker` field) with `--wire eventplane`; with `--wire dynamo`, Dynamo's two
+//! records (`v1/event_channels/…` and `v1/event_sources/…`, which carries W and R)
+//! under endpoint E (default `generate`). They are deleted on SIGTERM / Ctrl-C (the
+//! handlers are installed before registering).
+//!
+//! When it loses track of the engine (its sequence skips or restarts, its connection
+//! ends, a batch cannot be decoded) it publishes a `Cleared` for every rank it had
+//! forwarded (DESIGN §4.6). Its event ids count per relay: Dynamo's router tracks ids
+//! per (worker, rank), so for Dynamo's wire run one relay per data-parallel rank, as
+//! vLLM publishes one stream per rank. A
 //! bind on `0.0.0.0` needs `--advertise-host`. A Dynamo router indexes a worker's
 //! events only once that worker serves the endpoint (its model card, `v1/mdc/…`, names
 //! W): relay for a worker that registers its model, with its id as W.

@@ -4,7 +4,7 @@
 //! ```text
 //! kv_router (--etcd URL [--dynamo] | --static EP… [--wire eventplane|dynamo])
 //!           --namespace NS [--component C] [--endpoint E] --topic T
-//!           [--count N] [--timeout-ms MS] [--format json|quiet]
+//!           [--count N] [--timeout-ms MS] [--format json|quiet] [--dump-index]
 //!           [--bus-listen ADDR --bus-cert PEM --bus-key PEM --bus-token-file FILE]
 //! ```
 //! With `--bus-listen` (feature `tunnel`) it also runs an event bus there: brokers
@@ -17,17 +17,20 @@
 //!
 //! Prints one JSON line per router event, as `kv_listen` does
 //! (`{"worker_id":…,"tier":…,"event":{"id":…,"dp_rank":…,"data":…}}`; none with
-//! `--format quiet`), and applies each to a block index, one per publisher. Publishers
-//! may come and go: when one leaves discovery, the blocks it reported are forgotten (a
-//! line on stderr says so). On Ctrl-C / SIGTERM or after N events it prints its stats as one JSON
+//! `--format quiet`), and applies each to a block index, one per publisher. Nothing is
+//! kept that a worker may no longer hold: a `cleared` empties every tier of its worker
+//! and rank; an event id that is not the publisher's next one (events lost on the way)
+//! or a reconnection forgets that publisher's blocks first; a publisher that leaves
+//! discovery takes its blocks with it (stderr lines say so). `--help` has the
+//! formats. On Ctrl-C / SIGTERM or after N events it prints its stats as one JSON
 //! object, the last line on stderr: the subscriber's counters, decode errors per reason
-//! and the index size. Exit codes: 0 on a signal or after N events; 1 on timeout (or if
+//! and the index size (with `--dump-index`, the index itself). Exit codes: 0 on a signal or after N events; 1 on timeout (or if
 //! the subscriber stops); 2 on bad arguments; 3 when discovery cannot be reached (or
 //! --bus-listen cannot be bound).
 
 mod common;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -52,15 +55,19 @@ use eventplane::wire::Wire;
          Event ids are dense per publisher: an event whose id is not the next one \
          follows lost events (a full queue, a dropped connection, this router's own \
          lanes), so that publisher's blocks are forgotten before it is applied, as \
-         Dynamo's router does. A publisher that left discovery takes its blocks with it. \
+         Dynamo's router does; so does a reconnection (what was sent meanwhile is \
+         lost). A publisher that left discovery takes its blocks with it. \
          So nothing is kept that a worker may no longer hold (its relay also sends \
          cleared when it lost track of its engine).\n\nOutput: one router event per stdout line (none \
          with --format quiet). {}\nOn stderr: `event bus listening on ADDR` (with \
          --bus-listen), `publisher ID left: forgot N blocks`, `publisher ID lost \
-         events (id N after M): forgot N blocks` (the first ten), and last, at exit, the counters as \
+         events (id N after M): forgot K blocks` (at most ten of those), `publisher ID \
+         reconnected: forgot K blocks`, and last, at exit, the counters as \
          one JSON object: {{\"wire\", \"router_events\", \"index_blocks\", \
          \"publishers\", \"unidentified_deliveries\" (from publishers that registered no \
-         worker identity), \"lost_views\" (event id gaps), \"decode_errors\": \
+         worker identity: every delivery with --static or --dynamo, whose publishers \
+         carry none), \"lost_views\" (event id gaps and reconnections that forgot \
+         blocks), \"decode_errors\": \
          {{\"frames\", \"header\", \"length\", \"envelope\", \"identity\", \"payload\"}}, \
          \"subscriber\": {{...}}, and with --dump-index \"index\"}}.\n\nExit codes: 0 on \
          SIGTERM / Ctrl-C or after --count events; 1 on timeout or if the subscriber \
@@ -190,6 +197,8 @@ struct Router {
     lost: u64,
     /// The id each publisher's next event must have (ids are dense from 1).
     next_ids: HashMap<ChannelId, u64>,
+    /// Publishers whose first connection was seen (a second one is a reconnect).
+    connected: HashSet<ChannelId>,
 }
 
 impl Router {
@@ -229,10 +238,48 @@ impl Router {
     /// Applies what the subscriber noticed: a publisher that left has its index
     /// dropped (after its last delivery).
     fn notice(&mut self, notice: Notice) {
-        if let Notice::Departed(id) = notice {
-            self.next_ids.remove(&id);
-            let forgot = self.indexes.remove(&id).map_or(0, |i| i.size());
-            eprintln!("publisher {id} left: forgot {forgot} blocks");
+        match notice {
+            // Connected again after a lost connection: what it sent meanwhile is gone
+            // (a clear perhaps with it), so what is held of it may be stale.
+            Notice::Connected(instance) => {
+                if !self.connected.insert(instance.id.clone()) {
+                    if let Some(index) = self.indexes.get_mut(&instance.id) {
+                        if index.size() > 0 {
+                            self.lost += 1;
+                            eprintln!(
+                                "publisher {} reconnected: forgot {} blocks",
+                                instance.id,
+                                index.size()
+                            );
+                        }
+                        index.clear();
+                    }
+                    self.next_ids.insert(instance.id.clone(), 0);
+                }
+            }
+            Notice::Departed(id) => self.forget(&id),
+            _ => {}
+        }
+    }
+
+    fn forget(&mut self, id: &ChannelId) {
+        self.next_ids.remove(id);
+        self.connected.remove(id);
+        let forgot = self.indexes.remove(id).map_or(0, |i| i.size());
+        eprintln!("publisher {id} left: forgot {forgot} blocks");
+    }
+
+    /// After notices were dropped (a full queue), a `Departed` may be among them:
+    /// forgets the publishers the subscriber no longer follows.
+    fn reconcile(&mut self, followed: &HashSet<ChannelId>) {
+        let gone: Vec<ChannelId> = self
+            .indexes
+            .keys()
+            .filter(|id| !followed.contains(*id))
+            .cloned()
+            .collect();
+        for id in gone {
+            self.forget(&id);
         }
     }
 
@@ -303,6 +350,9 @@ async fn main() -> ExitCode {
     let mut router = Router::default();
     let mut batch = Vec::with_capacity(256);
     let mut notices = Vec::new();
+    // Notices dropped so far: a dropped `Departed` is made up for by a reconcile.
+    let mut notices_dropped = 0;
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
     let timeout = optional_timeout(args.timeout_ms);
     tokio::pin!(timeout);
     tokio::pin!(stop);
@@ -314,6 +364,14 @@ async fn main() -> ExitCode {
             () = &mut stop => break 'run 0,
             () = &mut timeout => break 'run 1,
             () = handle.notice_ready() => {}
+            _ = tick.tick() => {
+                let stats = handle.stats();
+                if stats.notices_dropped > notices_dropped {
+                    notices_dropped = stats.notices_dropped;
+                    let followed = stats.publishers.into_iter().map(|(id, _)| id).collect();
+                    router.reconcile(&followed);
+                }
+            }
             n = sub.recv_many(&mut batch, 256) => {
                 if n == 0 {
                     eprintln!("the subscriber stopped");

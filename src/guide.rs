@@ -58,15 +58,15 @@
     "# worker.publish(encode_router_events(&[RouterEvent { worker_id: WorkerId(7), tier: StorageTier::Device, event: KvEvent { id: 1, dp_rank: 0, data } }])?);\n",
     "let mut index = Index::default();\n",
     "let worker_7 = WorkerIdentity::new(7, 0);\n",
-    "route(&mut router, &mut index, |i| i.blocks.get(&worker_7).is_some_and(|b| b.contains(&42))).await;\n",
+    "route(&mut router, &mut index, |i| i.holders(42).any(|w| w == worker_7)).await;\n",
     "println!(\"{} deliveries, {} unidentified, {} undecodable, {} lost\",\n",
     "    index.deliveries, index.unidentified, index.undecodable, index.lost);\n",
     "# assert_eq!((index.deliveries, index.unidentified, index.undecodable, index.lost), (1, 0, 0, 0));\n",
     "# // Event 2 never arrives: at event 3 the worker's blocks are dropped, then 43 is added.\n",
     "# let data = KvEventData::Stored { parent_hash: None, blocks: vec![StoredBlock { block_hash: BlockHash(43), tokens_hash: TokensHash(1) }] };\n",
     "# worker.publish(encode_router_events(&[RouterEvent { worker_id: WorkerId(7), tier: StorageTier::Device, event: KvEvent { id: 3, dp_rank: 0, data } }])?);\n",
-    "# route(&mut router, &mut index, |i| i.blocks.get(&worker_7).is_some_and(|b| b.contains(&43))).await;\n",
-    "# assert_eq!((index.blocks.get(&worker_7).map(|b| b.len()), index.lost), (Some(1), 1));\n",
+    "# route(&mut router, &mut index, |i| i.holders(43).any(|w| w == worker_7)).await;\n",
+    "# assert_eq!((index.holders(42).count(), index.lost), (0, 1));\n",
     "# Ok(()) }\n",
     "```"
 )]

@@ -227,6 +227,106 @@ async fn a_lost_engine_view_becomes_a_cleared_ahead_of_what_follows() {
     assert_eq!(held.into_iter().collect::<Vec<_>>(), [10, 11]);
     assert_eq!(sink.0.lock().unwrap().len(), 5, "nothing else was sent");
 
+    // An event of a type we do not know is skipped, without a clear (a newer engine's
+    // new kinds must not wipe routers); a removal that cannot be decoded is a loss.
+    engine.send(r#"[["SomethingNew", 1]]"#).await;
+    engine
+        .send(r#"[["BlockRemoved", "not hashes", null], ["BlockStored", [30], null, [1, 2, 3, 4], 4, null, null, null]]"#)
+        .await;
+    let got = events(7).await;
+    assert_eq!(
+        kinds(&got[5..]),
+        [(None, 0), (Some(stored(&[30])), 0)],
+        "{got:?}"
+    );
+    let s = handle.stats();
+    assert_eq!(
+        (
+            s.stale_clears,
+            s.decoder.failed_events,
+            s.decoder.failed_removals
+        ),
+        (3, 2, 1),
+        "{s:?}"
+    );
+
+    cancel.cancel();
+    listening.await.unwrap();
+    let processed = processing.await.unwrap();
+    // Raw ids stayed consecutive around the clears the listener made.
+    assert_eq!((processed.input_gaps, processed.input_events), (0, 7));
+    engine.kill().await;
+}
+
+/// An engine that stops answering without closing its connection (a hung process, a
+/// host gone without a FIN) is a lost connection once a heartbeat goes unanswered, so
+/// routers get their clear then, not never. Set small here; the default is
+/// `ENGINE_HEARTBEAT`.
+#[tokio::test]
+async fn a_hung_engine_is_a_lost_connection_after_its_heartbeat_timeout() {
+    use eventplane::kv::KvEventData;
+    use std::time::{Duration, Instant};
+    use support::{DEADLINE_SLACK, EnginePy};
+
+    let mut engine = EnginePy::spawn("tcp://127.0.0.1:0", &[]).await;
+    let heartbeat = Duration::from_millis(300);
+    let zmtp = eventplane::zmtp::Config::builder()
+        .heartbeat_interval(Some(heartbeat))
+        .build()
+        .unwrap();
+    let sink = Arc::new(CollectSink::default());
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let listener = EngineListener::new(
+        EngineListenerConfig::new(&engine.endpoint, "kv-events", WorkerId(3), 4).zmtp_config(zmtp),
+        tx,
+    )
+    .unwrap();
+    let handle = listener.handle();
+    let cancel = CancellationToken::new();
+    let listening = tokio::spawn(listener.cancellation(&cancel).run());
+    let processing = tokio::spawn(
+        Processor::new(ProcessorConfig::default(), rx, sink.clone())
+            .unwrap()
+            .run(),
+    );
+    engine.send("root 1").await;
+    let count = |n: usize| {
+        let sink = sink.clone();
+        async move {
+            within(async {
+                while sink.0.lock().unwrap().len() < n {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            })
+            .await;
+        }
+    };
+    count(1).await;
+    // Idle but alive: pings are answered, nothing is cleared.
+    tokio::time::sleep(heartbeat * 4).await;
+    assert_eq!(handle.stats().stale_clears, 0);
+
+    let hung = Instant::now();
+    let stopped = std::process::Command::new("kill")
+        .args(["-STOP", &engine.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
+    count(2).await;
+    let after = hung.elapsed();
+    assert!(
+        matches!(sink.0.lock().unwrap()[1].event.data, KvEventData::Cleared),
+        "a clear, once the ping went unanswered"
+    );
+    // A ping goes out within one interval and is given one timeout.
+    assert!(
+        after >= heartbeat.mul_f64(0.9) && after <= heartbeat * 2 + DEADLINE_SLACK,
+        "cleared {after:?} after the engine hung; heartbeat {heartbeat:?}"
+    );
+    std::process::Command::new("kill")
+        .args(["-CONT", &engine.pid().to_string()])
+        .status()
+        .unwrap();
     cancel.cancel();
     listening.await.unwrap();
     processing.await.unwrap();

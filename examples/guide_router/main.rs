@@ -26,12 +26,14 @@ mod common;
 #[allow(unreachable_pub)]
 mod router;
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
 use common::{StartError, optional_timeout, stop_signal};
-use eventplane::discovery::{EtcdDiscovery, WorkerIdentity};
+
+use eventplane::discovery::EtcdDiscovery;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -81,7 +83,7 @@ async fn main() -> ExitCode {
     let (enough, until) = (args.deliveries, args.until_block);
     let finished = |i: &router::Index| {
         enough.is_some_and(|n| i.deliveries >= n)
-            || until.is_some_and(|h| i.blocks.values().any(|b| b.contains(&h)))
+            || until.is_some_and(|h| i.holders(h).next().is_some())
     };
     let timeout = optional_timeout(args.timeout_ms);
     tokio::pin!(stop, timeout);
@@ -103,26 +105,26 @@ async fn main() -> ExitCode {
     };
     subscriber.handle().shutdown().await;
     discovery.close().await;
-    let mut workers: Vec<(&WorkerIdentity, Vec<u64>)> = index
-        .blocks
+    // Per worker, its publishers' blocks together.
+    let mut held: BTreeMap<(u64, u32), BTreeSet<u64>> = BTreeMap::new();
+    for p in index.publishers.values() {
+        held.entry((p.worker.worker_id, p.worker.dp_rank))
+            .or_default()
+            .extend(&p.blocks);
+    }
+    let workers: Vec<_> = held
         .iter()
-        .map(|(w, blocks)| {
-            let mut blocks: Vec<u64> = blocks.iter().copied().collect();
-            blocks.sort_unstable();
-            (w, blocks)
+        .filter(|(_, blocks)| !blocks.is_empty())
+        .map(|((worker_id, dp_rank), blocks)| {
+            serde_json::json!({"worker_id": worker_id, "dp_rank": dp_rank, "blocks": blocks})
         })
         .collect();
-    workers.sort_unstable_by_key(|(w, _)| (w.worker_id, w.dp_rank));
     let report = serde_json::json!({
         "deliveries": index.deliveries,
         "unidentified": index.unidentified,
         "undecodable": index.undecodable,
         "lost": index.lost,
-        "workers": workers.iter().map(|(w, blocks)| serde_json::json!({
-            "worker_id": w.worker_id,
-            "dp_rank": w.dp_rank,
-            "blocks": blocks,
-        })).collect::<Vec<_>>(),
+        "workers": workers,
     });
     println!("{report}");
     ExitCode::from(code)

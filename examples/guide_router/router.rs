@@ -13,73 +13,108 @@ pub fn subscribe(
 ) -> Result<DynamicSubscriber, ConfigError> {
     DynamicSubscriber::builder(discovery, Query::new(namespace))
         .topic("kv-events")
-        .notices(1024) // connections and departures, next to the messages
+        // Connections and departures, next to the messages. A full queue drops
+        // notices (`stats().notices_dropped`): size it for the publishers you follow.
+        .notices(4096)
         .expect_worker_identity(true) // warns about a worker that registered none
         .spawn()
 }
 
+/// What one publisher (one worker process) told us.
+#[derive(Debug)]
+pub struct Held {
+    /// The worker it speaks for (its id and data-parallel rank, from discovery).
+    pub worker: WorkerIdentity,
+    /// The block hashes it holds, all tiers together.
+    pub blocks: HashSet<u64>,
+    /// The id its next event must have: a worker numbers its events 1, 2, 3, … so
+    /// any other id means events were lost on the way. 0 before the first.
+    next_id: u64,
+    /// Whether its first `Connected` notice was handled (a second one is a reconnect).
+    connected: bool,
+}
+
+impl Held {
+    fn new(worker: WorkerIdentity) -> Held {
+        Held {
+            worker,
+            blocks: HashSet::new(),
+            next_id: 0,
+            connected: false,
+        }
+    }
+}
+
 /// Which blocks each worker holds, kept honest: nothing is kept that the worker may
-/// no longer hold.
+/// no longer hold. One entry per publisher, so a worker's restarted process (a new
+/// publisher, the old one not yet gone from discovery) never mixes with the old one.
 #[derive(Debug, Default)]
 pub struct Index {
-    /// Block hashes per worker (its id and data-parallel rank, from discovery).
-    pub blocks: HashMap<WorkerIdentity, HashSet<u64>>,
+    /// Per publisher: its worker and blocks.
+    pub publishers: HashMap<ChannelId, Held>,
     /// Deliveries handled.
     pub deliveries: u64,
     /// Deliveries from publishers that registered no worker identity (skipped).
     pub unidentified: u64,
-    /// Deliveries whose payload did not decode (that worker's blocks dropped).
+    /// Deliveries whose payload did not decode (that publisher's blocks dropped).
     pub undecodable: u64,
-    /// Times a worker's blocks were dropped because some of its events were lost.
+    /// Times a publisher's blocks were dropped because some of its events were lost.
     pub lost: u64,
     /// Connections to publishers so far (reconnections included).
     pub connections: u64,
-    worker_of: HashMap<ChannelId, WorkerIdentity>,
-    /// The id each publisher's next event must have: a worker numbers its events
-    /// 1, 2, 3, … so any other id means events were lost on the way.
-    next_id: HashMap<ChannelId, u64>,
 }
 
 impl Index {
+    /// The workers holding `block`.
+    pub fn holders(&self, block: u64) -> impl Iterator<Item = WorkerIdentity> + '_ {
+        self.publishers
+            .values()
+            .filter(move |p| p.blocks.contains(&block))
+            .map(|p| p.worker)
+    }
+
     /// Applies one delivery's router events.
     pub fn deliver(&mut self, delivery: &Delivery) {
         self.deliveries += 1;
         // A publisher registered without a worker identity: count it (the subscriber
-        // warns once a minute), or key such publishers by `source.id` instead.
+        // warns once a minute), or key such publishers by `source.id` alone.
         let Some(worker) = delivery.source.worker else {
             self.unidentified += 1;
             return;
         };
-        self.worker_of.insert(delivery.source.id.clone(), worker);
+        let held = self
+            .publishers
+            .entry(delivery.source.id.clone())
+            .or_insert_with(|| Held::new(worker));
         let Some(Ok(events)) = delivery.payload().map(|p| decode_router_events(&p)) else {
             self.undecodable += 1;
-            self.blocks.remove(&worker); // what it holds now is unknown
+            held.blocks.clear(); // what it holds now is unknown
+            held.next_id = 0; // and the next id tells nothing more
             return;
         };
-        let held = self.blocks.entry(worker).or_default();
-        // 0: nothing seen from this publisher yet (ids start at 1).
-        let next = self.next_id.entry(delivery.source.id.clone()).or_insert(0);
         for event in events {
-            if *next != 0 && event.event.id != *next {
+            if held.next_id != 0 && event.event.id != held.next_id {
                 // Events were lost between the worker and us (a full queue, a dropped
-                // connection): what we hold of it may be stale. Drop it; what follows
-                // rebuilds it. (Dynamo's router does the same on an id gap.)
-                held.clear();
+                // connection, our own lanes): what we hold of it may be stale. Drop
+                // it; what follows rebuilds it. (Dynamo's router does the same.)
+                held.blocks.clear();
                 self.lost += 1;
             }
-            *next = event.event.id.saturating_add(1);
+            held.next_id = event.event.id.saturating_add(1);
             match event.event.data {
                 KvEventData::Stored { blocks, .. } => {
-                    held.extend(blocks.iter().map(|b| b.block_hash.0))
+                    held.blocks.extend(blocks.iter().map(|b| b.block_hash.0))
                 }
+                // All tiers together: a removal from one tier may drop a block another
+                // tier still holds (we under-count, never over-count).
                 KvEventData::Removed { block_hashes } => {
                     for h in block_hashes {
-                        held.remove(&h.0);
+                        held.blocks.remove(&h.0);
                     }
                 }
                 // The engine reset its cache, or the worker lost track of its engine
                 // (a dropped batch, an engine restart): it holds nothing we know of.
-                KvEventData::Cleared => held.clear(),
+                KvEventData::Cleared => held.blocks.clear(),
                 _ => {}
             }
         }
@@ -88,15 +123,27 @@ impl Index {
     /// Applies one lifecycle notice (after the batch it came with).
     pub fn notice(&mut self, notice: Notice) {
         match notice {
-            // It left, and every message it sent has been delivered.
-            Notice::Departed(id) => {
-                self.next_id.remove(&id);
-                if let Some(worker) = self.worker_of.remove(&id) {
-                    self.blocks.remove(&worker);
+            // Connected, and again after a lost connection: what it sent meanwhile is
+            // gone (its last clear perhaps with it), so drop what we hold of it.
+            Notice::Connected(instance) => {
+                self.connections += 1;
+                let Some(worker) = instance.worker else {
+                    return;
+                };
+                let held = self
+                    .publishers
+                    .entry(instance.id.clone())
+                    .or_insert_with(|| Held::new(worker));
+                if std::mem::replace(&mut held.connected, true) {
+                    held.blocks.clear();
+                    held.next_id = 0;
+                    self.lost += 1;
                 }
             }
-            // The instance, with its worker, before its first delivery.
-            Notice::Connected(_) => self.connections += 1,
+            // It left, and every message it sent has been delivered.
+            Notice::Departed(id) => {
+                self.publishers.remove(&id);
+            }
             // Gap, Reset: messages lost or renumbered; the event ids above tell which
             // events, in order, including those this process dropped itself.
             _ => {}

@@ -36,6 +36,10 @@ pub struct EngineStats {
     pub events: u64,
     /// Events that failed alone (unknown tag, wrong shape).
     pub failed_events: u64,
+    /// Of those, `BlockRemoved` events of the wrong shape: the blocks they named
+    /// cannot be removed, so the listener clears what it forwarded (see
+    /// [`EngineListener`](super::EngineListener)).
+    pub failed_removals: u64,
     /// Stored events cut at their first block without exactly `block_size` tokens.
     pub truncated_events: u64,
     /// Stored events dropped because their hashes repeat (self-referencing).
@@ -175,7 +179,10 @@ impl EngineDecoder {
                 }
             }
             "BlockRemoved" => {
-                let hashes = hash_list(fields.at(1, "block_hashes"))?;
+                let Ok(hashes) = hash_list(fields.at(1, "block_hashes")) else {
+                    self.stats.failed_removals += 1;
+                    return Err(());
+                };
                 (
                     KvEventData::Removed {
                         block_hashes: hashes,

@@ -16,6 +16,14 @@ use crate::net::{Backoff, RateLimitedWarn, random_unit};
 use crate::wire::{Framed, Layout, SeqStep, SeqTracker};
 use crate::zmtp::{self, SubSocket};
 
+/// How often an [`EngineListener`] pings its engine by default, and how long it waits
+/// for the answer: 10 s.
+///
+/// ```
+/// assert_eq!(eventplane::kv::ENGINE_HEARTBEAT, std::time::Duration::from_secs(10));
+/// ```
+pub const ENGINE_HEARTBEAT: Duration = Duration::from_secs(10);
+
 /// Settings of an [`EngineListener`].
 ///
 /// ```
@@ -47,7 +55,12 @@ impl EngineListenerConfig {
 
     /// Listen to `endpoint` (`tcp://host:port`) for `topic`, as `worker_id`, whose
     /// engine uses `block_size` tokens per block. Reconnects with jittered backoff
-    /// 100 ms → 5 s.
+    /// 100 ms → 5 s. The ZMTP config pings the engine every
+    /// [`ENGINE_HEARTBEAT`] and ends the connection when no answer comes within as
+    /// long: an engine that hangs or whose host vanished without closing the
+    /// connection is a lost connection (and its view cleared) within twice that,
+    /// not never. (libzmq answers pings from its I/O thread; a ZMTP 3.0 engine is not
+    /// pinged.)
     pub fn new(
         endpoint: impl Into<String>,
         topic: impl Into<Bytes>,
@@ -59,7 +72,10 @@ impl EngineListenerConfig {
             topic: topic.into(),
             worker_id,
             block_size,
-            zmtp: zmtp::Config::default(),
+            zmtp: zmtp::Config::builder()
+                .heartbeat_interval(Some(ENGINE_HEARTBEAT))
+                .build()
+                .unwrap_or_default(),
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(5),
             max_batch_elements: super::DEFAULT_MAX_BATCH_ELEMENTS,
@@ -101,7 +117,9 @@ impl EngineListenerConfig {
             .map_err(|e| e.renamed("batch_limits"))
     }
 
-    /// ZMTP bounds and timeouts. Default `zmtp::Config::default()`.
+    /// ZMTP bounds and timeouts. Default `zmtp::Config::default()` with heartbeats
+    /// every [`ENGINE_HEARTBEAT`] (timeout as long); a config without heartbeats
+    /// cannot tell a hung engine from an idle one.
     pub fn zmtp_config(mut self, config: zmtp::Config) -> Self {
         self.zmtp = config;
         self
@@ -233,9 +251,11 @@ impl EngineListenerHandle {
 ///
 /// **Loss before the worker reaches the routers.** When the listener loses track of
 /// what the engine holds — the connection ends, the batch sequence skips (the engine's
-/// PUB dropped batches) or starts again (a new engine) — it sends, ahead of any later
-/// event, a `Cleared` for every data-parallel rank it forwarded events for since the
-/// last clear. A router that applies `Cleared` (ours, the [guide](crate::guide)'s,
+/// PUB dropped batches) or starts again (a new engine), a batch is rejected whole or a
+/// removal in it cannot be decoded — it sends, ahead of any later event, a `Cleared`
+/// for every data-parallel rank it forwarded events for since the last clear. (Events
+/// of unknown types are skipped without a clear: a future engine's new event kinds
+/// must not wipe every router.) A router that applies `Cleared` (ours, the [guide](crate::guide)'s,
 /// Dynamo's) then drops those ranks' blocks instead of keeping blocks the engine may
 /// no longer hold; after an engine restart it holds only what the new engine stored.
 /// Counted in [`EngineListenerStats::stale_clears`], warned about (rate-limited).
@@ -360,26 +380,38 @@ impl EngineListener {
                     counter::add(&self.counters.malformed, 1);
                     continue;
                 };
-                let loss = self.observe_seq(&mut seq_tracker, seq);
-                // The clears come first: what this batch says is what the engine
-                // holds after the loss.
-                let mut events = match loss {
-                    Some(loss) => self.clears(loss, &mut forwarded, &mut decoder, &warn),
-                    None => Vec::new(),
-                };
+                let mut loss = self.observe_seq(&mut seq_tracker, seq);
+                let before = decoder.stats();
                 let decoded = decoder.decode_batch(&payload);
+                let after = decoder.stats();
                 *self
                     .counters
                     .decoder
                     .lock()
-                    .unwrap_or_else(|p| p.into_inner()) = decoder.stats();
-                if let Ok(batch) = decoded {
-                    if events.is_empty() {
-                        events = batch;
-                    } else {
-                        events.extend(batch);
-                    }
+                    .unwrap_or_else(|p| p.into_inner()) = after;
+                if loss.is_none()
+                    && (after.malformed_batches > before.malformed_batches
+                        || after.failed_removals > before.failed_removals)
+                {
+                    loss = Some(ViewLoss::Undecodable);
                 }
+                let batch = decoded.unwrap_or_default();
+                // The clears come first: what this batch says is what the engine
+                // holds after the loss.
+                let events = match loss {
+                    Some(loss) => {
+                        let mut events = self.clears(loss, &mut forwarded, &mut decoder, &warn);
+                        events.extend(batch);
+                        // Raw ids in list order (the clears took theirs after the
+                        // batch's), so the processor sees no jump.
+                        let first = events.iter().map(|e| e.event.id).min().unwrap_or(0);
+                        for (id, ev) in (first..).zip(events.iter_mut()) {
+                            ev.event.id = id;
+                        }
+                        events
+                    }
+                    None => batch,
+                };
                 if !self.forward(events, &mut forwarded).await {
                     return self.finish(&decoder);
                 }

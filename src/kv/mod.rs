@@ -70,8 +70,8 @@
 //! (further fields ignored).
 //!
 //! - **Hashes** are unsigned ints, negative ints (their two's-complement bits:
-//!   vLLM's Python hashes may be negative), or byte strings (folded to a `u64` with
-//!   xxh3-64, seed 0).
+//!   vLLM's Python hashes may be negative), or byte or text strings (folded to a `u64`
+//!   with xxh3-64, seed 0).
 //! - **`medium`** → [`StorageTier`]: absent, nil, `""` or `GPU` → `Device`; `CPU` or
 //!   `CPU_PINNED` → `HostPinned`; `DISK` or `NVME` → `Disk`; any other string (or a
 //!   non-string) → `External`. Case is ignored.
@@ -86,11 +86,16 @@
 //!
 //! **An engine to copy.** `examples/engine.py` publishes this format from Python
 //! (pyzmq and msgpack), driven line by line from stdin; the test suite uses it as the
-//! engine in front of `kv_relay`. Its core:
+//! engine in front of `kv_relay`. Its core (a PUB drops what it sends while nobody
+//! subscribes, so `engine.py` binds an XPUB and waits for the first subscription):
 //!
 //! ```python
-//! sock = zmq.Context.instance().socket(zmq.PUB)
+//! import struct, time
+//! import msgpack, zmq
+//! sock = zmq.Context.instance().socket(zmq.XPUB)
 //! sock.bind("tcp://127.0.0.1:5557")
+//! while sock.recv()[:1] != b"\x01":  # a subscription: 0x01 + topic
+//!     pass
 //! seq = 0
 //! def publish(events, dp_rank=0):
 //!     global seq
@@ -132,7 +137,8 @@ pub use event::{
     StoredBlock, TOKENS_HASH_SEED, TokensHash, WorkerId, tokens_hash,
 };
 pub use listener::{
-    EngineListener, EngineListenerConfig, EngineListenerHandle, EngineListenerStats,
+    ENGINE_HEARTBEAT, EngineListener, EngineListenerConfig, EngineListenerHandle,
+    EngineListenerStats,
 };
 pub use pipeline::Pipeline;
 pub use processor::{

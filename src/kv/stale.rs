@@ -2,8 +2,8 @@
 //! when the worker loses track of the engine (sans-IO).
 //!
 //! Routers index what the worker forwards. When batches are lost before the worker
-//! (the engine's PUB dropped them, the connection ended) or the engine restarted, the
-//! worker no longer knows what the engine holds, and neither can a router: every rank
+//! (the engine's PUB dropped them, the connection ended, one could not be decoded) or
+//! the engine restarted, the worker no longer knows what the engine holds, and neither can a router: every rank
 //! the worker forwarded events for since its last clear gets a `Cleared`, so a router
 //! holds nothing of that engine it could not prove (DESIGN §4.6).
 
@@ -31,6 +31,9 @@ pub(crate) enum ViewLoss {
     Gap(u64),
     /// The engine's batch sequence started again or went back (a new engine).
     Reset,
+    /// A batch was rejected whole, or a removal in it could not be decoded: blocks it
+    /// removed may stay indexed.
+    Undecodable,
 }
 
 impl ViewLoss {
@@ -40,6 +43,7 @@ impl ViewLoss {
             ViewLoss::Disconnected => "disconnected",
             ViewLoss::Gap(_) => "gap",
             ViewLoss::Reset => "reset",
+            ViewLoss::Undecodable => "undecodable",
         }
     }
 }

@@ -6,7 +6,8 @@
 //! ```
 //! use std::time::{Duration, Instant};
 //! use eventplane::net::{AddrFilter, Backoff, RateLimitedWarn};
-//! // Full-jitter exponential backoff: the caller supplies the randomness (0.0..1.0).
+//! // Jittered exponential backoff, never below its minimum: the caller supplies the
+//! // randomness (0.0..1.0).
 //! let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5))?;
 //! assert!(backoff.next_delay(1.0) <= Duration::from_millis(200)); // in [100, 200] ms
 //! assert!(backoff.next_delay(0.0) >= Duration::from_millis(100)); // never below min

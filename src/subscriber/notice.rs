@@ -12,8 +12,13 @@ use crate::discovery::{ChannelId, Instance};
 /// [`notices`](super::DynamicSubscriberBuilder::notices) are enabled.
 ///
 /// A router that indexes what each publisher sent uses them to keep the index honest:
-/// after a [`Gap`](Notice::Gap) or a [`Reset`](Notice::Reset) what it holds for that
-/// publisher is incomplete; after [`Departed`](Notice::Departed) it can forget it.
+/// after [`Departed`](Notice::Departed) it can forget the publisher; a second
+/// [`Connected`](Notice::Connected) means messages sent while disconnected are gone. A
+/// [`Gap`](Notice::Gap) or [`Reset`](Notice::Reset) says the message sequence skipped
+/// or restarted — but only before this subscriber's lanes (what they drop is counted in
+/// the stats, not noticed), and after the batch it came in: a KV router tracks its
+/// events' own ids instead, which show every loss, in order (see the
+/// [guide](crate::guide)).
 ///
 /// ```
 /// use std::sync::Arc;

@@ -78,8 +78,13 @@ impl Reconnect {
         match reason {
             DrainReason::Rebalance if !recent => {
                 self.last_rebalance = Some(now);
-                Duration::from_millis(250)
-                    + Duration::from_millis(250).mul_f64(random.clamp(0.0, 1.0))
+                // A NaN draw takes the longest delay (as `Backoff` does), never a panic.
+                let random = if random.is_finite() {
+                    random.clamp(0.0, 1.0)
+                } else {
+                    1.0
+                };
+                Duration::from_millis(250) + Duration::from_millis(250).mul_f64(random)
             }
             DrainReason::Rebalance => {
                 self.last_rebalance = Some(now);

@@ -346,6 +346,11 @@ impl EnginePy {
         EnginePy { peer, endpoint }
     }
 
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.peer.child.id().unwrap()
+    }
+
     /// The port it bound.
     pub fn port(&self) -> u16 {
         self.endpoint.rsplit(':').next().unwrap().parse().unwrap()

@@ -709,8 +709,8 @@ async fn its_bus_connect_timeout_and_backoff_are_the_ones_configured() {
     broker.child.kill().await.unwrap();
 
     // A bus that refuses at once: the [backoff] keys set how fast it retries. With
-    // max_ms = 100 it fails 20 times in 2 s at its slowest; with the defaults (1 s
-    // doubling to 60 s, full jitter) a handful at most.
+    // max_ms = 100 it fails 20 times in 2 s at its slowest; with the defaults (at least
+    // 1 s, the window doubling to 60 s) a handful at most.
     let (_held, refusing) = refusing_port();
     let url = format!("https://localhost:{refusing}");
     let fast = config_for(
@@ -929,12 +929,25 @@ async fn check_bus_tells_a_wrong_token_or_ca_from_a_good_one() {
     let bus = default_bus().await;
     let url = default_bus_url(&bus);
     let good = config_for("check-bus", &url, &["tcp://127.0.0.1:5"], "");
+    // A broker runs with this configuration: the check must not supersede it.
+    let mut running = Logged::spawn(&good);
+    running.next("bus session welcomed").await;
+    joined(&bus).await;
     let out = run(&good, &["--check-bus"]).await;
     assert_eq!(out.status.code(), Some(0), "{out:?}");
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("bus ok"),
         "{out:?}"
     );
+    assert_eq!(
+        running
+            .count_for("bus session ended", Duration::from_millis(500))
+            .await,
+        0,
+        "the running broker lost its session to the check"
+    );
+    assert_eq!(bus.brokers_for("prod"), ["broker-a"]);
+    running.child.kill().await.unwrap();
 
     // A token the bus does not know: --check-config cannot tell, --check-bus can.
     let wrong_token = config_for("check-bus-token", &url, &["tcp://127.0.0.1:5"], "");

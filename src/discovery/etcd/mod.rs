@@ -54,7 +54,8 @@ use crate::net::RateLimitedWarn;
 ///
 ///   `publisher_id` is an integer ≤ 2^53 − 1 and the key's last segment is it in
 ///   lower-case hex; `worker` (optional) is the worker the publisher speaks for,
-///   `worker_id` a `u64` and `dp_rank` a `u32`: subscribers see it as
+///   `worker_id` a `u64` (keep it ≤ 2^53 − 1 where registrars parse JSON numbers as
+///   doubles) and `dp_rank` a `u32`: subscribers see it as
 ///   [`Instance::worker`](crate::discovery::Instance::worker), a KV router's way to
 ///   know whose events these are before decoding them (write it; a record without it
 ///   is followed, but its deliveries carry no worker). This is a public contract:

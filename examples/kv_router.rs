@@ -235,31 +235,32 @@ impl Router {
         index.apply(ev);
     }
 
-    /// Applies what the subscriber noticed: a publisher that left has its index
-    /// dropped (after its last delivery).
+    /// Applies what the subscriber noticed: a reconnected publisher's blocks are
+    /// forgotten, a departed one's index dropped (after its last delivery).
     fn notice(&mut self, notice: Notice) {
         match notice {
             // Connected again after a lost connection: what it sent meanwhile is gone
             // (a clear perhaps with it), so what is held of it may be stale.
             Notice::Connected(instance) => {
-                if !self.connected.insert(instance.id.clone()) {
-                    if let Some(index) = self.indexes.get_mut(&instance.id) {
-                        if index.size() > 0 {
-                            self.lost += 1;
-                            eprintln!(
-                                "publisher {} reconnected: forgot {} blocks",
-                                instance.id,
-                                index.size()
-                            );
-                        }
-                        index.clear();
-                    }
-                    self.next_ids.insert(instance.id.clone(), 0);
+                let again = !self.connected.insert(instance.id.clone());
+                if again {
+                    self.reconnected(&instance.id);
                 }
             }
             Notice::Departed(id) => self.forget(&id),
             _ => {}
         }
+    }
+
+    fn reconnected(&mut self, id: &ChannelId) {
+        if let Some(index) = self.indexes.get_mut(id) {
+            if index.size() > 0 {
+                self.lost += 1;
+                eprintln!("publisher {id} reconnected: forgot {} blocks", index.size());
+            }
+            index.clear();
+        }
+        self.next_ids.insert(id.clone(), 0);
     }
 
     fn forget(&mut self, id: &ChannelId) {

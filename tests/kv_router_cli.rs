@@ -422,3 +422,94 @@ async fn an_event_id_gap_forgets_the_publishers_blocks_first() {
         "{stats}"
     );
 }
+
+/// A publisher that reconnects (here: restarted behind the same static endpoint) may
+/// have sent while disconnected, a clear perhaps: `kv_router` forgets what it held of
+/// it at the reconnection, not at its next event, which may be minutes away.
+#[tokio::test]
+async fn a_reconnection_forgets_the_publishers_blocks_at_once() {
+    use eventplane::kv::{
+        BlockHash, KvEvent, KvEventData, StorageTier, StoredBlock, TokensHash, WorkerId,
+        encode_router_events,
+    };
+    use eventplane::publish::EventPublisher;
+    let bind = |endpoint: String| async move {
+        EventPublisher::bind_unregistered(
+            &endpoint,
+            "kv-events",
+            eventplane::zmtp::Config::default(),
+        )
+        .await
+        .unwrap()
+    };
+    let first = bind("tcp://127.0.0.1:0".to_owned()).await;
+    let endpoint = first.local_endpoint().unwrap().to_owned();
+    let mut router = Command::new(example("kv_router"))
+        .args([
+            "--static",
+            &endpoint,
+            "--namespace",
+            "ns",
+            "--topic",
+            "kv-events",
+        ])
+        .arg("--dump-index")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(router.stdout.take().unwrap()).lines();
+    let mut err = BufReader::new(router.stderr.take().unwrap()).lines();
+    within(first.wait_for_subscribers(1)).await;
+    let data = KvEventData::Stored {
+        parent_hash: None,
+        blocks: vec![StoredBlock {
+            block_hash: BlockHash(1),
+            tokens_hash: TokensHash(1),
+        }],
+    };
+    first.publish(
+        encode_router_events(&[RouterEvent {
+            worker_id: WorkerId(7),
+            tier: StorageTier::Device,
+            event: KvEvent {
+                id: 1,
+                dp_rank: 0,
+                data,
+            },
+        }])
+        .unwrap(),
+    );
+    within(out.next_line()).await.unwrap().unwrap();
+    first.shutdown().await;
+    // Back on the same endpoint, silent.
+    let second = bind(endpoint.clone()).await;
+    within(second.wait_for_subscribers(1)).await;
+    let said = within(async {
+        loop {
+            let line = err.next_line().await.unwrap().expect("stderr closed");
+            if line.contains("reconnected") {
+                return line;
+            }
+        }
+    })
+    .await;
+    assert!(said.contains("forgot 1 blocks"), "{said}");
+    let pid = router.id().unwrap();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    within(router.wait()).await.unwrap();
+    let mut last = String::new();
+    while let Some(line) = within(err.next_line()).await.unwrap() {
+        last = line;
+    }
+    let stats: Value = serde_json::from_str(&last).unwrap();
+    assert_eq!(stats["index"], serde_json::json!([]), "{stats}");
+    assert_eq!(stats["lost_views"], 1, "{stats}");
+}

@@ -120,6 +120,56 @@ async fn cancel_with_a_full_input_counts_what_it_discards() {
     assert_eq!(finished.decoder.events, 4);
 }
 
+/// An `EngineListener` and a `Processor` into a collecting sink, both running.
+struct Relaying {
+    handle: eventplane::kv::EngineListenerHandle,
+    sink: Arc<CollectSink>,
+    cancel: CancellationToken,
+    listening: tokio::task::JoinHandle<eventplane::kv::EngineListenerStats>,
+    processing: tokio::task::JoinHandle<eventplane::kv::ProcessorStats>,
+}
+
+impl Relaying {
+    fn start(config: EngineListenerConfig) -> Relaying {
+        let sink = Arc::new(CollectSink::default());
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let listener = EngineListener::new(config, tx).unwrap();
+        let handle = listener.handle();
+        let cancel = CancellationToken::new();
+        let listening = tokio::spawn(listener.cancellation(&cancel).run());
+        let processing = tokio::spawn(
+            Processor::new(ProcessorConfig::default(), rx, sink.clone())
+                .unwrap()
+                .run(),
+        );
+        Relaying {
+            handle,
+            sink,
+            cancel,
+            listening,
+            processing,
+        }
+    }
+
+    /// The router events once there are at least `n`.
+    async fn events(&self, n: usize) -> Vec<eventplane::kv::RouterEvent> {
+        within(async {
+            while self.sink.0.lock().unwrap().len() < n {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+        })
+        .await;
+        self.sink.0.lock().unwrap().clone()
+    }
+
+    /// Stops both; the processor's final counters.
+    async fn stop(self) -> eventplane::kv::ProcessorStats {
+        self.cancel.cancel();
+        self.listening.await.unwrap();
+        self.processing.await.unwrap()
+    }
+}
+
 /// Loss before the worker reaches the routers: a skipped engine batch, the engine's
 /// connection ending (a crash) and its restart each cost routers what they held of
 /// it — a `Cleared` for the ranks forwarded since the last clear, ahead of what
@@ -131,36 +181,14 @@ async fn a_lost_engine_view_becomes_a_cleared_ahead_of_what_follows() {
     use std::time::Duration;
     use support::EnginePy;
 
-    let mut engine = EnginePy::spawn("tcp://127.0.0.1:0", &[]).await;
+    // Restarted on the same endpoint below.
+    let mut engine = EnginePy::spawn(&support::restartable_endpoint(), &[]).await;
     let port = engine.port();
-    let sink = Arc::new(CollectSink::default());
-    let (tx, rx) = tokio::sync::mpsc::channel(64);
-    let listener = EngineListener::new(
+    let relaying = Relaying::start(
         EngineListenerConfig::new(&engine.endpoint, "kv-events", WorkerId(3), 4)
             .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(100)),
-        tx,
-    )
-    .unwrap();
-    let handle = listener.handle();
-    let cancel = CancellationToken::new();
-    let listening = tokio::spawn(listener.cancellation(&cancel).run());
-    let processing = tokio::spawn(
-        Processor::new(ProcessorConfig::default(), rx, sink.clone())
-            .unwrap()
-            .run(),
     );
-    let events = |n: usize| {
-        let sink = sink.clone();
-        async move {
-            within(async {
-                while sink.0.lock().unwrap().len() < n {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-            })
-            .await;
-            sink.0.lock().unwrap().clone()
-        }
-    };
+    let (handle, events) = (&relaying.handle, |n| relaying.events(n));
     let stored = |hashes: &[u64]| -> Vec<u64> { hashes.to_vec() };
     let kinds = |evs: &[eventplane::kv::RouterEvent]| -> Vec<(Option<Vec<u64>>, u32)> {
         evs.iter()
@@ -225,7 +253,11 @@ async fn a_lost_engine_view_becomes_a_cleared_ahead_of_what_follows() {
         }
     }
     assert_eq!(held.into_iter().collect::<Vec<_>>(), [10, 11]);
-    assert_eq!(sink.0.lock().unwrap().len(), 5, "nothing else was sent");
+    assert_eq!(
+        relaying.sink.0.lock().unwrap().len(),
+        5,
+        "nothing else was sent"
+    );
 
     // An event of a type we do not know is skipped, without a clear (a newer engine's
     // new kinds must not wipe routers); a removal that cannot be decoded is a loss.
@@ -250,9 +282,7 @@ async fn a_lost_engine_view_becomes_a_cleared_ahead_of_what_follows() {
         "{s:?}"
     );
 
-    cancel.cancel();
-    listening.await.unwrap();
-    let processed = processing.await.unwrap();
+    let processed = relaying.stop().await;
     // Raw ids stayed consecutive around the clears the listener made.
     assert_eq!((processed.input_gaps, processed.input_events), (0, 7));
     engine.kill().await;
@@ -274,37 +304,15 @@ async fn a_hung_engine_is_a_lost_connection_after_its_heartbeat_timeout() {
         .heartbeat_interval(Some(heartbeat))
         .build()
         .unwrap();
-    let sink = Arc::new(CollectSink::default());
-    let (tx, rx) = tokio::sync::mpsc::channel(64);
-    let listener = EngineListener::new(
+    let relaying = Relaying::start(
         EngineListenerConfig::new(&engine.endpoint, "kv-events", WorkerId(3), 4).zmtp_config(zmtp),
-        tx,
-    )
-    .unwrap();
-    let handle = listener.handle();
-    let cancel = CancellationToken::new();
-    let listening = tokio::spawn(listener.cancellation(&cancel).run());
-    let processing = tokio::spawn(
-        Processor::new(ProcessorConfig::default(), rx, sink.clone())
-            .unwrap()
-            .run(),
     );
     engine.send("root 1").await;
-    let count = |n: usize| {
-        let sink = sink.clone();
-        async move {
-            within(async {
-                while sink.0.lock().unwrap().len() < n {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-            })
-            .await;
-        }
-    };
+    let count = |n| relaying.events(n);
     count(1).await;
     // Idle but alive: pings are answered, nothing is cleared.
     tokio::time::sleep(heartbeat * 4).await;
-    assert_eq!(handle.stats().stale_clears, 0);
+    assert_eq!(relaying.handle.stats().stale_clears, 0);
 
     let hung = Instant::now();
     let stopped = std::process::Command::new("kill")
@@ -312,10 +320,10 @@ async fn a_hung_engine_is_a_lost_connection_after_its_heartbeat_timeout() {
         .status()
         .unwrap();
     assert!(stopped.success());
-    count(2).await;
+    let got = count(2).await;
     let after = hung.elapsed();
     assert!(
-        matches!(sink.0.lock().unwrap()[1].event.data, KvEventData::Cleared),
+        matches!(got[1].event.data, KvEventData::Cleared),
         "a clear, once the ping went unanswered"
     );
     // A ping goes out within one interval and is given one timeout.
@@ -327,8 +335,6 @@ async fn a_hung_engine_is_a_lost_connection_after_its_heartbeat_timeout() {
         .args(["-CONT", &engine.pid().to_string()])
         .status()
         .unwrap();
-    cancel.cancel();
-    listening.await.unwrap();
-    processing.await.unwrap();
+    relaying.stop().await;
     engine.kill().await;
 }

@@ -335,85 +335,79 @@ async fn the_wrong_wire_is_counted_not_guessed() {
     support::terminate_for_stats(relay).await;
 }
 
+/// A router-event payload: worker 7, rank 0, event `id` storing `hashes`.
+fn stored(id: u64, hashes: &[u64]) -> Vec<u8> {
+    use eventplane::kv::{
+        BlockHash, KvEvent, KvEventData, StorageTier, StoredBlock, TokensHash, WorkerId,
+        encode_router_events,
+    };
+    let blocks = hashes
+        .iter()
+        .map(|&h| StoredBlock {
+            block_hash: BlockHash(h),
+            tokens_hash: TokensHash(h),
+        })
+        .collect();
+    let data = KvEventData::Stored {
+        parent_hash: None,
+        blocks,
+    };
+    encode_router_events(&[RouterEvent {
+        worker_id: WorkerId(7),
+        tier: StorageTier::Device,
+        event: KvEvent {
+            id,
+            dp_rank: 0,
+            data,
+        },
+    }])
+    .unwrap()
+}
+
+/// A publisher of our wire bound at `endpoint`, registered nowhere.
+async fn static_publisher(endpoint: &str) -> eventplane::publish::EventPublisher {
+    eventplane::publish::EventPublisher::bind_unregistered(
+        endpoint,
+        "kv-events",
+        eventplane::zmtp::Config::default(),
+    )
+    .await
+    .unwrap()
+}
+
+/// `kv_router --static ENDPOINT --dump-index` on topic `kv-events`.
+fn router_of(endpoint: &str) -> support::Watched {
+    support::Watched::spawn(
+        "kv_router",
+        &[
+            "--static",
+            endpoint,
+            "--namespace",
+            "ns",
+            "--topic",
+            "kv-events",
+            "--dump-index",
+        ],
+    )
+}
+
 /// Event ids are dense per publisher: an event whose id skips (events lost between the
 /// worker's processor and the router) makes `kv_router` forget that publisher's
 /// blocks before applying it, as Dynamo's router does: no ghost survives the loss.
 #[tokio::test]
 async fn an_event_id_gap_forgets_the_publishers_blocks_first() {
-    use eventplane::kv::{
-        BlockHash, KvEvent, KvEventData, StorageTier, StoredBlock, TokensHash, WorkerId,
-        encode_router_events,
-    };
-    use eventplane::publish::EventPublisher;
-    let publisher = EventPublisher::bind_unregistered(
-        "tcp://127.0.0.1:0",
-        "kv-events",
-        eventplane::zmtp::Config::default(),
-    )
-    .await
-    .unwrap();
-    let endpoint = publisher.local_endpoint().unwrap().to_owned();
-    let mut router = Command::new(example("kv_router"))
-        .args([
-            "--static",
-            &endpoint,
-            "--namespace",
-            "ns",
-            "--topic",
-            "kv-events",
-        ])
-        .arg("--dump-index")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(router.stdout.take().unwrap()).lines();
+    let publisher = static_publisher("tcp://127.0.0.1:0").await;
+    let mut router = router_of(publisher.local_endpoint().unwrap());
     within(publisher.wait_for_subscribers(1)).await;
-    let stored = |id: u64, hashes: &[u64]| {
-        let blocks = hashes
-            .iter()
-            .map(|&h| StoredBlock {
-                block_hash: BlockHash(h),
-                tokens_hash: TokensHash(h),
-            })
-            .collect();
-        let data = KvEventData::Stored {
-            parent_hash: None,
-            blocks,
-        };
-        encode_router_events(&[RouterEvent {
-            worker_id: WorkerId(7),
-            tier: StorageTier::Device,
-            event: KvEvent {
-                id,
-                dp_rank: 0,
-                data,
-            },
-        }])
-        .unwrap()
-    };
     // Ids 1, 2, then 4: event 3 never came (the message sequence has no gap: the
     // loss was before the publisher, where only the ids show it).
     for (id, hashes) in [(1, &[1, 2][..]), (2, &[3]), (4, &[5])] {
         publisher.publish(stored(id, hashes));
-        within(out.next_line()).await.unwrap().unwrap();
+        router.line().await;
     }
-    let pid = router.id().unwrap();
-    assert!(
-        std::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
-    let done = within(router.wait_with_output()).await.unwrap();
-    let stderr = String::from_utf8_lossy(&done.stderr);
-    assert!(
-        stderr.contains("lost events (id 4 after 2): forgot 3 blocks"),
-        "{stderr}"
-    );
-    let stats = last_json(&done.stderr);
+    let said = router.stderr_until("lost events").await;
+    assert!(said.contains("(id 4 after 2): forgot 3 blocks"), "{said}");
+    let stats = router.terminate().await;
     assert_eq!(stats["lost_views"], 1, "{stats}");
     assert_eq!(stats["subscriber"]["total"]["gaps"], 0, "{stats}");
     assert_eq!(
@@ -428,88 +422,20 @@ async fn an_event_id_gap_forgets_the_publishers_blocks_first() {
 /// it at the reconnection, not at its next event, which may be minutes away.
 #[tokio::test]
 async fn a_reconnection_forgets_the_publishers_blocks_at_once() {
-    use eventplane::kv::{
-        BlockHash, KvEvent, KvEventData, StorageTier, StoredBlock, TokensHash, WorkerId,
-        encode_router_events,
-    };
-    use eventplane::publish::EventPublisher;
-    let bind = |endpoint: String| async move {
-        EventPublisher::bind_unregistered(
-            &endpoint,
-            "kv-events",
-            eventplane::zmtp::Config::default(),
-        )
-        .await
-        .unwrap()
-    };
-    let first = bind("tcp://127.0.0.1:0".to_owned()).await;
+    // Restarted on the same endpoint below.
+    let first = static_publisher(&support::restartable_endpoint()).await;
     let endpoint = first.local_endpoint().unwrap().to_owned();
-    let mut router = Command::new(example("kv_router"))
-        .args([
-            "--static",
-            &endpoint,
-            "--namespace",
-            "ns",
-            "--topic",
-            "kv-events",
-        ])
-        .arg("--dump-index")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(router.stdout.take().unwrap()).lines();
-    let mut err = BufReader::new(router.stderr.take().unwrap()).lines();
+    let mut router = router_of(&endpoint);
     within(first.wait_for_subscribers(1)).await;
-    let data = KvEventData::Stored {
-        parent_hash: None,
-        blocks: vec![StoredBlock {
-            block_hash: BlockHash(1),
-            tokens_hash: TokensHash(1),
-        }],
-    };
-    first.publish(
-        encode_router_events(&[RouterEvent {
-            worker_id: WorkerId(7),
-            tier: StorageTier::Device,
-            event: KvEvent {
-                id: 1,
-                dp_rank: 0,
-                data,
-            },
-        }])
-        .unwrap(),
-    );
-    within(out.next_line()).await.unwrap().unwrap();
+    first.publish(stored(1, &[1]));
+    router.line().await;
     first.shutdown().await;
     // Back on the same endpoint, silent.
-    let second = bind(endpoint.clone()).await;
+    let second = static_publisher(&endpoint).await;
     within(second.wait_for_subscribers(1)).await;
-    let said = within(async {
-        loop {
-            let line = err.next_line().await.unwrap().expect("stderr closed");
-            if line.contains("reconnected") {
-                return line;
-            }
-        }
-    })
-    .await;
+    let said = router.stderr_until("reconnected").await;
     assert!(said.contains("forgot 1 blocks"), "{said}");
-    let pid = router.id().unwrap();
-    assert!(
-        std::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
-    within(router.wait()).await.unwrap();
-    let mut last = String::new();
-    while let Some(line) = within(err.next_line()).await.unwrap() {
-        last = line;
-    }
-    let stats: Value = serde_json::from_str(&last).unwrap();
+    let stats = router.terminate().await;
     assert_eq!(stats["index"], serde_json::json!([]), "{stats}");
     assert_eq!(stats["lost_views"], 1, "{stats}");
 }

@@ -18,82 +18,12 @@ mod support;
 
 #[cfg(feature = "etcd")]
 mod with_etcd {
-    use std::process::Stdio;
 
     use serde_json::{Value, json};
-    use tokio::io::{AsyncBufReadExt, BufReader, Lines};
-    use tokio::process::{Child, ChildStdout, Command};
+    use tokio::process::Child;
 
     use crate::support::etcd::EtcdServer;
-    use crate::support::{EnginePy, example, spawn_example, within};
-
-    /// A child whose stdout and stderr are read line by line.
-    struct Watched {
-        child: Child,
-        out: Lines<BufReader<ChildStdout>>,
-        err: tokio::sync::mpsc::Receiver<String>,
-    }
-
-    impl Watched {
-        fn spawn(name: &str, args: &[&str]) -> Watched {
-            let mut child = Command::new(example(name))
-                .args(args)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .kill_on_drop(true)
-                .spawn()
-                .unwrap();
-            let out = BufReader::new(child.stdout.take().unwrap()).lines();
-            let (tx, err) = tokio::sync::mpsc::channel(256);
-            let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-            tokio::spawn(async move {
-                while let Ok(Some(line)) = lines.next_line().await {
-                    if tx.send(line).await.is_err() {
-                        break;
-                    }
-                }
-            });
-            Watched { child, out, err }
-        }
-
-        /// The next stdout line.
-        async fn line(&mut self) -> String {
-            within(self.out.next_line())
-                .await
-                .unwrap()
-                .expect("the process exited")
-        }
-
-        /// Reads stderr until a line contains `text`.
-        async fn stderr_until(&mut self, text: &str) -> String {
-            within(async {
-                loop {
-                    let line = self.err.recv().await.expect("stderr closed");
-                    if line.contains(text) {
-                        return line;
-                    }
-                }
-            })
-            .await
-        }
-
-        /// SIGTERM, exit 0, and the last stderr line as JSON.
-        async fn terminate(mut self) -> Value {
-            let pid = self.child.id().unwrap();
-            let killed = std::process::Command::new("kill")
-                .args(["-TERM", &pid.to_string()])
-                .status()
-                .unwrap();
-            assert!(killed.success());
-            let status = within(self.child.wait()).await.unwrap();
-            assert_eq!(status.code(), Some(0));
-            let mut last = String::new();
-            while let Some(line) = within(self.err.recv()).await {
-                last = line;
-            }
-            serde_json::from_str(&last).unwrap_or_else(|e| panic!("no stats line ({e}): {last}"))
-        }
-    }
+    use crate::support::{EnginePy, Watched, restartable_endpoint, spawn_kv_relay, within};
 
     /// The blocks a router event line stores (empty for anything else).
     fn stored(line: &str) -> Vec<u64> {
@@ -108,32 +38,10 @@ mod with_etcd {
     /// front of `engine`; returns it once it has subscribed to the engine (engine.py
     /// takes commands only then).
     async fn relay(url: &str, engine: &EnginePy) -> Child {
-        let (relay, _) = spawn_example(
-            "kv_relay",
-            &[
-                "--connect",
-                &engine.endpoint,
-                "--topic",
-                "kv-events",
-                "--block-size",
-                "4",
-                "--worker-id",
-                "7",
-                "--dp-rank",
-                "0",
-                "--bind",
-                "tcp://127.0.0.1:0",
-                "--etcd",
-                url,
-                "--namespace",
-                "prod",
-                "--component",
-                "worker",
-            ],
-            true,
-        )
-        .await;
-        relay
+        let ep = &engine.endpoint;
+        spawn_kv_relay(ep, "kv-events", 7, "eventplane", url, "prod", "worker")
+            .await
+            .0
     }
 
     /// The guide's router and `kv_router` follow `kv_relay` through etcd: the record
@@ -144,7 +52,8 @@ mod with_etcd {
     async fn the_guides_router_and_kv_router_follow_kv_relay_through_an_engine_restart() {
         let server = EtcdServer::start().await;
         let url = server.url();
-        let mut engine = EnginePy::spawn("tcp://127.0.0.1:0", &[]).await;
+        // Restarted on the same endpoint below.
+        let mut engine = EnginePy::spawn(&restartable_endpoint(), &[]).await;
         let port = engine.port();
         let relay = relay(&url, &engine).await;
 
@@ -190,6 +99,18 @@ mod with_etcd {
         for command in ["root 1 2", "store 3", "remove 3", "skip", "root 4"] {
             engine.send(command).await;
         }
+        // Through to the router before the crash (a killed engine takes what it had
+        // not written yet with it).
+        let mut seen = Vec::new();
+        let mut until = async |block: u64, seen: &mut Vec<String>| loop {
+            let line = router.line().await;
+            let blocks = stored(&line);
+            seen.push(line);
+            if blocks == [block] {
+                break;
+            }
+        };
+        until(4, &mut seen).await;
         // It crashes; engine B starts on the same endpoint, numbering from 0.
         engine.kill().await;
         let mut engine = EnginePy::spawn(&format!("tcp://127.0.0.1:{port}"), &[]).await;
@@ -198,16 +119,7 @@ mod with_etcd {
         }
         // What engine B holds, and nothing else.
         let holds = json!([10, 11, 20]);
-
-        let mut seen = Vec::new();
-        loop {
-            let line = router.line().await;
-            let blocks = stored(&line);
-            seen.push(line);
-            if blocks == [20] {
-                break;
-            }
-        }
+        until(20, &mut seen).await;
         let stats = router.terminate().await;
         assert_eq!(
             stats["index"],
@@ -304,13 +216,8 @@ mod with_etcd {
         let warning = router.stderr_until("registered no worker identity").await;
         assert!(warning.contains("prod/py/kv-events"), "{warning}");
         router.line().await;
-        let status = within(router.child.wait()).await.unwrap();
+        let (status, stats) = router.exit_stats().await;
         assert_eq!(status.code(), Some(0));
-        let mut last = String::new();
-        while let Some(line) = within(router.err.recv()).await {
-            last = line;
-        }
-        let stats: Value = serde_json::from_str(&last).unwrap();
         assert_eq!(stats["unidentified_deliveries"], 1, "{stats}");
         assert_eq!(stats["subscriber"]["unidentified_publishers"], 1, "{stats}");
     }

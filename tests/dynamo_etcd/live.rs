@@ -418,31 +418,17 @@ async fn after_an_engine_restart_dynamos_router_and_kv_router_hold_what_the_new_
     use support::EnginePy;
     let server = EtcdServer::start().await;
     let url = server.url();
-    let mut engine = EnginePy::spawn("tcp://127.0.0.1:0", &[]).await;
+    // Restarted on the same endpoint below.
+    let mut engine = EnginePy::spawn(&support::restartable_endpoint(), &[]).await;
     let port = engine.port();
-    let (relay, _) = support::spawn_example(
-        "kv_relay",
-        &[
-            "--connect",
-            &engine.endpoint,
-            "--topic",
-            "kv-events",
-            "--block-size",
-            "4",
-            "--worker-id",
-            "77",
-            "--bind",
-            "tcp://127.0.0.1:0",
-            "--wire",
-            "dynamo",
-            "--etcd",
-            &url,
-            "--namespace",
-            "live3",
-            "--component",
-            "kvworker",
-        ],
-        true,
+    let (relay, _) = support::spawn_kv_relay(
+        &engine.endpoint,
+        "kv-events",
+        77,
+        "dynamo",
+        &url,
+        "live3",
+        "kvworker",
     )
     .await;
     let mut dynamo = Py::spawn(

@@ -468,31 +468,8 @@ pub(crate) async fn spawn_kv_relay_dynamo(
 ) -> (support::Engine, tokio::process::Child, String) {
     let engine = support::Engine::bind("kv").await;
     let engine_ep = engine.endpoint();
-    let (relay, relay_ep) = support::spawn_example(
-        "kv_relay",
-        &[
-            "--connect",
-            &engine_ep,
-            "--topic",
-            "kv",
-            "--block-size",
-            "4",
-            "--worker-id",
-            "77",
-            "--bind",
-            "tcp://127.0.0.1:0",
-            "--wire",
-            "dynamo",
-            "--etcd",
-            url,
-            "--namespace",
-            namespace,
-            "--component",
-            "kvworker",
-        ],
-        true,
-    )
-    .await;
+    let (relay, relay_ep) =
+        support::spawn_kv_relay(&engine_ep, "kv", 77, "dynamo", url, namespace, "kvworker").await;
     within(engine.socket.wait_for_subscribers(1)).await;
-    (engine, relay, relay_ep.unwrap())
+    (engine, relay, relay_ep)
 }

@@ -265,9 +265,14 @@ pub struct PyPeer {
 
 impl PyPeer {
     pub fn spawn(args: &[&str]) -> PyPeer {
+        PyPeer::script(support_dir().join("zmq_peer.py"), args)
+    }
+
+    /// Runs `script` with Debian's Python (pyzmq, msgpack), stdin and stdout piped.
+    pub fn script(script: PathBuf, args: &[&str]) -> PyPeer {
         require_pyzmq();
         let mut child = Command::new(PYTHON)
-            .arg(support_dir().join("zmq_peer.py"))
+            .arg(script)
             .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -320,24 +325,9 @@ impl EnginePy {
     /// Binds `bind` (port 0 for any) and, unless `--no-wait` is among `extra`, waits
     /// for a subscriber before it takes commands.
     pub async fn spawn(bind: &str, extra: &[&str]) -> EnginePy {
-        require_pyzmq();
         let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/engine.py");
-        let mut child = Command::new(PYTHON)
-            .arg(script)
-            .args(["--bind", bind])
-            .args(extra)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let mut peer = PyPeer {
-            child,
-            stdin,
-            lines,
-        };
+        let args: Vec<&str> = ["--bind", bind].iter().chain(extra).copied().collect();
+        let mut peer = PyPeer::script(script, &args);
         let bound = peer.line().await;
         let endpoint = bound
             .strip_prefix("bound ")
@@ -370,6 +360,154 @@ impl EnginePy {
     pub async fn kill(mut self) {
         self.peer.child.kill().await.unwrap();
     }
+}
+
+/// An example program as a child, its stdout read line by line and its stderr lines
+/// handed over as they come.
+pub struct Watched {
+    pub child: Child,
+    out: Lines<BufReader<ChildStdout>>,
+    err: tokio::sync::mpsc::Receiver<String>,
+}
+
+impl Watched {
+    pub fn spawn(name: &str, args: &[&str]) -> Watched {
+        let mut child = Command::new(example(name))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap()).lines();
+        let (tx, err) = tokio::sync::mpsc::channel(256);
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                if tx.send(line).await.is_err() {
+                    break;
+                }
+            }
+        });
+        Watched { child, out, err }
+    }
+
+    /// The next stdout line.
+    pub async fn line(&mut self) -> String {
+        within(self.out.next_line())
+            .await
+            .unwrap()
+            .expect("the process exited")
+    }
+
+    /// Reads stderr until a line contains `text`; returns it.
+    pub async fn stderr_until(&mut self, text: &str) -> String {
+        within(async {
+            loop {
+                let line = self.err.recv().await.expect("stderr closed");
+                if line.contains(text) {
+                    return line;
+                }
+            }
+        })
+        .await
+    }
+
+    /// SIGTERM, then [`exit_stats`](Self::exit_stats), asserting exit 0.
+    pub async fn terminate(self) -> serde_json::Value {
+        let pid = self.child.id().unwrap();
+        let killed = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(killed.success());
+        let (status, stats) = self.exit_stats().await;
+        assert_eq!(status.code(), Some(0), "{stats}");
+        stats
+    }
+
+    /// Waits for the exit; its status and its last stderr line as JSON (the stats the
+    /// examples print).
+    pub async fn exit_stats(mut self) -> (std::process::ExitStatus, serde_json::Value) {
+        let status = within(self.child.wait()).await.unwrap();
+        let mut last = String::new();
+        while let Some(line) = within(self.err.recv()).await {
+            last = line;
+        }
+        let stats =
+            serde_json::from_str(&last).unwrap_or_else(|e| panic!("no stats line ({e}): {last}"));
+        (status, stats)
+    }
+}
+
+/// `kv_relay` for worker `worker_id` in front of the engine at `engine` (topic `topic`,
+/// block size 4), publishing `wire`, registered in etcd at `etcd` under
+/// `namespace/component`; returns once it printed its endpoint.
+pub async fn spawn_kv_relay(
+    engine: &str,
+    topic: &str,
+    worker_id: u64,
+    wire: &str,
+    etcd: &str,
+    namespace: &str,
+    component: &str,
+) -> (Child, String) {
+    let worker = worker_id.to_string();
+    let (relay, endpoint) = spawn_example(
+        "kv_relay",
+        &[
+            "--connect",
+            engine,
+            "--topic",
+            topic,
+            "--block-size",
+            "4",
+            "--worker-id",
+            &worker,
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--wire",
+            wire,
+            "--etcd",
+            etcd,
+            "--namespace",
+            namespace,
+            "--component",
+            component,
+        ],
+        true,
+    )
+    .await;
+    (relay, endpoint.unwrap())
+}
+
+/// `tcp://127.0.0.1:PORT` with a free port below the kernel's ephemeral range, for a
+/// publisher that a test restarts on the same endpoint. An OS-assigned (ephemeral)
+/// port does not do: a subscriber redialling it meanwhile may be given that very port
+/// as its own local port and connect to itself, and the restarted publisher's bind then
+/// fails with "address in use".
+pub fn restartable_endpoint() -> String {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let start = 10_000u16.min(low.saturating_sub(1));
+    let span = low.saturating_sub(start).max(1);
+    // Spread over the range: by process (test binaries run at once) and by call
+    // (tests of one binary run at once), then a scan.
+    static CALLS: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+    let call = CALLS.fetch_add(97, std::sync::atomic::Ordering::Relaxed);
+    let first = (std::process::id() as u16)
+        .wrapping_mul(31)
+        .wrapping_add(call)
+        % span;
+    for i in 0..span {
+        let port = start + (first + i) % span;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return format!("tcp://127.0.0.1:{port}");
+        }
+    }
+    panic!("no free port below the ephemeral range ({low})");
 }
 
 /// Awaits `fut` within [`DEADLINE`].

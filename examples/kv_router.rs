@@ -92,7 +92,8 @@ struct Args {
     /// publishers of either wire).
     #[arg(long, default_value = "eventplane", conflicts_with = "dynamo")]
     wire: Wire,
-    /// Namespace to follow.
+    /// Namespace to follow. With --static, the endpoints become publishers 0, 1, … of
+    /// NS/{C or "static"}/TOPIC (a broker must cover NS to carry them).
     #[arg(long)]
     namespace: String,
     /// Component to follow (default: every component of the namespace).

@@ -36,7 +36,17 @@ use eventplane::subscriber::{DynamicSubscriber, Layout};
     after_help = "Exit codes: 0 after --count deliveries (or on Ctrl-C / SIGTERM without \
                   --count); 1 on timeout; 2 on bad arguments; 3 when discovery cannot be \
                   reached.\n\nLogs: warnings go to stderr; RUST_LOG sets the level (off, debug, or \
-                  target=level pairs such as eventplane=debug)."
+                  target=level pairs such as eventplane=debug).",
+    after_long_help = "Output: one stdout line per delivery, `PUBLISHER_ID SEQUENCE FRAMES`: \
+                       the publisher id from discovery (decimal), the sequence the layout \
+                       carries (`-` for raw), then every frame in lower-case hex (an empty \
+                       frame as `-`), separated by one space. At exit, the subscriber's stats \
+                       as one JSON object, the last stderr line.\n\nWith --static, the \
+                       endpoints become publishers 0, 1, 2, … of NS/{C or \"static\"}/TOPIC.\
+                       \n\nExit codes: 0 after --count deliveries (or on Ctrl-C / SIGTERM \
+                       without --count); 1 on timeout; 2 on bad arguments; 3 when discovery \
+                       cannot be reached.\n\nLogs: warnings go to stderr; RUST_LOG sets the \
+                       level (off, debug, or target=level pairs such as eventplane=debug)."
 )]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["etcd", "static_endpoints"])))]
 struct Args {

@@ -183,57 +183,71 @@ async fn etcd(_: &Args) -> Result<Arc<dyn Discovery>, StartError> {
     ))
 }
 
+/// What the router holds of one publisher.
+#[derive(Default)]
+struct Followed {
+    index: Index,
+    /// The id its next event must have (ids are dense from 1); 0 before the first.
+    next_id: u64,
+    /// Whether its first connection was seen (a second one is a reconnect).
+    connected: bool,
+}
+
 /// The router's view: one block index per publisher, so a departing publisher takes
 /// exactly what it reported with it (a restarted worker's new publisher, or another
 /// publisher naming the same worker id, keeps its own), and what could not be decoded.
 #[derive(Default)]
 struct Router {
-    indexes: HashMap<ChannelId, Index>,
+    publishers: HashMap<ChannelId, Followed>,
     events: u64,
     payload_errors: u64,
     /// Deliveries from publishers that registered no worker identity.
     unidentified: u64,
-    /// Times a publisher's events were lost (an event id other than the next): its
-    /// blocks forgotten.
+    /// Times a publisher's events were lost (an event id other than the next, a
+    /// reconnection): its blocks forgotten.
     lost: u64,
-    /// The id each publisher's next event must have (ids are dense from 1).
-    next_ids: HashMap<ChannelId, u64>,
-    /// Publishers whose first connection was seen (a second one is a reconnect).
-    connected: HashSet<ChannelId>,
+}
+
+/// `id`'s entry, made on first sight (the id is cloned only then; always `Some`).
+fn followed<'a>(
+    publishers: &'a mut HashMap<ChannelId, Followed>,
+    id: &ChannelId,
+) -> Option<&'a mut Followed> {
+    if !publishers.contains_key(id) {
+        publishers.insert(id.clone(), Followed::default());
+    }
+    publishers.get_mut(id)
 }
 
 impl Router {
     fn blocks(&self) -> usize {
-        self.indexes.values().map(Index::size).sum()
+        self.publishers.values().map(|p| p.index.size()).sum()
     }
 
-    /// Applies one event of publisher `id`. Event ids are dense per publisher: an id
-    /// other than the next means events were lost on the way (its queue, the network,
-    /// our own lanes), so what is held of it may be stale and is forgotten first (as
-    /// Dynamo's router resets a worker on an id gap): no ghosts.
-    fn apply(&mut self, id: &ChannelId, ev: &RouterEvent) {
-        if !self.indexes.contains_key(id) {
-            self.indexes.insert(id.clone(), Index::default());
-            self.next_ids.insert(id.clone(), 0);
-        }
-        let (Some(index), Some(next)) = (self.indexes.get_mut(id), self.next_ids.get_mut(id))
-        else {
+    /// Applies `events` of publisher `id`, in order. Event ids are dense per
+    /// publisher: an id other than the next means events were lost on the way (its
+    /// queue, the network, our own lanes), so what is held of it may be stale and is
+    /// forgotten first (as Dynamo's router resets a worker on an id gap): no ghosts.
+    fn apply(&mut self, id: &ChannelId, events: &[RouterEvent]) {
+        let Some(p) = followed(&mut self.publishers, id) else {
             return;
         };
-        if *next != 0 && ev.event.id != *next {
-            self.lost += 1;
-            if index.size() > 0 && self.lost <= 10 {
-                eprintln!(
-                    "publisher {id} lost events (id {} after {}): forgot {} blocks",
-                    ev.event.id,
-                    next.saturating_sub(1),
-                    index.size()
-                );
+        for ev in events {
+            if p.next_id != 0 && ev.event.id != p.next_id {
+                self.lost += 1;
+                if p.index.size() > 0 && self.lost <= 10 {
+                    eprintln!(
+                        "publisher {id} lost events (id {} after {}): forgot {} blocks",
+                        ev.event.id,
+                        p.next_id - 1,
+                        p.index.size()
+                    );
+                }
+                p.index.clear();
             }
-            index.clear();
+            p.next_id = ev.event.id.saturating_add(1);
+            p.index.apply(ev);
         }
-        *next = ev.event.id.saturating_add(1);
-        index.apply(ev);
     }
 
     /// Applies what the subscriber noticed: a reconnected publisher's blocks are
@@ -243,9 +257,20 @@ impl Router {
             // Connected again after a lost connection: what it sent meanwhile is gone
             // (a clear perhaps with it), so what is held of it may be stale.
             Notice::Connected(instance) => {
-                let again = !self.connected.insert(instance.id.clone());
-                if again {
-                    self.reconnected(&instance.id);
+                let Some(p) = followed(&mut self.publishers, &instance.id) else {
+                    return;
+                };
+                if std::mem::replace(&mut p.connected, true) {
+                    if p.index.size() > 0 {
+                        self.lost += 1;
+                        eprintln!(
+                            "publisher {} reconnected: forgot {} blocks",
+                            instance.id,
+                            p.index.size()
+                        );
+                    }
+                    p.index.clear();
+                    p.next_id = 0;
                 }
             }
             Notice::Departed(id) => self.forget(&id),
@@ -253,21 +278,8 @@ impl Router {
         }
     }
 
-    fn reconnected(&mut self, id: &ChannelId) {
-        if let Some(index) = self.indexes.get_mut(id) {
-            if index.size() > 0 {
-                self.lost += 1;
-                eprintln!("publisher {id} reconnected: forgot {} blocks", index.size());
-            }
-            index.clear();
-        }
-        self.next_ids.insert(id.clone(), 0);
-    }
-
     fn forget(&mut self, id: &ChannelId) {
-        self.next_ids.remove(id);
-        self.connected.remove(id);
-        let forgot = self.indexes.remove(id).map_or(0, |i| i.size());
+        let forgot = self.publishers.remove(id).map_or(0, |p| p.index.size());
         eprintln!("publisher {id} left: forgot {forgot} blocks");
     }
 
@@ -275,7 +287,7 @@ impl Router {
     /// forgets the publishers the subscriber no longer follows.
     fn reconcile(&mut self, followed: &HashSet<ChannelId>) {
         let gone: Vec<ChannelId> = self
-            .indexes
+            .publishers
             .keys()
             .filter(|id| !followed.contains(*id))
             .cloned()
@@ -287,7 +299,11 @@ impl Router {
 
     /// Every block held, one JSON object per (worker, dp rank, tier).
     fn entries(&self) -> Vec<serde_json::Value> {
-        let mut all: Vec<_> = self.indexes.values().flat_map(Index::entries).collect();
+        let mut all: Vec<_> = self
+            .publishers
+            .values()
+            .flat_map(|p| p.index.entries())
+            .collect();
         all.sort_unstable();
         all.dedup();
         let mut out: Vec<serde_json::Value> = Vec::new();
@@ -400,18 +416,22 @@ async fn main() -> ExitCode {
                             continue;
                         }
                     };
-                    for ev in &events {
-                        router.apply(&delivery.source.id, ev);
-                        if args.format == Format::Json
-                            && serde_json::to_writer(&mut out, ev).is_ok()
-                        {
-                            let _ = out.write_all(b"\n");
+                    // Up to --count, applied and printed.
+                    let left = args.count.map_or(u64::MAX, |n| n.saturating_sub(router.events));
+                    let left = usize::try_from(left).unwrap_or(usize::MAX);
+                    let events = events.get(..events.len().min(left)).unwrap_or_default();
+                    router.apply(&delivery.source.id, events);
+                    router.events += events.len() as u64;
+                    if args.format == Format::Json {
+                        for ev in events {
+                            if serde_json::to_writer(&mut out, ev).is_ok() {
+                                let _ = out.write_all(b"\n");
+                            }
                         }
-                        router.events += 1;
-                        if args.count.is_some_and(|n| router.events >= n) {
-                            let _ = out.flush();
-                            break 'run 0;
-                        }
+                    }
+                    if args.count.is_some_and(|n| router.events >= n) {
+                        let _ = out.flush();
+                        break 'run 0;
                     }
                 }
                 let _ = out.flush();

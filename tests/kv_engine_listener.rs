@@ -31,40 +31,20 @@ async fn libzmq_engine_to_router_events() {
         .unwrap()
         .to_owned();
 
-    let sink = Arc::new(CollectSink::default());
-    let (tx, rx) = tokio::sync::mpsc::channel(64);
-    let listener = EngineListener::new(
-        EngineListenerConfig::new(
-            format!("tcp://127.0.0.1:{port}"),
-            "kv-events",
-            WorkerId(3),
-            4,
-        ),
-        tx,
-    )
-    .unwrap();
-    let stats = listener.handle();
-    let cancel = CancellationToken::new();
-    let listening = tokio::spawn(listener.cancellation(&cancel).run());
-    let processing = tokio::spawn(
-        Processor::new(ProcessorConfig::default(), rx, sink.clone())
-            .unwrap()
-            .run(),
-    );
+    let relaying = Relaying::start(EngineListenerConfig::new(
+        format!("tcp://127.0.0.1:{port}"),
+        "kv-events",
+        WorkerId(3),
+        4,
+    ));
     assert_eq!(engine.line().await, "done");
 
     // What the same bytes must become.
     let expected = support::expected_router_events(&files, 3, 4);
-    within(async {
-        while sink.0.lock().unwrap().len() < expected.len() {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-    })
-    .await;
-    cancel.cancel();
-    let listener_stats = listening.await.unwrap();
-    processing.await.unwrap();
-    assert_eq!(*sink.0.lock().unwrap(), expected);
+    let got = relaying.events(expected.len()).await;
+    let stats = relaying.handle.clone();
+    let (listener_stats, _) = relaying.stop().await;
+    assert_eq!(got, expected);
     assert_eq!(
         (listener_stats.seq_gaps, listener_stats.seq_gap_batches),
         (1, 3)
@@ -162,11 +142,18 @@ impl Relaying {
         self.sink.0.lock().unwrap().clone()
     }
 
-    /// Stops both; the processor's final counters.
-    async fn stop(self) -> eventplane::kv::ProcessorStats {
+    /// Stops both; their final counters.
+    async fn stop(
+        self,
+    ) -> (
+        eventplane::kv::EngineListenerStats,
+        eventplane::kv::ProcessorStats,
+    ) {
         self.cancel.cancel();
-        self.listening.await.unwrap();
-        self.processing.await.unwrap()
+        (
+            self.listening.await.unwrap(),
+            self.processing.await.unwrap(),
+        )
     }
 }
 
@@ -282,7 +269,7 @@ async fn a_lost_engine_view_becomes_a_cleared_ahead_of_what_follows() {
         "{s:?}"
     );
 
-    let processed = relaying.stop().await;
+    let (_, processed) = relaying.stop().await;
     // Raw ids stayed consecutive around the clears the listener made.
     assert_eq!((processed.input_gaps, processed.input_events), (0, 7));
     engine.kill().await;

@@ -82,10 +82,13 @@ impl Index {
             self.unidentified += 1;
             return;
         };
-        let held = self
-            .publishers
-            .entry(delivery.source.id.clone())
-            .or_insert_with(|| Held::new(worker));
+        let id = &delivery.source.id;
+        if !self.publishers.contains_key(id) {
+            self.publishers.insert(id.clone(), Held::new(worker)); // cloned once, not per delivery
+        }
+        let Some(held) = self.publishers.get_mut(id) else {
+            return;
+        };
         let Some(Ok(events)) = delivery.payload().map(|p| decode_router_events(&p)) else {
             self.undecodable += 1;
             held.blocks.clear(); // what it holds now is unknown

@@ -85,11 +85,7 @@ impl Backoff {
 
     /// The next delay for `random` in `[0, 1]` (clamped), and advances the attempt.
     pub fn next_delay(&mut self, random: f64) -> Duration {
-        let random = if random.is_finite() {
-            random.clamp(0.0, 1.0)
-        } else {
-            1.0
-        };
+        let random = unit_draw(random);
         let ceiling = self.ceiling();
         let floor = self.min.min(ceiling);
         let spread = (ceiling - floor).as_secs_f64() * random;
@@ -108,6 +104,16 @@ impl Backoff {
     /// Back to the first attempt (after a healthy period).
     pub fn reset(&mut self) {
         self.attempt = 0;
+    }
+}
+
+/// A caller's random draw made safe to scale a delay by: clamped into `[0, 1]`, and a
+/// NaN or infinity taken as 1 (the longest delay), never a panic.
+pub(crate) fn unit_draw(random: f64) -> f64 {
+    if random.is_finite() {
+        random.clamp(0.0, 1.0)
+    } else {
+        1.0
     }
 }
 

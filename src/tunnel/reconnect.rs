@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use super::DrainReason;
-use crate::net::Backoff;
+use crate::net::{Backoff, unit_draw};
 
 /// How long a broker waits before reconnecting (DESIGN §7.2): jittered exponential
 /// backoff (1 s → 60 s) after a failure; after a `drain{rebalance}`, a 250–500 ms
@@ -79,12 +79,7 @@ impl Reconnect {
             DrainReason::Rebalance if !recent => {
                 self.last_rebalance = Some(now);
                 // A NaN draw takes the longest delay (as `Backoff` does), never a panic.
-                let random = if random.is_finite() {
-                    random.clamp(0.0, 1.0)
-                } else {
-                    1.0
-                };
-                Duration::from_millis(250) + Duration::from_millis(250).mul_f64(random)
+                Duration::from_millis(250) + Duration::from_millis(250).mul_f64(unit_draw(random))
             }
             DrainReason::Rebalance => {
                 self.last_rebalance = Some(now);

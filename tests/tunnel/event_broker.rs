@@ -452,23 +452,24 @@ async fn kv_router_runs_an_event_bus_that_carries_events_through_a_broker() {
     broker.abort();
 
     // A key that is not there: refused as an argument (2), naming the bus.
-    let out = within(
-        Command::new(example("kv_router"))
-            .args(follow)
-            .args([
-                "--bus-listen",
-                "127.0.0.1:0",
-                "--bus-key",
-                "/nonexistent.key",
-            ])
-            .arg("--bus-cert")
-            .arg(fixture("bus.pem"))
-            .arg("--bus-token-file")
-            .arg(dir.join("token"))
-            .output(),
-    )
-    .await
-    .unwrap();
+    // `kv_router` with a bus on `listen` whose key is `key`: its output.
+    let with_bus = async |listen: &str, key: PathBuf| {
+        within(
+            Command::new(example("kv_router"))
+                .args(follow)
+                .args(["--bus-listen", listen])
+                .arg("--bus-key")
+                .arg(key)
+                .arg("--bus-cert")
+                .arg(fixture("bus.pem"))
+                .arg("--bus-token-file")
+                .arg(dir.join("token"))
+                .output(),
+        )
+        .await
+        .unwrap()
+    };
+    let out = with_bus("127.0.0.1:0", PathBuf::from("/nonexistent.key")).await;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("event bus"), "{stderr}");
@@ -477,19 +478,7 @@ async fn kv_router_runs_an_event_bus_that_carries_events_through_a_broker() {
     // discovery (which was reached).
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let taken_addr = taken.local_addr().unwrap().to_string();
-    let out = within(
-        Command::new(example("kv_router"))
-            .args(follow)
-            .args(["--bus-listen", &taken_addr, "--bus-key"])
-            .arg(fixture("bus.key"))
-            .arg("--bus-cert")
-            .arg(fixture("bus.pem"))
-            .arg("--bus-token-file")
-            .arg(dir.join("token"))
-            .output(),
-    )
-    .await
-    .unwrap();
+    let out = with_bus(&taken_addr, fixture("bus.key")).await;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "{stderr}");
     assert!(

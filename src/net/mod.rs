@@ -32,8 +32,8 @@ mod warn;
 
 pub use addr_filter::{AddrFilter, Cidr, CidrError, Refusal, SpecialRange};
 pub use backoff::Backoff;
-pub(crate) use backoff::{random_u64, random_unit};
 #[cfg(feature = "tunnel")]
 pub(crate) use backoff::unit_draw;
+pub(crate) use backoff::{random_u64, random_unit};
 pub(crate) use warn::ErrorChain;
 pub use warn::RateLimitedWarn;

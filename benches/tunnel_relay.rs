@@ -41,7 +41,8 @@ use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Registration, Transport};
 use eventplane::tunnel::{
-    Broker, BrokerConfig, EventBus, EventBusConfig, Secret, TunnelStream, client_tls, server_tls,
+    Broker, BrokerConfig, BusClients, EventBus, EventBusConfig, Secret, TunnelStream, client_tls,
+    server_tls,
 };
 use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -69,7 +70,7 @@ async fn bus() -> EventBus {
     EventBus::bind(
         "127.0.0.1:0",
         tls,
-        Secret::new(TOKEN).unwrap(),
+        BusClients::shared(&Secret::new(TOKEN).unwrap(), vec!["bench".to_owned()]).unwrap(),
         EventBusConfig::default(),
     )
     .await
@@ -149,14 +150,20 @@ async fn pair() -> Pair {
     let view = Arc::new(MemoryDiscovery::new());
     let (direct_pub, direct_ep, r1) = publisher(&view, 1).await;
     let (tunnel_pub, tunnel_ep, r2) = publisher(&view, 2).await;
-    let broker = Broker::spawn(BrokerConfig::new(
-        format!("https://localhost:{}", bus.local_addr().port()),
-        "bench-broker",
-        vec!["bench".to_owned()],
-        Secret::new(TOKEN).unwrap(),
-        client_tls(fixture("ca.pem")).unwrap(),
-        view.clone() as Arc<dyn Discovery>,
-    ))
+    let broker = Broker::spawn(
+        BrokerConfig::new(
+            format!("https://localhost:{}", bus.local_addr().port()),
+            "bench-broker",
+            vec!["bench".to_owned()],
+            Secret::new(TOKEN).unwrap(),
+            client_tls(fixture("ca.pem")).unwrap(),
+            view.clone() as Arc<dyn Discovery>,
+        )
+        // The publishers are on loopback, which a broker refuses by default.
+        .addr_filter(
+            eventplane::net::AddrFilter::strict().allow_cidr("127.0.0.0/8".parse().unwrap()),
+        ),
+    )
     .unwrap();
     while bus.brokers_for("bench").is_empty() {
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -262,7 +269,8 @@ fn broker_memory(rt: &tokio::runtime::Runtime) {
         let endpoints: Vec<String> = publishers.iter().map(|p| format!("{:?}", p.1)).collect();
         let config = format!(
             "bus_url = \"https://localhost:{}\"\nclient_id = \"rss\"\nca_file = {:?}\n\
-             token_file = {:?}\ndrain_deadline_ms = 100\n[discovery]\nnamespaces = [\"bench\"]\n\
+             token_file = {:?}\ndrain_deadline_ms = 100\nallowed_cidrs = [\"127.0.0.0/8\"]\n\
+             [discovery]\nnamespaces = [\"bench\"]\n\
              static_endpoints = [{}]\n",
             bus.local_addr().port(),
             fixture("ca.pem"),

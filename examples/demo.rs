@@ -650,7 +650,7 @@ mod tunnel {
     use eventplane::net::AddrFilter;
     use eventplane::subscriber::DynamicSubscriberBuilder;
     use eventplane::tunnel::{
-        Broker, BrokerConfig, EventBus, EventBusConfig, Secret, client_tls, server_tls,
+        Broker, BrokerConfig, BusClients, EventBus, EventBusConfig, Secret, client_tls, server_tls,
     };
 
     pub(super) struct Tunnel {
@@ -676,18 +676,22 @@ mod tunnel {
         let bus = EventBus::bind(
             "127.0.0.1:0",
             server_tls(fixture("bus.pem"), fixture("bus.key"))?,
-            token.clone(),
+            BusClients::shared(&token, vec![super::NAMESPACE.to_owned()])?,
             EventBusConfig::default(),
         )
         .await?;
-        let broker = Broker::spawn(BrokerConfig::new(
-            format!("https://localhost:{}", bus.local_addr().port()),
-            "demo-broker",
-            vec![super::NAMESPACE.to_owned()],
-            token,
-            client_tls(fixture("ca.pem"))?,
-            discovery,
-        ))?;
+        let broker = Broker::spawn(
+            BrokerConfig::new(
+                format!("https://localhost:{}", bus.local_addr().port()),
+                "demo-broker",
+                vec![super::NAMESPACE.to_owned()],
+                token,
+                client_tls(fixture("ca.pem"))?,
+                discovery,
+            )
+            // The workers listen on loopback, which a broker refuses by default.
+            .addr_filter(AddrFilter::strict().allow_cidr("127.0.0.0/8".parse()?)),
+        )?;
         tokio::time::timeout(Duration::from_secs(10), async {
             while bus.brokers_for(super::NAMESPACE).is_empty() {
                 tokio::time::sleep(Duration::from_millis(10)).await;

@@ -11,6 +11,9 @@
 //! ca_file = "/etc/eventplane/bus-ca.pem"    # the CA the bus certificate chains to
 //! token_file = "/etc/eventplane/bus.token"  # or token_env = "EVENTPLANE_BUS_TOKEN"
 //! allowed_cidrs = ["10.0.0.0/8"]            # optional: only these networks are dialled
+//!                                           # (loopback, link-local and metadata addresses
+//!                                           # are refused unless a CIDR inside them is
+//!                                           # listed, e.g. "127.0.0.0/8")
 //! drain_deadline_ms = 30000                 # optional: streams' grace on SIGTERM
 //! max_stream_buffer_bytes = 1048576         # optional: 16 KiB ..= 1 MiB per stream
 //! max_session_buffer_bytes = 67108864       # optional: ..= 64 MiB per session
@@ -161,7 +164,8 @@ fn load(args: &Args) -> Result<(FileConfig, Secret, AddrFilter), Refusal> {
         }
         _ => return Err(c("exactly one of token_file and token_env is needed".into())),
     };
-    let mut filter = AddrFilter::default();
+    // Strict: the broker runs next to admin ports only loopback reaches.
+    let mut filter = AddrFilter::strict();
     for cidr in &config.allowed_cidrs {
         let parsed = cidr
             .parse()

@@ -5,11 +5,21 @@
 //! kv_router (--etcd URL [--dynamo] | --static EP… [--wire eventplane|dynamo])
 //!           --namespace NS [--component C] [--endpoint E] --topic T
 //!           [--count N] [--timeout-ms MS] [--format json|quiet] [--dump-index]
-//!           [--bus-listen ADDR --bus-cert PEM --bus-key PEM --bus-token-file FILE]
+//!           [--bus-listen ADDR --bus-cert PEM --bus-key PEM
+//!            (--bus-clients FILE | --bus-token-file FILE)]
 //! ```
 //! With `--bus-listen` (feature `tunnel`) it also runs an event bus there: brokers
 //! inside a cluster dial in (`event_broker`), and the publishers of every namespace a
-//! connected broker covers are reached through it; the others directly.
+//! broker credential grants are reached through the brokers covering it; the others
+//! directly. `--bus-clients` lists one credential per broker, bound to its client id
+//! and namespaces:
+//! ```toml
+//! [[broker]]
+//! client_id = "broker-a"
+//! token_sha256 = "…"        # sha256sum of the token the broker sends (64 hex digits)
+//! namespaces = ["prod"]
+//! ```
+//! `--bus-token-file` instead trusts one shared token, granted `--namespace` only.
 //! A `DynamicSubscriber` over etcd (feature `etcd`) or a static list of endpoints.
 //! With `--dynamo` it follows Dynamo's records (`v1/event_channels/…`, every endpoint
 //! unless `--endpoint E`) and reads Dynamo's wire: it follows Dynamo 1.6 workers as
@@ -78,6 +88,7 @@ use eventplane::wire::Wire;
     )
 )]
 #[command(group(clap::ArgGroup::new("source").required(true).args(["etcd", "static_endpoints"])))]
+#[command(group(clap::ArgGroup::new("bus_credentials").args(["bus_clients", "bus_token_file"])))]
 struct Args {
     /// etcd endpoint (http://host:2379); repeat for a cluster. Needs feature `etcd`.
     #[arg(long)]
@@ -119,9 +130,10 @@ struct Args {
     #[arg(long = "dump-index")]
     dump_index: bool,
     /// Run an event bus here (host:port) for brokers inside the cluster: publishers of a
-    /// namespace a connected broker covers are reached through it. Needs feature
-    /// `tunnel`, and --bus-cert, --bus-key, --bus-token-file.
-    #[arg(long = "bus-listen", requires_all = ["bus_cert", "bus_key", "bus_token_file"])]
+    /// namespace a broker credential grants are reached through the brokers covering
+    /// it (none up: they wait), the others directly. Needs feature `tunnel`,
+    /// --bus-cert, --bus-key, and --bus-clients or --bus-token-file.
+    #[arg(long = "bus-listen", requires_all = ["bus_cert", "bus_key", "bus_credentials"])]
     bus_listen: Option<String>,
     /// The bus's TLS certificate chain (PEM).
     #[arg(long = "bus-cert", requires = "bus_listen")]
@@ -129,7 +141,13 @@ struct Args {
     /// The bus's TLS private key (PEM).
     #[arg(long = "bus-key", requires = "bus_listen")]
     bus_key: Option<std::path::PathBuf>,
-    /// A file holding the brokers' bearer token.
+    /// The brokers' credentials (TOML): `[[broker]]` tables of `client_id`,
+    /// `token_sha256` (hex SHA-256 of the broker's token) and `namespaces` (what it may
+    /// cover). A broker can claim no other client id or namespace.
+    #[arg(long = "bus-clients", requires = "bus_listen")]
+    bus_clients: Option<std::path::PathBuf>,
+    /// A file holding one shared bearer token, for a single trusted broker: any client
+    /// id, granted --namespace only.
     #[arg(long = "bus-token-file", requires = "bus_listen")]
     bus_token_file: Option<std::path::PathBuf>,
 }
@@ -352,7 +370,7 @@ async fn main() -> ExitCode {
         // identity is in its payload (its `event_sources` record is not read back).
         .expect_worker_identity(args.static_endpoints.is_empty() && !args.dynamo)
         .layout(wire.layout());
-    let builder = match bus(&args, builder).await {
+    let (builder, bus_stats) = match bus(&args, builder).await {
         Ok(b) => b,
         Err(e) => return e.report(),
     };
@@ -462,6 +480,9 @@ async fn main() -> ExitCode {
         },
         "subscriber": stats,
     });
+    if let (Some(stats), Some(fields)) = (&bus_stats, summary.as_object_mut()) {
+        fields.insert("bus".to_owned(), stats());
+    }
     if let (true, Some(fields)) = (args.dump_index, summary.as_object_mut()) {
         fields.insert("index".to_owned(), router.entries().into());
     }
@@ -470,26 +491,84 @@ async fn main() -> ExitCode {
     ExitCode::from(code)
 }
 
+/// The bus's counters, for the stats line.
+type BusStatsFn = Box<dyn Fn() -> serde_json::Value>;
+
+/// `--bus-clients`: one `[[broker]]` table per credential.
+#[cfg(feature = "tunnel")]
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BusClientsFile {
+    #[serde(default)]
+    broker: Vec<BrokerEntry>,
+}
+
+#[cfg(feature = "tunnel")]
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BrokerEntry {
+    client_id: String,
+    token_sha256: String,
+    namespaces: Vec<String>,
+}
+
+/// The credentials of --bus-clients, or the one token of --bus-token-file granted
+/// --namespace.
+#[cfg(feature = "tunnel")]
+fn bus_clients(args: &Args) -> Result<eventplane::tunnel::BusClients, String> {
+    use eventplane::tunnel::{BusClients, Secret, TokenDigest};
+    if let Some(token) = &args.bus_token_file {
+        let token = Secret::from_file(token).map_err(|e| chain(&e))?;
+        return BusClients::shared(&token, vec![args.namespace.clone()]).map_err(|e| chain(&e));
+    }
+    let Some(path) = &args.bus_clients else {
+        return Err("--bus-clients or --bus-token-file is needed".to_owned());
+    };
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("--bus-clients {}: {e}", path.display()))?;
+    let file: BusClientsFile =
+        toml::from_str(&text).map_err(|e| format!("--bus-clients {}: {e}", path.display()))?;
+    let mut clients = BusClients::new();
+    for entry in file.broker {
+        let at = |e: eventplane::tunnel::TunnelError| {
+            format!("--bus-clients: broker {:?}: {}", entry.client_id, chain(&e))
+        };
+        let digest = TokenDigest::from_hex(&entry.token_sha256).map_err(at)?;
+        clients = clients
+            .broker(entry.client_id.clone(), digest, entry.namespaces.clone())
+            .map_err(at)?;
+    }
+    if clients.is_empty() {
+        return Err(format!(
+            "--bus-clients {}: no [[broker]] entry",
+            path.display()
+        ));
+    }
+    Ok(clients)
+}
+
 /// With --bus-listen: the event bus, started, and the subscriber told to use it.
 #[cfg(feature = "tunnel")]
 async fn bus(
     args: &Args,
     builder: eventplane::subscriber::DynamicSubscriberBuilder,
-) -> Result<eventplane::subscriber::DynamicSubscriberBuilder, StartError> {
-    use eventplane::tunnel::{EventBus, EventBusConfig, Secret, server_tls};
-    let (Some(listen), Some(cert), Some(key), Some(token)) = (
-        &args.bus_listen,
-        &args.bus_cert,
-        &args.bus_key,
-        &args.bus_token_file,
-    ) else {
-        return Ok(builder);
+) -> Result<
+    (
+        eventplane::subscriber::DynamicSubscriberBuilder,
+        Option<BusStatsFn>,
+    ),
+    StartError,
+> {
+    use eventplane::tunnel::{EventBus, EventBusConfig, server_tls};
+    let (Some(listen), Some(cert), Some(key)) = (&args.bus_listen, &args.bus_cert, &args.bus_key)
+    else {
+        return Ok((builder, None));
     };
     let refused =
         |e: eventplane::tunnel::TunnelError| StartError::Args(format!("event bus: {}", chain(&e)));
     let tls = server_tls(cert, key).map_err(refused)?;
-    let token = Secret::from_file(token).map_err(refused)?;
-    let bus = EventBus::bind(listen, tls, token, EventBusConfig::default())
+    let clients = bus_clients(args).map_err(|e| StartError::Args(format!("event bus: {e}")))?;
+    let bus = EventBus::bind(listen, tls, clients, EventBusConfig::default())
         .await
         .map_err(|e| {
             StartError::Unavailable(format!(
@@ -498,18 +577,27 @@ async fn bus(
             ))
         })?;
     eprintln!("event bus listening on {}", bus.local_addr());
-    Ok(builder.tunnel(bus))
+    let stats = bus.clone();
+    let stats: BusStatsFn =
+        Box::new(move || serde_json::to_value(stats.stats()).unwrap_or_default());
+    Ok((builder.tunnel(bus), Some(stats)))
 }
 
 #[cfg(not(feature = "tunnel"))]
 async fn bus(
     args: &Args,
     builder: eventplane::subscriber::DynamicSubscriberBuilder,
-) -> Result<eventplane::subscriber::DynamicSubscriberBuilder, StartError> {
+) -> Result<
+    (
+        eventplane::subscriber::DynamicSubscriberBuilder,
+        Option<BusStatsFn>,
+    ),
+    StartError,
+> {
     if args.bus_listen.is_some() {
         return Err(StartError::Args(
             "--bus-listen needs the `tunnel` feature: cargo run --features tunnel --example kv_router".to_owned(),
         ));
     }
-    Ok(builder)
+    Ok((builder, None))
 }

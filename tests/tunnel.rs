@@ -17,6 +17,9 @@ mod stages;
 mod suite;
 #[cfg(feature = "tunnel")]
 mod support;
+#[cfg(feature = "tunnel")]
+#[path = "tunnel/trust.rs"]
+mod trust;
 
 #[cfg(not(feature = "tunnel"))]
 #[test]

@@ -144,9 +144,12 @@ pub enum SpecialRange {
     Broadcast,
     /// fd00:ec2::254, the EC2 IPv6 metadata endpoint.
     MetadataV6,
+    /// Cloud metadata endpoints outside link-local: 100.100.100.200 (Alibaba Cloud)
+    /// and 168.63.129.16 (Azure's wire server).
+    Metadata,
 }
 
-const SPECIAL: [(SpecialRange, Cidr); 10] = [
+const SPECIAL: [(SpecialRange, Cidr); 12] = [
     (SpecialRange::Loopback, Cidr::v4(127, 0, 0, 0, 8)),
     (
         SpecialRange::Loopback,
@@ -169,11 +172,48 @@ const SPECIAL: [(SpecialRange, Cidr); 10] = [
         SpecialRange::MetadataV6,
         Cidr::v6([0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254], 128),
     ),
+    (SpecialRange::Metadata, Cidr::v4(100, 100, 100, 200, 32)),
+    (SpecialRange::Metadata, Cidr::v4(168, 63, 129, 16, 32)),
 ];
 
+/// NAT64's well-known prefix (RFC 6052): the IPv4 address is the last 32 bits.
+const NAT64: Cidr = Cidr::v6([0x64, 0xff9b, 0, 0, 0, 0, 0, 0], 96);
+/// 6to4 (RFC 3056): the IPv4 address is bits 16..48.
+const SIX_TO_FOUR: Cidr = Cidr::v6([0x2002, 0, 0, 0, 0, 0, 0, 0], 16);
+
+/// The IPv4 address an IPv6 address carries to an IPv4 host (IPv4-mapped, NAT64's
+/// well-known prefix, 6to4), if any: a gateway on the path delivers to it.
+fn embedded_v4(ip: IpAddr) -> Option<Ipv4Addr> {
+    let IpAddr::V6(v6) = ip else {
+        return None;
+    };
+    if let Some(v4) = v6.to_ipv4_mapped() {
+        return Some(v4);
+    }
+    let o = v6.octets();
+    if NAT64.contains(ip) {
+        return Some(Ipv4Addr::new(o[12], o[13], o[14], o[15]));
+    }
+    if SIX_TO_FOUR.contains(ip) {
+        return Some(Ipv4Addr::new(o[2], o[3], o[4], o[5]));
+    }
+    None
+}
+
 impl SpecialRange {
-    /// The special range `ip` falls in, if any (IPv4-mapped forms included).
+    /// The special range `ip` falls in, if any: IPv4-mapped forms, and IPv4 addresses
+    /// embedded in NAT64 (`64:ff9b::/96`) or 6to4 (`2002::/16`) addresses, are judged
+    /// by the IPv4 address they reach (the range returned is then the IPv4 one).
+    ///
+    /// ```
+    /// use eventplane::net::SpecialRange;
+    /// let (range, _) = SpecialRange::of("64:ff9b::7f00:1".parse().unwrap()).unwrap();
+    /// assert_eq!(range, SpecialRange::Loopback);
+    /// let (range, _) = SpecialRange::of("2002:a9fe:a9fe::".parse().unwrap()).unwrap();
+    /// assert_eq!(range, SpecialRange::LinkLocal);
+    /// ```
     pub fn of(ip: IpAddr) -> Option<(SpecialRange, Cidr)> {
+        let ip = embedded_v4(ip).map_or(ip, IpAddr::V4);
         SPECIAL.iter().copied().find(|(_, cidr)| cidr.contains(ip))
     }
 }
@@ -208,7 +248,8 @@ pub enum Refusal {
 /// address at dial time, so DNS rebinding cannot smuggle in a metadata address.
 ///
 /// The default policy allows loopback (local development) and refuses the other
-/// special ranges; [`strict`](Self::strict) refuses loopback too. With
+/// special ranges; [`strict`](Self::strict) refuses loopback too (a broker's default:
+/// it runs next to sidecars and admin ports that only loopback reaches). With
 /// [`allow_cidr`](Self::allow_cidr) everything outside the allowed networks is
 /// refused, and a special range reopens only through a CIDR that lies entirely inside
 /// it (`0.0.0.0/0` reopens none).
@@ -252,10 +293,12 @@ impl AddrFilter {
         let Some((range, cidr)) = SpecialRange::of(ip) else {
             return Ok(());
         };
+        // Judged by the IPv4 address a NAT64 or 6to4 address reaches.
+        let reached = embedded_v4(ip).map_or(ip, IpAddr::V4);
         let reopened = self
             .allowed
             .iter()
-            .any(|c| c.is_within(&cidr) && c.contains(ip));
+            .any(|c| c.is_within(&cidr) && c.contains(reached));
         let loopback_ok = range == SpecialRange::Loopback && !self.deny_loopback;
         if reopened || loopback_ok {
             Ok(())
@@ -300,6 +343,19 @@ mod tests {
             ("255.255.255.255", Some(SpecialRange::Broadcast)),
             ("::ffff:255.255.255.255", Some(SpecialRange::Broadcast)),
             ("fd00:ec2::254", Some(SpecialRange::MetadataV6)),
+            ("100.100.100.200", Some(SpecialRange::Metadata)),
+            ("168.63.129.16", Some(SpecialRange::Metadata)),
+            ("::ffff:168.63.129.16", Some(SpecialRange::Metadata)),
+            // NAT64 and 6to4 reach the IPv4 address they embed.
+            ("64:ff9b::7f00:1", Some(SpecialRange::Loopback)),
+            ("64:ff9b::a9fe:a9fe", Some(SpecialRange::LinkLocal)),
+            ("64:ff9b::6464:64c8", Some(SpecialRange::Metadata)),
+            ("2002:7f00:1::1", Some(SpecialRange::Loopback)),
+            ("2002:a9fe:a9fe::", Some(SpecialRange::LinkLocal)),
+            ("2002:a83f:8110:1::", Some(SpecialRange::Metadata)),
+            ("64:ff9b::a00:5", None),
+            ("2002:a00:5::1", None),
+            ("100.100.100.201", None),
             ("10.0.0.5", None),
             ("192.168.1.1", None),
             ("8.8.8.8", None),

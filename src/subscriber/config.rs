@@ -37,9 +37,12 @@ pub(crate) struct Config {
     pub(crate) cancel: CancellationToken,
     #[cfg(feature = "metrics")]
     pub(crate) metrics_interval: Duration,
-    /// Publishers of namespaces a connected broker covers are reached through it.
+    /// Publishers of namespaces the bus grants are reached through its brokers.
     #[cfg(feature = "tunnel")]
     pub(crate) bus: Option<crate::tunnel::EventBus>,
+    /// A granted namespace is dialled directly while no broker covers it.
+    #[cfg(feature = "tunnel")]
+    pub(crate) tunnel_direct_fallback: bool,
 }
 
 impl Config {
@@ -66,6 +69,8 @@ impl Config {
             metrics_interval: Duration::from_secs(1),
             #[cfg(feature = "tunnel")]
             bus: None,
+            #[cfg(feature = "tunnel")]
+            tunnel_direct_fallback: false,
         }
     }
 

@@ -292,19 +292,23 @@ impl DynamicSubscriberBuilder {
         self.config.metrics_interval = interval;
         self
     }
-    /// Reach the publishers of every namespace a broker connected to `bus` covers
-    /// through that broker (the one rendezvous hashing picks per publisher), and the
-    /// others directly. A broker lost or draining ends its streams; each reconnects
-    /// through the next owner, or directly once no broker covers the namespace. The
-    /// connection is otherwise the same: ZMTP, bounds and stats are unchanged.
+    /// Reach the publishers of every namespace `bus` grants to a broker credential
+    /// ([`EventBus::grants`](crate::tunnel::EventBus::grants)) through a broker
+    /// covering it (the one rendezvous hashing picks per publisher), and the others
+    /// directly. While no broker covers a granted namespace its publishers wait (their
+    /// reconnects back off) unless [`tunnel_direct_fallback`](Self::tunnel_direct_fallback)
+    /// is on. A broker lost or draining ends its streams; each reconnects through the
+    /// next owner. The connection is otherwise the same: ZMTP, bounds and stats are
+    /// unchanged.
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
     /// use std::sync::Arc;
     /// use eventplane::discovery::{MemoryDiscovery, Query};
     /// use eventplane::subscriber::DynamicSubscriber;
-    /// use eventplane::tunnel::{EventBus, EventBusConfig, Secret, server_tls};
-    /// let bus = EventBus::bind("0.0.0.0:8443", server_tls("bus.pem", "bus.key")?, Secret::from_file("bus.token")?, EventBusConfig::default()).await?;
+    /// use eventplane::tunnel::{BusClients, EventBus, EventBusConfig, Secret, server_tls};
+    /// let clients = BusClients::shared(&Secret::from_file("bus.token")?, vec!["prod".into()])?;
+    /// let bus = EventBus::bind("0.0.0.0:8443", server_tls("bus.pem", "bus.key")?, clients, EventBusConfig::default()).await?;
     /// let router = DynamicSubscriber::builder(Arc::new(MemoryDiscovery::new()), Query::new("prod"))
     ///     .topic("kv-events")
     ///     .tunnel(bus)
@@ -315,6 +319,16 @@ impl DynamicSubscriberBuilder {
     #[cfg_attr(docsrs, doc(cfg(feature = "tunnel")))]
     pub fn tunnel(mut self, bus: crate::tunnel::EventBus) -> Self {
         self.config.bus = Some(bus);
+        self
+    }
+    /// Dial the publishers of a granted namespace directly while no broker covers it
+    /// (default off: a granted namespace is reached only through brokers, since it is
+    /// granted because the router cannot, or must not, reach it directly). A
+    /// connection made directly stays direct until it ends.
+    #[cfg(feature = "tunnel")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tunnel")))]
+    pub fn tunnel_direct_fallback(mut self, on: bool) -> Self {
+        self.config.tunnel_direct_fallback = on;
         self
     }
     /// Stop when `token` is cancelled (the subscriber uses a child of it). Default: a

@@ -547,13 +547,16 @@ async fn dial(
     Ok(sub)
 }
 
-/// A stream through the broker that owns `instance`, when a broker connected to the
-/// configured bus covers its namespace; `None` to dial directly.
+/// A stream through the broker that owns `instance`, when the configured bus grants
+/// its namespace; `None` to dial directly (not granted, or no broker up and the
+/// direct fallback on).
 #[cfg(feature = "tunnel")]
 async fn tunnel_link(config: &Config, instance: &Instance) -> Option<Result<Link, ZmtpError>> {
     let bus = config.bus.as_ref()?;
     let namespace = instance.id.namespace();
-    if bus.brokers_for(namespace).is_empty() {
+    if !bus.grants(namespace)
+        || (config.tunnel_direct_fallback && bus.brokers_for(namespace).is_empty())
+    {
         return None;
     }
     let opened = bus

@@ -48,6 +48,9 @@ pub struct BrokerStats {
     pub rebalances_throttled: u64,
     /// Subscribes refused, by code.
     pub refused: HashMap<String, u64>,
+    /// Sessions the bus denied, by code (`DenyCode`): the credential does not grant
+    /// this client id or these namespaces.
+    pub denied: HashMap<String, u64>,
     /// Streams closed by the broker, by code.
     pub closed: HashMap<String, u64>,
     /// Bytes relayed publisher → router.
@@ -79,6 +82,7 @@ struct Counters {
     high_water: AtomicU64,
     refused: CodeCounts,
     closed: CodeCounts,
+    denied: CodeCounts,
     /// Streams relaying now.
     open: AtomicU64,
     /// Refusals warn once a minute per code, with the count suppressed.
@@ -125,6 +129,7 @@ impl Broker {
             high_water: AtomicU64::new(0),
             refused: CodeCounts::default(),
             closed: CodeCounts::default(),
+            denied: CodeCounts::default(),
             open: AtomicU64::new(0),
             warn: crate::net::RateLimitedWarn::default(),
             view,
@@ -186,6 +191,7 @@ impl BrokerHandle {
             rebalances_throttled: l(&c.rebalances_throttled),
             refused: c.refused.snapshot(),
             closed: c.closed.snapshot(),
+            denied: c.denied.snapshot(),
             streams_open: l(&c.open),
             bytes_up: l(&c.bytes_up),
             bytes_down: l(&c.bytes_down),
@@ -266,6 +272,9 @@ enum Report {
     Opened(u64),
     Refused(u64, RefuseCode),
     Closed(u64, CloseCode),
+    /// The router ended its side: the slot is free whether its unsubscribe comes or
+    /// not.
+    Gone(u64),
 }
 
 async fn session(
@@ -296,9 +305,12 @@ async fn session(
     .await
     .map_err(|_| TunnelError::Timeout("the TLS handshake with the bus"))??;
     // Router → publisher is bounded by a 64 KiB stream window (DESIGN §7.2).
+    // Publisher → router: what h2 holds per stream is capped (see
+    // PER_STREAM_UNCHARGED_BYTES), however large the windows the router grants.
     let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
         .initial_stream_window_size(64 << 10)
         .initial_connection_window_size(16 << 20)
+        .max_send_buf_size(super::H2_SEND_BUFFER_BYTES)
         .handshake(TokioIo::new(tls))
         .await?;
     let conn_done = CancellationToken::new();
@@ -358,6 +370,7 @@ async fn session(
     let mut stream_stops: HashMap<u64, CancellationToken> = HashMap::new();
     let mut drain: Option<(DrainReason, tokio::time::Instant)> = None;
     let mut stopping: Option<tokio::time::Instant> = None;
+    let mut stable_at: Option<tokio::time::Instant> = None;
     let outcome = loop {
         // Frames go out only as the router reads them; a router that stops reading
         // fills the session's bounded outbox, which ends the session.
@@ -374,7 +387,9 @@ async fn session(
                 BrokerEvent::Welcomed(welcome) => {
                     counters.sessions.fetch_add(1, Ordering::Relaxed);
                     counters.connected.store(true, Ordering::Relaxed);
-                    reconnect.reset();
+                    // The backoff starts over only once the session held: a router
+                    // that welcomes and then ends every session is not hammered.
+                    stable_at = Some(tokio::time::Instant::now() + super::JOIN_HOLD_DOWN);
                     slots.add_permits(
                         welcome.limits.max_streams.min(super::MAX_BROKER_STREAMS) as usize
                     );
@@ -406,7 +421,12 @@ async fn session(
                     drain = Some((reason, tokio::time::Instant::now() + deadline));
                 }
                 BrokerEvent::Ended(end) => {
-                    tracing::info!(reason = %end, "bus session ended");
+                    if let super::SessionEnd::Denied(code) = end {
+                        counters.denied.add(code.as_str());
+                        tracing::warn!(client_id = %config.client_id, %code, "the bus denied the session: its credential does not grant this client id or these namespaces");
+                    } else {
+                        tracing::info!(reason = %end, "bus session ended");
+                    }
                     ended = true;
                 }
             }
@@ -469,8 +489,16 @@ async fn session(
                         stream_stops.remove(&id);
                         broker.stream_closed(id, code);
                     }
+                    Report::Gone(id) => {
+                        stream_stops.remove(&id);
+                        broker.stream_forgotten(id);
+                    }
                 }
             },
+            () = crate::time::sleep_until_opt(stable_at) => {
+                stable_at = None;
+                reconnect.reset();
+            }
             () = crate::time::sleep_until_opt(timer) => {
                 let now = tokio::time::Instant::now();
                 if deadline.is_some_and(|d| now >= d) {
@@ -545,9 +573,11 @@ async fn relay(
     ctx.counters.open.fetch_add(1, Ordering::Relaxed);
     let closed = pump(&ctx, stream_id, opened, &stop).await;
     ctx.counters.open.fetch_sub(1, Ordering::Relaxed);
-    if let Some(code) = closed {
-        let _ = report.send(Report::Closed(stream_id, code)).await;
-    }
+    let last = match closed {
+        Some(code) => Report::Closed(stream_id, code),
+        None => Report::Gone(stream_id),
+    };
+    let _ = report.send(last).await;
 }
 
 /// The stages after the target checks, each under its deadline: the data stream's
@@ -684,8 +714,8 @@ async fn pump(
     let overflowed = overflow.clone();
     // Publisher → router: read continuously; a chunk over budget resets the stream.
     let up = async move {
-        // 16 KiB: a relay holds it for its whole life (1,000 streams: 16 MiB).
-        let mut buf = vec![0u8; 16 << 10];
+        // A relay holds it for its whole life (1,000 streams: 16 MiB).
+        let mut buf = vec![0u8; super::RELAY_READ_BYTES];
         loop {
             let n = match read.read(&mut buf).await {
                 Ok(0) | Err(_) => return,

@@ -16,6 +16,23 @@ pub const MIN_STREAM_BUFFER_BYTES: usize = 16 << 10;
 /// The most one session may queue over all its streams (64 MiB).
 pub const MAX_SESSION_BUFFER_BYTES: usize = 64 << 20;
 
+/// What a broker relay reads from its publisher at once (16 KiB): its read buffer,
+/// held for the stream's life, and the largest chunk it queues.
+pub const RELAY_READ_BYTES: usize = 16 << 10;
+
+/// What HTTP/2 may hold per stream beyond the budget (32 KiB): a chunk's budget comes
+/// back when hyper takes it, and h2 then buffers at most this much of the stream
+/// until the connection writes it (its send buffer is capped at this size).
+pub const H2_SEND_BUFFER_BYTES: usize = 32 << 10;
+
+/// Bytes one relayed stream may hold outside the [`RelayBudget`] (80 KiB): the relay's
+/// read buffer, the chunk hyper took and waits to hand h2, and h2's send buffer, which
+/// takes a whole chunk while under its cap (so the cap plus one chunk). A
+/// broker's relay memory is at most its session budget plus this per open stream
+/// (plus the bus connection's TLS buffers), whatever the router does.
+pub const PER_STREAM_UNCHARGED_BYTES: usize =
+    RELAY_READ_BYTES + RELAY_READ_BYTES + H2_SEND_BUFFER_BYTES + RELAY_READ_BYTES;
+
 /// Which limit a chunk would have broken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

@@ -13,14 +13,20 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::admission::Pending;
+use super::auth::BusClients;
 use super::error::TunnelError;
-use super::io::{Secret, TunnelStream};
+use super::io::TunnelStream;
 use super::serve::{Command, Counters, Inner, Waiter, accept_loop};
-use super::{DrainReason, PENDING_SUBSCRIBE_TIMEOUT, RefuseCode, rendezvous_ranked};
+use super::{DrainReason, MAX_NAME_LEN, PENDING_SUBSCRIBE_TIMEOUT, RefuseCode, rendezvous_ranked};
 
-/// Brokers `open_stream` tries for one publisher: its rendezvous owner, then once the
-/// runner-up when the owner cannot reach it.
+/// Brokers `open_stream` asks for one publisher: its rendezvous owner, then once the
+/// runner-up when the owner cannot reach it (a full owner is skipped without asking,
+/// and counted as a fallback too).
 pub const OPEN_ATTEMPTS: usize = 2;
+
+/// How long an open waits for room in a session's command queue.
+const COMMAND_QUEUE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Whether a refusal is about the broker that gave it (its view, its network, its
 /// load, its session), so another broker may succeed.
@@ -47,6 +53,23 @@ pub struct BusStats {
     pub superseded: u64,
     /// Requests refused for a wrong or missing credential.
     pub unauthorized: u64,
+    /// Hellos denied, by code (`DenyCode`): a client id or a namespace the
+    /// credential does not grant (an impostor, or a misconfigured broker).
+    pub denied: HashMap<String, u64>,
+    /// Unauthenticated connections closed to make room in their full pool.
+    pub pending_evicted: u64,
+    /// Connections refused on accept: their source address held its share of the
+    /// unauthenticated pool.
+    pub pending_refused: u64,
+    /// Connections closed for not completing TLS, or not authenticating, in time.
+    pub pending_timeouts: u64,
+    /// Connections held unauthenticated now.
+    pub pending: usize,
+    /// Authenticated connections refused: `max_connections` were held.
+    pub connections_refused: u64,
+    /// Opens refused before reaching any broker: the target is empty, over 1 KiB or
+    /// not `tcp://host:port`.
+    pub bad_targets: u64,
     /// Streams opened through a broker.
     pub streams_opened: u64,
     /// Streams refused, closed before opening, or expired.
@@ -58,7 +81,8 @@ pub struct BusStats {
     pub streams_moved: u64,
     /// Data streams open now.
     pub streams_open: usize,
-    /// Subscribes the owner could not serve that were tried through the runner-up.
+    /// Subscribes the owner could not serve (it refused for a reason of its own, or
+    /// it was full) that were tried through the runner-up.
     pub fallbacks: u64,
     /// Subscribes waiting for their broker's answer now.
     pub streams_pending: usize,
@@ -76,18 +100,26 @@ pub struct BusStats {
 /// through them. It runs until [`shutdown`](Self::shutdown), or until its last handle
 /// (clones included) is dropped.
 ///
-/// A connection carries one broker session and closes with it. It must complete TLS
-/// within [`EventBusConfig::tls_handshake_timeout`](super::EventBusConfig) and have
-/// its session welcomed within its `session_start_timeout` (10 s each by default), or
-/// it is closed: connections that never authenticate cannot hold the
-/// `max_connections` slots for long. A broker that joins takes over its rendezvous
-/// share of the open streams once its session held for `join_hold_down`.
+/// Brokers authenticate with the credentials in its [`BusClients`], each bound to what
+/// it may claim (a client id, namespaces); only granted namespaces are tunnelled.
+///
+/// A connection carries one broker session and closes with it. Until it presents an
+/// accepted credential it waits in a pool of its own
+/// ([`EventBusConfig::max_pending_connections`](super::EventBusConfig), 64, at most 8
+/// per source address; when full, the oldest of the busiest source is closed), and
+/// must complete TLS and authenticate within 3 s each: connections that never
+/// authenticate cannot take the `max_connections` slots of brokers. Its session must
+/// be welcomed within `session_start_timeout` (10 s). A broker that joins takes over
+/// its rendezvous share of the open streams once its session held for
+/// `join_hold_down`.
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), eventplane::tunnel::TunnelError> {
-/// use eventplane::tunnel::{EventBus, EventBusConfig, Secret, server_tls};
+/// use eventplane::tunnel::{BusClients, EventBus, EventBusConfig, Secret, TokenDigest, server_tls};
 /// let tls = server_tls("bus.pem", "bus.key")?;
-/// let bus = EventBus::bind("0.0.0.0:8443", tls, Secret::from_file("bus.token")?, EventBusConfig::default()).await?;
+/// let clients = BusClients::new()
+///     .broker("broker-a", TokenDigest::from_hex(&std::fs::read_to_string("broker-a.sha256")?)?, vec!["prod".into()])?;
+/// let bus = EventBus::bind("0.0.0.0:8443", tls, clients, EventBusConfig::default()).await?;
 /// // A SubSocket runs ZMTP through a broker covering namespace "prod":
 /// let stream = bus.open_stream("prod", 7, "tcp://10.1.2.3:5557").await?;
 /// let sub = eventplane::zmtp::SubSocket::handshake(stream, Default::default()).await;
@@ -112,20 +144,33 @@ impl std::fmt::Debug for EventBus {
 
 impl EventBus {
     /// Listens on `addr` (`host:port`; port 0 for any) with `tls`, accepting brokers
-    /// that present `token`, offering them `config.limits` and holding their
-    /// connections to `config`'s cap and deadlines (refused by
+    /// that present a credential of `clients` (within its grant), offering them
+    /// `config.limits` and holding their connections to `config`'s caps and
+    /// deadlines (refused by
     /// [`EventBusConfig::validate`](super::EventBusConfig::validate) before binding).
     pub async fn bind(
         addr: &str,
         tls: Arc<rustls::ServerConfig>,
-        token: Secret,
+        clients: BusClients,
         config: super::EventBusConfig,
     ) -> Result<EventBus, TunnelError> {
         config.validate()?;
+        if clients.is_empty() {
+            return Err(TunnelError::Config {
+                field: "clients",
+                reason: "no credential: no broker could connect".into(),
+            });
+        }
         let listener = TcpListener::bind(addr).await?;
         let local_addr = listener.local_addr()?;
         let inner = Arc::new(Inner {
-            token,
+            clients,
+            pending: Mutex::new(Pending::new(
+                config.max_pending_connections,
+                config.max_pending_per_source,
+            )),
+            authenticated: Arc::new(tokio::sync::Semaphore::new(config.max_connections)),
+            warn: crate::net::RateLimitedWarn::default(),
             config,
             sessions: Mutex::new(HashMap::new()),
             waiting: Mutex::new(HashMap::new()),
@@ -166,6 +211,18 @@ impl EventBus {
             sessions_started: l(&c.sessions_started),
             superseded: l(&c.superseded),
             unauthorized: l(&c.unauthorized),
+            denied: c.denied.snapshot(),
+            pending_evicted: l(&c.pending_evicted),
+            pending_refused: l(&c.pending_refused),
+            pending_timeouts: l(&c.pending_timeouts),
+            pending: self
+                .inner
+                .pending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .len(),
+            connections_refused: l(&c.connections_refused),
+            bad_targets: l(&c.bad_targets),
             streams_opened: l(&c.streams_opened),
             streams_failed: l(&c.streams_failed),
             unknown_streams: l(&c.unknown_streams),
@@ -190,7 +247,8 @@ impl EventBus {
         }
     }
 
-    /// The client ids of the welcomed brokers covering `namespace` and taking streams.
+    /// The client ids of the welcomed brokers covering `namespace` and taking streams
+    /// (not draining, not full).
     pub fn brokers_for(&self, namespace: &str) -> Vec<String> {
         let sessions = self
             .inner
@@ -199,11 +257,18 @@ impl EventBus {
             .unwrap_or_else(|p| p.into_inner());
         let mut ids: Vec<String> = sessions
             .iter()
-            .filter(|(_, e)| e.serves(namespace))
+            .filter(|(_, e)| e.serves(namespace) && e.has_room())
             .map(|(id, _)| id.clone())
             .collect();
         ids.sort_unstable();
         ids
+    }
+
+    /// Whether a credential grants `namespace`: its publishers are reached through
+    /// brokers only (a router dials them directly only when told to while no broker
+    /// is up); the publishers of other namespaces are dialled directly.
+    pub fn grants(&self, namespace: &str) -> bool {
+        self.inner.clients.grants(namespace)
     }
 
     /// Opens a connection to the publisher `publisher_id` at `target` (`tcp://host:port`)
@@ -211,28 +276,56 @@ impl EventBus {
     /// hashing), and returns the byte stream once the broker connected and its data
     /// stream arrived. When the owner refuses for a reason of its own (the target is
     /// not in its view, its filter, DNS or network failed it, it is draining or full,
-    /// its session ended), the runner-up is tried once ([`OPEN_ATTEMPTS`]); the last
-    /// error is returned.
+    /// its session ended), the runner-up is tried once ([`OPEN_ATTEMPTS`]); a full
+    /// owner is passed over without asking. The last error is returned.
+    ///
+    /// A target that is empty, over 1 KiB or not `tcp://host:port` is refused here
+    /// (`Refused(BadTarget)`, counted in `bad_targets`) and never sent: no broker
+    /// could dial it.
     pub async fn open_stream(
         &self,
         namespace: &str,
         publisher_id: u64,
         target: &str,
     ) -> Result<TunnelStream, TunnelError> {
-        let candidates: Vec<(u64, mpsc::Sender<Command>)> = {
+        if target.is_empty()
+            || target.len() > MAX_NAME_LEN
+            || crate::zmtp::parse_tcp(target).is_err()
+        {
+            self.inner
+                .counters
+                .bad_targets
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(TunnelError::Refused(RefuseCode::BadTarget));
+        }
+        let (candidates, passed_over) = {
             let sessions = self
                 .inner
                 .sessions
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
             let live = sessions.iter().filter(|(_, e)| e.serves(namespace));
-            rendezvous_ranked(live.map(|(id, _)| id.as_str()), publisher_id)
+            let ranked = rendezvous_ranked(live.map(|(id, _)| id.as_str()), publisher_id);
+            // Full sessions ahead of the first with room are passed over.
+            let passed_over = ranked
+                .iter()
+                .take_while(|id| sessions.get(**id).is_some_and(|e| !e.has_room()))
+                .count();
+            let candidates: Vec<(u64, mpsc::Sender<Command>)> = ranked
                 .into_iter()
-                .take(OPEN_ATTEMPTS)
                 .filter_map(|id| sessions.get(id))
+                .filter(|e| e.has_room())
+                .take(OPEN_ATTEMPTS)
                 .map(|e| (e.session_id, e.commands.clone()))
-                .collect()
+                .collect();
+            (candidates, passed_over)
         };
+        if passed_over > 0 {
+            self.inner
+                .counters
+                .fallbacks
+                .fetch_add(passed_over as u64, Ordering::Relaxed);
+        }
         let mut last = TunnelError::NoBroker(namespace.to_owned());
         let tries = candidates.len();
         for (i, (session_id, commands)) in candidates.into_iter().enumerate() {
@@ -289,8 +382,12 @@ impl EventBus {
             stream_id,
             target: target.to_owned(),
         };
-        // Never waits on a session that stopped taking commands.
-        if commands.try_send(subscribe).is_err() {
+        // A burst of opens queues behind the session's command queue, but never waits
+        // long on a session that stopped taking commands.
+        if tokio::time::timeout(COMMAND_QUEUE_TIMEOUT, commands.send(subscribe))
+            .await
+            .map_or(true, |sent| sent.is_err())
+        {
             inner.fail(
                 stream_id,
                 TunnelError::Timeout("the broker session's command queue"),

@@ -100,6 +100,22 @@ closed_codes! {
 }
 
 closed_codes! {
+    /// Why a router denied a broker's `hello` (its credential does not grant what the
+    /// hello claims); the session ends after the `denied` frame.
+    ///
+    /// ```
+    /// use eventplane::tunnel::DenyCode;
+    /// assert_eq!(DenyCode::parse("namespace_not_granted"), DenyCode::NamespaceNotGranted);
+    /// ```
+    DenyCode {
+        /// The hello names a client id the credential is not bound to.
+        ClientIdNotGranted = "client_id_not_granted",
+        /// The hello claims a namespace outside the credential's grant.
+        NamespaceNotGranted = "namespace_not_granted",
+    }
+}
+
+closed_codes! {
     /// Why a router drains a broker.
     ///
     /// ```

@@ -186,7 +186,10 @@ pub struct BrokerConfig {
     /// broker watches each namespace and does not dial the bus before every initial
     /// list is complete.
     pub discovery: Arc<dyn Discovery>,
-    /// Which resolved addresses may be dialled.
+    /// Which resolved addresses may be dialled (default [`AddrFilter::strict`]:
+    /// loopback, link-local, metadata and the other special ranges refused, NAT64 and
+    /// 6to4 forms of them too; reopen a range with a CIDR inside it, e.g.
+    /// `127.0.0.0/8`).
     pub addr_filter: AddrFilter,
     /// How long open streams may run after a SIGTERM or `drain{shutdown}` (default
     /// 30 s).
@@ -224,8 +227,9 @@ impl std::fmt::Debug for BrokerConfig {
 }
 
 impl BrokerConfig {
-    /// A configuration with the default address filter, deadlines, buffers and
-    /// backoff, and a 30 s drain deadline.
+    /// A configuration with the strict address filter ([`AddrFilter::strict`]: no
+    /// loopback), the default deadlines, buffers and backoff, and a 30 s drain
+    /// deadline.
     pub fn new(
         bus_url: impl Into<String>,
         client_id: impl Into<String>,
@@ -241,7 +245,7 @@ impl BrokerConfig {
             token,
             tls,
             discovery,
-            addr_filter: AddrFilter::default(),
+            addr_filter: AddrFilter::strict(),
             drain_deadline: Duration::from_secs(30),
             deadlines: Deadlines::default(),
             max_stream_buffer_bytes: MAX_STREAM_BUFFER_BYTES,
@@ -315,6 +319,34 @@ impl BrokerConfig {
         if distinct.len() != self.namespaces.len() {
             return refuse("namespaces", "names one twice".into());
         }
+        if self
+            .namespaces
+            .iter()
+            .any(|n| n.is_empty() || n.len() > super::MAX_NAME_LEN)
+        {
+            return refuse(
+                "namespaces",
+                format!("each must be 1 to {} bytes", super::MAX_NAME_LEN),
+            );
+        }
+        // The hello must fit one control frame, or every session would fail.
+        let mut hello = Vec::new();
+        super::Control::Hello(super::Hello::new(
+            self.client_id.clone(),
+            self.namespaces.clone(),
+        ))
+        .encode(&mut hello);
+        // The 4-byte length prefix is not part of the body the decoder bounds.
+        if hello.len() > super::MAX_CONTROL_FRAME + 4 {
+            return refuse(
+                "namespaces",
+                format!(
+                    "the hello would take {} bytes, over the {}-byte control frame",
+                    hello.len(),
+                    super::MAX_CONTROL_FRAME
+                ),
+            );
+        }
         self.deadlines.validate()?;
         if self.drain_deadline > Duration::from_secs(3600) {
             return refuse("drain_deadline", "is over an hour".into());
@@ -351,12 +383,23 @@ impl BrokerConfig {
     }
 }
 
-/// Default cap on the connections an [`EventBus`](super::EventBus) holds at once,
-/// authenticated or not (brokers need one each).
+/// Default cap on the authenticated connections an [`EventBus`](super::EventBus)
+/// holds at once (brokers need one each).
 pub const MAX_CONNECTIONS: usize = 1024;
 
+/// Default cap on the connections an [`EventBus`](super::EventBus) holds before they
+/// authenticate (their own pool: a flood of them cannot take a broker's slot).
+pub const MAX_PENDING_CONNECTIONS: usize = 64;
+
+/// Default cap on the unauthenticated connections from one source address.
+pub const MAX_PENDING_PER_SOURCE: usize = 8;
+
 /// Default deadline for a broker connection's TLS handshake at the bus.
-pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Default time a connection may take, after TLS, to send its first request with a
+/// credential the bus accepts.
+pub const AUTH_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Default time a connection may take, after TLS, to have a session welcomed (the
 /// right credential and a valid `hello`).
@@ -373,6 +416,7 @@ pub const JOIN_HOLD_DOWN: Duration = Duration::from_secs(10);
 /// use eventplane::tunnel::{EventBusConfig, Limits};
 /// let mut config = EventBusConfig::default().limits(Limits::default().with_max_streams(256));
 /// assert_eq!(config.session_start_timeout, Duration::from_secs(10));
+/// assert_eq!((config.max_pending_connections, config.max_pending_per_source), (64, 8));
 /// config.join_hold_down = Duration::from_secs(30);
 /// assert!(config.validate().is_ok());
 /// config.max_connections = 0;
@@ -384,12 +428,25 @@ pub struct EventBusConfig {
     /// What each welcome offers: stream count, per-stream buffer, heartbeats and idle
     /// timeout (default [`Limits::default`]).
     pub limits: Limits,
-    /// Connections held at once, authenticated or not; one past it is closed on
-    /// accept (default [`MAX_CONNECTIONS`], 1,024; at most 65,536). Each costs a file
-    /// descriptor and, once TLS is up, its HTTP/2 buffers.
+    /// Authenticated connections held at once (each carries at most one broker
+    /// session); a credential presented past it is answered 503 and the connection
+    /// closed, counted in `connections_refused` (default [`MAX_CONNECTIONS`], 1,024;
+    /// at most 65,536). Each costs a file descriptor and its HTTP/2 buffers.
     pub max_connections: usize,
-    /// A connection's TLS handshake, from accept (default 10 s).
+    /// Connections held before they authenticate (TLS, then the first request with an
+    /// accepted credential), in a pool of their own. When it is full, a new
+    /// connection is taken and the oldest of the source address holding the most is
+    /// closed, counted in `pending_evicted` (default [`MAX_PENDING_CONNECTIONS`], 64;
+    /// at most 65,536).
+    pub max_pending_connections: usize,
+    /// Unauthenticated connections from one source address; one more is closed on
+    /// accept, counted in `pending_refused` (default [`MAX_PENDING_PER_SOURCE`], 8).
+    pub max_pending_per_source: usize,
+    /// A connection's TLS handshake, from accept (default 3 s).
     pub tls_handshake_timeout: Duration,
+    /// The first request with an accepted credential, from the end of TLS (default
+    /// 3 s); else the connection is closed.
+    pub auth_timeout: Duration,
     /// A session welcomed on a connection, from the end of its TLS handshake; else
     /// the connection is closed (default 10 s).
     pub session_start_timeout: Duration,
@@ -403,7 +460,10 @@ impl Default for EventBusConfig {
         EventBusConfig {
             limits: Limits::default(),
             max_connections: MAX_CONNECTIONS,
+            max_pending_connections: MAX_PENDING_CONNECTIONS,
+            max_pending_per_source: MAX_PENDING_PER_SOURCE,
             tls_handshake_timeout: TLS_HANDSHAKE_TIMEOUT,
+            auth_timeout: AUTH_TIMEOUT,
             session_start_timeout: SESSION_START_TIMEOUT,
             join_hold_down: JOIN_HOLD_DOWN,
         }
@@ -422,14 +482,18 @@ impl EventBusConfig {
     pub fn validate(&self) -> Result<(), TunnelError> {
         let refuse =
             |field: &'static str, reason: String| Err(TunnelError::Config { field, reason });
-        if !(1..=65_536).contains(&self.max_connections) {
-            return refuse(
-                "max_connections",
-                format!("{} is not within 1..=65536", self.max_connections),
-            );
+        for (field, value) in [
+            ("max_connections", self.max_connections),
+            ("max_pending_connections", self.max_pending_connections),
+            ("max_pending_per_source", self.max_pending_per_source),
+        ] {
+            if !(1..=65_536).contains(&value) {
+                return refuse(field, format!("{value} is not within 1..=65536"));
+            }
         }
         for (field, value) in [
             ("tls_handshake_timeout", self.tls_handshake_timeout),
+            ("auth_timeout", self.auth_timeout),
             ("session_start_timeout", self.session_start_timeout),
         ] {
             if value.is_zero() || value > Duration::from_secs(3600) {

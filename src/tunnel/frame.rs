@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-pub use super::codes::{CloseCode, DrainReason, RefuseCode};
+pub use super::codes::{CloseCode, DenyCode, DrainReason, RefuseCode};
 use crate::msgpack::{self, Value};
 
 /// The session protocol version this crate speaks (the only one, so far).
@@ -52,7 +52,10 @@ pub enum Control {
     Subscribe {
         /// The router's id for the stream.
         stream_id: u64,
-        /// The publisher's endpoint, `tcp://host:port`.
+        /// The publisher's endpoint, `tcp://host:port`. A target the decoder cannot
+        /// take (not a string, empty, over [`MAX_NAME_LEN`]) decodes as an empty
+        /// string, so that the broker refuses that one stream with `bad_target`
+        /// instead of failing the session.
         target: String,
     },
     /// Router → broker: close stream `stream_id` (silently: no `stream_closed`).
@@ -89,6 +92,12 @@ pub enum Control {
     },
     /// Broker → router: the broker is shutting down; it takes no new streams.
     Draining,
+    /// Router → broker, instead of `welcome`: the hello claims what the broker's
+    /// credential does not grant; the session ends.
+    Denied {
+        /// Why.
+        code: DenyCode,
+    },
     /// A frame type this version does not know (from a newer peer): skipped.
     Unknown,
 }
@@ -250,6 +259,7 @@ impl Control {
             Control::StreamRefused { .. } => "stream_refused",
             Control::StreamClosed { .. } => "stream_closed",
             Control::Draining => "draining",
+            Control::Denied { .. } => "denied",
             Control::Unknown => "unknown",
         }
     }
@@ -323,6 +333,11 @@ impl Control {
                 w.map(3);
                 w.entry_str("type", kind);
                 w.entry_uint("stream_id", *stream_id);
+                w.entry_str("code", code.as_str());
+            }
+            Control::Denied { code } => {
+                w.map(2);
+                w.entry_str("type", kind);
                 w.entry_str("code", code.as_str());
             }
         }
@@ -412,7 +427,14 @@ impl Control {
             "draining" => Control::Draining,
             "subscribe" => Control::Subscribe {
                 stream_id: f.u64("subscribe", "stream_id")?,
-                target: f.str("subscribe", "target", MAX_NAME_LEN)?.to_owned(),
+                // One unusable target fails its stream, not the session.
+                target: f
+                    .str("subscribe", "target", MAX_NAME_LEN)
+                    .map(str::to_owned)
+                    .unwrap_or_default(),
+            },
+            "denied" => Control::Denied {
+                code: DenyCode::parse(f.str("denied", "code", 64)?),
             },
             "unsubscribe" => Control::Unsubscribe {
                 stream_id: f.u64("unsubscribe", "stream_id")?,

@@ -267,15 +267,43 @@ impl std::fmt::Debug for Secret {
 
 impl Secret {
     /// A credential (surrounding whitespace, such as a file's final newline, removed).
+    /// It travels in an HTTP header, so it must be printable ASCII without spaces (a
+    /// byte-order mark or a non-ASCII character is refused here, not sent as a bare
+    /// `Bearer`).
+    ///
+    /// ```
+    /// use eventplane::tunnel::Secret;
+    /// assert!(Secret::new("s3cret-token\n").is_ok());
+    /// assert!(Secret::new("\u{feff}s3cret-token").is_err());
+    /// assert!(Secret::new("two words").is_err());
+    /// assert!(Secret::new("").is_err());
+    /// ```
     pub fn new(token: impl AsRef<str>) -> Result<Secret, TunnelError> {
         let token = token.as_ref().trim();
-        if token.is_empty() {
-            return Err(TunnelError::Config {
+        let refuse = |reason: &str| {
+            Err(TunnelError::Config {
                 field: "token",
-                reason: "is empty".into(),
-            });
+                reason: reason.into(),
+            })
+        };
+        if token.is_empty() {
+            return refuse("is empty");
+        }
+        if token.len() > 4096 {
+            return refuse("is over 4096 bytes");
+        }
+        if !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return refuse(
+                "must be printable ASCII without spaces (a byte-order mark or a non-ASCII \
+                 character cannot travel in an HTTP header)",
+            );
         }
         Ok(Secret(token.into()))
+    }
+
+    /// The token itself (for digests; never logged).
+    pub(crate) fn expose(&self) -> &str {
+        &self.0
     }
 
     /// The credential in `path` (a file holding just the token).
@@ -291,23 +319,11 @@ impl Secret {
     /// The `Authorization` header value, marked sensitive (never indexed by HPACK,
     /// redacted from its `Debug`).
     pub(crate) fn header_value(&self) -> hyper::header::HeaderValue {
+        // `new` admits only visible ASCII, so this never falls back.
         let mut value = hyper::header::HeaderValue::from_str(&format!("Bearer {}", self.0))
             .unwrap_or_else(|_| hyper::header::HeaderValue::from_static("Bearer"));
         value.set_sensitive(true);
         value
-    }
-
-    /// `true` when `header` is `Bearer <this token>`; constant-time in the token.
-    pub(crate) fn matches_header(&self, header: Option<&[u8]>) -> bool {
-        let Some(given) = header.and_then(|h| h.strip_prefix(b"Bearer ")) else {
-            return false;
-        };
-        let want = self.0.as_bytes();
-        let mut diff = u8::from(given.len() != want.len());
-        for (i, w) in want.iter().enumerate() {
-            diff |= w ^ given.get(i).copied().unwrap_or(0);
-        }
-        diff == 0
     }
 }
 

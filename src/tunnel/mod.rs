@@ -45,6 +45,8 @@
 //! assert!(matches!(broker.poll_event(), Some(BrokerEvent::Welcomed(_))));
 //! ```
 
+mod admission;
+mod auth;
 mod broker;
 mod budget;
 mod bus;
@@ -59,11 +61,13 @@ mod serve;
 mod session;
 mod view;
 
+pub use auth::{BusClients, MAX_BUS_CLIENTS, TokenDigest};
 pub use broker::{Broker, BrokerHandle, BrokerStats};
 pub use bus::{BusStats, EventBus, OPEN_ATTEMPTS};
 pub use config::{
-    BUS_CONNECT_TIMEOUT, BrokerConfig, CONNECT_ATTEMPT_TIMEOUT, CONNECT_TIMEOUT, DNS_TIMEOUT,
-    Deadlines, EventBusConfig, JOIN_HOLD_DOWN, MAX_CONNECTIONS, RESPONSE_TIMEOUT, Resolver,
+    AUTH_TIMEOUT, BUS_CONNECT_TIMEOUT, BrokerConfig, CONNECT_ATTEMPT_TIMEOUT, CONNECT_TIMEOUT,
+    DNS_TIMEOUT, Deadlines, EventBusConfig, JOIN_HOLD_DOWN, MAX_CONNECTIONS,
+    MAX_PENDING_CONNECTIONS, MAX_PENDING_PER_SOURCE, RESPONSE_TIMEOUT, Resolver,
     SESSION_START_TIMEOUT, STREAM_SLOT_TIMEOUT, SystemResolver, TLS_HANDSHAKE_TIMEOUT,
 };
 pub use error::TunnelError;
@@ -71,17 +75,18 @@ pub use io::{Secret, TunnelStream, client_tls, server_tls};
 pub use view::MAX_VIEW_INSTANCES;
 
 pub use budget::{
-    CHUNK_OVERHEAD, MAX_SESSION_BUFFER_BYTES, MAX_STREAM_BUFFER_BYTES, MIN_STREAM_BUFFER_BYTES,
-    Overflow, RelayBudget,
+    CHUNK_OVERHEAD, H2_SEND_BUFFER_BYTES, MAX_SESSION_BUFFER_BYTES, MAX_STREAM_BUFFER_BYTES,
+    MIN_STREAM_BUFFER_BYTES, Overflow, PER_STREAM_UNCHARGED_BYTES, RELAY_READ_BYTES, RelayBudget,
 };
 pub use frame::{
-    CloseCode, Control, ControlDecoder, DrainReason, FrameError, Hello, Limits, MAX_CONTROL_FRAME,
-    MAX_NAME_LEN, MAX_NAMESPACES, MAX_VERSIONS, PROTOCOL_VERSION, RefuseCode, Welcome,
+    CloseCode, Control, ControlDecoder, DenyCode, DrainReason, FrameError, Hello, Limits,
+    MAX_CONTROL_FRAME, MAX_NAME_LEN, MAX_NAMESPACES, MAX_VERSIONS, PROTOCOL_VERSION, RefuseCode,
+    Welcome,
 };
 pub use reconnect::{REBALANCE_WINDOW, Reconnect};
 pub use rendezvous::{rendezvous_owner, rendezvous_ranked, weight as rendezvous_weight};
 pub use session::{
-    BrokerEvent, BrokerSession, HANDSHAKE_TIMEOUT, MAX_BROKER_STREAMS, MAX_QUEUED_CONTROL,
+    BrokerEvent, BrokerSession, Grant, HANDSHAKE_TIMEOUT, MAX_BROKER_STREAMS, MAX_QUEUED_CONTROL,
     PENDING_SUBSCRIBE_TIMEOUT, RouterEvent, RouterSession, SessionEnd, SubscribeError,
 };
 

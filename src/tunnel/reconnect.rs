@@ -89,7 +89,8 @@ impl Reconnect {
         }
     }
 
-    /// A session was welcomed: the next failure starts the backoff over.
+    /// A session held (the broker calls it once a welcomed session lived
+    /// [`JOIN_HOLD_DOWN`](super::JOIN_HOLD_DOWN)): the next failure starts the backoff over.
     pub fn reset(&mut self) {
         self.backoff.reset();
     }

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use hyper::body::Incoming;
@@ -17,14 +17,16 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::admission::{Admit, Pending};
+use super::auth::{BusClients, Identity};
 use super::codes::CodeCounts;
 use super::error::TunnelError;
 use super::io::{
-    BODY_CHANNEL, ChannelBody, Secret, StreamBytes, TUNNEL_WRITE_CHUNKS, TunnelStream, next_chunk,
+    BODY_CHANNEL, ChannelBody, StreamBytes, TUNNEL_WRITE_CHUNKS, TunnelStream, next_chunk,
 };
 use super::{
-    ControlDecoder, DrainReason, EventBusConfig, RouterEvent, RouterSession, SessionEnd,
-    rendezvous_owner,
+    ControlDecoder, DenyCode, DrainReason, EventBusConfig, RefuseCode, RouterEvent, RouterSession,
+    SessionEnd, SubscribeError, rendezvous_owner,
 };
 
 /// Commands a session task takes from the rest of the bus.
@@ -33,7 +35,6 @@ pub(super) enum Command {
         stream_id: u64,
         target: String,
     },
-    Unsubscribe(u64),
     Drain {
         deadline: Duration,
         reason: DrainReason,
@@ -47,20 +48,55 @@ pub(super) enum Command {
 
 pub(super) struct Entry {
     pub(super) session_id: u64,
+    /// The credential it authenticated with.
+    pub(super) identity: Identity,
     /// The HTTP/2 connection the session runs on: its data streams must come on it.
     pub(super) conn_id: u64,
     pub(super) namespaces: Vec<String>,
     pub(super) commands: mpsc::Sender<Command>,
+    /// Welcomed and not draining.
     pub(super) available: Arc<AtomicBool>,
+    /// Under its stream limit.
+    pub(super) room: Arc<AtomicBool>,
+    /// Its data streams the router let go of (each at most once), for the session to
+    /// unsubscribe: never lost, never more than its streams.
+    pub(super) detached: Arc<Detached>,
     /// Cancelled when the session ends: its data streams end with it.
     pub(super) ended: CancellationToken,
 }
 
 impl Entry {
-    /// Whether this session takes new streams for `namespace` (welcomed, covering it,
-    /// not draining).
+    /// Whether this session takes streams for `namespace` (welcomed, covering it,
+    /// not draining); it may still be full ([`has_room`](Self::has_room)).
     pub(super) fn serves(&self, namespace: &str) -> bool {
         self.available.load(Ordering::Relaxed) && self.namespaces.iter().any(|n| n == namespace)
+    }
+
+    /// Whether it is under its stream limit.
+    pub(super) fn has_room(&self) -> bool {
+        self.room.load(Ordering::Relaxed)
+    }
+}
+
+/// Data streams of one session that the router dropped: each pushes its id once, the
+/// session task takes them and unsubscribes. Bounded by the session's streams.
+#[derive(Debug, Default)]
+pub(super) struct Detached {
+    ids: Mutex<Vec<u64>>,
+    notify: tokio::sync::Notify,
+}
+
+impl Detached {
+    fn push(&self, stream_id: u64) {
+        self.ids
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(stream_id);
+        self.notify.notify_one();
+    }
+
+    fn take(&self) -> Vec<u64> {
+        std::mem::take(&mut *self.ids.lock().unwrap_or_else(|p| p.into_inner()))
     }
 }
 
@@ -85,6 +121,12 @@ pub(super) struct Counters {
     pub(super) sessions_started: AtomicU64,
     pub(super) superseded: AtomicU64,
     pub(super) unauthorized: AtomicU64,
+    pub(super) denied: CodeCounts,
+    pub(super) pending_evicted: AtomicU64,
+    pub(super) pending_refused: AtomicU64,
+    pub(super) pending_timeouts: AtomicU64,
+    pub(super) connections_refused: AtomicU64,
+    pub(super) bad_targets: AtomicU64,
     pub(super) streams_opened: AtomicU64,
     pub(super) streams_failed: AtomicU64,
     pub(super) unknown_streams: AtomicU64,
@@ -96,8 +138,14 @@ pub(super) struct Counters {
 }
 
 pub(super) struct Inner {
-    pub(super) token: Secret,
+    pub(super) clients: BusClients,
     pub(super) config: EventBusConfig,
+    /// Connections that have not authenticated yet.
+    pub(super) pending: Mutex<Pending<CancellationToken>>,
+    /// One permit per authenticated connection.
+    pub(super) authenticated: Arc<tokio::sync::Semaphore>,
+    /// Refusals and evictions warn once a minute per kind.
+    pub(super) warn: crate::net::RateLimitedWarn,
     pub(super) sessions: Mutex<HashMap<String, Entry>>,
     pub(super) waiting: Mutex<HashMap<u64, Waiter>>,
     pub(super) open: Mutex<HashMap<u64, OpenStream>>,
@@ -165,6 +213,13 @@ impl Inner {
         }
     }
 
+    /// A warning of kind `key`, at most once a minute (with the count suppressed).
+    pub(super) fn warn(&self, key: &str, message: std::fmt::Arguments<'_>) {
+        if let Some(suppressed) = self.warn.check(key, Instant::now()) {
+            tracing::warn!(suppressed, "{message}");
+        }
+    }
+
     pub(super) fn fail(&self, stream_id: u64, error: TunnelError) {
         let waiter = self
             .waiting
@@ -179,10 +234,15 @@ impl Inner {
 }
 
 /// One broker connection: it carries one session at a time, and closes when that
-/// session ends or when none is welcomed within
+/// session ends, or when it does not authenticate within
+/// [`EventBusConfig::auth_timeout`] or have a session welcomed within
 /// [`EventBusConfig::session_start_timeout`].
 struct Conn {
     id: u64,
+    /// The credential it authenticated with, and its authenticated-pool permit.
+    auth: Mutex<Option<(Identity, tokio::sync::OwnedSemaphorePermit)>>,
+    /// It authenticated.
+    authenticated: AtomicBool,
     /// A session runs on it.
     busy: AtomicBool,
     /// A session on it was welcomed.
@@ -191,55 +251,138 @@ struct Conn {
     close: CancellationToken,
 }
 
+/// Takes the connection out of the unauthenticated pool when its task ends.
+struct LeavePending<'a> {
+    inner: &'a Inner,
+    id: u64,
+}
+
+impl Drop for LeavePending<'_> {
+    fn drop(&mut self) {
+        self.inner
+            .pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(self.id);
+    }
+}
+
 pub(super) async fn accept_loop(
     inner: Arc<Inner>,
     listener: TcpListener,
     acceptor: tokio_rustls::TlsAcceptor,
 ) {
-    let connections = Arc::new(tokio::sync::Semaphore::new(inner.config.max_connections));
     loop {
         let accepted = tokio::select! {
             () = inner.cancel.cancelled() => return,
             a = listener.accept() => a,
         };
-        let Ok((tcp, _peer)) = accepted else {
+        let Ok((tcp, peer)) = accepted else {
             // Out of descriptors, most likely: pause instead of spinning.
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
         let _ = tcp.set_nodelay(true);
-        // A bounded number of connections, authenticated or not.
-        let Ok(permit) = connections.clone().try_acquire_owned() else {
-            tracing::debug!("event bus connection limit reached: refusing a connection");
-            continue;
-        };
+        let id = inner.next_conn.fetch_add(1, Ordering::Relaxed);
+        let close = CancellationToken::new();
+        // Unauthenticated connections wait in a small pool of their own.
+        let admitted = inner
+            .pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .admit(id, peer.ip(), close.clone());
+        match admitted {
+            Admit::Admitted => {}
+            Admit::Evicted(old) => {
+                old.cancel();
+                inner
+                    .counters
+                    .pending_evicted
+                    .fetch_add(1, Ordering::Relaxed);
+                inner.warn(
+                    "pending_evicted",
+                    format_args!(
+                        "event bus: the pool of unauthenticated connections is full: the oldest of the busiest source closed"
+                    ),
+                );
+            }
+            Admit::Refused => {
+                inner
+                    .counters
+                    .pending_refused
+                    .fetch_add(1, Ordering::Relaxed);
+                inner.warn(
+                    "pending_refused",
+                    format_args!(
+                        "event bus: {} holds its share of unauthenticated connections: refusing another",
+                        peer.ip()
+                    ),
+                );
+                continue;
+            }
+        }
+        let state = Arc::new(Conn {
+            id,
+            auth: Mutex::new(None),
+            authenticated: AtomicBool::new(false),
+            busy: AtomicBool::new(false),
+            welcomed: AtomicBool::new(false),
+            close,
+        });
         let (inner2, acceptor) = (inner.clone(), acceptor.clone());
         inner.tracker.spawn(async move {
-            let _permit = permit;
-            let tls = match tokio::time::timeout(
-                inner2.config.tls_handshake_timeout,
-                acceptor.accept(tcp),
-            )
-            .await
-            {
-                Ok(Ok(tls)) => tls,
-                Ok(Err(e)) => {
-                    tracing::debug!(error = %e, "TLS handshake with a broker failed");
+            let _leave = LeavePending {
+                inner: &inner2,
+                id: state.id,
+            };
+            let tls_deadline = tokio::time::Instant::now() + inner2.config.tls_handshake_timeout;
+            // A connection that speaks (a TLS client hello) is evicted only after every
+            // silent one.
+            let spoke = tokio::select! {
+                () = state.close.cancelled() => return,
+                r = tokio::time::timeout_at(tls_deadline, tcp.readable()) => r,
+            };
+            match spoke {
+                Ok(Ok(())) => inner2
+                    .pending
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .spoke(state.id),
+                Ok(Err(_)) => return,
+                Err(_) => {
+                    inner2
+                        .counters
+                        .pending_timeouts
+                        .fetch_add(1, Ordering::Relaxed);
                     return;
                 }
-                Err(_) => return,
+            }
+            let handshake = tokio::time::timeout_at(tls_deadline, acceptor.accept(tcp));
+            let tls = tokio::select! {
+                () = state.close.cancelled() => return,
+                r = handshake => match r {
+                    Ok(Ok(tls)) => tls,
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "TLS handshake with a broker failed");
+                        return;
+                    }
+                    Err(_) => {
+                        inner2.counters.pending_timeouts.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                },
             };
-            let state = Arc::new(Conn {
-                id: inner2.next_conn.fetch_add(1, Ordering::Relaxed),
-                busy: AtomicBool::new(false),
-                welcomed: AtomicBool::new(false),
-                close: CancellationToken::new(),
-            });
             let (service_inner, service_state) = (inner2.clone(), state.clone());
             let service = hyper::service::service_fn(move |req| {
                 let (inner, state) = (service_inner.clone(), service_state.clone());
                 async move { Ok::<_, Infallible>(route(inner, state, req).await) }
             });
+            let unauthenticated = async {
+                tokio::time::sleep(inner2.config.auth_timeout).await;
+                if state.authenticated.load(Ordering::Relaxed) {
+                    std::future::pending::<()>().await;
+                }
+            };
             let unwelcomed = async {
                 tokio::time::sleep(inner2.config.session_start_timeout).await;
                 if state.welcomed.load(Ordering::Relaxed) {
@@ -259,6 +402,10 @@ pub(super) async fn accept_loop(
                 r = conn => if let Err(e) = r {
                     tracing::debug!(error = %e, "broker connection ended");
                 },
+                () = unauthenticated => {
+                    inner2.counters.pending_timeouts.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!("a connection sent no accepted credential in time: closed");
+                }
                 () = unwelcomed => {
                     tracing::debug!("a connection had no session welcomed in time: closed");
                 }
@@ -266,6 +413,39 @@ pub(super) async fn accept_loop(
             }
         });
     }
+}
+
+/// The connection presented `identity`: the first time, it leaves the
+/// unauthenticated pool for an authenticated slot (`false` when none is free: the
+/// connection closes); after that, every request must present the same credential.
+fn authenticate(inner: &Inner, conn: &Conn, identity: Identity) -> bool {
+    let mut auth = conn.auth.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((held, _)) = auth.as_ref() {
+        return *held == identity;
+    }
+    let Ok(permit) = inner.authenticated.clone().try_acquire_owned() else {
+        inner
+            .counters
+            .connections_refused
+            .fetch_add(1, Ordering::Relaxed);
+        inner.warn(
+            "connections_refused",
+            format_args!(
+                "event bus: {} authenticated connections held: refusing another",
+                inner.config.max_connections
+            ),
+        );
+        conn.close.cancel();
+        return false;
+    };
+    *auth = Some((identity, permit));
+    conn.authenticated.store(true, Ordering::Relaxed);
+    inner
+        .pending
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(conn.id);
+    true
 }
 
 fn empty(status: StatusCode) -> Response<ChannelBody> {
@@ -287,9 +467,22 @@ async fn route(
         .headers()
         .get(hyper::header::AUTHORIZATION)
         .map(|v| v.as_bytes());
-    if !inner.token.matches_header(auth) {
+    let Some(identity) = inner.clients.authenticate(auth) else {
         inner.counters.unauthorized.fetch_add(1, Ordering::Relaxed);
+        inner.warn(
+            "unauthorized",
+            format_args!("event bus: a request with a missing or unknown credential refused"),
+        );
         return empty(StatusCode::UNAUTHORIZED);
+    };
+    if !authenticate(&inner, &conn, identity) {
+        return if conn.close.is_cancelled() {
+            empty(StatusCode::SERVICE_UNAVAILABLE)
+        } else {
+            // Another credential than the connection's first.
+            inner.counters.unauthorized.fetch_add(1, Ordering::Relaxed);
+            empty(StatusCode::UNAUTHORIZED)
+        };
     }
     let path = req.uri().path().to_owned();
     if path == "/bus/v1/session" {
@@ -297,11 +490,11 @@ async fn route(
             // One session per connection: a broker reconnects on a new one.
             return empty(StatusCode::CONFLICT);
         }
-        return start_session(inner, conn, req);
+        return start_session(inner, conn, identity, req);
     }
     if let Some(id) = path.strip_prefix("/bus/v1/streams/") {
         return match id.parse::<u64>() {
-            Ok(id) => data_stream(inner, conn.id, id, req).await,
+            Ok(id) => data_stream(inner, conn.id, identity, id, req).await,
             Err(_) => empty(StatusCode::NOT_FOUND),
         };
     }
@@ -311,6 +504,7 @@ async fn route(
 fn start_session(
     inner: Arc<Inner>,
     conn: Arc<Conn>,
+    identity: Identity,
     req: Request<Incoming>,
 ) -> Response<ChannelBody> {
     let session_id = inner.next_session.fetch_add(1, Ordering::Relaxed);
@@ -325,6 +519,7 @@ fn start_session(
         inner,
         session_id,
         conn,
+        identity,
         req.into_body(),
         out_tx,
         cmd_tx,
@@ -333,17 +528,21 @@ fn start_session(
     Response::new(ChannelBody::new(out_rx))
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run_session(
     inner: Arc<Inner>,
     session_id: u64,
     conn: Arc<Conn>,
+    identity: Identity,
     mut body: Incoming,
     out: mpsc::Sender<Result<Bytes, std::io::Error>>,
     commands: mpsc::Sender<Command>,
     mut cmd_rx: mpsc::Receiver<Command>,
 ) {
-    let mut session =
-        RouterSession::new(session_id, inner.config.limits, std::time::Instant::now());
+    let mut session = RouterSession::new(session_id, inner.config.limits, Instant::now())
+        .with_grant(inner.clients.grant(identity));
+    let detached = Arc::new(Detached::default());
+    let room = Arc::new(AtomicBool::new(true));
     let mut decoder = ControlDecoder::default();
     // However the session ends, its data streams and its connection end with it.
     let ended = CancellationToken::new();
@@ -372,20 +571,38 @@ async fn run_session(
                     namespaces,
                     ..
                 } => {
-                    tracing::info!(%client_id, session_id, ?namespaces, "broker session welcomed");
                     let entry = Entry {
                         session_id,
+                        identity,
                         conn_id,
-                        namespaces,
+                        namespaces: namespaces.clone(),
                         commands: commands.clone(),
                         available: available.clone(),
+                        room: room.clone(),
+                        detached: detached.clone(),
                         ended: ended.clone(),
                     };
-                    let old = inner
-                        .sessions
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(client_id.clone(), entry);
+                    let old = {
+                        let mut sessions = inner.sessions.lock().unwrap_or_else(|p| p.into_inner());
+                        match sessions.get(&client_id) {
+                            // Only the credential a client id runs under may supersede it.
+                            Some(held) if held.identity != identity => Err(()),
+                            _ => Ok(sessions.insert(client_id.clone(), entry)),
+                        }
+                    };
+                    let Ok(old) = old else {
+                        inner
+                            .counters
+                            .denied
+                            .add(DenyCode::ClientIdNotGranted.as_str());
+                        inner.warn(
+                            "denied",
+                            format_args!("event bus: a session claimed a client id another credential holds: closed"),
+                        );
+                        session.close();
+                        continue;
+                    };
+                    tracing::info!(%client_id, session_id, ?namespaces, "broker session welcomed");
                     if let Some(old) = old {
                         inner.counters.superseded.fetch_add(1, Ordering::Relaxed);
                         tracing::info!(%client_id, "a newer session supersedes the broker's previous one");
@@ -413,13 +630,34 @@ async fn run_session(
                     tracing::info!(client_id = ?client, "broker draining");
                 }
                 RouterEvent::Ended(end) => {
-                    tracing::info!(client_id = ?client, session_id, reason = %end, "broker session ended");
+                    if let SessionEnd::Denied(code) = &end {
+                        inner.counters.denied.add(code.as_str());
+                        inner.warn(
+                            "denied",
+                            format_args!("event bus: a broker's hello claimed what its credential does not grant ({code}): denied"),
+                        );
+                        // The `denied` frame says why; the broker ends its side on
+                        // reading it (or within a second, the connection closes).
+                        if session.has_transmit() {
+                            let _ = out.try_send(Ok(super::frame::encode_frames(|| {
+                                session.poll_transmit()
+                            })));
+                        }
+                        drop(out);
+                        let _ = tokio::time::timeout(Duration::from_secs(1), async {
+                            while let Some(Ok(_)) = next_chunk(&mut body).await {}
+                        })
+                        .await;
+                    } else {
+                        tracing::info!(client_id = ?client, session_id, reason = %end, "broker session ended");
+                    }
                     finish(&inner, session_id, client.as_deref(), &end);
                     return;
                 }
             }
         }
         available.store(session.is_available(), Ordering::Relaxed);
+        room.store(session.has_room(), Ordering::Relaxed);
         let deadline = session.poll_timeout().map(tokio::time::Instant::from_std);
         tokio::select! {
             chunk = next_chunk(&mut body), if body_open => match chunk {
@@ -445,12 +683,19 @@ async fn run_session(
             },
             command = cmd_rx.recv() => match command {
                 Some(Command::Subscribe { stream_id, target }) => {
-                    if let Err(e) = session.subscribe(stream_id, target, std::time::Instant::now()) {
-                        inner.fail(stream_id, TunnelError::Config { field: "subscribe", reason: e.to_string() });
+                    if let Err(e) = session.subscribe(stream_id, target, Instant::now()) {
+                        // Full or draining: another broker may take it.
+                        let error = match e {
+                            SubscribeError::Draining => TunnelError::Refused(RefuseCode::Draining),
+                            SubscribeError::TooManyStreams => TunnelError::Refused(RefuseCode::TooManyStreams),
+                            SubscribeError::BadTarget => TunnelError::Refused(RefuseCode::BadTarget),
+                            SubscribeError::DuplicateStream => TunnelError::Refused(RefuseCode::DuplicateStream),
+                            _ => TunnelError::Session(SessionEnd::Closed),
+                        };
+                        inner.fail(stream_id, error);
                     }
                 }
                 Some(Command::Drain { deadline, reason }) => session.drain(deadline, reason),
-                Some(Command::Unsubscribe(stream_id)) => session.unsubscribe(stream_id),
                 Some(Command::Attach { stream_id, reply }) => {
                     let _ = reply.send(session.accept_data_stream(stream_id).is_ok());
                 }
@@ -460,7 +705,12 @@ async fn run_session(
                 Ok(permit) => permit.send(Ok(super::frame::encode_frames(|| session.poll_transmit()))),
                 Err(_) => session.close(),
             },
-            () = crate::time::sleep_until_opt(deadline) => session.handle_timeout(std::time::Instant::now()),
+            () = detached.notify.notified() => {
+                for stream_id in detached.take() {
+                    session.data_stream_ended(stream_id);
+                }
+            }
+            () = crate::time::sleep_until_opt(deadline) => session.handle_timeout(Instant::now()),
             () = crate::time::sleep_until_opt(take_share_at) => {
                 take_share_at = None;
                 if let (Some(client), true) = (&client, session.is_available()) {
@@ -500,6 +750,7 @@ fn finish(inner: &Inner, session_id: u64, client: Option<&str>, end: &SessionEnd
 async fn data_stream(
     inner: Arc<Inner>,
     conn_id: u64,
+    identity: Identity,
     stream_id: u64,
     req: Request<Incoming>,
 ) -> Response<ChannelBody> {
@@ -521,19 +772,33 @@ async fn data_stream(
         let sessions = inner.sessions.lock().unwrap_or_else(|p| p.into_inner());
         sessions
             .iter()
-            // Only on the connection of the session that asked for it.
-            .find(|(_, e)| e.session_id == session_id && e.conn_id == conn_id)
-            .map(|(id, e)| (id.clone(), e.commands.clone(), e.ended.clone()))
+            // Only on the connection of the session that asked for it, with its
+            // credential.
+            .find(|(_, e)| {
+                e.session_id == session_id && e.conn_id == conn_id && e.identity == identity
+            })
+            .map(|(id, e)| {
+                (
+                    id.clone(),
+                    e.commands.clone(),
+                    e.ended.clone(),
+                    e.detached.clone(),
+                )
+            })
     };
-    let Some((client_id, commands, ended)) = found else {
+    let Some((client_id, commands, ended, detached)) = found else {
         return unknown(&inner);
     };
     let (reply, attached) = oneshot::channel();
-    if commands
-        .try_send(Command::Attach { stream_id, reply })
-        .is_err()
-        || tokio::time::timeout(Duration::from_secs(5), attached).await != Ok(Ok(true))
-    {
+    // Behind a burst of subscribes in the session's queue, within 5 s in all.
+    let attach = async {
+        commands
+            .send(Command::Attach { stream_id, reply })
+            .await
+            .is_ok()
+            && attached.await == Ok(true)
+    };
+    if tokio::time::timeout(Duration::from_secs(5), attach).await != Ok(true) {
         return unknown(&inner);
     }
     let waiter = inner
@@ -545,7 +810,6 @@ async fn data_stream(
         return unknown(&inner);
     };
     let (tx, rx) = mpsc::channel(TUNNEL_WRITE_CHUNKS);
-    let detach = commands.clone();
     // Ends with its session, or alone when it moves to another broker.
     let stop = ended.child_token();
     inner.open.lock().unwrap_or_else(|p| p.into_inner()).insert(
@@ -563,7 +827,7 @@ async fn data_stream(
         tx,
         inner.counters.bytes.clone(),
         Box::new(move || {
-            let _ = detach.try_send(Command::Unsubscribe(stream_id));
+            detached.push(stream_id);
             if let Some(inner) = registry.upgrade() {
                 inner
                     .open

@@ -7,7 +7,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::frame::{
-    CloseCode, Control, DrainReason, Hello, Limits, PROTOCOL_VERSION, RefuseCode, Welcome,
+    CloseCode, Control, DenyCode, DrainReason, Hello, Limits, MAX_NAME_LEN, PROTOCOL_VERSION,
+    RefuseCode, Welcome,
 };
 
 /// How long a broker waits for `welcome`, and a router for `hello`.
@@ -46,9 +47,86 @@ pub enum SessionEnd {
     /// The peer let too many answers pile up unsent (it does not read).
     #[error("more than {MAX_QUEUED_CONTROL} control frames waited to be sent")]
     ControlBacklog,
+    /// The router denied the hello: the credential does not grant what it claims.
+    #[error("the router denied the session: {0}")]
+    Denied(DenyCode),
     /// This side closed it.
     #[error("closed by this side")]
     Closed,
+}
+
+/// What a broker's credential lets its sessions claim (DESIGN §7.3): the client id
+/// the hello must name (any, for a credential not bound to one) and the namespaces it
+/// may cover (any, when unrestricted). A hello outside its grant is answered with
+/// `denied` and the session ends.
+///
+/// ```
+/// use eventplane::tunnel::{DenyCode, Grant, Hello};
+/// let grant = Grant::namespaces(vec!["prod".into()]).with_client_id("broker-a");
+/// assert_eq!(grant.check(&Hello::new("broker-a", vec!["prod".into()])), Ok(()));
+/// assert_eq!(grant.check(&Hello::new("broker-b", vec!["prod".into()])), Err(DenyCode::ClientIdNotGranted));
+/// assert_eq!(grant.check(&Hello::new("broker-a", vec!["dev".into()])), Err(DenyCode::NamespaceNotGranted));
+/// assert!(Grant::any().check(&Hello::new("anyone", vec!["dev".into()])).is_ok());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Grant {
+    client_id: Option<String>,
+    namespaces: Option<Vec<String>>,
+}
+
+impl Grant {
+    /// No restriction: any client id, any namespace (a session with no credential
+    /// policy, as in the sans-IO examples).
+    pub fn any() -> Grant {
+        Grant::default()
+    }
+
+    /// Any client id, only `namespaces`.
+    pub fn namespaces(namespaces: Vec<String>) -> Grant {
+        Grant {
+            client_id: None,
+            namespaces: Some(namespaces),
+        }
+    }
+
+    /// Bound to `client_id`: a hello naming another is denied (`client_id.check`, the
+    /// session `event_broker --check-bus` opens, is its own too).
+    #[must_use]
+    pub fn with_client_id(mut self, client_id: impl Into<String>) -> Grant {
+        self.client_id = Some(client_id.into());
+        self
+    }
+
+    /// The client id it is bound to, if any.
+    pub fn client_id(&self) -> Option<&str> {
+        self.client_id.as_deref()
+    }
+
+    /// Whether it lets a session cover `namespace`.
+    pub fn covers(&self, namespace: &str) -> bool {
+        self.namespaces
+            .as_ref()
+            .is_none_or(|n| n.iter().any(|g| g == namespace))
+    }
+
+    /// Whether `hello` stays within the grant, or why not.
+    pub fn check(&self, hello: &Hello) -> Result<(), DenyCode> {
+        // `ID.check` is the session `event_broker --check-bus` opens as `ID`.
+        let own = |id: &String| {
+            hello.client_id == *id
+                || hello
+                    .client_id
+                    .strip_suffix(".check")
+                    .is_some_and(|base| base == id)
+        };
+        if self.client_id.as_ref().is_some_and(|id| !own(id)) {
+            return Err(DenyCode::ClientIdNotGranted);
+        }
+        if !hello.namespaces.iter().all(|n| self.covers(n)) {
+            return Err(DenyCode::NamespaceNotGranted);
+        }
+        Ok(())
+    }
 }
 
 /// Heartbeats both ways and the idle deadline, with time passed in.
@@ -268,6 +346,9 @@ impl BrokerSession {
                 self.state = BrokerState::Active;
                 self.events.push_back(BrokerEvent::Welcomed(welcome));
             }
+            (BrokerState::AwaitingWelcome { .. }, Control::Denied { code }) => {
+                self.end(SessionEnd::Denied(code));
+            }
             (BrokerState::AwaitingWelcome { .. }, _) => {
                 self.end(SessionEnd::Protocol("the first frame was not a welcome"));
             }
@@ -333,6 +414,13 @@ impl BrokerSession {
         if self.streams.remove(&stream_id) {
             self.send(Control::StreamClosed { stream_id, code });
         }
+    }
+
+    /// The router ended its side of `stream_id`'s data stream: forget it silently
+    /// (its `unsubscribe` may follow, or may never come; the slot is free either
+    /// way).
+    pub fn stream_forgotten(&mut self, stream_id: u64) {
+        self.streams.remove(&stream_id);
     }
 
     /// This broker is shutting down: says `draining`, and refuses every new subscribe
@@ -429,6 +517,10 @@ pub enum SubscribeError {
     /// The stream id is in use in this session.
     #[error("the stream id is in use")]
     DuplicateStream,
+    /// The target is empty, over [`MAX_NAME_LEN`](super::MAX_NAME_LEN) bytes, or not
+    /// `tcp://host:port`: no broker could dial it, so it is never sent.
+    #[error("the target is not a tcp://host:port of at most 1024 bytes")]
+    BadTarget,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -476,10 +568,12 @@ pub struct RouterSession {
     streams: HashMap<u64, StreamState>,
     outbox: Outbox,
     events: VecDeque<RouterEvent>,
+    grant: Grant,
 }
 
 impl RouterSession {
-    /// A session that waits for the broker's `hello` and will offer `limits`.
+    /// A session that waits for the broker's `hello` and will offer `limits`; any
+    /// hello is accepted (see [`with_grant`](Self::with_grant)).
     pub fn new(session_id: u64, limits: Limits, now: Instant) -> RouterSession {
         RouterSession {
             state: RouterState::AwaitingHello {
@@ -491,7 +585,32 @@ impl RouterSession {
             streams: HashMap::new(),
             outbox: Outbox::default(),
             events: VecDeque::new(),
+            grant: Grant::any(),
         }
+    }
+
+    /// With the hello held to `grant`: one outside it is answered `denied` and the
+    /// session ends with [`SessionEnd::Denied`].
+    ///
+    /// ```
+    /// use std::time::Instant;
+    /// use eventplane::tunnel::{Control, DenyCode, Grant, Hello, Limits, RouterEvent, RouterSession, SessionEnd};
+    /// let now = Instant::now();
+    /// let grant = Grant::namespaces(vec!["prod".into()]).with_client_id("broker-a");
+    /// let mut router = RouterSession::new(1, Limits::default(), now).with_grant(grant);
+    /// router.handle(Control::Hello(Hello::new("broker-b", vec!["prod".into()])), now);
+    /// assert_eq!(router.poll_transmit(), Some(Control::Denied { code: DenyCode::ClientIdNotGranted }));
+    /// assert_eq!(router.poll_event(), Some(RouterEvent::Ended(SessionEnd::Denied(DenyCode::ClientIdNotGranted))));
+    /// ```
+    #[must_use]
+    pub fn with_grant(mut self, grant: Grant) -> RouterSession {
+        self.grant = grant;
+        self
+    }
+
+    /// Whether another subscribe fits under the session's stream limit.
+    pub fn has_room(&self) -> bool {
+        self.streams.len() < self.limits.max_streams as usize
     }
 
     /// The next frame to send.
@@ -591,6 +710,12 @@ impl RouterSession {
                         offered: hello.versions,
                     });
                 };
+                if let Err(code) = self.grant.check(&hello) {
+                    self.end(SessionEnd::Denied(code));
+                    // The one frame an ended session still sends: why.
+                    self.outbox.frames.push_back(Control::Denied { code });
+                    return;
+                }
                 self.state = RouterState::Active { draining: false };
                 self.liveness = Liveness::new(&self.limits, now);
                 self.send(Control::Welcome(Welcome::new(
@@ -650,6 +775,12 @@ impl RouterSession {
             RouterState::Active { draining: false } => {}
             RouterState::Active { draining: true } => return Err(SubscribeError::Draining),
             _ => return Err(SubscribeError::NotActive),
+        }
+        if target.is_empty()
+            || target.len() > MAX_NAME_LEN
+            || crate::zmtp::parse_tcp(&target).is_err()
+        {
+            return Err(SubscribeError::BadTarget);
         }
         if self.streams.contains_key(&stream_id) {
             return Err(SubscribeError::DuplicateStream);

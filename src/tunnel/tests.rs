@@ -36,6 +36,9 @@ fn all_frames() -> Vec<Control> {
             code: CloseCode::BufferOverflow,
         },
         Control::Draining,
+        Control::Denied {
+            code: DenyCode::NamespaceNotGranted,
+        },
         Control::Unknown,
     ]
 }
@@ -100,8 +103,13 @@ enum Raw<'a> {
 /// A frame built by hand (length prefix + a msgpack map), for hostile inputs.
 fn frame_of(fields: &[(&str, Raw<'_>)]) -> Vec<u8> {
     fn str(out: &mut Vec<u8>, s: &str) {
-        out.push(0xd9);
-        out.push(s.len() as u8);
+        if s.len() < 256 {
+            out.push(0xd9);
+            out.push(s.len() as u8);
+        } else {
+            out.push(0xda);
+            out.extend_from_slice(&(s.len() as u16).to_be_bytes());
+        }
         out.extend_from_slice(s.as_bytes());
     }
     let mut body = vec![0x80 | fields.len() as u8];
@@ -176,11 +184,26 @@ fn hostile_frames_are_named_errors_and_never_buffered_beyond_the_limit() {
         Err(FrameError::NotMsgpack(_))
     ));
     // Fields: missing, mistyped, out of bounds.
+    // A subscribe's target that cannot be taken reads as empty: the broker refuses
+    // that stream (`bad_target`), the session lives on.
+    let long = format!("tcp://{}:1", "h".repeat(1100));
+    for target in [
+        None,
+        Some(Raw::Uint(7)),
+        Some(Raw::Str("")),
+        Some(Raw::Str(&long)),
+    ] {
+        let mut fields = vec![("type", Raw::Str("subscribe")), ("stream_id", Raw::Uint(1))];
+        fields.extend(target.map(|t| ("target", t)));
+        assert_eq!(
+            decode_one(&frame_of(&fields)),
+            Ok(Some(Control::Subscribe {
+                stream_id: 1,
+                target: String::new()
+            }))
+        );
+    }
     let cases: Vec<(Vec<u8>, &str)> = vec![
-        (
-            frame_of(&[("type", Raw::Str("subscribe")), ("stream_id", Raw::Uint(1))]),
-            "target",
-        ),
         (
             frame_of(&[
                 ("type", Raw::Str("subscribe")),
@@ -606,4 +629,131 @@ fn rebalances_are_throttled() {
     reconnect.reset();
     assert_eq!(reconnect.after_failure(1.0), Duration::from_secs(2));
     assert_eq!(reconnect.after_failure(0.0), Duration::from_secs(1));
+}
+
+#[test]
+fn an_unusable_target_is_refused_for_its_stream_and_the_session_lives_on() {
+    let now = Instant::now();
+    let (mut broker, mut router) = welcomed_pair(Limits::default(), now);
+    // A router that sends 1.1 KiB (or any unusable) target: one stream refused.
+    let long = format!("tcp://{}:1", "h".repeat(1100));
+    let mut wire = Vec::new();
+    Control::Subscribe {
+        stream_id: 5,
+        target: long.clone(),
+    }
+    .encode(&mut wire);
+    let mut input = &wire[..];
+    let frame = ControlDecoder::default()
+        .decode(&mut input)
+        .unwrap()
+        .unwrap();
+    broker.handle(frame, now);
+    assert_eq!(
+        broker.poll_transmit(),
+        Some(Control::StreamRefused {
+            stream_id: 5,
+            code: RefuseCode::BadTarget
+        })
+    );
+    assert!(!broker.is_ended());
+    // Our router never sends one.
+    for bad in [
+        String::new(),
+        long,
+        "10.0.0.1:5557".into(),
+        "tcp://h".into(),
+    ] {
+        assert_eq!(
+            router.subscribe(6, bad.clone(), now),
+            Err(SubscribeError::BadTarget),
+            "{bad}"
+        );
+    }
+    assert!(!router.has_transmit());
+    assert!(router.subscribe(6, "tcp://h:1".into(), now).is_ok());
+}
+
+#[test]
+fn a_hello_outside_its_grant_is_denied_on_both_sides() {
+    let now = Instant::now();
+    let grant = Grant::namespaces(vec!["prod".into()]).with_client_id("broker-a");
+    for (hello, code) in [
+        (
+            Hello::new("broker-b", vec!["prod".into()]),
+            DenyCode::ClientIdNotGranted,
+        ),
+        (
+            Hello::new("broker-a", vec!["prod".into(), "dev".into()]),
+            DenyCode::NamespaceNotGranted,
+        ),
+    ] {
+        let mut router = RouterSession::new(1, Limits::default(), now).with_grant(grant.clone());
+        let mut broker = BrokerSession::new(hello, now);
+        router.handle(broker.poll_transmit().unwrap(), now);
+        assert_eq!(
+            router.poll_event(),
+            Some(RouterEvent::Ended(SessionEnd::Denied(code)))
+        );
+        let denied = router.poll_transmit().unwrap();
+        assert!(router.poll_transmit().is_none() && router.is_ended());
+        // It crosses the wire, and ends the broker's session with the code.
+        let mut wire = Vec::new();
+        denied.encode(&mut wire);
+        let mut input = &wire[..];
+        broker.handle(
+            ControlDecoder::default()
+                .decode(&mut input)
+                .unwrap()
+                .unwrap(),
+            now,
+        );
+        assert_eq!(
+            broker.poll_event(),
+            Some(BrokerEvent::Ended(SessionEnd::Denied(code)))
+        );
+    }
+    // Its own id, and `--check-bus`'s `ID.check`, pass; a look-alike does not.
+    assert!(
+        grant
+            .check(&Hello::new("broker-a", vec!["prod".into()]))
+            .is_ok()
+    );
+    assert!(
+        grant
+            .check(&Hello::new("broker-a.check", vec!["prod".into()]))
+            .is_ok()
+    );
+    assert!(
+        grant
+            .check(&Hello::new("broker-ab.check", vec!["prod".into()]))
+            .is_err()
+    );
+    assert!(
+        grant
+            .check(&Hello::new("broker-a.checked", vec!["prod".into()]))
+            .is_err()
+    );
+}
+
+#[test]
+fn a_full_session_says_so_and_a_forgotten_stream_frees_the_broker_slot() {
+    let now = Instant::now();
+    let (mut broker, mut router) = welcomed_pair(Limits::default().with_max_streams(1), now);
+    router.subscribe(1, "tcp://h:1".into(), now).unwrap();
+    assert!(!router.has_room());
+    assert_eq!(
+        router.subscribe(2, "tcp://h:1".into(), now),
+        Err(SubscribeError::TooManyStreams)
+    );
+    broker.handle(router.poll_transmit().unwrap(), now);
+    assert!(matches!(
+        broker.poll_event(),
+        Some(BrokerEvent::Open { stream_id: 1, .. })
+    ));
+    assert_eq!(broker.streams(), 1);
+    // The router let go and its unsubscribe never came: the slot is free anyway.
+    broker.stream_forgotten(1);
+    assert_eq!(broker.streams(), 0);
+    assert!(!broker.has_transmit());
 }

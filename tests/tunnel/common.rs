@@ -15,12 +15,18 @@ use std::time::Duration;
 use crate::support::within;
 use bytes::Bytes;
 use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Registration, Transport};
+use eventplane::net::AddrFilter;
 use eventplane::tunnel::{
-    BrokerConfig, EventBus, EventBusConfig, Limits, Secret, client_tls, server_tls,
+    BrokerConfig, BusClients, EventBus, EventBusConfig, Limits, Secret, client_tls, server_tls,
 };
 use eventplane::zmtp::{Config, Message, PubSocket};
 
 pub const TOKEN: &str = "test-token-0123456789";
+
+/// The one shared test token, granted namespace "prod".
+pub fn shared_clients() -> BusClients {
+    BusClients::shared(&Secret::new(TOKEN).unwrap(), vec!["prod".to_owned()]).unwrap()
+}
 
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -33,19 +39,18 @@ pub async fn bus() -> EventBus {
 }
 
 pub async fn bus_at(addr: &str) -> EventBus {
-    bus_configured(addr, EventBusConfig::default()).await
+    bus_configured(addr, shared_clients(), EventBusConfig::default()).await
 }
 
 /// A bus on a free loopback port with `config`.
 pub async fn bus_with(config: EventBusConfig) -> EventBus {
-    bus_configured("127.0.0.1:0", config).await
+    bus_configured("127.0.0.1:0", shared_clients(), config).await
 }
 
-async fn bus_configured(addr: &str, config: EventBusConfig) -> EventBus {
+/// A bus on `addr` accepting `clients`, with `config`.
+pub async fn bus_configured(addr: &str, clients: BusClients, config: EventBusConfig) -> EventBus {
     let tls = server_tls(fixture("bus.pem"), fixture("bus.key")).unwrap();
-    EventBus::bind(addr, tls, Secret::new(TOKEN).unwrap(), config)
-        .await
-        .unwrap()
+    EventBus::bind(addr, tls, clients, config).await.unwrap()
 }
 
 /// Polls `done` until it holds (bounded by the support deadline, not a timing claim).
@@ -58,6 +63,8 @@ pub async fn until(mut done: impl FnMut() -> bool) {
     .await;
 }
 
+/// A broker of "prod" with the shared token; its publishers are on loopback, which
+/// a broker refuses unless told otherwise.
 pub fn broker_config(bus: &EventBus, id: &str, view: Arc<dyn Discovery>) -> BrokerConfig {
     BrokerConfig::new(
         format!("https://localhost:{}", bus.local_addr().port()),
@@ -67,6 +74,12 @@ pub fn broker_config(bus: &EventBus, id: &str, view: Arc<dyn Discovery>) -> Brok
         client_tls(fixture("ca.pem")).unwrap(),
         view,
     )
+    .addr_filter(loopback())
+}
+
+/// Strict, with loopback reopened (the tests' publishers are there).
+pub fn loopback() -> AddrFilter {
+    AddrFilter::strict().allow_cidr("127.0.0.0/8".parse().unwrap())
 }
 
 /// Waits until `bus` has a broker for "prod".

@@ -27,6 +27,12 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 /// A fresh directory with the token file and `broker.toml` holding `body`.
+/// This file's token, shared, granted "prod".
+fn clients() -> eventplane::tunnel::BusClients {
+    eventplane::tunnel::BusClients::shared(&Secret::new(TOKEN).unwrap(), vec!["prod".to_owned()])
+        .unwrap()
+}
+
 fn config(name: &str, body: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("eventplane-broker-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -38,9 +44,15 @@ fn config(name: &str, body: &str) -> PathBuf {
 
 fn body(bus_url: &str, token_dir: &Path, endpoints: &[&str], extra: &str) -> String {
     let endpoints: Vec<String> = endpoints.iter().map(|e| format!("{e:?}")).collect();
+    // The publishers are on loopback, which a broker refuses unless it is listed.
+    let cidrs = if extra.contains("allowed_cidrs") {
+        ""
+    } else {
+        "allowed_cidrs = [\"127.0.0.0/8\"]\n"
+    };
     format!(
         "bus_url = {bus_url:?}\nclient_id = \"broker-a\"\nca_file = {ca:?}\n\
-         token_file = {token:?}\ndrain_deadline_ms = 300\n{extra}\n\
+         token_file = {token:?}\ndrain_deadline_ms = 300\n{cidrs}{extra}\n\
          [discovery]\nnamespaces = [\"prod\"]\nstatic_endpoints = [{}]\n",
         endpoints.join(", "),
         ca = fixture("ca.pem"),
@@ -178,7 +190,7 @@ async fn running_with(
     let bus = EventBus::bind(
         "127.0.0.1:0",
         tls,
-        Secret::new(TOKEN).unwrap(),
+        clients(),
         EventBusConfig::default().limits(limits),
     )
     .await
@@ -413,6 +425,7 @@ async fn kv_router_runs_an_event_bus_that_carries_events_through_a_broker() {
             eventplane::tunnel::client_tls(fixture("ca.pem")).unwrap(),
             view.clone() as Arc<dyn Discovery>,
         )
+        .addr_filter(crate::common::loopback())
         .resolver(Arc::new(crate::common::FixedResolver(vec![local]))),
     )
     .unwrap();
@@ -585,7 +598,7 @@ async fn default_bus() -> EventBus {
     EventBus::bind(
         "127.0.0.1:0",
         server_tls(fixture("bus.pem"), fixture("bus.key")).unwrap(),
-        Secret::new(TOKEN).unwrap(),
+        clients(),
         EventBusConfig::default(),
     )
     .await

@@ -136,7 +136,8 @@ async fn broker_toward(
         Secret::new(TOKEN).unwrap(),
         client_tls(fixture("ca.pem")).unwrap(),
         view,
-    );
+    )
+    .addr_filter(crate::common::loopback());
     tweak(&mut config);
     (
         bus,
@@ -405,21 +406,23 @@ async fn tls_to(
 }
 
 #[tokio::test]
-async fn connections_past_max_connections_are_closed_on_accept() {
+async fn unauthenticated_connections_get_a_pool_of_their_own() {
     let mut config = EventBusConfig::default();
     config.max_connections = 2;
+    config.max_pending_per_source = 2;
     let bus = bus_with(config).await;
-    // Two connections that say nothing hold both slots...
+    // Two connections from one address that say nothing hold its share of the
+    // pending pool...
     let _held = [tls_to(&bus).await, tls_to(&bus).await];
-    // ...so a third is closed at once, before any TLS (an unauthenticated peer cannot
-    // queue more than the cap).
+    // ...so a third from it is closed at once, before any TLS, and counted.
     let mut third = tokio::net::TcpStream::connect(bus.local_addr())
         .await
         .unwrap();
     let (_, elapsed) = timed(read_to_end(&mut third)).await;
     assert!(elapsed < Duration::from_secs(1), "closed after {elapsed:?}");
-    // A broker gets in once the slots are free.
-    drop(_held);
+    until(|| bus.stats().pending_refused == 1).await;
+    assert_eq!(bus.stats().pending, 2);
+    // They never take an authenticated slot: a broker gets in while they are held.
     let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     let broker = Broker::spawn(broker_config(&bus, "broker-1", view)).unwrap();
     connected(&bus).await;

@@ -291,7 +291,8 @@ async fn a_broker_reconnects_with_backoff_and_after_a_rebalance() {
         Secret::new(TOKEN).unwrap(),
         client_tls(fixture("ca.pem")).unwrap(),
         view,
-    );
+    )
+    .addr_filter(crate::common::loopback());
     // A 20 ms backoff: far from the 250-500 ms rebalance delay either way.
     config.reconnect_min = Duration::from_millis(20);
     config.reconnect_max = Duration::from_millis(20);

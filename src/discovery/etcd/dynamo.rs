@@ -235,7 +235,10 @@ impl DynamoRecords {
             ));
         }
         match record.transport.config.and_then(|c| c.endpoint) {
-            Some(e) if !e.is_empty() => Ok(Transport::zmq(e.into_owned())),
+            Some(e) if !e.is_empty() => {
+                super::record::check_endpoint(&e)?;
+                Ok(Transport::zmq(e.into_owned()))
+            }
             _ => Err(RecordError::BadValue("empty endpoint".to_owned())),
         }
     }
@@ -488,6 +491,19 @@ mod tests {
             ),
             (value(scope, "t", "1", r#"{"kind":"Zmq"}"#), "bad"),
             ("[]".to_owned(), "bad"),
+            // An endpoint over 1 KiB: malformed, as in our format.
+            (
+                value(
+                    scope,
+                    "t",
+                    "1",
+                    &format!(
+                        r#"{{"kind":"Zmq","config":{{"endpoint":"tcp://{}:1"}}}}"#,
+                        "h".repeat(1100)
+                    ),
+                ),
+                "long",
+            ),
         ];
         for (v, want) in cases {
             let err = r.parse_value(&id, "generate", v.as_bytes()).unwrap_err();
@@ -495,6 +511,7 @@ mod tests {
                 "bad" => matches!(err, E::BadValue(_)),
                 "scope" => err == E::UnsupportedScope("namespace".to_owned()),
                 "id" => err == E::IdMismatch,
+                "long" => matches!(err, E::EndpointTooLong { len: 1108, .. }),
                 _ => err == E::UnsupportedTransport("Nats".to_owned()),
             };
             assert!(ok, "{v}: {err:?}");

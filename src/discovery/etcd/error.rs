@@ -25,6 +25,8 @@ pub(crate) enum RecordError {
     BadRevision(i64),
     #[error("unsupported scope kind {0:?}")]
     UnsupportedScope(String),
+    #[error("endpoint of {len} bytes (or a host over 253) exceeds the {max}-byte limit")]
+    EndpointTooLong { len: usize, max: usize },
     /// A well-formed key this backend does not follow (another Dynamo endpoint):
     /// neither an error nor counted.
     #[error("not followed")]

@@ -239,6 +239,7 @@ impl Keys {
         if record.transport.endpoint.is_empty() {
             return Err(RecordError::BadValue("empty endpoint".to_owned()));
         }
+        check_endpoint(&record.transport.endpoint)?;
         let mut instance = Instance::new(
             id,
             Transport::zmq(record.transport.endpoint.into_owned()),
@@ -272,6 +273,30 @@ fn encode_value(id: &ChannelId, transport: &Transport, worker: Option<WorkerIden
 }
 
 /// The smallest key greater than every key starting with `prefix` (etcd's range end).
+/// Longest endpoint a record may advertise (bytes): what a tunnel target may be.
+pub(crate) const MAX_ENDPOINT_LEN: usize = 1024;
+
+/// Longest host name in an endpoint (DNS's limit).
+const MAX_HOST_LEN: usize = 253;
+
+/// An endpoint over [`MAX_ENDPOINT_LEN`], or whose host is over 253 bytes, makes its
+/// record malformed (counted), in either record format: no router or broker could
+/// use it, and a tunnel must never be handed it.
+pub(crate) fn check_endpoint(endpoint: &str) -> Result<(), RecordError> {
+    let host = endpoint
+        .split_once("://")
+        .map_or(endpoint, |(_, rest)| rest)
+        .rsplit_once(':')
+        .map_or(endpoint, |(host, _)| host);
+    if endpoint.len() > MAX_ENDPOINT_LEN || host.len() > MAX_HOST_LEN {
+        return Err(RecordError::EndpointTooLong {
+            len: endpoint.len(),
+            max: MAX_ENDPOINT_LEN,
+        });
+    }
+    Ok(())
+}
+
 pub(crate) fn prefix_end(prefix: &[u8]) -> Vec<u8> {
     let mut end = prefix.to_vec();
     while let Some(last) = end.pop() {
@@ -494,6 +519,37 @@ mod tests {
                 E::BadValue("empty endpoint".to_owned()),
             ),
             (key, record("1", ""), 1, bad_value()),
+            // An endpoint over 1 KiB, or a host over 253 bytes: malformed, counted.
+            (
+                key,
+                record(
+                    "1",
+                    &format!(
+                        r#","transport":{{"kind":"zmq","endpoint":"tcp://{}:1"}}"#,
+                        "h".repeat(1100)
+                    ),
+                ),
+                1,
+                E::EndpointTooLong {
+                    len: 1108,
+                    max: 1024,
+                },
+            ),
+            (
+                key,
+                record(
+                    "1",
+                    &format!(
+                        r#","transport":{{"kind":"zmq","endpoint":"tcp://{}:1"}}"#,
+                        "h".repeat(254)
+                    ),
+                ),
+                1,
+                E::EndpointTooLong {
+                    len: 262,
+                    max: 1024,
+                },
+            ),
         ];
         for (key, value, rev, expected) in cases {
             let err = k.parse(key, &value, rev, MAX).unwrap_err();

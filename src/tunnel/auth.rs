@@ -1,0 +1,297 @@
+//! Who may open sessions on an event bus, and what each may claim (DESIGN §7.3):
+//! per-broker credentials bound to a client id and the namespaces it may cover,
+//! stored as SHA-256 digests and compared in constant time.
+
+use super::error::TunnelError;
+use super::io::Secret;
+use super::session::Grant;
+use super::{MAX_NAME_LEN, MAX_NAMESPACES};
+
+/// Most credentials one bus holds.
+pub const MAX_BUS_CLIENTS: usize = 4096;
+
+/// The SHA-256 digest of a bus credential: what a router stores instead of the token.
+/// Never printed in full.
+///
+/// ```
+/// use eventplane::tunnel::{Secret, TokenDigest};
+/// let digest = TokenDigest::of(&Secret::new("s3cret-token")?);
+/// let hex = "f1a3fa32dd1b9ee6ef0e1cbc1a1bdb1f3a0e1a53e3e7a9b51c1a2e5f1c0f9c7d";
+/// assert!(TokenDigest::from_hex(hex).is_ok());
+/// assert_ne!(TokenDigest::from_hex(hex)?, digest);
+/// assert!(TokenDigest::from_hex("not hex").is_err());
+/// # Ok::<(), eventplane::tunnel::TunnelError>(())
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct TokenDigest([u8; 32]);
+
+impl std::fmt::Debug for TokenDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let [a, b, c, d, ..] = self.0;
+        write!(f, "TokenDigest({a:02x}{b:02x}{c:02x}{d:02x}…)")
+    }
+}
+
+impl TokenDigest {
+    /// The digest of `token`.
+    pub fn of(token: &Secret) -> TokenDigest {
+        TokenDigest::of_bytes(token.expose().as_bytes())
+    }
+
+    fn of_bytes(bytes: &[u8]) -> TokenDigest {
+        let digest = ring::digest::digest(&ring::digest::SHA256, bytes);
+        let mut out = [0u8; 32];
+        out.copy_from_slice(digest.as_ref());
+        TokenDigest(out)
+    }
+
+    /// A digest written as 64 hex digits (as `sha256sum` prints it).
+    pub fn from_hex(hex: &str) -> Result<TokenDigest, TunnelError> {
+        let bad = || TunnelError::Config {
+            field: "token_sha256",
+            reason: "is not 64 hex digits".into(),
+        };
+        let hex = hex.trim().as_bytes();
+        if hex.len() != 64 {
+            return Err(bad());
+        }
+        let mut out = [0u8; 32];
+        for (byte, pair) in out.iter_mut().zip(hex.chunks_exact(2)) {
+            let digit = |c: u8| (c as char).to_digit(16).ok_or_else(bad);
+            let (hi, lo) = match pair {
+                [hi, lo] => (digit(*hi)?, digit(*lo)?),
+                _ => return Err(bad()),
+            };
+            *byte = (hi * 16 + lo) as u8;
+        }
+        Ok(TokenDigest(out))
+    }
+
+    /// Constant time in the digest.
+    fn equals(&self, other: &TokenDigest) -> bool {
+        self.0
+            .iter()
+            .zip(other.0.iter())
+            .fold(0u8, |diff, (a, b)| diff | (a ^ b))
+            == 0
+    }
+}
+
+/// One credential and what it grants.
+#[derive(Debug, Clone)]
+struct Client {
+    digest: TokenDigest,
+    grant: Grant,
+    namespaces: Vec<String>,
+}
+
+/// The credentials an [`EventBus`](super::EventBus) accepts, and what each grants
+/// (DESIGN §7.3).
+///
+/// - [`broker`](Self::broker): one credential per broker, bound to its `client_id`
+///   and the namespaces it may cover. A hello naming another client id or another
+///   namespace is denied (`denied{client_id_not_granted | namespace_not_granted}`,
+///   counted in [`BusStats::denied`](super::BusStats)), so a broker can neither
+///   supersede another nor claim its namespaces.
+/// - [`shared`](Self::shared): one token for a single trusted broker (any client id,
+///   the namespaces given). Whoever holds it may take over any client id.
+///
+/// The router tunnels only granted namespaces: a publisher in a namespace no
+/// credential grants is dialled directly ([`grants`](Self::grants)). Tokens are kept
+/// only as SHA-256 digests and compared in constant time; none is ever logged.
+///
+/// ```
+/// use eventplane::tunnel::{BusClients, Secret, TokenDigest};
+/// let token_a = Secret::new("token-of-broker-a")?;
+/// let clients = BusClients::new()
+///     .broker("broker-a", TokenDigest::of(&token_a), vec!["prod".into()])?
+///     .broker("broker-b", TokenDigest::from_hex(&"ab".repeat(32))?, vec!["prod".into(), "dev".into()])?;
+/// assert!(clients.grants("dev"));
+/// assert!(!clients.grants("staging"));
+/// // The same client id, or the same token, twice is refused.
+/// assert!(clients.clone().broker("broker-a", TokenDigest::of(&Secret::new("other")?), vec!["prod".into()]).is_err());
+/// # Ok::<(), eventplane::tunnel::TunnelError>(())
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct BusClients {
+    clients: Vec<Client>,
+}
+
+/// An authenticated credential: its index in the bus's list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Identity(pub(crate) usize);
+
+impl BusClients {
+    /// No credential yet (a bus with none accepts no broker).
+    pub fn new() -> BusClients {
+        BusClients::default()
+    }
+
+    /// A single trusted broker's token: any client id, only `namespaces`.
+    ///
+    /// ```
+    /// use eventplane::tunnel::{BusClients, Secret};
+    /// let clients = BusClients::shared(&Secret::new("one-trusted-token")?, vec!["prod".into()])?;
+    /// assert!(clients.grants("prod"));
+    /// # Ok::<(), eventplane::tunnel::TunnelError>(())
+    /// ```
+    pub fn shared(token: &Secret, namespaces: Vec<String>) -> Result<BusClients, TunnelError> {
+        BusClients::new().add(
+            TokenDigest::of(token),
+            Grant::namespaces(namespaces.clone()),
+            namespaces,
+        )
+    }
+
+    /// With broker `client_id`, which authenticates with the token whose digest is
+    /// `token_sha256`, allowed to cover `namespaces`.
+    pub fn broker(
+        self,
+        client_id: impl Into<String>,
+        token_sha256: TokenDigest,
+        namespaces: Vec<String>,
+    ) -> Result<BusClients, TunnelError> {
+        let client_id = client_id.into();
+        if client_id.is_empty() || client_id.len() > MAX_NAME_LEN {
+            return Err(TunnelError::Config {
+                field: "client_id",
+                reason: format!("must be 1 to {MAX_NAME_LEN} bytes"),
+            });
+        }
+        if self
+            .clients
+            .iter()
+            .any(|c| c.grant.client_id() == Some(client_id.as_str()))
+        {
+            return Err(TunnelError::Config {
+                field: "client_id",
+                reason: format!("{client_id:?} is granted twice"),
+            });
+        }
+        let grant = Grant::namespaces(namespaces.clone()).with_client_id(client_id);
+        self.add(token_sha256, grant, namespaces)
+    }
+
+    fn add(
+        mut self,
+        digest: TokenDigest,
+        grant: Grant,
+        namespaces: Vec<String>,
+    ) -> Result<BusClients, TunnelError> {
+        let refuse = |field, reason: String| Err(TunnelError::Config { field, reason });
+        if namespaces.is_empty() || namespaces.len() > MAX_NAMESPACES {
+            return refuse("namespaces", format!("must name 1 to {MAX_NAMESPACES}"));
+        }
+        if namespaces
+            .iter()
+            .any(|n| n.is_empty() || n.len() > MAX_NAME_LEN)
+        {
+            return refuse(
+                "namespaces",
+                format!("each must be 1 to {MAX_NAME_LEN} bytes"),
+            );
+        }
+        if self.clients.iter().any(|c| c.digest.equals(&digest)) {
+            return refuse("token_sha256", "the same token is granted twice".into());
+        }
+        if self.clients.len() >= MAX_BUS_CLIENTS {
+            return refuse("clients", format!("more than {MAX_BUS_CLIENTS}"));
+        }
+        self.clients.push(Client {
+            digest,
+            grant,
+            namespaces,
+        });
+        Ok(self)
+    }
+
+    /// Whether any credential may cover `namespace` (its publishers are then reached
+    /// through brokers, not dialled directly).
+    pub fn grants(&self, namespace: &str) -> bool {
+        self.clients
+            .iter()
+            .any(|c| c.namespaces.iter().any(|n| n == namespace))
+    }
+
+    /// How many credentials it holds.
+    pub fn len(&self) -> usize {
+        self.clients.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.clients.is_empty()
+    }
+
+    /// The credential an `Authorization: Bearer …` header presents, if any: every
+    /// stored digest is compared, in constant time, whatever matches.
+    pub(crate) fn authenticate(&self, header: Option<&[u8]>) -> Option<Identity> {
+        let token = header?.strip_prefix(b"Bearer ")?;
+        let presented = TokenDigest::of_bytes(token);
+        let mut found = None;
+        for (i, client) in self.clients.iter().enumerate() {
+            if client.digest.equals(&presented) {
+                found = Some(Identity(i));
+            }
+        }
+        found
+    }
+
+    /// What `identity` grants.
+    pub(crate) fn grant(&self, identity: Identity) -> Grant {
+        self.clients
+            .get(identity.0)
+            .map_or_else(|| Grant::namespaces(Vec::new()), |c| c.grant.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn a_token_authenticates_as_its_own_broker_only() {
+        let (a, b) = (
+            Secret::new("token-a").unwrap(),
+            Secret::new("token-b").unwrap(),
+        );
+        let clients = BusClients::new()
+            .broker("a", TokenDigest::of(&a), vec!["prod".into()])
+            .unwrap()
+            .broker("b", TokenDigest::of(&b), vec!["dev".into()])
+            .unwrap();
+        let header = |t: &str| format!("Bearer {t}");
+        assert_eq!(
+            clients.authenticate(Some(header("token-a").as_bytes())),
+            Some(Identity(0))
+        );
+        assert_eq!(
+            clients.authenticate(Some(header("token-b").as_bytes())),
+            Some(Identity(1))
+        );
+        assert_eq!(clients.authenticate(Some(b"Bearer token-c")), None);
+        assert_eq!(clients.authenticate(Some(b"token-a")), None);
+        assert_eq!(clients.authenticate(None), None);
+        assert_eq!(clients.grant(Identity(1)).client_id(), Some("b"));
+        assert!(!clients.grant(Identity(1)).covers("prod"));
+    }
+
+    #[test]
+    fn a_digest_reads_as_sha256sum_prints_it() {
+        // printf %s abc | sha256sum
+        let hex = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
+        assert_eq!(
+            TokenDigest::from_hex(hex).unwrap(),
+            TokenDigest::of(&Secret::new("abc").unwrap())
+        );
+        assert_eq!(
+            TokenDigest::from_hex(&hex.to_uppercase()).unwrap(),
+            TokenDigest::from_hex(hex).unwrap()
+        );
+        for bad in ["", "ab", &hex.replace('b', "g"), &format!("{hex}00")] {
+            assert!(TokenDigest::from_hex(bad).is_err(), "{bad}");
+        }
+        assert!(!format!("{:?}", TokenDigest::from_hex(hex).unwrap()).contains(hex));
+    }
+}

@@ -1,0 +1,395 @@
+//! The bus at the trust boundary (DESIGN §7.3), each attack through the real
+//! `EventBus` and `Broker` over TLS on loopback: per-broker credentials, the
+//! unauthenticated pool, unusable targets, the broker's address filter, detached
+//! streams and full owners.
+#![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::common::{broker_config, bus, bus_configured, connected, fixture, publisher, until};
+use crate::support::{self, timed, within};
+use eventplane::discovery::{Discovery, MemoryDiscovery};
+use eventplane::tunnel::{
+    Broker, BrokerConfig, BusClients, EventBus, EventBusConfig, Limits, RefuseCode, Secret,
+    TokenDigest, TunnelError, client_tls, rendezvous_owner,
+};
+
+const TOKEN_A: &str = "token-of-broker-a-0123";
+const TOKEN_B: &str = "token-of-broker-b-4567";
+
+/// broker-a and broker-b, each with its own token, both granted "prod"; broker-b
+/// also "dev".
+fn two_brokers() -> BusClients {
+    let digest = |t: &str| TokenDigest::of(&Secret::new(t).unwrap());
+    BusClients::new()
+        .broker("broker-a", digest(TOKEN_A), vec!["prod".into()])
+        .unwrap()
+        .broker(
+            "broker-b",
+            digest(TOKEN_B),
+            vec!["prod".into(), "dev".into()],
+        )
+        .unwrap()
+}
+
+fn as_broker(bus: &EventBus, id: &str, token: &str, view: Arc<dyn Discovery>) -> BrokerConfig {
+    let mut config = broker_config(bus, id, view);
+    config.token = Secret::new(token).unwrap();
+    config
+}
+
+#[tokio::test]
+async fn an_impostor_with_a_token_of_its_own_cannot_take_another_brokers_id() {
+    let bus = bus_configured("127.0.0.1:0", two_brokers(), EventBusConfig::default()).await;
+    let view_memory = Arc::new(MemoryDiscovery::new());
+    let view: Arc<dyn Discovery> = view_memory.clone();
+    let (_publisher, endpoint, _reg) = publisher(&view_memory, 1).await;
+    let real = Broker::spawn(as_broker(&bus, "broker-a", TOKEN_A, view.clone())).unwrap();
+    connected(&bus).await;
+    // broker-b's valid token, claiming broker-a's id, retrying fast.
+    let mut impostor = as_broker(&bus, "broker-a", TOKEN_B, view.clone());
+    impostor.reconnect_min = Duration::from_millis(20);
+    impostor.reconnect_max = Duration::from_millis(40);
+    let impostor = Broker::spawn(impostor).unwrap();
+    until(|| bus.stats().denied.get("client_id_not_granted") >= Some(&3)).await;
+    // Each attempt denied with its code on both sides; the real session never moved.
+    let seen = impostor.stats();
+    assert!(seen.denied["client_id_not_granted"] >= 1, "{seen:?}");
+    assert_eq!(seen.sessions, 0, "{seen:?}");
+    let stats = bus.stats();
+    assert_eq!((stats.superseded, stats.sessions), (0, 1), "{stats:?}");
+    assert_eq!(bus.brokers_for("prod"), ["broker-a"]);
+    let stream = within(bus.open_stream("prod", 1, &endpoint)).await;
+    assert!(stream.is_ok(), "{stream:?}");
+    until(|| real.stats().streams_opened == 1).await;
+    let real_stats = real.stats();
+    assert_eq!(
+        (
+            real_stats.sessions,
+            real_stats.session_failures,
+            real_stats.streams_opened
+        ),
+        (1, 0, 1),
+        "{real_stats:?}"
+    );
+    impostor.abort();
+    real.abort();
+    bus.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_namespace_outside_the_grant_is_denied_and_never_tunnelled() {
+    let bus = bus_configured("127.0.0.1:0", two_brokers(), EventBusConfig::default()).await;
+    let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    // broker-a is granted "prod" only; it claims "dev" too.
+    let mut greedy = as_broker(&bus, "broker-a", TOKEN_A, view.clone());
+    greedy.namespaces = vec!["prod".into(), "dev".into()];
+    let greedy = Broker::spawn(greedy).unwrap();
+    until(|| greedy.stats().denied.get("namespace_not_granted") == Some(&1)).await;
+    let stats = bus.stats();
+    assert_eq!(stats.denied["namespace_not_granted"], 1, "{stats:?}");
+    assert_eq!(stats.sessions, 0, "{stats:?}");
+    greedy.abort();
+    // The router tunnels what some credential grants, and dials the rest.
+    assert!(bus.grants("prod") && bus.grants("dev"));
+    assert!(!bus.grants("staging"));
+    // A shared token is granted what it is given, and no more.
+    let shared = BusClients::shared(&Secret::new(TOKEN_A).unwrap(), vec!["prod".into()]).unwrap();
+    assert!(shared.grants("prod") && !shared.grants("dev"));
+    bus.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_broker_refuses_loopback_and_its_nat64_form_by_default() {
+    let bus = bus().await;
+    let view_memory = Arc::new(MemoryDiscovery::new());
+    let view: Arc<dyn Discovery> = view_memory.clone();
+    let (_publisher, endpoint, _reg) = publisher(&view_memory, 1).await;
+    // BrokerConfig::new's own filter: nothing reopened.
+    let mut config = broker_config(&bus, "broker-1", view.clone());
+    config.addr_filter = eventplane::net::AddrFilter::strict();
+    assert_eq!(
+        config.addr_filter,
+        BrokerConfig::new(
+            "https://localhost:1",
+            "x",
+            vec!["prod".into()],
+            Secret::new("t").unwrap(),
+            client_tls(fixture("ca.pem")).unwrap(),
+            view.clone(),
+        )
+        .addr_filter
+    );
+    let broker = Broker::spawn(config).unwrap();
+    connected(&bus).await;
+    let r = within(bus.open_stream("prod", 1, &endpoint)).await;
+    assert!(
+        matches!(r, Err(TunnelError::Refused(RefuseCode::AddressFiltered))),
+        "{r:?}"
+    );
+    broker.abort();
+    // A name that resolves to loopback's NAT64 form is refused the same way.
+    let port: u16 = endpoint.rsplit(':').next().unwrap().parse().unwrap();
+    let nat64: std::net::SocketAddr = format!("[64:ff9b::7f00:1]:{port}").parse().unwrap();
+    let mut config = broker_config(&bus, "broker-2", view.clone())
+        .resolver(Arc::new(crate::common::FixedResolver(vec![nat64])));
+    config.addr_filter = eventplane::net::AddrFilter::strict();
+    let broker = Broker::spawn(config).unwrap();
+    until(|| bus.brokers_for("prod") == ["broker-2"]).await;
+    let r = within(bus.open_stream("prod", 1, &endpoint)).await;
+    assert!(
+        matches!(r, Err(TunnelError::Refused(RefuseCode::AddressFiltered))),
+        "{r:?}"
+    );
+    assert_eq!(broker.stats().refused["address_filtered"], 1);
+    broker.abort();
+    bus.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_unusable_record_fails_its_stream_never_the_session() {
+    let bus = bus().await;
+    let view = Arc::new(MemoryDiscovery::new());
+    let broker = Broker::spawn(broker_config(&bus, "broker-1", view.clone())).unwrap();
+    connected(&bus).await;
+    // Three publishers the router follows through the broker...
+    let mut publishers = Vec::new();
+    for _ in 0..3 {
+        publishers.push(
+            eventplane::publish::EventPublisher::builder(view.clone(), "prod", "worker", "kv")
+                .build()
+                .await
+                .unwrap(),
+        );
+    }
+    let mut router = eventplane::subscriber::DynamicSubscriber::builder(
+        view.clone() as Arc<dyn Discovery>,
+        eventplane::discovery::Query::new("prod"),
+    )
+    .topic("kv")
+    .tunnel(bus.clone())
+    .spawn()
+    .unwrap();
+    for p in &publishers {
+        p.wait_for_subscribers_within(1, support::DEADLINE)
+            .await
+            .unwrap();
+    }
+    // ...and one record whose endpoint is 1.1 KiB.
+    let long = format!("tcp://{}.example:5557", "h".repeat(1100));
+    let _poison = view
+        .register(
+            eventplane::discovery::ChannelId::new("prod", "worker", "kv", 999).unwrap(),
+            eventplane::discovery::Transport::zmq(long.clone()),
+        )
+        .await
+        .unwrap();
+    until(|| bus.stats().bad_targets >= 2).await;
+    // The others keep streaming through the one session they had.
+    for round in 0..3u8 {
+        for p in &publishers {
+            p.publish(vec![round]);
+        }
+        let mut got = 0;
+        within(async {
+            while got < publishers.len() {
+                router.recv().await.unwrap();
+                got += 1;
+            }
+        })
+        .await;
+    }
+    let stats = bus.stats();
+    assert_eq!(stats.sessions_started, 1, "{stats:?}");
+    assert_eq!(broker.stats().session_failures, 0);
+    // Refused before it reached the broker, by its own code.
+    let r = bus.open_stream("prod", 999, &long).await;
+    assert!(
+        matches!(r, Err(TunnelError::Refused(RefuseCode::BadTarget))),
+        "{r:?}"
+    );
+    drop(router);
+    broker.abort();
+    bus.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn six_hundred_streams_dropped_at_once_leave_no_slot_behind() {
+    // A listener that takes and holds every connection: each stream is one.
+    let target = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("tcp://{}", target.local_addr().unwrap());
+    let held = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((tcp, _)) = target.accept().await {
+            held.push(tcp);
+        }
+    });
+    let view = Arc::new(MemoryDiscovery::new());
+    let _reg = view
+        .register(
+            eventplane::discovery::ChannelId::new("prod", "worker", "kv", 1).unwrap(),
+            eventplane::discovery::Transport::zmq(endpoint.clone()),
+        )
+        .await
+        .unwrap();
+    let bus = bus().await;
+    let broker = Broker::spawn(broker_config(&bus, "broker-1", view.clone())).unwrap();
+    connected(&bus).await;
+    let open = async |n: usize| {
+        let opens = (0..n).map(|_| bus.open_stream("prod", 1, &endpoint));
+        futures_util::future::join_all(opens).await
+    };
+    let first: Vec<_> = within(open(600)).await;
+    let failed: Vec<_> = first.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert!(
+        failed.is_empty(),
+        "{} failed: {:?}",
+        failed.len(),
+        failed.first()
+    );
+    assert_eq!(bus.stats().streams_open, 600);
+    // Dropped at once: every stream detaches, on both sides.
+    drop(first);
+    until(|| bus.stats().streams_open == 0 && broker.stats().streams_open == 0).await;
+    // The default limit (1,024) takes 1,000 more.
+    let second: Vec<_> = within(open(1000)).await;
+    let failed: Vec<_> = second.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert!(
+        failed.is_empty(),
+        "{} failed: {:?}",
+        failed.len(),
+        failed.first()
+    );
+    assert_eq!(bus.stats().streams_open, 1000);
+    drop(second);
+    until(|| broker.stats().streams_open == 0).await;
+    broker.abort();
+    bus.shutdown().await;
+    held.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_owner_is_passed_over_for_the_runner_up() {
+    let limits = Limits::default().with_max_streams(2);
+    let bus = bus_configured(
+        "127.0.0.1:0",
+        crate::common::shared_clients(),
+        EventBusConfig::default().limits(limits),
+    )
+    .await;
+    let view = Arc::new(MemoryDiscovery::new());
+    // Three publishers broker-a owns.
+    let owned: Vec<u64> = (1..)
+        .filter(|id| rendezvous_owner(["broker-a", "broker-b"], *id) == Some("broker-a"))
+        .take(3)
+        .collect();
+    let mut endpoints = Vec::new();
+    let mut keep = Vec::new();
+    for id in &owned {
+        let (p, endpoint, reg) = publisher(&view, *id).await;
+        endpoints.push(endpoint);
+        keep.push((p, reg));
+    }
+    let view: Arc<dyn Discovery> = view;
+    let a = Broker::spawn(broker_config(&bus, "broker-a", view.clone())).unwrap();
+    let b = Broker::spawn(broker_config(&bus, "broker-b", view.clone())).unwrap();
+    until(|| bus.brokers_for("prod").len() == 2).await;
+    let mut streams = Vec::new();
+    for (id, endpoint) in owned.iter().zip(&endpoints).take(2) {
+        streams.push(
+            within(bus.open_stream("prod", *id, endpoint))
+                .await
+                .unwrap(),
+        );
+    }
+    until(|| a.stats().streams_opened == 2).await;
+    // broker-a is full: it is not offered, and its third publisher goes through b.
+    until(|| bus.brokers_for("prod") == ["broker-b"]).await;
+    let third = within(bus.open_stream("prod", owned[2], &endpoints[2])).await;
+    assert!(third.is_ok(), "{third:?}");
+    until(|| b.stats().streams_opened == 1).await;
+    assert_eq!(bus.stats().fallbacks, 1);
+    drop((streams, third));
+    a.abort();
+    b.abort();
+    bus.shutdown().await;
+}
+
+/// A connection from `source` to `bus` that is held until the bus closes it, then
+/// opened again, until `stop`.
+async fn flood_one(
+    bus: std::net::SocketAddr,
+    source: std::net::Ipv4Addr,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    use tokio::io::AsyncReadExt;
+    while !stop.is_cancelled() {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind((source, 0).into()).unwrap();
+        let Ok(mut tcp) = socket.connect(bus).await else {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            continue;
+        };
+        let mut buf = [0u8; 64];
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = tcp.read(&mut buf) => {}
+        }
+        // Re-opened as soon as it closed (after a breath: the test's CPU is shared).
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_unauthenticated_connections_cannot_keep_a_broker_out() {
+    const FLOOD: usize = 1100;
+    let bus = bus().await;
+    let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let broker = Broker::spawn(broker_config(&bus, "broker-1", view.clone())).unwrap();
+    connected(&bus).await;
+    // 1,100 idle connections from 138 loopback addresses (8 each), re-opened as the
+    // bus closes them.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut flood = Vec::new();
+    for i in 0..FLOOD {
+        let source = std::net::Ipv4Addr::new(127, 1, (i / 8 / 250) as u8, (i / 8 % 250) as u8 + 1);
+        flood.push(tokio::spawn(flood_one(
+            bus.local_addr(),
+            source,
+            stop.clone(),
+        )));
+    }
+    until(|| bus.stats().pending_evicted >= 1000).await;
+    // The broker restarts into the flood: its first attempt gets its session, within
+    // one backoff period (1 s) of the restart.
+    broker.abort();
+    until(|| bus.stats().sessions == 0).await;
+    let mut config = broker_config(&bus, "broker-1", view.clone());
+    config.reconnect_min = Duration::from_secs(1);
+    config.reconnect_max = Duration::from_secs(2);
+    let (restarted, took) = timed(async {
+        let broker = Broker::spawn(config).unwrap();
+        connected(&bus).await;
+        broker
+    })
+    .await;
+    let stats = bus.stats();
+    stop.cancel();
+    for task in flood {
+        let _ = task.await;
+    }
+    assert!(
+        took < Duration::from_secs(1) + support::DEADLINE_SLACK,
+        "the broker took {took:?} to get its session back: {stats:?}"
+    );
+    assert_eq!(restarted.stats().session_failures, 0, "{stats:?}");
+    assert!(stats.pending <= 64, "{stats:?}");
+    assert!(
+        stats.pending_refused > 0 || stats.pending_evicted > 0,
+        "{stats:?}"
+    );
+    assert_eq!(stats.connections_refused, 0, "{stats:?}");
+    restarted.abort();
+    bus.shutdown().await;
+}

@@ -67,6 +67,12 @@ impl TokenDigest {
         Ok(TokenDigest(out))
     }
 
+    /// The digest as 64 lowercase hex digits (what `sha256sum` prints; a
+    /// `--bus-clients` file holds this).
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
     /// Constant time in the digest.
     fn equals(&self, other: &TokenDigest) -> bool {
         self.0
@@ -293,5 +299,6 @@ mod tests {
             assert!(TokenDigest::from_hex(bad).is_err(), "{bad}");
         }
         assert!(!format!("{:?}", TokenDigest::from_hex(hex).unwrap()).contains(hex));
+        assert_eq!(TokenDigest::from_hex(hex).unwrap().to_hex(), hex);
     }
 }

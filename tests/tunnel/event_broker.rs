@@ -988,3 +988,116 @@ async fn check_bus_tells_a_wrong_token_or_ca_from_a_good_one() {
     assert_eq!(out.status.code(), Some(3), "{out:?}");
     drop(bus);
 }
+
+#[tokio::test]
+async fn kv_router_bus_clients_bind_each_broker_to_its_id_and_namespaces() {
+    use eventplane::tunnel::TokenDigest;
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let dir = config("bus-clients", "").parent().unwrap().to_owned();
+    let (token_a, token_b) = ("bus-clients-token-a", "bus-clients-token-b");
+    let digest = |t: &str| TokenDigest::of(&Secret::new(t).unwrap()).to_hex();
+    let clients = dir.join("clients.toml");
+    std::fs::write(
+        &clients,
+        format!(
+            "[[broker]]\nclient_id = \"broker-a\"\ntoken_sha256 = \"{}\"\nnamespaces = [\"prod\"]\n\n\
+             [[broker]]\nclient_id = \"broker-b\"\ntoken_sha256 = \"{}\"\nnamespaces = [\"prod\"]\n",
+            digest(token_a),
+            digest(token_b)
+        ),
+    )
+    .unwrap();
+    let mut router = Command::new(example("kv_router"))
+        .args(["--static", "tcp://127.0.0.1:5", "--namespace", "prod", "--topic", "kv"])
+        .args(["--format", "quiet", "--bus-listen", "127.0.0.1:0"])
+        .arg("--bus-cert")
+        .arg(fixture("bus.pem"))
+        .arg("--bus-key")
+        .arg(fixture("bus.key"))
+        .arg("--bus-clients")
+        .arg(&clients)
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(router.stderr.take().unwrap()).lines();
+    let addr = within(async {
+        loop {
+            let line = lines.next_line().await.unwrap().unwrap();
+            if let Some(addr) = line.strip_prefix("event bus listening on ") {
+                return addr.to_owned();
+            }
+        }
+    })
+    .await;
+    let url = format!("https://localhost:{}", addr.rsplit(':').next().unwrap());
+    // `name`'s broker configuration: client id `id`, token `token`, namespaces `ns`.
+    let broker = |name: &str, id: &str, token: &str, ns: &str| {
+        let path = config_for(name, &url, &["tcp://127.0.0.1:5"], "")
+            .to_str()
+            .unwrap()
+            .to_owned();
+        let text = std::fs::read_to_string(&path)
+            .unwrap()
+            .replace("client_id = \"broker-a\"", &format!("client_id = {id:?}"))
+            .replace("namespaces = [\"prod\"]", &format!("namespaces = [{ns}]"));
+        std::fs::write(&path, text).unwrap();
+        std::fs::write(Path::new(&path).parent().unwrap().join("token"), token).unwrap();
+        PathBuf::from(path)
+    };
+    // broker-a with its own token: welcomed.
+    let real = broker("clients-real", "broker-a", token_a, "\"prod\"");
+    let out = run(&real, &["--check-bus"]).await;
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    // broker-b's token claiming broker-a: denied, by its code.
+    let impostor = broker("clients-impostor", "broker-a", token_b, "\"prod\"");
+    let out = run(&impostor, &["--check-bus"]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("client_id_not_granted"), "{stderr}");
+    assert!(!stderr.contains(token_b), "{stderr}");
+    // broker-a claiming a namespace it is not granted: denied.
+    let greedy = broker("clients-greedy", "broker-a", token_a, "\"prod\", \"dev\"");
+    let out = run(&greedy, &["--check-bus"]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("namespace_not_granted"), "{stderr}");
+    // The router's stats line has a bus section that counted both.
+    signal(&router, "-TERM");
+    let mut last = String::new();
+    within(async {
+        while let Ok(Some(line)) = lines.next_line().await {
+            last = line;
+        }
+    })
+    .await;
+    assert_eq!(within(router.wait()).await.unwrap().code(), Some(0));
+    let stats: serde_json::Value = serde_json::from_str(&last).unwrap();
+    assert_eq!(stats["bus"]["denied"]["client_id_not_granted"], 1, "{stats}");
+    assert_eq!(stats["bus"]["denied"]["namespace_not_granted"], 1, "{stats}");
+    assert_eq!(stats["bus"]["sessions_started"], 3, "{stats}");
+
+    // A file with a bad digest: refused as an argument, naming the broker.
+    std::fs::write(
+        &clients,
+        "[[broker]]\nclient_id = \"broker-a\"\ntoken_sha256 = \"abc\"\nnamespaces = [\"prod\"]\n",
+    )
+    .unwrap();
+    let out = within(
+        Command::new(example("kv_router"))
+            .args(["--static", "tcp://127.0.0.1:5", "--namespace", "prod", "--topic", "kv"])
+            .args(["--bus-listen", "127.0.0.1:0"])
+            .arg("--bus-cert")
+            .arg(fixture("bus.pem"))
+            .arg("--bus-key")
+            .arg(fixture("bus.key"))
+            .arg("--bus-clients")
+            .arg(&clients)
+            .output(),
+    )
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("broker-a") && stderr.contains("token_sha256"), "{stderr}");
+}

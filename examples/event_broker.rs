@@ -2,7 +2,7 @@
 //! bus over HTTP/2 + TLS and relays the publishers the router subscribes to (DESIGN §7).
 //!
 //! ```text
-//! event_broker --config FILE [--check-config | --check-bus]
+//! event_broker --config FILE [--check-config | --check-bus | --print-token-sha256]
 //! ```
 //! The configuration is TOML; unknown fields are refused:
 //! ```toml
@@ -44,8 +44,10 @@
 //! that discovery answers, then exits without contacting the bus (a wrong token or CA
 //! passes it); `--check-bus`
 //! also opens one session with the bus (as `CLIENT_ID.check`, so a running broker is
-//! not superseded) and exits 0 once welcomed, 3 if the bus refuses or cannot be
-//! reached. Exit codes: 0 after a drain (or a good check); 1 on
+//! not superseded, and a router with per-broker credentials admits it) and exits 0
+//! once welcomed, 3 if the bus refuses, denies or cannot be reached.
+//! `--print-token-sha256` prints the digest of the token for the router's
+//! `--bus-clients` file. Exit codes: 0 after a drain (or a good check); 1 on
 //! a second signal; 2 on a refused configuration; 3 when discovery or (with
 //! `--check-bus`) the bus cannot be reached.
 
@@ -89,6 +91,11 @@ struct Args {
     /// client id CLIENT_ID.check, so a broker running as CLIENT_ID is not superseded.
     #[arg(long = "check-bus", conflicts_with = "check_config")]
     check_bus: bool,
+    /// Print the SHA-256 of this configuration's token, as the router's
+    /// `--bus-clients` file wants it (`token_sha256`), and exit. The token itself is
+    /// never printed.
+    #[arg(long = "print-token-sha256", conflicts_with_all = ["check_config", "check_bus"])]
+    print_token_sha256: bool,
 }
 
 #[derive(serde::Deserialize, Debug)]
@@ -275,6 +282,10 @@ async fn main() -> ExitCode {
         Ok(loaded) => loaded,
         Err(r) => return refused(r),
     };
+    if args.print_token_sha256 {
+        println!("{}", eventplane::tunnel::TokenDigest::of(&token).to_hex());
+        return ExitCode::SUCCESS;
+    }
     let tls = match client_tls(&file.ca_file) {
         Ok(tls) => tls,
         Err(e) => return refused(Refusal::Config(chain(&e))),

@@ -147,9 +147,13 @@ pub enum SpecialRange {
     /// Cloud metadata endpoints outside link-local: 100.100.100.200 (Alibaba Cloud)
     /// and 168.63.129.16 (Azure's wire server).
     Metadata,
+    /// 64:ff9b:1::/48, NAT64's local-use prefix (RFC 8215): where its IPv4 address
+    /// sits depends on the site's prefix length, so the whole range is refused
+    /// unless reopened.
+    Nat64Local,
 }
 
-const SPECIAL: [(SpecialRange, Cidr); 12] = [
+const SPECIAL: [(SpecialRange, Cidr); 13] = [
     (SpecialRange::Loopback, Cidr::v4(127, 0, 0, 0, 8)),
     (
         SpecialRange::Loopback,
@@ -174,15 +178,23 @@ const SPECIAL: [(SpecialRange, Cidr); 12] = [
     ),
     (SpecialRange::Metadata, Cidr::v4(100, 100, 100, 200, 32)),
     (SpecialRange::Metadata, Cidr::v4(168, 63, 129, 16, 32)),
+    (
+        SpecialRange::Nat64Local,
+        Cidr::v6([0x64, 0xff9b, 1, 0, 0, 0, 0, 0], 48),
+    ),
 ];
+
+/// SIIT's IPv4-translated addresses (RFC 2765), `::ffff:0:a.b.c.d`.
+const SIIT: Cidr = Cidr::v6([0, 0, 0, 0, 0xffff, 0, 0, 0], 96);
 
 /// NAT64's well-known prefix (RFC 6052): the IPv4 address is the last 32 bits.
 const NAT64: Cidr = Cidr::v6([0x64, 0xff9b, 0, 0, 0, 0, 0, 0], 96);
 /// 6to4 (RFC 3056): the IPv4 address is bits 16..48.
 const SIX_TO_FOUR: Cidr = Cidr::v6([0x2002, 0, 0, 0, 0, 0, 0, 0], 16);
 
-/// The IPv4 address an IPv6 address carries to an IPv4 host (IPv4-mapped, NAT64's
-/// well-known prefix, 6to4), if any: a gateway on the path delivers to it.
+/// The IPv4 address an IPv6 address carries to an IPv4 host (IPv4-mapped, SIIT's
+/// IPv4-translated, NAT64's well-known prefix, 6to4), if any: a gateway on the path
+/// delivers to it.
 fn embedded_v4(ip: IpAddr) -> Option<Ipv4Addr> {
     let IpAddr::V6(v6) = ip else {
         return None;
@@ -191,7 +203,7 @@ fn embedded_v4(ip: IpAddr) -> Option<Ipv4Addr> {
         return Some(v4);
     }
     let o = v6.octets();
-    if NAT64.contains(ip) {
+    if NAT64.contains(ip) || SIIT.contains(ip) {
         return Some(Ipv4Addr::new(o[12], o[13], o[14], o[15]));
     }
     if SIX_TO_FOUR.contains(ip) {
@@ -201,9 +213,13 @@ fn embedded_v4(ip: IpAddr) -> Option<Ipv4Addr> {
 }
 
 impl SpecialRange {
-    /// The special range `ip` falls in, if any: IPv4-mapped forms, and IPv4 addresses
-    /// embedded in NAT64 (`64:ff9b::/96`) or 6to4 (`2002::/16`) addresses, are judged
-    /// by the IPv4 address they reach (the range returned is then the IPv4 one).
+    /// The special range `ip` falls in, if any: IPv4-mapped and IPv4-translated
+    /// (`::ffff:0:0/96`) forms, and IPv4 addresses embedded in NAT64 (`64:ff9b::/96`)
+    /// or 6to4 (`2002::/16`) addresses, are judged by the IPv4 address they reach
+    /// (the range returned is then the IPv4 one). An allow-list entry is matched
+    /// against the address as written, a special range against the address reached:
+    /// to reopen loopback behind NAT64, both `64:ff9b::/96` and `127.0.0.0/8` must be
+    /// allowed.
     ///
     /// ```
     /// use eventplane::net::SpecialRange;
@@ -353,7 +369,12 @@ mod tests {
             ("2002:7f00:1::1", Some(SpecialRange::Loopback)),
             ("2002:a9fe:a9fe::", Some(SpecialRange::LinkLocal)),
             ("2002:a83f:8110:1::", Some(SpecialRange::Metadata)),
+            ("::ffff:0:7f00:1", Some(SpecialRange::Loopback)),
+            ("::ffff:0:a9fe:a9fe", Some(SpecialRange::LinkLocal)),
+            ("64:ff9b:1::7f00:1", Some(SpecialRange::Nat64Local)),
+            ("64:ff9b:1:ffff::", Some(SpecialRange::Nat64Local)),
             ("64:ff9b::a00:5", None),
+            ("::ffff:0:a00:5", None),
             ("2002:a00:5::1", None),
             ("100.100.100.201", None),
             ("10.0.0.5", None),

@@ -322,7 +322,7 @@ impl DynamicSubscriberBuilder {
         self
     }
     /// Dial the publishers of a granted namespace directly while no broker covers it
-    /// (default off: a granted namespace is reached only through brokers, since it is
+    /// (welcomed and not draining; a broker that is full still covers it) (default off: a granted namespace is reached only through brokers, since it is
     /// granted because the router cannot, or must not, reach it directly). A
     /// connection made directly stays direct until it ends.
     #[cfg(feature = "tunnel")]

@@ -554,9 +554,7 @@ async fn dial(
 async fn tunnel_link(config: &Config, instance: &Instance) -> Option<Result<Link, ZmtpError>> {
     let bus = config.bus.as_ref()?;
     let namespace = instance.id.namespace();
-    if !bus.grants(namespace)
-        || (config.tunnel_direct_fallback && bus.brokers_for(namespace).is_empty())
-    {
+    if !bus.grants(namespace) || (config.tunnel_direct_fallback && !bus.covered(namespace)) {
         return None;
     }
     let opened = bus

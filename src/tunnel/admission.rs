@@ -1,6 +1,6 @@
 //! The bus's pool of connections that have not authenticated yet (DESIGN §7.3): small,
-//! capped per source address, and full means the newest stays and an old one goes,
-//! one that has sent nothing before one that is handshaking, so a flood of idle
+//! capped per source, and full means the newest stays and an old one goes, the least
+//! advanced first (silent, then speaking, then past TLS), so a flood of idle
 //! connections cannot keep a broker out.
 
 use std::collections::{HashMap, VecDeque};
@@ -17,13 +17,23 @@ pub(crate) enum Admit<T> {
     Refused,
 }
 
+/// How far an unauthenticated connection got: the least advanced goes first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Progress {
+    /// Nothing received yet.
+    Silent,
+    /// It sent its first bytes (a TLS client hello, for a broker).
+    Spoke,
+    /// Its TLS handshake completed.
+    Tls,
+}
+
 /// One unauthenticated connection.
 #[derive(Debug)]
 struct Entry<T> {
     id: u64,
     source: IpAddr,
-    /// It sent its first bytes (a TLS client hello, for a broker).
-    spoke: bool,
+    progress: Progress,
     handle: T,
 }
 
@@ -47,17 +57,36 @@ impl<T> Pending<T> {
     }
 
     /// Admits connection `id` from `source`. When the pool is full, one goes: among
-    /// the connections that have sent nothing yet (all of them, when every one has),
-    /// the oldest of the source holding the most. A flood of idle connections evicts
-    /// itself, never a broker that is handshaking.
+    /// the least advanced connections (silent before speaking before past TLS), the
+    /// oldest of the source holding the most. A flood of idle connections evicts
+    /// itself before a broker that is handshaking; one that completes TLS handshakes
+    /// competes with brokers doing the same, oldest first.
+    #[cfg(test)]
     pub(crate) fn admit(&mut self, id: u64, source: IpAddr, handle: T) -> Admit<T> {
+        self.admit_at(id, source, Progress::Silent, handle)
+    }
+
+    /// [`admit`](Self::admit) a connection already as far as `progress` (its first
+    /// bytes were waiting when it was accepted).
+    pub(crate) fn admit_at(
+        &mut self,
+        id: u64,
+        source: IpAddr,
+        progress: Progress,
+        handle: T,
+    ) -> Admit<T> {
         if self.per_source.get(&source).copied().unwrap_or(0) >= self.max_per_source {
             return Admit::Refused;
         }
         let mut evicted = None;
         if self.conns.len() >= self.max {
-            let silent_only = self.conns.iter().any(|e| !e.spoke);
-            let candidate = |e: &Entry<T>| !silent_only || !e.spoke;
+            let least = self
+                .conns
+                .iter()
+                .map(|e| e.progress)
+                .min()
+                .unwrap_or(Progress::Silent);
+            let candidate = |e: &Entry<T>| e.progress == least;
             let count = |e: &Entry<T>| self.per_source.get(&e.source).copied().unwrap_or(0);
             let most = self
                 .conns
@@ -79,7 +108,7 @@ impl<T> Pending<T> {
         self.conns.push_back(Entry {
             id,
             source,
-            spoke: false,
+            progress,
             handle,
         });
         *self.per_source.entry(source).or_default() += 1;
@@ -89,10 +118,11 @@ impl<T> Pending<T> {
         }
     }
 
-    /// Connection `id` sent its first bytes: it is evicted only after every silent one.
-    pub(crate) fn spoke(&mut self, id: u64) {
+    /// Connection `id` got as far as `progress`: it is evicted only after every less
+    /// advanced one.
+    pub(crate) fn progressed(&mut self, id: u64, progress: Progress) {
         if let Some(entry) = self.conns.iter_mut().find(|e| e.id == id) {
-            entry.spoke = true;
+            entry.progress = entry.progress.max(progress);
         }
     }
 
@@ -169,7 +199,7 @@ mod tests {
     fn a_connection_that_spoke_outlives_every_silent_one() {
         let mut pool = Pending::new(4, 8);
         pool.admit(1, ip(9), "broker");
-        pool.spoke(1);
+        pool.progressed(1, Progress::Spoke);
         // One idle connection per address, more addresses than the pool holds.
         for id in 2..1000 {
             let admitted = pool.admit(id, ip((id % 250) as u8), "flood");
@@ -178,12 +208,25 @@ mod tests {
                 Admit::Admitted | Admit::Evicted("flood")
             ));
         }
-        assert!(pool.remove(1), "the handshaking broker is still pending");
-        // When every one spoke, the oldest of the busiest source goes.
+        assert!(pool.remove(1), "the speaking broker is still pending");
+        assert!(!pool.remove(1), "removed once");
+        pool.admit(1, ip(9), "broker");
+        // Past TLS outlives speaking: a flood that says one byte evicts itself.
+        pool.progressed(1, Progress::Tls);
+        for id in 1000..2000 {
+            let admitted = pool.admit(id, ip((id % 250) as u8), "flood");
+            pool.progressed(id, Progress::Spoke);
+            assert!(matches!(
+                admitted,
+                Admit::Admitted | Admit::Evicted("flood")
+            ));
+        }
+        assert!(pool.remove(1), "the broker past TLS is still pending");
+        // When every one is as far, the oldest of the busiest source goes.
         let mut pool = Pending::new(2, 8);
         for id in 1..=2 {
             pool.admit(id, ip(1), id);
-            pool.spoke(id);
+            pool.progressed(id, Progress::Spoke);
         }
         assert_eq!(pool.admit(3, ip(2), 3), Admit::Evicted(1));
     }

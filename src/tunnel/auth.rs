@@ -45,13 +45,16 @@ impl TokenDigest {
         TokenDigest(out)
     }
 
-    /// A digest written as 64 hex digits (as `sha256sum` prints it).
+    /// A digest written as 64 hex digits; what follows them after whitespace is
+    /// ignored, so `sha256sum`'s `HEX  -` line reads too. Digest the token itself,
+    /// without a newline: `printf %s "$TOKEN" | sha256sum`, or
+    /// `event_broker --config FILE --print-token-sha256`.
     pub fn from_hex(hex: &str) -> Result<TokenDigest, TunnelError> {
         let bad = || TunnelError::Config {
             field: "token_sha256",
             reason: "is not 64 hex digits".into(),
         };
-        let hex = hex.trim().as_bytes();
+        let hex = hex.split_whitespace().next().unwrap_or_default().as_bytes();
         if hex.len() != 64 {
             return Err(bad());
         }
@@ -73,13 +76,16 @@ impl TokenDigest {
         self.0.iter().map(|b| format!("{b:02x}")).collect()
     }
 
-    /// Constant time in the digest.
+    /// Compares every byte, whatever differs (the fold is kept opaque to the
+    /// optimiser). Digests, not tokens, are compared: timing reveals nothing of a
+    /// token.
     fn equals(&self, other: &TokenDigest) -> bool {
-        self.0
+        let diff = self
+            .0
             .iter()
             .zip(other.0.iter())
-            .fold(0u8, |diff, (a, b)| diff | (a ^ b))
-            == 0
+            .fold(0u8, |diff, (a, b)| diff | (a ^ b));
+        std::hint::black_box(diff) == 0
     }
 }
 
@@ -99,12 +105,16 @@ struct Client {
 ///   namespace is denied (`denied{client_id_not_granted | namespace_not_granted}`,
 ///   counted in [`BusStats::denied`](super::BusStats)), so a broker can neither
 ///   supersede another nor claim its namespaces.
-/// - [`shared`](Self::shared): one token for a single trusted broker (any client id,
-///   the namespaces given). Whoever holds it may take over any client id.
+/// - [`shared`](Self::shared): one token for a single trusted broker (any client id
+///   not bound to a per-broker credential, the namespaces given). Whoever holds it may
+///   take over any such client id.
 ///
 /// The router tunnels only granted namespaces: a publisher in a namespace no
 /// credential grants is dialled directly ([`grants`](Self::grants)). Tokens are kept
-/// only as SHA-256 digests and compared in constant time; none is ever logged.
+/// only as SHA-256 digests (unsalted: use random tokens of 32 bytes or more, e.g.
+/// `openssl rand -hex 32`), every stored digest is compared on each request; none
+/// is ever logged. A client id may not end in `.check` (the suffix names the session
+/// `event_broker --check-bus` opens under its credential).
 ///
 /// ```
 /// use eventplane::tunnel::{BusClients, Secret, TokenDigest};
@@ -124,7 +134,7 @@ pub struct BusClients {
 }
 
 /// An authenticated credential: its index in the bus's list.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Identity(pub(crate) usize);
 
 impl BusClients {
@@ -162,6 +172,12 @@ impl BusClients {
             return Err(TunnelError::Config {
                 field: "client_id",
                 reason: format!("must be 1 to {MAX_NAME_LEN} bytes"),
+            });
+        }
+        if client_id.ends_with(".check") {
+            return Err(TunnelError::Config {
+                field: "client_id",
+                reason: format!("{client_id:?} ends in .check, the suffix of --check-bus sessions"),
             });
         }
         if self
@@ -243,11 +259,21 @@ impl BusClients {
         found
     }
 
-    /// What `identity` grants.
+    /// What `identity` grants. A credential not bound to a client id may claim none
+    /// that another credential is bound to.
     pub(crate) fn grant(&self, identity: Identity) -> Grant {
-        self.clients
-            .get(identity.0)
-            .map_or_else(|| Grant::namespaces(Vec::new()), |c| c.grant.clone())
+        let Some(client) = self.clients.get(identity.0) else {
+            return Grant::namespaces(Vec::new());
+        };
+        if client.grant.client_id().is_some() {
+            return client.grant.clone();
+        }
+        let bound = self
+            .clients
+            .iter()
+            .filter_map(|c| c.grant.client_id().map(str::to_owned))
+            .collect();
+        client.grant.clone().reserving(bound)
     }
 }
 
@@ -281,6 +307,36 @@ mod tests {
         assert_eq!(clients.authenticate(None), None);
         assert_eq!(clients.grant(Identity(1)).client_id(), Some("b"));
         assert!(!clients.grant(Identity(1)).covers("prod"));
+        assert!(
+            BusClients::new()
+                .broker("a.check", TokenDigest::of(&a), vec!["prod".into()])
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn a_shared_token_cannot_claim_a_bound_client_id() {
+        use super::super::{DenyCode, Hello};
+        let shared = Secret::new("shared-token").unwrap();
+        let clients = BusClients::shared(&shared, vec!["prod".into()])
+            .unwrap()
+            .broker(
+                "broker-a",
+                TokenDigest::of(&Secret::new("token-a").unwrap()),
+                vec!["prod".into()],
+            )
+            .unwrap();
+        let grant = clients.grant(Identity(0));
+        let hello = |id: &str| Hello::new(id, vec!["prod".into()]);
+        assert_eq!(
+            grant.check(&hello("broker-a")),
+            Err(DenyCode::ClientIdNotGranted)
+        );
+        assert_eq!(
+            grant.check(&hello("broker-a.check")),
+            Err(DenyCode::ClientIdNotGranted)
+        );
+        assert_eq!(grant.check(&hello("anyone-else")), Ok(()));
     }
 
     #[test]
@@ -293,6 +349,11 @@ mod tests {
         );
         assert_eq!(
             TokenDigest::from_hex(&hex.to_uppercase()).unwrap(),
+            TokenDigest::from_hex(hex).unwrap()
+        );
+        // sha256sum's own line.
+        assert_eq!(
+            TokenDigest::from_hex(&format!("{hex}  -\n")).unwrap(),
             TokenDigest::from_hex(hex).unwrap()
         );
         for bad in ["", "ab", &hex.replace('b', "g"), &format!("{hex}00")] {

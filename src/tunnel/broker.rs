@@ -51,6 +51,9 @@ pub struct BrokerStats {
     /// Sessions the bus denied, by code (`DenyCode`): the credential does not grant
     /// this client id or these namespaces.
     pub denied: HashMap<String, u64>,
+    /// DNS lookups that found all `max_dns_lookups` slots taken and waited (within
+    /// the DNS deadline).
+    pub dns_saturated: u64,
     /// Streams closed by the broker, by code.
     pub closed: HashMap<String, u64>,
     /// Bytes relayed publisher → router.
@@ -83,6 +86,10 @@ struct Counters {
     refused: CodeCounts,
     closed: CodeCounts,
     denied: CodeCounts,
+    /// DNS lookups in flight: one permit each.
+    dns: Arc<tokio::sync::Semaphore>,
+    /// Lookups that found every slot taken and waited.
+    dns_saturated: AtomicU64,
     /// Streams relaying now.
     open: AtomicU64,
     /// Refusals warn once a minute per code, with the count suppressed.
@@ -130,6 +137,8 @@ impl Broker {
             refused: CodeCounts::default(),
             closed: CodeCounts::default(),
             denied: CodeCounts::default(),
+            dns: Arc::new(tokio::sync::Semaphore::new(config.max_dns_lookups)),
+            dns_saturated: AtomicU64::new(0),
             open: AtomicU64::new(0),
             warn: crate::net::RateLimitedWarn::default(),
             view,
@@ -192,6 +201,7 @@ impl BrokerHandle {
             refused: c.refused.snapshot(),
             closed: c.closed.snapshot(),
             denied: c.denied.snapshot(),
+            dns_saturated: l(&c.dns_saturated),
             streams_open: l(&c.open),
             bytes_up: l(&c.bytes_up),
             bytes_down: l(&c.bytes_down),
@@ -267,14 +277,22 @@ async fn run(
     }
 }
 
-/// What a stream task reports to its session.
-enum Report {
-    Opened(u64),
-    Refused(u64, RefuseCode),
-    Closed(u64, CloseCode),
+/// What a stream task reports to its session: about `stream_id` as opened the
+/// `generation`-th time (a router may reuse an id once it let go of it; a late report
+/// of the earlier relay must not touch the new one).
+struct Report {
+    stream_id: u64,
+    generation: u64,
+    what: Reported,
+}
+
+enum Reported {
+    Opened,
+    Refused(RefuseCode),
+    Closed(CloseCode),
     /// The router ended its side: the slot is free whether its unsubscribe comes or
     /// not.
-    Gone(u64),
+    Gone,
 }
 
 async fn session(
@@ -347,7 +365,8 @@ async fn session(
     let mut broker = BrokerSession::new(
         Hello::new(config.client_id.clone(), config.namespaces.clone()),
         Instant::now(),
-    );
+    )
+    .with_open_rate(config.opens_per_second);
     let mut decoder = ControlDecoder::default();
     let (report_tx, mut report_rx) = mpsc::channel::<Report>(1024);
     let budget = Arc::new(Mutex::new(RelayBudget::new(
@@ -367,7 +386,9 @@ async fn session(
     });
     let streams_cancel = hard.child_token();
     let tracker = TaskTracker::new();
-    let mut stream_stops: HashMap<u64, CancellationToken> = HashMap::new();
+    // Each relay's generation and stop.
+    let mut stream_stops: HashMap<u64, (u64, CancellationToken)> = HashMap::new();
+    let mut generations = 0u64;
     let mut drain: Option<(DrainReason, tokio::time::Instant)> = None;
     let mut stopping: Option<tokio::time::Instant> = None;
     let mut stable_at: Option<tokio::time::Instant> = None;
@@ -402,18 +423,33 @@ async fn session(
                 }
                 BrokerEvent::Open { stream_id, target } => {
                     let stop = streams_cancel.child_token();
-                    stream_stops.insert(stream_id, stop.clone());
+                    generations += 1;
+                    if let Some((_, earlier)) =
+                        stream_stops.insert(stream_id, (generations, stop.clone()))
+                    {
+                        earlier.cancel();
+                    }
                     tracker.spawn(relay(
                         relay_ctx.clone(),
-                        stream_id,
+                        Report {
+                            stream_id,
+                            generation: generations,
+                            what: Reported::Opened,
+                        },
                         target,
                         report_tx.clone(),
                         stop,
                     ));
                 }
                 BrokerEvent::Close { stream_id } => {
-                    if let Some(stop) = stream_stops.remove(&stream_id) {
+                    if let Some((_, stop)) = stream_stops.remove(&stream_id) {
                         stop.cancel();
+                    }
+                }
+                BrokerEvent::Refused { code, .. } => {
+                    counters.refused.add(code.as_str());
+                    if let Some(suppressed) = counters.warn.check(code.as_str(), Instant::now()) {
+                        tracing::warn!(%code, suppressed, "refused a subscribe");
                     }
                 }
                 BrokerEvent::Drain { deadline, reason } => {
@@ -470,13 +506,17 @@ async fn session(
                 }
                 _ => broker.close(),
             },
-            report = report_rx.recv() => if let Some(report) = report {
-                match report {
-                    Report::Opened(id) => {
+            report = report_rx.recv() => if let Some(Report { stream_id: id, generation, what }) = report {
+                // A relay the router let go of (and perhaps reused the id since):
+                // nothing it says is about the stream now.
+                let current = stream_stops.get(&id).is_some_and(|(g, _)| *g == generation);
+                match what {
+                    _ if !current => {}
+                    Reported::Opened => {
                         counters.streams_opened.fetch_add(1, Ordering::Relaxed);
                         broker.stream_opened(id);
                     }
-                    Report::Refused(id, code) => {
+                    Reported::Refused(code) => {
                         counters.refused.add(code.as_str());
                         if let Some(suppressed) = counters.warn.check(code.as_str(), Instant::now()) {
                             tracing::warn!(%code, suppressed, "refused a subscribe");
@@ -484,12 +524,12 @@ async fn session(
                         stream_stops.remove(&id);
                         broker.stream_refused(id, code);
                     }
-                    Report::Closed(id, code) => {
+                    Reported::Closed(code) => {
                         counters.closed.add(code.as_str());
                         stream_stops.remove(&id);
                         broker.stream_closed(id, code);
                     }
-                    Report::Gone(id) => {
+                    Reported::Gone => {
                         stream_stops.remove(&id);
                         broker.stream_forgotten(id);
                     }
@@ -553,11 +593,13 @@ struct Opened {
 /// Opens data stream `stream_id` to `target` stage by stage, then relays it.
 async fn relay(
     ctx: Arc<Relay>,
-    stream_id: u64,
+    this: Report,
     target: String,
     report: mpsc::Sender<Report>,
     stop: CancellationToken,
 ) {
+    let stream_id = this.stream_id;
+    let tell = |what| Report { what, ..this };
     let opened = tokio::select! {
         () = stop.cancelled() => return,
         r = open(&ctx, stream_id, &target) => r,
@@ -565,19 +607,19 @@ async fn relay(
     let opened = match opened {
         Ok(opened) => opened,
         Err(code) => {
-            let _ = report.send(Report::Refused(stream_id, code)).await;
+            let _ = report.send(tell(Reported::Refused(code))).await;
             return;
         }
     };
-    let _ = report.send(Report::Opened(stream_id)).await;
+    let _ = report.send(tell(Reported::Opened)).await;
     ctx.counters.open.fetch_add(1, Ordering::Relaxed);
     let closed = pump(&ctx, stream_id, opened, &stop).await;
     ctx.counters.open.fetch_sub(1, Ordering::Relaxed);
     let last = match closed {
-        Some(code) => Report::Closed(stream_id, code),
-        None => Report::Gone(stream_id),
+        Some(code) => Reported::Closed(code),
+        None => Reported::Gone,
     };
-    let _ = report.send(last).await;
+    let _ = report.send(tell(last)).await;
 }
 
 /// The stages after the target checks, each under its deadline: the data stream's
@@ -653,12 +695,34 @@ async fn dial(ctx: &Relay, target: &str) -> Result<TcpStream, RefuseCode> {
     let config = &ctx.config;
     let deadlines = config.deadlines;
     let (host, port) = crate::zmtp::parse_tcp(target).map_err(|_| RefuseCode::BadTarget)?;
-    let addrs =
-        match tokio::time::timeout(deadlines.dns, config.resolver.resolve(&host, port)).await {
-            Err(_) => return Err(RefuseCode::DnsTimeout),
-            Ok(Err(_)) => return Err(RefuseCode::DnsFailed),
-            Ok(Ok(addrs)) => addrs,
+    // At most `max_dns_lookups` in flight: a lookup runs to its end holding its slot,
+    // even when its stream gave up on it (a system lookup cannot be cancelled), so
+    // subscribe churn cannot pile lookups on the blocking pool.
+    let dns = ctx.counters.dns.clone();
+    let resolver = config.resolver.clone();
+    let counters = ctx.counters.clone();
+    let lookup = async move {
+        let slot = match dns.clone().try_acquire_owned() {
+            Ok(slot) => slot,
+            Err(_) => {
+                counters.dns_saturated.fetch_add(1, Ordering::Relaxed);
+                dns.acquire_owned()
+                    .await
+                    .map_err(|_| std::io::Error::other("stopped"))?
+            }
         };
+        tokio::spawn(async move {
+            let _slot = slot;
+            resolver.resolve(&host, port).await
+        })
+        .await
+        .map_err(std::io::Error::other)?
+    };
+    let addrs = match tokio::time::timeout(deadlines.dns, lookup).await {
+        Err(_) => return Err(RefuseCode::DnsTimeout),
+        Ok(Err(_)) => return Err(RefuseCode::DnsFailed),
+        Ok(Ok(addrs)) => addrs,
+    };
     if addrs.is_empty() {
         return Err(RefuseCode::DnsFailed);
     }
@@ -710,21 +774,21 @@ async fn pump(
     } = opened;
     let (mut read, mut write) = tcp.into_split();
     let counters = &ctx.counters;
-    let overflow = CancellationToken::new();
-    let overflowed = overflow.clone();
     // Publisher → router: read continuously; a chunk over budget resets the stream.
+    // `Some(code)` when this side ends it, `None` when the router let go.
     let up = async move {
         // A relay holds it for its whole life (1,000 streams: 16 MiB).
         let mut buf = vec![0u8; super::RELAY_READ_BYTES];
         loop {
             let n = match read.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
+                Ok(0) | Err(_) => return Some(CloseCode::UpstreamClosed),
                 Ok(n) => n,
             };
             counters.bytes_up.fetch_add(n as u64, Ordering::Relaxed);
             if up_tx.is_closed() {
-                // The router let go of the stream (reset or done).
-                return;
+                // The router let go of the stream (reset or done): not a close to
+                // report.
+                return None;
             }
             let charged = {
                 let mut budget = ctx.budget.lock().unwrap_or_else(|p| p.into_inner());
@@ -743,8 +807,7 @@ async fn pump(
                 budget.close(stream_id);
                 drop(budget);
                 let _ = up_tx.try_send(Err(std::io::Error::other("buffer overflow")));
-                overflowed.cancel();
-                return;
+                return Some(CloseCode::BufferOverflow);
             }
         }
     };
@@ -762,7 +825,7 @@ async fn pump(
     };
     tokio::select! {
         () = stop.cancelled() => None,
-        () = up => Some(if overflow.is_cancelled() { CloseCode::BufferOverflow } else { CloseCode::UpstreamClosed }),
+        code = up => code,
         // The router ended its side (it unsubscribes too): closed silently.
         code = down => code,
     }

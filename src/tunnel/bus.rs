@@ -170,6 +170,7 @@ impl EventBus {
                 config.max_pending_per_source,
             )),
             authenticated: Arc::new(tokio::sync::Semaphore::new(config.max_connections)),
+            per_identity: Mutex::new(HashMap::new()),
             warn: crate::net::RateLimitedWarn::default(),
             config,
             sessions: Mutex::new(HashMap::new()),
@@ -262,6 +263,17 @@ impl EventBus {
             .collect();
         ids.sort_unstable();
         ids
+    }
+
+    /// Whether a welcomed broker covers `namespace` and is not draining (it may be
+    /// full).
+    pub(crate) fn covered(&self, namespace: &str) -> bool {
+        let sessions = self
+            .inner
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        sessions.values().any(|e| e.serves(namespace))
     }
 
     /// Whether a credential grants `namespace`: its publishers are reached through

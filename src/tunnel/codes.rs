@@ -81,6 +81,8 @@ closed_codes! {
         /// The data stream failed before the router answered it (reset, or the bus
         /// connection went).
         StreamFailed = "stream_failed",
+        /// The session opened streams faster than the broker's `opens_per_second`.
+        RateLimited = "rate_limited",
     }
 }
 

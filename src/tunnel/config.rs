@@ -27,6 +27,13 @@ pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default deadline for reaching the bus (TCP, then TLS, each).
 pub const BUS_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Default cap on a broker's DNS lookups in flight.
+pub const MAX_DNS_LOOKUPS: usize = 32;
+
+/// Default rate at which a broker opens streams, per session (a burst of up to the
+/// session's stream limit passes at once).
+pub const OPENS_PER_SECOND: u32 = 500;
+
 /// A broker's per-stage deadlines (DESIGN §7.2). A stage that misses its deadline is
 /// refused with its own code (`dns_timeout`, `connect_timeout`,
 /// `stream_slot_timeout`, `response_timeout`) and releases what it held.
@@ -210,6 +217,15 @@ pub struct BrokerConfig {
     pub reconnect_max: Duration,
     /// How target hosts are resolved (default [`SystemResolver`]).
     pub resolver: Arc<dyn Resolver>,
+    /// DNS lookups in flight at once (default [`MAX_DNS_LOOKUPS`], 32; 1 to 4,096).
+    /// A lookup keeps its slot until it ends, even after its stream gave up; one past
+    /// the cap waits within the DNS deadline (counted in `dns_saturated`).
+    pub max_dns_lookups: usize,
+    /// Streams opened per second and session, after a burst of the session's stream
+    /// limit (default [`OPENS_PER_SECOND`], 500; 1 to 1,000,000); subscribes past it
+    /// are refused with `rate_limited`, so a router cannot make the broker churn
+    /// connections to publishers.
+    pub opens_per_second: u32,
 }
 
 impl std::fmt::Debug for BrokerConfig {
@@ -253,6 +269,8 @@ impl BrokerConfig {
             reconnect_min: Duration::from_secs(1),
             reconnect_max: Duration::from_secs(60),
             resolver: Arc::new(SystemResolver),
+            max_dns_lookups: MAX_DNS_LOOKUPS,
+            opens_per_second: OPENS_PER_SECOND,
         }
     }
 
@@ -373,6 +391,18 @@ impl BrokerConfig {
                 ),
             );
         }
+        if !(1..=4096).contains(&self.max_dns_lookups) {
+            return refuse(
+                "max_dns_lookups",
+                format!("{} is not within 1..=4096", self.max_dns_lookups),
+            );
+        }
+        if !(1..=1_000_000).contains(&self.opens_per_second) {
+            return refuse(
+                "opens_per_second",
+                format!("{} is not within 1..=1000000", self.opens_per_second),
+            );
+        }
         crate::net::Backoff::new(self.reconnect_min, self.reconnect_max).map_err(|e| {
             TunnelError::Config {
                 field: "reconnect",
@@ -386,6 +416,10 @@ impl BrokerConfig {
 /// Default cap on the authenticated connections an [`EventBus`](super::EventBus)
 /// holds at once (brokers need one each).
 pub const MAX_CONNECTIONS: usize = 1024;
+
+/// Default cap on the authenticated connections one credential holds at once (a
+/// broker needs one; a reconnect or `--check-bus` briefly a second).
+pub const MAX_CONNECTIONS_PER_CLIENT: usize = 4;
 
 /// Default cap on the connections an [`EventBus`](super::EventBus) holds before they
 /// authenticate (their own pool: a flood of them cannot take a broker's slot).
@@ -433,14 +467,20 @@ pub struct EventBusConfig {
     /// closed, counted in `connections_refused` (default [`MAX_CONNECTIONS`], 1,024;
     /// at most 65,536). Each costs a file descriptor and its HTTP/2 buffers.
     pub max_connections: usize,
+    /// Authenticated connections one credential holds at once; one more is answered
+    /// 503 and closed, counted in `connections_refused` (default
+    /// [`MAX_CONNECTIONS_PER_CLIENT`], 4): a stolen credential cannot take the slots
+    /// of every other broker.
+    pub max_connections_per_client: usize,
     /// Connections held before they authenticate (TLS, then the first request with an
     /// accepted credential), in a pool of their own. When it is full, a new
-    /// connection is taken and the oldest of the source address holding the most is
-    /// closed, counted in `pending_evicted` (default [`MAX_PENDING_CONNECTIONS`], 64;
-    /// at most 65,536).
+    /// connection is taken and one is closed, counted in `pending_evicted`: among the
+    /// least advanced (silent, then speaking, then past TLS), the oldest of the source
+    /// holding the most (default [`MAX_PENDING_CONNECTIONS`], 64; at most 65,536).
     pub max_pending_connections: usize,
-    /// Unauthenticated connections from one source address; one more is closed on
-    /// accept, counted in `pending_refused` (default [`MAX_PENDING_PER_SOURCE`], 8).
+    /// Unauthenticated connections from one source (an IPv4 address, an IPv6 /64);
+    /// one more is closed on accept, counted in `pending_refused` (default
+    /// [`MAX_PENDING_PER_SOURCE`], 8).
     pub max_pending_per_source: usize,
     /// A connection's TLS handshake, from accept (default 3 s).
     pub tls_handshake_timeout: Duration,
@@ -460,6 +500,7 @@ impl Default for EventBusConfig {
         EventBusConfig {
             limits: Limits::default(),
             max_connections: MAX_CONNECTIONS,
+            max_connections_per_client: MAX_CONNECTIONS_PER_CLIENT,
             max_pending_connections: MAX_PENDING_CONNECTIONS,
             max_pending_per_source: MAX_PENDING_PER_SOURCE,
             tls_handshake_timeout: TLS_HANDSHAKE_TIMEOUT,
@@ -484,6 +525,10 @@ impl EventBusConfig {
             |field: &'static str, reason: String| Err(TunnelError::Config { field, reason });
         for (field, value) in [
             ("max_connections", self.max_connections),
+            (
+                "max_connections_per_client",
+                self.max_connections_per_client,
+            ),
             ("max_pending_connections", self.max_pending_connections),
             ("max_pending_per_source", self.max_pending_per_source),
         ] {

@@ -255,7 +255,8 @@ impl AsyncWrite for TunnelStream {
     }
 }
 
-/// A bearer credential: compared in constant time, never printed.
+/// A bearer credential: never printed (its `Debug` is redacted, its header marked
+/// sensitive). A bus keeps only its digest ([`TokenDigest`](super::TokenDigest)).
 #[derive(Clone)]
 pub struct Secret(Arc<str>);
 

@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::admission::{Admit, Pending};
+use super::admission::{Admit, Pending, Progress};
 use super::auth::{BusClients, Identity};
 use super::codes::CodeCounts;
 use super::error::TunnelError;
@@ -144,6 +144,8 @@ pub(super) struct Inner {
     pub(super) pending: Mutex<Pending<CancellationToken>>,
     /// One permit per authenticated connection.
     pub(super) authenticated: Arc<tokio::sync::Semaphore>,
+    /// Authenticated connections held per credential.
+    pub(super) per_identity: Mutex<HashMap<Identity, usize>>,
     /// Refusals and evictions warn once a minute per kind.
     pub(super) warn: crate::net::RateLimitedWarn,
     pub(super) sessions: Mutex<HashMap<String, Entry>>,
@@ -239,8 +241,8 @@ impl Inner {
 /// [`EventBusConfig::session_start_timeout`].
 struct Conn {
     id: u64,
-    /// The credential it authenticated with, and its authenticated-pool permit.
-    auth: Mutex<Option<(Identity, tokio::sync::OwnedSemaphorePermit)>>,
+    /// The credential it authenticated with, and its authenticated slot.
+    auth: Mutex<Option<AuthSlot>>,
     /// It authenticated.
     authenticated: AtomicBool,
     /// A session runs on it.
@@ -249,6 +251,28 @@ struct Conn {
     welcomed: AtomicBool,
     /// Cancelled to close the connection.
     close: CancellationToken,
+}
+
+/// An authenticated connection's slot: one of `max_connections`, and one of its
+/// credential's `max_connections_per_client`; both given back when it closes.
+struct AuthSlot {
+    identity: Identity,
+    inner: std::sync::Weak<Inner>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for AuthSlot {
+    fn drop(&mut self) {
+        if let Some(inner) = self.inner.upgrade() {
+            let mut held = inner.per_identity.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(n) = held.get_mut(&self.identity) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    held.remove(&self.identity);
+                }
+            }
+        }
+    }
 }
 
 /// Takes the connection out of the unauthenticated pool when its task ends.
@@ -286,11 +310,17 @@ pub(super) async fn accept_loop(
         let id = inner.next_conn.fetch_add(1, Ordering::Relaxed);
         let close = CancellationToken::new();
         // Unauthenticated connections wait in a small pool of their own.
+        // A broker's client hello is usually there by now: it ranks above the silent.
+        let progress = if has_bytes(&tcp) {
+            Progress::Spoke
+        } else {
+            Progress::Silent
+        };
         let admitted = inner
             .pending
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .admit(id, peer.ip(), close.clone());
+            .admit_at(id, source_key(peer.ip()), progress, close.clone());
         match admitted {
             Admit::Admitted => {}
             Admit::Evicted(old) => {
@@ -347,7 +377,7 @@ pub(super) async fn accept_loop(
                     .pending
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .spoke(state.id),
+                    .progressed(state.id, Progress::Spoke),
                 Ok(Err(_)) => return,
                 Err(_) => {
                     inner2
@@ -372,6 +402,11 @@ pub(super) async fn accept_loop(
                     }
                 },
             };
+            inner2
+                .pending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .progressed(state.id, Progress::Tls);
             let (service_inner, service_state) = (inner2.clone(), state.clone());
             let service = hyper::service::service_fn(move |req| {
                 let (inner, state) = (service_inner.clone(), service_state.clone());
@@ -415,36 +450,90 @@ pub(super) async fn accept_loop(
     }
 }
 
-/// The connection presented `identity`: the first time, it leaves the
-/// unauthenticated pool for an authenticated slot (`false` when none is free: the
-/// connection closes); after that, every request must present the same credential.
-fn authenticate(inner: &Inner, conn: &Conn, identity: Identity) -> bool {
-    let mut auth = conn.auth.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some((held, _)) = auth.as_ref() {
-        return *held == identity;
+/// Whether bytes wait to be read on `tcp` now (one non-blocking peek).
+fn has_bytes(tcp: &tokio::net::TcpStream) -> bool {
+    let mut byte = [0u8; 1];
+    let mut buf = tokio::io::ReadBuf::new(&mut byte);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    matches!(tcp.poll_peek(&mut cx, &mut buf), std::task::Poll::Ready(Ok(n)) if n > 0)
+}
+
+/// The source a connection counts against in the unauthenticated pool: its IPv4
+/// address, or its IPv6 /64 (one host's usual allocation).
+fn source_key(ip: std::net::IpAddr) -> std::net::IpAddr {
+    match ip {
+        std::net::IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => v4.into(),
+            None => {
+                let mut octets = v6.octets();
+                if let Some(host) = octets.get_mut(8..) {
+                    host.fill(0);
+                }
+                std::net::Ipv6Addr::from(octets).into()
+            }
+        },
+        v4 => v4,
     }
-    let Ok(permit) = inner.authenticated.clone().try_acquire_owned() else {
+}
+
+/// The connection presented `identity`: the first time, it leaves the
+/// unauthenticated pool for an authenticated slot, within the credential's share
+/// (`false` when it was evicted meanwhile, or no slot is free: the connection
+/// closes); after that, every request must present the same credential.
+fn authenticate(inner: &Arc<Inner>, conn: &Conn, identity: Identity) -> bool {
+    let mut auth = conn.auth.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(held) = auth.as_ref() {
+        return held.identity == identity;
+    }
+    // Evicted between its request and now: it is closing.
+    if !inner
+        .pending
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(conn.id)
+    {
+        conn.close.cancel();
+        return false;
+    }
+    let refuse = |why: std::fmt::Arguments<'_>| {
         inner
             .counters
             .connections_refused
             .fetch_add(1, Ordering::Relaxed);
-        inner.warn(
-            "connections_refused",
-            format_args!(
-                "event bus: {} authenticated connections held: refusing another",
-                inner.config.max_connections
-            ),
-        );
+        inner.warn("connections_refused", why);
         conn.close.cancel();
-        return false;
+        false
     };
-    *auth = Some((identity, permit));
+    {
+        let mut held = inner.per_identity.lock().unwrap_or_else(|p| p.into_inner());
+        let n = held.entry(identity).or_default();
+        if *n >= inner.config.max_connections_per_client {
+            return refuse(format_args!(
+                "event bus: a credential holds its {} authenticated connections: refusing another",
+                inner.config.max_connections_per_client
+            ));
+        }
+        *n += 1;
+    }
+    // From here the slot's drop gives the credential's count back.
+    let slot = |permit| AuthSlot {
+        identity,
+        inner: Arc::downgrade(inner),
+        _permit: permit,
+    };
+    let Ok(permit) = inner.authenticated.clone().try_acquire_owned() else {
+        let mut held = inner.per_identity.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = held.get_mut(&identity) {
+            *n = n.saturating_sub(1);
+        }
+        drop(held);
+        return refuse(format_args!(
+            "event bus: {} authenticated connections held: refusing another",
+            inner.config.max_connections
+        ));
+    };
+    *auth = Some(slot(permit));
     conn.authenticated.store(true, Ordering::Relaxed);
-    inner
-        .pending
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(conn.id);
     true
 }
 
@@ -552,6 +641,7 @@ async fn run_session(
     // A joining broker takes its share of open streams once it held on for a while.
     let mut take_share_at: Option<tokio::time::Instant> = None;
     let available = Arc::new(AtomicBool::new(false));
+    let mut checking = false;
     let mut client: Option<String> = None;
     let mut body_open = true;
     loop {
@@ -602,6 +692,9 @@ async fn run_session(
                         session.close();
                         continue;
                     };
+                    // `event_broker --check-bus`'s session proves the credential and
+                    // leaves: it carries no streams.
+                    checking = client_id.ends_with(".check");
                     tracing::info!(%client_id, session_id, ?namespaces, "broker session welcomed");
                     if let Some(old) = old {
                         inner.counters.superseded.fetch_add(1, Ordering::Relaxed);
@@ -656,7 +749,7 @@ async fn run_session(
                 }
             }
         }
-        available.store(session.is_available(), Ordering::Relaxed);
+        available.store(session.is_available() && !checking, Ordering::Relaxed);
         room.store(session.has_room(), Ordering::Relaxed);
         let deadline = session.poll_timeout().map(tokio::time::Instant::from_std);
         tokio::select! {

@@ -72,6 +72,8 @@ pub enum SessionEnd {
 pub struct Grant {
     client_id: Option<String>,
     namespaces: Option<Vec<String>>,
+    /// Client ids (and their `.check`) it may not claim: bound to other credentials.
+    reserved: Vec<String>,
 }
 
 impl Grant {
@@ -86,7 +88,15 @@ impl Grant {
         Grant {
             client_id: None,
             namespaces: Some(namespaces),
+            reserved: Vec::new(),
         }
+    }
+
+    /// Not `client_ids` (nor their `.check`): they belong to other credentials.
+    #[must_use]
+    pub fn reserving(mut self, client_ids: Vec<String>) -> Grant {
+        self.reserved = client_ids;
+        self
     }
 
     /// Bound to `client_id`: a hello naming another is denied (`client_id.check`, the
@@ -119,7 +129,7 @@ impl Grant {
                     .strip_suffix(".check")
                     .is_some_and(|base| base == id)
         };
-        if self.client_id.as_ref().is_some_and(|id| !own(id)) {
+        if self.client_id.as_ref().is_some_and(|id| !own(id)) || self.reserved.iter().any(own) {
             return Err(DenyCode::ClientIdNotGranted);
         }
         if !hello.namespaces.iter().all(|n| self.covers(n)) {
@@ -169,6 +179,39 @@ impl Outbox {
     }
 }
 
+/// A token bucket over stream opens: a burst of `burst`, then `rate` a second.
+#[derive(Debug, Clone)]
+struct OpenRate {
+    rate: f64,
+    burst: f64,
+    tokens: f64,
+    last: Instant,
+}
+
+impl OpenRate {
+    fn new(rate: u32, burst: u32, now: Instant) -> OpenRate {
+        OpenRate {
+            rate: f64::from(rate.max(1)),
+            burst: f64::from(burst.max(1)),
+            tokens: f64::from(burst.max(1)),
+            last: now,
+        }
+    }
+
+    /// Takes one open, if the bucket holds one at `now`.
+    fn take(&mut self, now: Instant) -> bool {
+        let refill = now.saturating_duration_since(self.last).as_secs_f64() * self.rate;
+        self.tokens = (self.tokens + refill).min(self.burst);
+        self.last = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
 /// What a broker session asks its I/O layer to do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -187,6 +230,14 @@ pub enum BrokerEvent {
     Close {
         /// The stream.
         stream_id: u64,
+    },
+    /// The session refused a subscribe itself (draining, full, a duplicate id, a bad
+    /// target, the open rate); the `stream_refused` is already queued. For counting.
+    Refused {
+        /// The stream.
+        stream_id: u64,
+        /// Why.
+        code: RefuseCode,
     },
     /// The router asks to drain: no new streams; open ones may run until `deadline`.
     Drain {
@@ -233,6 +284,10 @@ pub struct BrokerSession {
     draining: bool,
     outbox: Outbox,
     events: VecDeque<BrokerEvent>,
+    /// Opens per second (the bucket starts at the welcome, with a burst of the
+    /// session's stream limit).
+    opens_per_second: Option<u32>,
+    open_rate: Option<OpenRate>,
 }
 
 impl BrokerSession {
@@ -252,7 +307,38 @@ impl BrokerSession {
             draining: false,
             outbox,
             events: VecDeque::new(),
+            opens_per_second: None,
+            open_rate: None,
         }
+    }
+
+    /// With stream opens limited to `per_second` after a burst of the session's
+    /// stream limit: a subscribe past it is refused with `rate_limited` (default: no
+    /// limit).
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// use eventplane::tunnel::{BrokerSession, Control, Hello, Limits, RefuseCode, Welcome};
+    /// let now = Instant::now();
+    /// let mut broker = BrokerSession::new(Hello::new("b", vec!["prod".into()]), now).with_open_rate(10);
+    /// broker.poll_transmit();
+    /// broker.handle(Control::Welcome(Welcome::new(1, 1, Limits::default().with_max_streams(2))), now);
+    /// let subscribe = |id| Control::Subscribe { stream_id: id, target: "tcp://10.0.0.5:5557".into() };
+    /// broker.handle(subscribe(1), now);
+    /// broker.stream_closed(1, eventplane::tunnel::CloseCode::UpstreamClosed);
+    /// broker.handle(subscribe(2), now);
+    /// broker.stream_closed(2, eventplane::tunnel::CloseCode::UpstreamClosed);
+    /// broker.handle(subscribe(3), now); // the burst (2) is spent
+    /// assert!(broker.poll_transmit().is_some()); // the two closes
+    /// assert!(broker.poll_transmit().is_some());
+    /// assert_eq!(broker.poll_transmit(), Some(Control::StreamRefused { stream_id: 3, code: RefuseCode::RateLimited }));
+    /// broker.handle(subscribe(4), now + Duration::from_millis(100)); // one more a tenth of a second later
+    /// assert!(!broker.has_transmit());
+    /// ```
+    #[must_use]
+    pub fn with_open_rate(mut self, per_second: u32) -> BrokerSession {
+        self.opens_per_second = Some(per_second);
+        self
     }
 
     /// The next frame to send.
@@ -343,6 +429,9 @@ impl BrokerSession {
                     ..l
                 };
                 self.liveness = Some(Liveness::new(&l, now));
+                self.open_rate = self
+                    .opens_per_second
+                    .map(|rate| OpenRate::new(rate, self.limits.max_streams, now));
                 self.state = BrokerState::Active;
                 self.events.push_back(BrokerEvent::Welcomed(welcome));
             }
@@ -362,11 +451,19 @@ impl BrokerSession {
                     Some(RefuseCode::TooManyStreams)
                 } else if crate::zmtp::parse_tcp(&target).is_err() {
                     Some(RefuseCode::BadTarget)
+                } else if self.open_rate.as_mut().is_some_and(|r| !r.take(now)) {
+                    Some(RefuseCode::RateLimited)
                 } else {
                     None
                 };
                 match refuse {
-                    Some(code) => self.send(Control::StreamRefused { stream_id, code }),
+                    Some(code) => {
+                        self.send(Control::StreamRefused { stream_id, code });
+                        if !self.is_ended() {
+                            self.events
+                                .push_back(BrokerEvent::Refused { stream_id, code });
+                        }
+                    }
                     None => {
                         self.streams.insert(stream_id);
                         self.events

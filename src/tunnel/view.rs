@@ -19,6 +19,17 @@ use crate::net::{Backoff, RateLimitedWarn};
 /// bound.
 pub const MAX_VIEW_INSTANCES: usize = 65_536;
 
+/// Bytes a broker's view holds per namespace (its instances' ids and endpoints, 128 B
+/// of bookkeeping each); past it, new instances are not advertised (counted in
+/// `BrokerStats::view_ignored`). An endpoint over 1 KiB is never advertised: no
+/// subscribe could name it.
+pub const MAX_VIEW_BYTES: usize = 16 << 20;
+
+/// What an instance costs the view, in bytes.
+fn cost(id: &ChannelId, endpoint: &str) -> usize {
+    id.namespace().len() + id.component().len() + id.topic().len() + endpoint.len() * 2 + 128
+}
+
 /// One namespace's advertised endpoints.
 #[derive(Default)]
 struct Namespace {
@@ -26,20 +37,31 @@ struct Namespace {
     by_id: HashMap<ChannelId, (u64, String)>,
     /// How many instances advertise each endpoint.
     endpoints: HashMap<String, usize>,
+    /// What it holds, by [`cost`].
+    bytes: usize,
 }
 
 impl Namespace {
-    /// Adds or replaces `instance`; `false` when the namespace is full.
+    /// Adds or replaces `instance`; `false` when it cannot be advertised (the
+    /// namespace is full, or its endpoint is over 1 KiB).
     fn add(&mut self, instance: &Instance) -> bool {
-        if self.by_id.len() >= MAX_VIEW_INSTANCES && !self.by_id.contains_key(&instance.id) {
+        let endpoint = instance.transport.endpoint();
+        if endpoint.len() > super::MAX_NAME_LEN {
             return false;
         }
-        let endpoint = instance.transport.endpoint().to_owned();
+        let new = !self.by_id.contains_key(&instance.id);
+        let added = cost(&instance.id, endpoint);
+        if new && (self.by_id.len() >= MAX_VIEW_INSTANCES || self.bytes + added > MAX_VIEW_BYTES) {
+            return false;
+        }
+        let endpoint = endpoint.to_owned();
         *self.endpoints.entry(endpoint.clone()).or_default() += 1;
+        self.bytes += added;
         if let Some((_, old)) = self
             .by_id
             .insert(instance.id.clone(), (instance.incarnation, endpoint))
         {
+            self.bytes = self.bytes.saturating_sub(cost(&instance.id, &old));
             self.forget(&old);
         }
         true
@@ -52,6 +74,7 @@ impl Namespace {
             .is_some_and(|(seen, _)| *seen <= incarnation)
         {
             if let Some((_, endpoint)) = self.by_id.remove(id) {
+                self.bytes = self.bytes.saturating_sub(cost(id, &endpoint));
                 self.forget(&endpoint);
             }
         }
@@ -295,5 +318,30 @@ mod tests {
         assert!(ns.endpoints.contains_key("tcp://10.0.0.1:5557"));
         ns.remove(&shared(2).id, 1);
         assert!(ns.endpoints.is_empty());
+    }
+
+    #[test]
+    fn a_namespace_is_bounded_in_bytes_and_skips_unusable_endpoints() {
+        let long = |n: u64, len: usize| {
+            Instance::new(
+                ChannelId::new("ns", "c", "t", n).unwrap(),
+                Transport::zmq(format!("tcp://{}:{n}", "h".repeat(len))),
+                1,
+            )
+        };
+        // An endpoint over 1 KiB is never advertised.
+        let (ns, ignored) = Namespace::from_snapshot(&[long(1, 1100)]);
+        assert_eq!((ns.by_id.len(), ignored), (0, 1));
+        // 1 KiB endpoints fill the byte cap long before the instance cap.
+        let all: Vec<Instance> = (0..20_000).map(|n| long(n, 1000)).collect();
+        let (mut ns, ignored) = Namespace::from_snapshot(&all);
+        assert!(ns.bytes <= MAX_VIEW_BYTES, "{}", ns.bytes);
+        assert!(ignored > 0 && ns.by_id.len() < 20_000);
+        let held = ns.bytes;
+        // Removing gives its bytes back; the emptied namespace holds none.
+        for i in &all {
+            ns.remove(&i.id, 1);
+        }
+        assert!(held > 0 && ns.bytes == 0 && ns.endpoints.is_empty());
     }
 }

@@ -1008,7 +1008,14 @@ async fn kv_router_bus_clients_bind_each_broker_to_its_id_and_namespaces() {
     )
     .unwrap();
     let mut router = Command::new(example("kv_router"))
-        .args(["--static", "tcp://127.0.0.1:5", "--namespace", "prod", "--topic", "kv"])
+        .args([
+            "--static",
+            "tcp://127.0.0.1:5",
+            "--namespace",
+            "prod",
+            "--topic",
+            "kv",
+        ])
         .args(["--format", "quiet", "--bus-listen", "127.0.0.1:0"])
         .arg("--bus-cert")
         .arg(fixture("bus.pem"))
@@ -1045,8 +1052,12 @@ async fn kv_router_bus_clients_bind_each_broker_to_its_id_and_namespaces() {
         std::fs::write(Path::new(&path).parent().unwrap().join("token"), token).unwrap();
         PathBuf::from(path)
     };
-    // broker-a with its own token: welcomed.
+    // broker-a with its own token: welcomed. The digest the router holds is the one
+    // the broker prints for it.
     let real = broker("clients-real", "broker-a", token_a, "\"prod\"");
+    let out = run(&real, &["--print-token-sha256"]).await;
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), digest(token_a));
     let out = run(&real, &["--check-bus"]).await;
     assert_eq!(out.status.code(), Some(0), "{out:?}");
     // broker-b's token claiming broker-a: denied, by its code.
@@ -1073,8 +1084,14 @@ async fn kv_router_bus_clients_bind_each_broker_to_its_id_and_namespaces() {
     .await;
     assert_eq!(within(router.wait()).await.unwrap().code(), Some(0));
     let stats: serde_json::Value = serde_json::from_str(&last).unwrap();
-    assert_eq!(stats["bus"]["denied"]["client_id_not_granted"], 1, "{stats}");
-    assert_eq!(stats["bus"]["denied"]["namespace_not_granted"], 1, "{stats}");
+    assert_eq!(
+        stats["bus"]["denied"]["client_id_not_granted"], 1,
+        "{stats}"
+    );
+    assert_eq!(
+        stats["bus"]["denied"]["namespace_not_granted"], 1,
+        "{stats}"
+    );
     assert_eq!(stats["bus"]["sessions_started"], 3, "{stats}");
 
     // A file with a bad digest: refused as an argument, naming the broker.
@@ -1085,7 +1102,14 @@ async fn kv_router_bus_clients_bind_each_broker_to_its_id_and_namespaces() {
     .unwrap();
     let out = within(
         Command::new(example("kv_router"))
-            .args(["--static", "tcp://127.0.0.1:5", "--namespace", "prod", "--topic", "kv"])
+            .args([
+                "--static",
+                "tcp://127.0.0.1:5",
+                "--namespace",
+                "prod",
+                "--topic",
+                "kv",
+            ])
             .args(["--bus-listen", "127.0.0.1:0"])
             .arg("--bus-cert")
             .arg(fixture("bus.pem"))
@@ -1099,5 +1123,8 @@ async fn kv_router_bus_clients_bind_each_broker_to_its_id_and_namespaces() {
     .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("broker-a") && stderr.contains("token_sha256"), "{stderr}");
+    assert!(
+        stderr.contains("broker-a") && stderr.contains("token_sha256"),
+        "{stderr}"
+    );
 }

@@ -234,7 +234,10 @@ async fn six_hundred_streams_dropped_at_once_leave_no_slot_behind() {
         .await
         .unwrap();
     let bus = bus().await;
-    let broker = Broker::spawn(broker_config(&bus, "broker-1", view.clone())).unwrap();
+    let mut config = broker_config(&bus, "broker-1", view.clone());
+    // This test is about slots, not the open rate.
+    config.opens_per_second = 1_000_000;
+    let broker = Broker::spawn(config).unwrap();
     connected(&bus).await;
     let open = async |n: usize| {
         let opens = (0..n).map(|_| bus.open_stream("prod", 1, &endpoint));
@@ -317,7 +320,7 @@ async fn a_full_owner_is_passed_over_for_the_runner_up() {
 }
 
 /// A connection from `source` to `bus` that is held until the bus closes it, then
-/// opened again, until `stop`.
+/// opened again (after 100 ms), until `stop`.
 async fn flood_one(
     bus: std::net::SocketAddr,
     source: std::net::Ipv4Addr,
@@ -336,8 +339,8 @@ async fn flood_one(
             () = stop.cancelled() => return,
             _ = tcp.read(&mut buf) => {}
         }
-        // Re-opened as soon as it closed (after a breath: the test's CPU is shared).
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Re-opened after a breath: the test's 2 cores are the bus's too.
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -351,15 +354,25 @@ async fn a_flood_of_unauthenticated_connections_cannot_keep_a_broker_out() {
     // 1,100 idle connections from 138 loopback addresses (8 each), re-opened as the
     // bus closes them.
     let stop = tokio_util::sync::CancellationToken::new();
-    let mut flood = Vec::new();
-    for i in 0..FLOOD {
-        let source = std::net::Ipv4Addr::new(127, 1, (i / 8 / 250) as u8, (i / 8 % 250) as u8 + 1);
-        flood.push(tokio::spawn(flood_one(
-            bus.local_addr(),
-            source,
-            stop.clone(),
-        )));
-    }
+    // On a runtime of its own, as another host would be.
+    let (addr, flood_stop) = (bus.local_addr(), stop.clone());
+    let flood = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let mut tasks = Vec::new();
+            for i in 0..FLOOD {
+                let source =
+                    std::net::Ipv4Addr::new(127, 1, (i / 8 / 250) as u8, (i / 8 % 250) as u8 + 1);
+                tasks.push(tokio::spawn(flood_one(addr, source, flood_stop.clone())));
+            }
+            for task in tasks {
+                let _ = task.await;
+            }
+        });
+    });
     until(|| bus.stats().pending_evicted >= 1000).await;
     // The broker restarts into the flood: its first attempt gets its session, within
     // one backoff period (1 s) of the restart.
@@ -376,9 +389,9 @@ async fn a_flood_of_unauthenticated_connections_cannot_keep_a_broker_out() {
     .await;
     let stats = bus.stats();
     stop.cancel();
-    for task in flood {
-        let _ = task.await;
-    }
+    tokio::task::spawn_blocking(move || flood.join().unwrap())
+        .await
+        .unwrap();
     assert!(
         took < Duration::from_secs(1) + support::DEADLINE_SLACK,
         "the broker took {took:?} to get its session back: {stats:?}"
@@ -391,5 +404,80 @@ async fn a_flood_of_unauthenticated_connections_cannot_keep_a_broker_out() {
     );
     assert_eq!(stats.connections_refused, 0, "{stats:?}");
     restarted.abort();
+    bus.shutdown().await;
+}
+
+#[tokio::test]
+async fn dns_lookups_and_opens_are_capped_per_broker() {
+    use crate::common::NeverResolves;
+    let limits = Limits::default().with_max_streams(4);
+    let bus = bus_configured(
+        "127.0.0.1:0",
+        crate::common::shared_clients(),
+        EventBusConfig::default().limits(limits),
+    )
+    .await;
+    let view = Arc::new(MemoryDiscovery::new());
+    let (_publisher, endpoint, _reg) = publisher(&view, 1).await;
+    // A resolver that never answers, two lookups at most: the third waits for a slot
+    // (counted) and all run into the 200 ms DNS deadline.
+    let mut config = broker_config(&bus, "broker-1", view.clone() as Arc<dyn Discovery>)
+        .resolver(Arc::new(NeverResolves));
+    config.max_dns_lookups = 2;
+    config.deadlines.dns = Duration::from_millis(200);
+    let broker = Broker::spawn(config).unwrap();
+    connected(&bus).await;
+    let opens = (0..3).map(|_| bus.open_stream("prod", 1, &endpoint));
+    for r in within(futures_util::future::join_all(opens)).await {
+        assert!(
+            matches!(r, Err(TunnelError::Refused(RefuseCode::DnsTimeout))),
+            "{r:?}"
+        );
+    }
+    let stats = broker.stats();
+    assert_eq!(stats.dns_saturated, 1, "{stats:?}");
+    broker.abort();
+    until(|| bus.stats().sessions == 0).await;
+
+    // One open a second after a burst of the session's limit (4).
+    let mut config = broker_config(&bus, "broker-2", view.clone() as Arc<dyn Discovery>);
+    config.opens_per_second = 1;
+    let broker = Broker::spawn(config).unwrap();
+    connected(&bus).await;
+    for _ in 0..4 {
+        let stream = within(bus.open_stream("prod", 1, &endpoint)).await;
+        assert!(stream.is_ok(), "{stream:?}");
+    }
+    let r = within(bus.open_stream("prod", 1, &endpoint)).await;
+    assert!(
+        matches!(r, Err(TunnelError::Refused(RefuseCode::RateLimited))),
+        "{r:?}"
+    );
+    assert_eq!(broker.stats().refused["rate_limited"], 1);
+    broker.abort();
+    bus.shutdown().await;
+}
+
+#[tokio::test]
+async fn one_credential_holds_a_few_connections_not_every_slot() {
+    // A shared token may claim any client id: five brokers with it, four get in.
+    let bus = bus().await;
+    let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
+    let mut brokers = Vec::new();
+    for i in 0..4 {
+        brokers.push(Broker::spawn(broker_config(&bus, &format!("b{i}"), view.clone())).unwrap());
+        until(|| bus.stats().sessions == i + 1).await;
+    }
+    let fifth = Broker::spawn(broker_config(&bus, "b4", view.clone())).unwrap();
+    until(|| bus.stats().connections_refused >= 1).await;
+    until(|| fifth.stats().session_failures >= 1).await;
+    assert_eq!(bus.stats().sessions, 4);
+    // One leaves: its slot is the credential's again.
+    brokers.pop().unwrap().abort();
+    until(|| bus.stats().sessions == 4 && bus.brokers_for("prod").contains(&"b4".to_owned())).await;
+    fifth.abort();
+    for b in brokers {
+        b.abort();
+    }
     bus.shutdown().await;
 }

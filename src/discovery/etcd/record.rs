@@ -272,7 +272,6 @@ fn encode_value(id: &ChannelId, transport: &Transport, worker: Option<WorkerIden
     serde_json::to_string(&record).unwrap_or_default()
 }
 
-/// The smallest key greater than every key starting with `prefix` (etcd's range end).
 /// Longest endpoint a record may advertise (bytes): what a tunnel target may be.
 pub(crate) const MAX_ENDPOINT_LEN: usize = 1024;
 
@@ -297,6 +296,7 @@ pub(crate) fn check_endpoint(endpoint: &str) -> Result<(), RecordError> {
     Ok(())
 }
 
+/// The smallest key greater than every key starting with `prefix` (etcd's range end).
 pub(crate) fn prefix_end(prefix: &[u8]) -> Vec<u8> {
     let mut end = prefix.to_vec();
     while let Some(last) = end.pop() {

@@ -395,15 +395,7 @@ async fn kv_router_runs_an_event_bus_that_carries_events_through_a_broker() {
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(router.stderr.take().unwrap()).lines();
-    let addr = within(async {
-        loop {
-            let line = lines.next_line().await.unwrap().unwrap();
-            if let Some(addr) = line.strip_prefix("event bus listening on ") {
-                return addr.to_owned();
-            }
-        }
-    })
-    .await;
+    let addr = bus_address(&mut lines).await;
     let bus_port = addr.rsplit(':').next().unwrap();
     // A broker joins with the router's token and the test CA; its view advertises the
     // publisher, its resolver knows the name.
@@ -1028,15 +1020,7 @@ async fn kv_router_bus_clients_bind_each_broker_to_its_id_and_namespaces() {
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(router.stderr.take().unwrap()).lines();
-    let addr = within(async {
-        loop {
-            let line = lines.next_line().await.unwrap().unwrap();
-            if let Some(addr) = line.strip_prefix("event bus listening on ") {
-                return addr.to_owned();
-            }
-        }
-    })
-    .await;
+    let addr = bus_address(&mut lines).await;
     let url = format!("https://localhost:{}", addr.rsplit(':').next().unwrap());
     // `name`'s broker configuration: client id `id`, token `token`, namespaces `ns`.
     let broker = |name: &str, id: &str, token: &str, ns: &str| {
@@ -1127,4 +1111,19 @@ async fn kv_router_bus_clients_bind_each_broker_to_its_id_and_namespaces() {
         stderr.contains("broker-a") && stderr.contains("token_sha256"),
         "{stderr}"
     );
+}
+
+/// The address `kv_router --bus-listen` says its bus listens on (its stderr).
+async fn bus_address(
+    lines: &mut tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStderr>>,
+) -> String {
+    within(async {
+        loop {
+            let line = lines.next_line().await.unwrap().unwrap();
+            if let Some(addr) = line.strip_prefix("event bus listening on ") {
+                return addr.to_owned();
+            }
+        }
+    })
+    .await
 }

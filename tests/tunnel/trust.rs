@@ -239,31 +239,26 @@ async fn six_hundred_streams_dropped_at_once_leave_no_slot_behind() {
     config.opens_per_second = 1_000_000;
     let broker = Broker::spawn(config).unwrap();
     connected(&bus).await;
+    // `n` streams opened at once, every one of them.
     let open = async |n: usize| {
         let opens = (0..n).map(|_| bus.open_stream("prod", 1, &endpoint));
-        futures_util::future::join_all(opens).await
+        let all = within(futures_util::future::join_all(opens)).await;
+        let failed: Vec<_> = all.iter().filter_map(|r| r.as_ref().err()).collect();
+        assert!(
+            failed.is_empty(),
+            "{} failed: {:?}",
+            failed.len(),
+            failed.first()
+        );
+        all
     };
-    let first: Vec<_> = within(open(600)).await;
-    let failed: Vec<_> = first.iter().filter_map(|r| r.as_ref().err()).collect();
-    assert!(
-        failed.is_empty(),
-        "{} failed: {:?}",
-        failed.len(),
-        failed.first()
-    );
+    let first = open(600).await;
     assert_eq!(bus.stats().streams_open, 600);
     // Dropped at once: every stream detaches, on both sides.
     drop(first);
     until(|| bus.stats().streams_open == 0 && broker.stats().streams_open == 0).await;
     // The default limit (1,024) takes 1,000 more.
-    let second: Vec<_> = within(open(1000)).await;
-    let failed: Vec<_> = second.iter().filter_map(|r| r.as_ref().err()).collect();
-    assert!(
-        failed.is_empty(),
-        "{} failed: {:?}",
-        failed.len(),
-        failed.first()
-    );
+    let second = open(1000).await;
     assert_eq!(bus.stats().streams_open, 1000);
     drop(second);
     until(|| broker.stats().streams_open == 0).await;

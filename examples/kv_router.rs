@@ -74,6 +74,7 @@ use eventplane::wire::Wire;
          events (id N after M): forgot K blocks` (at most ten of those), `publisher ID \
          reconnected: forgot K blocks`, and last, at exit, the counters as \
          one JSON object: {{\"wire\", \"router_events\", \"index_blocks\", \
+         \"index_refused\" (stored blocks past --max-index-blocks, not indexed), \
          \"publishers\", \"unidentified_deliveries\" (from publishers that registered no \
          worker identity: every delivery with --static or --dynamo, whose publishers \
          carry none), \"lost_views\" (event id gaps and reconnections that forgot \
@@ -125,6 +126,11 @@ struct Args {
     /// One JSON line per router event, or nothing.
     #[arg(long, value_enum, default_value = "json")]
     format: Format,
+    /// Blocks the index holds per publisher; stored blocks past it are not indexed,
+    /// counted in the stats line's `index_refused` (the index under-claims, never
+    /// over-claims, what a worker holds).
+    #[arg(long = "max-index-blocks", default_value_t = 1 << 20, value_parser = clap::value_parser!(u64).range(1..))]
+    max_index_blocks: u64,
     /// Add the final index to the stats line: `"index": [{"worker_id", "dp_rank",
     /// "tier", "block_hashes": [...]}, ...]`, sorted.
     #[arg(long = "dump-index")]
@@ -217,6 +223,10 @@ struct Followed {
 #[derive(Default)]
 struct Router {
     publishers: HashMap<ChannelId, Followed>,
+    /// Blocks each publisher's index holds at most.
+    max_index_blocks: usize,
+    /// Stored blocks not indexed (an index at its cap), of publishers gone too.
+    index_refused: u64,
     events: u64,
     payload_errors: u64,
     /// Deliveries from publishers that registered no worker identity.
@@ -226,13 +236,19 @@ struct Router {
     lost: u64,
 }
 
-/// `id`'s entry, made on first sight (the id is cloned only then; always `Some`).
+/// `id`'s entry, made on first sight with an index of at most `cap` blocks (the id
+/// is cloned only then; always `Some`).
 fn followed<'a>(
     publishers: &'a mut HashMap<ChannelId, Followed>,
     id: &ChannelId,
+    cap: usize,
 ) -> Option<&'a mut Followed> {
     if !publishers.contains_key(id) {
-        publishers.insert(id.clone(), Followed::default());
+        let entry = Followed {
+            index: Index::with_cap(cap),
+            ..Followed::default()
+        };
+        publishers.insert(id.clone(), entry);
     }
     publishers.get_mut(id)
 }
@@ -247,7 +263,7 @@ impl Router {
     /// queue, the network, our own lanes), so what is held of it may be stale and is
     /// forgotten first (as Dynamo's router resets a worker on an id gap): no ghosts.
     fn apply(&mut self, id: &ChannelId, events: &[RouterEvent]) {
-        let Some(p) = followed(&mut self.publishers, id) else {
+        let Some(p) = followed(&mut self.publishers, id, self.max_index_blocks) else {
             return;
         };
         for ev in events {
@@ -264,7 +280,9 @@ impl Router {
                 p.index.clear();
             }
             p.next_id = ev.event.id.saturating_add(1);
+            let before = p.index.refused();
             p.index.apply(ev);
+            self.index_refused += p.index.refused() - before;
         }
     }
 
@@ -275,7 +293,8 @@ impl Router {
             // Connected again after a lost connection: what it sent meanwhile is gone
             // (a clear perhaps with it), so what is held of it may be stale.
             Notice::Connected(instance) => {
-                let Some(p) = followed(&mut self.publishers, &instance.id) else {
+                let Some(p) = followed(&mut self.publishers, &instance.id, self.max_index_blocks)
+                else {
                     return;
                 };
                 if std::mem::replace(&mut p.connected, true) {
@@ -383,7 +402,10 @@ async fn main() -> ExitCode {
         }
     };
     let handle = sub.handle();
-    let mut router = Router::default();
+    let mut router = Router {
+        max_index_blocks: usize::try_from(args.max_index_blocks).unwrap_or(usize::MAX),
+        ..Router::default()
+    };
     let mut batch = Vec::with_capacity(256);
     let mut notices = Vec::new();
     // Notices dropped so far: a dropped `Departed` is made up for by a reconcile.
@@ -467,6 +489,7 @@ async fn main() -> ExitCode {
         "wire": wire.as_str(),
         "router_events": router.events,
         "index_blocks": router.blocks(),
+        "index_refused": router.index_refused,
         "publishers": stats.publishers.len(),
         "unidentified_deliveries": router.unidentified,
         "lost_views": router.lost,

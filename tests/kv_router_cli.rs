@@ -439,3 +439,56 @@ async fn a_reconnection_forgets_the_publishers_blocks_at_once() {
     assert_eq!(stats["index"], serde_json::json!([]), "{stats}");
     assert_eq!(stats["lost_views"], 1, "{stats}");
 }
+
+/// The index is bounded per publisher (`--max-index-blocks`): stored blocks past the
+/// cap are not indexed and are counted; a removal makes room again.
+#[tokio::test]
+async fn the_index_holds_at_most_its_cap_of_blocks_per_publisher() {
+    use eventplane::kv::{BlockHash, KvEvent, KvEventData, StorageTier, WorkerId};
+    let publisher = static_publisher("tcp://127.0.0.1:0").await;
+    let endpoint = publisher.local_endpoint().unwrap().to_owned();
+    let mut router = support::Watched::spawn(
+        "kv_router",
+        &[
+            "--static",
+            &endpoint,
+            "--namespace",
+            "ns",
+            "--topic",
+            "kv-events",
+            "--max-index-blocks",
+            "3",
+            "--dump-index",
+        ],
+    );
+    within(publisher.wait_for_subscribers(1)).await;
+    publisher.publish(stored(1, &[1, 2]));
+    router.line().await;
+    // Two more: one fits, one does not; a block already held costs nothing.
+    publisher.publish(stored(2, &[2, 3, 4]));
+    router.line().await;
+    let removed = eventplane::kv::encode_router_events(&[RouterEvent {
+        worker_id: WorkerId(7),
+        tier: StorageTier::Device,
+        event: KvEvent {
+            id: 3,
+            dp_rank: 0,
+            data: KvEventData::Removed {
+                block_hashes: vec![BlockHash(1)],
+            },
+        },
+    }])
+    .unwrap();
+    publisher.publish(removed);
+    router.line().await;
+    publisher.publish(stored(4, &[5]));
+    router.line().await;
+    let stats = router.terminate().await;
+    assert_eq!(stats["index_blocks"], 3, "{stats}");
+    assert_eq!(stats["index_refused"], 1, "{stats}");
+    assert_eq!(
+        stats["index"],
+        serde_json::json!([{"worker_id": 7, "dp_rank": 0, "tier": "device", "block_hashes": [2, 3, 5]}]),
+        "{stats}"
+    );
+}

@@ -10,6 +10,9 @@ mod common;
 #[path = "tunnel/event_broker.rs"]
 mod event_broker;
 #[cfg(feature = "tunnel")]
+#[path = "tunnel/greedy.rs"]
+mod greedy;
+#[cfg(feature = "tunnel")]
 #[path = "tunnel/stages.rs"]
 mod stages;
 #[cfg(feature = "tunnel")]

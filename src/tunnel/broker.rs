@@ -20,11 +20,11 @@ use tokio_util::task::TaskTracker;
 use super::codes::CodeCounts;
 use super::config::BrokerConfig;
 use super::error::TunnelError;
-use super::io::{BODY_CHANNEL, ChannelBody, next_chunk};
+use super::io::{BODY_CHANNEL, BrokerBody, ChannelBody, RelayQueue, next_chunk, relay_queue};
 use super::view::View;
 use super::{
-    BrokerEvent, BrokerSession, CHUNK_OVERHEAD, CloseCode, ControlDecoder, DrainReason, Hello,
-    Reconnect, RefuseCode, RelayBudget,
+    BrokerEvent, BrokerSession, CloseCode, ControlDecoder, DrainReason, Hello, Reconnect,
+    RefuseCode, RelayBudget,
 };
 use crate::net::random_unit;
 
@@ -346,7 +346,7 @@ async fn session(
     let (ctrl_tx, ctrl_rx) = mpsc::channel(BODY_CHANNEL);
     let request = Request::post(format!("https://{authority}/bus/v1/session"))
         .header(hyper::header::AUTHORIZATION, config.token.header_value())
-        .body(ChannelBody::new(ctrl_rx))
+        .body(BrokerBody::Control(ChannelBody::new(ctrl_rx)))
         .map_err(|e| TunnelError::Config {
             field: "bus_url",
             reason: e.to_string(),
@@ -573,7 +573,7 @@ struct Relay {
     slots: Arc<tokio::sync::Semaphore>,
     config: BrokerConfig,
     view: View,
-    sender: SendRequest<ChannelBody>,
+    sender: SendRequest<BrokerBody>,
     authority: String,
     budget: Arc<Mutex<RelayBudget>>,
     counters: Arc<Counters>,
@@ -583,7 +583,7 @@ struct Relay {
 struct Opened {
     tcp: TcpStream,
     /// Publisher → router: the data stream's request body.
-    up: mpsc::Sender<Result<Bytes, std::io::Error>>,
+    up: RelayQueue,
     /// Router → publisher: the data stream's response body.
     down: hyper::body::Incoming,
     /// Its HTTP/2 stream slot, held for its life.
@@ -640,11 +640,10 @@ async fn open(ctx: &Relay, stream_id: u64, target: &str) -> Result<Opened, Refus
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .open(stream_id);
-    // Enough slots that the byte budget, not the slot count, is what fills first.
-    let slots = (super::MAX_STREAM_BUFFER_BYTES / CHUNK_OVERHEAD).max(1);
-    let (up, up_rx) = mpsc::channel(slots);
+    // Unbounded in count, bounded in bytes: every chunk is charged (its length + 64 B)
+    // before it is queued.
     let (started_tx, started) = oneshot::channel();
-    let body = ChannelBody::charged(up_rx, ctx.budget.clone(), stream_id).on_start(started_tx);
+    let (up, body) = relay_queue(ctx.budget.clone(), stream_id, started_tx);
     let request = Request::post(format!(
         "https://{}/bus/v1/streams/{stream_id}",
         ctx.authority
@@ -653,7 +652,7 @@ async fn open(ctx: &Relay, stream_id: u64, target: &str) -> Result<Opened, Refus
         hyper::header::AUTHORIZATION,
         ctx.config.token.header_value(),
     )
-    .body(body)
+    .body(BrokerBody::Relay(body))
     .map_err(|_| RefuseCode::StreamFailed)?;
     let response = ctx.sender.clone().send_request(request);
     let staged = async {
@@ -681,7 +680,7 @@ async fn open(ctx: &Relay, stream_id: u64, target: &str) -> Result<Opened, Refus
         }),
         Err(code) => {
             // The stream resets as soon as hyper polls its body.
-            let _ = up.try_send(Err(std::io::Error::other(code.as_str())));
+            up.fail(std::io::Error::other(code.as_str()));
             Err(code)
         }
     }
@@ -799,14 +798,15 @@ async fn pump(
                 charged
             };
             let chunk = Bytes::copy_from_slice(buf.get(..n).unwrap_or_default());
-            let sent = charged.is_ok() && up_tx.try_send(Ok(chunk)).is_ok();
+            let sent = charged.is_ok() && up_tx.push(chunk);
             if !sent {
                 // Over budget: the stream resets, and what it had queued stops
                 // counting against the session right away.
                 let mut budget = ctx.budget.lock().unwrap_or_else(|p| p.into_inner());
                 budget.close(stream_id);
                 drop(budget);
-                let _ = up_tx.try_send(Err(std::io::Error::other("buffer overflow")));
+                // Its queue is dropped now, not when hyper next polls it.
+                up_tx.fail(std::io::Error::other("buffer overflow"));
                 return Some(CloseCode::BufferOverflow);
             }
         }

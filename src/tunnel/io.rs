@@ -29,47 +29,16 @@ pub(crate) const BODY_CHANNEL: usize = 64;
 pub(crate) const TUNNEL_WRITE_CHUNKS: usize = 4;
 
 /// An HTTP/2 body whose chunks come from a bounded channel; it ends when every sender
-/// is gone, and fails (resetting the stream) on an `Err` item. When it belongs to a
-/// relayed stream it gives each chunk's budget back as hyper takes it.
+/// is gone, and fails (resetting the stream) on an `Err` item.
 pub(crate) struct ChannelBody {
     rx: mpsc::Receiver<Result<Bytes, io::Error>>,
-    budget: Option<(Arc<Mutex<RelayBudget>>, u64)>,
-    /// Told when hyper first asks for data: the HTTP/2 stream is open and may send.
-    started: Option<oneshot::Sender<()>>,
     /// Ends the body with an error (resetting the stream) when cancelled.
     ended: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
 }
 
 impl ChannelBody {
     pub(crate) fn new(rx: mpsc::Receiver<Result<Bytes, io::Error>>) -> ChannelBody {
-        ChannelBody {
-            rx,
-            budget: None,
-            started: None,
-            ended: None,
-        }
-    }
-
-    pub(crate) fn charged(
-        rx: mpsc::Receiver<Result<Bytes, io::Error>>,
-        budget: Arc<Mutex<RelayBudget>>,
-        stream: u64,
-    ) -> ChannelBody {
-        ChannelBody {
-            rx,
-            budget: Some((budget, stream)),
-            started: None,
-            ended: None,
-        }
-    }
-
-    /// Tells `started` when hyper first polls the body: for a request, hyper has
-    /// handed the stream to h2 (h2 holds a request back while the peer's concurrency
-    /// limit is reached, though a burst in one poll may get past that check; the
-    /// broker's own slot permits bound the rest).
-    pub(crate) fn on_start(mut self, started: oneshot::Sender<()>) -> ChannelBody {
-        self.started = Some(started);
-        self
+        ChannelBody { rx, ended: None }
     }
 
     /// Resets the stream when `ended` is cancelled: as a data stream's response body,
@@ -88,9 +57,6 @@ impl Body for ChannelBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
-        if let Some(started) = self.started.take() {
-            let _ = started.send(());
-        }
         if let Some(ended) = self.ended.as_mut() {
             if ended.as_mut().poll(cx).is_ready() {
                 self.ended = None;
@@ -99,29 +65,185 @@ impl Body for ChannelBody {
             }
         }
         match ready!(self.rx.poll_recv(cx)) {
-            Some(Ok(chunk)) => {
-                if let Some((budget, stream)) = &self.budget {
-                    budget
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .release(*stream, chunk.len());
-                }
-                Poll::Ready(Some(Ok(Frame::data(chunk))))
-            }
+            Some(Ok(chunk)) => Poll::Ready(Some(Ok(Frame::data(chunk)))),
             Some(Err(e)) => Poll::Ready(Some(Err(e))),
             None => Poll::Ready(None),
         }
     }
 }
 
-impl Drop for ChannelBody {
+/// A relayed stream's chunks toward the router, between the relay and hyper. The
+/// relay can fail it, which drops what it holds at once (hyper may not poll the body
+/// again for as long as the router reads nothing): what the budget stops charging is
+/// freed, not left queued.
+#[derive(Debug, Default)]
+struct Queue {
+    chunks: std::collections::VecDeque<Bytes>,
+    failed: Option<io::Error>,
+    /// The relay let go: the body ends once the chunks are taken.
+    done: bool,
+    /// Hyper let go of the body (the stream ended).
+    gone: bool,
+    waker: Option<std::task::Waker>,
+}
+
+/// The relay's end of a [`Queue`] (its drop ends the body).
+#[derive(Debug)]
+pub(crate) struct RelayQueue(Arc<Mutex<Queue>>);
+
+impl RelayQueue {
+    fn with<R>(&self, f: impl FnOnce(&mut Queue) -> R) -> R {
+        f(&mut self.0.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Queues `chunk` (charged by the caller); `false` once hyper let go.
+    pub(crate) fn push(&self, chunk: Bytes) -> bool {
+        self.with(|q| {
+            if q.gone || q.failed.is_some() {
+                return false;
+            }
+            q.chunks.push_back(chunk);
+            if let Some(w) = q.waker.take() {
+                w.wake();
+            }
+            true
+        })
+    }
+
+    /// Fails the body with `error` (hyper resets the stream) and drops every chunk
+    /// still queued.
+    pub(crate) fn fail(&self, error: io::Error) {
+        let dropped = self.with(|q| {
+            q.failed = Some(error);
+            if let Some(w) = q.waker.take() {
+                w.wake();
+            }
+            std::mem::take(&mut q.chunks)
+        });
+        drop(dropped);
+    }
+
+    /// Whether hyper let go of the body (the router ended the stream).
+    pub(crate) fn is_closed(&self) -> bool {
+        self.with(|q| q.gone)
+    }
+}
+
+impl Drop for RelayQueue {
     fn drop(&mut self) {
-        if let Some((budget, stream)) = &self.budget {
-            budget
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .close(*stream);
+        self.with(|q| {
+            q.done = true;
+            if let Some(w) = q.waker.take() {
+                w.wake();
+            }
+        });
+    }
+}
+
+/// Hyper's end of a [`Queue`]: the data stream's request body. It gives each chunk's
+/// budget back as hyper takes it, and closes the stream's budget when dropped.
+pub(crate) struct QueueBody {
+    queue: Arc<Mutex<Queue>>,
+    budget: Arc<Mutex<RelayBudget>>,
+    stream: u64,
+    /// Told when hyper first asks for data: the HTTP/2 stream is open and may send.
+    started: Option<oneshot::Sender<()>>,
+}
+
+/// A relayed stream's queue: the relay's end, and the body hyper sends (charged
+/// against `budget` as `stream`; `started` told when hyper first polls it: for a
+/// request, hyper has handed the stream to h2 — h2 holds a request back while the
+/// peer's concurrency limit is reached, though a burst in one poll may get past that
+/// check; the broker's own slot permits bound the rest).
+pub(crate) fn relay_queue(
+    budget: Arc<Mutex<RelayBudget>>,
+    stream: u64,
+    started: oneshot::Sender<()>,
+) -> (RelayQueue, QueueBody) {
+    let queue = Arc::new(Mutex::new(Queue::default()));
+    (
+        RelayQueue(queue.clone()),
+        QueueBody {
+            queue,
+            budget,
+            stream,
+            started: Some(started),
+        },
+    )
+}
+
+impl Body for QueueBody {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        if let Some(started) = self.started.take() {
+            let _ = started.send(());
         }
+        let next = {
+            let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(e) = q.failed.take() {
+                q.done = true;
+                Some(Err(e))
+            } else if let Some(chunk) = q.chunks.pop_front() {
+                Some(Ok(chunk))
+            } else if q.done {
+                return Poll::Ready(None);
+            } else {
+                q.waker = Some(cx.waker().clone());
+                None
+            }
+        };
+        match next {
+            Some(Ok(chunk)) => {
+                self.budget
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .release(self.stream, chunk.len());
+                Poll::Ready(Some(Ok(Frame::data(chunk))))
+            }
+            Some(Err(e)) => Poll::Ready(Some(Err(e))),
+            None => Poll::Pending,
+        }
+    }
+}
+
+/// What a broker sends the bus: the session's control frames, or a relayed stream.
+pub(crate) enum BrokerBody {
+    Control(ChannelBody),
+    Relay(QueueBody),
+}
+
+impl Body for BrokerBody {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        match self.get_mut() {
+            BrokerBody::Control(b) => Pin::new(b).poll_frame(cx),
+            BrokerBody::Relay(b) => Pin::new(b).poll_frame(cx),
+        }
+    }
+}
+
+impl Drop for QueueBody {
+    fn drop(&mut self) {
+        let dropped = {
+            let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+            q.gone = true;
+            std::mem::take(&mut q.chunks)
+        };
+        drop(dropped);
+        self.budget
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .close(self.stream);
     }
 }
 

@@ -5,6 +5,7 @@
 //! kv_router (--etcd URL [--dynamo] | --static EP… [--wire eventplane|dynamo])
 //!           --namespace NS [--component C] [--endpoint E] --topic T
 //!           [--count N] [--timeout-ms MS] [--format json|quiet] [--dump-index]
+//!           [--max-index-blocks N]
 //!           [--bus-listen ADDR --bus-cert PEM --bus-key PEM
 //!            (--bus-clients FILE | --bus-token-file FILE)]
 //! ```
@@ -33,8 +34,9 @@
 //! or a reconnection forgets that publisher's blocks first; a publisher that leaves
 //! discovery takes its blocks with it (stderr lines say so). `--help` has the
 //! formats. On Ctrl-C / SIGTERM or after N events it prints its stats as one JSON
-//! object, the last line on stderr: the subscriber's counters, decode errors per reason
-//! and the index size (with `--dump-index`, the index itself). Exit codes: 0 on a signal or after N events; 1 on timeout (or if
+//! object, the last line on stderr: the subscriber's counters, decode errors per reason,
+//! the index size and the blocks it refused past `--max-index-blocks`, the bus's
+//! counters with `--bus-listen` (with `--dump-index`, the index itself). Exit codes: 0 on a signal or after N events; 1 on timeout (or if
 //! the subscriber stops); 2 on bad arguments; 3 when discovery cannot be reached (or
 //! --bus-listen cannot be bound).
 
@@ -80,7 +82,8 @@ use eventplane::wire::Wire;
          carry none), \"lost_views\" (event id gaps and reconnections that forgot \
          blocks), \"decode_errors\": \
          {{\"frames\", \"header\", \"length\", \"envelope\", \"identity\", \"payload\"}}, \
-         \"subscriber\": {{...}}, and with --dump-index \"index\"}}.\n\nExit codes: 0 on \
+         \"subscriber\": {{...}}, with --bus-listen \"bus\": {{...}} (the event bus's \
+         counters), and with --dump-index \"index\"}}.\n\nExit codes: 0 on \
          SIGTERM / Ctrl-C or after --count events; 1 on timeout or if the subscriber \
          stops; 2 on bad arguments; 3 when discovery cannot be reached or --bus-listen \
          cannot be bound.\n\nLogs: warnings go to stderr; RUST_LOG sets the level (off, \

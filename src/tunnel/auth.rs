@@ -143,7 +143,8 @@ impl BusClients {
         BusClients::default()
     }
 
-    /// A single trusted broker's token: any client id, only `namespaces`.
+    /// A single trusted broker's token: any client id not bound to a per-broker
+    /// credential (nor its `.check`), only `namespaces`.
     ///
     /// ```
     /// use eventplane::tunnel::{BusClients, Secret};

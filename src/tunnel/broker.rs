@@ -69,8 +69,9 @@ pub struct BrokerStats {
     /// Endpoints advertised in its discovery view now (distinct within each
     /// namespace).
     pub advertised_endpoints: usize,
-    /// Discovery instances not advertised because their namespace already held
-    /// [`MAX_VIEW_INSTANCES`](super::MAX_VIEW_INSTANCES).
+    /// Discovery instances not advertised: their namespace already held
+    /// [`MAX_VIEW_INSTANCES`](super::MAX_VIEW_INSTANCES) or
+    /// [`MAX_VIEW_BYTES`](super::MAX_VIEW_BYTES), or their endpoint is over 1 KiB.
     pub view_ignored: u64,
 }
 

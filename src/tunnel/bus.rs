@@ -65,7 +65,8 @@ pub struct BusStats {
     pub pending_timeouts: u64,
     /// Connections held unauthenticated now.
     pub pending: usize,
-    /// Authenticated connections refused: `max_connections` were held.
+    /// Authenticated connections refused: `max_connections` were held, or the
+    /// credential held its `max_connections_per_client`.
     pub connections_refused: u64,
     /// Opens refused before reaching any broker: the target is empty, over 1 KiB or
     /// not `tcp://host:port`.
@@ -106,7 +107,8 @@ pub struct BusStats {
 /// A connection carries one broker session and closes with it. Until it presents an
 /// accepted credential it waits in a pool of its own
 /// ([`EventBusConfig::max_pending_connections`](super::EventBusConfig), 64, at most 8
-/// per source address; when full, the oldest of the busiest source is closed), and
+/// per IPv4 address or IPv6 /64; when full, among the least advanced — silent, then
+/// speaking, then past TLS — the oldest of the busiest source is closed), and
 /// must complete TLS and authenticate within 3 s each: connections that never
 /// authenticate cannot take the `max_connections` slots of brokers. Its session must
 /// be welcomed within `session_start_timeout` (10 s). A broker that joins takes over

@@ -332,7 +332,7 @@ pub(super) async fn accept_loop(
                 inner.warn(
                     "pending_evicted",
                     format_args!(
-                        "event bus: the pool of unauthenticated connections is full: the oldest of the busiest source closed"
+                        "event bus: the pool of unauthenticated connections is full: the least advanced, oldest of the busiest source closed"
                     ),
                 );
             }

@@ -259,7 +259,7 @@ async fn follow(
         if left_out > 0 {
             shared.ignored.fetch_add(left_out, Ordering::Relaxed);
             if let Some(suppressed) = shared.warn.check("full", Instant::now()) {
-                tracing::warn!(namespace = %ns, ignored = left_out, suppressed, max = MAX_VIEW_INSTANCES, "discovery view full: instances not advertised");
+                tracing::warn!(namespace = %ns, ignored = left_out, suppressed, max_instances = MAX_VIEW_INSTANCES, max_bytes = MAX_VIEW_BYTES, "discovery view: instances not advertised (the namespace is full, or their endpoint is over 1 KiB)");
             }
         }
     }

@@ -236,7 +236,7 @@ impl DynamoRecords {
         }
         match record.transport.config.and_then(|c| c.endpoint) {
             Some(e) if !e.is_empty() => {
-                super::record::check_endpoint(&e)?;
+                super::endpoint::check_endpoint(&e)?;
                 Ok(Transport::zmq(e.into_owned()))
             }
             _ => Err(RecordError::BadValue("empty endpoint".to_owned())),

@@ -4,6 +4,7 @@ mod backend;
 mod builder;
 mod config;
 mod dynamo;
+mod endpoint;
 mod error;
 mod lease;
 mod record;

@@ -239,7 +239,7 @@ impl Keys {
         if record.transport.endpoint.is_empty() {
             return Err(RecordError::BadValue("empty endpoint".to_owned()));
         }
-        check_endpoint(&record.transport.endpoint)?;
+        super::endpoint::check_endpoint(&record.transport.endpoint)?;
         let mut instance = Instance::new(
             id,
             Transport::zmq(record.transport.endpoint.into_owned()),
@@ -270,30 +270,6 @@ fn encode_value(id: &ChannelId, transport: &Transport, worker: Option<WorkerIden
     };
     // Serializing strings and integers into a String cannot fail.
     serde_json::to_string(&record).unwrap_or_default()
-}
-
-/// Longest endpoint a record may advertise (bytes): what a tunnel target may be.
-pub(crate) const MAX_ENDPOINT_LEN: usize = 1024;
-
-/// Longest host name in an endpoint (DNS's limit).
-const MAX_HOST_LEN: usize = 253;
-
-/// An endpoint over [`MAX_ENDPOINT_LEN`], or whose host is over 253 bytes, makes its
-/// record malformed (counted), in either record format: no router or broker could
-/// use it, and a tunnel must never be handed it.
-pub(crate) fn check_endpoint(endpoint: &str) -> Result<(), RecordError> {
-    let host = endpoint
-        .split_once("://")
-        .map_or(endpoint, |(_, rest)| rest)
-        .rsplit_once(':')
-        .map_or(endpoint, |(host, _)| host);
-    if endpoint.len() > MAX_ENDPOINT_LEN || host.len() > MAX_HOST_LEN {
-        return Err(RecordError::EndpointTooLong {
-            len: endpoint.len(),
-            max: MAX_ENDPOINT_LEN,
-        });
-    }
-    Ok(())
 }
 
 /// The smallest key greater than every key starting with `prefix` (etcd's range end).

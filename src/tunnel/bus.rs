@@ -13,12 +13,13 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::accept::accept_loop;
 use super::admission::Pending;
 use super::auth::BusClients;
 use super::error::TunnelError;
 use super::io::TunnelStream;
-use super::serve::{Command, Counters, Inner, Waiter, accept_loop};
-use super::{DrainReason, MAX_NAME_LEN, PENDING_SUBSCRIBE_TIMEOUT, RefuseCode, rendezvous_ranked};
+use super::serve::{Command, Counters, Inner, Waiter};
+use super::{DrainReason, PENDING_SUBSCRIBE_TIMEOUT, RefuseCode, rendezvous_ranked};
 
 /// Brokers `open_stream` asks for one publisher: its rendezvous owner, then once the
 /// runner-up when the owner cannot reach it (a full owner is skipped without asking,
@@ -302,10 +303,7 @@ impl EventBus {
         publisher_id: u64,
         target: &str,
     ) -> Result<TunnelStream, TunnelError> {
-        if target.is_empty()
-            || target.len() > MAX_NAME_LEN
-            || crate::zmtp::parse_tcp(target).is_err()
-        {
+        if !super::frame::is_valid_target(target) {
             self.inner
                 .counters
                 .bad_targets

@@ -672,6 +672,12 @@ impl ControlDecoder {
     }
 }
 
+/// Whether `target` can be a `subscribe`'s target: `tcp://host:port`, 1 ..= 1024
+/// bytes. What no broker could dial is never sent.
+pub(crate) fn is_valid_target(target: &str) -> bool {
+    !target.is_empty() && target.len() <= MAX_NAME_LEN && crate::zmtp::parse_tcp(target).is_ok()
+}
+
 /// A minimal msgpack writer for the frames above (maps, strings, unsigned integers).
 struct Writer<'a>(&'a mut Vec<u8>);
 

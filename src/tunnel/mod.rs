@@ -45,6 +45,7 @@
 //! assert!(matches!(broker.poll_event(), Some(BrokerEvent::Welcomed(_))));
 //! ```
 
+mod accept;
 mod admission;
 mod auth;
 mod broker;
@@ -56,7 +57,9 @@ mod error;
 mod frame;
 mod io;
 mod reconnect;
+mod relay;
 mod rendezvous;
+mod router_session;
 mod serve;
 mod session;
 mod view;
@@ -86,9 +89,10 @@ pub use frame::{
 };
 pub use reconnect::{REBALANCE_WINDOW, Reconnect};
 pub use rendezvous::{rendezvous_owner, rendezvous_ranked, weight as rendezvous_weight};
+pub use router_session::{RouterEvent, RouterSession, SubscribeError};
 pub use session::{
     BrokerEvent, BrokerSession, Grant, HANDSHAKE_TIMEOUT, MAX_BROKER_STREAMS, MAX_QUEUED_CONTROL,
-    PENDING_SUBSCRIBE_TIMEOUT, RouterEvent, RouterSession, SessionEnd, SubscribeError,
+    PENDING_SUBSCRIBE_TIMEOUT, SessionEnd,
 };
 
 #[cfg(test)]

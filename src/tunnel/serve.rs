@@ -3,7 +3,6 @@
 //! streams.
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -11,13 +10,12 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::admission::{Admit, Pending, Progress};
+use super::accept::{Conn, authenticate};
+use super::admission::Pending;
 use super::auth::{BusClients, Identity};
 use super::codes::CodeCounts;
 use super::error::TunnelError;
@@ -235,308 +233,6 @@ impl Inner {
     }
 }
 
-/// One broker connection: it carries one session at a time, and closes when that
-/// session ends, or when it does not authenticate within
-/// [`EventBusConfig::auth_timeout`] or have a session welcomed within
-/// [`EventBusConfig::session_start_timeout`].
-struct Conn {
-    id: u64,
-    /// The credential it authenticated with, and its authenticated slot.
-    auth: Mutex<Option<AuthSlot>>,
-    /// It authenticated.
-    authenticated: AtomicBool,
-    /// A session runs on it.
-    busy: AtomicBool,
-    /// A session on it was welcomed.
-    welcomed: AtomicBool,
-    /// Cancelled to close the connection.
-    close: CancellationToken,
-}
-
-/// An authenticated connection's slot: one of `max_connections`, and one of its
-/// credential's `max_connections_per_client`; both given back when it closes.
-struct AuthSlot {
-    identity: Identity,
-    inner: std::sync::Weak<Inner>,
-    _permit: tokio::sync::OwnedSemaphorePermit,
-}
-
-impl Drop for AuthSlot {
-    fn drop(&mut self) {
-        if let Some(inner) = self.inner.upgrade() {
-            let mut held = inner.per_identity.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(n) = held.get_mut(&self.identity) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    held.remove(&self.identity);
-                }
-            }
-        }
-    }
-}
-
-/// Takes the connection out of the unauthenticated pool when its task ends.
-struct LeavePending<'a> {
-    inner: &'a Inner,
-    id: u64,
-}
-
-impl Drop for LeavePending<'_> {
-    fn drop(&mut self) {
-        self.inner
-            .pending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(self.id);
-    }
-}
-
-pub(super) async fn accept_loop(
-    inner: Arc<Inner>,
-    listener: TcpListener,
-    acceptor: tokio_rustls::TlsAcceptor,
-) {
-    loop {
-        let accepted = tokio::select! {
-            () = inner.cancel.cancelled() => return,
-            a = listener.accept() => a,
-        };
-        let Ok((tcp, peer)) = accepted else {
-            // Out of descriptors, most likely: pause instead of spinning.
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            continue;
-        };
-        let _ = tcp.set_nodelay(true);
-        let id = inner.next_conn.fetch_add(1, Ordering::Relaxed);
-        let close = CancellationToken::new();
-        // Unauthenticated connections wait in a small pool of their own.
-        // A broker's client hello is usually there by now: it ranks above the silent.
-        let progress = if has_bytes(&tcp) {
-            Progress::Spoke
-        } else {
-            Progress::Silent
-        };
-        let admitted = inner
-            .pending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .admit_at(id, source_key(peer.ip()), progress, close.clone());
-        match admitted {
-            Admit::Admitted => {}
-            Admit::Evicted(old) => {
-                old.cancel();
-                inner
-                    .counters
-                    .pending_evicted
-                    .fetch_add(1, Ordering::Relaxed);
-                inner.warn(
-                    "pending_evicted",
-                    format_args!(
-                        "event bus: the pool of unauthenticated connections is full: the least advanced, oldest of the busiest source closed"
-                    ),
-                );
-            }
-            Admit::Refused => {
-                inner
-                    .counters
-                    .pending_refused
-                    .fetch_add(1, Ordering::Relaxed);
-                inner.warn(
-                    "pending_refused",
-                    format_args!(
-                        "event bus: {} holds its share of unauthenticated connections: refusing another",
-                        peer.ip()
-                    ),
-                );
-                continue;
-            }
-        }
-        let state = Arc::new(Conn {
-            id,
-            auth: Mutex::new(None),
-            authenticated: AtomicBool::new(false),
-            busy: AtomicBool::new(false),
-            welcomed: AtomicBool::new(false),
-            close,
-        });
-        let (inner2, acceptor) = (inner.clone(), acceptor.clone());
-        inner.tracker.spawn(async move {
-            let _leave = LeavePending {
-                inner: &inner2,
-                id: state.id,
-            };
-            let tls_deadline = tokio::time::Instant::now() + inner2.config.tls_handshake_timeout;
-            // A connection that speaks (a TLS client hello) is evicted only after every
-            // silent one.
-            let spoke = tokio::select! {
-                () = state.close.cancelled() => return,
-                r = tokio::time::timeout_at(tls_deadline, tcp.readable()) => r,
-            };
-            match spoke {
-                Ok(Ok(())) => inner2
-                    .pending
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .progressed(state.id, Progress::Spoke),
-                Ok(Err(_)) => return,
-                Err(_) => {
-                    inner2
-                        .counters
-                        .pending_timeouts
-                        .fetch_add(1, Ordering::Relaxed);
-                    return;
-                }
-            }
-            let handshake = tokio::time::timeout_at(tls_deadline, acceptor.accept(tcp));
-            let tls = tokio::select! {
-                () = state.close.cancelled() => return,
-                r = handshake => match r {
-                    Ok(Ok(tls)) => tls,
-                    Ok(Err(e)) => {
-                        tracing::debug!(error = %e, "TLS handshake with a broker failed");
-                        return;
-                    }
-                    Err(_) => {
-                        inner2.counters.pending_timeouts.fetch_add(1, Ordering::Relaxed);
-                        return;
-                    }
-                },
-            };
-            inner2
-                .pending
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .progressed(state.id, Progress::Tls);
-            let (service_inner, service_state) = (inner2.clone(), state.clone());
-            let service = hyper::service::service_fn(move |req| {
-                let (inner, state) = (service_inner.clone(), service_state.clone());
-                async move { Ok::<_, Infallible>(route(inner, state, req).await) }
-            });
-            let unauthenticated = async {
-                tokio::time::sleep(inner2.config.auth_timeout).await;
-                if state.authenticated.load(Ordering::Relaxed) {
-                    std::future::pending::<()>().await;
-                }
-            };
-            let unwelcomed = async {
-                tokio::time::sleep(inner2.config.session_start_timeout).await;
-                if state.welcomed.load(Ordering::Relaxed) {
-                    std::future::pending::<()>().await;
-                }
-            };
-            // Every stream the welcome allows, plus the session's own.
-            // Windows: one stalled stream holds at most 256 KiB of the connection's
-            // 16 MiB, so it cannot stall the session or the other streams.
-            let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                .max_concurrent_streams(inner2.config.limits.max_streams.saturating_add(1))
-                .initial_stream_window_size(256 << 10)
-                .initial_connection_window_size(16 << 20)
-                .serve_connection(TokioIo::new(tls), service);
-            tokio::select! {
-                () = inner2.cancel.cancelled() => {}
-                r = conn => if let Err(e) = r {
-                    tracing::debug!(error = %e, "broker connection ended");
-                },
-                () = unauthenticated => {
-                    inner2.counters.pending_timeouts.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!("a connection sent no accepted credential in time: closed");
-                }
-                () = unwelcomed => {
-                    tracing::debug!("a connection had no session welcomed in time: closed");
-                }
-                () = state.close.cancelled() => {}
-            }
-        });
-    }
-}
-
-/// Whether bytes wait to be read on `tcp` now (one non-blocking peek).
-fn has_bytes(tcp: &tokio::net::TcpStream) -> bool {
-    let mut byte = [0u8; 1];
-    let mut buf = tokio::io::ReadBuf::new(&mut byte);
-    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    matches!(tcp.poll_peek(&mut cx, &mut buf), std::task::Poll::Ready(Ok(n)) if n > 0)
-}
-
-/// The source a connection counts against in the unauthenticated pool: its IPv4
-/// address, or its IPv6 /64 (one host's usual allocation).
-fn source_key(ip: std::net::IpAddr) -> std::net::IpAddr {
-    match ip {
-        std::net::IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => v4.into(),
-            None => {
-                let mut octets = v6.octets();
-                if let Some(host) = octets.get_mut(8..) {
-                    host.fill(0);
-                }
-                std::net::Ipv6Addr::from(octets).into()
-            }
-        },
-        v4 => v4,
-    }
-}
-
-/// The connection presented `identity`: the first time, it leaves the
-/// unauthenticated pool for an authenticated slot, within the credential's share
-/// (`false` when it was evicted meanwhile, or no slot is free: the connection
-/// closes); after that, every request must present the same credential.
-fn authenticate(inner: &Arc<Inner>, conn: &Conn, identity: Identity) -> bool {
-    let mut auth = conn.auth.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(held) = auth.as_ref() {
-        return held.identity == identity;
-    }
-    // Evicted between its request and now: it is closing.
-    if !inner
-        .pending
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(conn.id)
-    {
-        conn.close.cancel();
-        return false;
-    }
-    let refuse = |why: std::fmt::Arguments<'_>| {
-        inner
-            .counters
-            .connections_refused
-            .fetch_add(1, Ordering::Relaxed);
-        inner.warn("connections_refused", why);
-        conn.close.cancel();
-        false
-    };
-    {
-        let mut held = inner.per_identity.lock().unwrap_or_else(|p| p.into_inner());
-        let n = held.entry(identity).or_default();
-        if *n >= inner.config.max_connections_per_client {
-            return refuse(format_args!(
-                "event bus: a credential holds its {} authenticated connections: refusing another",
-                inner.config.max_connections_per_client
-            ));
-        }
-        *n += 1;
-    }
-    // From here the slot's drop gives the credential's count back.
-    let slot = |permit| AuthSlot {
-        identity,
-        inner: Arc::downgrade(inner),
-        _permit: permit,
-    };
-    let Ok(permit) = inner.authenticated.clone().try_acquire_owned() else {
-        let mut held = inner.per_identity.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = held.get_mut(&identity) {
-            *n = n.saturating_sub(1);
-        }
-        drop(held);
-        return refuse(format_args!(
-            "event bus: {} authenticated connections held: refusing another",
-            inner.config.max_connections
-        ));
-    };
-    *auth = Some(slot(permit));
-    conn.authenticated.store(true, Ordering::Relaxed);
-    true
-}
-
 fn empty(status: StatusCode) -> Response<ChannelBody> {
     let (_, rx) = mpsc::channel(1);
     let mut response = Response::new(ChannelBody::new(rx));
@@ -544,7 +240,7 @@ fn empty(status: StatusCode) -> Response<ChannelBody> {
     response
 }
 
-async fn route(
+pub(super) async fn route(
     inner: Arc<Inner>,
     conn: Arc<Conn>,
     req: Request<Incoming>,

@@ -1,0 +1,407 @@
+//! The router's end of a tunnel session as a sans-IO state machine (DESIGN §7.1,
+//! §7.3): it waits for `hello`, holds it to the credential's grant, answers
+//! `welcome`, and tracks every stream from subscribe to data stream to close.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use super::frame::{
+    CloseCode, Control, DrainReason, Limits, PROTOCOL_VERSION, RefuseCode, Welcome,
+};
+use super::session::{
+    Grant, HANDSHAKE_TIMEOUT, Liveness, Outbox, PENDING_SUBSCRIBE_TIMEOUT, SessionEnd,
+};
+
+/// What a router session tells its owner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RouterEvent {
+    /// A broker said `hello` and was welcomed.
+    Welcomed {
+        /// Its client id (a session with the same id supersedes the older one).
+        client_id: String,
+        /// The namespaces it covers.
+        namespaces: Vec<String>,
+        /// The negotiated version.
+        version: u32,
+    },
+    /// The broker connected the publisher; the data stream follows.
+    Opened(u64),
+    /// The broker refused the subscribe.
+    Refused {
+        /// The stream.
+        stream_id: u64,
+        /// Why.
+        code: RefuseCode,
+    },
+    /// An open stream ended on the broker's side: resubscribe.
+    Closed {
+        /// The stream.
+        stream_id: u64,
+        /// Why.
+        code: CloseCode,
+    },
+    /// A subscribe got no answer, or no data stream, within
+    /// [`PENDING_SUBSCRIBE_TIMEOUT`]: resubscribe (elsewhere, perhaps).
+    Expired(u64),
+    /// The broker is shutting down: move its subscriptions.
+    BrokerDraining,
+    /// The session is over; every stream of it ends with it.
+    Ended(SessionEnd),
+}
+
+/// Why the router cannot subscribe through this session now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SubscribeError {
+    /// The broker has not said `hello` yet, or the session ended.
+    #[error("the session is not active")]
+    NotActive,
+    /// The broker is draining.
+    #[error("the broker is draining")]
+    Draining,
+    /// The session's stream limit is reached.
+    #[error("the session's stream limit is reached")]
+    TooManyStreams,
+    /// The stream id is in use in this session.
+    #[error("the stream id is in use")]
+    DuplicateStream,
+    /// The target is empty, over [`MAX_NAME_LEN`](super::MAX_NAME_LEN) bytes, or not
+    /// `tcp://host:port`: no broker could dial it, so it is never sent.
+    #[error("the target is not a tcp://host:port of at most 1024 bytes")]
+    BadTarget,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StreamState {
+    /// Subscribed; until the deadline, waiting for `stream_opened` and the data stream.
+    Pending { deadline: Instant, opened: bool },
+    /// The data stream is attached.
+    Active,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum RouterState {
+    AwaitingHello { deadline: Instant },
+    Active { draining: bool },
+    Ended,
+}
+
+/// The router's end of a session: waits for `hello`, answers `welcome`, tracks every
+/// stream from subscribe to data stream to close, and expires what never completes.
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use eventplane::tunnel::{Control, Hello, Limits, RefuseCode, RouterEvent, RouterSession};
+/// let now = Instant::now();
+/// let limits = Limits::default().with_heartbeat(Duration::from_secs(10), Duration::from_secs(60));
+/// let mut router = RouterSession::new(7, limits, now);
+/// router.handle(Control::Hello(Hello::new("broker-1", vec!["prod".into()])), now);
+/// assert!(matches!(router.poll_transmit(), Some(Control::Welcome(_))));
+/// assert!(matches!(router.poll_event(), Some(RouterEvent::Welcomed { .. })));
+/// router.subscribe(1, "tcp://10.0.0.5:5557".into(), now)?;
+/// assert!(matches!(router.poll_transmit(), Some(Control::Subscribe { stream_id: 1, .. })));
+/// // No answer and no data stream for 30 s: expired, and a late data stream is refused.
+/// router.handle(Control::Heartbeat, now + Duration::from_secs(20)); // the broker is alive
+/// router.handle_timeout(now + Duration::from_secs(31));
+/// assert_eq!(router.poll_event(), Some(RouterEvent::Expired(1)));
+/// assert_eq!(router.accept_data_stream(1), Err(RefuseCode::UnknownStream));
+/// # Ok::<(), eventplane::tunnel::SubscribeError>(())
+/// ```
+#[derive(Debug)]
+pub struct RouterSession {
+    state: RouterState,
+    session_id: u64,
+    limits: Limits,
+    liveness: Liveness,
+    streams: HashMap<u64, StreamState>,
+    outbox: Outbox,
+    events: VecDeque<RouterEvent>,
+    grant: Grant,
+}
+
+impl RouterSession {
+    /// A session that waits for the broker's `hello` and will offer `limits`; any
+    /// hello is accepted (see [`with_grant`](Self::with_grant)).
+    pub fn new(session_id: u64, limits: Limits, now: Instant) -> RouterSession {
+        RouterSession {
+            state: RouterState::AwaitingHello {
+                deadline: now + HANDSHAKE_TIMEOUT,
+            },
+            session_id,
+            liveness: Liveness::new(&limits, now),
+            limits,
+            streams: HashMap::new(),
+            outbox: Outbox::default(),
+            events: VecDeque::new(),
+            grant: Grant::any(),
+        }
+    }
+
+    /// With the hello held to `grant`: one outside it is answered `denied` and the
+    /// session ends with [`SessionEnd::Denied`].
+    ///
+    /// ```
+    /// use std::time::Instant;
+    /// use eventplane::tunnel::{Control, DenyCode, Grant, Hello, Limits, RouterEvent, RouterSession, SessionEnd};
+    /// let now = Instant::now();
+    /// let grant = Grant::namespaces(vec!["prod".into()]).with_client_id("broker-a");
+    /// let mut router = RouterSession::new(1, Limits::default(), now).with_grant(grant);
+    /// router.handle(Control::Hello(Hello::new("broker-b", vec!["prod".into()])), now);
+    /// assert_eq!(router.poll_transmit(), Some(Control::Denied { code: DenyCode::ClientIdNotGranted }));
+    /// assert_eq!(router.poll_event(), Some(RouterEvent::Ended(SessionEnd::Denied(DenyCode::ClientIdNotGranted))));
+    /// ```
+    #[must_use]
+    pub fn with_grant(mut self, grant: Grant) -> RouterSession {
+        self.grant = grant;
+        self
+    }
+
+    /// Whether another subscribe fits under the session's stream limit.
+    pub fn has_room(&self) -> bool {
+        self.streams.len() < self.limits.max_streams as usize
+    }
+
+    /// The next frame to send.
+    pub fn poll_transmit(&mut self) -> Option<Control> {
+        self.outbox.frames.pop_front()
+    }
+
+    /// `true` while frames wait to be sent.
+    pub fn has_transmit(&self) -> bool {
+        !self.outbox.frames.is_empty()
+    }
+
+    /// The next event.
+    pub fn poll_event(&mut self) -> Option<RouterEvent> {
+        self.events.pop_front()
+    }
+
+    /// `true` once the session ended.
+    pub fn is_ended(&self) -> bool {
+        self.state == RouterState::Ended
+    }
+
+    /// `true` while the broker can take subscribes.
+    pub fn is_available(&self) -> bool {
+        self.state == RouterState::Active { draining: false }
+    }
+
+    /// Streams subscribed and not yet closed, refused or expired.
+    pub fn streams(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) must be called next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match self.state {
+            RouterState::AwaitingHello { deadline } => Some(deadline),
+            RouterState::Active { .. } => {
+                let pending = self.streams.values().filter_map(|s| match s {
+                    StreamState::Pending { deadline, .. } => Some(*deadline),
+                    StreamState::Active => None,
+                });
+                Some(pending.fold(self.liveness.next_deadline(), Instant::min))
+            }
+            RouterState::Ended => None,
+        }
+    }
+
+    /// Heartbeats, the idle timeout, the handshake deadline, and expired subscribes.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        match self.state {
+            RouterState::AwaitingHello { deadline } if now >= deadline => {
+                self.end(SessionEnd::HandshakeTimeout(HANDSHAKE_TIMEOUT));
+            }
+            RouterState::Active { .. } => {
+                let l = &mut self.liveness;
+                if now >= l.last_heard + l.idle {
+                    let idle = l.idle;
+                    return self.end(SessionEnd::IdleTimeout(idle));
+                }
+                if now >= l.last_sent + l.interval {
+                    l.last_sent = now;
+                    self.send(Control::Heartbeat);
+                }
+                let mut expired: Vec<u64> = self
+                    .streams
+                    .iter()
+                    .filter(|(_, s)| matches!(s, StreamState::Pending { deadline, .. } if now >= *deadline))
+                    .map(|(id, _)| *id)
+                    .collect();
+                expired.sort_unstable();
+                for id in expired {
+                    self.streams.remove(&id);
+                    // The broker may have it open: tell it to let go.
+                    self.send(Control::Unsubscribe { stream_id: id });
+                    self.events.push_back(RouterEvent::Expired(id));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// A frame from the broker.
+    pub fn handle(&mut self, frame: Control, now: Instant) {
+        self.liveness.last_heard = now;
+        match (&self.state, frame) {
+            (RouterState::Ended, _) => {}
+            (RouterState::AwaitingHello { .. }, Control::Hello(hello)) => {
+                // The highest version both speak.
+                let Some(version) = hello
+                    .versions
+                    .iter()
+                    .copied()
+                    .filter(|v| *v == PROTOCOL_VERSION)
+                    .max()
+                else {
+                    return self.end(SessionEnd::NoCommonVersion {
+                        offered: hello.versions,
+                    });
+                };
+                if let Err(code) = self.grant.check(&hello) {
+                    self.end(SessionEnd::Denied(code));
+                    // The one frame an ended session still sends: why.
+                    self.outbox.frames.push_back(Control::Denied { code });
+                    return;
+                }
+                self.state = RouterState::Active { draining: false };
+                self.liveness = Liveness::new(&self.limits, now);
+                self.send(Control::Welcome(Welcome::new(
+                    version,
+                    self.session_id,
+                    self.limits,
+                )));
+                self.events.push_back(RouterEvent::Welcomed {
+                    client_id: hello.client_id,
+                    namespaces: hello.namespaces,
+                    version,
+                });
+            }
+            (RouterState::AwaitingHello { .. }, _) => {
+                self.end(SessionEnd::Protocol("the first frame was not a hello"));
+            }
+            (RouterState::Active { .. }, Control::Heartbeat | Control::Unknown) => {}
+            (RouterState::Active { .. }, Control::StreamOpened { stream_id }) => {
+                if let Some(StreamState::Pending { opened, .. }) = self.streams.get_mut(&stream_id)
+                {
+                    *opened = true;
+                    self.events.push_back(RouterEvent::Opened(stream_id));
+                }
+            }
+            (RouterState::Active { .. }, Control::StreamRefused { stream_id, code }) => {
+                if self.streams.remove(&stream_id).is_some() {
+                    self.events
+                        .push_back(RouterEvent::Refused { stream_id, code });
+                }
+            }
+            (RouterState::Active { .. }, Control::StreamClosed { stream_id, code }) => {
+                if self.streams.remove(&stream_id).is_some() {
+                    self.events
+                        .push_back(RouterEvent::Closed { stream_id, code });
+                }
+            }
+            (RouterState::Active { .. }, Control::Draining) => {
+                self.state = RouterState::Active { draining: true };
+                self.events.push_back(RouterEvent::BrokerDraining);
+            }
+            (RouterState::Active { .. }, _) => {
+                self.end(SessionEnd::Protocol(
+                    "a frame only a router sends came from the broker",
+                ));
+            }
+        }
+    }
+
+    /// Asks the broker to relay `target` as `stream_id`.
+    pub fn subscribe(
+        &mut self,
+        stream_id: u64,
+        target: String,
+        now: Instant,
+    ) -> Result<(), SubscribeError> {
+        match self.state {
+            RouterState::Active { draining: false } => {}
+            RouterState::Active { draining: true } => return Err(SubscribeError::Draining),
+            _ => return Err(SubscribeError::NotActive),
+        }
+        if !super::frame::is_valid_target(&target) {
+            return Err(SubscribeError::BadTarget);
+        }
+        if self.streams.contains_key(&stream_id) {
+            return Err(SubscribeError::DuplicateStream);
+        }
+        if self.streams.len() >= self.limits.max_streams as usize {
+            return Err(SubscribeError::TooManyStreams);
+        }
+        self.streams.insert(
+            stream_id,
+            StreamState::Pending {
+                deadline: now + PENDING_SUBSCRIBE_TIMEOUT,
+                opened: false,
+            },
+        );
+        self.send(Control::Subscribe { stream_id, target });
+        Ok(())
+    }
+
+    /// Stops relaying `stream_id` (the broker closes it silently).
+    pub fn unsubscribe(&mut self, stream_id: u64) {
+        if self.streams.remove(&stream_id).is_some() {
+            self.send(Control::Unsubscribe { stream_id });
+        }
+    }
+
+    /// A data stream for `stream_id` arrived: attach it, or refuse it with
+    /// `unknown_stream` (never subscribed here, expired, or already attached).
+    pub fn accept_data_stream(&mut self, stream_id: u64) -> Result<(), RefuseCode> {
+        match self.streams.get_mut(&stream_id) {
+            // The data stream may overtake `stream_opened` (they travel separately).
+            Some(s @ StreamState::Pending { .. }) => {
+                *s = StreamState::Active;
+                Ok(())
+            }
+            _ => Err(RefuseCode::UnknownStream),
+        }
+    }
+
+    /// The data stream of `stream_id` ended on this side (the router's socket closed
+    /// it, or the transport failed): forget it and tell the broker.
+    pub fn data_stream_ended(&mut self, stream_id: u64) {
+        self.unsubscribe(stream_id);
+    }
+
+    /// Asks the broker to drain (shutdown, or moving its subscriptions elsewhere).
+    pub fn drain(&mut self, deadline: Duration, reason: DrainReason) {
+        if let RouterState::Active { .. } = self.state {
+            self.state = RouterState::Active { draining: true };
+            self.send(Control::Drain { deadline, reason });
+        }
+    }
+
+    /// Ends the session from this side (a newer session of the same client id
+    /// superseded it, or the router is stopping).
+    pub fn close(&mut self) {
+        self.end(SessionEnd::Closed);
+    }
+
+    /// Ends the session for `why` (the I/O layer found the peer's bytes unusable).
+    pub fn abort(&mut self, why: SessionEnd) {
+        self.end(why);
+    }
+
+    fn send(&mut self, frame: Control) {
+        if let Err(end) = self.outbox.push(frame) {
+            self.end(end);
+        }
+    }
+
+    fn end(&mut self, why: SessionEnd) {
+        if self.state != RouterState::Ended {
+            self.state = RouterState::Ended;
+            self.streams.clear();
+            self.outbox.frames.clear();
+            self.events.push_back(RouterEvent::Ended(why));
+        }
+    }
+}

@@ -1,6 +1,6 @@
-//! The bus's accept path (DESIGN §7.3): connections wait in the unauthenticated pool
-//! (TLS, then the first request with an accepted credential) and then take an
-//! authenticated slot, within their credential's share.
+//! The bus's accept path (DESIGN §7.3): connections wait in the unauthenticated pool,
+//! ranked by how far they got, under the TLS and credential deadlines; their first
+//! accepted credential (`serve::authenticate`) moves them to an authenticated slot.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,48 +12,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use super::admission::{Admit, Progress};
-use super::auth::Identity;
-use super::serve::{Inner, route};
-
-/// One broker connection: it carries one session at a time, and closes when that
-/// session ends, or when it does not authenticate within
-/// [`EventBusConfig::auth_timeout`] or have a session welcomed within
-/// [`EventBusConfig::session_start_timeout`].
-pub(super) struct Conn {
-    pub(super) id: u64,
-    /// The credential it authenticated with, and its authenticated slot.
-    auth: Mutex<Option<AuthSlot>>,
-    /// It authenticated.
-    pub(super) authenticated: AtomicBool,
-    /// A session runs on it.
-    pub(super) busy: AtomicBool,
-    /// A session on it was welcomed.
-    pub(super) welcomed: AtomicBool,
-    /// Cancelled to close the connection.
-    pub(super) close: CancellationToken,
-}
-
-/// An authenticated connection's slot: one of `max_connections`, and one of its
-/// credential's `max_connections_per_client`; both given back when it closes.
-struct AuthSlot {
-    identity: Identity,
-    inner: std::sync::Weak<Inner>,
-    _permit: tokio::sync::OwnedSemaphorePermit,
-}
-
-impl Drop for AuthSlot {
-    fn drop(&mut self) {
-        if let Some(inner) = self.inner.upgrade() {
-            let mut held = inner.per_identity.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(n) = held.get_mut(&self.identity) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    held.remove(&self.identity);
-                }
-            }
-        }
-    }
-}
+use super::serve::{Conn, Inner, route};
 
 /// Takes the connection out of the unauthenticated pool when its task ends.
 struct LeavePending<'a> {
@@ -254,65 +213,4 @@ fn source_key(ip: std::net::IpAddr) -> std::net::IpAddr {
         },
         v4 => v4,
     }
-}
-
-/// The connection presented `identity`: the first time, it leaves the
-/// unauthenticated pool for an authenticated slot, within the credential's share
-/// (`false` when it was evicted meanwhile, or no slot is free: the connection
-/// closes); after that, every request must present the same credential.
-pub(super) fn authenticate(inner: &Arc<Inner>, conn: &Conn, identity: Identity) -> bool {
-    let mut auth = conn.auth.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(held) = auth.as_ref() {
-        return held.identity == identity;
-    }
-    // Evicted between its request and now: it is closing.
-    if !inner
-        .pending
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(conn.id)
-    {
-        conn.close.cancel();
-        return false;
-    }
-    let refuse = |why: std::fmt::Arguments<'_>| {
-        inner
-            .counters
-            .connections_refused
-            .fetch_add(1, Ordering::Relaxed);
-        inner.warn("connections_refused", why);
-        conn.close.cancel();
-        false
-    };
-    {
-        let mut held = inner.per_identity.lock().unwrap_or_else(|p| p.into_inner());
-        let n = held.entry(identity).or_default();
-        if *n >= inner.config.max_connections_per_client {
-            return refuse(format_args!(
-                "event bus: a credential holds its {} authenticated connections: refusing another",
-                inner.config.max_connections_per_client
-            ));
-        }
-        *n += 1;
-    }
-    // From here the slot's drop gives the credential's count back.
-    let slot = |permit| AuthSlot {
-        identity,
-        inner: Arc::downgrade(inner),
-        _permit: permit,
-    };
-    let Ok(permit) = inner.authenticated.clone().try_acquire_owned() else {
-        let mut held = inner.per_identity.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = held.get_mut(&identity) {
-            *n = n.saturating_sub(1);
-        }
-        drop(held);
-        return refuse(format_args!(
-            "event bus: {} authenticated connections held: refusing another",
-            inner.config.max_connections
-        ));
-    };
-    *auth = Some(slot(permit));
-    conn.authenticated.store(true, Ordering::Relaxed);
-    true
 }

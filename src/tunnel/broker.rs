@@ -18,7 +18,7 @@ use super::codes::CodeCounts;
 use super::config::BrokerConfig;
 use super::error::TunnelError;
 use super::io::{BODY_CHANNEL, BrokerBody, ChannelBody, next_chunk};
-use super::relay::{Relay, Report, Reported, relay};
+use super::relay::{Counters, Relay, Report, Reported, relay};
 use super::view::View;
 use super::{
     BrokerEvent, BrokerSession, ControlDecoder, DrainReason, Hello, Reconnect, RelayBudget,
@@ -72,29 +72,6 @@ pub struct BrokerStats {
     pub view_ignored: u64,
 }
 
-pub(super) struct Counters {
-    pub(super) sessions: AtomicU64,
-    pub(super) connected: std::sync::atomic::AtomicBool,
-    pub(super) session_failures: AtomicU64,
-    pub(super) streams_opened: AtomicU64,
-    pub(super) rebalances_throttled: AtomicU64,
-    pub(super) bytes_up: AtomicU64,
-    pub(super) bytes_down: AtomicU64,
-    pub(super) high_water: AtomicU64,
-    pub(super) refused: CodeCounts,
-    pub(super) closed: CodeCounts,
-    pub(super) denied: CodeCounts,
-    /// DNS lookups in flight: one permit each.
-    pub(super) dns: Arc<tokio::sync::Semaphore>,
-    /// Lookups that found every slot taken and waited.
-    pub(super) dns_saturated: AtomicU64,
-    /// Streams relaying now.
-    pub(super) open: AtomicU64,
-    /// Refusals warn once a minute per code, with the count suppressed.
-    pub(super) warn: crate::net::RateLimitedWarn,
-    pub(super) view: View,
-}
-
 /// A running broker: it keeps a session with the bus (reconnecting with backoff) until
 /// [`shutdown`](Self::shutdown) drains it; [`abort`](Self::abort), or dropping it,
 /// stops it at once.
@@ -107,12 +84,6 @@ pub struct Broker {
     hard: CancellationToken,
     counters: Arc<Counters>,
     task: tokio::task::JoinHandle<()>,
-}
-
-impl std::fmt::Debug for Counters {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Counters").finish_non_exhaustive()
-    }
 }
 
 impl Broker {

@@ -2,7 +2,7 @@
 //! and the data stream, stage by stage under their deadlines, then the bytes both ways
 //! within the relay budget.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
@@ -13,7 +13,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use super::broker::Counters;
+use super::codes::CodeCounts;
 use super::config::BrokerConfig;
 use super::io::{BrokerBody, RelayQueue, next_chunk, relay_queue};
 use super::view::View;
@@ -298,5 +298,35 @@ async fn pump(
         code = up => code,
         // The router ended its side (it unsubscribes too): closed silently.
         code = down => code,
+    }
+}
+
+/// A broker's counters and state shared by its sessions and relays.
+pub(super) struct Counters {
+    pub(super) sessions: AtomicU64,
+    pub(super) connected: std::sync::atomic::AtomicBool,
+    pub(super) session_failures: AtomicU64,
+    pub(super) streams_opened: AtomicU64,
+    pub(super) rebalances_throttled: AtomicU64,
+    pub(super) bytes_up: AtomicU64,
+    pub(super) bytes_down: AtomicU64,
+    pub(super) high_water: AtomicU64,
+    pub(super) refused: CodeCounts,
+    pub(super) closed: CodeCounts,
+    pub(super) denied: CodeCounts,
+    /// DNS lookups in flight: one permit each.
+    pub(super) dns: Arc<tokio::sync::Semaphore>,
+    /// Lookups that found every slot taken and waited.
+    pub(super) dns_saturated: AtomicU64,
+    /// Streams relaying now.
+    pub(super) open: AtomicU64,
+    /// Refusals warn once a minute per code, with the count suppressed.
+    pub(super) warn: crate::net::RateLimitedWarn,
+    pub(super) view: View,
+}
+
+impl std::fmt::Debug for Counters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Counters").finish_non_exhaustive()
     }
 }

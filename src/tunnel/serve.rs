@@ -14,7 +14,6 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::accept::{Conn, authenticate};
 use super::admission::Pending;
 use super::auth::{BusClients, Identity};
 use super::codes::CodeCounts;
@@ -231,6 +230,107 @@ impl Inner {
             let _ = w.reply.send(Err(error));
         }
     }
+}
+
+/// One broker connection: it carries one session at a time, and closes when that
+/// session ends, or when it does not authenticate within
+/// [`EventBusConfig::auth_timeout`] or have a session welcomed within
+/// [`EventBusConfig::session_start_timeout`].
+pub(super) struct Conn {
+    pub(super) id: u64,
+    /// The credential it authenticated with, and its authenticated slot.
+    pub(super) auth: Mutex<Option<AuthSlot>>,
+    /// It authenticated.
+    pub(super) authenticated: AtomicBool,
+    /// A session runs on it.
+    pub(super) busy: AtomicBool,
+    /// A session on it was welcomed.
+    pub(super) welcomed: AtomicBool,
+    /// Cancelled to close the connection.
+    pub(super) close: CancellationToken,
+}
+
+/// An authenticated connection's slot: one of `max_connections`, and one of its
+/// credential's `max_connections_per_client`; both given back when it closes.
+pub(super) struct AuthSlot {
+    identity: Identity,
+    inner: std::sync::Weak<Inner>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for AuthSlot {
+    fn drop(&mut self) {
+        if let Some(inner) = self.inner.upgrade() {
+            let mut held = inner.per_identity.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(n) = held.get_mut(&self.identity) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    held.remove(&self.identity);
+                }
+            }
+        }
+    }
+}
+
+/// The connection presented `identity`: the first time, it leaves the
+/// unauthenticated pool for an authenticated slot, within the credential's share
+/// (`false` when it was evicted meanwhile, or no slot is free: the connection
+/// closes); after that, every request must present the same credential.
+pub(super) fn authenticate(inner: &Arc<Inner>, conn: &Conn, identity: Identity) -> bool {
+    let mut auth = conn.auth.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(held) = auth.as_ref() {
+        return held.identity == identity;
+    }
+    // Evicted between its request and now: it is closing.
+    if !inner
+        .pending
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(conn.id)
+    {
+        conn.close.cancel();
+        return false;
+    }
+    let refuse = |why: std::fmt::Arguments<'_>| {
+        inner
+            .counters
+            .connections_refused
+            .fetch_add(1, Ordering::Relaxed);
+        inner.warn("connections_refused", why);
+        conn.close.cancel();
+        false
+    };
+    {
+        let mut held = inner.per_identity.lock().unwrap_or_else(|p| p.into_inner());
+        let n = held.entry(identity).or_default();
+        if *n >= inner.config.max_connections_per_client {
+            return refuse(format_args!(
+                "event bus: a credential holds its {} authenticated connections: refusing another",
+                inner.config.max_connections_per_client
+            ));
+        }
+        *n += 1;
+    }
+    // From here the slot's drop gives the credential's count back.
+    let slot = |permit| AuthSlot {
+        identity,
+        inner: Arc::downgrade(inner),
+        _permit: permit,
+    };
+    let Ok(permit) = inner.authenticated.clone().try_acquire_owned() else {
+        let mut held = inner.per_identity.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = held.get_mut(&identity) {
+            *n = n.saturating_sub(1);
+        }
+        drop(held);
+        return refuse(format_args!(
+            "event bus: {} authenticated connections held: refusing another",
+            inner.config.max_connections
+        ));
+    };
+    *auth = Some(slot(permit));
+    conn.authenticated.store(true, Ordering::Relaxed);
+    true
 }
 
 fn empty(status: StatusCode) -> Response<ChannelBody> {

@@ -5,7 +5,7 @@
 //! kv_relay --connect EP --topic T --block-size B --worker-id W --bind EP2
 //!          [--publish-topic kv-events] [--batch-timeout-ms MS]
 //!          [--wire eventplane|dynamo]
-//!          [--etcd URL --namespace NS --component C [--advertise-host H]
+//!          [(--etcd URL | --kube) --namespace NS --component C [--advertise-host H]
 //!           [--endpoint E] [--dp-rank R]]
 //! ```
 //! Runs `EngineListener → Processor → EventPlaneSink → EventPublisher`, the publisher
@@ -24,7 +24,12 @@
 //! (its `worker` field) with `--wire eventplane`; with `--wire dynamo`, Dynamo's two
 //! records (`v1/event_channels/…` and `v1/event_sources/…`, which carries W and R)
 //! under endpoint E (default `generate`). They are deleted on SIGTERM / Ctrl-C (the
-//! handlers are installed before registering).
+//! handlers are installed before registering). With `--kube --wire dynamo` (feature
+//! `kube`) the same two records go into this pod's `DynamoWorkerMetadata` resource,
+//! server-side-applied as a Dynamo worker does (the pod from `/etc/podinfo` or
+//! `POD_NAME`/`POD_UID`/`POD_NAMESPACE`, container mode with
+//! `DYN_KUBE_DISCOVERY_MODE=container` and `CONTAINER_NAME`; the client configured as
+//! kubectl's, or in-cluster); on SIGTERM the resource is applied with every map empty.
 //!
 //! When it loses track of the engine (its sequence skips or restarts, its connection
 //! ends, a batch cannot be decoded) it publishes a `Cleared` for every rank it had
@@ -92,24 +97,28 @@ struct Args {
     wire: Wire,
     /// Register in this etcd (http://host:2379; repeat for a cluster). Needs feature
     /// `etcd`.
-    #[arg(long, requires_all = ["namespace", "component"])]
+    #[arg(long, requires_all = ["namespace", "component"], group = "registry")]
     etcd: Vec<String>,
+    /// Register in this pod's DynamoWorkerMetadata resource on Kubernetes (with
+    /// --wire dynamo). Needs feature `kube`.
+    #[arg(long, requires_all = ["namespace", "component"], group = "registry")]
+    kube: bool,
     /// Namespace to register under (with --etcd).
-    #[arg(long, requires = "etcd")]
+    #[arg(long, requires = "registry")]
     namespace: Option<String>,
     /// Component to register under (with --etcd).
-    #[arg(long, requires = "etcd")]
+    #[arg(long, requires = "registry")]
     component: Option<String>,
     /// Dynamo endpoint to register under (with --etcd --wire dynamo; default
     /// `generate`).
-    #[arg(long, requires = "etcd")]
+    #[arg(long, requires = "registry")]
     endpoint: Option<String>,
     /// The worker's data-parallel rank, registered with its worker id (with --etcd;
     /// default 0): our record's `worker`, or Dynamo's `event_sources` record.
-    #[arg(long = "dp-rank", requires = "etcd")]
+    #[arg(long = "dp-rank", requires = "registry")]
     dp_rank: Option<u32>,
     /// Host subscribers dial, when --bind is on a wildcard address (with --etcd).
-    #[arg(long = "advertise-host", requires = "etcd")]
+    #[arg(long = "advertise-host", requires = "registry")]
     advertise_host: Option<String>,
 }
 
@@ -122,6 +131,14 @@ async fn main() -> ExitCode {
     // Before anything is registered: a SIGTERM from now on is handled (records deleted).
     let stop = stop_signal();
     let args = Args::parse();
+    if args.kube && args.wire != Wire::Dynamo {
+        Args::command()
+            .error(
+                clap::error::ErrorKind::ArgumentConflict,
+                "--kube writes Dynamo's resources: it needs --wire dynamo",
+            )
+            .exit();
+    }
     if args.endpoint.is_some() && args.wire != Wire::Dynamo {
         Args::command()
             .error(
@@ -134,13 +151,18 @@ async fn main() -> ExitCode {
         eprintln!("{e}");
         return ExitCode::from(2);
     }
-    let (builder, discovery) = if args.etcd.is_empty() {
+    let (builder, discovery) = if args.etcd.is_empty() && !args.kube {
         (
             EventPublisher::unregistered(args.publish_topic.clone()),
             None,
         )
     } else {
-        let (discovery, closer) = match etcd(&args).await {
+        let registry = if args.kube {
+            kube(&args).await
+        } else {
+            etcd(&args).await
+        };
+        let (discovery, closer) = match registry {
             Ok(d) => d,
             Err(e) => return e.report(),
         };
@@ -236,6 +258,35 @@ async fn etcd(args: &Args) -> Result<(Arc<dyn Discovery>, Closer), StartError> {
     let closing = discovery.clone();
     let closer: Closer = Box::new(move || Box::pin(async move { closing.close().await }));
     Ok((Arc::new(discovery), closer))
+}
+
+#[cfg(feature = "kube")]
+async fn kube(args: &Args) -> Result<(Arc<dyn Discovery>, Closer), StartError> {
+    use eventplane::discovery::{DynamoRecords, KubeDiscovery, PodIdentity};
+    let pod = PodIdentity::from_env().map_err(|e| StartError::discovery("--kube", &e))?;
+    let records = DynamoRecords::new()
+        .endpoint(
+            args.endpoint
+                .clone()
+                .unwrap_or_else(|| "generate".to_owned()),
+        )
+        .worker(args.engine.worker_id, args.dp_rank.unwrap_or(0));
+    let discovery = KubeDiscovery::builder()
+        .records(records)
+        .pod(pod)
+        .connect()
+        .await
+        .map_err(|e| StartError::discovery("--kube", &e))?;
+    let closing = discovery.clone();
+    let closer: Closer = Box::new(move || Box::pin(async move { closing.close().await }));
+    Ok((Arc::new(discovery), closer))
+}
+
+#[cfg(not(feature = "kube"))]
+async fn kube(_: &Args) -> Result<(Arc<dyn Discovery>, Closer), StartError> {
+    Err(StartError::Args(
+        "--kube needs the `kube` feature: cargo run --features kube --example kv_relay".to_owned(),
+    ))
 }
 
 #[cfg(not(feature = "etcd"))]

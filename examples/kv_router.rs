@@ -2,7 +2,8 @@
 //! events, decode them, keep a block index.
 //!
 //! ```text
-//! kv_router (--etcd URL [--dynamo] | --static EP… [--wire eventplane|dynamo])
+//! kv_router (--etcd URL [--dynamo] | --kube [--kube-namespace K]… --dynamo
+//!            | --static EP… [--wire eventplane|dynamo])
 //!           --namespace NS [--component C] [--endpoint E] --topic T
 //!           [--count N] [--timeout-ms MS] [--format json|quiet] [--dump-index]
 //!           [--max-index-blocks N]
@@ -21,7 +22,10 @@
 //! namespaces = ["prod"]
 //! ```
 //! `--bus-token-file` instead trusts one shared token, granted `--namespace` only.
-//! A `DynamicSubscriber` over etcd (feature `etcd`) or a static list of endpoints.
+//! A `DynamicSubscriber` over etcd (feature `etcd`), Kubernetes (feature `kube`:
+//! Dynamo's `DynamoWorkerMetadata` resources joined with EndpointSlice readiness, in
+//! the kubeconfig's namespace or each `--kube-namespace`; the client configured as
+//! kubectl's, or in-cluster) or a static list of endpoints.
 //! With `--dynamo` it follows Dynamo's records (`v1/event_channels/…`, every endpoint
 //! unless `--endpoint E`) and reads Dynamo's wire: it follows Dynamo 1.6 workers as
 //! they run, or `kv_relay --wire dynamo`. Without it, our records and wire.
@@ -91,13 +95,22 @@ use eventplane::wire::Wire;
         common::ROUTER_EVENT_HELP
     )
 )]
-#[command(group(clap::ArgGroup::new("source").required(true).args(["etcd", "static_endpoints"])))]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["etcd", "kube", "static_endpoints"])))]
 #[command(group(clap::ArgGroup::new("bus_credentials").args(["bus_clients", "bus_token_file"])))]
 struct Args {
     /// etcd endpoint (http://host:2379); repeat for a cluster. Needs feature `etcd`.
     #[arg(long)]
     etcd: Vec<String>,
-    /// Follow Dynamo's etcd records and read Dynamo's wire (with --etcd).
+    /// Follow Dynamo workers on Kubernetes through their DynamoWorkerMetadata
+    /// resources (with --dynamo). Needs feature `kube`.
+    #[arg(long, requires = "dynamo")]
+    kube: bool,
+    /// Kubernetes namespace to follow (with --kube; repeat for several; default: the
+    /// kubeconfig's namespace, or the pod's in-cluster).
+    #[arg(long = "kube-namespace", requires = "kube")]
+    kube_namespace: Vec<String>,
+    /// Follow Dynamo's records (etcd's, or with --kube its resources) and read
+    /// Dynamo's wire.
     #[arg(long, conflicts_with = "static_endpoints")]
     dynamo: bool,
     /// Publisher endpoints (tcp://host:port), instead of discovery.
@@ -180,7 +193,40 @@ async fn discovery(args: &Args) -> Result<Arc<dyn Discovery>, StartError> {
         )
         .map_err(|e| StartError::Args(format!("invalid --static publishers: {e}")));
     }
+    if args.kube {
+        return kube(args).await;
+    }
     etcd(args).await
+}
+
+#[cfg(feature = "kube")]
+async fn kube(args: &Args) -> Result<Arc<dyn Discovery>, StartError> {
+    use eventplane::discovery::{DynamoRecords, KubeDiscovery};
+    let records = match &args.endpoint {
+        Some(e) => DynamoRecords::new().endpoint(e.clone()),
+        None => DynamoRecords::new(),
+    };
+    let mut builder = KubeDiscovery::builder().records(records);
+    if !args.kube_namespace.is_empty() {
+        builder = builder.namespaces(args.kube_namespace.clone());
+    }
+    let discovery = builder
+        .connect()
+        .await
+        .map_err(|e| StartError::discovery("--kube", &e))?;
+    // The first list tells whether the API server can be reached and read.
+    discovery
+        .list(Query::new(args.namespace.clone()))
+        .await
+        .map_err(|e| StartError::discovery("--kube", &e))?;
+    Ok(Arc::new(discovery))
+}
+
+#[cfg(not(feature = "kube"))]
+async fn kube(_: &Args) -> Result<Arc<dyn Discovery>, StartError> {
+    Err(StartError::Args(
+        "--kube needs the `kube` feature: cargo run --features kube --example kv_router".to_owned(),
+    ))
 }
 
 #[cfg(feature = "etcd")]
@@ -388,9 +434,10 @@ async fn main() -> ExitCode {
     }
     let builder = DynamicSubscriber::builder(discovery, query)
         .topic(args.topic.clone())
-        // Our records name their worker; static endpoints cannot, and Dynamo's worker
-        // identity is in its payload (its `event_sources` record is not read back).
-        .expect_worker_identity(args.static_endpoints.is_empty() && !args.dynamo)
+        // Our records name their worker, and so do Dynamo's resources on Kubernetes
+        // (their `event_sources`); static endpoints cannot, and in etcd Dynamo's
+        // worker identity is in its payload (`event_sources` is not read back).
+        .expect_worker_identity(args.static_endpoints.is_empty() && (args.kube || !args.dynamo))
         .layout(wire.layout());
     let (builder, bus_stats) = match bus(&args, builder).await {
         Ok(b) => b,

@@ -400,9 +400,15 @@ impl StartError {
 
     /// A failed etcd connect: settings the backend refused are argument errors.
     pub fn etcd(e: &eventplane::discovery::DiscoveryError) -> StartError {
+        StartError::discovery("--etcd", e)
+    }
+
+    /// A failed discovery connect (`flag` names it): settings the backend refused are
+    /// argument errors, the rest unreachable.
+    pub fn discovery(flag: &str, e: &eventplane::discovery::DiscoveryError) -> StartError {
         match e {
             eventplane::discovery::DiscoveryError::InvalidConfig(c) => {
-                StartError::Args(format!("invalid --etcd setting: {c}"))
+                StartError::Args(format!("invalid {flag} setting: {c}"))
             }
             other => StartError::Unreachable(chain(other)),
         }

@@ -31,6 +31,8 @@ use std::task::{Context, Poll};
 use futures_core::Stream;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
+#[cfg(any(feature = "etcd", feature = "kube"))]
+mod backlog;
 #[cfg(feature = "test-support")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-support")))]
 pub mod conformance;
@@ -39,8 +41,12 @@ mod error;
 mod etcd;
 #[cfg(feature = "test-support")]
 mod fault;
+#[cfg(feature = "kube")]
+mod kube;
 mod memory;
 mod model;
+#[cfg(any(feature = "etcd", feature = "kube"))]
+mod records;
 mod rewatch;
 mod static_;
 mod watch;
@@ -48,16 +54,20 @@ mod watch;
 pub use error::DiscoveryError;
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
-pub use etcd::{
-    DEFAULT_PREFIX, DynamoRecords, EtcdDiscovery, EtcdDiscoveryBuilder, EtcdState, RecordFormat,
-};
+pub use etcd::{DEFAULT_PREFIX, EtcdDiscovery, EtcdDiscoveryBuilder, EtcdState, RecordFormat};
 #[cfg(feature = "test-support")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-support")))]
 pub use fault::{FaultControl, FaultDiscovery};
+#[cfg(feature = "kube")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kube")))]
+pub use kube::{KubeDiscovery, KubeDiscoveryBuilder, KubeMode, PodIdentity, kube_instance_id};
 pub use memory::{MemoryDiscovery, MemoryDiscoveryBuilder};
 pub use model::{
     ChannelId, DiscoveryEvent, Instance, MAX_PUBLISHER_ID, Query, Transport, WorkerIdentity,
 };
+#[cfg(any(feature = "etcd", feature = "kube"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "etcd", feature = "kube"))))]
+pub use records::DynamoRecords;
 pub(crate) use rewatch::{Rewatch, Rewatched};
 pub use static_::StaticDiscovery;
 pub use watch::StaleFilter;

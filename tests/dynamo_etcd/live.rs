@@ -54,6 +54,10 @@ struct Py {
 
 impl Py {
     async fn spawn(script: &str, args: &[&str]) -> Py {
+        Py::spawn_with(script, args, &[]).await
+    }
+
+    async fn spawn_with(script: &str, args: &[&str], env: &[(&str, &str)]) -> Py {
         let mut child = Command::new(dynamo_python())
             .arg(
                 PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -61,6 +65,7 @@ impl Py {
                     .join(script),
             )
             .args(args)
+            .envs(env.iter().copied())
             .env("DYN_LOG", "warn")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -154,7 +159,7 @@ async fn kv_router_follows_a_real_dynamo_worker() {
     let capture = support::dynamo_capture();
     let server = EtcdServer::start().await;
     let url = server.url();
-    let mut worker = Py::spawn(
+    let worker = Py::spawn(
         "dynamo_worker.py",
         &[
             "--etcd",
@@ -166,8 +171,109 @@ async fn kv_router_follows_a_real_dynamo_worker() {
         ],
     )
     .await;
-    let (router, mut out, mut err_rx) = super::suite::spawn_kv_router_dynamo(&url, "live1");
+    let (router, out, err_rx) = super::suite::spawn_kv_router_dynamo(&url, "live1");
+    router_prints_the_capture(&capture, worker, router, out, err_rx).await;
+}
 
+/// The same through Kubernetes discovery: a Dynamo 1.6.1 worker with
+/// `DYN_DISCOVERY_BACKEND=kubernetes` writes its `DynamoWorkerMetadata` resource into
+/// the API test server (its pod made ready in an EndpointSlice); `kv_router --kube
+/// --dynamo` follows it there and prints exactly the capture's router events.
+#[cfg(feature = "kube")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_router_follows_a_real_dynamo_worker_on_kubernetes() {
+    let capture = support::dynamo_capture();
+    let api = support::kube_api::KubeApi::start().await;
+    let dir = std::env::temp_dir().join(format!("eventplane-kube-live-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let kubeconfig = api.kubeconfig(&dir, "livek");
+    let kubeconfig = kubeconfig.to_str().unwrap();
+    api.ready_slice("livek", "worker-slice", &[("worker-0", "uid-live-0", true)]);
+    let env = [
+        ("KUBECONFIG", kubeconfig),
+        ("POD_NAME", "worker-0"),
+        ("POD_UID", "uid-live-0"),
+        ("POD_NAMESPACE", "livek"),
+        ("DYN_TCP_RPC_HOST", "127.0.0.1"),
+        ("DYN_TCP_RESPONSE_STREAM_HOST", "127.0.0.1"),
+        ("DYN_SYSTEM_HOST", "127.0.0.1"),
+        ("DYN_SYSTEM_PORT", "-1"),
+        ("OTEL_EXPORT_ENABLED", "false"),
+    ];
+    let worker = Py::spawn_with(
+        "dynamo_worker.py",
+        &[
+            "--discovery",
+            "kubernetes",
+            "--namespace",
+            "live1k",
+            "--component",
+            "kvworker",
+        ],
+        &env,
+    )
+    .await;
+    // What Dynamo wrote: its resource, owned by its pod, with the KV publisher's
+    // channel and source.
+    let cr = api
+        .get("dynamoworkermetadatas", "livek", "worker-0")
+        .unwrap();
+    assert_eq!(cr["metadata"]["ownerReferences"][0]["uid"], "uid-live-0");
+    assert_eq!(api.field_managers("livek", "worker-0")[0], "dynamo-worker");
+    let (router, out, err_rx) = spawn_kv_router_kube(kubeconfig, "livek", "live1k");
+    router_prints_the_capture(&capture, worker, router, out, err_rx).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `kv_router --kube --dynamo` on the API server of `kubeconfig`.
+#[cfg(feature = "kube")]
+fn spawn_kv_router_kube(
+    kubeconfig: &str,
+    kube_namespace: &str,
+    namespace: &str,
+) -> (
+    Child,
+    Lines<BufReader<ChildStdout>>,
+    tokio::sync::mpsc::Receiver<String>,
+) {
+    let mut router = Command::new(support::example("kv_router"))
+        .args(["--kube", "--kube-namespace", kube_namespace, "--dynamo"])
+        .args([
+            "--namespace",
+            namespace,
+            "--component",
+            "kvworker",
+            "--topic",
+            "kv-events",
+        ])
+        .env("KUBECONFIG", kubeconfig)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let out = BufReader::new(router.stdout.take().unwrap()).lines();
+    let (err_tx, err_rx) = tokio::sync::mpsc::channel::<String>(64);
+    let mut err_lines = BufReader::new(router.stderr.take().unwrap()).lines();
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = err_lines.next_line().await {
+            if err_tx.send(line).await.is_err() {
+                break;
+            }
+        }
+    });
+    (router, out, err_rx)
+}
+
+/// Drives `worker` through the capture's batches and checks that the router prints
+/// exactly the capture's router events, then sees the worker leave.
+async fn router_prints_the_capture(
+    capture: &Value,
+    mut worker: Py,
+    router: Child,
+    mut out: Lines<BufReader<ChildStdout>>,
+    mut err_rx: tokio::sync::mpsc::Receiver<String>,
+) {
     // Until the router's subscription reaches the worker's PUB: clears, which come out
     // as router events; the script's first event is a store.
     let warm_until = tokio::time::Instant::now() + DEADLINE;
@@ -187,10 +293,10 @@ async fn kv_router_follows_a_real_dynamo_worker() {
             break;
         }
     }
-    for batch in script(&capture) {
+    for batch in script(capture) {
         worker.send(&batch.to_string()).await;
     }
-    let want = super::suite::captured_router_events(&capture);
+    let want = super::suite::captured_router_events(capture);
     let mut got = Vec::new();
     let mut ids = Vec::new();
     while got.len() < want.len() {

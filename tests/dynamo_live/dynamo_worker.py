@@ -12,7 +12,7 @@ its own event-plane PUB (registered in etcd under v1/event_channels and
 v1/event_sources).
 
 Usage:
-  dynamo_worker.py [--etcd URL] [--namespace NS] [--component C]
+  dynamo_worker.py [--etcd URL | --discovery kubernetes] [--namespace NS] [--component C]
                    [--endpoint E] [--worker-id N] [--block-size N]
                    [--dp-rank N] [--batches FILE]
                    [--engine-endpoint EP [--engine-topic T]]
@@ -47,6 +47,9 @@ def parse_args():
     env = os.environ.get
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--etcd", default=env("ETCD_ENDPOINTS", "http://127.0.0.1:2379"))
+    p.add_argument("--discovery", choices=["etcd", "kubernetes"], default="etcd",
+                   help="kubernetes: Dynamo's kube discovery (the API server from "
+                        "KUBECONFIG, the pod from POD_NAME/POD_UID/POD_NAMESPACE)")
     p.add_argument("--namespace", default=env("DYN_NAMESPACE", "capns"))
     p.add_argument("--component", default=env("DYN_COMPONENT", "kvworker"))
     p.add_argument("--endpoint", default=env("DYN_ENDPOINT", "generate"))
@@ -68,7 +71,7 @@ def configure_env(args):
     # what the caller has not set, so it can override (e.g. the advertised host).
     os.environ["ETCD_ENDPOINTS"] = args.etcd
     for k, v in {
-        "DYN_DISCOVERY_BACKEND": "etcd",
+        "DYN_DISCOVERY_BACKEND": args.discovery,
         "DYN_EVENT_PLANE": "zmq",  # no NATS anywhere
         "DYN_REQUEST_PLANE": "tcp",
         # Host written into the EventChannel record (default: a non-loopback
@@ -107,7 +110,7 @@ async def main():
     loop = asyncio.get_running_loop()
     # Blocks until etcd answers (ETCD_STARTUP_CONNECT_TIMEOUT_SECONDS); signals
     # keep their default action until it returns.
-    runtime = DistributedRuntime(loop, "etcd", "tcp", event_plane="zmq")
+    runtime = DistributedRuntime(loop, args.discovery, "tcp", event_plane="zmq")
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

@@ -10,6 +10,8 @@
 
 pub mod cases;
 pub mod etcd;
+#[cfg(feature = "kube")]
+pub mod kube_api;
 
 use std::path::PathBuf;
 use std::process::Stdio;

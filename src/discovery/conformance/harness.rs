@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::mirror::{Mirror, view};
+use super::mirror::{Mirror, normalized, view_as};
 use super::{CheckResult, ConformanceFailure, Settings, fail};
 use crate::discovery::{
     ChannelId, Discovery, DiscoveryEvent, DiscoveryStream, Instance, Query, Registration, Transport,
@@ -91,9 +91,9 @@ pub(super) async fn converge(
     mirror: &mut Mirror,
     settings: &Settings,
 ) -> CheckResult {
-    let target = view(&list(check, d, q.clone()).await?);
+    let target = view_as(settings, &list(check, d, q.clone()).await?);
     let deadline = tokio::time::Instant::now() + settings.deadline;
-    while *mirror.state() != target {
+    while normalized(settings, mirror.state().clone()) != target {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let ev = next_event(check, s, left).await.map_err(|f| {
             fail(

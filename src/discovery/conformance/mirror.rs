@@ -74,3 +74,24 @@ pub(super) fn view(instances: &[Instance]) -> BTreeMap<ChannelId, (String, u64)>
         })
         .collect()
 }
+
+/// `view`, with incarnations dropped unless `settings` asks for exact ones.
+pub(super) fn view_as(
+    settings: &super::Settings,
+    instances: &[Instance],
+) -> BTreeMap<ChannelId, (String, u64)> {
+    normalized(settings, view(instances))
+}
+
+/// A view with incarnations dropped unless `settings` asks for exact ones.
+pub(super) fn normalized(
+    settings: &super::Settings,
+    mut state: BTreeMap<ChannelId, (String, u64)>,
+) -> BTreeMap<ChannelId, (String, u64)> {
+    if !settings.exact_incarnations {
+        for v in state.values_mut() {
+            v.1 = 0;
+        }
+    }
+    state
+}

@@ -55,6 +55,14 @@ pub struct Settings {
     /// documents otherwise (etcd with Dynamo's records writes the identity into
     /// Dynamo's `event_sources` record, which its reader does not join).
     pub worker_identity: bool,
+    /// Whether every reader sees a registration with the incarnation the backend gave
+    /// it (`Registration::instance`). Default `true`; `false` for a backend whose
+    /// records carry no version of their own (Kubernetes: one resource holds all of a
+    /// process's records), whose readers number a record by the version at which they
+    /// first saw it: then instances a reader listed are compared without their
+    /// incarnations, while everything a watch saw happen is still compared exactly
+    /// (and rule 5 still holds).
+    pub exact_incarnations: bool,
 }
 
 impl Default for Settings {
@@ -65,6 +73,7 @@ impl Default for Settings {
             deadline: Duration::from_secs(10),
             quiet: Duration::from_millis(200),
             worker_identity: true,
+            exact_incarnations: true,
         }
     }
 }
@@ -85,6 +94,13 @@ impl Settings {
     /// With a different churn count for the overflow check.
     pub fn with_overflow_churn(mut self, churn: usize) -> Self {
         self.overflow_churn = churn;
+        self
+    }
+
+    /// For a backend whose readers number incarnations by when they saw a record
+    /// (see [`Settings::exact_incarnations`]).
+    pub fn with_observed_incarnations(mut self) -> Self {
+        self.exact_incarnations = false;
         self
     }
 

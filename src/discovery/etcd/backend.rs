@@ -57,9 +57,9 @@ impl Discovery for EtcdDiscovery {
         let c = &self.handle.shared.counters;
         DiscoveryStats {
             registrations: c.registrations.load(Ordering::Relaxed),
-            watchers: c.watchers.load(Ordering::Relaxed),
-            buffered_events: c.buffered_events.load(Ordering::Relaxed),
-            overflow_resyncs: c.overflow_resyncs.load(Ordering::Relaxed),
+            watchers: c.watch.watchers.load(Ordering::Relaxed),
+            buffered_events: c.watch.buffered_events.load(Ordering::Relaxed),
+            overflow_resyncs: c.watch.overflow_resyncs.load(Ordering::Relaxed),
             malformed: c.malformed.load(Ordering::Relaxed),
             lease_losses: c.lease_losses.load(Ordering::Relaxed),
             reconnects: c.reconnects.load(Ordering::Relaxed),

@@ -1,37 +1,10 @@
 //! The etcd backend's errors: how request failures are classified (denied, invalid
-//! configuration, or unavailable and worth retrying), and why a record was skipped.
+//! configuration, or unavailable and worth retrying), (why a record was skipped is `records::RecordError`).
 
 use std::time::Duration;
 
 use crate::ConfigError;
 use crate::discovery::DiscoveryError;
-
-/// Why a record was skipped.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum RecordError {
-    #[error("key is outside the channel prefix")]
-    ForeignKey,
-    #[error("key is not a channel path: {0}")]
-    BadKey(String),
-    #[error("value of {len} bytes exceeds the {max}-byte limit")]
-    TooLarge { len: usize, max: usize },
-    #[error("value is not a channel record: {0}")]
-    BadValue(String),
-    #[error("value's id does not match its key")]
-    IdMismatch,
-    #[error("unsupported transport kind {0:?}")]
-    UnsupportedTransport(String),
-    #[error("revision {0} is not positive")]
-    BadRevision(i64),
-    #[error("unsupported scope kind {0:?}")]
-    UnsupportedScope(String),
-    #[error("endpoint of {len} bytes (or a host over 253) exceeds the {max}-byte limit")]
-    EndpointTooLong { len: usize, max: usize },
-    /// A well-formed key this backend does not follow (another Dynamo endpoint):
-    /// neither an error nor counted.
-    #[error("not followed")]
-    Unfollowed,
-}
 
 /// Why an etcd request failed (boxed into [`DiscoveryError::Unavailable`]).
 #[derive(Debug, thiserror::Error)]

@@ -3,8 +3,6 @@
 mod backend;
 mod builder;
 mod config;
-mod dynamo;
-mod endpoint;
 mod error;
 mod lease;
 mod record;
@@ -27,7 +25,6 @@ use tracing::{Instrument, debug, info};
 pub use builder::EtcdDiscoveryBuilder;
 pub use config::DEFAULT_PREFIX;
 use config::EtcdConfig;
-pub use dynamo::DynamoRecords;
 use error::{EtcdRequestError, failed, unavailable};
 use lease::Maintainer;
 pub use record::RecordFormat;

@@ -12,9 +12,8 @@ use std::borrow::Cow;
 
 use serde::{Deserialize, Serialize};
 
-use super::dynamo::DynamoRecords;
-use super::error::RecordError;
 use crate::discovery::model::encode_segment;
+use crate::discovery::records::{DynamoRecords, RecordError, check_endpoint};
 use crate::discovery::{ChannelId, DiscoveryError, Instance, Query, Transport, WorkerIdentity};
 
 /// Which records an [`EtcdDiscovery`](super::EtcdDiscovery) reads and writes.
@@ -239,7 +238,7 @@ impl Keys {
         if record.transport.endpoint.is_empty() {
             return Err(RecordError::BadValue("empty endpoint".to_owned()));
         }
-        super::endpoint::check_endpoint(&record.transport.endpoint)?;
+        check_endpoint(&record.transport.endpoint)?;
         let mut instance = Instance::new(
             id,
             Transport::zmq(record.transport.endpoint.into_owned()),

@@ -2,8 +2,8 @@
 //! session, the counters, and the reads they all use (requests with deadlines, paged
 //! snapshots).
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use etcd_client::{Client, GetOptions};
@@ -12,10 +12,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::config::EtcdConfig;
-use super::error::RecordError;
 use super::error::{EtcdRequestError, failed, unavailable};
 use super::record::{Keys, prefix_end};
 use super::table::{PendingOp, Session};
+use crate::discovery::backlog::WatchCounters;
+use crate::discovery::records::RecordError;
 use crate::discovery::{DiscoveryError, Instance, Query};
 use crate::net::{Backoff, RateLimitedWarn};
 
@@ -60,9 +61,7 @@ pub(crate) struct Shared {
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub(super) registrations: AtomicUsize,
-    pub(crate) watchers: AtomicUsize,
-    pub(crate) buffered_events: AtomicUsize,
-    pub(crate) overflow_resyncs: AtomicU64,
+    pub(crate) watch: Arc<WatchCounters>,
     pub(crate) malformed: AtomicU64,
     pub(super) lease_losses: AtomicU64,
     pub(crate) reconnects: AtomicU64,

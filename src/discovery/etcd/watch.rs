@@ -1,22 +1,17 @@
 //! The etcd watch: a task per watch that follows etcd and feeds a bounded backlog,
 //! and the stream that drains it.
 
-use std::collections::{HashMap, VecDeque};
-use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll, Waker};
 
 use etcd_client::{Event, WatchOptions, WatchStream};
-use futures_core::Stream;
-use tokio_util::sync::{CancellationToken, DropGuard};
+use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, warn};
 
 use super::record::prefix_end;
 use super::shared::Shared;
-use crate::discovery::{
-    ChannelId, DiscoveryError, DiscoveryEvent, DiscoveryStream, Instance, Query,
-};
+use crate::discovery::backlog::{Backlog, BacklogStream, Ended};
+use crate::discovery::{DiscoveryError, DiscoveryEvent, DiscoveryStream, Instance, Query};
 use crate::net::random_unit;
 
 /// etcd's event type numbers (mvccpb.Event.EventType).
@@ -56,23 +51,12 @@ pub(super) async fn start(
             Err(Establish::Failed(e)) => return Err(e),
         }
     };
-    let backlog = Arc::new(Backlog::new(shared.config_watch_buffer()));
-    {
-        let mut st = backlog.lock();
-        // The initial sync always fits: it is O(matches), like the snapshot itself.
-        for instance in &snapshot {
-            st.queue.push_back(DiscoveryEvent::Added(instance.clone()));
-        }
-        st.queue.push_back(DiscoveryEvent::Resync(snapshot.clone()));
-        st.current = snapshot.into_iter().map(|i| (i.id.clone(), i)).collect();
-        shared
-            .counters
-            .buffered_events
-            .fetch_add(st.queue.len(), Ordering::Relaxed);
-    }
-    shared.counters.watchers.fetch_add(1, Ordering::Relaxed);
+    let backlog = Backlog::start(
+        shared.config_watch_buffer(),
+        Arc::clone(&shared.counters.watch),
+        snapshot,
+    );
     let task_cancel = cancel.child_token();
-    let follower_shared = Arc::clone(&shared);
     let span = tracing::debug_span!("etcd_watch", prefix = %prefix);
     tokio::spawn(
         Follower {
@@ -86,25 +70,9 @@ pub(super) async fn start(
         .instrument(span),
     );
     Ok(DiscoveryStream::with_cancellation(
-        EtcdWatch {
-            shared: Arc::clone(&follower_shared),
-            backlog,
-            _stop_task: task_cancel.drop_guard(),
-        },
+        BacklogStream::new(backlog, task_cancel.drop_guard()),
         cancel,
     ))
-}
-
-/// The stream of a watch cancelled before it was established: it has ended.
-#[derive(Debug)]
-struct Ended;
-
-impl Stream for Ended {
-    type Item = Result<DiscoveryEvent, DiscoveryError>;
-
-    fn poll_next(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        Poll::Ready(None)
-    }
 }
 
 enum Establish {
@@ -152,35 +120,6 @@ async fn establish(
     }
 }
 
-/// A watch's bounded backlog plus the watcher's view of the matching set (for the
-/// `Resync` that replaces an overflowed backlog).
-#[derive(Debug)]
-struct Backlog {
-    state: Mutex<BacklogState>,
-    capacity: usize,
-}
-
-#[derive(Debug, Default)]
-struct BacklogState {
-    queue: VecDeque<DiscoveryEvent>,
-    overflowed: bool,
-    current: HashMap<ChannelId, Instance>,
-    waker: Option<Waker>,
-}
-
-impl Backlog {
-    fn new(capacity: usize) -> Backlog {
-        Backlog {
-            state: Mutex::new(BacklogState::default()),
-            capacity,
-        }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, BacklogState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
 /// The task following one etcd watch.
 struct Follower {
     shared: Arc<Shared>,
@@ -219,14 +158,7 @@ impl Follower {
                 None => break,
             }
         }
-        let mut st = self.backlog.lock();
-        self.discard_backlog(&mut st);
-        st.current.clear();
-        drop(st);
-        self.shared
-            .counters
-            .watchers
-            .fetch_sub(1, Ordering::Relaxed);
+        self.backlog.finish();
     }
 
     /// Backs off, reads afresh, watches again and queues a `Resync`. `None` when
@@ -265,7 +197,7 @@ impl Follower {
                         instances = snapshot.len(),
                         "etcd watch re-established; resyncing"
                     );
-                    self.resync(snapshot);
+                    self.backlog.resync(snapshot);
                     return Some(stream);
                 }
                 Err(Establish::Compacted(reason)) => debug!(%reason, "reading again"),
@@ -273,32 +205,6 @@ impl Follower {
                     debug!(error = %crate::net::ErrorChain(&e), "etcd watch reconnect failed")
                 }
             }
-        }
-    }
-
-    /// Drops every queued event (keeping the global count right).
-    fn discard_backlog(&self, st: &mut BacklogState) {
-        self.shared
-            .counters
-            .buffered_events
-            .fetch_sub(st.queue.len(), Ordering::Relaxed);
-        st.queue = VecDeque::new();
-    }
-
-    fn resync(&self, snapshot: Vec<Instance>) {
-        let mut st = self.backlog.lock();
-        self.discard_backlog(&mut st);
-        st.overflowed = false;
-        st.current = snapshot.iter().map(|i| (i.id.clone(), i.clone())).collect();
-        st.queue.push_back(DiscoveryEvent::Resync(snapshot));
-        self.shared
-            .counters
-            .buffered_events
-            .fetch_add(1, Ordering::Relaxed);
-        let waker = st.waker.take();
-        drop(st);
-        if let Some(w) = waker {
-            w.wake();
         }
     }
 
@@ -367,62 +273,9 @@ impl Follower {
             };
             if let Some(change) = change {
                 pushed = true;
-                if st.overflowed {
-                    continue;
-                }
-                if st.queue.len() >= self.backlog.capacity {
-                    self.discard_backlog(&mut st);
-                    st.overflowed = true;
-                    self.shared
-                        .counters
-                        .overflow_resyncs
-                        .fetch_add(1, Ordering::Relaxed);
-                    debug!("watch backlog overflowed; the consumer gets a Resync");
-                } else {
-                    st.queue.push_back(change);
-                    self.shared
-                        .counters
-                        .buffered_events
-                        .fetch_add(1, Ordering::Relaxed);
-                }
+                self.backlog.push(&mut st, change);
             }
         }
-        let waker = if pushed { st.waker.take() } else { None };
-        drop(st);
-        if let Some(w) = waker {
-            w.wake();
-        }
-    }
-}
-
-/// The consumer's side of an etcd watch.
-struct EtcdWatch {
-    shared: Arc<Shared>,
-    backlog: Arc<Backlog>,
-    /// Stops the follower task when the stream is dropped.
-    _stop_task: DropGuard,
-}
-
-impl Stream for EtcdWatch {
-    type Item = Result<DiscoveryEvent, DiscoveryError>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let this = &mut *self;
-        let mut st = this.backlog.lock();
-        if st.overflowed {
-            st.overflowed = false;
-            let snapshot: Vec<Instance> = st.current.values().cloned().collect();
-            return Poll::Ready(Some(Ok(DiscoveryEvent::Resync(snapshot))));
-        }
-        if let Some(event) = st.queue.pop_front() {
-            drop(st);
-            this.shared
-                .counters
-                .buffered_events
-                .fetch_sub(1, Ordering::Relaxed);
-            return Poll::Ready(Some(Ok(event)));
-        }
-        st.waker = Some(cx.waker().clone());
-        Poll::Pending
+        Backlog::wake(st, pushed);
     }
 }

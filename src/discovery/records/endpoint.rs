@@ -1,6 +1,6 @@
 //! The bound on an endpoint a record advertises, shared by both record formats.
 
-use super::error::RecordError;
+use super::RecordError;
 
 /// Longest endpoint a record may advertise (bytes): what a tunnel target may be.
 pub(crate) const MAX_ENDPOINT_LEN: usize = 1024;

@@ -14,14 +14,18 @@
 //! [`ChannelId::to_path`]. Only endpoint scopes are followed (the scope kind Dynamo's
 //! KV event publishers use); a record of another scope kind is skipped and counted.
 
+// Each backend uses its own part (etcd: keys and values; Kubernetes: values and the
+// resource form).
+#![cfg_attr(not(all(feature = "etcd", feature = "kube")), allow(dead_code))]
+
 use std::borrow::Cow;
 
 use serde::{Deserialize, Serialize};
 
-use super::error::RecordError;
+use super::RecordError;
 use crate::ConfigError;
 use crate::discovery::model::{decode_segment, encode_segment};
-use crate::discovery::{ChannelId, DiscoveryError, Query, Transport};
+use crate::discovery::{ChannelId, DiscoveryError, Query, Transport, WorkerIdentity};
 
 const CHANNELS: &str = "v1/event_channels/";
 const SOURCES: &str = "v1/event_sources/";
@@ -143,6 +147,13 @@ impl DynamoRecords {
         let rest = key
             .strip_prefix(CHANNELS.as_bytes())
             .ok_or(RecordError::ForeignKey)?;
+        self.id_of_tail(rest)
+    }
+
+    /// As [`id_of`](Self::id_of) for a key without its `v1/event_channels/` root: the
+    /// form of the keys of a `DynamoWorkerMetadata` resource's `event_channels` and
+    /// `event_sources` maps.
+    pub(crate) fn id_of_tail(&self, rest: &[u8]) -> Result<(ChannelId, String), RecordError> {
         let path =
             std::str::from_utf8(rest).map_err(|_| RecordError::BadKey("not UTF-8".to_owned()))?;
         let bad = |why: &str| RecordError::BadKey(why.to_owned());
@@ -243,9 +254,43 @@ impl DynamoRecords {
         }
     }
 
+    /// Parses an `EventSource` value (the record Dynamo's router reads a publisher's
+    /// worker from) against the key's id: the worker it names.
+    pub(crate) fn parse_source(
+        &self,
+        id: &ChannelId,
+        value: &[u8],
+    ) -> Result<WorkerIdentity, RecordError> {
+        let record: SourceIn<'_> =
+            serde_json::from_slice(value).map_err(|e| RecordError::BadValue(e.to_string()))?;
+        if record.kind != "EventSource" {
+            return Err(RecordError::BadValue("type is not EventSource".to_owned()));
+        }
+        if record.publisher_id != id.publisher_id() || record.topic != id.topic() {
+            return Err(RecordError::IdMismatch);
+        }
+        let worker = record.metadata.worker;
+        Ok(WorkerIdentity::new(worker.worker_id, worker.dp_rank))
+    }
+
     /// The `EventChannel` and `EventSource` values of a registration (endpoint and
-    /// worker must be set).
+    /// worker must be set), as etcd holds them.
     pub(crate) fn encode(&self, id: &ChannelId, transport: &Transport) -> (String, String) {
+        self.encode_as(id, transport, false)
+    }
+
+    /// As [`encode`](Self::encode), in the form of a `DynamoWorkerMetadata`
+    /// resource: each `EventChannel` also carries Dynamo's legacy trailing
+    /// `namespace` and `component` fields.
+    pub(crate) fn encode_for_resource(
+        &self,
+        id: &ChannelId,
+        transport: &Transport,
+    ) -> (String, String) {
+        self.encode_as(id, transport, true)
+    }
+
+    fn encode_as(&self, id: &ChannelId, transport: &Transport, legacy: bool) -> (String, String) {
         let endpoint = self.endpoint.as_deref().unwrap_or_default();
         let (worker_id, dp_rank) = self.worker.unwrap_or_default();
         let scope_endpoint = ScopeEndpoint {
@@ -269,6 +314,8 @@ impl DynamoRecords {
                     endpoint: Some(Cow::Borrowed(zmq)),
                 }),
             },
+            namespace: legacy.then_some(Cow::Borrowed(id.namespace())),
+            component: legacy.then_some(Cow::Borrowed(id.component())),
         };
         let source = Source {
             kind: "EventSource",
@@ -300,6 +347,11 @@ struct Channel<'a> {
     instance_id: u64,
     #[serde(borrow)]
     transport: ChannelTransport<'a>,
+    /// Dynamo's legacy fields, written after the others in a resource's records.
+    #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
+    namespace: Option<Cow<'a, str>>,
+    #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
+    component: Option<Cow<'a, str>>,
 }
 
 #[derive(Clone, Serialize, Deserialize)]
@@ -351,7 +403,22 @@ struct SourceMetadata<'a> {
     publisher_id: u64,
 }
 
-#[derive(Serialize)]
+#[derive(Deserialize)]
+struct SourceIn<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Cow<'a, str>,
+    #[serde(borrow)]
+    topic: Cow<'a, str>,
+    publisher_id: u64,
+    metadata: SourceMetadataIn,
+}
+
+#[derive(Deserialize)]
+struct SourceMetadataIn {
+    worker: Worker,
+}
+
+#[derive(Serialize, Deserialize)]
 struct Worker {
     worker_id: u64,
     dp_rank: u32,

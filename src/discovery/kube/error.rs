@@ -1,0 +1,86 @@
+//! How the Kubernetes backend's request failures are classified: denied (401, 403),
+//! gone (410: read afresh), or unavailable and worth retrying.
+
+use std::time::Duration;
+
+use crate::discovery::DiscoveryError;
+
+/// Why a request to the API server failed (boxed into [`DiscoveryError::Unavailable`]
+/// or [`DiscoveryError::Denied`]).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum KubeRequestError {
+    #[error("kubernetes {op} failed (namespace {namespace})")]
+    Failed {
+        op: &'static str,
+        namespace: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("kubernetes {op} timed out after {after:?} (namespace {namespace})")]
+    TimedOut {
+        op: &'static str,
+        namespace: String,
+        after: Duration,
+    },
+}
+
+/// The HTTP status of an API error, if the server answered with one.
+pub(crate) fn status(e: &kube::Error) -> Option<u16> {
+    match e {
+        kube::Error::Api(response) => Some(response.code),
+        _ => None,
+    }
+}
+
+/// Whether the server said the version asked for is gone (410: compacted, or a
+/// continue token that expired).
+pub(crate) fn is_gone(e: &DiscoveryError) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        if let Some(KubeRequestError::Failed { source: k, .. }) =
+            err.downcast_ref::<KubeRequestError>()
+        {
+            return status(k) == Some(410);
+        }
+        source = err.source();
+    }
+    false
+}
+
+/// Wraps a failed request: 401 and 403 are [`DiscoveryError::Denied`] (retrying will
+/// not help), everything else [`DiscoveryError::Unavailable`].
+pub(crate) fn failed(op: &'static str, namespace: &str, source: kube::Error) -> DiscoveryError {
+    let denied = matches!(status(&source), Some(401 | 403));
+    let e = Box::new(KubeRequestError::Failed {
+        op,
+        namespace: namespace.to_owned(),
+        source,
+    });
+    if denied {
+        DiscoveryError::Denied(e)
+    } else {
+        DiscoveryError::Unavailable(e)
+    }
+}
+
+pub(crate) fn timed_out(op: &'static str, namespace: &str, after: Duration) -> DiscoveryError {
+    DiscoveryError::Unavailable(Box::new(KubeRequestError::TimedOut {
+        op,
+        namespace: namespace.to_owned(),
+        after,
+    }))
+}
+
+/// Runs `fut` within `after`, classifying failures.
+pub(crate) async fn within<T>(
+    op: &'static str,
+    namespace: &str,
+    after: Duration,
+    fut: impl Future<Output = Result<T, kube::Error>>,
+) -> Result<T, DiscoveryError> {
+    match tokio::time::timeout(after, fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(failed(op, namespace, e)),
+        Err(_) => Err(timed_out(op, namespace, after)),
+    }
+}

@@ -1,0 +1,435 @@
+//! The Kubernetes watch: a task per [`Discovery::watch`](crate::discovery::Discovery)
+//! that lists every followed namespace's resources and readiness, watches each list
+//! from its resourceVersion (bookmarks on), keeps the join, and feeds a bounded
+//! backlog.
+//!
+//! A watch the server ends (its `timeoutSeconds`) or that fails is opened again from
+//! the last version seen; one silent for longer than the timeout plus a slack (the
+//! timeout itself, at most [`STALL_SLACK`]) is taken as stalled and opened again. A version the server no
+//! longer has (410 Gone, as an answer or as an `ERROR` event) means changes may have
+//! been missed: everything is read afresh and the consumer gets one `Resync`.
+
+use std::future::poll_fn;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::Poll;
+use std::time::Duration;
+
+use futures_core::Stream;
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::api::{Api, WatchEvent, WatchParams};
+use serde::de::DeserializeOwned;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, warn};
+
+use super::config::KubeMode;
+use super::error::{failed, is_gone, timed_out};
+use super::join::{Change, Join, Ns};
+use super::resource::DISCOVERY_LABEL;
+use super::shared::{Kind, Object, Shared};
+use crate::discovery::backlog::{Backlog, BacklogStream, Ended};
+use crate::discovery::{DiscoveryError, DiscoveryEvent, DiscoveryStream, Query};
+use crate::net::random_unit;
+
+/// The most a silent watch is given past its `timeoutSeconds` before it is taken as
+/// stalled (less for timeouts under it: the timeout itself).
+pub(crate) const STALL_SLACK: Duration = Duration::from_secs(10);
+
+/// What a watch yields, whatever the kind it reads.
+enum Update {
+    Changed(Object),
+    Deleted(Object),
+    /// A bookmark's version.
+    Bookmark(String),
+    /// The server's `ERROR` event (410 when the version is gone).
+    Error(u16, String),
+    /// An event that did not parse.
+    Undecodable(String),
+}
+
+type Events = Pin<Box<dyn Stream<Item = Result<Update, kube::Error>> + Send>>;
+type OpenFuture = crate::BoxFuture<'static, Result<Events, kube::Error>>;
+
+/// One open watch of one (namespace, kind).
+struct Slot {
+    ns: Ns,
+    kind: Kind,
+    version: String,
+    events: Option<Events>,
+    /// When the watch is taken as stalled unless it shows life.
+    stall_at: Instant,
+}
+
+/// Starts a watch: reads everything, opens every watch, and returns once they are
+/// open (no change can fall between the read and the watch: each starts from its
+/// list's version). Cancelled first, it returns a stream that has ended.
+pub(crate) async fn start(
+    shared: Arc<Shared>,
+    query: Query,
+    cancel: CancellationToken,
+) -> Result<DiscoveryStream, DiscoveryError> {
+    let established = tokio::select! {
+        biased;
+        () = cancel.cancelled() => {
+            return Ok(DiscoveryStream::with_cancellation(Ended, cancel.clone()));
+        }
+        r = establish(&shared) => r?,
+    };
+    let (join, slots) = established;
+    let snapshot = Shared::matching(&join, &query);
+    let backlog = Backlog::start(
+        shared.config.watch_buffer,
+        Arc::clone(&shared.counters.watch),
+        snapshot,
+    );
+    let task_cancel = cancel.child_token();
+    let span = tracing::debug_span!("kube_watch", namespaces = ?shared.namespaces);
+    tokio::spawn(
+        Follower {
+            shared,
+            query,
+            backlog: Arc::clone(&backlog),
+            cancel: task_cancel.clone(),
+            join,
+            slots,
+        }
+        .run()
+        .instrument(span),
+    );
+    Ok(DiscoveryStream::with_cancellation(
+        BacklogStream::new(backlog, task_cancel.drop_guard()),
+        cancel,
+    ))
+}
+
+/// Reads everything and opens a watch per (namespace, kind) from its list's version.
+async fn establish(shared: &Shared) -> Result<(Join, Vec<Slot>), DiscoveryError> {
+    let (join, versions) = shared.read_all().await?;
+    let mut slots = Vec::with_capacity(versions.len());
+    for (ns, kind, version) in versions {
+        let events = open(shared, ns, kind, &version).await?;
+        slots.push(Slot {
+            ns,
+            kind,
+            version,
+            events: Some(events),
+            stall_at: stall_deadline(shared),
+        });
+    }
+    Ok((join, slots))
+}
+
+fn stall_deadline(shared: &Shared) -> Instant {
+    let timeout = shared.config.watch_timeout;
+    Instant::now() + timeout + timeout.min(STALL_SLACK)
+}
+
+/// Opens one watch from `version`, within the open deadline.
+async fn open(
+    shared: &Shared,
+    ns: Ns,
+    kind: Kind,
+    version: &str,
+) -> Result<Events, DiscoveryError> {
+    let namespace = shared.namespace(ns).to_owned();
+    let secs = u32::try_from(shared.config.watch_timeout.as_secs()).unwrap_or(u32::MAX);
+    let mut params = WatchParams::default().timeout(secs);
+    if kind == Kind::Readiness {
+        params = params.labels(DISCOVERY_LABEL);
+    }
+    let after = shared.config.watch_open_timeout;
+    let opened = match (kind, shared.mode) {
+        (Kind::Resources, _) => Box::pin(events(
+            shared.resources(ns),
+            params,
+            version.to_owned(),
+            |o| Object::Resource(Box::new(o)),
+        )) as OpenFuture,
+        (Kind::Readiness, KubeMode::Pod) => {
+            let api: Api<EndpointSlice> = Api::namespaced(shared.client.clone(), &namespace);
+            Box::pin(events(api, params, version.to_owned(), |o| {
+                Object::Slice(Box::new(o))
+            }))
+        }
+        (Kind::Readiness, _) => {
+            let api: Api<Pod> = Api::namespaced(shared.client.clone(), &namespace);
+            Box::pin(events(api, params, version.to_owned(), |o| {
+                Object::Pod(Box::new(o))
+            }))
+        }
+    };
+    match tokio::time::timeout(after, opened).await {
+        Ok(Ok(events)) => Ok(events),
+        Ok(Err(e)) => Err(failed("watch", &namespace, e)),
+        Err(_) => Err(timed_out("watch", &namespace, after)),
+    }
+}
+
+/// Opens a typed watch and maps its events to [`Update`]s.
+async fn events<K>(
+    api: Api<K>,
+    params: WatchParams,
+    version: String,
+    wrap: fn(K) -> Object,
+) -> Result<Events, kube::Error>
+where
+    K: kube::Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    let stream = api.watch(&params, &version).await?;
+    Ok(stream
+        .map(move |item| match item {
+            Ok(WatchEvent::Added(o) | WatchEvent::Modified(o)) => Ok(Update::Changed(wrap(o))),
+            Ok(WatchEvent::Deleted(o)) => Ok(Update::Deleted(wrap(o))),
+            Ok(WatchEvent::Bookmark(b)) => Ok(Update::Bookmark(b.metadata.resource_version)),
+            Ok(WatchEvent::Error(e)) => Ok(Update::Error(e.code, e.message)),
+            Err(kube::Error::SerdeError(e)) => Ok(Update::Undecodable(e.to_string())),
+            Err(e) => Err(e),
+        })
+        .boxed())
+}
+
+/// The task following one watch.
+struct Follower {
+    shared: Arc<Shared>,
+    query: Query,
+    backlog: Arc<Backlog>,
+    cancel: CancellationToken,
+    join: Join,
+    slots: Vec<Slot>,
+}
+
+/// What to do after an event.
+enum Next {
+    Continue,
+    /// Open this slot's watch again from its version.
+    Reopen(usize, String),
+    /// Read everything afresh and resync.
+    Relist(String),
+}
+
+impl Follower {
+    async fn run(mut self) {
+        let mut turn = 0usize;
+        loop {
+            let stall_at = self.slots.iter().map(|s| s.stall_at).min();
+            let n = self.slots.len();
+            turn = turn.wrapping_add(1);
+            let slots = &mut self.slots;
+            let next = poll_fn(|cx| {
+                for i in 0..n {
+                    let idx = (turn + i) % n;
+                    let Some(slot) = slots.get_mut(idx) else {
+                        continue;
+                    };
+                    let Some(events) = slot.events.as_mut() else {
+                        continue;
+                    };
+                    if let Poll::Ready(item) = events.as_mut().poll_next(cx) {
+                        return Poll::Ready((idx, item));
+                    }
+                }
+                Poll::Pending
+            });
+            let next = tokio::select! {
+                biased;
+                () = self.cancel.cancelled() => break,
+                (idx, item) = next => self.on_event(idx, item),
+                () = sleep_until(stall_at) => {
+                    let now = Instant::now();
+                    match self.slots.iter().position(|s| s.stall_at <= now) {
+                        Some(idx) => Next::Reopen(idx, "silent past its timeout".to_owned()),
+                        None => Next::Continue,
+                    }
+                }
+            };
+            let ok = match next {
+                Next::Continue => true,
+                Next::Reopen(idx, why) => self.reopen(idx, &why).await,
+                Next::Relist(why) => self.relist(&why).await,
+            };
+            if !ok {
+                break;
+            }
+        }
+        self.backlog.finish();
+    }
+
+    fn on_event(&mut self, idx: usize, item: Option<Result<Update, kube::Error>>) -> Next {
+        let Some(slot) = self.slots.get_mut(idx) else {
+            return Next::Continue;
+        };
+        slot.stall_at = stall_deadline(&self.shared);
+        let (ns, kind) = (slot.ns, slot.kind);
+        let update = match item {
+            None => return Next::Reopen(idx, "ended by the server".to_owned()),
+            Some(Err(e)) => return Next::Reopen(idx, format!("failed: {e}")),
+            Some(Ok(u)) => u,
+        };
+        let changes = match update {
+            Update::Changed(object) | Update::Deleted(object) if object.version().is_none() => {
+                drop(object);
+                self.shared
+                    .skipped(1, "an object without a resourceVersion");
+                return Next::Continue;
+            }
+            Update::Changed(object) => {
+                slot.version = object.version().unwrap_or_default().to_owned();
+                self.shared.apply(&mut self.join, ns, &object, false)
+            }
+            Update::Deleted(object) => {
+                slot.version = object.version().unwrap_or_default().to_owned();
+                self.shared.apply(&mut self.join, ns, &object, true)
+            }
+            Update::Bookmark(version) => {
+                slot.version = version;
+                return Next::Continue;
+            }
+            Update::Error(410, message) => {
+                return Next::Relist(format!("version gone (410): {message}"));
+            }
+            Update::Error(code, message) => {
+                return Next::Reopen(idx, format!("error event {code}: {message}"));
+            }
+            Update::Undecodable(e) => {
+                self.shared
+                    .skipped(1, &format!("an undecodable {kind:?} event: {e}"));
+                return Next::Continue;
+            }
+        };
+        self.push(changes);
+        Next::Continue
+    }
+
+    /// Applies the join's changes to the watcher's view and queues them.
+    fn push(&self, changes: Vec<Change>) {
+        if changes.is_empty() {
+            return;
+        }
+        let mut st = self.backlog.lock();
+        let mut pushed = false;
+        for change in changes {
+            let event = match change {
+                Change::Up(instance) if self.query.matches(&instance.id) => {
+                    st.current.insert(instance.id.clone(), instance.clone());
+                    DiscoveryEvent::Added(instance)
+                }
+                Change::Up(_) => continue,
+                Change::Down(id, incarnation) => match st.current.remove(&id) {
+                    Some(old) => DiscoveryEvent::Removed {
+                        id,
+                        incarnation: incarnation.max(old.incarnation),
+                    },
+                    None => continue,
+                },
+            };
+            pushed = true;
+            self.backlog.push(&mut st, event);
+        }
+        Backlog::wake(st, pushed);
+    }
+
+    /// Opens slot `idx`'s watch again from its version, with backoff; a version gone
+    /// turns into a relist. `false` when cancelled first.
+    async fn reopen(&mut self, idx: usize, why: &str) -> bool {
+        let Some(slot) = self.slots.get_mut(idx) else {
+            return true;
+        };
+        slot.events = None;
+        let (ns, kind, version) = (slot.ns, slot.kind, slot.version.clone());
+        debug!(
+            namespace = self.shared.namespace(ns),
+            ?kind,
+            why,
+            "kubernetes watch ended; opening it again"
+        );
+        let mut backoff = self.shared.backoff();
+        let mut first = why == "ended by the server";
+        loop {
+            if !first {
+                let delay = backoff.next_delay(random_unit());
+                tokio::select! {
+                    biased;
+                    () = self.cancel.cancelled() => return false,
+                    () = tokio::time::sleep(delay) => {}
+                }
+            }
+            first = false;
+            let opened = tokio::select! {
+                biased;
+                () = self.cancel.cancelled() => return false,
+                r = open(&self.shared, ns, kind, &version) => r,
+            };
+            match opened {
+                Ok(events) => {
+                    if let Some(slot) = self.slots.get_mut(idx) {
+                        slot.events = Some(events);
+                        slot.stall_at = stall_deadline(&self.shared);
+                    }
+                    return true;
+                }
+                Err(e) if is_gone(&e) => return self.relist("version gone (410)").await,
+                Err(e) => self.warn_reconnect(&e),
+            }
+        }
+    }
+
+    /// Reads everything afresh, opens every watch again and queues one `Resync`.
+    /// `false` when cancelled first.
+    async fn relist(&mut self, why: &str) -> bool {
+        debug!(why, "kubernetes watch must read afresh");
+        self.slots.clear();
+        let mut backoff = self.shared.backoff();
+        let mut first = true;
+        loop {
+            if !first {
+                let delay = backoff.next_delay(random_unit());
+                tokio::select! {
+                    biased;
+                    () = self.cancel.cancelled() => return false,
+                    () = tokio::time::sleep(delay) => {}
+                }
+            }
+            first = false;
+            let established = tokio::select! {
+                biased;
+                () = self.cancel.cancelled() => return false,
+                r = establish(&self.shared) => r,
+            };
+            match established {
+                Ok((join, slots)) => {
+                    self.join = join;
+                    self.slots = slots;
+                    self.shared
+                        .counters
+                        .reconnects
+                        .fetch_add(1, Ordering::Relaxed);
+                    self.backlog
+                        .resync(Shared::matching(&self.join, &self.query));
+                    return true;
+                }
+                Err(e) => self.warn_reconnect(&e),
+            }
+        }
+    }
+
+    fn warn_reconnect(&self, e: &DiscoveryError) {
+        if let Some(suppressed) = self
+            .shared
+            .warn
+            .check("watch-reconnect", std::time::Instant::now())
+        {
+            warn!(error = %crate::net::ErrorChain(e), suppressed, "kubernetes watch lost; retrying");
+        }
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,297 @@
+//! What every task of one `KubeDiscovery` shares: the client, the settings, the
+//! counters, and the paged reads that build a joined view.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::api::{Api, ApiResource, DynamicObject, ListParams};
+use tracing::warn;
+
+use super::config::{KubeConfig, KubeMode};
+use super::error::{is_gone, within};
+use super::join::{Change, Join, Ns, Seen};
+use super::resource::{self, DISCOVERY_LABEL, GROUP, KIND, PLURAL, VERSION};
+use crate::discovery::backlog::WatchCounters;
+use crate::discovery::{DiscoveryError, Instance};
+use crate::net::{Backoff, RateLimitedWarn};
+
+/// Attempts at a paged list before giving up (each failure a continue token that
+/// expired part-way, 410).
+const LIST_ATTEMPTS: usize = 3;
+
+pub(crate) struct Shared {
+    pub(crate) client: kube::Client,
+    pub(crate) config: KubeConfig,
+    /// The followed namespaces (a [`Ns`] indexes this list).
+    pub(crate) namespaces: Vec<String>,
+    pub(crate) mode: KubeMode,
+    pub(crate) counters: Counters,
+    pub(crate) warn: RateLimitedWarn,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) watch: Arc<WatchCounters>,
+    pub(crate) registrations: AtomicUsize,
+    pub(crate) malformed: AtomicU64,
+    pub(crate) reconnects: AtomicU64,
+}
+
+/// Which kind of object a list or watch reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// `DynamoWorkerMetadata` resources.
+    Resources,
+    /// EndpointSlices (pod mode) or Pods (container mode).
+    Readiness,
+}
+
+/// One object read from a list or a watch, as the join takes it.
+#[derive(Debug)]
+pub(crate) enum Object {
+    Resource(Box<DynamicObject>),
+    Slice(Box<EndpointSlice>),
+    Pod(Box<Pod>),
+}
+
+impl Object {
+    pub(crate) fn name(&self) -> Option<&str> {
+        match self {
+            Object::Resource(o) => o.metadata.name.as_deref(),
+            Object::Slice(o) => o.metadata.name.as_deref(),
+            Object::Pod(o) => o.metadata.name.as_deref(),
+        }
+    }
+
+    pub(crate) fn version(&self) -> Option<&str> {
+        match self {
+            Object::Resource(o) => o.metadata.resource_version.as_deref(),
+            Object::Slice(o) => o.metadata.resource_version.as_deref(),
+            Object::Pod(o) => o.metadata.resource_version.as_deref(),
+        }
+    }
+}
+
+impl Shared {
+    pub(crate) fn api_resource() -> ApiResource {
+        ApiResource {
+            group: GROUP.to_owned(),
+            version: VERSION.to_owned(),
+            api_version: format!("{GROUP}/{VERSION}"),
+            kind: KIND.to_owned(),
+            plural: PLURAL.to_owned(),
+        }
+    }
+
+    pub(crate) fn resources(&self, ns: Ns) -> Api<DynamicObject> {
+        Api::namespaced_with(
+            self.client.clone(),
+            self.namespace(ns),
+            &Shared::api_resource(),
+        )
+    }
+
+    pub(crate) fn namespace(&self, ns: Ns) -> &str {
+        self.namespaces.get(ns).map_or("", String::as_str)
+    }
+
+    pub(crate) fn backoff(&self) -> Backoff {
+        Backoff::checked(self.config.backoff_min, self.config.backoff_max)
+    }
+
+    /// Applies one object (added or modified; `deleted` for a deletion) to `join`.
+    pub(crate) fn apply(
+        &self,
+        join: &mut Join,
+        ns: Ns,
+        object: &Object,
+        deleted: bool,
+    ) -> Vec<Change> {
+        let Some(name) = object.name() else {
+            self.skipped(1, "an object without a name");
+            return Vec::new();
+        };
+        let before = join.skipped;
+        let changes = match (object, deleted) {
+            (Object::Resource(_), true) => join.delete_resource(ns, name),
+            (Object::Resource(o), false) => {
+                let advertised = resource::advertised(
+                    &o.metadata,
+                    &o.data,
+                    &self.config.records,
+                    &self.config.limits,
+                );
+                join.upsert_resource(ns, name, advertised)
+            }
+            (_, true) => join.set_readiness(ns, name, None),
+            (Object::Slice(s), false) => join.set_readiness(ns, name, Some(slice_ready(s))),
+            (Object::Pod(p), false) => join.set_readiness(ns, name, Some(pod_ready(p))),
+        };
+        let skipped = join.skipped - before;
+        if skipped > 0 {
+            self.skipped(skipped, name);
+        }
+        changes
+    }
+
+    /// Counts and logs (rate-limited) skipped resources or entries.
+    pub(crate) fn skipped(&self, n: u64, resource: &str) {
+        self.counters.malformed.fetch_add(n, Ordering::Relaxed);
+        if let Some(suppressed) = self.warn.check("malformed", std::time::Instant::now()) {
+            warn!(
+                resource = %resource.chars().take(253).collect::<String>(),
+                skipped = n,
+                suppressed,
+                "skipping malformed or over-bound DynamoWorkerMetadata entries"
+            );
+        }
+    }
+
+    /// Lists `kind` in namespace `ns` into `join`, page by page (one raw page held
+    /// at a time); returns the list's resourceVersion.
+    pub(crate) async fn list_into(
+        &self,
+        join: &mut Join,
+        ns: Ns,
+        kind: Kind,
+    ) -> Result<String, DiscoveryError> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match self.list_pages(join, ns, kind).await {
+                Err(e) if is_gone(&e) && attempt < LIST_ATTEMPTS => continue,
+                other => return other,
+            }
+        }
+    }
+
+    async fn list_pages(
+        &self,
+        join: &mut Join,
+        ns: Ns,
+        kind: Kind,
+    ) -> Result<String, DiscoveryError> {
+        let namespace = self.namespace(ns).to_owned();
+        let timeout = self.config.request_timeout;
+        let mut params = ListParams::default().limit(self.config.page_size);
+        if kind == Kind::Readiness {
+            params = params.labels(DISCOVERY_LABEL);
+        }
+        loop {
+            let (objects, meta) = match (kind, self.mode) {
+                (Kind::Resources, _) => {
+                    let page = within(
+                        "list",
+                        &namespace,
+                        timeout,
+                        self.resources(ns).list(&params),
+                    )
+                    .await?;
+                    (
+                        page.items
+                            .into_iter()
+                            .map(|o| Object::Resource(Box::new(o)))
+                            .collect::<Vec<_>>(),
+                        page.metadata,
+                    )
+                }
+                (Kind::Readiness, KubeMode::Pod) => {
+                    let api: Api<EndpointSlice> = Api::namespaced(self.client.clone(), &namespace);
+                    let page = within("list", &namespace, timeout, api.list(&params)).await?;
+                    (
+                        page.items
+                            .into_iter()
+                            .map(|o| Object::Slice(Box::new(o)))
+                            .collect(),
+                        page.metadata,
+                    )
+                }
+                (Kind::Readiness, _) => {
+                    let api: Api<Pod> = Api::namespaced(self.client.clone(), &namespace);
+                    let page = within("list", &namespace, timeout, api.list(&params)).await?;
+                    (
+                        page.items
+                            .into_iter()
+                            .map(|o| Object::Pod(Box::new(o)))
+                            .collect(),
+                        page.metadata,
+                    )
+                }
+            };
+            for object in &objects {
+                self.apply(join, ns, object, false);
+            }
+            drop(objects);
+            match meta.continue_.filter(|c| !c.is_empty()) {
+                Some(token) => params = params.continue_token(&token),
+                None => return Ok(meta.resource_version.unwrap_or_default()),
+            }
+        }
+    }
+
+    /// A joined view of every followed namespace, read now; with the version of each
+    /// (namespace, kind) list, for the watches that follow it.
+    pub(crate) async fn read_all(&self) -> Result<(Join, Vec<(Ns, Kind, String)>), DiscoveryError> {
+        let mut join = Join::new(self.config.limits);
+        let mut versions = Vec::with_capacity(self.namespaces.len() * 2);
+        for ns in 0..self.namespaces.len() {
+            for kind in [Kind::Readiness, Kind::Resources] {
+                let version = self.list_into(&mut join, ns, kind).await?;
+                versions.push((ns, kind, version));
+            }
+        }
+        Ok((join, versions))
+    }
+
+    /// The instances of `join` a query matches.
+    pub(crate) fn matching(join: &Join, query: &crate::discovery::Query) -> Vec<Instance> {
+        let mut view = join.view();
+        view.retain(|i| query.matches(&i.id));
+        view
+    }
+}
+
+/// The ready contributions of an EndpointSlice: endpoints with `conditions.ready`
+/// true and a `targetRef` with a name and a uid.
+pub(crate) fn slice_ready(slice: &EndpointSlice) -> Vec<Seen> {
+    slice
+        .endpoints
+        .iter()
+        .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
+        .filter_map(|e| {
+            let target = e.target_ref.as_ref()?;
+            let name = target.name.as_ref().filter(|n| !n.is_empty())?;
+            let uid = target.uid.as_ref().filter(|u| !u.is_empty())?;
+            Some(Seen {
+                name: name.clone(),
+                uid: uid.clone(),
+            })
+        })
+        .collect()
+}
+
+/// The ready contributions of a Pod: one per ready container, naming the resource
+/// `{pod}-{container}` (the pod's own name for a container named `main`).
+pub(crate) fn pod_ready(pod: &Pod) -> Vec<Seen> {
+    let (Some(name), Some(uid)) = (
+        pod.metadata.name.as_ref(),
+        pod.metadata.uid.as_ref().filter(|u| !u.is_empty()),
+    ) else {
+        return Vec::new();
+    };
+    pod.status
+        .iter()
+        .flat_map(|s| s.container_statuses.iter().flatten())
+        .filter(|c| c.ready)
+        .map(|c| Seen {
+            name: if c.name == "main" {
+                name.clone()
+            } else {
+                format!("{name}-{}", c.name)
+            },
+            uid: uid.clone(),
+        })
+        .collect()
+}

@@ -1,0 +1,359 @@
+//! Registering on Kubernetes: this process's one `DynamoWorkerMetadata` resource,
+//! server-side-applied whole (field manager `dynamo-worker`, forced) on every change
+//! under one lock, as Dynamo does. A change whose apply fails is rolled back locally;
+//! a `register` dropped part-way is rolled back too and the resource re-applied in
+//! the background; dropped guards are removed in the background.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use super::config::PodIdentity;
+use super::error::within;
+use super::resource::{self, ApplyBody, FIELD_MANAGER, PodRef, Written};
+use super::shared::Shared;
+use crate::config::ConfigError;
+use crate::discovery::records::DynamoRecords;
+use crate::discovery::{ChannelId, DiscoveryError, Instance, Transport, WorkerIdentity};
+use crate::net::random_unit;
+
+/// This process's resource and what it advertises.
+pub(crate) struct Writer {
+    pub(crate) shared: Arc<Shared>,
+    api: Api<DynamicObject>,
+    name: String,
+    owner: PodRef,
+    controller: bool,
+    table: tokio::sync::Mutex<BTreeMap<ChannelId, Entry>>,
+    /// Serials of dropped guards, and whether the resource must be re-applied.
+    pending: Mutex<(Vec<(ChannelId, u64)>, bool)>,
+    wake: Notify,
+    next_serial: AtomicU64,
+    closed: AtomicBool,
+    pub(crate) shutdown: CancellationToken,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    serial: u64,
+    written: Written,
+}
+
+impl Writer {
+    pub(crate) fn new(shared: Arc<Shared>, pod: &PodIdentity) -> Writer {
+        let api = Api::namespaced_with(
+            shared.client.clone(),
+            &pod.namespace,
+            &Shared::api_resource(),
+        );
+        Writer {
+            shared,
+            api,
+            name: pod.resource_name(),
+            owner: PodRef {
+                name: pod.name.clone(),
+                uid: pod.uid.clone(),
+            },
+            controller: pod.container.is_none(),
+            table: tokio::sync::Mutex::new(BTreeMap::new()),
+            pending: Mutex::new((Vec::new(), false)),
+            wake: Notify::new(),
+            next_serial: AtomicU64::new(1),
+            closed: AtomicBool::new(false),
+            shutdown: CancellationToken::new(),
+        }
+    }
+
+    /// The resource's name.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Container mode: deletes a resource an earlier incarnation left (absent is fine).
+    pub(crate) async fn delete_stale(&self) -> Result<(), DiscoveryError> {
+        let namespace = self.api_namespace();
+        match tokio::time::timeout(
+            self.shared.config.request_timeout,
+            self.api.delete(&self.name, &DeleteParams::default()),
+        )
+        .await
+        {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) if super::error::status(&e) == Some(404) => Ok(()),
+            Ok(Err(e)) => Err(super::error::failed("delete", &namespace, e)),
+            Err(_) => Err(super::error::timed_out(
+                "delete",
+                &namespace,
+                self.shared.config.request_timeout,
+            )),
+        }
+    }
+
+    fn api_namespace(&self) -> String {
+        self.api
+            .resource_url()
+            .split('/')
+            .skip_while(|s| *s != "namespaces")
+            .nth(1)
+            .unwrap_or_default()
+            .to_owned()
+    }
+
+    /// Applies the whole resource; returns its new resourceVersion as an integer.
+    async fn apply(&self, table: &BTreeMap<ChannelId, Entry>) -> Result<u64, DiscoveryError> {
+        let body = ApplyBody::new(
+            &self.name,
+            &self.owner,
+            self.controller,
+            table.values().map(|e| &e.written),
+        );
+        let params = PatchParams::apply(FIELD_MANAGER).force();
+        let namespace = self.api_namespace();
+        let applied = within(
+            "apply",
+            &namespace,
+            self.shared.config.request_timeout,
+            self.api.patch(&self.name, &params, &Patch::Apply(&body)),
+        )
+        .await?;
+        resource::incarnation(&applied.metadata).map_err(|e| {
+            DiscoveryError::Unavailable(
+                format!("the API server answered the apply with {e}").into(),
+            )
+        })
+    }
+
+    /// Registers `id` → `transport` for `worker` (or the configured one).
+    pub(crate) async fn register(
+        self: &Arc<Self>,
+        id: ChannelId,
+        transport: Transport,
+        worker: Option<WorkerIdentity>,
+    ) -> Result<(Instance, u64), DiscoveryError> {
+        if self.closed.load(Ordering::Relaxed) {
+            return Err(DiscoveryError::Closed);
+        }
+        let records = match worker {
+            Some(w) => self
+                .shared
+                .config
+                .records
+                .clone()
+                .worker(w.worker_id, w.dp_rank),
+            None => self.shared.config.records.clone(),
+        };
+        if records.endpoint.is_none() {
+            return Err(DiscoveryError::InvalidConfig(ConfigError::Invalid {
+                field: "records",
+                reason: "registering needs a Dynamo endpoint (DynamoRecords::endpoint)".to_owned(),
+            }));
+        }
+        let worker = worker.or_else(|| {
+            records
+                .worker
+                .map(|(worker_id, dp_rank)| WorkerIdentity::new(worker_id, dp_rank))
+        });
+        let written = written(&records, &id, &transport)?;
+        let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
+        let mut table = self.table.lock().await;
+        let previous = table.insert(id.clone(), Entry { serial, written });
+        // Dropped before the apply answered: roll back and re-apply in the background.
+        let mut rollback = Rollback {
+            writer: self,
+            table,
+            id: id.clone(),
+            previous,
+            armed: true,
+        };
+        let applied = self.apply(&rollback.table).await;
+        match applied {
+            Ok(version) => {
+                rollback.armed = false;
+                if rollback.previous.is_none() {
+                    self.shared
+                        .counters
+                        .registrations
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                let mut instance = Instance::new(id, transport, version);
+                if let Some(w) = worker {
+                    instance = instance.with_worker(w);
+                }
+                Ok((instance, serial))
+            }
+            Err(e) => {
+                // Rolled back by the guard; nothing to re-apply (the apply failed).
+                rollback.disarm_quietly();
+                Err(e)
+            }
+        }
+    }
+
+    /// Removes `id` if `serial` still owns it and re-applies.
+    pub(crate) async fn unregister(
+        &self,
+        id: &ChannelId,
+        serial: u64,
+    ) -> Result<(), DiscoveryError> {
+        let mut table = self.table.lock().await;
+        if table.get(id).map(|e| e.serial) != Some(serial) {
+            return Ok(());
+        }
+        table.remove(id);
+        self.shared
+            .counters
+            .registrations
+            .fetch_sub(1, Ordering::Relaxed);
+        if self.closed.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let applied = self.apply(&table).await;
+        if applied.is_err() {
+            // Gone locally; the background task applies until it holds.
+            self.signal(None);
+        }
+        applied.map(|_| ())
+    }
+
+    /// From `Drop` (never blocks): removes `id` in the background.
+    pub(crate) fn release(&self, id: ChannelId, serial: u64) {
+        self.signal(Some((id, serial)));
+    }
+
+    fn signal(&self, release: Option<(ChannelId, u64)>) {
+        {
+            let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+            match release {
+                Some(r) => pending.0.push(r),
+                None => pending.1 = true,
+            }
+        }
+        self.wake.notify_one();
+    }
+
+    /// Applies the resource with every map empty (Dynamo's shutdown; the resource is
+    /// not deleted). Registration guards alive become inert.
+    pub(crate) async fn close(&self) {
+        self.closed.store(true, Ordering::Relaxed);
+        self.shutdown.cancel();
+        let mut table = self.table.lock().await;
+        let held = table.len();
+        table.clear();
+        self.shared
+            .counters
+            .registrations
+            .fetch_sub(held, Ordering::Relaxed);
+        match self.apply(&table).await {
+            Ok(_) => debug!(resource = %self.name, "applied with every map empty"),
+            Err(e) => {
+                warn!(resource = %self.name, error = %crate::net::ErrorChain(&e), "could not empty the resource on close")
+            }
+        }
+    }
+
+    /// The background task: removes released registrations and re-applies until the
+    /// resource holds what the table says.
+    pub(crate) async fn run(self: Arc<Self>) {
+        let mut backoff = self.shared.backoff();
+        let mut dirty = false;
+        loop {
+            if !dirty {
+                tokio::select! {
+                    () = self.shutdown.cancelled() => return,
+                    () = self.wake.notified() => {}
+                }
+            }
+            let (released, reapply) = {
+                let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+                let reapply = std::mem::take(&mut pending.1);
+                (std::mem::take(&mut pending.0), reapply)
+            };
+            let mut table = self.table.lock().await;
+            let mut changed = dirty || reapply;
+            for (id, serial) in released {
+                if table.get(&id).map(|e| e.serial) == Some(serial) {
+                    table.remove(&id);
+                    self.shared
+                        .counters
+                        .registrations
+                        .fetch_sub(1, Ordering::Relaxed);
+                    changed = true;
+                }
+            }
+            if !changed || self.closed.load(Ordering::Relaxed) {
+                dirty = false;
+                continue;
+            }
+            match self.apply(&table).await {
+                Ok(_) => {
+                    dirty = false;
+                    backoff = self.shared.backoff();
+                }
+                Err(e) => {
+                    drop(table);
+                    dirty = true;
+                    debug!(error = %crate::net::ErrorChain(&e), "re-applying the resource failed; retrying");
+                    let delay = backoff.next_delay(random_unit());
+                    tokio::select! {
+                        () = self.shutdown.cancelled() => return,
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn written(
+    records: &DynamoRecords,
+    id: &ChannelId,
+    transport: &Transport,
+) -> Result<Written, DiscoveryError> {
+    Written::new(records, id, transport).map_err(|e| DiscoveryError::InvalidId {
+        reason: e.to_string(),
+    })
+}
+
+/// Puts the table back as it was before a `register` whose future was dropped (or
+/// whose apply failed).
+struct Rollback<'a> {
+    writer: &'a Writer,
+    table: tokio::sync::MutexGuard<'a, BTreeMap<ChannelId, Entry>>,
+    id: ChannelId,
+    previous: Option<Entry>,
+    armed: bool,
+}
+
+impl Rollback<'_> {
+    /// Rolls back now, without asking for a re-apply.
+    fn disarm_quietly(&mut self) {
+        self.restore();
+        self.armed = false;
+    }
+
+    fn restore(&mut self) {
+        match self.previous.take() {
+            Some(p) => {
+                self.table.insert(self.id.clone(), p);
+            }
+            None => {
+                self.table.remove(&self.id);
+            }
+        }
+    }
+}
+
+impl Drop for Rollback<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.restore();
+            // The apply may have landed: make the resource match the table again.
+            self.writer.signal(None);
+        }
+    }
+}

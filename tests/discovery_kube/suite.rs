@@ -1,0 +1,604 @@
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    missing_docs
+)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use eventplane::discovery::conformance::{self, Settings};
+use eventplane::discovery::{
+    ChannelId, Discovery, DiscoveryEvent, DiscoveryStream, DynamoRecords, KubeDiscovery,
+    PodIdentity, Query, Transport, WorkerIdentity, kube_instance_id,
+};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::support::kube_api::KubeApi;
+use crate::support::{assert_fired_at, within};
+
+const NS: &str = "testns";
+const FIXTURES: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/fixtures/dynamo-1.6.1-kube"
+);
+
+static POD: AtomicU64 = AtomicU64::new(0);
+
+/// A fresh pod, ready in its own EndpointSlice: (name, uid).
+fn ready_pod(api: &KubeApi) -> (String, String) {
+    let n = POD.fetch_add(1, Ordering::Relaxed);
+    let (name, uid) = (format!("worker-{n}"), format!("uid-{n}"));
+    api.ready_slice(NS, &format!("slice-{n}"), &[(&name, &uid, true)]);
+    (name, uid)
+}
+
+fn builder(api: &KubeApi) -> eventplane::discovery::KubeDiscoveryBuilder {
+    KubeDiscovery::builder()
+        .client(api.client())
+        .namespaces([NS])
+        .records(DynamoRecords::new().endpoint("generate"))
+        .backoff(Duration::from_millis(10), Duration::from_millis(200))
+}
+
+async fn backend(api: &KubeApi) -> KubeDiscovery {
+    let (name, uid) = ready_pod(api);
+    builder(api)
+        .pod(PodIdentity::new(name, uid, NS))
+        .connect()
+        .await
+        .unwrap()
+}
+
+async fn next(s: &mut DiscoveryStream) -> DiscoveryEvent {
+    within(s.next()).await.unwrap().unwrap()
+}
+
+async fn synced(d: &KubeDiscovery, q: Query) -> DiscoveryStream {
+    let mut s = d.watch(q, CancellationToken::new()).await.unwrap();
+    loop {
+        if let DiscoveryEvent::Resync(_) = next(&mut s).await {
+            return s;
+        }
+    }
+}
+
+fn id(ns: &str, n: u64) -> ChannelId {
+    ChannelId::new(ns, "kvworker", "kv-events", n).unwrap()
+}
+
+#[tokio::test]
+async fn conforms() {
+    let api = Arc::new(KubeApi::start().await);
+    let failures = conformance::run_all(
+        || {
+            let api = Arc::clone(&api);
+            async move { Arc::new(backend(&api).await) as Arc<dyn Discovery> }
+        },
+        &Settings::default().with_observed_incarnations(),
+    )
+    .await;
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[tokio::test]
+async fn conforms_while_the_server_keeps_dropping_watches() {
+    let api = Arc::new(KubeApi::start().await);
+    let dropper = {
+        let api = Arc::clone(&api);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(150)).await;
+                api.drop_watches();
+            }
+        })
+    };
+    let failures = conformance::run_all(
+        || {
+            let api = Arc::clone(&api);
+            async move { Arc::new(backend(&api).await) as Arc<dyn Discovery> }
+        },
+        &Settings::default().with_observed_incarnations(),
+    )
+    .await;
+    dropper.abort();
+    assert!(failures.is_empty(), "{failures:#?}");
+    // The drops were real: the watches were opened again many times.
+    let watches = api
+        .log()
+        .iter()
+        .filter(|l| l.query.get("watch").map(String::as_str) == Some("true"))
+        .count();
+    assert!(watches > 20, "{watches} watch requests");
+}
+
+#[tokio::test]
+async fn a_compacted_version_reads_afresh_and_resyncs_once() {
+    let api = KubeApi::start().await;
+    let d = backend(&api).await;
+    let mut s = synced(&d, Query::new("dyn")).await;
+    let a = d
+        .register(id("dyn", 1), Transport::zmq("tcp://10.0.0.1:1"))
+        .await
+        .unwrap();
+    assert!(matches!(next(&mut s).await, DiscoveryEvent::Added(i) if i == *a.instance()));
+    assert_eq!(d.stats().reconnects, 0);
+    api.compact();
+    api.drop_watches();
+    match next(&mut s).await {
+        DiscoveryEvent::Resync(v) => assert_eq!(v, vec![a.instance().clone()]),
+        other => panic!("expected a Resync, got {other:?}"),
+    }
+    assert_eq!(d.stats().reconnects, 1);
+    // And it follows on from there.
+    let b = d
+        .register(id("dyn", 2), Transport::zmq("tcp://10.0.0.1:2"))
+        .await
+        .unwrap();
+    assert!(matches!(next(&mut s).await, DiscoveryEvent::Added(i) if i == *b.instance()));
+}
+
+#[tokio::test]
+async fn a_stalled_watch_is_opened_again_after_its_timeout_and_slack() {
+    let api = KubeApi::start().await;
+    let (name, uid) = ready_pod(&api);
+    let timeout = Duration::from_secs(1);
+    let d = builder(&api)
+        .pod(PodIdentity::new(name, uid, NS))
+        .watch_timeout(timeout)
+        .connect()
+        .await
+        .unwrap();
+    let mut s = synced(&d, Query::new("dyn")).await;
+    // The watch's last sign of life is its opening: stall it before the first
+    // bookmark (1 s); the server keeps it open and silent, past its own timeout.
+    let opened = Instant::now();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    api.stall_watches(true);
+    let a = d
+        .register(id("dyn", 1), Transport::zmq("tcp://10.0.0.1:1"))
+        .await
+        .unwrap();
+    let event = next(&mut s).await;
+    let elapsed = opened.elapsed();
+    api.stall_watches(false);
+    assert!(matches!(event, DiscoveryEvent::Added(i) if i == *a.instance()));
+    // Taken as stalled at timeout + slack (1 s + 1 s) after its last sign of life,
+    // opened again from the last version seen: the registration arrives then.
+    assert_fired_at("stall detection", elapsed, 2 * timeout);
+}
+
+#[tokio::test]
+async fn the_join_rule_over_the_wire() {
+    let api = KubeApi::start().await;
+    // The registering pod is not ready anywhere yet.
+    let d = builder(&api)
+        .pod(PodIdentity::new("w", "uid-new", NS))
+        .connect()
+        .await
+        .unwrap();
+    let mut s = synced(&d, Query::new("dyn")).await;
+    let a = d
+        .register(id("dyn", 7), Transport::zmq("tcp://10.0.0.1:7"))
+        .await
+        .unwrap();
+    // The slice names an earlier incarnation of the pod: nothing.
+    api.ready_slice(NS, "s", &[("w", "uid-old", true)]);
+    assert!(d.list(Query::new("dyn")).await.unwrap().is_empty());
+    // Not ready: nothing.
+    api.ready_slice(NS, "s", &[("w", "uid-new", false)]);
+    assert!(d.list(Query::new("dyn")).await.unwrap().is_empty());
+    api.ready_slice(NS, "s", &[("w", "uid-new", true)]);
+    assert!(matches!(next(&mut s).await, DiscoveryEvent::Added(i) if i == *a.instance()));
+    // Two uids for one name conflict: excluded.
+    api.ready_slice(NS, "s2", &[("w", "uid-old", true)]);
+    assert!(
+        matches!(next(&mut s).await, DiscoveryEvent::Removed { id, .. } if id == a.instance().id)
+    );
+    api.delete("endpointslices", NS, "s2");
+    assert!(matches!(next(&mut s).await, DiscoveryEvent::Added(_)));
+    // A slice without the discovery label is not read.
+    api.put(
+        "endpointslices",
+        NS,
+        json!({"metadata": {"name": "unlabelled"}, "addressType": "IPv4",
+               "endpoints": [{"addresses": ["10.0.0.2"], "conditions": {"ready": true},
+                              "targetRef": {"kind": "Pod", "name": "w", "uid": "uid-old"}}]}),
+    );
+    api.delete("endpointslices", NS, "s");
+    assert!(matches!(next(&mut s).await, DiscoveryEvent::Removed { .. }));
+    assert!(d.list(Query::new("dyn")).await.unwrap().is_empty());
+}
+
+/// The CR Dynamo 1.6.1 applied after `serve_endpoint` and `KvEventPublisher`.
+fn captured_apply(n: usize) -> (Value, Value) {
+    let log = std::fs::read_to_string(format!("{FIXTURES}/pod-mode.requests.jsonl")).unwrap();
+    let patches: Vec<Value> = log
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|r| r["method"] == "PATCH")
+        .collect();
+    (patches[n].clone(), patches[n]["body"].clone())
+}
+
+#[tokio::test]
+async fn reads_the_resource_dynamo_wrote() {
+    let api = KubeApi::start().await;
+    let (_, body) = captured_apply(2);
+    api.put("dynamoworkermetadatas", "capns", body);
+    api.ready_slice(
+        "capns",
+        "s",
+        &[("worker-0", "11111111-2222-3333-4444-555555555555", true)],
+    );
+    let d = KubeDiscovery::builder()
+        .client(api.client())
+        .namespaces(["capns"])
+        .connect()
+        .await
+        .unwrap();
+    let listed = d.list(Query::new("capns")).await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    let i = &listed[0];
+    assert_eq!(
+        i.id,
+        ChannelId::new("capns", "kvworker", "kv-events", 0x1e39a6adfd5f2a).unwrap()
+    );
+    assert_eq!(i.transport, Transport::zmq("tcp://127.0.0.1:43751"));
+    assert_eq!(i.worker, Some(WorkerIdentity::new(77, 0)));
+    assert_eq!(d.stats().malformed, 0);
+    // The same resource followed for another endpoint: nothing, and nothing counted.
+    let other = KubeDiscovery::builder()
+        .client(api.client())
+        .namespaces(["capns"])
+        .records(DynamoRecords::new().endpoint("other"))
+        .connect()
+        .await
+        .unwrap();
+    assert!(other.list(Query::new("capns")).await.unwrap().is_empty());
+    assert_eq!(other.stats().malformed, 0);
+    // The endpoint instance id Dynamo computed is the resource name's hash.
+    assert_eq!(kube_instance_id("worker-0"), 1186445869714687);
+}
+
+fn resource(name: &str, uid: &str, data: Value) -> Value {
+    json!({"metadata": {"name": name, "ownerReferences": [{"apiVersion": "v1", "kind": "Pod",
+            "name": name, "uid": uid, "controller": true, "blockOwnerDeletion": false}]},
+           "spec": {"data": data}})
+}
+
+fn channel(ns: &str, publisher: u64, endpoint: &str) -> (String, Value) {
+    let key = format!("namespace/{ns}/component/c/endpoint/generate/topic/kv/{publisher:x}");
+    let value = json!({"type": "EventChannel",
+        "scope": {"kind": "endpoint", "endpoint": {"namespace": ns, "component": "c", "name": "generate"}},
+        "topic": "kv", "instance_id": publisher,
+        "transport": {"kind": "Zmq", "config": {"endpoint": endpoint}}});
+    (key, value)
+}
+
+#[tokio::test]
+async fn null_maps_malformed_entries_and_bounds() {
+    let api = KubeApi::start().await;
+    let mut ready = Vec::new();
+    let mut put = |name: &str, data: Value| {
+        api.put(
+            "dynamoworkermetadatas",
+            NS,
+            resource(name, &format!("u-{name}"), data),
+        );
+        ready.push((name.to_owned(), format!("u-{name}")));
+    };
+    let (k1, v1) = channel("dyn", 1, "tcp://10.0.0.1:1");
+    // null maps (what a real API server stores for an emptied map) are empty.
+    put(
+        "nulls",
+        json!({"endpoints": null, "model_cards": null, "event_channels": {(k1.clone()): v1},
+                       "event_sources": null}),
+    );
+    put(
+        "all-null",
+        json!({"endpoints": null, "model_cards": null, "event_channels": null, "event_sources": null}),
+    );
+    put("no-data", Value::Null);
+    // Malformed resources: skipped, counted, never failing the page.
+    put("data-string", json!("x"));
+    put("channels-list", json!({"event_channels": []}));
+    // Malformed or oversized entries beside a good one.
+    let (k2, v2) = channel("dyn", 2, "tcp://10.0.0.1:2");
+    let (k3, mut v3) = channel("dyn", 3, "tcp://10.0.0.1:3");
+    v3["padding"] = json!("x".repeat(70_000));
+    let (k4, v4) = channel("dyn", 4, &format!("tcp://{}:4", "h".repeat(1100)));
+    let long_key = format!(
+        "namespace/{}/component/c/endpoint/generate/topic/kv/5",
+        "n".repeat(1100)
+    );
+    put(
+        "entries",
+        json!({"event_channels": {(k2.clone()): v2, (k3): v3, (k4): v4,
+                          (long_key): {}, "garbage": 1},
+                          "event_sources": {(k2.clone()): {"type": "EventSource", "topic": "kv",
+                              "publisher_id": 2, "metadata": {"worker": {"worker_id": -1, "dp_rank": 0}}}}}),
+    );
+    let refs: Vec<(&str, &str, bool)> = ready
+        .iter()
+        .map(|(n, u)| (n.as_str(), u.as_str(), true))
+        .collect();
+    api.ready_slice(NS, "s", &refs);
+    let d = KubeDiscovery::builder()
+        .client(api.client())
+        .namespaces([NS])
+        .connect()
+        .await
+        .unwrap();
+    let mut listed = d.list(Query::new("dyn")).await.unwrap();
+    listed.sort_by_key(|i| i.id.publisher_id());
+    let ids: Vec<u64> = listed.iter().map(|i| i.id.publisher_id()).collect();
+    assert_eq!(ids, vec![1, 2]);
+    // The bad source costs its worker, not its channel.
+    assert_eq!(listed[1].worker, None);
+    // data-string, channels-list; k3, k4, the long key, garbage, the bad source.
+    assert_eq!(d.stats().malformed, 7, "{:?}", d.stats());
+}
+
+#[tokio::test]
+async fn a_resource_over_the_bound_is_skipped_and_counted() {
+    let api = KubeApi::start().await;
+    let total = 16_385u64;
+    let mut slice = Vec::new();
+    for n in 0..total {
+        let (k, v) = channel(
+            "dyn",
+            n + 1,
+            &format!("tcp://10.0.{}.{}:1", n / 256, n % 256),
+        );
+        api.put(
+            "dynamoworkermetadatas",
+            NS,
+            resource(
+                &format!("r{n:05}"),
+                "u",
+                json!({"event_channels": {(k): v}}),
+            ),
+        );
+        slice.push(format!("r{n:05}"));
+    }
+    // One slice per 1,000 endpoints, as Kubernetes caps them.
+    for (i, chunk) in slice.chunks(1000).enumerate() {
+        let pods: Vec<(&str, &str, bool)> = chunk.iter().map(|n| (n.as_str(), "u", true)).collect();
+        api.ready_slice(NS, &format!("s{i}"), &pods);
+    }
+    let d = KubeDiscovery::builder()
+        .client(api.client())
+        .namespaces([NS])
+        .connect()
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let listed = d.list(Query::new("dyn")).await.unwrap();
+    eprintln!(
+        "listed {} of {total} resources in {:?}",
+        listed.len(),
+        started.elapsed()
+    );
+    assert_eq!(listed.len(), 16_384);
+    assert_eq!(d.stats().malformed, 1);
+    // Paged: 32 a page, with continue tokens.
+    let pages = api
+        .log()
+        .iter()
+        .filter(|l| l.path.ends_with("/dynamoworkermetadatas") && l.query.get("watch").is_none())
+        .count();
+    assert_eq!(pages, 16_385usize.div_ceil(32));
+}
+
+#[tokio::test]
+async fn writes_what_dynamo_wrote() {
+    let api = KubeApi::start().await;
+    let d = KubeDiscovery::builder()
+        .client(api.client())
+        .records(DynamoRecords::new().endpoint("generate").worker(77, 0))
+        .pod(PodIdentity::new(
+            "worker-0",
+            "11111111-2222-3333-4444-555555555555",
+            "capns",
+        ))
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(d.namespaces(), ["capns"]);
+    assert_eq!(d.instance_id(), Some(0x43710f49c0cff));
+    let id = ChannelId::new("capns", "kvworker", "kv-events", 0x1e39a6adfd5f2a).unwrap();
+    let registration = d
+        .register(id, Transport::zmq("tcp://127.0.0.1:43751"))
+        .await
+        .unwrap();
+    let applies = || -> Vec<Value> {
+        api.log()
+            .into_iter()
+            .filter(|l| l.method == "PATCH")
+            .map(|l| {
+                assert_eq!(
+                    l.query.get("fieldManager").map(String::as_str),
+                    Some("dynamo-worker")
+                );
+                assert_eq!(l.query.get("force").map(String::as_str), Some("true"));
+                assert_eq!(
+                    l.content_type.as_deref(),
+                    Some("application/apply-patch+yaml")
+                );
+                l.body.unwrap()
+            })
+            .collect()
+    };
+    // Dynamo's third apply, without the endpoint it served (we serve none).
+    let (_, mut dynamo) = captured_apply(2);
+    dynamo["spec"]["data"]["endpoints"] = json!({});
+    assert_eq!(applies(), vec![dynamo]);
+    registration.unregister().await.unwrap();
+    let (_, mut dynamo) = captured_apply(4);
+    dynamo["spec"]["data"]["endpoints"] = json!({});
+    assert_eq!(applies()[1], dynamo);
+    d.close().await;
+    assert_eq!(applies()[2], captured_apply(5).1);
+    assert_eq!(applies().len(), 3);
+    assert_eq!(
+        api.field_managers("capns", "worker-0"),
+        vec!["dynamo-worker"; 3]
+    );
+}
+
+#[tokio::test]
+async fn container_mode_deletes_a_stale_resource_and_writes_as_dynamo_did() {
+    let api = KubeApi::start().await;
+    api.put(
+        "dynamoworkermetadatas",
+        "capns",
+        resource("worker-0-engine-0", "old", json!({})),
+    );
+    let d = KubeDiscovery::builder()
+        .client(api.client())
+        .records(DynamoRecords::new().endpoint("generate").worker(77, 0))
+        .pod(
+            PodIdentity::new("worker-0", "11111111-2222-3333-4444-555555555555", "capns")
+                .container("engine-0"),
+        )
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(d.instance_id(), Some(0x1c9a5dad7b0253));
+    let log = api.log();
+    assert_eq!(log[0].method, "DELETE");
+    assert!(
+        log[0]
+            .path
+            .ends_with("/dynamoworkermetadatas/worker-0-engine-0")
+    );
+    let id = ChannelId::new("capns", "kvworker", "kv-events", 0x1e39a6adfd5f2a).unwrap();
+    let _r = d
+        .register(id, Transport::zmq("tcp://127.0.0.1:43751"))
+        .await
+        .unwrap();
+    let body = api.log().last().unwrap().body.clone().unwrap();
+    let owner = &body["metadata"]["ownerReferences"][0];
+    assert_eq!(owner["controller"], json!(false));
+    assert_eq!(owner["name"], json!("worker-0"));
+    assert_eq!(body["metadata"]["name"], json!("worker-0-engine-0"));
+    // Readiness from Pods in container mode: the container must be ready.
+    let mut watch = synced(&d, Query::new("capns")).await;
+    let pod = |ready: bool| {
+        json!({"metadata": {"name": "worker-0", "uid": "11111111-2222-3333-4444-555555555555",
+                "labels": {"nvidia.com/dynamo-discovery-enabled": "true"}},
+               "status": {"containerStatuses": [{"name": "engine-0", "ready": ready, "restartCount": 0,
+                   "image": "x", "imageID": "x"}]}})
+    };
+    api.put("pods", "capns", pod(false));
+    api.put("pods", "capns", pod(true));
+    assert!(
+        matches!(next(&mut watch).await, DiscoveryEvent::Added(i) if i.worker == Some(WorkerIdentity::new(77, 0)))
+    );
+    let reads: Vec<_> = api
+        .log()
+        .into_iter()
+        .filter(|l| l.method == "GET")
+        .collect();
+    assert!(
+        reads
+            .iter()
+            .any(|l| l.path == "/api/v1/namespaces/capns/pods")
+    );
+    assert!(!reads.iter().any(|l| l.path.contains("endpointslices")));
+}
+
+#[tokio::test]
+async fn reads_with_the_requests_dynamo_sends() {
+    let api = KubeApi::start().await;
+    let d = backend(&api).await;
+    let _s = synced(&d, Query::new("dyn")).await;
+    let log = api.log();
+    let get = |path_end: &str, watch: bool| {
+        log.iter()
+            .find(|l| l.path.ends_with(path_end) && l.query.contains_key("watch") == watch)
+            .unwrap_or_else(|| panic!("no {path_end} watch={watch}"))
+            .clone()
+    };
+    let slices = get("/endpointslices", false);
+    assert_eq!(
+        slices.path,
+        format!("/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices")
+    );
+    assert_eq!(
+        slices.query["labelSelector"],
+        "nvidia.com/dynamo-discovery-enabled=true"
+    );
+    assert_eq!(slices.query["limit"], "32");
+    let resources = get("/dynamoworkermetadatas", false);
+    assert!(!resources.query.contains_key("labelSelector"));
+    for (end, selector) in [("/endpointslices", true), ("/dynamoworkermetadatas", false)] {
+        let w = get(end, true);
+        assert_eq!(w.query["timeoutSeconds"], "290");
+        assert_eq!(w.query["allowWatchBookmarks"], "true");
+        assert!(w.query["resourceVersion"].parse::<u64>().unwrap() >= 100);
+        assert_eq!(w.query.contains_key("labelSelector"), selector);
+    }
+    // Dynamo's own reads, from the capture: the same paths and parameters (its page
+    // is 500).
+    let captured = std::fs::read_to_string(format!("{FIXTURES}/pod-mode.requests.jsonl")).unwrap();
+    for line in captured
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+    {
+        if line["method"] == "GET" {
+            let keys: Vec<&String> = line["query"].as_object().unwrap().keys().collect();
+            let ours = get(
+                line["path"]
+                    .as_str()
+                    .unwrap()
+                    .rsplit('/')
+                    .next()
+                    .map(|p| format!("/{p}"))
+                    .as_deref()
+                    .unwrap(),
+                line["query"].get("watch").is_some(),
+            );
+            let our_keys: Vec<&String> = ours.query.keys().collect();
+            assert_eq!(our_keys, keys, "{line}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn request_failures_are_typed() {
+    let api = KubeApi::start().await;
+    let d = backend(&api).await;
+    api.fail_next(1, 401);
+    let e = d.list(Query::new("dyn")).await.unwrap_err();
+    assert!(
+        matches!(e, eventplane::discovery::DiscoveryError::Denied(_)),
+        "{e:?}"
+    );
+    api.fail_next(1, 500);
+    let e = d.list(Query::new("dyn")).await.unwrap_err();
+    assert!(e.is_transient(), "{e:?}");
+    // A watch that fails to reopen retries with backoff and carries on.
+    let mut s = synced(&d, Query::new("dyn")).await;
+    api.fail_next(3, 500);
+    api.drop_watches();
+    // The apply may draw some of the injected faults: a typed, transient error.
+    let mut attempts = 0;
+    let a = loop {
+        attempts += 1;
+        match d
+            .register(id("dyn", 1), Transport::zmq("tcp://10.0.0.1:1"))
+            .await
+        {
+            Ok(a) => break a,
+            Err(e) if e.is_transient() && attempts < 5 => {}
+            Err(e) => panic!("{e:?}"),
+        }
+    };
+    assert!(matches!(next(&mut s).await, DiscoveryEvent::Added(i) if i == *a.instance()));
+}

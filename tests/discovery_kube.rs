@@ -7,6 +7,9 @@
 //! target silently vanishing.
 
 #[cfg(all(feature = "kube", feature = "test-support"))]
+#[path = "support/kube_api.rs"]
+mod kube_api;
+#[cfg(all(feature = "kube", feature = "test-support"))]
 #[path = "discovery_kube/suite.rs"]
 mod suite;
 #[cfg(all(feature = "kube", feature = "test-support"))]

@@ -6,6 +6,9 @@
 //! Without the features, one ignored test says so instead of the target silently
 //! vanishing.
 
+#[cfg(all(feature = "etcd", feature = "test-support", feature = "kube"))]
+#[path = "support/kube_api.rs"]
+mod kube_api;
 #[cfg(all(feature = "etcd", feature = "test-support"))]
 #[path = "dynamo_etcd/live.rs"]
 mod live;

@@ -183,7 +183,7 @@ async fn kv_router_follows_a_real_dynamo_worker() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_router_follows_a_real_dynamo_worker_on_kubernetes() {
     let capture = support::dynamo_capture();
-    let api = support::kube_api::KubeApi::start().await;
+    let api = crate::kube_api::KubeApi::start().await;
     let dir = std::env::temp_dir().join(format!("eventplane-kube-live-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let kubeconfig = api.kubeconfig(&dir, "livek");
@@ -215,9 +215,21 @@ async fn kv_router_follows_a_real_dynamo_worker_on_kubernetes() {
     .await;
     // What Dynamo wrote: its resource, owned by its pod, with the KV publisher's
     // channel and source.
-    let cr = api
-        .get("dynamoworkermetadatas", "livek", "worker-0")
-        .unwrap();
+    let cr = within(async {
+        loop {
+            match api.get("dynamoworkermetadatas", "livek", "worker-0") {
+                Some(cr)
+                    if !cr["spec"]["data"]["event_sources"]
+                        .as_object()
+                        .is_none_or(|m| m.is_empty()) =>
+                {
+                    return cr;
+                }
+                _ => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+            }
+        }
+    })
+    .await;
     assert_eq!(cr["metadata"]["ownerReferences"][0]["uid"], "uid-live-0");
     assert_eq!(api.field_managers("livek", "worker-0")[0], "dynamo-worker");
     let (router, out, err_rx) = spawn_kv_router_kube(kubeconfig, "livek", "live1k");

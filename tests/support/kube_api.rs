@@ -18,7 +18,14 @@
 //!   stored as `null`. `DELETE` removes.
 //! - Faults: drop every open watch, stall them (open, silent), compact, and answer
 //!   the next N requests with a status (500, 401…).
-#![allow(dead_code)]
+#![allow(
+    dead_code,
+    unreachable_pub,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -351,9 +358,9 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
         .unwrap_or("")
         .split('&')
         .filter(|p| !p.is_empty())
-        .filter_map(|p| {
+        .map(|p| {
             let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            Some((k.to_owned(), percent_decode(v)))
+            (k.to_owned(), percent_decode(v))
         })
         .collect();
     let content_type = req

@@ -10,8 +10,6 @@
 
 pub mod cases;
 pub mod etcd;
-#[cfg(feature = "kube")]
-pub mod kube_api;
 
 use std::path::PathBuf;
 use std::process::Stdio;

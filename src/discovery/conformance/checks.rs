@@ -9,7 +9,7 @@ use super::harness::{
     converge, endpoint, eventually, id, initial_sync, list, namespace, next_event, register,
     synced_mirror, unregister, watch,
 };
-use super::mirror::{Mirror, view, view_as};
+use super::mirror::{Mirror, view_as};
 use super::{CheckResult, Settings, fail};
 use crate::discovery::{
     ChannelId, Discovery, DiscoveryEvent, DiscoveryStream, Instance, Query, WorkerIdentity,

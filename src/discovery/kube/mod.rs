@@ -1,6 +1,7 @@
 //! `KubeDiscovery`: discovery on Kubernetes through Dynamo's `DynamoWorkerMetadata`
 //! resources (feature `kube`).
 
+mod builder;
 mod config;
 mod error;
 mod follow;
@@ -16,7 +17,8 @@ use std::sync::atomic::Ordering;
 
 use tracing::{Instrument, info};
 
-pub use config::{KubeDiscoveryBuilder, KubeMode, PodIdentity};
+pub use builder::KubeDiscoveryBuilder;
+pub use config::{KubeMode, PodIdentity};
 pub use ids::kube_instance_id;
 use shared::{Counters, Shared};
 use writer::Writer;

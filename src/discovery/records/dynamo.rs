@@ -31,7 +31,7 @@ const CHANNELS: &str = "v1/event_channels/";
 const SOURCES: &str = "v1/event_sources/";
 
 /// Records in Dynamo's layout, for
-/// [`RecordFormat::Dynamo`](super::RecordFormat::Dynamo).
+/// etcd's `RecordFormat::Dynamo` and for `KubeDiscovery`.
 ///
 /// - Watching needs nothing: without an endpoint it follows every endpoint of the
 ///   query's namespace (and component); with one, only that endpoint.

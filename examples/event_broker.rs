@@ -33,7 +33,8 @@
 //! [discovery]
 //! namespaces = ["prod"]
 //! etcd = ["http://etcd:2379"]               # needs feature etcd; or:
-//! static_endpoints = ["tcp://10.1.2.3:5557"]
+//! static_endpoints = ["tcp://10.1.2.3:5557"]  # or (feature kube, Dynamo's resources):
+//! # kubernetes = { namespaces = ["dynamo-system"] }
 //! record_format = "eventplane"              # or "dynamo" (etcd only)
 //! ```
 //! Logs one line per session change (welcomed, ended, reconnecting) on stderr
@@ -145,14 +146,24 @@ struct DiscoveryConfig {
     etcd: Vec<String>,
     #[serde(default)]
     static_endpoints: Vec<String>,
+    /// Dynamo's `DynamoWorkerMetadata` resources in these Kubernetes namespaces
+    /// (empty: the client's default namespace).
+    kubernetes: Option<KubernetesConfig>,
     record_format: Option<String>,
+}
+
+#[derive(serde::Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct KubernetesConfig {
+    #[serde(default)]
+    namespaces: Vec<String>,
 }
 
 /// A refused configuration (exit 2) or unreachable discovery (exit 3).
 enum Refusal {
     Config(String),
-    // Only etcd can be unreachable.
-    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    // Only etcd and Kubernetes can be unreachable.
+    #[cfg_attr(not(any(feature = "etcd", feature = "kube")), allow(dead_code))]
     Discovery(String),
 }
 
@@ -180,9 +191,19 @@ fn load(args: &Args) -> Result<(FileConfig, Secret, AddrFilter), Refusal> {
         filter = filter.allow_cidr(parsed);
     }
     let d = &config.discovery;
-    if d.etcd.is_empty() == d.static_endpoints.is_empty() {
+    let sources = [
+        !d.etcd.is_empty(),
+        !d.static_endpoints.is_empty(),
+        d.kubernetes.is_some(),
+    ];
+    if sources.iter().filter(|s| **s).count() != 1 {
         return Err(c(
-            "discovery: exactly one of etcd and static_endpoints is needed".into(),
+            "discovery: exactly one of etcd, static_endpoints and kubernetes is needed".into(),
+        ));
+    }
+    if d.kubernetes.is_some() && d.record_format.is_some() {
+        return Err(c(
+            "discovery.record_format: Kubernetes holds Dynamo's records only (leave it out)".into(),
         ));
     }
     if !matches!(
@@ -212,7 +233,45 @@ async fn discovery(config: &DiscoveryConfig) -> Result<Arc<dyn Discovery>, Refus
         }
         return Ok(Arc::new(StaticDiscovery::new(instances)) as Arc<dyn Discovery>);
     }
+    if let Some(k) = &config.kubernetes {
+        return kubernetes(k, &config.namespaces).await;
+    }
     etcd(config).await
+}
+
+/// Dynamo's resources on Kubernetes; `watch` returns once every namespace's first
+/// list is read, so the broker's view is complete at its first `Resync` (§7.2).
+#[cfg(feature = "kube")]
+async fn kubernetes(
+    config: &KubernetesConfig,
+    namespaces: &[String],
+) -> Result<Arc<dyn Discovery>, Refusal> {
+    use eventplane::discovery::{KubeDiscovery, Query};
+    let mut builder = KubeDiscovery::builder();
+    if !config.namespaces.is_empty() {
+        builder = builder.namespaces(config.namespaces.clone());
+    }
+    let discovery = builder.connect().await.map_err(|e| match e {
+        eventplane::discovery::DiscoveryError::InvalidConfig(c) => {
+            Refusal::Config(format!("discovery.kubernetes: {c}"))
+        }
+        other => Refusal::Discovery(chain(&other)),
+    })?;
+    // That the API server answers, and lets us read.
+    if let Some(ns) = namespaces.first() {
+        discovery
+            .list(Query::new(ns.clone()))
+            .await
+            .map_err(|e| Refusal::Discovery(chain(&e)))?;
+    }
+    Ok(Arc::new(discovery))
+}
+
+#[cfg(not(feature = "kube"))]
+async fn kubernetes(_: &KubernetesConfig, _: &[String]) -> Result<Arc<dyn Discovery>, Refusal> {
+    Err(Refusal::Config(
+        "discovery.kubernetes needs the `kube` feature: cargo run --features tunnel,kube --example event_broker".into(),
+    ))
 }
 
 #[cfg(feature = "etcd")]

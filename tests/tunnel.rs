@@ -12,6 +12,9 @@ mod event_broker;
 #[cfg(feature = "tunnel")]
 #[path = "tunnel/greedy.rs"]
 mod greedy;
+#[cfg(all(feature = "tunnel", feature = "kube"))]
+#[path = "support/kube_api.rs"]
+mod kube_api;
 #[cfg(feature = "tunnel")]
 #[path = "tunnel/stages.rs"]
 mod stages;

@@ -602,3 +602,114 @@ async fn request_failures_are_typed() {
     };
     assert!(matches!(next(&mut s).await, DiscoveryEvent::Added(i) if i == *a.instance()));
 }
+
+/// Puts `n` resources (one publisher each, in Dynamo namespace `dyn`) and the slices
+/// making their pods ready.
+fn populate(api: &KubeApi, n: u64) {
+    let mut names = Vec::new();
+    for i in 0..n {
+        let (k, v) = channel(
+            "dyn",
+            i + 1,
+            &format!("tcp://10.0.{}.{}:1", i / 256, i % 256),
+        );
+        let name = format!("r{i:05}");
+        api.put(
+            "dynamoworkermetadatas",
+            NS,
+            resource(&name, "u", json!({"event_channels": {(k): v}})),
+        );
+        names.push(name);
+    }
+    for (i, chunk) in names.chunks(1000).enumerate() {
+        let pods: Vec<(&str, &str, bool)> = chunk.iter().map(|n| (n.as_str(), "u", true)).collect();
+        api.ready_slice(NS, &format!("s{i}"), &pods);
+    }
+}
+
+/// The RSS of a `kv_router --kube` process once it has read `n` resources (its watch
+/// on them open: the API server saw the request), following another Dynamo namespace
+/// so that it dials none of them.
+async fn router_rss_with(n: u64) -> u64 {
+    let api = KubeApi::start().await;
+    populate(&api, n);
+    let dir = std::env::temp_dir().join(format!("eventplane-kube-rss-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let kubeconfig = api.kubeconfig(&dir, NS);
+    let mut router = tokio::process::Command::new(crate::support::example("kv_router"))
+        .args([
+            "--kube",
+            "--dynamo",
+            "--namespace",
+            "elsewhere",
+            "--topic",
+            "kv-events",
+        ])
+        .args(["--format", "quiet"])
+        .env("KUBECONFIG", &kubeconfig)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    within(async {
+        while !api
+            .log()
+            .iter()
+            .any(|l| l.path.ends_with("/dynamoworkermetadatas") && l.query.contains_key("watch"))
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    // Settle, then read.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let rss = crate::support::proc_status_bytes(router.id().unwrap(), "VmRSS");
+    router.kill().await.unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    rss
+}
+
+/// The figures of the README: the time to list and follow 16,384 resources, and the
+/// memory a watch holds per resource, measured in a `kv_router --kube` process
+/// against one holding none. Bounded loosely (a regression, not a benchmark): at most
+/// 8 KiB per resource.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_view_of_16384_resources_is_bounded() {
+    let api = KubeApi::start().await;
+    populate(&api, 16_384);
+    let d = KubeDiscovery::builder()
+        .client(api.client())
+        .namespaces([NS])
+        .connect()
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let mut s = d
+        .watch(Query::new("dyn"), CancellationToken::new())
+        .await
+        .unwrap();
+    let mut added = 0;
+    loop {
+        match next(&mut s).await {
+            DiscoveryEvent::Added(_) => added += 1,
+            DiscoveryEvent::Resync(all) => {
+                assert_eq!(all.len(), 16_384);
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let synced = started.elapsed();
+    assert_eq!(added, 16_384);
+    drop((s, d, api));
+    let (empty, full) = (router_rss_with(0).await, router_rss_with(16_384).await);
+    let per_resource = full.saturating_sub(empty) / 16_384;
+    eprintln!(
+        "16,384 resources: listed and followed in {synced:?}; kv_router RSS {} KiB with none, \
+         {} KiB with them: {per_resource} B per resource",
+        empty / 1024,
+        full / 1024
+    );
+    assert!(per_resource <= 8 * 1024, "{per_resource} B per resource");
+}

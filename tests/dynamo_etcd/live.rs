@@ -638,3 +638,168 @@ async fn after_an_engine_restart_dynamos_router_and_kv_router_hold_what_the_new_
     dynamo.finish().await;
     engine.kill().await;
 }
+
+/// Dynamo 1.6.1's own KV router in kube mode follows `kv_relay --wire dynamo --kube`
+/// through the API test server and indexes its events as it indexes a Dynamo worker's:
+/// batch by batch, the capture's story (the same story the etcd test above checks
+/// against a real Dynamo worker). Dynamo's router indexes only workers that serve the
+/// endpoint with a model card, so the test adds a stand-in resource `admit-0` with an
+/// endpoint and a card for the worker id Dynamo gives that resource
+/// (`kube_instance_id`), and the relay publishes as that worker.
+#[cfg(feature = "kube")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamos_router_in_kube_mode_indexes_kv_relay_kube() {
+    let capture = support::dynamo_capture();
+    let api = crate::kube_api::KubeApi::start().await;
+    let dir = std::env::temp_dir().join(format!("eventplane-kube-live2-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let kubeconfig = api.kubeconfig(&dir, "livek2");
+    let kubeconfig = kubeconfig.to_str().unwrap().to_owned();
+    let (ns, comp, ep) = ("live2k", "kvworker", "generate");
+    let worker = eventplane::discovery::kube_instance_id("admit-0");
+    let key = format!("{ns}/{comp}/{ep}/{worker:x}");
+    let instance = json!({"type": "Endpoint", "component": comp, "endpoint": ep, "namespace": ns,
+        "instance_id": worker, "transport": {"tcp": format!("127.0.0.1:9/{worker:x}/{ns}/{comp}/{ep}")},
+        "device_type": "cuda", "request_plane_codec": "msgpack"});
+    let card = json!({"type": "Model", "namespace": ns, "component": comp, "endpoint": ep,
+        "instance_id": worker,
+        "card_json": {"display_name": "eventplane-probe", "slug": "eventplane-probe",
+            "model_info": null, "tokenizer": null, "context_length": 0,
+            "kv_cache_block_size": 4, "migration_limit": 0, "model_type": "Chat",
+            "model_input": "Tokens", "worker_type": "aggregated", "needs": [],
+            "runtime_config": {"data_parallel_start_rank": 0, "data_parallel_size": 1,
+                "enable_local_indexer": false, "enable_eagle": false},
+            "media_decoder": null, "media_fetcher": null}});
+    api.put(
+        "dynamoworkermetadatas",
+        "livek2",
+        json!({"metadata": {"name": "admit-0", "ownerReferences": [{"apiVersion": "v1",
+                "kind": "Pod", "name": "admit-0", "uid": "u-admit", "controller": true,
+                "blockOwnerDeletion": false}]},
+               "spec": {"data": {"endpoints": {(key.clone()): instance},
+                   "model_cards": {(key): card}, "event_channels": {}, "event_sources": {}}}}),
+    );
+    api.ready_slice(
+        "livek2",
+        "pods",
+        &[("admit-0", "u-admit", true), ("relay-0", "u-relay", true)],
+    );
+
+    // kv_relay as pod relay-0, registering through its resource.
+    let mut engine = support::Engine::bind("kv").await;
+    let worker_arg = worker.to_string();
+    let mut relay = Command::new(support::example("kv_relay"))
+        .args([
+            "--connect",
+            &engine.endpoint(),
+            "--topic",
+            "kv",
+            "--block-size",
+            "4",
+        ])
+        .args([
+            "--worker-id",
+            &worker_arg,
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--wire",
+            "dynamo",
+        ])
+        .args(["--kube", "--namespace", ns, "--component", comp])
+        .env("KUBECONFIG", &kubeconfig)
+        .env("POD_NAME", "relay-0")
+        .env("POD_UID", "u-relay")
+        .env("POD_NAMESPACE", "livek2")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut relay_out = BufReader::new(relay.stdout.take().unwrap()).lines();
+    let bound = within(relay_out.next_line()).await.unwrap().unwrap();
+    assert!(bound.starts_with("tcp://127.0.0.1:"), "{bound}");
+    let written = api
+        .get("dynamoworkermetadatas", "livek2", "relay-0")
+        .unwrap();
+    assert_eq!(
+        written["spec"]["data"]["event_sources"]
+            .as_object()
+            .unwrap()
+            .len(),
+        1,
+        "{written}"
+    );
+
+    let mut router = Py::spawn_with(
+        "dynamo_router.py",
+        &[
+            "--discovery",
+            "kubernetes",
+            "--admit",
+            "none",
+            "--namespace",
+            ns,
+            "--component",
+            comp,
+        ],
+        &[
+            ("KUBECONFIG", kubeconfig.as_str()),
+            ("POD_NAME", "router-0"),
+            ("POD_UID", "u-router"),
+            ("POD_NAMESPACE", "livek2"),
+            ("DYN_TCP_RPC_HOST", "127.0.0.1"),
+            ("DYN_SYSTEM_HOST", "127.0.0.1"),
+            ("DYN_SYSTEM_PORT", "-1"),
+        ],
+    )
+    .await;
+    let states = states_seen_by_dynamos_router(
+        &mut router,
+        async |batch: Value| {
+            let batch = json!([1_700_000_000.5, batch, 0]);
+            engine.send(rmp_serde::to_vec(&batch).unwrap());
+        },
+        &capture,
+    )
+    .await;
+    let story: Vec<Vec<u64>> = states.iter().map(held).collect();
+    let big = 18_446_744_073_709_551_611;
+    assert_eq!(
+        story,
+        vec![
+            vec![101, 102],
+            vec![101, 102, 103, 201],
+            vec![101, 102, 201],
+            vec![101, 102, 201, big],
+            vec![],
+        ]
+    );
+    // Every block is the relay's worker's.
+    for state in &states {
+        for b in state["blocks"].as_array().unwrap() {
+            assert_eq!(b["worker_id"], worker, "{b}");
+        }
+    }
+    router.finish().await;
+    let stats = support::terminate_for_stats(relay).await;
+    assert_eq!(stats["publisher"]["dropped"], 0, "{stats}");
+    // On SIGTERM the relay withdrew its records and applied its resource with every
+    // map empty (a map emptied by an apply is stored as `null`, as a real API server
+    // does; then applied empty again).
+    let emptied = api
+        .get("dynamoworkermetadatas", "livek2", "relay-0")
+        .unwrap();
+    for map in [
+        "endpoints",
+        "model_cards",
+        "event_channels",
+        "event_sources",
+    ] {
+        let m = &emptied["spec"]["data"][map];
+        assert!(
+            m.is_null() || m.as_object().is_some_and(|m| m.is_empty()),
+            "{emptied}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -66,6 +66,10 @@ def parse_args():
     env = os.environ.get
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--etcd", default=env("ETCD_ENDPOINTS", "http://127.0.0.1:2379"))
+    p.add_argument("--discovery", choices=["etcd", "kubernetes"], default="etcd",
+                   help="kubernetes: Dynamo's kube discovery (the API server from "
+                        "KUBECONFIG, the pod from POD_NAME/POD_UID/POD_NAMESPACE); "
+                        "admission is then the caller's (--admit none)")
     p.add_argument("--namespace", default=env("DYN_NAMESPACE", "capns"))
     p.add_argument("--component", default=env("DYN_COMPONENT", "kvworker"))
     p.add_argument("--endpoint", default=env("DYN_ENDPOINT", "generate"))
@@ -209,7 +213,7 @@ def counts(blocks):
 async def main():
     args = parse_args()
     os.environ["ETCD_ENDPOINTS"] = args.etcd
-    for k, v in {"DYN_DISCOVERY_BACKEND": "etcd", "DYN_EVENT_PLANE": "zmq",
+    for k, v in {"DYN_DISCOVERY_BACKEND": args.discovery, "DYN_EVENT_PLANE": "zmq",
                  "DYN_REQUEST_PLANE": "tcp", "DYN_LOG": "info",
                  "ETCD_STARTUP_CONNECT_TIMEOUT_SECONDS": "10"}.items():  # default 120
         os.environ.setdefault(k, v)
@@ -246,7 +250,7 @@ async def main():
 
     # Blocks until etcd answers (ETCD_STARTUP_CONNECT_TIMEOUT_SECONDS); signals
     # keep their default action until it returns.
-    runtime = DistributedRuntime(loop, "etcd", "tcp", event_plane="zmq")
+    runtime = DistributedRuntime(loop, args.discovery, "tcp", event_plane="zmq")
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

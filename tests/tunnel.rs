@@ -15,6 +15,9 @@ mod greedy;
 #[cfg(all(feature = "tunnel", feature = "kube"))]
 #[path = "support/kube_api.rs"]
 mod kube_api;
+#[cfg(all(feature = "tunnel", feature = "kube"))]
+#[path = "tunnel/kube_broker.rs"]
+mod kube_broker;
 #[cfg(feature = "tunnel")]
 #[path = "tunnel/stages.rs"]
 mod stages;

@@ -23,6 +23,15 @@ pub(crate) struct WatchCounters {
     pub(crate) overflow_resyncs: AtomicU64,
 }
 
+impl WatchCounters {
+    /// The watch part of a backend's stats.
+    pub(crate) fn fill(&self, stats: &mut super::DiscoveryStats) {
+        stats.watchers = self.watchers.load(Ordering::Relaxed);
+        stats.buffered_events = self.buffered_events.load(Ordering::Relaxed);
+        stats.overflow_resyncs = self.overflow_resyncs.load(Ordering::Relaxed);
+    }
+}
+
 /// One watch's bounded backlog.
 #[derive(Debug)]
 pub(crate) struct Backlog {

@@ -71,17 +71,22 @@ fn id(ns: &str, n: u64) -> ChannelId {
     ChannelId::new(ns, "kvworker", "kv-events", n).unwrap()
 }
 
-#[tokio::test]
-async fn conforms() {
-    let api = Arc::new(KubeApi::start().await);
-    let failures = conformance::run_all(
+/// The conformance suite, each check with a fresh backend (and pod) on `api`.
+async fn conformance_on(api: &Arc<KubeApi>) -> Vec<conformance::ConformanceFailure> {
+    conformance::run_all(
         || {
-            let api = Arc::clone(&api);
+            let api = Arc::clone(api);
             async move { Arc::new(backend(&api).await) as Arc<dyn Discovery> }
         },
         &Settings::default().with_observed_incarnations(),
     )
-    .await;
+    .await
+}
+
+#[tokio::test]
+async fn conforms() {
+    let api = Arc::new(KubeApi::start().await);
+    let failures = conformance_on(&api).await;
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
@@ -97,14 +102,7 @@ async fn conforms_while_the_server_keeps_dropping_watches() {
             }
         })
     };
-    let failures = conformance::run_all(
-        || {
-            let api = Arc::clone(&api);
-            async move { Arc::new(backend(&api).await) as Arc<dyn Discovery> }
-        },
-        &Settings::default().with_observed_incarnations(),
-    )
-    .await;
+    let failures = conformance_on(&api).await;
     dropper.abort();
     assert!(failures.is_empty(), "{failures:#?}");
     // The drops were real: the watches were opened again many times.
@@ -348,29 +346,7 @@ async fn null_maps_malformed_entries_and_bounds() {
 async fn a_resource_over_the_bound_is_skipped_and_counted() {
     let api = KubeApi::start().await;
     let total = 16_385u64;
-    let mut slice = Vec::new();
-    for n in 0..total {
-        let (k, v) = channel(
-            "dyn",
-            n + 1,
-            &format!("tcp://10.0.{}.{}:1", n / 256, n % 256),
-        );
-        api.put(
-            "dynamoworkermetadatas",
-            NS,
-            resource(
-                &format!("r{n:05}"),
-                "u",
-                json!({"event_channels": {(k): v}}),
-            ),
-        );
-        slice.push(format!("r{n:05}"));
-    }
-    // One slice per 1,000 endpoints, as Kubernetes caps them.
-    for (i, chunk) in slice.chunks(1000).enumerate() {
-        let pods: Vec<(&str, &str, bool)> = chunk.iter().map(|n| (n.as_str(), "u", true)).collect();
-        api.ready_slice(NS, &format!("s{i}"), &pods);
-    }
+    populate(&api, total);
     let d = KubeDiscovery::builder()
         .client(api.client())
         .namespaces([NS])

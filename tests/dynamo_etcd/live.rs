@@ -248,33 +248,17 @@ fn spawn_kv_router_kube(
     Lines<BufReader<ChildStdout>>,
     tokio::sync::mpsc::Receiver<String>,
 ) {
-    let mut router = Command::new(support::example("kv_router"))
-        .args(["--kube", "--kube-namespace", kube_namespace, "--dynamo"])
-        .args([
+    super::suite::spawn_kv_router(
+        &[
+            "--kube",
+            "--kube-namespace",
+            kube_namespace,
+            "--dynamo",
             "--namespace",
             namespace,
-            "--component",
-            "kvworker",
-            "--topic",
-            "kv-events",
-        ])
-        .env("KUBECONFIG", kubeconfig)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let out = BufReader::new(router.stdout.take().unwrap()).lines();
-    let (err_tx, err_rx) = tokio::sync::mpsc::channel::<String>(64);
-    let mut err_lines = BufReader::new(router.stderr.take().unwrap()).lines();
-    tokio::spawn(async move {
-        while let Ok(Some(line)) = err_lines.next_line().await {
-            if err_tx.send(line).await.is_err() {
-                break;
-            }
-        }
-    });
-    (router, out, err_rx)
+        ],
+        &[("KUBECONFIG", kubeconfig)],
+    )
 }
 
 /// Drives `worker` through the capture's batches and checks that the router prints
@@ -407,6 +391,24 @@ async fn states_seen_by_dynamos_router(
 }
 
 /// The block hashes of a state, sentinels aside.
+/// The capture's story in a router's states, batch by batch: 101, 102 stored; 103 and
+/// the host-pinned 201 added; 103 removed; the 2^64 - 5 block added; and the clear
+/// empties every tier of the worker.
+fn assert_capture_story(states: &[Value]) {
+    let story: Vec<Vec<u64>> = states.iter().map(held).collect();
+    let big = 18_446_744_073_709_551_611;
+    assert_eq!(
+        story,
+        vec![
+            vec![101, 102],
+            vec![101, 102, 103, 201],
+            vec![101, 102, 201],
+            vec![101, 102, 201, big],
+            vec![],
+        ]
+    );
+}
+
 fn held(state: &Value) -> Vec<u64> {
     let mut h: Vec<u64> = state["blocks"]
         .as_array()
@@ -472,18 +474,7 @@ async fn dynamos_router_indexes_kv_relay_as_it_indexes_a_dynamo_worker() {
     // 103 and the host-pinned 201 added; 103 removed; the 2^64 - 5 block added; and
     // Dynamo's router takes the clear to empty every tier of the worker (only the last
     // sentinel is left).
-    let story: Vec<Vec<u64>> = reference.iter().map(held).collect();
-    let big = 18_446_744_073_709_551_611;
-    assert_eq!(
-        story,
-        vec![
-            vec![101, 102],
-            vec![101, 102, 103, 201],
-            vec![101, 102, 201],
-            vec![101, 102, 201, big],
-            vec![],
-        ]
-    );
+    assert_capture_story(&reference);
     assert_eq!(
         reference.last().unwrap()["blocks"]
             .as_array()
@@ -762,18 +753,7 @@ async fn dynamos_router_in_kube_mode_indexes_kv_relay_kube() {
         &capture,
     )
     .await;
-    let story: Vec<Vec<u64>> = states.iter().map(held).collect();
-    let big = 18_446_744_073_709_551_611;
-    assert_eq!(
-        story,
-        vec![
-            vec![101, 102],
-            vec![101, 102, 103, 201],
-            vec![101, 102, 201],
-            vec![101, 102, 201, big],
-            vec![],
-        ]
-    );
+    assert_capture_story(&states);
     // Every block is the relay's worker's.
     for state in &states {
         for b in state["blocks"].as_array().unwrap() {

@@ -437,10 +437,24 @@ pub(crate) fn spawn_kv_router_dynamo(
     tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
     tokio::sync::mpsc::Receiver<String>,
 ) {
+    spawn_kv_router(&["--etcd", url, "--dynamo", "--namespace", namespace], &[])
+}
+
+/// `kv_router` with `args` (and `--component kvworker --topic kv-events`) and `env`;
+/// its stdout lines, and its stderr lines through a channel.
+pub(crate) fn spawn_kv_router(
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (
+    tokio::process::Child,
+    tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    tokio::sync::mpsc::Receiver<String>,
+) {
     use tokio::io::{AsyncBufReadExt, BufReader};
     let mut router = tokio::process::Command::new(support::example("kv_router"))
-        .args(["--etcd", url, "--dynamo", "--namespace", namespace])
+        .args(args)
         .args(["--component", "kvworker", "--topic", "kv-events"])
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)

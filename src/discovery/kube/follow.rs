@@ -349,19 +349,9 @@ impl Follower {
         let mut backoff = self.shared.backoff();
         let mut first = why == "ended by the server";
         loop {
-            if !first {
-                let delay = backoff.next_delay(random_unit());
-                tokio::select! {
-                    biased;
-                    () = self.cancel.cancelled() => return false,
-                    () = tokio::time::sleep(delay) => {}
-                }
-            }
-            first = false;
-            let opened = tokio::select! {
-                biased;
-                () = self.cancel.cancelled() => return false,
-                r = open(&self.shared, ns, kind, &version) => r,
+            let opened = open(&self.shared, ns, kind, &version);
+            let Some(opened) = attempt(&self.cancel, &mut backoff, &mut first, opened).await else {
+                return false;
             };
             match opened {
                 Ok(events) => {
@@ -385,19 +375,11 @@ impl Follower {
         let mut backoff = self.shared.backoff();
         let mut first = true;
         loop {
-            if !first {
-                let delay = backoff.next_delay(random_unit());
-                tokio::select! {
-                    biased;
-                    () = self.cancel.cancelled() => return false,
-                    () = tokio::time::sleep(delay) => {}
-                }
-            }
-            first = false;
-            let established = tokio::select! {
-                biased;
-                () = self.cancel.cancelled() => return false,
-                r = establish(&self.shared) => r,
+            let established = establish(&self.shared);
+            let Some(established) =
+                attempt(&self.cancel, &mut backoff, &mut first, established).await
+            else {
+                return false;
             };
             match established {
                 Ok((join, slots)) => {
@@ -424,6 +406,29 @@ impl Follower {
         {
             warn!(error = %crate::net::ErrorChain(e), suppressed, "kubernetes watch lost; retrying");
         }
+    }
+}
+
+/// Waits out the backoff (unless `first`), then runs `attempt`; `None` when
+/// cancelled first.
+async fn attempt<T>(
+    cancel: &CancellationToken,
+    backoff: &mut crate::net::Backoff,
+    first: &mut bool,
+    attempt: impl Future<Output = T>,
+) -> Option<T> {
+    if !std::mem::take(first) {
+        let delay = backoff.next_delay(random_unit());
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => return None,
+            () = tokio::time::sleep(delay) => {}
+        }
+    }
+    tokio::select! {
+        biased;
+        () = cancel.cancelled() => None,
+        r = attempt => Some(r),
     }
 }
 

@@ -275,15 +275,14 @@ impl Discovery for KubeDiscovery {
 
     fn stats(&self) -> DiscoveryStats {
         let c = &self.handle.shared.counters;
-        DiscoveryStats {
+        let mut stats = DiscoveryStats {
             registrations: c.registrations.load(Ordering::Relaxed),
-            watchers: c.watch.watchers.load(Ordering::Relaxed),
-            buffered_events: c.watch.buffered_events.load(Ordering::Relaxed),
-            overflow_resyncs: c.watch.overflow_resyncs.load(Ordering::Relaxed),
             malformed: c.malformed.load(Ordering::Relaxed),
             reconnects: c.reconnects.load(Ordering::Relaxed),
             ..DiscoveryStats::default()
-        }
+        };
+        c.watch.fill(&mut stats);
+        stats
     }
 }
 

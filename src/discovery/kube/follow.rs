@@ -62,7 +62,13 @@ struct Slot {
     events: Option<Events>,
     /// When the watch is taken as stalled unless it shows life.
     stall_at: Instant,
+    /// When it was opened.
+    opened: Instant,
 }
+
+/// A watch the server ends sooner than this after opening it is opened again after
+/// the backoff.
+const EARLY_END: Duration = Duration::from_secs(1);
 
 /// Starts a watch: reads everything, opens every watch, and returns once they are
 /// open (no change can fall between the read and the watch: each starts from its
@@ -118,6 +124,7 @@ async fn establish(shared: &Shared) -> Result<(Join, Vec<Slot>), DiscoveryError>
             version,
             events: Some(events),
             stall_at: stall_deadline(shared),
+            opened: Instant::now(),
         });
     }
     Ok((join, slots))
@@ -265,6 +272,11 @@ impl Follower {
         slot.stall_at = stall_deadline(&self.shared);
         let (ns, kind) = (slot.ns, slot.kind);
         let update = match item {
+            // Ended at once (a proxy that closes watches): open it again after the
+            // backoff, not in a tight loop.
+            None if slot.opened.elapsed() < EARLY_END => {
+                return Next::Reopen(idx, "ended early".to_owned());
+            }
             None => return Next::Reopen(idx, "ended by the server".to_owned()),
             Some(Err(e)) => return Next::Reopen(idx, format!("failed: {e}")),
             Some(Ok(u)) => u,
@@ -295,9 +307,10 @@ impl Follower {
                 return Next::Reopen(idx, format!("error event {code}: {message}"));
             }
             Update::Undecodable(e) => {
+                // A change we cannot read may be a deletion: read everything afresh.
                 self.shared
                     .skipped(1, &format!("an undecodable {kind:?} event: {e}"));
-                return Next::Continue;
+                return Next::Relist("an undecodable event".to_owned());
             }
         };
         self.push(changes);
@@ -358,6 +371,7 @@ impl Follower {
                     if let Some(slot) = self.slots.get_mut(idx) {
                         slot.events = Some(events);
                         slot.stall_at = stall_deadline(&self.shared);
+                        slot.opened = Instant::now();
                     }
                     return true;
                 }

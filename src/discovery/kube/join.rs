@@ -58,6 +58,7 @@ pub(crate) struct Join {
     per_namespace: HashMap<Ns, usize>,
     /// Readiness objects, by (namespace, object name): their ready contributions.
     readiness: HashMap<Key, Vec<Seen>>,
+    readiness_per_namespace: HashMap<Ns, usize>,
     /// (namespace, resource name) → contributions by pod uid.
     ready: HashMap<Key, HashMap<String, u32>>,
     /// Which visible resource each publisher id is taken from (the first to show it).
@@ -75,6 +76,7 @@ impl Join {
             resources: HashMap::new(),
             per_namespace: HashMap::new(),
             readiness: HashMap::new(),
+            readiness_per_namespace: HashMap::new(),
             ready: HashMap::new(),
             claims: HashMap::new(),
             refs: 0,
@@ -129,7 +131,12 @@ impl Join {
         // A publisher unchanged (same endpoint and worker) keeps the incarnation this
         // reader first saw it with: re-applying a resource is not a new registration.
         let mut advertised = advertised;
-        if let Some(old) = self.resources.get(&key) {
+        // (Only while the same pod owns it: a new pod incarnation is a new registration.)
+        if let Some(old) = self
+            .resources
+            .get(&key)
+            .filter(|o| o.owner == advertised.owner)
+        {
             for p in &mut advertised.publishers {
                 if let Some(o) = old.publishers.iter().find(|o| o.id == p.id) {
                     if o.transport == p.transport && o.worker == p.worker {
@@ -185,8 +192,23 @@ impl Join {
             ns,
             name: object.to_owned(),
         };
-        let old = self.readiness.remove(&obj).unwrap_or_default();
+        let old = self.readiness.remove(&obj);
         let mut seen = seen.unwrap_or_default();
+        // As many readiness objects per namespace as resources: more are skipped.
+        if old.is_none() && !seen.is_empty() {
+            let count = self.readiness_per_namespace.entry(ns).or_default();
+            if *count >= self.limits.max_resources {
+                self.skipped += 1;
+                seen.clear();
+            } else {
+                *count += 1;
+            }
+        } else if old.is_some() && seen.is_empty() {
+            if let Some(count) = self.readiness_per_namespace.get_mut(&ns) {
+                *count = count.saturating_sub(1);
+            }
+        }
+        let old = old.unwrap_or_default();
         if seen.len() > self.limits.max_channel_entries {
             self.skipped += (seen.len() - self.limits.max_channel_entries) as u64;
             seen.truncate(self.limits.max_channel_entries);
@@ -419,6 +441,19 @@ mod tests {
             vec![Change::Down(pub_(2, 8).id, 7)]
         );
         assert!(j.view().is_empty());
+        // A new pod incarnation owning the resource is a new registration, even with
+        // the same endpoint: a new incarnation.
+        j.set_readiness(0, "b", Some(vec![ready("w0", "u2")]));
+        j.set_readiness(0, "a", None);
+        j.upsert_resource(0, "w0", adv("w0", "u2", vec![pub_(9, 20)]));
+        assert_eq!(
+            j.upsert_resource(0, "w0", adv("w0", "u1", vec![pub_(9, 21)])),
+            vec![Change::Down(pub_(9, 20).id, 20)]
+        );
+        j.set_readiness(0, "b", Some(vec![ready("w0", "u1")]));
+        assert_eq!(j.view(), vec![pub_(9, 21)]);
+        j.delete_resource(0, "w0");
+        j.set_readiness(0, "a", Some(vec![ready("w0", "u1")]));
         // A malformed resource withdraws what it advertised.
         j.upsert_resource(0, "w0", adv("w0", "u1", vec![pub_(3, 9)]));
         assert_eq!(
@@ -467,6 +502,17 @@ mod tests {
             vec![Change::Down(pub_(1, 1).id, 1)]
         );
         assert!(j.view().is_empty());
+        // Readiness objects are bounded per namespace like resources: a third is
+        // skipped and counted.
+        let before = j.skipped;
+        j.set_readiness(0, "t", Some(vec![ready("x", "u")]));
+        assert_eq!(j.skipped, before);
+        j.set_readiness(0, "v", Some(vec![ready("y", "u")]));
+        assert_eq!(j.skipped, before + 1);
+        // Once one goes, there is room again.
+        j.set_readiness(0, "t", None);
+        j.set_readiness(0, "v", Some(vec![ready("y", "u")]));
+        assert_eq!(j.skipped, before + 1);
         // Other namespaces have their own resource cap.
         j.set_readiness(1, "s", Some(vec![ready("a", "u")]));
         assert_eq!(

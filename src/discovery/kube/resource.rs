@@ -49,10 +49,20 @@ pub(crate) fn incarnation(meta: &ObjectMeta) -> Result<u64, RecordError> {
         .ok_or_else(|| RecordError::BadValue("resourceVersion is not a positive integer".into()))
 }
 
-/// The pod owning the resource (`kind: Pod`, non-empty name and uid), if any.
+/// Longest object name Kubernetes allows (a DNS subdomain).
+pub(crate) const MAX_NAME_BYTES: usize = 253;
+/// Longest uid kept (a UUID is 36 bytes).
+pub(crate) const MAX_UID_BYTES: usize = 128;
+
+/// Whether a pod name and uid are within what Kubernetes writes (and non-empty).
+pub(crate) fn plausible(name: &str, uid: &str) -> bool {
+    (1..=MAX_NAME_BYTES).contains(&name.len()) && (1..=MAX_UID_BYTES).contains(&uid.len())
+}
+
+/// The pod owning the resource (`kind: Pod`, a name and uid within bounds), if any.
 pub(crate) fn pod_owner(meta: &ObjectMeta) -> Option<PodRef> {
     meta.owner_references.as_ref()?.iter().find_map(|o| {
-        (o.kind == "Pod" && !o.name.is_empty() && !o.uid.is_empty()).then(|| PodRef {
+        (o.kind == "Pod" && plausible(&o.name, &o.uid)).then(|| PodRef {
             name: o.name.clone(),
             uid: o.uid.clone(),
         })

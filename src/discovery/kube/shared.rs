@@ -12,7 +12,7 @@ use tracing::warn;
 use super::config::{KubeConfig, KubeMode};
 use super::error::{is_gone, within};
 use super::join::{Change, Join, Ns, Seen};
-use super::resource::{self, DISCOVERY_LABEL, GROUP, KIND, PLURAL, VERSION};
+use super::resource::{self, DISCOVERY_LABEL, GROUP, KIND, PLURAL, VERSION, plausible};
 use crate::discovery::backlog::WatchCounters;
 use crate::discovery::{DiscoveryError, Instance};
 use crate::net::{Backoff, RateLimitedWarn};
@@ -126,8 +126,14 @@ impl Shared {
                 join.upsert_resource(ns, name, advertised)
             }
             (_, true) => join.set_readiness(ns, name, None),
-            (Object::Slice(s), false) => join.set_readiness(ns, name, Some(slice_ready(s))),
-            (Object::Pod(p), false) => join.set_readiness(ns, name, Some(pod_ready(p))),
+            (Object::Slice(s), false) => {
+                let seen = slice_ready(s, self.config.limits.max_channel_entries);
+                join.set_readiness(ns, name, Some(seen))
+            }
+            (Object::Pod(p), false) => {
+                let seen = pod_ready(p, self.config.limits.max_channel_entries);
+                join.set_readiness(ns, name, Some(seen))
+            }
         };
         let skipped = join.skipped - before;
         if skipped > 0 {
@@ -151,22 +157,6 @@ impl Shared {
 
     /// Lists `kind` in namespace `ns` into `join`, page by page (one raw page held
     /// at a time); returns the list's resourceVersion.
-    pub(crate) async fn list_into(
-        &self,
-        join: &mut Join,
-        ns: Ns,
-        kind: Kind,
-    ) -> Result<String, DiscoveryError> {
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            match self.list_pages(join, ns, kind).await {
-                Err(e) if is_gone(&e) && attempt < LIST_ATTEMPTS => continue,
-                other => return other,
-            }
-        }
-    }
-
     async fn list_pages(
         &self,
         join: &mut Join,
@@ -234,11 +224,23 @@ impl Shared {
     /// A joined view of every followed namespace, read now; with the version of each
     /// (namespace, kind) list, for the watches that follow it.
     pub(crate) async fn read_all(&self) -> Result<(Join, Vec<(Ns, Kind, String)>), DiscoveryError> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            // A continue token gone part-way (410): read everything again, afresh.
+            match self.read_once().await {
+                Err(e) if is_gone(&e) && attempt < LIST_ATTEMPTS => continue,
+                other => return other,
+            }
+        }
+    }
+
+    async fn read_once(&self) -> Result<(Join, Vec<(Ns, Kind, String)>), DiscoveryError> {
         let mut join = Join::new(self.config.limits);
         let mut versions = Vec::with_capacity(self.namespaces.len() * 2);
         for ns in 0..self.namespaces.len() {
             for kind in [Kind::Readiness, Kind::Resources] {
-                let version = self.list_into(&mut join, ns, kind).await?;
+                let version = self.list_pages(&mut join, ns, kind).await?;
                 versions.push((ns, kind, version));
             }
         }
@@ -253,34 +255,34 @@ impl Shared {
     }
 }
 
-/// The ready contributions of an EndpointSlice: endpoints with `conditions.ready`
-/// true and a `targetRef` with a name and a uid.
-pub(crate) fn slice_ready(slice: &EndpointSlice) -> Vec<Seen> {
+/// The ready contributions of an EndpointSlice (at most `max`): endpoints with
+/// `conditions.ready` true and a `targetRef` with a name and a uid (within bounds).
+pub(crate) fn slice_ready(slice: &EndpointSlice, max: usize) -> Vec<Seen> {
     slice
         .endpoints
         .iter()
         .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
         .filter_map(|e| {
             let target = e.target_ref.as_ref()?;
-            let name = target.name.as_ref().filter(|n| !n.is_empty())?;
-            let uid = target.uid.as_ref().filter(|u| !u.is_empty())?;
-            Some(Seen {
+            let (name, uid) = (target.name.as_ref()?, target.uid.as_ref()?);
+            plausible(name, uid).then(|| Seen {
                 name: name.clone(),
                 uid: uid.clone(),
             })
         })
+        .take(max)
         .collect()
 }
 
 /// The ready contributions of a Pod: one per ready container, naming the resource
 /// `{pod}-{container}` (the pod's own name for a container named `main`).
-pub(crate) fn pod_ready(pod: &Pod) -> Vec<Seen> {
-    let (Some(name), Some(uid)) = (
-        pod.metadata.name.as_ref(),
-        pod.metadata.uid.as_ref().filter(|u| !u.is_empty()),
-    ) else {
+pub(crate) fn pod_ready(pod: &Pod, max: usize) -> Vec<Seen> {
+    let (Some(name), Some(uid)) = (pod.metadata.name.as_ref(), pod.metadata.uid.as_ref()) else {
         return Vec::new();
     };
+    if !plausible(name, uid) {
+        return Vec::new();
+    }
     pod.status
         .iter()
         .flat_map(|s| s.container_statuses.iter().flatten())
@@ -293,5 +295,6 @@ pub(crate) fn pod_ready(pod: &Pod) -> Vec<Seen> {
             },
             uid: uid.clone(),
         })
+        .take(max)
         .collect()
 }

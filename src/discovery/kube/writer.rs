@@ -161,6 +161,9 @@ impl Writer {
         let written = written(&records, &id, &transport)?;
         let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
         let mut table = self.table.lock().await;
+        if self.closed.load(Ordering::Relaxed) {
+            return Err(DiscoveryError::Closed);
+        }
         let previous = table.insert(id.clone(), Entry { serial, written });
         // Dropped before the apply answered: roll back and re-apply in the background.
         let mut rollback = Rollback {
@@ -187,8 +190,9 @@ impl Writer {
                 Ok((instance, serial))
             }
             Err(e) => {
-                // Rolled back by the guard; nothing to re-apply (the apply failed).
-                rollback.disarm_quietly();
+                // Rolled back; the apply may still have landed (a timeout, a lost
+                // answer), so the background task re-applies the table.
+                drop(rollback);
                 Err(e)
             }
         }
@@ -212,11 +216,12 @@ impl Writer {
         if self.closed.load(Ordering::Relaxed) {
             return Ok(());
         }
+        // Gone locally: should this future be dropped part-way or the apply fail, the
+        // background task applies the table until it holds.
+        let mut reapply = Reapply(self, true);
         let applied = self.apply(&table).await;
-        if applied.is_err() {
-            // Gone locally; the background task applies until it holds.
-            self.signal(None);
-        }
+        reapply.1 = applied.is_err();
+        drop(reapply);
         applied.map(|_| ())
     }
 
@@ -264,7 +269,12 @@ impl Writer {
         loop {
             if !dirty {
                 tokio::select! {
-                    () = self.shutdown.cancelled() => return,
+                    () = self.shutdown.cancelled() => {
+                        // The last handle went (perhaps with a guard whose release is
+                        // still pending): apply what is left, once.
+                        self.settle_once().await;
+                        return;
+                    }
                     () = self.wake.notified() => {}
                 }
             }
@@ -309,6 +319,32 @@ impl Writer {
     }
 }
 
+impl Writer {
+    /// Removes pending releases and applies the table once (best effort).
+    async fn settle_once(&self) {
+        let released = {
+            let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+            std::mem::take(&mut pending.0)
+        };
+        if released.is_empty() || self.closed.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut table = self.table.lock().await;
+        for (id, serial) in released {
+            if table.get(&id).map(|e| e.serial) == Some(serial) {
+                table.remove(&id);
+                self.shared
+                    .counters
+                    .registrations
+                    .fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        if let Err(e) = self.apply(&table).await {
+            debug!(error = %crate::net::ErrorChain(&e), "could not withdraw released registrations at shutdown");
+        }
+    }
+}
+
 fn written(
     records: &DynamoRecords,
     id: &ChannelId,
@@ -317,6 +353,18 @@ fn written(
     Written::new(records, id, transport).map_err(|e| DiscoveryError::InvalidId {
         reason: e.to_string(),
     })
+}
+
+/// Asks the background task to re-apply the table when dropped armed (an unregister
+/// dropped part-way, or whose apply failed).
+struct Reapply<'a>(&'a Writer, bool);
+
+impl Drop for Reapply<'_> {
+    fn drop(&mut self) {
+        if self.1 {
+            self.0.signal(None);
+        }
+    }
 }
 
 /// Puts the table back as it was before a `register` whose future was dropped (or
@@ -330,12 +378,6 @@ struct Rollback<'a> {
 }
 
 impl Rollback<'_> {
-    /// Rolls back now, without asking for a re-apply.
-    fn disarm_quietly(&mut self) {
-        self.restore();
-        self.armed = false;
-    }
-
     fn restore(&mut self) {
         match self.previous.take() {
             Some(p) => {

@@ -364,15 +364,29 @@ fn stored(id: u64, hashes: &[u64]) -> Vec<u8> {
     .unwrap()
 }
 
-/// A publisher of our wire bound at `endpoint`, registered nowhere.
+/// A publisher of our wire bound at `endpoint`, registered nowhere. Rebinding the
+/// endpoint of a publisher just shut down may briefly find it in use (its listener
+/// is closed by its task): retried for up to a few seconds.
 async fn static_publisher(endpoint: &str) -> eventplane::publish::EventPublisher {
-    eventplane::publish::EventPublisher::bind_unregistered(
-        endpoint,
-        "kv-events",
-        eventplane::zmtp::Config::default(),
-    )
-    .await
-    .unwrap()
+    let until = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        match eventplane::publish::EventPublisher::bind_unregistered(
+            endpoint,
+            "kv-events",
+            eventplane::zmtp::Config::default(),
+        )
+        .await
+        {
+            Ok(p) => return p,
+            Err(e)
+                if tokio::time::Instant::now() < until
+                    && format!("{e:?}").contains("AddrInUse") =>
+            {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("cannot bind {endpoint}: {e:?}"),
+        }
+    }
 }
 
 /// `kv_router --static ENDPOINT --dump-index` on topic `kv-events`.

@@ -45,6 +45,16 @@ fn builder(api: &KubeApi) -> eventplane::discovery::KubeDiscoveryBuilder {
         .backoff(Duration::from_millis(10), Duration::from_millis(200))
 }
 
+/// A backend that only reads namespace `NS`, with every default.
+async fn reader(api: &KubeApi) -> KubeDiscovery {
+    KubeDiscovery::builder()
+        .client(api.client())
+        .namespaces([NS])
+        .connect()
+        .await
+        .unwrap()
+}
+
 async fn backend(api: &KubeApi) -> KubeDiscovery {
     let (name, uid) = ready_pod(api);
     builder(api)
@@ -326,12 +336,7 @@ async fn null_maps_malformed_entries_and_bounds() {
         .map(|(n, u)| (n.as_str(), u.as_str(), true))
         .collect();
     api.ready_slice(NS, "s", &refs);
-    let d = KubeDiscovery::builder()
-        .client(api.client())
-        .namespaces([NS])
-        .connect()
-        .await
-        .unwrap();
+    let d = reader(&api).await;
     let mut listed = d.list(Query::new("dyn")).await.unwrap();
     listed.sort_by_key(|i| i.id.publisher_id());
     let ids: Vec<u64> = listed.iter().map(|i| i.id.publisher_id()).collect();
@@ -347,12 +352,7 @@ async fn a_resource_over_the_bound_is_skipped_and_counted() {
     let api = KubeApi::start().await;
     let total = 16_385u64;
     populate(&api, total);
-    let d = KubeDiscovery::builder()
-        .client(api.client())
-        .namespaces([NS])
-        .connect()
-        .await
-        .unwrap();
+    let d = reader(&api).await;
     let started = Instant::now();
     let listed = d.list(Query::new("dyn")).await.unwrap();
     eprintln!(
@@ -654,12 +654,7 @@ async fn router_rss_with(n: u64) -> u64 {
 async fn a_view_of_16384_resources_is_bounded() {
     let api = KubeApi::start().await;
     populate(&api, 16_384);
-    let d = KubeDiscovery::builder()
-        .client(api.client())
-        .namespaces([NS])
-        .connect()
-        .await
-        .unwrap();
+    let d = reader(&api).await;
     let started = Instant::now();
     let mut s = d
         .watch(Query::new("dyn"), CancellationToken::new())

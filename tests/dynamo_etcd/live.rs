@@ -391,6 +391,11 @@ async fn states_seen_by_dynamos_router(
 }
 
 /// The block hashes of a state, sentinels aside.
+/// An engine batch of `events` as vLLM sends it: msgpack `[ts, events, dp_rank 0]`.
+fn vllm_batch(events: Value) -> Vec<u8> {
+    rmp_serde::to_vec(&json!([1_700_000_000.5, events, 0])).unwrap()
+}
+
 /// The capture's story in a router's states, batch by batch: 101, 102 stored; 103 and
 /// the host-pinned 201 added; 103 removed; the 2^64 - 5 block added; and the clear
 /// empties every tier of the worker.
@@ -461,10 +466,7 @@ async fn dynamos_router_indexes_kv_relay_as_it_indexes_a_dynamo_worker() {
     let mut router = Py::spawn("dynamo_router.py", &b).await;
     let ours = states_seen_by_dynamos_router(
         &mut router,
-        async |batch: Value| {
-            let batch = json!([1_700_000_000.5, batch, 0]);
-            engine.send(rmp_serde::to_vec(&batch).unwrap());
-        },
+        async |batch: Value| engine.send(vllm_batch(batch)),
         &capture,
     )
     .await;
@@ -746,10 +748,7 @@ async fn dynamos_router_in_kube_mode_indexes_kv_relay_kube() {
     .await;
     let states = states_seen_by_dynamos_router(
         &mut router,
-        async |batch: Value| {
-            let batch = json!([1_700_000_000.5, batch, 0]);
-            engine.send(rmp_serde::to_vec(&batch).unwrap());
-        },
+        async |batch: Value| engine.send(vllm_batch(batch)),
         &capture,
     )
     .await;

@@ -32,19 +32,24 @@ pub(crate) fn status(e: &kube::Error) -> Option<u16> {
     }
 }
 
-/// Whether the server said the version asked for is gone (410: compacted, or a
-/// continue token that expired).
-pub(crate) fn is_gone(e: &DiscoveryError) -> bool {
+/// Whether the server answered the request behind `e` with HTTP `code` (410: a
+/// version or continue token gone; 404: no such object).
+pub(crate) fn has_status(e: &DiscoveryError, code: u16) -> bool {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(err) = source {
         if let Some(KubeRequestError::Failed { source: k, .. }) =
             err.downcast_ref::<KubeRequestError>()
         {
-            return status(k) == Some(410);
+            return status(k) == Some(code);
         }
         source = err.source();
     }
     false
+}
+
+/// Whether the server said the version asked for is gone (410).
+pub(crate) fn is_gone(e: &DiscoveryError) -> bool {
+    has_status(e, 410)
 }
 
 /// Wraps a failed request: 401 and 403 are [`DiscoveryError::Denied`] (retrying will

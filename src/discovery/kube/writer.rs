@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::config::PodIdentity;
-use super::error::within;
+use super::error::{has_status, within};
 use super::resource::{self, ApplyBody, FIELD_MANAGER, PodRef, Written};
 use super::shared::Shared;
 use crate::config::ConfigError;
@@ -26,6 +26,8 @@ use crate::net::random_unit;
 pub(crate) struct Writer {
     pub(crate) shared: Arc<Shared>,
     api: Api<DynamicObject>,
+    /// The pod's Kubernetes namespace, where the resource lives.
+    namespace: String,
     name: String,
     owner: PodRef,
     controller: bool,
@@ -54,6 +56,7 @@ impl Writer {
         Writer {
             shared,
             api,
+            namespace: pod.namespace.clone(),
             name: pod.resource_name(),
             owner: PodRef {
                 name: pod.name.clone(),
@@ -76,32 +79,35 @@ impl Writer {
 
     /// Container mode: deletes a resource an earlier incarnation left (absent is fine).
     pub(crate) async fn delete_stale(&self) -> Result<(), DiscoveryError> {
-        let namespace = self.api_namespace();
-        match tokio::time::timeout(
+        let deleted = within(
+            "delete",
+            &self.namespace,
             self.shared.config.request_timeout,
             self.api.delete(&self.name, &DeleteParams::default()),
         )
-        .await
-        {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) if super::error::status(&e) == Some(404) => Ok(()),
-            Ok(Err(e)) => Err(super::error::failed("delete", &namespace, e)),
-            Err(_) => Err(super::error::timed_out(
-                "delete",
-                &namespace,
-                self.shared.config.request_timeout,
-            )),
+        .await;
+        match deleted {
+            Err(e) if has_status(&e, 404) => Ok(()),
+            other => other.map(|_| ()),
         }
     }
 
-    fn api_namespace(&self) -> String {
-        self.api
-            .resource_url()
-            .split('/')
-            .skip_while(|s| *s != "namespaces")
-            .nth(1)
-            .unwrap_or_default()
-            .to_owned()
+    /// Removes `id` from `table` if registration `serial` still owns it.
+    fn remove_owned(
+        &self,
+        table: &mut BTreeMap<ChannelId, Entry>,
+        id: &ChannelId,
+        serial: u64,
+    ) -> bool {
+        if table.get(id).map(|e| e.serial) != Some(serial) {
+            return false;
+        }
+        table.remove(id);
+        self.shared
+            .counters
+            .registrations
+            .fetch_sub(1, Ordering::Relaxed);
+        true
     }
 
     /// Applies the whole resource; returns its new resourceVersion as an integer.
@@ -113,10 +119,9 @@ impl Writer {
             table.values().map(|e| &e.written),
         );
         let params = PatchParams::apply(FIELD_MANAGER).force();
-        let namespace = self.api_namespace();
         let applied = within(
             "apply",
-            &namespace,
+            &self.namespace,
             self.shared.config.request_timeout,
             self.api.patch(&self.name, &params, &Patch::Apply(&body)),
         )
@@ -205,14 +210,9 @@ impl Writer {
         serial: u64,
     ) -> Result<(), DiscoveryError> {
         let mut table = self.table.lock().await;
-        if table.get(id).map(|e| e.serial) != Some(serial) {
+        if !self.remove_owned(&mut table, id, serial) {
             return Ok(());
         }
-        table.remove(id);
-        self.shared
-            .counters
-            .registrations
-            .fetch_sub(1, Ordering::Relaxed);
         if self.closed.load(Ordering::Relaxed) {
             return Ok(());
         }
@@ -286,14 +286,7 @@ impl Writer {
             let mut table = self.table.lock().await;
             let mut changed = dirty || reapply;
             for (id, serial) in released {
-                if table.get(&id).map(|e| e.serial) == Some(serial) {
-                    table.remove(&id);
-                    self.shared
-                        .counters
-                        .registrations
-                        .fetch_sub(1, Ordering::Relaxed);
-                    changed = true;
-                }
+                changed |= self.remove_owned(&mut table, &id, serial);
             }
             if !changed || self.closed.load(Ordering::Relaxed) {
                 dirty = false;
@@ -331,13 +324,7 @@ impl Writer {
         }
         let mut table = self.table.lock().await;
         for (id, serial) in released {
-            if table.get(&id).map(|e| e.serial) == Some(serial) {
-                table.remove(&id);
-                self.shared
-                    .counters
-                    .registrations
-                    .fetch_sub(1, Ordering::Relaxed);
-            }
+            self.remove_owned(&mut table, &id, serial);
         }
         if let Err(e) = self.apply(&table).await {
             debug!(error = %crate::net::ErrorChain(&e), "could not withdraw released registrations at shutdown");

@@ -424,6 +424,12 @@ impl EventPublisher {
             .await
     }
 
+    /// A handle that serves more subscribers over connected streams (a tunnel
+    /// source's data streams, DESIGN §7.5), with this publisher's bounds and counters.
+    pub fn acceptor(&self) -> zmtp::StreamAcceptor {
+        self.socket.acceptor()
+    }
+
     /// The endpoint the socket is bound to (with the OS-assigned port).
     pub fn local_endpoint(&self) -> Option<&str> {
         self.socket.local_endpoint()

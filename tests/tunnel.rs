@@ -19,6 +19,9 @@ mod kube_api;
 #[path = "tunnel/kube_broker.rs"]
 mod kube_broker;
 #[cfg(feature = "tunnel")]
+#[path = "tunnel/sources.rs"]
+mod sources;
+#[cfg(feature = "tunnel")]
 #[path = "tunnel/stages.rs"]
 mod stages;
 #[cfg(feature = "tunnel")]

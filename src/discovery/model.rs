@@ -191,6 +191,14 @@ pub enum Transport {
         /// The endpoint.
         endpoint: String,
     },
+    /// A publisher a source announced on an event bus (feature `tunnel`, DESIGN
+    /// §7.5): reached only through that bus, by its publisher id. `endpoint` names
+    /// the announcing session (`announced://CLIENT_ID/SESSION_ID`), for logs; a new
+    /// session is a new endpoint.
+    Announced {
+        /// The announcing session's name.
+        endpoint: String,
+    },
 }
 
 impl Transport {
@@ -201,10 +209,29 @@ impl Transport {
         }
     }
 
-    /// The endpoint to dial.
+    /// A publisher announced by session `session_id` of source `client_id`.
+    ///
+    /// ```
+    /// use eventplane::discovery::Transport;
+    /// let t = Transport::announced("gpu-box-1", 7);
+    /// assert_eq!(t.endpoint(), "announced://gpu-box-1/7");
+    /// assert!(t.is_announced());
+    /// ```
+    pub fn announced(client_id: &str, session_id: u64) -> Transport {
+        Transport::Announced {
+            endpoint: format!("announced://{client_id}/{session_id}"),
+        }
+    }
+
+    /// Whether it is reached through an event bus's announced source.
+    pub fn is_announced(&self) -> bool {
+        matches!(self, Transport::Announced { .. })
+    }
+
+    /// The endpoint to dial (for an announced publisher, its session's name).
     pub fn endpoint(&self) -> &str {
         match self {
-            Transport::Zmq { endpoint } => endpoint,
+            Transport::Zmq { endpoint } | Transport::Announced { endpoint } => endpoint,
         }
     }
 }

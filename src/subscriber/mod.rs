@@ -387,6 +387,7 @@ impl DynamicSubscriberBuilder {
             tracker: TaskTracker::new(),
             warn: RateLimitedWarn::default(),
             notices: notice::Notices::new(config.notices),
+            departed_sequences: Mutex::new(shared::DepartedSequences::new(config.max_publishers)),
         });
         shared.tracker.spawn(worker::watch_loop(
             shared.clone(),

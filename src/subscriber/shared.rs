@@ -12,7 +12,7 @@ use super::stats::{Counters, PublisherStats};
 use crate::discovery::{ChannelId, Instance};
 use crate::lossy::Lane;
 use crate::net::RateLimitedWarn;
-use crate::wire::PayloadAt;
+use crate::wire::{PayloadAt, SeqTracker};
 use crate::zmtp::Message;
 use crate::zmtp::retain::Retention;
 
@@ -119,6 +119,58 @@ pub(crate) struct Shared {
     pub(crate) warn: RateLimitedWarn,
     /// Lifecycle notices for the consumer (none kept unless enabled).
     pub(crate) notices: Notices,
+    /// Where the sequences of recently departed publishers stood: one that comes
+    /// back under the same id (a source reconnecting, a lease re-granted) continues
+    /// from there, so what it lost meanwhile counts as a gap or a reset, never as
+    /// nothing. Bounded by `max_publishers`, oldest forgotten first.
+    pub(crate) departed_sequences: Mutex<DepartedSequences>,
+}
+
+/// The last sequence state of departed publishers, at most `capacity`.
+#[derive(Debug, Default)]
+pub(crate) struct DepartedSequences {
+    capacity: usize,
+    states: HashMap<ChannelId, SeqTracker>,
+    order: std::collections::VecDeque<ChannelId>,
+}
+
+impl DepartedSequences {
+    pub(crate) fn new(capacity: usize) -> DepartedSequences {
+        DepartedSequences {
+            capacity,
+            ..DepartedSequences::default()
+        }
+    }
+
+    /// Remembers `id`'s state (if it saw any message), forgetting the oldest past the
+    /// capacity.
+    pub(crate) fn remember(&mut self, id: &ChannelId, seq: SeqTracker) {
+        if !seq.has_seen() || self.capacity == 0 {
+            return;
+        }
+        if self.states.insert(id.clone(), seq).is_none() {
+            self.order.push_back(id.clone());
+        }
+        while self.states.len() > self.capacity {
+            match self.order.pop_front() {
+                Some(old) => {
+                    self.states.remove(&old);
+                }
+                None => break,
+            }
+        }
+    }
+
+    /// The state `id` departed with, if remembered (and forgets it).
+    pub(crate) fn take(&mut self, id: &ChannelId) -> SeqTracker {
+        match self.states.remove(id) {
+            Some(seq) => {
+                self.order.retain(|o| o != id);
+                seq
+            }
+            None => SeqTracker::default(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Shared {

@@ -254,8 +254,23 @@ async fn connection_loop(
     cancel: CancellationToken,
     drain: CancellationToken,
 ) {
-    run_connection(&shared, &config, &cell, &endpoint, &cancel, &drain).await;
+    // A publisher back under the same id continues from where it departed.
+    let mut seq = shared
+        .departed_sequences
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take(&id);
+    seq.new_connection();
+    run_connection(
+        &shared, &config, &cell, &endpoint, &mut seq, &cancel, &drain,
+    )
+    .await;
     shared.retire(&id, &cell);
+    shared
+        .departed_sequences
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remember(&id, seq);
 }
 
 async fn run_connection(
@@ -263,17 +278,17 @@ async fn run_connection(
     config: &Config,
     cell: &PublisherCell,
     endpoint: &str,
+    seq: &mut SeqTracker,
     cancel: &CancellationToken,
     drain: &CancellationToken,
 ) {
     let mut backoff = Backoff::checked(config.reconnect_min, config.reconnect_max);
-    let mut seq = SeqTracker::default();
     let mut connected_before = false;
     while !cancel.is_cancelled() && !drain.is_cancelled() {
         let started = tokio::time::Instant::now();
         let outcome = tokio::select! {
             () = cancel.cancelled() => return,
-            r = connect_and_read(shared, config, cell, endpoint, &mut seq, &mut connected_before, drain) => r,
+            r = connect_and_read(shared, config, cell, endpoint, seq, &mut connected_before, drain) => r,
         };
         if drain.is_cancelled() {
             return;
@@ -552,6 +567,20 @@ async fn dial(
 /// direct fallback on).
 #[cfg(feature = "tunnel")]
 async fn tunnel_link(config: &Config, instance: &Instance) -> Option<Result<Link, ZmtpError>> {
+    if instance.transport.is_announced() {
+        // Announced by a source on a bus: reached only through it.
+        let Some(bus) = config.bus.as_ref() else {
+            return Some(Err(ZmtpError::Io(std::io::Error::other(
+                "an announced publisher is reached only through the bus it was announced on (DynamicSubscriberBuilder::tunnel)",
+            ))));
+        };
+        let opened = bus.open_announced(instance.id.publisher_id()).await;
+        return Some(
+            opened
+                .map(Link::Tunnel)
+                .map_err(|e| ZmtpError::Io(std::io::Error::other(e))),
+        );
+    }
     let bus = config.bus.as_ref()?;
     let namespace = instance.id.namespace();
     if !bus.grants(namespace) || (config.tunnel_direct_fallback && !bus.covered(namespace)) {
@@ -572,6 +601,10 @@ async fn tunnel_link(config: &Config, instance: &Instance) -> Option<Result<Link
 }
 
 #[cfg(not(feature = "tunnel"))]
-async fn tunnel_link(_: &Config, _: &Instance) -> Option<Result<Link, ZmtpError>> {
-    None
+async fn tunnel_link(_: &Config, instance: &Instance) -> Option<Result<Link, ZmtpError>> {
+    instance.transport.is_announced().then(|| {
+        Err(ZmtpError::Io(std::io::Error::other(
+            "an announced publisher is reached only through an event bus (feature `tunnel`)",
+        )))
+    })
 }

@@ -2,6 +2,7 @@
 //! per-broker credentials bound to a client id and the namespaces it may cover,
 //! stored as SHA-256 digests and compared in constant time.
 
+use super::announce::Role;
 use super::error::TunnelError;
 use super::io::Secret;
 use super::session::Grant;
@@ -155,7 +156,7 @@ impl BusClients {
     pub fn shared(token: &Secret, namespaces: Vec<String>) -> Result<BusClients, TunnelError> {
         BusClients::new().add(
             TokenDigest::of(token),
-            Grant::namespaces(namespaces.clone()),
+            Grant::namespaces(namespaces.clone()).with_role(Role::Broker),
             namespaces,
         )
     }
@@ -168,7 +169,36 @@ impl BusClients {
         token_sha256: TokenDigest,
         namespaces: Vec<String>,
     ) -> Result<BusClients, TunnelError> {
-        let client_id = client_id.into();
+        self.bound(Role::Broker, client_id.into(), token_sha256, namespaces)
+    }
+
+    /// With source `client_id` (a KV listener that dials out and announces its own
+    /// publishers, DESIGN §7.5), which authenticates with the token whose digest is
+    /// `token_sha256`, allowed to announce publishers of `namespaces` only. A source's
+    /// namespaces are not tunnelled through brokers ([`grants`](Self::grants)).
+    ///
+    /// ```
+    /// use eventplane::tunnel::{BusClients, TokenDigest};
+    /// let clients = BusClients::new().source("gpu-box-1", TokenDigest::from_hex(&"cd".repeat(32))?, vec!["edge".into()])?;
+    /// assert!(!clients.grants("edge")); // no broker covers it
+    /// # Ok::<(), eventplane::tunnel::TunnelError>(())
+    /// ```
+    pub fn source(
+        self,
+        client_id: impl Into<String>,
+        token_sha256: TokenDigest,
+        namespaces: Vec<String>,
+    ) -> Result<BusClients, TunnelError> {
+        self.bound(Role::Source, client_id.into(), token_sha256, namespaces)
+    }
+
+    fn bound(
+        self,
+        role: Role,
+        client_id: String,
+        token_sha256: TokenDigest,
+        namespaces: Vec<String>,
+    ) -> Result<BusClients, TunnelError> {
         if client_id.is_empty() || client_id.len() > MAX_NAME_LEN {
             return Err(TunnelError::Config {
                 field: "client_id",
@@ -191,7 +221,9 @@ impl BusClients {
                 reason: format!("{client_id:?} is granted twice"),
             });
         }
-        let grant = Grant::namespaces(namespaces.clone()).with_client_id(client_id);
+        let grant = Grant::namespaces(namespaces.clone())
+            .with_client_id(client_id)
+            .with_role(role);
         self.add(token_sha256, grant, namespaces)
     }
 
@@ -228,12 +260,20 @@ impl BusClients {
         Ok(self)
     }
 
-    /// Whether any credential may cover `namespace` (its publishers are then reached
-    /// through brokers, not dialled directly).
+    /// Whether any broker credential may cover `namespace` (its publishers are then
+    /// reached through brokers, not dialled directly). Source credentials do not
+    /// count: a source serves only what it announces.
     pub fn grants(&self, namespace: &str) -> bool {
+        self.clients.iter().any(|c| {
+            c.grant.role() != Some(Role::Source) && c.namespaces.iter().any(|n| n == namespace)
+        })
+    }
+
+    /// Whether any credential is a source's.
+    pub fn has_sources(&self) -> bool {
         self.clients
             .iter()
-            .any(|c| c.namespaces.iter().any(|n| n == namespace))
+            .any(|c| c.grant.role() == Some(Role::Source))
     }
 
     /// How many credentials it holds.

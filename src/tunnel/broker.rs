@@ -7,17 +7,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use hyper::Request;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::client::{BusSession, open_session};
 use super::codes::CodeCounts;
 use super::config::BrokerConfig;
 use super::error::TunnelError;
-use super::io::{BODY_CHANNEL, BrokerBody, ChannelBody, next_chunk};
+use super::io::next_chunk;
 use super::relay::{Counters, Relay, Report, Reported, relay};
 use super::view::View;
 use super::{
@@ -253,66 +251,22 @@ async fn session(
     counters: &Arc<Counters>,
     reconnect: &mut Reconnect,
 ) -> Result<Outcome, TunnelError> {
-    let (host, port, authority) = config.bus()?;
     let deadlines = config.deadlines;
-    let tcp = tokio::time::timeout(
-        deadlines.bus_connect,
-        TcpStream::connect((host.as_str(), port)),
+    let BusSession {
+        sender,
+        authority,
+        conn_done,
+        ctrl_tx,
+        body,
+    } = open_session(
+        &config.bus_url,
+        &config.tls,
+        &config.token,
+        &deadlines,
+        hard,
     )
-    .await
-    .map_err(|_| TunnelError::Timeout("connecting to the bus"))??;
-    let _ = tcp.set_nodelay(true);
-    let name =
-        rustls::pki_types::ServerName::try_from(host.clone()).map_err(|e| TunnelError::Config {
-            field: "bus_url",
-            reason: e.to_string(),
-        })?;
-    let tls = tokio::time::timeout(
-        deadlines.bus_connect,
-        tokio_rustls::TlsConnector::from(config.tls.clone()).connect(name, tcp),
-    )
-    .await
-    .map_err(|_| TunnelError::Timeout("the TLS handshake with the bus"))??;
-    // Router → publisher is bounded by a 64 KiB stream window (DESIGN §7.2).
-    // Publisher → router: what h2 holds per stream is capped (see
-    // PER_STREAM_UNCHARGED_BYTES), however large the windows the router grants.
-    let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-        .initial_stream_window_size(64 << 10)
-        .initial_connection_window_size(16 << 20)
-        .max_send_buf_size(super::H2_SEND_BUFFER_BYTES)
-        .handshake(TokioIo::new(tls))
-        .await?;
-    let conn_done = CancellationToken::new();
-    let conn_guard = conn_done.clone();
-    let cut = hard.clone();
-    tokio::spawn(async move {
-        tokio::select! {
-            r = conn => if let Err(e) = r {
-                tracing::debug!(error = %e, "bus connection ended");
-            },
-            () = cut.cancelled() => {}
-        }
-        conn_guard.cancel();
-    });
-    let (ctrl_tx, ctrl_rx) = mpsc::channel(BODY_CHANNEL);
-    let request = Request::post(format!("https://{authority}/bus/v1/session"))
-        .header(hyper::header::AUTHORIZATION, config.token.header_value())
-        .body(BrokerBody::Control(ChannelBody::new(ctrl_rx)))
-        .map_err(|e| TunnelError::Config {
-            field: "bus_url",
-            reason: e.to_string(),
-        })?;
-    let mut sender_for_session = sender.clone();
-    let response =
-        tokio::time::timeout(deadlines.response, sender_for_session.send_request(request))
-            .await
-            .map_err(|_| TunnelError::Timeout("the bus's answer"))??;
-    match response.status().as_u16() {
-        200 => {}
-        401 => return Err(TunnelError::Unauthorized),
-        other => return Err(TunnelError::Status(other)),
-    }
-    let mut body = response.into_body();
+    .await?;
+    let mut body = body;
     let mut broker = BrokerSession::new(
         Hello::new(config.client_id.clone(), config.namespaces.clone()),
         Instant::now(),
@@ -392,6 +346,8 @@ async fn session(
                         stop,
                     ));
                 }
+                // A broker's session never serves announced targets.
+                BrokerEvent::Serve { .. } => {}
                 BrokerEvent::Close { stream_id } => {
                     if let Some((_, stop)) = stream_stops.remove(&stream_id) {
                         stop.cancel();

@@ -15,11 +15,14 @@ use tokio_util::task::TaskTracker;
 
 use super::accept::accept_loop;
 use super::admission::Pending;
+use super::announce::Target;
 use super::auth::BusClients;
 use super::error::TunnelError;
 use super::io::TunnelStream;
 use super::serve::{Command, Counters, Inner, Waiter};
+use super::sources::{AnnouncedView, SourceTable};
 use super::{DrainReason, PENDING_SUBSCRIBE_TIMEOUT, RefuseCode, rendezvous_ranked};
+use crate::wire::Wire;
 
 /// Brokers `open_stream` asks for one publisher: its rendezvous owner, then once the
 /// runner-up when the owner cannot reach it (a full owner is skipped without asking,
@@ -96,6 +99,12 @@ pub struct BusStats {
     pub bytes_in: u64,
     /// Bytes the router wrote to publishers through the tunnel.
     pub bytes_out: u64,
+    /// Source sessions welcomed now (DESIGN §7.5; also counted in `sessions`).
+    pub source_sessions: usize,
+    /// Publishers sources announce now.
+    pub announced_sources: usize,
+    /// Announcements ignored: another source's session holds the publisher id.
+    pub announce_conflicts: u64,
 }
 
 /// The router's event bus: brokers dial in, the router opens publisher connections
@@ -182,6 +191,7 @@ impl EventBus {
             next_session: AtomicU64::new(1),
             next_conn: AtomicU64::new(1),
             counters: Counters::default(),
+            sources: SourceTable::new(config.announced_watch_buffer),
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
         });
@@ -205,6 +215,14 @@ impl EventBus {
     pub fn stats(&self) -> BusStats {
         let c = &self.inner.counters;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let source_sessions = self
+            .inner
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter(|e| e.role == super::Role::Source)
+            .count();
         BusStats {
             sessions: self
                 .inner
@@ -212,6 +230,9 @@ impl EventBus {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .len(),
+            source_sessions,
+            announced_sources: self.inner.sources.len(),
+            announce_conflicts: l(&self.inner.sources.conflicts),
             sessions_started: l(&c.sessions_started),
             superseded: l(&c.superseded),
             unauthorized: l(&c.unauthorized),
@@ -348,7 +369,13 @@ impl EventBus {
                     .fetch_add(1, Ordering::Relaxed);
             }
             match self
-                .open_via(session_id, commands, namespace, publisher_id, target)
+                .open_via(
+                    session_id,
+                    commands,
+                    namespace,
+                    publisher_id,
+                    Target::Tcp(target.to_owned()),
+                )
                 .await
             {
                 Ok(stream) => return Ok(stream),
@@ -359,6 +386,44 @@ impl EventBus {
         Err(last)
     }
 
+    /// Opens a connection to publisher `publisher_id`, which a source announced
+    /// (DESIGN §7.5), through that source's session; the source serves it from its
+    /// own publisher socket, as one more subscriber. `Refused(TargetNotAnnounced)`
+    /// when no session announces it now.
+    pub async fn open_announced(&self, publisher_id: u64) -> Result<TunnelStream, TunnelError> {
+        let Some(route) = self.inner.sources.route(publisher_id) else {
+            return Err(TunnelError::Refused(RefuseCode::TargetNotAnnounced));
+        };
+        self.open_via(
+            route.session_id,
+            route.commands,
+            "",
+            publisher_id,
+            Target::Announced { publisher_id },
+        )
+        .await
+    }
+
+    /// The publishers sources announce with `wire`, as a read-only [`Discovery`]
+    /// (crate::discovery::Discovery) a `DynamicSubscriber` follows (with this bus as
+    /// its `tunnel`, and `wire`'s layout).
+    ///
+    /// ```no_run
+    /// # async fn run(bus: eventplane::tunnel::EventBus) -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::sync::Arc;
+    /// use eventplane::discovery::Query;
+    /// use eventplane::subscriber::DynamicSubscriber;
+    /// use eventplane::wire::Wire;
+    /// let mut router = DynamicSubscriber::builder(Arc::new(bus.announced(Wire::EventPlane)), Query::new("prod"))
+    ///     .topic("kv-events")
+    ///     .tunnel(bus.clone())
+    ///     .spawn()?;
+    /// # drop(router); Ok(()) }
+    /// ```
+    pub fn announced(&self, wire: Wire) -> AnnouncedView {
+        self.inner.sources.view(wire)
+    }
+
     /// One subscribe through the session `session_id`.
     async fn open_via(
         &self,
@@ -366,7 +431,7 @@ impl EventBus {
         commands: mpsc::Sender<Command>,
         namespace: &str,
         publisher_id: u64,
-        target: &str,
+        target: Target,
     ) -> Result<TunnelStream, TunnelError> {
         let inner = &self.inner;
         let (reply, answer) = oneshot::channel();
@@ -390,10 +455,7 @@ impl EventBus {
         };
         // Cancelled or not, the waiter goes when this call does.
         let _forget = Forget { inner, stream_id };
-        let subscribe = Command::Subscribe {
-            stream_id,
-            target: target.to_owned(),
-        };
+        let subscribe = Command::Subscribe { stream_id, target };
         // A burst of opens queues behind the session's command queue, but never waits
         // long on a session that stopped taking commands.
         if tokio::time::timeout(COMMAND_QUEUE_TIMEOUT, commands.send(subscribe))

@@ -83,6 +83,12 @@ closed_codes! {
         StreamFailed = "stream_failed",
         /// The session opened streams faster than the broker's `opens_per_second`.
         RateLimited = "rate_limited",
+        /// The target's kind is not one this client serves: an `announced` target to
+        /// a broker, a `tcp://` one to a source, or a kind this version does not know.
+        UnsupportedTarget = "unsupported_target",
+        /// A source was asked for a publisher it does not announce (withdrawn, or
+        /// never announced).
+        TargetNotAnnounced = "target_not_announced",
     }
 }
 
@@ -102,8 +108,8 @@ closed_codes! {
 }
 
 closed_codes! {
-    /// Why a router denied a broker's `hello` (its credential does not grant what the
-    /// hello claims); the session ends after the `denied` frame.
+    /// Why a router denied a client's `hello` or a source's `announce` (its credential
+    /// does not grant what it claims); the session ends after the `denied` frame.
     ///
     /// ```
     /// use eventplane::tunnel::DenyCode;
@@ -114,6 +120,10 @@ closed_codes! {
         ClientIdNotGranted = "client_id_not_granted",
         /// The hello claims a namespace outside the credential's grant.
         NamespaceNotGranted = "namespace_not_granted",
+        /// The hello takes a role (broker or source) the credential does not grant.
+        RoleNotGranted = "role_not_granted",
+        /// A source announced more publishers than the welcome's `max_sources`.
+        TooManySources = "too_many_sources",
     }
 }
 

@@ -297,26 +297,7 @@ impl BrokerConfig {
 
     /// `host`, `port` and `authority` of the bus URL, or why it is refused.
     pub(crate) fn bus(&self) -> Result<(String, u16, String), TunnelError> {
-        let bad = |reason: &str| TunnelError::Config {
-            field: "bus_url",
-            reason: format!("{:?} {reason}", self.bus_url),
-        };
-        let rest = self
-            .bus_url
-            .strip_prefix("https://")
-            .ok_or_else(|| bad("is not https:// (plaintext is refused)"))?;
-        let authority = rest.split('/').next().unwrap_or_default();
-        let (host, port) = match authority.rsplit_once(':') {
-            Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => {
-                (h, p.parse::<u16>().map_err(|_| bad("has a bad port"))?)
-            }
-            _ => (authority, 443),
-        };
-        let host = host.trim_start_matches('[').trim_end_matches(']');
-        if host.is_empty() {
-            return Err(bad("has no host"));
-        }
-        Ok((host.to_owned(), port, authority.to_owned()))
+        parse_bus_url(&self.bus_url)
     }
 
     /// The first refused setting, if any.
@@ -493,6 +474,9 @@ pub struct EventBusConfig {
     /// How long a joining broker's session must hold before its rendezvous share of
     /// the open streams moves to it (default 10 s; zero moves at the welcome).
     pub join_hold_down: Duration,
+    /// Events each watcher of the announced sources ([`EventBus::announced`](super::EventBus::announced))
+    /// may have waiting before it is resynced instead (default 4096).
+    pub announced_watch_buffer: usize,
 }
 
 impl Default for EventBusConfig {
@@ -507,6 +491,7 @@ impl Default for EventBusConfig {
             auth_timeout: AUTH_TIMEOUT,
             session_start_timeout: SESSION_START_TIMEOUT,
             join_hold_down: JOIN_HOLD_DOWN,
+            announced_watch_buffer: 4096,
         }
     }
 }
@@ -531,6 +516,7 @@ impl EventBusConfig {
             ),
             ("max_pending_connections", self.max_pending_connections),
             ("max_pending_per_source", self.max_pending_per_source),
+            ("announced_watch_buffer", self.announced_watch_buffer),
         ] {
             if !(1..=65_536).contains(&value) {
                 return refuse(field, format!("{value} is not within 1..=65536"));
@@ -567,4 +553,28 @@ impl EventBusConfig {
         }
         Ok(())
     }
+}
+
+/// `host`, `port` and `authority` of a bus URL (`https://host[:port]`), or why it is
+/// refused.
+pub(crate) fn parse_bus_url(bus_url: &str) -> Result<(String, u16, String), TunnelError> {
+    let bad = |reason: &str| TunnelError::Config {
+        field: "bus_url",
+        reason: format!("{bus_url:?} {reason}"),
+    };
+    let rest = bus_url
+        .strip_prefix("https://")
+        .ok_or_else(|| bad("is not https:// (plaintext is refused)"))?;
+    let authority = rest.split('/').next().unwrap_or_default();
+    let (host, port) = match authority.rsplit_once(':') {
+        Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => {
+            (h, p.parse::<u16>().map_err(|_| bad("has a bad port"))?)
+        }
+        _ => (authority, 443),
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        return Err(bad("has no host"));
+    }
+    Ok((host.to_owned(), port, authority.to_owned()))
 }

@@ -5,11 +5,19 @@
 
 use std::time::Duration;
 
+use super::announce::{AnnouncedSource, Role, Target, decode_sources, encode_sources};
 pub use super::codes::{CloseCode, DenyCode, DrainReason, RefuseCode};
+use super::fields::{Fields, Writer, name_of};
+pub use super::fields::{FrameError, MAX_NAME_LEN};
 use crate::msgpack::{self, Value};
 
-/// The session protocol version this crate speaks (the only one, so far).
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The newest session protocol version this crate speaks. Version 2 adds the `source`
+/// role, its `announce` / `withdraw` frames, and `announced` targets; a broker offers
+/// both 1 and 2, a source only 2 (a version-1 router refuses its `hello`).
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// The oldest session protocol version this crate speaks.
+pub const MIN_PROTOCOL_VERSION: u32 = 1;
 
 /// Largest control-frame body accepted by default (64 KiB).
 pub const MAX_CONTROL_FRAME: usize = 64 * 1024;
@@ -19,9 +27,6 @@ pub const MAX_NAMESPACES: usize = 256;
 
 /// Most protocol versions a `hello` may offer.
 pub const MAX_VERSIONS: usize = 16;
-
-/// Longest client id, namespace or target, in bytes.
-pub const MAX_NAME_LEN: usize = 1024;
 
 /// Most msgpack elements decoded from one frame (a full `hello` needs ~270).
 const MAX_ELEMENTS: usize = 2048;
@@ -47,16 +52,29 @@ pub enum Control {
     Welcome(Welcome),
     /// Either way, every heartbeat interval: the session is alive.
     Heartbeat,
-    /// Router → broker: open a TCP connection to `target` and relay it as data stream
-    /// `stream_id`.
+    /// Router → client: open `target` and relay it as data stream `stream_id` (a
+    /// broker dials a `tcp://` target; a source serves an announced one).
     Subscribe {
         /// The router's id for the stream.
         stream_id: u64,
-        /// The publisher's endpoint, `tcp://host:port`. A target the decoder cannot
-        /// take (not a string, empty, over [`MAX_NAME_LEN`]) decodes as an empty
-        /// string, so that the broker refuses that one stream with `bad_target`
-        /// instead of failing the session.
-        target: String,
+        /// What to open. A `tcp://` target the decoder cannot take (not a string,
+        /// empty, over [`MAX_NAME_LEN`]) decodes as an empty one, so that the client
+        /// refuses that one stream with `bad_target` instead of failing the session;
+        /// a target kind it does not know is refused with `unsupported_target`.
+        target: Target,
+    },
+    /// Source → router (version 2): more publishers it serves, at most
+    /// [`MAX_ANNOUNCE`](super::MAX_ANNOUNCE) per frame. Announcing a publisher id again
+    /// replaces it (a new incarnation).
+    Announce {
+        /// The publishers.
+        sources: Vec<AnnouncedSource>,
+    },
+    /// Source → router (version 2): publishers it no longer serves (their streams
+    /// close), at most [`MAX_ANNOUNCE`](super::MAX_ANNOUNCE) per frame.
+    Withdraw {
+        /// Their ids.
+        publisher_ids: Vec<u64>,
     },
     /// Router → broker: close stream `stream_id` (silently: no `stream_closed`).
     Unsubscribe {
@@ -92,8 +110,9 @@ pub enum Control {
     },
     /// Broker → router: the broker is shutting down; it takes no new streams.
     Draining,
-    /// Router → broker, instead of `welcome`: the hello claims what the broker's
-    /// credential does not grant; the session ends.
+    /// Router → client, instead of `welcome`: the hello claims what the client's
+    /// credential does not grant; the session ends. Also during a source's session,
+    /// when an `announce` goes beyond its grant or its `max_sources`.
     Denied {
         /// Why.
         code: DenyCode,
@@ -102,25 +121,62 @@ pub enum Control {
     Unknown,
 }
 
-/// A broker's `hello`.
+/// A client's `hello`: a broker's, or a source's with the publishers it announces.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Hello {
-    /// The broker's id; a new session with the same id supersedes the old one.
+    /// The client's id; a new session with the same id supersedes the old one.
     pub client_id: String,
-    /// The discovery namespaces it can reach publishers in.
+    /// A broker: the discovery namespaces it can reach publishers in. A source: the
+    /// namespaces it announces in.
     pub namespaces: Vec<String>,
     /// Protocol versions it speaks.
     pub versions: Vec<u32>,
+    /// Its role.
+    pub role: Role,
+    /// A source's first announcements (at most [`MAX_ANNOUNCE`](super::MAX_ANNOUNCE);
+    /// more follow in `announce` frames). Always empty for a broker.
+    pub sources: Vec<AnnouncedSource>,
 }
 
 impl Hello {
-    /// A `hello` offering [`PROTOCOL_VERSION`].
+    /// A broker's `hello`, offering versions 1 and 2.
     pub fn new(client_id: impl Into<String>, namespaces: Vec<String>) -> Hello {
         Hello {
             client_id: client_id.into(),
             namespaces,
+            versions: vec![MIN_PROTOCOL_VERSION, PROTOCOL_VERSION],
+            role: Role::Broker,
+            sources: Vec::new(),
+        }
+    }
+
+    /// A source's `hello`, offering version 2, announcing `sources` (at most
+    /// [`MAX_ANNOUNCE`](super::MAX_ANNOUNCE); announce the rest once welcomed).
+    ///
+    /// ```
+    /// use eventplane::discovery::ChannelId;
+    /// use eventplane::tunnel::{AnnouncedSource, Control, ControlDecoder, Hello, Role};
+    /// use eventplane::wire::Wire;
+    /// let id = ChannelId::new("prod", "backend", "kv-events", 7)?;
+    /// let hello = Hello::source("gpu-box-1", vec!["prod".into()], vec![AnnouncedSource::new(&id, Wire::EventPlane)]);
+    /// let mut wire = Vec::new();
+    /// Control::Hello(hello.clone()).encode(&mut wire);
+    /// let decoded = ControlDecoder::default().decode(&mut &wire[..])?;
+    /// assert_eq!(decoded, Some(Control::Hello(hello)));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn source(
+        client_id: impl Into<String>,
+        namespaces: Vec<String>,
+        sources: Vec<AnnouncedSource>,
+    ) -> Hello {
+        Hello {
+            client_id: client_id.into(),
+            namespaces,
             versions: vec![PROTOCOL_VERSION],
+            role: Role::Source,
+            sources,
         }
     }
 }
@@ -169,6 +225,9 @@ pub struct Limits {
     pub heartbeat_interval: Duration,
     /// A side silent this long ends the session. Default 30 s.
     pub idle_timeout: Duration,
+    /// Most publishers one source session may announce at once (version 2; a source
+    /// going past it is denied `too_many_sources`). Default 1024.
+    pub max_sources: u32,
 }
 
 impl Limits {
@@ -184,6 +243,13 @@ impl Limits {
     #[must_use]
     pub fn with_stream_buffer(mut self, bytes: u32) -> Limits {
         self.max_stream_buffer_bytes = bytes;
+        self
+    }
+
+    /// With at most `sources` publishers announced by one source session.
+    #[must_use]
+    pub fn with_max_sources(mut self, sources: u32) -> Limits {
+        self.max_sources = sources;
         self
     }
 
@@ -205,44 +271,9 @@ impl Default for Limits {
             max_stream_buffer_bytes: 1 << 20,
             heartbeat_interval: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(30),
+            max_sources: 1024,
         }
     }
-}
-
-/// A control frame that could not be decoded. The session that read it fails: the
-/// peer does not speak this protocol.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum FrameError {
-    /// The declared body length exceeds the limit (nothing of it was buffered).
-    #[error("control frame of {len} bytes exceeds the {max}-byte limit")]
-    Oversized {
-        /// The declared length.
-        len: usize,
-        /// The limit.
-        max: usize,
-    },
-    /// The body is not one bounded msgpack map.
-    #[error("control frame is not a msgpack map we accept ({0})")]
-    NotMsgpack(&'static str),
-    /// A field is missing or has the wrong type.
-    #[error("control frame {frame:?}: field {field:?} is missing or malformed")]
-    Field {
-        /// The frame type.
-        frame: &'static str,
-        /// The field.
-        field: &'static str,
-    },
-    /// A field is present and typed right, but out of bounds.
-    #[error("control frame {frame:?}: field {field:?} {reason}")]
-    OutOfBounds {
-        /// The frame type.
-        frame: &'static str,
-        /// The field.
-        field: &'static str,
-        /// What bound it breaks.
-        reason: &'static str,
-    },
 }
 
 impl Control {
@@ -253,6 +284,8 @@ impl Control {
             Control::Welcome(_) => "welcome",
             Control::Heartbeat => "heartbeat",
             Control::Subscribe { .. } => "subscribe",
+            Control::Announce { .. } => "announce",
+            Control::Withdraw { .. } => "withdraw",
             Control::Unsubscribe { .. } => "unsubscribe",
             Control::Drain { .. } => "drain",
             Control::StreamOpened { .. } => "stream_opened",
@@ -273,10 +306,15 @@ impl Control {
         let kind = self.kind();
         match self {
             Control::Hello(h) => {
-                w.map(5);
+                let source = h.role == Role::Source;
+                w.map(if source { 6 } else { 5 });
                 w.entry_str("type", kind);
-                w.entry_str("role", "broker");
+                w.entry_str("role", h.role.as_str());
                 w.entry_str("client_id", &h.client_id);
+                if source {
+                    w.str("sources");
+                    encode_sources(&mut w, &h.sources);
+                }
                 w.str("namespaces");
                 w.array(h.namespaces.len());
                 for ns in &h.namespaces {
@@ -289,9 +327,10 @@ impl Control {
                 }
             }
             Control::Welcome(welcome) => {
-                w.map(7);
+                w.map(8);
                 w.entry_str("type", kind);
                 w.entry_uint("version", u64::from(welcome.version));
+                w.entry_uint("max_sources", u64::from(welcome.limits.max_sources));
                 w.entry_uint("session_id", welcome.session_id);
                 let l = &welcome.limits;
                 w.entry_uint("max_streams", u64::from(l.max_streams));
@@ -310,7 +349,23 @@ impl Control {
                 w.map(3);
                 w.entry_str("type", kind);
                 w.entry_uint("stream_id", *stream_id);
-                w.entry_str("target", target);
+                w.str("target");
+                target.encode(&mut w);
+            }
+            Control::Announce { sources } => {
+                w.map(2);
+                w.entry_str("type", kind);
+                w.str("sources");
+                encode_sources(&mut w, sources);
+            }
+            Control::Withdraw { publisher_ids } => {
+                w.map(2);
+                w.entry_str("type", kind);
+                w.str("publisher_ids");
+                w.array(publisher_ids.len());
+                for id in publisher_ids {
+                    w.uint(*id);
+                }
             }
             Control::Unsubscribe { stream_id } | Control::StreamOpened { stream_id } => {
                 w.map(2);
@@ -372,13 +427,15 @@ impl Control {
         Ok(match kind {
             "hello" => {
                 const F: &str = "hello";
-                if f.str(F, "role", 16)? != "broker" {
-                    return Err(FrameError::OutOfBounds {
-                        frame: F,
-                        field: "role",
-                        reason: "is not \"broker\"",
-                    });
-                }
+                let role = Role::parse(f.str(F, "role", 16)?).ok_or(FrameError::OutOfBounds {
+                    frame: F,
+                    field: "role",
+                    reason: "is neither \"broker\" nor \"source\"",
+                })?;
+                let sources = match role {
+                    Role::Source => decode_sources(&f, F)?,
+                    Role::Broker => Vec::new(),
+                };
                 let client_id = f.name(F, "client_id")?;
                 let namespaces = f.array(F, "namespaces", MAX_NAMESPACES)?;
                 let namespaces = namespaces
@@ -407,6 +464,8 @@ impl Control {
                     client_id,
                     namespaces,
                     versions,
+                    role,
+                    sources,
                 })
             }
             "welcome" => {
@@ -416,6 +475,11 @@ impl Control {
                     max_stream_buffer_bytes: f.u32(F, "max_stream_buffer_bytes")?,
                     heartbeat_interval: Duration::from_millis(f.u64(F, "heartbeat_interval_ms")?),
                     idle_timeout: Duration::from_millis(f.u64(F, "idle_timeout_ms")?),
+                    // Version 1 routers do not send it.
+                    max_sources: match value.get("max_sources") {
+                        Some(_) => f.u32(F, "max_sources")?,
+                        None => Limits::default().max_sources,
+                    },
                 };
                 Control::Welcome(Welcome {
                     version: f.u32(F, "version")?,
@@ -428,10 +492,13 @@ impl Control {
             "subscribe" => Control::Subscribe {
                 stream_id: f.u64("subscribe", "stream_id")?,
                 // One unusable target fails its stream, not the session.
-                target: f
-                    .str("subscribe", "target", MAX_NAME_LEN)
-                    .map(str::to_owned)
-                    .unwrap_or_default(),
+                target: Target::decode(value.get("target")),
+            },
+            "announce" => Control::Announce {
+                sources: decode_sources(&f, "announce")?,
+            },
+            "withdraw" => Control::Withdraw {
+                publisher_ids: f.uints("withdraw", "publisher_ids", super::MAX_ANNOUNCE)?,
             },
             "denied" => Control::Denied {
                 code: DenyCode::parse(f.str("denied", "code", 64)?),
@@ -467,116 +534,6 @@ pub(crate) fn encode_frames(mut next: impl FnMut() -> Option<Control>) -> bytes:
         frame.encode(&mut wire);
     }
     bytes::Bytes::from(wire)
-}
-
-/// Typed access to a frame's fields, each failure naming frame and field.
-struct Fields<'v, 'a> {
-    value: &'v Value<'a>,
-}
-
-impl<'v, 'a> Fields<'v, 'a> {
-    fn get(&self, frame: &'static str, field: &'static str) -> Result<&'v Value<'a>, FrameError> {
-        self.value
-            .get(field)
-            .ok_or(FrameError::Field { frame, field })
-    }
-
-    fn u64(&self, frame: &'static str, field: &'static str) -> Result<u64, FrameError> {
-        self.get(frame, field)?
-            .as_u64()
-            .ok_or(FrameError::Field { frame, field })
-    }
-
-    fn u32(&self, frame: &'static str, field: &'static str) -> Result<u32, FrameError> {
-        u32::try_from(self.u64(frame, field)?).map_err(|_| FrameError::OutOfBounds {
-            frame,
-            field,
-            reason: "exceeds 2^32 - 1",
-        })
-    }
-
-    fn str(
-        &self,
-        frame: &'static str,
-        field: &'static str,
-        max: usize,
-    ) -> Result<&'a str, FrameError> {
-        let s = self
-            .get(frame, field)?
-            .as_str()
-            .ok_or(FrameError::Field { frame, field })?;
-        if s.is_empty() || s.len() > max {
-            return Err(FrameError::OutOfBounds {
-                frame,
-                field,
-                reason: "is empty or too long",
-            });
-        }
-        Ok(s)
-    }
-
-    fn name(&self, frame: &'static str, field: &'static str) -> Result<String, FrameError> {
-        name_of(self.get(frame, field)?, frame, field)
-    }
-
-    fn array(
-        &self,
-        frame: &'static str,
-        field: &'static str,
-        max: usize,
-    ) -> Result<Vec<&'v Value<'a>>, FrameError> {
-        let out: Vec<&Value<'a>> = match self.get(frame, field)? {
-            Value::Array(items) => items.iter().collect(),
-            _ => return Err(FrameError::Field { frame, field }),
-        };
-        if out.len() > max {
-            return Err(FrameError::OutOfBounds {
-                frame,
-                field,
-                reason: "has too many elements",
-            });
-        }
-        Ok(out)
-    }
-
-    /// An array of non-negative integers (the reader's compact form, or an empty
-    /// array), at most `max` long.
-    fn uints(
-        &self,
-        frame: &'static str,
-        field: &'static str,
-        max: usize,
-    ) -> Result<Vec<u64>, FrameError> {
-        let ints = match self.get(frame, field)? {
-            Value::UInts(ints) => ints.clone(),
-            Value::Array(items) if items.is_empty() => Vec::new(),
-            _ => return Err(FrameError::Field { frame, field }),
-        };
-        if ints.len() > max {
-            return Err(FrameError::OutOfBounds {
-                frame,
-                field,
-                reason: "has too many elements",
-            });
-        }
-        Ok(ints)
-    }
-}
-
-fn name_of(
-    value: &Value<'_>,
-    frame: &'static str,
-    field: &'static str,
-) -> Result<String, FrameError> {
-    let s = value.as_str().ok_or(FrameError::Field { frame, field })?;
-    if s.is_empty() || s.len() > MAX_NAME_LEN {
-        return Err(FrameError::OutOfBounds {
-            frame,
-            field,
-            reason: "is empty or too long",
-        });
-    }
-    Ok(s.to_owned())
 }
 
 fn millis(d: Duration) -> u64 {
@@ -676,74 +633,4 @@ impl ControlDecoder {
 /// bytes. What no broker could dial is never sent.
 pub(crate) fn is_valid_target(target: &str) -> bool {
     !target.is_empty() && target.len() <= MAX_NAME_LEN && crate::zmtp::parse_tcp(target).is_ok()
-}
-
-/// A minimal msgpack writer for the frames above (maps, strings, unsigned integers).
-struct Writer<'a>(&'a mut Vec<u8>);
-
-impl Writer<'_> {
-    fn map(&mut self, len: u8) {
-        // Every frame has fewer than 16 fields: a fixmap.
-        self.0.push(0x80 | (len & 0x0f));
-    }
-
-    fn array(&mut self, len: usize) {
-        match u16::try_from(len) {
-            Ok(n) if n < 16 => self.0.push(0x90 | n as u8),
-            Ok(n) => {
-                self.0.push(0xdc);
-                self.0.extend_from_slice(&n.to_be_bytes());
-            }
-            Err(_) => {
-                self.0.push(0xdd);
-                self.0
-                    .extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
-            }
-        }
-    }
-
-    fn str(&mut self, s: &str) {
-        let len = s.len();
-        if len < 32 {
-            self.0.push(0xa0 | len as u8);
-        } else if let Ok(n) = u8::try_from(len) {
-            self.0.push(0xd9);
-            self.0.push(n);
-        } else if let Ok(n) = u16::try_from(len) {
-            self.0.push(0xda);
-            self.0.extend_from_slice(&n.to_be_bytes());
-        } else {
-            self.0.push(0xdb);
-            self.0
-                .extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
-        }
-        self.0.extend_from_slice(s.as_bytes());
-    }
-
-    fn uint(&mut self, v: u64) {
-        if v < 128 {
-            self.0.push(v as u8);
-        } else if let Ok(n) = u8::try_from(v) {
-            self.0.extend_from_slice(&[0xcc, n]);
-        } else if let Ok(n) = u16::try_from(v) {
-            self.0.push(0xcd);
-            self.0.extend_from_slice(&n.to_be_bytes());
-        } else if let Ok(n) = u32::try_from(v) {
-            self.0.push(0xce);
-            self.0.extend_from_slice(&n.to_be_bytes());
-        } else {
-            self.0.push(0xcf);
-            self.0.extend_from_slice(&v.to_be_bytes());
-        }
-    }
-
-    fn entry_str(&mut self, key: &str, value: &str) {
-        self.str(key);
-        self.str(value);
-    }
-
-    fn entry_uint(&mut self, key: &str, value: u64) {
-        self.str(key);
-        self.uint(value);
-    }
 }

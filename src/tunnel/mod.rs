@@ -47,13 +47,16 @@
 
 mod accept;
 mod admission;
+mod announce;
 mod auth;
 mod broker;
 mod budget;
 mod bus;
+mod client;
 mod codes;
 mod config;
 mod error;
+mod fields;
 mod frame;
 mod io;
 mod reconnect;
@@ -62,8 +65,11 @@ mod rendezvous;
 mod router_session;
 mod serve;
 mod session;
+mod source;
+mod sources;
 mod view;
 
+pub use announce::{AnnouncedSource, MAX_ANNOUNCE, MAX_SOURCE_NAME_LEN, Role, Target};
 pub use auth::{BusClients, MAX_BUS_CLIENTS, TokenDigest};
 pub use broker::{Broker, BrokerHandle, BrokerStats};
 pub use bus::{BusStats, EventBus, OPEN_ATTEMPTS};
@@ -84,8 +90,8 @@ pub use budget::{
 };
 pub use frame::{
     CloseCode, Control, ControlDecoder, DenyCode, DrainReason, FrameError, Hello, Limits,
-    MAX_CONTROL_FRAME, MAX_NAME_LEN, MAX_NAMESPACES, MAX_VERSIONS, PROTOCOL_VERSION, RefuseCode,
-    Welcome,
+    MAX_CONTROL_FRAME, MAX_NAME_LEN, MAX_NAMESPACES, MAX_VERSIONS, MIN_PROTOCOL_VERSION,
+    PROTOCOL_VERSION, RefuseCode, Welcome,
 };
 pub use reconnect::{REBALANCE_WINDOW, Reconnect};
 pub use rendezvous::{rendezvous_owner, rendezvous_ranked, weight as rendezvous_weight};
@@ -94,6 +100,8 @@ pub use session::{
     BrokerEvent, BrokerSession, Grant, HANDSHAKE_TIMEOUT, MAX_BROKER_STREAMS, MAX_QUEUED_CONTROL,
     PENDING_SUBSCRIBE_TIMEOUT, SessionEnd,
 };
+pub use source::{MAX_SOURCE_PUBLISHERS, Source, SourceConfig, SourceStats};
+pub use sources::AnnouncedView;
 
 #[cfg(test)]
 mod tests;

@@ -2,11 +2,13 @@
 //! §7.3): it waits for `hello`, holds it to the credential's grant, answers
 //! `welcome`, and tracks every stream from subscribe to data stream to close.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
+use super::announce::{AnnouncedSource, Role, Target};
 use super::frame::{
-    CloseCode, Control, DrainReason, Limits, PROTOCOL_VERSION, RefuseCode, Welcome,
+    CloseCode, Control, DenyCode, DrainReason, Limits, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    RefuseCode, Welcome,
 };
 use super::session::{
     Grant, HANDSHAKE_TIMEOUT, Liveness, Outbox, PENDING_SUBSCRIBE_TIMEOUT, SessionEnd,
@@ -16,15 +18,23 @@ use super::session::{
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum RouterEvent {
-    /// A broker said `hello` and was welcomed.
+    /// A client said `hello` and was welcomed (a source's first announcements follow
+    /// as [`Announced`](Self::Announced)).
     Welcomed {
         /// Its client id (a session with the same id supersedes the older one).
         client_id: String,
-        /// The namespaces it covers.
+        /// The namespaces it covers (a broker) or announces in (a source).
         namespaces: Vec<String>,
         /// The negotiated version.
         version: u32,
+        /// Its role.
+        role: Role,
     },
+    /// A source announced publishers (within its grant and `max_sources`); one
+    /// announced again replaces its earlier announcement.
+    Announced(Vec<AnnouncedSource>),
+    /// A source withdrew publishers it had announced.
+    Withdrawn(Vec<u64>),
     /// The broker connected the publisher; the data stream follows.
     Opened(u64),
     /// The broker refused the subscribe.
@@ -70,6 +80,13 @@ pub enum SubscribeError {
     /// `tcp://host:port`: no broker could dial it, so it is never sent.
     #[error("the target is not a tcp://host:port of at most 1024 bytes")]
     BadTarget,
+    /// The target's kind is not the session's role's: an announced target through a
+    /// broker, a `tcp://` one through a source.
+    #[error("the session's role does not serve this kind of target")]
+    UnsupportedTarget,
+    /// The source does not announce this publisher (now).
+    #[error("the source does not announce this publisher")]
+    NotAnnounced,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,6 +135,9 @@ pub struct RouterSession {
     outbox: Outbox,
     events: VecDeque<RouterEvent>,
     grant: Grant,
+    role: Role,
+    /// A source's announced publishers.
+    announced: HashSet<u64>,
 }
 
 impl RouterSession {
@@ -135,6 +155,8 @@ impl RouterSession {
             outbox: Outbox::default(),
             events: VecDeque::new(),
             grant: Grant::any(),
+            role: Role::Broker,
+            announced: HashSet::new(),
         }
     }
 
@@ -247,24 +269,34 @@ impl RouterSession {
         match (&self.state, frame) {
             (RouterState::Ended, _) => {}
             (RouterState::AwaitingHello { .. }, Control::Hello(hello)) => {
-                // The highest version both speak.
+                // The highest version both speak (a source's role needs version 2).
+                let oldest = match hello.role {
+                    Role::Source => PROTOCOL_VERSION,
+                    Role::Broker => MIN_PROTOCOL_VERSION,
+                };
                 let Some(version) = hello
                     .versions
                     .iter()
                     .copied()
-                    .filter(|v| *v == PROTOCOL_VERSION)
+                    .filter(|v| (oldest..=PROTOCOL_VERSION).contains(v))
                     .max()
                 else {
                     return self.end(SessionEnd::NoCommonVersion {
                         offered: hello.versions,
                     });
                 };
-                if let Err(code) = self.grant.check(&hello) {
-                    self.end(SessionEnd::Denied(code));
-                    // The one frame an ended session still sends: why.
-                    self.outbox.frames.push_back(Control::Denied { code });
-                    return;
+                let too_many = hello.sources.len() > self.limits.max_sources as usize;
+                let checked = self.grant.check(&hello).and_then(|()| {
+                    if too_many {
+                        Err(DenyCode::TooManySources)
+                    } else {
+                        Ok(())
+                    }
+                });
+                if let Err(code) = checked {
+                    return self.deny(code);
                 }
+                self.role = hello.role;
                 self.state = RouterState::Active { draining: false };
                 self.liveness = Liveness::new(&self.limits, now);
                 self.send(Control::Welcome(Welcome::new(
@@ -276,7 +308,11 @@ impl RouterSession {
                     client_id: hello.client_id,
                     namespaces: hello.namespaces,
                     version,
+                    role: hello.role,
                 });
+                if !hello.sources.is_empty() {
+                    self.announce(hello.sources);
+                }
             }
             (RouterState::AwaitingHello { .. }, _) => {
                 self.end(SessionEnd::Protocol("the first frame was not a hello"));
@@ -301,6 +337,33 @@ impl RouterSession {
                         .push_back(RouterEvent::Closed { stream_id, code });
                 }
             }
+            (RouterState::Active { .. }, Control::Announce { sources })
+                if self.role == Role::Source =>
+            {
+                if let Err(code) = sources.iter().try_for_each(|s| self.grant.check_source(s)) {
+                    return self.deny(code);
+                }
+                let new: HashSet<u64> = sources
+                    .iter()
+                    .map(|s| s.publisher_id)
+                    .filter(|id| !self.announced.contains(id))
+                    .collect();
+                if self.announced.len() + new.len() > self.limits.max_sources as usize {
+                    return self.deny(DenyCode::TooManySources);
+                }
+                self.announce(sources);
+            }
+            (RouterState::Active { .. }, Control::Withdraw { publisher_ids })
+                if self.role == Role::Source =>
+            {
+                let gone: Vec<u64> = publisher_ids
+                    .into_iter()
+                    .filter(|id| self.announced.remove(id))
+                    .collect();
+                if !gone.is_empty() {
+                    self.events.push_back(RouterEvent::Withdrawn(gone));
+                }
+            }
             (RouterState::Active { .. }, Control::Draining) => {
                 self.state = RouterState::Active { draining: true };
                 self.events.push_back(RouterEvent::BrokerDraining);
@@ -313,11 +376,37 @@ impl RouterSession {
         }
     }
 
-    /// Asks the broker to relay `target` as `stream_id`.
+    /// Asks the broker to relay `target` (`tcp://host:port`) as `stream_id`.
     pub fn subscribe(
         &mut self,
         stream_id: u64,
         target: String,
+        now: Instant,
+    ) -> Result<(), SubscribeError> {
+        self.subscribe_to(stream_id, Target::Tcp(target), now)
+    }
+
+    /// Asks the session's client to open `target` as `stream_id`: a broker relays a
+    /// `tcp://` target, a source serves a publisher it announces.
+    ///
+    /// ```
+    /// use std::time::Instant;
+    /// use eventplane::discovery::ChannelId;
+    /// use eventplane::tunnel::{AnnouncedSource, Control, Hello, Limits, RouterSession, SubscribeError, Target};
+    /// use eventplane::wire::Wire;
+    /// let now = Instant::now();
+    /// let mut router = RouterSession::new(1, Limits::default(), now);
+    /// let id = ChannelId::new("prod", "backend", "kv-events", 7)?;
+    /// router.handle(Control::Hello(Hello::source("gpu-1", vec!["prod".into()], vec![AnnouncedSource::new(&id, Wire::EventPlane)])), now);
+    /// router.subscribe_to(1, Target::Announced { publisher_id: 7 }, now)?;
+    /// assert_eq!(router.subscribe_to(2, Target::Announced { publisher_id: 8 }, now), Err(SubscribeError::NotAnnounced));
+    /// assert_eq!(router.subscribe(3, "tcp://10.0.0.5:5557".into(), now), Err(SubscribeError::UnsupportedTarget));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn subscribe_to(
+        &mut self,
+        stream_id: u64,
+        target: Target,
         now: Instant,
     ) -> Result<(), SubscribeError> {
         match self.state {
@@ -325,8 +414,17 @@ impl RouterSession {
             RouterState::Active { draining: true } => return Err(SubscribeError::Draining),
             _ => return Err(SubscribeError::NotActive),
         }
-        if !super::frame::is_valid_target(&target) {
-            return Err(SubscribeError::BadTarget);
+        match (&target, self.role) {
+            (Target::Tcp(t), Role::Broker) if !super::frame::is_valid_target(t) => {
+                return Err(SubscribeError::BadTarget);
+            }
+            (Target::Tcp(_), Role::Broker) => {}
+            (Target::Announced { publisher_id }, Role::Source) => {
+                if !self.announced.contains(publisher_id) {
+                    return Err(SubscribeError::NotAnnounced);
+                }
+            }
+            _ => return Err(SubscribeError::UnsupportedTarget),
         }
         if self.streams.contains_key(&stream_id) {
             return Err(SubscribeError::DuplicateStream);
@@ -388,6 +486,25 @@ impl RouterSession {
     /// Ends the session for `why` (the I/O layer found the peer's bytes unusable).
     pub fn abort(&mut self, why: SessionEnd) {
         self.end(why);
+    }
+
+    /// The client's role (a broker until a hello says otherwise).
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// Records `sources` as announced and tells the owner.
+    fn announce(&mut self, sources: Vec<AnnouncedSource>) {
+        self.announced
+            .extend(sources.iter().map(|s| s.publisher_id));
+        self.events.push_back(RouterEvent::Announced(sources));
+    }
+
+    /// Answers `denied{code}` and ends the session.
+    fn deny(&mut self, code: DenyCode) {
+        self.end(SessionEnd::Denied(code));
+        // The one frame an ended session still sends: why.
+        self.outbox.frames.push_back(Control::Denied { code });
     }
 
     fn send(&mut self, frame: Control) {

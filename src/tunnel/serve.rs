@@ -15,12 +15,14 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::admission::Pending;
+use super::announce::{Role, Target};
 use super::auth::{BusClients, Identity};
 use super::codes::CodeCounts;
 use super::error::TunnelError;
 use super::io::{
     BODY_CHANNEL, ChannelBody, StreamBytes, TUNNEL_WRITE_CHUNKS, TunnelStream, next_chunk,
 };
+use super::sources::SourceTable;
 use super::{
     ControlDecoder, DenyCode, DrainReason, EventBusConfig, RefuseCode, RouterEvent, RouterSession,
     SessionEnd, SubscribeError, rendezvous_owner,
@@ -30,7 +32,7 @@ use super::{
 pub(super) enum Command {
     Subscribe {
         stream_id: u64,
-        target: String,
+        target: Target,
     },
     Drain {
         deadline: Duration,
@@ -45,6 +47,8 @@ pub(super) enum Command {
 
 pub(super) struct Entry {
     pub(super) session_id: u64,
+    /// A broker, or a source (which serves only what it announces).
+    pub(super) role: Role,
     /// The credential it authenticated with.
     pub(super) identity: Identity,
     /// The HTTP/2 connection the session runs on: its data streams must come on it.
@@ -66,7 +70,9 @@ impl Entry {
     /// Whether this session takes streams for `namespace` (welcomed, covering it,
     /// not draining); it may still be full ([`has_room`](Self::has_room)).
     pub(super) fn serves(&self, namespace: &str) -> bool {
-        self.available.load(Ordering::Relaxed) && self.namespaces.iter().any(|n| n == namespace)
+        self.role == Role::Broker
+            && self.available.load(Ordering::Relaxed)
+            && self.namespaces.iter().any(|n| n == namespace)
     }
 
     /// Whether it is under its stream limit.
@@ -151,6 +157,8 @@ pub(super) struct Inner {
     pub(super) next_session: AtomicU64,
     pub(super) next_conn: AtomicU64,
     pub(super) counters: Counters,
+    /// Which source session serves which announced publisher.
+    pub(super) sources: SourceTable<mpsc::Sender<Command>>,
     pub(super) cancel: CancellationToken,
     pub(super) tracker: TaskTracker,
 }
@@ -455,10 +463,12 @@ async fn run_session(
                 RouterEvent::Welcomed {
                     client_id,
                     namespaces,
+                    role,
                     ..
                 } => {
                     let entry = Entry {
                         session_id,
+                        role,
                         identity,
                         conn_id,
                         namespaces: namespaces.clone(),
@@ -491,17 +501,30 @@ async fn run_session(
                     // `event_broker --check-bus`'s session proves the credential and
                     // leaves: it carries no streams.
                     checking = client_id.ends_with(".check");
-                    tracing::info!(%client_id, session_id, ?namespaces, "broker session welcomed");
+                    tracing::info!(%client_id, session_id, ?namespaces, %role, "session welcomed");
                     if let Some(old) = old {
                         inner.counters.superseded.fetch_add(1, Ordering::Relaxed);
                         tracing::info!(%client_id, "a newer session supersedes the broker's previous one");
                         let _ = old.commands.try_send(Command::Close);
                     }
                     conn.welcomed.store(true, Ordering::Relaxed);
-                    take_share_at = Some(tokio::time::Instant::now() + inner.config.join_hold_down);
+                    if role == Role::Broker {
+                        take_share_at =
+                            Some(tokio::time::Instant::now() + inner.config.join_hold_down);
+                    }
                     client = Some(client_id);
                 }
                 RouterEvent::Opened(_) => {}
+                RouterEvent::Announced(sources) => {
+                    if let Some(client_id) = &client {
+                        tracing::debug!(%client_id, announced = sources.len(), "a source announced publishers");
+                        inner
+                            .sources
+                            .announce(session_id, client_id, &commands, sources)
+                            .await;
+                    }
+                }
+                RouterEvent::Withdrawn(ids) => inner.sources.withdraw(session_id, &ids),
                 RouterEvent::Refused { stream_id, code } => {
                     inner.counters.refused.add(code.as_str());
                     inner.fail(stream_id, TunnelError::Refused(code));
@@ -572,13 +595,15 @@ async fn run_session(
             },
             command = cmd_rx.recv() => match command {
                 Some(Command::Subscribe { stream_id, target }) => {
-                    if let Err(e) = session.subscribe(stream_id, target, Instant::now()) {
+                    if let Err(e) = session.subscribe_to(stream_id, target, Instant::now()) {
                         // Full or draining: another broker may take it.
                         let error = match e {
                             SubscribeError::Draining => TunnelError::Refused(RefuseCode::Draining),
                             SubscribeError::TooManyStreams => TunnelError::Refused(RefuseCode::TooManyStreams),
                             SubscribeError::BadTarget => TunnelError::Refused(RefuseCode::BadTarget),
                             SubscribeError::DuplicateStream => TunnelError::Refused(RefuseCode::DuplicateStream),
+                            SubscribeError::UnsupportedTarget => TunnelError::Refused(RefuseCode::UnsupportedTarget),
+                            SubscribeError::NotAnnounced => TunnelError::Refused(RefuseCode::TargetNotAnnounced),
                             _ => TunnelError::Session(SessionEnd::Closed),
                         };
                         inner.fail(stream_id, error);
@@ -614,6 +639,8 @@ async fn run_session(
 /// A session ended: forget it (unless a newer one took its client id) and fail the
 /// streams still waiting on it.
 fn finish(inner: &Inner, session_id: u64, client: Option<&str>, end: &SessionEnd) {
+    // Its announced publishers depart with it.
+    inner.sources.session_ended(session_id);
     if let Some(client) = client {
         let mut sessions = inner.sessions.lock().unwrap_or_else(|p| p.into_inner());
         if sessions

@@ -7,7 +7,10 @@
 use std::collections::{HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::frame::{CloseCode, Control, DenyCode, DrainReason, Hello, Limits, RefuseCode, Welcome};
+use super::announce::{AnnouncedSource, MAX_ANNOUNCE, Role, Target};
+use super::frame::{
+    CloseCode, Control, DenyCode, DrainReason, Hello, Limits, PROTOCOL_VERSION, RefuseCode, Welcome,
+};
 
 /// How long a broker waits for `welcome`, and a router for `hello`.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -69,6 +72,8 @@ pub enum SessionEnd {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Grant {
     client_id: Option<String>,
+    /// The role it grants (any, when unrestricted).
+    role: Option<Role>,
     namespaces: Option<Vec<String>>,
     /// Client ids (and their `.check`) it may not claim: bound to other credentials.
     reserved: Vec<String>,
@@ -85,6 +90,7 @@ impl Grant {
     pub fn namespaces(namespaces: Vec<String>) -> Grant {
         Grant {
             client_id: None,
+            role: None,
             namespaces: Some(namespaces),
             reserved: Vec::new(),
         }
@@ -103,6 +109,19 @@ impl Grant {
     pub fn with_client_id(mut self, client_id: impl Into<String>) -> Grant {
         self.client_id = Some(client_id.into());
         self
+    }
+
+    /// Only for sessions in `role` (a hello taking another is denied
+    /// `role_not_granted`).
+    #[must_use]
+    pub fn with_role(mut self, role: Role) -> Grant {
+        self.role = Some(role);
+        self
+    }
+
+    /// The role it grants, if bound to one.
+    pub fn role(&self) -> Option<Role> {
+        self.role
     }
 
     /// The client id it is bound to, if any.
@@ -130,10 +149,22 @@ impl Grant {
         if self.client_id.as_ref().is_some_and(|id| !own(id)) || self.reserved.iter().any(own) {
             return Err(DenyCode::ClientIdNotGranted);
         }
+        if self.role.is_some_and(|r| r != hello.role) {
+            return Err(DenyCode::RoleNotGranted);
+        }
         if !hello.namespaces.iter().all(|n| self.covers(n)) {
             return Err(DenyCode::NamespaceNotGranted);
         }
-        Ok(())
+        hello.sources.iter().try_for_each(|s| self.check_source(s))
+    }
+
+    /// Whether a source may announce `source`: its namespace is granted.
+    pub fn check_source(&self, source: &AnnouncedSource) -> Result<(), DenyCode> {
+        if self.covers(&source.namespace) {
+            Ok(())
+        } else {
+            Err(DenyCode::NamespaceNotGranted)
+        }
     }
 }
 
@@ -224,6 +255,15 @@ pub enum BrokerEvent {
         /// The publisher's endpoint.
         target: String,
     },
+    /// A source's stream: serve publisher `publisher_id` (one it announces) as one
+    /// more subscriber connection, and report with
+    /// [`BrokerSession::stream_opened`] or [`BrokerSession::stream_refused`].
+    Serve {
+        /// The stream.
+        stream_id: u64,
+        /// The announced publisher.
+        publisher_id: u64,
+    },
     /// Close the stream silently (the router unsubscribed).
     Close {
         /// The stream.
@@ -274,6 +314,9 @@ enum BrokerState {
 #[derive(Debug)]
 pub struct BrokerSession {
     state: BrokerState,
+    role: Role,
+    /// A source's announced publishers.
+    announced: HashSet<u64>,
     offered: Vec<u32>,
     limits: Limits,
     liveness: Option<Liveness>,
@@ -292,12 +335,16 @@ impl BrokerSession {
     /// A session that starts by sending `hello`.
     pub fn new(hello: Hello, now: Instant) -> BrokerSession {
         let offered = hello.versions.clone();
+        let role = hello.role;
+        let announced = hello.sources.iter().map(|s| s.publisher_id).collect();
         let mut outbox = Outbox::default();
         outbox.frames.push_back(Control::Hello(hello));
         BrokerSession {
             state: BrokerState::AwaitingWelcome {
                 deadline: now + HANDSHAKE_TIMEOUT,
             },
+            role,
+            announced,
             offered,
             limits: Limits::default(),
             liveness: None,
@@ -415,6 +462,11 @@ impl BrokerSession {
                         "welcome names a version the hello did not offer",
                     ));
                 }
+                if self.role == Role::Source && welcome.version < PROTOCOL_VERSION {
+                    return self.end(SessionEnd::Protocol(
+                        "a source's session needs protocol version 2",
+                    ));
+                }
                 let l = welcome.limits;
                 if l.heartbeat_interval.is_zero() || l.idle_timeout <= l.heartbeat_interval {
                     return self.end(SessionEnd::Protocol(
@@ -440,6 +492,9 @@ impl BrokerSession {
                 self.end(SessionEnd::Protocol("the first frame was not a welcome"));
             }
             (BrokerState::Active, Control::Heartbeat | Control::Unknown) => {}
+            (BrokerState::Active, Control::Denied { code }) => {
+                self.end(SessionEnd::Denied(code));
+            }
             (BrokerState::Active, Control::Subscribe { stream_id, target }) => {
                 let refuse = if self.draining {
                     Some(RefuseCode::Draining)
@@ -447,8 +502,8 @@ impl BrokerSession {
                     Some(RefuseCode::DuplicateStream)
                 } else if self.streams.len() >= self.limits.max_streams as usize {
                     Some(RefuseCode::TooManyStreams)
-                } else if crate::zmtp::parse_tcp(&target).is_err() {
-                    Some(RefuseCode::BadTarget)
+                } else if let Err(code) = self.servable(&target) {
+                    Some(code)
                 } else if self.open_rate.as_mut().is_some_and(|r| !r.take(now)) {
                     Some(RefuseCode::RateLimited)
                 } else {
@@ -464,8 +519,15 @@ impl BrokerSession {
                     }
                     None => {
                         self.streams.insert(stream_id);
-                        self.events
-                            .push_back(BrokerEvent::Open { stream_id, target });
+                        self.events.push_back(match target {
+                            Target::Announced { publisher_id } => BrokerEvent::Serve {
+                                stream_id,
+                                publisher_id,
+                            },
+                            Target::Tcp(target) => BrokerEvent::Open { stream_id, target },
+                            // `servable` refused it above.
+                            Target::Unsupported => return,
+                        });
                     }
                 }
             }
@@ -488,6 +550,59 @@ impl BrokerSession {
                 ));
             }
         }
+    }
+
+    /// Whether this session's role serves `target`, or why not: a broker dials
+    /// `tcp://` targets, a source serves the publishers it announces.
+    fn servable(&self, target: &Target) -> Result<(), RefuseCode> {
+        match (self.role, target) {
+            (Role::Broker, Target::Tcp(t)) if crate::zmtp::parse_tcp(t).is_ok() => Ok(()),
+            (Role::Broker, Target::Tcp(_)) => Err(RefuseCode::BadTarget),
+            (Role::Source, Target::Announced { publisher_id }) => {
+                if self.announced.contains(publisher_id) {
+                    Ok(())
+                } else {
+                    Err(RefuseCode::TargetNotAnnounced)
+                }
+            }
+            _ => Err(RefuseCode::UnsupportedTarget),
+        }
+    }
+
+    /// A source announces `sources` (in frames of at most [`MAX_ANNOUNCE`]); the
+    /// router may subscribe to them from now on. Queued before the welcome, they
+    /// follow the `hello`.
+    pub fn announce(&mut self, sources: Vec<AnnouncedSource>) {
+        if self.role != Role::Source {
+            return;
+        }
+        self.announced
+            .extend(sources.iter().map(|s| s.publisher_id));
+        let mut rest = sources;
+        while !rest.is_empty() {
+            let tail = rest.split_off(rest.len().min(MAX_ANNOUNCE));
+            self.send(Control::Announce { sources: rest });
+            rest = tail;
+        }
+    }
+
+    /// A source withdraws `publisher_ids`: the router subscribes to them no more (the
+    /// I/O layer closes their open streams).
+    pub fn withdraw(&mut self, publisher_ids: Vec<u64>) {
+        let mut ids: Vec<u64> = publisher_ids
+            .into_iter()
+            .filter(|id| self.announced.remove(id))
+            .collect();
+        while !ids.is_empty() {
+            let tail = ids.split_off(ids.len().min(MAX_ANNOUNCE));
+            self.send(Control::Withdraw { publisher_ids: ids });
+            ids = tail;
+        }
+    }
+
+    /// The publishers a source announces now.
+    pub fn announced(&self) -> usize {
+        self.announced.len()
     }
 
     /// The publisher connection for `stream_id` is up.

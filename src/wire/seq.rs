@@ -31,6 +31,11 @@ pub(crate) enum SeqStep {
 }
 
 impl SeqTracker {
+    /// Whether it saw any number.
+    pub(crate) fn has_seen(&self) -> bool {
+        self.last.is_some()
+    }
+
     pub(crate) fn new_connection(&mut self) {
         self.fresh_connection = true;
     }

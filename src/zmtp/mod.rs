@@ -48,7 +48,7 @@ pub use config::{Config, ConfigBuilder, MAX_HEARTBEAT_TTL};
 pub(crate) use endpoint::parse_tcp;
 pub use error::{Error, ProtocolError, TimeoutKind};
 pub use message::{Message, Parts};
-pub use publish::{PeerStats, PubSocket, PubStats, SendReport};
+pub use publish::{PeerStats, PubSocket, PubStats, SendReport, StreamAcceptor};
 pub use session::{
     Event, MAX_PENDING_OUTPUT, Pair, PeerInfo, Session, SessionStats, Side, SocketType,
 };

@@ -253,6 +253,8 @@ impl Keys {
 fn encode_value(id: &ChannelId, transport: &Transport, worker: Option<WorkerIdentity>) -> String {
     let (kind, endpoint) = match transport {
         Transport::Zmq { endpoint } => ("zmq", endpoint.as_str()),
+        // Readers refuse it (not `tcp://`): an announced publisher lives on its bus.
+        Transport::Announced { endpoint } => ("announced", endpoint.as_str()),
     };
     let record = Record {
         id: RecordId {

@@ -302,7 +302,8 @@ impl DynamoRecords {
             kind: Cow::Borrowed("endpoint"),
             endpoint: Some(scope_endpoint.clone()),
         };
-        let Transport::Zmq { endpoint: zmq } = transport;
+        // An announced publisher's name is not `tcp://`: readers refuse the record.
+        let zmq = transport.endpoint();
         let channel = Channel {
             kind: Cow::Borrowed("EventChannel"),
             scope: scope.clone(),

@@ -77,6 +77,36 @@ pub struct PubSocket {
     tracker: TaskTracker,
 }
 
+/// Serves subscribers of a [`PubSocket`] over connected streams (from
+/// [`PubSocket::acceptor`]); cheap to clone.
+#[derive(Debug, Clone)]
+pub struct StreamAcceptor {
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+    tracker: TaskTracker,
+}
+
+impl StreamAcceptor {
+    /// Serves one subscriber over `stream`, exactly as
+    /// [`PubSocket::accept_stream`] does (the same send queue bounds, drop counters
+    /// and `max_connections`); `false` when refused.
+    pub fn accept_stream<S>(&self, stream: S, label: impl Into<String>) -> bool
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        if self.cancel.is_cancelled() {
+            return false;
+        }
+        spawn_peer(
+            &self.tracker,
+            self.shared.clone(),
+            self.cancel.clone(),
+            stream,
+            label.into(),
+        )
+    }
+}
+
 mod fanout;
 mod stats;
 mod task;
@@ -165,6 +195,29 @@ impl PubSocket {
             stream,
             label.into(),
         )
+    }
+
+    /// A handle that serves subscribers over connected streams, as
+    /// [`accept_stream`](Self::accept_stream) does, from wherever they arrive (a
+    /// tunnel source's data streams); it holds the socket's state, not the socket:
+    /// once the socket closed, what it accepts ends at once.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// use eventplane::zmtp::{Config, PubSocket};
+    /// let publisher = PubSocket::new(Config::default());
+    /// let acceptor = publisher.acceptor();
+    /// let (ours, _theirs) = tokio::io::duplex(4096);
+    /// assert!(acceptor.accept_stream(ours, "in-memory subscriber"));
+    /// # }
+    /// ```
+    pub fn acceptor(&self) -> StreamAcceptor {
+        StreamAcceptor {
+            shared: self.shared.clone(),
+            cancel: self.cancel.clone(),
+            tracker: self.tracker.clone(),
+        }
     }
 
     /// Queues `msg` for every subscriber whose subscription matches its first frame.

@@ -1,0 +1,107 @@
+//! What a bus client (a broker or a source) does to start a session: TCP, TLS and
+//! HTTP/2 to the bus under their deadlines, then the session's request, whose body
+//! carries the client's control frames and whose response carries the router's.
+
+use std::sync::Arc;
+
+use hyper::Request;
+use hyper::body::Incoming;
+use hyper::client::conn::http2::SendRequest;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::config::Deadlines;
+use super::error::TunnelError;
+use super::io::{BODY_CHANNEL, BrokerBody, ChannelBody, Secret};
+
+/// A session's transport, once the bus answered its request.
+pub(super) struct BusSession {
+    /// Opens the session's data streams on the same connection.
+    pub(super) sender: SendRequest<BrokerBody>,
+    /// The bus's `host:port`, for the data streams' URLs.
+    pub(super) authority: String,
+    /// Cancelled when the connection ends.
+    pub(super) conn_done: CancellationToken,
+    /// The client's control frames, encoded.
+    pub(super) ctrl_tx: mpsc::Sender<Result<bytes::Bytes, std::io::Error>>,
+    /// The router's control frames.
+    pub(super) body: Incoming,
+}
+
+/// Dials `bus_url` with `tls`, presents `token`, and opens the session stream; the
+/// connection stops when `hard` is cancelled.
+pub(super) async fn open_session(
+    bus_url: &str,
+    tls: &Arc<rustls::ClientConfig>,
+    token: &Secret,
+    deadlines: &Deadlines,
+    hard: &CancellationToken,
+) -> Result<BusSession, TunnelError> {
+    let (host, port, authority) = super::config::parse_bus_url(bus_url)?;
+    let tcp = tokio::time::timeout(
+        deadlines.bus_connect,
+        TcpStream::connect((host.as_str(), port)),
+    )
+    .await
+    .map_err(|_| TunnelError::Timeout("connecting to the bus"))??;
+    let _ = tcp.set_nodelay(true);
+    let name =
+        rustls::pki_types::ServerName::try_from(host.clone()).map_err(|e| TunnelError::Config {
+            field: "bus_url",
+            reason: e.to_string(),
+        })?;
+    let tls = tokio::time::timeout(
+        deadlines.bus_connect,
+        tokio_rustls::TlsConnector::from(tls.clone()).connect(name, tcp),
+    )
+    .await
+    .map_err(|_| TunnelError::Timeout("the TLS handshake with the bus"))??;
+    // Router → publisher is bounded by a 64 KiB stream window (DESIGN §7.2).
+    // Publisher → router: what h2 holds per stream is capped (see
+    // PER_STREAM_UNCHARGED_BYTES), however large the windows the router grants.
+    let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .initial_stream_window_size(64 << 10)
+        .initial_connection_window_size(16 << 20)
+        .max_send_buf_size(super::H2_SEND_BUFFER_BYTES)
+        .handshake(TokioIo::new(tls))
+        .await?;
+    let conn_done = CancellationToken::new();
+    let conn_guard = conn_done.clone();
+    let cut = hard.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            r = conn => if let Err(e) = r {
+                tracing::debug!(error = %e, "bus connection ended");
+            },
+            () = cut.cancelled() => {}
+        }
+        conn_guard.cancel();
+    });
+    let (ctrl_tx, ctrl_rx) = mpsc::channel(BODY_CHANNEL);
+    let request = Request::post(format!("https://{authority}/bus/v1/session"))
+        .header(hyper::header::AUTHORIZATION, token.header_value())
+        .body(BrokerBody::Control(ChannelBody::new(ctrl_rx)))
+        .map_err(|e| TunnelError::Config {
+            field: "bus_url",
+            reason: e.to_string(),
+        })?;
+    let mut sender_for_session = sender.clone();
+    let response =
+        tokio::time::timeout(deadlines.response, sender_for_session.send_request(request))
+            .await
+            .map_err(|_| TunnelError::Timeout("the bus's answer"))??;
+    match response.status().as_u16() {
+        200 => {}
+        401 => return Err(TunnelError::Unauthorized),
+        other => return Err(TunnelError::Status(other)),
+    }
+    Ok(BusSession {
+        sender,
+        authority,
+        conn_done,
+        ctrl_tx,
+        body: response.into_body(),
+    })
+}

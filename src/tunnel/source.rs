@@ -1,0 +1,700 @@
+//! A source (DESIGN §7.5): a KV listener the router cannot reach dials out to the
+//! router's event bus, announces its publishers, and serves every `subscribe` for one
+//! of them from that publisher's own socket, as one more subscriber connection.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use hyper::Request;
+use tokio::sync::{Notify, mpsc};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::announce::AnnouncedSource;
+use super::client::{BusSession, open_session};
+use super::codes::CodeCounts;
+use super::config::{Deadlines, parse_bus_url};
+use super::error::TunnelError;
+use super::io::{BrokerBody, ChannelBody, Secret, StreamBytes, TUNNEL_WRITE_CHUNKS, next_chunk};
+use super::{
+    BrokerEvent, BrokerSession, CloseCode, ControlDecoder, DrainReason, Hello, MAX_ANNOUNCE,
+    Reconnect, RefuseCode,
+};
+use crate::net::random_unit;
+use crate::zmtp::StreamAcceptor;
+
+/// Most publishers one [`Source`] announces by default.
+pub const MAX_SOURCE_PUBLISHERS: usize = 1024;
+
+/// How a [`Source`] reaches its bus, and its bounds.
+///
+/// ```no_run
+/// use eventplane::tunnel::{Secret, SourceConfig, client_tls};
+/// # fn run() -> Result<(), eventplane::tunnel::TunnelError> {
+/// let config = SourceConfig::new(
+///     "https://router.example:8443",
+///     "gpu-box-1",
+///     vec!["prod".into()],
+///     Secret::from_file("source.token")?,
+///     client_tls("bus-ca.pem")?,
+/// );
+/// config.validate()?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct SourceConfig {
+    /// The bus, `https://host:port`.
+    pub bus_url: String,
+    /// Its client id (its credential must be bound to it, with the `source` role).
+    pub client_id: String,
+    /// The namespaces it announces in (each publisher's must be one of them).
+    pub namespaces: Vec<String>,
+    /// Its bearer credential.
+    pub token: Secret,
+    /// The CA its bus certificate must chain to.
+    pub tls: Arc<rustls::ClientConfig>,
+    /// Deadlines of the bus connection and of each data stream's stages.
+    pub deadlines: Deadlines,
+    /// How long open streams may run when it drains (default 5 s).
+    pub drain_deadline: Duration,
+    /// Reconnect backoff after a failed session: from 1 s, doubling, jittered, up to
+    /// 60 s; it starts over once a session held for 10 s.
+    pub reconnect_min: Duration,
+    /// The backoff's ceiling.
+    pub reconnect_max: Duration,
+    /// Most publishers it announces at once (default [`MAX_SOURCE_PUBLISHERS`]; the
+    /// bus's `max_sources` may be lower).
+    pub max_publishers: usize,
+}
+
+impl std::fmt::Debug for SourceConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SourceConfig")
+            .field("bus_url", &self.bus_url)
+            .field("client_id", &self.client_id)
+            .field("namespaces", &self.namespaces)
+            .field("token", &self.token)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SourceConfig {
+    /// A source `client_id` announcing in `namespaces` on the bus at `bus_url`, with
+    /// the defaults above.
+    pub fn new(
+        bus_url: impl Into<String>,
+        client_id: impl Into<String>,
+        namespaces: Vec<String>,
+        token: Secret,
+        tls: Arc<rustls::ClientConfig>,
+    ) -> SourceConfig {
+        SourceConfig {
+            bus_url: bus_url.into(),
+            client_id: client_id.into(),
+            namespaces,
+            token,
+            tls,
+            deadlines: Deadlines::default(),
+            drain_deadline: Duration::from_secs(5),
+            reconnect_min: Duration::from_secs(1),
+            reconnect_max: Duration::from_secs(60),
+            max_publishers: MAX_SOURCE_PUBLISHERS,
+        }
+    }
+
+    /// With open streams allowed `deadline` to finish when draining.
+    #[must_use]
+    pub fn drain_deadline(mut self, deadline: Duration) -> SourceConfig {
+        self.drain_deadline = deadline;
+        self
+    }
+
+    /// With reconnects backing off from `min` to `max`.
+    #[must_use]
+    pub fn reconnect(mut self, min: Duration, max: Duration) -> SourceConfig {
+        self.reconnect_min = min;
+        self.reconnect_max = max;
+        self
+    }
+
+    /// The first refused setting, if any.
+    pub fn validate(&self) -> Result<(), TunnelError> {
+        let refuse =
+            |field: &'static str, reason: String| Err(TunnelError::Config { field, reason });
+        parse_bus_url(&self.bus_url)?;
+        if self.client_id.is_empty() || self.client_id.len() > super::MAX_NAME_LEN {
+            return refuse("client_id", "is empty or too long".into());
+        }
+        if self.namespaces.is_empty() || self.namespaces.len() > super::MAX_NAMESPACES {
+            return refuse(
+                "namespaces",
+                format!("must name 1 to {}", super::MAX_NAMESPACES),
+            );
+        }
+        if self.max_publishers == 0 || self.max_publishers > 65_536 {
+            return refuse("max_publishers", "is not within 1..=65536".into());
+        }
+        if self.reconnect_min.is_zero() || self.reconnect_max < self.reconnect_min {
+            return refuse(
+                "reconnect_min",
+                "must be non-zero and at most reconnect_max".into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Counters of a [`Source`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct SourceStats {
+    /// Sessions the bus welcomed.
+    pub sessions: u64,
+    /// Session attempts that failed, and welcomed sessions that ended without a drain.
+    pub session_failures: u64,
+    /// Whether a session is welcomed now.
+    pub connected: bool,
+    /// Publishers announced now.
+    pub announced: usize,
+    /// Data streams opened (subscribers served through the bus).
+    pub streams_opened: u64,
+    /// Data streams open now.
+    pub streams_open: u64,
+    /// Subscribes refused, by code.
+    pub refused: HashMap<String, u64>,
+    /// Sessions the bus denied, by code (`DenyCode`).
+    pub denied: HashMap<String, u64>,
+    /// Bytes sent to the router.
+    pub bytes_up: u64,
+    /// Bytes read from the router (subscriptions, handshakes).
+    pub bytes_down: u64,
+}
+
+/// What the session tasks and the handles share.
+struct Shared {
+    config: SourceConfig,
+    /// The publishers to announce, and where each serves its subscribers.
+    publishers: Mutex<HashMap<u64, (AnnouncedSource, StreamAcceptor)>>,
+    /// Told when `publishers` changed.
+    changed: Notify,
+    sessions: AtomicU64,
+    session_failures: AtomicU64,
+    connected: AtomicBool,
+    streams_opened: AtomicU64,
+    open: AtomicU64,
+    refused: CodeCounts,
+    denied: CodeCounts,
+    bytes: Arc<StreamBytes>,
+}
+
+impl Shared {
+    fn publishers(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<u64, (AnnouncedSource, StreamAcceptor)>> {
+        self.publishers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A running source: it keeps a session with the bus (reconnecting with the broker's
+/// backoff), announces its publishers, and serves the router's subscribes for them,
+/// each a data stream served by the publisher's socket as one more subscriber (the same
+/// send queue bound and drop counters as a TCP subscriber). [`shutdown`](Self::shutdown)
+/// drains; dropping it stops at once.
+///
+/// ```no_run
+/// # async fn run(config: eventplane::tunnel::SourceConfig) -> Result<(), Box<dyn std::error::Error>> {
+/// use eventplane::publish::EventPublisher;
+/// use eventplane::tunnel::{AnnouncedSource, Source};
+/// let publisher = EventPublisher::unregistered("kv-events").build().await?;
+/// let source = Source::spawn(config)?;
+/// let id = eventplane::discovery::ChannelId::new("prod", "backend", "kv-events", publisher.publisher_id())?;
+/// source.announce(AnnouncedSource::new(&id, publisher.wire()), publisher.acceptor())?;
+/// // … publish …
+/// publisher.shutdown().await;
+/// source.shutdown().await;
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct Source {
+    _stop_on_drop: tokio_util::sync::DropGuard,
+    cancel: CancellationToken,
+    hard: CancellationToken,
+    shared: Arc<Shared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared").finish_non_exhaustive()
+    }
+}
+
+impl Source {
+    /// Validates `config` and starts the source on the current Tokio runtime.
+    pub fn spawn(config: SourceConfig) -> Result<Source, TunnelError> {
+        config.validate()?;
+        let hard = CancellationToken::new();
+        let cancel = hard.child_token();
+        let shared = Arc::new(Shared {
+            config,
+            publishers: Mutex::new(HashMap::new()),
+            changed: Notify::new(),
+            sessions: AtomicU64::new(0),
+            session_failures: AtomicU64::new(0),
+            connected: AtomicBool::new(false),
+            streams_opened: AtomicU64::new(0),
+            open: AtomicU64::new(0),
+            refused: CodeCounts::default(),
+            denied: CodeCounts::default(),
+            bytes: Arc::new(StreamBytes::default()),
+        });
+        let task = tokio::spawn(run(shared.clone(), cancel.clone(), hard.clone()));
+        Ok(Source {
+            _stop_on_drop: hard.clone().drop_guard(),
+            cancel,
+            hard,
+            shared,
+            task,
+        })
+    }
+
+    /// Announces `source` (again, as a new incarnation, if its id was announced),
+    /// served by `acceptor`. Refused when it is not a valid channel, its namespace is
+    /// not one of the config's, or `max_publishers` are announced.
+    pub fn announce(
+        &self,
+        source: AnnouncedSource,
+        acceptor: StreamAcceptor,
+    ) -> Result<(), TunnelError> {
+        let refuse = |reason: String| {
+            Err(TunnelError::Config {
+                field: "source",
+                reason,
+            })
+        };
+        if let Err(reason) = source.check() {
+            return refuse(format!("publisher {:x} {reason}", source.publisher_id));
+        }
+        if !self.shared.config.namespaces.contains(&source.namespace) {
+            return refuse(format!(
+                "namespace {:?} is not one this source announces in",
+                source.namespace
+            ));
+        }
+        {
+            let mut publishers = self.shared.publishers();
+            if !publishers.contains_key(&source.publisher_id)
+                && publishers.len() >= self.shared.config.max_publishers
+            {
+                return refuse(format!(
+                    "{} publishers are announced already",
+                    publishers.len()
+                ));
+            }
+            publishers.insert(source.publisher_id, (source, acceptor));
+        }
+        self.shared.changed.notify_one();
+        Ok(())
+    }
+
+    /// Withdraws publisher `publisher_id`: the router is told, and its streams close.
+    pub fn withdraw(&self, publisher_id: u64) {
+        if self.shared.publishers().remove(&publisher_id).is_some() {
+            self.shared.changed.notify_one();
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> SourceStats {
+        let s = &self.shared;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        SourceStats {
+            sessions: l(&s.sessions),
+            session_failures: l(&s.session_failures),
+            connected: s.connected.load(Ordering::Relaxed),
+            announced: s.publishers().len(),
+            streams_opened: l(&s.streams_opened),
+            streams_open: l(&s.open),
+            refused: s.refused.snapshot(),
+            denied: s.denied.snapshot(),
+            bytes_up: l(&s.bytes.written),
+            bytes_down: l(&s.bytes.read),
+        }
+    }
+
+    /// Drains (says `draining`; open streams may run until the drain deadline, or
+    /// until their publishers close) and stops.
+    pub async fn shutdown(self) {
+        self.cancel.cancel();
+        let _ = self.task.await;
+        self.hard.cancel();
+    }
+
+    /// Stops at once, as when the process is killed.
+    pub fn abort(self) {
+        self.hard.cancel();
+        self.task.abort();
+    }
+}
+
+enum Outcome {
+    Failed,
+    Drained(DrainReason),
+    Stopped,
+}
+
+async fn run(shared: Arc<Shared>, cancel: CancellationToken, hard: CancellationToken) {
+    let config = &shared.config;
+    let mut reconnect = Reconnect::with_backoff(crate::net::Backoff::checked(
+        config.reconnect_min,
+        config.reconnect_max,
+    ));
+    loop {
+        let outcome = match session(&shared, &cancel, &hard, &mut reconnect).await {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                tracing::warn!(bus = %config.bus_url, error = %crate::net::ErrorChain(&e), "bus session failed");
+                Outcome::Failed
+            }
+        };
+        shared.connected.store(false, Ordering::Relaxed);
+        let delay = match outcome {
+            Outcome::Stopped => return,
+            Outcome::Failed => {
+                shared.session_failures.fetch_add(1, Ordering::Relaxed);
+                reconnect.after_failure(random_unit())
+            }
+            Outcome::Drained(reason) => {
+                reconnect.after_drain(reason, Instant::now(), random_unit())
+            }
+        };
+        tracing::info!(?delay, "reconnecting to the bus");
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(delay) => {}
+        }
+    }
+}
+
+/// What a stream task reports to its session.
+enum Report {
+    Opened(u64),
+    Refused(u64, RefuseCode),
+    /// The subscriber connection ended (the router let go, or the publisher closed).
+    Ended(u64),
+}
+
+async fn session(
+    shared: &Arc<Shared>,
+    cancel: &CancellationToken,
+    hard: &CancellationToken,
+    reconnect: &mut Reconnect,
+) -> Result<Outcome, TunnelError> {
+    let config = &shared.config;
+    let BusSession {
+        sender,
+        authority,
+        conn_done,
+        ctrl_tx,
+        mut body,
+    } = open_session(
+        &config.bus_url,
+        &config.tls,
+        &config.token,
+        &config.deadlines,
+        hard,
+    )
+    .await?;
+    // What the router knows: the hello's first announcements, then the rest.
+    let mut sent: HashMap<u64, AnnouncedSource> = shared
+        .publishers()
+        .values()
+        .map(|(s, _)| (s.publisher_id, s.clone()))
+        .collect();
+    let mut all: Vec<AnnouncedSource> = sent.values().cloned().collect();
+    let rest = all.split_off(all.len().min(MAX_ANNOUNCE));
+    let mut client = BrokerSession::new(
+        Hello::source(config.client_id.clone(), config.namespaces.clone(), all),
+        Instant::now(),
+    );
+    client.announce(rest);
+    let mut decoder = ControlDecoder::default();
+    let (report_tx, mut report_rx) = mpsc::channel::<Report>(1024);
+    let slots = Arc::new(tokio::sync::Semaphore::new(0));
+    let streams_cancel = hard.child_token();
+    let tracker = TaskTracker::new();
+    // Each open stream's publisher and stop.
+    let mut streams: HashMap<u64, (u64, CancellationToken)> = HashMap::new();
+    let mut stopping: Option<tokio::time::Instant> = None;
+    let mut drain: Option<(DrainReason, tokio::time::Instant)> = None;
+    let mut stable_at: Option<tokio::time::Instant> = None;
+    let outcome = loop {
+        let mut ended = false;
+        while let Some(event) = client.poll_event() {
+            match event {
+                BrokerEvent::Welcomed(welcome) => {
+                    shared.sessions.fetch_add(1, Ordering::Relaxed);
+                    shared.connected.store(true, Ordering::Relaxed);
+                    stable_at = Some(tokio::time::Instant::now() + super::JOIN_HOLD_DOWN);
+                    slots.add_permits(
+                        welcome.limits.max_streams.min(super::MAX_BROKER_STREAMS) as usize
+                    );
+                    tracing::info!(client_id = %config.client_id, session_id = welcome.session_id, announced = sent.len(), "bus session welcomed: announcing as a source");
+                }
+                BrokerEvent::Serve {
+                    stream_id,
+                    publisher_id,
+                } => {
+                    let acceptor = shared
+                        .publishers()
+                        .get(&publisher_id)
+                        .map(|(_, a)| a.clone());
+                    let Some(acceptor) = acceptor else {
+                        client.stream_refused(stream_id, RefuseCode::TargetNotAnnounced);
+                        continue;
+                    };
+                    let stop = streams_cancel.child_token();
+                    if let Some((_, earlier)) =
+                        streams.insert(stream_id, (publisher_id, stop.clone()))
+                    {
+                        earlier.cancel();
+                    }
+                    tracker.spawn(serve(
+                        shared.clone(),
+                        Stream {
+                            stream_id,
+                            publisher_id,
+                            sender: sender.clone(),
+                            authority: authority.clone(),
+                            slots: slots.clone(),
+                        },
+                        acceptor,
+                        report_tx.clone(),
+                        stop,
+                    ));
+                }
+                BrokerEvent::Close { stream_id } => {
+                    if let Some((_, stop)) = streams.remove(&stream_id) {
+                        stop.cancel();
+                    }
+                }
+                BrokerEvent::Refused { code, .. } => shared.refused.add(code.as_str()),
+                BrokerEvent::Drain { deadline, reason } => {
+                    tracing::info!(?reason, ?deadline, "the router asks to drain");
+                    drain = Some((reason, tokio::time::Instant::now() + deadline));
+                }
+                BrokerEvent::Ended(end) => {
+                    if let super::SessionEnd::Denied(code) = end {
+                        shared.denied.add(code.as_str());
+                        tracing::warn!(client_id = %config.client_id, %code, "the bus denied the session: its credential does not grant this client id, the source role, or these namespaces");
+                    } else {
+                        tracing::info!(reason = %end, "bus session ended");
+                    }
+                    ended = true;
+                }
+                // A source's session never relays `tcp://` targets.
+                BrokerEvent::Open { .. } => {}
+            }
+        }
+        if ended {
+            break match (drain, stopping) {
+                (_, Some(_)) => Outcome::Stopped,
+                (Some((reason, _)), _) => Outcome::Drained(reason),
+                _ => Outcome::Failed,
+            };
+        }
+        let deadline = stopping.or(drain.map(|(_, d)| d));
+        if deadline.is_some() && client.streams() == 0 {
+            client.close();
+            continue;
+        }
+        let timer = [
+            client.poll_timeout().map(tokio::time::Instant::from_std),
+            deadline,
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        tokio::select! {
+            chunk = next_chunk(&mut body) => match chunk {
+                Some(Ok(bytes)) => {
+                    let now = Instant::now();
+                    let mut input = &bytes[..];
+                    loop {
+                        match decoder.decode(&mut input) {
+                            Ok(Some(frame)) => client.handle(frame, now),
+                            Ok(None) => break,
+                            Err(e) => {
+                                tracing::warn!(error = %e, "undecodable control frame from the bus");
+                                client.abort(super::SessionEnd::Protocol("undecodable control frame"));
+                                break;
+                            }
+                        }
+                    }
+                }
+                _ => client.close(),
+            },
+            report = report_rx.recv() => match report {
+                Some(Report::Opened(id)) if streams.contains_key(&id) => {
+                    shared.streams_opened.fetch_add(1, Ordering::Relaxed);
+                    client.stream_opened(id);
+                }
+                Some(Report::Refused(id, code)) if streams.remove(&id).is_some() => {
+                    shared.refused.add(code.as_str());
+                    client.stream_refused(id, code);
+                }
+                Some(Report::Ended(id)) if streams.remove(&id).is_some() => {
+                    client.stream_closed(id, CloseCode::UpstreamClosed);
+                }
+                _ => {}
+            },
+            () = shared.changed.notified() => {
+                let now: HashMap<u64, AnnouncedSource> = shared
+                    .publishers()
+                    .values()
+                    .map(|(s, _)| (s.publisher_id, s.clone()))
+                    .collect();
+                let gone: Vec<u64> = sent.keys().filter(|id| !now.contains_key(id)).copied().collect();
+                let new: Vec<AnnouncedSource> = now
+                    .values()
+                    .filter(|s| sent.get(&s.publisher_id) != Some(*s))
+                    .cloned()
+                    .collect();
+                for (id, (publisher, stop)) in &streams {
+                    if gone.contains(publisher) {
+                        stop.cancel();
+                        client.stream_closed(*id, CloseCode::UpstreamClosed);
+                    }
+                }
+                streams.retain(|_, (publisher, _)| !gone.contains(publisher));
+                client.withdraw(gone);
+                client.announce(new);
+                sent = now;
+            }
+            () = crate::time::sleep_until_opt(stable_at) => {
+                stable_at = None;
+                reconnect.reset();
+            }
+            () = crate::time::sleep_until_opt(timer) => {
+                let now = tokio::time::Instant::now();
+                if deadline.is_some_and(|d| now >= d) {
+                    client.close();
+                } else {
+                    client.handle_timeout(now.into_std());
+                }
+            }
+            () = cancel.cancelled(), if stopping.is_none() => {
+                tracing::info!("draining before exit");
+                client.begin_draining();
+                stopping = Some(tokio::time::Instant::now() + config.drain_deadline);
+            }
+            () = conn_done.cancelled() => client.close(),
+            permit = ctrl_tx.reserve(), if client.has_transmit() => match permit {
+                Ok(permit) => permit.send(Ok(super::frame::encode_frames(|| client.poll_transmit()))),
+                Err(_) => client.close(),
+            },
+        }
+    };
+    streams_cancel.cancel();
+    drop(report_rx);
+    tracker.close();
+    tracker.wait().await;
+    Ok(outcome)
+}
+
+/// One stream to open.
+struct Stream {
+    stream_id: u64,
+    publisher_id: u64,
+    sender: hyper::client::conn::http2::SendRequest<BrokerBody>,
+    authority: String,
+    slots: Arc<tokio::sync::Semaphore>,
+}
+
+/// Opens data stream `stream_id` (a slot, then the bus's answer, each under its
+/// deadline) and hands it to the publisher's socket as one more subscriber; reports
+/// when it ends.
+async fn serve(
+    shared: Arc<Shared>,
+    stream: Stream,
+    acceptor: StreamAcceptor,
+    report: mpsc::Sender<Report>,
+    stop: CancellationToken,
+) {
+    let Stream {
+        stream_id,
+        publisher_id,
+        mut sender,
+        authority,
+        slots,
+    } = stream;
+    let deadlines = shared.config.deadlines;
+    let opened = async {
+        let slot = match tokio::time::timeout(deadlines.stream_slot, slots.acquire_owned()).await {
+            Ok(Ok(permit)) => permit,
+            Ok(Err(_)) => return Err(RefuseCode::StreamFailed),
+            Err(_) => return Err(RefuseCode::StreamSlotTimeout),
+        };
+        // Publisher → router: what the socket writes, a few chunks at a time (its
+        // send queue holds the rest, and drops what does not fit, counted).
+        let (tx, rx) = mpsc::channel(TUNNEL_WRITE_CHUNKS);
+        let request = Request::post(format!("https://{authority}/bus/v1/streams/{stream_id}"))
+            .header(
+                hyper::header::AUTHORIZATION,
+                shared.config.token.header_value(),
+            )
+            .body(BrokerBody::Control(
+                ChannelBody::new(rx).until(stop.clone()),
+            ))
+            .map_err(|_| RefuseCode::StreamFailed)?;
+        match tokio::time::timeout(deadlines.response, sender.send_request(request)).await {
+            Err(_) => Err(RefuseCode::ResponseTimeout),
+            Ok(Ok(r)) if r.status().is_success() => Ok((slot, tx, r.into_body())),
+            Ok(Ok(r)) if r.status() == hyper::StatusCode::NOT_FOUND => {
+                Err(RefuseCode::UnknownStream)
+            }
+            Ok(_) => Err(RefuseCode::StreamFailed),
+        }
+    };
+    let opened = tokio::select! {
+        () = stop.cancelled() => return,
+        r = opened => r,
+    };
+    let (slot, tx, incoming) = match opened {
+        Ok(opened) => opened,
+        Err(code) => {
+            let _ = report.send(Report::Refused(stream_id, code)).await;
+            return;
+        }
+    };
+    let (gone_tx, gone) = tokio::sync::oneshot::channel::<()>();
+    let stream = super::io::TunnelStream::new(
+        incoming,
+        tx,
+        shared.bytes.clone(),
+        Box::new(move || {
+            let _ = gone_tx.send(());
+        }),
+    );
+    let label = format!("bus stream {stream_id:x} (publisher {publisher_id:x})");
+    if !acceptor.accept_stream(stream, label) {
+        let _ = report
+            .send(Report::Refused(stream_id, RefuseCode::TooManyStreams))
+            .await;
+        return;
+    }
+    let _ = report.send(Report::Opened(stream_id)).await;
+    shared.open.fetch_add(1, Ordering::Relaxed);
+    // The subscriber connection ends (the socket closed it, or the router's side
+    // ended), or the session let go of it (its body resets; the socket's writes fail).
+    tokio::select! {
+        _ = gone => {}
+        () = stop.cancelled() => {}
+    }
+    shared.open.fetch_sub(1, Ordering::Relaxed);
+    drop(slot);
+    let _ = report.send(Report::Ended(stream_id)).await;
+}

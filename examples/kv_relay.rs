@@ -7,7 +7,20 @@
 //!          [--wire eventplane|dynamo]
 //!          [(--etcd URL | --kube) --namespace NS --component C [--advertise-host H]
 //!           [--endpoint E] [--dp-rank R]]
+//!          [--bus-url https://ROUTER:PORT --bus-ca PEM --bus-token-file FILE
+//!           --client-id ID --namespace NS --component C [--dp-rank R]]
 //! ```
+//! With `--bus-url` (feature `tunnel`) it is a *source* (DESIGN §7.5): for a worker
+//! the router cannot reach and that has no broker beside it, it dials out to the
+//! router's event bus (`kv_router --bus-listen`, whose `--bus-clients` has a
+//! `[[source]]` entry for ID), announces its publisher (NS/C/publish-topic, worker W,
+//! rank R, the wire) and serves the router's subscription from its own socket, as one
+//! more subscriber: the same send queue and drop counters. Its publisher id is derived
+//! from ID, W and R, so a restarted relay is the same publisher restarting its
+//! sequence (a router counts the reset). It reconnects with the broker's backoff; on
+//! SIGTERM it publishes what it holds, then drains its session (`draining`) and exits
+//! 0. `--bind` is optional with it (default `tcp://127.0.0.1:0`, for local
+//! subscribers).
 //! Runs `EngineListener → Processor → EventPlaneSink → EventPublisher`, the publisher
 //! bound at EP2 (`--bind tcp://127.0.0.1:0` lets the OS pick the port).
 //!
@@ -86,9 +99,10 @@ use eventplane::wire::Wire;
 struct Args {
     #[command(flatten)]
     engine: EngineArgs,
-    /// Where to publish router events (tcp://host:port; port 0 for any).
-    #[arg(long)]
-    bind: String,
+    /// Where to publish router events (tcp://host:port; port 0 for any). Optional
+    /// with --bus-url (default tcp://127.0.0.1:0).
+    #[arg(long, required_unless_present = "bus_url")]
+    bind: Option<String>,
     /// Topic of the published router events.
     #[arg(long = "publish-topic", default_value = "kv-events")]
     publish_topic: String,
@@ -99,6 +113,24 @@ struct Args {
     /// `etcd`.
     #[arg(long, requires_all = ["namespace", "component"], group = "registry")]
     etcd: Vec<String>,
+    /// Dial out to this event bus (https://host:port) and announce the publisher
+    /// there, as a source. Needs feature `tunnel`, --bus-ca, --bus-token-file,
+    /// --client-id, --namespace and --component.
+    #[arg(
+        long = "bus-url",
+        requires_all = ["bus_ca", "bus_token_file", "client_id", "namespace", "component"],
+        group = "registry"
+    )]
+    bus_url: Option<String>,
+    /// The CA bundle (PEM) the bus certificate must chain to.
+    #[arg(long = "bus-ca", requires = "bus_url")]
+    bus_ca: Option<std::path::PathBuf>,
+    /// A file holding this source's bearer token.
+    #[arg(long = "bus-token-file", requires = "bus_url")]
+    bus_token_file: Option<std::path::PathBuf>,
+    /// This source's client id (its credential on the bus is bound to it).
+    #[arg(long = "client-id", requires = "bus_url")]
+    client_id: Option<String>,
     /// Register in this pod's DynamoWorkerMetadata resource on Kubernetes (with
     /// --wire dynamo). Needs feature `kube`.
     #[arg(long, requires_all = ["namespace", "component"], group = "registry")]
@@ -152,10 +184,15 @@ async fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     let (builder, discovery) = if args.etcd.is_empty() && !args.kube {
-        (
-            EventPublisher::unregistered(args.publish_topic.clone()),
-            None,
-        )
+        let mut builder = EventPublisher::unregistered(args.publish_topic.clone());
+        if let Some(client_id) = &args.client_id {
+            builder = builder.publisher_id(source_publisher_id(
+                client_id,
+                args.engine.worker_id,
+                args.dp_rank.unwrap_or(0),
+            ));
+        }
+        (builder, None)
     } else {
         let registry = if args.kube {
             kube(&args).await
@@ -179,15 +216,14 @@ async fn main() -> ExitCode {
         builder = builder.worker(args.engine.worker_id, args.dp_rank.unwrap_or(0));
         (builder, Some(closer))
     };
-    let publisher = match builder
-        .bind(args.bind.clone())
-        .wire(args.wire)
-        .build()
-        .await
-    {
+    let bind = args
+        .bind
+        .clone()
+        .unwrap_or_else(|| "tcp://127.0.0.1:0".to_owned());
+    let publisher = match builder.bind(bind.clone()).wire(args.wire).build().await {
         Ok(p) => p,
         Err(e) => {
-            eprintln!("cannot bind or register {}: {}", args.bind, chain(&e));
+            eprintln!("cannot bind or register {bind}: {}", chain(&e));
             if let Some(close) = discovery {
                 close().await;
             }
@@ -201,6 +237,11 @@ async fn main() -> ExitCode {
     };
     let endpoint = publisher.local_endpoint().unwrap_or_default().to_owned();
     let registered = publisher.instance().map(|i| i.id.publisher_id());
+    // As a source: announced on the bus, served from this publisher's socket.
+    let source = match source(&args, &publisher) {
+        Ok(s) => s,
+        Err(e) => return e.report(),
+    };
     // EngineListener → Processor → EventPlaneSink → this publisher.
     let worker = match args
         .engine
@@ -220,6 +261,8 @@ async fn main() -> ExitCode {
     if let Some(close) = discovery {
         close().await;
     }
+    // Its streams ended with the publisher: the drain says `draining` and is quick.
+    let source_stats = stop_source(source).await;
     let stats = serde_json::json!({
         "wire": args.wire.as_str(),
         "registered_publisher_id": registered,
@@ -227,9 +270,92 @@ async fn main() -> ExitCode {
         "processor": worker_stats.processor,
         "published_messages": worker_stats.published_messages,
         "publisher": worker_stats.publisher,
+        "source": source_stats,
     });
     eprintln!("{stats}");
     ExitCode::SUCCESS
+}
+
+/// The publisher id of source `client_id`'s worker `worker_id` at `dp_rank`: the same
+/// across restarts (of this build), so a router counts a restart as a reset.
+fn source_publisher_id(client_id: &str, worker_id: u64, dp_rank: u32) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    (client_id, worker_id, dp_rank).hash(&mut hasher);
+    hasher.finish() & eventplane::discovery::MAX_PUBLISHER_ID
+}
+
+#[cfg(feature = "tunnel")]
+type SourceHandle = eventplane::tunnel::Source;
+
+/// With --bus-url: the source, started, announcing `publisher`.
+#[cfg(feature = "tunnel")]
+fn source(args: &Args, publisher: &EventPublisher) -> Result<Option<SourceHandle>, StartError> {
+    use eventplane::discovery::{ChannelId, WorkerIdentity};
+    use eventplane::tunnel::{AnnouncedSource, Secret, Source, SourceConfig, client_tls};
+    let (Some(url), Some(ca), Some(token), Some(client_id), Some(namespace), Some(component)) = (
+        &args.bus_url,
+        &args.bus_ca,
+        &args.bus_token_file,
+        &args.client_id,
+        &args.namespace,
+        &args.component,
+    ) else {
+        return Ok(None);
+    };
+    let refused =
+        |e: eventplane::tunnel::TunnelError| StartError::Args(format!("--bus-url: {}", chain(&e)));
+    let config = SourceConfig::new(
+        url.clone(),
+        client_id.clone(),
+        vec![namespace.clone()],
+        Secret::from_file(token).map_err(refused)?,
+        client_tls(ca).map_err(refused)?,
+    );
+    let id = ChannelId::new(
+        namespace,
+        component,
+        &args.publish_topic,
+        publisher.publisher_id(),
+    )
+    .map_err(|e| StartError::Args(format!("--namespace/--component: {}", chain(&e))))?;
+    let announced = AnnouncedSource::new(&id, args.wire).with_worker(WorkerIdentity::new(
+        args.engine.worker_id,
+        args.dp_rank.unwrap_or(0),
+    ));
+    let source = Source::spawn(config).map_err(refused)?;
+    source
+        .announce(announced, publisher.acceptor())
+        .map_err(refused)?;
+    Ok(Some(source))
+}
+
+/// Drains the source, if any; its counters.
+#[cfg(feature = "tunnel")]
+async fn stop_source(source: Option<SourceHandle>) -> Option<serde_json::Value> {
+    let source = source?;
+    let stats = serde_json::to_value(source.stats()).ok();
+    source.shutdown().await;
+    stats
+}
+
+#[cfg(not(feature = "tunnel"))]
+async fn stop_source(_: Option<SourceHandle>) -> Option<serde_json::Value> {
+    None
+}
+
+#[cfg(not(feature = "tunnel"))]
+type SourceHandle = std::convert::Infallible;
+
+#[cfg(not(feature = "tunnel"))]
+fn source(args: &Args, _: &EventPublisher) -> Result<Option<SourceHandle>, StartError> {
+    if args.bus_url.is_some() {
+        return Err(StartError::Args(
+            "--bus-url needs the `tunnel` feature: cargo run --features tunnel --example kv_relay"
+                .to_owned(),
+        ));
+    }
+    Ok(None)
 }
 
 /// Closes the discovery backend at exit (revoking its lease).

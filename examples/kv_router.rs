@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! kv_router (--etcd URL [--dynamo] | --kube [--kube-namespace K]… --dynamo
-//!            | --static EP… [--wire eventplane|dynamo])
+//!            | --static EP… [--wire eventplane|dynamo] | --bus-listen … alone)
 //!           --namespace NS [--component C] [--endpoint E] --topic T
 //!           [--count N] [--timeout-ms MS] [--format json|quiet] [--dump-index]
 //!           [--max-index-blocks N]
@@ -22,6 +22,10 @@
 //! namespaces = ["prod"]
 //! ```
 //! `--bus-token-file` instead trusts one shared token, granted `--namespace` only.
+//! `[[source]]` tables (the same three keys) grant a *source*: a `kv_relay --bus-url …`
+//! the router cannot reach dials in and announces its own publisher (DESIGN §7.5),
+//! only in its namespaces. The router follows the announced publishers of its wire
+//! beside those of `--etcd`/`--kube`/`--static`, or alone when none is given.
 //! A `DynamicSubscriber` over etcd (feature `etcd`), Kubernetes (feature `kube`:
 //! Dynamo's `DynamoWorkerMetadata` resources joined with EndpointSlice readiness, in
 //! the kubeconfig's namespace or each `--kube-namespace`; the client configured as
@@ -55,7 +59,7 @@ use clap::{CommandFactory, Parser, ValueEnum};
 use common::{Index, StartError, chain, optional_timeout, static_discovery, stop_signal};
 use eventplane::discovery::{ChannelId, Discovery, Query};
 use eventplane::kv::{RouterEvent, decode_router_payload};
-use eventplane::subscriber::{DynamicSubscriber, Notice};
+use eventplane::subscriber::{DynamicSubscriber, DynamicSubscriberBuilder, Notice};
 use eventplane::wire::Wire;
 
 #[derive(Parser, Debug)]
@@ -95,7 +99,7 @@ use eventplane::wire::Wire;
         common::ROUTER_EVENT_HELP
     )
 )]
-#[command(group(clap::ArgGroup::new("source").required(true).args(["etcd", "kube", "static_endpoints"])))]
+#[command(group(clap::ArgGroup::new("source").args(["etcd", "kube", "static_endpoints"])))]
 #[command(group(clap::ArgGroup::new("bus_credentials").args(["bus_clients", "bus_token_file"])))]
 struct Args {
     /// etcd endpoint (http://host:2379); repeat for a cluster. Needs feature `etcd`.
@@ -163,9 +167,10 @@ struct Args {
     /// The bus's TLS private key (PEM).
     #[arg(long = "bus-key", requires = "bus_listen")]
     bus_key: Option<std::path::PathBuf>,
-    /// The brokers' credentials (TOML): `[[broker]]` tables of `client_id`,
-    /// `token_sha256` (hex SHA-256 of the broker's token) and `namespaces` (what it may
-    /// cover). A broker can claim no other client id or namespace.
+    /// The bus's credentials (TOML): `[[broker]]` and `[[source]]` tables of
+    /// `client_id`, `token_sha256` (hex SHA-256 of the client's token) and
+    /// `namespaces` (what a broker may cover, or a source announce in). A client can
+    /// claim no other client id, role or namespace.
     #[arg(long = "bus-clients", requires = "bus_listen")]
     bus_clients: Option<std::path::PathBuf>,
     /// A file holding one shared bearer token, for a single trusted broker: any client
@@ -424,9 +429,30 @@ async fn main() -> ExitCode {
             .exit();
     }
     let wire = if args.dynamo { Wire::Dynamo } else { args.wire };
-    let discovery = match discovery(&args).await {
-        Ok(d) => d,
+    let bus = match start_bus(&args, wire).await {
+        Ok(b) => b,
         Err(e) => return e.report(),
+    };
+    let announced_only = args.etcd.is_empty() && !args.kube && args.static_endpoints.is_empty();
+    let announced = bus.as_ref().and_then(|b| b.announced.clone());
+    let discovery: Arc<dyn Discovery> = match (announced_only, announced) {
+        (true, Some(announced)) => announced,
+        (true, None) => {
+            return StartError::Args(
+                "one of --etcd, --kube or --static is needed, or --bus-listen with \
+                 [[source]] credentials in --bus-clients (to follow announced sources only)"
+                    .to_owned(),
+            )
+            .report();
+        }
+        (false, announced) => match discovery(&args).await {
+            Ok(d) => match announced {
+                // Announced sources beside the publishers of discovery.
+                Some(announced) => Arc::new(eventplane::discovery::Merged::new(vec![d, announced])),
+                None => d,
+            },
+            Err(e) => return e.report(),
+        },
     };
     let mut query = Query::new(args.namespace.clone()).topic(args.topic.clone());
     if let Some(c) = &args.component {
@@ -437,11 +463,14 @@ async fn main() -> ExitCode {
         // Our records name their worker, and so do Dynamo's resources on Kubernetes
         // (their `event_sources`); static endpoints cannot, and in etcd Dynamo's
         // worker identity is in its payload (`event_sources` is not read back).
-        .expect_worker_identity(args.static_endpoints.is_empty() && (args.kube || !args.dynamo))
+        // Sources announce their worker too.
+        .expect_worker_identity(
+            announced_only || (args.static_endpoints.is_empty() && (args.kube || !args.dynamo)),
+        )
         .layout(wire.layout());
-    let (builder, bus_stats) = match bus(&args, builder).await {
-        Ok(b) => b,
-        Err(e) => return e.report(),
+    let (builder, bus_stats) = match bus {
+        Some(bus) => ((bus.tunnel)(builder), Some(bus.stats)),
+        None => (builder, None),
     };
     let spawned = builder.notices(NOTICES).spawn();
     let mut sub = match spawned {
@@ -574,6 +603,8 @@ type BusStatsFn = Box<dyn Fn() -> serde_json::Value>;
 struct BusClientsFile {
     #[serde(default)]
     broker: Vec<BrokerEntry>,
+    #[serde(default)]
+    source: Vec<BrokerEntry>,
 }
 
 #[cfg(feature = "tunnel")]
@@ -602,45 +633,56 @@ fn bus_clients(args: &Args) -> Result<eventplane::tunnel::BusClients, String> {
     let file: BusClientsFile =
         toml::from_str(&text).map_err(|e| format!("--bus-clients {}: {e}", path.display()))?;
     let mut clients = BusClients::new();
-    for entry in file.broker {
+    let entries = file
+        .broker
+        .into_iter()
+        .map(|e| (false, e))
+        .chain(file.source.into_iter().map(|e| (true, e)));
+    for (source, entry) in entries {
+        let role = if source { "source" } else { "broker" };
         let at = |e: eventplane::tunnel::TunnelError| {
-            format!("--bus-clients: broker {:?}: {}", entry.client_id, chain(&e))
+            format!("--bus-clients: {role} {:?}: {}", entry.client_id, chain(&e))
         };
         let digest = TokenDigest::from_hex(&entry.token_sha256).map_err(at)?;
-        clients = clients
-            .broker(entry.client_id.clone(), digest, entry.namespaces.clone())
-            .map_err(at)?;
+        let (id, namespaces) = (entry.client_id.clone(), entry.namespaces.clone());
+        clients = if source {
+            clients.source(id, digest, namespaces)
+        } else {
+            clients.broker(id, digest, namespaces)
+        }
+        .map_err(at)?;
     }
     if clients.is_empty() {
         return Err(format!(
-            "--bus-clients {}: no [[broker]] entry",
+            "--bus-clients {}: no [[broker]] or [[source]] entry",
             path.display()
         ));
     }
     Ok(clients)
 }
 
-/// With --bus-listen: the event bus, started, and the subscriber told to use it.
+/// With --bus-listen: the event bus, started.
+struct Bus {
+    /// Tells the subscriber to use it.
+    tunnel: Box<dyn FnOnce(DynamicSubscriberBuilder) -> DynamicSubscriberBuilder>,
+    /// The publishers sources announce with the router's wire (when a `[[source]]`
+    /// credential exists).
+    announced: Option<Arc<dyn Discovery>>,
+    stats: BusStatsFn,
+}
+
 #[cfg(feature = "tunnel")]
-async fn bus(
-    args: &Args,
-    builder: eventplane::subscriber::DynamicSubscriberBuilder,
-) -> Result<
-    (
-        eventplane::subscriber::DynamicSubscriberBuilder,
-        Option<BusStatsFn>,
-    ),
-    StartError,
-> {
+async fn start_bus(args: &Args, wire: Wire) -> Result<Option<Bus>, StartError> {
     use eventplane::tunnel::{EventBus, EventBusConfig, server_tls};
     let (Some(listen), Some(cert), Some(key)) = (&args.bus_listen, &args.bus_cert, &args.bus_key)
     else {
-        return Ok((builder, None));
+        return Ok(None);
     };
     let refused =
         |e: eventplane::tunnel::TunnelError| StartError::Args(format!("event bus: {}", chain(&e)));
     let tls = server_tls(cert, key).map_err(refused)?;
     let clients = bus_clients(args).map_err(|e| StartError::Args(format!("event bus: {e}")))?;
+    let sources = clients.has_sources();
     let bus = EventBus::bind(listen, tls, clients, EventBusConfig::default())
         .await
         .map_err(|e| {
@@ -653,24 +695,21 @@ async fn bus(
     let stats = bus.clone();
     let stats: BusStatsFn =
         Box::new(move || serde_json::to_value(stats.stats()).unwrap_or_default());
-    Ok((builder.tunnel(bus), Some(stats)))
+    let announced: Option<Arc<dyn Discovery>> =
+        sources.then(|| Arc::new(bus.announced(wire)) as Arc<dyn Discovery>);
+    Ok(Some(Bus {
+        tunnel: Box::new(move |builder| builder.tunnel(bus)),
+        announced,
+        stats,
+    }))
 }
 
 #[cfg(not(feature = "tunnel"))]
-async fn bus(
-    args: &Args,
-    builder: eventplane::subscriber::DynamicSubscriberBuilder,
-) -> Result<
-    (
-        eventplane::subscriber::DynamicSubscriberBuilder,
-        Option<BusStatsFn>,
-    ),
-    StartError,
-> {
+async fn start_bus(args: &Args, _: Wire) -> Result<Option<Bus>, StartError> {
     if args.bus_listen.is_some() {
         return Err(StartError::Args(
             "--bus-listen needs the `tunnel` feature: cargo run --features tunnel --example kv_router".to_owned(),
         ));
     }
-    Ok((builder, None))
+    Ok(None)
 }

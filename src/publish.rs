@@ -137,6 +137,7 @@ pub struct EventPublisherBuilder {
     linger: Duration,
     wire: Wire,
     worker: Option<WorkerIdentity>,
+    publisher_id: Option<u64>,
 }
 
 impl EventPublisherBuilder {
@@ -209,6 +210,23 @@ impl EventPublisherBuilder {
         self
     }
 
+    /// With publisher id `id` (at most [`MAX_PUBLISHER_ID`]; default: random). A
+    /// process restarted with the same id is, to a subscriber that saw the earlier
+    /// one, the same publisher restarting its sequence: a reset it counts.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::publish::PublishError> {
+    /// use eventplane::publish::EventPublisher;
+    /// let publisher = EventPublisher::unregistered("kv-events").publisher_id(42).build().await?;
+    /// assert_eq!(publisher.publisher_id(), 42);
+    /// # Ok(()) }
+    /// ```
+    pub fn publisher_id(mut self, id: u64) -> Self {
+        self.publisher_id = Some(id & MAX_PUBLISHER_ID);
+        self
+    }
+
     /// Binds (by default on an OS-assigned port), picks a random publisher id and,
     /// unless built by [`EventPublisher::unregistered`], registers in discovery.
     pub async fn build(self) -> Result<EventPublisher, PublishError> {
@@ -234,7 +252,9 @@ impl EventPublisherBuilder {
         let socket = PubSocket::bind(&bind, self.zmtp)
             .await
             .map_err(PublishError::Bind)?;
-        let publisher_id = random_u64() & MAX_PUBLISHER_ID;
+        let publisher_id = self
+            .publisher_id
+            .unwrap_or_else(|| random_u64() & MAX_PUBLISHER_ID);
         let registration = match self.discovery {
             None => None,
             Some(discovery) => {
@@ -391,6 +411,7 @@ impl EventPublisher {
             linger: Duration::from_secs(1),
             wire: Wire::EventPlane,
             worker: None,
+            publisher_id: None,
         }
     }
 

@@ -19,6 +19,9 @@ mod kube_api;
 #[path = "tunnel/kube_broker.rs"]
 mod kube_broker;
 #[cfg(feature = "tunnel")]
+#[path = "tunnel/source_cli.rs"]
+mod source_cli;
+#[cfg(feature = "tunnel")]
 #[path = "tunnel/sources.rs"]
 mod sources;
 #[cfg(feature = "tunnel")]

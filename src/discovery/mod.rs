@@ -44,6 +44,7 @@ mod fault;
 #[cfg(feature = "kube")]
 mod kube;
 mod memory;
+mod merged;
 mod model;
 #[cfg(any(feature = "etcd", feature = "kube"))]
 mod records;
@@ -62,6 +63,7 @@ pub use fault::{FaultControl, FaultDiscovery};
 #[cfg_attr(docsrs, doc(cfg(feature = "kube")))]
 pub use kube::{KubeDiscovery, KubeDiscoveryBuilder, KubeMode, PodIdentity, kube_instance_id};
 pub use memory::{MemoryDiscovery, MemoryDiscoveryBuilder};
+pub use merged::Merged;
 pub use model::{
     ChannelId, DiscoveryEvent, Instance, MAX_PUBLISHER_ID, Query, Transport, WorkerIdentity,
 };

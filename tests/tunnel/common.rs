@@ -166,6 +166,9 @@ pub enum Script {
     /// Allows one HTTP/2 stream per connection (the session's): stream 1's data
     /// stream never gets a slot.
     NoStreamSlot,
+    /// Sends stream 1 a `subscribe` naming an announced publisher (as if the broker
+    /// were a source), which a router's own session would never send a broker.
+    AnnouncedTarget,
 }
 
 /// A bus that speaks the session protocol (through the public sans-IO
@@ -332,6 +335,21 @@ async fn run_scripted_session(
                 match script {
                     // The welcome itself still goes out below.
                     Script::FallSilent => {}
+                    Script::AnnouncedTarget => {
+                        let mut wire = Vec::new();
+                        while let Some(frame) = session.poll_transmit() {
+                            frame.encode(&mut wire);
+                        }
+                        eventplane::tunnel::Control::Subscribe {
+                            stream_id: 1,
+                            target: eventplane::tunnel::Target::Announced { publisher_id: 7 },
+                        }
+                        .encode(&mut wire);
+                        if out.send(Bytes::from(wire)).await.is_err() {
+                            return;
+                        }
+                        marks.mark(Mark::Subscribed);
+                    }
                     _ => {
                         session
                             .subscribe(1, target.clone(), std::time::Instant::now())

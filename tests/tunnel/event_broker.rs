@@ -1114,7 +1114,7 @@ async fn kv_router_bus_clients_bind_each_broker_to_its_id_and_namespaces() {
 }
 
 /// The address `kv_router --bus-listen` says its bus listens on (its stderr).
-async fn bus_address(
+pub(crate) async fn bus_address(
     lines: &mut tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStderr>>,
 ) -> String {
     within(async {

@@ -19,7 +19,7 @@ use eventplane::wire::Wire;
 use eventplane::zmtp::{Config, PubSocket};
 use tokio_util::sync::CancellationToken;
 
-use crate::common::{bus_configured, fixture, until};
+use crate::common::{Script, ScriptedBus, TOKEN, bus_configured, fixture, until};
 use crate::support::within;
 
 fn token(client: &str) -> String {
@@ -427,4 +427,23 @@ async fn a_thousand_announced_sources_from_ten_sessions_are_followed_within_the_
 
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_asked_for_an_announced_target_refuses_it() {
+    let bus = ScriptedBus::start(Script::AnnouncedTarget, Limits::default(), "unused").await;
+    let config = eventplane::tunnel::BrokerConfig::new(
+        bus.url.clone(),
+        "broker-1",
+        vec!["prod".to_owned()],
+        Secret::new(TOKEN).unwrap(),
+        client_tls(fixture("ca.pem")).unwrap(),
+        Arc::new(eventplane::discovery::MemoryDiscovery::new()),
+    );
+    let broker = eventplane::tunnel::Broker::spawn(config).unwrap();
+    until(|| broker.stats().refused.get("unsupported_target") == Some(&1)).await;
+    let stats = broker.stats();
+    assert!(stats.connected, "the session lives on: {stats:?}");
+    assert_eq!(stats.streams_opened, 0);
+    broker.abort();
 }

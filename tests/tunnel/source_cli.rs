@@ -1,0 +1,242 @@
+//! Sources through the built binaries: `kv_relay --bus-url …` dials out to
+//! `kv_router --bus-listen …` (a `[[source]]` credential, no etcd, no `--static`), and
+//! the router indexes exactly what the engine said, in both wires; a relay killed is
+//! forgotten and, restarted, counted as a reset; SIGTERM drains and exits 0.
+#![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use eventplane::kv::RouterEvent;
+use eventplane::tunnel::{Secret, TokenDigest};
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{Child, ChildStderr, ChildStdout, Command};
+
+use crate::event_broker::{bus_address, fixture};
+use crate::support::{self, Engine, WARM_RANK, example, within};
+
+const SOURCE_TOKEN: &str = "source-token-of-gpu-box-1-0123456789";
+
+/// A directory with the source's token and the router's `--bus-clients` file.
+fn credentials(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("eventplane-source-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("token"), format!("{SOURCE_TOKEN}\n")).unwrap();
+    let digest = TokenDigest::of(&Secret::new(SOURCE_TOKEN).unwrap()).to_hex();
+    std::fs::write(
+        dir.join("clients.toml"),
+        format!(
+            "[[source]]\nclient_id = \"gpu-box-1\"\ntoken_sha256 = \"{digest}\"\nnamespaces = [\"prod\"]\n"
+        ),
+    )
+    .unwrap();
+    dir
+}
+
+struct Router {
+    child: Child,
+    stdout: Lines<BufReader<ChildStdout>>,
+    stderr: Lines<BufReader<ChildStderr>>,
+    port: String,
+}
+
+async fn router(dir: &Path, wire: &str) -> Router {
+    let mut child = Command::new(example("kv_router"))
+        .args([
+            "--namespace",
+            "prod",
+            "--topic",
+            "kv-events",
+            "--wire",
+            wire,
+        ])
+        .args(["--bus-listen", "127.0.0.1:0"])
+        .arg("--bus-cert")
+        .arg(fixture("bus.pem"))
+        .arg("--bus-key")
+        .arg(fixture("bus.key"))
+        .arg("--bus-clients")
+        .arg(dir.join("clients.toml"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let stdout = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = bus_address(&mut stderr).await;
+    let port = addr.rsplit(':').next().unwrap().to_owned();
+    Router {
+        child,
+        stdout,
+        stderr,
+        port,
+    }
+}
+
+async fn relay(dir: &Path, engine: &Engine, wire: &str, port: &str) -> Child {
+    Command::new(example("kv_relay"))
+        .args(["--connect", &engine.endpoint(), "--topic", "kv"])
+        .args(["--block-size", "4", "--worker-id", "11", "--wire", wire])
+        .args(["--bus-url", &format!("https://localhost:{port}")])
+        .arg("--bus-ca")
+        .arg(fixture("ca.pem"))
+        .arg("--bus-token-file")
+        .arg(dir.join("token"))
+        .args([
+            "--client-id",
+            "gpu-box-1",
+            "--namespace",
+            "prod",
+            "--component",
+            "backend",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap()
+}
+
+/// Sends clears until one comes through to the router (PUB/SUB keeps nothing for a
+/// subscriber not there yet).
+async fn warm(engine: &mut Engine, router: &mut Router) {
+    let lines = &mut router.stdout;
+    engine
+        .warm_up(async |wait| {
+            tokio::time::timeout(wait, lines.next_line())
+                .await
+                .ok()
+                .map(|l| l.unwrap().unwrap())
+        })
+        .await;
+}
+
+/// The fixtures through engine → relay → bus → router: exactly the router events the
+/// sans-IO pipeline makes of them.
+async fn fixtures_arrive_exactly(engine: &mut Engine, router: &mut Router, wire: &str) {
+    let expected = support::expected_router_events(&support::kv_fixture_files(), 11, 4);
+    for f in support::kv_fixture_files() {
+        engine.send(std::fs::read(f).unwrap());
+    }
+    let mut got = Vec::new();
+    while got.len() < expected.len() {
+        let line = within(router.stdout.next_line())
+            .await
+            .unwrap()
+            .expect("router exited");
+        let ev: RouterEvent = serde_json::from_str(&line).unwrap();
+        if ev.event.dp_rank != WARM_RANK {
+            got.push(ev);
+        }
+    }
+    let first = got[0].event.id;
+    for (g, e) in got.iter_mut().zip(&expected) {
+        g.event.id = g.event.id - first + 1;
+        assert_eq!(g, e, "{wire}");
+    }
+}
+
+/// Sends SIGTERM to `child` and returns its exit status and last stderr line (its
+/// stats), reading what is left of `stderr`.
+async fn terminate(
+    mut child: Child,
+    stderr: Option<&mut Lines<BufReader<ChildStderr>>>,
+) -> (std::process::ExitStatus, serde_json::Value) {
+    signal(&child, "-TERM");
+    let mut last = String::new();
+    match stderr {
+        Some(lines) => {
+            while let Some(line) = within(lines.next_line()).await.unwrap() {
+                last = line;
+            }
+        }
+        None => {
+            let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+            while let Some(line) = within(lines.next_line()).await.unwrap() {
+                last = line;
+            }
+        }
+    }
+    let status = within(child.wait()).await.unwrap();
+    let stats = serde_json::from_str(&last).unwrap_or_else(|e| panic!("{e}: {last}"));
+    (status, stats)
+}
+
+fn signal(child: &Child, signal: &str) {
+    let pid = child.id().unwrap().to_string();
+    assert!(
+        std::process::Command::new("kill")
+            .args([signal, &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+}
+
+/// Reads the router's stderr until a line contains `text`.
+async fn stderr_until(router: &mut Router, text: &str) -> String {
+    within(async {
+        loop {
+            let line = router
+                .stderr
+                .next_line()
+                .await
+                .unwrap()
+                .expect("router exited");
+            if line.contains(text) {
+                return line;
+            }
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_relay_dials_out_and_kv_router_follows_it_without_etcd() {
+    for wire in ["eventplane", "dynamo"] {
+        let dir = credentials(wire);
+        let mut router = router(&dir, wire).await;
+        let mut engine = Engine::bind("kv").await;
+        let first = relay(&dir, &engine, wire, &router.port).await;
+        within(engine.socket.wait_for_subscribers(1)).await;
+        warm(&mut engine, &mut router).await;
+        fixtures_arrive_exactly(&mut engine, &mut router, wire).await;
+        if wire == "eventplane" {
+            // Killed: its session drops, the router forgets its blocks. Restarted (the
+            // same client id, worker and rank: the same publisher id), the router
+            // follows the new incarnation and counts its restart as a reset.
+            signal(&first, "-KILL");
+            stderr_until(&mut router, "left: forgot").await;
+            let second = relay(&dir, &engine, wire, &router.port).await;
+            within(engine.socket.wait_for_subscribers(1)).await;
+            warm(&mut engine, &mut router).await;
+            fixtures_arrive_exactly(&mut engine, &mut router, wire).await;
+            let (status, stats) = terminate(second, None).await;
+            assert_eq!(status.code(), Some(0), "{stats}");
+            assert_eq!(stats["source"]["sessions"], 1, "{stats}");
+        } else {
+            let (status, stats) = terminate(first, None).await;
+            assert_eq!(status.code(), Some(0), "{stats}");
+            assert_eq!(stats["source"]["connected"], true, "{stats}");
+            assert_eq!(stats["source"]["streams_opened"], 1, "{stats}");
+        }
+        // The relay drained its session: its publisher departed.
+        stderr_until(&mut router, "left: forgot").await;
+        let Router {
+            child, mut stderr, ..
+        } = router;
+        let (status, stats) = terminate(child, Some(&mut stderr)).await;
+        assert_eq!(status.code(), Some(0), "{stats}");
+        let subscriber = &stats["subscriber"]["total"];
+        assert_eq!(subscriber["dropped_malformed"], 0, "{stats}");
+        assert_eq!(stats["bus"]["announced_sources"], 0, "{stats}");
+        assert_eq!(stats["bus"]["source_sessions"], 0, "{stats}");
+        if wire == "eventplane" {
+            assert!(
+                subscriber["sequence_resets"].as_u64() >= Some(1),
+                "the restart is counted: {stats}"
+            );
+        }
+    }
+}

@@ -2,7 +2,9 @@
 //! - throughput: 100 B messages `[topic, seq, payload]`, a closed loop of up to 1,000
 //!   in flight (below the PUB's per-subscriber queue, so nothing drops), received with
 //!   `recv_many`: through the tunnel (router `SubSocket` ← HTTP/2 + TLS ← broker ←
-//!   publisher) and directly (`SubSocket` ← publisher);
+//!   publisher), from a source (router `SubSocket` ← HTTP/2 + TLS ← the source's
+//!   `PubSocket` serving the stream itself, DESIGN §7.5) and directly (`SubSocket` ←
+//!   publisher);
 //! - added latency: one message sent and received at a time, both ways;
 //! - the broker's memory with 1,000 open streams: the `event_broker` example in its own
 //!   process (`target/release/examples/event_broker`, built with `--features tunnel`),
@@ -41,13 +43,14 @@ use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Registration, Transport};
 use eventplane::tunnel::{
-    Broker, BrokerConfig, BusClients, EventBus, EventBusConfig, Secret, TunnelStream, client_tls,
-    server_tls,
+    AnnouncedSource, Broker, BrokerConfig, BusClients, EventBus, EventBusConfig, Secret, Source,
+    SourceConfig, TokenDigest, TunnelStream, client_tls, server_tls,
 };
 use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
 use tokio::io::{AsyncRead, AsyncWrite};
 
 const TOKEN: &str = "tunnel-relay-bench-token";
+const SOURCE_TOKEN: &str = "tunnel-relay-bench-source-token";
 const WINDOW: u64 = 1_000;
 /// What one open stream may cost the broker process once it relayed a 64 KiB message:
 /// its 16 KiB relay read buffer, the HTTP/2 stream's state and receive window, the
@@ -70,7 +73,14 @@ async fn bus() -> EventBus {
     EventBus::bind(
         "127.0.0.1:0",
         tls,
-        BusClients::shared(&Secret::new(TOKEN).unwrap(), vec!["bench".to_owned()]).unwrap(),
+        BusClients::shared(&Secret::new(TOKEN).unwrap(), vec!["bench".to_owned()])
+            .unwrap()
+            .source(
+                "bench-source",
+                TokenDigest::of(&Secret::new(SOURCE_TOKEN).unwrap()),
+                vec!["bench".to_owned()],
+            )
+            .unwrap(),
         EventBusConfig::default(),
     )
     .await
@@ -140,8 +150,11 @@ struct Pair {
     direct: SubSocket,
     tunnel_pub: PubSocket,
     tunnel: SubSocket<TunnelStream>,
+    source_pub: PubSocket,
+    source: SubSocket<TunnelStream>,
     _regs: Vec<Registration>,
     _broker: Broker,
+    _source: Source,
     _bus: EventBus,
 }
 
@@ -177,15 +190,44 @@ async fn pair() -> Pair {
         .await
         .unwrap();
     direct.subscribe("t").await.unwrap();
+    // A source announcing publisher 3, served from its own socket.
+    let source_pub = PubSocket::new(Config::default());
+    let announcer = Source::spawn(SourceConfig::new(
+        format!("https://localhost:{}", bus.local_addr().port()),
+        "bench-source",
+        vec!["bench".to_owned()],
+        Secret::new(SOURCE_TOKEN).unwrap(),
+        client_tls(fixture("ca.pem")).unwrap(),
+    ))
+    .unwrap();
+    let id = ChannelId::new("bench", "worker", "t", 3).unwrap();
+    announcer
+        .announce(
+            AnnouncedSource::new(&id, eventplane::wire::Wire::EventPlane),
+            source_pub.acceptor(),
+        )
+        .unwrap();
+    while bus.stats().announced_sources == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let stream = bus.open_announced(&id).await.unwrap();
+    let mut source = SubSocket::handshake(stream, Config::default())
+        .await
+        .unwrap();
+    source.subscribe("t").await.unwrap();
     direct_pub.wait_for_subscribers(1).await;
     tunnel_pub.wait_for_subscribers(1).await;
+    source_pub.wait_for_subscribers(1).await;
     Pair {
         direct_pub,
         direct,
         tunnel_pub,
         tunnel,
+        source_pub,
+        source,
         _regs: vec![r1, r2],
         _broker: broker,
+        _source: announcer,
         _bus: bus,
     }
 }
@@ -218,11 +260,21 @@ fn relay(c: &mut Criterion) {
             start.elapsed()
         })
     });
+    group.bench_function(BenchmarkId::new("throughput", "source"), |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            rt.block_on(closed_loop(&p.source_pub, &mut p.source, iters, &mut batch));
+            start.elapsed()
+        })
+    });
     group.bench_function(BenchmarkId::new("latency", "direct"), |b| {
         b.iter_custom(|iters| rt.block_on(ping(&p.direct_pub, &mut p.direct, iters)))
     });
     group.bench_function(BenchmarkId::new("latency", "tunnel"), |b| {
         b.iter_custom(|iters| rt.block_on(ping(&p.tunnel_pub, &mut p.tunnel, iters)))
+    });
+    group.bench_function(BenchmarkId::new("latency", "source"), |b| {
+        b.iter_custom(|iters| rt.block_on(ping(&p.source_pub, &mut p.source, iters)))
     });
     group.finish();
     drop(p);

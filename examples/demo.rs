@@ -53,6 +53,11 @@ struct Args {
     /// with the router forbidden to dial them directly.
     #[arg(long)]
     tunnel: bool,
+    /// With --tunnel: half of the workers (the odd ids) dial out to the bus as
+    /// sources (DESIGN §7.5) and announce their publishers there, the other half
+    /// sit behind the broker.
+    #[arg(long, requires = "tunnel")]
+    sources: bool,
 }
 
 const BLOCK_SIZE: usize = 16;
@@ -76,6 +81,16 @@ struct Engine {
     publisher: Arc<EventPublisher>,
     /// `EngineListener → Processor → LedgerSink → publisher`.
     worker: Worker,
+    /// A worker dialling out: its session with the bus.
+    source: Option<tunnel::SourceHandle>,
+}
+
+/// Where workers make themselves known: discovery (reached directly or through the
+/// broker), or, for those that dial out, the bus.
+#[derive(Clone)]
+struct Plane {
+    discovery: Arc<dyn Discovery>,
+    dial_out: Option<tunnel::DialOut>,
 }
 
 /// Which event-plane message carried how many router events: recorded when a worker
@@ -187,7 +202,7 @@ impl Account {
 
 async fn start_engine(
     id: u64,
-    discovery: Arc<dyn Discovery>,
+    plane: Plane,
     per_engine_rate: u64,
     totals: Arc<Totals>,
     ledger: Arc<Ledger>,
@@ -196,13 +211,22 @@ async fn start_engine(
     let engine_pub = Arc::new(PubSocket::bind("tcp://127.0.0.1:0", Config::default()).await?);
     let endpoint = engine_pub.local_endpoint().unwrap_or_default().to_owned();
 
-    // The worker pipeline for this engine.
-    let publisher = Arc::new(
-        EventPublisher::builder(discovery, NAMESPACE, "worker", "kv-events")
-            .worker(id, 0)
-            .build()
-            .await?,
-    );
+    // The worker pipeline for this engine: registered in discovery, or announced on
+    // the bus by a worker that dials out.
+    let dial_out = plane.dial_out.filter(|d| d.dials_out(id));
+    let publisher = Arc::new(match &dial_out {
+        None => {
+            EventPublisher::builder(plane.discovery, NAMESPACE, "worker", "kv-events")
+                .worker(id, 0)
+                .build()
+                .await?
+        }
+        Some(_) => EventPublisher::unregistered("kv-events").build().await?,
+    });
+    let source = match &dial_out {
+        Some(d) => Some(d.announce(id, &publisher)?),
+        None => None,
+    };
     // A sink of our own (the ledger's), so `Worker::with_sink`; a worker that only
     // publishes uses `Worker::builder(engine, publisher)`.
     let worker = Worker::with_sink(
@@ -241,6 +265,7 @@ async fn start_engine(
         generator,
         publisher,
         worker,
+        source,
     })
 }
 
@@ -376,6 +401,7 @@ impl Engine {
         if let Ok(p) = Arc::try_unwrap(self.publisher) {
             p.shutdown().await;
         }
+        tunnel::stop_source(self.source).await;
         let per_batch = EVENTS_PER_BATCH as u64;
         let d = listened.decoder;
         Account {
@@ -409,11 +435,16 @@ async fn main() -> anyhow::Result<()> {
     let totals = Arc::new(Totals::default());
 
     // The router: every worker's events, merged and decoded into an index.
-    let builder =
-        DynamicSubscriber::builder(discovery.clone(), Query::new(NAMESPACE).component("worker"))
-            .topic("kv-events")
-            .layout(Layout::TopicPublisherSeq);
-    let (builder, tunnel) = tunnel::start(args.tunnel, builder, discovery.clone()).await?;
+    let (tunnel, followed, dial_out) =
+        tunnel::start(args.tunnel, args.sources, engines_n, discovery.clone()).await?;
+    let builder = DynamicSubscriber::builder(followed, Query::new(NAMESPACE).component("worker"))
+        .topic("kv-events")
+        .layout(Layout::TopicPublisherSeq);
+    let builder = tunnel::configure(tunnel.as_ref(), builder);
+    let plane = Plane {
+        discovery: discovery.clone(),
+        dial_out,
+    };
     let mut router = builder.spawn()?;
     let router_stats = router.handle();
     let index = Arc::new(std::sync::Mutex::new(Index::default()));
@@ -464,7 +495,7 @@ async fn main() -> anyhow::Result<()> {
         engines.push(
             start_engine(
                 id,
-                discovery.clone(),
+                plane.clone(),
                 per_engine_rate,
                 totals.clone(),
                 ledger.clone(),
@@ -509,12 +540,8 @@ async fn main() -> anyhow::Result<()> {
         if !swapped && Instant::now() >= halfway && !engines.is_empty() {
             swapped = true;
             let leaving = engines.remove(0);
-            let (ledger, index, discovery, totals) = (
-                ledger.clone(),
-                index.clone(),
-                discovery.clone(),
-                totals.clone(),
-            );
+            let (ledger, index, plane, totals) =
+                (ledger.clone(), index.clone(), plane.clone(), totals.clone());
             let joining = next_id;
             next_id += 1;
             swap = Some(tokio::spawn(async move {
@@ -526,8 +553,7 @@ async fn main() -> anyhow::Result<()> {
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .forget(WorkerId(left_id));
-                let joined =
-                    start_engine(joining, discovery, per_engine_rate, totals, ledger).await?;
+                let joined = start_engine(joining, plane, per_engine_rate, totals, ledger).await?;
                 println!("  engine {left_id} left; engine {joining} joined");
                 Ok((left, joined))
             }));
@@ -639,23 +665,88 @@ async fn main() -> anyhow::Result<()> {
 }
 
 /// `--tunnel`: an event bus and a broker in this process, the router's direct dials
-/// refused by its address filter, so every worker is reached through the broker.
+/// refused by its address filter, so every worker is reached through the broker; with
+/// `--sources`, the odd workers dial out to the bus instead and announce their
+/// publishers (the router follows discovery and the bus's announced view, merged).
 #[cfg(feature = "tunnel")]
 mod tunnel {
     use std::path::PathBuf;
     use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
     use std::time::Duration;
 
-    use eventplane::discovery::Discovery;
+    use eventplane::discovery::{ChannelId, Discovery, Merged, WorkerIdentity};
     use eventplane::net::AddrFilter;
+    use eventplane::publish::EventPublisher;
     use eventplane::subscriber::DynamicSubscriberBuilder;
     use eventplane::tunnel::{
-        Broker, BrokerConfig, BusClients, EventBus, EventBusConfig, Secret, client_tls, server_tls,
+        AnnouncedSource, Broker, BrokerConfig, BusClients, EventBus, EventBusConfig, Secret,
+        Source, SourceConfig, TokenDigest, client_tls, server_tls,
     };
+    use eventplane::wire::Wire;
 
     pub(super) struct Tunnel {
         bus: EventBus,
         broker: Broker,
+        dial_out: Option<DialOut>,
+    }
+
+    /// How a worker dials out to the bus as a source.
+    #[derive(Clone)]
+    pub(super) struct DialOut {
+        url: String,
+        tls: Arc<rustls::ClientConfig>,
+        /// Streams the sources served, for the report.
+        streams: Arc<AtomicU64>,
+    }
+
+    /// A worker's source, and where its stream count goes.
+    pub(super) struct SourceHandle(Source, Arc<AtomicU64>);
+
+    fn source_token(id: u64) -> String {
+        format!("demo-source-token-{id}")
+    }
+
+    impl DialOut {
+        /// The odd workers dial out.
+        pub(super) fn dials_out(&self, id: u64) -> bool {
+            id % 2 == 1
+        }
+
+        /// Worker `id` dials the bus and announces `publisher`.
+        pub(super) fn announce(
+            &self,
+            id: u64,
+            publisher: &EventPublisher,
+        ) -> anyhow::Result<SourceHandle> {
+            let source = Source::spawn(SourceConfig::new(
+                self.url.clone(),
+                format!("demo-source-{id}"),
+                vec![super::NAMESPACE.to_owned()],
+                Secret::new(source_token(id))?,
+                self.tls.clone(),
+            ))?;
+            let channel = ChannelId::new(
+                super::NAMESPACE,
+                "worker",
+                "kv-events",
+                publisher.publisher_id(),
+            )?;
+            source.announce(
+                AnnouncedSource::new(&channel, Wire::EventPlane)
+                    .with_worker(WorkerIdentity::new(id, 0)),
+                publisher.acceptor(),
+            )?;
+            Ok(SourceHandle(source, self.streams.clone()))
+        }
+    }
+
+    /// Ends a worker's session (its publisher already closed its streams).
+    pub(super) async fn stop_source(source: Option<SourceHandle>) {
+        if let Some(SourceHandle(source, streams)) = source {
+            streams.fetch_add(source.stats().streams_opened, Ordering::Relaxed);
+            source.shutdown().await;
+        }
     }
 
     fn fixture(name: &str) -> PathBuf {
@@ -664,30 +755,46 @@ mod tunnel {
             .join(name)
     }
 
+    /// The bus and broker (with `on`), and what the router follows: `discovery`, and
+    /// with `sources` the bus's announced view too. Credentials for `engines` + 1
+    /// workers that dial out (one joins halfway).
     pub(super) async fn start(
         on: bool,
-        builder: DynamicSubscriberBuilder,
+        sources: bool,
+        engines: usize,
         discovery: Arc<dyn Discovery>,
-    ) -> anyhow::Result<(DynamicSubscriberBuilder, Option<Tunnel>)> {
+    ) -> anyhow::Result<(Option<Tunnel>, Arc<dyn Discovery>, Option<DialOut>)> {
         if !on {
-            return Ok((builder, None));
+            return Ok((None, discovery, None));
         }
         let token = Secret::new("demo-bus-token")?;
+        let mut clients = BusClients::shared(&token, vec![super::NAMESPACE.to_owned()])?;
+        if sources {
+            for id in (0..=engines as u64).filter(|id| id % 2 == 1) {
+                clients = clients.source(
+                    format!("demo-source-{id}"),
+                    TokenDigest::of(&Secret::new(source_token(id))?),
+                    vec![super::NAMESPACE.to_owned()],
+                )?;
+            }
+        }
         let bus = EventBus::bind(
             "127.0.0.1:0",
             server_tls(fixture("bus.pem"), fixture("bus.key"))?,
-            BusClients::shared(&token, vec![super::NAMESPACE.to_owned()])?,
+            clients,
             EventBusConfig::default(),
         )
         .await?;
+        let url = format!("https://localhost:{}", bus.local_addr().port());
+        let tls = client_tls(fixture("ca.pem"))?;
         let broker = Broker::spawn(
             BrokerConfig::new(
-                format!("https://localhost:{}", bus.local_addr().port()),
+                url.clone(),
                 "demo-broker",
                 vec![super::NAMESPACE.to_owned()],
                 token,
-                client_tls(fixture("ca.pem"))?,
-                discovery,
+                tls.clone(),
+                discovery.clone(),
             )
             // The workers listen on loopback, which a broker refuses by default.
             .addr_filter(AddrFilter::strict().allow_cidr("127.0.0.0/8".parse()?)),
@@ -703,26 +810,70 @@ mod tunnel {
             "tunnel: broker joined the event bus at {}",
             bus.local_addr()
         );
-        let builder = builder
-            .tunnel(bus.clone())
-            // Loopback refused: the workers are "inside the cluster".
-            .addr_filter(AddrFilter::strict());
-        Ok((builder, Some(Tunnel { bus, broker })))
+        let (followed, dial_out): (Arc<dyn Discovery>, _) = if sources {
+            println!("tunnel: the odd workers dial out as sources");
+            (
+                Arc::new(Merged::new(vec![
+                    discovery,
+                    Arc::new(bus.announced(Wire::EventPlane)),
+                ])),
+                Some(DialOut {
+                    url,
+                    tls,
+                    streams: Arc::new(AtomicU64::new(0)),
+                }),
+            )
+        } else {
+            (discovery, None)
+        };
+        Ok((
+            Some(Tunnel {
+                bus,
+                broker,
+                dial_out: dial_out.clone(),
+            }),
+            followed,
+            dial_out,
+        ))
+    }
+
+    /// The router reaches workers through the bus only.
+    pub(super) fn configure(
+        tunnel: Option<&Tunnel>,
+        builder: DynamicSubscriberBuilder,
+    ) -> DynamicSubscriberBuilder {
+        match tunnel {
+            Some(t) => builder
+                .tunnel(t.bus.clone())
+                // Loopback refused: the workers are "inside the cluster".
+                .addr_filter(AddrFilter::strict()),
+            None => builder,
+        }
     }
 
     /// The tunnel's rows; `accepted` is how many connections the workers' publishers
-    /// accepted in all (the broker's, and any the router made directly).
+    /// accepted in all (the broker's, the sources' streams, and any the router made
+    /// directly).
     pub(super) async fn report(tunnel: Option<Tunnel>, accepted: u64, row: impl Fn(&str, u64)) {
-        let Some(Tunnel { bus, broker }) = tunnel else {
+        let Some(Tunnel {
+            bus,
+            broker,
+            dial_out,
+        }) = tunnel
+        else {
             return;
         };
         let stats = broker.stats();
-        row("streams through the tunnel", stats.streams_opened);
+        let from_sources = dial_out.map_or(0, |d| d.streams.load(Ordering::Relaxed));
+        row("streams through the broker", stats.streams_opened);
+        if from_sources > 0 {
+            row("streams from workers dialling out", from_sources);
+        }
         row(
-            "worker connections not through the broker",
-            accepted.saturating_sub(stats.streams_opened),
+            "worker connections not through the bus",
+            accepted.saturating_sub(stats.streams_opened + from_sources),
         );
-        row("bytes relayed publishers → router", stats.bytes_up);
+        row("bytes relayed publishers → router", bus.stats().bytes_in);
         row("refused or failed subscribes", bus.stats().streams_failed);
         broker.shutdown().await;
         bus.shutdown().await;
@@ -734,21 +885,47 @@ mod tunnel {
     use std::sync::Arc;
 
     use eventplane::discovery::Discovery;
+    use eventplane::publish::EventPublisher;
     use eventplane::subscriber::DynamicSubscriberBuilder;
 
     pub(super) enum Tunnel {}
 
+    #[derive(Clone)]
+    pub(super) enum DialOut {}
+
+    pub(super) enum SourceHandle {}
+
+    impl DialOut {
+        pub(super) fn dials_out(&self, _: u64) -> bool {
+            match *self {}
+        }
+
+        pub(super) fn announce(&self, _: u64, _: &EventPublisher) -> anyhow::Result<SourceHandle> {
+            match *self {}
+        }
+    }
+
+    pub(super) async fn stop_source(_: Option<SourceHandle>) {}
+
     pub(super) async fn start(
         on: bool,
-        builder: DynamicSubscriberBuilder,
-        _: Arc<dyn Discovery>,
-    ) -> anyhow::Result<(DynamicSubscriberBuilder, Option<Tunnel>)> {
+        _: bool,
+        _: usize,
+        discovery: Arc<dyn Discovery>,
+    ) -> anyhow::Result<(Option<Tunnel>, Arc<dyn Discovery>, Option<DialOut>)> {
         if on {
             anyhow::bail!(
                 "--tunnel needs the `tunnel` feature: cargo run --release --features tunnel --example demo -- --tunnel"
             );
         }
-        Ok((builder, None))
+        Ok((None, discovery, None))
+    }
+
+    pub(super) fn configure(
+        _: Option<&Tunnel>,
+        builder: DynamicSubscriberBuilder,
+    ) -> DynamicSubscriberBuilder {
+        builder
     }
 
     pub(super) async fn report(_: Option<Tunnel>, _: u64, _: impl Fn(&str, u64)) {}

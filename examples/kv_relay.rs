@@ -150,7 +150,11 @@ struct Args {
     #[arg(long = "dp-rank", requires = "registry")]
     dp_rank: Option<u32>,
     /// Host subscribers dial, when --bind is on a wildcard address (with --etcd).
-    #[arg(long = "advertise-host", requires = "registry")]
+    #[arg(
+        long = "advertise-host",
+        requires = "registry",
+        conflicts_with = "bus_url"
+    )]
     advertise_host: Option<String>,
 }
 
@@ -277,12 +281,20 @@ async fn main() -> ExitCode {
 }
 
 /// The publisher id of source `client_id`'s worker `worker_id` at `dp_rank`: the same
-/// across restarts (of this build), so a router counts a restart as a reset.
+/// across restarts and builds (64-bit FNV-1a of the three), so a router counts a
+/// restart as a reset.
 fn source_publisher_id(client_id: &str, worker_id: u64, dp_rank: u32) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    (client_id, worker_id, dp_rank).hash(&mut hasher);
-    hasher.finish() & eventplane::discovery::MAX_PUBLISHER_ID
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let bytes = client_id
+        .bytes()
+        .chain([0xff])
+        .chain(worker_id.to_be_bytes())
+        .chain(dp_rank.to_be_bytes());
+    for b in bytes {
+        hash ^= u64::from(b);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    hash & eventplane::discovery::MAX_PUBLISHER_ID
 }
 
 #[cfg(feature = "tunnel")]
@@ -333,10 +345,7 @@ fn source(args: &Args, publisher: &EventPublisher) -> Result<Option<SourceHandle
 /// Drains the source, if any; its counters.
 #[cfg(feature = "tunnel")]
 async fn stop_source(source: Option<SourceHandle>) -> Option<serde_json::Value> {
-    let source = source?;
-    let stats = serde_json::to_value(source.stats()).ok();
-    source.shutdown().await;
-    stats
+    serde_json::to_value(source?.shutdown().await).ok()
 }
 
 #[cfg(not(feature = "tunnel"))]

@@ -22,9 +22,10 @@
 //! namespaces = ["prod"]
 //! ```
 //! `--bus-token-file` instead trusts one shared token, granted `--namespace` only.
-//! `[[source]]` tables (the same three keys) grant a *source*: a `kv_relay --bus-url …`
-//! the router cannot reach dials in and announces its own publisher (DESIGN §7.5),
-//! only in its namespaces. The router follows the announced publishers of its wire
+//! `[[source]]` tables (the same three keys, and optionally `worker_ids = [..]`, the
+//! workers it may speak for) grant a *source*: a `kv_relay --bus-url …` the router
+//! cannot reach dials in and announces its own publisher (DESIGN §7.5), only in its
+//! namespaces. The router follows the announced publishers of its wire
 //! beside those of `--etcd`/`--kube`/`--static`, or alone when none is given.
 //! A `DynamicSubscriber` over etcd (feature `etcd`), Kubernetes (feature `kube`:
 //! Dynamo's `DynamoWorkerMetadata` resources joined with EndpointSlice readiness, in
@@ -614,6 +615,9 @@ struct BrokerEntry {
     client_id: String,
     token_sha256: String,
     namespaces: Vec<String>,
+    /// A source only: the workers it may announce publishers for (any, when absent).
+    #[serde(default)]
+    worker_ids: Option<Vec<u64>>,
 }
 
 /// The credentials of --bus-clients, or the one token of --bus-token-file granted
@@ -645,10 +649,16 @@ fn bus_clients(args: &Args) -> Result<eventplane::tunnel::BusClients, String> {
         };
         let digest = TokenDigest::from_hex(&entry.token_sha256).map_err(at)?;
         let (id, namespaces) = (entry.client_id.clone(), entry.namespaces.clone());
-        clients = if source {
-            clients.source(id, digest, namespaces)
-        } else {
-            clients.broker(id, digest, namespaces)
+        clients = match (source, entry.worker_ids.clone()) {
+            (true, Some(workers)) => clients.source_for_workers(id, digest, namespaces, workers),
+            (true, None) => clients.source(id, digest, namespaces),
+            (false, None) => clients.broker(id, digest, namespaces),
+            (false, Some(_)) => {
+                return Err(format!(
+                    "--bus-clients: broker {:?}: worker_ids is for [[source]] entries",
+                    entry.client_id
+                ));
+            }
         }
         .map_err(at)?;
     }

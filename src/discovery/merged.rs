@@ -16,8 +16,10 @@ use super::{
 
 /// Several backends as one [`Discovery`]: a watch yields every backend's changes, and
 /// its first `Resync` once each backend sent its own (a later one from any backend is
-/// answered with the union again). An id two backends list is the first backend's;
-/// it departs when no backend lists it. A backend's watch failing fails the merged
+/// answered with the union again). An id two backends list is the first backend's
+/// (in the order given); when it passes to another backend, a watch says `Removed`
+/// (the old incarnation) and then `Added` (the new one): incarnations of different
+/// backends are not comparable. It departs when no backend lists it. A backend's watch failing fails the merged
 /// watch (the subscriber watches again, all of them). Registering goes to the first
 /// backend.
 ///
@@ -64,6 +66,10 @@ struct MergedWatch {
     parts: Vec<Part>,
     /// Every part sent its first `Resync`.
     synced: bool,
+    /// What subscribers were told each id is now: the part it came from and its
+    /// incarnation (incarnations of different backends are not comparable, so a
+    /// change of part is told as a removal, then an addition).
+    told: HashMap<ChannelId, (usize, u64)>,
     /// The next part to poll first (fairness).
     next: usize,
     /// Events ready to yield.
@@ -72,9 +78,43 @@ struct MergedWatch {
 }
 
 impl MergedWatch {
-    /// The instance of `id` by precedence, if any part lists it.
-    fn owner(&self, id: &ChannelId) -> Option<&Instance> {
-        self.parts.iter().find_map(|p| p.listed.get(id))
+    /// The instance of `id` by precedence, and its part, if any part lists it.
+    fn owner(&self, id: &ChannelId) -> Option<(usize, &Instance)> {
+        self.parts
+            .iter()
+            .enumerate()
+            .find_map(|(k, p)| p.listed.get(id).map(|i| (k, i)))
+    }
+
+    /// Tells subscribers what `id` is now, if that changed.
+    fn retell(&mut self, id: &ChannelId) {
+        let now = self.owner(id).map(|(k, i)| (k, i.clone()));
+        let before = self.told.get(id).copied();
+        match (before, now) {
+            (None, None) => {}
+            (Some((_, incarnation)), None) => {
+                self.told.remove(id);
+                self.ready.push_back(DiscoveryEvent::Removed {
+                    id: id.clone(),
+                    incarnation,
+                });
+            }
+            (before, Some((part, instance))) => {
+                if before == Some((part, instance.incarnation)) {
+                    return;
+                }
+                if let Some((old_part, incarnation)) = before {
+                    if old_part != part {
+                        self.ready.push_back(DiscoveryEvent::Removed {
+                            id: id.clone(),
+                            incarnation,
+                        });
+                    }
+                }
+                self.told.insert(id.clone(), (part, instance.incarnation));
+                self.ready.push_back(DiscoveryEvent::Added(instance));
+            }
+        }
     }
 
     fn union(&self) -> Vec<Instance> {
@@ -93,29 +133,20 @@ impl MergedWatch {
         };
         match event {
             DiscoveryEvent::Added(instance) => {
-                p.listed.insert(instance.id.clone(), instance.clone());
-                if self.synced && self.owner(&instance.id) == Some(&instance) {
-                    self.ready.push_back(DiscoveryEvent::Added(instance));
+                let id = instance.id.clone();
+                p.listed.insert(id.clone(), instance);
+                if self.synced {
+                    self.retell(&id);
                 }
             }
             DiscoveryEvent::Removed { id, incarnation } => {
-                let held = p
-                    .listed
+                if p.listed
                     .get(&id)
-                    .is_some_and(|i| i.incarnation == incarnation);
-                if held {
+                    .is_some_and(|i| i.incarnation == incarnation)
+                {
                     p.listed.remove(&id);
-                }
-                if self.synced && held {
-                    match self.owner(&id) {
-                        // Another backend lists it still: that one stands.
-                        Some(other) => {
-                            let other = other.clone();
-                            self.ready.push_back(DiscoveryEvent::Added(other));
-                        }
-                        None => self
-                            .ready
-                            .push_back(DiscoveryEvent::Removed { id, incarnation }),
+                    if self.synced {
+                        self.retell(&id);
                     }
                 }
             }
@@ -125,6 +156,15 @@ impl MergedWatch {
                 self.synced = self.parts.iter().all(|p| p.synced);
                 if self.synced {
                     let union = self.union();
+                    // A part that changed while an id moved between parts: the set is
+                    // the union, each id as its owner lists it.
+                    self.told = union
+                        .iter()
+                        .filter_map(|i| {
+                            self.owner(&i.id)
+                                .map(|(k, _)| (i.id.clone(), (k, i.incarnation)))
+                        })
+                        .collect();
                     self.ready.push_back(DiscoveryEvent::Resync(union));
                 }
             }
@@ -221,6 +261,7 @@ impl Discovery for Merged {
             }
             let mut watch = MergedWatch {
                 synced: parts.is_empty(),
+                told: HashMap::new(),
                 parts,
                 next: 0,
                 ready: std::collections::VecDeque::new(),
@@ -248,5 +289,99 @@ impl Discovery for Merged {
                 sum.reconnects += s.reconnects;
                 sum
             })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::panic)]
+    use super::*;
+    use crate::discovery::MemoryDiscovery;
+
+    async fn next(watch: &mut DiscoveryStream) -> DiscoveryEvent {
+        tokio::time::timeout(std::time::Duration::from_secs(10), watch.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn an_id_two_backends_list_is_the_first_s_and_moves_as_removed_then_added() {
+        let (a, b) = (
+            Arc::new(MemoryDiscovery::new()),
+            Arc::new(MemoryDiscovery::new()),
+        );
+        let id = ChannelId::new("prod", "w", "kv", 1).unwrap();
+        let other = ChannelId::new("prod", "w", "kv", 2).unwrap();
+        // The second backend's incarnations run ahead of the first's.
+        for _ in 0..5 {
+            drop(
+                b.register(other.clone(), Transport::zmq("tcp://127.0.0.1:9"))
+                    .await
+                    .unwrap(),
+            );
+        }
+        let in_b = b
+            .register(id.clone(), Transport::zmq("tcp://127.0.0.1:2"))
+            .await
+            .unwrap();
+        let merged = Merged::new(vec![a.clone(), b.clone()]);
+        let mut watch = merged
+            .watch(Query::new("prod"), CancellationToken::new())
+            .await
+            .unwrap();
+        // Nothing before every backend's first Resync; then the union.
+        let DiscoveryEvent::Resync(all) = next(&mut watch).await else {
+            panic!("the first event is the union")
+        };
+        assert_eq!(all, vec![in_b.instance().clone()]);
+        // The first backend lists it too: it takes precedence.
+        let in_a = a
+            .register(id.clone(), Transport::zmq("tcp://127.0.0.1:1"))
+            .await
+            .unwrap();
+        assert!(in_a.instance().incarnation < in_b.instance().incarnation);
+        assert_eq!(
+            next(&mut watch).await,
+            DiscoveryEvent::Removed {
+                id: id.clone(),
+                incarnation: in_b.instance().incarnation
+            }
+        );
+        assert_eq!(
+            next(&mut watch).await,
+            DiscoveryEvent::Added(in_a.instance().clone())
+        );
+        // The second backend's change is shadowed: nothing to tell.
+        drop(in_b);
+        let in_b = b
+            .register(id.clone(), Transport::zmq("tcp://127.0.0.1:3"))
+            .await
+            .unwrap();
+        // The first lets go: back to the second, as a removal then an addition.
+        let a_incarnation = in_a.instance().incarnation;
+        in_a.unregister().await.unwrap();
+        assert_eq!(
+            next(&mut watch).await,
+            DiscoveryEvent::Removed {
+                id: id.clone(),
+                incarnation: a_incarnation
+            }
+        );
+        assert_eq!(
+            next(&mut watch).await,
+            DiscoveryEvent::Added(in_b.instance().clone())
+        );
+        // Gone from every backend: removed.
+        let b_incarnation = in_b.instance().incarnation;
+        in_b.unregister().await.unwrap();
+        assert_eq!(
+            next(&mut watch).await,
+            DiscoveryEvent::Removed {
+                id,
+                incarnation: b_incarnation
+            }
+        );
     }
 }

@@ -388,6 +388,7 @@ impl DynamicSubscriberBuilder {
             warn: RateLimitedWarn::default(),
             notices: notice::Notices::new(config.notices),
             departed_sequences: Mutex::new(shared::DepartedSequences::new(config.max_publishers)),
+            sequence_handover: tokio::sync::Notify::new(),
         });
         shared.tracker.spawn(worker::watch_loop(
             shared.clone(),

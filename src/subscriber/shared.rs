@@ -124,6 +124,8 @@ pub(crate) struct Shared {
     /// from there, so what it lost meanwhile counts as a gap or a reset, never as
     /// nothing. Bounded by `max_publishers`, oldest forgotten first.
     pub(crate) departed_sequences: Mutex<DepartedSequences>,
+    /// Told when a connection task of a publisher left its sequence state behind.
+    pub(crate) sequence_handover: tokio::sync::Notify,
 }
 
 /// The last sequence state of departed publishers, at most `capacity`.
@@ -132,6 +134,9 @@ pub(crate) struct DepartedSequences {
     capacity: usize,
     states: HashMap<ChannelId, SeqTracker>,
     order: std::collections::VecDeque<ChannelId>,
+    /// Connection tasks running per publisher (a replacement may start while its
+    /// predecessor drains; it waits for the predecessor's state).
+    running: HashMap<ChannelId, usize>,
 }
 
 impl DepartedSequences {
@@ -140,6 +145,29 @@ impl DepartedSequences {
             capacity,
             ..DepartedSequences::default()
         }
+    }
+
+    /// A connection task of `id` starts; `true` when it is the only one.
+    pub(crate) fn enter(&mut self, id: &ChannelId) -> bool {
+        let n = self.running.entry(id.clone()).or_default();
+        *n += 1;
+        *n == 1
+    }
+
+    /// Whether `id` has more than one connection task (a predecessor still drains).
+    pub(crate) fn has_predecessor(&self, id: &ChannelId) -> bool {
+        self.running.get(id).is_some_and(|n| *n > 1)
+    }
+
+    /// A connection task of `id` ends, leaving `seq` behind.
+    pub(crate) fn leave(&mut self, id: &ChannelId, seq: SeqTracker) {
+        if let Some(n) = self.running.get_mut(id) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.running.remove(id);
+            }
+        }
+        self.remember(id, seq);
     }
 
     /// Remembers `id`'s state (if it saw any message), forgetting the oldest past the

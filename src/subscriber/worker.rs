@@ -254,23 +254,37 @@ async fn connection_loop(
     cancel: CancellationToken,
     drain: CancellationToken,
 ) {
-    // A publisher back under the same id continues from where it departed.
-    let mut seq = shared
-        .departed_sequences
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .take(&id);
+    // A publisher back under the same id continues from where it departed (its
+    // predecessor, if still draining, hands its state over within its grace).
+    let sequences = || {
+        shared
+            .departed_sequences
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    };
+    if !sequences().enter(&id) {
+        let handed_over = async {
+            loop {
+                let told = shared.sequence_handover.notified();
+                tokio::pin!(told);
+                told.as_mut().enable();
+                if !sequences().has_predecessor(&id) {
+                    return;
+                }
+                told.await;
+            }
+        };
+        let _ = tokio::time::timeout(DRAIN_GRACE + Duration::from_secs(1), handed_over).await;
+    }
+    let mut seq = sequences().take(&id);
     seq.new_connection();
     run_connection(
         &shared, &config, &cell, &endpoint, &mut seq, &cancel, &drain,
     )
     .await;
     shared.retire(&id, &cell);
-    shared
-        .departed_sequences
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remember(&id, seq);
+    sequences().leave(&id, seq);
+    shared.sequence_handover.notify_waiters();
 }
 
 async fn run_connection(
@@ -574,7 +588,7 @@ async fn tunnel_link(config: &Config, instance: &Instance) -> Option<Result<Link
                 "an announced publisher is reached only through the bus it was announced on (DynamicSubscriberBuilder::tunnel)",
             ))));
         };
-        let opened = bus.open_announced(instance.id.publisher_id()).await;
+        let opened = bus.open_announced(&instance.id).await;
         return Some(
             opened
                 .map(Link::Tunnel)

@@ -192,6 +192,31 @@ impl BusClients {
         self.bound(Role::Source, client_id.into(), token_sha256, namespaces)
     }
 
+    /// With source `client_id`, as [`source`](Self::source) does, allowed to
+    /// announce publishers only for workers `worker_ids` (a credential leaked from one
+    /// GPU box cannot speak for the workers of another).
+    ///
+    /// ```
+    /// use eventplane::tunnel::{BusClients, TokenDigest};
+    /// let clients = BusClients::new()
+    ///     .source_for_workers("gpu-box-1", TokenDigest::from_hex(&"cd".repeat(32))?, vec!["prod".into()], vec![7, 8])?;
+    /// assert_eq!(clients.len(), 1);
+    /// # Ok::<(), eventplane::tunnel::TunnelError>(())
+    /// ```
+    pub fn source_for_workers(
+        self,
+        client_id: impl Into<String>,
+        token_sha256: TokenDigest,
+        namespaces: Vec<String>,
+        worker_ids: Vec<u64>,
+    ) -> Result<BusClients, TunnelError> {
+        let mut clients = self.bound(Role::Source, client_id.into(), token_sha256, namespaces)?;
+        if let Some(last) = clients.clients.last_mut() {
+            last.grant = last.grant.clone().with_workers(worker_ids);
+        }
+        Ok(clients)
+    }
+
     fn bound(
         self,
         role: Role,

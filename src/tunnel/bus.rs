@@ -22,6 +22,7 @@ use super::io::TunnelStream;
 use super::serve::{Command, Counters, Inner, Waiter};
 use super::sources::{AnnouncedView, SourceTable};
 use super::{DrainReason, PENDING_SUBSCRIBE_TIMEOUT, RefuseCode, rendezvous_ranked};
+use crate::discovery::ChannelId;
 use crate::wire::Wire;
 
 /// Brokers `open_stream` asks for one publisher: its rendezvous owner, then once the
@@ -103,8 +104,10 @@ pub struct BusStats {
     pub source_sessions: usize,
     /// Publishers sources announce now.
     pub announced_sources: usize,
-    /// Announcements ignored: another source's session holds the publisher id.
-    pub announce_conflicts: u64,
+    /// Announced publishers ignored, by reason: `held_by_another_source` (another
+    /// client's session announces the channel), `superseded_session` (a newer session
+    /// of the same client does), `bus_full` (`max_announced_sources` held).
+    pub announce_refused: HashMap<String, u64>,
 }
 
 /// The router's event bus: brokers dial in, the router opens publisher connections
@@ -191,7 +194,7 @@ impl EventBus {
             next_session: AtomicU64::new(1),
             next_conn: AtomicU64::new(1),
             counters: Counters::default(),
-            sources: SourceTable::new(config.announced_watch_buffer),
+            sources: SourceTable::new(config.max_announced_sources, config.announced_watch_buffer),
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
         });
@@ -232,7 +235,7 @@ impl EventBus {
                 .len(),
             source_sessions,
             announced_sources: self.inner.sources.len(),
-            announce_conflicts: l(&self.inner.sources.conflicts),
+            announce_refused: self.inner.sources.refused.snapshot(),
             sessions_started: l(&c.sessions_started),
             superseded: l(&c.superseded),
             unauthorized: l(&c.unauthorized),
@@ -386,12 +389,17 @@ impl EventBus {
         Err(last)
     }
 
-    /// Opens a connection to publisher `publisher_id`, which a source announced
-    /// (DESIGN §7.5), through that source's session; the source serves it from its
-    /// own publisher socket, as one more subscriber. `Refused(TargetNotAnnounced)`
-    /// when no session announces it now.
-    pub async fn open_announced(&self, publisher_id: u64) -> Result<TunnelStream, TunnelError> {
-        let Some(route) = self.inner.sources.route(publisher_id) else {
+    /// Opens a connection to publisher `id`, which a source announced (DESIGN
+    /// §7.5), through that source's session; the source serves it from its own
+    /// publisher socket, as one more subscriber. `Refused(TargetNotAnnounced)` (counted
+    /// in `refused`) when no session announces it now.
+    pub async fn open_announced(&self, id: &ChannelId) -> Result<TunnelStream, TunnelError> {
+        let publisher_id = id.publisher_id();
+        let Some(route) = self.inner.sources.route(id) else {
+            self.inner
+                .counters
+                .refused
+                .add(RefuseCode::TargetNotAnnounced.as_str());
             return Err(TunnelError::Refused(RefuseCode::TargetNotAnnounced));
         };
         self.open_via(

@@ -124,6 +124,8 @@ closed_codes! {
         RoleNotGranted = "role_not_granted",
         /// A source announced more publishers than the welcome's `max_sources`.
         TooManySources = "too_many_sources",
+        /// A source announced a publisher for a worker its credential does not name.
+        WorkerNotGranted = "worker_not_granted",
     }
 }
 

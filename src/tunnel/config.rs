@@ -477,6 +477,9 @@ pub struct EventBusConfig {
     /// Events each watcher of the announced sources ([`EventBus::announced`](super::EventBus::announced))
     /// may have waiting before it is resynced instead (default 4096).
     pub announced_watch_buffer: usize,
+    /// Most publishers announced on the bus at once, all sources together (default
+    /// 16,384; each source session is held to the welcome's `max_sources` too).
+    pub max_announced_sources: usize,
 }
 
 impl Default for EventBusConfig {
@@ -492,6 +495,7 @@ impl Default for EventBusConfig {
             session_start_timeout: SESSION_START_TIMEOUT,
             join_hold_down: JOIN_HOLD_DOWN,
             announced_watch_buffer: 4096,
+            max_announced_sources: 16_384,
         }
     }
 }
@@ -517,6 +521,7 @@ impl EventBusConfig {
             ("max_pending_connections", self.max_pending_connections),
             ("max_pending_per_source", self.max_pending_per_source),
             ("announced_watch_buffer", self.announced_watch_buffer),
+            ("max_announced_sources", self.max_announced_sources),
         ] {
             if !(1..=65_536).contains(&value) {
                 return refuse(field, format!("{value} is not within 1..=65536"));

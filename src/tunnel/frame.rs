@@ -64,8 +64,9 @@ pub enum Control {
         target: Target,
     },
     /// Source → router (version 2): more publishers it serves, at most
-    /// [`MAX_ANNOUNCE`](super::MAX_ANNOUNCE) per frame. Announcing a publisher id again
-    /// replaces it (a new incarnation).
+    /// [`MAX_ANNOUNCE`](super::MAX_ANNOUNCE) per frame. Announcing a publisher again
+    /// with anything changed replaces it (a new incarnation); the same announcement
+    /// again changes nothing.
     Announce {
         /// The publishers.
         sources: Vec<AnnouncedSource>,

@@ -137,7 +137,7 @@ pub struct RouterSession {
     grant: Grant,
     role: Role,
     /// A source's announced publishers.
-    announced: HashSet<u64>,
+    announced: HashMap<u64, AnnouncedSource>,
 }
 
 impl RouterSession {
@@ -156,7 +156,7 @@ impl RouterSession {
             events: VecDeque::new(),
             grant: Grant::any(),
             role: Role::Broker,
-            announced: HashSet::new(),
+            announced: HashMap::new(),
         }
     }
 
@@ -346,7 +346,7 @@ impl RouterSession {
                 let new: HashSet<u64> = sources
                     .iter()
                     .map(|s| s.publisher_id)
-                    .filter(|id| !self.announced.contains(id))
+                    .filter(|id| !self.announced.contains_key(id))
                     .collect();
                 if self.announced.len() + new.len() > self.limits.max_sources as usize {
                     return self.deny(DenyCode::TooManySources);
@@ -358,7 +358,7 @@ impl RouterSession {
             {
                 let gone: Vec<u64> = publisher_ids
                     .into_iter()
-                    .filter(|id| self.announced.remove(id))
+                    .filter(|id| self.announced.remove(id).is_some())
                     .collect();
                 if !gone.is_empty() {
                     self.events.push_back(RouterEvent::Withdrawn(gone));
@@ -420,7 +420,7 @@ impl RouterSession {
             }
             (Target::Tcp(_), Role::Broker) => {}
             (Target::Announced { publisher_id }, Role::Source) => {
-                if !self.announced.contains(publisher_id) {
+                if !self.announced.contains_key(publisher_id) {
                     return Err(SubscribeError::NotAnnounced);
                 }
             }
@@ -493,11 +493,19 @@ impl RouterSession {
         self.role
     }
 
-    /// Records `sources` as announced and tells the owner.
+    /// Records `sources` as announced and tells the owner of those that changed (an
+    /// identical announcement again is no news: it costs the views nothing).
     fn announce(&mut self, sources: Vec<AnnouncedSource>) {
-        self.announced
-            .extend(sources.iter().map(|s| s.publisher_id));
-        self.events.push_back(RouterEvent::Announced(sources));
+        let changed: Vec<AnnouncedSource> = sources
+            .into_iter()
+            .filter(|s| self.announced.get(&s.publisher_id) != Some(s))
+            .collect();
+        for source in &changed {
+            self.announced.insert(source.publisher_id, source.clone());
+        }
+        if !changed.is_empty() {
+            self.events.push_back(RouterEvent::Announced(changed));
+        }
     }
 
     /// Answers `denied{code}` and ends the session.

@@ -74,6 +74,8 @@ pub struct Grant {
     client_id: Option<String>,
     /// The role it grants (any, when unrestricted).
     role: Option<Role>,
+    /// The workers a source may announce publishers for (any, when unrestricted).
+    workers: Option<Vec<u64>>,
     namespaces: Option<Vec<String>>,
     /// Client ids (and their `.check`) it may not claim: bound to other credentials.
     reserved: Vec<String>,
@@ -91,6 +93,7 @@ impl Grant {
         Grant {
             client_id: None,
             role: None,
+            workers: None,
             namespaces: Some(namespaces),
             reserved: Vec::new(),
         }
@@ -116,6 +119,14 @@ impl Grant {
     #[must_use]
     pub fn with_role(mut self, role: Role) -> Grant {
         self.role = Some(role);
+        self
+    }
+
+    /// A source's announcements only for workers `worker_ids` (each announced
+    /// publisher must name one of them; `worker_not_granted` otherwise).
+    #[must_use]
+    pub fn with_workers(mut self, worker_ids: Vec<u64>) -> Grant {
+        self.workers = Some(worker_ids);
         self
     }
 
@@ -152,18 +163,32 @@ impl Grant {
         if self.role.is_some_and(|r| r != hello.role) {
             return Err(DenyCode::RoleNotGranted);
         }
+        // `--check-bus` proves a broker's credential; a source has no such session
+        // (it would be a second session announcing under the same grant).
+        if hello.role == Role::Source && hello.client_id.ends_with(".check") {
+            return Err(DenyCode::ClientIdNotGranted);
+        }
         if !hello.namespaces.iter().all(|n| self.covers(n)) {
             return Err(DenyCode::NamespaceNotGranted);
         }
         hello.sources.iter().try_for_each(|s| self.check_source(s))
     }
 
-    /// Whether a source may announce `source`: its namespace is granted.
+    /// Whether a source may announce `source`: its namespace is granted, and its
+    /// worker too when the grant names workers.
     pub fn check_source(&self, source: &AnnouncedSource) -> Result<(), DenyCode> {
-        if self.covers(&source.namespace) {
+        if !self.covers(&source.namespace) {
+            return Err(DenyCode::NamespaceNotGranted);
+        }
+        let worker_granted = match (&self.workers, source.worker) {
+            (None, _) => true,
+            (Some(ids), Some(w)) => ids.contains(&w.worker_id),
+            (Some(_), None) => false,
+        };
+        if worker_granted {
             Ok(())
         } else {
-            Err(DenyCode::NamespaceNotGranted)
+            Err(DenyCode::WorkerNotGranted)
         }
     }
 }

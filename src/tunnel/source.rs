@@ -326,11 +326,12 @@ impl Source {
     }
 
     /// Drains (says `draining`; open streams may run until the drain deadline, or
-    /// until their publishers close) and stops.
-    pub async fn shutdown(self) {
+    /// until their publishers close) and stops; its final counters.
+    pub async fn shutdown(mut self) -> SourceStats {
         self.cancel.cancel();
-        let _ = self.task.await;
+        let _ = (&mut self.task).await;
         self.hard.cancel();
+        self.stats()
     }
 
     /// Stops at once, as when the process is killed.
@@ -443,6 +444,13 @@ async fn session(
                         welcome.limits.max_streams.min(super::MAX_BROKER_STREAMS) as usize
                     );
                     tracing::info!(client_id = %config.client_id, session_id = welcome.session_id, announced = sent.len(), "bus session welcomed: announcing as a source");
+                    if sent.len() > welcome.limits.max_sources as usize {
+                        tracing::error!(
+                            announced = sent.len(),
+                            max_sources = welcome.limits.max_sources,
+                            "more publishers than the bus allows one source: it will deny the session (too_many_sources)"
+                        );
+                    }
                 }
                 BrokerEvent::Serve {
                     stream_id,
@@ -452,8 +460,16 @@ async fn session(
                         .publishers()
                         .get(&publisher_id)
                         .map(|(_, a)| a.clone());
-                    let Some(acceptor) = acceptor else {
-                        client.stream_refused(stream_id, RefuseCode::TargetNotAnnounced);
+                    let refusal = match &acceptor {
+                        None => Some(RefuseCode::TargetNotAnnounced),
+                        // Its publisher closed (the process is stopping).
+                        Some(a) if a.is_closed() => Some(RefuseCode::Draining),
+                        Some(_) => None,
+                    };
+                    let (Some(acceptor), None) = (acceptor, refusal) else {
+                        let code = refusal.unwrap_or(RefuseCode::TargetNotAnnounced);
+                        shared.refused.add(code.as_str());
+                        client.stream_refused(stream_id, code);
                         continue;
                     };
                     let stop = streams_cancel.child_token();
@@ -681,9 +697,13 @@ async fn serve(
     );
     let label = format!("bus stream {stream_id:x} (publisher {publisher_id:x})");
     if !acceptor.accept_stream(stream, label) {
-        let _ = report
-            .send(Report::Refused(stream_id, RefuseCode::TooManyStreams))
-            .await;
+        // Its socket closed meanwhile, or holds its `max_connections`.
+        let code = if acceptor.is_closed() {
+            RefuseCode::Draining
+        } else {
+            RefuseCode::TooManyStreams
+        };
+        let _ = report.send(Report::Refused(stream_id, code)).await;
         return;
     }
     let _ = report.send(Report::Opened(stream_id)).await;

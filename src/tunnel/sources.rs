@@ -7,11 +7,11 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use tokio_util::sync::CancellationToken;
 
 use super::announce::AnnouncedSource;
+use super::codes::CodeCounts;
 use crate::discovery::{
     BoxFuture, ChannelId, Discovery, DiscoveryError, DiscoveryStats, DiscoveryStream, Instance,
     MemoryDiscovery, Query, Registration, Transport, WorkerIdentity,
@@ -27,14 +27,21 @@ struct Held<C> {
     _registration: Registration,
 }
 
-/// Which session serves which announced publisher, and one view per wire layout (a
-/// subscriber reads one).
+/// Which session serves which announced publisher (by channel: a namespace the
+/// announcing credential was granted is part of the key), and one view per wire
+/// layout (a subscriber reads one).
 pub(super) struct SourceTable<C> {
     ours: MemoryDiscovery,
     dynamo: MemoryDiscovery,
-    held: Mutex<HashMap<u64, Held<C>>>,
-    /// Announcements ignored: another client's session holds the publisher id.
-    pub(super) conflicts: AtomicU64,
+    held: Mutex<HashMap<ChannelId, Held<C>>>,
+    /// Most publishers announced on the bus at once.
+    max: usize,
+    /// One announcement at a time, from check to registration to record: two
+    /// sessions claiming one channel never both touch the view.
+    announcing: tokio::sync::Mutex<()>,
+    /// Announcements ignored, by reason: `held_by_another_source`,
+    /// `superseded_session`, `bus_full`.
+    pub(super) refused: CodeCounts,
 }
 
 /// Where to subscribe to an announced publisher.
@@ -44,8 +51,9 @@ pub(super) struct Route<C> {
 }
 
 impl<C: Clone> SourceTable<C> {
-    /// Each view's watchers buffer up to `watch_buffer` events before resyncing.
-    pub(super) fn new(watch_buffer: usize) -> SourceTable<C> {
+    /// At most `max` publishers; each view's watchers buffer up to `watch_buffer`
+    /// events before resyncing.
+    pub(super) fn new(max: usize, watch_buffer: usize) -> SourceTable<C> {
         let view = || {
             MemoryDiscovery::builder()
                 .watch_buffer(watch_buffer.max(1))
@@ -56,7 +64,9 @@ impl<C: Clone> SourceTable<C> {
             ours: view(),
             dynamo: view(),
             held: Mutex::new(HashMap::new()),
-            conflicts: AtomicU64::new(0),
+            max,
+            announcing: tokio::sync::Mutex::new(()),
+            refused: CodeCounts::default(),
         }
     }
 
@@ -67,13 +77,26 @@ impl<C: Clone> SourceTable<C> {
         }
     }
 
-    fn held(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Held<C>>> {
+    fn held(&self) -> std::sync::MutexGuard<'_, HashMap<ChannelId, Held<C>>> {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Session `session_id` of `client_id` announced `sources`: each is registered
-    /// as a new incarnation, unless another client's session holds its id (ignored,
-    /// counted in `conflicts`).
+    /// Why session `session_id` of `client_id` may not take `id` now, if it may not:
+    /// another client holds it, a newer session of the same client does, or the bus
+    /// holds its `max` already.
+    fn refusal(&self, id: &ChannelId, client_id: &str, session_id: u64) -> Option<&'static str> {
+        let held = self.held();
+        match held.get(id) {
+            Some(h) if h.client_id != client_id => Some("held_by_another_source"),
+            Some(h) if h.session_id > session_id => Some("superseded_session"),
+            None if held.len() >= self.max => Some("bus_full"),
+            _ => None,
+        }
+    }
+
+    /// Session `session_id` of `client_id` announced `sources`: each is registered as
+    /// a new incarnation, unless refused (counted by reason, warned once a minute by
+    /// the caller's limiter).
     pub(super) async fn announce(
         &self,
         session_id: u64,
@@ -81,24 +104,21 @@ impl<C: Clone> SourceTable<C> {
         commands: &C,
         sources: Vec<AnnouncedSource>,
     ) {
+        let _one_at_a_time = self.announcing.lock().await;
         for source in sources {
-            let taken = self
-                .held()
-                .get(&source.publisher_id)
-                .is_some_and(|h| h.client_id != client_id);
-            if taken {
-                self.conflicts.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(%client_id, publisher_id = source.publisher_id, "a source announced a publisher id another source holds: ignored");
-                continue;
-            }
             // The decoder checked it.
             let Ok(id) = source.channel_id() else {
                 continue;
             };
+            if let Some(why) = self.refusal(&id, client_id, session_id) {
+                self.refused.add(why);
+                tracing::warn!(%client_id, %id, reason = why, "an announced publisher was refused");
+                continue;
+            }
             let registered = self
                 .of(source.wire)
                 .register_with(
-                    id,
+                    id.clone(),
                     Transport::announced(client_id, session_id),
                     source.worker,
                 )
@@ -108,7 +128,7 @@ impl<C: Clone> SourceTable<C> {
             };
             // Dropping the earlier holder's registration removes only its incarnation.
             let earlier = self.held().insert(
-                source.publisher_id,
+                id,
                 Held {
                     client_id: client_id.to_owned(),
                     session_id,
@@ -124,10 +144,12 @@ impl<C: Clone> SourceTable<C> {
     pub(super) fn withdraw(&self, session_id: u64, publisher_ids: &[u64]) {
         let gone: Vec<Held<C>> = {
             let mut held = self.held();
-            let mine: Vec<u64> = publisher_ids
+            let mine: Vec<ChannelId> = held
                 .iter()
-                .copied()
-                .filter(|id| held.get(id).is_some_and(|h| h.session_id == session_id))
+                .filter(|(id, h)| {
+                    h.session_id == session_id && publisher_ids.contains(&id.publisher_id())
+                })
+                .map(|(id, _)| id.clone())
                 .collect();
             mine.iter().filter_map(|id| held.remove(id)).collect()
         };
@@ -138,19 +160,19 @@ impl<C: Clone> SourceTable<C> {
     pub(super) fn session_ended(&self, session_id: u64) {
         let gone: Vec<Held<C>> = {
             let mut held = self.held();
-            let ids: Vec<u64> = held
+            let ids: Vec<ChannelId> = held
                 .iter()
                 .filter(|(_, h)| h.session_id == session_id)
-                .map(|(id, _)| *id)
+                .map(|(id, _)| id.clone())
                 .collect();
             ids.iter().filter_map(|id| held.remove(id)).collect()
         };
         drop(gone);
     }
 
-    /// The session serving `publisher_id` now.
-    pub(super) fn route(&self, publisher_id: u64) -> Option<Route<C>> {
-        self.held().get(&publisher_id).map(|h| Route {
+    /// The session serving channel `id` now.
+    pub(super) fn route(&self, id: &ChannelId) -> Option<Route<C>> {
+        self.held().get(id).map(|h| Route {
             session_id: h.session_id,
             commands: h.commands.clone(),
         })

@@ -300,6 +300,57 @@ fn router_denies_an_announce_beyond_the_grant_or_the_limit() {
             DenyCode::TooManySources
         )))
     );
+    // A credential naming workers: only those.
+    let bound = Grant::namespaces(vec!["prod".into()])
+        .with_role(Role::Source)
+        .with_workers(vec![7]);
+    let worker =
+        |w| source(1, Wire::EventPlane).with_worker(crate::discovery::WorkerIdentity::new(w, 0));
+    assert_eq!(bound.check_source(&worker(7)), Ok(()));
+    assert_eq!(
+        bound.check_source(&worker(8)),
+        Err(DenyCode::WorkerNotGranted)
+    );
+    assert_eq!(
+        bound.check_source(&source(1, Wire::EventPlane)),
+        Err(DenyCode::WorkerNotGranted)
+    );
+    let (_client, mut router) = source_pair(vec![worker(8)], bound, Limits::default(), now);
+    assert_eq!(
+        router.poll_event(),
+        Some(RouterEvent::Ended(SessionEnd::Denied(
+            DenyCode::WorkerNotGranted
+        )))
+    );
+    // No `.check` session for a source (it would announce under the grant twice).
+    let mut router = RouterSession::new(1, Limits::default(), now).with_grant(grant());
+    router.handle(
+        Control::Hello(Hello::source("gpu-1.check", vec!["prod".into()], vec![])),
+        now,
+    );
+    assert_eq!(
+        router.poll_event(),
+        Some(RouterEvent::Ended(SessionEnd::Denied(
+            DenyCode::ClientIdNotGranted
+        )))
+    );
+    // The same announcement again is no news (nothing for the views to do).
+    let (mut client, mut router) = source_pair(
+        vec![source(1, Wire::EventPlane)],
+        grant(),
+        Limits::default(),
+        now,
+    );
+    while router.poll_event().is_some() {}
+    client.announce(vec![source(1, Wire::EventPlane)]);
+    exchange(&mut client, &mut router, now);
+    assert_eq!(router.poll_event(), None);
+    client.announce(vec![source(1, Wire::Dynamo)]);
+    exchange(&mut client, &mut router, now);
+    assert_eq!(
+        router.poll_event(),
+        Some(RouterEvent::Announced(vec![source(1, Wire::Dynamo)]))
+    );
     // A broker's credential cannot take the source role, nor a broker announce.
     let broker_grant = Grant::namespaces(vec!["prod".into()]).with_role(Role::Broker);
     let (_client, mut router) = source_pair(vec![], broker_grant, Limits::default(), now);

@@ -447,3 +447,45 @@ async fn a_broker_asked_for_an_announced_target_refuses_it() {
     assert_eq!(stats.streams_opened, 0);
     broker.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_channel_another_source_holds_is_refused_and_counted() {
+    let bus = sources_bus(2).await;
+    let first = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
+    let (publisher, id) = announced_publisher(&first, Wire::EventPlane, 1).await;
+    until(|| bus.stats().announced_sources == 1).await;
+    let held = bus
+        .announced(Wire::EventPlane)
+        .list(Query::new("prod"))
+        .await
+        .unwrap();
+    // Another credential's source claims the same channel: ignored, counted; the
+    // first keeps it, and the router still reaches the first.
+    let squatter = Source::spawn(source_config(&bus, "gpu-1", &["prod"])).unwrap();
+    let decoy = PubSocket::new(Config::default());
+    squatter
+        .announce(
+            AnnouncedSource::new(&id, Wire::EventPlane),
+            decoy.acceptor(),
+        )
+        .unwrap();
+    until(|| bus.stats().announce_refused.get("held_by_another_source") == Some(&1)).await;
+    let listed = bus
+        .announced(Wire::EventPlane)
+        .list(Query::new("prod"))
+        .await
+        .unwrap();
+    assert_eq!(listed, held, "the view is untouched");
+    let mut router = follow(&bus, Wire::EventPlane);
+    publisher
+        .wait_for_subscribers_within(1, Duration::from_secs(10))
+        .await
+        .unwrap();
+    publisher.publish(Bytes::from_static(b"from the first"));
+    let delivery = within(router.recv()).await.unwrap();
+    assert_eq!(delivery.payload().as_deref(), Some(&b"from the first"[..]));
+    assert_eq!(decoy.stats().accepted, 0);
+    squatter.abort();
+    first.abort();
+    router.handle().shutdown().await;
+}

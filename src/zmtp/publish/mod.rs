@@ -87,6 +87,11 @@ pub struct StreamAcceptor {
 }
 
 impl StreamAcceptor {
+    /// Whether its socket closed (it accepts nothing more).
+    pub fn is_closed(&self) -> bool {
+        self.cancel.is_cancelled()
+    }
+
     /// Serves one subscriber over `stream`, exactly as
     /// [`PubSocket::accept_stream`] does (the same send queue bounds, drop counters
     /// and `max_connections`); `false` when refused.

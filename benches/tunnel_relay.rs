@@ -3,7 +3,7 @@
 //!   in flight (below the PUB's per-subscriber queue, so nothing drops), received with
 //!   `recv_many`: through the tunnel (router `SubSocket` ← HTTP/2 + TLS ← broker ←
 //!   publisher), from a source (router `SubSocket` ← HTTP/2 + TLS ← the source's
-//!   `PubSocket` serving the stream itself, DESIGN §7.5) and directly (`SubSocket` ←
+//!   `PubSocket` serving the stream itself, DESIGN §7.4) and directly (`SubSocket` ←
 //!   publisher);
 //! - added latency: one message sent and received at a time, both ways;
 //! - the broker's memory with 1,000 open streams: the `event_broker` example in its own

@@ -54,7 +54,7 @@ struct Args {
     #[arg(long)]
     tunnel: bool,
     /// With --tunnel: half of the workers (the odd ids) dial out to the bus as
-    /// sources (DESIGN §7.5) and announce their publishers there, the other half
+    /// sources (DESIGN §7.4) and announce their publishers there, the other half
     /// sit behind the broker.
     #[arg(long, requires = "tunnel")]
     sources: bool,

@@ -10,7 +10,7 @@
 //!          [--bus-url https://ROUTER:PORT --bus-ca PEM --bus-token-file FILE
 //!           --client-id ID --namespace NS --component C [--dp-rank R]]
 //! ```
-//! With `--bus-url` (feature `tunnel`) it is a *source* (DESIGN §7.5): for a worker
+//! With `--bus-url` (feature `tunnel`) it is a *source* (DESIGN §7.4): for a worker
 //! the router cannot reach and that has no broker beside it, it dials out to the
 //! router's event bus (`kv_router --bus-listen`, whose `--bus-clients` has a
 //! `[[source]]` entry for ID), announces its publisher (NS/C/publish-topic, worker W,

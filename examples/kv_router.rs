@@ -24,7 +24,7 @@
 //! `--bus-token-file` instead trusts one shared token, granted `--namespace` only.
 //! `[[source]]` tables (the same three keys, and optionally `worker_ids = [..]`, the
 //! workers it may speak for) grant a *source*: a `kv_relay --bus-url …` the router
-//! cannot reach dials in and announces its own publisher (DESIGN §7.5), only in its
+//! cannot reach dials in and announces its own publisher (DESIGN §7.4), only in its
 //! namespaces. The router follows the announced publishers of its wire
 //! beside those of `--etcd`/`--kube`/`--static`, or alone when none is given.
 //! A `DynamicSubscriber` over etcd (feature `etcd`), Kubernetes (feature `kube`:

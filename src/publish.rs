@@ -446,7 +446,7 @@ impl EventPublisher {
     }
 
     /// A handle that serves more subscribers over connected streams (a tunnel
-    /// source's data streams, DESIGN §7.5), with this publisher's bounds and counters.
+    /// source's data streams, DESIGN §7.4), with this publisher's bounds and counters.
     pub fn acceptor(&self) -> zmtp::StreamAcceptor {
         self.socket.acceptor()
     }

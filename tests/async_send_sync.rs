@@ -43,6 +43,8 @@ fn main_types_are_send_and_sync() {
     send_sync::<Delivery>();
     send_sync::<EventPublisher>();
     send_sync::<Merge<Delivery>>();
+    send_sync::<eventplane::discovery::Merged>();
+    send_sync::<eventplane::zmtp::StreamAcceptor>();
     send_sync::<Lane<Delivery>>();
 }
 
@@ -65,6 +67,12 @@ fn tunnel_types_are_send_and_sync() {
     };
     send_sync::<EventBus>();
     send_sync::<EventBusConfig>();
+    send_sync::<eventplane::tunnel::Source>();
+    send_sync::<eventplane::tunnel::SourceConfig>();
+    send_sync::<eventplane::tunnel::SourceStats>();
+    send_sync::<eventplane::tunnel::AnnouncedView>();
+    send_sync::<eventplane::tunnel::AnnouncedSource>();
+    send_sync::<eventplane::tunnel::Target>();
     send_sync::<BusStats>();
     send_sync::<Broker>();
     send_sync::<BrokerConfig>();

@@ -345,14 +345,61 @@ async fn demo_through_the_tunnel_reaches_every_worker_only_through_the_broker() 
     );
     // Three workers, then one more: each reached through the broker (the router's
     // own dials to loopback are refused).
-    assert!(value("streams through the tunnel") >= 4, "{stdout}");
+    assert!(value("streams through the broker") >= 4, "{stdout}");
     // No worker accepted a connection but the broker's: the router dialled none.
     assert_eq!(
-        value("worker connections not through the broker"),
+        value("worker connections not through the bus"),
         0,
         "{stdout}"
     );
     assert!(value("bytes relayed publishers → router") > 0);
+    assert_eq!(value("unaccounted engine events"), 0, "{stdout}");
+    assert_eq!(
+        value("router events applied to the router index"),
+        value("router events emitted"),
+        "{stdout}"
+    );
+}
+
+/// `demo --tunnel --sources`: the odd workers dial out as sources, the even ones sit
+/// behind the broker; every worker is reached through the bus, and the ledger balances.
+#[cfg(feature = "tunnel")]
+#[tokio::test]
+async fn demo_with_half_the_workers_dialling_out_balances_its_ledger() {
+    let out = run_example(
+        "demo",
+        &[
+            "--tunnel",
+            "--sources",
+            "--engines",
+            "4",
+            "--seconds",
+            "2",
+            "--rate",
+            "6000",
+        ],
+    )
+    .await;
+    let stdout = success_stdout(&out);
+    let value = |label: &str| -> u64 {
+        let line = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(label))
+            .unwrap_or_else(|| panic!("no {label:?} in\n{stdout}"));
+        line.split_whitespace().last().unwrap().parse().unwrap()
+    };
+    assert!(
+        stdout.contains("the odd workers dial out as sources"),
+        "{stdout}"
+    );
+    // Workers 0, 2 (and 4, joining) behind the broker; 1 and 3 dialling out.
+    assert!(value("streams through the broker") >= 2, "{stdout}");
+    assert!(value("streams from workers dialling out") >= 2, "{stdout}");
+    assert_eq!(
+        value("worker connections not through the bus"),
+        0,
+        "{stdout}"
+    );
     assert_eq!(value("unaccounted engine events"), 0, "{stdout}");
     assert_eq!(
         value("router events applied to the router index"),

@@ -261,9 +261,10 @@ def src_dynamo(ctx):
 
 def src_tunnel(ctx):
     text, r = bench(ctx, "tunnel_relay")
-    v = {f"throughput/{p}": rate(r, f"tunnel_relay/100B/throughput/{p}") for p in ("direct", "tunnel")}
+    paths = ("direct", "tunnel", "source")
+    v = {f"throughput/{p}": rate(r, f"tunnel_relay/100B/throughput/{p}") for p in paths}
     v.update({f"latency/{p}": per_element_ns(r, f"tunnel_relay/100B/latency/{p}") / 1e3
-              for p in ("direct", "tunnel")})
+              for p in paths})
     m = re.search(r"broker with (\d+) open streams: RSS ([\d.]+) MiB \(idle ([\d.]+) MiB, "
                   r"([\d.]+) KiB per stream\)", text)
     if not m:
@@ -640,18 +641,22 @@ counter explains (always 0).
 """)
 
     if "tunnel" in sections:
-        rows = [["throughput", f"{m(f('throughput/direct'))} M msg/s",
-                 f"{m(f('throughput/tunnel'))} M msg/s ({100 * f.ratio('throughput/tunnel', 'throughput/direct'):.0f}%)"],
-                ["one message at a time, send to receipt", f"{f('latency/direct'):.0f} µs",
-                 f"{f('latency/tunnel'):.0f} µs (+{f('latency/tunnel') - f('latency/direct'):.0f} µs)"]]
+        rows = [["throughput", f"{m(f('throughput/direct'))} M msg/s"]
+                + [f"{m(f(f'throughput/{p}'))} M msg/s ({100 * f.ratio(f'throughput/{p}', 'throughput/direct'):.0f}%)"
+                   for p in ("tunnel", "source")],
+                ["one message at a time, send to receipt", f"{f('latency/direct'):.0f} µs"]
+                + [f"{f(f'latency/{p}'):.0f} µs (+{f(f'latency/{p}') - f('latency/direct'):.0f} µs)"
+                   for p in ("tunnel", "source")]]
         section("Through the tunnel",
                 "cargo build --release --features tunnel --example event_broker && cargo bench "
                 "--features tunnel --bench tunnel_relay", f"""
-The same publisher stream read by a `SubSocket` directly and through the tunnel (router
-`SubSocket` ← HTTP/2 + TLS ← broker ← publisher, all on loopback, broker in-process), in
-the same run; 100 B messages, a closed loop of up to 1,000 in flight:
+The same publisher stream read by a `SubSocket` directly, through the tunnel (router
+`SubSocket` ← HTTP/2 + TLS ← broker ← publisher) and from a source (router `SubSocket` ←
+HTTP/2 + TLS ← the source's own `PubSocket`, DESIGN §7.4), all on loopback, broker and
+source in-process, in the same run; 100 B messages, a closed loop of up to 1,000 in
+flight:
 
-{table(["", "direct", "through the tunnel"], rows)}
+{table(["", "direct", "through a broker", "from a source"], rows)}
 
 The `event_broker` process with {f("broker/streams"):.0f} open streams, each carrying a ZMTP
 connection: RSS {f.span("broker/rss", lambda x: f"{x:.1f}")} MiB ({f("broker/idle"):.1f} MiB idle,

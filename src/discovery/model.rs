@@ -192,7 +192,7 @@ pub enum Transport {
         endpoint: String,
     },
     /// A publisher a source announced on an event bus (feature `tunnel`, DESIGN
-    /// §7.5): reached only through that bus, by its publisher id. `endpoint` names
+    /// §7.4): reached only through that bus, by its publisher id. `endpoint` names
     /// the announcing session (`announced://CLIENT_ID/SESSION_ID`), for logs; a new
     /// session is a new endpoint.
     Announced {

@@ -1,4 +1,4 @@
-//! Announced sources (DESIGN §7.5): what a session's second client role, the
+//! Announced sources (DESIGN §7.4): what a session's second client role, the
 //! *source*, says about the publishers it serves itself, and the target kinds a
 //! `subscribe` may name.
 //!

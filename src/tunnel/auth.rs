@@ -173,7 +173,7 @@ impl BusClients {
     }
 
     /// With source `client_id` (a KV listener that dials out and announces its own
-    /// publishers, DESIGN §7.5), which authenticates with the token whose digest is
+    /// publishers, DESIGN §7.4), which authenticates with the token whose digest is
     /// `token_sha256`, allowed to announce publishers of `namespaces` only. A source's
     /// namespaces are not tunnelled through brokers ([`grants`](Self::grants)).
     ///

@@ -100,7 +100,7 @@ pub struct BusStats {
     pub bytes_in: u64,
     /// Bytes the router wrote to publishers through the tunnel.
     pub bytes_out: u64,
-    /// Source sessions welcomed now (DESIGN §7.5; also counted in `sessions`).
+    /// Source sessions welcomed now (DESIGN §7.4; also counted in `sessions`).
     pub source_sessions: usize,
     /// Publishers sources announce now.
     pub announced_sources: usize,
@@ -390,7 +390,7 @@ impl EventBus {
     }
 
     /// Opens a connection to publisher `id`, which a source announced (DESIGN
-    /// §7.5), through that source's session; the source serves it from its own
+    /// §7.4), through that source's session; the source serves it from its own
     /// publisher socket, as one more subscriber. `Refused(TargetNotAnnounced)` (counted
     /// in `refused`) when no session announces it now.
     pub async fn open_announced(&self, id: &ChannelId) -> Result<TunnelStream, TunnelError> {
@@ -412,8 +412,8 @@ impl EventBus {
         .await
     }
 
-    /// The publishers sources announce with `wire`, as a read-only [`Discovery`]
-    /// (crate::discovery::Discovery) a `DynamicSubscriber` follows (with this bus as
+    /// The publishers sources announce with `wire`, as a read-only
+    /// [`Discovery`](crate::discovery::Discovery) a `DynamicSubscriber` follows (with this bus as
     /// its `tunnel`, and `wire`'s layout).
     ///
     /// ```no_run

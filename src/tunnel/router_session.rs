@@ -286,12 +286,10 @@ impl RouterSession {
                     });
                 };
                 let too_many = hello.sources.len() > self.limits.max_sources as usize;
-                let checked = self.grant.check(&hello).and_then(|()| {
-                    if too_many {
-                        Err(DenyCode::TooManySources)
-                    } else {
-                        Ok(())
-                    }
+                let checked = self.grant.check(&hello).and(if too_many {
+                    Err(DenyCode::TooManySources)
+                } else {
+                    Ok(())
                 });
                 if let Err(code) = checked {
                     return self.deny(code);

@@ -1,4 +1,4 @@
-//! A source (DESIGN §7.5): a KV listener the router cannot reach dials out to the
+//! A source (DESIGN §7.4): a KV listener the router cannot reach dials out to the
 //! router's event bus, announces its publishers, and serves every `subscribe` for one
 //! of them from that publisher's own socket, as one more subscriber connection.
 
@@ -132,6 +132,14 @@ impl SourceConfig {
             return refuse(
                 "namespaces",
                 format!("must name 1 to {}", super::MAX_NAMESPACES),
+            );
+        }
+        // The hello carries them beside 64 announcements: they must fit one frame.
+        let named: usize = self.namespaces.iter().map(|n| n.len() + 3).sum();
+        if named > 16 << 10 {
+            return refuse(
+                "namespaces",
+                format!("{named} bytes of names: at most 16 KiB"),
             );
         }
         if self.max_publishers == 0 || self.max_publishers > 65_536 {

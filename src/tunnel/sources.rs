@@ -1,4 +1,4 @@
-//! The bus's announced sources (DESIGN §7.5): which session serves which publisher,
+//! The bus's announced sources (DESIGN §7.4): which session serves which publisher,
 //! and the discovery view a `DynamicSubscriber` follows them with.
 //!
 //! The view is an in-memory discovery backend the bus alone writes: a source's

@@ -2,7 +2,12 @@
 //! `kv_router --bus-listen …` (a `[[source]]` credential, no etcd, no `--static`), and
 //! the router indexes exactly what the engine said, in both wires; a relay killed is
 //! forgotten and, restarted, counted as a reset; SIGTERM drains and exits 0.
-#![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -218,7 +223,10 @@ async fn kv_relay_dials_out_and_kv_router_follows_it_without_etcd() {
         } else {
             let (status, stats) = terminate(first, None).await;
             assert_eq!(status.code(), Some(0), "{stats}");
-            assert_eq!(stats["source"]["connected"], true, "{stats}");
+            // Its counters after the drain: one session, ended by the drain, not lost.
+            assert_eq!(stats["source"]["sessions"], 1, "{stats}");
+            assert_eq!(stats["source"]["session_failures"], 0, "{stats}");
+            assert_eq!(stats["source"]["connected"], false, "{stats}");
             assert_eq!(stats["source"]["streams_opened"], 1, "{stats}");
         }
         // The relay drained its session: its publisher departed.
@@ -239,4 +247,88 @@ async fn kv_relay_dials_out_and_kv_router_follows_it_without_etcd() {
             );
         }
     }
+}
+
+/// `kv_router --static EP --bus-listen …`: a relay it dials and a relay that dials it,
+/// followed together (the static list and the announced view, merged).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_router_follows_a_static_publisher_and_an_announced_source_together() {
+    use eventplane::kv::{EngineEvent, encode_engine_batch};
+    let dir = credentials("merged");
+    let mut direct_engine = Engine::bind("kv").await;
+    let (direct, endpoint) = support::spawn_example(
+        "kv_relay",
+        &[
+            "--connect",
+            &direct_engine.endpoint(),
+            "--topic",
+            "kv",
+            "--block-size",
+            "4",
+            "--worker-id",
+            "21",
+            "--bind",
+            "tcp://127.0.0.1:0",
+        ],
+        true,
+    )
+    .await;
+    let mut child = Command::new(example("kv_router"))
+        .args([
+            "--static",
+            &endpoint.unwrap(),
+            "--namespace",
+            "prod",
+            "--topic",
+            "kv-events",
+        ])
+        .args(["--bus-listen", "127.0.0.1:0"])
+        .arg("--bus-cert")
+        .arg(fixture("bus.pem"))
+        .arg("--bus-key")
+        .arg(fixture("bus.key"))
+        .arg("--bus-clients")
+        .arg(dir.join("clients.toml"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+    let port = bus_address(&mut stderr)
+        .await
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .to_owned();
+    let mut source_engine = Engine::bind("kv").await;
+    let source = relay(&dir, &source_engine, "eventplane", &port).await;
+    within(direct_engine.socket.wait_for_subscribers(1)).await;
+    within(source_engine.socket.wait_for_subscribers(1)).await;
+    // Clears from both engines until the router printed one of each worker.
+    let clear = encode_engine_batch(0.0, WARM_RANK, 4, &[EngineEvent::Cleared]).unwrap();
+    let mut seen = std::collections::HashSet::new();
+    within(async {
+        while seen.len() < 2 {
+            direct_engine.send(clear.clone());
+            source_engine.send(clear.clone());
+            if let Ok(Ok(Some(line))) =
+                tokio::time::timeout(std::time::Duration::from_millis(100), stdout.next_line())
+                    .await
+            {
+                let ev: RouterEvent = serde_json::from_str(&line).unwrap();
+                seen.insert(ev.worker_id.0);
+            }
+        }
+    })
+    .await;
+    assert_eq!(seen, [11, 21].into_iter().collect());
+    let (status, stats) = terminate(source, None).await;
+    assert_eq!(status.code(), Some(0), "{stats}");
+    let stats = support::terminate_for_stats(direct).await;
+    assert_eq!(stats["wire"], "eventplane");
+    let (status, stats) = terminate(child, Some(&mut stderr)).await;
+    assert_eq!(status.code(), Some(0), "{stats}");
+    assert_eq!(stats["bus"]["sessions_started"], 1, "{stats}");
 }

@@ -1,4 +1,4 @@
-//! Sources (DESIGN §7.5) over real TLS + HTTP/2 on loopback: a KV listener the router
+//! Sources (DESIGN §7.4) over real TLS + HTTP/2 on loopback: a KV listener the router
 //! cannot dial announces its publishers on the bus and serves them from its own
 //! `PubSocket`; a `DynamicSubscriber` follows the bus's announced view.
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]

@@ -2,7 +2,7 @@
 //! events out on a bound PUB, optionally registered in etcd.
 //!
 //! ```text
-//! kv_relay --connect EP --topic T --block-size B --worker-id W --bind EP2
+//! kv_relay --connect EP --topic T --block-size B --worker-id W [--bind EP2]
 //!          [--publish-topic kv-events] [--batch-timeout-ms MS]
 //!          [--wire eventplane|dynamo]
 //!          [(--etcd URL | --kube) --namespace NS --component C [--advertise-host H]
@@ -20,7 +20,14 @@
 //! sequence (a router counts the reset). It reconnects with the broker's backoff; on
 //! SIGTERM it publishes what it holds, then drains its session (`draining`) and exits
 //! 0. `--bind` is optional with it (default `tcp://127.0.0.1:0`, for local
-//! subscribers).
+//! subscribers; nothing listens for the router). Run one relay, with its own
+//! `--client-id` and `[[source]]` credential, per engine rank: a second session under
+//! one client id supersedes the first. Its `--wire` must be the router's. A bus that
+//! cannot be reached, a TLS name that does not match, or a denied credential never
+//! ends the relay: it keeps publishing locally and retries (1 s doubling to 60 s),
+//! logging why (`bus session failed`, `the bus denied the session … code=…`); the
+//! stats line's `source` says `connected`, `session_failures` and `denied`. An
+//! unreadable `--bus-ca` or token file, or a URL that is not `https://`, exits 2.
 //! Runs `EngineListener → Processor → EventPlaneSink → EventPublisher`, the publisher
 //! bound at EP2 (`--bind tcp://127.0.0.1:0` lets the OS pick the port).
 //!
@@ -72,10 +79,12 @@ use eventplane::wire::Wire;
 
 #[derive(Parser, Debug)]
 #[command(
-    about = "Relay an engine's KV events as router events on a ZMQ PUB",
+    about = "Relay an engine's KV events as router events on a ZMQ PUB (optionally announced on a router's event bus)",
     after_help = "Exit codes: 0 after SIGTERM or Ctrl-C; 2 on bad arguments (including an \
-                  --advertise-host that cannot be dialled); 3 when the endpoint cannot be \
-                  bound or etcd cannot be reached.\n\nLogs: warnings go to stderr; RUST_LOG sets the level (off, debug, or \
+                  --advertise-host that cannot be dialled, an unreadable --bus-ca or \
+                  --bus-token-file); 3 when the endpoint cannot be bound or etcd cannot be \
+                  reached. An unreachable or refusing --bus-url never exits: it retries \
+                  with backoff and logs why.\n\nLogs: warnings go to stderr; RUST_LOG sets the level (off, debug, or \
                   target=level pairs such as eventplane=debug).",
     after_long_help = format!(
         "{}\n\nOutput: the bound endpoint, the first stdout line; then nothing per event. \
@@ -114,8 +123,8 @@ struct Args {
     #[arg(long, requires_all = ["namespace", "component"], group = "registry")]
     etcd: Vec<String>,
     /// Dial out to this event bus (https://host:port) and announce the publisher
-    /// there, as a source. Needs feature `tunnel`, --bus-ca, --bus-token-file,
-    /// --client-id, --namespace and --component.
+    /// there, as a source (instead of --etcd or --kube). Needs feature `tunnel`,
+    /// --bus-ca, --bus-token-file, --client-id, --namespace and --component.
     #[arg(
         long = "bus-url",
         requires_all = ["bus_ca", "bus_token_file", "client_id", "namespace", "component"],
@@ -128,25 +137,28 @@ struct Args {
     /// A file holding this source's bearer token.
     #[arg(long = "bus-token-file", requires = "bus_url")]
     bus_token_file: Option<std::path::PathBuf>,
-    /// This source's client id (its credential on the bus is bound to it).
+    /// This source's client id (its `[[source]]` credential on the bus is bound to it;
+    /// one per relay: a second session under the same id supersedes the first).
     #[arg(long = "client-id", requires = "bus_url")]
     client_id: Option<String>,
     /// Register in this pod's DynamoWorkerMetadata resource on Kubernetes (with
     /// --wire dynamo). Needs feature `kube`.
     #[arg(long, requires_all = ["namespace", "component"], group = "registry")]
     kube: bool,
-    /// Namespace to register under (with --etcd).
+    /// Namespace to register under (with --etcd or --kube), or to announce in (with
+    /// --bus-url).
     #[arg(long, requires = "registry")]
     namespace: Option<String>,
-    /// Component to register under (with --etcd).
+    /// Component to register under, or to announce (with --etcd, --kube or --bus-url).
     #[arg(long, requires = "registry")]
     component: Option<String>,
     /// Dynamo endpoint to register under (with --etcd --wire dynamo; default
     /// `generate`).
     #[arg(long, requires = "registry")]
     endpoint: Option<String>,
-    /// The worker's data-parallel rank, registered with its worker id (with --etcd;
-    /// default 0): our record's `worker`, or Dynamo's `event_sources` record.
+    /// The worker's data-parallel rank, registered or announced with its worker id
+    /// (with --etcd, --kube or --bus-url; default 0): our record's `worker`, Dynamo's
+    /// `event_sources` record, or the announcement's.
     #[arg(long = "dp-rank", requires = "registry")]
     dp_rank: Option<u32>,
     /// Host subscribers dial, when --bind is on a wildcard address (with --etcd).
@@ -241,6 +253,7 @@ async fn main() -> ExitCode {
     };
     let endpoint = publisher.local_endpoint().unwrap_or_default().to_owned();
     let registered = publisher.instance().map(|i| i.id.publisher_id());
+    let publisher_id = publisher.publisher_id();
     // As a source: announced on the bus, served from this publisher's socket.
     let source = match source(&args, &publisher) {
         Ok(s) => s,
@@ -274,6 +287,7 @@ async fn main() -> ExitCode {
         "processor": worker_stats.processor,
         "published_messages": worker_stats.published_messages,
         "publisher": worker_stats.publisher,
+        "publisher_id": publisher_id,
         "source": source_stats,
     });
     eprintln!("{stats}");

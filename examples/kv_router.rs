@@ -156,10 +156,13 @@ struct Args {
     /// "tier", "block_hashes": [...]}, ...]`, sorted.
     #[arg(long = "dump-index")]
     dump_index: bool,
-    /// Run an event bus here (host:port) for brokers inside the cluster: publishers of a
-    /// namespace a broker credential grants are reached through the brokers covering
-    /// it (none up: they wait), the others directly. Needs feature `tunnel`,
-    /// --bus-cert, --bus-key, and --bus-clients or --bus-token-file.
+    /// Run an event bus here (host:port) for brokers inside the cluster and sources
+    /// (`kv_relay --bus-url`): publishers of a namespace a broker credential grants are
+    /// reached through the brokers covering it (none up: they wait), the others
+    /// directly; with `[[source]]` credentials, the publishers sources announce with
+    /// this router's --wire are followed too (alone, without --etcd/--kube/--static).
+    /// Needs feature `tunnel`, --bus-cert, --bus-key, and --bus-clients or
+    /// --bus-token-file.
     #[arg(long = "bus-listen", requires_all = ["bus_cert", "bus_key", "bus_credentials"])]
     bus_listen: Option<String>,
     /// The bus's TLS certificate chain (PEM).

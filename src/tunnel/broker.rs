@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::client::{BusSession, open_session};
+use super::client::{BusSession, Ending, Outcome, feed, open_session};
 use super::codes::CodeCounts;
 use super::config::BrokerConfig;
 use super::error::TunnelError;
@@ -181,12 +181,6 @@ impl BrokerHandle {
 }
 
 /// How a session ended, for the reconnect delay.
-enum Outcome {
-    Failed,
-    Drained(DrainReason),
-    Stopped,
-}
-
 async fn run(
     config: BrokerConfig,
     cancel: CancellationToken,
@@ -294,8 +288,7 @@ async fn session(
     // Each relay's generation and stop.
     let mut stream_stops: HashMap<u64, (u64, CancellationToken)> = HashMap::new();
     let mut generations = 0u64;
-    let mut drain: Option<(DrainReason, tokio::time::Instant)> = None;
-    let mut stopping: Option<tokio::time::Instant> = None;
+    let mut ending = Ending::default();
     let mut stable_at: Option<tokio::time::Instant> = None;
     let outcome = loop {
         // Frames go out only as the router reads them; a router that stops reading
@@ -361,7 +354,7 @@ async fn session(
                 }
                 BrokerEvent::Drain { deadline, reason } => {
                     tracing::info!(?reason, ?deadline, "the router asks to drain");
-                    drain = Some((reason, tokio::time::Instant::now() + deadline));
+                    ending.drain = Some((reason, tokio::time::Instant::now() + deadline));
                 }
                 BrokerEvent::Ended(end) => {
                     if let super::SessionEnd::Denied(code) = end {
@@ -375,44 +368,17 @@ async fn session(
             }
         }
         if ended {
-            break match (drain, stopping) {
-                (_, Some(_)) => Outcome::Stopped,
-                (Some((reason, _)), _) => Outcome::Drained(reason),
-                _ => Outcome::Failed,
-            };
+            break ending.outcome();
         }
         // Drained with nothing open, or past the drain deadline: this session is done.
-        let deadline = stopping.or(drain.map(|(_, d)| d));
+        let deadline = ending.deadline();
         if deadline.is_some() && broker.streams() == 0 {
             broker.close();
             continue;
         }
-        let timer = [
-            broker.poll_timeout().map(tokio::time::Instant::from_std),
-            deadline,
-        ]
-        .into_iter()
-        .flatten()
-        .min();
+        let timer = ending.timer(&broker);
         tokio::select! {
-            chunk = next_chunk(&mut body) => match chunk {
-                Some(Ok(bytes)) => {
-                    let now = Instant::now();
-                    let mut input = &bytes[..];
-                    loop {
-                        match decoder.decode(&mut input) {
-                            Ok(Some(frame)) => broker.handle(frame, now),
-                            Ok(None) => break,
-                            Err(e) => {
-                                tracing::warn!(error = %e, "undecodable control frame from the bus");
-                                broker.abort(super::SessionEnd::Protocol("undecodable control frame"));
-                                break;
-                            }
-                        }
-                    }
-                }
-                _ => broker.close(),
-            },
+            chunk = next_chunk(&mut body) => feed(&mut broker, &mut decoder, chunk),
             report = report_rx.recv() => if let Some(Report { stream_id: id, generation, what }) = report {
                 // A relay the router let go of (and perhaps reused the id since):
                 // nothing it says is about the stream now.
@@ -454,10 +420,10 @@ async fn session(
                     broker.handle_timeout(now.into_std());
                 }
             }
-            () = cancel.cancelled(), if stopping.is_none() => {
+            () = cancel.cancelled(), if ending.stopping.is_none() => {
                 tracing::info!("draining before exit");
                 broker.begin_draining();
-                stopping = Some(tokio::time::Instant::now() + config.drain_deadline);
+                ending.stopping = Some(tokio::time::Instant::now() + config.drain_deadline);
             }
             () = conn_done.cancelled() => broker.close(),
             permit = ctrl_tx.reserve(), if broker.has_transmit() => match permit {

@@ -422,7 +422,7 @@ impl EventBus {
     /// use eventplane::discovery::Query;
     /// use eventplane::subscriber::DynamicSubscriber;
     /// use eventplane::wire::Wire;
-    /// let mut router = DynamicSubscriber::builder(Arc::new(bus.announced(Wire::EventPlane)), Query::new("prod"))
+    /// let router = DynamicSubscriber::builder(Arc::new(bus.announced(Wire::EventPlane)), Query::new("prod"))
     ///     .topic("kv-events")
     ///     .tunnel(bus.clone())
     ///     .spawn()?;

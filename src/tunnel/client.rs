@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use super::config::Deadlines;
 use super::error::TunnelError;
 use super::io::{BODY_CHANNEL, BrokerBody, ChannelBody, Secret};
+use super::{BrokerSession, ControlDecoder, DrainReason};
 
 /// A session's transport, once the bus answered its request.
 pub(super) struct BusSession {
@@ -104,4 +105,71 @@ pub(super) async fn open_session(
         ctrl_tx,
         body: response.into_body(),
     })
+}
+
+/// How a client's session ended, for the reconnect delay.
+pub(super) enum Outcome {
+    Failed,
+    Drained(DrainReason),
+    Stopped,
+}
+
+/// Where a client's session stands on its way out: asked to drain by the router
+/// (why, and until when), or stopping (until when).
+#[derive(Default)]
+pub(super) struct Ending {
+    pub(super) drain: Option<(DrainReason, tokio::time::Instant)>,
+    pub(super) stopping: Option<tokio::time::Instant>,
+}
+
+impl Ending {
+    /// How the ended session ended.
+    pub(super) fn outcome(&self) -> Outcome {
+        match (self.drain, self.stopping) {
+            (_, Some(_)) => Outcome::Stopped,
+            (Some((reason, _)), _) => Outcome::Drained(reason),
+            _ => Outcome::Failed,
+        }
+    }
+
+    /// When open streams must be done by, if draining or stopping.
+    pub(super) fn deadline(&self) -> Option<tokio::time::Instant> {
+        self.stopping.or(self.drain.map(|(_, d)| d))
+    }
+
+    /// When the session loop must wake next: `session`'s timers or the deadline.
+    pub(super) fn timer(&self, session: &BrokerSession) -> Option<tokio::time::Instant> {
+        [
+            session.poll_timeout().map(tokio::time::Instant::from_std),
+            self.deadline(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+}
+
+/// Hands what the router sent (`chunk`, from its response body) to `session`: every
+/// complete frame; an undecodable one aborts the session, the body's end closes it.
+pub(super) fn feed(
+    session: &mut BrokerSession,
+    decoder: &mut ControlDecoder,
+    chunk: Option<Result<bytes::Bytes, hyper::Error>>,
+) {
+    let Some(Ok(bytes)) = chunk else {
+        return session.close();
+    };
+    let now = std::time::Instant::now();
+    let mut input = &bytes[..];
+    loop {
+        match decoder.decode(&mut input) {
+            Ok(Some(frame)) => session.handle(frame, now),
+            Ok(None) => break,
+            Err(e) => {
+                tracing::warn!(error = %e, "undecodable control frame from the bus");
+                session.abort(super::SessionEnd::Protocol("undecodable control frame"));
+                break;
+            }
+        }
+    }
 }

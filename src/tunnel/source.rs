@@ -13,14 +13,14 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::announce::AnnouncedSource;
-use super::client::{BusSession, open_session};
+use super::client::{BusSession, Ending, Outcome, feed, open_session};
 use super::codes::CodeCounts;
 use super::config::{Deadlines, parse_bus_url};
 use super::error::TunnelError;
 use super::io::{BrokerBody, ChannelBody, Secret, StreamBytes, TUNNEL_WRITE_CHUNKS, next_chunk};
 use super::{
-    BrokerEvent, BrokerSession, CloseCode, ControlDecoder, DrainReason, Hello, MAX_ANNOUNCE,
-    Reconnect, RefuseCode,
+    BrokerEvent, BrokerSession, CloseCode, ControlDecoder, Hello, MAX_ANNOUNCE, Reconnect,
+    RefuseCode,
 };
 use crate::net::random_unit;
 use crate::zmtp::StreamAcceptor;
@@ -66,7 +66,8 @@ pub struct SourceConfig {
     /// The backoff's ceiling.
     pub reconnect_max: Duration,
     /// Most publishers it announces at once (default [`MAX_SOURCE_PUBLISHERS`]; the
-    /// bus's `max_sources` may be lower).
+    /// welcome's [`Limits::max_sources`](super::Limits), set by the bus's
+    /// `EventBusConfig::limits`, may be lower).
     pub max_publishers: usize,
 }
 
@@ -349,12 +350,6 @@ impl Source {
     }
 }
 
-enum Outcome {
-    Failed,
-    Drained(DrainReason),
-    Stopped,
-}
-
 async fn run(shared: Arc<Shared>, cancel: CancellationToken, hard: CancellationToken) {
     let config = &shared.config;
     let mut reconnect = Reconnect::with_backoff(crate::net::Backoff::checked(
@@ -437,8 +432,7 @@ async fn session(
     let tracker = TaskTracker::new();
     // Each open stream's publisher and stop.
     let mut streams: HashMap<u64, (u64, CancellationToken)> = HashMap::new();
-    let mut stopping: Option<tokio::time::Instant> = None;
-    let mut drain: Option<(DrainReason, tokio::time::Instant)> = None;
+    let mut ending = Ending::default();
     let mut stable_at: Option<tokio::time::Instant> = None;
     let outcome = loop {
         let mut ended = false;
@@ -508,7 +502,7 @@ async fn session(
                 BrokerEvent::Refused { code, .. } => shared.refused.add(code.as_str()),
                 BrokerEvent::Drain { deadline, reason } => {
                     tracing::info!(?reason, ?deadline, "the router asks to drain");
-                    drain = Some((reason, tokio::time::Instant::now() + deadline));
+                    ending.drain = Some((reason, tokio::time::Instant::now() + deadline));
                 }
                 BrokerEvent::Ended(end) => {
                     if let super::SessionEnd::Denied(code) = end {
@@ -524,43 +518,16 @@ async fn session(
             }
         }
         if ended {
-            break match (drain, stopping) {
-                (_, Some(_)) => Outcome::Stopped,
-                (Some((reason, _)), _) => Outcome::Drained(reason),
-                _ => Outcome::Failed,
-            };
+            break ending.outcome();
         }
-        let deadline = stopping.or(drain.map(|(_, d)| d));
+        let deadline = ending.deadline();
         if deadline.is_some() && client.streams() == 0 {
             client.close();
             continue;
         }
-        let timer = [
-            client.poll_timeout().map(tokio::time::Instant::from_std),
-            deadline,
-        ]
-        .into_iter()
-        .flatten()
-        .min();
+        let timer = ending.timer(&client);
         tokio::select! {
-            chunk = next_chunk(&mut body) => match chunk {
-                Some(Ok(bytes)) => {
-                    let now = Instant::now();
-                    let mut input = &bytes[..];
-                    loop {
-                        match decoder.decode(&mut input) {
-                            Ok(Some(frame)) => client.handle(frame, now),
-                            Ok(None) => break,
-                            Err(e) => {
-                                tracing::warn!(error = %e, "undecodable control frame from the bus");
-                                client.abort(super::SessionEnd::Protocol("undecodable control frame"));
-                                break;
-                            }
-                        }
-                    }
-                }
-                _ => client.close(),
-            },
+            chunk = next_chunk(&mut body) => feed(&mut client, &mut decoder, chunk),
             report = report_rx.recv() => match report {
                 Some(Report::Opened(id)) if streams.contains_key(&id) => {
                     shared.streams_opened.fetch_add(1, Ordering::Relaxed);
@@ -610,10 +577,10 @@ async fn session(
                     client.handle_timeout(now.into_std());
                 }
             }
-            () = cancel.cancelled(), if stopping.is_none() => {
+            () = cancel.cancelled(), if ending.stopping.is_none() => {
                 tracing::info!("draining before exit");
                 client.begin_draining();
-                stopping = Some(tokio::time::Instant::now() + config.drain_deadline);
+                ending.stopping = Some(tokio::time::Instant::now() + config.drain_deadline);
             }
             () = conn_done.cancelled() => client.close(),
             permit = ctrl_tx.reserve(), if client.has_transmit() => match permit {

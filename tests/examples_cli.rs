@@ -274,13 +274,7 @@ async fn demo_runs_and_accounts_for_every_event() {
     )
     .await;
     let stdout = success_stdout(&out);
-    let value = |label: &str| -> u64 {
-        let line = stdout
-            .lines()
-            .find(|l| l.trim_start().starts_with(label))
-            .unwrap_or_else(|| panic!("no {label:?} in\n{stdout}"));
-        line.split_whitespace().last().unwrap().parse().unwrap()
-    };
+    let value = |label: &str| table_value(&stdout, label);
     let published = value("engine events published");
     assert!(published > 0);
     // Every engine event is accounted for, stage by stage, exactly.
@@ -332,13 +326,7 @@ async fn demo_through_the_tunnel_reaches_every_worker_only_through_the_broker() 
     )
     .await;
     let stdout = success_stdout(&out);
-    let value = |label: &str| -> u64 {
-        let line = stdout
-            .lines()
-            .find(|l| l.trim_start().starts_with(label))
-            .unwrap_or_else(|| panic!("no {label:?} in\n{stdout}"));
-        line.split_whitespace().last().unwrap().parse().unwrap()
-    };
+    let value = |label: &str| table_value(&stdout, label);
     assert!(
         stdout.contains("tunnel: broker joined the event bus"),
         "{stdout}"
@@ -381,13 +369,7 @@ async fn demo_with_half_the_workers_dialling_out_balances_its_ledger() {
     )
     .await;
     let stdout = success_stdout(&out);
-    let value = |label: &str| -> u64 {
-        let line = stdout
-            .lines()
-            .find(|l| l.trim_start().starts_with(label))
-            .unwrap_or_else(|| panic!("no {label:?} in\n{stdout}"));
-        line.split_whitespace().last().unwrap().parse().unwrap()
-    };
+    let value = |label: &str| table_value(&stdout, label);
     assert!(
         stdout.contains("the odd workers dial out as sources"),
         "{stdout}"
@@ -406,6 +388,15 @@ async fn demo_with_half_the_workers_dialling_out_balances_its_ledger() {
         value("router events emitted"),
         "{stdout}"
     );
+}
+
+/// The number ending the line of the demo's table that starts with `label`.
+fn table_value(stdout: &str, label: &str) -> u64 {
+    let line = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with(label))
+        .unwrap_or_else(|| panic!("no {label:?} in\n{stdout}"));
+    line.split_whitespace().last().unwrap().parse().unwrap()
 }
 
 /// Runs an example to completion (bounded by the test deadline).

@@ -295,57 +295,11 @@ impl BrokerConfig {
         self
     }
 
-    /// `host`, `port` and `authority` of the bus URL, or why it is refused.
-    pub(crate) fn bus(&self) -> Result<(String, u16, String), TunnelError> {
-        parse_bus_url(&self.bus_url)
-    }
-
     /// The first refused setting, if any.
     pub fn validate(&self) -> Result<(), TunnelError> {
         let refuse =
             |field: &'static str, reason: String| Err(TunnelError::Config { field, reason });
-        self.bus()?;
-        if self.client_id.is_empty() || self.client_id.len() > super::MAX_NAME_LEN {
-            return refuse("client_id", "is empty or too long".into());
-        }
-        if self.namespaces.is_empty() || self.namespaces.len() > super::MAX_NAMESPACES {
-            return refuse(
-                "namespaces",
-                format!("must name 1 to {}", super::MAX_NAMESPACES),
-            );
-        }
-        let distinct: std::collections::HashSet<&String> = self.namespaces.iter().collect();
-        if distinct.len() != self.namespaces.len() {
-            return refuse("namespaces", "names one twice".into());
-        }
-        if self
-            .namespaces
-            .iter()
-            .any(|n| n.is_empty() || n.len() > super::MAX_NAME_LEN)
-        {
-            return refuse(
-                "namespaces",
-                format!("each must be 1 to {} bytes", super::MAX_NAME_LEN),
-            );
-        }
-        // The hello must fit one control frame, or every session would fail.
-        let mut hello = Vec::new();
-        super::Control::Hello(super::Hello::new(
-            self.client_id.clone(),
-            self.namespaces.clone(),
-        ))
-        .encode(&mut hello);
-        // The 4-byte length prefix is not part of the body the decoder bounds.
-        if hello.len() > super::MAX_CONTROL_FRAME + 4 {
-            return refuse(
-                "namespaces",
-                format!(
-                    "the hello would take {} bytes, over the {}-byte control frame",
-                    hello.len(),
-                    super::MAX_CONTROL_FRAME
-                ),
-            );
-        }
+        check_client(&self.bus_url, &self.client_id, &self.namespaces, &[])?;
         self.deadlines.validate()?;
         if self.drain_deadline > Duration::from_secs(3600) {
             return refuse("drain_deadline", "is over an hour".into());
@@ -582,4 +536,58 @@ pub(crate) fn parse_bus_url(bus_url: &str) -> Result<(String, u16, String), Tunn
         return Err(bad("has no host"));
     }
     Ok((host.to_owned(), port, authority.to_owned()))
+}
+
+/// What every bus client's config must hold: an `https://` bus URL, a client id and
+/// 1 ..= 256 distinct namespaces of 1 ..= 1 KiB, and a `hello` (with `sources`, for a
+/// source) that fits one control frame, or every session would fail.
+pub(crate) fn check_client(
+    bus_url: &str,
+    client_id: &str,
+    namespaces: &[String],
+    sources: &[super::AnnouncedSource],
+) -> Result<(), TunnelError> {
+    let refuse = |field: &'static str, reason: String| Err(TunnelError::Config { field, reason });
+    parse_bus_url(bus_url)?;
+    if client_id.is_empty() || client_id.len() > super::MAX_NAME_LEN {
+        return refuse("client_id", "is empty or too long".into());
+    }
+    if namespaces.is_empty() || namespaces.len() > super::MAX_NAMESPACES {
+        return refuse(
+            "namespaces",
+            format!("must name 1 to {}", super::MAX_NAMESPACES),
+        );
+    }
+    let distinct: std::collections::HashSet<&String> = namespaces.iter().collect();
+    if distinct.len() != namespaces.len() {
+        return refuse("namespaces", "names one twice".into());
+    }
+    if namespaces
+        .iter()
+        .any(|n| n.is_empty() || n.len() > super::MAX_NAME_LEN)
+    {
+        return refuse(
+            "namespaces",
+            format!("each must be 1 to {} bytes", super::MAX_NAME_LEN),
+        );
+    }
+    let hello = if sources.is_empty() {
+        super::Hello::new(client_id, namespaces.to_vec())
+    } else {
+        super::Hello::source(client_id, namespaces.to_vec(), sources.to_vec())
+    };
+    let mut wire = Vec::new();
+    super::Control::Hello(hello).encode(&mut wire);
+    // The 4-byte length prefix is not part of the body the decoder bounds.
+    if wire.len() > super::MAX_CONTROL_FRAME + 4 {
+        return refuse(
+            "namespaces",
+            format!(
+                "the hello would take {} bytes, over the {}-byte control frame",
+                wire.len(),
+                super::MAX_CONTROL_FRAME
+            ),
+        );
+    }
+    Ok(())
 }

@@ -104,4 +104,6 @@ pub use source::{MAX_SOURCE_PUBLISHERS, Source, SourceConfig, SourceStats};
 pub use sources::AnnouncedView;
 
 #[cfg(test)]
+mod source_tests;
+#[cfg(test)]
 mod tests;

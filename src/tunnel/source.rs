@@ -15,7 +15,7 @@ use tokio_util::task::TaskTracker;
 use super::announce::AnnouncedSource;
 use super::client::{BusSession, Ending, Outcome, feed, open_session};
 use super::codes::CodeCounts;
-use super::config::{Deadlines, parse_bus_url};
+use super::config::{Deadlines, check_client};
 use super::error::TunnelError;
 use super::io::{BrokerBody, ChannelBody, Secret, StreamBytes, TUNNEL_WRITE_CHUNKS, next_chunk};
 use super::{
@@ -125,23 +125,26 @@ impl SourceConfig {
     pub fn validate(&self) -> Result<(), TunnelError> {
         let refuse =
             |field: &'static str, reason: String| Err(TunnelError::Config { field, reason });
-        parse_bus_url(&self.bus_url)?;
-        if self.client_id.is_empty() || self.client_id.len() > super::MAX_NAME_LEN {
-            return refuse("client_id", "is empty or too long".into());
-        }
-        if self.namespaces.is_empty() || self.namespaces.len() > super::MAX_NAMESPACES {
-            return refuse(
-                "namespaces",
-                format!("must name 1 to {}", super::MAX_NAMESPACES),
-            );
-        }
-        // The hello carries them beside 64 announcements: they must fit one frame.
-        let named: usize = self.namespaces.iter().map(|n| n.len() + 3).sum();
-        if named > 16 << 10 {
-            return refuse(
-                "namespaces",
-                format!("{named} bytes of names: at most 16 KiB"),
-            );
+        // The hello carries up to 64 announcements beside the names: with the longest
+        // announcements there are, it must still fit one frame.
+        let longest = "n".repeat(super::MAX_SOURCE_NAME_LEN);
+        let widest = super::AnnouncedSource {
+            publisher_id: u64::MAX,
+            namespace: longest.clone(),
+            component: longest.clone(),
+            topic: longest,
+            worker: Some(crate::discovery::WorkerIdentity::new(u64::MAX, u32::MAX)),
+            wire: crate::wire::Wire::EventPlane,
+        };
+        check_client(
+            &self.bus_url,
+            &self.client_id,
+            &self.namespaces,
+            &vec![widest; super::MAX_ANNOUNCE],
+        )?;
+        self.deadlines.validate()?;
+        if self.drain_deadline > Duration::from_secs(3600) {
+            return refuse("drain_deadline", "is over an hour".into());
         }
         if self.max_publishers == 0 || self.max_publishers > 65_536 {
             return refuse("max_publishers", "is not within 1..=65536".into());

@@ -42,6 +42,8 @@ pub(super) struct SourceTable<C> {
     /// Announcements ignored, by reason: `held_by_another_source`,
     /// `superseded_session`, `bus_full`.
     pub(super) refused: CodeCounts,
+    /// Refusals warn once a minute per reason (a hostile source repeats them).
+    warn: crate::net::RateLimitedWarn,
 }
 
 /// Where to subscribe to an announced publisher.
@@ -67,6 +69,7 @@ impl<C: Clone> SourceTable<C> {
             max,
             announcing: tokio::sync::Mutex::new(()),
             refused: CodeCounts::default(),
+            warn: crate::net::RateLimitedWarn::default(),
         }
     }
 
@@ -96,7 +99,7 @@ impl<C: Clone> SourceTable<C> {
 
     /// Session `session_id` of `client_id` announced `sources`: each is registered as
     /// a new incarnation, unless refused (counted by reason, warned once a minute by
-    /// the caller's limiter).
+    /// reason).
     pub(super) async fn announce(
         &self,
         session_id: u64,
@@ -112,7 +115,9 @@ impl<C: Clone> SourceTable<C> {
             };
             if let Some(why) = self.refusal(&id, client_id, session_id) {
                 self.refused.add(why);
-                tracing::warn!(%client_id, %id, reason = why, "an announced publisher was refused");
+                if let Some(suppressed) = self.warn.check(why, std::time::Instant::now()) {
+                    tracing::warn!(%client_id, %id, reason = why, suppressed, "an announced publisher was refused");
+                }
                 continue;
             }
             let registered = self

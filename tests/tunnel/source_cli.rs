@@ -45,16 +45,12 @@ struct Router {
     port: String,
 }
 
-async fn router(dir: &Path, wire: &str) -> Router {
+/// `kv_router --bus-listen` with the source credential of `dir`, and `follow` (its
+/// wire, or other discovery to follow beside the announced sources).
+async fn router(dir: &Path, follow: &[&str]) -> Router {
     let mut child = Command::new(example("kv_router"))
-        .args([
-            "--namespace",
-            "prod",
-            "--topic",
-            "kv-events",
-            "--wire",
-            wire,
-        ])
+        .args(["--namespace", "prod", "--topic", "kv-events"])
+        .args(follow)
         .args(["--bus-listen", "127.0.0.1:0"])
         .arg("--bus-cert")
         .arg(fixture("bus.pem"))
@@ -201,7 +197,7 @@ async fn stderr_until(router: &mut Router, text: &str) -> String {
 async fn kv_relay_dials_out_and_kv_router_follows_it_without_etcd() {
     for wire in ["eventplane", "dynamo"] {
         let dir = credentials(wire);
-        let mut router = router(&dir, wire).await;
+        let mut router = router(&dir, &["--wire", wire]).await;
         let mut engine = Engine::bind("kv").await;
         let first = relay(&dir, &engine, wire, &router.port).await;
         within(engine.socket.wait_for_subscribers(1)).await;
@@ -273,37 +269,10 @@ async fn kv_router_follows_a_static_publisher_and_an_announced_source_together()
         true,
     )
     .await;
-    let mut child = Command::new(example("kv_router"))
-        .args([
-            "--static",
-            &endpoint.unwrap(),
-            "--namespace",
-            "prod",
-            "--topic",
-            "kv-events",
-        ])
-        .args(["--bus-listen", "127.0.0.1:0"])
-        .arg("--bus-cert")
-        .arg(fixture("bus.pem"))
-        .arg("--bus-key")
-        .arg(fixture("bus.key"))
-        .arg("--bus-clients")
-        .arg(dir.join("clients.toml"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
-    let port = bus_address(&mut stderr)
-        .await
-        .rsplit(':')
-        .next()
-        .unwrap()
-        .to_owned();
+    let endpoint = endpoint.unwrap();
+    let mut router = router(&dir, &["--static", &endpoint]).await;
     let mut source_engine = Engine::bind("kv").await;
-    let source = relay(&dir, &source_engine, "eventplane", &port).await;
+    let source = relay(&dir, &source_engine, "eventplane", &router.port).await;
     within(direct_engine.socket.wait_for_subscribers(1)).await;
     within(source_engine.socket.wait_for_subscribers(1)).await;
     // Clears from both engines until the router printed one of each worker.
@@ -313,9 +282,11 @@ async fn kv_router_follows_a_static_publisher_and_an_announced_source_together()
         while seen.len() < 2 {
             direct_engine.send(clear.clone());
             source_engine.send(clear.clone());
-            if let Ok(Ok(Some(line))) =
-                tokio::time::timeout(std::time::Duration::from_millis(100), stdout.next_line())
-                    .await
+            if let Ok(Ok(Some(line))) = tokio::time::timeout(
+                std::time::Duration::from_millis(100),
+                router.stdout.next_line(),
+            )
+            .await
             {
                 let ev: RouterEvent = serde_json::from_str(&line).unwrap();
                 seen.insert(ev.worker_id.0);
@@ -328,6 +299,9 @@ async fn kv_router_follows_a_static_publisher_and_an_announced_source_together()
     assert_eq!(status.code(), Some(0), "{stats}");
     let stats = support::terminate_for_stats(direct).await;
     assert_eq!(stats["wire"], "eventplane");
+    let Router {
+        child, mut stderr, ..
+    } = router;
     let (status, stats) = terminate(child, Some(&mut stderr)).await;
     assert_eq!(status.code(), Some(0), "{stats}");
     assert_eq!(stats["bus"]["sessions_started"], 1, "{stats}");

@@ -7,6 +7,8 @@ use std::sync::{Arc, Mutex};
 
 use crate::discovery::{ChannelId, Instance};
 
+use super::PublisherStats;
+
 /// Something that happened to a followed publisher, from
 /// [`DynamicSubscriber::take_notices`](super::DynamicSubscriber::take_notices) when
 /// [`notices`](super::DynamicSubscriberBuilder::notices) are enabled.
@@ -42,6 +44,21 @@ use crate::discovery::{ChannelId, Instance};
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Notice {
+    /// A following of this publisher ended — it left discovery or moved to a new
+    /// endpoint — and every message received from it has been handed to the consumer:
+    /// `stats` are its final counters, from when it was first followed. Comes before
+    /// the [`Departed`](Notice::Departed) it may be followed by. A publisher followed
+    /// again under the same id counts from zero in
+    /// [`SubscriberStats::publishers`](super::SubscriberStats::publishers), so summing
+    /// a publisher's `Retired` stats gives every message it was ever credited with:
+    /// what an exact per-publisher ledger needs (delivered + dropped + gap messages =
+    /// `last_sequence - first_sequence + 1` when there was no reset).
+    Retired {
+        /// The publisher.
+        id: ChannelId,
+        /// Its final counters (`depth` 0).
+        stats: Box<PublisherStats>,
+    },
     /// A connection to this publisher is up and subscribed (the first one, or again
     /// after a failure): what it sends from now on arrives.
     Connected(Arc<Instance>),

@@ -269,8 +269,13 @@ impl Shared {
             return;
         }
         let publishers = self.lock();
-        for id in settled {
-            if !publishers.contains_key(&id) {
+        for (id, stats) in settled {
+            let followed = publishers.contains_key(&id);
+            self.notices.push(Notice::Retired {
+                id: id.clone(),
+                stats: Box::new(stats),
+            });
+            if !followed {
                 self.notices.push(Notice::Departed(id));
             }
         }
@@ -298,8 +303,8 @@ impl Retired {
 
     /// Folds the departed publishers whose connection ended and whose lanes are empty
     /// into the total (their counters are final) and lets their lanes go; returns
-    /// their ids.
-    fn settle(&mut self) -> Vec<ChannelId> {
+    /// their ids and final counters.
+    fn settle(&mut self) -> Vec<(ChannelId, PublisherStats)> {
         let total = &mut self.total;
         let mut settled = Vec::new();
         self.draining.retain(|cell| {
@@ -311,13 +316,13 @@ impl Retired {
                 return true;
             }
             total.add(&s);
-            settled.push(
-                cell.instance
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .id
-                    .clone(),
-            );
+            let id = cell
+                .instance
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .id
+                .clone();
+            settled.push((id, s));
             false
         });
         settled

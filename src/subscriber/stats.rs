@@ -50,6 +50,11 @@ pub struct PublisherStats {
     pub bytes: u64,
     /// Messages waiting in the lane now.
     pub depth: usize,
+    /// The sequence of the first message received with one (layouts with sequences;
+    /// `None` in [`SubscriberStats::total`]).
+    pub first_sequence: Option<u64>,
+    /// The sequence of the last message received with one (`None` in the total).
+    pub last_sequence: Option<u64>,
 }
 
 impl PublisherStats {
@@ -148,9 +153,22 @@ pub(crate) struct Counters {
     pub(crate) reconnects: AtomicU64,
     pub(crate) connect_failures: AtomicU64,
     pub(crate) refused_by_filter: AtomicU64,
+    /// The first sequence received plus one (0: none yet).
+    pub(crate) first_sequence: AtomicU64,
+    /// The last sequence received plus one (0: none yet).
+    pub(crate) last_sequence: AtomicU64,
 }
 
 impl Counters {
+    /// Notes sequence `s` as received (the first one is kept).
+    pub(crate) fn sequence(&self, s: u64) {
+        let stored = s.saturating_add(1);
+        let _ =
+            self.first_sequence
+                .compare_exchange(0, stored, Ordering::Relaxed, Ordering::Relaxed);
+        self.last_sequence.store(stored, Ordering::Relaxed);
+    }
+
     /// Adds `n`, saturating at `u64::MAX` instead of wrapping.
     pub(crate) fn add(c: &AtomicU64, n: u64) {
         crate::counter::add(c, n);
@@ -174,6 +192,8 @@ impl Counters {
             refused_by_filter: l(&self.refused_by_filter),
             bytes: l(&self.bytes),
             depth: lane.depth,
+            first_sequence: l(&self.first_sequence).checked_sub(1),
+            last_sequence: l(&self.last_sequence).checked_sub(1),
         }
     }
 }

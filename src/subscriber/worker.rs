@@ -500,6 +500,7 @@ impl<'a> Filing<'a> {
             Ok(framed) => {
                 if let Some(s) = framed.sequence {
                     let counters = &self.cell.counters;
+                    counters.sequence(s);
                     match seq.observe_from(framed.publisher_id, s) {
                         SeqStep::InOrder => {}
                         SeqStep::Gap(missing) => {

@@ -1,0 +1,405 @@
+//! The oracle: what must hold exactly at the end of a soak, checked over what the
+//! routers, relays and engines reported. Pure functions: each violation names the
+//! invariant, the process and the publisher.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::engine::Held;
+use crate::router::{IndexDump, Ledger, Life, RouterReport};
+
+/// One invariant that did not hold.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub(crate) struct Violation {
+    pub(crate) invariant: &'static str,
+    /// The process (`router r0#2`, `relay w3#1`) and publisher, where there is one.
+    pub(crate) at: String,
+    pub(crate) detail: String,
+}
+
+fn violation(invariant: &'static str, at: String, detail: String) -> Violation {
+    Violation {
+        invariant,
+        at,
+        detail,
+    }
+}
+
+/// A publisher's counters over every following, and where its sequences ran.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Sum {
+    pub(crate) stats: Life,
+    pub(crate) first: Option<u64>,
+    pub(crate) last: Option<u64>,
+}
+
+/// Sums the lives of a ledger (in order: the first life's first sequence, the last
+/// one's last).
+pub(crate) fn sum(ledger: &Ledger) -> Sum {
+    let mut s = Sum::default();
+    for life in &ledger.lives {
+        add(&mut s.stats, life);
+        if s.first.is_none() {
+            s.first = life.first_sequence;
+        }
+        if life.last_sequence.is_some() {
+            s.last = life.last_sequence;
+        }
+    }
+    s
+}
+
+fn add(total: &mut Life, o: &Life) {
+    total.received += o.received;
+    total.delivered += o.delivered;
+    total.dropped_lane_full += o.dropped_lane_full;
+    total.dropped_budget += o.dropped_budget;
+    total.dropped_filtered_topic += o.dropped_filtered_topic;
+    total.dropped_malformed += o.dropped_malformed;
+    total.gaps += o.gaps;
+    total.gap_messages += o.gap_messages;
+    total.sequence_resets += o.sequence_resets;
+    total.reconnects += o.reconnects;
+    total.depth += o.depth;
+}
+
+/// Every publisher of one router process: the subscriber's ledger, the consumer's
+/// own count, no duplicate, nothing after a departure.
+pub(crate) fn check_router(router: &str, report: &RouterReport, out: &mut Vec<Violation>) {
+    if report.notices_dropped > 0 {
+        out.push(violation(
+            "notices_complete",
+            router.to_owned(),
+            format!(
+                "{} notices dropped: lives cannot be accounted",
+                report.notices_dropped
+            ),
+        ));
+    }
+    for (id, l) in &report.publishers {
+        let at = format!("{router} publisher {id}");
+        let s = sum(l);
+        let st = &s.stats;
+        if l.consumed != st.delivered {
+            out.push(violation(
+                "consumed_equals_delivered",
+                at.clone(),
+                format!(
+                    "the consumer took {} messages, the subscriber says it delivered {}",
+                    l.consumed, st.delivered
+                ),
+            ));
+        }
+        if st.received != st.delivered + st.dropped() + st.depth {
+            out.push(violation(
+                "received_accounted",
+                at.clone(),
+                format!(
+                    "received {} != delivered {} + dropped {} + in lane {}",
+                    st.received,
+                    st.delivered,
+                    st.dropped(),
+                    st.depth
+                ),
+            ));
+        }
+        if l.duplicates > 0 {
+            out.push(violation(
+                "no_duplicate",
+                at.clone(),
+                format!(
+                    "{} messages at or below the last sequence consumed",
+                    l.duplicates
+                ),
+            ));
+        }
+        if l.after_departure > 0 {
+            out.push(violation(
+                "nothing_after_departure",
+                at.clone(),
+                format!("{} messages after its Departed", l.after_departure),
+            ));
+        }
+        if let (Some(first), Some(last), 0) = (s.first, s.last, st.sequence_resets) {
+            let span = last.saturating_sub(first) + 1;
+            let credited = st.delivered + st.dropped() + st.gap_messages + st.depth;
+            if credited != span {
+                out.push(violation(
+                    "sequence_ledger",
+                    at.clone(),
+                    format!(
+                        "delivered {} + dropped {} (lane_full {}, budget {}, topic {}, malformed {}) + gap messages {} + in lane {} = {credited}, but sequences {first}..={last} span {span}",
+                        st.delivered,
+                        st.dropped(),
+                        st.dropped_lane_full,
+                        st.dropped_budget,
+                        st.dropped_filtered_topic,
+                        st.dropped_malformed,
+                        st.gap_messages,
+                        st.depth
+                    ),
+                ));
+            }
+        }
+    }
+}
+
+/// What a relay said at a clean exit (its last stderr line), the parts checked.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct RelayExit {
+    pub(crate) name: String,
+    pub(crate) registered_id: Option<u64>,
+    pub(crate) published_messages: u64,
+    pub(crate) input_events: u64,
+    pub(crate) output_events: u64,
+    pub(crate) merged_events: u64,
+    pub(crate) deduplicated_events: u64,
+    pub(crate) withheld_events: u64,
+}
+
+impl RelayExit {
+    pub(crate) fn parse(name: &str, line: &str) -> Option<RelayExit> {
+        let v: serde_json::Value = serde_json::from_str(line).ok()?;
+        let p = &v["processor"];
+        let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
+        Some(RelayExit {
+            name: name.to_owned(),
+            registered_id: v["registered_publisher_id"].as_u64(),
+            published_messages: n(&v["published_messages"]),
+            input_events: n(&p["input_events"]),
+            output_events: n(&p["output_events"]),
+            merged_events: n(&p["merged_events"]),
+            deduplicated_events: n(&p["deduplicated_events"]),
+            withheld_events: n(&p["withheld_events"]),
+        })
+    }
+}
+
+/// A clean relay exit: its processor ledger balances, and every router that was
+/// following it at the exit saw its last message (the relay drains before it exits).
+pub(crate) fn check_relay_exit(
+    exit: &RelayExit,
+    routers: &[(String, &RouterReport)],
+    out: &mut Vec<Violation>,
+) {
+    let at = exit.name.clone();
+    let accounted =
+        exit.output_events + exit.merged_events + exit.deduplicated_events + exit.withheld_events;
+    if exit.input_events != accounted {
+        out.push(violation(
+            "processor_ledger",
+            at.clone(),
+            format!(
+                "input {} != output + merged + deduplicated + withheld = {accounted}",
+                exit.input_events
+            ),
+        ));
+    }
+    let Some(id) = exit.registered_id else {
+        out.push(violation(
+            "relay_registered",
+            at,
+            "no registered publisher id".to_owned(),
+        ));
+        return;
+    };
+    for (router, report) in routers {
+        let ledger = report.publishers.iter().find(|(k, _)| {
+            k.rsplit('/')
+                .next()
+                .and_then(|p| u64::from_str_radix(p, 16).ok())
+                == Some(id)
+        });
+        let Some((key, l)) = ledger else {
+            out.push(violation(
+                "router_followed_relay",
+                format!("{router} publisher {id:x}"),
+                format!("never saw {at}"),
+            ));
+            continue;
+        };
+        let s = sum(l);
+        if s.last.map(|l| l + 1) != Some(exit.published_messages) {
+            out.push(violation(
+                "saw_the_last_message",
+                format!("{router} publisher {key}"),
+                format!(
+                    "{at} published {} messages, the router's last sequence is {:?}",
+                    exit.published_messages, s.last
+                ),
+            ));
+        }
+    }
+}
+
+/// A router's final index against what the engines hold, and its publishers against
+/// the relays alive at the end.
+pub(crate) fn check_convergence(
+    router: &str,
+    dump: &IndexDump,
+    truth: &BTreeMap<u64, Held>,
+    live_ids: Option<&std::collections::BTreeSet<u64>>,
+    out: &mut Vec<Violation>,
+) {
+    for (worker, held) in truth {
+        let empty = Held::default();
+        let got = dump.workers.get(worker).unwrap_or(&empty);
+        if got != held {
+            let missing = count_diff(&held.gpu, &got.gpu) + count_diff(&held.cpu, &got.cpu);
+            let ghosts = count_diff(&got.gpu, &held.gpu) + count_diff(&got.cpu, &held.cpu);
+            out.push(violation(
+                "index_converged",
+                format!("{router} worker {worker}"),
+                format!("{missing} blocks the engine holds are missing, {ghosts} ghost blocks"),
+            ));
+        }
+    }
+    for worker in dump.workers.keys().filter(|w| !truth.contains_key(w)) {
+        out.push(violation(
+            "index_converged",
+            format!("{router} worker {worker}"),
+            "blocks of a worker no engine is".to_owned(),
+        ));
+    }
+    if let Some(live) = live_ids {
+        if &dump.publishers != live {
+            let ghosts: Vec<String> = dump
+                .publishers
+                .difference(live)
+                .map(|p| format!("{p:x}"))
+                .collect();
+            let missing: Vec<String> = live
+                .difference(&dump.publishers)
+                .map(|p| format!("{p:x}"))
+                .collect();
+            out.push(violation(
+                "publishers_converged",
+                router.to_owned(),
+                format!("followed but not live: {ghosts:?}; live but not followed: {missing:?}"),
+            ));
+        }
+    }
+}
+
+fn count_diff(a: &[u64], b: &[u64]) -> usize {
+    a.iter().filter(|h| b.binary_search(h).is_err()).count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn life(delivered: u64, lane_full: u64, gap: u64, first: u64, last: u64) -> Life {
+        Life {
+            received: delivered + lane_full,
+            delivered,
+            dropped_lane_full: lane_full,
+            gap_messages: gap,
+            first_sequence: Some(first),
+            last_sequence: Some(last),
+            ..Life::default()
+        }
+    }
+
+    fn report(l: Ledger) -> RouterReport {
+        let mut r = RouterReport::default();
+        r.publishers.insert("ns/c/t/1".to_owned(), l); // ids in hex, as ChannelId prints them
+        r
+    }
+
+    fn checked(l: Ledger) -> Vec<&'static str> {
+        let mut out = Vec::new();
+        check_router("r0", &report(l), &mut out);
+        out.into_iter().map(|v| v.invariant).collect()
+    }
+
+    fn good() -> Ledger {
+        // Two followings: 0..=99 with 5 lane drops and a gap of 3; it left and came
+        // back at 110 (a gap of 10 in the second life), ending at 149.
+        Ledger {
+            consumed: 92 + 40,
+            lives: vec![life(92, 5, 3, 0, 99), life(40, 0, 10, 110, 149)],
+            ..Ledger::default()
+        }
+    }
+
+    #[test]
+    fn a_balanced_ledger_passes() {
+        assert_eq!(checked(good()), Vec::<&str>::new());
+    }
+
+    /// The injected bugs the soak must catch, one line each.
+    #[test]
+    fn injected_bugs_are_caught() {
+        // A gap counted as delivered: the subscriber claims more than the consumer took.
+        let mut l = good();
+        l.lives[0].delivered += 3;
+        l.lives[0].gap_messages -= 3;
+        l.lives[0].received += 3;
+        assert_eq!(checked(l), ["consumed_equals_delivered"]);
+        // A lane that forgets a departed publisher: deliveries after Departed.
+        let mut l = good();
+        l.after_departure = 2;
+        assert_eq!(checked(l), ["nothing_after_departure"]);
+        // A drop not counted (a lost message no counter names).
+        let mut l = good();
+        l.lives[1].gap_messages -= 1;
+        assert_eq!(checked(l), ["sequence_ledger"]);
+        // A message delivered twice.
+        let mut l = good();
+        l.duplicates = 1;
+        assert_eq!(checked(l), ["no_duplicate"]);
+    }
+
+    #[test]
+    fn a_ghost_block_or_worker_fails_convergence() {
+        let truth: BTreeMap<u64, Held> = [(
+            1,
+            Held {
+                gpu: vec![1, 2],
+                cpu: vec![],
+            },
+        )]
+        .into();
+        let mut dump = IndexDump::default();
+        dump.workers.insert(
+            1,
+            Held {
+                gpu: vec![1, 2, 3],
+                cpu: vec![],
+            },
+        );
+        dump.workers.insert(
+            2,
+            Held {
+                gpu: vec![9],
+                cpu: vec![],
+            },
+        );
+        dump.publishers.insert(5);
+        let live = [5, 6].into();
+        let mut out = Vec::new();
+        check_convergence("r0", &dump, &truth, Some(&live), &mut out);
+        let names: Vec<_> = out.iter().map(|v| v.invariant).collect();
+        assert_eq!(
+            names,
+            ["index_converged", "index_converged", "publishers_converged"]
+        );
+        assert!(out[0].detail.contains("1 ghost"), "{:?}", out[0]);
+    }
+
+    #[test]
+    fn a_relay_exit_is_cross_checked() {
+        let exit = RelayExit::parse(
+            "w0#1",
+            r#"{"registered_publisher_id":1,"published_messages":150,"processor":{"input_events":10,"output_events":6,"merged_events":2,"deduplicated_events":1,"withheld_events":0}}"#,
+        )
+        .unwrap();
+        let r = report(good());
+        let mut out = Vec::new();
+        check_relay_exit(&exit, &[("r0".to_owned(), &r)], &mut out);
+        let names: Vec<_> = out.iter().map(|v| v.invariant).collect();
+        assert_eq!(names, ["processor_ledger"]); // 10 != 9; the last sequence 149 is the 150th
+    }
+}

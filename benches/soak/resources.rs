@@ -1,0 +1,107 @@
+//! Resource series: every long-lived process's RSS and open fds, sampled every
+//! [`SAMPLE_EVERY`]; after the warm-up, a least-squares slope and the peak.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// Sampling period.
+pub(crate) const SAMPLE_EVERY: Duration = Duration::from_secs(2);
+
+/// RSS growth tolerated after the warm-up, KiB per minute (a leak of one message per
+/// delivery at our rates is far above it).
+pub(crate) const RSS_SLOPE_KIB_PER_MIN: f64 = 1024.0;
+/// Open fds growth tolerated after the warm-up, per minute.
+pub(crate) const FD_SLOPE_PER_MIN: f64 = 2.0;
+
+/// Peak RSS budget of a role, KiB: routers 256 MiB, relays 64 MiB, engines 32 MiB
+/// (etcd is not ours: reported, not judged).
+pub(crate) fn budget_kib(role: &str) -> Option<u64> {
+    match role {
+        "router" => Some(256 * 1024),
+        "relay" => Some(64 * 1024),
+        "engine" => Some(32 * 1024),
+        _ => None,
+    }
+}
+
+/// One process's samples: (seconds from the run's start, RSS KiB, fds).
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Series {
+    pub(crate) role: String,
+    pub(crate) samples: Vec<(f64, u64, u64)>,
+}
+
+/// What a series comes to.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub(crate) struct Trend {
+    pub(crate) samples: usize,
+    pub(crate) rss_slope_kib_per_min: f64,
+    pub(crate) fd_slope_per_min: f64,
+    pub(crate) peak_rss_kib: u64,
+    pub(crate) peak_fds: u64,
+}
+
+/// The least-squares slope of `ys` over `xs` (per unit of x), 0 with fewer than 2.
+pub(crate) fn slope(points: &[(f64, f64)]) -> f64 {
+    let n = points.len() as f64;
+    if points.len() < 2 {
+        return 0.0;
+    }
+    let mx = points.iter().map(|p| p.0).sum::<f64>() / n;
+    let my = points.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxx: f64 = points.iter().map(|p| (p.0 - mx) * (p.0 - mx)).sum();
+    let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    if sxx == 0.0 { 0.0 } else { sxy / sxx }
+}
+
+/// The trend of a series from `warm_up` seconds on (peaks over the whole series).
+pub(crate) fn trend(series: &Series, warm_up: f64) -> Trend {
+    let after: Vec<&(f64, u64, u64)> = series.samples.iter().filter(|s| s.0 >= warm_up).collect();
+    let per_min = |f: &dyn Fn(&(f64, u64, u64)) -> f64| {
+        slope(&after.iter().map(|s| (s.0 / 60.0, f(s))).collect::<Vec<_>>())
+    };
+    Trend {
+        samples: after.len(),
+        rss_slope_kib_per_min: per_min(&|s| s.1 as f64),
+        fd_slope_per_min: per_min(&|s| s.2 as f64),
+        peak_rss_kib: series.samples.iter().map(|s| s.1).max().unwrap_or(0),
+        peak_fds: series.samples.iter().map(|s| s.2).max().unwrap_or(0),
+    }
+}
+
+/// Trends of every series, by process name.
+pub(crate) fn trends(all: &BTreeMap<String, Series>, warm_up: f64) -> BTreeMap<String, Trend> {
+    all.iter()
+        .map(|(k, s)| (k.clone(), trend(s, warm_up)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_leak_has_a_slope_and_a_flat_line_has_none() {
+        let flat = Series {
+            role: "relay".into(),
+            samples: (0..60)
+                .map(|i| (i as f64 * 2.0, 10_000 + (i % 3), 12))
+                .collect(),
+        };
+        let t = trend(&flat, 10.0);
+        assert!(t.rss_slope_kib_per_min.abs() < 5.0, "{t:?}");
+        assert_eq!(t.fd_slope_per_min, 0.0);
+        // 100 KiB per 2 s sample: 3000 KiB a minute.
+        let leak = Series {
+            role: "relay".into(),
+            samples: (0..60)
+                .map(|i| (i as f64 * 2.0, 10_000 + 100 * i, 12 + i / 10))
+                .collect(),
+        };
+        let t = trend(&leak, 10.0);
+        assert!((t.rss_slope_kib_per_min - 3000.0).abs() < 1.0, "{t:?}");
+        assert!(t.fd_slope_per_min > FD_SLOPE_PER_MIN);
+    }
+}

@@ -1,0 +1,991 @@
+//! The orchestrator: starts the cluster, runs the fault schedule, settles, stops
+//! everything cleanly, checks the oracle and writes the report.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::engine::Held;
+use crate::faults::{Fault, FaultKind, schedule};
+use crate::ledger::{self, RelayExit, Violation};
+use crate::netns::Namespaces;
+use crate::process::{Proc, free_port, sample};
+use crate::resources::{self, SAMPLE_EVERY, Series, Trend};
+use crate::router::{IndexDump, RouterReport};
+
+/// The soak's own flags.
+#[derive(Debug, clap::Args)]
+pub(crate) struct RunArgs {
+    /// Length of the run (faults, then the settle and the checks).
+    #[arg(long, default_value_t = 3.0)]
+    minutes: f64,
+    /// Seeds the schedule and every engine's workload: a run replays from it.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Where to write the JSON report (also printed as a table).
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Workers (engine + kv_relay pairs).
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// Every Nth worker's relay speaks Dynamo's wire and records (0: none).
+    #[arg(long, default_value_t = 3)]
+    dynamo_every: usize,
+    /// `all`, `none`, or a comma list of relay_kill, relay_stop, etcd_restart,
+    /// router_partition, router_stall, router_restart.
+    #[arg(long, default_value = "all")]
+    faults: String,
+    /// Faults of each kind (default: one a minute, at least 2).
+    #[arg(long)]
+    faults_per_kind: Option<usize>,
+    /// Each engine publishes a batch this often.
+    #[arg(long, default_value_t = 100)]
+    interval_ms: u64,
+    /// Blocks each engine holds at most (FIFO eviction past it).
+    #[arg(long, default_value_t = 256)]
+    capacity: usize,
+    /// The routers' lane capacity (small, so a stalled consumer drops).
+    #[arg(long, default_value_t = 32)]
+    lane_capacity: usize,
+    /// How long the routers' indexes may take to converge once the engines settled.
+    #[arg(long, default_value_t = 30)]
+    converge_secs: u64,
+    /// A kv_relay binary to use instead of building it.
+    #[arg(long)]
+    relay: Option<PathBuf>,
+    /// Run the routers in this namespace (no partitions: that fault is skipped).
+    #[arg(long)]
+    no_netns: bool,
+}
+
+const ROUTERS: usize = 2;
+const NAMESPACE: &str = "soak";
+/// kv_relay's lease TTL (EtcdDiscovery's default).
+const LEASE_TTL: Duration = Duration::from_secs(10);
+
+pub(crate) async fn main(args: RunArgs, bench_dir: PathBuf) -> ExitCode {
+    match soak(args, bench_dir).await {
+        Ok(passed) if passed => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("soak: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Phase {
+    Start,
+    End,
+}
+
+#[derive(Debug)]
+struct Action {
+    at: Instant,
+    fault: Fault,
+    phase: Phase,
+}
+
+/// Everything running, and what it told.
+struct Cluster {
+    args: RunArgs,
+    logs: PathBuf,
+    exe: PathBuf,
+    relay_bin: PathBuf,
+    ns: Option<Namespaces>,
+    etcd: Option<Proc>,
+    etcd_port: u16,
+    etcd_peer: u16,
+    etcd_data: PathBuf,
+    etcd_incarnation: usize,
+    /// Relays and routers may fail to start while etcd is away: until then, not a
+    /// violation.
+    etcd_settled_at: Instant,
+    engines: Vec<Proc>,
+    engine_endpoints: Vec<String>,
+    relays: Vec<Option<Proc>>,
+    relay_incarnation: Vec<usize>,
+    relay_held: Vec<bool>,
+    relay_respawn_at: Vec<Option<Instant>>,
+    routers: Vec<Option<Proc>>,
+    router_ready: Vec<bool>,
+    router_incarnation: Vec<usize>,
+    router_respawn_at: Vec<Option<Instant>>,
+    partitioned: Vec<bool>,
+    router_reports: Vec<(String, RouterReport)>,
+    relay_exits: Vec<RelayExit>,
+    violations: Vec<Violation>,
+    series: BTreeMap<String, Series>,
+    start: Instant,
+    injected: BTreeMap<&'static str, u64>,
+    start_retries: u64,
+}
+
+fn etcd_url(host: &str, port: u16) -> String {
+    format!("http://{host}:{port}")
+}
+
+impl Cluster {
+    fn router_etcd(&self) -> String {
+        let host = self.ns.as_ref().map_or("127.0.0.1", |n| n.host_address());
+        etcd_url(host, self.etcd_port)
+    }
+
+    async fn start_etcd(&mut self) -> Result<(), String> {
+        self.etcd_incarnation += 1;
+        let client = match &self.ns {
+            Some(ns) => format!(
+                "{},{}",
+                etcd_url("127.0.0.1", self.etcd_port),
+                etcd_url(ns.host_address(), self.etcd_port)
+            ),
+            None => etcd_url("127.0.0.1", self.etcd_port),
+        };
+        let peer = etcd_url("127.0.0.1", self.etcd_peer);
+        let args: Vec<String> = ["--name", "soak", "--data-dir"]
+            .iter()
+            .map(|s| (*s).to_owned())
+            .chain([
+                self.etcd_data.display().to_string(),
+                "--listen-client-urls".into(),
+                client,
+                "--advertise-client-urls".into(),
+                etcd_url("127.0.0.1", self.etcd_port),
+                "--listen-peer-urls".into(),
+                peer.clone(),
+                "--initial-advertise-peer-urls".into(),
+                peer.clone(),
+                "--initial-cluster".into(),
+                format!("soak={peer}"),
+                "--log-level=error".into(),
+            ])
+            .collect();
+        let name = format!("etcd#{}", self.etcd_incarnation);
+        let proc = Proc::spawn(name, Path::new("etcd"), &args, &self.logs, &[])?;
+        self.etcd = Some(proc);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if healthy(self.etcd_port).await {
+                self.etcd_settled_at = Instant::now();
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Err("etcd did not become healthy within 15 s".into())
+    }
+
+    fn spawn_relay(&mut self, w: usize) -> Result<(), String> {
+        self.relay_incarnation[w] += 1;
+        let dynamo =
+            self.args.dynamo_every > 0 && w % self.args.dynamo_every == self.args.dynamo_every - 1;
+        let (bind, host) = match &self.ns {
+            Some(ns) => ("tcp://0.0.0.0:0", ns.host_address()),
+            None => ("tcp://127.0.0.1:0", "127.0.0.1"),
+        };
+        let args: Vec<String> = [
+            "--connect",
+            &self.engine_endpoints[w],
+            "--topic",
+            "kv-events",
+            "--block-size",
+            "4",
+            "--worker-id",
+            &(w as u64 + 1).to_string(),
+            "--bind",
+            bind,
+            "--advertise-host",
+            host,
+            "--wire",
+            if dynamo { "dynamo" } else { "eventplane" },
+            "--etcd",
+            &etcd_url("127.0.0.1", self.etcd_port),
+            "--namespace",
+            NAMESPACE,
+            "--component",
+            "worker",
+            "--publish-topic",
+            "kv-events",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        let name = format!("relay w{w}#{}", self.relay_incarnation[w]);
+        let proc = Proc::spawn(name, &self.relay_bin, &args, &self.logs, &[])?;
+        self.relays[w] = Some(proc);
+        Ok(())
+    }
+
+    fn spawn_router(&mut self, r: usize) -> Result<(), String> {
+        self.router_incarnation[r] += 1;
+        let mut argv: Vec<String> = Vec::new();
+        let program = match &self.ns {
+            Some(ns) => {
+                argv.extend(["netns", "exec", ns.name(r)].map(str::to_owned));
+                argv.push(self.exe.display().to_string());
+                PathBuf::from("ip")
+            }
+            None => self.exe.clone(),
+        };
+        argv.extend(
+            [
+                "router",
+                "--etcd",
+                &self.router_etcd(),
+                "--namespace",
+                NAMESPACE,
+                "--lane-capacity",
+                &self.args.lane_capacity.to_string(),
+            ]
+            .map(str::to_owned),
+        );
+        let name = format!("router r{r}#{}", self.router_incarnation[r]);
+        let proc = Proc::spawn(name, &program, &argv, &self.logs, &[("RUST_LOG", "warn")])?;
+        self.routers[r] = Some(proc);
+        self.router_ready[r] = false;
+        Ok(())
+    }
+
+    /// Asks router `r` to quit and keeps its report.
+    async fn quit_router(&mut self, r: usize) -> Result<(), String> {
+        let Some(mut proc) = self.routers[r].take() else {
+            return Ok(());
+        };
+        proc.tell("quit").await?;
+        let report = proc.line("report ", Duration::from_secs(30)).await;
+        proc.wait(Duration::from_secs(10)).await;
+        let report: RouterReport =
+            serde_json::from_str(&report?).map_err(|e| format!("{}: {e}", proc.name))?;
+        self.router_reports.push((proc.name.clone(), report));
+        Ok(())
+    }
+
+    async fn dump(&mut self, r: usize) -> Result<IndexDump, String> {
+        let proc = self.routers[r].as_mut().ok_or("router not running")?;
+        proc.tell("dump").await?;
+        let line = proc.line("index ", Duration::from_secs(10)).await?;
+        serde_json::from_str(&line).map_err(|e| e.to_string())
+    }
+
+    fn elapsed(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+
+    fn sample(&mut self) {
+        let t = self.elapsed();
+        let mut procs: Vec<(&str, &Proc)> = Vec::new();
+        procs.extend(self.etcd.iter().map(|p| ("etcd", p)));
+        procs.extend(self.engines.iter().map(|p| ("engine", p)));
+        procs.extend(self.relays.iter().flatten().map(|p| ("relay", p)));
+        procs.extend(self.routers.iter().flatten().map(|p| ("router", p)));
+        for (role, p) in procs {
+            if let Some((rss, fds)) = sample(p.pid) {
+                let s = self.series.entry(p.name.clone()).or_default();
+                s.role = role.to_owned();
+                s.samples.push((t, rss, fds));
+            }
+        }
+    }
+
+    /// Restarts what exited without being told to; a relay or router that could not
+    /// start while etcd was away is retried, anything else that exits is a violation.
+    async fn supervise(&mut self) {
+        let now = Instant::now();
+        let etcd_unsettled =
+            self.etcd.is_none() || now < self.etcd_settled_at + Duration::from_secs(20);
+        for w in 0..self.relays.len() {
+            if let Some(p) = self.relays[w].as_mut() {
+                if let Some(status) = p.exited() {
+                    let last = p.last_log_line();
+                    let name = p.name.clone();
+                    self.relays[w] = None;
+                    if etcd_unsettled && status.code() == Some(3) {
+                        self.start_retries += 1;
+                    } else {
+                        self.violations.push(Violation {
+                            invariant: "processes_stay_up",
+                            at: name,
+                            detail: format!("exited with {status}: {last}"),
+                        });
+                    }
+                    self.relay_respawn_at[w] = Some(now + Duration::from_secs(1));
+                }
+            }
+            if self.relays[w].is_none()
+                && !self.relay_held[w]
+                && self.relay_respawn_at[w].is_none_or(|at| now >= at)
+            {
+                self.relay_respawn_at[w] = None;
+                if let Err(e) = self.spawn_relay(w) {
+                    self.violations.push(Violation {
+                        invariant: "processes_stay_up",
+                        at: format!("relay w{w}"),
+                        detail: e,
+                    });
+                }
+            }
+        }
+        for r in 0..self.routers.len() {
+            if let Some(p) = self.routers[r].as_mut() {
+                while let Ok(line) = p.lines.try_recv() {
+                    if line == "ready" {
+                        self.router_ready[r] = true;
+                    }
+                }
+                if let Some(status) = p.exited() {
+                    let (name, last) = (p.name.clone(), p.last_log_line());
+                    self.routers[r] = None;
+                    if self.router_ready[r] {
+                        self.violations.push(Violation {
+                            invariant: "processes_stay_up",
+                            at: name,
+                            detail: format!("exited with {status}: {last}"),
+                        });
+                    } else {
+                        self.start_retries += 1;
+                    }
+                    self.router_respawn_at[r] = Some(now + Duration::from_secs(1));
+                }
+            }
+            if self.routers[r].is_none() && self.router_respawn_at[r].is_none_or(|at| now >= at) {
+                self.router_respawn_at[r] = None;
+                if let Err(e) = self.spawn_router(r) {
+                    self.violations.push(Violation {
+                        invariant: "processes_stay_up",
+                        at: format!("router r{r}"),
+                        detail: e,
+                    });
+                }
+            }
+        }
+        for p in &mut self.engines {
+            if let Some(status) = p.exited() {
+                self.violations.push(Violation {
+                    invariant: "processes_stay_up",
+                    at: p.name.clone(),
+                    detail: format!("exited with {status}: {}", p.last_log_line()),
+                });
+            }
+        }
+        self.engines.retain_mut(|p| p.exited().is_none());
+    }
+
+    async fn act(&mut self, a: &Action) -> Result<(), String> {
+        let f = &a.fault;
+        match (f.kind, a.phase) {
+            (FaultKind::RelayKill, Phase::Start) => {
+                self.relay_held[f.target] = true;
+                if let Some(mut p) = self.relays[f.target].take() {
+                    p.signal("KILL");
+                    p.wait(Duration::from_secs(5)).await;
+                }
+            }
+            (FaultKind::RelayKill, Phase::End) => {
+                self.relay_held[f.target] = false;
+                if self.relays[f.target].is_none() {
+                    self.spawn_relay(f.target)?;
+                }
+            }
+            (FaultKind::RelayStop, phase) => {
+                if let Some(p) = &self.relays[f.target] {
+                    p.signal(if phase == Phase::Start {
+                        "STOP"
+                    } else {
+                        "CONT"
+                    });
+                }
+            }
+            (FaultKind::EtcdRestart, Phase::Start) => {
+                if let Some(mut p) = self.etcd.take() {
+                    p.signal("KILL");
+                    p.wait(Duration::from_secs(5)).await;
+                }
+            }
+            (FaultKind::EtcdRestart, Phase::End) => self.start_etcd().await?,
+            (FaultKind::RouterPartition, phase) => {
+                if let Some(ns) = &self.ns {
+                    ns.link(f.target, phase == Phase::End)?;
+                    self.partitioned[f.target] = phase == Phase::Start;
+                }
+            }
+            (FaultKind::RouterStall, Phase::Start) => {
+                if let Some(p) = self.routers[f.target].as_mut() {
+                    p.tell(&format!("stall {}", f.hold.as_millis())).await?;
+                }
+            }
+            (FaultKind::RouterRestart, Phase::Start) => {
+                self.quit_router(f.target).await?;
+                self.spawn_router(f.target)?;
+            }
+            _ => {}
+        }
+        if a.phase == Phase::Start {
+            *self.injected.entry(f.kind.name()).or_default() += 1;
+        }
+        Ok(())
+    }
+
+    /// Everything up, nothing held: what the settle needs.
+    fn whole(&self) -> bool {
+        self.etcd.is_some()
+            && self.relays.iter().all(Option::is_some)
+            && self.router_ready.iter().all(|r| *r)
+            && !self.partitioned.iter().any(|p| *p)
+    }
+
+    async fn shutdown(&mut self) {
+        for w in 0..self.relays.len() {
+            if let Some(p) = self.relays[w].as_ref() {
+                p.signal("CONT");
+                p.signal("TERM");
+            }
+        }
+        for slot in &mut self.relays {
+            if let Some(mut p) = slot.take() {
+                p.wait(Duration::from_secs(5)).await;
+            }
+        }
+        for slot in &mut self.routers {
+            if let Some(mut p) = slot.take() {
+                let _ = p.child.start_kill();
+                p.wait(Duration::from_secs(5)).await;
+            }
+        }
+        for p in &mut self.engines {
+            let _ = p.child.start_kill();
+            p.wait(Duration::from_secs(5)).await;
+        }
+        if let Some(mut p) = self.etcd.take() {
+            p.signal("TERM");
+            p.wait(Duration::from_secs(5)).await;
+        }
+    }
+}
+
+async fn healthy(port: u16) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let probe = async {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .ok()?;
+        let req =
+            format!("GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.ok()?;
+        let mut body = Vec::new();
+        s.read_to_end(&mut body).await.ok()?;
+        Some(String::from_utf8_lossy(&body).contains("\"health\":\"true\""))
+    };
+    tokio::time::timeout(Duration::from_secs(2), probe)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(false)
+}
+
+fn build_relay(bench_dir: &Path) -> Result<PathBuf, String> {
+    let root = bench_dir.parent().ok_or("no workspace root")?;
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    eprintln!("soak: building kv_relay (release, feature etcd)");
+    let status = std::process::Command::new(cargo)
+        .current_dir(root)
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "eventplane",
+            "--features",
+            "etcd",
+            "--example",
+            "kv_relay",
+        ])
+        .status()
+        .map_err(|e| format!("cargo: {e}"))?;
+    if !status.success() {
+        return Err(format!("building kv_relay failed: {status}"));
+    }
+    let target =
+        std::env::var("CARGO_TARGET_DIR").map_or_else(|_| root.join("target"), PathBuf::from);
+    Ok(target.join("release/examples/kv_relay"))
+}
+
+fn kinds(spec: &str, netns: bool) -> Result<Vec<FaultKind>, String> {
+    let mut kinds = match spec {
+        "all" => FaultKind::ALL.to_vec(),
+        "none" => Vec::new(),
+        list => list
+            .split(',')
+            .map(|k| FaultKind::parse(k.trim()).ok_or_else(|| format!("unknown fault kind {k:?}")))
+            .collect::<Result<_, _>>()?,
+    };
+    if !netns {
+        kinds.retain(|k| *k != FaultKind::RouterPartition);
+    }
+    Ok(kinds)
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    seed: u64,
+    minutes: f64,
+    workers: usize,
+    dynamo_workers: usize,
+    replay: String,
+    faults: BTreeMap<&'static str, u64>,
+    schedule: Vec<Fault>,
+    router_events: u64,
+    deliveries: u64,
+    drops: BTreeMap<&'static str, u64>,
+    gaps: u64,
+    gap_messages: u64,
+    resyncs: u64,
+    convergence_ms: BTreeMap<String, Option<u64>>,
+    relay_clean_exits: usize,
+    router_reports: usize,
+    start_retries: u64,
+    resources: BTreeMap<String, Trend>,
+    violations: Vec<Violation>,
+    passed: bool,
+}
+
+async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
+    let replay = format!(
+        "cargo run --release -p eventplane-benches --bin soak -- --minutes {} --seed {} --workers {} --faults {}",
+        args.minutes, args.seed, args.workers, args.faults
+    );
+    let relay_bin = match &args.relay {
+        Some(p) => p.clone(),
+        None => build_relay(&bench_dir)?,
+    };
+    let netns = !args.no_netns;
+    let kinds = kinds(&args.faults, netns)?;
+    let total = Duration::from_secs_f64(args.minutes.max(0.5) * 60.0);
+    // Warm-up, the fault window, then a quiet tail (leases of killed relays expire)
+    // and the settle.
+    let warm_up = Duration::from_secs(15);
+    let tail = Duration::from_secs(45);
+    let window = total
+        .saturating_sub(warm_up + tail)
+        .max(Duration::from_secs(20));
+    let per_kind = args
+        .faults_per_kind
+        .unwrap_or((args.minutes as usize).max(2));
+    let plan = schedule(args.seed, window, &kinds, per_kind, args.workers, ROUTERS);
+    eprintln!(
+        "soak: seed {} — {} faults over {:?}; replay: {replay}",
+        args.seed,
+        plan.len(),
+        window
+    );
+    for f in &plan {
+        eprintln!(
+            "soak:   at {:>6.1}s {:<17} target {} for {:?}",
+            (warm_up + f.at).as_secs_f64(),
+            f.kind.name(),
+            f.target,
+            f.hold
+        );
+    }
+
+    let dir = bench_dir.parent().unwrap_or(&bench_dir).join(format!(
+        "target/soak/{}-{}",
+        args.seed,
+        std::process::id()
+    ));
+    let logs = dir.join("logs");
+    std::fs::create_dir_all(&logs).map_err(|e| format!("{}: {e}", logs.display()))?;
+    let ns = if netns {
+        Some(Namespaces::create(ROUTERS)?)
+    } else {
+        None
+    };
+    let w = args.workers;
+    let mut c = Cluster {
+        logs: logs.clone(),
+        exe: std::env::current_exe().map_err(|e| e.to_string())?,
+        relay_bin,
+        ns,
+        etcd: None,
+        etcd_port: free_port()?,
+        etcd_peer: free_port()?,
+        etcd_data: dir.join("etcd"),
+        etcd_incarnation: 0,
+        etcd_settled_at: Instant::now(),
+        engines: Vec::new(),
+        engine_endpoints: Vec::new(),
+        relays: (0..w).map(|_| None).collect(),
+        relay_incarnation: vec![0; w],
+        relay_held: vec![false; w],
+        relay_respawn_at: vec![None; w],
+        routers: (0..ROUTERS).map(|_| None).collect(),
+        router_ready: vec![false; ROUTERS],
+        router_incarnation: vec![0; ROUTERS],
+        router_respawn_at: vec![None; ROUTERS],
+        partitioned: vec![false; ROUTERS],
+        router_reports: Vec::new(),
+        relay_exits: Vec::new(),
+        violations: Vec::new(),
+        series: BTreeMap::new(),
+        start: Instant::now(),
+        injected: kinds.iter().map(|k| (k.name(), 0)).collect(),
+        start_retries: 0,
+        args,
+    };
+    let result = drive(&mut c, &plan, warm_up, total).await;
+    c.shutdown().await;
+    drop(c.ns.take());
+    let (truth, dumps, convergence) = result?;
+
+    // The oracle.
+    let mut violations = std::mem::take(&mut c.violations);
+    for (name, report) in &c.router_reports {
+        ledger::check_router(name, report, &mut violations);
+    }
+    let finals: Vec<(String, &RouterReport)> = c
+        .router_reports
+        .iter()
+        .rev()
+        .take(ROUTERS)
+        .map(|(n, r)| (n.clone(), r))
+        .collect();
+    let live: BTreeSet<u64> = c
+        .relay_exits
+        .iter()
+        .filter_map(|e| e.registered_id)
+        .collect();
+    for exit in &c.relay_exits {
+        ledger::check_relay_exit(exit, &finals, &mut violations);
+    }
+    if c.relay_exits.len() != w {
+        violations.push(Violation {
+            invariant: "relays_exit_cleanly",
+            at: "relays".into(),
+            detail: format!(
+                "{} of {w} relays printed their stats at exit",
+                c.relay_exits.len()
+            ),
+        });
+    }
+    for (router, dump) in &dumps {
+        ledger::check_convergence(router, dump, &truth, Some(&live), &mut violations);
+    }
+    let warm = warm_up.as_secs_f64() * 2.0;
+    let trends = resources::trends(&c.series, warm);
+    for (name, t) in &trends {
+        let role = c.series.get(name).map_or("", |s| s.role.as_str());
+        if let Some(budget) = resources::budget_kib(role) {
+            if t.peak_rss_kib > budget {
+                violations.push(Violation {
+                    invariant: "rss_budget",
+                    at: name.clone(),
+                    detail: format!("peak {} KiB > {budget} KiB", t.peak_rss_kib),
+                });
+            }
+            // Judged over a minute of samples at least.
+            if t.samples >= 30 && role != "etcd" {
+                if t.rss_slope_kib_per_min > resources::RSS_SLOPE_KIB_PER_MIN {
+                    violations.push(Violation {
+                        invariant: "rss_flat",
+                        at: name.clone(),
+                        detail: format!("{:.0} KiB/min", t.rss_slope_kib_per_min),
+                    });
+                }
+                if t.fd_slope_per_min > resources::FD_SLOPE_PER_MIN {
+                    violations.push(Violation {
+                        invariant: "fds_flat",
+                        at: name.clone(),
+                        detail: format!("{:.2} fds/min", t.fd_slope_per_min),
+                    });
+                }
+            }
+        }
+    }
+
+    // Totals.
+    let mut drops: BTreeMap<&'static str, u64> = BTreeMap::new();
+    let (mut deliveries, mut gaps, mut gap_messages, mut resyncs, mut events) = (0, 0, 0, 0, 0);
+    for (_, report) in &c.router_reports {
+        events += report.events;
+        for l in report.publishers.values() {
+            let s = ledger::sum(l).stats;
+            deliveries += s.delivered;
+            *drops.entry("lane_full").or_default() += s.dropped_lane_full;
+            *drops.entry("budget").or_default() += s.dropped_budget;
+            *drops.entry("filtered_topic").or_default() += s.dropped_filtered_topic;
+            *drops.entry("malformed").or_default() += s.dropped_malformed;
+            gaps += s.gaps;
+            gap_messages += s.gap_messages;
+            resyncs += l.wipes;
+        }
+    }
+    if kinds.is_empty() && (drops.values().sum::<u64>() > 0 || gap_messages > 0) {
+        violations.push(Violation {
+            invariant: "self_check",
+            at: "all routers".into(),
+            detail: format!(
+                "faults off, yet {} drops and {gap_messages} gap messages",
+                drops.values().sum::<u64>()
+            ),
+        });
+    }
+    let passed = violations.is_empty();
+    let report = Report {
+        seed: c.args.seed,
+        minutes: c.args.minutes,
+        workers: w,
+        dynamo_workers: (0..w)
+            .filter(|i| {
+                c.args.dynamo_every > 0 && i % c.args.dynamo_every == c.args.dynamo_every - 1
+            })
+            .count(),
+        replay,
+        faults: c.injected.clone(),
+        schedule: plan,
+        router_events: events,
+        deliveries,
+        drops,
+        gaps,
+        gap_messages,
+        resyncs,
+        convergence_ms: convergence,
+        relay_clean_exits: c.relay_exits.len(),
+        router_reports: c.router_reports.len(),
+        start_retries: c.start_retries,
+        resources: trends,
+        violations,
+        passed,
+    };
+    print_table(&report);
+    let json = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+    if let Some(path) = &c.args.report {
+        std::fs::write(path, &json).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    eprintln!("soak: logs in {}", logs.display());
+    Ok(passed)
+}
+
+type Outcome = (
+    BTreeMap<u64, Held>,
+    Vec<(String, IndexDump)>,
+    BTreeMap<String, Option<u64>>,
+);
+
+/// Runs the cluster through its schedule and the settle; the engines' truth, the
+/// routers' last indexes and their convergence times.
+async fn drive(
+    c: &mut Cluster,
+    plan: &[Fault],
+    warm_up: Duration,
+    total: Duration,
+) -> Result<Outcome, String> {
+    c.start_etcd().await?;
+    for w in 0..c.args.workers {
+        let args: Vec<String> = [
+            "engine".to_owned(),
+            "--worker".into(),
+            (w as u64 + 1).to_string(),
+            "--seed".into(),
+            c.args.seed.to_string(),
+            "--interval-ms".into(),
+            c.args.interval_ms.to_string(),
+            "--capacity".into(),
+            c.args.capacity.to_string(),
+        ]
+        .to_vec();
+        let mut p = Proc::spawn(format!("engine w{w}"), &c.exe, &args, &c.logs, &[])?;
+        let ep = p.line("bound ", Duration::from_secs(10)).await?;
+        c.engine_endpoints.push(ep);
+        c.engines.push(p);
+    }
+    for r in 0..ROUTERS {
+        c.spawn_router(r)?;
+    }
+    for w in 0..c.args.workers {
+        c.spawn_relay(w)?;
+    }
+    c.start = Instant::now();
+    let begin = tokio::time::Instant::now() + warm_up;
+    let mut actions: Vec<Action> = plan
+        .iter()
+        .flat_map(|f| {
+            let at = Instant::now() + warm_up + f.at;
+            [
+                Action {
+                    at,
+                    fault: f.clone(),
+                    phase: Phase::Start,
+                },
+                Action {
+                    at: at + f.hold,
+                    fault: f.clone(),
+                    phase: Phase::End,
+                },
+            ]
+        })
+        .collect();
+    actions.sort_by_key(|a| a.at);
+    let _ = begin;
+    let mut next_sample = Instant::now();
+    let settle_by = Instant::now() + total.saturating_sub(Duration::from_secs(30));
+    loop {
+        let now = Instant::now();
+        while actions.first().is_some_and(|a| a.at <= now) {
+            let a = actions.remove(0);
+            if let Err(e) = c.act(&a).await {
+                c.violations.push(Violation {
+                    invariant: "fault_injected",
+                    at: a.fault.kind.name().into(),
+                    detail: e,
+                });
+            }
+        }
+        if now >= next_sample {
+            c.sample();
+            next_sample = now + SAMPLE_EVERY;
+        }
+        c.supervise().await;
+        if actions.is_empty() && now >= settle_by && c.whole() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Quiet: killed relays' leases expire, everything reconnects.
+    let quiet_until = Instant::now() + LEASE_TTL + Duration::from_secs(5);
+    while Instant::now() < quiet_until {
+        c.supervise().await;
+        if Instant::now() >= next_sample {
+            c.sample();
+            next_sample = Instant::now() + SAMPLE_EVERY;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!(
+        "soak: {:.0}s: faults over; settling the engines",
+        c.elapsed()
+    );
+    for p in &mut c.engines {
+        p.tell("settle").await?;
+    }
+    let mut truth = BTreeMap::new();
+    for (w, p) in c.engines.iter_mut().enumerate() {
+        let line = p.line("held ", Duration::from_secs(120)).await?;
+        let held: Held = serde_json::from_str(&line).map_err(|e| e.to_string())?;
+        truth.insert(w as u64 + 1, held);
+    }
+    let quiet_at = Instant::now();
+    let mut convergence = BTreeMap::new();
+    let mut dumps = Vec::new();
+    for r in 0..ROUTERS {
+        let name = c.routers[r]
+            .as_ref()
+            .map(|p| p.name.clone())
+            .unwrap_or_default();
+        let deadline = quiet_at + Duration::from_secs(c.args.converge_secs);
+        let mut converged = None;
+        let mut last;
+        loop {
+            last = c.dump(r).await?;
+            if last.workers == truth && last.publishers.len() == c.args.workers {
+                converged = Some(quiet_at.elapsed().as_millis() as u64);
+                break;
+            }
+            if Instant::now() >= deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        convergence.insert(name.clone(), converged);
+        dumps.push((name, last));
+    }
+    c.sample();
+    // Clean exits: every relay drains, prints its stats, leaves discovery.
+    for p in c.relays.iter().flatten() {
+        p.signal("TERM");
+    }
+    for w in 0..c.relays.len() {
+        if let Some(mut p) = c.relays[w].take() {
+            let status = p.wait(Duration::from_secs(15)).await;
+            match RelayExit::parse(&p.name, &p.last_log_line()) {
+                Some(exit) if status.is_some_and(|s| s.success()) => c.relay_exits.push(exit),
+                _ => c.violations.push(Violation {
+                    invariant: "relays_exit_cleanly",
+                    at: p.name.clone(),
+                    detail: format!("{status:?}: {}", p.last_log_line()),
+                }),
+            }
+        }
+    }
+    // The routers see every relay leave, then report.
+    for r in 0..ROUTERS {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if c.dump(r).await?.publishers.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        c.quit_router(r).await?;
+    }
+    Ok((truth, dumps, convergence))
+}
+
+fn print_table(r: &Report) {
+    println!(
+        "soak: seed {}, {} min, {} workers ({} on Dynamo's wire)",
+        r.seed, r.minutes, r.workers, r.dynamo_workers
+    );
+    println!("{:<28} {:>12}", "fault", "injected");
+    for (k, n) in &r.faults {
+        println!("{k:<28} {n:>12}");
+    }
+    let rows: [(&str, String); 8] = [
+        ("router events", r.router_events.to_string()),
+        ("deliveries", r.deliveries.to_string()),
+        ("drops", format!("{:?}", r.drops)),
+        (
+            "gaps / gap messages",
+            format!("{} / {}", r.gaps, r.gap_messages),
+        ),
+        ("resyncs (index wipes)", r.resyncs.to_string()),
+        ("convergence ms", format!("{:?}", r.convergence_ms)),
+        (
+            "router reports / relay exits",
+            format!("{} / {}", r.router_reports, r.relay_clean_exits),
+        ),
+        ("start retries (etcd away)", r.start_retries.to_string()),
+    ];
+    for (k, v) in rows {
+        println!("{k:<28} {v}");
+    }
+    let mut by_role: BTreeMap<&str, (u64, f64, f64)> = BTreeMap::new();
+    for (name, t) in &r.resources {
+        let role = name.split([' ', '#']).next().unwrap_or("");
+        let e = by_role.entry(role).or_insert((0, f64::MIN, f64::MIN));
+        e.0 = e.0.max(t.peak_rss_kib);
+        if t.samples >= 30 {
+            e.1 = e.1.max(t.rss_slope_kib_per_min);
+            e.2 = e.2.max(t.fd_slope_per_min);
+        }
+    }
+    for (role, (peak, rss, fds)) in by_role {
+        println!(
+            "{:<28} peak {} KiB, worst slope {:.0} KiB/min, {:.2} fds/min",
+            format!("resources {role}"),
+            peak,
+            rss.max(0.0),
+            fds.max(0.0)
+        );
+    }
+    if r.violations.is_empty() {
+        println!("every invariant held");
+    } else {
+        println!(
+            "{} violations; the first: {:?}",
+            r.violations.len(),
+            r.violations[0]
+        );
+        println!("replay: {}", r.replay);
+    }
+}

@@ -10,10 +10,23 @@ use serde::Serialize;
 pub(crate) const SAMPLE_EVERY: Duration = Duration::from_secs(2);
 
 /// RSS growth tolerated after the warm-up, KiB per minute (a leak of one message per
-/// delivery at our rates is far above it).
+/// delivery at our rates is far above it)…
 pub(crate) const RSS_SLOPE_KIB_PER_MIN: f64 = 1024.0;
-/// Open fds growth tolerated after the warm-up, per minute.
-pub(crate) const FD_SLOPE_PER_MIN: f64 = 2.0;
+/// …or in all over the judged window, whichever is more: a short run's slope is
+/// mostly its faults' churn (reconnections, buffers grown once).
+pub(crate) const RSS_ALLOWANCE_KIB: f64 = 4096.0;
+/// Open fds growth tolerated after the warm-up, per minute…
+pub(crate) const FD_SLOPE_PER_MIN: f64 = 1.0;
+/// …or in all over the judged window, whichever is more.
+pub(crate) const FD_ALLOWANCE: f64 = 8.0;
+
+/// Whether a trend is flat: its growth over the judged window within the tolerances.
+pub(crate) fn flat(t: &Trend) -> (bool, bool) {
+    let minutes = t.window_min.max(1.0 / 60.0);
+    let rss = t.rss_slope_kib_per_min <= RSS_SLOPE_KIB_PER_MIN.max(RSS_ALLOWANCE_KIB / minutes);
+    let fds = t.fd_slope_per_min <= FD_SLOPE_PER_MIN.max(FD_ALLOWANCE / minutes);
+    (rss, fds)
+}
 
 /// Peak RSS budget of a role, KiB: routers 256 MiB, relays 64 MiB, engines 32 MiB
 /// (etcd is not ours: reported, not judged).
@@ -37,6 +50,8 @@ pub(crate) struct Series {
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub(crate) struct Trend {
     pub(crate) samples: usize,
+    /// Minutes between the first and last sample judged.
+    pub(crate) window_min: f64,
     pub(crate) rss_slope_kib_per_min: f64,
     pub(crate) fd_slope_per_min: f64,
     pub(crate) peak_rss_kib: u64,
@@ -64,6 +79,10 @@ pub(crate) fn trend(series: &Series, warm_up: f64) -> Trend {
     };
     Trend {
         samples: after.len(),
+        window_min: match (after.first(), after.last()) {
+            (Some(a), Some(b)) => (b.0 - a.0) / 60.0,
+            _ => 0.0,
+        },
         rss_slope_kib_per_min: per_min(&|s| s.1 as f64),
         fd_slope_per_min: per_min(&|s| s.2 as f64),
         peak_rss_kib: series.samples.iter().map(|s| s.1).max().unwrap_or(0),
@@ -82,26 +101,38 @@ pub(crate) fn trends(all: &BTreeMap<String, Series>, warm_up: f64) -> BTreeMap<S
 mod tests {
     use super::*;
 
+    fn flat_series() -> Series {
+        Series {
+            role: "router".into(),
+            // Churn: fds up and down by 6, RSS by 2 MiB, over 2 minutes.
+            samples: (0..60)
+                .map(|i| (i as f64 * 2.0, 10_000 + (i % 7) * 300, 12 + (i % 7)))
+                .collect(),
+        }
+    }
+
     #[test]
     fn a_leak_has_a_slope_and_a_flat_line_has_none() {
-        let flat = Series {
+        let steady = Series {
             role: "relay".into(),
             samples: (0..60)
                 .map(|i| (i as f64 * 2.0, 10_000 + (i % 3), 12))
                 .collect(),
         };
-        let t = trend(&flat, 10.0);
+        let t = trend(&steady, 10.0);
         assert!(t.rss_slope_kib_per_min.abs() < 5.0, "{t:?}");
         assert_eq!(t.fd_slope_per_min, 0.0);
         // 100 KiB per 2 s sample: 3000 KiB a minute.
         let leak = Series {
             role: "relay".into(),
             samples: (0..60)
-                .map(|i| (i as f64 * 2.0, 10_000 + 100 * i, 12 + i / 10))
+                .map(|i| (i as f64 * 2.0, 10_000 + 100 * i, 12 + i / 4))
                 .collect(),
         };
         let t = trend(&leak, 10.0);
         assert!((t.rss_slope_kib_per_min - 3000.0).abs() < 1.0, "{t:?}");
         assert!(t.fd_slope_per_min > FD_SLOPE_PER_MIN);
+        assert_eq!(flat(&t), (false, false)); // 5.3 MiB and 13 fds over 1.8 minutes
+        assert_eq!(flat(&trend(&flat_series(), 10.0)), (true, true));
     }
 }

@@ -684,15 +684,16 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
                 });
             }
             // Judged over a minute of samples at least.
-            if t.samples >= 30 && role != "etcd" {
-                if t.rss_slope_kib_per_min > resources::RSS_SLOPE_KIB_PER_MIN {
+            let (rss_flat, fds_flat) = resources::flat(t);
+            if t.samples >= 30 {
+                if !rss_flat {
                     violations.push(Violation {
                         invariant: "rss_flat",
                         at: name.clone(),
                         detail: format!("{:.0} KiB/min", t.rss_slope_kib_per_min),
                     });
                 }
-                if t.fd_slope_per_min > resources::FD_SLOPE_PER_MIN {
+                if !fds_flat {
                     violations.push(Violation {
                         invariant: "fds_flat",
                         at: name.clone(),

@@ -34,18 +34,17 @@ pub(crate) struct Sum {
     pub(crate) last: Option<u64>,
 }
 
-/// Sums the lives of a ledger (in order: the first life's first sequence, the last
-/// one's last).
+/// Sums the lives of a ledger; the lowest first sequence and the highest last one.
 pub(crate) fn sum(ledger: &Ledger) -> Sum {
     let mut s = Sum::default();
     for life in &ledger.lives {
         add(&mut s.stats, life);
-        if s.first.is_none() {
-            s.first = life.first_sequence;
-        }
-        if life.last_sequence.is_some() {
-            s.last = life.last_sequence;
-        }
+        s.first = s
+            .first
+            .min(life.first_sequence)
+            .or(s.first)
+            .or(life.first_sequence);
+        s.last = s.last.max(life.last_sequence);
     }
     s
 }
@@ -78,70 +77,106 @@ pub(crate) fn check_router(router: &str, report: &RouterReport, out: &mut Vec<Vi
         ));
     }
     for (id, l) in &report.publishers {
-        let at = format!("{router} publisher {id}");
-        let s = sum(l);
-        let st = &s.stats;
-        if l.consumed != st.delivered {
-            out.push(violation(
-                "consumed_equals_delivered",
-                at.clone(),
-                format!(
-                    "the consumer took {} messages, the subscriber says it delivered {}",
-                    l.consumed, st.delivered
-                ),
-            ));
-        }
-        if st.received != st.delivered + st.dropped() + st.depth {
-            out.push(violation(
+        check_publisher(&format!("{router} publisher {id}"), l, out);
+    }
+}
+
+/// One publisher's ledger, following by following: a +1 in one cannot hide a -1 in
+/// another.
+fn check_publisher(at: &str, l: &Ledger, out: &mut Vec<Violation>) {
+    let mut v = |invariant, detail: String| out.push(violation(invariant, at.to_owned(), detail));
+    let s = sum(l);
+    if l.consumed != s.stats.delivered {
+        v(
+            "consumed_equals_delivered",
+            format!(
+                "the consumer took {} messages, the subscriber says it delivered {}",
+                l.consumed, s.stats.delivered
+            ),
+        );
+    }
+    if l.duplicates > 0 {
+        v(
+            "no_duplicate",
+            format!(
+                "{} messages at or below the last sequence consumed",
+                l.duplicates
+            ),
+        );
+    }
+    if l.after_departure > 0 {
+        v(
+            "nothing_after_departure",
+            format!("{} messages after its Departed", l.after_departure),
+        );
+    }
+    if l.unsettled > 0 {
+        v(
+            "followings_settle",
+            format!(
+                "{} followings still listed after the subscriber stopped",
+                l.unsettled
+            ),
+        );
+    }
+    // Relays start with fresh ids: a reset here is a publisher mixed up with another.
+    if s.stats.sequence_resets > 0 {
+        v(
+            "no_reset",
+            format!("{} sequence resets", s.stats.sequence_resets),
+        );
+    }
+    let mut lives = l.lives.clone();
+    lives.sort_by_key(|life| (life.first_sequence.is_none(), life.first_sequence));
+    let mut prev_last: Option<u64> = None;
+    for (k, life) in lives.iter().enumerate() {
+        let counted = life.delivered + life.dropped() + life.depth;
+        if life.received != counted {
+            v(
                 "received_accounted",
-                at.clone(),
                 format!(
-                    "received {} != delivered {} + dropped {} + in lane {}",
-                    st.received,
-                    st.delivered,
-                    st.dropped(),
-                    st.depth
+                    "following {k}: received {} != delivered {} + dropped {} + in lane {}",
+                    life.received,
+                    life.delivered,
+                    life.dropped(),
+                    life.depth
                 ),
-            ));
+            );
         }
-        if l.duplicates > 0 {
-            out.push(violation(
-                "no_duplicate",
-                at.clone(),
-                format!(
-                    "{} messages at or below the last sequence consumed",
-                    l.duplicates
-                ),
-            ));
-        }
-        if l.after_departure > 0 {
-            out.push(violation(
-                "nothing_after_departure",
-                at.clone(),
-                format!("{} messages after its Departed", l.after_departure),
-            ));
-        }
-        if let (Some(first), Some(last), 0) = (s.first, s.last, st.sequence_resets) {
-            let span = last.saturating_sub(first) + 1;
-            let credited = st.delivered + st.dropped() + st.gap_messages + st.depth;
-            if credited != span {
-                out.push(violation(
+        let (Some(first), Some(last)) = (life.first_sequence, life.last_sequence) else {
+            if life.received > 0 {
+                v(
                     "sequence_ledger",
-                    at.clone(),
                     format!(
-                        "delivered {} + dropped {} (lane_full {}, budget {}, topic {}, malformed {}) + gap messages {} + in lane {} = {credited}, but sequences {first}..={last} span {span}",
-                        st.delivered,
-                        st.dropped(),
-                        st.dropped_lane_full,
-                        st.dropped_budget,
-                        st.dropped_filtered_topic,
-                        st.dropped_malformed,
-                        st.gap_messages,
-                        st.depth
+                        "following {k}: {} messages received, no sequence",
+                        life.received
                     ),
-                ));
+                );
             }
+            continue;
+        };
+        // The first following runs from its first sequence; a later one from where the
+        // one before it ended (what was lost in between is its gap).
+        let from = prev_last.map_or(first, |p| p + 1);
+        let span = (last + 1).saturating_sub(from);
+        let credited = counted + life.gap_messages;
+        if credited != span || last < first {
+            v(
+                "sequence_ledger",
+                format!(
+                    "following {k}: delivered {} + dropped {} (lane_full {}, budget {}, topic {}, malformed {}) + gap messages {} + in lane {} = {credited}, but sequences {from}..={last} span {span}",
+                    life.delivered,
+                    life.dropped(),
+                    life.dropped_lane_full,
+                    life.dropped_budget,
+                    life.dropped_filtered_topic,
+                    life.dropped_malformed,
+                    life.gap_messages,
+                    life.depth
+                ),
+            );
         }
+        prev_last = Some(last);
     }
 }
 
@@ -160,18 +195,18 @@ pub(crate) struct RelayExit {
 
 impl RelayExit {
     pub(crate) fn parse(name: &str, line: &str) -> Option<RelayExit> {
+        // Every field required: a missing one must not read as a balancing 0.
         let v: serde_json::Value = serde_json::from_str(line).ok()?;
         let p = &v["processor"];
-        let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
         Some(RelayExit {
             name: name.to_owned(),
             registered_id: v["registered_publisher_id"].as_u64(),
-            published_messages: n(&v["published_messages"]),
-            input_events: n(&p["input_events"]),
-            output_events: n(&p["output_events"]),
-            merged_events: n(&p["merged_events"]),
-            deduplicated_events: n(&p["deduplicated_events"]),
-            withheld_events: n(&p["withheld_events"]),
+            published_messages: v["published_messages"].as_u64()?,
+            input_events: p["input_events"].as_u64()?,
+            output_events: p["output_events"].as_u64()?,
+            merged_events: p["merged_events"].as_u64()?,
+            deduplicated_events: p["deduplicated_events"].as_u64()?,
+            withheld_events: p["withheld_events"].as_u64()?,
         })
     }
 }
@@ -346,6 +381,19 @@ mod tests {
         let mut l = good();
         l.lives[1].gap_messages -= 1;
         assert_eq!(checked(l), ["sequence_ledger"]);
+        // One following over-counted, the other under: each is checked alone.
+        let mut l = good();
+        l.lives[0].gap_messages += 1;
+        l.lives[1].gap_messages -= 1;
+        assert_eq!(checked(l), ["sequence_ledger", "sequence_ledger"]);
+        // Lives told out of order are put in sequence order.
+        let mut l = good();
+        l.lives.reverse();
+        assert_eq!(checked(l), Vec::<&str>::new());
+        // A reset: a publisher mixed up with another.
+        let mut l = good();
+        l.lives[1].sequence_resets = 1;
+        assert_eq!(checked(l), ["no_reset"]);
         // A message delivered twice.
         let mut l = good();
         l.duplicates = 1;

@@ -20,6 +20,9 @@ pub(crate) const FD_SLOPE_PER_MIN: f64 = 1.0;
 /// …or in all over the judged window, whichever is more.
 pub(crate) const FD_ALLOWANCE: f64 = 8.0;
 
+/// Samples after the warm-up a slope needs to be judged (a minute).
+pub(crate) const MIN_JUDGED: usize = 30;
+
 /// Whether a trend is flat: its growth over the judged window within the tolerances.
 pub(crate) fn flat(t: &Trend) -> (bool, bool) {
     let minutes = t.window_min.max(1.0 / 60.0);
@@ -50,6 +53,9 @@ pub(crate) struct Series {
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub(crate) struct Trend {
     pub(crate) samples: usize,
+    /// Whether the slopes were judged (at least [`MIN_JUDGED`] samples after the
+    /// warm-up; a process that lived less is judged on its peak only).
+    pub(crate) judged: bool,
     /// Minutes between the first and last sample judged.
     pub(crate) window_min: f64,
     pub(crate) rss_slope_kib_per_min: f64,
@@ -79,6 +85,7 @@ pub(crate) fn trend(series: &Series, warm_up: f64) -> Trend {
     };
     Trend {
         samples: after.len(),
+        judged: after.len() >= MIN_JUDGED,
         window_min: match (after.first(), after.last()) {
             (Some(a), Some(b)) => (b.0 - a.0) / 60.0,
             _ => 0.0,

@@ -102,6 +102,8 @@ pub(crate) struct Ledger {
     /// Times its blocks were forgotten (an event id gap, a reconnection).
     pub(crate) wipes: u64,
     pub(crate) undecodable: u64,
+    /// Followings still listed after the subscriber stopped (no `Retired` for them).
+    pub(crate) unsettled: u64,
 }
 
 /// What a router process reports at exit.
@@ -138,6 +140,43 @@ struct State {
 }
 
 impl State {
+    /// Applies a batch of `lane` with the notices queued by then: a `Connected` before
+    /// it (its connection's messages come after it; in the batch, perhaps), the others
+    /// after it (a `Departed` follows its publisher's last delivery, perhaps in the
+    /// batch). A `Departed` followed by a `Connected` of the same publisher (it left
+    /// and came back) is applied before, with it.
+    fn batch(&mut self, lane: &mut Lane, batch: &mut Vec<Delivery>, notices: &mut Vec<Notice>) {
+        lane.sub.take_notices(notices);
+        let returned = |i: usize, id: &ChannelId, all: &[Notice]| {
+            all.iter()
+                .skip(i + 1)
+                .any(|n| matches!(n, Notice::Connected(c) if &c.id == id))
+        };
+        let before: Vec<bool> = notices
+            .iter()
+            .enumerate()
+            .map(|(i, n)| match n {
+                Notice::Connected(_) => true,
+                Notice::Departed(id) => returned(i, id, notices),
+                _ => false,
+            })
+            .collect();
+        let mut after = Vec::new();
+        for (n, first) in notices.drain(..).zip(before) {
+            if first {
+                self.notice(n);
+            } else {
+                after.push(n);
+            }
+        }
+        for d in batch.drain(..) {
+            self.deliver(lane.wire, &d);
+        }
+        for n in after {
+            self.notice(n);
+        }
+    }
+
     fn deliver(&mut self, wire: Wire, d: &Delivery) {
         let id = &d.source.id;
         let l = self.ledgers.entry(id.clone()).or_default();
@@ -320,14 +359,9 @@ pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
             }
             () = a.handle.notice_ready() => {}
             () = b.handle.notice_ready() => {}
-            _ = a.sub.recv_many(&mut batch_a, 256) => {
-                for d in batch_a.drain(..) { state.deliver(a.wire, &d); }
-            }
-            _ = b.sub.recv_many(&mut batch_b, 256) => {
-                for d in batch_b.drain(..) { state.deliver(b.wire, &d); }
-            }
+            _ = a.sub.recv_many(&mut batch_a, 256) => state.batch(a, &mut batch_a, &mut notices),
+            _ = b.sub.recv_many(&mut batch_b, 256) => state.batch(b, &mut batch_b, &mut notices),
         }
-        // After the batch, as the notices' contract asks.
         for l in [&mut *a, &mut *b] {
             l.sub.take_notices(&mut notices);
             for n in notices.drain(..) {
@@ -350,30 +384,28 @@ async fn finish(mut lanes: [Lane; 2], mut state: State) -> RouterReport {
     let mut notices = Vec::new();
     let mut report = RouterReport::default();
     for l in &mut lanes {
-        // What the lanes hold now is taken (publishers keep sending: at most a
-        // second of it); what arrives later stays in the lanes, counted as `depth`.
-        let until = tokio::time::Instant::now() + Duration::from_secs(1);
-        while let Ok(n) = tokio::time::timeout_at(until, l.sub.recv_many(&mut batch, 256)).await {
+        // Stopped first: every connection ends and its following retires; then what
+        // the lanes still hold is taken (nothing arrives any more), so that every
+        // following settles and tells its counters in a `Retired`.
+        l.handle.shutdown().await;
+        while let Ok(n) =
+            tokio::time::timeout(Duration::from_millis(300), l.sub.recv_many(&mut batch, 256)).await
+        {
             if n == 0 {
                 break;
             }
-            for d in batch.drain(..) {
-                state.deliver(l.wire, &d);
-            }
+            state.batch(l, &mut batch, &mut notices);
         }
-        l.handle.shutdown().await;
         let stats = l.handle.stats();
         l.sub.take_notices(&mut notices);
         for n in notices.drain(..) {
             state.notice(n);
         }
+        // A following still listed (it never retired): its counters now, flagged.
         for (id, s) in stats.publishers {
-            state
-                .ledgers
-                .entry(id)
-                .or_default()
-                .lives
-                .push(Life::from(&s));
+            let l = state.ledgers.entry(id).or_default();
+            l.unsettled += 1;
+            l.lives.push(Life::from(&s));
         }
         report.notices_dropped += stats.notices_dropped;
     }

@@ -105,7 +105,9 @@ struct Cluster {
     /// Relays and routers may fail to start while etcd is away: until then, not a
     /// violation.
     etcd_settled_at: Instant,
+    /// Engine `w` is worker `w + 1`.
     engines: Vec<Proc>,
+    engine_dead: Vec<bool>,
     engine_endpoints: Vec<String>,
     relays: Vec<Option<Proc>>,
     relay_incarnation: Vec<usize>,
@@ -361,8 +363,12 @@ impl Cluster {
                 }
             }
         }
-        for p in &mut self.engines {
+        for (p, dead) in self.engines.iter_mut().zip(&mut self.engine_dead) {
+            if *dead {
+                continue;
+            }
             if let Some(status) = p.exited() {
+                *dead = true;
                 self.violations.push(Violation {
                     invariant: "processes_stay_up",
                     at: p.name.clone(),
@@ -370,7 +376,6 @@ impl Cluster {
                 });
             }
         }
-        self.engines.retain_mut(|p| p.exited().is_none());
     }
 
     async fn act(&mut self, a: &Action) -> Result<(), String> {
@@ -551,9 +556,10 @@ struct Report {
 }
 
 async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
+    // Every flag as given: the run replays exactly.
     let replay = format!(
-        "cargo run --release -p eventplane-benches --bin soak -- --minutes {} --seed {} --workers {} --faults {}",
-        args.minutes, args.seed, args.workers, args.faults
+        "cargo run --release -p eventplane-benches --bin soak -- {}",
+        std::env::args().skip(1).collect::<Vec<_>>().join(" ")
     );
     let relay_bin = match &args.relay {
         Some(p) => p.clone(),
@@ -614,6 +620,7 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
         etcd_incarnation: 0,
         etcd_settled_at: Instant::now(),
         engines: Vec::new(),
+        engine_dead: vec![false; w],
         engine_endpoints: Vec::new(),
         relays: (0..w).map(|_| None).collect(),
         relay_incarnation: vec![0; w],
@@ -636,7 +643,19 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
     let result = drive(&mut c, &plan, warm_up, total).await;
     c.shutdown().await;
     drop(c.ns.take());
-    let (truth, dumps, convergence) = result?;
+    // A harness step that failed (a router that stopped answering, an engine that
+    // never settled) is a violation too; the oracle still runs on what was reported.
+    let (truth, dumps, convergence) = match result {
+        Ok(outcome) => outcome,
+        Err(e) => {
+            c.violations.push(Violation {
+                invariant: "harness_completes",
+                at: "soak".into(),
+                detail: e,
+            });
+            Default::default()
+        }
+    };
 
     // The oracle.
     let mut violations = std::mem::take(&mut c.violations);
@@ -685,7 +704,7 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
             }
             // Judged over a minute of samples at least.
             let (rss_flat, fds_flat) = resources::flat(t);
-            if t.samples >= 30 {
+            if t.judged {
                 if !rss_flat {
                     violations.push(Violation {
                         invariant: "rss_flat",
@@ -866,11 +885,16 @@ async fn drive(
         "soak: {:.0}s: faults over; settling the engines",
         c.elapsed()
     );
-    for p in &mut c.engines {
-        p.tell("settle").await?;
+    for (p, dead) in c.engines.iter_mut().zip(&c.engine_dead) {
+        if !*dead {
+            p.tell("settle").await?;
+        }
     }
     let mut truth = BTreeMap::new();
     for (w, p) in c.engines.iter_mut().enumerate() {
+        if c.engine_dead.get(w).copied().unwrap_or(true) {
+            continue;
+        }
         let line = p.line("held ", Duration::from_secs(120)).await?;
         let held: Held = serde_json::from_str(&line).map_err(|e| e.to_string())?;
         truth.insert(w as u64 + 1, held);
@@ -879,20 +903,27 @@ async fn drive(
     let mut convergence = BTreeMap::new();
     let mut dumps = Vec::new();
     for r in 0..ROUTERS {
-        let name = c.routers[r]
-            .as_ref()
-            .map(|p| p.name.clone())
-            .unwrap_or_default();
+        let name = router_name(c, r);
         let deadline = quiet_at + Duration::from_secs(c.args.converge_secs);
         let mut converged = None;
         let mut last;
         loop {
-            last = c.dump(r).await?;
+            last = match c.dump(r).await {
+                Ok(d) => d,
+                Err(e) => {
+                    c.violations.push(Violation {
+                        invariant: "router_answers",
+                        at: name.clone(),
+                        detail: e,
+                    });
+                    IndexDump::default()
+                }
+            };
             if last.workers == truth && last.publishers.len() == c.args.workers {
                 converged = Some(quiet_at.elapsed().as_millis() as u64);
                 break;
             }
-            if Instant::now() >= deadline {
+            if Instant::now() >= deadline || c.routers[r].is_none() {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(250)).await;
@@ -918,18 +949,49 @@ async fn drive(
             }
         }
     }
-    // The routers see every relay leave, then report.
+    // The routers see every relay leave (a `Departed` each), then report.
     for r in 0..ROUTERS {
+        let name = router_name(c, r);
         let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if c.dump(r).await?.publishers.is_empty() {
-                break;
+        loop {
+            match c.dump(r).await {
+                Ok(d) if d.publishers.is_empty() => break,
+                Ok(d) if Instant::now() >= deadline => {
+                    let ids: Vec<String> = d.publishers.iter().map(|p| format!("{p:x}")).collect();
+                    c.violations.push(Violation {
+                        invariant: "departures_noticed",
+                        at: name.clone(),
+                        detail: format!("20 s after every relay exited, still following {ids:?}"),
+                    });
+                    break;
+                }
+                Ok(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+                Err(e) => {
+                    c.violations.push(Violation {
+                        invariant: "router_answers",
+                        at: name.clone(),
+                        detail: e,
+                    });
+                    break;
+                }
             }
-            tokio::time::sleep(Duration::from_millis(250)).await;
         }
-        c.quit_router(r).await?;
+        if let Err(e) = c.quit_router(r).await {
+            c.violations.push(Violation {
+                invariant: "router_reports",
+                at: name,
+                detail: e,
+            });
+        }
     }
     Ok((truth, dumps, convergence))
+}
+
+fn router_name(c: &Cluster, r: usize) -> String {
+    c.routers[r]
+        .as_ref()
+        .map(|p| p.name.clone())
+        .unwrap_or_else(|| format!("router r{r}"))
 }
 
 fn print_table(r: &Report) {
@@ -965,7 +1027,7 @@ fn print_table(r: &Report) {
         let role = name.split([' ', '#']).next().unwrap_or("");
         let e = by_role.entry(role).or_insert((0, f64::MIN, f64::MIN));
         e.0 = e.0.max(t.peak_rss_kib);
-        if t.samples >= 30 {
+        if t.judged {
             e.1 = e.1.max(t.rss_slope_kib_per_min);
             e.2 = e.2.max(t.fd_slope_per_min);
         }

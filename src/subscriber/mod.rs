@@ -114,7 +114,7 @@ mod shared;
 mod stats;
 mod worker;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -412,7 +412,6 @@ impl DynamicSubscriberBuilder {
         Ok(DynamicSubscriber {
             handle,
             merge,
-            ready: VecDeque::new(),
             scratch: Vec::new(),
         })
     }
@@ -439,7 +438,7 @@ impl DynamicSubscriberBuilder {
 pub struct DynamicSubscriber {
     handle: SubscriberHandle,
     merge: Arc<Merge<Delivery>>,
-    ready: VecDeque<Delivery>,
+    /// Holds the one delivery `recv` takes (kept to reuse its allocation).
     scratch: Vec<Delivery>,
 }
 
@@ -558,32 +557,18 @@ impl DynamicSubscriber {
     /// ```
     pub async fn recv_many(&mut self, out: &mut Vec<Delivery>, max: usize) -> usize {
         let max = max.max(1);
-        let mut n = 0;
-        while n < max {
-            match self.ready.pop_front() {
-                Some(d) => {
-                    out.push(d);
-                    n += 1;
-                }
-                None => break,
-            }
-        }
-        if n > 0 {
-            return n + self.merge.try_recv_many(out, max - n);
-        }
         std::future::poll_fn(|cx| self.merge.poll_recv_many(cx, out, max)).await
     }
 
     fn poll_next_delivery(&mut self, cx: &mut Context<'_>) -> Poll<Option<Delivery>> {
-        if let Some(d) = self.ready.pop_front() {
-            return Poll::Ready(Some(d));
-        }
-        let n = std::task::ready!(self.merge.poll_recv_many(cx, &mut self.scratch, 64));
+        // One at a time: a message taken from its lane counts as delivered, and a
+        // departed publisher's `Departed` is told once its lane is empty — so nothing
+        // of it may wait here, unseen by the consumer, when that is told.
+        let n = std::task::ready!(self.merge.poll_recv_many(cx, &mut self.scratch, 1));
         if n == 0 {
             return Poll::Ready(None);
         }
-        self.ready.extend(self.scratch.drain(..));
-        Poll::Ready(self.ready.pop_front())
+        Poll::Ready(self.scratch.pop())
     }
 }
 

@@ -160,7 +160,7 @@ pub(crate) struct Counters {
 }
 
 impl Counters {
-    /// Notes sequence `s` as received (the first one is kept).
+    /// Notes sequence `s` as received (the first one noted is kept as the first).
     pub(crate) fn sequence(&self, s: u64) {
         let stored = s.saturating_add(1);
         let _ =

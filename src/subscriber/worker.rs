@@ -471,6 +471,8 @@ struct Filing<'a> {
     bytes: u64,
     filtered: u64,
     malformed: MalformedStats,
+    /// The first and last sequences filed, noted in the counters with `received`.
+    sequences: Option<(u64, u64)>,
 }
 
 impl<'a> Filing<'a> {
@@ -483,6 +485,7 @@ impl<'a> Filing<'a> {
             bytes: 0,
             filtered: 0,
             malformed: MalformedStats::default(),
+            sequences: None,
         }
     }
 
@@ -500,7 +503,7 @@ impl<'a> Filing<'a> {
             Ok(framed) => {
                 if let Some(s) = framed.sequence {
                     let counters = &self.cell.counters;
-                    counters.sequence(s);
+                    self.sequences = Some(self.sequences.map_or((s, s), |(f, _)| (f, s)));
                     match seq.observe_from(framed.publisher_id, s) {
                         SeqStep::InOrder => {}
                         SeqStep::Gap(missing) => {
@@ -541,6 +544,10 @@ impl<'a> Filing<'a> {
         Counters::add(&counters.received, std::mem::take(&mut self.received));
         Counters::add(&counters.bytes, std::mem::take(&mut self.bytes));
         Counters::add(&counters.filtered_topic, std::mem::take(&mut self.filtered));
+        if let Some((first, last)) = self.sequences.take() {
+            counters.sequence(first);
+            counters.sequence(last);
+        }
         let malformed = std::mem::take(&mut self.malformed);
         if malformed.total() > 0 {
             Counters::add(&counters.malformed, malformed.total());

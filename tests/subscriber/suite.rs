@@ -819,6 +819,52 @@ async fn notices_tell_a_router_when_a_publisher_connects_loses_messages_and_depa
 }
 
 #[tokio::test]
+async fn one_message_at_a_time_hears_of_a_departure_after_the_last_message_with_its_final_counters()
+{
+    use eventplane::subscriber::Notice;
+    let (mut sub, p, reg) = followed_with_notices(5).await;
+    for seq in 0..10 {
+        p.send("kv", seq, b"x");
+    }
+    assert_eq!(next(&mut sub).await.sequence, Some(0));
+    drop(reg);
+    // The connection ends (after the drain grace) with 9 messages not yet taken.
+    let h = sub.handle();
+    eventually("the publisher retired", || h.stats().publishers.is_empty()).await;
+    let mut notices = Vec::new();
+    sub.take_notices(&mut notices);
+    assert!(
+        !notices
+            .iter()
+            .any(|n| matches!(n, Notice::Departed(_) | Notice::Retired { .. })),
+        "told before its last 9 messages were taken: {notices:?}"
+    );
+    for seq in 1..10 {
+        assert_eq!(next(&mut sub).await.sequence, Some(seq));
+    }
+    eventually("the departure noticed", || {
+        let _ = h.stats();
+        sub.take_notices(&mut notices);
+        notices.contains(&Notice::Departed(id(5)))
+    })
+    .await;
+    let retired = notices
+        .iter()
+        .position(|n| matches!(n, Notice::Retired { .. }));
+    let departed = notices.iter().position(|n| *n == Notice::Departed(id(5)));
+    assert!(retired < departed, "{notices:?}");
+    let Some(Notice::Retired { id: rid, stats }) = retired.map(|i| &notices[i]) else {
+        panic!("no Retired: {notices:?}");
+    };
+    assert_eq!(*rid, id(5));
+    assert_eq!((stats.received, stats.delivered, stats.depth), (10, 10, 0));
+    assert_eq!(
+        (stats.first_sequence, stats.last_sequence),
+        (Some(0), Some(9))
+    );
+}
+
+#[tokio::test]
 async fn a_departure_wakes_a_router_that_receives_nothing() {
     use eventplane::subscriber::Notice;
     let (mut sub, _publisher, reg) = followed_with_notices(9).await;

@@ -403,7 +403,10 @@ async fn a_thousand_announced_sources_from_ten_sessions_are_followed_within_the_
          fds added (router, bus and sources in this process) {fds}; RSS {} KiB",
         crate::support::proc_status_bytes(pid, "VmRSS") >> 10
     );
-    assert!(fds < 100, "{fds} fds for {SESSIONS} sessions");
+    // The other tests of this binary run beside this one and open fds of their own
+    // (109 seen once in CI): the bound is loose, yet a connection per stream would add
+    // over 2,000.
+    assert!(fds < 400, "{fds} fds for {SESSIONS} sessions");
     // One more past the bus's max_sources ends that session, denied.
     let over = Source::spawn(source_config(&bus, &format!("gpu-{SESSIONS}"), &["prod"])).unwrap();
     let spare = PubSocket::new(Config::default());

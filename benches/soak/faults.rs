@@ -23,7 +23,7 @@ pub(crate) enum FaultKind {
     RouterPartition,
     /// A router's consumer stops reading its subscribers for seconds.
     RouterStall,
-    /// SIGTERM a router and start a new one.
+    /// Stop a router (the last one: the first lives the whole run) and start a new one.
     RouterRestart,
 }
 
@@ -105,6 +105,10 @@ pub(crate) fn schedule(
             let targets = if kind.on_router() { routers } else { workers };
             let target = if kind == FaultKind::EtcdRestart {
                 0
+            } else if kind == FaultKind::RouterRestart {
+                // The last router: the first lives the whole run, so its RSS and fds
+                // are judged over all of it.
+                routers.saturating_sub(1)
             } else {
                 rng.below(targets as u64) as usize
             };
@@ -137,11 +141,21 @@ fn separate(faults: &mut [Fault], workers: usize, routers: usize) {
             k if k.on_router() => &mut routers_busy[..],
             _ => &mut workers_busy[..],
         };
-        let free = (0..busy.len())
+        // A restart stays on its router; other faults may move to a free target.
+        let candidates = if f.kind == FaultKind::RouterRestart {
+            1
+        } else {
+            busy.len()
+        };
+        let free = (0..candidates)
             .map(|i| (f.target + i) % busy.len())
             .find(|&t| busy[t] <= f.at);
         let t = match free {
             Some(t) => t,
+            None if f.kind == FaultKind::RouterRestart => {
+                f.at = busy[f.target];
+                f.target
+            }
             None => {
                 let (t, until) = busy
                     .iter()
@@ -171,6 +185,12 @@ mod tests {
         for kind in FaultKind::ALL {
             assert_eq!(a.iter().filter(|f| f.kind == kind).count(), 2, "{kind:?}");
         }
+        // Restarts only ever hit the last router: the first lives the whole run.
+        assert!(
+            a.iter()
+                .filter(|f| f.kind == FaultKind::RouterRestart)
+                .all(|f| f.target == 1)
+        );
         for (i, f) in a.iter().enumerate() {
             for g in &a[i + 1..] {
                 let same = f.kind.on_router() == g.kind.on_router()

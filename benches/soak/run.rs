@@ -690,7 +690,7 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
     for (router, dump) in &dumps {
         ledger::check_convergence(router, dump, &truth, Some(&live), &mut violations);
     }
-    let warm = warm_up.as_secs_f64() * 2.0;
+    let warm = warm_up.as_secs_f64() * 2.0; // per process, from its first sample
     let trends = resources::trends(&c.series, warm);
     for (name, t) in &trends {
         let role = c.series.get(name).map_or("", |s| s.role.as_str());
@@ -703,7 +703,7 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
                 });
             }
             // Judged over a minute of samples at least.
-            let (rss_flat, fds_flat) = resources::flat(t);
+            let (rss_flat, fds_flat) = resources::flat(t, w);
             if t.judged {
                 if !rss_flat {
                     violations.push(Violation {

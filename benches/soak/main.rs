@@ -10,6 +10,7 @@
 //! Exit 0 only if every invariant held; 1 when one broke (the report names it, the
 //! process and publisher, and the seed); 2 on a refused argument or a harness failure.
 
+mod cluster;
 mod engine;
 mod faults;
 mod ledger;
@@ -35,7 +36,7 @@ pub(crate) struct Cli {
     #[command(subcommand)]
     role: Option<Role>,
     #[command(flatten)]
-    run: run::RunArgs,
+    run: cluster::RunArgs,
 }
 
 #[derive(Debug, Subcommand)]

@@ -179,8 +179,16 @@ impl State {
 
     fn deliver(&mut self, wire: Wire, d: &Delivery) {
         let id = &d.source.id;
-        let l = self.ledgers.entry(id.clone()).or_default();
-        l.wire = wire.as_str().to_owned();
+        // The id is cloned once per publisher, never per message.
+        if !self.ledgers.contains_key(id) {
+            self.ledgers.insert(id.clone(), Ledger::default());
+        }
+        let Some(l) = self.ledgers.get_mut(id) else {
+            return;
+        };
+        if l.wire.is_empty() {
+            l.wire = wire.as_str().to_owned();
+        }
         l.consumed += 1;
         if l.departed {
             l.after_departure += 1;
@@ -199,7 +207,12 @@ impl State {
             l.undecodable += 1;
             return;
         };
-        let f = self.index.entry(id.clone()).or_default();
+        if !self.index.contains_key(id) {
+            self.index.insert(id.clone(), Followed::default());
+        }
+        let Some(f) = self.index.get_mut(id) else {
+            return;
+        };
         for ev in &events {
             l.worker_id = Some(ev.worker_id.0);
             if f.next_id != 0 && ev.event.id != f.next_id {

@@ -1,0 +1,482 @@
+//! The cluster a soak runs: its flags, its processes (etcd, engines, relays, routers)
+//! and the faults acted on them; supervision and sampling.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::faults::{Fault, FaultKind};
+use crate::ledger::{RelayExit, Violation};
+use crate::netns::Namespaces;
+use crate::process::{Proc, sample};
+use crate::resources::Series;
+use crate::router::{IndexDump, RouterReport};
+/// The soak's own flags.
+#[derive(Debug, clap::Args)]
+pub(crate) struct RunArgs {
+    /// Length of the run (faults, then the settle and the checks).
+    #[arg(long, default_value_t = 3.0)]
+    pub(crate) minutes: f64,
+    /// Seeds the schedule and every engine's workload: a run replays from it.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
+    /// Where to write the JSON report (also printed as a table).
+    #[arg(long)]
+    pub(crate) report: Option<PathBuf>,
+    /// Workers (engine + kv_relay pairs).
+    #[arg(long, default_value_t = 8)]
+    pub(crate) workers: usize,
+    /// Every Nth worker's relay speaks Dynamo's wire and records (0: none).
+    #[arg(long, default_value_t = 3)]
+    pub(crate) dynamo_every: usize,
+    /// `all`, `none`, or a comma list of relay_kill, relay_stop, etcd_restart,
+    /// router_partition, router_stall, router_restart.
+    #[arg(long, default_value = "all")]
+    pub(crate) faults: String,
+    /// Faults of each kind (default: one a minute, at least 2).
+    #[arg(long)]
+    pub(crate) faults_per_kind: Option<usize>,
+    /// Each engine publishes a batch this often.
+    #[arg(long, default_value_t = 100)]
+    pub(crate) interval_ms: u64,
+    /// Blocks each engine holds at most (FIFO eviction past it).
+    #[arg(long, default_value_t = 256)]
+    pub(crate) capacity: usize,
+    /// The routers' lane capacity (small, so a stalled consumer drops).
+    #[arg(long, default_value_t = 32)]
+    pub(crate) lane_capacity: usize,
+    /// How long the routers' indexes may take to converge once the engines settled.
+    #[arg(long, default_value_t = 30)]
+    pub(crate) converge_secs: u64,
+    /// A kv_relay binary to use instead of building it.
+    #[arg(long)]
+    pub(crate) relay: Option<PathBuf>,
+    /// Run the routers in this namespace (no partitions: that fault is skipped).
+    #[arg(long)]
+    pub(crate) no_netns: bool,
+}
+
+pub(crate) const ROUTERS: usize = 2;
+pub(crate) const NAMESPACE: &str = "soak";
+/// kv_relay's lease TTL (EtcdDiscovery's default).
+pub(crate) const LEASE_TTL: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Phase {
+    Start,
+    End,
+}
+
+#[derive(Debug)]
+pub(crate) struct Action {
+    pub(crate) at: Instant,
+    pub(crate) fault: Fault,
+    pub(crate) phase: Phase,
+}
+
+/// Everything running, and what it told.
+pub(crate) struct Cluster {
+    pub(crate) args: RunArgs,
+    pub(crate) logs: PathBuf,
+    pub(crate) exe: PathBuf,
+    pub(crate) relay_bin: PathBuf,
+    pub(crate) ns: Option<Namespaces>,
+    pub(crate) etcd: Option<Proc>,
+    pub(crate) etcd_port: u16,
+    pub(crate) etcd_peer: u16,
+    pub(crate) etcd_data: PathBuf,
+    pub(crate) etcd_incarnation: usize,
+    /// Relays and routers may fail to start while etcd is away: until then, not a
+    /// violation.
+    pub(crate) etcd_settled_at: Instant,
+    /// Engine `w` is worker `w + 1`.
+    pub(crate) engines: Vec<Proc>,
+    pub(crate) engine_dead: Vec<bool>,
+    pub(crate) engine_endpoints: Vec<String>,
+    pub(crate) relays: Vec<Option<Proc>>,
+    pub(crate) relay_incarnation: Vec<usize>,
+    pub(crate) relay_held: Vec<bool>,
+    pub(crate) relay_respawn_at: Vec<Option<Instant>>,
+    pub(crate) routers: Vec<Option<Proc>>,
+    pub(crate) router_ready: Vec<bool>,
+    pub(crate) router_incarnation: Vec<usize>,
+    pub(crate) router_respawn_at: Vec<Option<Instant>>,
+    pub(crate) partitioned: Vec<bool>,
+    pub(crate) router_reports: Vec<(String, RouterReport)>,
+    pub(crate) relay_exits: Vec<RelayExit>,
+    pub(crate) violations: Vec<Violation>,
+    pub(crate) series: BTreeMap<String, Series>,
+    pub(crate) start: Instant,
+    pub(crate) injected: BTreeMap<&'static str, u64>,
+    pub(crate) start_retries: u64,
+}
+
+pub(crate) fn etcd_url(host: &str, port: u16) -> String {
+    format!("http://{host}:{port}")
+}
+
+impl Cluster {
+    pub(crate) fn router_etcd(&self) -> String {
+        let host = self.ns.as_ref().map_or("127.0.0.1", |n| n.host_address());
+        etcd_url(host, self.etcd_port)
+    }
+
+    pub(crate) async fn start_etcd(&mut self) -> Result<(), String> {
+        self.etcd_incarnation += 1;
+        let client = match &self.ns {
+            Some(ns) => format!(
+                "{},{}",
+                etcd_url("127.0.0.1", self.etcd_port),
+                etcd_url(ns.host_address(), self.etcd_port)
+            ),
+            None => etcd_url("127.0.0.1", self.etcd_port),
+        };
+        let peer = etcd_url("127.0.0.1", self.etcd_peer);
+        let args: Vec<String> = ["--name", "soak", "--data-dir"]
+            .iter()
+            .map(|s| (*s).to_owned())
+            .chain([
+                self.etcd_data.display().to_string(),
+                "--listen-client-urls".into(),
+                client,
+                "--advertise-client-urls".into(),
+                etcd_url("127.0.0.1", self.etcd_port),
+                "--listen-peer-urls".into(),
+                peer.clone(),
+                "--initial-advertise-peer-urls".into(),
+                peer.clone(),
+                "--initial-cluster".into(),
+                format!("soak={peer}"),
+                "--log-level=error".into(),
+            ])
+            .collect();
+        let name = format!("etcd#{}", self.etcd_incarnation);
+        let proc = Proc::spawn(name, Path::new("etcd"), &args, &self.logs, &[])?;
+        self.etcd = Some(proc);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if healthy(self.etcd_port).await {
+                self.etcd_settled_at = Instant::now();
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Err("etcd did not become healthy within 15 s".into())
+    }
+
+    pub(crate) fn spawn_relay(&mut self, w: usize) -> Result<(), String> {
+        self.relay_incarnation[w] += 1;
+        let dynamo =
+            self.args.dynamo_every > 0 && w % self.args.dynamo_every == self.args.dynamo_every - 1;
+        let (bind, host) = match &self.ns {
+            Some(ns) => ("tcp://0.0.0.0:0", ns.host_address()),
+            None => ("tcp://127.0.0.1:0", "127.0.0.1"),
+        };
+        let args: Vec<String> = [
+            "--connect",
+            &self.engine_endpoints[w],
+            "--topic",
+            "kv-events",
+            "--block-size",
+            "4",
+            "--worker-id",
+            &(w as u64 + 1).to_string(),
+            "--bind",
+            bind,
+            "--advertise-host",
+            host,
+            "--wire",
+            if dynamo { "dynamo" } else { "eventplane" },
+            "--etcd",
+            &etcd_url("127.0.0.1", self.etcd_port),
+            "--namespace",
+            NAMESPACE,
+            "--component",
+            "worker",
+            "--publish-topic",
+            "kv-events",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        let name = format!("relay w{w}#{}", self.relay_incarnation[w]);
+        let proc = Proc::spawn(name, &self.relay_bin, &args, &self.logs, &[])?;
+        self.relays[w] = Some(proc);
+        Ok(())
+    }
+
+    pub(crate) fn spawn_router(&mut self, r: usize) -> Result<(), String> {
+        self.router_incarnation[r] += 1;
+        let mut argv: Vec<String> = Vec::new();
+        let program = match &self.ns {
+            Some(ns) => {
+                argv.extend(["netns", "exec", ns.name(r)].map(str::to_owned));
+                argv.push(self.exe.display().to_string());
+                PathBuf::from("ip")
+            }
+            None => self.exe.clone(),
+        };
+        argv.extend(
+            [
+                "router",
+                "--etcd",
+                &self.router_etcd(),
+                "--namespace",
+                NAMESPACE,
+                "--lane-capacity",
+                &self.args.lane_capacity.to_string(),
+            ]
+            .map(str::to_owned),
+        );
+        let name = format!("router r{r}#{}", self.router_incarnation[r]);
+        let proc = Proc::spawn(name, &program, &argv, &self.logs, &[("RUST_LOG", "warn")])?;
+        self.routers[r] = Some(proc);
+        self.router_ready[r] = false;
+        Ok(())
+    }
+
+    /// Asks router `r` to quit and keeps its report.
+    pub(crate) async fn quit_router(&mut self, r: usize) -> Result<(), String> {
+        let Some(mut proc) = self.routers[r].take() else {
+            return Ok(());
+        };
+        proc.tell("quit").await?;
+        let report = proc.line("report ", Duration::from_secs(30)).await;
+        proc.wait(Duration::from_secs(10)).await;
+        let report: RouterReport =
+            serde_json::from_str(&report?).map_err(|e| format!("{}: {e}", proc.name))?;
+        self.router_reports.push((proc.name.clone(), report));
+        Ok(())
+    }
+
+    pub(crate) async fn dump(&mut self, r: usize) -> Result<IndexDump, String> {
+        let proc = self.routers[r].as_mut().ok_or("router not running")?;
+        proc.tell("dump").await?;
+        let line = proc.line("index ", Duration::from_secs(10)).await?;
+        serde_json::from_str(&line).map_err(|e| e.to_string())
+    }
+
+    pub(crate) fn elapsed(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+
+    pub(crate) fn sample(&mut self) {
+        let t = self.elapsed();
+        let mut procs: Vec<(&str, &Proc)> = Vec::new();
+        procs.extend(self.etcd.iter().map(|p| ("etcd", p)));
+        procs.extend(self.engines.iter().map(|p| ("engine", p)));
+        procs.extend(self.relays.iter().flatten().map(|p| ("relay", p)));
+        procs.extend(self.routers.iter().flatten().map(|p| ("router", p)));
+        for (role, p) in procs {
+            if let Some((rss, fds)) = sample(p.pid) {
+                let s = self.series.entry(p.name.clone()).or_default();
+                s.role = role.to_owned();
+                s.samples.push((t, rss, fds));
+            }
+        }
+    }
+
+    /// Restarts what exited without being told to; a relay or router that could not
+    /// start while etcd was away is retried, anything else that exits is a violation.
+    pub(crate) async fn supervise(&mut self) {
+        let now = Instant::now();
+        let etcd_unsettled =
+            self.etcd.is_none() || now < self.etcd_settled_at + Duration::from_secs(20);
+        for w in 0..self.relays.len() {
+            if let Some(p) = self.relays[w].as_mut() {
+                if let Some(status) = p.exited() {
+                    let last = p.last_log_line();
+                    let name = p.name.clone();
+                    self.relays[w] = None;
+                    if etcd_unsettled && status.code() == Some(3) {
+                        self.start_retries += 1;
+                    } else {
+                        self.violations.push(Violation {
+                            invariant: "processes_stay_up",
+                            at: name,
+                            detail: format!("exited with {status}: {last}"),
+                        });
+                    }
+                    self.relay_respawn_at[w] = Some(now + Duration::from_secs(1));
+                }
+            }
+            if self.relays[w].is_none()
+                && !self.relay_held[w]
+                && self.relay_respawn_at[w].is_none_or(|at| now >= at)
+            {
+                self.relay_respawn_at[w] = None;
+                if let Err(e) = self.spawn_relay(w) {
+                    self.violations.push(Violation {
+                        invariant: "processes_stay_up",
+                        at: format!("relay w{w}"),
+                        detail: e,
+                    });
+                }
+            }
+        }
+        for r in 0..self.routers.len() {
+            if let Some(p) = self.routers[r].as_mut() {
+                while let Ok(line) = p.lines.try_recv() {
+                    if line == "ready" {
+                        self.router_ready[r] = true;
+                    }
+                }
+                if let Some(status) = p.exited() {
+                    let (name, last) = (p.name.clone(), p.last_log_line());
+                    self.routers[r] = None;
+                    if self.router_ready[r] {
+                        self.violations.push(Violation {
+                            invariant: "processes_stay_up",
+                            at: name,
+                            detail: format!("exited with {status}: {last}"),
+                        });
+                    } else {
+                        self.start_retries += 1;
+                    }
+                    self.router_respawn_at[r] = Some(now + Duration::from_secs(1));
+                }
+            }
+            if self.routers[r].is_none() && self.router_respawn_at[r].is_none_or(|at| now >= at) {
+                self.router_respawn_at[r] = None;
+                if let Err(e) = self.spawn_router(r) {
+                    self.violations.push(Violation {
+                        invariant: "processes_stay_up",
+                        at: format!("router r{r}"),
+                        detail: e,
+                    });
+                }
+            }
+        }
+        for (p, dead) in self.engines.iter_mut().zip(&mut self.engine_dead) {
+            if *dead {
+                continue;
+            }
+            if let Some(status) = p.exited() {
+                *dead = true;
+                self.violations.push(Violation {
+                    invariant: "processes_stay_up",
+                    at: p.name.clone(),
+                    detail: format!("exited with {status}: {}", p.last_log_line()),
+                });
+            }
+        }
+    }
+
+    pub(crate) async fn act(&mut self, a: &Action) -> Result<(), String> {
+        let f = &a.fault;
+        match (f.kind, a.phase) {
+            (FaultKind::RelayKill, Phase::Start) => {
+                self.relay_held[f.target] = true;
+                if let Some(mut p) = self.relays[f.target].take() {
+                    p.signal("KILL");
+                    p.wait(Duration::from_secs(5)).await;
+                }
+            }
+            (FaultKind::RelayKill, Phase::End) => {
+                self.relay_held[f.target] = false;
+                if self.relays[f.target].is_none() {
+                    self.spawn_relay(f.target)?;
+                }
+            }
+            (FaultKind::RelayStop, phase) => {
+                if let Some(p) = &self.relays[f.target] {
+                    p.signal(if phase == Phase::Start {
+                        "STOP"
+                    } else {
+                        "CONT"
+                    });
+                }
+            }
+            (FaultKind::EtcdRestart, Phase::Start) => {
+                if let Some(mut p) = self.etcd.take() {
+                    p.signal("KILL");
+                    p.wait(Duration::from_secs(5)).await;
+                }
+            }
+            (FaultKind::EtcdRestart, Phase::End) => self.start_etcd().await?,
+            (FaultKind::RouterPartition, phase) => {
+                if let Some(ns) = &self.ns {
+                    ns.link(f.target, phase == Phase::End)?;
+                    self.partitioned[f.target] = phase == Phase::Start;
+                }
+            }
+            (FaultKind::RouterStall, Phase::Start) => {
+                if let Some(p) = self.routers[f.target].as_mut() {
+                    p.tell(&format!("stall {}", f.hold.as_millis())).await?;
+                }
+            }
+            (FaultKind::RouterRestart, Phase::Start) => {
+                self.quit_router(f.target).await?;
+                self.spawn_router(f.target)?;
+            }
+            _ => {}
+        }
+        if a.phase == Phase::Start {
+            *self.injected.entry(f.kind.name()).or_default() += 1;
+        }
+        Ok(())
+    }
+
+    /// Everything up, nothing held: what the settle needs.
+    pub(crate) fn whole(&self) -> bool {
+        self.etcd.is_some()
+            && self.relays.iter().all(Option::is_some)
+            && self.router_ready.iter().all(|r| *r)
+            && !self.partitioned.iter().any(|p| *p)
+    }
+
+    pub(crate) async fn shutdown(&mut self) {
+        for w in 0..self.relays.len() {
+            if let Some(p) = self.relays[w].as_ref() {
+                p.signal("CONT");
+                p.signal("TERM");
+            }
+        }
+        for slot in &mut self.relays {
+            if let Some(mut p) = slot.take() {
+                p.wait(Duration::from_secs(5)).await;
+            }
+        }
+        for slot in &mut self.routers {
+            if let Some(mut p) = slot.take() {
+                let _ = p.child.start_kill();
+                p.wait(Duration::from_secs(5)).await;
+            }
+        }
+        for p in &mut self.engines {
+            let _ = p.child.start_kill();
+            p.wait(Duration::from_secs(5)).await;
+        }
+        if let Some(mut p) = self.etcd.take() {
+            p.signal("TERM");
+            p.wait(Duration::from_secs(5)).await;
+        }
+    }
+}
+
+pub(crate) async fn healthy(port: u16) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let probe = async {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .ok()?;
+        let req =
+            format!("GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.ok()?;
+        let mut body = Vec::new();
+        s.read_to_end(&mut body).await.ok()?;
+        Some(String::from_utf8_lossy(&body).contains("\"health\":\"true\""))
+    };
+    tokio::time::timeout(Duration::from_secs(2), probe)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(false)
+}
+
+pub(crate) fn router_name(c: &Cluster, r: usize) -> String {
+    c.routers[r]
+        .as_ref()
+        .map(|p| p.name.clone())
+        .unwrap_or_else(|| format!("router r{r}"))
+}

@@ -9,7 +9,8 @@ pub(crate) const IDLE_SLOTS: usize = 64;
 
 /// Watches one `VecDeque` and shrinks it when, over as many pops as it has slots, it
 /// never held more than a quarter of them (a queue that fills and drains every round
-/// keeps its slots: no reallocation churn), and optionally as soon as it drains.
+/// keeps its slots: no reallocation churn), and optionally frees them all as soon as it
+/// drains.
 #[derive(Debug, Default)]
 pub(crate) struct SlotTrim {
     /// Most items held since the last check.
@@ -24,13 +25,15 @@ impl SlotTrim {
         self.high = self.high.max(len);
     }
 
-    /// After a pop from `items`; with `on_drain`, a queue left empty gives its spare
+    /// After a pop from `items`; with `on_drain`, a queue left empty gives all its
     /// slots back at once.
     pub(crate) fn popped<T>(&mut self, items: &mut VecDeque<T>, on_drain: bool) {
         self.pops += 1;
         let capacity = items.capacity();
-        if on_drain && items.is_empty() && capacity > IDLE_SLOTS {
-            items.shrink_to(IDLE_SLOTS);
+        if on_drain && items.is_empty() && capacity > 0 {
+            // An idle lane among thousands holds nothing: its next burst allocates
+            // what the burst needs (reserved once per push).
+            *items = VecDeque::new();
             *self = SlotTrim::default();
         } else if self.pops >= capacity {
             if capacity > IDLE_SLOTS && self.high < capacity / 4 {

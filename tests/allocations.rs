@@ -115,13 +115,23 @@ async fn hoard(publisher: &PubSocket, retain: usize, cap: usize) -> (usize, u64)
     (held, copied)
 }
 
-#[tokio::test(flavor = "current_thread")]
-// The guard keeps the other test's allocations out of this count: held across
-// awaits on purpose (each test has a runtime of its own).
-#[allow(clippy::await_holding_lock)]
-async fn hoarded_small_messages_cost_the_retention_limit_not_a_read_buffer_each() {
-    // Set-up allocates too: the whole test takes its turn.
+/// Runs `test` on a runtime of its own, built only once the other test is done: the
+/// runtime's set-up allocates too, and must not land in the other test's count.
+fn in_turn<F: std::future::Future<Output = ()>>(test: impl FnOnce() -> F) {
     let _counting = COUNTING.lock().unwrap_or_else(|p| p.into_inner());
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(test());
+}
+
+#[test]
+fn hoarded_small_messages_cost_the_retention_limit_not_a_read_buffer_each() {
+    in_turn(hoarded_small_messages);
+}
+
+async fn hoarded_small_messages() {
     const RETAIN: usize = MIB;
     let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
         .await
@@ -162,10 +172,12 @@ async fn hoarded_small_messages_cost_the_retention_limit_not_a_read_buffer_each(
     );
 }
 
-#[tokio::test(flavor = "current_thread")]
-#[allow(clippy::await_holding_lock)]
-async fn a_ping_flood_costs_a_publisher_one_pending_pong() {
-    let _counting = COUNTING.lock().unwrap_or_else(|p| p.into_inner());
+#[test]
+fn a_ping_flood_costs_a_publisher_one_pending_pong() {
+    in_turn(ping_flood);
+}
+
+async fn ping_flood() {
     let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
         .await
         .unwrap();

@@ -27,12 +27,31 @@ pub const MAX_PUBLISHER_ID: u64 = (1 << 53) - 1;
 /// assert_eq!(ChannelId::from_path(&id.to_path())?, id);
 /// # Ok::<(), eventplane::discovery::DiscoveryError>(())
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ChannelId {
+    /// Shared by every copy: a subscriber keeps an id in several tables per
+    /// publisher, and thousands of publishers make copies of three strings add up.
+    segments: std::sync::Arc<Segments>,
+    publisher_id: u64,
+}
+
+#[derive(Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct Segments {
     namespace: String,
     component: String,
     topic: String,
-    publisher_id: u64,
+}
+
+impl serde::Serialize for ChannelId {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut out = serializer.serialize_struct("ChannelId", 4)?;
+        out.serialize_field("namespace", &self.segments.namespace)?;
+        out.serialize_field("component", &self.segments.component)?;
+        out.serialize_field("topic", &self.segments.topic)?;
+        out.serialize_field("publisher_id", &self.publisher_id)?;
+        out.end()
+    }
 }
 
 impl ChannelId {
@@ -44,16 +63,15 @@ impl ChannelId {
         topic: impl Into<String>,
         publisher_id: u64,
     ) -> Result<ChannelId, DiscoveryError> {
-        let id = ChannelId {
+        let segments = Segments {
             namespace: namespace.into(),
             component: component.into(),
             topic: topic.into(),
-            publisher_id,
         };
         for (name, seg) in [
-            ("namespace", &id.namespace),
-            ("component", &id.component),
-            ("topic", &id.topic),
+            ("namespace", &segments.namespace),
+            ("component", &segments.component),
+            ("topic", &segments.topic),
         ] {
             if seg.is_empty() {
                 return Err(DiscoveryError::invalid(format!("{name} is empty")));
@@ -64,20 +82,23 @@ impl ChannelId {
                 "publisher_id {publisher_id} exceeds 2^53-1"
             )));
         }
-        Ok(id)
+        Ok(ChannelId {
+            segments: std::sync::Arc::new(segments),
+            publisher_id,
+        })
     }
 
     /// The namespace.
     pub fn namespace(&self) -> &str {
-        &self.namespace
+        &self.segments.namespace
     }
     /// The component.
     pub fn component(&self) -> &str {
-        &self.component
+        &self.segments.component
     }
     /// The topic.
     pub fn topic(&self) -> &str {
-        &self.topic
+        &self.segments.topic
     }
     /// The publisher id (≤ 2^53 − 1).
     pub fn publisher_id(&self) -> u64 {
@@ -86,10 +107,10 @@ impl ChannelId {
 
     /// The percent-encoded path form.
     pub fn to_path(&self) -> String {
-        let mut out = String::with_capacity(
-            self.namespace.len() + self.component.len() + self.topic.len() + 20,
-        );
-        for seg in [&self.namespace, &self.component, &self.topic] {
+        let s = &self.segments;
+        let mut out =
+            String::with_capacity(s.namespace.len() + s.component.len() + s.topic.len() + 20);
+        for seg in [&s.namespace, &s.component, &s.topic] {
             encode_segment(seg, &mut out);
             out.push('/');
         }
@@ -378,9 +399,12 @@ impl Query {
 
     /// Exact match on every given field.
     pub fn matches(&self, id: &ChannelId) -> bool {
-        id.namespace == self.namespace
-            && self.component.as_deref().is_none_or(|c| c == id.component)
-            && self.topic.as_deref().is_none_or(|t| t == id.topic)
+        id.namespace() == self.namespace
+            && self
+                .component
+                .as_deref()
+                .is_none_or(|c| c == id.component())
+            && self.topic.as_deref().is_none_or(|t| t == id.topic())
     }
 }
 

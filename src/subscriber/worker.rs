@@ -362,7 +362,9 @@ async fn connect_and_read(
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .clone();
-    let mut sub = match dial(shared, config, &instance).await {
+    // Boxed: the dial's state (resolution, connect, handshake) lives only while it
+    // runs, so the connection task stays the size of its reading state.
+    let mut sub = match Box::pin(dial(shared, config, &instance)).await {
         Ok(s) => s,
         Err(ZmtpError::Refused { addr }) => {
             Counters::add(&counters.refused_by_filter, 1);
@@ -399,8 +401,8 @@ async fn connect_and_read(
             .clone();
         shared.notices.push(Notice::Connected(instance));
     }
-    let drop_key = format!("drop:{endpoint}");
-    let malformed_key = format!("malformed:{endpoint}");
+    // Made on the first warning: an idle connection holds no key.
+    let (mut drop_key, mut malformed_key) = (None::<String>, None::<String>);
     // Created once: a publisher that keeps sending after it left discovery is cut
     // `DRAIN_GRACE` after the removal, not kept alive batch after batch.
     let deadline = drain_deadline(drain);
@@ -424,7 +426,8 @@ async fn connect_and_read(
         };
         let (dropped, malformed) = filing.flush();
         if malformed.total() > 0 {
-            if let Some(suppressed) = shared.warn.check(&malformed_key, Instant::now()) {
+            let key = malformed_key.get_or_insert_with(|| format!("malformed:{endpoint}"));
+            if let Some(suppressed) = shared.warn.check(key, Instant::now()) {
                 tracing::warn!(
                     %endpoint,
                     layout = ?config.layout,
@@ -438,7 +441,8 @@ async fn connect_and_read(
             }
         }
         if dropped > 0 {
-            if let Some(suppressed) = shared.warn.check(&drop_key, Instant::now()) {
+            let key = drop_key.get_or_insert_with(|| format!("drop:{endpoint}"));
+            if let Some(suppressed) = shared.warn.check(key, Instant::now()) {
                 tracing::warn!(
                     dropped,
                     earlier_drop_events = suppressed,

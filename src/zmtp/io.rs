@@ -2,11 +2,13 @@
 //! [`Session`], and runs its timers on tokio's clock.
 //!
 //! What a connection holds, and its bounds:
-//! - **Read buffer**: `read_chunk` bytes, reclaimed in place while no received frame
-//!   references it; a frame larger than a chunk is assembled in an allocation grown
-//!   geometrically as its bytes arrive, never larger than the frame. Buffers that
-//!   frames still reference when the connection moves on are *retired* into a
-//!   [`Retention`] account (subscribers) so what they keep alive is counted.
+//! - **Read buffer**: `read_chunk` bytes (1 KiB until the handshake is done),
+//!   reclaimed in place while no received frame references it; a frame larger than a
+//!   chunk is assembled in an allocation grown geometrically as its bytes arrive, never
+//!   larger than the frame. Buffers that frames still reference when the connection
+//!   moves on are *retired* into a [`Retention`] account (subscribers) so what they
+//!   keep alive is counted. A subscriber's connections give theirs back whenever the
+//!   peer has nothing more to read, so an idle connection holds none.
 //! - **Write buffer**: session output is moved into it only while it holds less than
 //!   [`WRITE_BATCH`]; beyond, the output stays in the session, where a PONG replaces
 //!   the previous unsent one. While [`WRITE_BATCH`] or more waits to be written the
@@ -29,6 +31,10 @@ use super::{Config, Error, Event, Session, SocketType, TimeoutKind};
 /// Writes are coalesced into buffers of about this size; a connection with this much
 /// output waiting stops reading its peer.
 pub(crate) const WRITE_BATCH: usize = 64 << 10;
+
+/// The read buffer a connection starts with until its handshake is done (a greeting
+/// is 64 bytes, READY with its metadata usually a few hundred; more grows it).
+const HANDSHAKE_READ: usize = 1 << 10;
 
 #[derive(Debug)]
 pub(crate) struct Conn<S> {
@@ -169,7 +175,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
     ///   still reference is retired into the retention account; an allocation grown
     ///   for one large frame belongs to that frame (its holder is charged its size).
     fn prepare_read_buffer(&mut self) {
-        let chunk = self.read_chunk;
+        // Until the handshake is done the peer sends a greeting and a few commands:
+        // thousands of connections dialled at once must not each hold a chunk.
+        let chunk = if self.session.is_ready() {
+            self.read_chunk
+        } else {
+            HANDSHAKE_READ.min(self.read_chunk)
+        };
         let needed = self.session.input_needed();
         let buf = self.session.input_buffer();
         let len = buf.len();

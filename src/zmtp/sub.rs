@@ -90,6 +90,9 @@ pub struct SubSocket<S = TcpStream> {
     conn: Conn<S>,
     retention: Arc<Retention>,
     pending_error: Option<Error>,
+    /// Give the read buffer back whenever the peer has nothing more to read (a
+    /// connection among thousands sharing one account, most of them idle).
+    release_when_idle: bool,
 }
 
 /// Memory a [`SubSocket`] holds for its connection, from [`SubSocket::buffers`].
@@ -161,20 +164,9 @@ impl SubSocket<TcpStream> {
         config: Config,
         filter: &crate::net::AddrFilter,
     ) -> Result<Self, Error> {
-        let retention = Arc::new(Retention::new(config.max_retained_bytes));
-        Self::connect_filtered_sharing(endpoint, config, filter, retention).await
-    }
-
-    /// [`connect_filtered`](Self::connect_filtered), counting retained read buffers in
-    /// an account shared with other sockets.
-    pub(crate) async fn connect_filtered_sharing(
-        endpoint: &str,
-        config: Config,
-        filter: &crate::net::AddrFilter,
-        retention: Arc<Retention>,
-    ) -> Result<Self, Error> {
         let stream = dial_filtered(endpoint, &config, filter).await?;
-        Self::handshake_sharing(stream, config, retention).await
+        let retention = Arc::new(Retention::new(config.max_retained_bytes));
+        Self::handshake_with(stream, config, retention, false).await
     }
 }
 
@@ -256,15 +248,26 @@ where
     /// ```
     pub async fn handshake(stream: S, config: Config) -> Result<Self, Error> {
         let retention = Arc::new(Retention::new(config.max_retained_bytes));
-        Self::handshake_sharing(stream, config, retention).await
+        Self::handshake_with(stream, config, retention, false).await
     }
 
     /// [`handshake`](Self::handshake), counting retained read buffers in an account
-    /// shared with other sockets (a `DynamicSubscriber`'s connections share one).
+    /// shared with other sockets (a `DynamicSubscriber`'s connections share one). Such
+    /// a socket gives its read buffer back whenever its peer has nothing more to read:
+    /// of thousands of connections, only the few being read at once hold one.
     pub(crate) async fn handshake_sharing(
         stream: S,
         config: Config,
         retention: Arc<Retention>,
+    ) -> Result<Self, Error> {
+        Self::handshake_with(stream, config, retention, true).await
+    }
+
+    async fn handshake_with(
+        stream: S,
+        config: Config,
+        retention: Arc<Retention>,
+        release_when_idle: bool,
     ) -> Result<Self, Error> {
         let mut conn = Conn::new(stream, SocketType::Sub, &config, Some(retention.clone()));
         poll_fn(|cx| conn.poll_handshake(cx)).await?;
@@ -273,6 +276,7 @@ where
             conn,
             retention,
             pending_error: None,
+            release_when_idle,
         })
     }
 
@@ -466,7 +470,7 @@ where
         sink: &mut dyn FnMut(Message) -> bool,
     ) -> Poll<Result<(), Error>> {
         let result = self.poll_pass(cx, sink);
-        if self.retention.reads_over_limit() {
+        if (self.release_when_idle && result.is_pending()) || self.retention.reads_over_limit() {
             self.conn.release_read_buffer();
         }
         result

@@ -1,0 +1,135 @@
+//! What an idle publisher costs a `DynamicSubscriber`, counted by the allocator: a
+//! fleet of real libzmq publishers (Debian's python3-zmq, in another process) is
+//! followed through `MemoryDiscovery`; once every publisher has delivered a message
+//! and gone quiet, the heap the subscriber holds per publisher and its descriptors
+//! are checked. Thousands of publishers make this the subscriber's dominant cost.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    missing_docs
+)]
+
+mod support;
+
+use std::alloc::System;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cap::Cap;
+use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Query, Transport};
+use eventplane::subscriber::{DynamicSubscriber, Layout};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::Command;
+
+#[global_allocator]
+static ALLOCATOR: Cap<System> = Cap::new(System, usize::MAX);
+
+/// Publishers followed: enough that per-publisher costs dwarf the subscriber's fixed
+/// ones, few enough for any machine's default descriptor limit (1,024 is common:
+/// the test raises its soft limit when it can and otherwise uses what fits).
+const PUBLISHERS: usize = 768;
+
+/// Heap one idle publisher may hold in the subscriber: its connection task, ZMTP
+/// session and socket, lane, counters and discovery record, and no read buffer.
+const IDLE_HEAP_PER_PUBLISHER: usize = 6 << 10;
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_publisher_costs_its_connection_and_little_else() {
+    let mut fleet = Command::new(support::PYTHON)
+        .arg(support::support_dir().join("zmq_fleet.py"))
+        .arg(PUBLISHERS.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("python3 with zmq (apt-get install python3-zmq)");
+    let mut stdin = fleet.stdin.take().unwrap();
+    let mut lines = BufReader::new(fleet.stdout.take().unwrap()).lines();
+    let mut endpoints = Vec::new();
+    loop {
+        let line = tokio::time::timeout(support::DEADLINE, lines.next_line())
+            .await
+            .expect("the fleet binds its publishers")
+            .unwrap()
+            .expect("the fleet printed END");
+        if line == "END" {
+            break;
+        }
+        endpoints.push(line);
+    }
+    assert_eq!(endpoints.len(), PUBLISHERS);
+    let memory = MemoryDiscovery::new();
+    let mut guards = Vec::new();
+    for (i, endpoint) in endpoints.iter().enumerate() {
+        let id = ChannelId::new("fanin", "worker", "kvev", i as u64).unwrap();
+        guards.push(
+            memory
+                .register(id, Transport::zmq(endpoint.clone()))
+                .await
+                .unwrap(),
+        );
+    }
+    let (heap_before, fds_before) = (ALLOCATOR.allocated(), open_fds());
+    let mut sub = DynamicSubscriber::builder(Arc::new(memory.clone()), Query::new("fanin"))
+        .topic("kvev")
+        .layout(Layout::TopicSeq)
+        .spawn()
+        .unwrap();
+    // Until every publisher has delivered (libzmq drops what it sends before a
+    // subscription arrives: send again until each one's first message is in).
+    let everyone = async {
+        loop {
+            stdin.write_all(b"send kvev 1\n").await.unwrap();
+            assert_eq!(lines.next_line().await.unwrap().as_deref(), Some("sent"));
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let stats = sub.stats();
+            let heard = stats
+                .publishers
+                .iter()
+                .filter(|(_, p)| p.received > 0)
+                .count();
+            if heard == PUBLISHERS {
+                return;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), everyone)
+        .await
+        .expect("every publisher delivers within 60 s");
+    // Quiet: every connection has gone back to waiting for its peer, and the
+    // consumer has taken everything (what it holds is its own).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut taken = Vec::new();
+    while tokio::time::timeout(Duration::from_millis(100), sub.recv_many(&mut taken, 1024))
+        .await
+        .is_ok()
+    {
+        taken.clear();
+    }
+    drop(taken);
+    let (heap, fds) = (ALLOCATOR.allocated(), open_fds());
+    let per_publisher = heap.saturating_sub(heap_before) / PUBLISHERS;
+    eprintln!(
+        "{PUBLISHERS} idle publishers: {per_publisher} B of heap each, {} descriptors beyond \
+         the publishers",
+        (fds - fds_before).saturating_sub(PUBLISHERS)
+    );
+    assert!(
+        per_publisher <= IDLE_HEAP_PER_PUBLISHER,
+        "{per_publisher} B of heap per idle publisher, over {IDLE_HEAP_PER_PUBLISHER}"
+    );
+    // One descriptor per publisher, a few for the runtime.
+    assert!(
+        fds - fds_before <= PUBLISHERS + 8,
+        "{} descriptors",
+        fds - fds_before
+    );
+    sub.handle().shutdown().await;
+    drop(guards);
+}

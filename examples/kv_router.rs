@@ -6,7 +6,7 @@
 //!            | --static EP… [--wire eventplane|dynamo] | --bus-listen … alone)
 //!           --namespace NS [--component C] [--endpoint E] --topic T
 //!           [--count N] [--timeout-ms MS] [--format json|quiet] [--dump-index]
-//!           [--max-index-blocks N]
+//!           [--max-index-blocks N] [--max-publishers N]
 //!           [--bus-listen ADDR --bus-cert PEM --bus-key PEM
 //!            (--bus-clients FILE | --bus-token-file FILE)]
 //! ```
@@ -152,6 +152,11 @@ struct Args {
     /// over-claims, what a worker holds).
     #[arg(long = "max-index-blocks", default_value_t = 1 << 20, value_parser = clap::value_parser!(u64).range(1..))]
     max_index_blocks: u64,
+    /// Publishers followed at most (default: the library's, 4,096); past it a
+    /// publisher is refused and counted. Each costs one open file: the soft limit is
+    /// raised to the hard limit at start.
+    #[arg(long = "max-publishers", value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    max_publishers: Option<u64>,
     /// Add the final index to the stats line: `"index": [{"worker_id", "dp_rank",
     /// "tier", "block_hashes": [...]}, ...]`, sorted.
     #[arg(long = "dump-index")]
@@ -422,6 +427,7 @@ async fn main() -> ExitCode {
     common::init_tracing();
     let stop = stop_signal();
     let args = Args::parse();
+    common::raise_fd_limit();
     if args.endpoint.is_some() && !args.dynamo {
         // Checked here: `requires = "dynamo"` on --endpoint did not refuse a command
         // line without --dynamo (clap 4.5).
@@ -472,6 +478,10 @@ async fn main() -> ExitCode {
             announced_only || (args.static_endpoints.is_empty() && (args.kube || !args.dynamo)),
         )
         .layout(wire.layout());
+    let builder = match args.max_publishers {
+        Some(n) => builder.max_publishers(usize::try_from(n).unwrap_or(usize::MAX)),
+        None => builder,
+    };
     let (builder, bus_stats) = match bus {
         Some(bus) => ((bus.tunnel)(builder), Some(bus.stats)),
         None => (builder, None),

@@ -78,6 +78,11 @@ struct Args {
     /// (default: the library's, 64 MiB).
     #[arg(long = "max-buffered-bytes")]
     max_buffered_bytes: Option<usize>,
+    /// Publishers followed at most (default: the library's, 4,096); past it a
+    /// publisher is refused and counted. Each costs one open file: the soft limit is
+    /// raised to the hard limit at start.
+    #[arg(long = "max-publishers", value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    max_publishers: Option<u64>,
 }
 
 async fn discovery(args: &Args) -> Result<Arc<dyn Discovery>, StartError> {
@@ -112,6 +117,7 @@ async fn etcd(_: &[String]) -> Result<Arc<dyn Discovery>, StartError> {
 async fn main() -> ExitCode {
     common::init_tracing();
     let args = Args::parse();
+    common::raise_fd_limit();
     let discovery = match discovery(&args).await {
         Ok(d) => d,
         Err(e) => return e.report(),
@@ -126,10 +132,13 @@ async fn main() -> ExitCode {
     if let Some(bytes) = args.max_buffered_bytes {
         builder = builder.max_buffered_bytes(bytes);
     }
+    if let Some(n) = args.max_publishers {
+        builder = builder.max_publishers(usize::try_from(n).unwrap_or(usize::MAX));
+    }
     let mut sub = match builder.spawn() {
         Ok(sub) => sub,
         Err(e) => {
-            eprintln!("invalid --max-buffered-bytes: {e}");
+            eprintln!("invalid subscriber settings: {e}");
             return ExitCode::from(2);
         }
     };

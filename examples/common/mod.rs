@@ -31,6 +31,22 @@ pub fn init_tracing() {
     init_tracing_or("warn");
 }
 
+/// Raises this process's soft limit on open files to its hard limit, as a daemon that
+/// follows thousands of publishers must (one descriptor each; the soft limit is often
+/// 1,024). Returns the limit now in force, `None` if it cannot be read. The library
+/// never changes process limits: that is the application's call, made here.
+pub fn raise_fd_limit() -> Option<u64> {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current != limit.maximum {
+        limit.current = limit.maximum;
+        if let Err(e) = setrlimit(Resource::Nofile, limit.clone()) {
+            tracing::warn!(error = %e, "could not raise the open-file limit");
+        }
+    }
+    getrlimit(Resource::Nofile).current
+}
+
 /// [`init_tracing`] with another default than `warn` when `RUST_LOG` is unset (a
 /// `target=level` list, like `RUST_LOG`).
 pub fn init_tracing_or(default_spec: &str) {

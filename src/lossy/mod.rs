@@ -458,18 +458,7 @@ impl<T> Lane<T> {
     /// Pushes many items under one lock (a batch read from a socket). Returns how many
     /// were dropped, of either kind.
     pub fn push_many(&self, items: impl IntoIterator<Item = (T, usize)>) -> usize {
-        let items = items.into_iter();
         let mut st = self.shared.lock();
-        let room = st.config.lane_capacity;
-        if let Some(lane) = st.lanes.get_mut(self.id) {
-            // One allocation for the batch (a drained lane holds no slots), never
-            // more slots than the lane may hold.
-            let wanted = items
-                .size_hint()
-                .0
-                .min(room.saturating_sub(lane.items.len()));
-            lane.items.reserve(wanted);
-        }
         let mut dropped = 0;
         let mut queued = false;
         for (item, size) in items {

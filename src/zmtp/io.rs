@@ -2,7 +2,8 @@
 //! [`Session`], and runs its timers on tokio's clock.
 //!
 //! What a connection holds, and its bounds:
-//! - **Read buffer**: `read_chunk` bytes (1 KiB until the handshake is done),
+//! - **Read buffer**: `read_chunk` bytes (1 KiB until the handshake is done, and
+//!   after an idle connection gave its buffer back until a read fills 1 KiB),
 //!   reclaimed in place while no received frame references it; a frame larger than a
 //!   chunk is assembled in an allocation grown geometrically as its bytes arrive, never
 //!   larger than the frame. Buffers that frames still reference when the connection
@@ -33,8 +34,11 @@ use super::{Config, Error, Event, Session, SocketType, TimeoutKind};
 pub(crate) const WRITE_BATCH: usize = 64 << 10;
 
 /// The read buffer a connection starts with until its handshake is done (a greeting
-/// is 64 bytes, READY with its metadata usually a few hundred; more grows it).
-const HANDSHAKE_READ: usize = 1 << 10;
+/// is 64 bytes, READY with its metadata usually a few hundred; more grows it), and
+/// after it gave its buffer back for being idle: a trickle of small messages is read
+/// into buffers of this size, and a read that fills one moves the connection back to
+/// full chunks.
+const SMALL_READ: usize = 1 << 10;
 
 #[derive(Debug)]
 pub(crate) struct Conn<S> {
@@ -63,6 +67,9 @@ pub(crate) struct Conn<S> {
     /// driver looping on progress must yield first (the next poll gets a fresh
     /// cooperative budget).
     yield_requested: bool,
+    /// Reads go into [`SMALL_READ`] buffers: set when the buffer is given back for
+    /// idleness, cleared by a read that fills the buffer.
+    small_reads: bool,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
@@ -87,6 +94,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             wbuf_high: 0,
             silence_seen: false,
             yield_requested: false,
+            small_reads: true,
         }
     }
 
@@ -157,6 +165,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         if n == 0 {
             return Poll::Ready(Err(Error::Closed));
         }
+        let ready = self.session.is_ready();
+        let buf = self.session.input_buffer();
+        if self.small_reads && ready && buf.len() == buf.capacity() {
+            // More is coming than a small buffer holds: back to full chunks.
+            self.small_reads = false;
+        }
         self.silence_seen = false;
         self.session.handle_input(Instant::now().into_std());
         Poll::Ready(Ok(n))
@@ -175,12 +189,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
     ///   still reference is retired into the retention account; an allocation grown
     ///   for one large frame belongs to that frame (its holder is charged its size).
     fn prepare_read_buffer(&mut self) {
-        // Until the handshake is done the peer sends a greeting and a few commands:
-        // thousands of connections dialled at once must not each hold a chunk.
-        let chunk = if self.session.is_ready() {
-            self.read_chunk
+        // Until the handshake is done the peer sends a greeting and a few commands,
+        // and a connection that was idle most likely brings one small message:
+        // thousands of connections must not each touch a chunk for that.
+        let chunk = if self.small_reads || !self.session.is_ready() {
+            SMALL_READ.min(self.read_chunk)
         } else {
-            HANDSHAKE_READ.min(self.read_chunk)
+            self.read_chunk
         };
         let needed = self.session.input_needed();
         let buf = self.session.input_buffer();
@@ -241,6 +256,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         };
         let old = std::mem::replace(buf, kept);
         let old_allocation = std::mem::replace(&mut self.allocation, rest);
+        self.small_reads = true;
         if let Some(retention) = &self.retention {
             retention.replace_read_buffer(old, old_allocation, rest, chunk);
         }

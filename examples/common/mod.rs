@@ -40,7 +40,7 @@ pub fn raise_fd_limit() -> Option<u64> {
     let mut limit = getrlimit(Resource::Nofile);
     if limit.current != limit.maximum {
         limit.current = limit.maximum;
-        if let Err(e) = setrlimit(Resource::Nofile, limit.clone()) {
+        if let Err(e) = setrlimit(Resource::Nofile, limit) {
             tracing::warn!(error = %e, "could not raise the open-file limit");
         }
     }

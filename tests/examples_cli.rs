@@ -10,6 +10,7 @@
 mod support;
 
 use std::process::Stdio;
+use std::time::Duration;
 
 use support::{example, within};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -532,6 +533,53 @@ async fn watch_times_out_with_exit_1_and_still_prints_stats() {
     .await;
     assert_eq!(out.status.code(), Some(1));
     assert_eq!(stats_json(&out.stderr)["total"]["delivered"], 0);
+}
+
+#[tokio::test]
+async fn watch_follows_at_most_max_publishers_and_raises_its_open_file_limit() {
+    // Two publishers that refuse connections (following one is redialling it), one
+    // allowed; started with a soft limit of 256 open files.
+    let (_a, a) = support::refusing_port();
+    let (_b, b) = support::refusing_port();
+    let (a, b) = (format!("tcp://127.0.0.1:{a}"), format!("tcp://127.0.0.1:{b}"));
+    let watch = Command::new("sh")
+        .arg("-c")
+        .arg(r#"ulimit -S -n 256 && exec "$0" "$@""#)
+        .arg(example("watch"))
+        .args(["--static", &a, &b, "--namespace", "ns", "--topic", "t"])
+        .args(["--max-publishers", "1", "--timeout-ms", "1500"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pid = watch.id().unwrap();
+    // Once it runs (the limit is raised before the subscriber starts).
+    let limits = within(async {
+        loop {
+            let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap();
+            if comm.trim() == "watch" {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                return std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap_or(limits);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let open_files: Vec<&str> = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    assert_eq!(open_files[3], open_files[4], "soft limit raised to the hard one: {limits}");
+    let out = within(watch.wait_with_output()).await.unwrap();
+    assert_eq!(out.status.code(), Some(1), "times out: nothing is delivered");
+    let stats = stats_json(&out.stderr);
+    // Counted each time discovery offers it.
+    assert!(stats["refused_publishers"].as_u64().unwrap() >= 1, "{stats}");
+    assert_eq!(stats["publishers"].as_array().unwrap().len(), 1, "{stats}");
 }
 
 #[tokio::test]

@@ -139,6 +139,7 @@
 //!     .lane_bytes(8 << 20)               // bytes per publisher (default 4 MiB)
 //!     .max_buffered_bytes(256 << 20)     // all lanes together (default 64 MiB)
 //!     .max_publishers(8192)              // publishers followed (default 4096)
+//!     .max_concurrent_dials(512)         // dialled at once (default 256)
 //!     .drop_policy(DropPolicy::DropOldest) // freshest data wins (default DropNewest)
 //!     .zmtp_config(zmtp)
 //!     .spawn()?;

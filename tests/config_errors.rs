@@ -107,6 +107,7 @@ async fn the_subscriber_refuses_before_it_starts() {
         ("max_buffered_bytes", builder().max_buffered_bytes(0)),
         ("recv_batch", builder().recv_batch(0)),
         ("max_publishers", builder().max_publishers(0)),
+        ("max_concurrent_dials", builder().max_concurrent_dials(0)),
         (
             "reconnect_backoff",
             builder().reconnect_backoff(ms(0), ms(10)),

@@ -541,7 +541,10 @@ async fn watch_follows_at_most_max_publishers_and_raises_its_open_file_limit() {
     // allowed; started with a soft limit of 256 open files.
     let (_a, a) = support::refusing_port();
     let (_b, b) = support::refusing_port();
-    let (a, b) = (format!("tcp://127.0.0.1:{a}"), format!("tcp://127.0.0.1:{b}"));
+    let (a, b) = (
+        format!("tcp://127.0.0.1:{a}"),
+        format!("tcp://127.0.0.1:{b}"),
+    );
     let watch = Command::new("sh")
         .arg("-c")
         .arg(r#"ulimit -S -n 256 && exec "$0" "$@""#)
@@ -573,12 +576,22 @@ async fn watch_follows_at_most_max_publishers_and_raises_its_open_file_limit() {
         .unwrap()
         .split_whitespace()
         .collect();
-    assert_eq!(open_files[3], open_files[4], "soft limit raised to the hard one: {limits}");
+    assert_eq!(
+        open_files[3], open_files[4],
+        "soft limit raised to the hard one: {limits}"
+    );
     let out = within(watch.wait_with_output()).await.unwrap();
-    assert_eq!(out.status.code(), Some(1), "times out: nothing is delivered");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "times out: nothing is delivered"
+    );
     let stats = stats_json(&out.stderr);
     // Counted each time discovery offers it.
-    assert!(stats["refused_publishers"].as_u64().unwrap() >= 1, "{stats}");
+    assert!(
+        stats["refused_publishers"].as_u64().unwrap() >= 1,
+        "{stats}"
+    );
     assert_eq!(stats["publishers"].as_array().unwrap().len(), 1, "{stats}");
 }
 

@@ -1,8 +1,10 @@
-//! What an idle publisher costs a `DynamicSubscriber`, counted by the allocator: a
-//! fleet of real libzmq publishers (Debian's python3-zmq, in another process) is
-//! followed through `MemoryDiscovery`; once every publisher has delivered a message
-//! and gone quiet, the heap the subscriber holds per publisher and its descriptors
-//! are checked. Thousands of publishers make this the subscriber's dominant cost.
+//! Fan-in at scale, in the small:
+//! - what an idle publisher costs a `DynamicSubscriber`, counted by the allocator: a
+//!   fleet of real libzmq publishers (Debian's python3-zmq, in another process) is
+//!   followed through `MemoryDiscovery`; once every publisher has delivered a message
+//!   and gone quiet, the heap the subscriber holds per publisher and its descriptors
+//!   are checked. Thousands of publishers make this the subscriber's dominant cost;
+//! - how many publishers it dials at once (`max_concurrent_dials`).
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -21,6 +23,7 @@ use cap::Cap;
 use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Query, Transport};
 use eventplane::subscriber::{DynamicSubscriber, Layout};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpListener;
 use tokio::process::Command;
 
 #[global_allocator]
@@ -132,4 +135,51 @@ async fn an_idle_publisher_costs_its_connection_and_little_else() {
     );
     sub.handle().shutdown().await;
     drop(guards);
+}
+
+#[tokio::test]
+async fn publishers_are_dialled_at_most_max_concurrent_dials_at_a_time() {
+    // Six publishers that accept and never answer the greeting: each dial holds its
+    // permit until the handshake times out (10 s), so exactly the permitted number of
+    // connections arrive; the others wait for a permit.
+    async fn accepted_with(dials: Option<usize>) -> usize {
+        let memory = MemoryDiscovery::new();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut held = Vec::new();
+        let mut guards = Vec::new();
+        for i in 0..6u64 {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+            let accepted = accepted.clone();
+            held.push(tokio::spawn(async move {
+                let mut streams = Vec::new();
+                while let Ok((stream, _)) = listener.accept().await {
+                    accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    streams.push(stream);
+                }
+            }));
+            let id = ChannelId::new("dials", "worker", "kvev", i).unwrap();
+            guards.push(memory.register(id, Transport::zmq(endpoint)).await.unwrap());
+        }
+        let mut builder = DynamicSubscriber::builder(Arc::new(memory), Query::new("dials"));
+        if let Some(dials) = dials {
+            builder = builder.max_concurrent_dials(dials);
+        }
+        let sub = builder.spawn().unwrap();
+        // Long enough for every permitted dial to connect, far shorter than the
+        // handshake timeout that would free a permit.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let n = accepted.load(std::sync::atomic::Ordering::SeqCst);
+        sub.handle().shutdown().await;
+        for task in held {
+            task.abort();
+        }
+        n
+    }
+    assert_eq!(accepted_with(Some(2)).await, 2);
+    assert_eq!(
+        accepted_with(None).await,
+        6,
+        "the default (256) dials them all"
+    );
 }

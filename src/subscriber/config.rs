@@ -32,6 +32,7 @@ pub(crate) struct Config {
     pub(crate) rewatch_max: Duration,
     pub(crate) recv_batch: usize,
     pub(crate) max_publishers: usize,
+    pub(crate) max_concurrent_dials: usize,
     pub(crate) notices: usize,
     pub(crate) expect_worker_identity: bool,
     pub(crate) cancel: CancellationToken,
@@ -62,6 +63,7 @@ impl Config {
             rewatch_max: Duration::from_secs(5),
             recv_batch: 256,
             max_publishers: 4096,
+            max_concurrent_dials: 256,
             notices: 0,
             expect_worker_identity: false,
             cancel: CancellationToken::new(),
@@ -80,6 +82,7 @@ impl Config {
         config::backoff_range("rewatch_backoff", self.rewatch_min, self.rewatch_max)?;
         config::nonzero("recv_batch", self.recv_batch)?;
         config::nonzero("max_publishers", self.max_publishers)?;
+        config::nonzero("max_concurrent_dials", self.max_concurrent_dials)?;
         #[cfg(feature = "metrics")]
         config::nonzero_duration("metrics_interval", self.metrics_interval)?;
         Ok(())

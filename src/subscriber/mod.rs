@@ -247,6 +247,28 @@ impl DynamicSubscriberBuilder {
         self.config.max_publishers = publishers;
         self
     }
+    /// Publishers dialled at once (resolution, connect and handshake). Default 256.
+    /// Thousands of publishers discovered together, or all of them reconnecting
+    /// after a network cut, are dialled this many at a time: no burst of thousands of
+    /// connects and handshakes at once against the network or the publishers' hosts.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::ConfigError> {
+    /// use std::sync::Arc;
+    /// use eventplane::discovery::{MemoryDiscovery, Query};
+    /// use eventplane::subscriber::DynamicSubscriber;
+    /// let sub = DynamicSubscriber::builder(Arc::new(MemoryDiscovery::new()), Query::new("ns"))
+    ///     .max_publishers(16_384)
+    ///     .max_concurrent_dials(512)
+    ///     .spawn()?;
+    /// # drop(sub);
+    /// # Ok(()) }
+    /// ```
+    pub fn max_concurrent_dials(mut self, dials: usize) -> Self {
+        self.config.max_concurrent_dials = dials;
+        self
+    }
     /// Keep up to `capacity` lifecycle [`Notice`]s (connected, gap, reset, departed)
     /// for [`DynamicSubscriber::take_notices`]; a full queue drops the newest and
     /// counts it in [`SubscriberStats::notices_dropped`]. Default 0: none are kept.
@@ -389,6 +411,11 @@ impl DynamicSubscriberBuilder {
             notices: notice::Notices::new(config.notices),
             departed_sequences: Mutex::new(shared::DepartedSequences::new(config.max_publishers)),
             sequence_handover: tokio::sync::Notify::new(),
+            dials: tokio::sync::Semaphore::new(
+                config
+                    .max_concurrent_dials
+                    .min(tokio::sync::Semaphore::MAX_PERMITS),
+            ),
         });
         shared.tracker.spawn(worker::watch_loop(
             shared.clone(),

@@ -126,6 +126,9 @@ pub(crate) struct Shared {
     pub(crate) departed_sequences: Mutex<DepartedSequences>,
     /// Told when a connection task of a publisher left its sequence state behind.
     pub(crate) sequence_handover: tokio::sync::Notify,
+    /// Permits to dial: `max_concurrent_dials` connections resolve, connect and
+    /// handshake at once.
+    pub(crate) dials: tokio::sync::Semaphore,
 }
 
 /// The last sequence state of departed publishers, at most `capacity`.

@@ -364,7 +364,13 @@ async fn connect_and_read(
         .clone();
     // Boxed: the dial's state (resolution, connect, handshake) lives only while it
     // runs, so the connection task stays the size of its reading state.
-    let mut sub = match Box::pin(dial(shared, config, &instance)).await {
+    let dialled = async {
+        // Never closed, so a permit always comes (the connection is cancelled
+        // around this wait when the publisher leaves).
+        let _permit = shared.dials.acquire().await;
+        dial(shared, config, &instance).await
+    };
+    let mut sub = match Box::pin(dialled).await {
         Ok(s) => s,
         Err(ZmtpError::Refused { addr }) => {
             Counters::add(&counters.refused_by_filter, 1);

@@ -138,7 +138,9 @@ async fn main() -> ExitCode {
     let mut sub = match builder.spawn() {
         Ok(sub) => sub,
         Err(e) => {
-            eprintln!("invalid subscriber settings: {e}");
+            // Named as the flag that set it (clap refuses the other fields' zeros).
+            let flag = e.field().replace('_', "-");
+            eprintln!("invalid --{flag}: {e}");
             return ExitCode::from(2);
         }
     };

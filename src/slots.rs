@@ -32,7 +32,7 @@ impl SlotTrim {
         let capacity = items.capacity();
         if on_drain && items.is_empty() && capacity > 0 {
             // An idle lane among thousands holds nothing: its next burst allocates
-            // what the burst needs (reserved once per push).
+            // again (a few small allocations per drained batch).
             *items = VecDeque::new();
             *self = SlotTrim::default();
         } else if self.pops >= capacity {

@@ -193,6 +193,18 @@ async fn ping_flood() {
     // 40 000 PINGs with a 16-byte context: 1 MB a chunk, allocated once, before.
     let chunk = wire::ping(&[0x5a; 16]).repeat(40_000);
     s.write_all(&chunk).await.unwrap();
+    // Read in: the read buffer has grown to its full chunk (it doubles from 1 KiB
+    // with each read that fills it) before the count starts.
+    within(async {
+        while publisher
+            .subscriber_stats()
+            .first()
+            .is_none_or(|p| p.session.pings_received < 40_000)
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await;
 
     // The PONGs of 7.5 M PINGs, never read (each PONG kept would be 12 B: 90 MB). The
     // connection's read buffer, write batch and one PONG are already allocated: past

@@ -30,9 +30,12 @@ use tokio::process::Command;
 static ALLOCATOR: Cap<System> = Cap::new(System, usize::MAX);
 
 /// Publishers followed: enough that per-publisher costs dwarf the subscriber's fixed
-/// ones, few enough for any machine's default descriptor limit (1,024 is common:
-/// the test raises its soft limit when it can and otherwise uses what fits).
+/// ones, few enough to fit the common default of 1,024 open files (the test raises
+/// its soft limit to the hard one anyway).
 const PUBLISHERS: usize = 768;
+
+/// The two tests take turns: the counts of heap and descriptors are process-wide.
+static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Heap one idle publisher may hold in the subscriber: its connection task, ZMTP
 /// session and socket, lane, counters and discovery record, and no read buffer.
@@ -44,6 +47,10 @@ fn open_fds() -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_publisher_costs_its_connection_and_little_else() {
+    let _turn = TURN.lock().await;
+    let mut limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    limit.current = limit.maximum;
+    let _ = rustix::process::setrlimit(rustix::process::Resource::Nofile, limit);
     let mut fleet = Command::new(support::PYTHON)
         .arg(support::support_dir().join("zmq_fleet.py"))
         .arg(PUBLISHERS.to_string())
@@ -105,8 +112,9 @@ async fn an_idle_publisher_costs_its_connection_and_little_else() {
     tokio::time::timeout(Duration::from_secs(60), everyone)
         .await
         .expect("every publisher delivers within 60 s");
-    // Quiet: every connection has gone back to waiting for its peer, and the
-    // consumer has taken everything (what it holds is its own).
+    // Quiet: every connection has gone back to waiting for its peer, the consumer
+    // has taken everything (what it holds is its own), and the subscriber's
+    // once-a-second prune has freed the read buffers those messages were sliced from.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut taken = Vec::new();
     while tokio::time::timeout(Duration::from_millis(100), sub.recv_many(&mut taken, 1024))
@@ -116,6 +124,7 @@ async fn an_idle_publisher_costs_its_connection_and_little_else() {
         taken.clear();
     }
     drop(taken);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     let (heap, fds) = (ALLOCATOR.allocated(), open_fds());
     let per_publisher = heap.saturating_sub(heap_before) / PUBLISHERS;
     eprintln!(
@@ -139,6 +148,7 @@ async fn an_idle_publisher_costs_its_connection_and_little_else() {
 
 #[tokio::test]
 async fn publishers_are_dialled_at_most_max_concurrent_dials_at_a_time() {
+    let _turn = TURN.lock().await;
     // Six publishers that accept and never answer the greeting: each dial holds its
     // permit until the handshake times out (10 s), so exactly the permitted number of
     // connections arrive; the others wait for a permit.

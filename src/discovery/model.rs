@@ -27,7 +27,7 @@ pub const MAX_PUBLISHER_ID: u64 = (1 << 53) - 1;
 /// assert_eq!(ChannelId::from_path(&id.to_path())?, id);
 /// # Ok::<(), eventplane::discovery::DiscoveryError>(())
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ChannelId {
     /// Shared by every copy: a subscriber keeps an id in several tables per
     /// publisher, and thousands of publishers make copies of three strings add up.
@@ -40,6 +40,17 @@ struct Segments {
     namespace: String,
     component: String,
     topic: String,
+}
+
+impl fmt::Debug for ChannelId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChannelId")
+            .field("namespace", &self.segments.namespace)
+            .field("component", &self.segments.component)
+            .field("topic", &self.segments.topic)
+            .field("publisher_id", &self.publisher_id)
+            .finish()
+    }
 }
 
 impl serde::Serialize for ChannelId {
@@ -453,6 +464,22 @@ pub enum DiscoveryEvent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_id_prints_and_serializes_flat_its_copies_share_their_names() {
+        let id = ChannelId::new("ns", "comp", "kv", 7).unwrap();
+        assert_eq!(
+            format!("{id:?}"),
+            r#"ChannelId { namespace: "ns", component: "comp", topic: "kv", publisher_id: 7 }"#
+        );
+        assert_eq!(
+            serde_json::to_string(&id).unwrap(),
+            r#"{"namespace":"ns","component":"comp","topic":"kv","publisher_id":7}"#
+        );
+        let copy = id.clone();
+        assert!(std::ptr::eq(id.namespace(), copy.namespace()));
+        assert_eq!(copy, ChannelId::new("ns", "comp", "kv", 7).unwrap());
+    }
 
     #[test]
     fn path_round_trips_reserved_characters() {

@@ -15,12 +15,13 @@
 //!   connection's read buffer while the read buffers they keep alive total at most
 //!   the ZMTP config's `max_retained_bytes` (8 MiB, shared by all connections,
 //!   [`SubscriberStats::retained_bytes`]); beyond, small frames are copied into
-//!   allocations of their own size. The read buffers connections hold between reads
-//!   count against the same limit together: above it, each connection gives its
-//!   buffer back after every receive. So the process holds about
+//!   allocations of their own size. A connection gives its read buffer back whenever
+//!   its publisher has nothing more to read, so idle publishers hold none (about
+//!   5 KiB each in all, `tests/fanin_idle.rs`). So the process holds about
 //!   `max_buffered_bytes` + twice `max_retained_bytes` (plus a frame being assembled
 //!   per connection) for messages, however slow the consumer and whatever the
-//!   publishers send. At most `max_publishers` (4096) publishers are followed. The
+//!   publishers send. At most `max_publishers` (4096) publishers are followed,
+//!   `max_concurrent_dials` (256) of them dialled at once. The
 //!   [guide](crate::guide#bounds) sets every one of these bounds in one example.
 //! - **Fair.** The consumer takes from ready lanes round-robin, and the global budget
 //!   never refuses a lane that holds less than its share — it evicts from the largest

@@ -58,6 +58,8 @@ pub(crate) async fn watch_loop(
             _ = settle.tick() => {
                 // Departed publishers whose lanes drained let their lanes go.
                 shared.settle_retired();
+                // Read buffers whose frames the consumer has since dropped are freed.
+                shared.retention.prune();
                 continue;
             }
         };
@@ -297,17 +299,22 @@ async fn run_connection(
     drain: &CancellationToken,
 ) {
     let mut backoff = Backoff::checked(config.reconnect_min, config.reconnect_max);
-    let mut connected_before = false;
+    // When the latest connection was made (none yet: `None`).
+    let mut connected_at = None;
     while !cancel.is_cancelled() && !drain.is_cancelled() {
-        let started = tokio::time::Instant::now();
+        let previous = connected_at;
         let outcome = tokio::select! {
             () = cancel.cancelled() => return,
-            r = connect_and_read(shared, config, cell, endpoint, seq, &mut connected_before, drain) => r,
+            r = connect_and_read(shared, config, cell, endpoint, seq, &mut connected_at, drain) => r,
         };
         if drain.is_cancelled() {
             return;
         }
-        if started.elapsed() >= config.healthy_after {
+        // Connected (this time) at least `healthy_after` ago: the next failure starts
+        // the backoff over.
+        if connected_at != previous
+            && connected_at.is_some_and(|at| at.elapsed() >= config.healthy_after)
+        {
             backoff.reset();
         }
         let key = format!("conn:{endpoint}");
@@ -353,7 +360,7 @@ async fn connect_and_read(
     cell: &PublisherCell,
     endpoint: &str,
     seq: &mut SeqTracker,
-    connected_before: &mut bool,
+    connected_at: &mut Option<tokio::time::Instant>,
     drain: &CancellationToken,
 ) -> Outcome {
     let counters = &cell.counters;
@@ -364,27 +371,35 @@ async fn connect_and_read(
         .clone();
     // Boxed: the dial's state (resolution, connect, handshake) lives only while it
     // runs, so the connection task stays the size of its reading state.
+    // A publisher that leaves discovery gives up its place in the queue for a permit,
+    // and its dial.
     let dialled = async {
-        // Never closed, so a permit always comes (the connection is cancelled
-        // around this wait when the publisher leaves).
-        let _permit = shared.dials.acquire().await;
-        dial(shared, config, &instance).await
+        tokio::select! {
+            r = async {
+                // Never closed, so a permit always comes; held through the handshake.
+                let _permit = shared.dials.acquire().await;
+                dial(shared, config, &instance).await
+            } => Some(r),
+            () = drain.cancelled() => None,
+        }
     };
     let mut sub = match Box::pin(dialled).await {
-        Ok(s) => s,
-        Err(ZmtpError::Refused { addr }) => {
+        None => return Outcome::Failed(ZmtpError::SocketClosed),
+        Some(Ok(s)) => s,
+        Some(Err(ZmtpError::Refused { addr })) => {
             Counters::add(&counters.refused_by_filter, 1);
             return Outcome::Refused(addr.to_string());
         }
-        Err(e) => {
+        Some(Err(e)) => {
             Counters::add(&counters.connect_failures, 1);
             return Outcome::Failed(e);
         }
     };
-    if *connected_before {
+    if connected_at.is_some() {
         Counters::add(&counters.reconnects, 1);
     }
-    *connected_before = true;
+    // Health is judged from here: waiting for a permit and dialling are not health.
+    *connected_at = Some(tokio::time::Instant::now());
     seq.new_connection();
     tracing::debug!("connected");
     if config.expect_worker_identity && instance.worker.is_none() {

@@ -2,9 +2,9 @@
 //! [`Session`], and runs its timers on tokio's clock.
 //!
 //! What a connection holds, and its bounds:
-//! - **Read buffer**: `read_chunk` bytes (1 KiB until the handshake is done, and
-//!   after an idle connection gave its buffer back until a read fills 1 KiB),
-//!   reclaimed in place while no received frame references it; a frame larger than a
+//! - **Read buffer**: `read_chunk` bytes, reached from 1 KiB by doubling on every
+//!   read that fills the buffer (a connection starts at 1 KiB, and starts over after
+//!   giving its buffer back for being idle), reclaimed in place while no received frame references it; a frame larger than a
 //!   chunk is assembled in an allocation grown geometrically as its bytes arrive, never
 //!   larger than the frame. Buffers that frames still reference when the connection
 //!   moves on are *retired* into a [`Retention`] account (subscribers) so what they
@@ -33,11 +33,11 @@ use super::{Config, Error, Event, Session, SocketType, TimeoutKind};
 /// output waiting stops reading its peer.
 pub(crate) const WRITE_BATCH: usize = 64 << 10;
 
-/// The read buffer a connection starts with until its handshake is done (a greeting
-/// is 64 bytes, READY with its metadata usually a few hundred; more grows it), and
-/// after it gave its buffer back for being idle: a trickle of small messages is read
-/// into buffers of this size, and a read that fills one moves the connection back to
-/// full chunks.
+/// The read buffer a connection starts with (a greeting is 64 bytes, READY with its
+/// metadata usually a few hundred; more grows it), and starts again from after it
+/// gave its buffer back for being idle: a trickle of small messages is read into
+/// buffers of this size, and each read that fills one doubles the size of the next,
+/// up to `read_chunk`.
 const SMALL_READ: usize = 1 << 10;
 
 #[derive(Debug)]
@@ -67,9 +67,10 @@ pub(crate) struct Conn<S> {
     /// driver looping on progress must yield first (the next poll gets a fresh
     /// cooperative budget).
     yield_requested: bool,
-    /// Reads go into [`SMALL_READ`] buffers: set when the buffer is given back for
-    /// idleness, cleared by a read that fills the buffer.
-    small_reads: bool,
+    /// Size of the next read buffer once the handshake is done: [`SMALL_READ`] after
+    /// the buffer was given back for idleness, doubled by each read that fills the
+    /// buffer, at most `read_chunk`.
+    read_size: usize,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
@@ -94,7 +95,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             wbuf_high: 0,
             silence_seen: false,
             yield_requested: false,
-            small_reads: true,
+            read_size: SMALL_READ.min(config.read_chunk),
         }
     }
 
@@ -167,9 +168,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         }
         let ready = self.session.is_ready();
         let buf = self.session.input_buffer();
-        if self.small_reads && ready && buf.len() == buf.capacity() {
-            // More is coming than a small buffer holds: back to full chunks.
-            self.small_reads = false;
+        if ready && self.read_size < self.read_chunk && buf.len() == buf.capacity() {
+            // More is coming than this buffer holds: the next one is twice as large.
+            self.read_size = self.read_size.saturating_mul(2).min(self.read_chunk);
         }
         self.silence_seen = false;
         self.session.handle_input(Instant::now().into_std());
@@ -192,10 +193,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         // Until the handshake is done the peer sends a greeting and a few commands,
         // and a connection that was idle most likely brings one small message:
         // thousands of connections must not each touch a chunk for that.
-        let chunk = if self.small_reads || !self.session.is_ready() {
-            SMALL_READ.min(self.read_chunk)
+        let chunk = if self.session.is_ready() {
+            self.read_size
         } else {
-            self.read_chunk
+            SMALL_READ.min(self.read_chunk)
         };
         let needed = self.session.input_needed();
         let buf = self.session.input_buffer();
@@ -233,11 +234,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
     /// Gives the read buffer back between reads: the undecoded bytes (at most an
     /// eighth of a chunk, or nothing is done) move to an allocation of their own
     /// size and the chunk is retired, freed at once unless delivered frames still
-    /// reference it. The next read allocates a fresh chunk. Subscribers whose shared
-    /// account holds more read buffers than its limit call this after every receive,
-    /// so thousands of connections cost what the few being read at once hold, not a
-    /// chunk each. A buffer grown for one large frame is kept (that frame is what
-    /// it is for).
+    /// reference it. The next read allocates a fresh buffer of [`SMALL_READ`]. A
+    /// subscriber's connections call this whenever their peer has nothing more to
+    /// read, other sockets after every receive while their account holds more read
+    /// buffers than its limit, so thousands of connections cost what the few being
+    /// read at once hold, not a chunk each. A buffer grown for one large frame is
+    /// kept (that frame is what it is for).
     pub(crate) fn release_read_buffer(&mut self) {
         let chunk = self.read_chunk;
         if self.allocation == 0 || self.allocation > chunk {
@@ -256,7 +258,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         };
         let old = std::mem::replace(buf, kept);
         let old_allocation = std::mem::replace(&mut self.allocation, rest);
-        self.small_reads = true;
+        self.read_size = SMALL_READ.min(self.read_chunk);
         if let Some(retention) = &self.retention {
             retention.replace_read_buffer(old, old_allocation, rest, chunk);
         }

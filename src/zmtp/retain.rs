@@ -14,9 +14,14 @@
 //! messages pin nothing more while the old ones drain.
 //!
 //! The same limit bounds the read buffers connections hold between reads: while
-//! their sum ([`Retention::current`]) exceeds it, as for a subscriber following
-//! thousands of publishers, each connection gives its buffer back after every
-//! receive ([`Retention::reads_over_limit`]), so idle connections hold none.
+//! their sum ([`Retention::current`]) exceeds it, each connection gives its buffer
+//! back after every receive ([`Retention::reads_over_limit`]). A subscriber's
+//! connections (thousands of publishers) give theirs back whenever their peer has
+//! nothing more to read, so idle connections hold none.
+//!
+//! Retiring prunes the list when it has doubled since the last prune or
+//! [`PRUNE_INTERVAL`] has passed (amortised: no scan per retirement); a subscriber
+//! also prunes once a second, so buffers whose frames are all gone do not linger.
 //!
 //! Only shared read chunks are retired here. An allocation grown for one frame larger
 //! than a chunk holds nothing but that frame: whoever keeps the frame is charged its
@@ -33,6 +38,9 @@ use bytes::{Bytes, BytesMut};
 /// on every poll).
 const PRUNE_INTERVAL: Duration = Duration::from_millis(1);
 
+/// The list length below which `retire` does not scan it (but for the interval).
+const PRUNE_MIN_LEN: usize = 64;
+
 /// Read buffers retired by one or more connections, with their sizes.
 #[derive(Debug)]
 pub(crate) struct Retention {
@@ -46,6 +54,10 @@ pub(crate) struct Retention {
     current: AtomicUsize,
     /// When the list was last pruned, in nanoseconds since `epoch`.
     pruned_at: AtomicU64,
+    /// `retire` prunes once the list is this long (twice what the last prune left,
+    /// at least [`PRUNE_MIN_LEN`]) or [`PRUNE_INTERVAL`] has passed: a scan per
+    /// retirement would cost thousands of connections a scan of the whole list each.
+    prune_at_len: AtomicUsize,
     epoch: Instant,
 }
 
@@ -59,6 +71,7 @@ impl Retention {
             copied: AtomicU64::new(0),
             current: AtomicUsize::new(0),
             pruned_at: AtomicU64::new(0),
+            prune_at_len: AtomicUsize::new(PRUNE_MIN_LEN),
             epoch: Instant::now(),
         }
     }
@@ -110,14 +123,30 @@ impl Retention {
         let mut retired = self.lock();
         retired.push((sentinel, allocation));
         self.bytes.fetch_add(allocation, Ordering::Relaxed);
-        Self::prune_locked(&mut retired, &self.bytes);
+        if retired.len() >= self.prune_at_len.load(Ordering::Relaxed) || self.prune_due() {
+            self.prune_with(&mut retired);
+        }
     }
 
     /// Frees every retired buffer no frame references any more.
     pub(crate) fn prune(&self) {
         let mut retired = self.lock();
-        Self::prune_locked(&mut retired, &self.bytes);
+        self.prune_with(&mut retired);
+    }
+
+    fn prune_with(&self, retired: &mut Vec<(Bytes, usize)>) {
+        Self::prune_locked(retired, &self.bytes);
         self.pruned_at.store(self.nanos(), Ordering::Relaxed);
+        let next = retired.len().saturating_mul(2).max(PRUNE_MIN_LEN);
+        self.prune_at_len.store(next, Ordering::Relaxed);
+    }
+
+    /// Whether [`PRUNE_INTERVAL`] has passed since the last prune.
+    fn prune_due(&self) -> bool {
+        let since = self
+            .nanos()
+            .saturating_sub(self.pruned_at.load(Ordering::Relaxed));
+        u128::from(since) >= PRUNE_INTERVAL.as_nanos()
     }
 
     fn nanos(&self) -> u64 {
@@ -146,10 +175,7 @@ impl Retention {
         if self.retained() <= self.limit {
             return false;
         }
-        let since = self
-            .nanos()
-            .saturating_sub(self.pruned_at.load(Ordering::Relaxed));
-        if u128::from(since) >= PRUNE_INTERVAL.as_nanos() {
+        if self.prune_due() {
             self.prune();
         }
         self.retained() > self.limit

@@ -40,11 +40,13 @@ pub const RECV_MANY_BYTES: usize = 1 << 20;
 /// never pays for a copy; one that hoards messages holds at most their size plus
 /// `max_retained_bytes` plus the current read buffer.
 ///
-/// Sockets that share one account (a `DynamicSubscriber`'s connections) also count
-/// their current read buffers together: while those add up to more than
-/// `max_retained_bytes`, each socket gives its buffer back after every receive
-/// (keeping only an unfinished frame's bytes), so thousands of mostly idle
-/// connections cost what the few being read at once hold.
+/// A read buffer starts at 1 KiB and doubles with every read that fills it, up to
+/// `read_chunk`. Sockets that share one account (a `DynamicSubscriber`'s connections)
+/// also count their current read buffers together, and each gives its buffer back
+/// (keeping only an unfinished frame's bytes) whenever its peer has nothing more to
+/// read, starting over at 1 KiB: thousands of mostly idle connections cost what the
+/// few being read at once hold. A socket of its own gives its buffer back after every
+/// receive while its read buffers add up to more than `max_retained_bytes`.
 ///
 /// Output toward the publisher (subscriptions, PONGs) is bounded the same way as a
 /// publisher's: at most one unsent PONG, reading pauses while a full write batch is

@@ -9,7 +9,8 @@ Builds nothing: pass the `watch` binary (default target/release/examples/watch, 
 `cargo build --release --example watch`). Every 250 ms each publisher sends one
 message [kvev, seq, 100 bytes] until `watch` has printed a delivery from every one of
 them; then they go quiet, and after a second the script reads `watch`'s RSS and open
-descriptors from /proc. Prints one line:
+descriptors from /proc. With FANIN_PROGRESS=1 in the environment it also prints, on
+stderr, how many publishers have been seen every 250 ms. Prints one line:
 
     fanin_watch: N publishers, all seen in S s, RSS R MiB (K KiB per publisher), fds F (publishers + E)
 """

@@ -319,6 +319,8 @@ async fn run_connection(
         }
         let key = format!("conn:{endpoint}");
         match &outcome {
+            // (Drain is set, returned above.)
+            Outcome::Left => return,
             Outcome::Refused(addr) => warn_limited(shared, &key, || {
                 tracing::warn!(%addr, "endpoint refused by the address filter; not dialling");
             }),
@@ -352,6 +354,8 @@ async fn drain_deadline(drain: &CancellationToken) {
 enum Outcome {
     Refused(String),
     Failed(ZmtpError),
+    /// The publisher left discovery before it was connected.
+    Left,
 }
 
 async fn connect_and_read(
@@ -384,7 +388,7 @@ async fn connect_and_read(
         }
     };
     let mut sub = match Box::pin(dialled).await {
-        None => return Outcome::Failed(ZmtpError::SocketClosed),
+        None => return Outcome::Left,
         Some(Ok(s)) => s,
         Some(Err(ZmtpError::Refused { addr })) => {
             Counters::add(&counters.refused_by_filter, 1);

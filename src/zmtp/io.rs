@@ -4,9 +4,9 @@
 //! What a connection holds, and its bounds:
 //! - **Read buffer**: `read_chunk` bytes, reached from 1 KiB by doubling on every
 //!   read that fills the buffer (a connection starts at 1 KiB, and starts over after
-//!   giving its buffer back for being idle), reclaimed in place while no received frame references it; a frame larger than a
-//!   chunk is assembled in an allocation grown geometrically as its bytes arrive, never
-//!   larger than the frame. Buffers that frames still reference when the connection
+//!   giving its buffer back for being idle), reclaimed in place while no received
+//!   frame references it; a frame larger than a chunk is assembled in an allocation
+//!   grown geometrically as its bytes arrive, never larger than the frame. Buffers that frames still reference when the connection
 //!   moves on are *retired* into a [`Retention`] account (subscribers) so what they
 //!   keep alive is counted. A subscriber's connections give theirs back whenever the
 //!   peer has nothing more to read, so an idle connection holds none.
@@ -196,7 +196,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         let chunk = if self.session.is_ready() {
             self.read_size
         } else {
-            SMALL_READ.min(self.read_chunk)
+            self.small_read()
         };
         let needed = self.session.input_needed();
         let buf = self.session.input_buffer();
@@ -258,7 +258,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         };
         let old = std::mem::replace(buf, kept);
         let old_allocation = std::mem::replace(&mut self.allocation, rest);
-        self.read_size = SMALL_READ.min(self.read_chunk);
+        self.read_size = self.small_read();
         if let Some(retention) = &self.retention {
             retention.replace_read_buffer(old, old_allocation, rest, chunk);
         }
@@ -379,6 +379,12 @@ impl<S> Conn<S> {
     /// `true` once after a timer check asked the driver to yield before looping on.
     pub(crate) fn take_yield(&mut self) -> bool {
         std::mem::take(&mut self.yield_requested)
+    }
+
+    /// The first read buffer, and the one after an idle release: [`SMALL_READ`],
+    /// never more than `read_chunk`.
+    fn small_read(&self) -> usize {
+        SMALL_READ.min(self.read_chunk)
     }
 
     /// Size of one socket read.

@@ -89,7 +89,7 @@ fn message(seq: u64) -> Message {
 /// after an `ack` line; reply `sent DROPPED`), `flood` (send until `stop`; reply
 /// `flooded SENT DROPPED`). EOF ends the child.
 fn child(publishers: usize) {
-    raise_fd_limit();
+    procfs::raise_fd_limit();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -303,15 +303,6 @@ fn round_size(n: usize) -> u64 {
     (ROUND * 4096 / n.max(1) as u64).clamp(1, ROUND)
 }
 
-/// Raises this process's soft open-file limit to its hard limit (each publisher is a
-/// descriptor on both sides).
-fn raise_fd_limit() {
-    use rustix::process::{Resource, getrlimit, setrlimit};
-    let mut limit = getrlimit(Resource::Nofile);
-    limit.current = limit.maximum;
-    let _ = setrlimit(Resource::Nofile, limit);
-}
-
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
@@ -355,7 +346,7 @@ fn bench() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(if test_mode { 256 } else { 16_384 });
-    raise_fd_limit();
+    procfs::raise_fd_limit();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -1,6 +1,7 @@
-//! Publish fan-out: our `PubSocket` vs the zeromq crate's `PubSocket`, delivering
-//! `[4 B topic, 8 B seq, 100 B payload]` messages to 1 and 8 subscribers over
-//! loopback.
+//! Publish fan-out: our `PubSocket` vs the zeromq crate's `PubSocket` and libzmq's own
+//! PUB (`benches/libzmq_pub.c`, when `EVENTPLANE_LIBZMQ_PUB` names it), delivering
+//! `[4 B topic, 8 B seq, 100 B payload]` messages to 1, 8, 64 and 256 subscribers
+//! over loopback (`EVENTPLANE_PUB_SUBSCRIBERS=1,8` picks others).
 //!
 //! The subscribers are identical for both publishers: a thread each that performs a
 //! minimal ZMTP 3.0 handshake, subscribes to everything and counts bytes, so the
@@ -13,7 +14,9 @@
 //!
 //! The publisher runs on a current-thread runtime (one core); the subscriber threads
 //! share the other. The sender sleeps on a `Notify` while its window is full, so it
-//! never competes with them for CPU.
+//! never competes with them for CPU. libzmq's PUB runs in a process of its own (its
+//! application thread and its I/O thread), sending without loss (`XPUB_NODROP`: it
+//! waits for room instead of dropping) as many messages as each iteration asks for.
 #![allow(
     missing_docs,
     clippy::unwrap_used,
@@ -21,11 +24,14 @@
     clippy::indexing_slicing
 )]
 
+#[path = "common/procfs.rs"]
+mod procfs;
 #[path = "common/watchdog.rs"]
 mod watchdog;
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -68,7 +74,6 @@ fn spawn_counter(endpoint: &str, msg_len: u64, progress: Arc<Notify>) -> Arc<Ato
         encode_greeting(&mut hello);
         hello[11] = 0; // ZMTP 3.0: no commands but READY, as zeromq-rs requires
         hello.extend_from_slice(b"\x04\x19\x05READY\x0bSocket-Type\x00\x00\x00\x03SUB");
-        hello.extend_from_slice(b"\x00\x01\x01"); // subscribe to everything
         s.write_all(&hello).unwrap();
         // Skip the peer's greeting and READY.
         let mut greeting = [0u8; 64];
@@ -77,6 +82,9 @@ fn spawn_counter(endpoint: &str, msg_len: u64, progress: Arc<Notify>) -> Arc<Ato
         s.read_exact(&mut header).unwrap();
         let mut ready = vec![0u8; header[1] as usize];
         s.read_exact(&mut ready).unwrap();
+        // Subscribe to everything, once the handshake is done (libzmq takes a message
+        // that arrives before it sent its own READY for a malformed command).
+        s.write_all(b"\x00\x01\x01").unwrap();
         let mut buf = vec![0u8; 256 << 10];
         let mut bytes = 0u64;
         loop {
@@ -155,8 +163,70 @@ struct Theirs {
     sent: u64,
 }
 
+/// libzmq's PUB in its own process, told how many to send through its stdin.
+struct Libzmq {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    counters: Counters,
+    sent: u64,
+}
+
+impl Libzmq {
+    fn start(program: &str, subs: usize, msg_len: u64) -> Libzmq {
+        let mut child = Command::new(program)
+            .arg(subs.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start the libzmq publisher");
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let endpoint = Self::line(&mut stdout);
+        let counters = Counters::connect(&endpoint, subs, msg_len);
+        assert_eq!(Self::line(&mut stdout), "ready");
+        Libzmq {
+            child,
+            stdin,
+            stdout,
+            counters,
+            sent: 0,
+        }
+    }
+
+    fn line(stdout: &mut BufReader<ChildStdout>) -> String {
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        line.trim().to_owned()
+    }
+
+    fn send(&mut self, n: u64) {
+        writeln!(self.stdin, "{n}").unwrap();
+        self.stdin.flush().unwrap();
+        self.sent += n;
+    }
+}
+
+impl Drop for Libzmq {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The subscriber counts to measure: `EVENTPLANE_PUB_SUBSCRIBERS` (comma-separated)
+/// or 1, 8, 64 and 256.
+fn subscriber_counts() -> Vec<usize> {
+    std::env::var("EVENTPLANE_PUB_SUBSCRIBERS").map_or_else(
+        |_| vec![1, 8, 64, 256],
+        |v| v.split(',').map(|n| n.trim().parse().unwrap()).collect(),
+    )
+}
+
 fn bench(c: &mut Criterion) {
     watchdog::arm("zmtp_pub", std::time::Duration::from_secs(2700));
+    // 256 subscribers are two descriptors each in this process.
+    procfs::raise_fd_limit();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -169,7 +239,11 @@ fn bench(c: &mut Criterion) {
     group.warm_up_time(Duration::from_millis(500));
     group.measurement_time(Duration::from_secs(3));
     let mut report = Vec::new();
-    for subs in [1usize, 8] {
+    let libzmq = std::env::var("EVENTPLANE_LIBZMQ_PUB").ok();
+    if libzmq.is_none() {
+        eprintln!("zmtp_pub: EVENTPLANE_LIBZMQ_PUB not set, skipping libzmq's PUB");
+    }
+    for subs in subscriber_counts() {
         // Ours.
         let mut ours = rt.block_on(async {
             let socket = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
@@ -268,6 +342,27 @@ fn bench(c: &mut Criterion) {
         ));
         drop(ours);
         drop(theirs);
+
+        // libzmq's own PUB, in its process.
+        let Some(program) = &libzmq else { continue };
+        let mut zmq = Libzmq::start(program, subs, msg_len);
+        group.bench_function(BenchmarkId::new("libzmq", subs), |b| {
+            b.iter_custom(|iters| {
+                rt.block_on(async {
+                    let start = Instant::now();
+                    zmq.send(iters);
+                    within(zmq.counters.wait_until(zmq.sent)).await;
+                    let elapsed = start.elapsed();
+                    assert_eq!(Libzmq::line(&mut zmq.stdout), "sent");
+                    elapsed
+                })
+            })
+        });
+        report.push(format!(
+            "libzmq, {subs} subscriber(s): sent {}, received (min) {}",
+            zmq.sent,
+            zmq.counters.min_received()
+        ));
     }
     group.finish();
     for line in report {

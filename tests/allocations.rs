@@ -231,3 +231,71 @@ async fn ping_flood() {
     let stats = publisher.stats();
     assert_eq!((stats.connections, stats.failed), (1, 0), "{stats:?}");
 }
+
+#[test]
+fn a_message_sent_to_64_subscribers_is_held_once_not_once_per_subscriber() {
+    in_turn(fan_out_held_once);
+}
+
+/// 64 subscribers that read nothing (each with a 4 KiB receive buffer; the kernel
+/// still takes a few MiB per connection): every message sent to all of them is queued
+/// 64 times, and must be held in memory once, with a quarter of slack and 8 KiB per
+/// subscriber. A copy per subscriber into its write buffer (as before) costs 64 ×
+/// 64 KiB on top, past the bound.
+async fn fan_out_held_once() {
+    const SUBSCRIBERS: usize = 64;
+    const MESSAGES: usize = 8000;
+    const SIZE: usize = 1000;
+    let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+        .await
+        .unwrap();
+    let endpoint = publisher
+        .local_endpoint()
+        .unwrap()
+        .trim_start_matches("tcp://")
+        .parse()
+        .unwrap();
+    let mut subscribers = Vec::new();
+    for _ in 0..SUBSCRIBERS {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let mut s = socket.connect(endpoint).await.unwrap();
+        let mut hello = wire::hello("SUB");
+        hello.extend(wire::subscribe(b"t"));
+        s.write_all(&hello).await.unwrap();
+        subscribers.push(s);
+    }
+    within(publisher.wait_for_subscribers(SUBSCRIBERS)).await;
+    let payload = Bytes::from(vec![0x5a; SIZE]);
+    let sent = MESSAGES * (SIZE + 12); // as encoded: two frames, headers of 2 and 9 B
+    let bound = sent + sent / 4 + SUBSCRIBERS * 8 * KIB;
+    let mut peak = Peak::start(bound + 64 * MIB);
+    for _ in 0..MESSAGES {
+        publisher.send(Message::from_parts([
+            Bytes::from_static(b"t"),
+            payload.clone(),
+        ]));
+        peak.sample();
+    }
+    // Let every writer write what the kernel takes and stop there.
+    for _ in 0..20 {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        peak.sample();
+    }
+    let held = peak.stop();
+    let stats = publisher.subscriber_stats();
+    let queued: usize = stats.iter().map(|s| s.queue_len * SIZE).sum();
+    eprintln!(
+        "figure: {MESSAGES} messages of {SIZE} B sent to {SUBSCRIBERS} subscribers reading \
+         nothing: {} KiB queued in all, {} KiB allocated at most (bound {} KiB)",
+        queued / KIB,
+        held / KIB,
+        bound / KIB
+    );
+    // The premise: what waits in the publisher for all of them (the kernel took some)
+    // is many times what it may hold.
+    assert!(queued >= 8 * bound, "only {queued} B queued");
+    assert_eq!(publisher.stats().dropped, 0);
+    assert!(held <= bound, "{held} > {bound}");
+    drop(subscribers);
+}

@@ -62,11 +62,11 @@ def run(cmd, log, env=None, cwd=ROOT, timeout=3600):
     return text
 
 
-def criterion(since):
-    """Every criterion result written since `since`: full id -> (median ns per iteration,
-    elements per iteration)."""
+def criterion(since, root=CRITERION):
+    """Every criterion result written since `since` (under `root`): full id -> (median ns
+    per iteration, elements per iteration)."""
     out = {}
-    for meta in CRITERION.glob("**/new/benchmark.json"):
+    for meta in root.glob("**/new/benchmark.json"):
         if meta.stat().st_mtime < since:
             continue
         info = json.loads(meta.read_text())
@@ -126,10 +126,25 @@ def src_recv(ctx):
     return v
 
 
+PUB_SUBSCRIBERS = (1, 8, 64, 256)
+
+
 def src_pub(ctx):
     _, r = bench(ctx, "zmtp_pub")
-    return {f"{who}/{n}": rate(r, f"zmtp_pub/100B/{who}/{n}")
-            for who in ("eventplane", "zeromq") for n in (1, 8)}
+    v = {f"{who}/{n}": rate(r, f"zmtp_pub/100B/{who}/{n}")
+         for who in ("eventplane", "zeromq", "libzmq") for n in PUB_SUBSCRIBERS}
+    if ctx.before:
+        # The same bench at the "before" commit (its own 1 and 8 subscribers), built
+        # and run in that commit's worktree, right after this one.
+        tree = before_tree(ctx.before)
+        since = time.time() - 1
+        run(BENCH + ["--bench", "zmtp_pub", "--", "eventplane"] + (["--quick"] if ctx.quick else []),
+            LOGS / f"zmtp_pub_before.{ctx.run}.log", cwd=tree,
+            env=dict(ctx.env, CARGO_TARGET_DIR=str(tree / "target")))
+        rb = criterion(since, tree / "target" / "criterion")
+        for n in (1, 8):
+            v[f"before/{n}"] = rate(rb, f"zmtp_pub/100B/eventplane/{n}")
+    return v
 
 
 def src_cli(ctx):
@@ -444,18 +459,30 @@ The sans-IO core alone (our PUB `Session` encoding into our SUB `Session` throug
 """)
 
     if "pub" in sections:
-        rows = [[n, f"**{m(f(f'eventplane/{n}'))} M msg/s**"
-                 + (f" ({m(f(f'eventplane/{n}') * n)} M deliveries/s)" if n > 1 else ""),
-                 f"{m(f(f'zeromq/{n}'))} M msg/s"
-                 + (f" ({m(f(f'zeromq/{n}') * n)} M deliveries/s)" if n > 1 else "")]
-                for n in (1, 8)]
+        def cell(who, n, bold=False):
+            text = f"{m(f(f'{who}/{n}'))} M msg/s"
+            return f"**{text}**" if bold else text
+
+        def cost(who, n):
+            return f"{f.ratio(f'{who}/1', f'{who}/{n}'):.1f}×"
+
+        rows = [[n, cell("eventplane", n, True), cost("eventplane", n) if n > 1 else "1×",
+                 cell("before", n) if f.has(f"before/{n}") else "—",
+                 cell("zeromq", n), cell("libzmq", n), cost("libzmq", n) if n > 1 else "1×"]
+                for n in PUB_SUBSCRIBERS]
+        before = f" at `{f.before}`" if f.has("before/1") else ""
         section("Publishing", "cargo bench --bench zmtp_pub", f"""
 `[4 B, 8 B, 100 B]` messages to byte-counting subscriber threads, at most 4,096 in
-flight per subscriber (below both publishers' queues: the bench asserts zero drops for
-both, so "the subscribers keep up" is what is measured); the publisher on a
-current-thread runtime on one core, the subscribers on the other.
+flight per subscriber (below both Rust publishers' queues: the bench asserts zero drops
+for both, so "the subscribers keep up" is what is measured; libzmq's XPUB waits for room
+instead of dropping); our publisher and the zeromq crate's on a current-thread runtime
+on one core, the subscribers on the other; libzmq's PUB (`benches/libzmq_pub.c`) in a
+process of its own, with its I/O thread. "Cost per message" is the time per message
+relative to the same publisher with one subscriber. "Before" is this bench's
+eventplane{before}, built and run in the same run (it measured 1 and 8 subscribers).
 
-{table(["subscribers", "eventplane `PubSocket`", "zeromq 0.7 `PubSocket`"], rows)}
+{table(["subscribers", "eventplane `PubSocket`", "cost per message", "eventplane before",
+        "zeromq 0.7 `PubSocket`", "libzmq 4.3 PUB (C)", "libzmq cost per message"], rows)}
 """)
 
     if "cli" in sections:
@@ -728,11 +755,17 @@ def commit():
     return rev + ("-dirty" if dirty else "")
 
 
-def build_before(rev):
-    """`subscribe` and `kv_relay` built at `rev`, in a worktree of their own."""
+def before_tree(rev):
+    """A worktree of `rev`, made once."""
     tree = LOGS / f"before-{rev}"
     if not tree.exists():
         run(["git", "worktree", "add", "--detach", str(tree), rev], LOGS / "before-worktree.log")
+    return tree
+
+
+def build_before(rev):
+    """`subscribe` and `kv_relay` built at `rev`, in a worktree of their own."""
+    tree = before_tree(rev)
     run(["cargo", "build", "--release", "--example", "subscribe", "--example", "kv_relay"],
         LOGS / "before-build.log", cwd=tree, env={"CARGO_TARGET_DIR": str(tree / "target")})
     bins = tree / "target/release/examples"
@@ -749,10 +782,11 @@ def prepare(ctx):
          "--example", "event_broker"], LOGS / "build-examples-features.log")
     libs = subprocess.run(["pkg-config", "--cflags", "--libs", "libzmq"], capture_output=True,
                           text=True, check=True).stdout.split()
-    out = ROOT / "target/bench-bin/libzmq_sub"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    run(["cc", "-O2", "-o", str(out), "benches/libzmq_sub.c"] + libs, LOGS / "build-libzmq-sub.log")
-    ctx.env["EVENTPLANE_LIBZMQ_SUB"] = str(out)
+    for peer, var in (("libzmq_sub", "EVENTPLANE_LIBZMQ_SUB"), ("libzmq_pub", "EVENTPLANE_LIBZMQ_PUB")):
+        out = ROOT / "target/bench-bin" / peer
+        out.parent.mkdir(parents=True, exist_ok=True)
+        run(["cc", "-O2", "-o", str(out), f"benches/{peer}.c"] + libs, LOGS / f"build-{peer}.log")
+        ctx.env[var] = str(out)
     # 4,096 publishers need two descriptors each in the bench.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

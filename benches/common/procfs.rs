@@ -1,4 +1,7 @@
-//! Reading a process's memory figures from `/proc`, shared by the benches.
+//! Reading a process's memory figures from `/proc`, and raising its open-file limit,
+//! shared by the benches.
+// Each bench includes this file and uses what it needs of it.
+#![allow(dead_code)]
 
 /// Field `field` (e.g. `"VmRSS:"`, `"VmHWM:"`) of `/proc/<proc>/status` in KiB, where
 /// `proc` is a pid or `"self"`; 0 when absent.
@@ -10,4 +13,13 @@ pub(crate) fn status_kib(proc: &str, field: &str) -> u64 {
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
+}
+
+/// Raises this process's soft open-file limit to its hard limit (benches holding
+/// thousands of connections, each a descriptor on both sides when both are here).
+pub(crate) fn raise_fd_limit() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut limit = getrlimit(Resource::Nofile);
+    limit.current = limit.maximum;
+    let _ = setrlimit(Resource::Nofile, limit);
 }

@@ -28,7 +28,7 @@ const MAX_MESSAGE_SIZE_LIMIT: u64 = 1 << 32;
 /// [`ConfigBuilder::build`]. With the defaults, what one peer can make us hold is: the
 /// message being assembled (at most `max_message_size`, allocated as its bytes arrive,
 /// never as declared) or a 64 KiB read buffer; for a publisher, `send_queue_bytes` of
-/// pending output toward it (queue, write buffer and control together); for a
+/// pending output toward it (queue, unwritten output and control together); for a
 /// subscriber, read buffers its delivered messages keep alive, copied out past
 /// `max_retained_bytes`.
 ///
@@ -266,9 +266,10 @@ impl ConfigBuilder {
         self.config.send_queue_messages = messages;
         self
     }
-    /// Bytes pending toward one peer: its message queue (charged for the encoding
-    /// buffers it keeps alive), write buffer and control replies together. Default
-    /// 16 MiB. Must be ≥ 1.
+    /// Bytes pending toward one peer: its message queue and its unwritten output
+    /// (each charged for the 64 KiB chunks of encoded messages it keeps alive) and
+    /// control replies together. Default 16 MiB. Must be ≥ 1. Below 1 MiB every
+    /// message gets an allocation of its own, charged its length.
     pub fn send_queue_bytes(mut self, bytes: usize) -> Self {
         self.config.send_queue_bytes = bytes;
         self

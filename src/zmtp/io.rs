@@ -10,19 +10,24 @@
 //!   moves on are *retired* into a [`Retention`] account (subscribers) so what they
 //!   keep alive is counted. A subscriber's connections give theirs back whenever the
 //!   peer has nothing more to read, so an idle connection holds none.
-//! - **Write buffer**: session output is moved into it only while it holds less than
-//!   [`WRITE_BATCH`]; beyond, the output stays in the session, where a PONG replaces
-//!   the previous unsent one. While [`WRITE_BATCH`] or more waits to be written the
-//!   connection stops reading the peer; if the peer reads none of it for
+//! - **Output**: a write buffer for the session's own output (and, on streams without
+//!   vectored writes, copies of what is handed over), and a list of slices handed
+//!   over whole ([`Conn::push_output`]: a publisher's shared chunks), written together
+//!   with one vectored write, in order. Session output is moved out only while less
+//!   than [`WRITE_BATCH`] waits; beyond, it stays in the session, where a PONG
+//!   replaces the previous unsent one. While [`WRITE_BATCH`] or more waits to be
+//!   written the connection stops reading the peer; if the peer reads none of it for
 //!   `write_stall_timeout`, the connection fails with [`TimeoutKind::WriteStall`].
 
+use std::collections::VecDeque;
 use std::future::Future;
+use std::io::IoSlice;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use bytes::{Buf, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::{Instant, Sleep};
 
@@ -40,11 +45,24 @@ pub(crate) const WRITE_BATCH: usize = 64 << 10;
 /// up to `read_chunk`.
 const SMALL_READ: usize = 1 << 10;
 
+/// Slices passed to one vectored write.
+const MAX_IOV: usize = 64;
+
 #[derive(Debug)]
 pub(crate) struct Conn<S> {
     pub(crate) stream: S,
     pub(crate) session: Session,
     pub(crate) wbuf: BytesMut,
+    /// Output handed over whole, after whatever `wbuf` held before it, each slice
+    /// with what it keeps alive (see [`Conn::push_output`]). Empty on streams without
+    /// vectored writes: there, handed-over output is copied into `wbuf`.
+    out: VecDeque<(Bytes, usize)>,
+    /// Bytes waiting in `out`.
+    out_len: usize,
+    /// What the slices in `out` keep alive.
+    out_held: usize,
+    /// The stream writes several slices in one call.
+    vectored: bool,
     sleep: Pin<Box<Sleep>>,
     armed: Option<Instant>,
     read_chunk: usize,
@@ -81,10 +99,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         retention: Option<Arc<Retention>>,
     ) -> Self {
         let now = Instant::now();
+        let vectored = stream.is_write_vectored();
         Conn {
             stream,
             session: Session::new(socket_type, config, now.into_std()),
             wbuf: BytesMut::new(),
+            out: VecDeque::new(),
+            out_len: 0,
+            out_held: 0,
+            vectored,
             sleep: Box::pin(tokio::time::sleep_until(now)),
             armed: None,
             read_chunk: config.read_chunk,
@@ -99,25 +122,39 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         }
     }
 
-    /// Writes the session's output and anything already in `wbuf`. Ready once both
-    /// are fully written and flushed.
+    /// Writes the session's output and everything queued. Ready once all of it is
+    /// written and flushed.
     pub(crate) fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
         loop {
-            if self.wbuf.len() < WRITE_BATCH {
+            if self.pending_output() - self.session.pending_output() < WRITE_BATCH {
                 self.session.transmit_into(&mut self.wbuf);
             }
-            if self.wbuf.is_empty() {
-                break;
-            }
-            self.wbuf_high = self.wbuf_high.max(self.wbuf.len());
-            match Pin::new(&mut self.stream).poll_write(cx, &self.wbuf) {
+            self.stage_wbuf();
+            let written = if self.vectored {
+                if self.out.is_empty() {
+                    break;
+                }
+                let mut iov = [IoSlice::new(&[]); MAX_IOV];
+                for (slot, (b, _)) in iov.iter_mut().zip(&self.out) {
+                    *slot = IoSlice::new(b);
+                }
+                let slices = iov.get(..self.out.len().min(MAX_IOV)).unwrap_or_default();
+                Pin::new(&mut self.stream).poll_write_vectored(cx, slices)
+            } else {
+                if self.wbuf.is_empty() {
+                    break;
+                }
+                self.wbuf_high = self.wbuf_high.max(self.wbuf.len());
+                Pin::new(&mut self.stream).poll_write(cx, &self.wbuf)
+            };
+            match written {
                 Poll::Ready(Ok(0)) => {
                     return Poll::Ready(Err(
                         std::io::Error::from(std::io::ErrorKind::WriteZero).into()
                     ));
                 }
                 Poll::Ready(Ok(n)) => {
-                    self.wbuf.advance(n);
+                    self.advance_output(n);
                     self.blocked_since = None;
                 }
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
@@ -143,6 +180,28 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         }
         ready!(Pin::new(&mut self.stream).poll_flush(cx))?;
         Poll::Ready(Ok(()))
+    }
+
+    /// Drops the first `n` bytes written.
+    fn advance_output(&mut self, mut n: usize) {
+        if !self.vectored {
+            self.wbuf.advance(n);
+            return;
+        }
+        while n > 0 {
+            let Some((front, held)) = self.out.front_mut() else {
+                return;
+            };
+            if n < front.len() {
+                front.advance(n);
+                self.out_len -= n;
+                return;
+            }
+            n -= front.len();
+            self.out_len -= front.len();
+            self.out_held -= *held;
+            self.out.pop_front();
+        }
     }
 
     /// [`poll_flush`](Self::poll_flush) with the timers run first, for callers that
@@ -363,10 +422,44 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
 }
 
 impl<S> Conn<S> {
+    /// Queues `bytes` for writing after everything queued so far. `held` is what the
+    /// slice keeps alive (a publisher's shared chunk), counted by
+    /// [`held_output`](Self::held_output) until the slice is written. On a stream
+    /// without vectored writes the bytes are copied into the write buffer instead.
+    pub(crate) fn push_output(&mut self, bytes: Bytes, held: usize) {
+        if !self.vectored {
+            self.wbuf.extend_from_slice(&bytes);
+            return;
+        }
+        self.stage_wbuf();
+        self.out_len += bytes.len();
+        self.out_held += held;
+        self.out.push_back((bytes, held));
+    }
+
+    /// Moves what the write buffer holds behind the slices already queued (vectored
+    /// streams only), so output leaves in the order it was produced.
+    fn stage_wbuf(&mut self) {
+        if self.vectored && !self.wbuf.is_empty() {
+            let b = self.wbuf.split().freeze();
+            let len = b.len();
+            self.out_len += len;
+            self.out_held += len;
+            self.out.push_back((b, len));
+        }
+    }
+
     /// Bytes waiting to be written to the peer: the write buffer and the session's
     /// unsent control output.
     pub(crate) fn pending_output(&self) -> usize {
-        self.wbuf.len() + self.session.pending_output()
+        self.wbuf.len() + self.out_len + self.session.pending_output()
+    }
+
+    /// What the connection's unwritten output keeps alive: the write buffer, the
+    /// session's unsent control output, and for each slice handed over whole what it
+    /// was handed over with ([`push_output`](Self::push_output)).
+    pub(crate) fn held_output(&self) -> usize {
+        self.wbuf.len() + self.out_held + self.session.pending_output()
     }
 
     /// Whether the connection should read from the peer now: not while a full write

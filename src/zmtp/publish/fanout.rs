@@ -13,7 +13,7 @@ use super::stats::{PubStats, SendReport};
 use crate::net::RateLimitedWarn;
 use crate::slots::Slab;
 use crate::zmtp::prefix::PrefixMap;
-use crate::zmtp::queue::{ARENA_MIN_QUEUE_BYTES, Arena, Encoded, Queue};
+use crate::zmtp::queue::{CHUNKS_MIN_QUEUE_BYTES, Chunks, Placed, Queue};
 use crate::zmtp::{Config, Event, Message, SessionStats};
 
 /// How often (at most) a drop warning is logged per subscriber.
@@ -34,23 +34,27 @@ pub(super) struct Inner {
     pub(super) peers: Slab<Peer>,
     pub(super) send_seq: u64,
     pub(super) stats: PubStats,
-    pub(super) arena: Arena,
+    pub(super) chunks: Chunks,
 }
 
+/// Laid out in declaration order (`repr(C)`) so that what every send touches, the
+/// first four fields, shares the first cache lines.
 #[derive(Debug)]
+#[repr(C)]
 pub(super) struct Peer {
-    pub(super) label: String,
-    pub(super) ready: bool,
-    pub(super) queue: Queue,
-    /// Bytes the connection holds beyond the queue: its write buffer and unsent
-    /// control output, as of its writer's last turn.
-    pub(super) in_flight: usize,
-    /// The writer holds data not yet written to the socket.
-    pub(super) busy: bool,
-    pub(super) waker: Option<Waker>,
     /// `send_seq` of the last send that queued here: one copy per send even when
     /// several of the peer's prefixes match.
     pub(super) mark: u64,
+    /// What the connection keeps alive beyond the queue: its write buffer, the
+    /// chunks of the slices it was handed and unsent control output, as of its
+    /// writer's last turn.
+    pub(super) in_flight: usize,
+    pub(super) waker: Option<Waker>,
+    pub(super) queue: Queue,
+    pub(super) label: String,
+    pub(super) ready: bool,
+    /// The writer holds data not yet written to the socket.
+    pub(super) busy: bool,
     /// The prefixes this peer holds (each once; the session counts repeats).
     pub(super) prefixes: Vec<Bytes>,
     pub(super) written: u64,
@@ -78,13 +82,13 @@ impl Inner {
     ) -> SendReport {
         let topic: &[u8] = msg.get(0).unwrap_or_default();
         let mut report = SendReport::default();
-        let mut encoded: Option<Encoded> = None;
-        let use_arena = cfg.send_queue_bytes >= ARENA_MIN_QUEUE_BYTES;
+        let mut placed: Option<Placed> = None;
+        let shared_chunks = cfg.send_queue_bytes >= CHUNKS_MIN_QUEUE_BYTES;
         self.send_seq += 1;
         self.stats.messages += 1;
         let seq = self.send_seq;
         let peers = &mut self.peers;
-        let arena = &mut self.arena;
+        let chunks = &mut self.chunks;
         self.index.for_each_match(topic, |ids| {
             for &id in ids {
                 let Some(peer) = peers.get_mut(id) else {
@@ -94,8 +98,8 @@ impl Inner {
                     continue;
                 }
                 peer.mark = seq;
-                let frame = encoded.get_or_insert_with(|| arena.encode(msg, use_arena));
-                let cost = peer.queue.cost(frame);
+                let placed = *placed.get_or_insert_with(|| chunks.place(msg, shared_chunks));
+                let cost = peer.queue.cost(&placed);
                 let pending = peer.queue.held() + peer.in_flight + cost;
                 if peer.queue.len() >= cfg.send_queue_messages || pending > cfg.send_queue_bytes {
                     peer.dropped += 1;
@@ -103,13 +107,17 @@ impl Inner {
                     peer.note_drop();
                     continue;
                 }
-                peer.queue.push(frame.clone(), cost);
+                peer.queue.push(chunks, &placed, cost);
                 report.queued += 1;
                 if let Some(w) = peer.waker.take() {
                     wake.push(w);
                 }
             }
         });
+        if let Some(placed) = placed {
+            // Dropped for every subscriber: its own allocation goes at once.
+            self.chunks.release_if_unused(placed.chunk());
+        }
         self.stats.queued += report.queued as u64;
         self.stats.dropped += report.dropped as u64;
         report
@@ -171,9 +179,10 @@ impl Peer {
 pub(super) fn remove_peer(shared: &Shared, id: usize, failed: bool, stalled: bool) {
     let mut guard = shared.lock();
     let inner = &mut *guard;
-    let Some(peer) = inner.peers.remove(id) else {
+    let Some(mut peer) = inner.peers.remove(id) else {
         return;
     };
+    peer.queue.clear(&mut inner.chunks);
     if failed {
         inner.stats.failed += 1;
     }

@@ -22,12 +22,16 @@ use crate::net::RateLimitedWarn;
 /// whose subscriptions match its first frame.
 ///
 /// [`send`](Self::send) never blocks and never fails because a subscriber is slow:
-/// the message is encoded once and a reference to it is queued per matching
-/// subscriber. Each subscriber's queue holds at most `send_queue_messages` messages
-/// and `send_queue_bytes` bytes; past that the message is dropped *for that
-/// subscriber only* and counted in [`stats`](Self::stats) and
-/// [`subscriber_stats`](Self::subscriber_stats). One task per subscriber writes its
-/// queue, many messages per write.
+/// the message is encoded once, into a 64 KiB chunk shared by every subscriber it is
+/// queued for (a message over 8 KiB gets an allocation of its own). A subscriber's
+/// queue holds runs of messages lying back to back in a chunk: queueing one more
+/// message for it usually moves the end of its last run. Each subscriber's queue
+/// holds at most `send_queue_messages` messages and `send_queue_bytes` bytes; past
+/// that the message is dropped *for that subscriber only* and counted in
+/// [`stats`](Self::stats) and [`subscriber_stats`](Self::subscriber_stats). One task
+/// per subscriber hands whole runs to the kernel, up to 64 KiB in one vectored write
+/// straight from the shared chunks (no copy per subscriber; streams without vectored
+/// writes get one copy per run).
 ///
 /// Subscriptions arrive as ZMTP 3.1 commands or ZMTP 3.0 messages, from any peer.
 /// Matching costs one hash look-up per distinct subscription length, however many
@@ -35,11 +39,13 @@ use crate::net::RateLimitedWarn;
 ///
 /// # What a subscriber can make it hold
 /// - Everything pending toward one subscriber counts as one figure against
-///   `send_queue_bytes` (default 16 MiB): its queued messages, charged for the encoding
-///   buffers they keep alive (small messages share 64 KiB buffers; a queue holding one
-///   message of a buffer pays for the whole buffer), its write buffer, and control
-///   replies. At most one PONG is ever pending: a PING that arrives before the last
-///   answer was written replaces it.
+///   `send_queue_bytes` (default 16 MiB): its queued messages, charged for the chunks
+///   they keep alive (a queue holding one message of a chunk pays for the whole
+///   chunk, once however many it holds), what its writer was handed and has not
+///   written yet (charged the same way), and control replies. At most one PONG is
+///   ever pending: a PING that arrives before the last answer was written replaces
+///   it. Below a `send_queue_bytes` of 1 MiB every message gets an allocation of its
+///   own, charged its length.
 /// - While 64 KiB or more wait to be written to a subscriber, its connection is not
 ///   read; if it reads nothing for `write_stall_timeout` (default 30 s) it is closed
 ///   and counted in [`PubStats::stalled`].

@@ -16,6 +16,10 @@ use super::fanout::{Peer, Shared};
 use crate::zmtp::io::{Conn, WRITE_BATCH};
 use crate::zmtp::{Error, SocketType, TimeoutKind};
 
+/// Runs handed to a connection per refill at most: each is a slice (or a few) of one
+/// chunk, and a write takes up to 64 slices.
+const TAKE_RUNS: usize = 64;
+
 pub(super) async fn accept_loop(
     listener: TcpListener,
     shared: Arc<Shared>,
@@ -132,10 +136,10 @@ pub(super) fn drive_peer<S: AsyncRead + AsyncWrite + Unpin>(
             progress = true;
             on_peer_event(shared, id, event);
         }
-        if conn.session.is_ready() && conn.wbuf.len() < WRITE_BATCH {
+        if conn.session.is_ready() && conn.pending_output() < WRITE_BATCH {
             progress |= take_queued(shared, id, conn, cx);
         }
-        let had_output = !conn.wbuf.is_empty();
+        let had_output = conn.pending_output() > 0;
         match conn.poll_flush(cx) {
             // A write that completes is progress: the next round takes more from the
             // queue, or marks the peer idle so `flush` waiters hear about it.
@@ -158,42 +162,43 @@ pub(super) fn drive_peer<S: AsyncRead + AsyncWrite + Unpin>(
     Poll::Pending
 }
 
-/// Moves queued messages into the write buffer. Registers the waker when the queue is
-/// empty, and reports "drained" when nothing is left anywhere.
+/// Hands queued messages to the connection (as slices of the chunks they were
+/// encoded into, written without a copy where the stream takes vectored writes), up
+/// to a write batch. Registers the waker when the queue is empty, and reports
+/// "drained" when nothing is left anywhere.
 pub(super) fn take_queued<S>(
     shared: &Shared,
     id: usize,
     conn: &mut Conn<S>,
     cx: &mut Context<'_>,
 ) -> bool {
-    let mut inner = shared.lock();
+    let mut guard = shared.lock();
+    let inner = &mut *guard;
     let Some(peer) = inner.peers.get_mut(id) else {
         return false;
     };
-    let mut took = 0u64;
-    while conn.wbuf.len() < WRITE_BATCH {
-        let Some(frame) = peer.queue.pop() else {
-            break;
-        };
-        conn.wbuf.extend_from_slice(&frame);
-        took += 1;
-    }
-    peer.written += took;
+    let budget = WRITE_BATCH.saturating_sub(conn.pending_output());
+    let taken = peer
+        .queue
+        .take(&mut inner.chunks, budget, TAKE_RUNS, |bytes, held| {
+            conn.push_output(bytes, held)
+        });
+    peer.written += taken.messages as u64;
     peer.session = conn.session.stats();
-    // What the connection holds beyond the queue, for `send`'s bound and the stats.
-    // Refreshed whenever the writer refills (every round it can write); while the
-    // peer reads nothing it stays at its last, highest, value.
-    peer.in_flight = conn.pending_output();
+    // What the connection keeps alive beyond the queue, for `send`'s bound and the
+    // stats. Refreshed whenever the writer refills (every round it can write); while
+    // the peer reads nothing it stays at its last, highest, value.
+    peer.in_flight = conn.held_output();
     let was_busy = peer.busy;
-    peer.busy = !conn.wbuf.is_empty();
+    peer.busy = conn.pending_output() > 0;
     if peer.queue.is_empty() {
         if peer.waker.as_ref().is_none_or(|w| !w.will_wake(cx.waker())) {
             peer.waker = Some(cx.waker().clone());
         }
         if was_busy && !peer.busy {
-            drop(inner);
+            drop(guard);
             shared.drained.notify_waiters();
         }
     }
-    took > 0
+    taken.messages > 0
 }

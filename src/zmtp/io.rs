@@ -281,7 +281,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         self.session.compact_partial_message(chunk);
         let buf = self.session.input_buffer();
         let size = target.max(len + 1);
-        let mut fresh = BytesMut::with_capacity(size);
+        let reused = match &self.retention {
+            Some(retention) if size == self.read_chunk => retention.reuse(size),
+            _ => None,
+        };
+        let mut fresh = reused.unwrap_or_else(|| BytesMut::with_capacity(size));
         fresh.extend_from_slice(buf);
         let old = std::mem::replace(buf, fresh);
         let old_allocation = std::mem::replace(&mut self.allocation, size);

@@ -19,6 +19,11 @@
 //! connections (thousands of publishers) give theirs back whenever their peer has
 //! nothing more to read, so idle connections hold none.
 //!
+//! A connection that needs a fresh read chunk takes back a retired one no frame
+//! references any more ([`Retention::reuse`]) instead of allocating one: a consumer
+//! that keeps the last batch while the next is read makes two buffers alternate,
+//! not an allocation (and its page faults) per chunk.
+//!
 //! Retiring prunes the list when it has doubled since the last prune or
 //! [`PRUNE_INTERVAL`] has passed (amortised: no scan per retirement); a subscriber
 //! also prunes once a second, so buffers whose frames are all gone do not linger.
@@ -40,6 +45,9 @@ const PRUNE_INTERVAL: Duration = Duration::from_millis(1);
 
 /// The list length below which `retire` does not scan it (but for the interval).
 const PRUNE_MIN_LEN: usize = 64;
+
+/// Retired buffers [`Retention::reuse`] looks at, oldest first.
+const REUSE_SCAN: usize = 8;
 
 /// Read buffers retired by one or more connections, with their sizes.
 #[derive(Debug)]
@@ -126,6 +134,24 @@ impl Retention {
         if retired.len() >= self.prune_at_len.load(Ordering::Relaxed) || self.prune_due() {
             self.prune_with(&mut retired);
         }
+    }
+
+    /// A retired buffer allocated with `size` bytes that no frame references any more,
+    /// emptied to be read into again: reading on does not allocate (and fault in) a
+    /// fresh buffer each time the last one is still referenced when it fills. Looks at
+    /// the [`REUSE_SCAN`] oldest retirements only.
+    pub(crate) fn reuse(&self, size: usize) -> Option<BytesMut> {
+        let mut retired = self.lock();
+        let i = retired
+            .iter()
+            .take(REUSE_SCAN)
+            .position(|(sentinel, allocation)| *allocation == size && sentinel.is_unique())?;
+        let (sentinel, allocation) = retired.remove(i);
+        self.bytes.fetch_sub(allocation, Ordering::Relaxed);
+        drop(retired);
+        let mut buf = sentinel.try_into_mut().ok()?;
+        buf.clear();
+        (buf.try_reclaim(size) && buf.capacity() >= size).then_some(buf)
     }
 
     /// Frees every retired buffer no frame references any more.
@@ -220,5 +246,29 @@ mod tests {
         account.retire(buf, 1024);
         account.retire(BytesMut::with_capacity(64), 64);
         assert_eq!(account.retained(), 0);
+    }
+
+    #[test]
+    fn a_retired_buffer_is_read_into_again_once_its_frames_are_gone() {
+        let account = Retention::new(1 << 20);
+        let mut buf = BytesMut::with_capacity(1024);
+        buf.extend_from_slice(&[7u8; 300]);
+        let frame = buf.split_to(10).freeze();
+        let at = frame.as_ptr();
+        account.retire(buf, 1024);
+        assert!(account.reuse(1024).is_none(), "a frame still references it");
+        assert!(account.reuse(2048).is_none());
+        drop(frame);
+        let again = account
+            .reuse(1024)
+            .expect("reusable once the frame is gone");
+        assert_eq!(
+            (again.len(), again.as_ptr()),
+            (0, at),
+            "the same allocation, empty"
+        );
+        assert!(again.capacity() >= 1024);
+        assert_eq!(account.retained(), 0);
+        assert!(account.reuse(1024).is_none(), "taken once");
     }
 }

@@ -10,10 +10,10 @@
 //!   moves on are *retired* into a [`Retention`] account (subscribers) so what they
 //!   keep alive is counted. A subscriber's connections give theirs back whenever the
 //!   peer has nothing more to read, so an idle connection holds none.
-//! - **Output**: a write buffer for the session's own output (and, on streams without
-//!   vectored writes, copies of what is handed over), and a list of slices handed
-//!   over whole ([`Conn::push_output`]: a publisher's shared chunks), written together
-//!   with one vectored write, in order. Session output is moved out only while less
+//! - **Output**: a list of slices handed over whole ([`Conn::push_output`]: a
+//!   publisher's shared chunks), then a write buffer for the session's own output and
+//!   copies of small slices (of every slice, on streams without vectored writes),
+//!   written together with one vectored write, in that order. Session output is moved out only while less
 //!   than [`WRITE_BATCH`] waits; beyond, it stays in the session, where a PONG
 //!   replaces the previous unsent one. While [`WRITE_BATCH`] or more waits to be
 //!   written the connection stops reading the peer; if the peer reads none of it for
@@ -48,14 +48,18 @@ const SMALL_READ: usize = 1 << 10;
 /// Slices passed to one vectored write.
 const MAX_IOV: usize = 64;
 
+/// Output handed over in slices smaller than this is copied into the write buffer.
+const SMALL_SLICE: usize = 512;
+
 #[derive(Debug)]
 pub(crate) struct Conn<S> {
     pub(crate) stream: S,
     pub(crate) session: Session,
     pub(crate) wbuf: BytesMut,
-    /// Output handed over whole, after whatever `wbuf` held before it, each slice
-    /// with what it keeps alive (see [`Conn::push_output`]). Empty on streams without
-    /// vectored writes: there, handed-over output is copied into `wbuf`.
+    /// Output handed over whole (see [`Conn::push_output`]), each slice with what it
+    /// keeps alive; everything in it goes out before what `wbuf` holds. Empty on
+    /// streams without vectored writes: there, handed-over output is copied into
+    /// `wbuf`.
     out: VecDeque<(Bytes, usize)>,
     /// Bytes waiting in `out`.
     out_len: usize,
@@ -129,23 +133,29 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             if self.pending_output() - self.session.pending_output() < WRITE_BATCH {
                 self.session.transmit_into(&mut self.wbuf);
             }
-            self.stage_wbuf();
-            let written = if self.vectored {
-                if self.out.is_empty() {
-                    break;
-                }
-                let mut iov = [IoSlice::new(&[]); MAX_IOV];
-                for (slot, (b, _)) in iov.iter_mut().zip(&self.out) {
-                    *slot = IoSlice::new(b);
-                }
-                let slices = iov.get(..self.out.len().min(MAX_IOV)).unwrap_or_default();
-                Pin::new(&mut self.stream).poll_write_vectored(cx, slices)
-            } else {
+            let written = if self.out.is_empty() {
                 if self.wbuf.is_empty() {
                     break;
                 }
                 self.wbuf_high = self.wbuf_high.max(self.wbuf.len());
                 Pin::new(&mut self.stream).poll_write(cx, &self.wbuf)
+            } else {
+                // The listed slices, then the write buffer: everything in it was
+                // produced after the last slice was listed.
+                let mut iov = [IoSlice::new(&[]); MAX_IOV];
+                let listed = self.out.len().min(MAX_IOV);
+                for (slot, (b, _)) in iov.iter_mut().zip(&self.out) {
+                    *slot = IoSlice::new(b);
+                }
+                let mut count = listed;
+                if listed < MAX_IOV && !self.wbuf.is_empty() {
+                    if let Some(slot) = iov.get_mut(listed) {
+                        *slot = IoSlice::new(&self.wbuf);
+                        count += 1;
+                    }
+                }
+                let slices = iov.get(..count).unwrap_or_default();
+                Pin::new(&mut self.stream).poll_write_vectored(cx, slices)
             };
             match written {
                 Poll::Ready(Ok(0)) => {
@@ -182,15 +192,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         Poll::Ready(Ok(()))
     }
 
-    /// Drops the first `n` bytes written.
+    /// Drops the first `n` bytes written: listed slices first, then the write buffer.
     fn advance_output(&mut self, mut n: usize) {
-        if !self.vectored {
-            self.wbuf.advance(n);
-            return;
-        }
         while n > 0 {
             let Some((front, held)) = self.out.front_mut() else {
-                return;
+                break;
             };
             if n < front.len() {
                 front.advance(n);
@@ -202,6 +208,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             self.out_held -= *held;
             self.out.pop_front();
         }
+        if self.out.is_empty() && self.out.capacity() > MAX_IOV {
+            self.out = VecDeque::new();
+        }
+        self.wbuf.advance(n.min(self.wbuf.len()));
     }
 
     /// [`poll_flush`](Self::poll_flush) with the timers run first, for callers that
@@ -428,42 +438,42 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
 impl<S> Conn<S> {
     /// Queues `bytes` for writing after everything queued so far. `held` is what the
     /// slice keeps alive (a publisher's shared chunk), counted by
-    /// [`held_output`](Self::held_output) until the slice is written. On a stream
-    /// without vectored writes the bytes are copied into the write buffer instead.
+    /// [`held_output`](Self::held_output) until the slice is written. Slices under
+    /// [`SMALL_SLICE`], and all of them on a stream without vectored writes, are
+    /// copied into the write buffer instead (a list entry would cost more than the
+    /// copy, and pin its chunk).
     pub(crate) fn push_output(&mut self, bytes: Bytes, held: usize) {
-        if !self.vectored {
+        if bytes.len() < SMALL_SLICE || !self.vectored {
             self.wbuf.extend_from_slice(&bytes);
             return;
         }
-        self.stage_wbuf();
+        // What the write buffer holds was produced first: it goes first.
+        if !self.wbuf.is_empty() {
+            let staged = self.wbuf.split().freeze();
+            let len = staged.len();
+            self.out_len += len;
+            self.out_held += len;
+            self.out.push_back((staged, len));
+        }
         self.out_len += bytes.len();
         self.out_held += held;
         self.out.push_back((bytes, held));
     }
 
-    /// Moves what the write buffer holds behind the slices already queued (vectored
-    /// streams only), so output leaves in the order it was produced.
-    fn stage_wbuf(&mut self) {
-        if self.vectored && !self.wbuf.is_empty() {
-            let b = self.wbuf.split().freeze();
-            let len = b.len();
-            self.out_len += len;
-            self.out_held += len;
-            self.out.push_back((b, len));
-        }
-    }
-
-    /// Bytes waiting to be written to the peer: the write buffer and the session's
-    /// unsent control output.
+    /// Bytes waiting to be written to the peer: the write buffer, the listed slices
+    /// and the session's unsent control output.
     pub(crate) fn pending_output(&self) -> usize {
         self.wbuf.len() + self.out_len + self.session.pending_output()
     }
 
     /// What the connection's unwritten output keeps alive: the write buffer, the
-    /// session's unsent control output, and for each slice handed over whole what it
-    /// was handed over with ([`push_output`](Self::push_output)).
+    /// session's unsent control output, the list of slices handed over whole, and for
+    /// each of them what it was handed over with ([`push_output`](Self::push_output)).
     pub(crate) fn held_output(&self) -> usize {
-        self.wbuf.len() + self.out_held + self.session.pending_output()
+        self.wbuf.len()
+            + self.out_held
+            + self.out.capacity() * std::mem::size_of::<(Bytes, usize)>()
+            + self.session.pending_output()
     }
 
     /// Whether the connection should read from the peer now: not while a full write

@@ -28,6 +28,13 @@ const CHUNK_MAX_MESSAGE: usize = 8 << 10;
 /// frozen yet); one that was frozen this many times is retired early, so the list of
 /// its pieces stays small whatever the send pattern.
 const MAX_PIECES: usize = 64;
+/// Below this many unfrozen bytes a writer copies what it takes of them rather than
+/// freezing them into a piece (see [`Chunks::slices`]): a chunk has at most
+/// `CHUNK_SIZE / FREEZE_MIN` pieces but for the last one, well below [`MAX_PIECES`].
+const FREEZE_MIN: usize = 2 << 10;
+/// What a message with an allocation of its own costs beyond its length: its entry in
+/// the table of chunks and its list of one piece.
+const OWN_OVERHEAD: usize = 128;
 /// Below this `send_queue_bytes`, every message gets its own allocation: a queue
 /// charged a whole chunk per message it holds would hold too few.
 pub(crate) const CHUNKS_MIN_QUEUE_BYTES: usize = 1 << 20;
@@ -77,7 +84,7 @@ impl Chunk {
     /// What a queue holding messages of this chunk is charged for it.
     fn charge(&self) -> usize {
         if self.own {
-            self.len
+            self.len + OWN_OVERHEAD
         } else {
             SHARED_CHUNK_CHARGE
         }
@@ -171,8 +178,18 @@ impl Chunks {
 
     /// Appends the bytes of `run` to `out` as slices of its chunk's pieces (one slice
     /// unless the run was encoded across several freezes).
+    /// The part of a run in the current chunk's unfrozen tail is copied out when the
+    /// tail holds less than [`FREEZE_MIN`] (a writer keeping up with a slow sender
+    /// would otherwise freeze a piece per message, and the chunk would be retired
+    /// nearly empty); from that size on it is frozen and sliced like the rest.
     fn slices(&mut self, run: &Run, mut out: impl FnMut(Bytes)) {
-        if self.current == Some(run.chunk) && self.tail_start() < run.end {
+        if run.start == run.end {
+            return;
+        }
+        let tail_start = self.tail_start();
+        let in_tail = self.current == Some(run.chunk) && tail_start < run.end;
+        let copy_tail = in_tail && self.tail.len() < FREEZE_MIN;
+        if in_tail && !copy_tail {
             self.freeze();
         }
         let Some(chunk) = self.chunks.get(run.chunk) else {
@@ -188,6 +205,13 @@ impl Chunks {
             let from = run.start.saturating_sub(*at);
             let to = (run.end - at).min(piece.len());
             out(piece.slice(from..to));
+        }
+        if copy_tail {
+            let from = run.start.max(tail_start) - tail_start;
+            let to = run.end - tail_start;
+            if let Some(bytes) = self.tail.get(from..to) {
+                out(Bytes::copy_from_slice(bytes));
+            }
         }
     }
 
@@ -265,7 +289,7 @@ impl Queue {
     /// What queueing `placed` would add to the charge.
     pub(crate) fn cost(&self, placed: &Placed) -> usize {
         if placed.own {
-            placed.len()
+            placed.len() + OWN_OVERHEAD
         } else if self.shared.back().is_some_and(|(c, _)| *c == placed.chunk) {
             0
         } else {
@@ -322,13 +346,15 @@ impl Queue {
             let own = chunks.is_own(run.chunk);
             let charge = chunks.charge(run.chunk);
             let last_of_chunk = self.runs.front().is_none_or(|r| r.chunk != run.chunk);
+            let mut emitted = false;
             chunks.slices(&run, |b| {
                 if let Some((prev, c)) = pending.take() {
                     out(prev, c);
                 }
                 pending = Some((b, 0));
+                emitted = true;
             });
-            if last_of_chunk {
+            if last_of_chunk && emitted {
                 if let Some((_, c)) = pending.as_mut() {
                     *c = charge;
                 }
@@ -448,41 +474,61 @@ mod tests {
         let small2 = chunks.place(&msg(b"b"), true);
         assert_eq!(q.cost(&small2), 0, "a new run, but a chunk already paid");
         q.push_new(&mut chunks, &small2);
-        assert_eq!(q.charge, charge + big.len());
+        assert_eq!(q.charge, charge + big.len() + OWN_OVERHEAD);
         assert_eq!(q.runs.len(), 3);
         let (bytes, charges, taken) = q.take_all(&mut chunks);
         assert_eq!(bytes, wire(&[b"a", &[7u8; 20_000], b"b"]));
         // Each slice carries its chunk's charge (twice for the shared chunk: what the
         // connection holds is counted high, never low).
-        assert_eq!(charges, vec![charge, big.len(), charge]);
+        assert_eq!(charges, vec![charge, big.len() + OWN_OVERHEAD, charge]);
         assert_eq!((taken.messages, q.charge), (3, 0));
         assert_eq!(chunks.live(), 1, "the large message's allocation was freed");
     }
 
-    #[test]
-    fn messages_frozen_in_pieces_still_come_out_in_order() {
+    /// `early` takes after every message, `late` once at the end; both get every
+    /// byte in order. Returns the pieces the chunk was frozen into and the slices
+    /// `late` got.
+    fn early_and_late(size: usize) -> (usize, usize) {
         let mut chunks = Chunks::default();
         let (mut early, mut late) = (Queue::default(), Queue::default());
         let mut bodies: Vec<Vec<u8>> = Vec::new();
         for i in 0..10u8 {
-            let body = vec![i; usize::from(i) + 1];
+            let body = vec![i; size + usize::from(i)];
             let p = chunks.place(&msg(&body), true);
             early.push_new(&mut chunks, &p);
             late.push_new(&mut chunks, &p);
-            // `early` takes after every message: one frozen piece each.
             let (bytes, _, _) = early.take_all(&mut chunks);
             assert_eq!(bytes, wire(&[&body]));
             bodies.push(body);
         }
         let all: Vec<&[u8]> = bodies.iter().map(Vec::as_slice).collect();
         let mut slices = 0;
-        let taken = late.take(&mut chunks, usize::MAX, usize::MAX, |_, _| slices += 1);
-        assert_eq!((taken.messages, slices), (10, 10));
-        assert_eq!(taken.bytes, wire(&all).len());
+        let mut bytes = Vec::new();
+        let taken = late.take(&mut chunks, usize::MAX, usize::MAX, |b, _| {
+            slices += 1;
+            bytes.extend_from_slice(&b);
+        });
+        assert_eq!(taken.messages, 10);
+        assert_eq!(bytes, wire(&all));
+        let current = chunks.current.unwrap();
+        (chunks.chunks.get(current).unwrap().pieces.len(), slices)
     }
 
     #[test]
-    fn chunks_are_freed_when_no_run_is_left_and_retired_when_full_or_pieced() {
+    fn a_writer_keeping_up_with_small_messages_copies_them_instead_of_freezing() {
+        // Each take finds less than FREEZE_MIN unfrozen: copied, nothing frozen, and
+        // the late taker copies all ten at once.
+        assert_eq!(early_and_late(10), (0, 1));
+    }
+
+    #[test]
+    fn messages_frozen_in_pieces_still_come_out_in_order() {
+        // Each message alone passes FREEZE_MIN: one piece per take, a slice of each.
+        assert_eq!(early_and_late(FREEZE_MIN), (10, 10));
+    }
+
+    #[test]
+    fn chunks_are_freed_when_no_run_is_left_and_retired_when_full() {
         let mut chunks = Chunks::default();
         let mut q = Queue::default();
         let body = [1u8; 1000];
@@ -494,15 +540,16 @@ mod tests {
         assert!(chunks.live() >= 3, "{}", chunks.live());
         q.take_all(&mut chunks);
         assert_eq!(chunks.live(), 1);
-        // A writer freezing after each message retires the chunk after MAX_PIECES.
+        // A writer freezing after each message: at most one piece per FREEZE_MIN.
         let mut chunks = Chunks::default();
-        for _ in 0..(MAX_PIECES + 1) {
-            let p = chunks.place(&msg(b"x"), true);
+        for _ in 0..200 {
+            let p = chunks.place(&msg(&[2u8; FREEZE_MIN]), true);
             q.push_new(&mut chunks, &p);
             q.take_all(&mut chunks);
+            let current = chunks.current.unwrap();
+            let pieces = chunks.chunks.get(current).unwrap().pieces.len();
+            assert!(pieces <= CHUNK_SIZE / FREEZE_MIN, "{pieces}");
         }
-        let current = chunks.current.unwrap();
-        assert_eq!(chunks.chunks.get(current).unwrap().pieces.len(), 1);
         assert_eq!(chunks.live(), 1);
     }
 
@@ -515,7 +562,7 @@ mod tests {
             let p = chunks.place(&msg(&[i; 10]), false); // own allocations: one run each
             q.push_new(&mut chunks, &p);
         }
-        assert_eq!(q.charge, 4 * 12);
+        assert_eq!(q.charge, 4 * (12 + OWN_OVERHEAD));
         let taken = q.take(&mut chunks, 15, usize::MAX, |_, _| {});
         assert_eq!(
             taken,

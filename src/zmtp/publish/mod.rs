@@ -29,9 +29,10 @@ use crate::net::RateLimitedWarn;
 /// holds at most `send_queue_messages` messages and `send_queue_bytes` bytes; past
 /// that the message is dropped *for that subscriber only* and counted in
 /// [`stats`](Self::stats) and [`subscriber_stats`](Self::subscriber_stats). One task
-/// per subscriber hands whole runs to the kernel, up to 64 KiB in one vectored write
-/// straight from the shared chunks (no copy per subscriber; streams without vectored
-/// writes get one copy per run).
+/// per subscriber hands whole runs to the kernel, up to 64 runs (about 64 KiB) in one
+/// vectored write straight from the shared chunks (no copy per subscriber; runs under
+/// 512 B, and every run on streams without vectored writes, are copied into its
+/// write buffer).
 ///
 /// Subscriptions arrive as ZMTP 3.1 commands or ZMTP 3.0 messages, from any peer.
 /// Matching costs one hash look-up per distinct subscription length, however many

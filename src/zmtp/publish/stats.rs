@@ -51,8 +51,9 @@ pub struct PubStats {
     pub stalled: u64,
     /// Connections closed on accept because `max_connections` were open.
     pub refused: u64,
-    /// Bytes pending toward all subscribers: queued messages (charged for the
-    /// encoding buffers they keep alive), write buffers and control replies.
+    /// The sum of every subscriber's [`PeerStats::pending_bytes`]: an upper bound of
+    /// what is pending toward all of them (a chunk of encoded messages shared by
+    /// several subscribers counts once for each, although it is held once).
     pub pending_bytes: usize,
 }
 
@@ -75,11 +76,12 @@ pub struct PeerStats {
     /// Messages waiting in its queue.
     pub queue_len: usize,
     /// Bytes its queue keeps alive: messages with an allocation of their own at their
-    /// size, small messages as the whole encoding buffers they share, and the queue's
-    /// slots.
+    /// size, small messages as the whole 64 KiB chunks they were encoded into (once
+    /// per chunk), and the queue's slots.
     pub queue_bytes: usize,
     /// Everything pending toward it, the figure bounded by `send_queue_bytes`:
-    /// `queue_bytes` plus its write buffer and unsent control replies.
+    /// `queue_bytes` plus its unwritten output (charged for the chunks it keeps alive,
+    /// like the queue) and unsent control replies.
     pub pending_bytes: usize,
     /// Messages handed to its writer.
     pub written: u64,

@@ -67,9 +67,12 @@ fn message() -> Message {
 fn spawn_counter(endpoint: &str, msg_len: u64, progress: Arc<Notify>) -> Arc<AtomicU64> {
     let received = Arc::new(AtomicU64::new(0));
     let counter = received.clone();
-    let mut s = TcpStream::connect(&endpoint[6..]).unwrap();
-    s.set_nodelay(true).unwrap();
+    let endpoint = endpoint[6..].to_owned();
+    // Connected from the thread: the publisher's accept loop runs on the runtime that
+    // calls this, and must go on accepting while hundreds connect.
     std::thread::spawn(move || {
+        let mut s = TcpStream::connect(&endpoint).unwrap();
+        s.set_nodelay(true).unwrap();
         let mut hello = BytesMut::new();
         encode_greeting(&mut hello);
         hello[11] = 0; // ZMTP 3.0: no commands but READY, as zeromq-rs requires

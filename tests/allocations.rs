@@ -287,10 +287,11 @@ async fn fan_out_held_once() {
     let queued: usize = stats.iter().map(|s| s.queue_len * SIZE).sum();
     eprintln!(
         "figure: {MESSAGES} messages of {SIZE} B sent to {SUBSCRIBERS} subscribers reading \
-         nothing: {} KiB queued in all, {} KiB allocated at most (bound {} KiB)",
-        queued / KIB,
+         nothing, each queued {SUBSCRIBERS} times: {} KiB allocated at most (bound {} KiB); \
+         {} KiB queued in all",
         held / KIB,
-        bound / KIB
+        bound / KIB,
+        queued / KIB
     );
     // The premise: what waits in the publisher for all of them (the kernel took some)
     // is many times what it may hold.

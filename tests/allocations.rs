@@ -172,19 +172,22 @@ async fn hoarded_small_messages() {
     );
 }
 
+/// A publisher with the default configuration on a loopback port, and its address.
+async fn bound_publisher() -> (PubSocket, std::net::SocketAddr) {
+    let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+        .await
+        .unwrap();
+    let addr = publisher.local_addr().unwrap();
+    (publisher, addr)
+}
+
 #[test]
 fn a_ping_flood_costs_a_publisher_one_pending_pong() {
     in_turn(ping_flood);
 }
 
 async fn ping_flood() {
-    let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
-        .await
-        .unwrap();
-    let endpoint = publisher
-        .local_endpoint()
-        .unwrap()
-        .trim_start_matches("tcp://");
+    let (publisher, endpoint) = bound_publisher().await;
     let mut s = TcpStream::connect(endpoint).await.unwrap();
     let mut hello = wire::hello("SUB");
     hello.extend(wire::subscribe(b"t"));
@@ -246,15 +249,7 @@ async fn fan_out_held_once() {
     const SUBSCRIBERS: usize = 64;
     const MESSAGES: usize = 8000;
     const SIZE: usize = 1000;
-    let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
-        .await
-        .unwrap();
-    let endpoint = publisher
-        .local_endpoint()
-        .unwrap()
-        .trim_start_matches("tcp://")
-        .parse()
-        .unwrap();
+    let (publisher, endpoint) = bound_publisher().await;
     let mut subscribers = Vec::new();
     for _ in 0..SUBSCRIBERS {
         let socket = tokio::net::TcpSocket::new_v4().unwrap();

@@ -10,15 +10,21 @@
 //!   `target/dynamo-venv`, which `.ci/run` installs).
 //!
 //! Both relay an engine PUB in this process and are followed here by a
-//! `DynamicSubscriber` on Dynamo's records and wire. One iteration sends a window of
-//! 1024 engine events (64 vLLM batches of 16: stores of 4 chained blocks, then removes
-//! of them) and a sentinel store, and waits until the sentinel's router event arrives:
-//! a lossless closed loop, checked as one: every delivery is decoded and each window
-//! must bring exactly its 2,048 stored and 2,048 removed blocks (and the sentinel's)
-//! with no sequence gap and no drop, and `kv_relay`, stopped with SIGTERM, must report
-//! every batch decoded, every event processed and nothing dropped. Throughput in
-//! engine events per second through the whole process. A window not through within
-//! 30 s fails the bench.
+//! `DynamicSubscriber` on Dynamo's records and wire. Two stream shapes ([`Shape`]):
+//! today's vLLM batches of 16 events (stores of 4 chained blocks, then their removes;
+//! windows of 1,024 events) and decode-time streams of single-block stores with a
+//! batched remove every 8–64 stores (64–256 events per batch; windows of ~4,100
+//! events). Each sent two ways ([`Mode`]): flooded, windows back to back, and paced at
+//! 50,000 engine events per second, batch by batch. One iteration sends a window and
+//! a sentinel store and waits until the sentinel's router event arrives: a lossless
+//! closed loop, checked as one: every delivery is decoded and each window must bring
+//! exactly its stored and removed blocks (and the sentinel's) with no sequence gap
+//! and no drop, and `kv_relay`, stopped with SIGTERM, must report every batch decoded,
+//! every event processed and nothing dropped. Criterion reports engine events per
+//! wall-clock second; the bench reads each worker's CPU time (all its threads) from
+//! `/proc` and prints engine events per CPU-second (`dynamo_relay: SHAPE MODE WHO:`
+//! lines), what a worker pays per event. A window not through within 30 s fails the
+//! bench.
 #![allow(
     missing_docs,
     clippy::unwrap_used,
@@ -31,6 +37,8 @@
 
 #[path = "../tests/support/etcd.rs"]
 mod etcd_support;
+#[path = "common/procfs.rs"]
+mod procfs;
 #[path = "common/relay.rs"]
 mod relay;
 
@@ -49,60 +57,165 @@ use eventplane::discovery::{Discovery, DynamoRecords, EtcdDiscovery, Query, Reco
 use eventplane::kv::{KvEventData, decode_dynamo_router_events};
 use eventplane::subscriber::{DynamicSubscriber, Layout};
 use eventplane::zmtp::{Config, Message, PubSocket};
+use procfs::cpu_time;
 use relay::{Stderr, Tally, assert_relay_lossless, terminate_for_stats};
 use serde_json::json;
 
-const WINDOW_BATCHES: u64 = 64;
-const BATCH_EVENTS: u64 = 16;
-const WINDOW_EVENTS: u64 = WINDOW_BATCHES * BATCH_EVENTS;
-/// Blocks a window stores, and then removes.
-const WINDOW_BLOCKS: u64 = WINDOW_BATCHES * BATCH_EVENTS / 2 * 4;
+/// Engine events per second in the paced mode: below what either worker can take, so
+/// the CPU time measured is what relaying costs at a steady rate (each batch its own
+/// wake-up), not what a backlog amortizes.
+const PACED_EVENTS_PER_SECOND: f64 = 50_000.0;
 const DEADLINE: Duration = Duration::from_secs(30);
+/// Hashes of sentinels: far from any window's.
+const SENTINEL_HASHES: u64 = 1 << 50;
 
-/// One engine batch, vLLM ≤ 0.23 arrays: 8 stores of 4 chained blocks, then the 8
-/// removes of those blocks (so neither worker's state grows across windows).
-fn batch(base: u64) -> Vec<u8> {
-    let mut events = Vec::new();
-    for i in 0..BATCH_EVENTS / 2 {
-        let first = base + i * 4;
-        let hashes: Vec<u64> = (first..first + 4).collect();
-        let tokens: Vec<u64> = (0..16).map(|t| (first * 16 + t) % 50_000).collect();
-        events.push(json!([
-            "BlockStored",
-            hashes,
-            null,
-            tokens,
-            4,
-            null,
-            "GPU",
-            null
-        ]));
-    }
-    for i in 0..BATCH_EVENTS / 2 {
-        let first = base + i * 4;
-        let hashes: Vec<u64> = (first..first + 4).collect();
-        events.push(json!(["BlockRemoved", hashes, "GPU"]));
-    }
+/// What the engine sends.
+#[derive(Clone, Copy, Debug)]
+enum Shape {
+    /// Today's vLLM-shaped batches of 16 events: 8 stores of 4 chained blocks (block
+    /// size 4), then the 8 removes of them.
+    FourBlock,
+    /// vLLM at decode time: each `BlockStored` carries one block (block size 16),
+    /// chained to the one before; every 8–64 stores, one `BlockRemoved` evicts them;
+    /// 64–256 events per engine batch.
+    SingleBlock,
+}
+
+/// One window of engine batches: what it stores it also removes, so neither worker's
+/// state grows across windows and every window can be sent again unchanged.
+struct Window {
+    batches: Vec<(Vec<u8>, u64)>,
+    events: u64,
+    blocks: u64,
+}
+
+fn engine_batch(events: &[serde_json::Value]) -> Vec<u8> {
     rmp_serde::to_vec(&json!([1_700_000_000.5, events, 0])).unwrap()
 }
 
-fn sentinel(hash: u64) -> Vec<u8> {
-    let event = json!([
-        "BlockStored",
-        [hash],
-        null,
-        [1, 2, 3, 4],
-        4,
-        null,
-        "CPU",
-        null
-    ]);
-    rmp_serde::to_vec(&json!([1_700_000_000.5, [event], 0])).unwrap()
+impl Shape {
+    fn name(self) -> &'static str {
+        match self {
+            Shape::FourBlock => "4_block",
+            Shape::SingleBlock => "1_block",
+        }
+    }
+
+    fn block_size(self) -> u64 {
+        match self {
+            Shape::FourBlock => 4,
+            Shape::SingleBlock => 16,
+        }
+    }
+
+    fn store(self, hashes: &[u64], parent: Option<u64>, tier: &str) -> serde_json::Value {
+        let size = self.block_size();
+        let tokens: Vec<u64> = (0..hashes.len() as u64 * size)
+            .map(|t| (hashes[0] * size + t) % 50_000)
+            .collect();
+        json!([
+            "BlockStored",
+            hashes,
+            parent,
+            tokens,
+            size,
+            null,
+            tier,
+            null
+        ])
+    }
+
+    fn window(self) -> Window {
+        let mut events = Vec::new();
+        let mut blocks = 0;
+        let mut next = 1u64 << 40;
+        let mut batches = Vec::new();
+        match self {
+            Shape::FourBlock => {
+                for _ in 0..64 {
+                    let mut batch = Vec::new();
+                    let firsts: Vec<u64> = (0..8).map(|i| next + i * 4).collect();
+                    next += 32;
+                    for &first in &firsts {
+                        let hashes: Vec<u64> = (first..first + 4).collect();
+                        batch.push(self.store(&hashes, None, "GPU"));
+                        blocks += 4;
+                    }
+                    for &first in &firsts {
+                        let hashes: Vec<u64> = (first..first + 4).collect();
+                        batch.push(json!(["BlockRemoved", hashes, "GPU"]));
+                    }
+                    batches.push((engine_batch(&batch), batch.len() as u64));
+                }
+            }
+            Shape::SingleBlock => {
+                // Groups of k single-block stores, each chained to the one before,
+                // then one remove of all k.
+                let mut group = 0u64;
+                while events.len() < 4096 {
+                    let k = 8 + group * 13 % 57;
+                    group += 1;
+                    let hashes: Vec<u64> = (next..next + k).collect();
+                    next += k;
+                    for (i, &h) in hashes.iter().enumerate() {
+                        let parent = i.checked_sub(1).map(|p| hashes[p]);
+                        events.push(self.store(&[h], parent, "GPU"));
+                    }
+                    events.push(json!(["BlockRemoved", hashes, "GPU"]));
+                    blocks += k;
+                }
+                // 64–256 events per batch; a rest under 64 joins the last batch.
+                let mut rest = &events[..];
+                let mut b = 0u64;
+                while !rest.is_empty() {
+                    let mut n = (64 + b as usize * 37 % 193).min(rest.len());
+                    b += 1;
+                    if rest.len() - n < 64 {
+                        n = rest.len();
+                    }
+                    let (head, tail) = rest.split_at(n);
+                    batches.push((engine_batch(head), n as u64));
+                    rest = tail;
+                }
+            }
+        }
+        let events = batches.iter().map(|(_, n)| n).sum();
+        Window {
+            batches,
+            events,
+            blocks,
+        }
+    }
+
+    fn sentinel(self, hash: u64) -> Vec<u8> {
+        engine_batch(&[self.store(&[hash], None, "CPU")])
+    }
+}
+
+/// How the engine sends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// Batches back to back: what a worker does at most.
+    Flood,
+    /// [`PACED_EVENTS_PER_SECOND`], batch by batch (tokio's timer has 1 ms steps, so
+    /// small batches go a few at a time).
+    Paced,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Flood => "flood",
+            Mode::Paced => "paced",
+        }
+    }
 }
 
 /// The engine, a worker process relaying it, and our subscriber following the worker.
 struct Rig {
     which: &'static str,
+    shape: Shape,
+    window: Window,
     engine: PubSocket,
     seq: u64,
     events_sent: u64,
@@ -111,15 +224,18 @@ struct Rig {
     stderr: Option<Stderr>,
     sub: DynamicSubscriber,
     tally: Tally,
+    /// Engine events in measured windows, and the worker's CPU time over them.
+    measured: (u64, Duration),
 }
 
 impl Rig {
-    async fn start(which: &'static str, etcd: &str) -> Rig {
+    async fn start(which: &'static str, shape: Shape, etcd: &str) -> Rig {
         let engine = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
             .await
             .unwrap();
         let engine_ep = engine.local_endpoint().unwrap().to_owned();
-        let namespace = format!("bench-{which}");
+        let namespace = format!("bench-{which}-{}", shape.name());
+        let block_size = shape.block_size().to_string();
         let mut worker = match which {
             "eventplane" => Command::new(kv_relay())
                 .args([
@@ -128,7 +244,7 @@ impl Rig {
                     "--topic",
                     "kv",
                     "--block-size",
-                    "4",
+                    &block_size,
                 ])
                 .args(["--worker-id", "77", "--bind", "tcp://127.0.0.1:0"])
                 .args([
@@ -155,6 +271,7 @@ impl Rig {
                     "kvworker",
                 ])
                 .args(["--engine-endpoint", &engine_ep, "--engine-topic", "kv"])
+                .args(["--block-size", &block_size])
                 .env("DYN_LOG", "error")
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
@@ -197,14 +314,17 @@ impl Rig {
         .unwrap();
         let mut rig = Rig {
             which,
+            shape,
+            window: shape.window(),
             engine,
             seq: 0,
             events_sent: 0,
-            next_hash: 1 << 40,
+            next_hash: SENTINEL_HASHES,
             worker,
             stderr: Some(stderr),
             sub,
             tally: Tally::default(),
+            measured: (0, Duration::ZERO),
         };
         // Until the subscriber is through: sentinels.
         let until = Instant::now() + DEADLINE;
@@ -236,7 +356,7 @@ impl Rig {
     async fn sentinel_round(&mut self, wait: Duration) -> bool {
         let hash = self.next_hash;
         self.next_hash += 1;
-        self.send(sentinel(hash), 1);
+        self.send(self.shape.sentinel(hash), 1);
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             let Ok(Some(d)) = tokio::time::timeout_at(deadline, self.sub.recv()).await else {
@@ -254,14 +374,20 @@ impl Rig {
         }
     }
 
-    /// One window of engine events and its sentinel; asserts that exactly its blocks
-    /// came out, with no gap or drop.
-    async fn window(&mut self) {
+    /// One window of engine events and its sentinel, sent as `mode` says; asserts
+    /// that exactly its blocks came out, with no gap or drop.
+    async fn window(&mut self, mode: Mode) {
         let before = self.tally;
-        for _ in 0..WINDOW_BATCHES {
-            let base = self.next_hash;
-            self.next_hash += BATCH_EVENTS * 4;
-            self.send(batch(base), BATCH_EVENTS);
+        let start = tokio::time::Instant::now();
+        let mut sent = 0;
+        for i in 0..self.window.batches.len() {
+            if mode == Mode::Paced {
+                let due = Duration::from_secs_f64(sent as f64 / PACED_EVENTS_PER_SECOND);
+                tokio::time::sleep_until(start + due).await;
+            }
+            let (payload, events) = self.window.batches[i].clone();
+            self.send(payload, events);
+            sent += events;
         }
         assert!(
             self.sentinel_round(DEADLINE).await,
@@ -271,7 +397,7 @@ impl Rig {
         let total = self.sub.handle().stats().total;
         assert_eq!(
             (came.stored_blocks, came.removed_blocks),
-            (WINDOW_BLOCKS + 1, WINDOW_BLOCKS),
+            (self.window.blocks + 1, self.window.blocks),
             "{}: a window's blocks (stored with the sentinel, removed); {total:?}",
             self.which
         );
@@ -280,6 +406,27 @@ impl Rig {
             (0, 0, 0),
             "{}: {total:?}",
             self.which
+        );
+    }
+
+    /// Prints what `mode` cost the worker per engine event, and starts counting anew.
+    fn report(&mut self, mode: Mode) {
+        let (events, cpu) = std::mem::take(&mut self.measured);
+        if events == 0 {
+            return; // filtered out
+        }
+        let per_cpu_second = if cpu >= Duration::from_millis(100) {
+            format!("{:.3} M", events as f64 / cpu.as_secs_f64() / 1e6)
+        } else {
+            "too little CPU time to tell".to_owned()
+        };
+        eprintln!(
+            "dynamo_relay: {} {} {}: {events} engine events in {:.2} CPU-s of the worker: \
+             {per_cpu_second} per CPU-second",
+            self.shape.name(),
+            mode.name(),
+            self.which,
+            cpu.as_secs_f64(),
         );
     }
 
@@ -339,27 +486,35 @@ fn bench(c: &mut Criterion) {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let etcd = rt.block_on(EtcdServer::start());
     let url = etcd.url();
-    let mut group = c.benchmark_group("worker_process");
-    group.sample_size(10);
-    group.measurement_time(Duration::from_secs(10));
-    group.throughput(Throughput::Elements(WINDOW_EVENTS));
-    for which in ["eventplane", "dynamo"] {
-        let mut rig = Some(rt.block_on(Rig::start(which, &url)));
-        group.bench_function(which, |b| {
-            b.iter_custom(|iters| {
-                let rig = rig.as_mut().unwrap();
-                rt.block_on(async {
-                    let start = Instant::now();
-                    for _ in 0..iters {
-                        rig.window().await;
-                    }
-                    start.elapsed()
-                })
-            })
-        });
-        rt.block_on(rig.take().unwrap().stop());
+    for shape in [Shape::FourBlock, Shape::SingleBlock] {
+        let mut group = c.benchmark_group(format!("worker_process/{}", shape.name()));
+        group.sample_size(10);
+        group.measurement_time(Duration::from_secs(10));
+        group.throughput(Throughput::Elements(shape.window().events));
+        for which in ["eventplane", "dynamo"] {
+            let mut rig = Some(rt.block_on(Rig::start(which, shape, &url)));
+            for mode in [Mode::Flood, Mode::Paced] {
+                group.bench_function(format!("{}/{which}", mode.name()), |b| {
+                    b.iter_custom(|iters| {
+                        let rig = rig.as_mut().unwrap();
+                        rt.block_on(async {
+                            let pid = rig.worker.id();
+                            let (start, cpu) = (Instant::now(), cpu_time(pid));
+                            for _ in 0..iters {
+                                rig.window(mode).await;
+                            }
+                            rig.measured.0 += iters * rig.window.events;
+                            rig.measured.1 += cpu_time(pid).saturating_sub(cpu);
+                            start.elapsed()
+                        })
+                    })
+                });
+                rig.as_mut().unwrap().report(mode);
+            }
+            rt.block_on(rig.take().unwrap().stop());
+        }
+        group.finish();
     }
-    group.finish();
 }
 
 criterion_group!(benches, bench);

@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use eventplane::kv::{KvEventData, decode_router_events};
 use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
-use procfs::status_kib;
+use procfs::{cpu_time, status_kib};
 use relay::{Stderr, Tally, assert_relay_lossless, terminate, terminate_for_stats};
 use serde_json::json;
 
@@ -89,17 +89,6 @@ fn sentinel(hash: u64) -> Vec<u8> {
     let tokens: Vec<u64> = (1..=16).collect();
     let event = json!(["BlockStored", [hash], null, tokens, 16, null, "CPU", null]);
     rmp_serde::to_vec(&json!([1_700_000_000.5, [event], 0])).unwrap()
-}
-
-/// User plus system CPU time of process `pid`, from `/proc/PID/stat` (clock ticks of
-/// 10 ms).
-fn cpu_time(pid: u32) -> Duration {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    // Fields after the command name, which is in parentheses.
-    let rest = &stat[stat.rfind(')').unwrap() + 2..];
-    let fields: Vec<&str> = rest.split(' ').collect();
-    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
-    Duration::from_millis(ticks * 10)
 }
 
 /// The engine, one relay process and a subscriber on its output.

@@ -271,9 +271,25 @@ def src_worker(ctx):
     return v
 
 
+DYNAMO_SHAPES = ("4_block", "1_block")
+DYNAMO_MODES = ("flood", "paced")
+
+
 def src_dynamo(ctx):
-    _, r = bench(ctx, "dynamo_relay")
-    return {w: rate(r, f"worker_process/{w}") for w in ("eventplane", "dynamo")}
+    text, r = bench(ctx, "dynamo_relay")
+    v = {}
+    for shape in DYNAMO_SHAPES:
+        for mode in DYNAMO_MODES:
+            for who in ("eventplane", "dynamo"):
+                key = f"{shape}/{mode}/{who}"
+                v[f"{key}/rate"] = rate(r, f"worker_process/{key}")
+                m = re.search(rf"dynamo_relay: {shape} {mode} {who}: \d+ engine events in [\d.]+ "
+                              rf"CPU-s of the worker: ([\d.]+) M per CPU-second", text)
+                if m:
+                    v[f"{key}/per_cpu"] = float(m.group(1))
+                elif not ctx.quick:
+                    raise Failed(f"dynamo_relay: no CPU-time line for {key}")
+    return v
 
 
 def src_tunnel(ctx):
@@ -695,19 +711,36 @@ connection: RSS {f.span("broker/rss", lambda x: f"{x:.1f}")} MiB ({f("broker/idl
 """)
 
     if "dynamo" in sections:
-        rows = [["eventplane (`kv_relay --wire dynamo --etcd …`)", f"**{k(f('eventplane'))} k/s**"],
-                ["Dynamo 1.6.1 `KvEventPublisher`", f"{k(f('dynamo'))} k/s"]]
+        names = {"4_block": "4-block stores, 16 per batch", "1_block": "single-block stores, 64–256 per batch"}
+        rows = []
+        for shape in DYNAMO_SHAPES:
+            for mode in DYNAMO_MODES:
+                key = f"{shape}/{mode}"
+                ours, theirs = f"{key}/eventplane", f"{key}/dynamo"
+                if f.has(f"{ours}/per_cpu") and f.has(f"{theirs}/per_cpu"):
+                    cpu = [f"**{m(f(f'{ours}/per_cpu') * 1e6)} M**", f"{m(f(f'{theirs}/per_cpu') * 1e6)} M",
+                           f"**{f.ratio(f'{ours}/per_cpu', f'{theirs}/per_cpu'):.1f}×**"]
+                else:
+                    cpu = ["—", "—", "—"]
+                wall = ([f"**{k(f(f'{ours}/rate'))} k/s**", f"{k(f(f'{theirs}/rate'))} k/s"]
+                        if mode == "flood" else ["paced", "paced"])
+                rows.append([names[shape], mode] + cpu + wall)
         section("Next to Dynamo: the worker process", "cargo build --release --features etcd "
                 "--example kv_relay && cargo bench --features etcd --bench dynamo_relay", f"""
 Each worker process relays an engine PUB of the bench and publishes Dynamo's frames,
 registered in a local etcd; the bench follows each through a `DynamicSubscriber` on
-Dynamo's records and wire. A lossless closed loop, checked: windows of 1,024 engine
-events (vLLM batches of 16: stores of 4 chained blocks, then their removes), each
-waited for through a sentinel, each asserted to bring exactly its blocks with no gap
-or drop; `kv_relay`'s own stats after SIGTERM must show every batch decoded and every
-event processed.
+Dynamo's records and wire: eventplane's `kv_relay --wire dynamo --etcd …` and Dynamo
+1.6.1's `KvEventPublisher` (`tests/dynamo_live/dynamo_worker.py`). Two streams: today's
+vLLM batches of 16 events (8 stores of 4 chained blocks, then their removes; windows of
+1,024 events) and decode-time streams of single-block stores (block size 16) with one
+batched remove every 8–64 stores (64–256 events per batch; windows of ~4,100 events).
+Each flooded (windows back to back) and paced (50,000 engine events per second, batch by
+batch). A lossless closed loop, checked: each window waited for through a sentinel and
+asserted to bring exactly its blocks with no gap or drop; `kv_relay`'s own stats after
+SIGTERM must show every batch decoded and every event processed. CPU time is each
+worker process's (all threads) from `/proc`.
 
-{table(["worker process", "engine events/s"], rows)}
+{table(["engine stream", "sent", "eventplane, engine events per CPU-second", "Dynamo, per CPU-second", "eventplane / Dynamo", "eventplane, events/s", "Dynamo, events/s"], rows)}
 """)
 
     if "worker" in sections:

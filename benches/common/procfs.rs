@@ -23,3 +23,21 @@ pub(crate) fn raise_fd_limit() {
     limit.current = limit.maximum;
     let _ = setrlimit(Resource::Nofile, limit);
 }
+
+/// User plus system CPU time of process `pid`, all its threads, from `/proc/PID/stat`
+/// (clock ticks of 10 ms).
+pub(crate) fn cpu_time(pid: u32) -> std::time::Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name, which is in parentheses.
+    let rest = stat
+        .rfind(')')
+        .map_or("", |i| stat.get(i + 2..).unwrap_or(""));
+    let fields: Vec<&str> = rest.split(' ').collect();
+    let tick = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    std::time::Duration::from_millis((tick(11) + tick(12)) * 10)
+}

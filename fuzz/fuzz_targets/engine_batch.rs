@@ -1,6 +1,7 @@
 //! The KV path with oracles. The first byte picks the mode:
 //! - even: the rest is raw bytes, decoded as an engine batch and as a router-event
-//!   payload. Neither may panic; a batch that decodes goes through the pipeline.
+//!   payload. Neither may panic; the engine decoder's fast path must give what its
+//!   full parse gives; a batch that decodes goes through the pipeline.
 //! - odd: the rest describes engine events (see `engine_events`), which are encoded the
 //!   way vLLM publishes them and decoded back: every event must come back with its
 //!   block hashes, parent and token hashes.
@@ -210,7 +211,12 @@ fuzz_target!(|data: &[u8]| {
     let block_size = usize::from(control >> 1 & 15) + 1;
     let mut decoder = EngineDecoder::new(WorkerId(1), block_size).unwrap();
     if control & 1 == 0 {
-        if let Ok(events) = decoder.decode_batch(rest) {
+        // The fast path (batches as engines send them) must agree with the full parse.
+        let mut reference = decoder.clone();
+        let decoded = decoder.decode_batch(rest);
+        assert_eq!(decoded, reference.decode_batch_parsed(rest), "fast path ≠ full parse");
+        assert_eq!(decoder.stats(), reference.stats(), "fast path ≠ full parse");
+        if let Ok(events) = decoded {
             pipeline_balances(events);
         }
         let _ = decode_router_events(rest);

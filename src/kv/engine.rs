@@ -10,6 +10,8 @@ use super::{EncodeError, EngineDecodeError};
 use crate::config::{self, ConfigError};
 use crate::msgpack::{self, MsgpackError, Value};
 
+mod streamed;
+
 /// Counters of an [`EngineDecoder`].
 ///
 /// ```
@@ -66,6 +68,8 @@ pub struct EngineDecoder {
     max_elements: usize,
     max_events: usize,
     stats: EngineStats,
+    /// Token ids of the event being decoded (the fast path's scratch).
+    tokens: Vec<u64>,
 }
 
 /// Default budget of msgpack elements decoded per batch (each value, and each
@@ -97,6 +101,7 @@ impl EngineDecoder {
             max_elements: DEFAULT_MAX_BATCH_ELEMENTS,
             max_events: DEFAULT_MAX_BATCH_EVENTS,
             stats: EngineStats::default(),
+            tokens: Vec::new(),
         })
     }
 
@@ -131,10 +136,32 @@ impl EngineDecoder {
 
     /// Decodes one batch payload. Events get consecutive raw ids; an event that fails
     /// alone is counted and skipped, the rest of the batch is kept.
+    ///
+    /// Batches in the form engines send (tagged arrays of integers) are read straight
+    /// from the bytes; any other form is parsed in full first. Both give the same
+    /// events and counters.
     pub fn decode_batch(
         &mut self,
         payload: &[u8],
     ) -> Result<Vec<PlacementEvent>, EngineDecodeError> {
+        match self.decode_streamed(payload) {
+            Some(events) => Ok(events),
+            None => self.decode_parsed(payload),
+        }
+    }
+
+    /// [`decode_batch`](Self::decode_batch) through the full parse alone (the fuzz
+    /// target's reference for the fast path).
+    #[cfg(any(test, fuzzing))]
+    #[doc(hidden)]
+    pub fn decode_batch_parsed(
+        &mut self,
+        payload: &[u8],
+    ) -> Result<Vec<PlacementEvent>, EngineDecodeError> {
+        self.decode_parsed(payload)
+    }
+
+    fn decode_parsed(&mut self, payload: &[u8]) -> Result<Vec<PlacementEvent>, EngineDecodeError> {
         let parsed = msgpack::parse(payload, self.max_elements);
         let view = parsed.as_ref().ok().and_then(batch_view);
         let oversized = matches!(parsed, Err(MsgpackError::TooManyElements))
@@ -353,18 +380,29 @@ fn token_ids<'v>(v: Option<&'v Value<'_>>) -> Result<&'v [u64], ()> {
 }
 
 fn tier(medium: Option<&Value<'_>>) -> StorageTier {
-    let name = match medium {
-        None | Some(Value::Nil) => return StorageTier::Device,
-        Some(v) => match v.as_str() {
-            Some(s) => s,
-            None => return StorageTier::External,
-        },
+    match medium {
+        None | Some(Value::Nil) => StorageTier::Device,
+        Some(Value::Str(name)) => tier_named(name),
+        Some(_) => StorageTier::External,
+    }
+}
+
+/// The tier a medium's name stands for, in any case; an unknown name (or one that is
+/// not UTF-8) is [`StorageTier::External`].
+fn tier_named(name: &[u8]) -> StorageTier {
+    let is = |known: &[&str]| {
+        known
+            .iter()
+            .any(|k| name.eq_ignore_ascii_case(k.as_bytes()))
     };
-    match name.to_ascii_uppercase().as_str() {
-        "" | "GPU" => StorageTier::Device,
-        "CPU" | "CPU_PINNED" => StorageTier::HostPinned,
-        "DISK" | "NVME" => StorageTier::Disk,
-        _ => StorageTier::External,
+    if name.is_empty() || is(&["GPU"]) {
+        StorageTier::Device
+    } else if is(&["CPU", "CPU_PINNED"]) {
+        StorageTier::HostPinned
+    } else if is(&["DISK", "NVME"]) {
+        StorageTier::Disk
+    } else {
+        StorageTier::External
     }
 }
 

@@ -424,8 +424,104 @@ fn map<'a>(
     Ok(Value::Map(out))
 }
 
+/// A container longer than msgpack can declare (2^32 - 1 elements).
+#[derive(Debug, thiserror::Error)]
+#[error("{0} elements do not fit a msgpack length")]
+pub(crate) struct TooLong(pub(crate) usize);
+
+/// Writes msgpack the way `rmp` does (the smallest form of every integer, length and
+/// string header), for encoders that write their schema directly.
+pub(crate) mod put {
+    use super::TooLong;
+
+    pub(crate) fn uint(out: &mut Vec<u8>, v: u64) {
+        if v < 0x80 {
+            out.push(v as u8);
+        } else if v <= u64::from(u8::MAX) {
+            out.extend_from_slice(&[0xcc, v as u8]);
+        } else if v <= u64::from(u16::MAX) {
+            out.push(0xcd);
+            out.extend_from_slice(&(v as u16).to_be_bytes());
+        } else if v <= u64::from(u32::MAX) {
+            out.push(0xce);
+            out.extend_from_slice(&(v as u32).to_be_bytes());
+        } else {
+            out.push(0xcf);
+            out.extend_from_slice(&v.to_be_bytes());
+        }
+    }
+
+    pub(crate) fn nil(out: &mut Vec<u8>) {
+        out.push(0xc0);
+    }
+
+    /// A string of fewer than 2^32 bytes (the schema's names and tiers).
+    pub(crate) fn str(out: &mut Vec<u8>, s: &str) {
+        let n = s.len();
+        if n < 32 {
+            out.push(0xa0 | n as u8);
+        } else if n <= usize::from(u8::MAX) {
+            out.extend_from_slice(&[0xd9, n as u8]);
+        } else if n <= usize::from(u16::MAX) {
+            out.push(0xda);
+            out.extend_from_slice(&(n as u16).to_be_bytes());
+        } else {
+            out.push(0xdb);
+            out.extend_from_slice(&(n as u32).to_be_bytes());
+        }
+        out.extend_from_slice(s.as_bytes());
+    }
+
+    pub(crate) fn array_len(out: &mut Vec<u8>, n: usize) -> Result<(), TooLong> {
+        let n32 = u32::try_from(n).map_err(|_| TooLong(n))?;
+        if n < 16 {
+            out.push(0x90 | n as u8);
+        } else if n <= usize::from(u16::MAX) {
+            out.push(0xdc);
+            out.extend_from_slice(&(n as u16).to_be_bytes());
+        } else {
+            out.push(0xdd);
+            out.extend_from_slice(&n32.to_be_bytes());
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn put_writes_what_rmp_writes() {
+        for v in [
+            0,
+            1,
+            127,
+            128,
+            255,
+            256,
+            65_535,
+            65_536,
+            u64::from(u32::MAX),
+            1 << 32,
+            u64::MAX,
+        ] {
+            let mut ours = Vec::new();
+            super::put::uint(&mut ours, v);
+            assert_eq!(ours, rmp_serde::to_vec(&v).unwrap(), "{v}");
+        }
+        for n in [0usize, 15, 16, 31, 32, 255, 256, 65_535, 65_536] {
+            let s = "x".repeat(n);
+            let mut ours = Vec::new();
+            super::put::str(&mut ours, &s);
+            assert_eq!(ours, rmp_serde::to_vec(&s).unwrap(), "str {n}");
+            // rmp's header of n zeros (one byte each); a map's differs in its markers.
+            let zeros = rmp_serde::to_vec(&vec![0u8; n]).unwrap();
+            let array = zeros.get(..zeros.len() - n).unwrap().to_vec();
+            let mut ours = Vec::new();
+            super::put::array_len(&mut ours, n).unwrap();
+            assert_eq!(ours, array, "array {n}");
+        }
+    }
+
     #[test]
     fn shape_check_agrees_with_the_parser_and_refuses_forged_lengths() {
         let good: [&[u8]; 5] = [

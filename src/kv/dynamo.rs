@@ -16,13 +16,13 @@
 
 use std::borrow::Cow;
 
-use serde::ser::SerializeSeq;
-use serde::{Deserialize, Serialize, Serializer};
+use serde::Deserialize;
 
 use super::{
     BlockHash, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId,
 };
 use super::{EncodeError, KvDecodeError};
+use crate::msgpack::put;
 
 /// Encodes router events as a Dynamo `kv-events` payload, byte for byte what a Dynamo
 /// 1.6.1 worker writes for the same events.
@@ -41,8 +41,52 @@ use super::{EncodeError, KvDecodeError};
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn encode_dynamo_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, EncodeError> {
-    let wire: Vec<OutEvent<'_>> = events.iter().map(OutEvent::from).collect();
-    rmp_serde::to_vec_named(&wire).map_err(|e| EncodeError::new("Dynamo router events", e))
+    let err = |e| EncodeError::new("Dynamo router events", e);
+    // Written field by field, in the order and forms serde's derive would give
+    // (checked against it by a test), without building the schema's structs.
+    let mut out = Vec::with_capacity(events.len() * 160);
+    put::array_len(&mut out, events.len()).map_err(err)?;
+    for e in events {
+        out.extend_from_slice(b"\x84\xa9worker_id");
+        put::uint(&mut out, e.worker_id.0);
+        out.extend_from_slice(b"\xacstorage_tier");
+        put::str(&mut out, dynamo_storage_tier(e.tier));
+        out.extend_from_slice(b"\xb0residency_domain\xa6worker\xa5event\x83\xa8event_id");
+        put::uint(&mut out, e.event.id);
+        out.extend_from_slice(b"\xa4data");
+        match &e.event.data {
+            KvEventData::Stored {
+                parent_hash,
+                blocks,
+            } => {
+                out.extend_from_slice(b"\x81\xa6stored\x83\xabparent_hash");
+                match parent_hash {
+                    Some(h) => put::uint(&mut out, h.0),
+                    None => put::nil(&mut out),
+                }
+                out.extend_from_slice(b"\xaestart_position\xc0\xa6blocks");
+                put::array_len(&mut out, blocks.len()).map_err(err)?;
+                for b in blocks {
+                    out.extend_from_slice(b"\x83\xaablock_hash");
+                    put::uint(&mut out, b.block_hash.0);
+                    out.extend_from_slice(b"\xabtokens_hash");
+                    put::uint(&mut out, b.tokens_hash.0);
+                    out.extend_from_slice(b"\xadmm_extra_info\xc0");
+                }
+            }
+            KvEventData::Removed { block_hashes } => {
+                out.extend_from_slice(b"\x81\xa7removed\x81\xacblock_hashes");
+                put::array_len(&mut out, block_hashes.len()).map_err(err)?;
+                for h in block_hashes {
+                    put::uint(&mut out, h.0);
+                }
+            }
+            KvEventData::Cleared => out.extend_from_slice(b"\xa7cleared"),
+        }
+        out.extend_from_slice(b"\xa7dp_rank");
+        put::uint(&mut out, u64::from(e.event.dp_rank));
+    }
+    Ok(out)
 }
 
 /// Decodes a Dynamo `kv-events` payload into router events. Never panics on hostile
@@ -85,86 +129,6 @@ fn tier_from_dynamo(name: &str) -> StorageTier {
         "host_pinned" => StorageTier::HostPinned,
         "disk" => StorageTier::Disk,
         _ => StorageTier::External,
-    }
-}
-
-#[derive(Serialize)]
-struct OutEvent<'a> {
-    worker_id: u64,
-    storage_tier: &'static str,
-    residency_domain: &'static str,
-    event: OutKv<'a>,
-}
-
-#[derive(Serialize)]
-struct OutKv<'a> {
-    event_id: u64,
-    data: OutData<'a>,
-    dp_rank: u32,
-}
-
-#[derive(Serialize)]
-#[serde(rename_all = "snake_case")]
-enum OutData<'a> {
-    Stored {
-        parent_hash: Option<u64>,
-        start_position: Option<u64>,
-        blocks: OutBlocks<'a>,
-    },
-    Removed {
-        block_hashes: &'a [BlockHash],
-    },
-    Cleared,
-}
-
-/// Serializes stored blocks in Dynamo's shape without building them first.
-struct OutBlocks<'a>(&'a [StoredBlock]);
-
-#[derive(Serialize)]
-struct OutBlock {
-    block_hash: u64,
-    tokens_hash: u64,
-    mm_extra_info: Option<()>,
-}
-
-impl Serialize for OutBlocks<'_> {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let mut seq = serializer.serialize_seq(Some(self.0.len()))?;
-        for b in self.0 {
-            seq.serialize_element(&OutBlock {
-                block_hash: b.block_hash.0,
-                tokens_hash: b.tokens_hash.0,
-                mm_extra_info: None,
-            })?;
-        }
-        seq.end()
-    }
-}
-
-impl<'a> From<&'a RouterEvent> for OutEvent<'a> {
-    fn from(e: &'a RouterEvent) -> OutEvent<'a> {
-        let data = match &e.event.data {
-            KvEventData::Stored {
-                parent_hash,
-                blocks,
-            } => OutData::Stored {
-                parent_hash: parent_hash.map(|h| h.0),
-                start_position: None,
-                blocks: OutBlocks(blocks),
-            },
-            KvEventData::Removed { block_hashes } => OutData::Removed { block_hashes },
-            KvEventData::Cleared => OutData::Cleared,
-        };
-        OutEvent {
-            worker_id: e.worker_id.0,
-            storage_tier: dynamo_storage_tier(e.tier),
-            residency_domain: "worker",
-            event: OutKv {
-                event_id: e.event.id,
-                data,
-                dp_rank: e.event.dp_rank,
-            },
-        }
     }
 }
 
@@ -244,6 +208,89 @@ impl From<InEvent<'_>> for RouterEvent {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use serde::ser::SerializeSeq;
+    use serde::{Serialize, Serializer};
+
+    // The schema as serde structs: the reference the direct encoder is checked against.
+    #[derive(Serialize)]
+    struct OutEvent<'a> {
+        worker_id: u64,
+        storage_tier: &'static str,
+        residency_domain: &'static str,
+        event: OutKv<'a>,
+    }
+
+    #[derive(Serialize)]
+    struct OutKv<'a> {
+        event_id: u64,
+        data: OutData<'a>,
+        dp_rank: u32,
+    }
+
+    #[derive(Serialize)]
+    #[serde(rename_all = "snake_case")]
+    enum OutData<'a> {
+        Stored {
+            parent_hash: Option<u64>,
+            start_position: Option<u64>,
+            blocks: OutBlocks<'a>,
+        },
+        Removed {
+            block_hashes: &'a [BlockHash],
+        },
+        Cleared,
+    }
+
+    /// Serializes stored blocks in Dynamo's shape without building them first.
+    struct OutBlocks<'a>(&'a [StoredBlock]);
+
+    #[derive(Serialize)]
+    struct OutBlock {
+        block_hash: u64,
+        tokens_hash: u64,
+        mm_extra_info: Option<()>,
+    }
+
+    impl Serialize for OutBlocks<'_> {
+        fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            let mut seq = serializer.serialize_seq(Some(self.0.len()))?;
+            for b in self.0 {
+                seq.serialize_element(&OutBlock {
+                    block_hash: b.block_hash.0,
+                    tokens_hash: b.tokens_hash.0,
+                    mm_extra_info: None,
+                })?;
+            }
+            seq.end()
+        }
+    }
+
+    impl<'a> From<&'a RouterEvent> for OutEvent<'a> {
+        fn from(e: &'a RouterEvent) -> OutEvent<'a> {
+            let data = match &e.event.data {
+                KvEventData::Stored {
+                    parent_hash,
+                    blocks,
+                } => OutData::Stored {
+                    parent_hash: parent_hash.map(|h| h.0),
+                    start_position: None,
+                    blocks: OutBlocks(blocks),
+                },
+                KvEventData::Removed { block_hashes } => OutData::Removed { block_hashes },
+                KvEventData::Cleared => OutData::Cleared,
+            };
+            OutEvent {
+                worker_id: e.worker_id.0,
+                storage_tier: dynamo_storage_tier(e.tier),
+                residency_domain: "worker",
+                event: OutKv {
+                    event_id: e.event.id,
+                    data,
+                    dp_rank: e.event.dp_rank,
+                },
+            }
+        }
+    }
 
     #[test]
     fn every_tier_and_kind_round_trips() {
@@ -288,6 +335,9 @@ mod tests {
         }
         let payload = encode_dynamo_router_events(&events).unwrap();
         assert_eq!(decode_dynamo_router_events(&payload).unwrap(), events);
+        // Byte for byte what serde's derive of the schema writes.
+        let wire: Vec<OutEvent<'_>> = events.iter().map(OutEvent::from).collect();
+        assert_eq!(payload, rmp_serde::to_vec_named(&wire).unwrap());
     }
 
     #[test]

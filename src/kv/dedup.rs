@@ -1,5 +1,7 @@
 //! `DedupFilter`: reference-counted suppression of removals.
 
+use std::collections::hash_map::Entry;
+
 use crate::hash::FastMap;
 
 use super::event::{BlockHash, DpRank, KvEventData, Placement, StorageTier};
@@ -39,6 +41,9 @@ pub const DEFAULT_MAX_TRACKED_HASHES: usize = 1 << 21;
 /// ```
 pub const DEFAULT_MAX_TRACKED_RANKS: usize = 64;
 
+/// Largest table kept for reuse once its pair emptied.
+const SPARE_CAPACITY: usize = 1 << 16;
+
 /// Reference-counted dedup per `(dp_rank, tier)`, sans-IO.
 ///
 /// Each stored block hash counts +1 (repeats within one event too; counts saturate).
@@ -77,6 +82,12 @@ pub struct DedupFilter {
     max_hashes: usize,
     max_ranks: usize,
     resets: u64,
+    /// The table of a pair that emptied, kept for the next pair that needs one (a
+    /// worker's pair empties and refills all the time: without it, each refill
+    /// allocates and grows a table again). Empty, and shrunk to room for
+    /// [`SPARE_CAPACITY`] entries when larger, so it adds at most about 2.5 MiB to the
+    /// caps' bound.
+    spare: FastMap<BlockHash, u32>,
 }
 
 impl Default for DedupFilter {
@@ -96,6 +107,7 @@ impl DedupFilter {
             max_hashes: DEFAULT_MAX_TRACKED_HASHES,
             max_ranks: DEFAULT_MAX_TRACKED_RANKS,
             resets: 0,
+            spare: FastMap::default(),
         }
     }
 
@@ -141,6 +153,7 @@ impl DedupFilter {
         if let Some(key) = largest {
             self.forget(&key);
         }
+        self.spare = FastMap::default();
         self.resets += 1;
     }
 
@@ -170,8 +183,31 @@ impl DedupFilter {
             } => {
                 if !self.counts.contains_key(&key) && self.counts.len() >= self.max_ranks {
                     self.counts = FastMap::default();
+                    self.spare = FastMap::default();
                     self.tracked = 0;
                     self.resets += 1;
+                }
+                if !blocks.is_empty()
+                    && self.tracked.saturating_add(blocks.len()) <= self.max_hashes
+                {
+                    // No cap can be reached by this event: one table lookup, then one
+                    // entry per hash.
+                    let spare = &mut self.spare;
+                    let counts = self
+                        .counts
+                        .entry(key)
+                        .or_insert_with(|| std::mem::take(spare));
+                    for b in &blocks {
+                        let n = counts.entry(b.block_hash).or_insert(0);
+                        if *n == 0 {
+                            self.tracked += 1;
+                        }
+                        *n = n.saturating_add(1);
+                    }
+                    return Some(KvEventData::Stored {
+                        parent_hash,
+                        blocks,
+                    });
                 }
                 for b in &blocks {
                     let known = self
@@ -200,12 +236,12 @@ impl DedupFilter {
             KvEventData::Removed { mut block_hashes } => {
                 if let Some(counts) = self.counts.get_mut(&key) {
                     let before = counts.len();
-                    block_hashes.retain(|h| match counts.get_mut(h) {
-                        None => true,
-                        Some(n) => {
-                            *n = n.saturating_sub(1);
-                            if *n == 0 {
-                                counts.remove(h);
+                    block_hashes.retain(|h| match counts.entry(*h) {
+                        Entry::Vacant(_) => true,
+                        Entry::Occupied(mut n) => {
+                            *n.get_mut() = n.get().saturating_sub(1);
+                            if *n.get() == 0 {
+                                n.remove();
                                 true
                             } else {
                                 false
@@ -214,7 +250,12 @@ impl DedupFilter {
                     });
                     self.tracked -= before - counts.len();
                     if counts.is_empty() {
-                        self.counts.remove(&key);
+                        if let Some(mut emptied) = self.counts.remove(&key) {
+                            // A table grown past SPARE_CAPACITY is reallocated down
+                            // (rarely); a smaller one is kept as it is.
+                            emptied.shrink_to(SPARE_CAPACITY);
+                            self.spare = emptied;
+                        }
                     }
                 }
                 if block_hashes.is_empty() {
@@ -270,6 +311,25 @@ mod tests {
         KvEventData::Removed {
             block_hashes: vec![BlockHash(h)],
         }
+    }
+
+    #[test]
+    fn an_emptied_pair_leaves_its_table_for_the_next() {
+        let mut d = DedupFilter::new(DedupMode::RefCounted)
+            .with_limits(1000, 1)
+            .unwrap();
+        d.filter(&at(0), store(0..100));
+        let all = KvEventData::Removed {
+            block_hashes: (0..100).map(BlockHash).collect(),
+        };
+        assert_eq!(d.filter(&at(0), all.clone()), Some(all));
+        assert_eq!(d.tracked(), 0);
+        // (capacity() leaves out the removals' tombstones, which a refill clears.)
+        assert!(d.spare.capacity() > 0, "kept for the next pair");
+        // A store of no block tracks no pair: another rank still fits a cap of one.
+        d.filter(&at(3), store(std::iter::empty()));
+        d.filter(&at(1), store(0..100));
+        assert_eq!((d.tracked(), d.resets(), d.spare.capacity()), (100, 0, 0));
     }
 
     #[test]

@@ -70,6 +70,8 @@ pub struct EngineDecoder {
     stats: EngineStats,
     /// Token ids of the event being decoded (the fast path's scratch).
     tokens: Vec<u64>,
+    /// Hashes of the stored event being decoded (the fast path's scratch).
+    hashes: Vec<BlockHash>,
 }
 
 /// Default budget of msgpack elements decoded per batch (each value, and each
@@ -102,6 +104,7 @@ impl EngineDecoder {
             max_events: DEFAULT_MAX_BATCH_EVENTS,
             stats: EngineStats::default(),
             tokens: Vec::new(),
+            hashes: Vec::new(),
         })
     }
 

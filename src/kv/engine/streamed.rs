@@ -13,8 +13,8 @@ use crate::kv::{BlockHash, KvEvent, KvEventData, Placement, PlacementEvent, Stor
 use crate::msgpack::{read_str, read_uint};
 use crate::reader::Reader;
 
-/// Token ids kept between events (8 bytes each): a larger scratch buffer is given
-/// back after the event that needed it.
+/// Token ids (and stored hashes) kept between batches, 8 bytes each: a larger scratch
+/// buffer is given back after the batch that needed it.
 const KEPT_TOKENS: usize = 1 << 14;
 
 /// Capacity the event list starts with, whatever the batch declares.
@@ -80,17 +80,18 @@ fn read_uints(r: &mut Reader<'_>, budget: &mut usize, out: &mut Vec<u64>) -> Opt
     Some(())
 }
 
-fn read_hashes(r: &mut Reader<'_>, budget: &mut usize) -> Option<Vec<BlockHash>> {
+fn read_hashes(r: &mut Reader<'_>, budget: &mut usize, out: &mut Vec<BlockHash>) -> Option<()> {
     let n = array_len(r)?;
     spend(budget, n.checked_add(1)?)?;
     if n > r.remaining() {
         return None;
     }
-    let mut out = Vec::with_capacity(n);
+    out.clear();
+    out.reserve(n);
     for _ in 0..n {
         out.push(BlockHash(read_uint(r)?));
     }
-    Some(out)
+    Some(())
 }
 
 /// A medium: `nil` or a string (anything else steps aside).
@@ -133,6 +134,10 @@ impl EngineDecoder {
         self.tokens.clear();
         if self.tokens.capacity() > KEPT_TOKENS {
             self.tokens = Vec::new();
+        }
+        self.hashes.clear();
+        if self.hashes.capacity() > KEPT_TOKENS {
+            self.hashes = Vec::new();
         }
         decoded
     }
@@ -192,7 +197,11 @@ impl EngineDecoder {
         let tag = read_str(r)?;
         let (data, tier) = match tag {
             b"BlockStored" if len >= 4 => {
-                let hashes = read_hashes(r, budget)?;
+                // The stored blocks are built from the hashes: read into scratch.
+                let mut hashes = std::mem::take(&mut self.hashes);
+                let read = read_hashes(r, budget, &mut hashes);
+                self.hashes = hashes;
+                read?;
                 spend(budget, 1)?;
                 let parent = if read_nil(r) {
                     None
@@ -205,7 +214,9 @@ impl EngineDecoder {
                 let tier = read
                     .filter(|()| fits)
                     .and_then(|()| rest_of_event(r, budget, 4, len, 6));
+                let hashes = std::mem::take(&mut self.hashes);
                 let data = tier.and_then(|_| self.stored(parent, &hashes, &tokens));
+                self.hashes = hashes;
                 self.tokens = tokens;
                 let tier = tier?;
                 match data {
@@ -214,7 +225,8 @@ impl EngineDecoder {
                 }
             }
             b"BlockRemoved" if len >= 2 => {
-                let block_hashes = read_hashes(r, budget)?;
+                let mut block_hashes = Vec::new();
+                read_hashes(r, budget, &mut block_hashes)?;
                 let tier = rest_of_event(r, budget, 2, len, 2)?;
                 (KvEventData::Removed { block_hashes }, tier)
             }

@@ -20,6 +20,11 @@ impl<'a> Reader<'a> {
         self.buf.len() - self.pos
     }
 
+    /// What is left to read, without reading it.
+    pub(crate) fn peek_rest(&self) -> &'a [u8] {
+        self.buf.get(self.pos..).unwrap_or_default()
+    }
+
     pub(crate) fn take(&mut self, n: usize) -> Option<&'a [u8]> {
         let end = self.pos.checked_add(n)?;
         let out = self.buf.get(self.pos..end)?;

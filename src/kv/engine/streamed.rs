@@ -63,35 +63,56 @@ fn skip_scalar(r: &mut Reader<'_>) -> Option<()> {
     r.take(n).map(drop)
 }
 
-/// An array of non-negative integers into `out` (cleared first); the general
-/// decoder's budget: one for the array, one per integer.
-fn read_uints(r: &mut Reader<'_>, budget: &mut usize, out: &mut Vec<u64>) -> Option<()> {
+/// The non-negative integer at `bytes[at..]` and its encoded length.
+#[inline]
+fn uint_at(bytes: &[u8], at: usize) -> Option<(u64, usize)> {
+    let field = |n: usize| bytes.get(at + 1..at + 1 + n);
+    let marker = *bytes.get(at)?;
+    Some(match marker {
+        0x00..=0x7f => (u64::from(marker), 1),
+        0xcc => (u64::from(*field(1)?.first()?), 2),
+        0xcd => (u64::from(u16::from_be_bytes(field(2)?.try_into().ok()?)), 3),
+        0xce => (u64::from(u32::from_be_bytes(field(4)?.try_into().ok()?)), 5),
+        0xcf => (u64::from_be_bytes(field(8)?.try_into().ok()?), 9),
+        _ => return None,
+    })
+}
+
+/// An array of non-negative integers, each pushed through `push` (after `out` is
+/// cleared and sized); the general decoder's budget: one for the array, one per
+/// integer.
+fn read_array<T>(
+    r: &mut Reader<'_>,
+    budget: &mut usize,
+    out: &mut Vec<T>,
+    item: impl Fn(u64) -> Option<T>,
+) -> Option<()> {
     let n = array_len(r)?;
     spend(budget, n.checked_add(1)?)?;
+    let bytes = r.peek_rest();
     // Every integer takes at least a byte: nothing is reserved that is not there.
-    if n > r.remaining() {
+    if n > bytes.len() {
         return None;
     }
     out.clear();
     out.reserve(n);
+    let mut at = 0;
     for _ in 0..n {
-        out.push(read_uint(r)?);
+        let (v, len) = uint_at(bytes, at)?;
+        out.push(item(v)?);
+        at += len;
     }
-    Some(())
+    r.take(at).map(drop)
+}
+
+/// Token ids: each must fit in a `u32` (the general decoder fails the event
+/// otherwise: here the batch steps aside).
+fn read_tokens(r: &mut Reader<'_>, budget: &mut usize, out: &mut Vec<u64>) -> Option<()> {
+    read_array(r, budget, out, |t| (t <= u64::from(u32::MAX)).then_some(t))
 }
 
 fn read_hashes(r: &mut Reader<'_>, budget: &mut usize, out: &mut Vec<BlockHash>) -> Option<()> {
-    let n = array_len(r)?;
-    spend(budget, n.checked_add(1)?)?;
-    if n > r.remaining() {
-        return None;
-    }
-    out.clear();
-    out.reserve(n);
-    for _ in 0..n {
-        out.push(BlockHash(read_uint(r)?));
-    }
-    Some(())
+    read_array(r, budget, out, |h| Some(BlockHash(h)))
 }
 
 /// A medium: `nil` or a string (anything else steps aside).
@@ -209,10 +230,7 @@ impl EngineDecoder {
                     Some(BlockHash(read_uint(r)?))
                 };
                 let mut tokens = std::mem::take(&mut self.tokens);
-                let read = read_uints(r, budget, &mut tokens);
-                let fits = tokens.iter().all(|&t| u32::try_from(t).is_ok());
-                let tier = read
-                    .filter(|()| fits)
+                let tier = read_tokens(r, budget, &mut tokens)
                     .and_then(|()| rest_of_event(r, budget, 4, len, 6));
                 let hashes = std::mem::take(&mut self.hashes);
                 let data = tier.and_then(|_| self.stored(parent, &hashes, &tokens));

@@ -13,7 +13,10 @@
 //! not a measurement of loss.
 //!
 //! The publisher runs on a current-thread runtime (one core); the subscriber threads
-//! share the other. The sender sleeps on a `Notify` while its window is full, so it
+//! share the other. Besides criterion's wall-clock rate, the bench prints the
+//! publisher's own CPU time per message (`zmtp_pub: … ns per message` lines): on two
+//! cores, with N subscriber threads reading, the wall clock also pays for the readers,
+//! while the publisher's CPU time is what fanning out costs it. The sender sleeps on a `Notify` while its window is full, so it
 //! never competes with them for CPU. libzmq's PUB runs in a process of its own (its
 //! application thread and its I/O thread), sending without loss (`XPUB_NODROP`: it
 //! waits for room instead of dropping) as many messages as each iteration asks for.
@@ -154,6 +157,32 @@ impl Counters {
     }
 }
 
+/// The publisher's CPU time over the messages it sent: the thread that runs ours and
+/// the zeromq crate's (the subscriber threads excluded), libzmq's whole process (its
+/// application and I/O threads; 10 ms clock ticks).
+#[derive(Default)]
+struct Cpu {
+    messages: u64,
+    time: Duration,
+}
+
+impl Cpu {
+    fn add(&mut self, messages: u64, time: Duration) {
+        self.messages += messages;
+        self.time += time;
+    }
+
+    fn line(&self, who: &str, subs: usize) -> String {
+        let per_message = self.time.as_nanos() as f64 / self.messages.max(1) as f64;
+        format!(
+            "{who}, {subs} subscriber(s): publisher CPU {:.3} s over {} messages: \
+             {per_message:.1} ns per message",
+            self.time.as_secs_f64(),
+            self.messages
+        )
+    }
+}
+
 struct Ours {
     socket: PubSocket,
     counters: Counters,
@@ -261,9 +290,11 @@ fn bench(c: &mut Criterion) {
                 sent: 0,
             }
         });
+        let mut cpu = Cpu::default();
         group.bench_function(BenchmarkId::new("eventplane", subs), |b| {
             b.iter_custom(|iters| {
-                rt.block_on(async {
+                let thread = procfs::thread_cpu();
+                let elapsed = rt.block_on(async {
                     let start = Instant::now();
                     let end = ours.sent + iters;
                     while ours.sent < end {
@@ -276,9 +307,12 @@ fn bench(c: &mut Criterion) {
                     }
                     within(ours.counters.wait_until(end)).await;
                     start.elapsed()
-                })
+                });
+                cpu.add(iters, procfs::thread_cpu() - thread);
+                elapsed
             })
         });
+        report.push(cpu.line("eventplane", subs));
         report.push(format!(
             "eventplane, {subs} subscriber(s): sent {}, dropped {}",
             ours.sent,
@@ -309,9 +343,11 @@ fn bench(c: &mut Criterion) {
             }
         });
         let zmsg = ZmqMessage::try_from(msg.clone().into_parts().collect::<Vec<_>>()).unwrap();
+        let mut cpu = Cpu::default();
         group.bench_function(BenchmarkId::new("zeromq", subs), |b| {
             b.iter_custom(|iters| {
-                rt.block_on(async {
+                let thread = procfs::thread_cpu();
+                let elapsed = rt.block_on(async {
                     let start = Instant::now();
                     let end = theirs.sent + iters;
                     while theirs.sent < end {
@@ -335,9 +371,12 @@ fn bench(c: &mut Criterion) {
                     .await;
                     assert!(done.is_ok(), "zeromq dropped messages");
                     start.elapsed()
-                })
+                });
+                cpu.add(iters, procfs::thread_cpu() - thread);
+                elapsed
             })
         });
+        report.push(cpu.line("zeromq", subs));
         report.push(format!(
             "zeromq, {subs} subscriber(s): sent {}, received (min) {}",
             theirs.sent,
@@ -349,18 +388,23 @@ fn bench(c: &mut Criterion) {
         // libzmq's own PUB, in its process.
         let Some(program) = &libzmq else { continue };
         let mut zmq = Libzmq::start(program, subs, msg_len);
+        let mut cpu = Cpu::default();
         group.bench_function(BenchmarkId::new("libzmq", subs), |b| {
             b.iter_custom(|iters| {
-                rt.block_on(async {
+                let process = procfs::cpu_time(zmq.child.id());
+                let elapsed = rt.block_on(async {
                     let start = Instant::now();
                     zmq.send(iters);
                     within(zmq.counters.wait_until(zmq.sent)).await;
                     let elapsed = start.elapsed();
                     assert_eq!(Libzmq::line(&mut zmq.stdout), "sent");
                     elapsed
-                })
+                });
+                cpu.add(iters, procfs::cpu_time(zmq.child.id()) - process);
+                elapsed
             })
         });
+        report.push(cpu.line("libzmq", subs));
         report.push(format!(
             "libzmq, {subs} subscriber(s): sent {}, received (min) {}",
             zmq.sent,

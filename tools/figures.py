@@ -130,9 +130,17 @@ PUB_SUBSCRIBERS = (1, 8, 64, 256)
 
 
 def src_pub(ctx):
-    _, r = bench(ctx, "zmtp_pub")
+    text, r = bench(ctx, "zmtp_pub")
     v = {f"{who}/{n}": rate(r, f"zmtp_pub/100B/{who}/{n}")
          for who in ("eventplane", "zeromq", "libzmq") for n in PUB_SUBSCRIBERS}
+    for who in ("eventplane", "zeromq", "libzmq"):
+        for n in PUB_SUBSCRIBERS:
+            m = re.search(rf"zmtp_pub: {who}, {n} subscriber\(s\): publisher CPU [\d.]+ s over \d+ "
+                          rf"messages: ([\d.]+) ns per message", text)
+            if m:
+                v[f"{who}/{n}/cpu_ns"] = float(m.group(1))
+            elif not ctx.quick:
+                raise Failed(f"zmtp_pub: no CPU line for {who} at {n}")
     if ctx.before:
         # The same bench at the "before" commit (its own 1 and 8 subscribers), built
         # and run in that commit's worktree, right after this one.
@@ -480,11 +488,20 @@ The sans-IO core alone (our PUB `Session` encoding into our SUB `Session` throug
             return f"**{text}**" if bold else text
 
         def cost(who, n):
-            return f"{f.ratio(f'{who}/1', f'{who}/{n}'):.1f}×"
+            return f"{f.ratio(f'{who}/1', f'{who}/{n}'):.1f}×" if n > 1 else "1×"
 
-        rows = [[n, cell("eventplane", n, True), cost("eventplane", n) if n > 1 else "1×",
+        def cpu(who, n, bold=False):
+            if not f.has(f"{who}/{n}/cpu_ns"):
+                return "—"
+            ns = f(f"{who}/{n}/cpu_ns")
+            text = f"{ns:,.0f} ns" if ns < 10_000 else f"{ns / 1000:,.0f} µs"
+            times = f" ({f.ratio(f'{who}/{n}/cpu_ns', f'{who}/1/cpu_ns'):.1f}×)" if n > 1 else ""
+            return f"**{text}{times}**" if bold else text + times
+
+        rows = [[n, cell("eventplane", n, True), cost("eventplane", n), cpu("eventplane", n, True),
                  cell("before", n) if f.has(f"before/{n}") else "—",
-                 cell("zeromq", n), cell("libzmq", n), cost("libzmq", n) if n > 1 else "1×"]
+                 cell("zeromq", n), cpu("zeromq", n), cell("libzmq", n), cost("libzmq", n),
+                 cpu("libzmq", n)]
                 for n in PUB_SUBSCRIBERS]
         before = f" at `{f.before}`" if f.has("before/1") else ""
         section("Publishing", "cargo bench --bench zmtp_pub", f"""
@@ -493,12 +510,18 @@ flight per subscriber (below both Rust publishers' queues: the bench asserts zer
 for both, so "the subscribers keep up" is what is measured; libzmq's XPUB waits for room
 instead of dropping); our publisher and the zeromq crate's on a current-thread runtime
 on one core, the subscribers on the other; libzmq's PUB (`benches/libzmq_pub.c`) in a
-process of its own, with its I/O thread. "Cost per message" is the time per message
-relative to the same publisher with one subscriber. "Before" is this bench's
+process of its own, with its I/O thread. "Cost per message" is the wall-clock time per
+message relative to the same publisher with one subscriber; on two cores the wall clock
+also pays for the subscriber threads' reads. "Publisher CPU" is what the publisher
+itself spent per message: the thread running ours and the zeromq crate's, libzmq's
+whole process (10 ms clock ticks), relative to one subscriber in parentheses. On
+loopback a sender's `writev` also runs the receiving side's TCP processing, so every
+subscriber costs the publisher a kernel receive path too. "Before" is this bench's
 eventplane{before}, built and run in the same run (it measured 1 and 8 subscribers).
 
-{table(["subscribers", "eventplane `PubSocket`", "cost per message", "eventplane before",
-        "zeromq 0.7 `PubSocket`", "libzmq 4.3 PUB (C)", "libzmq cost per message"], rows)}
+{table(["subscribers", "eventplane `PubSocket`", "cost per message", "eventplane publisher CPU",
+        "eventplane before", "zeromq 0.7 `PubSocket`", "zeromq publisher CPU",
+        "libzmq 4.3 PUB (C)", "libzmq cost per message", "libzmq publisher CPU"], rows)}
 """)
 
     if "cli" in sections:

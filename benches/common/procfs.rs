@@ -41,3 +41,9 @@ pub(crate) fn cpu_time(pid: u32) -> std::time::Duration {
     };
     std::time::Duration::from_millis((tick(11) + tick(12)) * 10)
 }
+
+/// CPU time of the calling thread (exact, from the kernel's scheduler clock).
+pub(crate) fn thread_cpu() -> std::time::Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    std::time::Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}

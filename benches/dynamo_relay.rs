@@ -24,7 +24,8 @@
 //! wall-clock second; the bench reads each worker's CPU time (all its threads) from
 //! `/proc` and prints engine events per CPU-second (`dynamo_relay: SHAPE MODE WHO:`
 //! lines), what a worker pays per event. A window not through within 30 s fails the
-//! bench.
+//! bench. `EVENTPLANE_KV_RELAY_BEFORE=path` adds another build of `kv_relay` (built
+//! with feature `etcd`), to compare two versions in one run.
 #![allow(
     missing_docs,
     clippy::unwrap_used,
@@ -237,7 +238,7 @@ impl Rig {
         let namespace = format!("bench-{which}-{}", shape.name());
         let block_size = shape.block_size().to_string();
         let mut worker = match which {
-            "eventplane" => Command::new(kv_relay())
+            "eventplane" | "eventplane_before" => Command::new(kv_relay(which))
                 .args([
                     "--connect",
                     &engine_ep,
@@ -286,7 +287,7 @@ impl Rig {
             .unwrap();
         // kv_relay prints its endpoint, Dynamo's script "ready".
         let started = match which {
-            "eventplane" => line.starts_with("tcp://"),
+            "eventplane" | "eventplane_before" => line.starts_with("tcp://"),
             _ => line.trim() == "ready",
         };
         if !started {
@@ -437,6 +438,9 @@ impl Rig {
             // SIGTERM: it publishes what it holds, deletes its records, prints stats.
             let stats = terminate_for_stats(&mut self.worker, stderr);
             assert_relay_lossless("kv_relay", &stats, self.seq, self.events_sent);
+        } else if self.which == "eventplane_before" {
+            // Another build's stats need not have today's fields: its output was checked.
+            drop(relay::terminate(&mut self.worker, stderr));
         } else {
             drop(self.worker.stdin.take()); // EOF: the worker stops and unregisters
             let _ = self.worker.wait();
@@ -452,7 +456,10 @@ fn repo_root() -> PathBuf {
 
 /// The `kv_relay` example next to this bench's binary (a release build with feature
 /// `etcd`).
-fn kv_relay() -> PathBuf {
+fn kv_relay(which: &str) -> PathBuf {
+    if which == "eventplane_before" {
+        return PathBuf::from(std::env::var_os("EVENTPLANE_KV_RELAY_BEFORE").unwrap());
+    }
     let exe = std::env::current_exe().unwrap();
     let path = exe
         .parent()
@@ -491,7 +498,9 @@ fn bench(c: &mut Criterion) {
         group.sample_size(10);
         group.measurement_time(Duration::from_secs(10));
         group.throughput(Throughput::Elements(shape.window().events));
-        for which in ["eventplane", "dynamo"] {
+        // Another build of kv_relay (with feature `etcd`) to compare in the same run.
+        let before = std::env::var_os("EVENTPLANE_KV_RELAY_BEFORE").map(|_| "eventplane_before");
+        for which in ["eventplane"].into_iter().chain(before).chain(["dynamo"]) {
             let mut rig = Some(rt.block_on(Rig::start(which, shape, &url)));
             for mode in [Mode::Flood, Mode::Paced] {
                 group.bench_function(format!("{}/{which}", mode.name()), |b| {

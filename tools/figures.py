@@ -288,7 +288,7 @@ def src_dynamo(ctx):
     v = {}
     for shape in DYNAMO_SHAPES:
         for mode in DYNAMO_MODES:
-            for who in ("eventplane", "dynamo"):
+            for who in ("eventplane", "dynamo") + (("eventplane_before",) if ctx.before else ()):
                 key = f"{shape}/{mode}/{who}"
                 v[f"{key}/rate"] = rate(r, f"worker_process/{key}")
                 m = re.search(rf"dynamo_relay: {shape} {mode} {who}: \d+ engine events in [\d.]+ "
@@ -747,6 +747,11 @@ connection: RSS {f.span("broker/rss", lambda x: f"{x:.1f}")} MiB ({f("broker/idl
                     cpu = ["—", "—", "—"]
                 wall = ([f"**{k(f(f'{ours}/rate'))} k/s**", f"{k(f(f'{theirs}/rate'))} k/s"]
                         if mode == "flood" else ["paced", "paced"])
+                if f.has(f"{key}/eventplane_before/per_cpu"):
+                    ratio = f.ratio(f"{key}/eventplane_before/per_cpu", f"{theirs}/per_cpu")
+                    cpu.append(f"{m(f(f'{key}/eventplane_before/per_cpu') * 1e6)} M ({ratio:.1f}×)")
+                else:
+                    cpu.append("—")
                 rows.append([names[shape], mode] + cpu + wall)
         section("Next to Dynamo: the worker process", "cargo build --release --features etcd "
                 "--example kv_relay && cargo bench --features etcd --bench dynamo_relay", f"""
@@ -763,7 +768,7 @@ asserted to bring exactly its blocks with no gap or drop; `kv_relay`'s own stats
 SIGTERM must show every batch decoded and every event processed. CPU time is each
 worker process's (all threads) from `/proc`.
 
-{table(["engine stream", "sent", "eventplane, engine events per CPU-second", "Dynamo, per CPU-second", "eventplane / Dynamo", "eventplane, events/s", "Dynamo, events/s"], rows)}
+{table(["engine stream", "sent", "eventplane, engine events per CPU-second", "Dynamo, per CPU-second", "eventplane / Dynamo", f"eventplane at `{f.before}` (built by `--before`), per CPU-second" if f.before else "eventplane before", "eventplane, events/s", "Dynamo, events/s"], rows)}
 """)
 
     if "worker" in sections:
@@ -822,7 +827,9 @@ def before_tree(rev):
 def build_before(rev):
     """`subscribe` and `kv_relay` built at `rev`, in a worktree of their own."""
     tree = before_tree(rev)
-    run(["cargo", "build", "--release", "--example", "subscribe", "--example", "kv_relay"],
+    # kv_relay with etcd: dynamo_relay runs it as `kv_relay --wire dynamo --etcd …`.
+    run(["cargo", "build", "--release", "--features", "etcd", "--example", "subscribe",
+         "--example", "kv_relay"],
         LOGS / "before-build.log", cwd=tree, env={"CARGO_TARGET_DIR": str(tree / "target")})
     bins = tree / "target/release/examples"
     return {"EVENTPLANE_SUBSCRIBE_BEFORE": str(bins / "subscribe"),

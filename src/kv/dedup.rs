@@ -1,7 +1,5 @@
 //! `DedupFilter`: reference-counted suppression of removals.
 
-use std::collections::hash_map::Entry;
-
 use crate::hash::FastMap;
 
 use super::event::{BlockHash, DpRank, KvEventData, Placement, StorageTier};
@@ -236,12 +234,14 @@ impl DedupFilter {
             KvEventData::Removed { mut block_hashes } => {
                 if let Some(counts) = self.counts.get_mut(&key) {
                     let before = counts.len();
-                    block_hashes.retain(|h| match counts.entry(*h) {
-                        Entry::Vacant(_) => true,
-                        Entry::Occupied(mut n) => {
-                            *n.get_mut() = n.get().saturating_sub(1);
-                            if *n.get() == 0 {
-                                n.remove();
+                    // Not `entry`: it reserves room for an absent key, and a removal
+                    // must not grow the table.
+                    block_hashes.retain(|h| match counts.get_mut(h) {
+                        None => true,
+                        Some(n) => {
+                            *n = n.saturating_sub(1);
+                            if *n == 0 {
+                                counts.remove(h);
                                 true
                             } else {
                                 false

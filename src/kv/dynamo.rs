@@ -44,7 +44,7 @@ pub fn encode_dynamo_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, En
     let err = |e| EncodeError::new("Dynamo router events", e);
     // Written field by field, in the order and forms serde's derive would give
     // (checked against it by a test), without building the schema's structs.
-    let mut out = Vec::with_capacity(events.len() * 160);
+    let mut out = Vec::with_capacity(events.len().saturating_mul(160));
     put::array_len(&mut out, events.len()).map_err(err)?;
     for e in events {
         out.extend_from_slice(b"\x84\xa9worker_id");

@@ -85,7 +85,7 @@ pub fn encode_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, EncodeErr
     let err = |e| EncodeError::new("router events", e);
     // Written field by field, exactly as serde's derive of `RouterEvent` with named
     // fields writes it (a test compares them).
-    let mut out = Vec::with_capacity(events.len() * 96);
+    let mut out = Vec::with_capacity(events.len().saturating_mul(96));
     put::array_len(&mut out, events.len()).map_err(err)?;
     for e in events {
         out.extend_from_slice(b"\x83\xa9worker_id");

@@ -214,7 +214,11 @@ fuzz_target!(|data: &[u8]| {
         // The fast path (batches as engines send them) must agree with the full parse.
         let mut reference = decoder.clone();
         let decoded = decoder.decode_batch(rest);
-        assert_eq!(decoded, reference.decode_batch_parsed(rest), "fast path ≠ full parse");
+        assert_eq!(
+            decoded,
+            reference.decode_batch_parsed(rest),
+            "fast path ≠ full parse"
+        );
         assert_eq!(decoder.stats(), reference.stats(), "fast path ≠ full parse");
         if let Ok(events) = decoded {
             pipeline_balances(events);

@@ -98,6 +98,17 @@ def grab(pattern, text, what, cast=float, group=1):
     return cast(m.group(group))
 
 
+def printed(ctx, text, pattern, what):
+    """The number (group 1 of `pattern`) a bench printed about CPU time; `None` in quick
+    mode, where a run may be too short to tell."""
+    m = re.search(pattern, text)
+    if m:
+        return float(m.group(1))
+    if ctx.quick:
+        return None
+    raise Failed(f"{what}: no line matching {pattern!r}")
+
+
 # --- sources: each runs once and returns {key: number or text} -----------------------
 
 def bench(ctx, name, criterion_args=(), env=None):
@@ -135,12 +146,10 @@ def src_pub(ctx):
          for who in ("eventplane", "zeromq", "libzmq") for n in PUB_SUBSCRIBERS}
     for who in ("eventplane", "zeromq", "libzmq"):
         for n in PUB_SUBSCRIBERS:
-            m = re.search(rf"zmtp_pub: {who}, {n} subscriber\(s\): publisher CPU [\d.]+ s over \d+ "
-                          rf"messages: ([\d.]+) ns per message", text)
-            if m:
-                v[f"{who}/{n}/cpu_ns"] = float(m.group(1))
-            elif not ctx.quick:
-                raise Failed(f"zmtp_pub: no CPU line for {who} at {n}")
+            ns = printed(ctx, text, rf"zmtp_pub: {who}, {n} subscriber\(s\): publisher CPU [\d.]+ s "
+                         rf"over \d+ messages: ([\d.]+) ns per message", "zmtp_pub")
+            if ns is not None:
+                v[f"{who}/{n}/cpu_ns"] = ns
     if ctx.before:
         # The same bench at the "before" commit (its own 1 and 8 subscribers), built
         # and run in that commit's worktree, right after this one.
@@ -291,12 +300,11 @@ def src_dynamo(ctx):
             for who in ("eventplane", "dynamo") + (("eventplane_before",) if ctx.before else ()):
                 key = f"{shape}/{mode}/{who}"
                 v[f"{key}/rate"] = rate(r, f"worker_process/{key}")
-                m = re.search(rf"dynamo_relay: {shape} {mode} {who}: \d+ engine events in [\d.]+ "
-                              rf"CPU-s of the worker: ([\d.]+) M per CPU-second", text)
-                if m:
-                    v[f"{key}/per_cpu"] = float(m.group(1))
-                elif not ctx.quick:
-                    raise Failed(f"dynamo_relay: no CPU-time line for {key}")
+                per_cpu = printed(ctx, text, rf"dynamo_relay: {shape} {mode} {who}: \d+ engine events "
+                                  rf"in [\d.]+ CPU-s of the worker: ([\d.]+) M per CPU-second",
+                                  "dynamo_relay")
+                if per_cpu is not None:
+                    v[f"{key}/per_cpu"] = per_cpu
     return v
 
 

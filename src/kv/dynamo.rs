@@ -18,6 +18,7 @@ use std::borrow::Cow;
 
 use serde::Deserialize;
 
+use super::sink::{Schema, put_event_data};
 use super::{
     BlockHash, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId,
 };
@@ -54,35 +55,7 @@ pub fn encode_dynamo_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, En
         out.extend_from_slice(b"\xb0residency_domain\xa6worker\xa5event\x83\xa8event_id");
         put::uint(&mut out, e.event.id);
         out.extend_from_slice(b"\xa4data");
-        match &e.event.data {
-            KvEventData::Stored {
-                parent_hash,
-                blocks,
-            } => {
-                out.extend_from_slice(b"\x81\xa6stored\x83\xabparent_hash");
-                match parent_hash {
-                    Some(h) => put::uint(&mut out, h.0),
-                    None => put::nil(&mut out),
-                }
-                out.extend_from_slice(b"\xaestart_position\xc0\xa6blocks");
-                put::array_len(&mut out, blocks.len()).map_err(err)?;
-                for b in blocks {
-                    out.extend_from_slice(b"\x83\xaablock_hash");
-                    put::uint(&mut out, b.block_hash.0);
-                    out.extend_from_slice(b"\xabtokens_hash");
-                    put::uint(&mut out, b.tokens_hash.0);
-                    out.extend_from_slice(b"\xadmm_extra_info\xc0");
-                }
-            }
-            KvEventData::Removed { block_hashes } => {
-                out.extend_from_slice(b"\x81\xa7removed\x81\xacblock_hashes");
-                put::array_len(&mut out, block_hashes.len()).map_err(err)?;
-                for h in block_hashes {
-                    put::uint(&mut out, h.0);
-                }
-            }
-            KvEventData::Cleared => out.extend_from_slice(b"\xa7cleared"),
-        }
+        put_event_data(&mut out, &e.event.data, Schema::Dynamo).map_err(err)?;
         out.extend_from_slice(b"\xa7dp_rank");
         put::uint(&mut out, u64::from(e.event.dp_rank));
     }
@@ -294,45 +267,7 @@ mod tests {
 
     #[test]
     fn every_tier_and_kind_round_trips() {
-        let mut events = Vec::new();
-        for (i, tier) in [
-            StorageTier::Device,
-            StorageTier::HostPinned,
-            StorageTier::Disk,
-            StorageTier::External,
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let i = i as u64;
-            for data in [
-                KvEventData::Stored {
-                    parent_hash: Some(BlockHash(u64::MAX - i)),
-                    blocks: vec![StoredBlock {
-                        block_hash: BlockHash(i),
-                        tokens_hash: TokensHash(u64::MAX),
-                    }],
-                },
-                KvEventData::Stored {
-                    parent_hash: None,
-                    blocks: vec![],
-                },
-                KvEventData::Removed {
-                    block_hashes: vec![BlockHash(1), BlockHash(u64::MAX)],
-                },
-                KvEventData::Cleared,
-            ] {
-                events.push(RouterEvent {
-                    worker_id: WorkerId(i),
-                    tier,
-                    event: KvEvent {
-                        id: i + 1,
-                        dp_rank: u32::MAX,
-                        data,
-                    },
-                });
-            }
-        }
+        let events = crate::kv::tests::every_tier_and_kind();
         let payload = encode_dynamo_router_events(&events).unwrap();
         assert_eq!(decode_dynamo_router_events(&payload).unwrap(), events);
         // Byte for byte what serde's derive of the schema writes.

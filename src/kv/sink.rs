@@ -8,7 +8,7 @@ use super::processor::EventSink;
 use super::{EncodeError, KvDecodeError, SinkError};
 use super::{KvEventData, RouterEvent};
 use crate::BoxFuture;
-use crate::msgpack::put;
+use crate::msgpack::{TooLong, put};
 use crate::publish::EventPublisher;
 use crate::wire::Wire;
 
@@ -98,36 +98,72 @@ pub fn encode_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, EncodeErr
         out.extend_from_slice(b"\xa7dp_rank");
         put::uint(&mut out, u64::from(e.event.dp_rank));
         out.extend_from_slice(b"\xa4data");
-        match &e.event.data {
-            KvEventData::Stored {
-                parent_hash,
-                blocks,
-            } => {
-                out.extend_from_slice(b"\x81\xa6stored\x82\xabparent_hash");
-                match parent_hash {
-                    Some(h) => put::uint(&mut out, h.0),
-                    None => put::nil(&mut out),
-                }
-                out.extend_from_slice(b"\xa6blocks");
-                put::array_len(&mut out, blocks.len()).map_err(err)?;
-                for b in blocks {
-                    out.extend_from_slice(b"\x82\xaablock_hash");
-                    put::uint(&mut out, b.block_hash.0);
-                    out.extend_from_slice(b"\xabtokens_hash");
-                    put::uint(&mut out, b.tokens_hash.0);
-                }
-            }
-            KvEventData::Removed { block_hashes } => {
-                out.extend_from_slice(b"\x81\xa7removed\x81\xacblock_hashes");
-                put::array_len(&mut out, block_hashes.len()).map_err(err)?;
-                for h in block_hashes {
-                    put::uint(&mut out, h.0);
-                }
-            }
-            KvEventData::Cleared => out.extend_from_slice(b"\xa7cleared"),
-        }
+        put_event_data(&mut out, &e.event.data, Schema::EventPlane).map_err(err)?;
     }
     Ok(out)
+}
+
+/// Whose schema [`put_event_data`] writes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Schema {
+    EventPlane,
+    /// Dynamo's adds `start_position` to a store and `mm_extra_info` to each block,
+    /// always `nil` here.
+    Dynamo,
+}
+
+/// Writes a [`KvEventData`] as serde's derive writes it: `{"stored": {parent_hash,
+/// blocks: [{block_hash, tokens_hash}]}}`, `{"removed": {block_hashes}}` or
+/// `"cleared"`, with Dynamo's extra fields for [`Schema::Dynamo`].
+pub(super) fn put_event_data(
+    out: &mut Vec<u8>,
+    data: &KvEventData,
+    schema: Schema,
+) -> Result<(), TooLong> {
+    let dynamo = schema == Schema::Dynamo;
+    match data {
+        KvEventData::Stored {
+            parent_hash,
+            blocks,
+        } => {
+            out.extend_from_slice(if dynamo {
+                b"\x81\xa6stored\x83\xabparent_hash"
+            } else {
+                b"\x81\xa6stored\x82\xabparent_hash"
+            });
+            match parent_hash {
+                Some(h) => put::uint(out, h.0),
+                None => put::nil(out),
+            }
+            if dynamo {
+                out.extend_from_slice(b"\xaestart_position\xc0");
+            }
+            out.extend_from_slice(b"\xa6blocks");
+            put::array_len(out, blocks.len())?;
+            for b in blocks {
+                out.extend_from_slice(if dynamo {
+                    b"\x83\xaablock_hash"
+                } else {
+                    b"\x82\xaablock_hash"
+                });
+                put::uint(out, b.block_hash.0);
+                out.extend_from_slice(b"\xabtokens_hash");
+                put::uint(out, b.tokens_hash.0);
+                if dynamo {
+                    out.extend_from_slice(b"\xadmm_extra_info\xc0");
+                }
+            }
+        }
+        KvEventData::Removed { block_hashes } => {
+            out.extend_from_slice(b"\x81\xa7removed\x81\xacblock_hashes");
+            put::array_len(out, block_hashes.len())?;
+            for h in block_hashes {
+                put::uint(out, h.0);
+            }
+        }
+        KvEventData::Cleared => out.extend_from_slice(b"\xa7cleared"),
+    }
+    Ok(())
 }
 
 /// Decodes an event-plane payload back into router events. Never panics on hostile
@@ -255,51 +291,10 @@ impl EventSink for EventPlaneSink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::{BlockHash, KvEvent, StorageTier, StoredBlock, TokensHash, WorkerId};
 
     #[test]
     fn router_events_are_written_as_serde_writes_them() {
-        let mut events = Vec::new();
-        for (i, tier) in [
-            StorageTier::Device,
-            StorageTier::HostPinned,
-            StorageTier::Disk,
-            StorageTier::External,
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let big = u64::MAX - i as u64;
-            for data in [
-                KvEventData::Stored {
-                    parent_hash: Some(BlockHash(big)),
-                    blocks: (0..20)
-                        .map(|b| StoredBlock {
-                            block_hash: BlockHash(b << (3 * i)),
-                            tokens_hash: TokensHash(big >> b),
-                        })
-                        .collect(),
-                },
-                KvEventData::Stored {
-                    parent_hash: None,
-                    blocks: vec![],
-                },
-                KvEventData::Removed {
-                    block_hashes: (0..300).map(|h| BlockHash(h * 1000)).collect(),
-                },
-                KvEventData::Cleared,
-            ] {
-                events.push(RouterEvent {
-                    worker_id: WorkerId(big >> (16 * i)),
-                    tier,
-                    event: KvEvent {
-                        id: 1 << (20 * i),
-                        dp_rank: u32::MAX >> (8 * i),
-                        data,
-                    },
-                });
-            }
-        }
+        let events = crate::kv::tests::every_tier_and_kind();
         let ours = encode_router_events(&events).unwrap();
         assert_eq!(ours, rmp_serde::to_vec_named(&events).unwrap());
         assert_eq!(decode_router_events(&ours).unwrap(), events);

@@ -1,5 +1,51 @@
 use super::*;
 
+/// Router events of every tier and kind, with integers of every msgpack width.
+pub(crate) fn every_tier_and_kind() -> Vec<RouterEvent> {
+    let mut events = Vec::new();
+    for (i, tier) in [
+        StorageTier::Device,
+        StorageTier::HostPinned,
+        StorageTier::Disk,
+        StorageTier::External,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let big = u64::MAX - i as u64;
+        for data in [
+            KvEventData::Stored {
+                parent_hash: Some(BlockHash(big)),
+                blocks: (0..20)
+                    .map(|b| StoredBlock {
+                        block_hash: BlockHash(b << (3 * i)),
+                        tokens_hash: TokensHash(big >> b),
+                    })
+                    .collect(),
+            },
+            KvEventData::Stored {
+                parent_hash: None,
+                blocks: vec![],
+            },
+            KvEventData::Removed {
+                block_hashes: (0..300).map(|h| BlockHash(h * 1000)).collect(),
+            },
+            KvEventData::Cleared,
+        ] {
+            events.push(RouterEvent {
+                worker_id: WorkerId(big >> (16 * i)),
+                tier,
+                event: KvEvent {
+                    id: 1 << (20 * i),
+                    dp_rank: u32::MAX >> (8 * i),
+                    data,
+                },
+            });
+        }
+    }
+    events
+}
+
 fn at(worker: u64, rank: u32, tier: StorageTier) -> Placement {
     Placement {
         worker_id: WorkerId(worker),

@@ -18,7 +18,7 @@ use std::borrow::Cow;
 
 use serde::Deserialize;
 
-use super::sink::{Schema, put_event_data};
+use super::schema::{Schema, put_event_data};
 use super::{
     BlockHash, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId,
 };

@@ -120,6 +120,7 @@ mod event;
 mod listener;
 mod pipeline;
 mod processor;
+mod schema;
 mod sink;
 mod stale;
 mod worker;

@@ -3,12 +3,13 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::RouterEvent;
 use super::dynamo::{decode_dynamo_router_events, encode_dynamo_router_events};
 use super::processor::EventSink;
+use super::schema::{Schema, put_event_data};
 use super::{EncodeError, KvDecodeError, SinkError};
-use super::{KvEventData, RouterEvent};
 use crate::BoxFuture;
-use crate::msgpack::{TooLong, put};
+use crate::msgpack::put;
 use crate::publish::EventPublisher;
 use crate::wire::Wire;
 
@@ -101,69 +102,6 @@ pub fn encode_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, EncodeErr
         put_event_data(&mut out, &e.event.data, Schema::EventPlane).map_err(err)?;
     }
     Ok(out)
-}
-
-/// Whose schema [`put_event_data`] writes.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Schema {
-    EventPlane,
-    /// Dynamo's adds `start_position` to a store and `mm_extra_info` to each block,
-    /// always `nil` here.
-    Dynamo,
-}
-
-/// Writes a [`KvEventData`] as serde's derive writes it: `{"stored": {parent_hash,
-/// blocks: [{block_hash, tokens_hash}]}}`, `{"removed": {block_hashes}}` or
-/// `"cleared"`, with Dynamo's extra fields for [`Schema::Dynamo`].
-pub(super) fn put_event_data(
-    out: &mut Vec<u8>,
-    data: &KvEventData,
-    schema: Schema,
-) -> Result<(), TooLong> {
-    let dynamo = schema == Schema::Dynamo;
-    match data {
-        KvEventData::Stored {
-            parent_hash,
-            blocks,
-        } => {
-            out.extend_from_slice(if dynamo {
-                b"\x81\xa6stored\x83\xabparent_hash"
-            } else {
-                b"\x81\xa6stored\x82\xabparent_hash"
-            });
-            match parent_hash {
-                Some(h) => put::uint(out, h.0),
-                None => put::nil(out),
-            }
-            if dynamo {
-                out.extend_from_slice(b"\xaestart_position\xc0");
-            }
-            out.extend_from_slice(b"\xa6blocks");
-            put::array_len(out, blocks.len())?;
-            for b in blocks {
-                out.extend_from_slice(if dynamo {
-                    b"\x83\xaablock_hash"
-                } else {
-                    b"\x82\xaablock_hash"
-                });
-                put::uint(out, b.block_hash.0);
-                out.extend_from_slice(b"\xabtokens_hash");
-                put::uint(out, b.tokens_hash.0);
-                if dynamo {
-                    out.extend_from_slice(b"\xadmm_extra_info\xc0");
-                }
-            }
-        }
-        KvEventData::Removed { block_hashes } => {
-            out.extend_from_slice(b"\x81\xa7removed\x81\xacblock_hashes");
-            put::array_len(out, block_hashes.len())?;
-            for h in block_hashes {
-                put::uint(out, h.0);
-            }
-        }
-        KvEventData::Cleared => out.extend_from_slice(b"\xa7cleared"),
-    }
-    Ok(())
 }
 
 /// Decodes an event-plane payload back into router events. Never panics on hostile

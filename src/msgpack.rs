@@ -235,19 +235,39 @@ pub(crate) fn read_bin<'a>(r: &mut Reader<'a>) -> Option<&'a [u8]> {
     Some(b)
 }
 
+/// The non-negative integer at `bytes[at..]` and its encoded length, if one is there.
+#[inline]
+pub(crate) fn uint_at(bytes: &[u8], at: usize) -> Option<(u64, usize)> {
+    let field = |n: usize| bytes.get(at + 1..at + 1 + n);
+    let marker = *bytes.get(at)?;
+    Some(match marker {
+        0x00..=0x7f => (u64::from(marker), 1),
+        0xcc => (u64::from(*field(1)?.first()?), 2),
+        0xcd => (u64::from(u16::from_be_bytes(field(2)?.try_into().ok()?)), 3),
+        0xce => (u64::from(u32::from_be_bytes(field(4)?.try_into().ok()?)), 5),
+        0xcf => (u64::from_be_bytes(field(8)?.try_into().ok()?), 9),
+        _ => return None,
+    })
+}
+
 /// Reads a non-negative integer if one is next (`r` is left where it was otherwise).
 pub(crate) fn read_uint(r: &mut Reader<'_>) -> Option<u64> {
+    let (v, len) = uint_at(r.peek_rest(), 0)?;
+    r.take(len)?;
+    Some(v)
+}
+
+/// Reads an array header if one is next: its number of elements.
+pub(crate) fn read_array_len(r: &mut Reader<'_>) -> Option<usize> {
     let mut probe = *r;
-    let v = match probe.u8()? {
-        m @ 0x00..=0x7f => u64::from(m),
-        0xcc => u64::from(probe.u8()?),
-        0xcd => u64::from(probe.u16_be()?),
-        0xce => u64::from(probe.u32_be()?),
-        0xcf => probe.u64_be()?,
+    let n = match probe.u8()? {
+        m @ 0x90..=0x9f => usize::from(m & 0x0f),
+        0xdc => usize::from(probe.u16_be()?),
+        0xdd => probe.u32_be()? as usize,
         _ => return None,
     };
     *r = probe;
-    Some(v)
+    Some(n)
 }
 
 /// Reads a map header if one is next: its number of entries.

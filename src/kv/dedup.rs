@@ -185,46 +185,27 @@ impl DedupFilter {
                     self.tracked = 0;
                     self.resets += 1;
                 }
-                if !blocks.is_empty()
-                    && self.tracked.saturating_add(blocks.len()) <= self.max_hashes
-                {
+                if self.tracked.saturating_add(blocks.len()) <= self.max_hashes {
                     // No cap can be reached by this event: one table lookup, then one
                     // entry per hash.
-                    let spare = &mut self.spare;
-                    let counts = self
-                        .counts
-                        .entry(key)
-                        .or_insert_with(|| std::mem::take(spare));
-                    for b in &blocks {
-                        let n = counts.entry(b.block_hash).or_insert(0);
-                        if *n == 0 {
-                            self.tracked += 1;
+                    if !blocks.is_empty() {
+                        let counts = table(&mut self.counts, &mut self.spare, key);
+                        for b in &blocks {
+                            count(counts, &mut self.tracked, b.block_hash);
                         }
-                        *n = n.saturating_add(1);
                     }
-                    return Some(KvEventData::Stored {
-                        parent_hash,
-                        blocks,
-                    });
-                }
-                for b in &blocks {
-                    let known = self
-                        .counts
-                        .get(&key)
-                        .is_some_and(|c| c.contains_key(&b.block_hash));
-                    if !known && self.tracked >= self.max_hashes {
-                        self.reset_largest();
+                } else {
+                    for b in &blocks {
+                        let known = self
+                            .counts
+                            .get(&key)
+                            .is_some_and(|c| c.contains_key(&b.block_hash));
+                        if !known && self.tracked >= self.max_hashes {
+                            self.reset_largest();
+                        }
+                        let counts = table(&mut self.counts, &mut self.spare, key);
+                        count(counts, &mut self.tracked, b.block_hash);
                     }
-                    let n = self
-                        .counts
-                        .entry(key)
-                        .or_default()
-                        .entry(b.block_hash)
-                        .or_insert(0);
-                    if *n == 0 {
-                        self.tracked += 1;
-                    }
-                    *n = n.saturating_add(1);
                 }
                 Some(KvEventData::Stored {
                     parent_hash,
@@ -279,6 +260,24 @@ impl DedupFilter {
             }
         }
     }
+}
+
+/// The table of `key`, made from `spare` when it has none.
+fn table<'a>(
+    counts: &'a mut FastMap<(DpRank, StorageTier), FastMap<BlockHash, u32>>,
+    spare: &mut FastMap<BlockHash, u32>,
+    key: (DpRank, StorageTier),
+) -> &'a mut FastMap<BlockHash, u32> {
+    counts.entry(key).or_insert_with(|| std::mem::take(spare))
+}
+
+/// One more store of `hash` (saturating); `tracked` counts it if it is new.
+fn count(counts: &mut FastMap<BlockHash, u32>, tracked: &mut usize, hash: BlockHash) {
+    let n = counts.entry(hash).or_insert(0);
+    if *n == 0 {
+        *tracked += 1;
+    }
+    *n = n.saturating_add(1);
 }
 
 #[cfg(test)]

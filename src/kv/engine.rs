@@ -224,34 +224,26 @@ impl EngineDecoder {
             _ => return Err(()),
         };
         self.stats.events += 1;
-        let id = self.next_raw_id;
-        self.next_raw_id += 1;
-        Ok(Some(PlacementEvent {
-            placement: Placement {
-                worker_id: self.worker_id,
-                dp_rank,
-                tier: tier(medium),
-            },
-            event: KvEvent { id, dp_rank, data },
-        }))
+        Ok(Some(self.next_event(dp_rank, tier(medium), data)))
     }
 
     /// A `Cleared` of `dp_rank` that the worker makes itself (it lost track of its
     /// engine), with the next raw id so that ids stay consecutive.
     pub(crate) fn cleared(&mut self, dp_rank: u32) -> PlacementEvent {
+        self.next_event(dp_rank, StorageTier::Device, KvEventData::Cleared)
+    }
+
+    /// This worker's event with the next raw id.
+    fn next_event(&mut self, dp_rank: u32, tier: StorageTier, data: KvEventData) -> PlacementEvent {
         let id = self.next_raw_id;
         self.next_raw_id += 1;
         PlacementEvent {
             placement: Placement {
                 worker_id: self.worker_id,
                 dp_rank,
-                tier: StorageTier::Device,
+                tier,
             },
-            event: KvEvent {
-                id,
-                dp_rank,
-                data: KvEventData::Cleared,
-            },
+            event: KvEvent { id, dp_rank, data },
         }
     }
 

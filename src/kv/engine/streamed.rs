@@ -9,8 +9,8 @@
 //! the `engine_batch` fuzz target).
 
 use super::{EngineDecoder, tier_named};
-use crate::kv::{BlockHash, KvEvent, KvEventData, Placement, PlacementEvent, StorageTier};
-use crate::msgpack::{read_str, read_uint};
+use crate::kv::{BlockHash, KvEventData, PlacementEvent, StorageTier};
+use crate::msgpack::{read_array_len, read_str, read_uint, skip_value, uint_at};
 use crate::reader::Reader;
 
 /// Token ids (and stored hashes) kept between batches, 8 bytes each: a larger scratch
@@ -19,16 +19,6 @@ const KEPT_TOKENS: usize = 1 << 14;
 
 /// Capacity the event list starts with, whatever the batch declares.
 const INITIAL_EVENTS: usize = 1024;
-
-/// Reads an array header.
-fn array_len(r: &mut Reader<'_>) -> Option<usize> {
-    Some(match r.u8()? {
-        m @ 0x90..=0x9f => usize::from(m & 0x0f),
-        0xdc => usize::from(r.u16_be()?),
-        0xdd => r.u32_be()? as usize,
-        _ => return None,
-    })
-}
 
 /// Takes `n` from the element budget.
 fn spend(budget: &mut usize, n: usize) -> Option<()> {
@@ -46,36 +36,13 @@ fn read_nil(r: &mut Reader<'_>) -> bool {
     false
 }
 
-/// Steps over one scalar (not a container, not an extension).
+/// Steps over one value that is not a container (the general decoder's budget
+/// charges it one element, like a scalar).
 fn skip_scalar(r: &mut Reader<'_>) -> Option<()> {
-    let n = match r.u8()? {
-        0x00..=0x7f | 0xc0 | 0xc2 | 0xc3 | 0xe0..=0xff => 0,
-        m @ 0xa0..=0xbf => usize::from(m & 0x1f),
-        0xc4 | 0xd9 => usize::from(r.u8()?),
-        0xc5 | 0xda => usize::from(r.u16_be()?),
-        0xc6 | 0xdb => r.u32_be()? as usize,
-        0xca | 0xce | 0xd2 => 4,
-        0xcb | 0xcf | 0xd3 => 8,
-        0xcc | 0xd0 => 1,
-        0xcd | 0xd1 => 2,
-        _ => return None,
-    };
-    r.take(n).map(drop)
-}
-
-/// The non-negative integer at `bytes[at..]` and its encoded length.
-#[inline]
-fn uint_at(bytes: &[u8], at: usize) -> Option<(u64, usize)> {
-    let field = |n: usize| bytes.get(at + 1..at + 1 + n);
-    let marker = *bytes.get(at)?;
-    Some(match marker {
-        0x00..=0x7f => (u64::from(marker), 1),
-        0xcc => (u64::from(*field(1)?.first()?), 2),
-        0xcd => (u64::from(u16::from_be_bytes(field(2)?.try_into().ok()?)), 3),
-        0xce => (u64::from(u32::from_be_bytes(field(4)?.try_into().ok()?)), 5),
-        0xcf => (u64::from_be_bytes(field(8)?.try_into().ok()?), 9),
-        _ => return None,
-    })
+    match r.peek_rest().first()? {
+        0x80..=0x9f | 0xdc..=0xdf => None,
+        _ => skip_value(r).ok(),
+    }
 }
 
 /// An array of non-negative integers, each pushed through `push` (after `out` is
@@ -87,7 +54,7 @@ fn read_array<T>(
     out: &mut Vec<T>,
     item: impl Fn(u64) -> Option<T>,
 ) -> Option<()> {
-    let n = array_len(r)?;
+    let n = read_array_len(r)?;
     spend(budget, n.checked_add(1)?)?;
     let bytes = r.peek_rest();
     // Every integer takes at least a byte: nothing is reserved that is not there.
@@ -166,13 +133,13 @@ impl EngineDecoder {
     fn streamed(&mut self, payload: &[u8]) -> Option<Vec<PlacementEvent>> {
         let mut r = Reader::new(payload);
         let mut budget = self.max_elements;
-        let fields = array_len(&mut r)?;
+        let fields = read_array_len(&mut r)?;
         if !(2..=3).contains(&fields) {
             return None;
         }
         spend(&mut budget, 2)?;
         skip_scalar(&mut r)?; // the timestamp
-        let n = array_len(&mut r)?;
+        let n = read_array_len(&mut r)?;
         spend(&mut budget, 1)?;
         if n > self.max_events || n > budget || n > r.remaining() {
             return None;
@@ -210,7 +177,7 @@ impl EngineDecoder {
         r: &mut Reader<'_>,
         budget: &mut usize,
     ) -> Option<Option<PlacementEvent>> {
-        let len = array_len(r)?;
+        let len = read_array_len(r)?;
         if len == 0 {
             return None;
         }
@@ -218,28 +185,16 @@ impl EngineDecoder {
         let tag = read_str(r)?;
         let (data, tier) = match tag {
             b"BlockStored" if len >= 4 => {
-                // The stored blocks are built from the hashes: read into scratch.
-                let mut hashes = std::mem::take(&mut self.hashes);
-                let read = read_hashes(r, budget, &mut hashes);
-                self.hashes = hashes;
-                read?;
-                spend(budget, 1)?;
-                let parent = if read_nil(r) {
-                    None
-                } else {
-                    Some(BlockHash(read_uint(r)?))
-                };
-                let mut tokens = std::mem::take(&mut self.tokens);
-                let tier = read_tokens(r, budget, &mut tokens)
-                    .and_then(|()| rest_of_event(r, budget, 4, len, 6));
-                let hashes = std::mem::take(&mut self.hashes);
-                let data = tier.and_then(|_| self.stored(parent, &hashes, &tokens));
-                self.hashes = hashes;
-                self.tokens = tokens;
-                let tier = tier?;
-                match data {
-                    Some(data) => (data, tier),
-                    None => return Some(None),
+                // Hashes and token ids go to scratch: the blocks are built from them.
+                let (mut hashes, mut tokens) = (
+                    std::mem::take(&mut self.hashes),
+                    std::mem::take(&mut self.tokens),
+                );
+                let store = self.streamed_store(r, budget, len, &mut hashes, &mut tokens);
+                (self.hashes, self.tokens) = (hashes, tokens);
+                match store? {
+                    (Some(data), tier) => (data, tier),
+                    (None, _) => return Some(None),
                 }
             }
             b"BlockRemoved" if len >= 2 => {
@@ -255,20 +210,29 @@ impl EngineDecoder {
             _ => return None,
         };
         self.stats.events += 1;
-        let id = self.next_raw_id;
-        self.next_raw_id += 1;
-        Some(Some(PlacementEvent {
-            placement: Placement {
-                worker_id: self.worker_id,
-                dp_rank: 0,
-                tier,
-            },
-            event: KvEvent {
-                id,
-                dp_rank: 0,
-                data,
-            },
-        }))
+        Some(Some(self.next_event(0, tier, data)))
+    }
+
+    /// The fields of a `BlockStored` after its tag (`len` in all): its data (`None`
+    /// when the general decoder drops it too) and tier.
+    fn streamed_store(
+        &mut self,
+        r: &mut Reader<'_>,
+        budget: &mut usize,
+        len: usize,
+        hashes: &mut Vec<BlockHash>,
+        tokens: &mut Vec<u64>,
+    ) -> Option<(Option<KvEventData>, StorageTier)> {
+        read_hashes(r, budget, hashes)?;
+        spend(budget, 1)?;
+        let parent = if read_nil(r) {
+            None
+        } else {
+            Some(BlockHash(read_uint(r)?))
+        };
+        read_tokens(r, budget, tokens)?;
+        let tier = rest_of_event(r, budget, 4, len, 6)?;
+        Some((self.stored(parent, hashes, tokens), tier))
     }
 }
 

@@ -68,7 +68,9 @@
 //! - `test-support`: `discovery::conformance` (a conformance suite for any
 //!   `Discovery` backend) and `discovery::FaultDiscovery` (fault injection for
 //!   consumers).
-//! - `metrics`: the dynamic subscriber's counters through the `metrics` facade.
+//! - `metrics`: [`metrics`], every component's counters through the `metrics` facade
+//!   (one naming scheme, closed label sets; the dynamic subscriber samples its own,
+//!   a [`metrics::Exporter`] samples the others).
 //! - `tunnel`: [`tunnel`], routers outside the cluster reaching publishers inside it
 //!   through an event broker: the sans-IO protocol (frames, sessions, budgets,
 //!   rendezvous), the router's [`EventBus`](tunnel::EventBus) (TLS + HTTP/2), the
@@ -102,6 +104,9 @@ pub mod guide;
 mod hash;
 pub mod kv;
 pub mod lossy;
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+pub mod metrics;
 mod msgpack;
 pub mod net;
 pub mod publish;

@@ -108,8 +108,6 @@
 
 mod config;
 mod link;
-#[cfg(feature = "metrics")]
-mod metrics;
 mod notice;
 mod shared;
 mod stats;
@@ -431,11 +429,10 @@ impl DynamicSubscriberBuilder {
         #[cfg(feature = "metrics")]
         {
             let sampled = handle.clone();
-            shared.tracker.spawn(metrics::sampler(
-                move || sampled.stats(),
-                config.metrics_interval,
-                config.cancel.clone(),
-            ));
+            let exporter = crate::metrics::Exporter::new().source(move || sampled.stats());
+            shared
+                .tracker
+                .spawn(exporter.run(config.metrics_interval, config.cancel.clone()));
         }
         Ok(DynamicSubscriber {
             handle,

@@ -88,10 +88,12 @@ async fn counters_reach_the_metrics_facade() {
     for _ in 0..10 {
         support::within(sub.recv()).await.unwrap();
     }
-    let delivered = "eventplane_subscriber_delivered_total{component=worker,namespace=ns,publisher_id=42,topic=kv}";
+    // No publisher's id, namespace or topic in any label: one series per metric (and
+    // per drop reason).
+    let delivered = "eventplane_subscriber_delivered_total{}";
     support::within(async {
         while capture.counter(delivered) != 10
-            || capture.counter("eventplane_subscriber_dropped_total{component=worker,namespace=ns,publisher_id=42,reason=filtered_topic") != 1
+            || capture.counter("eventplane_subscriber_dropped_total{reason=filtered_topic}") != 1
         {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -99,4 +101,22 @@ async fn counters_reach_the_metrics_facade() {
     .await;
     assert_eq!(capture.counter("eventplane_subscriber_received_total"), 11);
     assert_eq!(capture.counter("eventplane_subscriber_gaps_total"), 0);
+    assert_eq!(
+        capture.counter("eventplane_subscriber_publishers{}"),
+        1f64.to_bits()
+    );
+    let labelled: Vec<String> = capture
+        .values
+        .lock()
+        .unwrap()
+        .keys()
+        .filter(|k| !k.ends_with("{}"))
+        .cloned()
+        .collect();
+    assert!(
+        labelled
+            .iter()
+            .all(|k| k.contains("{reason=") && !k.contains(',')),
+        "{labelled:?}"
+    );
 }

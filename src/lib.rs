@@ -97,6 +97,7 @@
 //! Pre-1.0: minor versions may break the API. Public enums are `#[non_exhaustive]`.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod admin;
 mod config;
 mod counter;
 pub mod discovery;

@@ -38,6 +38,9 @@ fn main_types_are_send_and_sync() {
     send_sync::<Query>();
     send::<DiscoveryStream>();
     send_sync::<DynamicSubscriber>();
+    send_sync::<eventplane::admin::AdminServer>();
+    send_sync::<eventplane::admin::Routes>();
+    send_sync::<eventplane::admin::AdminError>();
     send_sync::<SubscriberHandle>();
     send_sync::<SubscriberStats>();
     send_sync::<Delivery>();
@@ -120,4 +123,12 @@ fn futures_are_send() {
     check(SubSocket::connect("tcp://127.0.0.1:1", Config::default()));
     check(PubSocket::bind("tcp://127.0.0.1:0", Config::default()));
     let _ = send::<Box<dyn std::error::Error + Send + Sync>>;
+}
+
+#[cfg(feature = "metrics")]
+#[test]
+fn the_exporter_can_run_in_a_spawned_task() {
+    // It owns closures reading stats (`FnMut + Send`): sent to its task, not shared.
+    send::<eventplane::metrics::Exporter>();
+    send_sync::<eventplane::metrics::Metric>();
 }

@@ -205,6 +205,7 @@ async fn a_lost_engine_view_becomes_a_cleared_ahead_of_what_follows() {
     );
     let s = handle.stats();
     assert_eq!((s.seq_gaps, s.seq_gap_batches, s.stale_clears), (1, 1, 1));
+    assert!(s.connected, "a readiness probe sees the engine connection");
 
     // The engine crashes: the connection's end is a clear, at once (not when a new
     // engine speaks: it may take minutes to load a model).
@@ -212,6 +213,7 @@ async fn a_lost_engine_view_becomes_a_cleared_ahead_of_what_follows() {
     let got = events(4).await;
     assert_eq!(kinds(&got[3..]), [(None, 0)]);
     assert_eq!(handle.stats().stale_clears, 2);
+    assert!(!handle.stats().connected);
 
     // A new engine on the same endpoint, numbering from 0: nothing was forwarded since
     // the last clear, so no second one; its blocks are all routers hold.

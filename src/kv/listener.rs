@@ -175,6 +175,8 @@ pub struct EngineListenerStats {
     /// [`MAX_FORWARDED_RANKS`](super::MAX_FORWARDED_RANKS) since the last clear: a
     /// lost view cannot be cleared for those ranks.
     pub untracked_ranks: u64,
+    /// Whether a connection to the engine is up now (handshake done).
+    pub connected: bool,
     /// Decoder counters.
     pub decoder: EngineStats,
 }
@@ -190,6 +192,7 @@ struct Counters {
     discarded_events: AtomicU64,
     stale_clears: AtomicU64,
     untracked_ranks: AtomicU64,
+    connected: std::sync::atomic::AtomicBool,
     decoder: std::sync::Mutex<EngineStats>,
 }
 
@@ -227,6 +230,7 @@ impl EngineListenerHandle {
             discarded_events: l(&c.discarded_events),
             stale_clears: l(&c.stale_clears),
             untracked_ranks: l(&c.untracked_ranks),
+            connected: c.connected.load(Ordering::Relaxed),
             decoder: *c.decoder.lock().unwrap_or_else(|p| p.into_inner()),
         }
     }
@@ -350,6 +354,7 @@ impl EngineListener {
                 counter::add(&self.counters.reconnects, 1);
             }
             connected_before = true;
+            self.counters.connected.store(true, Ordering::Relaxed);
             backoff.reset();
             seq_tracker.new_connection();
             loop {
@@ -416,6 +421,7 @@ impl EngineListener {
                     return self.finish(&decoder);
                 }
             }
+            self.counters.connected.store(false, Ordering::Relaxed);
             // What the engine sends until the next connection is lost, and a new
             // engine holds nothing of what this one stored.
             let clears = self.clears(ViewLoss::Disconnected, &mut forwarded, &mut decoder, &warn);
@@ -519,6 +525,7 @@ impl EngineListener {
     }
 
     fn finish(&self, decoder: &EngineDecoder) -> EngineListenerStats {
+        self.counters.connected.store(false, Ordering::Relaxed);
         *self
             .counters
             .decoder

@@ -95,6 +95,8 @@ catalogue! {
         "Notices dropped because their queue was full.";
     SUB_REWATCHES: Counter "eventplane_subscriber_rewatches_total" [] "SubscriberStats"
         "Times the discovery watch was re-opened.";
+    SUB_SYNCED: Gauge "eventplane_subscriber_discovery_synced" [] "SubscriberStats"
+        "1 once the initial discovery sync completed.";
 
     // discovery::Discovery backends: `DiscoveryStats`.
     DISC_REGISTRATIONS: Gauge "eventplane_discovery_registrations" [] "DiscoveryStats"
@@ -133,6 +135,8 @@ catalogue! {
         "Cleared events made because the listener lost track of the engine.";
     KV_LISTENER_UNTRACKED_RANKS: Counter "eventplane_kv_listener_untracked_ranks_total" [] "EngineListenerStats"
         "Events forwarded for a rank beyond the tracked ones.";
+    KV_LISTENER_CONNECTED: Gauge "eventplane_kv_listener_connected" [] "EngineListenerStats"
+        "1 while a connection to the engine is up.";
     KV_DECODER_BATCHES: Counter "eventplane_kv_decoder_batches_total" [] "EngineListenerStats"
         "Engine batches decoded.";
     KV_DECODER_MALFORMED: Counter "eventplane_kv_decoder_malformed_batches_total" [] "EngineListenerStats"

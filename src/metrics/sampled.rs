@@ -95,6 +95,7 @@ impl Sampled for SubscriberStats {
         out.gauge(&SUB_UNIDENTIFIED, n(self.unidentified_publishers));
         out.counter(&SUB_NOTICES_DROPPED, self.notices_dropped);
         out.counter(&SUB_REWATCHES, self.rewatches);
+        out.gauge(&SUB_SYNCED, u64::from(self.synced));
     }
 }
 
@@ -122,6 +123,7 @@ impl Sampled for EngineListenerStats {
         out.counter(&KV_LISTENER_DISCARDED, self.discarded_events);
         out.counter(&KV_LISTENER_STALE_CLEARS, self.stale_clears);
         out.counter(&KV_LISTENER_UNTRACKED_RANKS, self.untracked_ranks);
+        out.gauge(&KV_LISTENER_CONNECTED, u64::from(self.connected));
         let d = &self.decoder;
         out.counter(&KV_DECODER_BATCHES, d.batches);
         out.counter(&KV_DECODER_MALFORMED, d.malformed_batches);

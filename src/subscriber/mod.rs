@@ -405,6 +405,7 @@ impl DynamicSubscriberBuilder {
             refused_publishers: AtomicU64::new(0),
             other_topic_publishers: std::sync::atomic::AtomicUsize::new(0),
             rewatches: AtomicU64::new(0),
+            synced: std::sync::atomic::AtomicBool::new(false),
             tracker: TaskTracker::new(),
             warn: RateLimitedWarn::default(),
             notices: notice::Notices::new(config.notices),
@@ -686,6 +687,7 @@ impl SubscriberHandle {
             unidentified_publishers,
             notices_dropped: self.shared.notices.dropped(),
             rewatches: self.shared.rewatches.load(Ordering::Relaxed),
+            synced: self.shared.synced.load(Ordering::Relaxed),
         }
     }
 

@@ -115,6 +115,8 @@ pub(crate) struct Shared {
     /// Publishers discovered now whose topic is not the subscriber's.
     pub(crate) other_topic_publishers: std::sync::atomic::AtomicUsize,
     pub(crate) rewatches: AtomicU64,
+    /// Set once the first complete view came from discovery (the initial sync).
+    pub(crate) synced: std::sync::atomic::AtomicBool,
     pub(crate) tracker: TaskTracker,
     pub(crate) warn: RateLimitedWarn,
     /// Lifecycle notices for the consumer (none kept unless enabled).

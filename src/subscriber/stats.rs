@@ -138,6 +138,10 @@ pub struct SubscriberStats {
     pub notices_dropped: u64,
     /// Times the discovery watch was re-opened.
     pub rewatches: u64,
+    /// Whether the initial discovery sync completed: the subscriber has seen a
+    /// complete view and dials everything in it (a readiness probe's signal; a
+    /// re-watch keeps it set).
+    pub synced: bool,
 }
 
 #[derive(Debug, Default)]

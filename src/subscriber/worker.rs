@@ -122,6 +122,7 @@ fn apply(
             }
         }
         DiscoveryEvent::Resync(all) => {
+            shared.synced.store(true, Ordering::Relaxed);
             tracking.other_topic.clear();
             let keep: std::collections::HashSet<&ChannelId> = all.iter().map(|i| &i.id).collect();
             let gone: Vec<ChannelId> = tracking

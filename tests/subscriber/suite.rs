@@ -890,3 +890,21 @@ async fn a_departure_wakes_a_router_that_receives_nothing() {
         "{notices:?}"
     );
 }
+
+/// `synced` (a readiness probe's signal) is set by the first complete view only: a
+/// watch whose events are held back leaves it unset, and it stays set across a
+/// re-watch.
+#[tokio::test]
+async fn synced_waits_for_the_first_complete_view() {
+    let (d, faults) = FaultDiscovery::new(Arc::new(MemoryDiscovery::new()));
+    faults.delay_events(Some(Duration::from_millis(500)));
+    let d: Arc<dyn Discovery> = Arc::new(d);
+    let sub = subscriber(d.clone());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!sub.stats().synced, "synced before any view arrived");
+    eventually("the initial sync", || sub.stats().synced).await;
+    faults.delay_events(None);
+    faults.fail_watches("injected");
+    eventually("a re-watch", || sub.stats().rewatches >= 1).await;
+    assert!(sub.stats().synced);
+}

@@ -687,7 +687,7 @@ async fn kv_relay_publishes_router_events_and_reports_stats() {
     let engine = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
         .await
         .unwrap();
-    let mut relay = Command::new(example("kv_relay"))
+    let mut relay = Command::new(example("kv-relay"))
         .args([
             "--connect",
             engine.local_endpoint().unwrap(),
@@ -791,7 +791,7 @@ async fn kv_relay_publishes_router_events_and_reports_stats() {
 async fn kv_relay_exits_3_when_it_cannot_bind() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let bind = format!("tcp://{}", taken.local_addr().unwrap());
-    let out = run_example("kv_relay", &engine_args(&["--bind", &bind])).await;
+    let out = run_example("kv-relay", &engine_args(&["--bind", &bind])).await;
     assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot bind"));
 }
@@ -850,12 +850,12 @@ async fn refused_arguments_exit_2_and_name_the_flag() {
             "invalid --batch-timeout-ms",
         ),
         (
-            "kv_relay",
+            "kv-relay",
             engine(&["--batch-timeout-ms", "60000", "--bind", "tcp://127.0.0.1:0"]),
             "invalid --batch-timeout-ms",
         ),
         (
-            "kv_relay",
+            "kv-relay",
             engine(&["--bind", "127.0.0.1:0"]),
             "cannot bind",
         ),
@@ -999,10 +999,10 @@ async fn every_cli_lists_its_exit_codes_and_logging_in_help() {
         "publish",
         "watch",
         "kv_listen",
-        "kv_relay",
-        "kv_router",
+        "kv-relay",
+        "kv-router",
         #[cfg(feature = "tunnel")]
-        "event_broker",
+        "event-broker",
     ] {
         let out = run_example(example_name, &["--help"]).await;
         let help = String::from_utf8_lossy(&out.stdout);

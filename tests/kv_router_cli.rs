@@ -20,7 +20,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 async fn run(args: &[&str]) -> std::process::Output {
-    within(Command::new(example("kv_router")).args(args).output())
+    within(Command::new(example("kv-router")).args(args).output())
         .await
         .unwrap()
 }
@@ -111,7 +111,7 @@ async fn unreachable_discovery_exits_3_and_silence_exits_1() {
 
     // The worker side too: kv_relay cannot register.
     let out = within(
-        Command::new(example("kv_relay"))
+        Command::new(example("kv-relay"))
             .args([
                 "--connect",
                 "tcp://127.0.0.1:1",
@@ -158,7 +158,7 @@ async fn unreachable_discovery_exits_3_and_silence_exits_1() {
         &["--wire", "dynamo", "--block-size", "0"],
     ] {
         let out = within(
-            Command::new(example("kv_relay"))
+            Command::new(example("kv-relay"))
                 .args([
                     "--connect",
                     "tcp://127.0.0.1:1",
@@ -211,7 +211,7 @@ async fn unreachable_discovery_exits_3_and_silence_exits_1() {
 async fn relay(wire: &str) -> (Engine, Child, String) {
     let engine = Engine::bind("kv").await;
     let (child, endpoint) = support::spawn_example(
-        "kv_relay",
+        "kv-relay",
         &[
             "--connect",
             &engine.endpoint(),
@@ -240,7 +240,7 @@ async fn kv_router_reads_kv_relay_in_both_wires() {
     let expected = support::expected_router_events(&support::kv_fixture_files(), 11, 4);
     for wire in ["eventplane", "dynamo"] {
         let (mut engine, relay, endpoint) = relay(wire).await;
-        let mut router = Command::new(example("kv_router"))
+        let mut router = Command::new(example("kv-router"))
             .args([
                 "--static",
                 &endpoint,
@@ -392,7 +392,7 @@ async fn static_publisher(endpoint: &str) -> eventplane::publish::EventPublisher
 /// `kv_router --static ENDPOINT --dump-index` on topic `kv-events`.
 fn router_of(endpoint: &str) -> support::Watched {
     support::Watched::spawn(
-        "kv_router",
+        "kv-router",
         &[
             "--static",
             endpoint,
@@ -462,7 +462,7 @@ async fn the_index_holds_at_most_its_cap_of_blocks_per_publisher() {
     let publisher = static_publisher("tcp://127.0.0.1:0").await;
     let endpoint = publisher.local_endpoint().unwrap().to_owned();
     let mut router = support::Watched::spawn(
-        "kv_router",
+        "kv-router",
         &[
             "--static",
             &endpoint,

@@ -74,7 +74,7 @@ mod with_etcd {
             &["--etcd", &url, "--namespace", "prod", "--until-block", "20"],
         );
         let mut router = Watched::spawn(
-            "kv_router",
+            "kv-router",
             &[
                 "--etcd",
                 &url,
@@ -187,7 +187,7 @@ mod with_etcd {
         );
         server.etcdctl(&["put", &key, &record.to_string()]);
         let mut router = Watched::spawn(
-            "kv_router",
+            "kv-router",
             &[
                 "--etcd",
                 &url,

@@ -50,25 +50,30 @@ pub fn raise_fd_limit() -> Option<u64> {
 /// [`init_tracing`] with another default than `warn` when `RUST_LOG` is unset (a
 /// `target=level` list, like `RUST_LOG`).
 pub fn init_tracing_or(default_spec: &str) {
-    use tracing_subscriber::filter::Targets;
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
+    let _ = tracing_subscriber::registry()
+        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with(log_filter(default_spec))
+        .try_init();
+}
+
+/// What `RUST_LOG` asks to log, `default_spec` when it is unset; a `RUST_LOG` that
+/// does not parse is reported and the default used.
+pub fn log_filter(default_spec: &str) -> tracing_subscriber::filter::Targets {
+    use tracing_subscriber::filter::Targets;
     let default = || {
         default_spec
             .parse::<Targets>()
             .unwrap_or_else(|_| Targets::new().with_default(tracing::Level::WARN))
     };
-    let filter = match std::env::var("RUST_LOG") {
+    match std::env::var("RUST_LOG") {
         Ok(spec) if !spec.trim().is_empty() => spec.parse().unwrap_or_else(|e| {
             eprintln!("ignoring RUST_LOG={spec:?} ({e}); logging warnings");
             default()
         }),
         _ => default(),
-    };
-    let _ = tracing_subscriber::registry()
-        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
-        .with(filter)
-        .try_init();
+    }
 }
 
 /// An error and its sources, `: `-separated.

@@ -151,7 +151,7 @@ pub use sink::{
     decode_router_payload, encode_router_events, encode_router_payload, split_messages,
 };
 pub use stale::MAX_FORWARDED_RANKS;
-pub use worker::{DEFAULT_WORKER_QUEUE, Worker, WorkerBuilder, WorkerStats};
+pub use worker::{DEFAULT_WORKER_QUEUE, Worker, WorkerBuilder, WorkerHandle, WorkerStats};
 
 #[cfg(test)]
 mod tests;

@@ -178,6 +178,47 @@ pub struct Worker {
     processor_task: Option<JoinHandle<ProcessorStats>>,
 }
 
+/// Reads a running [`Worker`]'s counters, from [`Worker::handle`].
+///
+/// ```
+/// use std::sync::{Arc, Mutex};
+/// use eventplane::BoxFuture;
+/// use eventplane::kv::{EngineListenerConfig, EventSink, RouterEvent, SinkError, Worker, WorkerId};
+/// struct Drop;
+/// impl EventSink for Drop {
+///     fn publish<'a>(&'a self, _: &'a [RouterEvent]) -> BoxFuture<'a, Result<(), SinkError>> {
+///         Box::pin(async { Ok(()) })
+///     }
+/// }
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), eventplane::ConfigError> {
+/// let worker = Worker::with_sink(EngineListenerConfig::new("tcp://127.0.0.1:5557", "", WorkerId(1), 16), Arc::new(Drop))
+///     .spawn()?;
+/// let handle = worker.handle();
+/// let ready = move || handle.stats().listener.connected;
+/// assert!(!ready()); // no engine there
+/// worker.shutdown().await;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct WorkerHandle {
+    plane: Option<Arc<EventPlaneSink>>,
+    listener: EngineListenerHandle,
+    processor: ProcessorHandle,
+}
+
+impl WorkerHandle {
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> WorkerStats {
+        WorkerStats {
+            listener: self.listener.stats(),
+            processor: self.processor.stats(),
+            published_messages: self.plane.as_ref().map_or(0, |p| p.messages()),
+            publisher: self.plane.as_ref().map(|p| p.publisher().stats()),
+        }
+    }
+}
+
 /// A [`Worker`]'s counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
@@ -253,11 +294,16 @@ impl Worker {
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> WorkerStats {
-        WorkerStats {
-            listener: self.listener.stats(),
-            processor: self.processor.stats(),
-            published_messages: self.plane.as_ref().map_or(0, |p| p.messages()),
-            publisher: self.plane.as_ref().map(|p| p.publisher().stats()),
+        self.handle().stats()
+    }
+
+    /// A cloneable handle reading the counters while the worker runs elsewhere (a
+    /// metrics exporter's or a readiness probe's).
+    pub fn handle(&self) -> WorkerHandle {
+        WorkerHandle {
+            plane: self.plane.clone(),
+            listener: self.listener.clone(),
+            processor: self.processor.clone(),
         }
     }
 

@@ -100,7 +100,7 @@ pub use session::{
     BrokerEvent, BrokerSession, Grant, HANDSHAKE_TIMEOUT, MAX_BROKER_STREAMS, MAX_QUEUED_CONTROL,
     PENDING_SUBSCRIBE_TIMEOUT, SessionEnd,
 };
-pub use source::{MAX_SOURCE_PUBLISHERS, Source, SourceConfig, SourceStats};
+pub use source::{MAX_SOURCE_PUBLISHERS, Source, SourceConfig, SourceHandle, SourceStats};
 pub use sources::AnnouncedView;
 
 #[cfg(test)]

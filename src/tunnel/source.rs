@@ -238,6 +238,35 @@ pub struct Source {
     task: tokio::task::JoinHandle<()>,
 }
 
+/// Reads a running [`Source`]'s counters, from [`Source::handle`].
+#[derive(Debug, Clone)]
+pub struct SourceHandle {
+    shared: Arc<Shared>,
+}
+
+impl SourceHandle {
+    /// Counters.
+    pub fn stats(&self) -> SourceStats {
+        stats_of(&self.shared)
+    }
+}
+
+fn stats_of(s: &Shared) -> SourceStats {
+    let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    SourceStats {
+        sessions: l(&s.sessions),
+        session_failures: l(&s.session_failures),
+        connected: s.connected.load(Ordering::Relaxed),
+        announced: s.publishers().len(),
+        streams_opened: l(&s.streams_opened),
+        streams_open: l(&s.open),
+        refused: s.refused.snapshot(),
+        denied: s.denied.snapshot(),
+        bytes_up: l(&s.bytes.written),
+        bytes_down: l(&s.bytes.read),
+    }
+}
+
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Shared").finish_non_exhaustive()
@@ -321,19 +350,14 @@ impl Source {
 
     /// Counters.
     pub fn stats(&self) -> SourceStats {
-        let s = &self.shared;
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        SourceStats {
-            sessions: l(&s.sessions),
-            session_failures: l(&s.session_failures),
-            connected: s.connected.load(Ordering::Relaxed),
-            announced: s.publishers().len(),
-            streams_opened: l(&s.streams_opened),
-            streams_open: l(&s.open),
-            refused: s.refused.snapshot(),
-            denied: s.denied.snapshot(),
-            bytes_up: l(&s.bytes.written),
-            bytes_down: l(&s.bytes.read),
+        stats_of(&self.shared)
+    }
+
+    /// A cloneable handle reading the counters (a metrics exporter's, a readiness
+    /// probe's) while the source runs, and after.
+    pub fn handle(&self) -> SourceHandle {
+        SourceHandle {
+            shared: self.shared.clone(),
         }
     }
 

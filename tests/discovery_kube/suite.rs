@@ -612,7 +612,7 @@ async fn router_rss_with(n: u64) -> u64 {
     let dir = std::env::temp_dir().join(format!("eventplane-kube-rss-{}-{n}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let kubeconfig = api.kubeconfig(&dir, NS);
-    let mut router = tokio::process::Command::new(crate::support::example("kv_router"))
+    let mut router = tokio::process::Command::new(crate::support::example("kv-router"))
         .args([
             "--kube",
             "--dynamo",

@@ -681,7 +681,7 @@ async fn dynamos_router_in_kube_mode_indexes_kv_relay_kube() {
     // kv_relay as pod relay-0, registering through its resource.
     let mut engine = support::Engine::bind("kv").await;
     let worker_arg = worker.to_string();
-    let mut relay = Command::new(support::example("kv_relay"))
+    let mut relay = Command::new(support::example("kv-relay"))
         .args([
             "--connect",
             &engine.endpoint(),

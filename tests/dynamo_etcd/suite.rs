@@ -451,7 +451,7 @@ pub(crate) fn spawn_kv_router(
     tokio::sync::mpsc::Receiver<String>,
 ) {
     use tokio::io::{AsyncBufReadExt, BufReader};
-    let mut router = tokio::process::Command::new(support::example("kv_router"))
+    let mut router = tokio::process::Command::new(support::example("kv-router"))
         .args(args)
         .args(["--component", "kvworker", "--topic", "kv-events"])
         .envs(env.iter().copied())

@@ -79,22 +79,44 @@ pub fn expected_router_events(
     expected
 }
 
-/// A built example binary: `cargo test` builds every example next to the test
-/// binaries (target/<profile>/examples/<name>). `EVENTPLANE_EXAMPLES_DIR` points the
-/// tests at another build (to check that a test fails on an older revision).
+/// The services of `services/` (`cargo build -p eventplane-services`).
+pub const SERVICES: [&str; 3] = ["event-broker", "kv-relay", "kv-router"];
+
+/// A built example binary, or one of the [`SERVICES`]: `cargo test` builds every
+/// example next to the test binaries (target/<profile>/examples/<name>) and, with the
+/// workspace's default members, the services (target/<profile>/<name>: the services
+/// crate's own tests need them). `EVENTPLANE_EXAMPLES_DIR` and
+/// `EVENTPLANE_SERVICES_DIR` point the tests at another build (to check that a test
+/// fails on an older revision).
 pub fn example(name: &str) -> PathBuf {
-    let dir = match std::env::var_os("EVENTPLANE_EXAMPLES_DIR") {
+    let service = SERVICES.contains(&name);
+    let var = if service {
+        "EVENTPLANE_SERVICES_DIR"
+    } else {
+        "EVENTPLANE_EXAMPLES_DIR"
+    };
+    let dir = match std::env::var_os(var) {
         Some(dir) => PathBuf::from(dir),
         None => {
             let exe = std::env::current_exe().unwrap();
-            exe.parent().unwrap().parent().unwrap().join("examples")
+            let profile = exe.parent().unwrap().parent().unwrap();
+            if service {
+                profile.to_path_buf()
+            } else {
+                profile.join("examples")
+            }
         }
     };
     let path = dir.join(name);
     assert!(
         path.exists(),
-        "{} not built (cargo test builds examples)",
-        path.display()
+        "{} not built ({})",
+        path.display(),
+        if service {
+            "cargo build -p eventplane-services; cargo test builds it"
+        } else {
+            "cargo test builds examples"
+        }
     );
     path
 }
@@ -454,7 +476,7 @@ pub async fn spawn_kv_relay(
 ) -> (Child, String) {
     let worker = worker_id.to_string();
     let (relay, endpoint) = spawn_example(
-        "kv_relay",
+        "kv-relay",
         &[
             "--connect",
             engine,

@@ -62,7 +62,7 @@ pub(crate) fn body(bus_url: &str, token_dir: &Path, endpoints: &[&str], extra: &
 
 pub(crate) async fn run(config: &Path, extra: &[&str]) -> std::process::Output {
     within(
-        Command::new(example("event_broker"))
+        Command::new(example("event-broker"))
             .arg("--config")
             .arg(config)
             .args(extra)
@@ -213,7 +213,7 @@ async fn running_with(
         &format!("drain_deadline_ms = {drain_ms}"),
     );
     let path = config(name, &text);
-    let broker = Command::new(example("event_broker"))
+    let broker = Command::new(example("event-broker"))
         .arg("--config")
         .arg(&path)
         .env(
@@ -380,7 +380,7 @@ async fn kv_router_runs_an_event_bus_that_carries_events_through_a_broker() {
     // it directly, so what it indexes came through the broker.
     let inside = format!("tcp://publisher.inside.invalid:{port}");
     let follow = ["--static", &inside, "--namespace", "prod", "--topic", "kv"];
-    let mut router = Command::new(example("kv_router"))
+    let mut router = Command::new(example("kv-router"))
         .args(follow)
         .args(["--count", "2", "--bus-listen", "127.0.0.1:0"])
         .arg("--bus-cert")
@@ -460,7 +460,7 @@ async fn kv_router_runs_an_event_bus_that_carries_events_through_a_broker() {
     // `kv_router` with a bus on `listen` whose key is `key`: its output.
     let with_bus = async |listen: &str, key: PathBuf| {
         within(
-            Command::new(example("kv_router"))
+            Command::new(example("kv-router"))
                 .args(follow)
                 .args(["--bus-listen", listen])
                 .arg("--bus-key")
@@ -512,7 +512,7 @@ struct Logged {
 
 impl Logged {
     fn spawn(config: &Path) -> Logged {
-        Logged::spawn_with(Command::new(example("event_broker")), config)
+        Logged::spawn_with(Command::new(example("event-broker")), config)
     }
 
     fn spawn_with(mut command: Command, config: &Path) -> Logged {
@@ -790,9 +790,9 @@ async fn its_dns_timeout_is_the_deadline_it_keeps() {
     command.arg(format!(
         "mount --bind {} /etc/resolv.conf && exec {} \"$@\"",
         resolv.display(),
-        example("event_broker").display()
+        example("event-broker").display()
     ));
-    command.arg("event_broker");
+    command.arg("event-broker");
     let mut broker = Logged::spawn_with(command, &path);
     joined(&bus).await;
     let (r, elapsed) = timed(bus.open_stream("prod", 0, target)).await;
@@ -999,7 +999,7 @@ async fn kv_router_bus_clients_bind_each_broker_to_its_id_and_namespaces() {
         ),
     )
     .unwrap();
-    let mut router = Command::new(example("kv_router"))
+    let mut router = Command::new(example("kv-router"))
         .args([
             "--static",
             "tcp://127.0.0.1:5",
@@ -1085,7 +1085,7 @@ async fn kv_router_bus_clients_bind_each_broker_to_its_id_and_namespaces() {
     )
     .unwrap();
     let out = within(
-        Command::new(example("kv_router"))
+        Command::new(example("kv-router"))
             .args([
                 "--static",
                 "tcp://127.0.0.1:5",

@@ -256,7 +256,7 @@ async fn a_greedy_router_that_stops_reading_holds_the_broker_to_its_budget() {
     .unwrap();
     // EVENT_BROKER_BIN runs another build (an earlier commit's, for its figure).
     let program = std::env::var_os("EVENT_BROKER_BIN").map_or_else(
-        || support::example("event_broker"),
+        || support::example("event-broker"),
         std::path::PathBuf::from,
     );
     let broker = tokio::process::Command::new(program)

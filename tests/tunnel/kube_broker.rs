@@ -63,7 +63,7 @@ async fn a_broker_in_kube_mode_relays_a_publisher_found_only_through_its_resourc
         "kubernetes = { namespaces = [\"dyn\"] }",
     );
     let path = config("kube", &text);
-    let check = Command::new(example("event_broker"))
+    let check = Command::new(example("event-broker"))
         .arg("--config")
         .arg(&path)
         .arg("--check-config")
@@ -71,7 +71,7 @@ async fn a_broker_in_kube_mode_relays_a_publisher_found_only_through_its_resourc
         .output();
     let check = within(check).await.unwrap();
     assert_eq!(check.status.code(), Some(0), "{check:?}");
-    let broker = Command::new(example("event_broker"))
+    let broker = Command::new(example("event-broker"))
         .arg("--config")
         .arg(&path)
         .env("KUBECONFIG", &kubeconfig)

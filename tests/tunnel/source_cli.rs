@@ -48,7 +48,7 @@ struct Router {
 /// `kv_router --bus-listen` with the source credential of `dir`, and `follow` (its
 /// wire, or other discovery to follow beside the announced sources).
 async fn router(dir: &Path, follow: &[&str]) -> Router {
-    let mut child = Command::new(example("kv_router"))
+    let mut child = Command::new(example("kv-router"))
         .args(["--namespace", "prod", "--topic", "kv-events"])
         .args(follow)
         .args(["--bus-listen", "127.0.0.1:0"])
@@ -76,7 +76,7 @@ async fn router(dir: &Path, follow: &[&str]) -> Router {
 }
 
 async fn relay(dir: &Path, engine: &Engine, wire: &str, port: &str) -> Child {
-    Command::new(example("kv_relay"))
+    Command::new(example("kv-relay"))
         .args(["--connect", &engine.endpoint(), "--topic", "kv"])
         .args(["--block-size", "4", "--worker-id", "11", "--wire", wire])
         .args(["--bus-url", &format!("https://localhost:{port}")])
@@ -253,7 +253,7 @@ async fn kv_router_follows_a_static_publisher_and_an_announced_source_together()
     let dir = credentials("merged");
     let mut direct_engine = Engine::bind("kv").await;
     let (direct, endpoint) = support::spawn_example(
-        "kv_relay",
+        "kv-relay",
         &[
             "--connect",
             &direct_engine.endpoint(),

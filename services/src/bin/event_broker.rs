@@ -52,20 +52,24 @@
 //! a second signal; 2 on a refused configuration; 3 when discovery or (with
 //! `--check-bus`) the bus cannot be reached.
 
-mod common;
+use eventplane_services::common;
 
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use common::chain;
 use eventplane::discovery::{ChannelId, Discovery, Instance, StaticDiscovery, Transport};
+use eventplane::metrics::Exporter;
 use eventplane::net::AddrFilter;
 use eventplane::tunnel::{Broker, BrokerConfig, Secret, client_tls};
+use eventplane_services::service::{self, ServiceArgs};
 
 #[derive(Parser, Debug)]
 #[command(
+    name = "event-broker",
+    version = service::VERSION,
     about = "Relay publishers inside a cluster to a router's event bus outside it",
     after_help = "Exit codes: 0 after a drain (or a good --check-config / --check-bus); 1 on \
                   a second signal (or a signal during --check-bus); 2 on a refused \
@@ -97,6 +101,8 @@ struct Args {
     /// never printed.
     #[arg(long = "print-token-sha256", conflicts_with_all = ["check_config", "check_bus"])]
     print_token_sha256: bool,
+    #[command(flatten)]
+    service: ServiceArgs,
 }
 
 #[derive(serde::Deserialize, Debug)]
@@ -112,6 +118,8 @@ struct FileConfig {
     drain_deadline_ms: Option<u64>,
     max_stream_buffer_bytes: Option<usize>,
     max_session_buffer_bytes: Option<usize>,
+    /// The admin endpoint's address (`--admin-listen` overrides it).
+    admin_listen: Option<String>,
     #[serde(default)]
     timeouts: TimeoutsConfig,
     #[serde(default)]
@@ -182,6 +190,11 @@ fn load(args: &Args) -> Result<(FileConfig, Secret, AddrFilter), Refusal> {
         }
         _ => return Err(c("exactly one of token_file and token_env is needed".into())),
     };
+    if let Some(listen) = &config.admin_listen {
+        listen
+            .parse::<std::net::SocketAddr>()
+            .map_err(|e| c(format!("admin_listen: {listen:?}: {e} (ip:port)")))?;
+    }
     // Strict: the broker runs next to admin ports only loopback reaches.
     let mut filter = AddrFilter::strict();
     for cidr in &config.allowed_cidrs {
@@ -323,10 +336,14 @@ fn apply_tuning(file: &FileConfig, config: &mut BrokerConfig) {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    common::init_tracing_or("warn,eventplane::tunnel=info");
+    service::print_man_page_if_asked(Args::command());
     // Before anything connects: a signal from now on drains.
     let mut signals = common::signals();
     let args = Args::parse();
+    service::init_logging(
+        args.service.log_format.unwrap_or_default(),
+        "warn,eventplane::tunnel=info",
+    );
     let refused = |r: Refusal| match r {
         Refusal::Config(e) => {
             eprintln!("refused configuration: {e}");
@@ -353,6 +370,7 @@ async fn main() -> ExitCode {
         Ok(d) => d,
         Err(r) => return refused(r),
     };
+    let discovery_stats = discovery.clone();
     let mut config = BrokerConfig::new(
         file.bus_url.clone(),
         file.client_id.clone(),
@@ -392,6 +410,37 @@ async fn main() -> ExitCode {
     if args.check_bus {
         return check_bus(broker, &file, session_deadline, &mut signals).await;
     }
+    // Ready once its discovery view is complete and the bus welcomed a session
+    // (DESIGN §7.2): only then can it relay what a router subscribes to.
+    let admin_listen = args
+        .service
+        .admin_listen
+        .as_ref()
+        .or(file.admin_listen.as_ref());
+    let admin = match admin_listen {
+        None => None,
+        Some(listen) => {
+            let (sampled, probed) = (broker.handle(), broker.handle());
+            let exporter = Exporter::new()
+                .source(move || sampled.stats())
+                .source(move || discovery_stats.stats());
+            let ready = move || {
+                let s = probed.stats();
+                match (s.discovery_ready, s.connected) {
+                    (true, true) => Ok(()),
+                    (false, _) => Err("discovery has not given a complete view yet".to_owned()),
+                    (true, false) => Err("no session with the bus".to_owned()),
+                }
+            };
+            match service::Admin::start(listen, exporter, ready).await {
+                Ok(admin) => Some(admin),
+                Err(e) => {
+                    broker.abort();
+                    return refused(Refusal::Config(format!("admin_listen {listen}: {e}")));
+                }
+            }
+        }
+    };
     signals.recv().await;
     let stats = broker.handle();
     let code = tokio::select! {
@@ -401,6 +450,9 @@ async fn main() -> ExitCode {
             1
         }
     };
+    if let Some(admin) = admin {
+        admin.stop().await;
+    }
     eprintln!(
         "{}",
         serde_json::to_string(&stats.stats()).unwrap_or_default()

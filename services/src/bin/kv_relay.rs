@@ -65,7 +65,7 @@
 //! stderr. Exit codes: 0 after a signal; 2 on bad arguments (including an advertise
 //! host that cannot be dialled); 3 when EP2 cannot be bound or etcd cannot be reached.
 
-mod common;
+use eventplane_services::common;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -74,11 +74,15 @@ use clap::{CommandFactory, Parser};
 use common::{EngineArgs, StartError, chain, stop_signal};
 use eventplane::discovery::{BoxFuture, Discovery};
 use eventplane::kv::Worker;
+use eventplane::metrics::Exporter;
 use eventplane::publish::{EventPublisher, PublishError};
 use eventplane::wire::Wire;
+use eventplane_services::service::{self, ServiceArgs};
 
 #[derive(Parser, Debug)]
 #[command(
+    name = "kv-relay",
+    version = service::VERSION,
     about = "Relay an engine's KV events as router events on a ZMQ PUB (optionally announced on a router's event bus)",
     after_help = "Exit codes: 0 after SIGTERM or Ctrl-C; 2 on bad arguments (including an \
                   --advertise-host that cannot be dialled, an unreadable --bus-ca or \
@@ -168,6 +172,8 @@ struct Args {
         conflicts_with = "bus_url"
     )]
     advertise_host: Option<String>,
+    #[command(flatten)]
+    service: ServiceArgs,
 }
 
 // One thread: the relay is one sequential pipeline (listener → processor → publisher),
@@ -175,10 +181,11 @@ struct Args {
 // which cost CPU for no throughput (bench `kv_worker`).
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
-    common::init_tracing();
+    service::print_man_page_if_asked(Args::command());
     // Before anything is registered: a SIGTERM from now on is handled (records deleted).
     let stop = stop_signal();
     let args = Args::parse();
+    service::init_logging(args.service.log_format.unwrap_or_default(), "warn");
     if args.kube && args.wire != Wire::Dynamo {
         Args::command()
             .error(
@@ -199,6 +206,7 @@ async fn main() -> ExitCode {
         eprintln!("{e}");
         return ExitCode::from(2);
     }
+    let mut registry_stats: Option<Arc<dyn Discovery>> = None;
     let (builder, discovery) = if args.etcd.is_empty() && !args.kube {
         let mut builder = EventPublisher::unregistered(args.publish_topic.clone());
         if let Some(client_id) = &args.client_id {
@@ -219,6 +227,7 @@ async fn main() -> ExitCode {
             Ok(d) => d,
             Err(e) => return e.report(),
         };
+        registry_stats = Some(discovery.clone());
         let mut builder = EventPublisher::builder(
             discovery,
             args.namespace.clone().unwrap_or_default(),
@@ -270,9 +279,46 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // Ready once the engine is connected (the publisher is bound and registered by
+    // now: `build` returned).
+    let admin = match &args.service.admin_listen {
+        None => None,
+        Some(listen) => {
+            let mut exporter = Exporter::new().source({
+                let worker = worker.handle();
+                move || worker.stats()
+            });
+            if let Some(d) = registry_stats {
+                exporter = exporter.source(move || d.stats());
+            }
+            exporter = with_source_stats(exporter, &source);
+            let probed = worker.handle();
+            let ready = move || {
+                if probed.stats().listener.connected {
+                    Ok(())
+                } else {
+                    Err("no connection to the engine".to_owned())
+                }
+            };
+            match service::Admin::start(listen, exporter, ready).await {
+                Ok(admin) => Some(admin),
+                Err(e) => {
+                    eprintln!("--admin-listen {listen}: {e}");
+                    worker.shutdown().await;
+                    if let Some(close) = discovery {
+                        close().await;
+                    }
+                    return ExitCode::from(2);
+                }
+            }
+        }
+    };
     println!("{endpoint}");
 
     stop.await;
+    if let Some(admin) = admin {
+        admin.stop().await;
+    }
     // Publishes what was queued, then drains the publisher and deletes its records.
     let worker_stats = worker.shutdown().await;
     if let Some(close) = discovery {
@@ -354,6 +400,23 @@ fn source(args: &Args, publisher: &EventPublisher) -> Result<Option<SourceHandle
         .announce(announced, publisher.acceptor())
         .map_err(refused)?;
     Ok(Some(source))
+}
+
+/// Adds the source's counters, if any, to `exporter`.
+#[cfg(feature = "tunnel")]
+fn with_source_stats(exporter: Exporter, source: &Option<SourceHandle>) -> Exporter {
+    match source {
+        Some(s) => {
+            let handle = s.handle();
+            exporter.source(move || handle.stats())
+        }
+        None => exporter,
+    }
+}
+
+#[cfg(not(feature = "tunnel"))]
+fn with_source_stats(exporter: Exporter, _: &Option<SourceHandle>) -> Exporter {
+    exporter
 }
 
 /// Drains the source, if any; its counters.

@@ -49,7 +49,7 @@
 //! the subscriber stops); 2 on bad arguments; 3 when discovery cannot be reached (or
 //! --bus-listen cannot be bound).
 
-mod common;
+use eventplane_services::common;
 
 use std::collections::{HashMap, HashSet};
 use std::io::Write;
@@ -60,11 +60,15 @@ use clap::{CommandFactory, Parser, ValueEnum};
 use common::{Index, StartError, chain, optional_timeout, static_discovery, stop_signal};
 use eventplane::discovery::{ChannelId, Discovery, Query};
 use eventplane::kv::{RouterEvent, decode_router_payload};
+use eventplane::metrics::Exporter;
 use eventplane::subscriber::{DynamicSubscriber, DynamicSubscriberBuilder, Notice};
 use eventplane::wire::Wire;
+use eventplane_services::service::{self, ServiceArgs};
 
 #[derive(Parser, Debug)]
 #[command(
+    name = "kv-router",
+    version = service::VERSION,
     about = "Follow router-event publishers (ours or Dynamo's) into a block index",
     after_help = "Exit codes: 0 on SIGTERM / Ctrl-C or after --count events; 1 on timeout or \
                   if the subscriber stops; 2 on bad arguments; 3 when discovery cannot be \
@@ -186,6 +190,8 @@ struct Args {
     /// id, granted --namespace only.
     #[arg(long = "bus-token-file", requires = "bus_listen")]
     bus_token_file: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    service: ServiceArgs,
 }
 
 /// Lifecycle notices queued between two batches (connections, gaps, departures).
@@ -424,9 +430,10 @@ impl Router {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    common::init_tracing();
+    service::print_man_page_if_asked(Args::command());
     let stop = stop_signal();
     let args = Args::parse();
+    service::init_logging(args.service.log_format.unwrap_or_default(), "warn");
     common::raise_fd_limit();
     if args.endpoint.is_some() && !args.dynamo {
         // Checked here: `requires = "dynamo"` on --endpoint did not refuse a command
@@ -464,6 +471,7 @@ async fn main() -> ExitCode {
             Err(e) => return e.report(),
         },
     };
+    let discovery_stats = discovery.clone();
     let mut query = Query::new(args.namespace.clone()).topic(args.topic.clone());
     if let Some(c) = &args.component {
         query = query.component(c.clone());
@@ -482,8 +490,12 @@ async fn main() -> ExitCode {
         Some(n) => builder.max_publishers(usize::try_from(n).unwrap_or(usize::MAX)),
         None => builder,
     };
+    let mut exporter = Exporter::new().source(move || discovery_stats.stats());
     let (builder, bus_stats) = match bus {
-        Some(bus) => ((bus.tunnel)(builder), Some(bus.stats)),
+        Some(bus) => {
+            exporter = (bus.exported)(exporter);
+            ((bus.tunnel)(builder), Some(bus.stats))
+        }
         None => (builder, None),
     };
     let spawned = builder.notices(NOTICES).spawn();
@@ -495,6 +507,29 @@ async fn main() -> ExitCode {
         }
     };
     let handle = sub.handle();
+    // Ready once the first complete view came from discovery: every publisher in it
+    // is being dialled.
+    let admin = match &args.service.admin_listen {
+        None => None,
+        Some(listen) => {
+            let (sampled, probed) = (handle.clone(), handle.clone());
+            let exporter = exporter.source(move || sampled.stats());
+            let ready = move || {
+                if probed.stats().synced {
+                    Ok(())
+                } else {
+                    Err("discovery has not given a complete view yet".to_owned())
+                }
+            };
+            match service::Admin::start(listen, exporter, ready).await {
+                Ok(admin) => Some(admin),
+                Err(e) => {
+                    eprintln!("--admin-listen {listen}: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+    };
     let mut router = Router {
         max_index_blocks: usize::try_from(args.max_index_blocks).unwrap_or(usize::MAX),
         ..Router::default()
@@ -576,6 +611,9 @@ async fn main() -> ExitCode {
             router.notice(notice);
         }
     };
+    if let Some(admin) = admin {
+        admin.stop().await;
+    }
     let stats = handle.stats();
     let m = stats.total.malformed;
     let mut summary = serde_json::json!({
@@ -692,6 +730,8 @@ struct Bus {
     /// credential exists).
     announced: Option<Arc<dyn Discovery>>,
     stats: BusStatsFn,
+    /// Adds the bus's counters to a metrics exporter.
+    exported: Box<dyn FnOnce(Exporter) -> Exporter>,
 }
 
 #[cfg(feature = "tunnel")]
@@ -718,12 +758,15 @@ async fn start_bus(args: &Args, wire: Wire) -> Result<Option<Bus>, StartError> {
     let stats = bus.clone();
     let stats: BusStatsFn =
         Box::new(move || serde_json::to_value(stats.stats()).unwrap_or_default());
+    let sampled = bus.clone();
+    let exported = Box::new(move |e: Exporter| e.source(move || sampled.stats()));
     let announced: Option<Arc<dyn Discovery>> =
         sources.then(|| Arc::new(bus.announced(wire)) as Arc<dyn Discovery>);
     Ok(Some(Bus {
         tunnel: Box::new(move |builder| builder.tunnel(bus)),
         announced,
         stats,
+        exported,
     }))
 }
 

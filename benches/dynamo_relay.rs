@@ -1,8 +1,8 @@
 //! The worker job as a process, side by side with Dynamo's: engine KV events in, Dynamo
 //! frames out, through a real etcd (feature `etcd`).
 //!
-//! - `eventplane`: the `kv_relay` example users run, `kv_relay --wire dynamo --etcd …`
-//!   (`target/release/examples/kv_relay`, built with `--features etcd`: a
+//! - `eventplane`: the `kv-relay` service users run, `kv-relay --wire dynamo --etcd …`
+//!   (`target/release/kv-relay`, built by `cargo build --release -p eventplane-services`: a
 //!   current-thread `EngineListener → Processor → EventPlaneSink → EventPublisher` on
 //!   Dynamo's wire, Dynamo's records in etcd);
 //! - `dynamo`: NVIDIA Dynamo 1.6.1's own worker (`KvEventPublisher` relaying the
@@ -24,8 +24,8 @@
 //! wall-clock second; the bench reads each worker's CPU time (all its threads) from
 //! `/proc` and prints engine events per CPU-second (`dynamo_relay: SHAPE MODE WHO:`
 //! lines), what a worker pays per event. A window not through within 30 s fails the
-//! bench. `EVENTPLANE_KV_RELAY_BEFORE=path` adds another build of `kv_relay` (built
-//! with feature `etcd`), to compare two versions in one run.
+//! bench. `EVENTPLANE_KV_RELAY_BEFORE=path` adds another build of the relay (an
+//! earlier commit's, with etcd), to compare two versions in one run.
 #![allow(
     missing_docs,
     clippy::unwrap_used,
@@ -454,22 +454,17 @@ fn repo_root() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
 }
 
-/// The `kv_relay` example next to this bench's binary (a release build with feature
-/// `etcd`).
+/// The `kv-relay` service next to this bench's binary (`cargo build --release -p
+/// eventplane-services`).
 fn kv_relay(which: &str) -> PathBuf {
     if which == "eventplane_before" {
         return PathBuf::from(std::env::var_os("EVENTPLANE_KV_RELAY_BEFORE").unwrap());
     }
     let exe = std::env::current_exe().unwrap();
-    let path = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples/kv_relay");
+    let path = exe.parent().unwrap().parent().unwrap().join("kv-relay");
     assert!(
         path.exists(),
-        "{} missing: cargo build --release --features etcd --example kv_relay",
+        "{} missing: cargo build --release -p eventplane-services",
         path.display()
     );
     path

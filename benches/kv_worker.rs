@@ -1,4 +1,4 @@
-//! The KV worker as a process: the `kv_relay` example (`EngineListener → Processor →
+//! The KV worker as a process: the `kv-relay` service (`EngineListener → Processor →
 //! EventPlaneSink → EventPublisher`, our wire, no discovery) relaying an engine that
 //! this bench plays in Rust (a `PubSocket`, so nothing here is Python).
 //!
@@ -16,9 +16,9 @@
 //! CPU-second (`kv_worker: …` lines), the figure that says what a worker pays per
 //! event.
 //!
-//! Build the example first (`cargo build --release --example kv_relay`; `.ci/run`
-//! does). `EVENTPLANE_KV_RELAY_BEFORE=path` adds another build of it, to compare two
-//! versions in one run.
+//! Build it first (`cargo build --release -p eventplane-services`; `.ci/run` does).
+//! `EVENTPLANE_KV_RELAY_BEFORE=path` adds another build of it (an earlier commit's
+//! `kv_relay` example), to compare two versions in one run.
 #![allow(
     missing_docs,
     clippy::unwrap_used,
@@ -270,7 +270,7 @@ impl Rig {
 
 fn kv_relay() -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
-    let path = exe.parent()?.parent()?.join("examples").join("kv_relay");
+    let path = exe.parent()?.parent()?.join("kv-relay");
     path.exists().then_some(path)
 }
 
@@ -287,11 +287,11 @@ fn bench(c: &mut Criterion) {
             // In test mode (.ci/run) a missing binary is a failure, not a skipped claim.
             assert!(
                 !std::env::args().any(|a| a == "--test"),
-                "target/release/examples/kv_relay is missing: cargo build --release --example kv_relay"
+                "target/release/kv-relay is missing: cargo build --release -p eventplane-services"
             );
             eprintln!(
-                "kv_worker: target/release/examples/kv_relay is missing \
-                 (cargo build --release --example kv_relay); skipping it"
+                "kv_worker: target/release/kv-relay is missing \
+                 (cargo build --release -p eventplane-services); skipping it"
             )
         }
     }

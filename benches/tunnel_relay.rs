@@ -6,8 +6,8 @@
 //!   `PubSocket` serving the stream itself, DESIGN §7.4) and directly (`SubSocket` ←
 //!   publisher);
 //! - added latency: one message sent and received at a time, both ways;
-//! - the broker's memory with 1,000 open streams: the `event_broker` example in its own
-//!   process (`target/release/examples/event_broker`, built with `--features tunnel`),
+//! - the broker's memory with 1,000 open streams: the `event-broker` service in its own
+//!   process (`target/release/event-broker`, built by `cargo build --release -p eventplane-services`),
 //!   its RSS read from `/proc` once every stream carries ZMTP and has relayed a 64 KiB
 //!   message (so every relay's read buffer was filled), asserted at most
 //!   [`MAX_KIB_PER_STREAM`] per stream over its idle RSS. In criterion's test mode
@@ -18,7 +18,7 @@
 //! broker runs in-process too. TLS uses the repository's test certificates.
 //!
 //! ```text
-//! cargo build --release --features tunnel --example event_broker
+//! cargo build --release -p eventplane-services
 //! cargo bench --features tunnel --bench tunnel_relay
 //! ```
 #![allow(
@@ -281,14 +281,10 @@ fn relay(c: &mut Criterion) {
     broker_memory(&rt);
 }
 
-/// The `event_broker` example next to this bench's binary.
+/// The `event-broker` service next to this bench's binary.
 fn event_broker() -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
-    let path = exe
-        .parent()?
-        .parent()?
-        .join("examples")
-        .join("event_broker");
+    let path = exe.parent()?.parent()?.join("event-broker");
     path.exists().then_some(path)
 }
 
@@ -298,12 +294,12 @@ fn broker_memory(rt: &tokio::runtime::Runtime) {
         // In test mode (.ci/run) a missing binary is a failure, not a skipped claim.
         assert!(
             !test_mode(),
-            "target/release/examples/event_broker is missing: \
-             cargo build --release --features tunnel --example event_broker"
+            "target/release/event-broker is missing: \
+             cargo build --release -p eventplane-services"
         );
         eprintln!(
-            "tunnel_relay: target/release/examples/event_broker is missing \
-             (cargo build --release --features tunnel --example event_broker); skipping the broker's RSS"
+            "tunnel_relay: target/release/event-broker is missing \
+             (cargo build --release -p eventplane-services); skipping the broker's RSS"
         );
         return;
     };

@@ -113,7 +113,7 @@ async fn main() -> anyhow::Result<ExitCode> {
     };
     // Stops taking engine batches, prints what was queued, stops.
     let stats = worker.shutdown().await;
-    // One JSON object, the last stderr line, as kv_relay and kv_router print theirs.
+    // One JSON object, the last stderr line, as kv-relay and kv-router print theirs.
     eprintln!(
         "{}",
         serde_json::json!({"listener": stats.listener, "processor": stats.processor})

@@ -14,7 +14,7 @@
 //!
 //! - **Who sent it.** A worker registers its identity with its publisher
 //!   ([`EventPublisherBuilder::worker`](crate::publish::EventPublisherBuilder::worker);
-//!   `kv_relay` does, from `--worker-id` and `--dp-rank`), so every delivery's
+//!   `kv-relay` does, from `--worker-id` and `--dp-rank`), so every delivery's
 //!   `source.worker` names the worker before the payload is decoded. A publisher
 //!   that registered none is counted here, and
 //!   [`expect_worker_identity`](crate::subscriber::DynamicSubscriberBuilder::expect_worker_identity)
@@ -39,7 +39,7 @@
 //! The code below is `examples/guide_router/router.rs`, word for word: the
 //! `guide_router` example runs it over etcd (`cargo run --features etcd --example
 //! guide_router -- --etcd http://127.0.0.1:2379 --namespace prod`), and the test
-//! suite runs that program against `kv_relay` workers fed by a real ZMQ engine,
+//! suite runs that program against `kv-relay` workers fed by a real ZMQ engine,
 //! through an engine restart. Here it runs against a worker in the same process.
 //!
 #![doc = concat!(
@@ -114,7 +114,7 @@
 //! feeding your own channel, a [`Processor`](crate::kv::Processor) over your own
 //! [`EventSink`](crate::kv::EventSink) (or [`Worker::with_sink`](crate::kv::Worker::with_sink)),
 //! or the sans-IO [`Pipeline`](crate::kv::Pipeline) with no task at all. The
-//! `kv_relay` example is this as a command-line process, with etcd and Dynamo's wire.
+//! `kv-relay` service (`services/`) is this as a command-line process, with etcd and Dynamo's wire.
 //!
 //! # Bounds
 //! Every queue is bounded and every bound is a setting with a default. A router's

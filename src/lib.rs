@@ -75,7 +75,7 @@
 //!   through an event broker: the sans-IO protocol (frames, sessions, budgets,
 //!   rendezvous), the router's [`EventBus`](tunnel::EventBus) (TLS + HTTP/2), the
 //!   [`Broker`](tunnel::Broker), and `DynamicSubscriberBuilder::tunnel`. The
-//!   `event_broker` example is the broker as a process.
+//!   `event-broker` service (`services/`) is the broker as a process.
 //!
 //! Every component also has a plain `stats()` snapshot, so users without a metrics
 //! stack still see every counter.

@@ -506,3 +506,48 @@ async fn the_index_holds_at_most_its_cap_of_blocks_per_publisher() {
         "{stats}"
     );
 }
+
+/// `kv-relay --admin-listen`: `/readyz` is 503 until the engine is connected, 200
+/// while it is, 503 again once it is gone; `/metrics` counts what the relay decoded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_relay_is_ready_while_its_engine_is_connected() {
+    use support::admin::{admin_address, get, metric, until};
+    // An endpoint nothing listens on yet, that an engine binds later.
+    let engine_ep = support::restartable_endpoint();
+    let mut relay = Command::new(example("kv-relay"))
+        .args([
+            "--connect",
+            &engine_ep,
+            "--topic",
+            "kv",
+            "--block-size",
+            "4",
+        ])
+        .args(["--worker-id", "11", "--bind", "tcp://127.0.0.1:0"])
+        .args(["--admin-listen", "127.0.0.1:0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(relay.stderr.take().unwrap()).lines();
+    let admin = admin_address(&mut lines).await;
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let (status, reason) = get(&admin, "/readyz").await;
+    assert_eq!(
+        (status, reason.as_str()),
+        (503, "not ready: no connection to the engine\n")
+    );
+    assert_eq!(get(&admin, "/livez").await.0, 200);
+    let mut engine = Engine::bind_at(&engine_ep, "kv").await;
+    until(&admin, "/readyz", |status, _| status == 200).await;
+    within(engine.socket.wait_for_subscribers(1)).await;
+    engine.send(encode_engine_batch(0.0, 0, 4, &[EngineEvent::Cleared]).unwrap());
+    until(&admin, "/metrics", |_, text| {
+        metric(text, "eventplane_kv_decoder_batches_total") == Some(1.0)
+            && metric(text, "eventplane_kv_listener_connected") == Some(1.0)
+    })
+    .await;
+    drop(engine);
+    until(&admin, "/readyz", |status, _| status == 503).await;
+}

@@ -3,6 +3,9 @@
 //! Without the feature, one ignored test says so instead of the target silently
 //! vanishing.
 
+#[cfg(all(feature = "tunnel", feature = "kube"))]
+#[path = "tunnel/admin.rs"]
+mod admin;
 #[cfg(feature = "tunnel")]
 #[path = "tunnel/common.rs"]
 mod common;

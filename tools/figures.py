@@ -9,7 +9,7 @@ peer from the same run, and writes them between the README's figure markers.
 Runs each source below N times (criterion benches, the demo, the memory tests) and
 reports medians (ranges for figures a bench prints), every table stamped with the
 commit, machine and date it was measured at. `--before REV` builds `subscribe` and
-`kv_relay` at REV in a worktree and runs them in the same loops as today's
+the KV relay at REV in a worktree and runs them in the same loops as today's
 (`EVENTPLANE_SUBSCRIBE_BEFORE`, `EVENTPLANE_KV_RELAY_BEFORE`). `--quick` runs
 criterion's quick mode with small sizes: it checks that every source still runs and
 parses, its figures are not for the README (it never writes README.md unless told to).
@@ -366,9 +366,11 @@ MEMORY_TESTS = [
 
 def src_bounds(ctx):
     v = {}
-    # The process tests spawn example binaries, which `cargo test --test NAME` does not
-    # build (a whole `cargo test` does).
+    # The process tests spawn example and service binaries, which `cargo test --test
+    # NAME` does not build (a whole `cargo test` does).
     run(["cargo", "build", "--all-features", "--examples"], LOGS / "build-examples-debug.log")
+    run(["cargo", "build", "--all-features", "-p", "eventplane-services"],
+        LOGS / "build-services-debug.log")
     for i, args in enumerate(MEMORY_TESTS):
         log = LOGS / f"bounds-{i}.{ctx.run}.log"
         # One test at a time: figure lines never interleave, and no test's load is
@@ -579,8 +581,8 @@ floods.
                 "--test allocations --test forged_lengths --test tunnel -- --nocapture", f"""
 What each attack of the test suite makes a process hold, against the bound the test
 asserts: the budgets in play for that attack plus a slack for the runtime and the
-allocator (2 MiB for the examples, 1 MiB for `event_broker`, 256 KiB or less in
-process; debug builds, as `cargo test` runs them). The examples run as child
+allocator (2 MiB for the examples and services, 1 MiB for `event-broker`, 256 KiB or
+less in process; debug builds, as `cargo test` runs them). The examples run as child
 processes with glibc's mmap threshold fixed at 128 KiB, so a freed large buffer leaves
 the peak as it leaves the process; the peak is reset when the attack starts.
 In-process claims are counted by allocation (`tests/allocations.rs`,
@@ -726,7 +728,7 @@ counter explains (always 0).
                 + [f"{f(f'latency/{p}'):.0f} µs (+{f(f'latency/{p}') - f('latency/direct'):.0f} µs)"
                    for p in ("tunnel", "source")]]
         section("Through the tunnel",
-                "cargo build --release --features tunnel --example event_broker && cargo bench "
+                "cargo build --release -p eventplane-services && cargo bench "
                 "--features tunnel --bench tunnel_relay", f"""
 The same publisher stream read by a `SubSocket` directly, through the tunnel (router
 `SubSocket` ← HTTP/2 + TLS ← broker ← publisher) and from a source (router `SubSocket` ←
@@ -736,7 +738,7 @@ flight:
 
 {table(["", "direct", "through a broker", "from a source"], rows)}
 
-The `event_broker` process with {f("broker/streams"):.0f} open streams, each carrying a ZMTP
+The `event-broker` process with {f("broker/streams"):.0f} open streams, each carrying a ZMTP
 connection: RSS {f.span("broker/rss", lambda x: f"{x:.1f}")} MiB ({f("broker/idle"):.1f} MiB idle,
 {f.span("broker/per_stream", lambda x: f"{x:.1f}")} KiB per stream; asserted at most 48 KiB).
 """)
@@ -761,18 +763,18 @@ connection: RSS {f.span("broker/rss", lambda x: f"{x:.1f}")} MiB ({f("broker/idl
                 else:
                     cpu.append("—")
                 rows.append([names[shape], mode] + cpu + wall)
-        section("Next to Dynamo: the worker process", "cargo build --release --features etcd "
-                "--example kv_relay && cargo bench --features etcd --bench dynamo_relay", f"""
+        section("Next to Dynamo: the worker process", "cargo build --release "
+                "-p eventplane-services && cargo bench --features etcd --bench dynamo_relay", f"""
 Each worker process relays an engine PUB of the bench and publishes Dynamo's frames,
 registered in a local etcd; the bench follows each through a `DynamicSubscriber` on
-Dynamo's records and wire: eventplane's `kv_relay --wire dynamo --etcd …` and Dynamo
+Dynamo's records and wire: eventplane's `kv-relay --wire dynamo --etcd …` and Dynamo
 1.6.1's `KvEventPublisher` (`tests/dynamo_live/dynamo_worker.py`). Two streams: today's
 vLLM batches of 16 events (8 stores of 4 chained blocks, then their removes; windows of
 1,024 events) and decode-time streams of single-block stores (block size 16) with one
 batched remove every 8–64 stores (64–256 events per batch; windows of ~4,100 events).
 Each flooded (windows back to back) and paced (50,000 engine events per second, batch by
 batch). A lossless closed loop, checked: each window waited for through a sentinel and
-asserted to bring exactly its blocks with no gap or drop; `kv_relay`'s own stats after
+asserted to bring exactly its blocks with no gap or drop; `kv-relay`'s own stats after
 SIGTERM must show every batch decoded and every event processed. CPU time is each
 worker process's (all threads) from `/proc`.
 
@@ -780,16 +782,16 @@ worker process's (all threads) from `/proc`.
 """)
 
     if "worker" in sections:
-        rows = [["`kv_relay` (this build)", f"**{m(f('kv_relay/per_cpu') * 1e6)} M**" if f.has("kv_relay/per_cpu") else "—",
+        rows = [["`kv-relay` (this build)", f"**{m(f('kv_relay/per_cpu') * 1e6)} M**" if f.has("kv_relay/per_cpu") else "—",
                  f"**{k(f('kv_relay/rate'))} k/s**",
                  f"{f('kv_relay/rss'):.1f} MiB" if f.has("kv_relay/rss") else "—"]]
         if f.has("kv_relay_before/rate"):
-            rows.append([f"`kv_relay` at `{f.before}` (built by `--before`, same loop)",
+            rows.append([f"the relay at `{f.before}` (built by `--before`, same loop)",
                          f"{m(f('kv_relay_before/per_cpu') * 1e6)} M" if f.has("kv_relay_before/per_cpu") else "—",
                          f"{k(f('kv_relay_before/rate'))} k/s",
                          f"{f('kv_relay_before/rss'):.1f} MiB" if f.has("kv_relay_before/rss") else "—"])
-        section("The worker process", "cargo build --release --example kv_relay && cargo bench --bench kv_worker", f"""
-`kv_relay` (our wire, no etcd) fed by an engine `PubSocket` in the bench: vLLM-shaped
+        section("The worker process", "cargo build --release -p eventplane-services && cargo bench --bench kv_worker", f"""
+`kv-relay` (our wire, no etcd) fed by an engine `PubSocket` in the bench: vLLM-shaped
 batches of 64 stores of 4 chained blocks, each followed by a batch of their 64 removes;
 windows of 4,096 engine events closed by a sentinel seen on the relay's output. Every
 output message is decoded and each window asserted to bring exactly its 8,192 stored and
@@ -797,7 +799,7 @@ output message is decoded and each window asserted to bring exactly its 8,192 st
 batch decoded, every event processed and nothing dropped. The relay's CPU time comes
 from `/proc`.
 
-{table(["`kv_relay`", "engine events per CPU-second", "engine events/s (closed loop)", "peak RSS"], rows)}
+{table(["`kv-relay`", "engine events per CPU-second", "engine events/s (closed loop)", "peak RSS"], rows)}
 """)
 
     return "\n".join(parts)
@@ -833,15 +835,24 @@ def before_tree(rev):
 
 
 def build_before(rev):
-    """`subscribe` and `kv_relay` built at `rev`, in a worktree of their own."""
+    """`subscribe` and the KV relay built at `rev`, in a worktree of their own: the
+    `kv-relay` service from `services/`, or before it existed the `kv_relay` example
+    (with etcd: dynamo_relay runs it as `… --wire dynamo --etcd …`)."""
     tree = before_tree(rev)
-    # kv_relay with etcd: dynamo_relay runs it as `kv_relay --wire dynamo --etcd …`.
-    run(["cargo", "build", "--release", "--features", "etcd", "--example", "subscribe",
-         "--example", "kv_relay"],
-        LOGS / "before-build.log", cwd=tree, env={"CARGO_TARGET_DIR": str(tree / "target")})
-    bins = tree / "target/release/examples"
-    return {"EVENTPLANE_SUBSCRIBE_BEFORE": str(bins / "subscribe"),
-            "EVENTPLANE_KV_RELAY_BEFORE": str(bins / "kv_relay")}
+    env = {"CARGO_TARGET_DIR": str(tree / "target")}
+    run(["cargo", "build", "--release", "--example", "subscribe"],
+        LOGS / "before-build.log", cwd=tree, env=env)
+    release = tree / "target/release"
+    if (tree / "services/Cargo.toml").exists():
+        run(["cargo", "build", "--release", "-p", "eventplane-services", "--bin", "kv-relay"],
+            LOGS / "before-build-relay.log", cwd=tree, env=env)
+        relay = release / "kv-relay"
+    else:
+        run(["cargo", "build", "--release", "--features", "etcd", "--example", "kv_relay"],
+            LOGS / "before-build-relay.log", cwd=tree, env=env)
+        relay = release / "examples/kv_relay"
+    return {"EVENTPLANE_SUBSCRIBE_BEFORE": str(release / "examples/subscribe"),
+            "EVENTPLANE_KV_RELAY_BEFORE": str(relay)}
 
 
 def prepare(ctx):
@@ -849,8 +860,8 @@ def prepare(ctx):
     LOGS.mkdir(parents=True, exist_ok=True)
     run(["cargo", "build", "--release", "--example", "demo", "--example", "subscribe"],
         LOGS / "build-examples.log")
-    run(["cargo", "build", "--release", "--features", "tunnel,etcd", "--example", "kv_relay",
-         "--example", "event_broker"], LOGS / "build-examples-features.log")
+    run(["cargo", "build", "--release", "-p", "eventplane-services"],
+        LOGS / "build-services.log")
     libs = subprocess.run(["pkg-config", "--cflags", "--libs", "libzmq"], capture_output=True,
                           text=True, check=True).stdout.split()
     for peer, var in (("libzmq_sub", "EVENTPLANE_LIBZMQ_SUB"), ("libzmq_pub", "EVENTPLANE_LIBZMQ_PUB")):

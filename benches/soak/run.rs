@@ -31,27 +31,25 @@ pub(crate) async fn main(args: RunArgs, bench_dir: PathBuf) -> ExitCode {
 fn build_relay(bench_dir: &Path) -> Result<PathBuf, String> {
     let root = bench_dir.parent().ok_or("no workspace root")?;
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    eprintln!("soak: building kv_relay (release, feature etcd)");
+    eprintln!("soak: building kv-relay (release)");
     let status = std::process::Command::new(cargo)
         .current_dir(root)
         .args([
             "build",
             "--release",
             "-p",
-            "eventplane",
-            "--features",
-            "etcd",
-            "--example",
-            "kv_relay",
+            "eventplane-services",
+            "--bin",
+            "kv-relay",
         ])
         .status()
         .map_err(|e| format!("cargo: {e}"))?;
     if !status.success() {
-        return Err(format!("building kv_relay failed: {status}"));
+        return Err(format!("building kv-relay failed: {status}"));
     }
     let target =
         std::env::var("CARGO_TARGET_DIR").map_or_else(|_| root.join("target"), PathBuf::from);
-    Ok(target.join("release/examples/kv_relay"))
+    Ok(target.join("release/kv-relay"))
 }
 
 fn kinds(spec: &str, netns: bool) -> Result<Vec<FaultKind>, String> {

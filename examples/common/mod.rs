@@ -178,7 +178,7 @@ pub async fn optional_timeout(ms: Option<u64>) {
     }
 }
 
-/// What `kv_listen --help` and `kv_relay --help` say of their input.
+/// What `kv_listen --help` and `kv-relay --help` say of their input.
 pub const ENGINE_INPUT_HELP: &str = "\
 Input: the engine's ZMQ PUB (--connect), messages of three frames [topic, seq, batch]: \
 seq a big-endian u64 counted per batch, batch msgpack [ts, events, dp_rank] (or a map \
@@ -193,7 +193,7 @@ engine) or its connection ends, the worker no longer knows what the engine holds
 emits a `cleared` router event for each data-parallel rank it forwarded events for, \
 so routers drop those blocks (counted in listener.stale_clears).";
 
-/// What `kv_listen --help`, `kv_router --help` say a router event looks like.
+/// What `kv_listen --help`, `kv-router --help` say a router event looks like.
 pub const ROUTER_EVENT_HELP: &str = "\
 A router event as JSON: {\"worker_id\":W,\"tier\":\"device\"|\"host_pinned\"|\"disk\"|\
 \"external\",\"event\":{\"id\":N,\"dp_rank\":R,\"data\":D}} with D one of \
@@ -201,7 +201,7 @@ A router event as JSON: {\"worker_id\":W,\"tier\":\"device\"|\"host_pinned\"|\"d
 {\"removed\":{\"block_hashes\":[H]}}, \"cleared\" (the rank holds nothing, in any tier). \
 Ids count from 1, one more per event.";
 
-/// The engine side shared by `kv_listen` and `kv_relay`.
+/// The engine side shared by `kv_listen` and `kv-relay`.
 #[derive(clap::Args, Debug)]
 pub struct EngineArgs {
     /// The engine's ZMQ PUB endpoint.

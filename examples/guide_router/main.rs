@@ -7,7 +7,7 @@
 //!              [--timeout-ms MS]
 //! ```
 //! Follows every `kv-events` publisher of NS registered in etcd (our records; start
-//! workers with `kv_relay --etcd URL --namespace NS --component C --worker-id W …`),
+//! workers with `kv-relay --etcd URL --namespace NS --component C --worker-id W …`),
 //! saying `connected (N connections)` on stderr at each connection. After N
 //! deliveries, once a worker holds block H, on timeout, or on Ctrl-C / SIGTERM it
 //! prints one JSON line on stdout:

@@ -123,6 +123,7 @@ impl Admin {
         let server = AdminServer::bind(listen, AdminConfig::default(), routes)
             .await
             .map_err(|e| crate::common::chain(&e))?;
+        eprintln!("admin endpoint on http://{}", server.local_addr());
         Ok(Admin {
             server,
             stop,

@@ -72,7 +72,7 @@ fn json_logs_are_one_object_per_line() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = closed.local_addr().unwrap().port();
     drop(closed);
-    let mut child = Command::new(SERVICES[1].1)
+    let child = Command::new(SERVICES[1].1)
         .args([
             "--connect",
             &format!("tcp://127.0.0.1:{port}"),

@@ -18,7 +18,7 @@
 //! ```
 //!
 //! # The engine's format
-//! What [`EngineListener`] (and `kv_listen`, `kv_relay`) read: the KV events vLLM and
+//! What [`EngineListener`] (and `kv_listen`, `kv-relay`) read: the KV events vLLM and
 //! SGLang publish, as [`EngineDecoder`] decodes them.
 //!
 //! **Messages.** A ZMQ PUB (ZMTP 3.0 or 3.1, NULL security) sends messages of exactly
@@ -86,7 +86,7 @@
 //!
 //! **An engine to copy.** `examples/engine.py` publishes this format from Python
 //! (pyzmq and msgpack), driven line by line from stdin; the test suite uses it as the
-//! engine in front of `kv_relay`. Its core (a PUB drops what it sends while nobody
+//! engine in front of `kv-relay`. Its core (a PUB drops what it sends while nobody
 //! subscribes, so `engine.py` binds an XPUB and waits for the first subscription):
 //!
 //! ```python

@@ -414,7 +414,7 @@ async fn connect_and_read(
                 id = %instance.id,
                 suppressed,
                 "publisher registered no worker identity: its deliveries have no `source.worker` \
-                 (a worker registers one with EventPublisherBuilder::worker, kv_relay from \
+                 (a worker registers one with EventPublisherBuilder::worker, kv-relay from \
                  --worker-id; other registrars write the record's `worker` field)"
             );
         }

@@ -49,7 +49,7 @@ impl TokenDigest {
     /// A digest written as 64 hex digits; what follows them after whitespace is
     /// ignored, so `sha256sum`'s `HEX  -` line reads too. Digest the token itself,
     /// without a newline: `printf %s "$TOKEN" | sha256sum`, or
-    /// `event_broker --config FILE --print-token-sha256`.
+    /// `event-broker --config FILE --print-token-sha256`.
     pub fn from_hex(hex: &str) -> Result<TokenDigest, TunnelError> {
         let bad = || TunnelError::Config {
             field: "token_sha256",
@@ -115,7 +115,7 @@ struct Client {
 /// only as SHA-256 digests (unsalted: use random tokens of 32 bytes or more, e.g.
 /// `openssl rand -hex 32`), every stored digest is compared on each request; none
 /// is ever logged. A client id may not end in `.check` (the suffix names the session
-/// `event_broker --check-bus` opens under its credential).
+/// `event-broker --check-bus` opens under its credential).
 ///
 /// ```
 /// use eventplane::tunnel::{BusClients, Secret, TokenDigest};

@@ -498,7 +498,7 @@ async fn run_session(
                         session.close();
                         continue;
                     };
-                    // `event_broker --check-bus`'s session proves the credential and
+                    // `event-broker --check-bus`'s session proves the credential and
                     // leaves: it carries no streams.
                     checking = client_id.ends_with(".check");
                     tracing::info!(%client_id, session_id, ?namespaces, %role, "session welcomed");

@@ -107,7 +107,7 @@ impl Grant {
     }
 
     /// Bound to `client_id`: a hello naming another is denied (`client_id.check`, the
-    /// session `event_broker --check-bus` opens, is its own too).
+    /// session `event-broker --check-bus` opens, is its own too).
     #[must_use]
     pub fn with_client_id(mut self, client_id: impl Into<String>) -> Grant {
         self.client_id = Some(client_id.into());
@@ -149,7 +149,7 @@ impl Grant {
 
     /// Whether `hello` stays within the grant, or why not.
     pub fn check(&self, hello: &Hello) -> Result<(), DenyCode> {
-        // `ID.check` is the session `event_broker --check-bus` opens as `ID`.
+        // `ID.check` is the session `event-broker --check-bus` opens as `ID`.
         let own = |id: &String| {
             hello.client_id == *id
                 || hello

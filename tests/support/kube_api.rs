@@ -80,6 +80,8 @@ struct State {
     /// Bumped to end every open watch.
     generation: tokio::sync::watch::Sender<u64>,
     stalled: AtomicBool,
+    /// While set, every request waits (logged, then held) before it is answered.
+    held: tokio::sync::watch::Sender<bool>,
     bookmark_every: Duration,
     next_uid: AtomicU64,
 }
@@ -129,6 +131,7 @@ impl KubeApi {
             changes,
             generation: tokio::sync::watch::Sender::new(0),
             stalled: AtomicBool::new(false),
+            held: tokio::sync::watch::Sender::new(false),
             bookmark_every,
             next_uid: AtomicU64::new(1),
         });
@@ -257,6 +260,12 @@ impl KubeApi {
         let mut s = self.store();
         s.compacted = s.rv;
         s.history.clear();
+    }
+
+    /// Holds every request (lists, gets, watches) until released: a client's first
+    /// list then never completes.
+    pub fn hold(&self, held: bool) {
+        self.state.held.send_replace(held);
     }
 
     /// The next `n` requests are answered with `status`.
@@ -389,6 +398,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
             return status(code, "Injected", "injected fault");
         }
     }
+    let _ = state.held.subscribe().wait_for(|held| !held).await;
     // /apis/{group}/{version}/namespaces/{ns}/{plural}[/{name}] or /api/v1/namespaces/...
     let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let rest = match segs.first() {

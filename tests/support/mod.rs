@@ -578,12 +578,15 @@ pub struct Engine {
 
 impl Engine {
     pub async fn bind(topic: &str) -> Engine {
-        let socket = eventplane::zmtp::PubSocket::bind(
-            "tcp://127.0.0.1:0",
-            eventplane::zmtp::Config::default(),
-        )
-        .await
-        .unwrap();
+        Engine::bind_at("tcp://127.0.0.1:0", topic).await
+    }
+
+    /// An engine on `endpoint` (a relay may be dialling it already).
+    pub async fn bind_at(endpoint: &str, topic: &str) -> Engine {
+        let socket =
+            eventplane::zmtp::PubSocket::bind(endpoint, eventplane::zmtp::Config::default())
+                .await
+                .unwrap();
         Engine {
             socket,
             topic: topic.as_bytes().to_vec(),
@@ -728,5 +731,72 @@ impl eventplane::kv::EventSink for CollectSink {
     ) -> eventplane::BoxFuture<'a, Result<(), eventplane::kv::SinkError>> {
         self.0.lock().unwrap().extend_from_slice(events);
         Box::pin(async { Ok(()) })
+    }
+}
+
+/// Talking to a service's admin endpoint (`--admin-listen`).
+pub mod admin {
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, Lines};
+    use tokio::process::ChildStderr;
+
+    use super::within;
+
+    /// One `GET path` on an admin endpoint: its status and body.
+    pub async fn get(addr: &str, path: &str) -> (u16, String) {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: admin\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        let status = out.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+        let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned());
+        (status, body.unwrap_or_default())
+    }
+
+    /// The sum of every series of `name` in a Prometheus text exposition.
+    pub fn metric(text: &str, name: &str) -> Option<f64> {
+        let values: Vec<f64> = text
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter(|l| {
+                l.strip_prefix(name)
+                    .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+            .collect();
+        (!values.is_empty()).then(|| values.iter().sum())
+    }
+
+    /// The address a service says its admin endpoint is on (its stderr).
+    pub async fn admin_address(lines: &mut Lines<BufReader<ChildStderr>>) -> String {
+        within(async {
+            loop {
+                let line = lines.next_line().await.unwrap().unwrap();
+                if let Some(addr) = line.strip_prefix("admin endpoint on http://") {
+                    return addr.to_owned();
+                }
+            }
+        })
+        .await
+    }
+
+    /// Polls `GET path` every 20 ms until `done(status, body)`; fails with the last
+    /// answer after the test deadline.
+    pub async fn until(addr: &str, path: &str, mut done: impl FnMut(u16, &str) -> bool) -> String {
+        let deadline = tokio::time::Instant::now() + super::DEADLINE;
+        loop {
+            let (status, body) = get(addr, path).await;
+            if done(status, &body) {
+                return body;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "GET {path}: never there; last {status}: {body}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 }

@@ -1,8 +1,8 @@
-//! `event_broker`: the in-cluster end of the tunnel. It dials out to a router's event
+//! `event-broker`: the in-cluster end of the tunnel. It dials out to a router's event
 //! bus over HTTP/2 + TLS and relays the publishers the router subscribes to (DESIGN §7).
 //!
 //! ```text
-//! event_broker --config FILE [--check-config | --check-bus | --print-token-sha256]
+//! event-broker --config FILE [--check-config | --check-bus | --print-token-sha256]
 //! ```
 //! The configuration is TOML; unknown fields are refused:
 //! ```toml
@@ -283,7 +283,7 @@ async fn kubernetes(
 #[cfg(not(feature = "kube"))]
 async fn kubernetes(_: &KubernetesConfig, _: &[String]) -> Result<Arc<dyn Discovery>, Refusal> {
     Err(Refusal::Config(
-        "discovery.kubernetes needs the `kube` feature: cargo run --features tunnel,kube --example event_broker".into(),
+        "discovery.kubernetes needs the `kube` feature: build eventplane-services with feature kube".into(),
     ))
 }
 
@@ -305,7 +305,8 @@ async fn etcd(config: &DiscoveryConfig) -> Result<Arc<dyn Discovery>, Refusal> {
 #[cfg(not(feature = "etcd"))]
 async fn etcd(_: &DiscoveryConfig) -> Result<Arc<dyn Discovery>, Refusal> {
     Err(Refusal::Config(
-        "discovery.etcd needs the `etcd` feature: cargo run --features tunnel,etcd --example event_broker".into(),
+        "discovery.etcd needs the `etcd` feature: build eventplane-services with feature etcd"
+            .into(),
     ))
 }
 
@@ -366,11 +367,27 @@ async fn main() -> ExitCode {
         Ok(tls) => tls,
         Err(e) => return refused(Refusal::Config(chain(&e))),
     };
+    // The admin endpoint comes first: probes get an answer (503, starting) while
+    // discovery is reached and its first view read.
+    let checking = args.check_config || args.check_bus;
+    let admin_listen = args
+        .service
+        .admin_listen
+        .as_ref()
+        .or(file.admin_listen.as_ref());
+    let started = Started::default();
+    let admin = match admin_listen.filter(|_| !checking) {
+        None => None,
+        Some(listen) => match start_admin(listen, &started).await {
+            Ok(admin) => Some(admin),
+            Err(e) => return refused(Refusal::Config(format!("admin_listen {listen}: {e}"))),
+        },
+    };
     let discovery = match discovery(&file.discovery).await {
         Ok(d) => d,
         Err(r) => return refused(r),
     };
-    let discovery_stats = discovery.clone();
+    let _ = started.discovery.set(discovery.clone());
     let mut config = BrokerConfig::new(
         file.bus_url.clone(),
         file.client_id.clone(),
@@ -410,37 +427,7 @@ async fn main() -> ExitCode {
     if args.check_bus {
         return check_bus(broker, &file, session_deadline, &mut signals).await;
     }
-    // Ready once its discovery view is complete and the bus welcomed a session
-    // (DESIGN §7.2): only then can it relay what a router subscribes to.
-    let admin_listen = args
-        .service
-        .admin_listen
-        .as_ref()
-        .or(file.admin_listen.as_ref());
-    let admin = match admin_listen {
-        None => None,
-        Some(listen) => {
-            let (sampled, probed) = (broker.handle(), broker.handle());
-            let exporter = Exporter::new()
-                .source(move || sampled.stats())
-                .source(move || discovery_stats.stats());
-            let ready = move || {
-                let s = probed.stats();
-                match (s.discovery_ready, s.connected) {
-                    (true, true) => Ok(()),
-                    (false, _) => Err("discovery has not given a complete view yet".to_owned()),
-                    (true, false) => Err("no session with the bus".to_owned()),
-                }
-            };
-            match service::Admin::start(listen, exporter, ready).await {
-                Ok(admin) => Some(admin),
-                Err(e) => {
-                    broker.abort();
-                    return refused(Refusal::Config(format!("admin_listen {listen}: {e}")));
-                }
-            }
-        }
-    };
+    let _ = started.broker.set(broker.handle());
     signals.recv().await;
     let stats = broker.handle();
     let code = tokio::select! {
@@ -458,6 +445,41 @@ async fn main() -> ExitCode {
         serde_json::to_string(&stats.stats()).unwrap_or_default()
     );
     ExitCode::from(code)
+}
+
+/// What the admin endpoint reads, set as the broker starts.
+#[derive(Clone, Default)]
+struct Started {
+    discovery: Arc<std::sync::OnceLock<Arc<dyn Discovery>>>,
+    broker: Arc<std::sync::OnceLock<eventplane::tunnel::BrokerHandle>>,
+}
+
+/// The admin endpoint: the broker's and discovery's counters once they exist; ready
+/// once the broker's discovery view is complete and the bus welcomed a session
+/// (DESIGN §7.2): only then can it relay what a router subscribes to.
+async fn start_admin(listen: &str, started: &Started) -> Result<service::Admin, String> {
+    let (broker, discovery, probed) = (started.clone(), started.clone(), started.clone());
+    let exporter = Exporter::new()
+        .source(move || broker.broker.get().map(|b| b.stats()).unwrap_or_default())
+        .source(move || {
+            discovery
+                .discovery
+                .get()
+                .map(|d| d.stats())
+                .unwrap_or_default()
+        });
+    let ready = move || {
+        let Some(broker) = probed.broker.get() else {
+            return Err("starting: discovery not reached yet".to_owned());
+        };
+        let s = broker.stats();
+        match (s.discovery_ready, s.connected) {
+            (true, true) => Ok(()),
+            (false, _) => Err("discovery has not given a complete view yet".to_owned()),
+            (true, false) => Err("no session with the bus".to_owned()),
+        }
+    };
+    service::Admin::start(listen, exporter, ready).await
 }
 
 /// `--check-bus`: the first session's outcome, then a prompt stop.

@@ -1,8 +1,8 @@
-//! `kv_relay`: the worker-side KV job as a process — an engine's KV events in, router
+//! `kv-relay`: the worker-side KV job as a process — an engine's KV events in, router
 //! events out on a bound PUB, optionally registered in etcd.
 //!
 //! ```text
-//! kv_relay --connect EP --topic T --block-size B --worker-id W [--bind EP2]
+//! kv-relay --connect EP --topic T --block-size B --worker-id W [--bind EP2]
 //!          [--publish-topic kv-events] [--batch-timeout-ms MS]
 //!          [--wire eventplane|dynamo]
 //!          [(--etcd URL | --kube) --namespace NS --component C [--advertise-host H]
@@ -12,7 +12,7 @@
 //! ```
 //! With `--bus-url` (feature `tunnel`) it is a *source* (DESIGN §7.4): for a worker
 //! the router cannot reach and that has no broker beside it, it dials out to the
-//! router's event bus (`kv_router --bus-listen`, whose `--bus-clients` has a
+//! router's event bus (`kv-router --bus-listen`, whose `--bus-clients` has a
 //! `[[source]]` entry for ID), announces its publisher (NS/C/publish-topic, worker W,
 //! rank R, the wire) and serves the router's subscription from its own socket, as one
 //! more subscriber: the same send queue and drop counters. Its publisher id is derived
@@ -94,7 +94,7 @@ use eventplane_services::service::{self, ServiceArgs};
         "{}\n\nOutput: the bound endpoint, the first stdout line; then nothing per event. \
          Published on it: with --wire eventplane, [publish-topic, publisher_id u64be, seq \
          u64be, payload], seq from 0, payload a msgpack array of router events with named \
-         fields (eventplane::kv::decode_router_events; kv_router --help shows them as \
+         fields (eventplane::kv::decode_router_events; kv-router --help shows them as \
          JSON); with --wire dynamo, Dynamo's frames and router-event schema. With --etcd, \
          registered under a lease: our record (key \
          /eventplane/v1/channels/NS/C/TOPIC/PUBLISHER_ID_HEX, value {{\"id\":{{...}}, \
@@ -437,7 +437,7 @@ type SourceHandle = std::convert::Infallible;
 fn source(args: &Args, _: &EventPublisher) -> Result<Option<SourceHandle>, StartError> {
     if args.bus_url.is_some() {
         return Err(StartError::Args(
-            "--bus-url needs the `tunnel` feature: cargo run --features tunnel --example kv_relay"
+            "--bus-url needs the `tunnel` feature: build eventplane-services with feature tunnel"
                 .to_owned(),
         ));
     }
@@ -497,13 +497,13 @@ async fn kube(args: &Args) -> Result<(Arc<dyn Discovery>, Closer), StartError> {
 #[cfg(not(feature = "kube"))]
 async fn kube(_: &Args) -> Result<(Arc<dyn Discovery>, Closer), StartError> {
     Err(StartError::Args(
-        "--kube needs the `kube` feature: cargo run --features kube --example kv_relay".to_owned(),
+        "--kube needs the `kube` feature: build eventplane-services with feature kube".to_owned(),
     ))
 }
 
 #[cfg(not(feature = "etcd"))]
 async fn etcd(_: &Args) -> Result<(Arc<dyn Discovery>, Closer), StartError> {
     Err(StartError::Args(
-        "--etcd needs the `etcd` feature: cargo run --features etcd --example kv_relay".to_owned(),
+        "--etcd needs the `etcd` feature: build eventplane-services with feature etcd".to_owned(),
     ))
 }

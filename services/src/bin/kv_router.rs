@@ -1,8 +1,8 @@
-//! `kv_router`: the router-side KV job as a process — follow every publisher of router
+//! `kv-router`: the router-side KV job as a process — follow every publisher of router
 //! events, decode them, keep a block index.
 //!
 //! ```text
-//! kv_router (--etcd URL [--dynamo] | --kube [--kube-namespace K]… --dynamo
+//! kv-router (--etcd URL [--dynamo] | --kube [--kube-namespace K]… --dynamo
 //!            | --static EP… [--wire eventplane|dynamo] | --bus-listen … alone)
 //!           --namespace NS [--component C] [--endpoint E] --topic T
 //!           [--count N] [--timeout-ms MS] [--format json|quiet] [--dump-index]
@@ -11,7 +11,7 @@
 //!            (--bus-clients FILE | --bus-token-file FILE)]
 //! ```
 //! With `--bus-listen` (feature `tunnel`) it also runs an event bus there: brokers
-//! inside a cluster dial in (`event_broker`), and the publishers of every namespace a
+//! inside a cluster dial in (`event-broker`), and the publishers of every namespace a
 //! broker credential grants are reached through the brokers covering it; the others
 //! directly. `--bus-clients` lists one credential per broker, bound to its client id
 //! and namespaces:
@@ -23,7 +23,7 @@
 //! ```
 //! `--bus-token-file` instead trusts one shared token, granted `--namespace` only.
 //! `[[source]]` tables (the same three keys, and optionally `worker_ids = [..]`, the
-//! workers it may speak for) grant a *source*: a `kv_relay --bus-url …` the router
+//! workers it may speak for) grant a *source*: a `kv-relay --bus-url …` the router
 //! cannot reach dials in and announces its own publisher (DESIGN §7.4), only in its
 //! namespaces. The router follows the announced publishers of its wire
 //! beside those of `--etcd`/`--kube`/`--static`, or alone when none is given.
@@ -33,7 +33,7 @@
 //! kubectl's, or in-cluster) or a static list of endpoints.
 //! With `--dynamo` it follows Dynamo's records (`v1/event_channels/…`, every endpoint
 //! unless `--endpoint E`) and reads Dynamo's wire: it follows Dynamo 1.6 workers as
-//! they run, or `kv_relay --wire dynamo`. Without it, our records and wire.
+//! they run, or `kv-relay --wire dynamo`. Without it, our records and wire.
 //!
 //! Prints one JSON line per router event, as `kv_listen` does
 //! (`{"worker_id":…,"tier":…,"event":{"id":…,"dp_rank":…,"data":…}}`; none with
@@ -166,7 +166,7 @@ struct Args {
     #[arg(long = "dump-index")]
     dump_index: bool,
     /// Run an event bus here (host:port) for brokers inside the cluster and sources
-    /// (`kv_relay --bus-url`): publishers of a namespace a broker credential grants are
+    /// (`kv-relay --bus-url`): publishers of a namespace a broker credential grants are
     /// reached through the brokers covering it (none up: they wait), the others
     /// directly; with `[[source]]` credentials, the publishers sources announce with
     /// this router's --wire are followed too (alone, without --etcd/--kube/--static).
@@ -245,7 +245,7 @@ async fn kube(args: &Args) -> Result<Arc<dyn Discovery>, StartError> {
 #[cfg(not(feature = "kube"))]
 async fn kube(_: &Args) -> Result<Arc<dyn Discovery>, StartError> {
     Err(StartError::Args(
-        "--kube needs the `kube` feature: cargo run --features kube --example kv_router".to_owned(),
+        "--kube needs the `kube` feature: build eventplane-services with feature kube".to_owned(),
     ))
 }
 
@@ -272,7 +272,7 @@ async fn etcd(args: &Args) -> Result<Arc<dyn Discovery>, StartError> {
 #[cfg(not(feature = "etcd"))]
 async fn etcd(_: &Args) -> Result<Arc<dyn Discovery>, StartError> {
     Err(StartError::Args(
-        "--etcd needs the `etcd` feature: cargo run --features etcd --example kv_router".to_owned(),
+        "--etcd needs the `etcd` feature: build eventplane-services with feature etcd".to_owned(),
     ))
 }
 
@@ -512,8 +512,8 @@ async fn main() -> ExitCode {
     let admin = match &args.service.admin_listen {
         None => None,
         Some(listen) => {
-            let (sampled, probed) = (handle.clone(), handle.clone());
-            let exporter = exporter.source(move || sampled.stats());
+            // The subscriber samples its own counters (`metrics_interval`).
+            let probed = handle.clone();
             let ready = move || {
                 if probed.stats().synced {
                     Ok(())
@@ -774,7 +774,7 @@ async fn start_bus(args: &Args, wire: Wire) -> Result<Option<Bus>, StartError> {
 async fn start_bus(args: &Args, _: Wire) -> Result<Option<Bus>, StartError> {
     if args.bus_listen.is_some() {
         return Err(StartError::Args(
-            "--bus-listen needs the `tunnel` feature: cargo run --features tunnel --example kv_router".to_owned(),
+            "--bus-listen needs the `tunnel` feature: build eventplane-services with feature tunnel".to_owned(),
         ));
     }
     Ok(None)

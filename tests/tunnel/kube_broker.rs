@@ -2,6 +2,7 @@
 //! comes from Dynamo's `DynamoWorkerMetadata` resources on the API test server.
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
 
+use std::collections::BTreeSet;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
@@ -101,4 +102,143 @@ async fn a_broker_in_kube_mode_relays_a_publisher_found_only_through_its_resourc
     assert!(within(bus.open_stream("prod", 43, &other)).await.is_err());
     drop(broker);
     bus.shutdown().await;
+    // Everything the broker asked the API server, against the Role the manifests
+    // give it.
+    the_role_grants_exactly(&requests(&api.log()));
+}
+
+/// (API group, resource, verb) of each request the API test server logged.
+fn requests(log: &[crate::kube_api::Logged]) -> BTreeSet<(String, String, String)> {
+    log.iter()
+        .map(|r| {
+            // /apis/{group}/{version}/namespaces/{ns}/{plural}[/{name}], or /api/v1/….
+            let segs: Vec<&str> = r.path.trim_start_matches('/').split('/').collect();
+            let (group, rest) = match segs[0] {
+                "api" => ("", &segs[2..]),
+                _ => (segs[1], &segs[3..]),
+            };
+            assert_eq!(rest[0], "namespaces", "a cluster-wide request: {}", r.path);
+            let named = rest.len() > 3;
+            let verb = match (r.method.as_str(), named) {
+                ("GET", true) => "get",
+                ("GET", false)
+                    if r.query
+                        .get("watch")
+                        .is_some_and(|w| w == "true" || w == "1") =>
+                {
+                    "watch"
+                }
+                ("GET", false) => "list",
+                (m, _) => panic!("the broker sent a {m}: {}", r.path),
+            };
+            (group.to_owned(), rest[2].to_owned(), verb.to_owned())
+        })
+        .collect()
+}
+
+/// The Role of `deploy/kubernetes/rbac.yaml` grants every request in `seen`, only
+/// read verbs, and no resource the broker did not read.
+fn the_role_grants_exactly(seen: &BTreeSet<(String, String, String)>) {
+    let manifests = manifests("rbac.yaml");
+    let role = manifests
+        .iter()
+        .find(|m| m["kind"] == "Role")
+        .expect("rbac.yaml has a Role");
+    let mut granted = BTreeSet::new();
+    for rule in role["rules"].as_sequence().unwrap() {
+        let list = |key: &str| -> Vec<String> {
+            rule[key]
+                .as_sequence()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_str().unwrap().to_owned())
+                .collect()
+        };
+        for group in list("apiGroups") {
+            for resource in list("resources") {
+                for verb in list("verbs") {
+                    assert!(
+                        ["get", "list", "watch"].contains(&verb.as_str()),
+                        "the Role grants {verb} on {resource}"
+                    );
+                    granted.insert((group.clone(), resource.clone(), verb));
+                }
+            }
+        }
+    }
+    for request in seen {
+        assert!(granted.contains(request), "not granted: {request:?}");
+    }
+    let resources = |set: &BTreeSet<(String, String, String)>| -> BTreeSet<(String, String)> {
+        set.iter().map(|(g, r, _)| (g.clone(), r.clone())).collect()
+    };
+    assert_eq!(
+        resources(&granted),
+        resources(seen),
+        "the Role's resources are not the ones the broker reads"
+    );
+    assert!(seen.iter().any(|(_, _, v)| v == "watch"), "{seen:?}");
+}
+
+/// The documents of `deploy/kubernetes/NAME`.
+fn manifests(name: &str) -> Vec<serde_yaml::Value> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("deploy/kubernetes")
+        .join(name);
+    let text = std::fs::read_to_string(&path).unwrap();
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|doc| serde::Deserialize::deserialize(doc).unwrap())
+        .collect()
+}
+
+/// The Deployment probes `/readyz` and `/livez` on the port the ConfigMap's
+/// `broker.toml` gives `admin_listen` (and Prometheus scrapes it), runs as a non-root
+/// user on a read-only root without capabilities, and its ServiceAccount is the one
+/// the RoleBinding binds.
+#[test]
+fn the_deployment_probes_the_admin_endpoint_and_runs_unprivileged() {
+    let config = &manifests("configmap.yaml")[0];
+    let toml: toml::Table = config["data"]["broker.toml"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let admin = toml["admin_listen"].as_str().unwrap();
+    let port: u64 = admin.rsplit(':').next().unwrap().parse().unwrap();
+    let deployment = &manifests("deployment.yaml")[0];
+    let pod = &deployment["spec"]["template"];
+    let container = &pod["spec"]["containers"][0];
+    assert_eq!(container["ports"][0]["containerPort"].as_u64(), Some(port));
+    assert_eq!(container["ports"][0]["name"], "admin");
+    for (probe, path) in [("readinessProbe", "/readyz"), ("livenessProbe", "/livez")] {
+        assert_eq!(container[probe]["httpGet"]["path"], path);
+        assert_eq!(container[probe]["httpGet"]["port"], "admin");
+    }
+    let annotations = &pod["metadata"]["annotations"];
+    assert_eq!(
+        annotations["prometheus.io/port"].as_str(),
+        Some(&*port.to_string())
+    );
+    assert_eq!(annotations["prometheus.io/path"], "/metrics");
+    let security = &container["securityContext"];
+    assert_eq!(security["readOnlyRootFilesystem"].as_bool(), Some(true));
+    assert_eq!(security["allowPrivilegeEscalation"].as_bool(), Some(false));
+    assert_eq!(security["capabilities"]["drop"][0], "ALL");
+    assert_eq!(
+        pod["spec"]["securityContext"]["runAsNonRoot"].as_bool(),
+        Some(true)
+    );
+    let rbac = manifests("rbac.yaml");
+    let binding = rbac.iter().find(|m| m["kind"] == "RoleBinding").unwrap();
+    assert_eq!(
+        binding["subjects"][0]["name"],
+        pod["spec"]["serviceAccountName"]
+    );
+    assert_eq!(binding["roleRef"]["name"], "event-broker");
+    assert_eq!(
+        config["data"]["broker.toml"]
+            .as_str()
+            .map(|t| t.contains("kubernetes")),
+        Some(true)
+    );
 }

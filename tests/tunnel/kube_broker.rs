@@ -1,6 +1,11 @@
 //! `event_broker` with Kubernetes discovery (features `tunnel` and `kube`): its view
 //! comes from Dynamo's `DynamoWorkerMetadata` resources on the API test server.
-#![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 use std::collections::BTreeSet;
 use std::process::Stdio;

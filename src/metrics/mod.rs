@@ -1,4 +1,4 @@
-//! Every component's counters through the [`metrics`](::metrics) facade (feature
+//! Every component's counters through the [`metrics` facade](https://docs.rs/metrics) (feature
 //! `metrics`): the application installs a recorder (a Prometheus exporter, say) and
 //! an [`Exporter`] samples the components' `stats()` into it.
 //!

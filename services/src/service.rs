@@ -103,22 +103,44 @@ pub struct Admin {
     sampling: tokio::task::JoinHandle<()>,
 }
 
-impl Admin {
-    /// Installs a Prometheus recorder (once per process), samples `exporter`'s
-    /// components into it every [`METRICS_INTERVAL`], and serves it on `listen` with
-    /// `ready` as the readiness check.
-    pub async fn start(
-        listen: &str,
-        exporter: Exporter,
-        ready: impl Fn() -> Result<(), String> + Send + Sync + 'static,
-    ) -> Result<Admin, String> {
+/// The process's Prometheus recorder, installed: a component's series bind to the
+/// recorder installed when they are first sampled, so this comes before anything is
+/// spawned.
+#[derive(Debug, Clone)]
+pub struct Recorder(metrics_exporter_prometheus::PrometheusHandle);
+
+impl Recorder {
+    /// Installs the recorder when the process serves an admin endpoint.
+    pub fn install(args: &ServiceArgs) -> Result<Option<Recorder>, String> {
+        Self::install_if(args.admin_listen.is_some())
+    }
+
+    /// Installs the recorder when `wanted`.
+    pub fn install_if(wanted: bool) -> Result<Option<Recorder>, String> {
+        if !wanted {
+            return Ok(None);
+        }
         let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
         let handle = recorder.handle();
         metrics::set_global_recorder(recorder)
             .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
         eventplane::metrics::describe();
+        Ok(Some(Recorder(handle)))
+    }
+}
+
+impl Admin {
+    /// Samples `exporter`'s components into `recorder` every [`METRICS_INTERVAL`], and
+    /// serves them on `listen` with `ready` as the readiness check.
+    pub async fn start(
+        listen: &str,
+        recorder: &Recorder,
+        exporter: Exporter,
+        ready: impl Fn() -> Result<(), String> + Send + Sync + 'static,
+    ) -> Result<Admin, String> {
         let stop = CancellationToken::new();
         let sampling = tokio::spawn(exporter.run(METRICS_INTERVAL, stop.clone()));
+        let handle = recorder.0.clone();
         let routes = Routes::new(ready).metrics(move || handle.render());
         let server = AdminServer::bind(listen, AdminConfig::default(), routes)
             .await

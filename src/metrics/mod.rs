@@ -237,6 +237,12 @@ fn register(metric: &'static Metric, label: Option<&'static str>) -> Handle {
 /// the component's level (components of one kind add up). Dropping it takes its
 /// components' gauges away.
 ///
+/// Install the recorder before the first sample: a series is registered with the
+/// recorder installed at the time it is first sampled and kept (no look-up per
+/// sample), so an exporter that sampled before the recorder came keeps writing to
+/// nothing. (A [`DynamicSubscriber`](crate::subscriber::DynamicSubscriber) samples as
+/// soon as it is spawned.)
+///
 /// ```
 /// use std::sync::Arc;
 /// use std::time::Duration;

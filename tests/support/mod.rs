@@ -743,14 +743,21 @@ pub mod admin {
 
     use super::within;
 
-    /// One `GET path` on an admin endpoint: its status and body.
+    /// One `GET path` on an admin endpoint: its status and body (status 0 when the
+    /// connection failed or was closed without an answer: a full endpoint's refusal).
     pub async fn get(addr: &str, path: &str) -> (u16, String) {
-        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: admin\r\n\r\n").as_bytes())
-            .await
-            .unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.unwrap();
+        let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+            return (0, String::new());
+        };
+        let request = format!("GET {path} HTTP/1.1\r\nHost: admin\r\n\r\n");
+        if s.write_all(request.as_bytes()).await.is_err() {
+            return (0, String::new());
+        }
+        let mut out = Vec::new();
+        if s.read_to_end(&mut out).await.is_err() {
+            return (0, String::new());
+        }
+        let out = String::from_utf8_lossy(&out);
         let status = out.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
         let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned());
         (status, body.unwrap_or_default())

@@ -11,7 +11,7 @@ use eventplane::kv::{KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::process::Command;
 
-use crate::event_broker::{body, bus_address, config, fixture};
+use crate::event_broker::{body, bus_address, config, router_with_bus};
 use crate::support::admin::{admin_address, get, metric, until};
 use crate::support::{example, proc_status_bytes, reset_peak_rss, within};
 
@@ -22,7 +22,6 @@ use crate::support::{example, proc_status_bytes, reset_peak_rss, within};
 /// router's bus read, and the router's subscriber received every message.
 #[tokio::test]
 async fn readiness_follows_the_view_and_the_metrics_follow_the_traffic() {
-    use serde_json::json;
     let api = crate::kube_api::KubeApi::start().await;
     let publisher = eventplane::publish::EventPublisher::unregistered("kv")
         .bind("tcp://127.0.0.1:0")
@@ -30,27 +29,12 @@ async fn readiness_follows_the_view_and_the_metrics_follow_the_traffic() {
         .await
         .unwrap();
     let endpoint = publisher.local_endpoint().unwrap().to_owned();
-    let key = "namespace/prod/component/backend/endpoint/generate/topic/kv/2a";
-    api.put(
-        "dynamoworkermetadatas",
-        "dyn",
-        json!({"metadata": {"name": "worker-0", "ownerReferences": [{"apiVersion": "v1",
-                "kind": "Pod", "name": "worker-0", "uid": "u0", "controller": true,
-                "blockOwnerDeletion": false}]},
-               "spec": {"data": {"endpoints": {}, "model_cards": {}, "event_sources": null,
-                 "event_channels": {(key): {"type": "EventChannel",
-                   "scope": {"kind": "endpoint", "endpoint": {"namespace": "prod",
-                     "component": "backend", "name": "generate"}},
-                   "topic": "kv", "instance_id": 42,
-                   "transport": {"kind": "Zmq", "config": {"endpoint": endpoint}},
-                   "namespace": "prod", "component": "backend"}}}}}),
-    );
-    api.ready_slice("dyn", "worker-0-slice", &[("worker-0", "u0", true)]);
+    crate::kube_broker::put_worker(&api, &endpoint, "kv");
     let dir = config("admin", "").parent().unwrap().to_owned();
 
     // The router: its bus, its subscriber following the publisher (through a broker:
     // "prod" is the broker credential's namespace), its admin endpoint.
-    let mut router = Command::new(example("kv-router"))
+    let mut router = router_with_bus(&dir)
         .args([
             "--static",
             &endpoint,
@@ -59,14 +43,7 @@ async fn readiness_follows_the_view_and_the_metrics_follow_the_traffic() {
             "--topic",
             "kv",
         ])
-        .args(["--format", "quiet", "--bus-listen", "127.0.0.1:0"])
-        .args(["--admin-listen", "127.0.0.1:0"])
-        .arg("--bus-cert")
-        .arg(fixture("bus.pem"))
-        .arg("--bus-key")
-        .arg(fixture("bus.key"))
-        .arg("--bus-token-file")
-        .arg(dir.join("token"))
+        .args(["--format", "quiet", "--admin-listen", "127.0.0.1:0"])
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()

@@ -380,15 +380,9 @@ async fn kv_router_runs_an_event_bus_that_carries_events_through_a_broker() {
     // it directly, so what it indexes came through the broker.
     let inside = format!("tcp://publisher.inside.invalid:{port}");
     let follow = ["--static", &inside, "--namespace", "prod", "--topic", "kv"];
-    let mut router = Command::new(example("kv-router"))
+    let mut router = router_with_bus(&dir)
         .args(follow)
-        .args(["--count", "2", "--bus-listen", "127.0.0.1:0"])
-        .arg("--bus-cert")
-        .arg(fixture("bus.pem"))
-        .arg("--bus-key")
-        .arg(fixture("bus.key"))
-        .arg("--bus-token-file")
-        .arg(dir.join("token"))
+        .args(["--count", "2"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
@@ -1111,6 +1105,20 @@ async fn kv_router_bus_clients_bind_each_broker_to_its_id_and_namespaces() {
         stderr.contains("broker-a") && stderr.contains("token_sha256"),
         "{stderr}"
     );
+}
+
+/// `kv-router` with an event bus on a loopback port, this directory's token shared,
+/// the test certificate: add what it follows.
+pub(crate) fn router_with_bus(token_dir: &Path) -> Command {
+    let mut router = Command::new(example("kv-router"));
+    router
+        .args(["--bus-listen", "127.0.0.1:0", "--bus-token-file"])
+        .arg(token_dir.join("token"))
+        .arg("--bus-cert")
+        .arg(fixture("bus.pem"))
+        .arg("--bus-key")
+        .arg(fixture("bus.key"));
+    router
 }
 
 /// The address `kv_router --bus-listen` says its bus listens on (its stderr).

@@ -25,7 +25,6 @@ use crate::support::{example, within};
 /// ready in an EndpointSlice), and refuses one the resource does not advertise.
 #[tokio::test]
 async fn a_broker_in_kube_mode_relays_a_publisher_found_only_through_its_resource() {
-    use serde_json::json;
     let api = crate::kube_api::KubeApi::start().await;
     let tls = server_tls(fixture("bus.pem"), fixture("bus.key")).unwrap();
     let bus = EventBus::bind("127.0.0.1:0", tls, clients(), EventBusConfig::default())
@@ -40,22 +39,7 @@ async fn a_broker_in_kube_mode_relays_a_publisher_found_only_through_its_resourc
     let unadvertised = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
         .await
         .unwrap();
-    let key = "namespace/prod/component/backend/endpoint/generate/topic/kv-events/2a";
-    api.put(
-        "dynamoworkermetadatas",
-        "dyn",
-        json!({"metadata": {"name": "worker-0", "ownerReferences": [{"apiVersion": "v1",
-                "kind": "Pod", "name": "worker-0", "uid": "u0", "controller": true,
-                "blockOwnerDeletion": false}]},
-               "spec": {"data": {"endpoints": {}, "model_cards": {}, "event_sources": null,
-                 "event_channels": {(key): {"type": "EventChannel",
-                   "scope": {"kind": "endpoint", "endpoint": {"namespace": "prod",
-                     "component": "backend", "name": "generate"}},
-                   "topic": "kv-events", "instance_id": 42,
-                   "transport": {"kind": "Zmq", "config": {"endpoint": endpoint}},
-                   "namespace": "prod", "component": "backend"}}}}}),
-    );
-    api.ready_slice("dyn", "worker-0-slice", &[("worker-0", "u0", true)]);
+    put_worker(&api, &endpoint, "kv-events");
     let dir = config("kube", "").parent().unwrap().to_owned();
     let kubeconfig = api.kubeconfig(&dir, "dyn");
     let text = body(
@@ -110,6 +94,28 @@ async fn a_broker_in_kube_mode_relays_a_publisher_found_only_through_its_resourc
     // Everything the broker asked the API server, against the Role the manifests
     // give it.
     the_role_grants_exactly(&requests(&api.log()));
+}
+
+/// Dynamo's resource for pod `worker-0` in namespace `dyn`, advertising a publisher of
+/// `topic` at `endpoint` (instance 42 of `prod/backend`), its pod ready.
+pub(crate) fn put_worker(api: &crate::kube_api::KubeApi, endpoint: &str, topic: &str) {
+    use serde_json::json;
+    let key = format!("namespace/prod/component/backend/endpoint/generate/topic/{topic}/2a");
+    api.put(
+        "dynamoworkermetadatas",
+        "dyn",
+        json!({"metadata": {"name": "worker-0", "ownerReferences": [{"apiVersion": "v1",
+                "kind": "Pod", "name": "worker-0", "uid": "u0", "controller": true,
+                "blockOwnerDeletion": false}]},
+               "spec": {"data": {"endpoints": {}, "model_cards": {}, "event_sources": null,
+                 "event_channels": {(key): {"type": "EventChannel",
+                   "scope": {"kind": "endpoint", "endpoint": {"namespace": "prod",
+                     "component": "backend", "name": "generate"}},
+                   "topic": topic, "instance_id": 42,
+                   "transport": {"kind": "Zmq", "config": {"endpoint": endpoint}},
+                   "namespace": "prod", "component": "backend"}}}}}),
+    );
+    api.ready_slice("dyn", "worker-0-slice", &[("worker-0", "u0", true)]);
 }
 
 /// (API group, resource, verb) of each request the API test server logged.

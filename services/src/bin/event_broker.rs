@@ -376,9 +376,14 @@ async fn main() -> ExitCode {
         .as_ref()
         .or(file.admin_listen.as_ref());
     let started = Started::default();
-    let admin = match admin_listen.filter(|_| !checking) {
+    let admin_listen = admin_listen.filter(|_| !checking);
+    let recorder = match service::Recorder::install_if(admin_listen.is_some()) {
+        Ok(r) => r,
+        Err(e) => return refused(Refusal::Config(e)),
+    };
+    let admin = match admin_listen.zip(recorder.as_ref()) {
         None => None,
-        Some(listen) => match start_admin(listen, &started).await {
+        Some((listen, recorder)) => match start_admin(listen, recorder, &started).await {
             Ok(admin) => Some(admin),
             Err(e) => return refused(Refusal::Config(format!("admin_listen {listen}: {e}"))),
         },
@@ -457,7 +462,11 @@ struct Started {
 /// The admin endpoint: the broker's and discovery's counters once they exist; ready
 /// once the broker's discovery view is complete and the bus welcomed a session
 /// (DESIGN §7.2): only then can it relay what a router subscribes to.
-async fn start_admin(listen: &str, started: &Started) -> Result<service::Admin, String> {
+async fn start_admin(
+    listen: &str,
+    recorder: &service::Recorder,
+    started: &Started,
+) -> Result<service::Admin, String> {
     let (broker, discovery, probed) = (started.clone(), started.clone(), started.clone());
     let exporter = Exporter::new()
         .source(move || broker.broker.get().map(|b| b.stats()).unwrap_or_default())
@@ -479,7 +488,7 @@ async fn start_admin(listen: &str, started: &Started) -> Result<service::Admin, 
             (true, false) => Err("no session with the bus".to_owned()),
         }
     };
-    service::Admin::start(listen, exporter, ready).await
+    service::Admin::start(listen, recorder, exporter, ready).await
 }
 
 /// `--check-bus`: the first session's outcome, then a prompt stop.

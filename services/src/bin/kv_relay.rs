@@ -186,6 +186,13 @@ async fn main() -> ExitCode {
     let stop = stop_signal();
     let args = Args::parse();
     service::init_logging(args.service.log_format.unwrap_or_default(), "warn");
+    let recorder = match service::Recorder::install(&args.service) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
     if args.kube && args.wire != Wire::Dynamo {
         Args::command()
             .error(
@@ -281,9 +288,8 @@ async fn main() -> ExitCode {
     };
     // Ready once the engine is connected (the publisher is bound and registered by
     // now: `build` returned).
-    let admin = match &args.service.admin_listen {
-        None => None,
-        Some(listen) => {
+    let admin = match (&args.service.admin_listen, &recorder) {
+        (Some(listen), Some(recorder)) => {
             let mut exporter = Exporter::new().source({
                 let worker = worker.handle();
                 move || worker.stats()
@@ -300,7 +306,7 @@ async fn main() -> ExitCode {
                     Err("no connection to the engine".to_owned())
                 }
             };
-            match service::Admin::start(listen, exporter, ready).await {
+            match service::Admin::start(listen, recorder, exporter, ready).await {
                 Ok(admin) => Some(admin),
                 Err(e) => {
                     eprintln!("--admin-listen {listen}: {e}");
@@ -312,6 +318,7 @@ async fn main() -> ExitCode {
                 }
             }
         }
+        _ => None,
     };
     println!("{endpoint}");
 

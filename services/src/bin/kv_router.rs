@@ -434,6 +434,14 @@ async fn main() -> ExitCode {
     let stop = stop_signal();
     let args = Args::parse();
     service::init_logging(args.service.log_format.unwrap_or_default(), "warn");
+    // Before the subscriber samples its counters.
+    let recorder = match service::Recorder::install(&args.service) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
     common::raise_fd_limit();
     if args.endpoint.is_some() && !args.dynamo {
         // Checked here: `requires = "dynamo"` on --endpoint did not refuse a command
@@ -509,9 +517,8 @@ async fn main() -> ExitCode {
     let handle = sub.handle();
     // Ready once the first complete view came from discovery: every publisher in it
     // is being dialled.
-    let admin = match &args.service.admin_listen {
-        None => None,
-        Some(listen) => {
+    let admin = match (&args.service.admin_listen, &recorder) {
+        (Some(listen), Some(recorder)) => {
             // The subscriber samples its own counters (`metrics_interval`).
             let probed = handle.clone();
             let ready = move || {
@@ -521,7 +528,7 @@ async fn main() -> ExitCode {
                     Err("discovery has not given a complete view yet".to_owned())
                 }
             };
-            match service::Admin::start(listen, exporter, ready).await {
+            match service::Admin::start(listen, recorder, exporter, ready).await {
                 Ok(admin) => Some(admin),
                 Err(e) => {
                     eprintln!("--admin-listen {listen}: {e}");
@@ -529,6 +536,7 @@ async fn main() -> ExitCode {
                 }
             }
         }
+        _ => None,
     };
     let mut router = Router {
         max_index_blocks: usize::try_from(args.max_index_blocks).unwrap_or(usize::MAX),

@@ -38,12 +38,19 @@ pub struct ServiceArgs {
     /// Serve GET /metrics (Prometheus text format), /readyz (200 once ready, 503 with
     /// the reason before) and /livez on ADDR (host:port, e.g. 0.0.0.0:9464). At most
     /// 8 connections at once, one request each, request heads up to 4 KiB.
-    #[arg(long = "admin-listen", value_name = "ADDR")]
+    #[arg(long = "admin-listen", value_name = "ADDR", value_parser = listen_address)]
     pub admin_listen: Option<String>,
     /// Log lines as text or as one JSON object per line; RUST_LOG sets what is
     /// logged.
     #[arg(long = "log-format", value_enum, value_name = "FORMAT")]
     pub log_format: Option<LogFormat>,
+}
+
+/// An admin address: `ip:port`.
+pub fn listen_address(text: &str) -> Result<String, String> {
+    text.parse::<std::net::SocketAddr>()
+        .map(|_| text.to_owned())
+        .map_err(|e| format!("{e} (ip:port, e.g. 0.0.0.0:9464)"))
 }
 
 /// Logs to stderr in `format`, filtered by `RUST_LOG` (`default_spec` when unset).
@@ -138,13 +145,15 @@ impl Admin {
         exporter: Exporter,
         ready: impl Fn() -> Result<(), String> + Send + Sync + 'static,
     ) -> Result<Admin, String> {
-        let stop = CancellationToken::new();
-        let sampling = tokio::spawn(exporter.run(METRICS_INTERVAL, stop.clone()));
         let handle = recorder.0.clone();
         let routes = Routes::new(ready).metrics(move || handle.render());
         let server = AdminServer::bind(listen, AdminConfig::default(), routes)
             .await
             .map_err(|e| crate::common::chain(&e))?;
+        let admin = server.handle();
+        let exporter = exporter.source(move || admin.stats());
+        let stop = CancellationToken::new();
+        let sampling = tokio::spawn(exporter.run(METRICS_INTERVAL, stop.clone()));
         eprintln!("admin endpoint on http://{}", server.local_addr());
         Ok(Admin {
             server,

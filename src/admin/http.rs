@@ -47,7 +47,7 @@ pub(crate) fn parse_head(buf: &[u8], max: usize) -> Result<Option<Head<'_>>, Ref
         return Err(Refused::Malformed);
     };
     let token = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_uppercase());
-    if !token(method) || !target.starts_with('/') || !version.starts_with("HTTP/1.") {
+    if !token(method) || !target.starts_with('/') || !matches!(version, "HTTP/1.0" | "HTTP/1.1") {
         return Err(Refused::Malformed);
     }
     let path = target.split('?').next().unwrap_or(target);
@@ -137,6 +137,7 @@ mod tests {
             b"get /readyz HTTP/1.1\r\n\r\n",
             b"GET readyz HTTP/1.1\r\n\r\n",
             b"GET /readyz HTTP/2\r\n\r\n",
+            b"GET /readyz HTTP/1.1x\r\n\r\n",
             b"GET  /readyz HTTP/1.1\r\n\r\n",
             b"GET /\xff HTTP/1.1\r\n\r\n",
         ] {

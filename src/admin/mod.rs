@@ -6,9 +6,12 @@
 //! It is small on purpose, a probe and scrape target rather than a web server: HTTP/1.1,
 //! one request per connection, `GET` and `HEAD` only, a request head of at most
 //! [`AdminConfig::max_request_bytes`] read within [`AdminConfig::request_timeout`]
-//! and never a body; at most [`AdminConfig::max_connections`] served at once (more
-//! are closed on accept and counted), so a flood of connections costs a bounded
-//! amount of memory.
+//! and never a body; at most [`AdminConfig::max_connections`] served at once, so a
+//! flood of connections costs a bounded amount of memory. When every slot is taken, a
+//! new connection takes the slot of the oldest one still waiting for its request head
+//! (or lingering after its answer), which is closed and counted: connections that send
+//! nothing cannot keep a probe out. Only when every slot is busy answering is the new
+//! connection closed on accept (counted).
 //!
 //! ```
 //! use std::sync::Arc;
@@ -161,8 +164,11 @@ impl Routes {
 pub struct AdminStats {
     /// Requests answered (any status).
     pub requests: u64,
-    /// Connections closed on accept because `max_connections` were being served.
+    /// Connections closed on accept because `max_connections` were busy answering.
     pub refused_connections: u64,
+    /// Connections closed to make room while they waited for their request head (or
+    /// lingered after their answer): `max_connections` were taken when another came.
+    pub evicted_connections: u64,
     /// Requests answered 400 or 431.
     pub bad_requests: u64,
     /// Connections closed for not sending a request head, or not taking the answer,
@@ -174,8 +180,34 @@ pub struct AdminStats {
 struct Counters {
     requests: AtomicU64,
     refused: AtomicU64,
+    evicted: AtomicU64,
     bad: AtomicU64,
     timeouts: AtomicU64,
+}
+
+/// Reads a running [`AdminServer`]'s counters, from [`AdminServer::handle`] (for a
+/// metrics exporter).
+#[derive(Debug, Clone)]
+pub struct AdminHandle {
+    counters: Arc<Counters>,
+}
+
+impl AdminHandle {
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> AdminStats {
+        stats_of(&self.counters)
+    }
+}
+
+fn stats_of(c: &Counters) -> AdminStats {
+    let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    AdminStats {
+        requests: l(&c.requests),
+        refused_connections: l(&c.refused),
+        evicted_connections: l(&c.evicted),
+        bad_requests: l(&c.bad),
+        timeouts: l(&c.timeouts),
+    }
 }
 
 /// Why an [`AdminServer`] did not start.
@@ -254,13 +286,13 @@ impl AdminServer {
 
     /// A snapshot of its counters.
     pub fn stats(&self) -> AdminStats {
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let c = &self.counters;
-        AdminStats {
-            requests: l(&c.requests),
-            refused_connections: l(&c.refused),
-            bad_requests: l(&c.bad),
-            timeouts: l(&c.timeouts),
+        stats_of(&self.counters)
+    }
+
+    /// A cloneable handle reading the counters.
+    pub fn handle(&self) -> AdminHandle {
+        AdminHandle {
+            counters: self.counters.clone(),
         }
     }
 
@@ -272,6 +304,45 @@ impl AdminServer {
     }
 }
 
+/// What a lingering close reads at most after the answer.
+const LINGER_BYTES: usize = 8 << 10;
+/// How long a lingering close waits for the client to close.
+const LINGER_TIME: Duration = Duration::from_secs(1);
+/// How long an accept waits for the slot of a connection it evicted.
+const EVICT_WAIT: Duration = Duration::from_millis(100);
+
+/// The connections that may be closed to make room: those waiting for their request
+/// head or lingering after their answer, oldest first (at most `max_connections`).
+#[derive(Default)]
+struct Evictable {
+    next: AtomicU64,
+    queue: std::sync::Mutex<std::collections::VecDeque<(u64, CancellationToken)>>,
+}
+
+impl Evictable {
+    fn queue(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::VecDeque<(u64, CancellationToken)>> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn add(&self, evict: &CancellationToken) -> u64 {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        self.queue().push_back((id, evict.clone()));
+        id
+    }
+
+    fn remove(&self, id: u64) {
+        self.queue().retain(|(i, _)| *i != id);
+    }
+
+    /// Closes the oldest evictable connection; `false` when there is none.
+    fn evict_oldest(&self) -> bool {
+        let oldest = self.queue().pop_front();
+        oldest.map(|(_, evict)| evict.cancel()).is_some()
+    }
+}
+
 async fn serve(
     listener: TcpListener,
     config: Arc<AdminConfig>,
@@ -280,6 +351,7 @@ async fn serve(
     cancel: CancellationToken,
 ) {
     let slots = Arc::new(tokio::sync::Semaphore::new(config.max_connections));
+    let evictable = Arc::new(Evictable::default());
     let warn = RateLimitedWarn::default();
     let connections = tokio_util::task::TaskTracker::new();
     loop {
@@ -289,8 +361,17 @@ async fn serve(
         };
         let stream = match accepted {
             Ok((stream, _)) => stream,
+            // A connection that went before it was accepted: the next one.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                continue;
+            }
             Err(e) => {
-                // Out of descriptors, most likely: wait instead of spinning.
+                // Out of descriptors or memory, most likely: wait instead of spinning.
                 if let Some(suppressed) = warn.check("accept", Instant::now()) {
                     tracing::warn!(error = %e, suppressed, "admin endpoint cannot accept; retrying");
                 }
@@ -300,59 +381,124 @@ async fn serve(
                 }
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
+        let slot = match slots.clone().try_acquire_owned() {
+            Ok(slot) => Some(slot),
+            // Full: the oldest connection waiting for its head (or lingering) makes
+            // room; its task ends at once and gives its slot back.
+            Err(_) if evictable.evict_oldest() => {
+                counters.evicted.fetch_add(1, Ordering::Relaxed);
+                tokio::time::timeout(EVICT_WAIT, slots.clone().acquire_owned())
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+            }
+            Err(_) => None,
+        };
+        let Some(slot) = slot else {
             counters.refused.fetch_add(1, Ordering::Relaxed);
             if let Some(suppressed) = warn.check("full", Instant::now()) {
                 tracing::warn!(
                     max_connections = config.max_connections,
                     suppressed,
-                    "admin endpoint full; closing a connection"
+                    "admin endpoint busy; closing a connection"
                 );
             }
             drop(stream);
             continue;
         };
-        let (config, routes, counters, cancel) = (
+        let (config, routes, counters, cancel, evictable) = (
             config.clone(),
             routes.clone(),
             counters.clone(),
             cancel.clone(),
+            evictable.clone(),
         );
         connections.spawn(async move {
             let _slot = slot;
-            let timeout = config.request_timeout;
-            tokio::select! {
-                () = cancel.cancelled() => {}
-                r = tokio::time::timeout(timeout, answer(stream, &config, &routes, &counters)) => {
-                    if r.is_err() {
-                        counters.timeouts.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            }
+            connection(stream, &config, &routes, &counters, &cancel, &evictable).await;
         });
     }
     connections.close();
     connections.wait().await;
 }
 
-/// Reads one request head and writes its answer.
-async fn answer(mut stream: TcpStream, config: &AdminConfig, routes: &Routes, counters: &Counters) {
+/// One connection: its request within `request_timeout` (evictable until its head is
+/// read), then a lingering close (evictable).
+async fn connection(
+    mut stream: TcpStream,
+    config: &AdminConfig,
+    routes: &Routes,
+    counters: &Counters,
+    cancel: &CancellationToken,
+    evictable: &Evictable,
+) {
+    let evict = CancellationToken::new();
     let mut buf = vec![0u8; config.max_request_bytes];
+    let id = evictable.add(&evict);
+    let on_head = || evictable.remove(id);
+    let answered = tokio::select! {
+        () = cancel.cancelled() => false,
+        () = evict.cancelled() => false,
+        r = tokio::time::timeout(
+            config.request_timeout,
+            answer(&mut stream, &mut buf, routes, counters, on_head),
+        ) => r.unwrap_or_else(|_| {
+            counters.timeouts.fetch_add(1, Ordering::Relaxed);
+            false
+        }),
+    };
+    evictable.remove(id);
+    if !answered {
+        return;
+    }
+    // A lingering close: what the client still sends (a body, the rest of a head
+    // that was too large) is read and dropped, a bounded amount for a bounded time,
+    // so that closing does not reset the connection before the client read its
+    // answer.
+    let id = evictable.add(&evict);
+    let linger = async {
+        let mut drained = 0;
+        while drained < LINGER_BYTES {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => drained += n,
+            }
+        }
+    };
+    tokio::select! {
+        () = cancel.cancelled() => {}
+        () = evict.cancelled() => {}
+        _ = tokio::time::timeout(LINGER_TIME, linger) => {}
+    }
+    evictable.remove(id);
+}
+
+/// Reads one request head into `buf` (calling `on_head` once it is complete) and
+/// writes its answer; `true` once answered and shut down for writing.
+async fn answer(
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    routes: &Routes,
+    counters: &Counters,
+    on_head: impl FnOnce(),
+) -> bool {
+    let max = buf.len();
     let mut len = 0;
     let parsed = loop {
-        let Some(free) = buf.get_mut(len..) else {
+        let Some(free) = buf.get_mut(len..).filter(|f| !f.is_empty()) else {
             break Err(http::Refused::TooLarge);
         };
         match stream.read(free).await {
-            Ok(0) | Err(_) => return,
+            Ok(0) | Err(_) => return false,
             Ok(n) => len += n,
         }
-        match http::parse_head(buf.get(..len).unwrap_or_default(), config.max_request_bytes) {
+        match http::parse_head(buf.get(..len).unwrap_or_default(), max) {
             Ok(None) => {}
             Ok(Some(head)) => break Ok(head),
             Err(refused) => break Err(refused),
         }
     };
+    on_head();
     let response = match parsed {
         Err(refused) => {
             counters.bad.fetch_add(1, Ordering::Relaxed);
@@ -364,24 +510,8 @@ async fn answer(mut stream: TcpStream, config: &AdminConfig, routes: &Routes, co
         Ok(head) => route(&head, routes),
     };
     counters.requests.fetch_add(1, Ordering::Relaxed);
-    if stream.write_all(&response).await.is_err() || stream.shutdown().await.is_err() {
-        return;
-    }
-    // A lingering close: what the client still sends (a body, the rest of a head
-    // that was too large) is read and dropped, a bounded amount within the request's
-    // deadline, so that closing does not reset the connection before the client
-    // read its answer.
-    let mut drained = 0;
-    while drained < LINGER_BYTES {
-        match stream.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => drained += n,
-        }
-    }
+    stream.write_all(&response).await.is_ok() && stream.shutdown().await.is_ok()
 }
-
-/// What a lingering close reads at most after the answer.
-const LINGER_BYTES: usize = 64 << 10;
 
 fn route(head: &http::Head<'_>, routes: &Routes) -> Vec<u8> {
     if head.other_method {

@@ -79,7 +79,10 @@ async fn probes_and_scrapes_get_their_answers() {
             .starts_with("HTTP/1.1 431 ")
     );
     let stats = admin.stats();
-    assert_eq!((stats.requests, stats.bad_requests), (9, 2));
+    assert_eq!(
+        (stats.requests, stats.bad_requests, stats.timeouts),
+        (9, 2, 0)
+    );
     admin.shutdown().await;
 }
 
@@ -124,37 +127,90 @@ async fn a_silent_connection_is_closed_at_its_deadline() {
     assert_eq!(admin.stats().timeouts, 1);
 }
 
+/// Connections that send nothing hold slots only until others come: the oldest one
+/// waiting for its head is closed to make room, so a probe still gets its answer.
 #[tokio::test]
-async fn connections_past_the_limit_are_closed_on_accept() {
+async fn silent_connections_make_room_for_a_probe() {
     let (admin, ready) = server(AdminConfig::default().max_connections(2)).await;
     ready.store(true, Ordering::Relaxed);
     let addr = admin.local_addr();
-    // Two connections hold both slots, sending nothing.
-    let held = [
-        TcpStream::connect(addr).await.unwrap(),
-        TcpStream::connect(addr).await.unwrap(),
-    ];
+    // Two connections take both slots with half a request head each.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /readyz HTTP/1.1\r\nX: ").await.unwrap();
+        held.push(s);
+    }
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let mut third = TcpStream::connect(addr).await.unwrap();
-    let _ = third.write_all(&get("/readyz")).await;
+    assert!(
+        ask(addr, &get("/readyz"))
+            .await
+            .starts_with("HTTP/1.1 200 ")
+    );
+    // The oldest was closed without an answer.
     let mut out = Vec::new();
-    let _ = third.read_to_end(&mut out).await;
-    assert!(out.is_empty(), "{}", String::from_utf8_lossy(&out));
-    assert_eq!(admin.stats().refused_connections, 1);
-    // A slot freed serves again.
-    drop(held);
-    let answered = async {
-        loop {
-            let r = ask(addr, &get("/readyz")).await;
-            if r.starts_with("HTTP/1.1 200 ") {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(30), answered)
+    let n = tokio::time::timeout(Duration::from_secs(30), held[0].read_to_end(&mut out))
         .await
-        .unwrap();
+        .unwrap()
+        .unwrap_or(0);
+    assert_eq!(n, 0);
+    let stats = admin.stats();
+    assert_eq!(
+        (stats.evicted_connections, stats.refused_connections),
+        (1, 0)
+    );
+}
+
+/// Only when every slot is busy answering is a new connection closed on accept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_finding_every_slot_answering_is_closed_on_accept() {
+    let routes = Routes::new(|| Ok(())).metrics(|| {
+        // A slow render holds its slot while it answers.
+        std::thread::sleep(Duration::from_millis(500));
+        "slow 1\n".to_owned()
+    });
+    let admin = AdminServer::bind(
+        "127.0.0.1:0",
+        AdminConfig::default().max_connections(1),
+        routes,
+    )
+    .await
+    .unwrap();
+    let addr = admin.local_addr();
+    let slow = tokio::spawn(async move { ask(addr, &get("/metrics")).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut refused = TcpStream::connect(addr).await.unwrap();
+    let _ = refused.write_all(&get("/livez")).await;
+    let mut out = Vec::new();
+    let _ = refused.read_to_end(&mut out).await;
+    assert!(out.is_empty(), "{}", String::from_utf8_lossy(&out));
+    assert!(slow.await.unwrap().ends_with("slow 1\n"));
+    let stats = admin.stats();
+    assert_eq!(
+        (stats.refused_connections, stats.evicted_connections),
+        (1, 0)
+    );
+    // Once it answered, the slot serves again.
+    assert!(ask(addr, &get("/livez")).await.starts_with("HTTP/1.1 200 "));
+}
+
+/// A client that read its answer but keeps the connection open lingers a bounded
+/// time, and is not a timeout.
+#[tokio::test]
+async fn an_answered_client_that_stays_is_closed_after_its_linger() {
+    let (admin, _) = server(AdminConfig::default()).await;
+    let mut s = TcpStream::connect(admin.local_addr()).await.unwrap();
+    s.write_all(&get("/livez")).await.unwrap();
+    let mut out = vec![0u8; 4096];
+    let n = s.read(&mut out).await.unwrap();
+    assert!(String::from_utf8_lossy(&out[..n]).starts_with("HTTP/1.1 200 "));
+    // The server shut its side: EOF, and it closes once the linger ends.
+    let start = Instant::now();
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut rest)).await;
+    assert!(start.elapsed() < Duration::from_secs(30));
+    tokio::time::sleep(LINGER_TIME + Duration::from_millis(500)).await;
+    assert_eq!(admin.stats().timeouts, 0);
 }
 
 #[test]

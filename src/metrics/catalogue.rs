@@ -182,6 +182,18 @@ catalogue! {
     KV_WORKER_PUBLISHED: Counter "eventplane_kv_worker_published_messages_total" [] "WorkerStats"
         "Messages the worker's sink published.";
 
+    // admin::AdminServer: `AdminStats`.
+    ADMIN_REQUESTS: Counter "eventplane_admin_requests_total" [] "AdminStats"
+        "Requests the admin endpoint answered.";
+    ADMIN_REFUSED: Counter "eventplane_admin_refused_connections_total" [] "AdminStats"
+        "Admin connections closed on accept: every slot was busy answering.";
+    ADMIN_EVICTED: Counter "eventplane_admin_evicted_connections_total" [] "AdminStats"
+        "Admin connections closed to make room while they waited for their request head.";
+    ADMIN_BAD: Counter "eventplane_admin_bad_requests_total" [] "AdminStats"
+        "Admin requests answered 400 or 431.";
+    ADMIN_TIMEOUTS: Counter "eventplane_admin_timeouts_total" [] "AdminStats"
+        "Admin connections closed for not sending a request within request_timeout.";
+
     // tunnel::EventBus: `BusStats`.
     BUS_SESSIONS: Gauge "eventplane_bus_sessions" [] "BusStats"
         "Broker and source sessions welcomed now.";

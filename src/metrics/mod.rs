@@ -282,7 +282,9 @@ impl Exporter {
         Exporter::default()
     }
 
-    /// Adds a component: `stats` reads its counters (its `stats()` method, say).
+    /// Adds a component: `stats` reads its counters (its `stats()` method, say). A
+    /// [`DynamicSubscriber`](crate::subscriber::DynamicSubscriber) samples its own
+    /// (`metrics_interval`): adding it here too would count it twice.
     pub fn source<S: Sampled>(mut self, mut stats: impl FnMut() -> S + Send + 'static) -> Self {
         self.sources.push(Source {
             read: Box::new(move |out| stats().sample(out)),

@@ -2,6 +2,7 @@
 
 use super::Samples;
 use super::catalogue::*;
+use crate::admin::AdminStats;
 use crate::discovery::DiscoveryStats;
 use crate::kv::{EngineListenerStats, ProcessorStats, WorkerStats};
 use crate::subscriber::SubscriberStats;
@@ -27,6 +28,7 @@ macro_rules! sampled {
 }
 
 sampled!(
+    AdminStats,
     PubStats,
     SubscriberStats,
     DiscoveryStats,
@@ -37,6 +39,16 @@ sampled!(
 
 fn n(v: usize) -> u64 {
     u64::try_from(v).unwrap_or(u64::MAX)
+}
+
+impl Sampled for AdminStats {
+    fn sample(&self, out: &mut Samples) {
+        out.counter(&ADMIN_REQUESTS, self.requests);
+        out.counter(&ADMIN_REFUSED, self.refused_connections);
+        out.counter(&ADMIN_EVICTED, self.evicted_connections);
+        out.counter(&ADMIN_BAD, self.bad_requests);
+        out.counter(&ADMIN_TIMEOUTS, self.timeouts);
+    }
 }
 
 impl Sampled for PubStats {

@@ -121,6 +121,7 @@ fn every_series_sampled_is_catalogued() {
     ::metrics::with_local_recorder(&capture, || {
         let mut e = Exporter::new()
             .source(PubStats::default)
+            .source(crate::admin::AdminStats::default)
             .source(crate::subscriber::SubscriberStats::default)
             .source(crate::discovery::DiscoveryStats::default)
             .source(crate::kv::WorkerStats::default);

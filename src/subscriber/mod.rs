@@ -613,6 +613,12 @@ impl Drop for DynamicSubscriber {
 }
 
 impl SubscriberHandle {
+    /// Whether the initial discovery sync completed ([`SubscriberStats::synced`]),
+    /// without the rest of a snapshot: one atomic load, for a readiness probe.
+    pub fn synced(&self) -> bool {
+        self.shared.synced.load(Ordering::Relaxed)
+    }
+
     /// Completes once a [`Notice`] is queued (at once if one is), so that a router
     /// hears of a departure or a gap while no message arrives: wait on it beside
     /// [`DynamicSubscriber::recv_many`] in a `select!` (a handle, so that the

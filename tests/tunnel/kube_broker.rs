@@ -235,10 +235,12 @@ fn the_deployment_probes_the_admin_endpoint_and_runs_unprivileged() {
     assert_eq!(security["readOnlyRootFilesystem"].as_bool(), Some(true));
     assert_eq!(security["allowPrivilegeEscalation"].as_bool(), Some(false));
     assert_eq!(security["capabilities"]["drop"][0], "ALL");
-    assert_eq!(
-        pod["spec"]["securityContext"]["runAsNonRoot"].as_bool(),
-        Some(true)
-    );
+    let pod_security = &pod["spec"]["securityContext"];
+    assert_eq!(pod_security["runAsNonRoot"].as_bool(), Some(true));
+    // The Secret's files (mode 0440) are readable through the pod's group.
+    assert_eq!(pod_security["fsGroup"], pod_security["runAsGroup"]);
+    // One client id: the old pod goes before the new one comes.
+    assert_eq!(deployment["spec"]["strategy"]["type"], "Recreate");
     let rbac = manifests("rbac.yaml");
     let binding = rbac.iter().find(|m| m["kind"] == "RoleBinding").unwrap();
     assert_eq!(

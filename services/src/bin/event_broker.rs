@@ -191,9 +191,7 @@ fn load(args: &Args) -> Result<(FileConfig, Secret, AddrFilter), Refusal> {
         _ => return Err(c("exactly one of token_file and token_env is needed".into())),
     };
     if let Some(listen) = &config.admin_listen {
-        listen
-            .parse::<std::net::SocketAddr>()
-            .map_err(|e| c(format!("admin_listen: {listen:?}: {e} (ip:port)")))?;
+        service::listen_address(listen).map_err(|e| c(format!("admin_listen: {listen:?}: {e}")))?;
     }
     // Strict: the broker runs next to admin ports only loopback reaches.
     let mut filter = AddrFilter::strict();

@@ -299,12 +299,12 @@ async fn main() -> ExitCode {
             }
             exporter = with_source_stats(exporter, &source);
             let probed = worker.handle();
+            let announced = source_probe(&source);
             let ready = move || {
-                if probed.stats().listener.connected {
-                    Ok(())
-                } else {
-                    Err("no connection to the engine".to_owned())
+                if !probed.stats().listener.connected {
+                    return Err("no connection to the engine".to_owned());
                 }
+                announced()
             };
             match service::Admin::start(listen, recorder, exporter, ready).await {
                 Ok(admin) => Some(admin),
@@ -407,6 +407,26 @@ fn source(args: &Args, publisher: &EventPublisher) -> Result<Option<SourceHandle
         .announce(announced, publisher.acceptor())
         .map_err(refused)?;
     Ok(Some(source))
+}
+
+/// With --bus-url, whether the source is reachable: a session with the router's bus,
+/// and the publisher announced on it.
+#[cfg(feature = "tunnel")]
+fn source_probe(
+    source: &Option<SourceHandle>,
+) -> impl Fn() -> Result<(), String> + Send + Sync + use<> {
+    let handle = source.as_ref().map(|s| s.handle());
+    move || match handle.as_ref().map(|h| h.stats()) {
+        None => Ok(()),
+        Some(s) if !s.connected => Err("no session with the router's bus".to_owned()),
+        Some(s) if s.announced == 0 => Err("nothing announced on the bus".to_owned()),
+        Some(_) => Ok(()),
+    }
+}
+
+#[cfg(not(feature = "tunnel"))]
+fn source_probe(_: &Option<SourceHandle>) -> impl Fn() -> Result<(), String> + Send + Sync + use<> {
+    || Ok(())
 }
 
 /// Adds the source's counters, if any, to `exporter`.

@@ -522,7 +522,7 @@ async fn main() -> ExitCode {
             // The subscriber samples its own counters (`metrics_interval`).
             let probed = handle.clone();
             let ready = move || {
-                if probed.stats().synced {
+                if probed.synced() {
                     Ok(())
                 } else {
                     Err("discovery has not given a complete view yet".to_owned())

@@ -33,7 +33,7 @@
 //! use eventplane::zmtp::{Config, PubSocket};
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
-//! let publisher = PubSocket::new(Config::default());
+//! let publisher = std::sync::Arc::new(PubSocket::new(Config::default()));
 //! let sampled = publisher.clone();
 //! let mut exporter = Exporter::new().source(move || sampled.stats());
 //! exporter.sample(); // or: tokio::spawn(exporter.run(Duration::from_secs(1), cancel))
@@ -252,7 +252,7 @@ fn register(metric: &'static Metric, label: Option<&'static str>) -> Handle {
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() {
 /// let discovery = Arc::new(MemoryDiscovery::new());
-/// let publisher = PubSocket::new(Config::default());
+/// let publisher = Arc::new(PubSocket::new(Config::default()));
 /// let (d, p) = (discovery.clone(), publisher.clone());
 /// let exporter = Exporter::new()
 ///     .source(move || d.stats())

@@ -110,6 +110,20 @@ pub struct Admin {
     sampling: tokio::task::JoinHandle<()>,
 }
 
+/// What a service does first once its arguments are parsed: logging as `args` say
+/// (`default_spec` when `RUST_LOG` is unset), then the metrics recorder when it
+/// serves an admin endpoint. `Err` is the exit code after saying why.
+pub fn start(
+    args: &ServiceArgs,
+    default_spec: &str,
+) -> Result<Option<Recorder>, std::process::ExitCode> {
+    init_logging(args.log_format.unwrap_or_default(), default_spec);
+    Recorder::install(args).map_err(|e| {
+        eprintln!("{e}");
+        std::process::ExitCode::from(2)
+    })
+}
+
 /// The process's Prometheus recorder, installed: a component's series bind to the
 /// recorder installed when they are first sampled, so this comes before anything is
 /// spawned.

@@ -185,13 +185,9 @@ async fn main() -> ExitCode {
     // Before anything is registered: a SIGTERM from now on is handled (records deleted).
     let stop = stop_signal();
     let args = Args::parse();
-    service::init_logging(args.service.log_format.unwrap_or_default(), "warn");
-    let recorder = match service::Recorder::install(&args.service) {
+    let recorder = match service::start(&args.service, "warn") {
         Ok(r) => r,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     if args.kube && args.wire != Wire::Dynamo {
         Args::command()

@@ -433,14 +433,10 @@ async fn main() -> ExitCode {
     service::print_man_page_if_asked(Args::command());
     let stop = stop_signal();
     let args = Args::parse();
-    service::init_logging(args.service.log_format.unwrap_or_default(), "warn");
     // Before the subscriber samples its counters.
-    let recorder = match service::Recorder::install(&args.service) {
+    let recorder = match service::start(&args.service, "warn") {
         Ok(r) => r,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     common::raise_fd_limit();
     if args.endpoint.is_some() && !args.dynamo {

@@ -31,6 +31,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::{Instant, Sleep};
 
+use super::queue::Piece;
 use super::retain::Retention;
 use super::{Config, Error, Event, Session, SocketType, TimeoutKind};
 
@@ -447,6 +448,24 @@ impl<S> Conn<S> {
             self.wbuf.extend_from_slice(&bytes);
             return;
         }
+        self.push_listed(bytes, held);
+    }
+
+    /// [`push_output`](Self::push_output) for a publisher's queued [`Piece`]: a
+    /// copied piece goes into the write buffer without an allocation of its own when
+    /// it would be copied there anyway.
+    pub(crate) fn push_piece(&mut self, piece: Piece<'_>, held: usize) {
+        match piece {
+            Piece::Shared(bytes) => self.push_output(bytes, held),
+            Piece::Copied(bytes) if bytes.len() < SMALL_SLICE || !self.vectored => {
+                self.wbuf.extend_from_slice(bytes);
+            }
+            Piece::Copied(bytes) => self.push_listed(Bytes::copy_from_slice(bytes), held),
+        }
+    }
+
+    /// Lists `bytes` after what the write buffer holds (which was produced first).
+    fn push_listed(&mut self, bytes: Bytes, held: usize) {
         // What the write buffer holds was produced first: it goes first.
         if !self.wbuf.is_empty() {
             let staged = self.wbuf.split().freeze();
@@ -529,6 +548,33 @@ mod tests {
         sub.subscribe("").await.unwrap();
         publisher.wait_for_subscribers(1).await;
         (publisher, sub)
+    }
+
+    #[tokio::test]
+    async fn a_copied_piece_is_written_in_order_and_holds_nothing_once_copied() {
+        let config = Config::default();
+        let (a, _b) = tokio::io::duplex(1 << 16);
+        let mut conn = Conn::new(a, SocketType::Pub, &config, None);
+        for vectored in [true, false] {
+            conn.vectored = vectored;
+            conn.push_piece(Piece::Shared(Bytes::from(vec![1u8; 600])), 7);
+            conn.push_piece(Piece::Copied(&[2u8; 100]), 9);
+            conn.push_piece(Piece::Copied(&[3u8; 600]), 11);
+            let mut wire: Vec<u8> = conn.out.iter().flat_map(|(b, _)| b.to_vec()).collect();
+            wire.extend_from_slice(&conn.wbuf);
+            let mut expected = vec![1u8; 600];
+            expected.extend([2u8; 100]);
+            expected.extend([3u8; 600]);
+            assert_eq!(wire, expected, "vectored {vectored}");
+            // A small copy holds nothing beyond its bytes; a large one is listed with
+            // what it was handed over with, like a shared slice.
+            let listed_held: usize = conn.out.iter().map(|(_, h)| h).sum();
+            let expected_held = if vectored { 7 + 100 + 11 } else { 0 };
+            assert_eq!(listed_held, expected_held, "vectored {vectored}");
+            conn.out.clear();
+            conn.wbuf.clear();
+            (conn.out_len, conn.out_held) = (0, 0);
+        }
     }
 
     #[tokio::test]

@@ -61,6 +61,16 @@ impl Placed {
     }
 }
 
+/// A slice of queued bytes as [`Queue::take`] hands it out: a handle on a frozen
+/// piece of a chunk, or bytes of the chunk being filled that the taker copies (a
+/// writer keeping up with its sender takes a few messages at a time; copying them
+/// where they go costs less than an allocation of their own).
+#[derive(Debug)]
+pub(crate) enum Piece<'a> {
+    Shared(Bytes),
+    Copied(&'a [u8]),
+}
+
 /// One allocation messages were encoded into.
 #[derive(Debug)]
 struct Chunk {
@@ -182,7 +192,7 @@ impl Chunks {
     /// tail holds less than [`FREEZE_MIN`] (a writer keeping up with a slow sender
     /// would otherwise freeze a piece per message, and the chunk would be retired
     /// nearly empty); from that size on it is frozen and sliced like the rest.
-    fn slices(&mut self, run: &Run, mut out: impl FnMut(Bytes)) {
+    fn slices(&mut self, run: &Run, mut out: impl FnMut(Piece<'_>)) {
         if run.start == run.end {
             return;
         }
@@ -204,13 +214,13 @@ impl Chunks {
             }
             let from = run.start.saturating_sub(*at);
             let to = (run.end - at).min(piece.len());
-            out(piece.slice(from..to));
+            out(Piece::Shared(piece.slice(from..to)));
         }
         if copy_tail {
             let from = run.start.max(tail_start) - tail_start;
             let to = run.end - tail_start;
             if let Some(bytes) = self.tail.get(from..to) {
-                out(Bytes::copy_from_slice(bytes));
+                out(Piece::Copied(bytes));
             }
         }
     }
@@ -326,13 +336,14 @@ impl Queue {
 
     /// Hands whole runs, oldest first, to `out` as slices with what each keeps alive
     /// (the charge of its chunk on the last slice taken from that chunk, 0 on the
-    /// others), until about `budget` bytes or `max_runs` runs were taken.
+    /// others), until about `budget` bytes or `max_runs` runs were taken. A
+    /// [`Piece::Copied`] is always the last slice of its run.
     pub(crate) fn take(
         &mut self,
         chunks: &mut Chunks,
         budget: usize,
         max_runs: usize,
-        mut out: impl FnMut(Bytes, usize),
+        mut out: impl FnMut(Piece<'_>, usize),
     ) -> Taken {
         let mut taken = Taken::default();
         let mut pending: Option<(Bytes, usize)> = None;
@@ -347,11 +358,18 @@ impl Queue {
             let charge = chunks.charge(run.chunk);
             let last_of_chunk = self.runs.front().is_none_or(|r| r.chunk != run.chunk);
             let mut emitted = false;
-            chunks.slices(&run, |b| {
+            chunks.slices(&run, |piece| {
                 if let Some((prev, c)) = pending.take() {
-                    out(prev, c);
+                    out(Piece::Shared(prev), c);
                 }
-                pending = Some((b, 0));
+                match piece {
+                    Piece::Shared(b) => pending = Some((b, 0)),
+                    // The run's last slice: it goes at once (it borrows the chunk
+                    // being filled), with the charge the run's last slice carries.
+                    copied @ Piece::Copied(_) => {
+                        out(copied, if last_of_chunk { charge } else { 0 })
+                    }
+                }
                 emitted = true;
             });
             if last_of_chunk && emitted {
@@ -376,7 +394,7 @@ impl Queue {
             self.trim.popped(&mut self.runs, false);
         }
         if let Some((b, c)) = pending {
-            out(b, c);
+            out(Piece::Shared(b), c);
         }
         taken
     }
@@ -413,6 +431,15 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
 
+    impl Piece<'_> {
+        fn bytes(&self) -> &[u8] {
+            match self {
+                Piece::Shared(b) => b,
+                Piece::Copied(b) => b,
+            }
+        }
+    }
+
     impl Queue {
         fn push_new(&mut self, chunks: &mut Chunks, placed: &Placed) {
             let cost = self.cost(placed);
@@ -423,7 +450,7 @@ mod tests {
         fn take_all(&mut self, chunks: &mut Chunks) -> (Vec<u8>, Vec<usize>, Taken) {
             let (mut bytes, mut charges) = (Vec::new(), Vec::new());
             let taken = self.take(chunks, usize::MAX, usize::MAX, |b, c| {
-                bytes.extend_from_slice(&b);
+                bytes.extend_from_slice(b.bytes());
                 charges.push(c);
             });
             (bytes, charges, taken)
@@ -506,7 +533,7 @@ mod tests {
         let mut bytes = Vec::new();
         let taken = late.take(&mut chunks, usize::MAX, usize::MAX, |b, _| {
             slices += 1;
-            bytes.extend_from_slice(&b);
+            bytes.extend_from_slice(b.bytes());
         });
         assert_eq!(taken.messages, 10);
         assert_eq!(bytes, wire(&all));
@@ -519,6 +546,26 @@ mod tests {
         // Each take finds less than FREEZE_MIN unfrozen: copied, nothing frozen, and
         // the late taker copies all ten at once.
         assert_eq!(early_and_late(10), (0, 1));
+    }
+
+    #[test]
+    fn a_small_tail_is_handed_out_to_copy_with_its_runs_charge() {
+        let mut chunks = Chunks::default();
+        let mut q = Queue::default();
+        let p = chunks.place(&msg(b"small"), true);
+        q.push_new(&mut chunks, &p);
+        let mut got = Vec::new();
+        q.take(&mut chunks, usize::MAX, usize::MAX, |piece, held| {
+            got.push((
+                matches!(piece, Piece::Copied(_)),
+                piece.bytes().to_vec(),
+                held,
+            ));
+        });
+        // Borrowed from the chunk being filled (no allocation of its own), charged like
+        // the run's last slice.
+        assert_eq!(got, vec![(true, wire(&[b"small"]), SHARED_CHUNK_CHARGE)]);
+        assert_eq!(chunks.chunks.get(p.chunk).unwrap().pieces.len(), 0);
     }
 
     #[test]

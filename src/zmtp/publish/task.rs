@@ -172,6 +172,8 @@ pub(super) fn take_queued<S>(
     conn: &mut Conn<S>,
     cx: &mut Context<'_>,
 ) -> bool {
+    // Read before the lock: the sender waits while the writer holds it.
+    let session = conn.session.stats();
     let mut guard = shared.lock();
     let inner = &mut *guard;
     let Some(peer) = inner.peers.get_mut(id) else {
@@ -180,11 +182,11 @@ pub(super) fn take_queued<S>(
     let budget = WRITE_BATCH.saturating_sub(conn.pending_output());
     let taken = peer
         .queue
-        .take(&mut inner.chunks, budget, TAKE_RUNS, |bytes, held| {
-            conn.push_output(bytes, held)
+        .take(&mut inner.chunks, budget, TAKE_RUNS, |piece, held| {
+            conn.push_piece(piece, held)
         });
     peer.written += taken.messages as u64;
-    peer.session = conn.session.stats();
+    peer.session = session;
     // What the connection keeps alive beyond the queue, for `send`'s bound and the
     // stats. Refreshed whenever the writer refills (every round it can write); while
     // the peer reads nothing it stays at its last, highest, value.

@@ -99,7 +99,7 @@ impl Coalescer {
             let same_place = *pending_at == placement;
             let fits = pending.block_count() + incoming <= self.max_batch_blocks;
             if same_place && fits && extends(pending, &data) {
-                merge(pending, data, self.max_batch_blocks);
+                merge(pending, data);
                 self.merged += 1;
                 if pending.block_count() >= self.max_batch_blocks {
                     self.flush(emit);
@@ -139,93 +139,14 @@ fn extends(pending: &KvEventData, next: &KvEventData) -> bool {
     }
 }
 
-/// Room a pending event's list is given on its first merge, at most: a stream of
-/// one-block stores then fills it without growing it step by step (a few reallocations
-/// and copies per merged event), and the room stays a few KiB whatever the cap.
-const MERGE_ROOM: usize = 256;
-
-fn merge(pending: &mut KvEventData, next: KvEventData, max_blocks: usize) {
+fn merge(pending: &mut KvEventData, next: KvEventData) {
     match (pending, next) {
         (KvEventData::Stored { blocks, .. }, KvEventData::Stored { blocks: more, .. }) => {
-            make_room(blocks, more.len(), max_blocks);
             blocks.extend(more);
         }
         (KvEventData::Removed { block_hashes }, KvEventData::Removed { block_hashes: more }) => {
-            make_room(block_hashes, more.len(), max_blocks);
             block_hashes.extend(more)
         }
         _ => {}
-    }
-}
-
-/// Before a merge into `list` that does not fit: room for the merge cap's worth of
-/// items, up to [`MERGE_ROOM`], at once; past that, the usual amortized growth.
-fn make_room<T>(list: &mut Vec<T>, incoming: usize, max_blocks: usize) {
-    let (len, room) = (list.len(), max_blocks.min(MERGE_ROOM));
-    if len + incoming <= list.capacity() {
-        return;
-    }
-    if len + incoming <= room {
-        list.reserve_exact(room - len);
-    } else {
-        list.reserve(incoming);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-    use super::*;
-    use crate::kv::{BlockHash, StorageTier, StoredBlock, TokensHash, WorkerId};
-
-    fn store(parent: u64, hash: u64) -> KvEventData {
-        KvEventData::Stored {
-            parent_hash: Some(BlockHash(parent)),
-            blocks: vec![StoredBlock {
-                block_hash: BlockHash(hash),
-                tokens_hash: TokensHash(hash),
-            }],
-        }
-    }
-
-    fn pending_capacity(c: &Coalescer) -> usize {
-        match &c.pending {
-            Some((_, KvEventData::Stored { blocks, .. })) => blocks.capacity(),
-            Some((_, KvEventData::Removed { block_hashes })) => block_hashes.capacity(),
-            _ => 0,
-        }
-    }
-
-    #[test]
-    fn a_chain_of_one_block_stores_grows_its_list_once_up_to_the_room() {
-        let at = Placement {
-            worker_id: WorkerId(1),
-            dp_rank: 0,
-            tier: StorageTier::Device,
-        };
-        let mut out = Vec::new();
-        for (cap, room) in [(128, 128), (4, 4), (10_000, MERGE_ROOM)] {
-            let mut c = Coalescer::new(cap).unwrap();
-            c.push(at, store(0, 1), &mut |p, d| out.push((p, d)));
-            c.push(at, store(1, 2), &mut |p, d| out.push((p, d)));
-            assert_eq!(pending_capacity(&c), room, "cap {cap}");
-            let mut grew = 0;
-            for h in 3..=room.min(cap - 1) as u64 {
-                let before = pending_capacity(&c);
-                c.push(at, store(h - 1, h), &mut |p, d| out.push((p, d)));
-                grew += usize::from(pending_capacity(&c) != before);
-            }
-            assert_eq!(grew, 0, "cap {cap}: no growth within the room");
-            // Past the room (a large cap): amortized growth, not one item at a time.
-            if cap > room {
-                let mut grew = 0;
-                for h in room as u64 + 1..=4 * room as u64 {
-                    let before = pending_capacity(&c);
-                    c.push(at, store(h - 1, h), &mut |p, d| out.push((p, d)));
-                    grew += usize::from(pending_capacity(&c) != before);
-                }
-                assert!(grew <= 3, "{grew} reallocations for {} merges", 3 * room);
-            }
-        }
     }
 }

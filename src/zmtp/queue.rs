@@ -568,6 +568,57 @@ mod tests {
         assert_eq!(chunks.chunks.get(p.chunk).unwrap().pieces.len(), 0);
     }
 
+    /// Everything `q` hands out: (copied, bytes, charge) per slice.
+    fn pieces(q: &mut Queue, chunks: &mut Chunks) -> Vec<(bool, Vec<u8>, usize)> {
+        let mut got = Vec::new();
+        q.take(chunks, usize::MAX, usize::MAX, |piece, held| {
+            got.push((
+                matches!(piece, Piece::Copied(_)),
+                piece.bytes().to_vec(),
+                held,
+            ));
+        });
+        got
+    }
+
+    #[test]
+    fn a_run_frozen_then_copied_charges_its_copied_tail_only() {
+        let mut chunks = Chunks::default();
+        let (mut a, mut b) = (Queue::default(), Queue::default());
+        let big = msg(&[1u8; 3000]);
+        let p = chunks.place(&big, true);
+        a.push_new(&mut chunks, &p);
+        b.push_new(&mut chunks, &p);
+        // `a` takes it: 3000 bytes unfrozen are frozen into a piece.
+        assert_eq!(pieces(&mut a, &mut chunks).len(), 1);
+        let p = chunks.place(&msg(b"small"), true);
+        b.push_new(&mut chunks, &p);
+        // `b`'s one run: the frozen piece, then the small tail copied; the charge goes
+        // on the run's last slice.
+        let got = pieces(&mut b, &mut chunks);
+        let shape: Vec<(bool, usize)> = got.iter().map(|(c, _, h)| (*c, *h)).collect();
+        assert_eq!(shape, vec![(false, 0), (true, SHARED_CHUNK_CHARGE)]);
+        let bytes: Vec<u8> = got.into_iter().flat_map(|(_, b, _)| b).collect();
+        assert_eq!(bytes, wire(&[&[1u8; 3000], b"small"]));
+    }
+
+    #[test]
+    fn two_runs_of_one_chunk_charge_the_last_only() {
+        let mut chunks = Chunks::default();
+        let (mut a, mut b) = (Queue::default(), Queue::default());
+        // `a` gets messages 1 and 3, `b` message 2: two runs of one chunk for `a`.
+        for (body, queue) in [(&b"one"[..], 0), (b"two", 1), (b"three", 0)] {
+            let p = chunks.place(&msg(body), true);
+            let q = if queue == 0 { &mut a } else { &mut b };
+            q.push_new(&mut chunks, &p);
+        }
+        let got = pieces(&mut a, &mut chunks);
+        let shape: Vec<(bool, usize)> = got.iter().map(|(c, _, h)| (*c, *h)).collect();
+        assert_eq!(shape, vec![(true, 0), (true, SHARED_CHUNK_CHARGE)]);
+        let bytes: Vec<u8> = got.into_iter().flat_map(|(_, b, _)| b).collect();
+        assert_eq!(bytes, wire(&[b"one", b"three"]));
+    }
+
     #[test]
     fn messages_frozen_in_pieces_still_come_out_in_order() {
         // Each message alone passes FREEZE_MIN: one piece per take, a slice of each.

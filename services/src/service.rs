@@ -118,7 +118,7 @@ pub fn start(
     default_spec: &str,
 ) -> Result<Option<Recorder>, std::process::ExitCode> {
     init_logging(args.log_format.unwrap_or_default(), default_spec);
-    Recorder::install(args).map_err(|e| {
+    Recorder::install_if(args.admin_listen.is_some()).map_err(|e| {
         eprintln!("{e}");
         std::process::ExitCode::from(2)
     })
@@ -131,11 +131,6 @@ pub fn start(
 pub struct Recorder(metrics_exporter_prometheus::PrometheusHandle);
 
 impl Recorder {
-    /// Installs the recorder when the process serves an admin endpoint.
-    pub fn install(args: &ServiceArgs) -> Result<Option<Recorder>, String> {
-        Self::install_if(args.admin_listen.is_some())
-    }
-
     /// Installs the recorder when `wanted`.
     pub fn install_if(wanted: bool) -> Result<Option<Recorder>, String> {
         if !wanted {

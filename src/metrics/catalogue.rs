@@ -192,7 +192,7 @@ catalogue! {
     ADMIN_BAD: Counter "eventplane_admin_bad_requests_total" [] "AdminStats"
         "Admin requests answered 400 or 431.";
     ADMIN_TIMEOUTS: Counter "eventplane_admin_timeouts_total" [] "AdminStats"
-        "Admin connections closed for not sending a request within request_timeout.";
+        "Admin connections closed for not sending a request head, or not taking the answer, within request_timeout.";
 
     // tunnel::EventBus: `BusStats`.
     BUS_SESSIONS: Gauge "eventplane_bus_sessions" [] "BusStats"

@@ -73,6 +73,9 @@ const CONNECT_WITHIN: Duration = Duration::from_secs(5);
 /// progress (its lane's spare slots, a receive's batch): a flood's growth is asserted
 /// within `max_buffered_bytes` + 32 MiB + this per publisher.
 const FLOOD_BYTES_PER_PUBLISHER: usize = 2 << 10;
+/// Generous bound on what the flood waits for (its budget filled), so a bug fails the
+/// run instead of hanging it. Not a timing assertion.
+const DEADLINE: Duration = Duration::from_secs(30);
 
 fn message(seq: u64) -> Message {
     Message::from_parts([
@@ -463,12 +466,21 @@ fn bench() {
     let mut max_read_buffers = 0;
     let mut max_retained = 0;
     rt.block_on(async {
-        for _ in 0..300 {
+        // At least 3 s, and until the flood has filled half the budget (the premise
+        // of the bound below), for at most DEADLINE.
+        let flooding = Instant::now();
+        loop {
             tokio::time::sleep(Duration::from_millis(10)).await;
             let stats = sub.stats();
             max_buffered = max_buffered.max(stats.buffered_bytes);
             max_read_buffers = max_read_buffers.max(stats.read_buffer_bytes);
             max_retained = max_retained.max(stats.retained_bytes);
+            let elapsed = flooding.elapsed();
+            if (elapsed >= Duration::from_secs(3) && max_buffered > BUDGET / 2)
+                || elapsed >= DEADLINE
+            {
+                break;
+            }
         }
     });
     publishers.tell("stop");
@@ -497,7 +509,8 @@ fn bench() {
     assert!(max_buffered <= BUDGET, "{max_buffered} > {BUDGET}");
     assert!(
         max_buffered > BUDGET / 2,
-        "the flood never filled the budget: the bound below proves nothing"
+        "the flood buffered at most {max_buffered} B in {DEADLINE:?}, never half the \
+         {BUDGET} B budget: the bound below proves nothing"
     );
     let bound = BUDGET + (32 << 20) + n * FLOOD_BYTES_PER_PUBLISHER;
     eprintln!(

@@ -93,10 +93,12 @@ async fn an_idle_publisher_costs_its_connection_and_little_else() {
         .unwrap();
     // Until every publisher has delivered (libzmq drops what it sends before a
     // subscription arrives: send again until each one's first message is in).
+    let mut rounds = 0u64;
     let everyone = async {
         loop {
             stdin.write_all(b"send kvev 1\n").await.unwrap();
             assert_eq!(lines.next_line().await.unwrap().as_deref(), Some("sent"));
+            rounds += 1;
             tokio::time::sleep(Duration::from_millis(200)).await;
             let stats = sub.stats();
             let heard = stats
@@ -112,19 +114,50 @@ async fn an_idle_publisher_costs_its_connection_and_little_else() {
     tokio::time::timeout(Duration::from_secs(60), everyone)
         .await
         .expect("every publisher delivers within 60 s");
-    // Quiet: every connection has gone back to waiting for its peer, the consumer
-    // has taken everything (what it holds is its own), and the subscriber's
-    // once-a-second prune has freed the read buffers those messages were sliced from.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Quiet: every publisher's last message (the fleet numbers its rounds from 0;
+    // each publisher was subscribed before the last one went) is in and taken by
+    // the consumer (what it holds is its own), every connection has given its read
+    // buffer back (its peer had nothing more), and the read buffers those messages
+    // were sliced from are freed (`stats` prunes them).
+    let last = rounds - 1;
     let mut taken = Vec::new();
-    while tokio::time::timeout(Duration::from_millis(100), sub.recv_many(&mut taken, 1024))
-        .await
-        .is_ok()
-    {
-        taken.clear();
+    let deadline = tokio::time::Instant::now() + support::DEADLINE;
+    loop {
+        while tokio::time::timeout(Duration::from_millis(10), sub.recv_many(&mut taken, 1024))
+            .await
+            .is_ok()
+        {
+            taken.clear();
+        }
+        let stats = sub.stats();
+        let behind = stats
+            .publishers
+            .iter()
+            .filter(|(_, p)| p.last_sequence != Some(last))
+            .count();
+        let t = &stats.total;
+        if behind == 0
+            && t.delivered == t.received
+            && stats.buffered_bytes == 0
+            && stats.read_buffer_bytes == 0
+            && stats.retained_bytes == 0
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not quiet after {:?}: {behind} publishers without message {last}, {} of {} \
+             received delivered, {} B buffered, {} B in read buffers, {} B retained",
+            support::DEADLINE,
+            t.delivered,
+            t.received,
+            stats.buffered_bytes,
+            stats.read_buffer_bytes,
+            stats.retained_bytes
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     drop(taken);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
     let (heap, fds) = (ALLOCATOR.allocated(), open_fds());
     let per_publisher = heap.saturating_sub(heap_before) / PUBLISHERS;
     eprintln!(
@@ -152,7 +185,7 @@ async fn publishers_are_dialled_at_most_max_concurrent_dials_at_a_time() {
     // Six publishers that accept and never answer the greeting: each dial holds its
     // permit until the handshake times out (10 s), so exactly the permitted number of
     // connections arrive; the others wait for a permit.
-    async fn accepted_with(dials: Option<usize>) -> usize {
+    async fn accepted_with(dials: Option<usize>, expected: usize) -> usize {
         let memory = MemoryDiscovery::new();
         let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let mut held = Vec::new();
@@ -176,19 +209,31 @@ async fn publishers_are_dialled_at_most_max_concurrent_dials_at_a_time() {
             builder = builder.max_concurrent_dials(dials);
         }
         let sub = builder.spawn().unwrap();
-        // Long enough for every permitted dial to connect, far shorter than the
-        // handshake timeout that would free a permit.
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        let n = accepted.load(std::sync::atomic::Ordering::SeqCst);
+        // Until the expected dials connected, and for 1.5 s at least (for any beyond
+        // them to show): far shorter than the handshake timeout that would free a
+        // permit.
+        let start = tokio::time::Instant::now();
+        let n = loop {
+            let n = accepted.load(std::sync::atomic::Ordering::SeqCst);
+            if n >= expected && start.elapsed() >= Duration::from_millis(1500) {
+                break n;
+            }
+            assert!(
+                start.elapsed() < support::DEADLINE,
+                "{n} of {expected} dials accepted in {:?}",
+                support::DEADLINE
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
         sub.handle().shutdown().await;
         for task in held {
             task.abort();
         }
         n
     }
-    assert_eq!(accepted_with(Some(2)).await, 2);
+    assert_eq!(accepted_with(Some(2), 2).await, 2);
     assert_eq!(
-        accepted_with(None).await,
+        accepted_with(None, 6).await,
         6,
         "the default (256) dials them all"
     );

@@ -89,22 +89,25 @@ async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
 }
 
 /// Writes `chunk` again and again until `total` bytes went out, the peer closed, or
-/// one write stayed blocked for 2 s (the peer stopped reading). `stop` is consulted
-/// between chunks. Returns the bytes written.
+/// one write stayed blocked for `blocked` (the peer stopped reading). `stop` is
+/// consulted between chunks. Returns the bytes written: `Err` when a write was
+/// blocked for `blocked`.
 async fn flood(
     stream: &mut TcpStream,
     chunk: &[u8],
     total: u64,
+    blocked: Duration,
     mut stop: impl FnMut() -> bool,
-) -> u64 {
+) -> Result<u64, u64> {
     let mut written = 0u64;
     while written < total && !stop() {
-        match tokio::time::timeout(Duration::from_secs(2), stream.write_all(chunk)).await {
+        match tokio::time::timeout(blocked, stream.write_all(chunk)).await {
             Ok(Ok(())) => written += chunk.len() as u64,
-            Ok(Err(_)) | Err(_) => break,
+            Ok(Err(_)) => break,
+            Err(_) => return Err(written),
         }
     }
-    written
+    Ok(written)
 }
 
 fn ping_chunk() -> Vec<u8> {
@@ -129,7 +132,17 @@ async fn ping_flood_does_not_grow_the_publish_process() {
     let budget = 2 * READ_BUFFER + KIB;
     // 1.3 GB of PINGs, never reading a PONG (stop early once the bound is broken).
     let over = || proc_status_bytes(pid, "VmRSS") > before + budget + RSS_SLACK;
-    let written = flood(&mut s, &ping_chunk(), 1300 * MIB, over).await;
+    // A publisher that reads on is never blocked for long; one that stopped reading
+    // is the failure this test is for, told apart from a slow machine by DEADLINE.
+    let written = flood(&mut s, &ping_chunk(), 1300 * MIB, DEADLINE, over)
+        .await
+        .unwrap_or_else(|written| {
+            panic!(
+                "publisher read nothing for {} s after {} MiB",
+                DEADLINE.as_secs(),
+                written / MIB
+            )
+        });
     let grown = proc_status_bytes(pid, "VmHWM").saturating_sub(before);
     assert_within_budget(
         "publish, 1.3 GB of PINGs never reading a PONG",
@@ -186,7 +199,14 @@ async fn a_sub_socket_whose_publisher_reads_nothing_fails_as_stalled() {
         let (mut s, _) = listener.accept().await.unwrap();
         // PINGs until the subscriber stops reading them, and never a byte read.
         s.write_all(&wire::hello("PUB")).await.unwrap();
-        flood(&mut s, &ping_chunk(), u64::MAX, || false).await;
+        let _ = flood(
+            &mut s,
+            &ping_chunk(),
+            u64::MAX,
+            Duration::from_secs(2),
+            || false,
+        )
+        .await;
         std::future::pending::<()>().await;
         drop(s);
     });

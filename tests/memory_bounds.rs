@@ -8,12 +8,12 @@
 mod support;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
 use eventplane::zmtp::{Config, Message, PubSocket};
-use support::{proc_status_bytes, within};
+use support::{DEADLINE, proc_status_bytes, within};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 const MIB: u64 = 1 << 20;
@@ -60,13 +60,17 @@ async fn watch_fed_by_32_floods_with_a_slow_reader_stays_within_its_budget() {
     // The reader takes a line (one delivery) every millisecond: slow, not stalled.
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let stop = Arc::new(AtomicBool::new(false));
+    let lines_read = Arc::new(AtomicU64::new(0));
     let reader = {
-        let stop = stop.clone();
+        let (stop, lines_read) = (stop.clone(), lines_read.clone());
         tokio::spawn(async move {
             let mut n = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 match within(lines.next_line()).await {
-                    Ok(Some(_)) => n += 1,
+                    Ok(Some(_)) => {
+                        n += 1;
+                        lines_read.store(n, Ordering::Relaxed);
+                    }
                     _ => break,
                 }
                 tokio::time::sleep(Duration::from_millis(1)).await;
@@ -96,7 +100,30 @@ async fn watch_fed_by_32_floods_with_a_slow_reader_stays_within_its_budget() {
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // At least 4 s, and until the publishers have handed their connections three
+    // budgets' worth of 1 KiB messages beyond what the reader took: what `watch` then
+    // received passes twice its budget and overflowed it (the premises of the checks
+    // below), for at most DEADLINE.
+    let flooding = tokio::time::Instant::now();
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let written: u64 = publishers
+            .iter()
+            .flat_map(|p| p.subscriber_stats())
+            .map(|s| s.written)
+            .sum();
+        let read = lines_read.load(Ordering::Relaxed);
+        let elapsed = flooding.elapsed();
+        if elapsed >= Duration::from_secs(4) && written > read + 3 * BUDGET / 1024 {
+            break;
+        }
+        assert!(
+            elapsed < DEADLINE,
+            "the floods wrote {written} messages in {elapsed:?} and {read} lines were read: \
+             not {} messages beyond them",
+            3 * BUDGET / 1024
+        );
+    }
     stop.store(true, Ordering::Relaxed);
     let mut offered = 0;
     for f in floods {

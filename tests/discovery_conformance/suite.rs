@@ -15,6 +15,10 @@ use eventplane::discovery::{
 use futures_util::StreamExt;
 use tokio_util::sync::CancellationToken;
 
+/// Generous bound on what a toy waits for, so a bug fails the test instead of hanging
+/// it. Not a timing assertion.
+const DEADLINE: Duration = Duration::from_secs(30);
+
 fn memory() -> Arc<dyn Discovery> {
     Arc::new(
         MemoryDiscovery::builder()
@@ -104,6 +108,29 @@ impl Discovery for Toy {
                 Broken::GapBetweenListAndWatch => {
                     let snapshot = self.inner.list(query.clone()).await?;
                     tokio::time::sleep(Duration::from_millis(20)).await;
+                    // The check of this rule registers an instance a millisecond while
+                    // the watch is set up: make sure one lands in the gap, however late
+                    // its registrations run on a loaded machine (the other checks
+                    // register nothing meanwhile: they get the plain 20 ms).
+                    if query
+                        .namespace_filter()
+                        .starts_with("conformance-no_gap_between_snapshot_and_watch-")
+                    {
+                        let deadline = tokio::time::Instant::now() + DEADLINE;
+                        loop {
+                            let now = self.inner.list(query.clone()).await?;
+                            if now.iter().any(|i| !snapshot.contains(i)) {
+                                break;
+                            }
+                            assert!(
+                                tokio::time::Instant::now() < deadline,
+                                "no registration in the list-to-watch gap in {DEADLINE:?} \
+                                 ({} listed, as in the snapshot)",
+                                now.len()
+                            );
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                        }
+                    }
                     let live = self.inner.watch(query, cancel).await?;
                     let mut initial: Vec<Result<DiscoveryEvent, DiscoveryError>> = snapshot
                         .iter()

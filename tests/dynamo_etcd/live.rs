@@ -21,29 +21,9 @@ use std::process::Stdio;
 
 use serde_json::{Value, json};
 use support::etcd::EtcdServer;
-use support::{DEADLINE, within};
+use support::{DEADLINE, dynamo_python, within};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
-
-/// The virtualenv's Python, with `ai-dynamo-runtime==1.6.1`, `pyzmq` and `msgpack`.
-fn dynamo_python() -> PathBuf {
-    let path = std::env::var_os("EVENTPLANE_DYNAMO_PYTHON").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/dynamo-venv/bin/python"),
-        PathBuf::from,
-    );
-    let ok = std::process::Command::new(&path)
-        .args(["-c", "import dynamo._core, zmq, msgpack"])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        ok,
-        "{} cannot import Dynamo: run .ci/run, or `python3 -m venv target/dynamo-venv && \
-         target/dynamo-venv/bin/pip install ai-dynamo-runtime==1.6.1 pyzmq msgpack`",
-        path.display()
-    );
-    path
-}
 
 /// A Dynamo process from `tests/dynamo_live/`, driven by stdin/stdout lines.
 struct Py {
@@ -313,7 +293,10 @@ async fn router_prints_the_capture(
 
     // The script ends with a clear, which empties every tier of the worker (as in
     // Dynamo's router); one block stored after it is what the index holds.
-    worker.send(&sentinel(0x5dff).to_string()).await;
+    // On the device tier: the router's index scores that one.
+    let mut last = sentinel(0x5dff);
+    last[0][6] = json!("GPU");
+    worker.send(&last.to_string()).await;
     let line = within(out.next_line()).await.unwrap().unwrap();
     assert_eq!(
         json_line(&line)["event"]["data"]["stored"]["blocks"][0]["block_hash"],

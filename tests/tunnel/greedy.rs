@@ -279,19 +279,24 @@ async fn a_greedy_router_that_stops_reading_holds_the_broker_to_its_budget() {
     .await;
     // Every stream attached: the router stops reading.
     bus.stalled.store(true, Ordering::Relaxed);
-    // Until the publishers' writes settle (the broker reads on, or resets streams).
+    // Until the flood is in (64 MiB written, the session budget) and the publishers'
+    // writes have settled (the broker reads no more, or resets streams).
+    let deadline = tokio::time::Instant::now() + support::DEADLINE;
     let mut last = u64::MAX;
-    within(async {
-        loop {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            let now = written.load(Ordering::Relaxed);
-            if now == last {
-                break;
-            }
-            last = now;
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let now = written.load(Ordering::Relaxed);
+        if now >= (64 << 20) && now == last {
+            break;
         }
-    })
-    .await;
+        last = now;
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the publishers wrote {} MiB in {:?}, not yet settled at 64 MiB or more",
+            now >> 20,
+            support::DEADLINE
+        );
+    }
     let peak = support::proc_status_bytes(pid, "VmHWM");
     let bound = (MAX_SESSION_BUFFER_BYTES + STREAMS as usize * PER_STREAM_UNCHARGED_BYTES) as u64
         + (16 << 20);

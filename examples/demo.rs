@@ -16,7 +16,6 @@
 
 mod common;
 
-use common::Index;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,12 +26,12 @@ use clap::Parser;
 use eventplane::BoxFuture;
 use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
 use eventplane::kv::{
-    EngineEvent, EngineListenerConfig, EngineListenerStats, EventPlaneSink, EventSink,
+    EngineEvent, EngineListenerConfig, EngineListenerStats, EventPlaneSink, EventSink, IndexFeed,
     MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, ProcessorConfig, RouterEvent, SinkError,
     Worker, WorkerId, decode_router_events, encode_engine_batch, split_messages,
 };
 use eventplane::publish::EventPublisher;
-use eventplane::subscriber::{DynamicSubscriber, Layout};
+use eventplane::subscriber::{DynamicSubscriber, Item, Layout};
 use eventplane::zmtp::{Config, Message, PubSocket};
 use tokio_util::sync::CancellationToken;
 
@@ -58,6 +57,10 @@ struct Args {
     /// sit behind the broker.
     #[arg(long, requires = "tunnel")]
     sources: bool,
+    /// At the end, how long a drain waits without progress before what is still on
+    /// its way counts as lost (seconds; it waits only while something is missing).
+    #[arg(long = "drain-secs", default_value_t = 2)]
+    drain_secs: u64,
 }
 
 const BLOCK_SIZE: usize = 16;
@@ -93,37 +96,56 @@ struct Plane {
     dial_out: Option<tunnel::DialOut>,
 }
 
-/// Which event-plane message carried how many router events: recorded when a worker
-/// publishes, taken off when the router decodes it. What is left at the end was lost
-/// on the way (publisher drop, lane drop, sequence gap, undecodable), and the ledger
-/// says exactly how many events that was.
+/// Which event-plane message carried how many router events: the sink adds a
+/// message's count when it publishes it, the router takes off what it decoded. Either
+/// side may come first (the router can decode a message before its sink has written
+/// it down), so a message's balance is signed and settles at zero whatever the order:
+/// an event is never counted both as applied and as lost. What is left owing once the
+/// router has stopped was lost on the way (publisher drop, lane drop, sequence gap,
+/// undecodable), and the ledger says exactly how many events that was.
 #[derive(Default)]
 struct Ledger {
-    in_flight: std::sync::Mutex<HashMap<(u64, u64), u64>>,
+    balance: std::sync::Mutex<HashMap<(u64, u64), i64>>,
     /// Events in messages the sink could not publish at all.
     unsent: AtomicU64,
 }
 
 impl Ledger {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(u64, u64), u64>> {
-        self.in_flight.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(u64, u64), i64>> {
+        self.balance.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn take(&self, publisher_id: u64, seq: u64) -> Option<u64> {
-        self.lock().remove(&(publisher_id, seq))
+    /// Adds `delta` to one message's balance; a settled message leaves the ledger.
+    fn settle(map: &mut HashMap<(u64, u64), i64>, key: (u64, u64), delta: i64) {
+        let balance = map.entry(key).or_insert(0);
+        *balance += delta;
+        if *balance == 0 {
+            map.remove(&key);
+        }
     }
 
-    /// Events in messages published but never decoded by the router (so far).
+    /// The router decoded `events` events from this message.
+    fn decoded(&self, publisher_id: u64, seq: u64, events: u64) {
+        Self::settle(&mut self.lock(), (publisher_id, seq), -(events as i64));
+    }
+
+    /// Events in messages published but not decoded by the router (so far).
     fn missing(&self) -> u64 {
-        self.lock().values().sum()
+        self.lock().values().map(|&n| n.max(0) as u64).sum()
     }
 
     fn missing_from(&self, publisher_id: u64) -> u64 {
         self.lock()
             .iter()
             .filter(|((p, _), _)| *p == publisher_id)
-            .map(|(_, n)| n)
+            .map(|(_, &n)| n.max(0) as u64)
             .sum()
+    }
+
+    /// Events the router decoded from messages no sink recorded (0 unless the demo
+    /// itself is wrong; shown as unaccounted).
+    fn surplus(&self) -> u64 {
+        self.lock().values().map(|&n| n.min(0).unsigned_abs()).sum()
     }
 }
 
@@ -148,7 +170,7 @@ impl EventSink for LedgerSink {
         {
             let n = message.len() as u64;
             if (i as u64) < sent {
-                ledger.insert((id, first + i as u64), n);
+                Ledger::settle(&mut ledger, (id, first + i as u64), n as i64);
             } else {
                 self.ledger.unsent.fetch_add(n, Ordering::Relaxed);
             }
@@ -359,11 +381,12 @@ async fn generate(
     seq
 }
 
-/// Waits until `remaining()` is 0, or it has not gone down for 2 s.
-async fn wait_while_progressing(remaining: impl Fn() -> u64) {
+/// Waits until `remaining()` is 0, or it has not gone down for `patience`; returns
+/// what was still remaining then (0: drained).
+async fn wait_while_progressing(patience: Duration, remaining: impl Fn() -> u64) -> u64 {
     let mut last = remaining();
     let mut since = Instant::now();
-    while last > 0 && since.elapsed() < Duration::from_secs(2) {
+    while last > 0 && since.elapsed() < patience {
         tokio::time::sleep(Duration::from_millis(5)).await;
         let now = remaining();
         if now < last {
@@ -371,6 +394,7 @@ async fn wait_while_progressing(remaining: impl Fn() -> u64) {
         }
         last = now;
     }
+    last
 }
 
 impl Engine {
@@ -379,7 +403,7 @@ impl Engine {
     /// published (each wait gives up after 2 s without progress: what is missing then
     /// was lost), then unregisters the publisher. Returns where the engine's events
     /// went.
-    async fn stop(self, ledger: &Ledger) -> Account {
+    async fn stop(self, ledger: &Ledger, patience: Duration) -> Account {
         self.stop.cancel();
         let batches = self.generator.await.unwrap_or(0);
         let engine_dropped = self.engine_pub.stats().dropped;
@@ -391,13 +415,29 @@ impl Engine {
                 + s.malformed_messages
                 + engine_dropped.max(s.seq_gap_batches)
         };
-        wait_while_progressing(|| batches.saturating_sub(settled(self.worker.stats().listener)))
-            .await;
+        let left = wait_while_progressing(patience, || {
+            batches.saturating_sub(settled(self.worker.stats().listener))
+        })
+        .await;
+        if left > 0 {
+            println!(
+                "engine {}: drain gave up after {} s without progress, {left} batches not yet seen by its worker",
+                self.id,
+                patience.as_secs()
+            );
+        }
         // The listener stops first; the processor publishes what was queued, then stops.
         let stats = self.worker.shutdown().await;
         let (listened, processed) = (stats.listener, stats.processor);
         let publisher_id = self.publisher.publisher_id();
-        wait_while_progressing(|| ledger.missing_from(publisher_id)).await;
+        let left = wait_while_progressing(patience, || ledger.missing_from(publisher_id)).await;
+        if left > 0 {
+            println!(
+                "engine {}: drain gave up after {} s without progress, {left} router events not yet decoded (lost unless they arrive before the router stops)",
+                self.id,
+                patience.as_secs()
+            );
+        }
         let (publisher_dropped, publisher_accepted) = {
             let s = self.publisher.stats();
             (s.dropped, s.accepted)
@@ -434,6 +474,7 @@ impl Engine {
 async fn main() -> anyhow::Result<()> {
     common::init_tracing();
     let args = Args::parse();
+    let patience = Duration::from_secs(args.drain_secs.max(1));
     let engines_n = args.engines.max(1);
     let per_engine_rate = (args.rate / engines_n as u64).max(1);
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
@@ -444,7 +485,8 @@ async fn main() -> anyhow::Result<()> {
         tunnel::start(args.tunnel, args.sources, engines_n, discovery.clone()).await?;
     let builder = DynamicSubscriber::builder(followed, Query::new(NAMESPACE).component("worker"))
         .topic("kv-events")
-        .layout(Layout::TopicPublisherSeq);
+        .layout(Layout::TopicPublisherSeq)
+        .notices(4096);
     let builder = tunnel::configure(tunnel.as_ref(), builder);
     let plane = Plane {
         discovery: discovery.clone(),
@@ -452,7 +494,9 @@ async fn main() -> anyhow::Result<()> {
     };
     let mut router = builder.spawn()?;
     let router_stats = router.handle();
-    let index = Arc::new(std::sync::Mutex::new(Index::default()));
+    // The library's router index, fed in order (deliveries and notices in one
+    // stream: a departed worker's blocks go once its last message was applied).
+    let index = Arc::new(std::sync::Mutex::new(IndexFeed::default()));
     let router_events = Arc::new(AtomicU64::new(0));
     let malformed = Arc::new(AtomicU64::new(0));
     let ledger = Arc::new(Ledger::default());
@@ -464,27 +508,29 @@ async fn main() -> anyhow::Result<()> {
             ledger.clone(),
         );
         async move {
-            let mut batch = Vec::with_capacity(256);
-            loop {
-                batch.clear();
-                if router.recv_many(&mut batch, 256).await == 0 {
-                    return;
-                }
-                let mut idx = index.lock().unwrap_or_else(|p| p.into_inner());
-                for d in &batch {
-                    match d.message.get(3).map(decode_router_events) {
-                        Some(Ok(events)) => {
-                            router_events.fetch_add(events.len() as u64, Ordering::Relaxed);
-                            for ev in &events {
-                                idx.apply(ev);
-                            }
-                            if let Some(seq) = d.sequence {
-                                ledger.take(d.source.id.publisher_id(), seq);
-                            }
+            while let Some(item) = router.recv_item().await {
+                let d = match item {
+                    Item::Delivery(d) => d,
+                    Item::Notice(n) => {
+                        index.lock().unwrap_or_else(|p| p.into_inner()).notice(&n);
+                        continue;
+                    }
+                    _ => continue,
+                };
+                match d.message.get(3).map(decode_router_events) {
+                    Some(Ok(events)) => {
+                        router_events.fetch_add(events.len() as u64, Ordering::Relaxed);
+                        index
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .apply(&d.source, &events);
+                        if let Some(seq) = d.sequence {
+                            let publisher_id = d.source.id.publisher_id();
+                            ledger.decoded(publisher_id, seq, events.len() as u64);
                         }
-                        _ => {
-                            malformed.fetch_add(1, Ordering::Relaxed);
-                        }
+                    }
+                    _ => {
+                        malformed.fetch_add(1, Ordering::Relaxed);
                     }
                 }
             }
@@ -545,19 +591,14 @@ async fn main() -> anyhow::Result<()> {
         if !swapped && Instant::now() >= halfway && !engines.is_empty() {
             swapped = true;
             let leaving = engines.remove(0);
-            let (ledger, index, plane, totals) =
-                (ledger.clone(), index.clone(), plane.clone(), totals.clone());
+            let (ledger, plane, totals) = (ledger.clone(), plane.clone(), totals.clone());
             let joining = next_id;
             next_id += 1;
             swap = Some(tokio::spawn(async move {
                 let left_id = leaving.id;
-                let left = leaving.stop(&ledger).await;
-                // Its last events are on their way; once delivered, forget the worker.
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                index
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .forget(WorkerId(left_id));
+                // Its publisher unregisters: the router's feed drops its blocks at its
+                // `Departed`, after its last message.
+                let left = leaving.stop(&ledger, patience).await;
                 let joined = start_engine(joining, plane, per_engine_rate, totals, ledger).await?;
                 println!("  engine {left_id} left; engine {joining} joined");
                 Ok((left, joined))
@@ -570,7 +611,12 @@ async fn main() -> anyhow::Result<()> {
         );
         let dt = now.duration_since(last.2).as_secs_f64().max(1e-9);
         let s = router_stats.stats();
-        let idx = index.lock().unwrap_or_else(|p| p.into_inner()).size();
+        let idx = index
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .index()
+            .stats()
+            .blocks;
         // Labelled with the real time since the start: under overload a line can
         // come late, and its rates are over the time it really covers.
         // Engine PUB drops (batches an engine could not hand its worker) and the
@@ -598,6 +644,8 @@ async fn main() -> anyhow::Result<()> {
     // and the router catches up (draining one engine while the others still send
     // would stretch the run and mix load into the drain).
     let load_ended = Instant::now();
+    // The index as the load left it (every worker then leaves, taking its blocks).
+    let at_load_end = index.lock().unwrap_or_else(|p| p.into_inner()).stats();
     if let Some(task) = swap.take() {
         let (left, joined) = task.await??;
         account.add(&left);
@@ -607,23 +655,25 @@ async fn main() -> anyhow::Result<()> {
         e.stop.cancel();
     }
     for e in engines {
-        account.add(&e.stop(&ledger).await);
+        account.add(&e.stop(&ledger, patience).await);
     }
     println!(
         "load ended at t={:.1}s; drained in {:.1}s",
         load_ended.duration_since(started).as_secs_f64(),
         load_ended.elapsed().as_secs_f64()
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let s = router_stats.stats();
+    // The router stops once nothing is on its way (or nothing has arrived for 2 s);
+    // the table is computed after it stopped, from what it decoded by then.
+    let left = wait_while_progressing(patience, || ledger.missing()).await;
+    if left > 0 {
+        println!("router: stopping with {left} router events never decoded (lost)");
+    }
     router_stats.shutdown().await;
     let _ = consumer.await;
+    let s = router_stats.stats();
     // Rates are over the load, not the drain after it.
     let elapsed = load_ended.duration_since(started).as_secs_f64().max(1e-9);
-    let (index_size, index_distinct) = {
-        let idx = index.lock().unwrap_or_else(|p| p.into_inner());
-        (idx.size() as u64, idx.distinct() as u64)
-    };
+    let fed = index.lock().unwrap_or_else(|p| p.into_inner()).stats();
     let engine_events = totals.engine_events.load(Ordering::Relaxed);
     let out = router_events.load(Ordering::Relaxed);
     let lost_on_plane = ledger.missing() + ledger.unsent.load(Ordering::Relaxed);
@@ -649,7 +699,7 @@ async fn main() -> anyhow::Result<()> {
     // What the workers added is on the other side of the ledger.
     row(
         "unaccounted engine events",
-        (engine_events + a.added).abs_diff(accounted),
+        (engine_events + a.added).abs_diff(accounted) + ledger.surplus(),
     );
     println!();
     row("event-plane messages delivered", s.total.delivered);
@@ -665,8 +715,24 @@ async fn main() -> anyhow::Result<()> {
         "engine events/s (while the engines ran)",
         (engine_events as f64 / elapsed).round() as u64,
     );
-    row("index entries (worker × block)", index_size);
-    row("distinct blocks in the index", index_distinct);
+    row(
+        "index entries (worker × block), load end",
+        at_load_end.index.blocks,
+    );
+    row(
+        "distinct blocks in the index, load end",
+        at_load_end.index.nodes,
+    );
+    row("index bytes, load end", at_load_end.index.bytes);
+    row("index entries after every worker left", fed.index.blocks);
+    row(
+        "index wipes (event id gaps, reconnections)",
+        fed.wipes_id_gap + fed.wipes_reconnect,
+    );
+    row(
+        "router events refused by the index",
+        fed.refused_events + fed.refused_rank_events,
+    );
     tunnel::report(tunnel, a.publisher_accepted, row).await;
     Ok(())
 }

@@ -10,31 +10,36 @@
 //!
 //! # The router side
 //! A router follows every worker's KV-event publisher through discovery and keeps an
-//! index of which worker holds which block. Three things keep that index honest:
+//! index of which worker holds which block, to answer one question per request:
+//! which worker holds the longest prefix of its blocks
+//! ([`RouterIndex::find_matches`](crate::kv::RouterIndex::find_matches), with the
+//! request's [`local_block_hashes`](crate::kv::local_block_hashes)). Three things
+//! keep that index honest, and [`kv::IndexFeed`] does all
+//! three, fed in order by
+//! [`DynamicSubscriber::recv_item`](crate::subscriber::DynamicSubscriber::recv_item)
+//! (deliveries and notices in one stream):
 //!
 //! - **Who sent it.** A worker registers its identity with its publisher
 //!   ([`EventPublisherBuilder::worker`](crate::publish::EventPublisherBuilder::worker);
 //!   `kv-relay` does, from `--worker-id` and `--dp-rank`), so every delivery's
-//!   `source.worker` names the worker before the payload is decoded. A publisher
-//!   that registered none is counted here, and
+//!   `source.worker` names the worker before the payload is decoded. An event naming
+//!   another worker is refused; under [`Attribution::Strict`](crate::kv::Attribution)
+//!   so are the events of a publisher that registered none, and
 //!   [`expect_worker_identity`](crate::subscriber::DynamicSubscriberBuilder::expect_worker_identity)
 //!   makes the subscriber warn about it.
 //! - **What was lost.** Nothing is kept that the worker may no longer hold. A worker
 //!   that loses track of its engine (a dropped batch, an engine restart) sends
-//!   `Cleared`, and the index empties that worker
+//!   `Cleared`, and the index empties that worker's rank
 //!   ([`EngineListener`](crate::kv::EngineListener)). Events lost between worker and
 //!   router — a full send queue, a dropped connection, this router's own lanes — show
 //!   in the event ids, which a worker numbers 1, 2, 3, …: at an id that is not the
-//!   next one the index drops that worker before applying it, and what follows
-//!   rebuilds it. Dynamo's router does the same (DESIGN §4.5, §4.6). (The
+//!   next one the feed drops what that publisher fed before applying it, and what
+//!   follows rebuilds it. Dynamo's router does the same (DESIGN §4.5, §4.6). (The
 //!   subscriber's [`Notice::Gap`](crate::subscriber::Notice::Gap) reports the message
-//!   sequence's gaps too, but only those before the router's lanes, and after the
-//!   batch they came in.)
+//!   sequence's gaps too, but only those before the router's lanes.)
 //! - **Who left.** `Notice::Departed` comes once every message the departed publisher
-//!   sent was handed over: drop that worker's entries then, not earlier. Handle each
-//!   batch before the notices, and wait for notices beside `recv_many`
-//!   ([`SubscriberHandle::notice_ready`](crate::subscriber::SubscriberHandle::notice_ready)):
-//!   otherwise a departure among quiet workers is heard only when a message arrives.
+//!   sent was handed over, and `recv_item` hands it out after them: the feed drops
+//!   that publisher's ranks then, not earlier.
 //!
 //! The code below is `examples/guide_router/router.rs`, word for word: the
 //! `guide_router` example runs it over etcd (`cargo run --features etcd --example
@@ -46,7 +51,7 @@
     "```\n",
     include_str!("../examples/guide_router/router.rs"),
     "# use eventplane::discovery::MemoryDiscovery;\n",
-    "# use eventplane::kv::{encode_router_events, BlockHash, KvEvent, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId};\n",
+    "# use eventplane::kv::{encode_router_events, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId};\n",
     "# use eventplane::publish::EventPublisher;\n",
     "# #[tokio::main(flavor = \"current_thread\")]\n",
     "# async fn main() -> Result<(), Box<dyn std::error::Error>> {\n",
@@ -60,13 +65,13 @@
     "let worker_7 = WorkerIdentity::new(7, 0);\n",
     "route(&mut router, &mut index, |i| i.holders(42).any(|w| w == worker_7)).await;\n",
     "println!(\"{} deliveries, {} unidentified, {} undecodable, {} lost\",\n",
-    "    index.deliveries, index.unidentified, index.undecodable, index.lost);\n",
-    "# assert_eq!((index.deliveries, index.unidentified, index.undecodable, index.lost), (1, 0, 0, 0));\n",
+    "    index.deliveries, index.unidentified(), index.undecodable(), index.lost());\n",
+    "# assert_eq!((index.deliveries, index.unidentified(), index.undecodable(), index.lost()), (1, 0, 0, 0));\n",
     "# // Event 2 never arrives: at event 3 the worker's blocks are dropped, then 43 is added.\n",
     "# let data = KvEventData::Stored { parent_hash: None, blocks: vec![StoredBlock { block_hash: BlockHash(43), tokens_hash: TokensHash(1) }] };\n",
     "# worker.publish(encode_router_events(&[RouterEvent { worker_id: WorkerId(7), tier: StorageTier::Device, event: KvEvent { id: 3, dp_rank: 0, data } }])?);\n",
     "# route(&mut router, &mut index, |i| i.holders(43).any(|w| w == worker_7)).await;\n",
-    "# assert_eq!((index.holders(42).count(), index.lost), (0, 1));\n",
+    "# assert_eq!((index.holders(42).count(), index.lost()), (0, 1));\n",
     "# Ok(()) }\n",
     "```"
 )]

@@ -1,9 +1,6 @@
 //! Helpers shared by the examples (not an example itself).
 #![allow(dead_code, unreachable_pub)]
 
-use std::collections::{HashMap, HashSet};
-
-use eventplane::kv::{BlockHash, DpRank, KvEventData, StorageTier, WorkerId};
 use eventplane::zmtp::Message;
 
 /// Each frame in lower-case hex (an empty frame as `-`), frames separated by a space.
@@ -256,105 +253,6 @@ impl EngineArgs {
             .processor(config)
             .spawn()
             .map_err(|e| e.to_string())
-    }
-}
-
-/// The router's view: which blocks each worker holds, per data-parallel rank and
-/// storage tier. A `Cleared` empties every tier of its worker and rank, as Dynamo's
-/// router does (DESIGN §4.6). It holds at most its cap of blocks: past it, stored
-/// blocks are not indexed, counted in `refused` (the index under-claims, never
-/// over-claims, what a worker holds).
-pub struct Index {
-    blocks: HashMap<(WorkerId, DpRank, StorageTier), HashSet<BlockHash>>,
-    held: usize,
-    cap: usize,
-    refused: u64,
-}
-
-impl Default for Index {
-    fn default() -> Index {
-        Index::with_cap(usize::MAX)
-    }
-}
-
-impl Index {
-    /// An index of at most `cap` blocks.
-    pub fn with_cap(cap: usize) -> Index {
-        Index {
-            blocks: HashMap::new(),
-            held: 0,
-            cap,
-            refused: 0,
-        }
-    }
-
-    pub fn apply(&mut self, ev: &eventplane::kv::RouterEvent) {
-        let (worker, rank) = (ev.worker_id, ev.event.dp_rank);
-        match &ev.event.data {
-            KvEventData::Stored { blocks, .. } => {
-                let set = self.blocks.entry((worker, rank, ev.tier)).or_default();
-                for b in blocks {
-                    if set.contains(&b.block_hash) {
-                        continue;
-                    }
-                    if self.held >= self.cap {
-                        self.refused += 1;
-                    } else {
-                        set.insert(b.block_hash);
-                        self.held += 1;
-                    }
-                }
-            }
-            KvEventData::Removed { block_hashes } => {
-                if let Some(set) = self.blocks.get_mut(&(worker, rank, ev.tier)) {
-                    for h in block_hashes {
-                        self.held -= usize::from(set.remove(h));
-                    }
-                }
-            }
-            _ => self.retain(|(w, r, _)| (*w, *r) != (worker, rank)),
-        }
-    }
-
-    fn retain(&mut self, keep: impl Fn(&(WorkerId, DpRank, StorageTier)) -> bool) {
-        self.blocks.retain(|key, _| keep(key));
-        self.held = self.blocks.values().map(HashSet::len).sum();
-    }
-
-    /// A worker left: forget its blocks, as a router does on its removal.
-    pub fn forget(&mut self, worker: WorkerId) {
-        self.retain(|(w, _, _)| *w != worker);
-    }
-
-    /// Forget everything (the publisher's messages were lost: what is held may be
-    /// stale).
-    pub fn clear(&mut self) {
-        self.blocks.clear();
-        self.held = 0;
-    }
-
-    pub fn size(&self) -> usize {
-        self.held
-    }
-
-    /// Stored blocks not indexed because the index held its cap.
-    pub fn refused(&self) -> u64 {
-        self.refused
-    }
-
-    pub fn distinct(&self) -> usize {
-        self.blocks.values().flatten().collect::<HashSet<_>>().len()
-    }
-
-    /// Every block held, as (worker, dp rank, tier, block hash), sorted.
-    pub fn entries(&self) -> Vec<(WorkerId, DpRank, StorageTier, BlockHash)> {
-        let mut all: Vec<_> = self
-            .blocks
-            .iter()
-            .flat_map(|(&(w, r, t), set)| set.iter().map(move |&h| (w, r, t, h)))
-            .collect();
-        all.sort_unstable();
-        all
     }
 }
 

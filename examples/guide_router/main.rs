@@ -26,7 +26,7 @@ mod common;
 #[allow(unreachable_pub)]
 mod router;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -105,25 +105,23 @@ async fn main() -> ExitCode {
     };
     subscriber.handle().shutdown().await;
     discovery.close().await;
-    // Per worker, its publishers' blocks together.
-    let mut held: BTreeMap<(u64, u32), BTreeSet<u64>> = BTreeMap::new();
-    for p in index.publishers.values() {
-        held.entry((p.worker.worker_id, p.worker.dp_rank))
-            .or_default()
-            .extend(&p.blocks);
-    }
+    // Per worker and rank, the blocks it holds.
+    let held = index.feed.index();
     let workers: Vec<_> = held
-        .iter()
-        .filter(|(_, blocks)| !blocks.is_empty())
-        .map(|((worker_id, dp_rank), blocks)| {
-            serde_json::json!({"worker_id": worker_id, "dp_rank": dp_rank, "blocks": blocks})
+        .ranks()
+        .map(|(worker, dp_rank)| {
+            let blocks: BTreeSet<u64> = held
+                .rank_block_hashes(worker, dp_rank)
+                .map(|h| h.0)
+                .collect();
+            serde_json::json!({"worker_id": worker.0, "dp_rank": dp_rank, "blocks": blocks})
         })
         .collect();
     let report = serde_json::json!({
         "deliveries": index.deliveries,
-        "unidentified": index.unidentified,
-        "undecodable": index.undecodable,
-        "lost": index.lost,
+        "unidentified": index.unidentified(),
+        "undecodable": index.undecodable(),
+        "lost": index.lost(),
         "workers": workers,
     });
     println!("{report}");

@@ -1,10 +1,10 @@
-use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use eventplane::ConfigError;
-use eventplane::discovery::{ChannelId, Discovery, Query, WorkerIdentity};
-use eventplane::kv::{KvEventData, decode_router_events};
-use eventplane::subscriber::{Delivery, DynamicSubscriber, Notice};
+use eventplane::discovery::{Discovery, Query, WorkerIdentity};
+use eventplane::kv::{Attribution, BlockHash, IndexFeed, RouterIndexConfig};
+use eventplane::subscriber::{DynamicSubscriber, Item, Notice};
+use eventplane::wire::Wire;
 
 /// Follows every KV-event publisher of `namespace` (each worker registers one).
 pub fn subscribe(
@@ -20,137 +20,58 @@ pub fn subscribe(
         .spawn()
 }
 
-/// What one publisher (one worker process) told us.
+/// Which blocks each worker holds, kept honest by the library's `IndexFeed`: events
+/// count only under the identity their publisher registered, an event id that is not
+/// the publisher's next one (events lost on the way) drops what it fed before
+/// anything more is applied, and a departed publisher takes its blocks with it.
 #[derive(Debug)]
-pub struct Held {
-    /// The worker it speaks for (its id and data-parallel rank, from discovery).
-    pub worker: WorkerIdentity,
-    /// The block hashes it holds, all tiers together.
-    pub blocks: HashSet<u64>,
-    /// The id its next event must have: a worker numbers its events 1, 2, 3, … so
-    /// any other id means events were lost on the way. 0 before the first.
-    next_id: u64,
-    /// Whether its first `Connected` notice was handled (a second one is a reconnect).
-    connected: bool,
-}
-
-impl Held {
-    fn new(worker: WorkerIdentity) -> Held {
-        Held {
-            worker,
-            blocks: HashSet::new(),
-            next_id: 0,
-            connected: false,
-        }
-    }
-}
-
-/// Which blocks each worker holds, kept honest: nothing is kept that the worker may
-/// no longer hold. One entry per publisher, so a worker's restarted process (a new
-/// publisher, the old one not yet gone from discovery) never mixes with the old one.
-#[derive(Debug, Default)]
 pub struct Index {
-    /// Per publisher: its worker and blocks.
-    pub publishers: HashMap<ChannelId, Held>,
+    /// The index, and how it was fed (`feed.stats()`: refusals, wipes, undecodable
+    /// payloads).
+    pub feed: IndexFeed,
     /// Deliveries handled.
     pub deliveries: u64,
-    /// Deliveries from publishers that registered no worker identity (skipped).
-    pub unidentified: u64,
-    /// Deliveries whose payload did not decode (that publisher's blocks dropped).
-    pub undecodable: u64,
-    /// Times a publisher's blocks were dropped because some of its events were lost.
-    pub lost: u64,
     /// Connections to publishers so far (reconnections included).
     pub connections: u64,
+}
+
+impl Default for Index {
+    fn default() -> Index {
+        // Strict: a publisher that registered no worker identity is not indexed
+        // (counted in `feed.stats().index.refused_unidentified`).
+        let config = RouterIndexConfig::default().attribution(Attribution::Strict);
+        Index {
+            feed: IndexFeed::new(config),
+            deliveries: 0,
+            connections: 0,
+        }
+    }
 }
 
 impl Index {
     /// The workers holding `block`.
     pub fn holders(&self, block: u64) -> impl Iterator<Item = WorkerIdentity> + '_ {
-        self.publishers
-            .values()
-            .filter(move |p| p.blocks.contains(&block))
-            .map(|p| p.worker)
+        let index = self.feed.index();
+        index
+            .ranks()
+            .filter(move |&(w, r)| index.holds(w, r, BlockHash(block)))
+            .map(|(w, r)| WorkerIdentity::new(w.0, r))
     }
 
-    /// Applies one delivery's router events.
-    pub fn deliver(&mut self, delivery: &Delivery) {
-        self.deliveries += 1;
-        // A publisher registered without a worker identity: count it (the subscriber
-        // warns once a minute), or key such publishers by `source.id` alone.
-        let Some(worker) = delivery.source.worker else {
-            self.unidentified += 1;
-            return;
-        };
-        let id = &delivery.source.id;
-        if !self.publishers.contains_key(id) {
-            self.publishers.insert(id.clone(), Held::new(worker)); // cloned once, not per delivery
-        }
-        let Some(held) = self.publishers.get_mut(id) else {
-            return;
-        };
-        let Some(Ok(events)) = delivery.payload().map(|p| decode_router_events(&p)) else {
-            self.undecodable += 1;
-            held.blocks.clear(); // what it holds now is unknown
-            held.next_id = 0; // and the next id tells nothing more
-            return;
-        };
-        for event in events {
-            if held.next_id != 0 && event.event.id != held.next_id {
-                // Events were lost between the worker and us (a full queue, a dropped
-                // connection, our own lanes): what we hold of it may be stale. Drop
-                // it; what follows rebuilds it. (Dynamo's router does the same.)
-                held.blocks.clear();
-                self.lost += 1;
-            }
-            held.next_id = event.event.id.saturating_add(1);
-            match event.event.data {
-                KvEventData::Stored { blocks, .. } => {
-                    held.blocks.extend(blocks.iter().map(|b| b.block_hash.0))
-                }
-                // All tiers together: a removal from one tier may drop a block another
-                // tier still holds (we under-count, never over-count).
-                KvEventData::Removed { block_hashes } => {
-                    for h in block_hashes {
-                        held.blocks.remove(&h.0);
-                    }
-                }
-                // The engine reset its cache, or the worker lost track of its engine
-                // (a dropped batch, an engine restart): it holds nothing we know of.
-                KvEventData::Cleared => held.blocks.clear(),
-                _ => {}
-            }
-        }
+    /// Events refused because their publisher registered no worker identity.
+    pub fn unidentified(&self) -> u64 {
+        self.feed.stats().index.refused_unidentified
     }
 
-    /// Applies one lifecycle notice (after the batch it came with).
-    pub fn notice(&mut self, notice: Notice) {
-        match notice {
-            // Connected, and again after a lost connection: what it sent meanwhile is
-            // gone (its last clear perhaps with it), so drop what we hold of it.
-            Notice::Connected(instance) => {
-                self.connections += 1;
-                let Some(worker) = instance.worker else {
-                    return;
-                };
-                let held = self
-                    .publishers
-                    .entry(instance.id.clone())
-                    .or_insert_with(|| Held::new(worker));
-                if std::mem::replace(&mut held.connected, true) {
-                    held.blocks.clear();
-                    held.next_id = 0;
-                    self.lost += 1;
-                }
-            }
-            // It left, and every message it sent has been delivered.
-            Notice::Departed(id) => {
-                self.publishers.remove(&id);
-            }
-            // Gap, Reset: messages lost or renumbered; the event ids above tell which
-            // events, in order, including those this process dropped itself.
-            _ => {}
-        }
+    /// Deliveries whose payload did not decode.
+    pub fn undecodable(&self) -> u64 {
+        self.feed.stats().undecodable
+    }
+
+    /// Times a publisher's blocks were dropped because some of its events were lost.
+    pub fn lost(&self) -> u64 {
+        let s = self.feed.stats();
+        s.wipes_id_gap + s.wipes_reconnect
     }
 }
 
@@ -160,20 +81,18 @@ pub async fn route(
     index: &mut Index,
     done: impl Fn(&Index) -> bool,
 ) {
-    let lifecycle = router.handle(); // to wait for notices while `router` receives
-    let (mut batch, mut notices) = (Vec::new(), Vec::new());
     while !done(index) {
-        tokio::select! {
-            n = router.recv_many(&mut batch, 256) => if n == 0 { return }, // shut down
-            () = lifecycle.notice_ready() => {} // a departure while nothing arrives
+        // Deliveries and notices in one ordered stream: a publisher's `Departed`
+        // comes after its last delivery.
+        let Some(item) = router.recv_item().await else {
+            return; // shut down
+        };
+        match &item {
+            Item::Delivery(_) => index.deliveries += 1,
+            Item::Notice(Notice::Connected(_)) => index.connections += 1,
+            _ => {}
         }
-        // The batch first: a publisher's `Departed` comes after its last delivery.
-        for delivery in batch.drain(..) {
-            index.deliver(&delivery);
-        }
-        router.take_notices(&mut notices);
-        for notice in notices.drain(..) {
-            index.notice(notice);
-        }
+        // An undecodable payload is counted in the feed's stats.
+        let _ = index.feed.item(Wire::EventPlane, &item);
     }
 }

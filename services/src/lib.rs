@@ -6,4 +6,5 @@
 
 #[path = "../../examples/common/mod.rs"]
 pub mod common;
+pub mod score;
 pub mod service;

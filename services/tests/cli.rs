@@ -4,8 +4,14 @@
 //! tests/tunnel/event_broker.rs, tests/admin_endpoint.rs, …)
 #![allow(clippy::unwrap_used, missing_docs)]
 
+use std::io::BufRead;
 use std::path::PathBuf;
 use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// Generous bound on anything a test awaits, so a bug fails the test instead of
+/// hanging CI. Not a timing assertion.
+const DEADLINE: Duration = Duration::from_secs(30);
 
 const SERVICES: [(&str, &str); 3] = [
     ("event-broker", env!("CARGO_BIN_EXE_event-broker")),
@@ -72,7 +78,7 @@ fn json_logs_are_one_object_per_line() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = closed.local_addr().unwrap().port();
     drop(closed);
-    let child = Command::new(SERVICES[1].1)
+    let mut child = Command::new(SERVICES[1].1)
         .args([
             "--connect",
             &format!("tcp://127.0.0.1:{port}"),
@@ -91,12 +97,41 @@ fn json_logs_are_one_object_per_line() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(1500));
+    // Its stderr as it comes, until the warning: then it is stopped.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    std::thread::spawn(move || {
+        for line in stderr.lines() {
+            if tx.send(line.unwrap()).is_err() {
+                break;
+            }
+        }
+    });
+    let until = Instant::now() + DEADLINE;
+    let mut lines = Vec::new();
+    while !lines
+        .iter()
+        .any(|l: &String| l.contains("engine connection failed"))
+    {
+        let left = until.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => lines.push(line),
+            Err(e) => {
+                let _ = child.kill();
+                panic!(
+                    "no \"engine connection failed\" in {:?} ({e}): {lines:#?}",
+                    DEADLINE
+                );
+            }
+        }
+    }
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
-    let out = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8(out.stderr).unwrap();
+    child.wait_with_output().unwrap();
+    // The rest, up to the exit summary (the reader ends with the pipe).
+    lines.extend(rx.iter());
+    let stderr = lines.join("\n");
     let lines: Vec<&str> = stderr.lines().collect();
     assert!(lines.len() >= 2, "{stderr}");
     // The last line is the exit summary (the counters); every other one a log event.

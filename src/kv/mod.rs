@@ -2,6 +2,8 @@
 //! events — [`Coalescer`], [`DedupFilter`] and dense id stamping, composed by
 //! [`Pipeline`] — with the async parts around them ([`EngineListener`], [`Processor`],
 //! [`EventPlaneSink`]) and [`Worker`], which wires those into one worker process.
+//! On the router's side, [`RouterIndex`] keeps every worker's blocks and scores a
+//! request's prefix overlap per worker ([`RouterIndex::find_matches`]).
 //!
 //! ```
 //! use eventplane::kv::{BlockHash, KvEvent, KvEventData, Pipeline, Placement, PlacementEvent, StorageTier, WorkerId};
@@ -117,6 +119,8 @@ mod dynamo;
 mod engine;
 mod error;
 mod event;
+mod feed;
+mod index;
 mod listener;
 mod pipeline;
 mod processor;
@@ -136,6 +140,11 @@ pub use error::{EncodeError, EngineDecodeError, IndexError, KvDecodeError, SinkE
 pub use event::{
     BlockHash, DpRank, KvEvent, KvEventData, Placement, PlacementEvent, RouterEvent, StorageTier,
     StoredBlock, TOKENS_HASH_SEED, TokensHash, WorkerId, tokens_hash,
+};
+pub use feed::{IndexFeed, IndexFeedStats, Wipe, Wiped};
+pub use index::{
+    Attribution, IndexRefusal, OverlapScore, OverlapScores, RouterIndex, RouterIndexConfig,
+    RouterIndexStats, local_block_hashes,
 };
 pub use listener::{
     ENGINE_HEARTBEAT, EngineListener, EngineListenerConfig, EngineListenerHandle,

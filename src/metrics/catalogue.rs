@@ -154,6 +154,28 @@ catalogue! {
     KV_DECODER_SELF_REFERENCING: Counter "eventplane_kv_decoder_self_referencing_total" [] "EngineListenerStats"
         "Stored events dropped because their hashes repeat.";
 
+    // kv::IndexFeed and its kv::RouterIndex: `IndexFeedStats`.
+    KV_INDEX_BLOCKS: Gauge "eventplane_kv_index_blocks" [] "IndexFeedStats"
+        "Blocks the router index holds (one per worker and rank holding one).";
+    KV_INDEX_NODES: Gauge "eventplane_kv_index_nodes" [] "IndexFeedStats"
+        "Distinct block positions in the router index.";
+    KV_INDEX_RANKS: Gauge "eventplane_kv_index_ranks" [] "IndexFeedStats"
+        "Worker ranks holding at least one block.";
+    KV_INDEX_BYTES: Gauge "eventplane_kv_index_bytes" [] "IndexFeedStats"
+        "Bytes the router index's tables take, spare capacity included.";
+    KV_INDEX_EVENTS: Counter "eventplane_kv_index_events_total" [] "IndexFeedStats"
+        "Router events applied to the index.";
+    KV_INDEX_REFUSED_EVENTS: Counter "eventplane_kv_index_refused_events_total" ["reason"] "IndexFeedStats"
+        "Router events refused, by reason: foreign_worker, unidentified, unknown_parent, invalid_chain, too_many_ranks.";
+    KV_INDEX_REFUSED_BLOCKS: Counter "eventplane_kv_index_refused_blocks_total" ["reason"] "IndexFeedStats"
+        "Stored blocks not indexed, by reason: rank_full, index_full.";
+    KV_INDEX_WIPES: Counter "eventplane_kv_index_wipes_total" ["reason"] "IndexFeedStats"
+        "Publishers' views lost and cleared, by reason: id_gap, reconnect.";
+    KV_INDEX_WIPED_BLOCKS: Counter "eventplane_kv_index_wiped_blocks_total" [] "IndexFeedStats"
+        "Blocks dropped by wipes and departures.";
+    KV_INDEX_UNDECODABLE: Counter "eventplane_kv_index_undecodable_total" [] "IndexFeedStats"
+        "Deliveries whose router events did not decode.";
+
     // kv::Processor: `ProcessorStats`.
     KV_PROCESSOR_INPUT_LISTS: Counter "eventplane_kv_processor_input_lists_total" [] "ProcessorStats"
         "Event lists received from the listener.";

@@ -4,7 +4,7 @@ use super::Samples;
 use super::catalogue::*;
 use crate::admin::AdminStats;
 use crate::discovery::DiscoveryStats;
-use crate::kv::{EngineListenerStats, ProcessorStats, WorkerStats};
+use crate::kv::{EngineListenerStats, IndexFeedStats, ProcessorStats, WorkerStats};
 use crate::subscriber::SubscriberStats;
 use crate::zmtp::PubStats;
 
@@ -34,7 +34,8 @@ sampled!(
     DiscoveryStats,
     EngineListenerStats,
     ProcessorStats,
-    WorkerStats
+    WorkerStats,
+    IndexFeedStats
 );
 
 fn n(v: usize) -> u64 {
@@ -108,6 +109,40 @@ impl Sampled for SubscriberStats {
         out.counter(&SUB_NOTICES_DROPPED, self.notices_dropped);
         out.counter(&SUB_REWATCHES, self.rewatches);
         out.gauge(&SUB_SYNCED, u64::from(self.synced));
+    }
+}
+
+impl Sampled for IndexFeedStats {
+    fn sample(&self, out: &mut Samples) {
+        let i = &self.index;
+        out.gauge(&KV_INDEX_BLOCKS, i.blocks);
+        out.gauge(&KV_INDEX_NODES, i.nodes);
+        out.gauge(&KV_INDEX_RANKS, i.ranks);
+        out.gauge(&KV_INDEX_BYTES, i.bytes);
+        out.counter(&KV_INDEX_EVENTS, self.events);
+        for (reason, v) in [
+            ("foreign_worker", i.refused_foreign),
+            ("unidentified", i.refused_unidentified),
+            ("unknown_parent", i.refused_unknown_parent),
+            ("invalid_chain", i.refused_invalid_chain),
+            ("too_many_ranks", self.refused_rank_events),
+        ] {
+            out.labelled(&KV_INDEX_REFUSED_EVENTS, reason, v);
+        }
+        for (reason, v) in [
+            ("rank_full", i.refused_rank_full_blocks),
+            ("index_full", i.refused_index_full_blocks),
+        ] {
+            out.labelled(&KV_INDEX_REFUSED_BLOCKS, reason, v);
+        }
+        for (reason, v) in [
+            ("id_gap", self.wipes_id_gap),
+            ("reconnect", self.wipes_reconnect),
+        ] {
+            out.labelled(&KV_INDEX_WIPES, reason, v);
+        }
+        out.counter(&KV_INDEX_WIPED_BLOCKS, self.wiped_blocks);
+        out.counter(&KV_INDEX_UNDECODABLE, self.undecodable);
     }
 }
 

@@ -48,20 +48,23 @@
 //! socket; [`SubscriberHandle::shutdown`] waits for them.
 //!
 //! # A router, start to finish
-//! Follow every KV-event publisher, decode their router events into a per-publisher
-//! index, and drop a publisher's entries when it departs ([`Notice::Departed`] comes
-//! after its last delivery). Events lost on the way show as event ids that skip (a
-//! worker numbers its events 1, 2, 3, …): the [guide](crate::guide)'s router drops
-//! that publisher's entries then, as Dynamo's router does.
+//! Follow every KV-event publisher and keep the library's router index from what
+//! they send: [`recv_item`](DynamicSubscriber::recv_item) hands out deliveries and
+//! notices in one ordered stream, and [`kv::IndexFeed`](crate::kv::IndexFeed) applies
+//! them — events under their publisher's worker identity, a publisher's blocks
+//! dropped when its event ids skip (events lost on the way, as Dynamo's router does)
+//! or when it departs ([`Notice::Departed`] comes after its last delivery). Then ask
+//! which worker holds the longest prefix of a request (the [guide](crate::guide) has
+//! the rest).
 //!
 //! ```
-//! use std::collections::{HashMap, HashSet};
 //! use std::sync::Arc;
-//! use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Query};
-//! use eventplane::kv::{decode_router_events, encode_router_events, KvEvent, KvEventData};
-//! use eventplane::kv::{RouterEvent, StorageTier, StoredBlock, BlockHash, TokensHash, WorkerId};
+//! use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
+//! use eventplane::kv::{encode_router_events, local_block_hashes, IndexFeed, KvEvent, KvEventData};
+//! use eventplane::kv::{RouterEvent, StorageTier, StoredBlock, BlockHash, WorkerId};
 //! use eventplane::publish::EventPublisher;
-//! use eventplane::subscriber::{DynamicSubscriber, Notice};
+//! use eventplane::subscriber::DynamicSubscriber;
+//! use eventplane::wire::Wire;
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new()); // or EtcdDiscovery
@@ -69,44 +72,27 @@
 //!     .topic("kv-events") // the default layout is what EventPublisher sends
 //!     .notices(1024)
 //!     .spawn()?;
-//! # let worker = EventPublisher::builder(discovery, "prod", "worker", "kv-events").build().await?;
+//! let prompt = local_block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4); // a request's blocks
+//! # let worker = EventPublisher::builder(discovery, "prod", "worker", "kv-events").worker(7, 0).build().await?;
 //! # worker.wait_for_subscribers(1).await;
-//! # let block = StoredBlock { block_hash: BlockHash(42), tokens_hash: TokensHash(1) };
+//! # let block = StoredBlock { block_hash: BlockHash(42), tokens_hash: prompt[0] };
 //! # let data = KvEventData::Stored { parent_hash: None, blocks: vec![block] };
 //! # let event = KvEvent { id: 1, dp_rank: 0, data };
 //! # worker.publish(encode_router_events(&[RouterEvent { worker_id: WorkerId(7), tier: StorageTier::Device, event }])?);
-//! let mut index: HashMap<ChannelId, HashSet<u64>> = HashMap::new(); // publisher → blocks
-//! let (lifecycle, mut batch, mut notices) = (router.handle(), Vec::new(), Vec::new());
-//! loop {
-//!     tokio::select! {
-//!         n = router.recv_many(&mut batch, 256) => if n == 0 { break },
-//!         () = lifecycle.notice_ready() => {} // a departure while nothing arrives
+//! let mut feed = IndexFeed::default();
+//! while let Some(item) = router.recv_item().await {
+//!     feed.item(Wire::EventPlane, &item)?; // or count the error and go on
+//!     let scores = feed.index().find_matches(&prompt);
+//!     if let Some(best) = scores.best() {
+//!         println!("worker {:?} holds {} of the prompt's blocks", best.worker_id, best.blocks);
+//! #       break;
 //!     }
-//!     for delivery in batch.drain(..) {
-//!         let Some(payload) = delivery.payload() else { continue };
-//!         let blocks = index.entry(delivery.source.id.clone()).or_default();
-//!         for ev in decode_router_events(&payload)? {
-//!             match ev.event.data {
-//!                 KvEventData::Stored { blocks: b, .. } => blocks.extend(b.iter().map(|b| b.block_hash.0)),
-//!                 KvEventData::Removed { block_hashes } => block_hashes.iter().for_each(|h| { blocks.remove(&h.0); }),
-//!                 KvEventData::Cleared => blocks.clear(),
-//!                 _ => {}
-//!             }
-//!         }
-//!     }
-//!     router.take_notices(&mut notices); // after the batch: Departed follows the last delivery
-//!     for notice in notices.drain(..) {
-//!         match notice {
-//!             Notice::Departed(id) => { index.remove(&id); }
-//!             _ => {}
-//!         }
-//!     }
-//! #   if index.values().any(|b| b.contains(&42)) { break; }
 //! }
 //! # Ok(()) }
 //! ```
 
 mod config;
+mod item;
 mod link;
 mod notice;
 mod shared;
@@ -126,6 +112,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use crate::wire::Layout;
+pub use item::Item;
 pub use notice::Notice;
 pub use shared::Delivery;
 pub use stats::{PublisherStats, SubscriberStats};
@@ -439,6 +426,8 @@ impl DynamicSubscriberBuilder {
             handle,
             merge,
             scratch: Vec::new(),
+            items: std::collections::VecDeque::new(),
+            recv_batch: config.recv_batch,
         })
     }
 }
@@ -466,6 +455,11 @@ pub struct DynamicSubscriber {
     merge: Arc<Merge<Delivery>>,
     /// Holds the one delivery `recv` takes (kept to reuse its allocation).
     scratch: Vec<Delivery>,
+    /// What [`recv_item`](Self::recv_item) took and has yet to hand out: one batch
+    /// of deliveries (at most `recv_batch`) and the notices queued after it (at most
+    /// the notice queue's capacity).
+    items: std::collections::VecDeque<Item>,
+    recv_batch: usize,
 }
 
 /// A cloneable handle: stats and shutdown from anywhere.

@@ -3,14 +3,17 @@
 
 use crate::support;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use eventplane::discovery::{ChannelId, Discovery, MemoryDiscovery, Query, Transport};
 use eventplane::subscriber::DynamicSubscriber;
 use eventplane::zmtp::{Config, PubSocket};
-use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
+use metrics::{
+    Counter, Gauge, GaugeFn, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
+};
 
 const BEGIN: &str = "<!-- metrics-table:begin -->\n";
 const END: &str = "<!-- metrics-table:end -->";
@@ -39,9 +42,29 @@ fn the_readme_table_is_the_catalogue() {
     );
 }
 
-/// Keeps the name and labels of every series registered.
+/// Keeps the name and labels of every series registered, and counts the updates of
+/// each gauge by name (a sample updates every gauge of its source, changed or not).
 #[derive(Default, Clone)]
-struct Series(Arc<Mutex<BTreeSet<String>>>);
+struct Series(
+    Arc<Mutex<BTreeSet<String>>>,
+    Arc<Mutex<BTreeMap<String, Arc<Updates>>>>,
+);
+
+/// A gauge that counts its updates.
+#[derive(Default)]
+struct Updates(AtomicU64);
+
+impl GaugeFn for Updates {
+    fn increment(&self, _: f64) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+    fn decrement(&self, _: f64) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+    fn set(&self, _: f64) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+}
 
 impl Series {
     fn note(&self, key: &Key) {
@@ -58,6 +81,15 @@ impl Series {
     fn all(&self) -> BTreeSet<String> {
         self.0.lock().unwrap().clone()
     }
+
+    /// Updates of the gauge `name` so far: the samples of the source that feeds it.
+    fn updates(&self, name: &str) -> u64 {
+        self.1
+            .lock()
+            .unwrap()
+            .get(name)
+            .map_or(0, |u| u.0.load(Ordering::Relaxed))
+    }
 }
 
 impl Recorder for Series {
@@ -70,7 +102,8 @@ impl Recorder for Series {
     }
     fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
         self.note(key);
-        Gauge::noop()
+        let mut updates = self.1.lock().unwrap();
+        Gauge::from_arc(updates.entry(key.name().to_owned()).or_default().clone())
     }
     fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
         self.note(key);
@@ -86,6 +119,10 @@ fn recorder() -> &'static Series {
         series
     })
 }
+
+/// A gauge the subscriber samples, and one the exporter does (from the discovery).
+const SUBSCRIBER_GAUGE: &str = "eventplane_subscriber_publishers";
+const DISCOVERY_GAUGE: &str = "eventplane_discovery_registrations";
 
 /// 1,000 publishers (ten rounds of 100) are discovered, followed, and go: the
 /// subscriber's and the discovery's series after the last round are those after the
@@ -129,8 +166,25 @@ async fn publishers_that_come_and_go_add_no_series() {
             }
         })
         .await;
-        // Two sampling intervals and more: every series this round made is noted.
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Two samples of the subscriber and of the exporter after the last publisher
+        // went: every series this round made is noted.
+        let samples = || [SUBSCRIBER_GAUGE, DISCOVERY_GAUGE].map(|name| series.updates(name));
+        let before = samples();
+        let deadline = tokio::time::Instant::now() + support::DEADLINE;
+        while samples()
+            .iter()
+            .zip(before)
+            .any(|(now, then)| *now < then + 2)
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "round {round}: samples (subscriber, exporter) went from {before:?} to {:?} \
+                 in {:?}",
+                samples(),
+                support::DEADLINE
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let now = series.all();
         match &after_first {
             None => after_first = Some(now),

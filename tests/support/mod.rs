@@ -807,3 +807,29 @@ pub mod admin {
         }
     }
 }
+
+/// The Python of the virtualenv `.ci/run` makes (`target/dynamo-venv`: NVIDIA Dynamo
+/// 1.6.1, PyPI `ai-dynamo-runtime==1.6.1`, with `pyzmq` and `msgpack`), or
+/// `EVENTPLANE_DYNAMO_PYTHON`; fails, saying how to make it, when it cannot import
+/// Dynamo.
+pub fn dynamo_python() -> std::path::PathBuf {
+    let path = std::env::var_os("EVENTPLANE_DYNAMO_PYTHON").map_or_else(
+        || {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("target/dynamo-venv/bin/python")
+        },
+        std::path::PathBuf::from,
+    );
+    let ok = std::process::Command::new(&path)
+        .args(["-c", "import dynamo._core, zmq, msgpack"])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok,
+        "{} cannot import Dynamo: run .ci/run, or `python3 -m venv target/dynamo-venv && \
+         target/dynamo-venv/bin/pip install ai-dynamo-runtime==1.6.1 pyzmq msgpack`",
+        path.display()
+    );
+    path
+}

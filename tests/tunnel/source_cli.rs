@@ -306,3 +306,89 @@ async fn kv_router_follows_a_static_publisher_and_an_announced_source_together()
     assert_eq!(status.code(), Some(0), "{stats}");
     assert_eq!(stats["bus"]["sessions_started"], 1, "{stats}");
 }
+
+/// A source's credential limited to worker 7 cannot write another worker's blocks:
+/// `kv-router` indexes its events under the identity the bus granted the announced
+/// publisher (worker 7), and an event whose payload names worker 8 is refused and
+/// counted, through the real bus over TLS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_writes_only_the_blocks_of_the_worker_it_was_granted() {
+    use eventplane::discovery::{ChannelId, WorkerIdentity};
+    use eventplane::kv::{
+        BlockHash, KvEvent, KvEventData, StorageTier, StoredBlock, TokensHash, WorkerId,
+        encode_router_events,
+    };
+    use eventplane::publish::EventPublisher;
+    use eventplane::tunnel::{AnnouncedSource, Source, SourceConfig, client_tls};
+    use eventplane::wire::Wire;
+
+    let dir = credentials("granted");
+    let digest = TokenDigest::of(&Secret::new(SOURCE_TOKEN).unwrap()).to_hex();
+    std::fs::write(
+        dir.join("clients.toml"),
+        format!(
+            "[[source]]\nclient_id = \"gpu-box-1\"\ntoken_sha256 = \"{digest}\"\n\
+             namespaces = [\"prod\"]\nworker_ids = [7]\n"
+        ),
+    )
+    .unwrap();
+    let mut router = router(&dir, &["--dump-index"]).await;
+    let publisher = EventPublisher::unregistered("kv-events")
+        .build()
+        .await
+        .unwrap();
+    let source = Source::spawn(SourceConfig::new(
+        format!("https://localhost:{}", router.port),
+        "gpu-box-1",
+        vec!["prod".to_owned()],
+        Secret::new(SOURCE_TOKEN).unwrap(),
+        client_tls(fixture("ca.pem")).unwrap(),
+    ))
+    .unwrap();
+    let channel = ChannelId::new("prod", "backend", "kv-events", publisher.publisher_id()).unwrap();
+    source
+        .announce(
+            AnnouncedSource::new(&channel, Wire::EventPlane).with_worker(WorkerIdentity::new(7, 0)),
+            publisher.acceptor(),
+        )
+        .unwrap();
+    within(publisher.wait_for_subscribers(1)).await;
+
+    let stored = |worker: u64, id: u64, hash: u64| RouterEvent {
+        worker_id: WorkerId(worker),
+        tier: StorageTier::Device,
+        event: KvEvent {
+            id,
+            dp_rank: 0,
+            data: KvEventData::Stored {
+                parent_hash: None,
+                blocks: vec![StoredBlock {
+                    block_hash: BlockHash(hash),
+                    tokens_hash: TokensHash(hash),
+                }],
+            },
+        },
+    };
+    // Its own worker's block, one claimed for worker 8, its own again.
+    for ev in [stored(7, 1, 71), stored(8, 2, 81), stored(7, 3, 72)] {
+        publisher.publish(encode_router_events(&[ev]).unwrap());
+    }
+    for _ in 0..3 {
+        within(router.stdout.next_line())
+            .await
+            .unwrap()
+            .expect("router exited");
+    }
+    let (status, stats) = terminate(router.child, Some(&mut router.stderr)).await;
+    assert!(status.success(), "{stats}");
+    assert_eq!(
+        stats["index_stats"]["refused_events"]["foreign_worker"], 1,
+        "{stats}"
+    );
+    assert_eq!(
+        stats["index"],
+        serde_json::json!([{"worker_id": 7, "dp_rank": 0, "tier": "device", "block_hashes": [71, 72]}]),
+        "{stats}"
+    );
+    source.shutdown().await;
+}

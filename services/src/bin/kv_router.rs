@@ -51,19 +51,21 @@
 
 use eventplane_services::common;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{CommandFactory, Parser, ValueEnum};
-use common::{Index, StartError, chain, optional_timeout, static_discovery, stop_signal};
+use common::{StartError, chain, optional_timeout, static_discovery, stop_signal};
 use eventplane::discovery::{ChannelId, Discovery, Query};
-use eventplane::kv::{RouterEvent, decode_router_payload};
+use eventplane::kv::{IndexFeed, RouterEvent, RouterIndexConfig, Wipe, decode_router_payload};
 use eventplane::metrics::Exporter;
-use eventplane::subscriber::{DynamicSubscriber, DynamicSubscriberBuilder, Notice};
+use eventplane::subscriber::{DynamicSubscriber, DynamicSubscriberBuilder, Item, Notice};
 use eventplane::wire::Wire;
+use eventplane_services::score::{ScoreServer, SharedFeed};
 use eventplane_services::service::{self, ServiceArgs};
+use std::future::Future;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -75,13 +77,19 @@ use eventplane_services::service::{self, ServiceArgs};
                   reached or --bus-listen cannot be bound.\n\nLogs: warnings go to stderr; RUST_LOG sets the level (off, debug, or \
                   target=level pairs such as eventplane=debug).",
     after_long_help = format!(
-        "The index: one per publisher, per (worker, dp rank, tier) a set of block hashes. \
-         stored adds, removed removes, cleared empties every tier of its worker and rank. \
+        "The index: the library's RouterIndex, every worker's device-tier blocks per \
+         (worker, dp rank) in one prefix tree, scored as Dynamo's router scores them \
+         (leading blocks held; --serve answers those scores). stored adds under its \
+         parent as that worker and rank stored it (an unknown parent refuses the \
+         event), removed removes, cleared empties its worker and rank. An event is \
+         indexed only under its publisher's worker identity (from discovery or the \
+         bus): a payload naming another worker is refused and counted. \
          Event ids are dense per publisher: an event whose id is not the next one \
          follows lost events (a full queue, a dropped connection, this router's own \
-         lanes), so that publisher's blocks are forgotten before it is applied, as \
+         lanes), so what that publisher fed is forgotten before it is applied, as \
          Dynamo's router does; so does a reconnection (what was sent meanwhile is \
-         lost). A publisher that left discovery takes its blocks with it. \
+         lost). A publisher that left discovery takes its ranks with it (unless \
+         another publisher fed them since). \
          So nothing is kept that a worker may no longer hold (its relay also sends \
          cleared when it lost track of its engine).\n\nOutput: one router event per stdout line (none \
          with --format quiet). {}\nOn stderr: `event bus listening on ADDR` (with \
@@ -89,7 +97,11 @@ use eventplane_services::service::{self, ServiceArgs};
          events (id N after M): forgot K blocks` (at most ten of those), `publisher ID \
          reconnected: forgot K blocks`, and last, at exit, the counters as \
          one JSON object: {{\"wire\", \"router_events\", \"index_blocks\", \
-         \"index_refused\" (stored blocks past --max-index-blocks, not indexed), \
+         \"index_refused\" (stored blocks past --max-index-blocks or the index's caps, \
+         not indexed), \"index_stats\": {{blocks, nodes, ranks, bytes, refused_blocks, \
+         refused_events by reason, other_tier_events, unknown_removed_blocks, \
+         wiped_blocks}}, with --serve \"serve\": {{scored, refused, \
+         refused_connections}}, \
          \"publishers\", \"unidentified_deliveries\" (from publishers that registered no \
          worker identity: every delivery with --static or --dynamo, whose publishers \
          carry none), \"lost_views\" (event id gaps and reconnections that forgot \
@@ -151,9 +163,10 @@ struct Args {
     /// One JSON line per router event, or nothing.
     #[arg(long, value_enum, default_value = "json")]
     format: Format,
-    /// Blocks the index holds per publisher; stored blocks past it are not indexed,
-    /// counted in the stats line's `index_refused` (the index under-claims, never
-    /// over-claims, what a worker holds).
+    /// Blocks the index holds per worker and dp rank; stored blocks past it are not
+    /// indexed, counted in the stats line's `index_refused` (the index under-claims,
+    /// never over-claims, what a worker holds). The whole index holds at most 2^24
+    /// blocks and 2 GiB.
     #[arg(long = "max-index-blocks", default_value_t = 1 << 20, value_parser = clap::value_parser!(u64).range(1..))]
     max_index_blocks: u64,
     /// Publishers followed at most (default: the library's, 4,096); past it a
@@ -161,6 +174,14 @@ struct Args {
     /// raised to the hard limit at start.
     #[arg(long = "max-publishers", value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     max_publishers: Option<u64>,
+    /// Serve the index's overlap scores on this address (ip:port): `POST
+    /// /v1/scores` with `{"local_hashes": [u64, ...]}` or `{"tokens": [u32, ...],
+    /// "block_size": N}` answers `{"scores": [{"worker_id", "dp_rank", "blocks"}, ...]}`
+    /// (every worker and rank holding the first block, with how many leading blocks
+    /// it holds; device tier). Bounded: 1 MiB bodies (413), 65,536 hashes (400), 64
+    /// connections; malformed requests get a 4xx with {"error": "..."}.
+    #[arg(long, value_parser = service::listen_address)]
+    serve: Option<String>,
     /// Add the final index to the stats line: `"index": [{"worker_id", "dp_rank",
     /// "tier", "block_hashes": [...]}, ...]`, sorted.
     #[arg(long = "dump-index")]
@@ -276,156 +297,115 @@ async fn etcd(_: &Args) -> Result<Arc<dyn Discovery>, StartError> {
     ))
 }
 
-/// What the router holds of one publisher.
-#[derive(Default)]
-struct Followed {
-    index: Index,
-    /// The id its next event must have (ids are dense from 1); 0 before the first.
-    next_id: u64,
-    /// Whether its first connection was seen (a second one is a reconnect).
-    connected: bool,
-}
-
-/// The router's view: one block index per publisher, so a departing publisher takes
-/// exactly what it reported with it (a restarted worker's new publisher, or another
-/// publisher naming the same worker id, keeps its own), and what could not be decoded.
-#[derive(Default)]
+/// The router's view: the library's index, fed in order by the subscriber
+/// (`kv::IndexFeed`: dense event ids per publisher, so an id gap or a reconnection
+/// forgets what that publisher fed before anything more is applied, and a departed
+/// publisher takes its ranks with it), and what could not be decoded.
 struct Router {
-    publishers: HashMap<ChannelId, Followed>,
-    /// Blocks each publisher's index holds at most.
-    max_index_blocks: usize,
-    /// Stored blocks not indexed (an index at its cap), of publishers gone too.
-    index_refused: u64,
+    feed: SharedFeed,
     events: u64,
     payload_errors: u64,
     /// Deliveries from publishers that registered no worker identity.
     unidentified: u64,
-    /// Times a publisher's events were lost (an event id other than the next, a
-    /// reconnection): its blocks forgotten.
-    lost: u64,
-}
-
-/// `id`'s entry, made on first sight with an index of at most `cap` blocks (the id
-/// is cloned only then; always `Some`).
-fn followed<'a>(
-    publishers: &'a mut HashMap<ChannelId, Followed>,
-    id: &ChannelId,
-    cap: usize,
-) -> Option<&'a mut Followed> {
-    if !publishers.contains_key(id) {
-        let entry = Followed {
-            index: Index::with_cap(cap),
-            ..Followed::default()
-        };
-        publishers.insert(id.clone(), entry);
-    }
-    publishers.get_mut(id)
+    /// Id gaps reported on stderr so far (at most ten lines).
+    gaps_said: u64,
 }
 
 impl Router {
-    fn blocks(&self) -> usize {
-        self.publishers.values().map(|p| p.index.size()).sum()
+    fn feed(&self) -> std::sync::RwLockWriteGuard<'_, IndexFeed> {
+        self.feed.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Applies `events` of publisher `id`, in order. Event ids are dense per
-    /// publisher: an id other than the next means events were lost on the way (its
-    /// queue, the network, our own lanes), so what is held of it may be stale and is
-    /// forgotten first (as Dynamo's router resets a worker on an id gap): no ghosts.
-    fn apply(&mut self, id: &ChannelId, events: &[RouterEvent]) {
-        let Some(p) = followed(&mut self.publishers, id, self.max_index_blocks) else {
-            return;
-        };
-        for ev in events {
-            if p.next_id != 0 && ev.event.id != p.next_id {
-                self.lost += 1;
-                if p.index.size() > 0 && self.lost <= 10 {
-                    eprintln!(
-                        "publisher {id} lost events (id {} after {}): forgot {} blocks",
-                        ev.event.id,
-                        p.next_id - 1,
-                        p.index.size()
-                    );
-                }
-                p.index.clear();
-            }
-            p.next_id = ev.event.id.saturating_add(1);
-            let before = p.index.refused();
-            p.index.apply(ev);
-            self.index_refused += p.index.refused() - before;
+    /// Applies `events` of `source`, a few at a time, so a scoring request waits for
+    /// at most a few events (a `cleared` costs what its rank holds).
+    fn apply(&mut self, source: &eventplane::discovery::Instance, events: &[RouterEvent]) {
+        let mut wiped = Vec::new();
+        for chunk in events.chunks(64) {
+            let mut feed = self.feed();
+            feed.apply(source, chunk);
+            wiped.append(&mut feed.wiped());
         }
+        self.say(wiped);
     }
 
-    /// Applies what the subscriber noticed: a reconnected publisher's blocks are
-    /// forgotten, a departed one's index dropped (after its last delivery).
-    fn notice(&mut self, notice: Notice) {
-        match notice {
-            // Connected again after a lost connection: what it sent meanwhile is gone
-            // (a clear perhaps with it), so what is held of it may be stale.
-            Notice::Connected(instance) => {
-                let Some(p) = followed(&mut self.publishers, &instance.id, self.max_index_blocks)
-                else {
-                    return;
-                };
-                if std::mem::replace(&mut p.connected, true) {
-                    if p.index.size() > 0 {
-                        self.lost += 1;
-                        eprintln!(
-                            "publisher {} reconnected: forgot {} blocks",
-                            instance.id,
-                            p.index.size()
-                        );
-                    }
-                    p.index.clear();
-                    p.next_id = 0;
-                }
-            }
-            Notice::Departed(id) => self.forget(&id),
-            _ => {}
-        }
-    }
-
-    fn forget(&mut self, id: &ChannelId) {
-        let forgot = self.publishers.remove(id).map_or(0, |p| p.index.size());
-        eprintln!("publisher {id} left: forgot {forgot} blocks");
+    fn notice(&mut self, notice: &Notice) {
+        self.feed().notice(notice);
+        self.say_wipes();
     }
 
     /// After notices were dropped (a full queue), a `Departed` may be among them:
     /// forgets the publishers the subscriber no longer follows.
     fn reconcile(&mut self, followed: &HashSet<ChannelId>) {
-        let gone: Vec<ChannelId> = self
-            .publishers
-            .keys()
-            .filter(|id| !followed.contains(*id))
-            .cloned()
-            .collect();
-        for id in gone {
-            self.forget(&id);
+        self.feed().retain_publishers(|id| followed.contains(id));
+        self.say_wipes();
+    }
+
+    /// One stderr line per wipe the feed noted (at most ten for id gaps).
+    fn say_wipes(&mut self) {
+        let wiped = self.feed().wiped();
+        self.say(wiped);
+    }
+
+    fn say(&mut self, wiped: Vec<eventplane::kv::Wiped>) {
+        for w in wiped {
+            match w.cause {
+                Wipe::IdGap { expected, got } => {
+                    self.gaps_said += 1;
+                    if self.gaps_said <= 10 {
+                        eprintln!(
+                            "publisher {} lost events (id {got} after {}): forgot {} blocks",
+                            w.publisher,
+                            expected.saturating_sub(1),
+                            w.blocks
+                        );
+                    }
+                }
+                Wipe::Reconnected => {
+                    eprintln!(
+                        "publisher {} reconnected: forgot {} blocks",
+                        w.publisher, w.blocks
+                    )
+                }
+                _ => eprintln!("publisher {} left: forgot {} blocks", w.publisher, w.blocks),
+            }
         }
     }
 
-    /// Every block held, one JSON object per (worker, dp rank, tier).
+    /// Every block held, one JSON object per (worker, dp rank) (device tier: the
+    /// index scores that one).
     fn entries(&self) -> Vec<serde_json::Value> {
-        let mut all: Vec<_> = self
-            .publishers
-            .values()
-            .flat_map(|p| p.index.entries())
-            .collect();
-        all.sort_unstable();
-        all.dedup();
-        let mut out: Vec<serde_json::Value> = Vec::new();
-        for chunk in all.chunk_by(|a, b| (a.0, a.1, a.2) == (b.0, b.1, b.2)) {
-            let Some(&(w, r, t, _)) = chunk.first() else {
-                continue;
-            };
-            out.push(serde_json::json!({
-                "worker_id": w,
-                "dp_rank": r,
-                "tier": t,
-                "block_hashes": chunk.iter().map(|e| e.3).collect::<Vec<_>>(),
-            }));
-        }
-        out
+        let feed = self.feed.read().unwrap_or_else(|p| p.into_inner());
+        let index = feed.index();
+        index
+            .ranks()
+            .map(|(w, r)| {
+                let mut hashes: Vec<_> = index.rank_block_hashes(w, r).collect();
+                hashes.sort_unstable();
+                serde_json::json!({
+                    "worker_id": w,
+                    "dp_rank": r,
+                    "tier": "device",
+                    "block_hashes": hashes,
+                })
+            })
+            .collect()
     }
+}
+
+/// The next item; what was written for the items before is flushed first when the
+/// next one is not there yet (one write per burst, and nothing held back while
+/// waiting).
+async fn next_item(
+    sub: &mut DynamicSubscriber,
+    out: &mut std::io::BufWriter<std::io::Stdout>,
+) -> Option<Item> {
+    let mut next = std::pin::pin!(sub.recv_item());
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    if let std::task::Poll::Ready(item) = next.as_mut().poll(&mut cx) {
+        return item;
+    }
+    let _ = out.flush();
+    next.await
 }
 
 #[tokio::main]
@@ -494,7 +474,14 @@ async fn main() -> ExitCode {
         Some(n) => builder.max_publishers(usize::try_from(n).unwrap_or(usize::MAX)),
         None => builder,
     };
-    let mut exporter = Exporter::new().source(move || discovery_stats.stats());
+    let feed: SharedFeed = Arc::new(std::sync::RwLock::new(IndexFeed::new(
+        RouterIndexConfig::default()
+            .max_blocks_per_rank(usize::try_from(args.max_index_blocks).unwrap_or(usize::MAX)),
+    )));
+    let sampled = feed.clone();
+    let mut exporter = Exporter::new()
+        .source(move || discovery_stats.stats())
+        .source(move || sampled.read().unwrap_or_else(|p| p.into_inner()).stats());
     let (builder, bus_stats) = match bus {
         Some(bus) => {
             exporter = (bus.exported)(exporter);
@@ -534,12 +521,28 @@ async fn main() -> ExitCode {
         }
         _ => None,
     };
-    let mut router = Router {
-        max_index_blocks: usize::try_from(args.max_index_blocks).unwrap_or(usize::MAX),
-        ..Router::default()
+    let serve = match &args.serve {
+        Some(listen) => match ScoreServer::bind(listen, feed.clone()).await {
+            Ok(server) => {
+                eprintln!("scores on http://{}/v1/scores", server.local_addr());
+                Some(server)
+            }
+            Err(e) => {
+                return StartError::Unavailable(format!("cannot listen on --serve {listen}: {e}"))
+                    .report();
+            }
+        },
+        None => None,
     };
-    let mut batch = Vec::with_capacity(256);
-    let mut notices = Vec::new();
+    let mut router = Router {
+        feed,
+        events: 0,
+        payload_errors: 0,
+        unidentified: 0,
+        gaps_said: 0,
+    };
+    // One write per burst of items (stdout alone flushes every line).
+    let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout());
     // Notices dropped so far: a dropped `Departed` is made up for by a reconcile.
     let mut notices_dropped = 0;
     let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
@@ -553,7 +556,6 @@ async fn main() -> ExitCode {
         tokio::select! {
             () = &mut stop => break 'run 0,
             () = &mut timeout => break 'run 1,
-            () = handle.notice_ready() => {}
             _ = tick.tick() => {
                 let stats = handle.stats();
                 if stats.notices_dropped > notices_dropped {
@@ -562,72 +564,91 @@ async fn main() -> ExitCode {
                     router.reconcile(&followed);
                 }
             }
-            n = sub.recv_many(&mut batch, 256) => {
-                if n == 0 {
-                    eprintln!("the subscriber stopped");
-                    break 'run 1;
-                }
-                // One lock and one write per batch (stdout alone flushes every line).
-                let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
-                for delivery in batch.drain(..) {
-                    // Warned about by the subscriber (expect_worker_identity); the
-                    // events are indexed under the worker ids in their payload.
-                    router.unidentified += u64::from(delivery.source.worker.is_none());
-                    // Every layout but Raw places a payload; none is an undecodable one.
-                    let Some(payload) = delivery.payload() else {
-                        router.payload_errors += 1;
+            item = next_item(&mut sub, &mut out) => {
+                // Deliveries and notices in one ordered stream: a publisher's
+                // `Departed` follows its last delivery.
+                let delivery = match item {
+                    None => {
+                        eprintln!("the subscriber stopped");
+                        break 'run 1;
+                    }
+                    Some(Item::Notice(notice)) => {
+                        router.notice(&notice);
                         continue;
-                    };
-                    let events = match decode_router_payload(wire, &payload) {
-                        Ok(events) => events,
-                        Err(e) => {
-                            router.payload_errors += 1;
-                            if router.payload_errors == 1 {
-                                eprintln!("undecodable payload from {}: {}", delivery.source.id, chain(&e));
-                            }
-                            continue;
-                        }
-                    };
-                    // Up to --count, applied and printed.
-                    let left = args.count.map_or(u64::MAX, |n| n.saturating_sub(router.events));
-                    let left = usize::try_from(left).unwrap_or(usize::MAX);
-                    let events = events.get(..events.len().min(left)).unwrap_or_default();
-                    router.apply(&delivery.source.id, events);
-                    router.events += events.len() as u64;
-                    if args.format == Format::Json {
-                        for ev in events {
-                            if serde_json::to_writer(&mut out, ev).is_ok() {
-                                let _ = out.write_all(b"\n");
-                            }
-                        }
                     }
-                    if args.count.is_some_and(|n| router.events >= n) {
-                        let _ = out.flush();
-                        break 'run 0;
+                    Some(Item::Delivery(delivery)) => delivery,
+                    Some(_) => continue,
+                };
+                // Warned about by the subscriber (expect_worker_identity); the
+                // events are indexed under the worker ids in their payload.
+                router.unidentified += u64::from(delivery.source.worker.is_none());
+                // Every layout but Raw places a payload; none is an undecodable one.
+                let Some(payload) = delivery.payload() else {
+                    router.payload_errors += 1;
+                    continue;
+                };
+                let events = match decode_router_payload(wire, &payload) {
+                    Ok(events) => events,
+                    Err(e) => {
+                        router.payload_errors += 1;
+                        if router.payload_errors == 1 {
+                            eprintln!("undecodable payload from {}: {}", delivery.source.id, chain(&e));
+                        }
+                        continue;
+                    }
+                };
+                // Up to --count, applied and printed.
+                let left = args.count.map_or(u64::MAX, |n| n.saturating_sub(router.events));
+                let left = usize::try_from(left).unwrap_or(usize::MAX);
+                let events = events.get(..events.len().min(left)).unwrap_or_default();
+                router.apply(&delivery.source, events);
+                router.events += events.len() as u64;
+                if args.format == Format::Json {
+                    for ev in events {
+                        if serde_json::to_writer(&mut out, ev).is_ok() {
+                            let _ = out.write_all(b"\n");
+                        }
                     }
                 }
-                let _ = out.flush();
             }
         }
-        // After the batch: a publisher's `Departed` follows its last delivery.
-        sub.take_notices(&mut notices);
-        for notice in notices.drain(..) {
-            router.notice(notice);
-        }
     };
+    let _ = out.flush();
     if let Some(admin) = admin {
         admin.stop().await;
     }
     let stats = handle.stats();
     let m = stats.total.malformed;
+    let fed = router.feed().stats();
+    let i = fed.index;
     let mut summary = serde_json::json!({
         "wire": wire.as_str(),
         "router_events": router.events,
-        "index_blocks": router.blocks(),
-        "index_refused": router.index_refused,
+        "index_blocks": i.blocks,
+        "index_refused": i.refused_rank_full_blocks + i.refused_index_full_blocks,
+        "index_stats": {
+            "blocks": i.blocks,
+            "nodes": i.nodes,
+            "ranks": i.ranks,
+            "bytes": i.bytes,
+            "refused_blocks": {
+                "rank_full": i.refused_rank_full_blocks,
+                "index_full": i.refused_index_full_blocks,
+            },
+            "refused_events": {
+                "foreign_worker": i.refused_foreign,
+                "unidentified": i.refused_unidentified,
+                "unknown_parent": i.refused_unknown_parent,
+                "invalid_chain": i.refused_invalid_chain,
+                "too_many_ranks": fed.refused_rank_events,
+            },
+            "other_tier_events": i.other_tier_events,
+            "unknown_removed_blocks": i.unknown_removed_blocks,
+            "wiped_blocks": fed.wiped_blocks,
+        },
         "publishers": stats.publishers.len(),
         "unidentified_deliveries": router.unidentified,
-        "lost_views": router.lost,
+        "lost_views": fed.wipes_id_gap + fed.wipes_reconnect,
         "decode_errors": {
             "frames": m.frames,
             "header": m.header,
@@ -638,11 +659,17 @@ async fn main() -> ExitCode {
         },
         "subscriber": stats,
     });
+    if let (Some(serve), Some(fields)) = (&serve, summary.as_object_mut()) {
+        fields.insert("serve".to_owned(), serve.stats());
+    }
     if let (Some(stats), Some(fields)) = (&bus_stats, summary.as_object_mut()) {
         fields.insert("bus".to_owned(), stats());
     }
     if let (true, Some(fields)) = (args.dump_index, summary.as_object_mut()) {
         fields.insert("index".to_owned(), router.entries().into());
+    }
+    if let Some(serve) = serve {
+        serve.stop().await;
     }
     handle.shutdown().await;
     eprintln!("{summary}");

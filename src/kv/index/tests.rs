@@ -1,0 +1,473 @@
+#![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
+
+use std::collections::{HashMap, HashSet};
+
+use super::*;
+use crate::kv::KvEvent;
+
+fn t(x: u64) -> TokensHash {
+    TokensHash(x)
+}
+
+fn ev(worker: u64, rank: DpRank, data: KvEventData) -> RouterEvent {
+    RouterEvent {
+        worker_id: WorkerId(worker),
+        tier: StorageTier::Device,
+        event: KvEvent {
+            id: 1,
+            dp_rank: rank,
+            data,
+        },
+    }
+}
+
+/// A chain of blocks `(block hash, tokens hash)` under `parent`.
+fn stored(worker: u64, rank: DpRank, parent: Option<u64>, blocks: &[(u64, u64)]) -> RouterEvent {
+    ev(
+        worker,
+        rank,
+        KvEventData::Stored {
+            parent_hash: parent.map(BlockHash),
+            blocks: blocks
+                .iter()
+                .map(|&(b, tk)| StoredBlock {
+                    block_hash: BlockHash(b),
+                    tokens_hash: t(tk),
+                })
+                .collect(),
+        },
+    )
+}
+
+fn removed(worker: u64, rank: DpRank, hashes: &[u64]) -> RouterEvent {
+    ev(
+        worker,
+        rank,
+        KvEventData::Removed {
+            block_hashes: hashes.iter().map(|&h| BlockHash(h)).collect(),
+        },
+    )
+}
+
+fn scores(index: &RouterIndex, seq: &[u64]) -> Vec<(u64, DpRank, u32)> {
+    let seq: Vec<TokensHash> = seq.iter().map(|&x| t(x)).collect();
+    index
+        .find_matches(&seq)
+        .iter()
+        .map(|s| (s.worker_id.0, s.dp_rank, s.blocks))
+        .collect()
+}
+
+fn apply(index: &mut RouterIndex, e: &RouterEvent) -> Result<(), IndexRefusal> {
+    index.apply(Some(e.worker_id), e)
+}
+
+#[test]
+fn scores_count_leading_blocks_per_worker_and_rank() {
+    let mut index = RouterIndex::default();
+    // Two workers with their own block hashes for the same tokens share positions.
+    apply(
+        &mut index,
+        &stored(1, 0, None, &[(11, 1), (12, 2), (13, 3)]),
+    )
+    .unwrap();
+    apply(&mut index, &stored(2, 1, None, &[(21, 1), (22, 2)])).unwrap();
+    apply(&mut index, &stored(2, 1, Some(22), &[(24, 4)])).unwrap();
+    assert_eq!(scores(&index, &[1, 2, 3]), vec![(1, 0, 3), (2, 1, 2)]);
+    assert_eq!(scores(&index, &[1, 2, 4, 9]), vec![(1, 0, 2), (2, 1, 3)]);
+    assert_eq!(scores(&index, &[2, 3]), vec![]);
+    assert_eq!(scores(&index, &[]), vec![]);
+    let s = index.find_matches(&[t(1), t(2), t(3)]);
+    assert_eq!(s.get(WorkerId(1), 0), 3);
+    assert_eq!(s.get(WorkerId(1), 1), 0);
+    assert_eq!(s.best().map(|b| b.worker_id), Some(WorkerId(1)));
+    assert_eq!(index.stats().nodes, 4);
+    assert_eq!(index.stats().blocks, 6);
+}
+
+#[test]
+fn a_missing_leading_block_ends_the_score_there() {
+    let mut index = RouterIndex::default();
+    apply(
+        &mut index,
+        &stored(1, 0, None, &[(11, 1), (12, 2), (13, 3)]),
+    )
+    .unwrap();
+    apply(
+        &mut index,
+        &stored(2, 0, None, &[(21, 1), (22, 2), (23, 3)]),
+    )
+    .unwrap();
+    // Worker 1 evicts its first block, worker 2 its middle one.
+    apply(&mut index, &removed(1, 0, &[11])).unwrap();
+    apply(&mut index, &removed(2, 0, &[22])).unwrap();
+    assert_eq!(scores(&index, &[1, 2, 3]), vec![(2, 0, 1)]);
+    // Stored again, the evicted block restores the prefix behind it.
+    apply(&mut index, &stored(2, 0, Some(21), &[(22, 2)])).unwrap();
+    assert_eq!(scores(&index, &[1, 2, 3]), vec![(2, 0, 3)]);
+}
+
+#[test]
+fn an_unknown_parent_refuses_the_whole_event() {
+    let mut index = RouterIndex::default();
+    apply(&mut index, &stored(1, 0, None, &[(11, 1)])).unwrap();
+    // Unknown anywhere, and known only to another rank of the same worker.
+    assert_eq!(
+        apply(&mut index, &stored(1, 0, Some(99), &[(12, 2)])),
+        Err(IndexRefusal::UnknownParent)
+    );
+    assert_eq!(
+        apply(&mut index, &stored(1, 1, Some(11), &[(12, 2)])),
+        Err(IndexRefusal::UnknownParent)
+    );
+    // Even with no blocks (Dynamo refuses it too).
+    assert_eq!(
+        apply(&mut index, &stored(1, 0, Some(99), &[])),
+        Err(IndexRefusal::UnknownParent)
+    );
+    assert_eq!(index.stats().refused_unknown_parent, 3);
+    assert_eq!(index.stats().blocks, 1);
+    assert_eq!(index.ranks().collect::<Vec<_>>(), vec![(WorkerId(1), 0)]);
+}
+
+#[test]
+fn a_chain_that_repeats_a_hash_is_refused_before_anything_is_applied() {
+    let mut index = RouterIndex::default();
+    apply(&mut index, &stored(1, 0, None, &[(11, 1)])).unwrap();
+    let before = index.stats();
+    for e in [
+        stored(1, 0, None, &[(12, 2), (13, 3), (12, 4)]),
+        stored(1, 0, Some(11), &[(12, 2), (11, 3)]),
+        stored(1, 0, Some(11), &[(11, 2)]),
+    ] {
+        assert_eq!(apply(&mut index, &e), Err(IndexRefusal::InvalidChain));
+    }
+    let after = index.stats();
+    assert_eq!(after.refused_invalid_chain, 3);
+    assert_eq!((after.blocks, after.nodes), (before.blocks, before.nodes));
+}
+
+#[test]
+fn empty_events_and_unknown_removes_create_nothing() {
+    let mut index = RouterIndex::default();
+    let empty = index.bytes();
+    apply(&mut index, &stored(1, 0, None, &[])).unwrap();
+    let many: Vec<u64> = (0..100_000).collect();
+    apply(&mut index, &removed(1, 0, &many)).unwrap();
+    apply(&mut index, &ev(1, 0, KvEventData::Cleared)).unwrap();
+    assert_eq!(index.stats().ranks, 0);
+    assert_eq!(index.stats().unknown_removed_blocks, 100_000);
+    assert_eq!(index.bytes(), empty);
+}
+
+#[test]
+fn clear_and_worker_removal_free_every_node_they_held() {
+    let mut index = RouterIndex::default();
+    for w in 0..4 {
+        for r in 0..2 {
+            let chain: Vec<(u64, u64)> = (0..50).map(|i| (w * 1000 + r * 100 + i, i)).collect();
+            apply(&mut index, &stored(w, r as DpRank, None, &chain)).unwrap();
+            // A branch of its own.
+            let branch: Vec<(u64, u64)> = (0..10)
+                .map(|i| (w * 1000 + r * 100 + 50 + i, 1000 * (w + 1) + i))
+                .collect();
+            apply(
+                &mut index,
+                &stored(w, r as DpRank, Some(w * 1000 + r * 100 + 9), &branch),
+            )
+            .unwrap();
+        }
+    }
+    assert_eq!(index.stats().blocks, 8 * 60);
+    assert_eq!(index.stats().nodes, 50 + 4 * 10);
+    apply(&mut index, &ev(0, 1, KvEventData::Cleared)).unwrap();
+    assert_eq!(index.rank_blocks(WorkerId(0), 1), 0);
+    assert_eq!(index.rank_blocks(WorkerId(0), 0), 60);
+    index.remove_worker(WorkerId(0));
+    index.remove_worker(WorkerId(1));
+    assert_eq!(index.stats().nodes, 50 + 2 * 10);
+    assert_eq!(
+        index.ranks().map(|(w, _)| w.0).collect::<HashSet<_>>(),
+        HashSet::from([2, 3])
+    );
+    index.remove_worker(WorkerId(2));
+    index.remove_worker(WorkerId(3));
+    let s = index.stats();
+    assert_eq!((s.blocks, s.nodes, s.ranks), (0, 0, 0));
+    assert_eq!(scores(&index, &[0, 1, 2]), vec![]);
+}
+
+#[test]
+fn caps_keep_the_leading_blocks_that_fit_and_count_the_rest() {
+    let mut index = RouterIndex::new(
+        RouterIndexConfig::default()
+            .max_blocks_per_rank(5)
+            .max_blocks(8),
+    );
+    let chain: Vec<(u64, u64)> = (0..7).map(|i| (100 + i, i)).collect();
+    assert_eq!(
+        apply(&mut index, &stored(1, 0, None, &chain)),
+        Err(IndexRefusal::RankFull { refused: 2 })
+    );
+    assert_eq!(scores(&index, &[0, 1, 2, 3, 4, 5, 6]), vec![(1, 0, 5)]);
+    let chain: Vec<(u64, u64)> = (0..5).map(|i| (200 + i, i)).collect();
+    assert_eq!(
+        apply(&mut index, &stored(2, 0, None, &chain)),
+        Err(IndexRefusal::IndexFull { refused: 2 })
+    );
+    let s = index.stats();
+    assert_eq!(
+        (
+            s.blocks,
+            s.refused_rank_full_blocks,
+            s.refused_index_full_blocks
+        ),
+        (8, 2, 2)
+    );
+    // Room again once a worker leaves.
+    index.remove_worker(WorkerId(1));
+    apply(&mut index, &stored(2, 0, Some(202), &[(203, 3), (204, 4)])).unwrap();
+    assert_eq!(scores(&index, &[0, 1, 2, 3, 4]), vec![(2, 0, 5)]);
+}
+
+#[test]
+fn the_byte_cap_holds_whatever_the_workers_send() {
+    let cap = 256 << 10;
+    let mut index = RouterIndex::new(RouterIndexConfig::default().max_bytes(cap));
+    let mut refused = 0;
+    for w in 0..64u64 {
+        let chain: Vec<(u64, u64)> = (0..2000).map(|i| (i, w << 32 | i)).collect();
+        if apply(&mut index, &stored(w, 0, None, &chain)).is_err() {
+            refused += 1;
+        }
+        assert!(index.bytes() <= cap, "{} > {cap}", index.bytes());
+    }
+    assert!(refused > 0);
+    assert!(index.stats().refused_index_full_blocks > 0);
+    assert_eq!(index.stats().bytes, index.bytes() as u64);
+}
+
+#[test]
+fn the_byte_count_does_not_drift_with_churn() {
+    let mut index = RouterIndex::default();
+    let mut next = 0u64;
+    let mut held: Vec<u64> = Vec::new();
+    let mut after_round = Vec::new();
+    for _ in 0..60 {
+        // Fill a rank to ~900 blocks (chains of 10 from the root), evict 800.
+        while held.len() < 900 {
+            let chain: Vec<(u64, u64)> = (0..10).map(|i| (next + i, next + i)).collect();
+            apply(&mut index, &stored(1, 0, None, &chain)).unwrap();
+            held.extend(chain.iter().map(|c| c.0));
+            next += 10;
+        }
+        let gone: Vec<u64> = held.drain(..800).collect();
+        apply(&mut index, &removed(1, 0, &gone)).unwrap();
+        after_round.push(index.bytes());
+    }
+    // Settled: the same churn costs the same bytes, round after round.
+    let settled = after_round[10];
+    assert!(
+        after_round[10..].iter().all(|&b| b <= settled * 5 / 4),
+        "{after_round:?}"
+    );
+    assert_eq!(index.stats().blocks, 100);
+}
+
+#[test]
+fn events_are_indexed_only_under_their_publishers_identity() {
+    let mut index = RouterIndex::default();
+    let e = stored(8, 0, None, &[(1, 1)]);
+    assert_eq!(
+        index.apply(Some(WorkerId(7)), &e),
+        Err(IndexRefusal::ForeignWorker {
+            named: WorkerId(8),
+            sender: WorkerId(7)
+        })
+    );
+    // A publisher with no known identity: indexed by default, refused when strict.
+    index.apply(None, &e).unwrap();
+    let mut strict =
+        RouterIndex::new(RouterIndexConfig::default().attribution(Attribution::Strict));
+    assert_eq!(strict.apply(None, &e), Err(IndexRefusal::Unidentified));
+    // A foreign Cleared cannot wipe another worker either.
+    let clear = ev(8, 0, KvEventData::Cleared);
+    assert!(index.apply(Some(WorkerId(7)), &clear).is_err());
+    assert_eq!(scores(&index, &[1]), vec![(8, 0, 1)]);
+    assert_eq!(index.stats().refused_foreign, 2);
+    assert_eq!(strict.stats().refused_unidentified, 1);
+}
+
+#[test]
+fn other_tiers_are_counted_and_left_out_but_cleared_covers_them() {
+    let mut index = RouterIndex::default();
+    let mut host = stored(1, 0, None, &[(1, 1)]);
+    host.tier = StorageTier::HostPinned;
+    apply(&mut index, &host).unwrap();
+    assert_eq!(index.stats().other_tier_events, 1);
+    assert_eq!(scores(&index, &[1]), vec![]);
+    apply(&mut index, &stored(1, 0, None, &[(1, 1)])).unwrap();
+    let mut clear = ev(1, 0, KvEventData::Cleared);
+    clear.tier = StorageTier::Disk;
+    apply(&mut index, &clear).unwrap();
+    assert_eq!(scores(&index, &[1]), vec![]);
+}
+
+#[test]
+fn duplicate_moved_and_conflicting_blocks() {
+    let mut index = RouterIndex::default();
+    apply(&mut index, &stored(1, 0, None, &[(11, 1), (12, 2)])).unwrap();
+    // The same chain again: nothing changes.
+    apply(&mut index, &stored(1, 0, None, &[(11, 1), (12, 2)])).unwrap();
+    assert_eq!(index.stats().duplicate_blocks, 2);
+    assert_eq!(index.stats().blocks, 2);
+    // Another hash for a position the rank holds: refused, the chain goes on from it.
+    apply(&mut index, &stored(1, 0, None, &[(31, 1), (33, 3)])).unwrap();
+    assert_eq!(index.stats().conflicting_blocks, 1);
+    assert_eq!(scores(&index, &[1, 3]), vec![(1, 0, 2)]);
+    // Block 12 stored again elsewhere moves there.
+    apply(&mut index, &stored(1, 0, Some(33), &[(12, 2)])).unwrap();
+    assert_eq!(scores(&index, &[1, 2]), vec![(1, 0, 1)]);
+    assert_eq!(scores(&index, &[1, 3, 2]), vec![(1, 0, 3)]);
+    apply(&mut index, &removed(1, 0, &[12, 33, 11])).unwrap();
+    let s = index.stats();
+    assert_eq!((s.blocks, s.nodes, s.ranks), (0, 0, 0));
+}
+
+/// The index against a plain model: each rank's blocks by hash, each block's
+/// position as its full path of tokens hashes.
+#[test]
+fn random_streams_match_a_plain_model() {
+    type Path = Vec<u64>;
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut index = RouterIndex::default();
+    let mut model: HashMap<(u64, DpRank), HashMap<u64, Path>> = HashMap::new();
+    let mut next_hash = 1u64;
+    for step in 0..20_000 {
+        let worker = next() % 6;
+        let rank = (next() % 2) as DpRank;
+        let held = model.entry((worker, rank)).or_default();
+        match next() % 10 {
+            0..=5 => {
+                // Store a chain under a random held block (or the root), tokens from
+                // a small alphabet so workers share positions.
+                let parent = if held.is_empty() || next() % 3 == 0 {
+                    None
+                } else {
+                    let keys: Vec<u64> = held.keys().copied().collect();
+                    Some(keys[(next() as usize) % keys.len()])
+                };
+                let mut path = parent.map_or_else(Vec::new, |p| held[&p].clone());
+                let n = 1 + next() % 5;
+                let mut blocks = Vec::new();
+                let mut model_path = path.clone();
+                for _ in 0..n {
+                    let tokens = next() % 3;
+                    let hash = if next() % 4 == 0 && !held.is_empty() {
+                        // Sometimes a hash the rank holds already (a duplicate or a move).
+                        let keys: Vec<u64> = held.keys().copied().collect();
+                        keys[(next() as usize) % keys.len()]
+                    } else {
+                        next_hash += 1;
+                        next_hash
+                    };
+                    blocks.push((hash, tokens));
+                }
+                let e = stored(worker, rank, parent, &blocks);
+                let result = apply(&mut index, &e);
+                let mut hashes: HashSet<u64> = blocks.iter().map(|b| b.0).collect();
+                let repeats =
+                    hashes.len() < blocks.len() || parent.is_some_and(|p| !hashes.insert(p));
+                if repeats {
+                    assert_eq!(result, Err(IndexRefusal::InvalidChain), "step {step}");
+                    continue;
+                }
+                let mut refused = false;
+                for &(hash, tokens) in &blocks {
+                    model_path.push(tokens);
+                    // The rank holds this position under another hash: the first stays.
+                    let other = held.iter().any(|(&h, p)| *p == model_path && h != hash);
+                    if held.get(&hash) == Some(&model_path) || other {
+                        continue;
+                    }
+                    if held.get(&hash).is_some() && model_path.len() > 1 {
+                        // Moving the block the chain hangs under is refused.
+                        if model_path[..model_path.len() - 1] == held[&hash][..] {
+                            refused = true;
+                            break;
+                        }
+                    }
+                    held.insert(hash, model_path.clone());
+                }
+                if refused {
+                    assert_eq!(result, Err(IndexRefusal::InvalidChain), "step {step}");
+                    // The model applied the blocks before the refused one; so did the index.
+                } else {
+                    assert_eq!(result, Ok(()), "step {step}");
+                }
+                path.clear();
+            }
+            6..=7 => {
+                let keys: Vec<u64> = held.keys().copied().collect();
+                let mut gone = Vec::new();
+                for _ in 0..(1 + next() % 3) {
+                    if next() % 5 == 0 || keys.is_empty() {
+                        gone.push(u64::MAX - next() % 100);
+                    } else {
+                        gone.push(keys[(next() as usize) % keys.len()]);
+                    }
+                }
+                for h in &gone {
+                    held.remove(h);
+                }
+                apply(&mut index, &removed(worker, rank, &gone)).unwrap();
+            }
+            8 if next() % 8 == 0 => {
+                held.clear();
+                apply(&mut index, &ev(worker, rank, KvEventData::Cleared)).unwrap();
+            }
+            8 if next() % 16 == 0 => {
+                model.retain(|(w, _), _| *w != worker);
+                index.remove_worker(WorkerId(worker));
+            }
+            _ => {
+                // A query along a random path.
+                let len = 1 + next() % 7;
+                let seq: Vec<u64> = (0..len).map(|_| next() % 3).collect();
+                let mut want: Vec<(u64, DpRank, u32)> = model
+                    .iter()
+                    .filter_map(|(&(w, r), blocks)| {
+                        let paths: HashSet<&Path> = blocks.values().collect();
+                        let k = (1..=seq.len())
+                            .take_while(|&k| paths.contains(&seq[..k].to_vec()))
+                            .count();
+                        (k > 0).then_some((w, r, k as u32))
+                    })
+                    .collect();
+                want.sort_unstable();
+                assert_eq!(scores(&index, &seq), want, "step {step}");
+            }
+        }
+        let total: usize = model.values().map(HashMap::len).sum();
+        assert_eq!(index.stats().blocks as usize, total, "step {step}");
+    }
+    // Everything removed, nothing left behind.
+    for w in 0..6 {
+        index.remove_worker(WorkerId(w));
+    }
+    let s = index.stats();
+    assert_eq!((s.blocks, s.nodes, s.ranks), (0, 0, 0));
+}
+
+#[test]
+fn router_index_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<RouterIndex>();
+    check::<OverlapScores>();
+}

@@ -12,7 +12,9 @@ use super::event::{
 };
 use crate::hash::{FastMap, FastSet};
 
+mod tree;
 mod types;
+use tree::{ROOT, Tree, table_bytes};
 pub use types::{
     Attribution, IndexRefusal, OverlapScore, OverlapScores, RouterIndexConfig, RouterIndexStats,
 };
@@ -36,44 +38,6 @@ pub fn local_block_hashes(tokens: &[u32], block_size: usize) -> Vec<TokensHash> 
     }
     tokens.chunks_exact(block_size).map(tokens_hash).collect()
 }
-
-/// The root node's slot.
-const ROOT: u32 = 0;
-
-/// One position in the tree: a block's tokens under its parent's position.
-#[derive(Debug)]
-struct Node {
-    parent: u32,
-    tokens: TokensHash,
-    /// Child edges (in `RouterIndex::edges`).
-    children: u32,
-    /// The rank slots holding this block, sorted.
-    holders: SmallVec<[u32; 2]>,
-}
-
-/// One (worker, rank)'s blocks: its block hashes and the nodes they are at.
-#[derive(Debug)]
-struct Rank {
-    key: (WorkerId, DpRank),
-    blocks: FastMap<BlockHash, u32>,
-    /// The largest capacity `blocks` has had since it was made or last shrunk: what
-    /// its allocation is counted at (`capacity()` dips while removals leave
-    /// tombstones, the allocation does not).
-    cap_seen: usize,
-}
-
-/// Bytes a hash table of `capacity` entries of `entry` bytes takes (its control
-/// bytes and a load factor of 7/8 included).
-fn table_bytes(capacity: usize, entry: usize) -> usize {
-    if capacity == 0 {
-        return 0;
-    }
-    let buckets = (capacity.saturating_mul(8) / 7).next_power_of_two();
-    buckets.saturating_mul(entry + 1)
-}
-
-const EDGE_ENTRY: usize = size_of::<((u32, TokensHash), u32)>();
-const BLOCK_ENTRY: usize = size_of::<(BlockHash, u32)>();
 
 /// The router's KV index: which worker already holds the longest prefix of a request?
 ///
@@ -121,22 +85,31 @@ const BLOCK_ENTRY: usize = size_of::<(BlockHash, u32)>();
 /// capacities, so the figure includes their spare room). A `Stored` event past a
 /// cap keeps its leading blocks that fit and refuses the rest, counted by cause. No
 /// entry exists without a block behind it: a rank that holds no block has no entry,
-/// and a node no rank holds is freed as soon as nothing below it is held either.
-/// Memory: about 104 bytes per held block on a Mooncake-shaped trace of 256 workers
-/// (`benches/router_index.rs`; Dynamo 1.6.1's compressed tree takes about 62 on the
-/// same trace, `benches/vs-dynamo-index`); [`RouterIndex::bytes`] gives the live
-/// figure, spare table capacity included.
+/// and a position no rank holds is freed as soon as nothing below it is held either.
+///
+/// # How it is laid out
+/// Positions (a tokens hash under its parent position) live in *runs*: consecutive
+/// positions of one path held by the same ranks, at most 128 to a run. A query
+/// compares a run's tokens hashes as one slice and merges its holders once, so it
+/// costs one table probe per run, not per block; a rank's table maps its block
+/// hashes to positions. A run splits where a rank starts or stops holding part of
+/// it and merges back when neighbours have the same holders again; a split or a
+/// merge moves at most one run. Memory: about 45 bytes per held block on a
+/// Mooncake-shaped trace of 256 workers (`benches/vs-dynamo-index`, where Dynamo
+/// 1.6.1's `RadixTree` takes about 62 on the same trace); [`RouterIndex::bytes`]
+/// gives the live figure, spare table capacity included.
 ///
 /// # Cost of each operation
 /// | operation | cost |
 /// |---|---|
-/// | `Stored` of n blocks | O(n) |
-/// | `Removed` of n hashes (known or not) | O(n), plus the positions it frees |
+/// | `Stored` of n blocks | O(n) table operations, plus two splits at most per stretch of the chain over positions other ranks hold |
+/// | `Removed` of n hashes (known or not) | O(n) table operations, plus two splits at most per stretch of consecutive blocks |
 /// | `Cleared`, [`clear_rank`](RouterIndex::clear_rank) | O(blocks the rank holds) |
 /// | [`remove_worker`](RouterIndex::remove_worker) | O(blocks the worker holds, every rank) |
-/// | [`find_matches`](RouterIndex::find_matches) of n hashes | O(n × workers matching) |
+/// | [`find_matches`](RouterIndex::find_matches) of n hashes | O(n + runs on its path × ranks holding them) |
 ///
-/// A hostile event costs what its own size says: empty lists create nothing,
+/// A split or a merge moves one run at most (128 positions), so a hostile event
+/// costs what its own size says: empty lists create nothing,
 /// removing unknown hashes allocates nothing, a chain that repeats a hash or names
 /// its own block as parent is refused before anything is applied.
 ///
@@ -184,29 +157,37 @@ const BLOCK_ENTRY: usize = size_of::<(BlockHash, u32)>();
 #[derive(Debug)]
 pub struct RouterIndex {
     config: RouterIndexConfig,
-    /// Node arena; `ROOT` is the root. Freed slots are reused from `free_nodes`.
-    nodes: Vec<Node>,
-    free_nodes: Vec<u32>,
-    /// (parent node, tokens hash) → child node.
-    edges: FastMap<(u32, TokensHash), u32>,
-    /// Rank slots (a node's holders name them); `None` is free for reuse.
+    tree: Tree,
+    /// Rank slots (a run's holders name them); `None` is free for reuse.
     ranks: Vec<Option<Rank>>,
     free_ranks: Vec<u32>,
     /// (worker, rank) → rank slot, ordered (a worker's ranks are one range).
     rank_of: BTreeMap<(WorkerId, DpRank), u32>,
     /// Blocks held, over every rank.
     blocks: usize,
-    /// Bytes of the rank tables (each counted at its `cap_seen`) and of holder lists
-    /// past their inline room.
+    /// Bytes of the rank tables (each counted at its `cap_seen`).
     rank_table_bytes: usize,
-    /// The largest capacity `edges` has had since it was made or last shrunk.
-    edges_cap_seen: usize,
-    holder_heap_bytes: usize,
     /// A stored chain's hashes, to refuse one that repeats itself (kept between
     /// events; emptied after each).
     scratch: FastSet<BlockHash>,
     stats: RouterIndexStats,
 }
+
+/// One (worker, rank)'s blocks: its block hashes and the positions they are at.
+#[derive(Debug)]
+struct Rank {
+    key: (WorkerId, DpRank),
+    blocks: FastMap<BlockHash, u32>,
+    /// The largest capacity `blocks` has had since it was made or last shrunk: what
+    /// its allocation is counted at (`capacity()` dips while removals leave
+    /// tombstones, the allocation does not).
+    cap_seen: usize,
+}
+
+const BLOCK_ENTRY: usize = size_of::<(BlockHash, u32)>();
+
+/// Chains up to this long are checked for a repeated hash pair by pair (no table).
+const SHORT_CHAIN: usize = 16;
 
 impl Default for RouterIndex {
     fn default() -> Self {
@@ -219,21 +200,12 @@ impl RouterIndex {
     pub fn new(config: RouterIndexConfig) -> RouterIndex {
         RouterIndex {
             config,
-            nodes: vec![Node {
-                parent: ROOT,
-                tokens: TokensHash(0),
-                children: 0,
-                holders: SmallVec::new(),
-            }],
-            free_nodes: Vec::new(),
-            edges: FastMap::default(),
+            tree: Tree::new(),
             ranks: Vec::new(),
             free_ranks: Vec::new(),
             rank_of: BTreeMap::new(),
             blocks: 0,
             rank_table_bytes: 0,
-            edges_cap_seen: 0,
-            holder_heap_bytes: 0,
             scratch: FastSet::default(),
             stats: RouterIndexStats::default(),
         }
@@ -313,27 +285,24 @@ impl RouterIndex {
 
     /// Every (worker, rank) holding the leading blocks of `sequence` (local block
     /// hashes, [`local_block_hashes`]), with how many leading blocks each holds.
-    /// O(`sequence.len()` × ranks matching).
+    /// O(`sequence.len()` + runs on its path × ranks holding them).
     pub fn find_matches(&self, sequence: &[TokensHash]) -> OverlapScores {
         let mut scores = Vec::new();
         let mut candidates: Vec<u32> = Vec::new();
         let mut kept: Vec<u32> = Vec::new();
-        // Blocks every remaining candidate holds.
+        // Leading blocks every remaining candidate holds.
         let mut matched = 0;
         let mut at = ROOT;
-        for (depth, tokens) in sequence.iter().enumerate() {
-            let Some(node) = self
-                .edges
-                .get(&(at, *tokens))
-                .and_then(|&child| self.nodes.get(child as usize).map(|n| (child, n)))
-            else {
-                break;
-            };
+        while let Some(node) = sequence
+            .get(matched)
+            .and_then(|t| self.tree.child(at, *t))
+            .and_then(|child| self.tree.node(child).map(|n| (child, n)))
+        {
             let (child, node) = node;
-            if depth == 0 {
+            if matched == 0 {
                 candidates.extend_from_slice(&node.holders);
             } else if node.holders.as_slice() != candidates.as_slice() {
-                // Both sorted: a merge keeps the candidates still holding this block,
+                // Both sorted: a merge keeps the candidates still holding this run,
                 // and scores those that dropped out with the blocks they held.
                 kept.clear();
                 let mut holders = node.holders.iter().peekable();
@@ -342,7 +311,7 @@ impl RouterIndex {
                     if holders.next_if(|&&h| h == c).is_some() {
                         kept.push(c);
                     } else {
-                        self.push_score(&mut scores, c, depth);
+                        self.push_score(&mut scores, c, matched);
                     }
                 }
                 std::mem::swap(&mut candidates, &mut kept);
@@ -350,7 +319,18 @@ impl RouterIndex {
             if candidates.is_empty() {
                 break;
             }
-            matched = depth + 1;
+            let rest = sequence.get(matched..).unwrap_or_default();
+            let run = node.tokens.len();
+            let same = node
+                .tokens
+                .iter()
+                .zip(rest)
+                .take_while(|(a, b)| a == b)
+                .count();
+            matched += same;
+            if same < run || node.children() == 0 {
+                break;
+            }
             at = child;
         }
         for &c in &candidates {
@@ -364,7 +344,7 @@ impl RouterIndex {
     pub fn stats(&self) -> RouterIndexStats {
         RouterIndexStats {
             blocks: self.blocks as u64,
-            nodes: (self.nodes.len() - 1 - self.free_nodes.len()) as u64,
+            nodes: self.tree.positions() as u64,
             ranks: self.rank_of.len() as u64,
             bytes: self.bytes() as u64,
             ..self.stats
@@ -374,14 +354,11 @@ impl RouterIndex {
     /// Bytes the index's tables take now, spare capacity included: the figure
     /// [`RouterIndexConfig::max_bytes`] caps.
     pub fn bytes(&self) -> usize {
-        self.nodes.capacity() * size_of::<Node>()
-            + self.free_nodes.capacity() * size_of::<u32>()
-            + table_bytes(self.edges_cap_seen, EDGE_ENTRY)
+        self.tree.bytes()
             + self.ranks.capacity() * size_of::<Option<Rank>>()
             + self.free_ranks.capacity() * size_of::<u32>()
             + self.rank_of.len() * (size_of::<((WorkerId, DpRank), u32)>() + 16)
             + self.rank_table_bytes
-            + self.holder_heap_bytes
             + table_bytes(self.scratch.capacity(), size_of::<BlockHash>())
     }
 
@@ -389,8 +366,7 @@ impl RouterIndex {
     pub fn rank_blocks(&self, worker_id: WorkerId, dp_rank: DpRank) -> usize {
         self.rank_of
             .get(&(worker_id, dp_rank))
-            .and_then(|&s| self.ranks.get(s as usize))
-            .and_then(Option::as_ref)
+            .and_then(|&s| self.rank(s))
             .map_or(0, |r| r.blocks.len())
     }
 
@@ -421,7 +397,7 @@ impl RouterIndex {
     }
 
     fn push_score(&self, scores: &mut Vec<OverlapScore>, slot: u32, blocks: usize) {
-        if let Some(Some(rank)) = self.ranks.get(slot as usize) {
+        if let Some(rank) = self.rank(slot) {
             scores.push(OverlapScore {
                 worker_id: rank.key.0,
                 dp_rank: rank.key.1,
@@ -437,7 +413,19 @@ impl RouterIndex {
         blocks: &[StoredBlock],
     ) -> Result<(), IndexRefusal> {
         // Refuse a chain that repeats itself before touching anything.
-        if blocks.len() > 1 || parent.is_some() {
+        if blocks.len() <= SHORT_CHAIN {
+            let repeats = blocks.iter().enumerate().any(|(i, b)| {
+                parent == Some(b.block_hash)
+                    || blocks
+                        .iter()
+                        .skip(i + 1)
+                        .any(|o| o.block_hash == b.block_hash)
+            });
+            if repeats {
+                self.stats.refused_invalid_chain += 1;
+                return Err(IndexRefusal::InvalidChain);
+            }
+        } else {
             let repeats = {
                 let scratch = &mut self.scratch;
                 let repeats = !blocks.iter().all(|b| scratch.insert(b.block_hash))
@@ -454,13 +442,14 @@ impl RouterIndex {
             }
         }
         let slot = self.rank_of.get(&key).copied();
-        let mut at = match parent {
-            None => ROOT,
+        // The position the next block hangs under (`None`: the root).
+        let mut cursor = match parent {
+            None => None,
             Some(p) => match slot
                 .and_then(|s| self.rank(s))
                 .and_then(|r| r.blocks.get(&p))
             {
-                Some(&node) => node,
+                Some(&pos) => Some(pos),
                 None => {
                     self.stats.refused_unknown_parent += 1;
                     return Err(IndexRefusal::UnknownParent);
@@ -474,113 +463,173 @@ impl RouterIndex {
             Some(s) => s,
             None => self.new_rank(key),
         };
-        for (i, block) in blocks.iter().enumerate() {
+        let result = self.store_chain(slot, &mut cursor, blocks);
+        self.drop_rank_if_empty(slot, key);
+        result
+    }
+
+    /// Stores `blocks` in order under `cursor` for rank `slot`.
+    fn store_chain(
+        &mut self,
+        slot: u32,
+        cursor: &mut Option<u32>,
+        blocks: &[StoredBlock],
+    ) -> Result<(), IndexRefusal> {
+        let mut i = 0;
+        while let Some(block) = blocks.get(i) {
             let held = self
                 .rank(slot)
                 .and_then(|r| r.blocks.get(&block.block_hash))
                 .copied();
-            let child = self.edges.get(&(at, block.tokens_hash)).copied();
-            if let Some(c) = child
-                && self
-                    .node(c)
-                    .is_some_and(|n| n.holders.binary_search(&slot).is_ok())
+            let next = self.tree.next(*cursor, block.tokens_hash);
+            if let Some(p) = next
+                && self.tree.holds(slot, p)
             {
                 // Held already: the same block again, or another hash for it (the
                 // first one stays). The chain goes on from it either way.
-                if held == Some(c) {
+                if held == Some(p) {
                     self.stats.duplicate_blocks += 1;
                 } else {
                     self.stats.conflicting_blocks += 1;
                 }
-                at = c;
+                *cursor = Some(p);
+                i += 1;
                 continue;
             }
-            if held.is_none()
-                && let Err(refusal) = self.room_for_block(slot, child.is_none(), blocks.len() - i)
-            {
-                self.drop_rank_if_empty(slot, key);
-                return Err(refusal);
-            }
-            if let Some(node) = held {
-                if node == at {
-                    // The chain would hang under the block it moves.
-                    self.stats.refused_invalid_chain += 1;
-                    self.drop_rank_if_empty(slot, key);
-                    return Err(IndexRefusal::InvalidChain);
+            let left = blocks.len() - i;
+            let next = match held {
+                Some(old) => {
+                    if Some(old) == *cursor {
+                        // The chain would hang under the block it moves.
+                        self.stats.refused_invalid_chain += 1;
+                        return Err(IndexRefusal::InvalidChain);
+                    }
+                    // The hash moves: the rank no longer holds it where it was. That
+                    // may free positions on the chain's way: look again.
+                    self.tree.release(slot, old, 1);
+                    self.forget(slot, block.block_hash);
+                    self.tree.next(*cursor, block.tokens_hash)
                 }
-                // The hash moves: the rank no longer holds it where it was.
-                self.release(slot, node);
-                if let Some(r) = self.rank_mut(slot) {
-                    r.blocks.remove(&block.block_hash);
-                }
-                self.blocks -= 1;
-            }
-            // The release above frees no node the rank holds (so not `at`), but may
-            // have freed an empty position below it: look the child up again.
-            let child = self.edges.get(&(at, block.tokens_hash)).copied();
-            let node = match child {
-                Some(c) => c,
-                None => self.new_node(at, block.tokens_hash),
+                None => next,
             };
-            self.hold(slot, node);
-            if let Some(r) = self.ranks.get_mut(slot as usize).and_then(Option::as_mut) {
-                r.blocks.insert(block.block_hash, node);
-                let cap = r.blocks.capacity();
-                if cap > r.cap_seen {
-                    self.rank_table_bytes = self.rank_table_bytes + table_bytes(cap, BLOCK_ENTRY)
-                        - table_bytes(r.cap_seen, BLOCK_ENTRY);
-                    r.cap_seen = cap;
+            match next {
+                Some(p) => {
+                    // Positions other ranks hold: take as many of the chain's next
+                    // blocks as follow the run, in one go.
+                    let want = self.run_length(slot, p, blocks.get(i..).unwrap_or_default());
+                    let fit = if held.is_some() {
+                        1
+                    } else {
+                        self.room(slot, want, left, false)?
+                    };
+                    let positions: SmallVec<[u32; 64]> = self
+                        .tree
+                        .run_from(p)
+                        .map(|(_, pos)| pos.iter().take(fit).copied().collect())
+                        .unwrap_or_default();
+                    self.tree.hold_run(slot, p, positions.len());
+                    for (b, &pos) in blocks.iter().skip(i).zip(&positions) {
+                        self.remember(slot, b.block_hash, pos);
+                        *cursor = Some(pos);
+                    }
+                    i += positions.len().max(1);
+                }
+                None => {
+                    if held.is_none() {
+                        self.room(slot, 1, left, true)?;
+                    }
+                    if let Some(pos) = self.tree.new_position(*cursor, block.tokens_hash, slot) {
+                        self.remember(slot, block.block_hash, pos);
+                        *cursor = Some(pos);
+                    }
+                    i += 1;
                 }
             }
-            self.blocks += 1;
-            self.stats.stored_blocks += 1;
-            at = node;
         }
-        self.drop_rank_if_empty(slot, key);
         Ok(())
     }
 
-    /// Whether one more block fits; counts and says why not (`left` blocks refused).
-    fn room_for_block(
+    /// How many of `blocks` (at least 1) follow position `p`'s run from `p` on, with
+    /// hashes the rank does not hold.
+    fn run_length(&self, slot: u32, p: u32, blocks: &[StoredBlock]) -> usize {
+        let Some((tokens, _)) = self.tree.run_from(p) else {
+            return 1;
+        };
+        let rank = self.rank(slot);
+        let n = tokens
+            .iter()
+            .zip(blocks)
+            .enumerate()
+            .take_while(|&(j, (t, b))| {
+                *t == b.tokens_hash
+                    && (j == 0 || rank.is_none_or(|r| !r.blocks.contains_key(&b.block_hash)))
+            })
+            .count();
+        n.clamp(1, 64)
+    }
+
+    /// How many of `want` more blocks fit (at least 1); else counts and says why not
+    /// (`left` blocks refused).
+    fn room(
         &mut self,
         slot: u32,
-        new_node: bool,
+        want: usize,
         left: usize,
-    ) -> Result<(), IndexRefusal> {
-        let rank_len = self.rank(slot).map_or(0, |r| r.blocks.len());
-        if rank_len >= self.config.max_blocks_per_rank {
+        new_position: bool,
+    ) -> Result<usize, IndexRefusal> {
+        let (rank_len, rank_cap) = self
+            .rank(slot)
+            .map_or((0, 0), |r| (r.blocks.len(), r.blocks.capacity()));
+        let rank_room = self.config.max_blocks_per_rank.saturating_sub(rank_len);
+        if rank_room == 0 {
             self.stats.refused_rank_full_blocks += left as u64;
             return Err(IndexRefusal::RankFull { refused: left });
         }
-        if self.blocks >= self.config.max_blocks
-            || self.bytes_after_block(slot, new_node) > self.config.max_bytes
-        {
+        // What the rank's table and the tree may grow by for `want` blocks.
+        let table = if rank_len + want > rank_cap {
+            table_bytes((rank_cap * 2).max(rank_len + want), BLOCK_ENTRY)
+        } else {
+            0
+        };
+        let fixed = self.bytes() + table + self.tree.growth(want);
+        let per_block = if new_position {
+            tree::POSITION_BYTES
+        } else {
+            0
+        } + 1;
+        let byte_room = self.config.max_bytes.saturating_sub(fixed) / per_block;
+        let fit = want
+            .min(rank_room)
+            .min(self.config.max_blocks.saturating_sub(self.blocks))
+            .min(byte_room);
+        if fit == 0 {
             self.stats.refused_index_full_blocks += left as u64;
             return Err(IndexRefusal::IndexFull { refused: left });
         }
-        Ok(())
+        Ok(fit)
     }
 
-    /// [`bytes`](Self::bytes) once one more block is held (tables that would grow
-    /// counted at their grown size).
-    fn bytes_after_block(&self, slot: u32, new_node: bool) -> usize {
-        let grown = |len: usize, cap: usize, entry: usize| {
-            if len >= cap {
-                table_bytes((cap * 2).max(4), entry) - table_bytes(cap, entry)
-            } else {
-                0
-            }
+    /// Records that rank `slot` holds `hash` at position `pos`.
+    fn remember(&mut self, slot: u32, hash: BlockHash, pos: u32) {
+        let Some(r) = self.ranks.get_mut(slot as usize).and_then(Option::as_mut) else {
+            return;
         };
-        let mut extra = self.rank(slot).map_or(0, |r| {
-            grown(r.blocks.len(), r.blocks.capacity(), BLOCK_ENTRY)
-        });
-        if new_node {
-            extra += grown(self.edges.len(), self.edges.capacity(), EDGE_ENTRY);
-            if self.free_nodes.is_empty() && self.nodes.len() == self.nodes.capacity() {
-                extra += self.nodes.capacity().max(4) * size_of::<Node>();
-            }
+        r.blocks.insert(hash, pos);
+        let cap = r.blocks.capacity();
+        if cap > r.cap_seen {
+            self.rank_table_bytes = self.rank_table_bytes + table_bytes(cap, BLOCK_ENTRY)
+                - table_bytes(r.cap_seen, BLOCK_ENTRY);
+            r.cap_seen = cap;
         }
-        self.bytes() + extra + 2 * size_of::<u32>()
+        self.blocks += 1;
+        self.stats.stored_blocks += 1;
+    }
+
+    /// Forgets that rank `slot` holds `hash` (its position already let go of).
+    fn forget(&mut self, slot: u32, hash: BlockHash) -> Option<u32> {
+        let pos = self.rank_mut(slot)?.blocks.remove(&hash)?;
+        self.blocks -= 1;
+        Some(pos)
     }
 
     fn remove(&mut self, key: (WorkerId, DpRank), hashes: &[BlockHash]) {
@@ -588,16 +637,30 @@ impl RouterIndex {
             self.stats.unknown_removed_blocks += hashes.len() as u64;
             return;
         };
+        // Consecutive positions of one run (an engine lists a sequence's blocks tail
+        // first, or head first) are let go of together: (run, first offset, count).
+        let mut group: Option<(u32, usize, usize)> = None;
         for hash in hashes {
-            let node = self.rank_mut(slot).and_then(|r| r.blocks.remove(hash));
-            match node {
-                Some(node) => {
-                    self.release(slot, node);
-                    self.blocks -= 1;
-                    self.stats.removed_blocks += 1;
+            let Some(pos) = self.forget(slot, *hash) else {
+                self.stats.unknown_removed_blocks += 1;
+                continue;
+            };
+            self.stats.removed_blocks += 1;
+            let Some((node, off)) = self.tree.locate(pos) else {
+                continue;
+            };
+            group = match group {
+                Some((n, lo, m)) if n == node && off + 1 == lo => Some((n, off, m + 1)),
+                Some((n, lo, m)) if n == node && off == lo + m => Some((n, lo, m + 1)),
+                Some(g) => {
+                    self.release_group(slot, g);
+                    self.tree.locate(pos).map(|(n, off)| (n, off, 1))
                 }
-                None => self.stats.unknown_removed_blocks += 1,
-            }
+                None => Some((node, off, 1)),
+            };
+        }
+        if let Some(g) = group {
+            self.release_group(slot, g);
         }
         // Give back a table that emptied out.
         if let Some(r) = self.ranks.get_mut(slot as usize).and_then(Option::as_mut) {
@@ -614,16 +677,19 @@ impl RouterIndex {
         self.drop_rank_if_empty(slot, key);
     }
 
+    /// Lets go of `m` consecutive positions of a run, from offset `lo`.
+    fn release_group(&mut self, slot: u32, (node, lo, m): (u32, usize, usize)) {
+        if let Some(&p) = self.tree.node(node).and_then(|n| n.pos.get(lo)) {
+            self.tree.release(slot, p, m);
+        }
+    }
+
     fn rank(&self, slot: u32) -> Option<&Rank> {
         self.ranks.get(slot as usize).and_then(Option::as_ref)
     }
 
     fn rank_mut(&mut self, slot: u32) -> Option<&mut Rank> {
         self.ranks.get_mut(slot as usize).and_then(Option::as_mut)
-    }
-
-    fn node(&self, node: u32) -> Option<&Node> {
-        self.nodes.get(node as usize)
     }
 
     fn new_rank(&mut self, key: (WorkerId, DpRank)) -> u32 {
@@ -656,7 +722,9 @@ impl RouterIndex {
         }
     }
 
-    /// Releases every block of a rank slot (already out of `rank_of`) and frees it.
+    /// Lets go of every run a rank slot (already out of `rank_of`) holds, and frees
+    /// the slot. O(blocks it holds): each run is let go of whole, once (its other
+    /// positions then find the slot gone from their run's holders).
     fn drop_rank(&mut self, slot: u32) {
         let Some(rank) = self.ranks.get_mut(slot as usize).and_then(Option::take) else {
             return;
@@ -664,94 +732,10 @@ impl RouterIndex {
         self.rank_table_bytes -= table_bytes(rank.cap_seen, BLOCK_ENTRY);
         self.blocks -= rank.blocks.len();
         self.stats.removed_blocks += rank.blocks.len() as u64;
-        for (_, node) in rank.blocks {
-            self.release(slot, node);
+        for (_, pos) in rank.blocks {
+            self.tree.release_run_of(slot, pos);
         }
         self.free_ranks.push(slot);
-    }
-
-    fn new_node(&mut self, parent: u32, tokens: TokensHash) -> u32 {
-        let node = Node {
-            parent,
-            tokens,
-            children: 0,
-            holders: SmallVec::new(),
-        };
-        let id = match self.free_nodes.pop() {
-            Some(id) => {
-                if let Some(cell) = self.nodes.get_mut(id as usize) {
-                    *cell = node;
-                }
-                id
-            }
-            None => {
-                self.nodes.push(node);
-                (self.nodes.len() - 1) as u32
-            }
-        };
-        self.edges.insert((parent, tokens), id);
-        self.edges_cap_seen = self.edges_cap_seen.max(self.edges.capacity());
-        if let Some(p) = self.nodes.get_mut(parent as usize) {
-            p.children += 1;
-        }
-        id
-    }
-
-    /// Adds a rank to a node's holders.
-    fn hold(&mut self, slot: u32, node: u32) {
-        let Some(n) = self.nodes.get_mut(node as usize) else {
-            return;
-        };
-        if let Err(at) = n.holders.binary_search(&slot) {
-            let before = holder_heap(&n.holders);
-            n.holders.insert(at, slot);
-            self.holder_heap_bytes = self.holder_heap_bytes - before + holder_heap(&n.holders);
-        }
-    }
-
-    /// Takes a rank off a node's holders, and frees the node, then its ancestors,
-    /// while one is held by no rank and has no child.
-    fn release(&mut self, slot: u32, node: u32) {
-        if let Some(n) = self.nodes.get_mut(node as usize)
-            && let Ok(at) = n.holders.binary_search(&slot)
-        {
-            let before = holder_heap(&n.holders);
-            n.holders.remove(at);
-            if n.holders.spilled() && n.holders.len() <= n.holders.inline_size() {
-                n.holders.shrink_to_fit();
-            }
-            self.holder_heap_bytes = self.holder_heap_bytes - before + holder_heap(&n.holders);
-        }
-        let mut at = node;
-        while at != ROOT {
-            let Some(n) = self.nodes.get(at as usize) else {
-                return;
-            };
-            if !n.holders.is_empty() || n.children > 0 {
-                return;
-            }
-            let (parent, tokens) = (n.parent, n.tokens);
-            self.edges.remove(&(parent, tokens));
-            self.free_nodes.push(at);
-            if let Some(p) = self.nodes.get_mut(parent as usize) {
-                p.children -= 1;
-            }
-            at = parent;
-        }
-        let len = self.edges.len();
-        if self.edges_cap_seen > 1024 && len < self.edges_cap_seen / 4 {
-            self.edges.shrink_to(len * 2);
-            self.edges_cap_seen = self.edges.capacity();
-        }
-    }
-}
-
-/// Heap bytes of a holder list past its inline room.
-fn holder_heap(holders: &SmallVec<[u32; 2]>) -> usize {
-    if holders.spilled() {
-        holders.capacity() * size_of::<u32>()
-    } else {
-        0
     }
 }
 

@@ -335,11 +335,61 @@ fn duplicate_moved_and_conflicting_blocks() {
 }
 
 /// The index against a plain model: each rank's blocks by hash, each block's
-/// position as its full path of tokens hashes.
+/// position as its full path of tokens hashes. Short chains over a tiny alphabet
+/// (positions shared and split all the time).
 #[test]
 fn random_streams_match_a_plain_model() {
-    type Path = Vec<u64>;
-    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    model_run(0x9e37_79b9_7f4a_7c15, 20_000, 5, 3, 7);
+}
+
+/// The same with chains longer than a run holds, over a larger alphabet: runs split,
+/// merge back and chain across their length cap.
+#[test]
+fn long_chains_match_a_plain_model() {
+    model_run(
+        0x2545_f491_4f6c_dd1d,
+        3_000,
+        3 * tree::MAX_RUN as u64,
+        2,
+        400,
+    );
+}
+
+/// A path of tokens hashes, as a hash of it (`root()`, then `child(path, tokens)`).
+fn child(path: u64, tokens: u64) -> u64 {
+    let mut x = path.rotate_left(17) ^ tokens.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5851_f42d;
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (x ^ (x >> 31)).max(1)
+}
+
+/// One rank of the model: its blocks' paths by hash, and the hash at each path.
+#[derive(Default)]
+struct RankModel {
+    by_hash: HashMap<u64, u64>,
+    by_path: HashMap<u64, u64>,
+    /// The last chain stored (to evict slices of, as engines do).
+    last: Vec<u64>,
+}
+
+impl RankModel {
+    fn insert(&mut self, hash: u64, path: u64) {
+        if let Some(old) = self.by_hash.insert(hash, path) {
+            self.by_path.remove(&old);
+        }
+        self.by_path.insert(path, hash);
+    }
+
+    fn remove(&mut self, hash: u64) {
+        if let Some(path) = self.by_hash.remove(&hash) {
+            self.by_path.remove(&path);
+        }
+    }
+}
+
+fn model_run(seed: u64, steps: usize, max_chain: u64, alphabet: u64, max_query: u64) {
+    const ROOT_PATH: u64 = 0;
+    let mut rng = seed;
     let mut next = move || {
         rng ^= rng << 13;
         rng ^= rng >> 7;
@@ -347,9 +397,20 @@ fn random_streams_match_a_plain_model() {
         rng
     };
     let mut index = RouterIndex::default();
-    let mut model: HashMap<(u64, DpRank), HashMap<u64, Path>> = HashMap::new();
+    let mut model: HashMap<(u64, DpRank), RankModel> = HashMap::new();
+    // Every path ever made: its parent path and last tokens hash (to spell queries).
+    let mut spelled: HashMap<u64, (u64, u64)> = HashMap::new();
+    let spell = |spelled: &HashMap<u64, (u64, u64)>, mut path: u64| {
+        let mut tokens = Vec::new();
+        while let Some(&(parent, t)) = spelled.get(&path) {
+            tokens.push(t);
+            path = parent;
+        }
+        tokens.reverse();
+        tokens
+    };
     let mut next_hash = 1u64;
-    for step in 0..20_000 {
+    for step in 0..steps {
         let worker = next() % 6;
         let rank = (next() % 2) as DpRank;
         let held = model.entry((worker, rank)).or_default();
@@ -357,21 +418,19 @@ fn random_streams_match_a_plain_model() {
             0..=5 => {
                 // Store a chain under a random held block (or the root), tokens from
                 // a small alphabet so workers share positions.
-                let parent = if held.is_empty() || next() % 3 == 0 {
+                let parent = if held.by_hash.is_empty() || next() % 3 == 0 {
                     None
                 } else {
-                    let keys: Vec<u64> = held.keys().copied().collect();
+                    let keys: Vec<u64> = held.by_hash.keys().copied().collect();
                     Some(keys[(next() as usize) % keys.len()])
                 };
-                let mut path = parent.map_or_else(Vec::new, |p| held[&p].clone());
-                let n = 1 + next() % 5;
+                let n = 1 + next() % max_chain;
                 let mut blocks = Vec::new();
-                let mut model_path = path.clone();
                 for _ in 0..n {
-                    let tokens = next() % 3;
-                    let hash = if next() % 4 == 0 && !held.is_empty() {
+                    let tokens = next() % alphabet;
+                    let hash = if next() % 4 == 0 && !held.by_hash.is_empty() {
                         // Sometimes a hash the rank holds already (a duplicate or a move).
-                        let keys: Vec<u64> = held.keys().copied().collect();
+                        let keys: Vec<u64> = held.by_hash.keys().copied().collect();
                         keys[(next() as usize) % keys.len()]
                     } else {
                         next_hash += 1;
@@ -381,6 +440,7 @@ fn random_streams_match_a_plain_model() {
                 }
                 let e = stored(worker, rank, parent, &blocks);
                 let result = apply(&mut index, &e);
+                held.last = blocks.iter().map(|b| b.0).collect();
                 let mut hashes: HashSet<u64> = blocks.iter().map(|b| b.0).collect();
                 let repeats =
                     hashes.len() < blocks.len() || parent.is_some_and(|p| !hashes.insert(p));
@@ -388,22 +448,22 @@ fn random_streams_match_a_plain_model() {
                     assert_eq!(result, Err(IndexRefusal::InvalidChain), "step {step}");
                     continue;
                 }
+                let mut path = parent.map_or(ROOT_PATH, |p| held.by_hash[&p]);
                 let mut refused = false;
                 for &(hash, tokens) in &blocks {
-                    model_path.push(tokens);
-                    // The rank holds this position under another hash: the first stays.
-                    let other = held.iter().any(|(&h, p)| *p == model_path && h != hash);
-                    if held.get(&hash) == Some(&model_path) || other {
+                    let parent_path = path;
+                    path = child(path, tokens);
+                    spelled.insert(path, (parent_path, tokens));
+                    // Held already, or held under another hash: the first stays.
+                    if held.by_path.contains_key(&path) {
                         continue;
                     }
-                    if held.get(&hash).is_some() && model_path.len() > 1 {
-                        // Moving the block the chain hangs under is refused.
-                        if model_path[..model_path.len() - 1] == held[&hash][..] {
-                            refused = true;
-                            break;
-                        }
+                    // Moving the block the chain hangs under is refused.
+                    if held.by_hash.get(&hash) == Some(&parent_path) {
+                        refused = true;
+                        break;
                     }
-                    held.insert(hash, model_path.clone());
+                    held.insert(hash, path);
                 }
                 if refused {
                     assert_eq!(result, Err(IndexRefusal::InvalidChain), "step {step}");
@@ -411,12 +471,20 @@ fn random_streams_match_a_plain_model() {
                 } else {
                     assert_eq!(result, Ok(()), "step {step}");
                 }
-                path.clear();
             }
             6..=7 => {
-                let keys: Vec<u64> = held.keys().copied().collect();
+                let keys: Vec<u64> = held.by_hash.keys().copied().collect();
                 let mut gone = Vec::new();
-                for _ in 0..(1 + next() % 3) {
+                if next() % 2 == 0 && !held.last.is_empty() {
+                    // A slice of the last chain, tail first or head first.
+                    let a = (next() as usize) % held.last.len();
+                    let b = a + 1 + (next() as usize) % (held.last.len() - a);
+                    gone.extend_from_slice(&held.last[a..b]);
+                    if next() % 2 == 0 {
+                        gone.reverse();
+                    }
+                }
+                for _ in 0..(next() % 3) {
                     if next() % 5 == 0 || keys.is_empty() {
                         gone.push(u64::MAX - next() % 100);
                     } else {
@@ -424,12 +492,12 @@ fn random_streams_match_a_plain_model() {
                     }
                 }
                 for h in &gone {
-                    held.remove(h);
+                    held.remove(*h);
                 }
                 apply(&mut index, &removed(worker, rank, &gone)).unwrap();
             }
             8 if next() % 8 == 0 => {
-                held.clear();
+                *held = RankModel::default();
                 apply(&mut index, &ev(worker, rank, KvEventData::Cleared)).unwrap();
             }
             8 if next() % 16 == 0 => {
@@ -437,15 +505,30 @@ fn random_streams_match_a_plain_model() {
                 index.remove_worker(WorkerId(worker));
             }
             _ => {
-                // A query along a random path.
-                let len = 1 + next() % 7;
-                let seq: Vec<u64> = (0..len).map(|_| next() % 3).collect();
+                // A query along a random path, or along a held block's path and on.
+                let len = 1 + next() % max_query;
+                let mut seq: Vec<u64> = Vec::new();
+                let paths: Vec<u64> = model
+                    .values()
+                    .flat_map(|r| r.by_hash.values().copied())
+                    .collect();
+                if next() % 2 == 0 && !paths.is_empty() {
+                    seq = spell(&spelled, paths[(next() as usize) % paths.len()]);
+                }
+                seq.extend((0..len).map(|_| next() % alphabet));
+                let prefixes: Vec<u64> = seq
+                    .iter()
+                    .scan(ROOT_PATH, |p, &t| {
+                        *p = child(*p, t);
+                        Some(*p)
+                    })
+                    .collect();
                 let mut want: Vec<(u64, DpRank, u32)> = model
                     .iter()
-                    .filter_map(|(&(w, r), blocks)| {
-                        let paths: HashSet<&Path> = blocks.values().collect();
-                        let k = (1..=seq.len())
-                            .take_while(|&k| paths.contains(&seq[..k].to_vec()))
+                    .filter_map(|(&(w, r), held)| {
+                        let k = prefixes
+                            .iter()
+                            .take_while(|p| held.by_path.contains_key(p))
                             .count();
                         (k > 0).then_some((w, r, k as u32))
                     })
@@ -454,8 +537,9 @@ fn random_streams_match_a_plain_model() {
                 assert_eq!(scores(&index, &seq), want, "step {step}");
             }
         }
-        let total: usize = model.values().map(HashMap::len).sum();
+        let total: usize = model.values().map(|r| r.by_hash.len()).sum();
         assert_eq!(index.stats().blocks as usize, total, "step {step}");
+        index.tree.check();
     }
     // Everything removed, nothing left behind.
     for w in 0..6 {

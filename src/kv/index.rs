@@ -94,7 +94,7 @@ pub fn local_block_hashes(tokens: &[u32], block_size: usize) -> Vec<TokensHash> 
 /// costs one table probe per run, not per block; a rank's table maps its block
 /// hashes to positions. A run splits where a rank starts or stops holding part of
 /// it and merges back when neighbours have the same holders again; a split or a
-/// merge moves at most one run. Memory: about 45 bytes per held block on a
+/// merge moves at most one run. Memory: about 39 bytes per held block on a
 /// Mooncake-shaped trace of 256 workers (`benches/vs-dynamo-index`, where Dynamo
 /// 1.6.1's `RadixTree` takes about 62 on the same trace); [`RouterIndex::bytes`]
 /// gives the live figure, spare table capacity included.
@@ -177,14 +177,31 @@ pub struct RouterIndex {
 #[derive(Debug)]
 struct Rank {
     key: (WorkerId, DpRank),
-    blocks: FastMap<BlockHash, u32>,
+    blocks: FastMap<Key, u32>,
     /// The largest capacity `blocks` has had since it was made or last shrunk: what
     /// its allocation is counted at (`capacity()` dips while removals leave
     /// tombstones, the allocation does not).
     cap_seen: usize,
 }
 
-const BLOCK_ENTRY: usize = size_of::<(BlockHash, u32)>();
+/// A block hash as a rank's table keys it: two halves, so that an entry with its
+/// position takes 12 bytes, not 16 (the tables are most of the index's memory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Key(u32, u32);
+
+impl From<BlockHash> for Key {
+    fn from(h: BlockHash) -> Key {
+        Key((h.0 >> 32) as u32, h.0 as u32)
+    }
+}
+
+impl From<Key> for BlockHash {
+    fn from(k: Key) -> BlockHash {
+        BlockHash(u64::from(k.0) << 32 | u64::from(k.1))
+    }
+}
+
+const BLOCK_ENTRY: usize = size_of::<(Key, u32)>();
 
 /// Chains up to this long are checked for a repeated hash pair by pair (no table).
 const SHORT_CHAIN: usize = 16;
@@ -375,7 +392,7 @@ impl RouterIndex {
         self.rank_of
             .get(&(worker_id, dp_rank))
             .and_then(|&s| self.rank(s))
-            .is_some_and(|r| r.blocks.contains_key(&hash))
+            .is_some_and(|r| r.blocks.contains_key(&Key::from(hash)))
     }
 
     /// The block hashes one (worker, rank) holds, in no particular order.
@@ -388,7 +405,7 @@ impl RouterIndex {
             .get(&(worker_id, dp_rank))
             .and_then(|&s| self.rank(s))
             .into_iter()
-            .flat_map(|r| r.blocks.keys().copied())
+            .flat_map(|r| r.blocks.keys().map(|&k| BlockHash::from(k)))
     }
 
     /// The (worker, rank)s holding at least one block, ordered.
@@ -447,7 +464,7 @@ impl RouterIndex {
             None => None,
             Some(p) => match slot
                 .and_then(|s| self.rank(s))
-                .and_then(|r| r.blocks.get(&p))
+                .and_then(|r| r.blocks.get(&Key::from(p)))
             {
                 Some(&pos) => Some(pos),
                 None => {
@@ -479,7 +496,7 @@ impl RouterIndex {
         while let Some(block) = blocks.get(i) {
             let held = self
                 .rank(slot)
-                .and_then(|r| r.blocks.get(&block.block_hash))
+                .and_then(|r| r.blocks.get(&Key::from(block.block_hash)))
                 .copied();
             let next = self.tree.next(*cursor, block.tokens_hash);
             if let Some(p) = next
@@ -562,7 +579,8 @@ impl RouterIndex {
             .enumerate()
             .take_while(|&(j, (t, b))| {
                 *t == b.tokens_hash
-                    && (j == 0 || rank.is_none_or(|r| !r.blocks.contains_key(&b.block_hash)))
+                    && (j == 0
+                        || rank.is_none_or(|r| !r.blocks.contains_key(&Key::from(b.block_hash))))
             })
             .count();
         n.clamp(1, 64)
@@ -614,7 +632,7 @@ impl RouterIndex {
         let Some(r) = self.ranks.get_mut(slot as usize).and_then(Option::as_mut) else {
             return;
         };
-        r.blocks.insert(hash, pos);
+        r.blocks.insert(Key::from(hash), pos);
         let cap = r.blocks.capacity();
         if cap > r.cap_seen {
             self.rank_table_bytes = self.rank_table_bytes + table_bytes(cap, BLOCK_ENTRY)
@@ -627,7 +645,7 @@ impl RouterIndex {
 
     /// Forgets that rank `slot` holds `hash` (its position already let go of).
     fn forget(&mut self, slot: u32, hash: BlockHash) -> Option<u32> {
-        let pos = self.rank_mut(slot)?.blocks.remove(&hash)?;
+        let pos = self.rank_mut(slot)?.blocks.remove(&Key::from(hash))?;
         self.blocks -= 1;
         Some(pos)
     }

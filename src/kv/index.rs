@@ -80,7 +80,8 @@ pub fn local_block_hashes(tokens: &[u32], block_size: usize) -> Vec<TokensHash> 
 ///
 /// # Bounded by design
 /// Nothing a worker sends grows the index past its caps ([`RouterIndexConfig`]):
-/// blocks per (worker, rank) (default 2^20), blocks in the whole index (default
+/// blocks per (worker, rank) (default 2^20), per worker over its ranks (default
+/// 2^23), blocks in the whole index (default
 /// 2^24) and bytes in the whole index (default 2 GiB, counted from the tables'
 /// capacities, so the figure includes their spare room). A `Stored` event past a
 /// cap keeps its leading blocks that fit and refuses the rest, counted by cause. No
@@ -165,6 +166,8 @@ pub struct RouterIndex {
     rank_of: BTreeMap<(WorkerId, DpRank), u32>,
     /// Blocks held, over every rank.
     blocks: usize,
+    /// Blocks held per worker (over its ranks); no entry at 0.
+    worker_blocks: FastMap<WorkerId, usize>,
     /// Bytes of the rank tables (each counted at its `cap_seen`).
     rank_table_bytes: usize,
     /// A stored chain's hashes, to refuse one that repeats itself (kept between
@@ -222,6 +225,7 @@ impl RouterIndex {
             free_ranks: Vec::new(),
             rank_of: BTreeMap::new(),
             blocks: 0,
+            worker_blocks: FastMap::default(),
             rank_table_bytes: 0,
             scratch: FastSet::default(),
             stats: RouterIndexStats::default(),
@@ -376,6 +380,10 @@ impl RouterIndex {
             + self.free_ranks.capacity() * size_of::<u32>()
             + self.rank_of.len() * (size_of::<((WorkerId, DpRank), u32)>() + 16)
             + self.rank_table_bytes
+            + table_bytes(
+                self.worker_blocks.capacity(),
+                size_of::<(WorkerId, usize)>(),
+            )
             + table_bytes(self.scratch.capacity(), size_of::<BlockHash>())
     }
 
@@ -595,13 +603,23 @@ impl RouterIndex {
         left: usize,
         new_position: bool,
     ) -> Result<usize, IndexRefusal> {
-        let (rank_len, rank_cap) = self
+        let Some((worker, rank_len, rank_cap)) = self
             .rank(slot)
-            .map_or((0, 0), |r| (r.blocks.len(), r.blocks.capacity()));
+            .map(|r| (r.key.0, r.blocks.len(), r.blocks.capacity()))
+        else {
+            self.stats.refused_index_full_blocks += left as u64;
+            return Err(IndexRefusal::IndexFull { refused: left });
+        };
         let rank_room = self.config.max_blocks_per_rank.saturating_sub(rank_len);
         if rank_room == 0 {
             self.stats.refused_rank_full_blocks += left as u64;
             return Err(IndexRefusal::RankFull { refused: left });
+        }
+        let worker_len = self.worker_blocks.get(&worker).copied().unwrap_or(0);
+        let worker_room = self.config.max_blocks_per_worker.saturating_sub(worker_len);
+        if worker_room == 0 {
+            self.stats.refused_worker_full_blocks += left as u64;
+            return Err(IndexRefusal::WorkerFull { refused: left });
         }
         // What the rank's table and the tree may grow by for `want` blocks.
         let table = if rank_len + want > rank_cap {
@@ -618,6 +636,7 @@ impl RouterIndex {
         let byte_room = self.config.max_bytes.saturating_sub(fixed) / per_block;
         let fit = want
             .min(rank_room)
+            .min(worker_room)
             .min(self.config.max_blocks.saturating_sub(self.blocks))
             .min(byte_room);
         if fit == 0 {
@@ -633,6 +652,7 @@ impl RouterIndex {
             return;
         };
         r.blocks.insert(Key::from(hash), pos);
+        *self.worker_blocks.entry(r.key.0).or_default() += 1;
         let cap = r.blocks.capacity();
         if cap > r.cap_seen {
             self.rank_table_bytes = self.rank_table_bytes + table_bytes(cap, BLOCK_ENTRY)
@@ -645,8 +665,11 @@ impl RouterIndex {
 
     /// Forgets that rank `slot` holds `hash` (its position already let go of).
     fn forget(&mut self, slot: u32, hash: BlockHash) -> Option<u32> {
-        let pos = self.rank_mut(slot)?.blocks.remove(&Key::from(hash))?;
+        let r = self.ranks.get_mut(slot as usize).and_then(Option::as_mut)?;
+        let pos = r.blocks.remove(&Key::from(hash))?;
+        let worker = r.key.0;
         self.blocks -= 1;
+        self.worker_let_go(worker, 1);
         Some(pos)
     }
 
@@ -702,12 +725,18 @@ impl RouterIndex {
         }
     }
 
-    fn rank(&self, slot: u32) -> Option<&Rank> {
-        self.ranks.get(slot as usize).and_then(Option::as_ref)
+    /// `n` fewer blocks held by `worker`.
+    fn worker_let_go(&mut self, worker: WorkerId, n: usize) {
+        if let Some(held) = self.worker_blocks.get_mut(&worker) {
+            *held = held.saturating_sub(n);
+            if *held == 0 {
+                self.worker_blocks.remove(&worker);
+            }
+        }
     }
 
-    fn rank_mut(&mut self, slot: u32) -> Option<&mut Rank> {
-        self.ranks.get_mut(slot as usize).and_then(Option::as_mut)
+    fn rank(&self, slot: u32) -> Option<&Rank> {
+        self.ranks.get(slot as usize).and_then(Option::as_ref)
     }
 
     fn new_rank(&mut self, key: (WorkerId, DpRank)) -> u32 {
@@ -749,6 +778,7 @@ impl RouterIndex {
         };
         self.rank_table_bytes -= table_bytes(rank.cap_seen, BLOCK_ENTRY);
         self.blocks -= rank.blocks.len();
+        self.worker_let_go(rank.key.0, rank.blocks.len());
         self.stats.removed_blocks += rank.blocks.len() as u64;
         for (_, pos) in rank.blocks {
             self.tree.release_run_of(slot, pos);

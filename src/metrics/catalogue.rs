@@ -168,7 +168,7 @@ catalogue! {
     KV_INDEX_REFUSED_EVENTS: Counter "eventplane_kv_index_refused_events_total" ["reason"] "IndexFeedStats"
         "Router events refused, by reason: foreign_worker, unidentified, unknown_parent, invalid_chain, too_many_ranks.";
     KV_INDEX_REFUSED_BLOCKS: Counter "eventplane_kv_index_refused_blocks_total" ["reason"] "IndexFeedStats"
-        "Stored blocks not indexed, by reason: rank_full, index_full.";
+        "Stored blocks not indexed, by reason: rank_full, worker_full, index_full.";
     KV_INDEX_WIPES: Counter "eventplane_kv_index_wipes_total" ["reason"] "IndexFeedStats"
         "Publishers' views lost and cleared, by reason: id_gap, reconnect.";
     KV_INDEX_WIPED_BLOCKS: Counter "eventplane_kv_index_wiped_blocks_total" [] "IndexFeedStats"

@@ -131,6 +131,7 @@ impl Sampled for IndexFeedStats {
         }
         for (reason, v) in [
             ("rank_full", i.refused_rank_full_blocks),
+            ("worker_full", i.refused_worker_full_blocks),
             ("index_full", i.refused_index_full_blocks),
         ] {
             out.labelled(&KV_INDEX_REFUSED_BLOCKS, reason, v);

@@ -625,7 +625,9 @@ async fn main() -> ExitCode {
         "wire": wire.as_str(),
         "router_events": router.events,
         "index_blocks": i.blocks,
-        "index_refused": i.refused_rank_full_blocks + i.refused_index_full_blocks,
+        "index_refused": i.refused_rank_full_blocks
+            + i.refused_worker_full_blocks
+            + i.refused_index_full_blocks,
         "index_stats": {
             "blocks": i.blocks,
             "nodes": i.nodes,
@@ -633,6 +635,7 @@ async fn main() -> ExitCode {
             "bytes": i.bytes,
             "refused_blocks": {
                 "rank_full": i.refused_rank_full_blocks,
+                "worker_full": i.refused_worker_full_blocks,
                 "index_full": i.refused_index_full_blocks,
             },
             "refused_events": {

@@ -231,6 +231,38 @@ fn caps_keep_the_leading_blocks_that_fit_and_count_the_rest() {
 }
 
 #[test]
+fn a_worker_with_many_ranks_cannot_take_the_whole_index() {
+    let mut index = RouterIndex::new(
+        RouterIndexConfig::default()
+            .max_blocks_per_rank(4)
+            .max_blocks_per_worker(6),
+    );
+    let chain: Vec<(u64, u64)> = (0..4).map(|i| (100 + i, i)).collect();
+    apply(&mut index, &stored(1, 0, None, &chain)).unwrap();
+    let chain: Vec<(u64, u64)> = (0..4).map(|i| (200 + i, i)).collect();
+    assert_eq!(
+        apply(&mut index, &stored(1, 1, None, &chain)),
+        Err(IndexRefusal::WorkerFull { refused: 2 })
+    );
+    assert_eq!(
+        apply(&mut index, &stored(1, 2, None, &[(300, 0)])),
+        Err(IndexRefusal::WorkerFull { refused: 1 })
+    );
+    // Another worker still has room; the first gets room back as it lets go.
+    apply(&mut index, &stored(2, 0, None, &[(400, 0)])).unwrap();
+    apply(&mut index, &removed(1, 0, &[103, 102])).unwrap();
+    apply(&mut index, &stored(1, 2, None, &[(300, 0), (301, 1)])).unwrap();
+    index.clear_rank(WorkerId(1), 1);
+    apply(&mut index, &stored(1, 3, None, &[(500, 0), (501, 1)])).unwrap();
+    let s = index.stats();
+    assert_eq!((s.blocks, s.refused_worker_full_blocks), (7, 3));
+    assert_eq!(
+        scores(&index, &[0, 1, 2]),
+        vec![(1, 0, 2), (1, 2, 2), (1, 3, 2), (2, 0, 1)]
+    );
+}
+
+#[test]
 fn the_byte_cap_holds_whatever_the_workers_send() {
     let cap = 256 << 10;
     let mut index = RouterIndex::new(RouterIndexConfig::default().max_bytes(cap));

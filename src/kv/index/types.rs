@@ -20,6 +20,7 @@ use super::RouterIndex;
 #[must_use]
 pub struct RouterIndexConfig {
     pub(super) max_blocks_per_rank: usize,
+    pub(super) max_blocks_per_worker: usize,
     pub(super) max_blocks: usize,
     pub(super) max_bytes: usize,
     pub(super) attribution: Attribution,
@@ -29,6 +30,7 @@ impl Default for RouterIndexConfig {
     fn default() -> Self {
         RouterIndexConfig {
             max_blocks_per_rank: 1 << 20,
+            max_blocks_per_worker: 1 << 23,
             max_blocks: 1 << 24,
             max_bytes: 2 << 30,
             attribution: Attribution::Publisher,
@@ -42,6 +44,15 @@ impl RouterIndexConfig {
     /// are refused and counted ([`IndexRefusal::RankFull`]).
     pub fn max_blocks_per_rank(mut self, blocks: usize) -> Self {
         self.max_blocks_per_rank = blocks;
+        self
+    }
+
+    /// Blocks one worker may hold in the index, over all its ranks. Default 2^23
+    /// (8,388,608: eight ranks at their default cap), so that one worker with many
+    /// ranks cannot take the whole index from the others. Stored blocks past it are
+    /// refused and counted ([`IndexRefusal::WorkerFull`]).
+    pub fn max_blocks_per_worker(mut self, blocks: usize) -> Self {
+        self.max_blocks_per_worker = blocks;
         self
     }
 
@@ -116,6 +127,13 @@ pub enum IndexRefusal {
     /// event's last ones) were not indexed.
     #[error("rank at its block cap: {refused} stored blocks refused")]
     RankFull {
+        /// Blocks not indexed.
+        refused: usize,
+    },
+    /// The worker holds its cap of blocks over all its ranks; `refused` stored
+    /// blocks (the event's last ones) were not indexed.
+    #[error("worker at its block cap: {refused} stored blocks refused")]
+    WorkerFull {
         /// Blocks not indexed.
         refused: usize,
     },
@@ -231,6 +249,8 @@ pub struct RouterIndexStats {
     pub refused_invalid_chain: u64,
     /// Stored blocks refused: the rank at its cap.
     pub refused_rank_full_blocks: u64,
+    /// Stored blocks refused: the worker at its cap (over all its ranks).
+    pub refused_worker_full_blocks: u64,
     /// Stored blocks refused: the index at its block or byte cap.
     pub refused_index_full_blocks: u64,
 }

@@ -87,6 +87,11 @@ pub fn local_block_hashes(tokens: &[u32], block_size: usize) -> Vec<TokensHash> 
 /// cap keeps its leading blocks that fit and refuses the rest, counted by cause. No
 /// entry exists without a block behind it: a rank that holds no block has no entry,
 /// and a position no rank holds is freed as soon as nothing below it is held either.
+/// A position no rank holds stays while blocks below it are held (a rank that evicts
+/// a prefix but keeps its tail, or moves a block hash, leaves one): such positions
+/// count against the byte cap, not against a rank's blocks. Room freed en masse
+/// comes back: once three quarters of the tables' slots are free, positions and runs
+/// are renumbered (O(what the index holds), paid for by the frees before it).
 ///
 /// # How it is laid out
 /// Positions (a tokens hash under its parent position) live in *runs*: consecutive
@@ -288,6 +293,7 @@ impl RouterIndex {
         if let Some(slot) = self.rank_of.remove(&(worker_id, dp_rank)) {
             self.drop_rank(slot);
         }
+        self.compact_if_sparse();
     }
 
     /// Drops every block of every rank of a worker (it left). O(blocks it holds).
@@ -302,6 +308,7 @@ impl RouterIndex {
             }
             self.drop_rank(slot);
         }
+        self.compact_if_sparse();
     }
 
     /// Every (worker, rank) holding the leading blocks of `sequence` (local block
@@ -529,6 +536,9 @@ impl RouterIndex {
                         self.stats.refused_invalid_chain += 1;
                         return Err(IndexRefusal::InvalidChain);
                     }
+                    // A move adds no block but may add a position (its old one
+                    // stays while blocks below it are held): the byte cap.
+                    self.position_room(left)?;
                     // The hash moves: the rank no longer holds it where it was. That
                     // may free positions on the chain's way: look again.
                     self.tree.release(slot, old, 1);
@@ -646,6 +656,31 @@ impl RouterIndex {
         Ok(fit)
     }
 
+    /// Whether one more position fits under the byte cap; counts and says why not.
+    fn position_room(&mut self, left: usize) -> Result<(), IndexRefusal> {
+        if self.bytes() + self.tree.growth(1) + tree::POSITION_BYTES > self.config.max_bytes {
+            self.stats.refused_index_full_blocks += left as u64;
+            return Err(IndexRefusal::IndexFull { refused: left });
+        }
+        Ok(())
+    }
+
+    /// Gives back the tables' room once most of it is free (positions and runs
+    /// renumbered, every rank's table rewritten): O(what the index holds), paid once
+    /// at least three quarters of the positions or runs ever made are gone.
+    fn compact_if_sparse(&mut self) {
+        let Some(moved) = self.tree.compact_if_sparse() else {
+            return;
+        };
+        for rank in self.ranks.iter_mut().flatten() {
+            for pos in rank.blocks.values_mut() {
+                if let Some(&new) = moved.get(*pos as usize) {
+                    *pos = new;
+                }
+            }
+        }
+    }
+
     /// Records that rank `slot` holds `hash` at position `pos`.
     fn remember(&mut self, slot: u32, hash: BlockHash, pos: u32) {
         let Some(r) = self.ranks.get_mut(slot as usize).and_then(Option::as_mut) else {
@@ -716,6 +751,7 @@ impl RouterIndex {
             }
         }
         self.drop_rank_if_empty(slot, key);
+        self.compact_if_sparse();
     }
 
     /// Lets go of `m` consecutive positions of a run, from offset `lo`.

@@ -280,6 +280,72 @@ fn the_byte_cap_holds_whatever_the_workers_send() {
 }
 
 #[test]
+fn moved_blocks_stay_under_the_byte_cap_and_their_room_comes_back() {
+    // Two blocks moved under each other in turn: each move leaves its old position
+    // in place (a block below it is still held) and makes a new one.
+    let cap = 64 << 10;
+    let mut index = RouterIndex::new(RouterIndexConfig::default().max_bytes(cap));
+    apply(&mut index, &stored(1, 0, None, &[(1, 1), (2, 2)])).unwrap();
+    let mut refused = 0;
+    for k in 0..20_000u64 {
+        let (parent, moved) = if k % 2 == 0 { (2, 1) } else { (1, 2) };
+        if apply(&mut index, &stored(1, 0, Some(parent), &[(moved, 10 + k)])).is_err() {
+            refused += 1;
+        }
+        assert!(index.bytes() <= cap, "{} > {cap} at {k}", index.bytes());
+    }
+    assert!(refused > 0);
+    assert_eq!(index.stats().blocks, 2);
+    // Once that worker is gone, the room is everyone's again.
+    index.remove_worker(WorkerId(1));
+    apply(&mut index, &stored(2, 0, None, &[(5, 5), (6, 6)])).unwrap();
+    assert_eq!(scores(&index, &[5, 6]), vec![(2, 0, 2)]);
+}
+
+#[test]
+fn sparse_tables_are_compacted_and_stay_right() {
+    let mut index = RouterIndex::default();
+    // 80,000 positions in chains of 100 from the root, shared by a second rank
+    // for the first half; then all but every tenth chain evicted.
+    for c in 0..800u64 {
+        let chain: Vec<(u64, u64)> = (0..100).map(|i| (c * 1000 + i + 1, c * 1000 + i)).collect();
+        apply(&mut index, &stored(1, 0, None, &chain)).unwrap();
+        if c < 400 {
+            let chain: Vec<(u64, u64)> = (0..50)
+                .map(|i| ((c * 1000 + i + 1) << 20, c * 1000 + i))
+                .collect();
+            apply(&mut index, &stored(2, 0, None, &chain)).unwrap();
+        }
+    }
+    let full = index.bytes();
+    for c in (0..800u64).filter(|c| c % 10 != 0) {
+        let tail: Vec<u64> = (0..100).rev().map(|i| c * 1000 + i + 1).collect();
+        apply(&mut index, &removed(1, 0, &tail)).unwrap();
+    }
+    index.clear_rank(WorkerId(2), 0);
+    index.tree.check();
+    let s = index.stats();
+    assert_eq!((s.blocks, s.nodes), (8_000, 8_000));
+    assert!(index.bytes() < full / 4, "{} of {full}", index.bytes());
+    for c in (0..800u64).filter(|c| c % 10 == 0) {
+        let seq: Vec<u64> = (0..100).map(|i| c * 1000 + i).collect();
+        assert_eq!(scores(&index, &seq), vec![(1, 0, 100)]);
+        assert!(index.holds(WorkerId(1), 0, BlockHash(c * 1000 + 100)));
+    }
+    // Storing under, and evicting, renumbered positions works as before.
+    let last = 790 * 1000;
+    apply(&mut index, &stored(1, 0, Some(last + 100), &[(1 << 40, 7)])).unwrap();
+    let mut seq: Vec<u64> = (0..100).map(|i| last + i).collect();
+    seq.push(7);
+    assert_eq!(scores(&index, &seq), vec![(1, 0, 101)]);
+    let tail: Vec<u64> = (50..100).rev().map(|i| last + i + 1).collect();
+    apply(&mut index, &removed(1, 0, &tail)).unwrap();
+    index.tree.check();
+    assert_eq!(index.stats().blocks, 7_951);
+    assert_eq!(scores(&index, &seq), vec![(1, 0, 50)]);
+}
+
+#[test]
 fn the_byte_count_does_not_drift_with_churn() {
     let mut index = RouterIndex::default();
     let mut next = 0u64;

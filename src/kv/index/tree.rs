@@ -25,6 +25,9 @@ pub(super) const ROOT: u32 = 0;
 /// moves at most this many positions).
 pub(super) const MAX_RUN: usize = 128;
 
+/// Slots (positions or runs) below which the tables are never compacted.
+const COMPACT_FROM: usize = 1 << 16;
+
 /// `Node::child` when the node's only child is not known.
 const NO_CHILD: u32 = u32::MAX;
 
@@ -312,7 +315,12 @@ impl Tree {
             } else {
                 let gone = self.with_node(n, |node| {
                     node.tokens.truncate(off);
-                    node.pos.split_off(off)
+                    let gone = node.pos.split_off(off);
+                    if node.tokens.capacity() > 2 * node.tokens.len() + 8 {
+                        node.tokens.shrink_to_fit();
+                        node.pos.shrink_to_fit();
+                    }
+                    gone
                 })?;
                 self.positions -= gone.len();
                 self.free_locs.extend(gone);
@@ -596,6 +604,73 @@ impl Tree {
             self.edges.shrink_to(len * 2);
             self.edges_cap_seen = self.edges.capacity();
         }
+    }
+
+    /// When at least three quarters of the positions or of the runs ever made are
+    /// free (and there are more than [`COMPACT_FROM`] slots), renumbers the live
+    /// ones from 0 and gives the rest back. Returns where each old position id
+    /// went (indexed by old id), for the ranks' tables.
+    pub(super) fn compact_if_sparse(&mut self) -> Option<Vec<u32>> {
+        let runs = self.nodes.len() - self.free_nodes.len();
+        let sparse = |live: usize, slots: usize| slots > COMPACT_FROM && live < slots / 4;
+        if !sparse(self.positions, self.locs.len()) && !sparse(runs, self.nodes.len()) {
+            return None;
+        }
+        let free: Vec<bool> = {
+            let mut free = vec![false; self.nodes.len()];
+            for &n in &self.free_nodes {
+                if let Some(f) = free.get_mut(n as usize) {
+                    *f = true;
+                }
+            }
+            free
+        };
+        // New run ids in arena order (the root stays 0), then new position ids.
+        let mut run_id = vec![u32::MAX; self.nodes.len()];
+        let mut next = 0u32;
+        for (old, id) in run_id.iter_mut().enumerate() {
+            if !free.get(old).copied().unwrap_or(true) {
+                *id = next;
+                next += 1;
+            }
+        }
+        let mut moved = vec![u32::MAX; self.locs.len()];
+        let mut nodes = Vec::with_capacity(next as usize);
+        let mut locs = Vec::with_capacity(self.positions);
+        for (old, mut node) in std::mem::take(&mut self.nodes).into_iter().enumerate() {
+            if free.get(old).copied().unwrap_or(true) {
+                continue;
+            }
+            let new = run_id.get(old).copied().unwrap_or(ROOT);
+            node.parent = run_id.get(node.parent as usize).copied().unwrap_or(ROOT);
+            if node.child != NO_CHILD {
+                node.child = run_id.get(node.child as usize).copied().unwrap_or(NO_CHILD);
+            }
+            for (offset, p) in node.pos.iter_mut().enumerate() {
+                let id = locs.len() as u32;
+                locs.push(Loc {
+                    node: new,
+                    offset: offset as u32,
+                });
+                if let Some(m) = moved.get_mut(*p as usize) {
+                    *m = id;
+                }
+                *p = id;
+            }
+            nodes.push(node);
+        }
+        self.edges = FastMap::default();
+        for (id, node) in nodes.iter().enumerate().skip(1) {
+            if let Some(&first) = node.tokens.first() {
+                self.edges.insert((node.parent, first), id as u32);
+            }
+        }
+        self.edges_cap_seen = self.edges.capacity();
+        self.nodes = nodes;
+        self.locs = locs;
+        self.free_nodes = Vec::new();
+        self.free_locs = Vec::new();
+        Some(moved)
     }
 
     /// Runs `f` on node `n`, keeping [`heap_bytes`](Self::heap_bytes) right.

@@ -699,17 +699,45 @@ async fn the_scoring_service_scores_a_request_through_the_processes() {
         );
         assert!(body.contains("\"error\""), "{body}");
     }
-    // Still serving.
+    // Clients that send their headers and then stall hold a connection each, not
+    // the scorer: a request behind them is answered at once, not after their body
+    // timeout (10 s).
+    let mut stalled = Vec::new();
+    for _ in 0..12 {
+        use tokio::io::AsyncWriteExt;
+        let mut s = within(tokio::net::TcpStream::connect(&addr)).await.unwrap();
+        s.write_all(b"POST /v1/scores HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{")
+            .await
+            .unwrap();
+        stalled.push(s);
+    }
+    // Let the router take them in.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = std::time::Instant::now();
     let (status, _) = http(
         &addr,
         &post_scores(r#"{"tokens": [0,1,2,3], "block_size": 4}"#),
     )
     .await;
     assert_eq!(status, 200);
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(3), "answered after {took:?}");
+    // Their bodies end ({}: neither kind of request), each refused.
+    for mut s in stalled {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        s.write_all(b"}").await.unwrap();
+        let mut answer = Vec::new();
+        within(s.read_to_end(&mut answer)).await.unwrap();
+        assert!(
+            answer.starts_with(b"HTTP/1.1 400"),
+            "{}",
+            String::from_utf8_lossy(&answer)
+        );
+    }
 
     let stats = router.terminate().await;
     assert_eq!(stats["serve"]["scored"], 4, "{stats}");
-    assert_eq!(stats["serve"]["refused"], 7, "{stats}");
+    assert_eq!(stats["serve"]["refused"], 7 + 12, "{stats}");
     assert_eq!(stats["index_stats"]["blocks"], 3, "{stats}");
     support::terminate_for_stats(relay).await;
 }

@@ -40,8 +40,10 @@ pub const MAX_HASHES: usize = 1 << 16;
 pub const MAX_TOKENS: usize = 1 << 22;
 /// Connections served at once.
 pub const MAX_CONNECTIONS: usize = 64;
-/// Requests read, parsed and scored at once (each holds at most its body and its
-/// parsed numbers: a few MiB).
+/// Requests parsed and scored at once (each holds its parsed numbers: a few MiB).
+/// Bodies are read before, outside this bound (one per connection: at most
+/// `MAX_CONNECTIONS` × `MAX_BODY_BYTES`, 64 MiB), so a client that stalls its body
+/// holds its connection, never the scorer.
 pub const MAX_IN_FLIGHT: usize = 8;
 const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 const BODY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -140,8 +142,7 @@ async fn accept_loop(
             let service = hyper::service::service_fn(move |req| {
                 let (feed, stats, in_flight) = (feed.clone(), stats.clone(), in_flight.clone());
                 async move {
-                    let _permit = in_flight.acquire_owned().await;
-                    Ok::<_, std::convert::Infallible>(answer(req, &feed, &stats).await)
+                    Ok::<_, std::convert::Infallible>(answer(req, &feed, &stats, &in_flight).await)
                 }
             });
             // One request per connection: a client cannot keep a slot by trickling
@@ -181,10 +182,13 @@ fn refuse(stats: &ScoreStats, status: StatusCode, why: &str) -> Response<Full<By
     )
 }
 
+/// Reads, checks and scores one request. The body is read before a scoring permit
+/// is taken: a client that stalls holds its connection, never the scorer.
 async fn answer(
     req: Request<Incoming>,
     feed: &SharedFeed,
     stats: &ScoreStats,
+    in_flight: &tokio::sync::Semaphore,
 ) -> Response<Full<Bytes>> {
     if req.uri().path() != "/v1/scores" {
         return refuse(
@@ -224,6 +228,7 @@ async fn answer(
         Ok(Err(_)) => return refuse(stats, StatusCode::BAD_REQUEST, "body not read"),
         Ok(Ok(body)) => body.to_bytes(),
     };
+    let _permit = in_flight.acquire().await;
     let request: ScoreRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {

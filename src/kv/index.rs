@@ -637,7 +637,7 @@ impl RouterIndex {
         } else {
             0
         };
-        let fixed = self.bytes() + table + self.tree.growth(want);
+        let fixed = self.bytes() + table + self.tree.growth(want) + self.holder_copies();
         let per_block = if new_position {
             tree::POSITION_BYTES
         } else {
@@ -658,11 +658,19 @@ impl RouterIndex {
 
     /// Whether one more position fits under the byte cap; counts and says why not.
     fn position_room(&mut self, left: usize) -> Result<(), IndexRefusal> {
-        if self.bytes() + self.tree.growth(1) + tree::POSITION_BYTES > self.config.max_bytes {
+        if self.bytes() + self.tree.growth(1) + self.holder_copies() + tree::POSITION_BYTES
+            > self.config.max_bytes
+        {
             self.stats.refused_index_full_blocks += left as u64;
             return Err(IndexRefusal::IndexFull { refused: left });
         }
         Ok(())
+    }
+
+    /// Bytes the holder lists of two split runs may take at most (one entry per rank
+    /// each).
+    fn holder_copies(&self) -> usize {
+        2 * self.rank_of.len() * size_of::<u32>()
     }
 
     /// Gives back the tables' room once most of it is free (positions and runs

@@ -27,6 +27,8 @@ fn main_types_are_send_and_sync() {
     send_sync::<Session>();
     send_sync::<SubSocket>();
     send_sync::<SubSocket<tokio::io::DuplexStream>>();
+    send_sync::<eventplane::zmtp::DealerSocket>();
+    send_sync::<eventplane::kv::EngineReplayStats>();
     send_sync::<MemoryDiscovery>();
     send_sync::<StaticDiscovery>();
     send_sync::<std::sync::Arc<dyn Discovery>>();

@@ -188,7 +188,10 @@ hash. Every field, with types and what is ignored: the `eventplane::kv` docs, \
 When the engine's sequence skips (its PUB dropped batches), starts again (a new \
 engine) or its connection ends, the worker no longer knows what the engine holds: it \
 emits a `cleared` router event for each data-parallel rank it forwarded events for, \
-so routers drop those blocks (counted in listener.stale_clears).";
+so routers drop those blocks (counted in listener.stale_clears). With \
+--engine-replay it first asks the engine's replay buffer for what it missed (on every \
+gap and every connection, the first included) and clears only when the buffer cannot \
+cover the loss (listener.replay counts replays, repairs and fallbacks by cause).";
 
 /// What `kv_listen --help`, `kv-router --help` say a router event looks like.
 pub const ROUTER_EVENT_HELP: &str = "\
@@ -216,6 +219,15 @@ pub struct EngineArgs {
     /// Batch across engine lists for up to this long (max 15 000).
     #[arg(long = "batch-timeout-ms")]
     pub batch_timeout_ms: Option<u64>,
+    /// The engine's replay endpoint (its ROUTER, vLLM's and SGLang's
+    /// `replay_endpoint`): losses are repaired from the engine's buffer instead of
+    /// cleared.
+    #[arg(long = "engine-replay")]
+    pub engine_replay: Option<String>,
+    /// The engine's data-parallel rank: the ports of --connect and --engine-replay are
+    /// moved up by it, as the engine moves its own.
+    #[arg(long = "engine-dp-rank", default_value_t = 0)]
+    pub engine_dp_rank: u32,
 }
 
 impl EngineArgs {
@@ -234,12 +246,16 @@ impl EngineArgs {
 
     /// The engine side of a [`eventplane::kv::Worker`].
     pub fn listener_config(&self) -> eventplane::kv::EngineListenerConfig {
-        eventplane::kv::EngineListenerConfig::new(
+        let mut config = eventplane::kv::EngineListenerConfig::new(
             &self.connect,
             self.topic.clone(),
             eventplane::kv::WorkerId(self.worker_id),
             self.block_size,
-        )
+        );
+        if let Some(replay) = &self.engine_replay {
+            config = config.engine_replay(replay);
+        }
+        config.engine_dp_rank(self.engine_dp_rank)
     }
 
     /// Starts a worker (`EngineListener → Processor → sink`) from these arguments;
@@ -278,6 +294,7 @@ pub fn static_discovery(
 fn flag(field: &str) -> Option<&'static str> {
     match field {
         "endpoint" => Some("--connect"),
+        "engine_replay" => Some("--engine-replay"),
         "block_size" => Some("--block-size"),
         "batch_timeout" => Some("--batch-timeout-ms"),
         _ => None,

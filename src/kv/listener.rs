@@ -8,6 +8,8 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use super::EngineReplayStats;
+use super::replay::ReplayLimits;
 use super::stale::{Forwarded, ViewLoss};
 use super::{EngineDecoder, EngineStats, PlacementEvent, WorkerId};
 use crate::config::{self, ConfigError};
@@ -15,6 +17,8 @@ use crate::counter;
 use crate::net::{Backoff, RateLimitedWarn, random_unit};
 use crate::wire::{Framed, Layout, SeqStep, SeqTracker};
 use crate::zmtp::{self, SubSocket};
+
+mod replaying;
 
 /// How often an [`EngineListener`] pings its engine by default, and how long it waits
 /// for the answer: 10 s.
@@ -45,6 +49,8 @@ pub struct EngineListenerConfig {
     reconnect_max: Duration,
     max_batch_elements: usize,
     max_batch_events: usize,
+    replay_endpoint: Option<String>,
+    replay_limits: ReplayLimits,
 }
 
 impl EngineListenerConfig {
@@ -80,7 +86,78 @@ impl EngineListenerConfig {
             reconnect_max: Duration::from_secs(5),
             max_batch_elements: super::DEFAULT_MAX_BATCH_ELEMENTS,
             max_batch_events: super::DEFAULT_MAX_BATCH_EVENTS,
+            replay_endpoint: None,
+            replay_limits: ReplayLimits::default(),
         }
+    }
+
+    /// The engine's replay endpoint (`tcp://host:port`, its ROUTER: vLLM's and
+    /// SGLang's `replay_endpoint`). With it, a loss is repaired instead of cleared: on a
+    /// batch-sequence gap, and on every connection to the engine (the first one
+    /// included), the listener asks the engine for what it missed and applies it in
+    /// order, holding live batches meanwhile. It clears only when the engine's buffer
+    /// cannot cover the loss: see [`ReplayFallback`](super::ReplayFallback) for the causes. Default: none
+    /// (every loss clears). A connection that ends is cleared only when the engine is
+    /// not back within the replay timeout.
+    ///
+    /// ```
+    /// use eventplane::kv::{EngineListenerConfig, WorkerId};
+    /// let config = EngineListenerConfig::new("tcp://127.0.0.1:5557", "", WorkerId(1), 16)
+    ///     .engine_replay("tcp://127.0.0.1:5558");
+    /// assert!(config.validate().is_ok());
+    /// ```
+    pub fn engine_replay(mut self, endpoint: impl Into<String>) -> Self {
+        self.replay_endpoint = Some(endpoint.into());
+        self
+    }
+
+    /// Bounds of a replay: how long to wait for each reply (default
+    /// [`DEFAULT_REPLAY_TIMEOUT`](super::DEFAULT_REPLAY_TIMEOUT)), how long one replay
+    /// may take in all ([`DEFAULT_REPLAY_DEADLINE`](super::DEFAULT_REPLAY_DEADLINE)),
+    /// and the batches applied from one replay
+    /// ([`DEFAULT_MAX_REPLAY_BATCHES`](super::DEFAULT_MAX_REPLAY_BATCHES)). None may be
+    /// zero, and the deadline may not be shorter than the timeout.
+    pub fn replay_limits(
+        mut self,
+        timeout: Duration,
+        deadline: Duration,
+        max_batches: u64,
+    ) -> Self {
+        self.replay_limits = ReplayLimits {
+            timeout,
+            deadline,
+            max_batches,
+        };
+        self
+    }
+
+    /// For an engine with data-parallel rank `rank`: offsets the port of the engine
+    /// endpoint and of the replay endpoint by `rank`, as vLLM and SGLang offset theirs
+    /// (rank 0 keeps them). An endpoint without a port is refused by
+    /// [`validate`](Self::validate).
+    ///
+    /// ```
+    /// use eventplane::kv::{EngineListenerConfig, WorkerId};
+    /// let config = EngineListenerConfig::new("tcp://10.0.0.5:5557", "", WorkerId(1), 16)
+    ///     .engine_replay("tcp://10.0.0.5:6557")
+    ///     .engine_dp_rank(2);
+    /// assert_eq!(config.endpoint(), "tcp://10.0.0.5:5559");
+    /// assert_eq!(config.replay_endpoint(), Some("tcp://10.0.0.5:6559"));
+    /// ```
+    pub fn engine_dp_rank(mut self, rank: u32) -> Self {
+        self.endpoint = offset_port(&self.endpoint, rank);
+        self.replay_endpoint = self.replay_endpoint.map(|e| offset_port(&e, rank));
+        self
+    }
+
+    /// The engine's PUB endpoint.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The engine's replay endpoint, if any.
+    pub fn replay_endpoint(&self) -> Option<&str> {
+        self.replay_endpoint.as_deref()
     }
 
     /// Per-batch decoding budgets (see [`EngineDecoder::with_limits`]). Defaults 2^19
@@ -112,6 +189,21 @@ impl EngineListenerConfig {
             });
         }
         config::backoff_range("reconnect_backoff", self.reconnect_min, self.reconnect_max)?;
+        if let Some(e) = &self.replay_endpoint {
+            if let Err(e) = zmtp::parse_tcp(e) {
+                return Err(ConfigError::Invalid {
+                    field: "engine_replay",
+                    reason: e.to_string(),
+                });
+            }
+        }
+        let l = self.replay_limits;
+        if l.max_batches == 0 || l.timeout.is_zero() || l.deadline < l.timeout {
+            return Err(ConfigError::Invalid {
+                field: "replay_limits",
+                reason: "the timeout must be positive and the deadline at least as long".into(),
+            });
+        }
         EngineDecoder::new(self.worker_id, self.block_size)?
             .with_limits(self.max_batch_elements, self.max_batch_events)
             .map_err(|e| e.renamed("batch_limits"))
@@ -179,6 +271,9 @@ pub struct EngineListenerStats {
     pub connected: bool,
     /// Decoder counters.
     pub decoder: EngineStats,
+    /// Repairs from the engine's replay buffer (all 0 without
+    /// [`EngineListenerConfig::engine_replay`]).
+    pub replay: EngineReplayStats,
 }
 
 #[derive(Debug, Default)]
@@ -194,6 +289,7 @@ struct Counters {
     untracked_ranks: AtomicU64,
     connected: std::sync::atomic::AtomicBool,
     decoder: std::sync::Mutex<EngineStats>,
+    replay: std::sync::Mutex<EngineReplayStats>,
 }
 
 /// Reads a running listener's counters.
@@ -232,6 +328,7 @@ impl EngineListenerHandle {
             untracked_ranks: l(&c.untracked_ranks),
             connected: c.connected.load(Ordering::Relaxed),
             decoder: *c.decoder.lock().unwrap_or_else(|p| p.into_inner()),
+            replay: *c.replay.lock().unwrap_or_else(|p| p.into_inner()),
         }
     }
 
@@ -324,6 +421,9 @@ impl EngineListener {
 
     /// Runs until cancelled or until the processor's input closes.
     pub async fn run(self) -> EngineListenerStats {
+        if let Some(endpoint) = self.config.replay_endpoint.clone() {
+            return self.run_replaying(endpoint).await;
+        }
         let cancel = self.cancel.clone();
         let mut decoder = self.decoder.clone();
         let mut backoff = Backoff::checked(self.config.reconnect_min, self.config.reconnect_max);
@@ -350,13 +450,7 @@ impl EngineListener {
                     }
                 }
             };
-            if connected_before {
-                counter::add(&self.counters.reconnects, 1);
-            }
-            connected_before = true;
-            self.counters.connected.store(true, Ordering::Relaxed);
-            backoff.reset();
-            seq_tracker.new_connection();
+            self.connected(&mut connected_before, &mut backoff, &mut seq_tracker);
             loop {
                 let msg = tokio::select! {
                     () = cancel.cancelled() => return self.finish(&decoder),
@@ -508,6 +602,17 @@ impl EngineListener {
         Ok(sub)
     }
 
+    /// A connection to the engine is up: counted, and the sequence starts a new
+    /// connection.
+    fn connected(&self, before: &mut bool, backoff: &mut Backoff, seq: &mut SeqTracker) {
+        if std::mem::replace(before, true) {
+            counter::add(&self.counters.reconnects, 1);
+        }
+        self.counters.connected.store(true, Ordering::Relaxed);
+        backoff.reset();
+        seq.new_connection();
+    }
+
     fn observe_seq(&self, tracker: &mut SeqTracker, seq: u64) -> Option<ViewLoss> {
         let c = &self.counters;
         match tracker.observe(seq) {
@@ -532,5 +637,20 @@ impl EngineListener {
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = decoder.stats();
         self.handle().stats()
+    }
+}
+
+/// `endpoint` with its port moved up by `rank` (unchanged for rank 0, or without a
+/// parseable port, which `validate` then refuses).
+fn offset_port(endpoint: &str, rank: u32) -> String {
+    if rank == 0 {
+        return endpoint.to_owned();
+    }
+    match endpoint.rsplit_once(':') {
+        Some((host, port)) => match port.parse::<u32>() {
+            Ok(p) => format!("{host}:{}", p.saturating_add(rank)),
+            Err(_) => endpoint.to_owned(),
+        },
+        None => endpoint.to_owned(),
     }
 }

@@ -124,6 +124,7 @@ mod index;
 mod listener;
 mod pipeline;
 mod processor;
+mod replay;
 mod schema;
 mod sink;
 mod stale;
@@ -154,6 +155,11 @@ pub use pipeline::Pipeline;
 pub use processor::{
     EventSink, LocalIndex, MAX_BATCH_TIMEOUT, Processor, ProcessorConfig, ProcessorHandle,
     ProcessorStats,
+};
+pub use replay::{
+    DEFAULT_MAX_REPLAY_BATCHES, DEFAULT_REPLAY_DEADLINE, DEFAULT_REPLAY_TIMEOUT, EngineReplayStats,
+    MAX_HELD_BATCHES, MAX_HELD_BYTES, REPLAY_RETRY_AFTER, REPLAY_TAIL_PROBE, REPLAY_TAIL_PROBE_MAX,
+    ReplayFallback, ReplayFallbacks,
 };
 pub use sink::{
     EventPlaneSink, MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, decode_router_events,

@@ -34,6 +34,8 @@ pub(crate) enum ViewLoss {
     /// A batch was rejected whole, or a removal in it could not be decoded: blocks it
     /// removed may stay indexed.
     Undecodable,
+    /// A loss the engine's replay buffer could not repair.
+    Unrepaired(super::ReplayFallback),
 }
 
 impl ViewLoss {
@@ -44,6 +46,7 @@ impl ViewLoss {
             ViewLoss::Gap(_) => "gap",
             ViewLoss::Reset => "reset",
             ViewLoss::Undecodable => "undecodable",
+            ViewLoss::Unrepaired(cause) => cause.as_str(),
         }
     }
 }

@@ -137,6 +137,16 @@ catalogue! {
         "Events forwarded for a rank beyond the tracked ones.";
     KV_LISTENER_CONNECTED: Gauge "eventplane_kv_listener_connected" [] "EngineListenerStats"
         "1 while a connection to the engine is up.";
+    KV_REPLAY_REQUESTS: Counter "eventplane_kv_listener_replays_total" [] "EngineListenerStats"
+        "Replay requests sent to the engine's replay endpoint.";
+    KV_REPLAY_BATCHES: Counter "eventplane_kv_listener_replayed_batches_total" [] "EngineListenerStats"
+        "Engine batches applied from replay replies.";
+    KV_REPLAY_REPAIRS: Counter "eventplane_kv_listener_replay_repairs_total" [] "EngineListenerStats"
+        "Losses repaired from the engine's replay buffer without a clear.";
+    KV_REPLAY_FALLBACKS: Counter "eventplane_kv_listener_replay_fallbacks_total" ["cause"] "EngineListenerStats"
+        "Losses the replay buffer could not repair (cleared), by cause: unreachable, timeout, too_new, restart, no_progress.";
+    KV_REPLAY_HELD_DROPPED: Counter "eventplane_kv_listener_replay_held_dropped_total" [] "EngineListenerStats"
+        "Live batches dropped while a replay ran (fetched by a further replay).";
     KV_DECODER_BATCHES: Counter "eventplane_kv_decoder_batches_total" [] "EngineListenerStats"
         "Engine batches decoded.";
     KV_DECODER_MALFORMED: Counter "eventplane_kv_decoder_malformed_batches_total" [] "EngineListenerStats"

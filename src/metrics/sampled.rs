@@ -172,6 +172,14 @@ impl Sampled for EngineListenerStats {
         out.counter(&KV_LISTENER_STALE_CLEARS, self.stale_clears);
         out.counter(&KV_LISTENER_UNTRACKED_RANKS, self.untracked_ranks);
         out.gauge(&KV_LISTENER_CONNECTED, u64::from(self.connected));
+        let r = &self.replay;
+        out.counter(&KV_REPLAY_REQUESTS, r.replays);
+        out.counter(&KV_REPLAY_BATCHES, r.replayed_batches);
+        out.counter(&KV_REPLAY_REPAIRS, r.repairs);
+        for cause in crate::kv::ReplayFallback::ALL {
+            out.labelled(&KV_REPLAY_FALLBACKS, cause.as_str(), r.fallbacks.get(cause));
+        }
+        out.counter(&KV_REPLAY_HELD_DROPPED, r.held_dropped);
         let d = &self.decoder;
         out.counter(&KV_DECODER_BATCHES, d.batches);
         out.counter(&KV_DECODER_MALFORMED, d.malformed_batches);

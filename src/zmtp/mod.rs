@@ -33,6 +33,7 @@
 pub mod codec;
 mod config;
 pub mod conformance;
+mod dealer;
 mod endpoint;
 mod error;
 mod io;
@@ -45,6 +46,7 @@ mod session;
 mod sub;
 
 pub use config::{Config, ConfigBuilder, MAX_HEARTBEAT_TTL};
+pub use dealer::DealerSocket;
 pub(crate) use endpoint::parse_tcp;
 pub use error::{Error, ProtocolError, TimeoutKind};
 pub use message::{Message, Parts};

@@ -271,9 +271,28 @@ where
         retention: Arc<Retention>,
         release_when_idle: bool,
     ) -> Result<Self, Error> {
-        let mut conn = Conn::new(stream, SocketType::Sub, &config, Some(retention.clone()));
+        Self::handshake_as(
+            SocketType::Sub,
+            stream,
+            config,
+            retention,
+            release_when_idle,
+        )
+        .await
+    }
+
+    /// The handshake as `socket_type`: a [`DealerSocket`](super::DealerSocket) is this
+    /// receive loop (unfiltered) with a way to send.
+    pub(crate) async fn handshake_as(
+        socket_type: SocketType,
+        stream: S,
+        config: Config,
+        retention: Arc<Retention>,
+        release_when_idle: bool,
+    ) -> Result<Self, Error> {
+        let mut conn = Conn::new(stream, socket_type, &config, Some(retention.clone()));
         poll_fn(|cx| conn.poll_handshake(cx)).await?;
-        tracing::debug!(peer = ?conn.session.peer(), "zmtp sub handshake complete");
+        tracing::debug!(peer = ?conn.session.peer(), ?socket_type, "zmtp handshake complete");
         Ok(SubSocket {
             conn,
             retention,
@@ -346,6 +365,18 @@ where
 
     async fn flush(&mut self) -> Result<(), Error> {
         poll_fn(|cx| self.conn.poll_write_out(cx)).await
+    }
+
+    /// Queues `msg` for the peer and writes it out (a DEALER's request). A socket that
+    /// already failed returns its error.
+    pub(crate) async fn send_message(&mut self, msg: &Message) -> Result<(), Error> {
+        if let Some(e) = self.pending_error.take() {
+            return Err(e);
+        }
+        if !self.conn.session.send_message(msg) {
+            return Err(Error::SocketClosed);
+        }
+        self.flush().await
     }
 
     /// Receives the next message that matches a subscription.

@@ -293,7 +293,12 @@ impl PyPeer {
     /// Runs `script` with Debian's Python (pyzmq, msgpack), stdin and stdout piped.
     pub fn script(script: PathBuf, args: &[&str]) -> PyPeer {
         require_pyzmq();
-        let mut child = Command::new(PYTHON)
+        PyPeer::with_python(std::path::Path::new(PYTHON), script, args)
+    }
+
+    /// Runs `script` with `python`, stdin and stdout piped.
+    pub fn with_python(python: &std::path::Path, script: PathBuf, args: &[&str]) -> PyPeer {
+        let mut child = Command::new(python)
             .arg(script)
             .args(args)
             .stdin(Stdio::piped())

@@ -4,6 +4,7 @@
 //! ```text
 //! kv-relay --connect EP --topic T --block-size B --worker-id W [--bind EP2]
 //!          [--publish-topic kv-events] [--batch-timeout-ms MS]
+//!          [--engine-replay EP] [--engine-dp-rank R]
 //!          [--wire eventplane|dynamo]
 //!          [(--etcd URL | --kube) --namespace NS --component C [--advertise-host H]
 //!           [--endpoint E] [--dp-rank R]]
@@ -53,7 +54,9 @@
 //!
 //! When it loses track of the engine (its sequence skips or restarts, its connection
 //! ends, a batch cannot be decoded) it publishes a `Cleared` for every rank it had
-//! forwarded (DESIGN §4.6). Its event ids count per relay: Dynamo's router tracks ids
+//! forwarded (DESIGN §4.6). With `--engine-replay` (the engine's replay ROUTER) it
+//! first repairs from the engine's buffer and clears only when that cannot cover the
+//! loss (services/README.md, "kv-relay: repairing from the engine's replay buffer"). Its event ids count per relay: Dynamo's router tracks ids
 //! per (worker, rank), so for Dynamo's wire run one relay per data-parallel rank, as
 //! vLLM publishes one stream per rank. A
 //! bind on `0.0.0.0` needs `--advertise-host`. A Dynamo router indexes a worker's

@@ -64,7 +64,9 @@ impl Session {
         self.handshake_deadline = None;
         let mut limits = *self.decoder.limits();
         match self.socket_type {
-            SocketType::Sub => limits.max_command_size = self.config.max_frame_size,
+            SocketType::Sub | SocketType::Dealer => {
+                limits.max_command_size = self.config.max_frame_size;
+            }
             SocketType::Pub => {
                 // A subscriber has nothing to send but subscriptions (a message of
                 // `0x01 prefix`, or a command) and heartbeats: a publisher never

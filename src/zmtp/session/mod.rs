@@ -421,6 +421,11 @@ impl Session {
     fn on_message(&mut self, msg: Message) -> Result<Option<Event>, Error> {
         match self.socket_type {
             SocketType::Sub => Ok(self.sub_accepts(&msg).then_some(Event::Message(msg))),
+            SocketType::Dealer => {
+                self.stats.messages += 1;
+                self.stats.bytes = self.stats.bytes.saturating_add(msg.byte_len() as u64);
+                Ok(Some(Event::Message(msg)))
+            }
             SocketType::Pub => {
                 // ZMTP 3.0 subscription form: one frame, `0x01 prefix` / `0x00 prefix`.
                 let mut parts = msg.into_parts();

@@ -19,6 +19,9 @@ pub enum SocketType {
     Pub,
     /// A subscriber: sends subscriptions, receives messages.
     Sub,
+    /// A dealer: sends and receives whole messages, unfiltered (the client side of a
+    /// request to a ROUTER, such as an engine's replay endpoint).
+    Dealer,
 }
 
 impl SocketType {
@@ -27,6 +30,7 @@ impl SocketType {
         match self {
             SocketType::Pub => "PUB",
             SocketType::Sub => "SUB",
+            SocketType::Dealer => "DEALER",
         }
     }
 
@@ -34,6 +38,7 @@ impl SocketType {
         let ok: &[&[u8]] = match self {
             SocketType::Pub => &[b"SUB", b"XSUB"],
             SocketType::Sub => &[b"PUB", b"XPUB"],
+            SocketType::Dealer => &[b"ROUTER", b"DEALER", b"REP"],
         };
         ok.iter().any(|t| t.eq_ignore_ascii_case(peer))
     }
@@ -93,7 +98,8 @@ impl PeerInfo {
 pub enum Event {
     /// The handshake completed.
     Ready(PeerInfo),
-    /// A message that passed the local subscription filter (SUB role).
+    /// A message that passed the local subscription filter (SUB role), or any message
+    /// (DEALER role).
     Message(Message),
     /// The peer's first subscription to this prefix (PUB role; repeats are counted, not
     /// reported).

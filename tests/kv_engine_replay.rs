@@ -18,8 +18,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use eventplane::kv::{
-    EngineListener, EngineListenerConfig, KvEventData, PlacementEvent, WorkerId,
-    decode_router_events,
+    EngineListener, EngineListenerConfig, KvEventData, PlacementEvent, Recovered,
+    RecoveryClientConfig, RecoveryRequest, WorkerId, decode_router_events, recover,
 };
 use eventplane::zmtp::{Config, SubSocket};
 use support::{PyPeer, Watched, dynamo_python, restartable_endpoint, support_dir, within};
@@ -166,23 +166,26 @@ fn route(relay_endpoint: String) -> Arc<Mutex<View>> {
 /// `kv-relay --engine-replay` in front of the engine and a router subscribed to it,
 /// from an engine that reset its cache once the router was in place.
 async fn relay_in_front(engine: &mut EnginePeer) -> (Watched, Arc<Mutex<View>>) {
-    let mut relay = Watched::spawn(
-        "kv-relay",
-        &[
-            "--connect",
-            &engine.publish,
-            "--engine-replay",
-            &engine.replay,
-            "--topic",
-            TOPIC,
-            "--block-size",
-            BLOCK_SIZE,
-            "--worker-id",
-            "1",
-            "--bind",
-            "tcp://127.0.0.1:0",
-        ],
-    );
+    relay_with(engine, &[]).await
+}
+
+async fn relay_with(engine: &mut EnginePeer, extra: &[&str]) -> (Watched, Arc<Mutex<View>>) {
+    let mut args = vec![
+        "--connect",
+        &engine.publish,
+        "--engine-replay",
+        &engine.replay,
+        "--topic",
+        TOPIC,
+        "--block-size",
+        BLOCK_SIZE,
+        "--worker-id",
+        "1",
+        "--bind",
+        "tcp://127.0.0.1:0",
+    ];
+    args.extend(extra);
+    let mut relay = Watched::spawn("kv-relay", &args);
     let endpoint = relay.line().await;
     let view = route(endpoint);
     // The router is subscribed once its first event arrives: publish until one does,
@@ -332,4 +335,53 @@ async fn a_listener_started_late_rebuilds_the_engines_blocks_from_its_buffer() {
         assert_eq!(stats.replay.fallbacks.total(), 0, "{:?}", stats.replay);
         assert!(stats.replay.replayed_batches >= 230, "{:?}", stats.replay);
     }
+}
+
+/// A router that starts late rebuilds the worker from the relay's dump (what the
+/// engine holds, through the relay), and one that missed events gets them from the
+/// relay's ring.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_router_rebuilds_the_worker_from_the_relays_dump_and_ring() {
+    let mut engine = EnginePeer::start("vllm-0.34.0", "vllm").await;
+    let (mut relay, view) =
+        relay_with(&mut engine, &["--recovery-bind", "tcp://127.0.0.1:0"]).await;
+    let recovery = relay.line().await;
+    let recovery = recovery.strip_prefix("recovery ").unwrap().to_owned();
+    engine.burst(40).await;
+    converged(&view, &mut engine, "live").await;
+    let Recovered::Dump(dump) = recover(
+        &recovery,
+        RecoveryRequest::Dump,
+        RecoveryClientConfig::default(),
+    )
+    .await
+    .unwrap() else {
+        panic!("a dump")
+    };
+    assert!(dump.complete);
+    let mut rebuilt = View::default();
+    for ev in &dump.events {
+        rebuilt.apply(&ev.event.data);
+    }
+    assert_eq!(
+        rebuilt.blocks,
+        engine.truth().await,
+        "the dump is what the engine holds"
+    );
+    // The last ten events, as a router that missed them asks.
+    let since = dump.current_id - 10;
+    let Recovered::Events { events, current_id } = recover(
+        &recovery,
+        RecoveryRequest::Since(since),
+        RecoveryClientConfig::default(),
+    )
+    .await
+    .unwrap() else {
+        panic!("kept")
+    };
+    assert_eq!(current_id, dump.current_id);
+    let ids: Vec<u64> = events.iter().map(|e| e.event.id).collect();
+    assert_eq!(ids, (since + 1..=current_id).collect::<Vec<_>>());
+    let stats = relay.terminate().await;
+    assert_eq!(stats["recovery"]["server"]["dump_requests"], 1, "{stats}");
 }

@@ -124,6 +124,7 @@ mod index;
 mod listener;
 mod pipeline;
 mod processor;
+mod recovery;
 mod replay;
 mod schema;
 mod sink;
@@ -155,6 +156,12 @@ pub use pipeline::Pipeline;
 pub use processor::{
     EventSink, LocalIndex, MAX_BATCH_TIMEOUT, Processor, ProcessorConfig, ProcessorHandle,
     ProcessorStats,
+};
+pub use recovery::{
+    DEFAULT_CONCURRENT_DUMPS, DEFAULT_MAX_LOG_BLOCKS, DEFAULT_RECOVERY_CONNECTIONS,
+    DEFAULT_RECOVERY_EVENT_BLOCKS, DEFAULT_RECOVERY_EVENTS, Dump, RECOVERY_IDLE_TIMEOUT, Recovered,
+    RecoveryClientConfig, RecoveryError, RecoveryRequest, RecoveryServer, RecoveryServerStats,
+    SharedWorkerLog, Since, WorkerLog, WorkerLogConfig, WorkerLogStats, recover, recover_over,
 };
 pub use replay::{
     DEFAULT_MAX_REPLAY_BATCHES, DEFAULT_REPLAY_DEADLINE, DEFAULT_REPLAY_TIMEOUT, EngineReplayStats,

@@ -78,6 +78,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> DealerSocket<S> {
         Ok(DealerSocket { inner })
     }
 
+    /// Performs the handshake as one connection of a ROUTER over `stream` (the server
+    /// side of a DEALER's requests): it receives what the peer sends and answers on
+    /// the same connection.
+    pub async fn accept_as_router(stream: S, config: Config) -> Result<Self, Error> {
+        let retention = Arc::new(Retention::new(config.max_retained_bytes));
+        let inner =
+            SubSocket::handshake_as(SocketType::Router, stream, config, retention, false).await?;
+        Ok(DealerSocket { inner })
+    }
+
     /// Sends `msg` and waits until it is written to the stream. Cancel-safe in the
     /// sense that the message is either queued whole or not at all; a cancelled send
     /// may leave it queued, written by the next call.

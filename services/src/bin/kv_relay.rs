@@ -76,7 +76,7 @@ use std::sync::Arc;
 use clap::{CommandFactory, Parser};
 use common::{EngineArgs, StartError, chain, stop_signal};
 use eventplane::discovery::{BoxFuture, Discovery};
-use eventplane::kv::Worker;
+use eventplane::kv::{RecoveryServer, SharedWorkerLog, Worker, WorkerLogConfig};
 use eventplane::metrics::Exporter;
 use eventplane::publish::{EventPublisher, PublishError};
 use eventplane::wire::Wire;
@@ -122,6 +122,11 @@ struct Args {
     /// Topic of the published router events.
     #[arg(long = "publish-topic", default_value = "kv-events")]
     publish_topic: String,
+    /// Serve this worker's recovery endpoint here (tcp://host:port; port 0 for any):
+    /// its last router events and a dump of its blocks, for routers that lost some
+    /// (`kv::RecoveryServer`). Printed as the second stdout line, `recovery EP`.
+    #[arg(long = "recovery-bind")]
+    recovery_bind: Option<String>,
     /// What to publish: our wire, or Dynamo's.
     #[arg(long, default_value = "eventplane")]
     wire: Wire,
@@ -274,11 +279,29 @@ async fn main() -> ExitCode {
         Ok(s) => s,
         Err(e) => return e.report(),
     };
+    // The worker's recovery log, kept before publishing, served to routers.
+    let recovery = match &args.recovery_bind {
+        Some(bind) => {
+            let log = SharedWorkerLog::new(WorkerLogConfig::default());
+            match RecoveryServer::bind(bind, log.clone()).await {
+                Ok(server) => Some((server, log)),
+                Err(e) => {
+                    eprintln!("cannot bind --recovery-bind {bind}: {}", chain(&e));
+                    return ExitCode::from(3);
+                }
+            }
+        }
+        None => None,
+    };
+    let log = recovery.as_ref().map(|(_, log)| log.clone());
     // EngineListener → Processor → EventPlaneSink → this publisher.
-    let worker = match args
-        .engine
-        .start(|engine| Worker::builder(engine, publisher))
-    {
+    let worker = match args.engine.start(|engine| {
+        let builder = Worker::builder(engine, publisher);
+        match log {
+            Some(log) => builder.local_index(Box::new(log)),
+            None => builder,
+        }
+    }) {
         Ok(w) => w,
         Err(e) => {
             eprintln!("{e}");
@@ -320,6 +343,9 @@ async fn main() -> ExitCode {
         _ => None,
     };
     println!("{endpoint}");
+    if let Some((server, _)) = &recovery {
+        println!("recovery {}", server.local_endpoint());
+    }
 
     stop.await;
     if let Some(admin) = admin {
@@ -341,6 +367,10 @@ async fn main() -> ExitCode {
         "publisher": worker_stats.publisher,
         "publisher_id": publisher_id,
         "source": source_stats,
+        "recovery": recovery.as_ref().map(|(server, log)| serde_json::json!({
+            "server": server.stats(),
+            "log": log.stats(),
+        })),
     });
     eprintln!("{stats}");
     ExitCode::SUCCESS

@@ -64,7 +64,7 @@ impl Session {
         self.handshake_deadline = None;
         let mut limits = *self.decoder.limits();
         match self.socket_type {
-            SocketType::Sub | SocketType::Dealer => {
+            SocketType::Sub | SocketType::Dealer | SocketType::Router => {
                 limits.max_command_size = self.config.max_frame_size;
             }
             SocketType::Pub => {

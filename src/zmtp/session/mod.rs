@@ -421,7 +421,7 @@ impl Session {
     fn on_message(&mut self, msg: Message) -> Result<Option<Event>, Error> {
         match self.socket_type {
             SocketType::Sub => Ok(self.sub_accepts(&msg).then_some(Event::Message(msg))),
-            SocketType::Dealer => {
+            SocketType::Dealer | SocketType::Router => {
                 self.stats.messages += 1;
                 self.stats.bytes = self.stats.bytes.saturating_add(msg.byte_len() as u64);
                 Ok(Some(Event::Message(msg)))

@@ -22,6 +22,10 @@ pub enum SocketType {
     /// A dealer: sends and receives whole messages, unfiltered (the client side of a
     /// request to a ROUTER, such as an engine's replay endpoint).
     Dealer,
+    /// One connection of a ROUTER: receives whole messages, unfiltered, and answers on
+    /// the same connection (the server side of a DEALER's requests; identities are not
+    /// needed when each connection is served on its own).
+    Router,
 }
 
 impl SocketType {
@@ -31,6 +35,7 @@ impl SocketType {
             SocketType::Pub => "PUB",
             SocketType::Sub => "SUB",
             SocketType::Dealer => "DEALER",
+            SocketType::Router => "ROUTER",
         }
     }
 
@@ -39,6 +44,7 @@ impl SocketType {
             SocketType::Pub => &[b"SUB", b"XSUB"],
             SocketType::Sub => &[b"PUB", b"XPUB"],
             SocketType::Dealer => &[b"ROUTER", b"DEALER", b"REP"],
+            SocketType::Router => &[b"DEALER", b"REQ", b"ROUTER"],
         };
         ok.iter().any(|t| t.eq_ignore_ascii_case(peer))
     }

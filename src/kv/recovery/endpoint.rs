@@ -1,0 +1,525 @@
+//! The recovery endpoint: a worker serves its [`WorkerLog`] over ZMTP, a router asks.
+//!
+//! A DEALER (the router) sends one request per message; a ROUTER connection (the
+//! worker) answers on the same connection:
+//!
+//! | request | answer |
+//! |---|---|
+//! | `["", "since", id u64be]` | `["", "events", payload]`… then `["", "end", current_id u64be, 1]`, or `["", "too_old", oldest u64be]` |
+//! | `["", "dump"]` | `["", "events", payload]`… then `["", "end", current_id u64be, complete 0/1]` |
+//!
+//! `payload` is a msgpack list of router events, as the worker publishes them (at most
+//! 128 events and 8,192 blocks a message). Anything else is answered
+//! `["", "error", reason]` and the connection closed.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use super::{Dump, SharedWorkerLog, Since};
+use crate::counter;
+use crate::kv::{RouterEvent, decode_router_events, encode_router_events, split_messages};
+use crate::zmtp::{self, DealerSocket, Message};
+
+/// Connections a recovery endpoint serves at once by default: 16 (more are closed at
+/// once and counted).
+///
+/// ```
+/// assert_eq!(eventplane::kv::DEFAULT_RECOVERY_CONNECTIONS, 16);
+/// ```
+pub const DEFAULT_RECOVERY_CONNECTIONS: usize = 16;
+
+/// Dumps built at once by default: 2. Requests that find the log where the last dump
+/// left it share that dump instead of building another.
+///
+/// ```
+/// assert_eq!(eventplane::kv::DEFAULT_CONCURRENT_DUMPS, 2);
+/// ```
+pub const DEFAULT_CONCURRENT_DUMPS: usize = 2;
+
+/// How long a recovery connection may stay silent before it is closed: 30 s.
+///
+/// ```
+/// assert_eq!(eventplane::kv::RECOVERY_IDLE_TIMEOUT, std::time::Duration::from_secs(30));
+/// ```
+pub const RECOVERY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Largest request a recovery endpoint reads: 64 bytes (a request is at most 3 short
+/// frames; anything larger fails the connection before it is assembled).
+const MAX_REQUEST: usize = 64;
+
+/// Messages of router events in one answer.
+const EVENTS_PER_MESSAGE: usize = 128;
+const BLOCKS_PER_MESSAGE: usize = 8192;
+
+/// What a router asks a worker for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RecoveryRequest {
+    /// The events after this id.
+    Since(u64),
+    /// Every block the worker holds.
+    Dump,
+}
+
+/// What a worker answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Recovered {
+    /// The events after the asked id, and the id they lead up to.
+    Events {
+        /// The events, in order.
+        events: Vec<RouterEvent>,
+        /// The worker's newest event id.
+        current_id: u64,
+    },
+    /// The worker no longer keeps the events after the asked id: ask for a dump.
+    TooOld {
+        /// The oldest id it keeps.
+        oldest: u64,
+    },
+    /// A dump.
+    Dump(Dump),
+}
+
+/// Why a recovery request failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RecoveryError {
+    /// The endpoint could not be reached, or its connection failed.
+    #[error("recovery connection failed")]
+    Connection(#[from] zmtp::Error),
+    /// No complete answer within the timeout.
+    #[error("no complete recovery answer within {0:?}")]
+    Timeout(Duration),
+    /// The answer was larger than the client accepts.
+    #[error("recovery answer larger than {0} bytes")]
+    TooLarge(usize),
+    /// The answer was not a recovery answer.
+    #[error("malformed recovery answer: {0}")]
+    Malformed(&'static str),
+    /// The worker refused the request.
+    #[error("the worker refused the request: {0}")]
+    Refused(String),
+}
+
+/// Counters of a [`RecoveryServer`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct RecoveryServerStats {
+    /// Connections accepted.
+    pub connections: u64,
+    /// Connections closed at once because [`DEFAULT_RECOVERY_CONNECTIONS`] were open.
+    pub refused_connections: u64,
+    /// "since" requests answered with events.
+    pub since_requests: u64,
+    /// "since" requests answered `too_old`.
+    pub too_old: u64,
+    /// Dump requests answered.
+    pub dump_requests: u64,
+    /// Dumps built (the others shared one already built at the same id).
+    pub dumps_built: u64,
+    /// Requests that were not a recovery request (answered `error`, closed).
+    pub malformed_requests: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    connections: AtomicU64,
+    refused: AtomicU64,
+    since: AtomicU64,
+    too_old: AtomicU64,
+    dumps: AtomicU64,
+    built: AtomicU64,
+    malformed: AtomicU64,
+}
+
+/// An encoded dump, shared by the requests that find the log at its id.
+type Encoded = Arc<(u64, bool, Vec<Bytes>)>;
+
+#[derive(Debug)]
+struct Shared {
+    log: SharedWorkerLog,
+    counters: Counters,
+    connections: Arc<Semaphore>,
+    dumps: Semaphore,
+    last_dump: Mutex<Option<Encoded>>,
+    config: zmtp::Config,
+}
+
+/// A worker's recovery endpoint: serves its [`SharedWorkerLog`] to routers (see the
+/// [module docs](self) for the protocol).
+///
+/// ```
+/// use eventplane::kv::{RecoveryRequest, RecoveryServer, Recovered, SharedWorkerLog, WorkerLogConfig};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let log = SharedWorkerLog::new(WorkerLogConfig::default());
+/// let server = RecoveryServer::bind("tcp://127.0.0.1:0", log.clone()).await?;
+/// let answer = eventplane::kv::recover(server.local_endpoint(), RecoveryRequest::Dump, Default::default()).await?;
+/// assert!(matches!(answer, Recovered::Dump(d) if d.events.is_empty()));
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct RecoveryServer {
+    shared: Arc<Shared>,
+    endpoint: String,
+    cancel: CancellationToken,
+}
+
+impl Drop for RecoveryServer {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+impl RecoveryServer {
+    /// Binds `endpoint` (`tcp://host:port`, port 0 for any) and serves `log` until
+    /// dropped.
+    pub async fn bind(endpoint: &str, log: SharedWorkerLog) -> Result<RecoveryServer, zmtp::Error> {
+        let (host, port) = zmtp::parse_tcp(endpoint)?;
+        let listener = TcpListener::bind((host.as_str(), port)).await?;
+        let local = listener.local_addr()?;
+        let server = RecoveryServer {
+            shared: Arc::new(Shared {
+                log,
+                counters: Counters::default(),
+                connections: Arc::new(Semaphore::new(DEFAULT_RECOVERY_CONNECTIONS)),
+                dumps: Semaphore::new(DEFAULT_CONCURRENT_DUMPS),
+                last_dump: Mutex::new(None),
+                config: zmtp::Config::builder()
+                    .max_frame_size(MAX_REQUEST)
+                    .max_message_size(MAX_REQUEST)
+                    .build()
+                    .unwrap_or_default(),
+            }),
+            endpoint: format!("tcp://{local}"),
+            cancel: CancellationToken::new(),
+        };
+        let shared = server.shared.clone();
+        let cancel = server.cancel.clone();
+        tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    () = cancel.cancelled() => return,
+                    a = listener.accept() => a,
+                };
+                match accepted {
+                    Ok((stream, _)) => {
+                        let _ = stream.set_nodelay(true);
+                        serve(shared.clone(), stream, cancel.clone());
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "recovery endpoint accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        });
+        tracing::debug!(endpoint = %server.endpoint, "recovery endpoint bound");
+        Ok(server)
+    }
+
+    /// The bound endpoint, `tcp://ip:port`.
+    pub fn local_endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Serves one router over an already connected stream (a tunnel stream).
+    pub fn serve_stream<S>(&self, stream: S)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        serve(self.shared.clone(), stream, self.cancel.clone());
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> RecoveryServerStats {
+        let c = &self.shared.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        RecoveryServerStats {
+            connections: l(&c.connections),
+            refused_connections: l(&c.refused),
+            since_requests: l(&c.since),
+            too_old: l(&c.too_old),
+            dump_requests: l(&c.dumps),
+            dumps_built: l(&c.built),
+            malformed_requests: l(&c.malformed),
+        }
+    }
+}
+
+fn serve<S>(shared: Arc<Shared>, stream: S, cancel: CancellationToken)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let Ok(permit) = shared.connections.clone().try_acquire_owned() else {
+        counter::add(&shared.counters.refused, 1);
+        return;
+    };
+    counter::add(&shared.counters.connections, 1);
+    tokio::spawn(async move {
+        let _permit = permit;
+        let conn = async {
+            let mut socket = DealerSocket::accept_as_router(stream, shared.config.clone()).await?;
+            loop {
+                let request = match tokio::time::timeout(RECOVERY_IDLE_TIMEOUT, socket.recv()).await
+                {
+                    Ok(r) => r?,
+                    Err(_) => return Ok(()),
+                };
+                if !answer(&shared, &mut socket, &request).await? {
+                    return Ok(());
+                }
+            }
+        };
+        tokio::select! {
+            () = cancel.cancelled() => {}
+            r = conn => {
+                if let Err(e) = r {
+                    let e: zmtp::Error = e;
+                    tracing::debug!(error = %crate::net::ErrorChain(&e), "recovery connection ended");
+                }
+            }
+        }
+    });
+}
+
+/// Answers one request; `false` when the connection must close.
+async fn answer<S>(
+    shared: &Shared,
+    socket: &mut DealerSocket<S>,
+    request: &Message,
+) -> Result<bool, zmtp::Error>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let c = &shared.counters;
+    let kind = (request.len(), request.get(0), request.get(1));
+    match kind {
+        (3, Some(b""), Some(b"since")) => {
+            let Some(after) = request.get(2).and_then(|f| <[u8; 8]>::try_from(f).ok()) else {
+                return refuse(c, socket, "since needs a u64 id").await;
+            };
+            let (since, current) = shared
+                .log
+                .with(|log| (log.since(u64::from_be_bytes(after)), log.stats().last_id));
+            match since {
+                Since::Events(events) => {
+                    counter::add(&c.since, 1);
+                    for m in encode(&events) {
+                        socket
+                            .send(&Message::from_parts([
+                                Bytes::new(),
+                                Bytes::from_static(b"events"),
+                                m,
+                            ]))
+                            .await?;
+                    }
+                    socket.send(&end(current, true)).await?;
+                }
+                Since::TooOld { oldest } => {
+                    counter::add(&c.too_old, 1);
+                    let reply = Message::from_parts([
+                        Bytes::new(),
+                        Bytes::from_static(b"too_old"),
+                        Bytes::copy_from_slice(&oldest.to_be_bytes()),
+                    ]);
+                    socket.send(&reply).await?;
+                }
+            }
+            Ok(true)
+        }
+        (2, Some(b""), Some(b"dump")) => {
+            counter::add(&c.dumps, 1);
+            let dump = dump(shared).await;
+            for m in &dump.2 {
+                socket
+                    .send(&Message::from_parts([
+                        Bytes::new(),
+                        Bytes::from_static(b"events"),
+                        m.clone(),
+                    ]))
+                    .await?;
+            }
+            socket.send(&end(dump.0, dump.1)).await?;
+            Ok(true)
+        }
+        _ => refuse(c, socket, "not a recovery request").await,
+    }
+}
+
+async fn refuse<S>(
+    c: &Counters,
+    socket: &mut DealerSocket<S>,
+    reason: &'static str,
+) -> Result<bool, zmtp::Error>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    counter::add(&c.malformed, 1);
+    let reply = Message::from_parts([
+        Bytes::new(),
+        Bytes::from_static(b"error"),
+        Bytes::from_static(reason.as_bytes()),
+    ]);
+    socket.send(&reply).await?;
+    Ok(false)
+}
+
+fn end(current: u64, complete: bool) -> Message {
+    Message::from_parts([
+        Bytes::new(),
+        Bytes::from_static(b"end"),
+        Bytes::copy_from_slice(&current.to_be_bytes()),
+        Bytes::from(vec![u8::from(complete)]),
+    ])
+}
+
+fn encode(events: &[RouterEvent]) -> Vec<Bytes> {
+    split_messages(events, EVENTS_PER_MESSAGE, BLOCKS_PER_MESSAGE)
+        .filter_map(|m| encode_router_events(m).ok().map(Bytes::from))
+        .collect()
+}
+
+/// The dump at the log's current id: shared when one was built there, else built
+/// (at most [`DEFAULT_CONCURRENT_DUMPS`] at once).
+async fn dump(shared: &Shared) -> Encoded {
+    let current = shared.log.stats().last_id;
+    let cached = |shared: &Shared| {
+        shared
+            .last_dump
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .filter(|d| d.0 == current)
+    };
+    if let Some(d) = cached(shared) {
+        return d;
+    }
+    let _permit = shared.dumps.acquire().await;
+    // Another request may have built it while this one waited.
+    if let Some(d) = cached(shared) {
+        return d;
+    }
+    let dump = shared.log.with(super::WorkerLog::dump);
+    counter::add(&shared.counters.built, 1);
+    let encoded: Encoded = Arc::new((dump.current_id, dump.complete, encode(&dump.events)));
+    *shared.last_dump.lock().unwrap_or_else(|p| p.into_inner()) = Some(encoded.clone());
+    encoded
+}
+
+/// Settings of [`recover`].
+///
+/// ```
+/// let config = eventplane::kv::RecoveryClientConfig::default();
+/// assert_eq!(config.timeout, std::time::Duration::from_secs(5));
+/// assert_eq!(config.max_bytes, 256 << 20);
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct RecoveryClientConfig {
+    /// The whole request, connection included: 5 s.
+    pub timeout: Duration,
+    /// The most answer bytes accepted: 256 MiB.
+    pub max_bytes: usize,
+    /// The connection's bounds (frames up to 16 MiB by default).
+    pub zmtp: zmtp::Config,
+}
+
+impl Default for RecoveryClientConfig {
+    fn default() -> Self {
+        RecoveryClientConfig {
+            timeout: Duration::from_secs(5),
+            max_bytes: 256 << 20,
+            zmtp: zmtp::Config::default(),
+        }
+    }
+}
+
+/// Asks the worker at `endpoint` for `request`, on a connection of its own.
+pub async fn recover(
+    endpoint: &str,
+    request: RecoveryRequest,
+    config: RecoveryClientConfig,
+) -> Result<Recovered, RecoveryError> {
+    let timeout = config.timeout;
+    tokio::time::timeout(timeout, async {
+        let socket = DealerSocket::connect(endpoint, config.zmtp.clone()).await?;
+        recover_over(socket, request, config.max_bytes).await
+    })
+    .await
+    .map_err(|_| RecoveryError::Timeout(timeout))?
+}
+
+/// [`recover`] over a DEALER already connected to the worker (a tunnel stream).
+pub async fn recover_over<S>(
+    mut socket: DealerSocket<S>,
+    request: RecoveryRequest,
+    max_bytes: usize,
+) -> Result<Recovered, RecoveryError>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let ask = match request {
+        RecoveryRequest::Since(id) => Message::from_parts([
+            Bytes::new(),
+            Bytes::from_static(b"since"),
+            Bytes::copy_from_slice(&id.to_be_bytes()),
+        ]),
+        RecoveryRequest::Dump => Message::from_parts([Bytes::new(), Bytes::from_static(b"dump")]),
+    };
+    socket.send(&ask).await?;
+    let mut events = Vec::new();
+    let mut bytes = 0usize;
+    loop {
+        let msg = socket.recv().await?;
+        bytes = bytes.saturating_add(msg.byte_len());
+        if bytes > max_bytes {
+            return Err(RecoveryError::TooLarge(max_bytes));
+        }
+        if msg.get(0) != Some(b"") {
+            return Err(RecoveryError::Malformed("no empty delimiter"));
+        }
+        let u64_at = |i: usize| {
+            msg.get(i)
+                .and_then(|f| <[u8; 8]>::try_from(f).ok())
+                .map(u64::from_be_bytes)
+        };
+        match (msg.get(1), msg.len()) {
+            (Some(b"events"), 3) => {
+                let payload = msg.get(2).unwrap_or_default();
+                let decoded = decode_router_events(payload)
+                    .map_err(|_| RecoveryError::Malformed("undecodable events"))?;
+                events.extend(decoded);
+            }
+            (Some(b"end"), 4) => {
+                let current_id = u64_at(2).ok_or(RecoveryError::Malformed("end without an id"))?;
+                let complete = msg.get(3) == Some(&[1u8][..]);
+                return Ok(match request {
+                    RecoveryRequest::Since(_) => Recovered::Events { events, current_id },
+                    RecoveryRequest::Dump => Recovered::Dump(Dump {
+                        events,
+                        current_id,
+                        complete,
+                    }),
+                });
+            }
+            (Some(b"too_old"), 3) => {
+                let oldest = u64_at(2).ok_or(RecoveryError::Malformed("too_old without an id"))?;
+                return Ok(Recovered::TooOld { oldest });
+            }
+            (Some(b"error"), 3) => {
+                let reason = String::from_utf8_lossy(msg.get(2).unwrap_or_default());
+                return Err(RecoveryError::Refused(reason.chars().take(256).collect()));
+            }
+            _ => return Err(RecoveryError::Malformed("unknown answer")),
+        }
+    }
+}

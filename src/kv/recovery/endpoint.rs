@@ -153,8 +153,23 @@ struct Shared {
     config: zmtp::Config,
 }
 
-/// A worker's recovery endpoint: serves its [`SharedWorkerLog`] to routers (see the
-/// [module docs](self) for the protocol).
+/// A worker's recovery endpoint: serves its [`SharedWorkerLog`] to routers.
+///
+/// A router connects a DEALER and sends one request per message; each connection is
+/// answered on its own:
+///
+/// | request | answer |
+/// |---|---|
+/// | `["", "since", id u64be]` | `["", "events", payload]`… then `["", "end", current_id u64be, 1]`, or `["", "too_old", oldest u64be]` |
+/// | `["", "dump"]` | `["", "events", payload]`… then `["", "end", current_id u64be, complete 0/1]` |
+///
+/// `payload` is a msgpack list of router events as the worker publishes them (at most
+/// 128 events and 8,192 blocks a message). Anything else is answered `["", "error",
+/// reason]` and the connection closed; a request frame over 64 bytes fails the
+/// connection as it arrives. At most [`DEFAULT_RECOVERY_CONNECTIONS`] connections,
+/// [`DEFAULT_CONCURRENT_DUMPS`] dumps built at once (requests that find the log
+/// unchanged share the last one), a connection silent for [`RECOVERY_IDLE_TIMEOUT`]
+/// closed.
 ///
 /// ```
 /// use eventplane::kv::{RecoveryRequest, RecoveryServer, Recovered, SharedWorkerLog, WorkerLogConfig};

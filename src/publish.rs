@@ -137,6 +137,7 @@ pub struct EventPublisherBuilder {
     linger: Duration,
     wire: Wire,
     worker: Option<WorkerIdentity>,
+    recovery: Option<String>,
     publisher_id: Option<u64>,
 }
 
@@ -207,6 +208,15 @@ impl EventPublisherBuilder {
     /// ```
     pub fn worker(mut self, worker_id: u64, dp_rank: u32) -> Self {
         self.worker = Some(WorkerIdentity::new(worker_id, dp_rank));
+        self
+    }
+
+    /// The endpoint where this worker serves its recovery log (a
+    /// [`kv::RecoveryServer`](crate::kv::RecoveryServer)'s), registered with the
+    /// publisher ([`Instance::recovery`](crate::discovery::Instance::recovery)) in
+    /// backends whose records carry it ([`Discovery::register_instance`]). Default: none.
+    pub fn recovery(mut self, endpoint: impl Into<String>) -> Self {
+        self.recovery = Some(endpoint.into());
         self
     }
 
@@ -282,8 +292,11 @@ impl EventPublisherBuilder {
                     publisher_id,
                 )
                 .map_err(PublishError::Register)?;
+                let mut instance = Instance::new(id, Transport::zmq(endpoint.clone()), 0);
+                instance.worker = self.worker;
+                instance.recovery = self.recovery;
                 let registration = discovery
-                    .register_with(id, Transport::zmq(endpoint.clone()), self.worker)
+                    .register_instance(instance)
                     .await
                     .map_err(PublishError::Register)?;
                 tracing::debug!(%endpoint, publisher_id, wire = %self.wire, "event publisher registered");
@@ -411,6 +424,7 @@ impl EventPublisher {
             linger: Duration::from_secs(1),
             wire: Wire::EventPlane,
             worker: None,
+            recovery: None,
             publisher_id: None,
         }
     }

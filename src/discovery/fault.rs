@@ -148,6 +148,13 @@ impl Discovery for FaultDiscovery {
         self.inner.register_with(id, transport, worker)
     }
 
+    fn register_instance(
+        &self,
+        instance: Instance,
+    ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
+        self.inner.register_instance(instance)
+    }
+
     fn list(&self, query: Query) -> BoxFuture<'_, Result<Vec<Instance>, DiscoveryError>> {
         self.inner.list(query)
     }

@@ -316,10 +316,21 @@ impl MemoryDiscovery {
         transport: Transport,
         worker: Option<WorkerIdentity>,
     ) -> Registration {
+        self.register_full(id, transport, worker, None)
+    }
+
+    fn register_full(
+        &self,
+        id: ChannelId,
+        transport: Transport,
+        worker: Option<WorkerIdentity>,
+        recovery: Option<String>,
+    ) -> Registration {
         let mut st = self.registry.lock();
         st.next_incarnation += 1;
         let mut instance = Instance::new(id.clone(), transport, st.next_incarnation);
         instance.worker = worker;
+        instance.recovery = recovery;
         st.insert(instance.clone());
         drop(st);
         tracing::debug!(%id, incarnation = instance.incarnation, "registered");
@@ -376,6 +387,19 @@ impl Discovery for MemoryDiscovery {
         worker: Option<WorkerIdentity>,
     ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
         let registration = self.register_now(id, transport, worker);
+        Box::pin(async move { Ok(registration) })
+    }
+
+    fn register_instance(
+        &self,
+        instance: Instance,
+    ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
+        let registration = self.register_full(
+            instance.id,
+            instance.transport,
+            instance.worker,
+            instance.recovery,
+        );
         Box::pin(async move { Ok(registration) })
     }
 

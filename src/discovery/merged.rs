@@ -233,6 +233,20 @@ impl Discovery for Merged {
         }
     }
 
+    fn register_instance(
+        &self,
+        instance: Instance,
+    ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
+        match self.backends.first() {
+            Some(first) => first.register_instance(instance),
+            None => Box::pin(async {
+                Err(DiscoveryError::Unsupported {
+                    operation: "registering in a merge of no backend",
+                })
+            }),
+        }
+    }
+
     fn list(&self, query: Query) -> BoxFuture<'_, Result<Vec<Instance>, DiscoveryError>> {
         Box::pin(async move {
             let mut by_id: HashMap<ChannelId, Instance> = HashMap::new();

@@ -136,6 +136,31 @@ pub trait Discovery: Send + Sync + fmt::Debug {
         worker: Option<WorkerIdentity>,
     ) -> BoxFuture<'_, Result<Registration, DiscoveryError>>;
 
+    /// Registers `instance` (its incarnation is the backend's to assign): its channel,
+    /// transport, worker and recovery endpoint. Backends whose records cannot carry a
+    /// recovery endpoint register without it; so does this default, which calls
+    /// [`register_with`](Self::register_with). [`MemoryDiscovery`] keeps it.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use eventplane::discovery::{ChannelId, Discovery, Instance, MemoryDiscovery, Query, Transport};
+    /// let discovery = MemoryDiscovery::new();
+    /// let id = ChannelId::new("prod", "worker", "kv-events", 7)?;
+    /// let instance = Instance::new(id, Transport::zmq("tcp://127.0.0.1:5555"), 0)
+    ///     .with_recovery("tcp://127.0.0.1:5556");
+    /// let _registered = discovery.register_instance(instance).await?;
+    /// let listed = discovery.list(Query::new("prod")).await?;
+    /// assert_eq!(listed[0].recovery.as_deref(), Some("tcp://127.0.0.1:5556"));
+    /// # Ok(()) }
+    /// ```
+    fn register_instance(
+        &self,
+        instance: Instance,
+    ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
+        self.register_with(instance.id, instance.transport, instance.worker)
+    }
+
     /// The instances matching `query` now.
     fn list(&self, query: Query) -> BoxFuture<'_, Result<Vec<Instance>, DiscoveryError>>;
 

@@ -293,6 +293,12 @@ pub struct Instance {
     /// [`Discovery::register_with`](super::Discovery::register_with)). A router maps
     /// deliveries to workers with it instead of reading payloads.
     pub worker: Option<WorkerIdentity>,
+    /// Where the worker serves its recovery log (`tcp://host:port`, a
+    /// [`kv::RecoveryServer`](crate::kv::RecoveryServer)), when it registered one
+    /// (see [`Discovery::register_instance`](super::Discovery::register_instance)): a
+    /// router that lost some of this publisher's events asks there instead of
+    /// forgetting the worker's blocks.
+    pub recovery: Option<String>,
 }
 
 impl Instance {
@@ -303,7 +309,24 @@ impl Instance {
             transport,
             incarnation,
             worker: None,
+            recovery: None,
         }
+    }
+
+    /// The same instance, with the endpoint where its worker serves its recovery log.
+    ///
+    /// ```
+    /// use eventplane::discovery::{ChannelId, Instance, Transport};
+    /// let id = ChannelId::new("ns", "c", "t", 7)?;
+    /// let instance = Instance::new(id, Transport::zmq("tcp://127.0.0.1:5555"), 1)
+    ///     .with_recovery("tcp://127.0.0.1:5556");
+    /// assert_eq!(instance.recovery.as_deref(), Some("tcp://127.0.0.1:5556"));
+    /// # Ok::<(), eventplane::discovery::DiscoveryError>(())
+    /// ```
+    #[must_use]
+    pub fn with_recovery(mut self, endpoint: impl Into<String>) -> Instance {
+        self.recovery = Some(endpoint.into());
+        self
     }
 
     /// The same instance, naming the worker it publishes for.

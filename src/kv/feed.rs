@@ -4,10 +4,13 @@
 
 use smallvec::SmallVec;
 
-use super::KvDecodeError;
 use super::event::{DpRank, KvEventData, RouterEvent, WorkerId};
 use super::index::{IndexRefusal, RouterIndex, RouterIndexConfig, RouterIndexStats};
 use super::sink::decode_router_payload;
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use super::{KvDecodeError, Recovered, RecoveryError, RecoveryRequest};
 use crate::discovery::{ChannelId, Instance};
 use crate::hash::FastMap;
 use crate::subscriber::{Delivery, Item, Notice};
@@ -24,6 +27,14 @@ const MAX_RANKS_PER_PUBLISHER: usize = 64;
 struct Followed {
     /// The id its next event must have (ids are dense from 1); 0 before the first.
     next_id: u64,
+    /// The worker its identity names (events are applied as sent by it).
+    sender: Option<WorkerId>,
+    /// Where its worker serves its recovery log.
+    recovery: Option<String>,
+    /// A recovery in progress.
+    repair: Option<Repairing>,
+    /// A dump was applied (first sight is over).
+    rebuilt: bool,
     /// Whether its first connection was seen (a second one is a reconnect).
     connected: bool,
     /// The (worker, rank)s it fed.
@@ -46,6 +57,11 @@ pub enum Wipe {
     Reconnected,
     /// It left discovery (or the bus).
     Departed,
+    /// Its loss could not be repaired from its worker's recovery log (the request
+    /// failed).
+    RecoveryFailed,
+    /// More of its live events arrived during its recovery than the feed holds.
+    HeldOverflow,
 }
 
 /// A wipe that dropped blocks: which publisher, why, how many blocks.
@@ -83,6 +99,23 @@ pub struct IndexFeedStats {
     pub departed: u64,
     /// Blocks dropped by wipes and departures.
     pub wiped_blocks: u64,
+    /// Losses repaired from the worker's recovery log: events since the gap.
+    pub repairs_since: u64,
+    /// ... a dump (first sight, or a gap the log no longer covered).
+    pub repairs_dump: u64,
+    /// Losses wiped because the recovery request failed.
+    pub wipes_recovery_failed: u64,
+    /// Losses wiped because too many live events arrived during the recovery.
+    pub wipes_held_overflow: u64,
+    /// Publishers recovering now.
+    pub recovering: u64,
+    /// Live events held now for publishers that recover.
+    pub held_events: u64,
+    /// Of the last 256 repairs, the median and the 99th-percentile time from request
+    /// to answer, in milliseconds.
+    pub repair_p50_ms: u64,
+    /// See `repair_p50_ms`.
+    pub repair_p99_ms: u64,
 }
 
 /// A [`RouterIndex`] kept from what a [`DynamicSubscriber`](crate::subscriber::DynamicSubscriber)
@@ -151,6 +184,10 @@ pub struct IndexFeed {
     owners: FastMap<(WorkerId, DpRank), ChannelId>,
     /// Wipes not yet taken by [`wiped`](Self::wiped) (at most the last 64).
     wiped: Vec<Wiped>,
+    /// Live events held across publishers that recover.
+    held_total: usize,
+    /// The last repairs' latencies, in milliseconds.
+    latencies: VecDeque<u64>,
     stats: IndexFeedStats,
 }
 
@@ -172,6 +209,8 @@ impl IndexFeed {
             publishers: FastMap::default(),
             owners: FastMap::default(),
             wiped: Vec::new(),
+            held_total: 0,
+            latencies: VecDeque::new(),
             stats: IndexFeedStats::default(),
         }
     }
@@ -213,59 +252,87 @@ impl IndexFeed {
         }
     }
 
-    /// Applies `events` from the publisher `source`, in order.
+    /// Applies `events` from the publisher `source`, in order. With a recovery
+    /// endpoint ([`Instance::recovery`]), a loss is repaired instead of wiped: see
+    /// [`take_recoveries`](Self::take_recoveries).
     pub fn apply(&mut self, source: &Instance, events: &[RouterEvent]) {
         let sender = source.worker.map(|w| WorkerId(w.worker_id));
-        if !self.publishers.contains_key(&source.id) {
-            self.publishers
-                .insert(source.id.clone(), Followed::default());
-        }
+        let p = self.publishers.entry(source.id.clone()).or_default();
+        p.sender = sender;
+        p.recovery.clone_from(&source.recovery);
         for ev in events {
-            let Some(p) = self.publishers.get_mut(&source.id) else {
-                return;
+            self.take(&source.id, ev.clone());
+        }
+    }
+
+    /// One live event of publisher `id`: held while it recovers, a recovery started
+    /// on a loss it can repair, a wipe on one it cannot.
+    fn take(&mut self, id: &ChannelId, ev: RouterEvent) {
+        let Some(p) = self.publishers.get_mut(id) else {
+            return;
+        };
+        if p.repair.is_some() {
+            return self.hold(id, ev);
+        }
+        if p.recovery.is_some() && p.next_id == 0 && !p.rebuilt {
+            // First sight: what it fed before this router listened is in its dump.
+            self.start_repair(id, RecoveryRequest::Dump);
+            return self.hold(id, ev);
+        }
+        if p.next_id != 0 && ev.event.id != p.next_id {
+            let cause = Wipe::IdGap {
+                expected: p.next_id,
+                got: ev.event.id,
             };
-            if p.next_id != 0 && ev.event.id != p.next_id {
-                let cause = Wipe::IdGap {
-                    expected: p.next_id,
-                    got: ev.event.id,
-                };
-                self.wipe(&source.id, cause);
+            if p.recovery.is_some() && ev.event.id > p.next_id {
+                let since = p.next_id - 1;
+                self.start_repair(id, RecoveryRequest::Since(since));
+                return self.hold(id, ev);
             }
-            let Some(p) = self.publishers.get_mut(&source.id) else {
+            self.wipe(id, cause);
+        }
+        self.apply_event(id, &ev);
+    }
+
+    /// Applies one event of publisher `id` to the index; its id becomes the last seen.
+    fn apply_event(&mut self, source: &ChannelId, ev: &RouterEvent) {
+        let Some(p) = self.publishers.get_mut(source) else {
+            return;
+        };
+        p.next_id = ev.event.id.saturating_add(1);
+        let sender = p.sender;
+        let key = (ev.worker_id, ev.event.dp_rank);
+        let known = p.fed.contains(&key);
+        if !known && p.fed.len() >= MAX_RANKS_PER_PUBLISHER {
+            self.stats.refused_rank_events += 1;
+            return;
+        }
+        // Only blocks stored make a publisher the rank's owner (whose loss or
+        // departure clears it): an event that stored nothing takes nothing over.
+        let stores =
+            matches!(&ev.event.data, KvEventData::Stored { blocks, .. } if !blocks.is_empty());
+        match self.index.apply(sender, ev) {
+            Err(IndexRefusal::RankFull { .. } | IndexRefusal::IndexFull { .. }) => {
+                // Its leading blocks were stored.
+                self.stats.refused_events += 1;
+            }
+            Err(_) => {
+                self.stats.refused_events += 1;
                 return;
-            };
-            p.next_id = ev.event.id.saturating_add(1);
-            let key = (ev.worker_id, ev.event.dp_rank);
-            let known = p.fed.contains(&key);
-            if !known && p.fed.len() >= MAX_RANKS_PER_PUBLISHER {
-                self.stats.refused_rank_events += 1;
-                continue;
             }
-            // Only blocks stored make a publisher the rank's owner (whose loss or
-            // departure clears it): an event that stored nothing takes nothing over.
-            let stores =
-                matches!(&ev.event.data, KvEventData::Stored { blocks, .. } if !blocks.is_empty());
-            match self.index.apply(sender, ev) {
-                Err(IndexRefusal::RankFull { .. } | IndexRefusal::IndexFull { .. }) => {
-                    // Its leading blocks were stored.
-                    self.stats.refused_events += 1;
-                }
-                Err(_) => {
-                    self.stats.refused_events += 1;
-                    continue;
-                }
-                Ok(()) => {}
-            }
-            self.stats.events += 1;
-            if !stores {
-                continue;
-            }
+            Ok(()) => {}
+        }
+        self.stats.events += 1;
+        if !stores {
+            return;
+        }
+        if let Some(p) = self.publishers.get_mut(source) {
             if !known {
                 p.fed.push(key);
             }
-            if self.owners.get(&key) != Some(&source.id) {
-                self.owners.insert(key, source.id.clone());
-            }
+        }
+        if self.owners.get(&key) != Some(source) {
+            self.owners.insert(key, source.clone());
         }
     }
 
@@ -275,7 +342,20 @@ impl IndexFeed {
         match notice {
             Notice::Connected(instance) => {
                 let p = self.publishers.entry(instance.id.clone()).or_default();
-                if std::mem::replace(&mut p.connected, true) {
+                p.sender = instance.worker.map(|w| WorkerId(w.worker_id));
+                p.recovery.clone_from(&instance.recovery);
+                let again = std::mem::replace(&mut p.connected, true);
+                if p.repair.is_some() {
+                    return;
+                }
+                if p.recovery.is_some() {
+                    // What it sent while away is in its log; at first sight, all of it.
+                    let request = match p.next_id {
+                        0 => RecoveryRequest::Dump,
+                        next => RecoveryRequest::Since(next - 1),
+                    };
+                    self.start_repair(&instance.id, request);
+                } else if again {
                     p.next_id = 0;
                     self.wipe(&instance.id, Wipe::Reconnected);
                 }
@@ -306,14 +386,25 @@ impl IndexFeed {
 
     /// Counters, with the index's.
     pub fn stats(&self) -> IndexFeedStats {
+        let (recovering, held_events, repair_p50_ms, repair_p99_ms) = self.repair_gauges();
         IndexFeedStats {
             index: self.index.stats(),
             publishers: self.publishers.len() as u64,
+            recovering,
+            held_events,
+            repair_p50_ms,
+            repair_p99_ms,
             ..self.stats
         }
     }
 
     fn depart(&mut self, id: &ChannelId) {
+        let held = self
+            .publishers
+            .get(id)
+            .and_then(|p| p.repair.as_ref())
+            .map_or(0, Repairing::held);
+        self.held_total = self.held_total.saturating_sub(held);
         if self.publishers.contains_key(id) {
             self.stats.departed += 1;
             self.wipe(id, Wipe::Departed);
@@ -338,6 +429,8 @@ impl IndexFeed {
         match cause {
             Wipe::IdGap { .. } => self.stats.wipes_id_gap += 1,
             Wipe::Reconnected => self.stats.wipes_reconnect += 1,
+            Wipe::RecoveryFailed => self.stats.wipes_recovery_failed += 1,
+            Wipe::HeldOverflow => self.stats.wipes_held_overflow += 1,
             Wipe::Departed => {}
         }
         self.stats.wiped_blocks += blocks;
@@ -354,141 +447,260 @@ impl IndexFeed {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+// Repair from the workers' recovery logs (sans-IO: the feed says what to ask, the
+// application asks and hands the answer back).
 
-    use super::*;
-    use crate::discovery::{Transport, WorkerIdentity};
-    use crate::kv::{BlockHash, KvEvent, KvEventData, StorageTier, StoredBlock, TokensHash};
+/// Live events a feed holds for one publisher while its recovery runs: 4,096 (and at
+/// most 2^20 across publishers). Past either, the recovery is abandoned and the
+/// publisher wiped ([`Wipe::HeldOverflow`]).
+///
+/// ```
+/// assert_eq!(eventplane::kv::FEED_MAX_HELD_EVENTS, 4096);
+/// ```
+pub const FEED_MAX_HELD_EVENTS: usize = 4096;
 
-    fn instance(n: u64, worker: Option<u64>) -> Instance {
-        let id = ChannelId::new("ns", "c", "t", n).unwrap();
-        let i = Instance::new(id, Transport::zmq("tcp://127.0.0.1:1"), 1);
-        match worker {
-            Some(w) => i.with_worker(WorkerIdentity::new(w, 0)),
-            None => i,
-        }
-    }
+const MAX_HELD_TOTAL: usize = 1 << 20;
 
-    fn stored(worker: u64, id: u64, hash: u64) -> RouterEvent {
-        RouterEvent {
-            worker_id: WorkerId(worker),
-            tier: StorageTier::Device,
-            event: KvEvent {
-                id,
-                dp_rank: 0,
-                data: KvEventData::Stored {
-                    parent_hash: None,
-                    blocks: vec![StoredBlock {
-                        block_hash: BlockHash(hash),
-                        tokens_hash: TokensHash(hash),
-                    }],
-                },
-            },
-        }
-    }
+/// Repair latencies kept for the percentiles.
+const LATENCIES: usize = 256;
 
-    #[test]
-    fn an_id_gap_wipes_what_the_publisher_fed_then_applies_the_event() {
-        let mut feed = IndexFeed::default();
-        let a = instance(1, Some(7));
-        feed.apply(&a, &[stored(7, 1, 10), stored(7, 2, 11)]);
-        assert_eq!(feed.index().stats().blocks, 2);
-        feed.apply(&a, &[stored(7, 5, 12)]);
-        assert_eq!(feed.index().stats().blocks, 1);
-        let s = feed.stats();
-        assert_eq!((s.wipes_id_gap, s.wiped_blocks), (1, 2));
-        assert_eq!(
-            feed.wiped(),
-            [Wiped {
-                publisher: a.id.clone(),
-                cause: Wipe::IdGap {
-                    expected: 3,
-                    got: 5
-                },
-                blocks: 2
-            }]
-        );
-    }
+/// A recovery the application must make for the feed: ask `endpoint` for `request`
+/// (with [`kv::recover`](crate::kv::recover)) and hand the answer to
+/// [`IndexFeed::recovered`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RecoveryNeed {
+    /// The publisher whose events are being repaired.
+    pub publisher: ChannelId,
+    /// Where its worker serves its recovery log.
+    pub endpoint: String,
+    /// What to ask.
+    pub request: RecoveryRequest,
+}
 
-    #[test]
-    fn an_event_that_stores_nothing_takes_no_rank_over() {
-        let mut feed = IndexFeed::default();
-        let (owner, other) = (instance(1, None), instance(2, None));
-        feed.apply(&owner, &[stored(7, 1, 10)]);
-        // Another publisher's empty removal and refused store for the same rank.
-        let empty = RouterEvent {
-            event: KvEvent {
-                data: KvEventData::Removed {
-                    block_hashes: vec![],
-                },
-                ..stored(7, 1, 0).event
-            },
-            ..stored(7, 1, 0)
-        };
-        let mut orphan = stored(7, 2, 11);
-        if let KvEventData::Stored { parent_hash, .. } = &mut orphan.event.data {
-            *parent_hash = Some(BlockHash(999));
-        }
-        feed.apply(&other, &[empty, orphan]);
-        // The owner's departure still clears it.
-        feed.notice(&Notice::Departed(owner.id.clone()));
-        assert_eq!(feed.index().stats().blocks, 0);
-    }
+/// A publisher's recovery in progress.
+#[derive(Debug)]
+struct Repairing {
+    request: RecoveryRequest,
+    /// Handed to the application by `take_recoveries`.
+    asked: bool,
+    /// Its live events since the loss, in order.
+    held: VecDeque<RouterEvent>,
+}
 
-    #[test]
-    fn a_publisher_writes_only_its_own_workers_blocks() {
-        let mut feed = IndexFeed::default();
-        feed.apply(&instance(1, Some(7)), &[stored(8, 1, 10)]);
-        assert_eq!(feed.index().stats().blocks, 0);
-        assert_eq!(feed.stats().refused_events, 1);
-        assert_eq!(feed.index().stats().refused_foreign, 1);
-    }
-
-    #[test]
-    fn a_departure_keeps_ranks_another_publisher_fed_since() {
-        let mut feed = IndexFeed::default();
-        let (old, new) = (instance(1, Some(7)), instance(2, Some(7)));
-        let other = instance(3, Some(9));
-        feed.apply(&old, &[stored(7, 1, 10)]);
-        feed.apply(&other, &[stored(9, 1, 30)]);
-        feed.apply(&new, &[stored(7, 1, 20)]);
-        feed.notice(&Notice::Departed(old.id.clone()));
-        // Worker 7's rank now belongs to the new publisher: kept (both blocks).
-        assert_eq!(feed.index().rank_blocks(WorkerId(7), 0), 2);
-        feed.notice(&Notice::Departed(new.id.clone()));
-        assert_eq!(feed.index().rank_blocks(WorkerId(7), 0), 0);
-        feed.retain_publishers(|_| false);
-        let s = feed.stats();
-        assert_eq!((s.publishers, s.departed, s.index.blocks), (0, 3, 0));
-    }
-
-    #[test]
-    fn a_reconnection_wipes_and_restarts_the_id_check() {
-        let mut feed = IndexFeed::default();
-        let a = instance(1, None);
-        feed.notice(&Notice::Connected(std::sync::Arc::new(a.clone())));
-        feed.apply(&a, &[stored(7, 1, 10)]);
-        feed.notice(&Notice::Connected(std::sync::Arc::new(a.clone())));
-        assert_eq!(feed.index().stats().blocks, 0);
-        // The next event is taken whatever its id.
-        feed.apply(&a, &[stored(7, 9, 11)]);
-        let s = feed.stats();
-        assert_eq!(
-            (s.wipes_reconnect, s.wipes_id_gap, s.index.blocks),
-            (1, 0, 1)
-        );
-    }
-
-    #[test]
-    fn a_publisher_without_identity_feeds_a_bounded_number_of_ranks() {
-        let mut feed = IndexFeed::default();
-        let a = instance(1, None);
-        let events: Vec<RouterEvent> = (0..100).map(|w| stored(w, w + 1, w)).collect();
-        feed.apply(&a, &events);
-        let s = feed.stats();
-        assert_eq!(s.index.ranks, MAX_RANKS_PER_PUBLISHER as u64);
-        assert_eq!(s.refused_rank_events, 100 - MAX_RANKS_PER_PUBLISHER as u64);
+impl Repairing {
+    fn held(&self) -> usize {
+        self.held.len()
     }
 }
+
+impl IndexFeed {
+    /// The recoveries to make now (each publisher's once): ask each
+    /// [`RecoveryNeed::endpoint`] and hand the answer to
+    /// [`recovered`](Self::recovered). Until then the publisher's live events are
+    /// held ([`FEED_MAX_HELD_EVENTS`]) and its blocks stay as they were.
+    ///
+    /// A publisher with a recovery endpoint ([`Instance::recovery`](crate::discovery::Instance::recovery))
+    /// is recovered at first sight (a dump: what it fed before this router listened),
+    /// on an event id gap (the events since), and when it reconnects (the events
+    /// since, which its log keeps).
+    pub fn take_recoveries(&mut self) -> Vec<RecoveryNeed> {
+        let mut out = Vec::new();
+        for (id, p) in &mut self.publishers {
+            let (Some(r), Some(endpoint)) = (p.repair.as_mut(), &p.recovery) else {
+                continue;
+            };
+            if !std::mem::replace(&mut r.asked, true) {
+                out.push(RecoveryNeed {
+                    publisher: id.clone(),
+                    endpoint: endpoint.clone(),
+                    request: r.request,
+                });
+            }
+        }
+        out
+    }
+
+    /// The answer to a [`RecoveryNeed`] of `publisher`, and how long it took. Events
+    /// since the loss are applied and the held ones after them; a dump replaces what
+    /// the publisher fed; `too_old` asks again for a dump; a failure wipes the
+    /// publisher ([`Wipe::RecoveryFailed`]) and the held events start it over.
+    pub fn recovered(
+        &mut self,
+        publisher: &ChannelId,
+        answer: Result<Recovered, RecoveryError>,
+        elapsed: Duration,
+    ) {
+        let Some(p) = self.publishers.get_mut(publisher) else {
+            return;
+        };
+        let Some(mut repair) = p.repair.take() else {
+            return;
+        };
+        match answer {
+            Ok(Recovered::TooOld { .. }) => {
+                repair.request = RecoveryRequest::Dump;
+                repair.asked = false;
+                p.repair = Some(repair);
+                return;
+            }
+            Ok(Recovered::Events { events, .. }) => {
+                for ev in &events {
+                    let next = self.publishers.get(publisher).map_or(0, |p| p.next_id);
+                    if ev.event.id < next {
+                        continue;
+                    }
+                    if ev.event.id != next {
+                        // Not what follows what was applied: fall back to a dump.
+                        repair.request = RecoveryRequest::Dump;
+                        repair.asked = false;
+                        if let Some(p) = self.publishers.get_mut(publisher) {
+                            p.repair = Some(repair);
+                        }
+                        return;
+                    }
+                    self.apply_event(publisher, ev);
+                }
+                self.stats.repairs_since += 1;
+                self.note_latency(elapsed);
+            }
+            Ok(Recovered::Dump(dump)) => {
+                // It replaces what the publisher fed.
+                self.clear_fed(publisher);
+                for ev in &dump.events {
+                    self.apply_event(publisher, ev);
+                }
+                if let Some(p) = self.publishers.get_mut(publisher) {
+                    p.next_id = dump.current_id.saturating_add(1);
+                    p.rebuilt = true;
+                }
+                self.stats.repairs_dump += 1;
+                self.note_latency(elapsed);
+            }
+            Err(e) => {
+                tracing::debug!(%publisher, error = %crate::net::ErrorChain(&e), "recovery failed; wiping the publisher");
+                self.wipe(publisher, Wipe::RecoveryFailed);
+                if let Some(p) = self.publishers.get_mut(publisher) {
+                    // The held events start it over, as after any wipe.
+                    p.next_id = 0;
+                    p.rebuilt = true;
+                }
+            }
+        }
+        self.drain(publisher, repair.held);
+    }
+
+    /// Applies held events as live ones (a gap among them starts another recovery).
+    fn drain(&mut self, publisher: &ChannelId, held: VecDeque<RouterEvent>) {
+        self.held_total = self.held_total.saturating_sub(held.len());
+        let mut fresh = self
+            .publishers
+            .get(publisher)
+            .is_some_and(|p| p.next_id == 0);
+        for ev in held {
+            if fresh {
+                // After a wipe the first held event is the new start.
+                fresh = false;
+                if let Some(p) = self.publishers.get_mut(publisher) {
+                    p.next_id = ev.event.id;
+                }
+            }
+            let next = self.publishers.get(publisher).map_or(0, |p| p.next_id);
+            let recovering = self
+                .publishers
+                .get(publisher)
+                .is_some_and(|p| p.repair.is_some());
+            if !recovering && ev.event.id < next {
+                continue;
+            }
+            self.take(publisher, ev);
+        }
+    }
+
+    fn start_repair(&mut self, id: &ChannelId, request: RecoveryRequest) {
+        if let Some(p) = self.publishers.get_mut(id) {
+            p.repair = Some(Repairing {
+                request,
+                asked: false,
+                held: VecDeque::new(),
+            });
+        }
+    }
+
+    fn hold(&mut self, id: &ChannelId, ev: RouterEvent) {
+        let total = self.held_total;
+        let Some(r) = self.publishers.get_mut(id).and_then(|p| p.repair.as_mut()) else {
+            return;
+        };
+        if r.held.len() < FEED_MAX_HELD_EVENTS && total < MAX_HELD_TOTAL {
+            r.held.push_back(ev);
+            self.held_total += 1;
+            return;
+        }
+        // Too much arrived meanwhile: give the recovery up, start over from here.
+        let held = r.held.split_off(0);
+        if let Some(p) = self.publishers.get_mut(id) {
+            p.repair = None;
+            p.next_id = 0;
+        }
+        self.wipe(id, Wipe::HeldOverflow);
+        self.held_total = self.held_total.saturating_sub(held.len());
+        let mut all = held;
+        all.push_back(ev);
+        if let Some(first) = all.front() {
+            if let Some(p) = self.publishers.get_mut(id) {
+                p.next_id = first.event.id;
+                p.rebuilt = true;
+            }
+        }
+        for ev in all {
+            self.apply_event(id, &ev);
+        }
+    }
+
+    /// Empties the ranks `id` fed (that no other publisher fed since), not counted as
+    /// a wipe: a dump is about to fill them.
+    fn clear_fed(&mut self, id: &ChannelId) {
+        let Some(p) = self.publishers.get_mut(id) else {
+            return;
+        };
+        for key in std::mem::take(&mut p.fed) {
+            if self.owners.get(&key) == Some(id) {
+                self.owners.remove(&key);
+                self.index.clear_rank(key.0, key.1);
+            }
+        }
+    }
+
+    fn note_latency(&mut self, elapsed: Duration) {
+        if self.latencies.len() >= LATENCIES {
+            self.latencies.pop_front();
+        }
+        self.latencies
+            .push_back(u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX));
+    }
+
+    /// (recovering publishers, held events, p50 ms, p99 ms).
+    fn repair_gauges(&self) -> (u64, u64, u64, u64) {
+        let recovering = self
+            .publishers
+            .values()
+            .filter(|p| p.repair.is_some())
+            .count() as u64;
+        let mut sorted: Vec<u64> = self.latencies.iter().copied().collect();
+        sorted.sort_unstable();
+        let at = |q: f64| {
+            let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
+            sorted.get(i).copied().unwrap_or(0)
+        };
+        (recovering, self.held_total as u64, at(0.5), at(0.99))
+    }
+}
+
+#[cfg(test)]
+#[path = "feed_tests.rs"]
+mod tests;
+
+#[cfg(test)]
+#[path = "feed_heal_tests.rs"]
+mod heal_tests;

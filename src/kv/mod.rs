@@ -143,7 +143,7 @@ pub use event::{
     BlockHash, DpRank, KvEvent, KvEventData, Placement, PlacementEvent, RouterEvent, StorageTier,
     StoredBlock, TOKENS_HASH_SEED, TokensHash, WorkerId, tokens_hash,
 };
-pub use feed::{IndexFeed, IndexFeedStats, Wipe, Wiped};
+pub use feed::{FEED_MAX_HELD_EVENTS, IndexFeed, IndexFeedStats, RecoveryNeed, Wipe, Wiped};
 pub use index::{
     Attribution, IndexRefusal, OverlapScore, OverlapScores, RouterIndex, RouterIndexConfig,
     RouterIndexStats, local_block_hashes,

@@ -1,0 +1,135 @@
+#![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+
+use super::*;
+use crate::discovery::{Transport, WorkerIdentity};
+use crate::kv::{BlockHash, KvEvent, KvEventData, StorageTier, StoredBlock, TokensHash};
+
+fn instance(n: u64, worker: Option<u64>) -> Instance {
+    let id = ChannelId::new("ns", "c", "t", n).unwrap();
+    let i = Instance::new(id, Transport::zmq("tcp://127.0.0.1:1"), 1);
+    match worker {
+        Some(w) => i.with_worker(WorkerIdentity::new(w, 0)),
+        None => i,
+    }
+}
+
+fn stored(worker: u64, id: u64, hash: u64) -> RouterEvent {
+    RouterEvent {
+        worker_id: WorkerId(worker),
+        tier: StorageTier::Device,
+        event: KvEvent {
+            id,
+            dp_rank: 0,
+            data: KvEventData::Stored {
+                parent_hash: None,
+                blocks: vec![StoredBlock {
+                    block_hash: BlockHash(hash),
+                    tokens_hash: TokensHash(hash),
+                }],
+            },
+        },
+    }
+}
+
+#[test]
+fn an_id_gap_wipes_what_the_publisher_fed_then_applies_the_event() {
+    let mut feed = IndexFeed::default();
+    let a = instance(1, Some(7));
+    feed.apply(&a, &[stored(7, 1, 10), stored(7, 2, 11)]);
+    assert_eq!(feed.index().stats().blocks, 2);
+    feed.apply(&a, &[stored(7, 5, 12)]);
+    assert_eq!(feed.index().stats().blocks, 1);
+    let s = feed.stats();
+    assert_eq!((s.wipes_id_gap, s.wiped_blocks), (1, 2));
+    assert_eq!(
+        feed.wiped(),
+        [Wiped {
+            publisher: a.id.clone(),
+            cause: Wipe::IdGap {
+                expected: 3,
+                got: 5
+            },
+            blocks: 2
+        }]
+    );
+}
+
+#[test]
+fn an_event_that_stores_nothing_takes_no_rank_over() {
+    let mut feed = IndexFeed::default();
+    let (owner, other) = (instance(1, None), instance(2, None));
+    feed.apply(&owner, &[stored(7, 1, 10)]);
+    // Another publisher's empty removal and refused store for the same rank.
+    let empty = RouterEvent {
+        event: KvEvent {
+            data: KvEventData::Removed {
+                block_hashes: vec![],
+            },
+            ..stored(7, 1, 0).event
+        },
+        ..stored(7, 1, 0)
+    };
+    let mut orphan = stored(7, 2, 11);
+    if let KvEventData::Stored { parent_hash, .. } = &mut orphan.event.data {
+        *parent_hash = Some(BlockHash(999));
+    }
+    feed.apply(&other, &[empty, orphan]);
+    // The owner's departure still clears it.
+    feed.notice(&Notice::Departed(owner.id.clone()));
+    assert_eq!(feed.index().stats().blocks, 0);
+}
+
+#[test]
+fn a_publisher_writes_only_its_own_workers_blocks() {
+    let mut feed = IndexFeed::default();
+    feed.apply(&instance(1, Some(7)), &[stored(8, 1, 10)]);
+    assert_eq!(feed.index().stats().blocks, 0);
+    assert_eq!(feed.stats().refused_events, 1);
+    assert_eq!(feed.index().stats().refused_foreign, 1);
+}
+
+#[test]
+fn a_departure_keeps_ranks_another_publisher_fed_since() {
+    let mut feed = IndexFeed::default();
+    let (old, new) = (instance(1, Some(7)), instance(2, Some(7)));
+    let other = instance(3, Some(9));
+    feed.apply(&old, &[stored(7, 1, 10)]);
+    feed.apply(&other, &[stored(9, 1, 30)]);
+    feed.apply(&new, &[stored(7, 1, 20)]);
+    feed.notice(&Notice::Departed(old.id.clone()));
+    // Worker 7's rank now belongs to the new publisher: kept (both blocks).
+    assert_eq!(feed.index().rank_blocks(WorkerId(7), 0), 2);
+    feed.notice(&Notice::Departed(new.id.clone()));
+    assert_eq!(feed.index().rank_blocks(WorkerId(7), 0), 0);
+    feed.retain_publishers(|_| false);
+    let s = feed.stats();
+    assert_eq!((s.publishers, s.departed, s.index.blocks), (0, 3, 0));
+}
+
+#[test]
+fn a_reconnection_wipes_and_restarts_the_id_check() {
+    let mut feed = IndexFeed::default();
+    let a = instance(1, None);
+    feed.notice(&Notice::Connected(std::sync::Arc::new(a.clone())));
+    feed.apply(&a, &[stored(7, 1, 10)]);
+    feed.notice(&Notice::Connected(std::sync::Arc::new(a.clone())));
+    assert_eq!(feed.index().stats().blocks, 0);
+    // The next event is taken whatever its id.
+    feed.apply(&a, &[stored(7, 9, 11)]);
+    let s = feed.stats();
+    assert_eq!(
+        (s.wipes_reconnect, s.wipes_id_gap, s.index.blocks),
+        (1, 0, 1)
+    );
+}
+
+#[test]
+fn a_publisher_without_identity_feeds_a_bounded_number_of_ranks() {
+    let mut feed = IndexFeed::default();
+    let a = instance(1, None);
+    let events: Vec<RouterEvent> = (0..100).map(|w| stored(w, w + 1, w)).collect();
+    feed.apply(&a, &events);
+    let s = feed.stats();
+    assert_eq!(s.index.ranks, MAX_RANKS_PER_PUBLISHER as u64);
+    assert_eq!(s.refused_rank_events, 100 - MAX_RANKS_PER_PUBLISHER as u64);
+}

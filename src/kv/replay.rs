@@ -317,6 +317,8 @@ struct Round {
     seen: bool,
     /// Replies went missing or were cut off: ask again once it ends.
     incomplete: bool,
+    /// Asked with no loss known (a tail probe): failing, it only backs off.
+    probe: bool,
     deadline: Instant,
     idle_deadline: Instant,
 }
@@ -341,6 +343,8 @@ pub(crate) struct Repair {
     /// A loss is being repaired; `cleared` when it already ended in a clear.
     open_loss: bool,
     cleared: bool,
+    /// The open loss had batches replayed.
+    repaired_any: bool,
     /// After a failed replay, until when gaps clear at once, and the cause.
     failed_until: Option<(Instant, ReplayFallback)>,
     /// When to ask for what may have followed the last replay (see
@@ -365,6 +369,7 @@ impl Repair {
             barren_rounds: 0,
             open_loss: false,
             cleared: false,
+            repaired_any: false,
             failed_until: None,
             probe: None,
             probe_delay: REPLAY_TAIL_PROBE,
@@ -399,8 +404,10 @@ impl Repair {
     /// A connection to the engine's PUB is up: replay what was missed meanwhile (from
     /// the anchor, or everything buffered when there is none).
     pub(crate) fn on_connect(&mut self, now: Instant, out: &mut Vec<Step>) {
-        if self.round.is_some() {
-            return;
+        if self.round.take().is_some() {
+            // Asked over the old connection's lifetime: ask again, the anchor checked
+            // against whatever engine is there now.
+            out.push(Step::Disconnect);
         }
         self.open(now);
         // A new connection may be a new engine, with its replay endpoint back.
@@ -420,7 +427,8 @@ impl Repair {
 
     fn take_live(&mut self, now: Instant, seq: u64, payload: Bytes, out: &mut Vec<Step>) {
         let expected = self.expected();
-        if seq == expected || std::mem::take(&mut self.baseline) {
+        let baseline = std::mem::take(&mut self.baseline);
+        if seq == expected || baseline {
             self.probe = Some(now + self.probe_delay);
             self.apply(seq, payload, false, out);
         } else if seq < expected {
@@ -471,7 +479,7 @@ impl Repair {
             self.stats.malformed_replies += 1;
             return;
         };
-        round.idle_deadline = now + self.limits.timeout;
+        let idle = now + self.limits.timeout;
         let (seq, payload) = match reply {
             Reply::End => return self.end_round(now, out),
             Reply::Batch(seq, payload) => (seq, payload),
@@ -485,7 +493,8 @@ impl Repair {
         if let Some(d) = round.verify.take() {
             if seq == round.from {
                 if digest(&payload) == d {
-                    self.stats.duplicate_batches += 1;
+                    // The same engine: what follows is what was missed.
+                    round.idle_deadline = idle;
                     return;
                 }
                 return self.restart(now, out);
@@ -513,7 +522,11 @@ impl Repair {
         }
         if let Some(r) = self.round.as_mut() {
             r.applied += 1;
+            // Only progress keeps a replay alive: a peer repeating old batches does
+            // not hold live batches back until the deadline.
+            r.idle_deadline = idle;
         }
+        self.repaired_any = true;
         self.apply(seq, payload, true, out);
     }
 
@@ -545,8 +558,28 @@ impl Repair {
     }
 
     fn give_up(&mut self, now: Instant, cause: ReplayFallback, out: &mut Vec<Step>) {
-        self.round = None;
+        let probe = self.round.take().is_some_and(|r| r.probe);
         out.push(Step::Disconnect);
+        if probe {
+            // Nothing was known to be missing: no clear, only a longer wait before
+            // the next probe; what was held meanwhile is taken as live.
+            self.probe_delay = (self.probe_delay * 2).min(REPLAY_TAIL_PROBE_MAX);
+            self.held_lost = false;
+            let held = std::mem::take(&mut self.held);
+            self.held_bytes = 0;
+            for (seq, payload) in held {
+                if self.round.is_some() {
+                    self.hold(seq, payload);
+                } else {
+                    self.take_live(now, seq, payload, out);
+                }
+            }
+            if self.round.is_none() && self.probe.is_none() {
+                self.probe = Some(now + self.probe_delay);
+            }
+            self.close_if_done();
+            return;
+        }
         self.fall_back(cause, out);
         self.failed_until = Some((now + REPLAY_RETRY_AFTER, cause));
         self.held_lost = false;
@@ -554,9 +587,14 @@ impl Repair {
         // What was held follows the clear as the new truth, gaps and all.
         while let Some((seq, payload)) = self.held.pop_front() {
             self.held_bytes -= payload.len();
-            if self.anchor.is_some_and(|(a, _)| seq <= a) {
+            if self.applied_before(seq, &payload) {
                 self.stats.duplicate_batches += 1;
                 continue;
+            }
+            if self.anchor.is_some_and(|(a, _)| seq <= a) {
+                // Another batch under a number already applied: a new engine.
+                self.fall_back(ReplayFallback::Restart, out);
+                self.anchor = None;
             }
             self.apply(seq, payload, false, out);
         }
@@ -590,6 +628,7 @@ impl Repair {
                 self.apply(seq, payload, false, out);
             } else if self.barren_rounds < MAX_BARREN_ROUNDS {
                 self.held.push_front((seq, payload));
+                self.open(now);
                 return self.start_round(now, out);
             } else {
                 self.held_bytes -= payload.len();
@@ -599,7 +638,13 @@ impl Repair {
         }
         let more = std::mem::take(&mut self.held_lost) || round.incomplete;
         if more && self.barren_rounds < MAX_BARREN_ROUNDS {
+            self.open(now);
             return self.start_round(now, out);
+        }
+        if more {
+            // Replies went missing twice in a row with nothing applied: say so.
+            self.open(now);
+            self.fall_back(ReplayFallback::NoProgress, out);
         }
         if round.applied > 0 {
             self.probe_delay = REPLAY_TAIL_PROBE;
@@ -632,12 +677,16 @@ impl Repair {
             None => (0, None),
         };
         self.probe = None;
+        if !self.open_loss {
+            self.barren_rounds = 0;
+        }
         self.round = Some(Round {
             from,
             verify,
             applied: 0,
             seen: false,
             incomplete: false,
+            probe: !self.open_loss,
             deadline: now + self.limits.deadline,
             idle_deadline: now + self.limits.timeout,
         });
@@ -673,6 +722,11 @@ impl Repair {
     }
 
     fn fall_back(&mut self, cause: ReplayFallback, out: &mut Vec<Step>) {
+        if !self.open_loss {
+            self.open_loss = true;
+            self.repaired_any = false;
+            self.barren_rounds = 0;
+        }
         self.stats.fallbacks.add(cause);
         self.cleared = true;
         out.push(Step::Clear(cause));
@@ -696,17 +750,21 @@ impl Repair {
         if !self.open_loss {
             self.open_loss = true;
             self.cleared = false;
+            self.repaired_any = false;
             self.barren_rounds = 0;
         }
     }
 
     fn close_if_done(&mut self) {
         if self.open_loss && self.round.is_none() {
-            if !self.cleared {
+            // A repair is a loss closed by replayed batches alone (a connection
+            // that missed nothing repaired nothing).
+            if !self.cleared && self.repaired_any {
                 self.stats.repairs += 1;
             }
             self.open_loss = false;
             self.cleared = false;
+            self.repaired_any = false;
         }
     }
 }

@@ -401,3 +401,187 @@ fn after_a_replay_a_quiet_engine_is_asked_once_more_for_the_tail() {
     assert_eq!(r.poll_timeout(), None);
     assert_eq!(r.stats().fallbacks.total(), 0);
 }
+
+// Reproductions from an attack review of the first version (each failed on it).
+
+/// R1: a tail probe is speculative (nothing is known to be missing), yet when the
+/// endpoint is down it clears every router after every burst of a healthy engine.
+#[test]
+fn review_a_failed_tail_probe_clears_though_nothing_was_lost() {
+    let now = Instant::now();
+    let mut r = started(now, 1);
+    let mut total = Vec::new();
+    for round in 0..3u64 {
+        let t = now + Duration::from_secs(10 * round);
+        // One batch, in order: nothing lost.
+        assert_eq!(applied(&live(&mut r, t, 1, 2 + round)), [2 + round]);
+        let due = r.poll_timeout().unwrap();
+        let mut out = Vec::new();
+        r.on_timeout(due, &mut out);
+        assert_eq!(requests(&out), [2 + round], "the probe dials the endpoint");
+        // The endpoint is down (refused): a probe for nothing clears the routers.
+        r.on_unreachable(due, &mut out);
+        total.extend(clears(&out));
+    }
+    assert!(
+        total.is_empty(),
+        "no batch was lost, yet the routers were cleared {} times: {total:?}",
+        total.len()
+    );
+}
+
+/// R2: `barren_rounds` is reset only by `open()`, so barren steady-state tail probes
+/// accumulate it; a gap seen while the next probe is in flight then clears
+/// (no_progress) with no further replay, though the engine buffers the missing batch.
+#[test]
+fn review_barren_probes_make_a_repairable_gap_clear_at_once() {
+    let now = Instant::now();
+    let mut r = started(now, 1);
+    // Probe 1 finds nothing.
+    let t1 = r.poll_timeout().unwrap();
+    let mut out = Vec::new();
+    r.on_timeout(t1, &mut out);
+    assert_eq!(requests(&out), [1]);
+    assert!(applied(&replies(&mut r, t1, 1, 1..=1)).is_empty());
+    // A batch in order, then probe 2.
+    live(&mut r, t1, 1, 2);
+    let t2 = r.poll_timeout().unwrap();
+    let mut out = Vec::new();
+    r.on_timeout(t2, &mut out);
+    assert_eq!(requests(&out), [2]);
+    // While probe 2 runs the engine publishes 3 (dropped by its PUB) and 4.
+    assert!(live(&mut r, t2, 1, 4).is_empty(), "held");
+    // The probe's answer predates 3: only the anchor, then the end.
+    let out = replies(&mut r, t2, 1, 2..=2);
+    assert!(
+        clears(&out).is_empty() && requests(&out) == [2],
+        "batch 3 is in the engine's buffer: ask for it, do not clear; got {out:?}"
+    );
+}
+
+/// R3: same carry-over, no live batch: a probe whose replies lost one in the middle
+/// (ROUTER HWM) is not retried, nothing is cleared and no probe is scheduled: the
+/// buffered batches 3 and 4 are never applied and the loss is counted nowhere.
+#[test]
+fn review_barren_probes_make_a_cut_probe_lose_batches_silently() {
+    let now = Instant::now();
+    let mut r = started(now, 1);
+    let t1 = r.poll_timeout().unwrap();
+    let mut out = Vec::new();
+    r.on_timeout(t1, &mut out);
+    replies(&mut r, t1, 1, 1..=1);
+    live(&mut r, t1, 1, 2);
+    let t2 = r.poll_timeout().unwrap();
+    let mut out = Vec::new();
+    r.on_timeout(t2, &mut out);
+    assert_eq!(requests(&out), [2]);
+    // The engine buffers 2, 3, 4; reply 3 is dropped at the ROUTER's HWM.
+    let mut out = Vec::new();
+    for s in [2, 4] {
+        r.on_reply(t2, Some(Reply::Batch(s, batch(1, s))), &mut out);
+    }
+    assert!(
+        !requests(&out).is_empty() || !clears(&out).is_empty() || r.poll_timeout().is_some(),
+        "3 and 4 neither asked again, nor cleared, nor probed later: {out:?}, stats {:?}",
+        r.stats()
+    );
+}
+
+/// R4: `baseline` is taken only when the first batch is *out* of order: a first
+/// batch at the expected number leaves it set, and the next real gap is applied as a
+/// baseline: no clear, no replay.
+#[test]
+fn review_a_baseline_left_set_swallows_a_later_gap() {
+    let now = Instant::now();
+    let mut r = Repair::new(ReplayLimits::default());
+    let mut out = Vec::new();
+    r.on_connect(now, &mut out);
+    r.on_unreachable(now, &mut out);
+    // A fresh engine: its first batch is 0, the number expected.
+    assert_eq!(applied(&live(&mut r, now, 1, 0)), [0]);
+    let later = now + REPLAY_RETRY_AFTER + Duration::from_secs(1);
+    let out = live(&mut r, later, 1, 5);
+    assert!(
+        !requests(&out).is_empty() || !clears(&out).is_empty(),
+        "1..=4 lost: applied 5 with neither a replay nor a clear: {out:?}"
+    );
+}
+
+/// R5: a probe that discovers a restart (or a too_new buffer) is counted both as a
+/// fallback and as a repair ("closed by replay alone, without a clear").
+#[test]
+fn review_a_probe_that_clears_is_also_counted_a_repair() {
+    let now = Instant::now();
+    let mut r = started(now, 3);
+    assert_eq!(r.stats().repairs, 1);
+    let t = r.poll_timeout().unwrap();
+    let mut out = Vec::new();
+    r.on_timeout(t, &mut out);
+    r.on_reply(t, Some(Reply::Batch(3, batch(2, 3))), &mut out);
+    assert_eq!(clears(&out), [ReplayFallback::Restart]);
+    replies(&mut r, t, 2, 0..=5);
+    let s = r.stats();
+    assert_eq!(
+        (s.repairs, s.fallbacks.restart),
+        (1, 1),
+        "the restart ended in a clear, yet repairs went up"
+    );
+}
+
+/// R6: the SUB reconnects (to a new engine) while a round is in flight: on_connect is
+/// ignored, the new engine's first live batch is held, the old round's dead connection
+/// gives up, and give_up drops the held batch as a "duplicate" by number alone. The
+/// next batch is applied after a restart clear without any replay (failing window):
+/// the new engine's batch 0 is never applied nor fetched.
+#[test]
+fn review_a_new_engines_held_batch_is_dropped_as_a_duplicate_by_number() {
+    let now = Instant::now();
+    let mut r = started(now, 9);
+    let t = r.poll_timeout().unwrap();
+    let mut out = Vec::new();
+    r.on_timeout(t, &mut out); // a tail probe is in flight
+    assert_eq!(requests(&out), [9]);
+    // Engine 1 dies, engine 2 starts; the SUB reconnects to it.
+    let mut out = Vec::new();
+    r.on_connect(t, &mut out);
+    assert_eq!(out[0], Step::Disconnect, "the round in flight is abandoned");
+    assert_eq!(requests(&out), [9], "and asked again on the new connection");
+    assert!(
+        live(&mut r, t, 2, 0).is_empty(),
+        "engine 2's batch 0 is held"
+    );
+    // The new replay connection fails too.
+    let mut all = Vec::new();
+    r.on_unreachable(t, &mut all);
+    all.extend(live(&mut r, t, 2, 1));
+    all.extend(live(&mut r, t, 2, 2));
+    assert!(
+        applied(&all).contains(&0) || requests(&all).contains(&0),
+        "engine 2's batch 0 neither applied nor fetched: {all:?} (duplicates {})",
+        r.stats().duplicate_batches
+    );
+}
+
+/// R7: the idle timeout is reset by any well-formed reply, progress or not: a ROUTER
+/// that repeats an old batch every 1.9 s holds every live batch for the full 30 s
+/// deadline (and the next gap 5 s later starts another one).
+#[test]
+fn review_duplicate_replies_hold_live_batches_until_the_deadline() {
+    let now = Instant::now();
+    let mut r = started(now, 1);
+    assert_eq!(requests(&live(&mut r, now, 1, 3)), [1]);
+    let mut out = Vec::new();
+    let mut t = now;
+    for i in 0..15u64 {
+        t = now + Duration::from_millis(1900 * (i + 1));
+        // The anchor (1) first, which verifies, then the same again: duplicates.
+        r.on_reply(t, Some(Reply::Batch(1, batch(1, 1))), &mut out);
+        out.extend(live(&mut r, t, 1, 4 + i));
+        r.on_timeout(t, &mut out);
+    }
+    assert!(
+        !applied(&out).is_empty(),
+        "{:?} later, nothing applied: live batches 4..=18 still held",
+        t - now
+    );
+}

@@ -1,6 +1,8 @@
 //! The listener's loop when the engine serves a replay endpoint: losses are repaired
 //! from the engine's buffer ([`Repair`] decides), cleared only when it cannot cover.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::time::Instant as StdInstant;
 
@@ -15,13 +17,26 @@ use crate::net::{Backoff, RateLimitedWarn, random_unit};
 use crate::wire::{Framed, Layout, SeqTracker};
 use crate::zmtp::{self, DealerSocket, Message};
 
+/// A replay connection being made and its request sent.
+type Dial = Pin<Box<dyn Future<Output = Result<DealerSocket, zmtp::Error>> + Send>>;
+
 /// The loop's state besides the sockets.
 struct Loop {
     decoder: EngineDecoder,
     forwarded: Forwarded,
     repair: Repair,
     dealer: Option<DealerSocket>,
+    /// The next replay's connection, dialled beside the live stream.
+    dialing: Option<Dial>,
     warn: RateLimitedWarn,
+}
+
+/// Waits for the dial in progress; never ready without one.
+async fn dialled(dialing: &mut Option<Dial>) -> Result<DealerSocket, zmtp::Error> {
+    match dialing {
+        Some(d) => d.await,
+        None => std::future::pending().await,
+    }
 }
 
 fn now() -> StdInstant {
@@ -53,6 +68,7 @@ impl EngineListener {
             forwarded: Forwarded::default(),
             repair: Repair::new(self.config.replay_limits),
             dealer: None,
+            dialing: None,
             warn: RateLimitedWarn::default(),
         };
         let mut seq_tracker = SeqTracker::default();
@@ -130,6 +146,18 @@ impl EngineListener {
                         self.observe_seq(&mut seq_tracker, seq);
                         state.repair.on_live(now(), seq, payload, &mut steps);
                     }
+                    r = dialled(&mut state.dialing), if state.dialing.is_some() => {
+                        state.dialing = None;
+                        match r {
+                            Ok(dealer) => state.dealer = Some(dealer),
+                            Err(e) => {
+                                if state.warn.check("replay", now()).is_some() {
+                                    tracing::warn!(endpoint = %replay_endpoint, error = %crate::net::ErrorChain(&e), "engine replay endpoint unreachable");
+                                }
+                                state.repair.on_unreachable(now(), &mut steps);
+                            }
+                        }
+                    }
                     r = recv_reply(&mut state.dealer), if state.repair.replaying() => match r {
                         Ok(msg) => {
                             let reply = replay::parse_reply(&msg, &self.config.topic);
@@ -179,21 +207,16 @@ impl EngineListener {
     /// listener must stop.
     async fn run_steps(&self, state: &mut Loop, steps: &mut Vec<Step>, endpoint: &str) -> bool {
         let mut pending: Vec<PlacementEvent> = Vec::new();
-        let mut queue = std::mem::take(steps);
-        let mut i = 0;
-        while let Some(step) = queue.get(i).cloned() {
-            i += 1;
+        for step in std::mem::take(steps) {
             match step {
                 Step::Request(from) => {
-                    if let Err(e) = self.request(state, endpoint, from).await {
-                        if state.warn.check("replay", now()).is_some() {
-                            tracing::warn!(endpoint = %endpoint, error = %crate::net::ErrorChain(&e), "engine replay endpoint unreachable; clearing instead of repairing");
-                        }
-                        state.dealer = None;
-                        state.repair.on_unreachable(now(), &mut queue);
-                    }
+                    state.dealer = None;
+                    state.dialing = Some(self.dial(endpoint, from));
                 }
-                Step::Disconnect => state.dealer = None,
+                Step::Disconnect => {
+                    state.dealer = None;
+                    state.dialing = None;
+                }
                 Step::Clear(cause) => pending.extend(self.clears(
                     ViewLoss::Unrepaired(cause),
                     &mut state.forwarded,
@@ -242,26 +265,23 @@ impl EngineListener {
         self.forward(pending, &mut state.forwarded).await
     }
 
-    /// Sends a replay request from `from` on a connection of its own (within the
-    /// replay timeout).
-    async fn request(
-        &self,
-        state: &mut Loop,
-        endpoint: &str,
-        from: u64,
-    ) -> Result<(), zmtp::Error> {
-        state.dealer = None;
+    /// Dials the replay endpoint and sends a request from `from`, on a connection of
+    /// its own, within the replay timeout; run beside the live stream.
+    fn dial(&self, endpoint: &str, from: u64) -> Dial {
+        let endpoint = endpoint.to_owned();
+        let config = self.config.zmtp.clone();
+        let timeout = self.config.replay_limits.timeout;
         tracing::debug!(endpoint = %endpoint, from, "asking the engine to replay");
-        let dial = async {
-            let mut dealer = DealerSocket::connect(endpoint, self.config.zmtp.clone()).await?;
-            dealer.send(&replay::request(from)).await?;
-            Ok::<_, zmtp::Error>(dealer)
-        };
-        let dealer = tokio::time::timeout(self.config.replay_limits.timeout, dial)
-            .await
-            .map_err(|_| zmtp::Error::Timeout(zmtp::TimeoutKind::Connect))??;
-        state.dealer = Some(dealer);
-        Ok(())
+        Box::pin(async move {
+            let dial = async {
+                let mut dealer = DealerSocket::connect(&endpoint, config).await?;
+                dealer.send(&replay::request(from)).await?;
+                Ok::<_, zmtp::Error>(dealer)
+            };
+            tokio::time::timeout(timeout, dial)
+                .await
+                .map_err(|_| zmtp::Error::Timeout(zmtp::TimeoutKind::Connect))?
+        })
     }
 }
 

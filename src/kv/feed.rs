@@ -105,8 +105,11 @@ pub struct IndexFeedStats {
     pub repairs_dump: u64,
     /// Losses wiped because the recovery request failed.
     pub wipes_recovery_failed: u64,
-    /// Losses wiped because too many live events arrived during the recovery.
+    /// Losses wiped because too many live events arrived during recoveries, again and
+    /// again.
     pub wipes_held_overflow: u64,
+    /// Live events dropped while held for a recovery (asked for again).
+    pub held_dropped: u64,
     /// Publishers recovering now.
     pub recovering: u64,
     /// Live events held now for publishers that recover.
@@ -451,15 +454,20 @@ impl IndexFeed {
 // application asks and hands the answer back).
 
 /// Live events a feed holds for one publisher while its recovery runs: 4,096 (and at
-/// most 2^20 across publishers). Past either, the recovery is abandoned and the
-/// publisher wiped ([`Wipe::HeldOverflow`]).
+/// most 2^18 across publishers). Past either, live events are dropped (counted in
+/// [`IndexFeedStats::held_dropped`]) and asked for by another recovery once this one
+/// is applied; after three such recoveries in a row the publisher is wiped
+/// ([`Wipe::HeldOverflow`]).
 ///
 /// ```
 /// assert_eq!(eventplane::kv::FEED_MAX_HELD_EVENTS, 4096);
 /// ```
 pub const FEED_MAX_HELD_EVENTS: usize = 4096;
 
-const MAX_HELD_TOTAL: usize = 1 << 20;
+const MAX_HELD_TOTAL: usize = 1 << 18;
+
+/// Recoveries in a row whose live events overflowed before the publisher is wiped.
+const MAX_OVERFLOWS: u32 = 3;
 
 /// Repair latencies kept for the percentiles.
 const LATENCIES: usize = 256;
@@ -486,6 +494,11 @@ struct Repairing {
     asked: bool,
     /// Its live events since the loss, in order.
     held: VecDeque<RouterEvent>,
+    /// Live events were dropped because too many were held: once this recovery is
+    /// applied, another asks for them.
+    overflowed: bool,
+    /// Recoveries in a row that overflowed.
+    overflows: u32,
 }
 
 impl Repairing {
@@ -587,7 +600,45 @@ impl IndexFeed {
                 }
             }
         }
+        if repair.overflowed {
+            self.refetch(publisher, repair);
+        } else {
+            self.drain(publisher, repair.held);
+        }
+    }
+
+    /// After a recovery whose live events overflowed: the held ones are applied, and
+    /// another recovery asks for what was dropped after them (at most
+    /// [`MAX_OVERFLOWS`] in a row, then the publisher is wiped and starts over).
+    fn refetch(&mut self, publisher: &ChannelId, repair: Repairing) {
+        let overflows = repair.overflows + 1;
+        if overflows > MAX_OVERFLOWS {
+            // It sends faster than it can be recovered: start over from the held.
+            self.wipe(publisher, Wipe::HeldOverflow);
+            if let Some(p) = self.publishers.get_mut(publisher) {
+                p.next_id = 0;
+            }
+            return self.drain(publisher, repair.held);
+        }
         self.drain(publisher, repair.held);
+        let Some(p) = self.publishers.get_mut(publisher) else {
+            return;
+        };
+        if p.repair.is_none() {
+            let request = match p.next_id {
+                0 => RecoveryRequest::Dump,
+                next => RecoveryRequest::Since(next - 1),
+            };
+            self.start_repair(publisher, request);
+        }
+        // The held events may have started it already.
+        if let Some(r) = self
+            .publishers
+            .get_mut(publisher)
+            .and_then(|p| p.repair.as_mut())
+        {
+            r.overflows = overflows;
+        }
     }
 
     /// Applies held events as live ones (a gap among them starts another recovery).
@@ -619,10 +670,13 @@ impl IndexFeed {
 
     fn start_repair(&mut self, id: &ChannelId, request: RecoveryRequest) {
         if let Some(p) = self.publishers.get_mut(id) {
+            let overflows = p.repair.as_ref().map_or(0, |r| r.overflows);
             p.repair = Some(Repairing {
                 request,
                 asked: false,
                 held: VecDeque::new(),
+                overflowed: false,
+                overflows,
             });
         }
     }
@@ -637,25 +691,10 @@ impl IndexFeed {
             self.held_total += 1;
             return;
         }
-        // Too much arrived meanwhile: give the recovery up, start over from here.
-        let held = r.held.split_off(0);
-        if let Some(p) = self.publishers.get_mut(id) {
-            p.repair = None;
-            p.next_id = 0;
-        }
-        self.wipe(id, Wipe::HeldOverflow);
-        self.held_total = self.held_total.saturating_sub(held.len());
-        let mut all = held;
-        all.push_back(ev);
-        if let Some(first) = all.front() {
-            if let Some(p) = self.publishers.get_mut(id) {
-                p.next_id = first.event.id;
-                p.rebuilt = true;
-            }
-        }
-        for ev in all {
-            self.apply_event(id, &ev);
-        }
+        // Too much arrived meanwhile: dropped here, asked for again once this
+        // recovery is applied (its worker's log still has it).
+        r.overflowed = true;
+        self.stats.held_dropped += 1;
     }
 
     /// Empties the ranks `id` fed (that no other publisher fed since), not counted as

@@ -170,26 +170,73 @@ fn a_reconnect_asks_for_what_was_sent_meanwhile() {
 }
 
 #[test]
-fn too_many_held_events_give_the_recovery_up() {
+fn live_events_past_the_hold_are_dropped_and_fetched_by_another_recovery() {
     let (mut feed, w) = following(1);
-    let events: Vec<RouterEvent> = (3..3 + FEED_MAX_HELD_EVENTS as u64 + 1)
-        .map(|i| stored(i, 1000 + i, None))
-        .collect();
+    // 2 was lost; 3.. arrive, more than the feed holds.
+    let last = 3 + FEED_MAX_HELD_EVENTS as u64 + 10;
+    let events: Vec<RouterEvent> = (3..=last).map(|i| stored(i, 1000 + i, None)).collect();
     feed.apply(&w, &events);
-    let s = feed.stats();
-    assert_eq!(
-        (s.wipes_held_overflow, s.recovering, s.held_events),
-        (1, 0, 0)
-    );
-    assert_eq!(blocks(&feed).len(), FEED_MAX_HELD_EVENTS + 1);
-    // The answer that comes late is ignored.
+    assert_eq!(feed.stats().held_dropped, 11);
+    assert_eq!(feed.take_recoveries()[0].request, RecoveryRequest::Since(1));
     feed.recovered(
         &w.id,
         Ok(Recovered::Events {
             events: vec![stored(2, 102, Some(101))],
-            current_id: 2,
+            current_id: last,
         }),
         Duration::ZERO,
     );
-    assert!(!blocks(&feed).contains(&102));
+    // The held ones are applied and the dropped ones asked for.
+    let held_last = 2 + FEED_MAX_HELD_EVENTS as u64;
+    assert_eq!(
+        feed.take_recoveries()[0].request,
+        RecoveryRequest::Since(held_last)
+    );
+    let rest: Vec<RouterEvent> = (held_last + 1..=last)
+        .map(|i| stored(i, 1000 + i, None))
+        .collect();
+    feed.recovered(
+        &w.id,
+        Ok(Recovered::Events {
+            events: rest,
+            current_id: last,
+        }),
+        Duration::ZERO,
+    );
+    assert_eq!(blocks(&feed).len(), 2 + (last - 2) as usize);
+    let s = feed.stats();
+    assert_eq!(
+        (
+            s.wipes_held_overflow,
+            s.recovering,
+            s.held_events,
+            s.repairs_since
+        ),
+        (0, 0, 0, 2)
+    );
+}
+
+#[test]
+fn a_publisher_that_overflows_recovery_after_recovery_is_wiped() {
+    let (mut feed, w) = following(1);
+    let mut next = 3u64;
+    for round in 0..=MAX_OVERFLOWS {
+        // More live events than the feed holds, on every recovery.
+        let events: Vec<RouterEvent> = (next..next + FEED_MAX_HELD_EVENTS as u64 + 5)
+            .map(|i| stored(i, 1000 + i, None))
+            .collect();
+        next += FEED_MAX_HELD_EVENTS as u64 + 5;
+        feed.apply(&w, &events);
+        assert_eq!(feed.take_recoveries().len(), 1, "round {round}");
+        feed.recovered(
+            &w.id,
+            Ok(Recovered::Events {
+                events: Vec::new(),
+                current_id: next,
+            }),
+            Duration::ZERO,
+        );
+    }
+    let s = feed.stats();
+    assert_eq!((s.wipes_held_overflow, s.recovering), (1, 0));
 }

@@ -158,9 +158,10 @@ pub use processor::{
     ProcessorStats,
 };
 pub use recovery::{
-    DEFAULT_CONCURRENT_DUMPS, DEFAULT_MAX_LOG_BLOCKS, DEFAULT_RECOVERY_CONNECTIONS,
-    DEFAULT_RECOVERY_EVENT_BLOCKS, DEFAULT_RECOVERY_EVENTS, Dump, RECOVERY_IDLE_TIMEOUT, Recovered,
-    RecoveryClientConfig, RecoveryError, RecoveryRequest, RecoveryServer, RecoveryServerStats,
+    DEFAULT_CONCURRENT_DUMPS, DEFAULT_CONCURRENT_RECOVERIES, DEFAULT_MAX_LOG_BLOCKS,
+    DEFAULT_RECOVERY_CONNECTIONS, DEFAULT_RECOVERY_EVENT_BLOCKS, DEFAULT_RECOVERY_EVENTS, Dump,
+    RECOVERY_IDLE_TIMEOUT, RECOVERY_INTERVAL, Recovered, RecoveryAnswer, RecoveryClientConfig,
+    RecoveryDriver, RecoveryError, RecoveryRequest, RecoveryServer, RecoveryServerStats,
     SharedWorkerLog, Since, WorkerLog, WorkerLogConfig, WorkerLogStats, recover, recover_over,
 };
 pub use replay::{

@@ -404,8 +404,12 @@ impl LocalIndex for SharedWorkerLog {
     }
 }
 
+mod driver;
 mod endpoint;
 
+pub use driver::{
+    DEFAULT_CONCURRENT_RECOVERIES, RECOVERY_INTERVAL, RecoveryAnswer, RecoveryDriver,
+};
 pub use endpoint::{
     DEFAULT_CONCURRENT_DUMPS, DEFAULT_RECOVERY_CONNECTIONS, RECOVERY_IDLE_TIMEOUT, Recovered,
     RecoveryClientConfig, RecoveryError, RecoveryRequest, RecoveryServer, RecoveryServerStats,

@@ -180,7 +180,15 @@ catalogue! {
     KV_INDEX_REFUSED_BLOCKS: Counter "eventplane_kv_index_refused_blocks_total" ["reason"] "IndexFeedStats"
         "Stored blocks not indexed, by reason: rank_full, worker_full, index_full.";
     KV_INDEX_WIPES: Counter "eventplane_kv_index_wipes_total" ["reason"] "IndexFeedStats"
-        "Publishers' views lost and cleared, by reason: id_gap, reconnect.";
+        "Publishers' views lost and cleared, by reason: id_gap, reconnect, recovery_failed, held_overflow.";
+    KV_INDEX_REPAIRS: Counter "eventplane_kv_index_repairs_total" ["kind"] "IndexFeedStats"
+        "Losses repaired from the workers' recovery logs, by kind: since, dump.";
+    KV_INDEX_RECOVERING: Gauge "eventplane_kv_index_recovering_publishers" [] "IndexFeedStats"
+        "Publishers whose recovery is in progress.";
+    KV_INDEX_HELD: Gauge "eventplane_kv_index_held_events" [] "IndexFeedStats"
+        "Live events held for publishers that recover.";
+    KV_INDEX_REPAIR_P99: Gauge "eventplane_kv_index_repair_p99_milliseconds" [] "IndexFeedStats"
+        "The 99th percentile of the last 256 repairs' time from request to answer.";
     KV_INDEX_WIPED_BLOCKS: Counter "eventplane_kv_index_wiped_blocks_total" [] "IndexFeedStats"
         "Blocks dropped by wipes and departures.";
     KV_INDEX_UNDECODABLE: Counter "eventplane_kv_index_undecodable_total" [] "IndexFeedStats"

@@ -139,9 +139,16 @@ impl Sampled for IndexFeedStats {
         for (reason, v) in [
             ("id_gap", self.wipes_id_gap),
             ("reconnect", self.wipes_reconnect),
+            ("recovery_failed", self.wipes_recovery_failed),
+            ("held_overflow", self.wipes_held_overflow),
         ] {
             out.labelled(&KV_INDEX_WIPES, reason, v);
         }
+        out.labelled(&KV_INDEX_REPAIRS, "since", self.repairs_since);
+        out.labelled(&KV_INDEX_REPAIRS, "dump", self.repairs_dump);
+        out.gauge(&KV_INDEX_RECOVERING, self.recovering);
+        out.gauge(&KV_INDEX_HELD, self.held_events);
+        out.gauge(&KV_INDEX_REPAIR_P99, self.repair_p99_ms);
         out.counter(&KV_INDEX_WIPED_BLOCKS, self.wiped_blocks);
         out.counter(&KV_INDEX_UNDECODABLE, self.undecodable);
     }

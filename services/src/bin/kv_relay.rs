@@ -217,6 +217,20 @@ async fn main() -> ExitCode {
         eprintln!("{e}");
         return ExitCode::from(2);
     }
+    // The worker's recovery log, kept before publishing, served to routers.
+    let recovery = match &args.recovery_bind {
+        Some(bind) => {
+            let log = SharedWorkerLog::new(WorkerLogConfig::default());
+            match RecoveryServer::bind(bind, log.clone()).await {
+                Ok(server) => Some((server, log)),
+                Err(e) => {
+                    eprintln!("cannot bind --recovery-bind {bind}: {}", chain(&e));
+                    return ExitCode::from(3);
+                }
+            }
+        }
+        None => None,
+    };
     let mut registry_stats: Option<Arc<dyn Discovery>> = None;
     let (builder, discovery) = if args.etcd.is_empty() && !args.kube {
         let mut builder = EventPublisher::unregistered(args.publish_topic.clone());
@@ -250,6 +264,13 @@ async fn main() -> ExitCode {
         }
         // Routers see whose events these are in discovery, before any payload.
         builder = builder.worker(args.engine.worker_id, args.dp_rank.unwrap_or(0));
+        // And where to ask for what they lose of them.
+        if let Some((server, _)) = &recovery {
+            builder = builder.recovery(advertised(
+                server.local_endpoint(),
+                args.advertise_host.as_deref(),
+            ));
+        }
         (builder, Some(closer))
     };
     let bind = args
@@ -278,20 +299,6 @@ async fn main() -> ExitCode {
     let source = match source(&args, &publisher) {
         Ok(s) => s,
         Err(e) => return e.report(),
-    };
-    // The worker's recovery log, kept before publishing, served to routers.
-    let recovery = match &args.recovery_bind {
-        Some(bind) => {
-            let log = SharedWorkerLog::new(WorkerLogConfig::default());
-            match RecoveryServer::bind(bind, log.clone()).await {
-                Ok(server) => Some((server, log)),
-                Err(e) => {
-                    eprintln!("cannot bind --recovery-bind {bind}: {}", chain(&e));
-                    return ExitCode::from(3);
-                }
-            }
-        }
-        None => None,
     };
     let log = recovery.as_ref().map(|(_, log)| log.clone());
     // EngineListener → Processor → EventPlaneSink → this publisher.
@@ -374,6 +381,25 @@ async fn main() -> ExitCode {
     });
     eprintln!("{stats}");
     ExitCode::SUCCESS
+}
+
+/// `endpoint` as routers reach it: a wildcard host replaced by `advertise`.
+fn advertised(endpoint: &str, advertise: Option<&str>) -> String {
+    match (
+        endpoint
+            .strip_prefix("tcp://")
+            .and_then(|r| r.rsplit_once(':')),
+        advertise,
+    ) {
+        (Some(("0.0.0.0" | "[::]" | "::", port)), Some(a)) => {
+            if a.contains(':') {
+                format!("tcp://[{a}]:{port}")
+            } else {
+                format!("tcp://{a}:{port}")
+            }
+        }
+        _ => endpoint.to_owned(),
+    }
 }
 
 /// The publisher id of source `client_id`'s worker `worker_id` at `dp_rank`: the same

@@ -59,7 +59,10 @@ use std::sync::Arc;
 use clap::{CommandFactory, Parser, ValueEnum};
 use common::{StartError, chain, optional_timeout, static_discovery, stop_signal};
 use eventplane::discovery::{ChannelId, Discovery, Query};
-use eventplane::kv::{IndexFeed, RouterEvent, RouterIndexConfig, Wipe, decode_router_payload};
+use eventplane::kv::{
+    IndexFeed, RecoveryClientConfig, RecoveryDriver, RouterEvent, RouterIndexConfig, Wipe,
+    decode_router_payload,
+};
 use eventplane::metrics::Exporter;
 use eventplane::subscriber::{DynamicSubscriber, DynamicSubscriberBuilder, Item, Notice};
 use eventplane::wire::Wire;
@@ -328,6 +331,20 @@ impl Router {
         self.say(wiped);
     }
 
+    /// A recovery's answer for `publisher` (see `kv::IndexFeed::recovered`).
+    fn recovered(
+        &mut self,
+        publisher: &ChannelId,
+        answer: Result<eventplane::kv::Recovered, eventplane::kv::RecoveryError>,
+        elapsed: std::time::Duration,
+    ) {
+        if let Err(e) = &answer {
+            eprintln!("publisher {publisher}: recovery failed: {}", chain(e));
+        }
+        self.feed().recovered(publisher, answer, elapsed);
+        self.say_wipes();
+    }
+
     fn notice(&mut self, notice: &Notice) {
         self.feed().notice(notice);
         self.say_wipes();
@@ -366,6 +383,10 @@ impl Router {
                         w.publisher, w.blocks
                     )
                 }
+                Wipe::RecoveryFailed | Wipe::HeldOverflow => eprintln!(
+                    "publisher {} could not be repaired ({:?}): forgot {} blocks",
+                    w.publisher, w.cause, w.blocks
+                ),
                 _ => eprintln!("publisher {} left: forgot {} blocks", w.publisher, w.blocks),
             }
         }
@@ -546,6 +567,11 @@ async fn main() -> ExitCode {
     // Notices dropped so far: a dropped `Departed` is made up for by a reconcile.
     let mut notices_dropped = 0;
     let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    // Publishers whose workers serve a recovery log are repaired from it instead of
+    // wiped (what discovery named is dialled through the subscriber's filter).
+    let mut recovery_config = RecoveryClientConfig::default();
+    recovery_config.filter = Some(eventplane::net::AddrFilter::default());
+    let mut recovery = RecoveryDriver::new(recovery_config);
     let timeout = optional_timeout(args.timeout_ms);
     tokio::pin!(timeout);
     tokio::pin!(stop);
@@ -553,9 +579,13 @@ async fn main() -> ExitCode {
         if args.count.is_some_and(|n| router.events >= n) {
             break 'run 0;
         }
+        recovery.submit(router.feed().take_recoveries());
         tokio::select! {
             () = &mut stop => break 'run 0,
             () = &mut timeout => break 'run 1,
+            (publisher, answer, elapsed) = recovery.next() => {
+                router.recovered(&publisher, answer, elapsed);
+            }
             _ = tick.tick() => {
                 let stats = handle.stats();
                 if stats.notices_dropped > notices_dropped {
@@ -651,7 +681,24 @@ async fn main() -> ExitCode {
         },
         "publishers": stats.publishers.len(),
         "unidentified_deliveries": router.unidentified,
-        "lost_views": fed.wipes_id_gap + fed.wipes_reconnect,
+        "lost_views": fed.wipes_id_gap
+            + fed.wipes_reconnect
+            + fed.wipes_recovery_failed
+            + fed.wipes_held_overflow,
+        "wipes": {
+            "id_gap": fed.wipes_id_gap,
+            "reconnect": fed.wipes_reconnect,
+            "recovery_failed": fed.wipes_recovery_failed,
+            "held_overflow": fed.wipes_held_overflow,
+        },
+        "repairs": {
+            "since": fed.repairs_since,
+            "dump": fed.repairs_dump,
+            "p50_ms": fed.repair_p50_ms,
+            "p99_ms": fed.repair_p99_ms,
+            "recovering": fed.recovering,
+            "held_events": fed.held_events,
+        },
         "decode_errors": {
             "frames": m.frames,
             "header": m.header,

@@ -23,11 +23,32 @@ impl Discovery for EtcdDiscovery {
         transport: Transport,
         worker: Option<WorkerIdentity>,
     ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
+        self.register_instance(Instance {
+            worker,
+            ..Instance::new(id, transport, 0)
+        })
+    }
+
+    fn register_instance(
+        &self,
+        instance: Instance,
+    ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
+        let Instance {
+            id,
+            transport,
+            worker,
+            recovery,
+            ..
+        } = instance;
         Box::pin(async move {
             if self.handle.shared.shutdown.is_cancelled() {
                 return Err(DiscoveryError::Closed);
             }
-            let (instance, serial) = self.handle.shared.register(id, transport, worker).await?;
+            let (instance, serial) = self
+                .handle
+                .shared
+                .register(id, transport, worker, recovery)
+                .await?;
             let guard = EtcdRegistration {
                 handle: Arc::clone(&self.handle),
                 id: instance.id.clone(),

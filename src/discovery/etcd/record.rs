@@ -47,6 +47,9 @@ struct Record<'a> {
     /// The worker the publisher speaks for; absent when it registered none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     worker: Option<WorkerIdentity>,
+    /// Where the worker serves its recovery log; absent when it registered none.
+    #[serde(default, borrow, skip_serializing_if = "Option::is_none")]
+    recovery: Option<Cow<'a, str>>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -111,11 +114,12 @@ impl Keys {
         id: &ChannelId,
         transport: &Transport,
         worker: Option<WorkerIdentity>,
+        recovery: Option<&str>,
     ) -> Result<Entry, DiscoveryError> {
         match &self.dynamo {
             None => Ok(Entry {
                 key: format!("{}{}", self.root, id.to_path()),
-                value: encode_value(id, transport, worker),
+                value: encode_value(id, transport, worker, recovery),
                 companion: None,
             }),
             Some(d) => {
@@ -245,12 +249,26 @@ impl Keys {
             incarnation,
         );
         instance.worker = record.worker;
+        if let Some(recovery) = record.recovery {
+            check_endpoint(&recovery)?;
+            if !recovery.starts_with("tcp://") {
+                return Err(RecordError::BadValue(
+                    "recovery endpoint is not tcp://".to_owned(),
+                ));
+            }
+            instance.recovery = Some(recovery.into_owned());
+        }
         Ok(Some(instance))
     }
 }
 
 /// The JSON value for a registration in our format.
-fn encode_value(id: &ChannelId, transport: &Transport, worker: Option<WorkerIdentity>) -> String {
+fn encode_value(
+    id: &ChannelId,
+    transport: &Transport,
+    worker: Option<WorkerIdentity>,
+    recovery: Option<&str>,
+) -> String {
     let (kind, endpoint) = match transport {
         Transport::Zmq { endpoint } => ("zmq", endpoint.as_str()),
         // Readers refuse it (not `tcp://`): an announced publisher lives on its bus.
@@ -268,6 +286,7 @@ fn encode_value(id: &ChannelId, transport: &Transport, worker: Option<WorkerIden
             endpoint: Cow::Borrowed(endpoint),
         },
         worker,
+        recovery: recovery.map(Cow::Borrowed),
     };
     // Serializing strings and integers into a String cannot fail.
     serde_json::to_string(&record).unwrap_or_default()
@@ -300,13 +319,13 @@ mod tests {
     #[test]
     fn encodes_the_documented_format() {
         let id = ChannelId::new("ns", "c", "t", 42).unwrap();
-        let value = encode_value(&id, &Transport::zmq("tcp://10.0.0.5:41234"), None);
+        let value = encode_value(&id, &Transport::zmq("tcp://10.0.0.5:41234"), None, None);
         assert_eq!(
             value,
             r#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":42},"transport":{"kind":"zmq","endpoint":"tcp://10.0.0.5:41234"}}"#
         );
         let entry = keys()
-            .entry(&id, &Transport::zmq("tcp://10.0.0.5:41234"), None)
+            .entry(&id, &Transport::zmq("tcp://10.0.0.5:41234"), None, None)
             .unwrap();
         assert_eq!(entry.key, "/eventplane/v1/channels/ns/c/t/2a");
         assert_eq!(
@@ -327,7 +346,7 @@ mod tests {
         let id = ChannelId::new("ns", "c", "t", 42).unwrap();
         let transport = Transport::zmq("tcp://10.0.0.5:41234");
         let entry = keys()
-            .entry(&id, &transport, Some(WorkerIdentity::new(7, 2)))
+            .entry(&id, &transport, Some(WorkerIdentity::new(7, 2)), None)
             .unwrap();
         assert!(
             entry
@@ -355,13 +374,44 @@ mod tests {
     }
 
     #[test]
+    fn the_recovery_endpoint_travels_in_the_record_and_is_checked() {
+        let id = ChannelId::new("ns", "c", "t", 42).unwrap();
+        let transport = Transport::zmq("tcp://10.0.0.5:41234");
+        let entry = keys()
+            .entry(&id, &transport, None, Some("tcp://10.0.0.5:41235"))
+            .unwrap();
+        assert!(
+            entry
+                .value
+                .ends_with(r#","recovery":"tcp://10.0.0.5:41235"}"#),
+            "{}",
+            entry.value
+        );
+        let back = keys()
+            .parse(entry.key.as_bytes(), entry.value.as_bytes(), 9, MAX)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            back,
+            Instance::new(id, transport, 9).with_recovery("tcp://10.0.0.5:41235")
+        );
+        // A recovery endpoint that is not tcp:// is refused like a transport's.
+        let bad = br#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":1},"transport":{"kind":"zmq","endpoint":"tcp://h:1"},"recovery":"http://169.254.169.254/"}"#;
+        assert!(
+            keys()
+                .parse(b"/eventplane/v1/channels/ns/c/t/1", bad, 3, MAX)
+                .is_err()
+        );
+    }
+
+    #[test]
     fn a_registrations_worker_goes_into_dynamos_event_source() {
         let format = RecordFormat::Dynamo(DynamoRecords::new().endpoint("generate").worker(1, 0));
         let keys = Keys::new("/eventplane", &format);
         let id = ChannelId::new("ns", "c", "t", 42).unwrap();
         let transport = Transport::zmq("tcp://10.0.0.5:41234");
         let source = |worker| {
-            let entry = keys.entry(&id, &transport, worker).unwrap();
+            let entry = keys.entry(&id, &transport, worker, None).unwrap();
             entry.companion.unwrap().1
         };
         assert!(source(None).contains(r#""worker":{"worker_id":1,"dp_rank":0}"#));
@@ -374,9 +424,9 @@ mod tests {
             "/eventplane",
             &RecordFormat::Dynamo(DynamoRecords::new().endpoint("generate")),
         );
-        assert!(keys.entry(&id, &transport, None).is_err());
+        assert!(keys.entry(&id, &transport, None, None).is_err());
         assert!(
-            keys.entry(&id, &transport, Some(WorkerIdentity::new(5, 0)))
+            keys.entry(&id, &transport, Some(WorkerIdentity::new(5, 0)), None)
                 .is_ok()
         );
     }

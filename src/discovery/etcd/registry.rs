@@ -118,12 +118,15 @@ impl Shared {
         id: ChannelId,
         transport: Transport,
         worker: Option<WorkerIdentity>,
+        recovery: Option<String>,
     ) -> Result<(Instance, u64), DiscoveryError> {
         let Entry {
             key,
             value,
             companion,
-        } = self.keys.entry(&id, &transport, worker)?;
+        } = self
+            .keys
+            .entry(&id, &transport, worker, recovery.as_deref())?;
         let mut session = self.session.lock().await;
         if self.shutdown.is_cancelled() {
             // `close` revoked the lease while this waited: do not grant a new one.
@@ -165,6 +168,7 @@ impl Shared {
         debug!(%id, incarnation, "registered in etcd");
         let mut instance = Instance::new(id, transport, incarnation);
         instance.worker = worker;
+        instance.recovery = recovery;
         Ok((instance, serial))
     }
 

@@ -446,6 +446,9 @@ pub struct RecoveryClientConfig {
     pub max_bytes: usize,
     /// The connection's bounds (frames up to 16 MiB by default).
     pub zmtp: zmtp::Config,
+    /// Addresses the client may dial (default: none refused). A router that dials
+    /// what discovery names gives it the filter it gives its subscriber.
+    pub filter: Option<crate::net::AddrFilter>,
 }
 
 impl Default for RecoveryClientConfig {
@@ -454,6 +457,7 @@ impl Default for RecoveryClientConfig {
             timeout: Duration::from_secs(5),
             max_bytes: 256 << 20,
             zmtp: zmtp::Config::default(),
+            filter: None,
         }
     }
 }
@@ -466,7 +470,12 @@ pub async fn recover(
 ) -> Result<Recovered, RecoveryError> {
     let timeout = config.timeout;
     tokio::time::timeout(timeout, async {
-        let socket = DealerSocket::connect(endpoint, config.zmtp.clone()).await?;
+        let socket = match &config.filter {
+            Some(filter) => {
+                DealerSocket::connect_filtered(endpoint, config.zmtp.clone(), filter).await?
+            }
+            None => DealerSocket::connect(endpoint, config.zmtp.clone()).await?,
+        };
         recover_over(socket, request, config.max_bytes).await
     })
     .await

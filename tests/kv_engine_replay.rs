@@ -13,7 +13,6 @@
 mod support;
 
 use std::collections::HashSet;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,10 +21,8 @@ use eventplane::kv::{
     RecoveryClientConfig, RecoveryRequest, WorkerId, decode_router_events, recover,
 };
 use eventplane::zmtp::{Config, SubSocket};
-use support::{PyPeer, Watched, dynamo_python, restartable_endpoint, support_dir, within};
-
-const TOPIC: &str = "kv";
-const BLOCK_SIZE: &str = "16";
+use support::engine_peer::{BLOCK_SIZE, EnginePeer, TOPIC};
+use support::{Watched, within};
 
 /// What a router holds of the worker, and the clears it was sent.
 #[derive(Default)]
@@ -51,75 +48,6 @@ impl View {
             }
             _ => {}
         }
-    }
-}
-
-fn engine_module(name: &str) -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("target/engines")
-        .join(name)
-        .join("kv_events.py");
-    assert!(
-        path.exists(),
-        "{} missing: run `python3 tools/engine_sources.py` (.ci/run does)",
-        path.display()
-    );
-    path
-}
-
-/// An engine's own publisher, driven line by line.
-struct EnginePeer {
-    peer: PyPeer,
-    publish: String,
-    replay: String,
-}
-
-impl EnginePeer {
-    async fn start(module: &str, flavor: &str) -> EnginePeer {
-        let python = dynamo_python();
-        let port = |e: &str| e.rsplit(':').next().unwrap().to_owned();
-        let (publish, replay) = (restartable_endpoint(), restartable_endpoint());
-        let module = engine_module(module);
-        let mut peer = PyPeer::with_python(
-            &python,
-            support_dir().join("engine_replay_peer.py"),
-            &[
-                module.to_str().unwrap(),
-                flavor,
-                TOPIC,
-                BLOCK_SIZE,
-                &port(&publish),
-                &port(&replay),
-            ],
-        );
-        assert_eq!(peer.line().await, "ready");
-        EnginePeer {
-            peer,
-            publish,
-            replay,
-        }
-    }
-
-    /// Publishes `n` batches; the last sequence used.
-    async fn burst(&mut self, n: u32) -> u64 {
-        self.peer.send_line(&format!("burst {n}")).await;
-        let ok = self.peer.line().await;
-        ok.strip_prefix("ok ").unwrap().parse().unwrap()
-    }
-
-    async fn restart(&mut self) {
-        self.peer.send_line("restart").await;
-        assert_eq!(self.peer.line().await, "ok");
-    }
-
-    async fn truth(&mut self) -> HashSet<u64> {
-        self.peer.send_line("truth").await;
-        let line = self.peer.line().await;
-        line.strip_prefix("truth")
-            .unwrap()
-            .split_whitespace()
-            .map(|h| h.parse().unwrap())
-            .collect()
     }
 }
 

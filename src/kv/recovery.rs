@@ -159,6 +159,11 @@ struct Held {
     tokens_hash: TokensHash,
     /// When it was stored: a parent is stored before its children.
     order: u64,
+    /// Blocks stored under it that are still kept (held or ghosts).
+    children: u32,
+    /// Removed, but kept because blocks under it are held: a router that rebuilds from
+    /// a dump needs it to place them, then removes it.
+    ghost: bool,
 }
 
 /// The recovery log of one worker: its last router events and the blocks it holds.
@@ -193,6 +198,8 @@ pub struct WorkerLog {
     blocks: FastMap<(DpRank, StorageTier, BlockHash), Held>,
     worker_id: Option<WorkerId>,
     next_order: u64,
+    /// Blocks kept as ghosts (removed, with blocks under them held).
+    ghosts: usize,
     stats: WorkerLogStats,
 }
 
@@ -217,6 +224,7 @@ impl WorkerLog {
             blocks: FastMap::default(),
             worker_id: None,
             next_order: 0,
+            ghosts: 0,
             stats: WorkerLogStats::default(),
         }
     }
@@ -226,7 +234,7 @@ impl WorkerLog {
         WorkerLogStats {
             events: self.ring.len(),
             oldest_id: self.ring.front().map_or(0, |e| e.event.id),
-            blocks: self.blocks.len(),
+            blocks: self.blocks.len() - self.ghosts,
             ..self.stats
         }
     }
@@ -252,7 +260,9 @@ impl WorkerLog {
     }
 
     /// Every block held now, as `Stored` events (consecutive blocks of one chain in
-    /// one event, up to 8,192), parents first.
+    /// one event, up to 8,192), parents first. A removed block with blocks under it
+    /// still held is stored too (so a router places them where the worker's events
+    /// placed them), then removed by a `Removed` event at the end.
     pub fn dump(&self) -> Dump {
         let current_id = self.stats.last_id;
         let mut held: Vec<(&(DpRank, StorageTier, BlockHash), &Held)> =
@@ -285,6 +295,33 @@ impl WorkerLog {
                     data: KvEventData::Stored {
                         parent_hash: h.parent,
                         blocks: vec![block],
+                    },
+                },
+            });
+        }
+        // Ghosts placed the blocks under them; now they go, as they went.
+        let mut ghosts: Vec<(&(DpRank, StorageTier, BlockHash), &Held)> =
+            self.blocks.iter().filter(|(_, h)| h.ghost).collect();
+        ghosts.sort_unstable_by_key(|(k, h)| (k.0, k.1 as u8, h.order));
+        for (&(dp_rank, tier, block_hash), _) in ghosts {
+            if let Some(last) = events.last_mut() {
+                if last.tier == tier && last.event.dp_rank == dp_rank {
+                    if let KvEventData::Removed { block_hashes } = &mut last.event.data {
+                        if block_hashes.len() < DUMP_EVENT_BLOCKS {
+                            block_hashes.push(block_hash);
+                            continue;
+                        }
+                    }
+                }
+            }
+            events.push(RouterEvent {
+                worker_id,
+                tier,
+                event: KvEvent {
+                    id: current_id,
+                    dp_rank,
+                    data: KvEventData::Removed {
+                        block_hashes: vec![block_hash],
                     },
                 },
             });
@@ -324,32 +361,89 @@ impl WorkerLog {
             } => {
                 let mut parent = *parent_hash;
                 for b in blocks {
-                    let key = (rank, tier, b.block_hash);
-                    if !self.blocks.contains_key(&key)
-                        && self.blocks.len() >= self.config.max_blocks
-                    {
-                        self.stats.untracked_blocks += 1;
-                    } else {
-                        self.next_order += 1;
-                        self.blocks.insert(
-                            key,
-                            Held {
-                                parent,
-                                tokens_hash: b.tokens_hash,
-                                order: self.next_order,
-                            },
-                        );
-                    }
+                    self.store(rank, tier, parent, b);
                     parent = Some(b.block_hash);
                 }
             }
             KvEventData::Removed { block_hashes } => {
                 for h in block_hashes {
-                    self.blocks.remove(&(rank, tier, *h));
+                    self.remove(rank, tier, *h);
                 }
             }
             KvEventData::Cleared => {
                 self.blocks.retain(|&(r, _, _), _| r != rank);
+                self.ghosts = self.blocks.values().filter(|h| h.ghost).count();
+            }
+        }
+    }
+
+    fn store(
+        &mut self,
+        rank: DpRank,
+        tier: StorageTier,
+        parent: Option<BlockHash>,
+        b: &StoredBlock,
+    ) {
+        let key = (rank, tier, b.block_hash);
+        if let Some(held) = self.blocks.get_mut(&key) {
+            if std::mem::take(&mut held.ghost) {
+                // Stored again where it was: held once more.
+                self.ghosts -= 1;
+            }
+            return;
+        }
+        if self.blocks.len() >= self.config.max_blocks {
+            self.stats.untracked_blocks += 1;
+            return;
+        }
+        if let Some(p) = parent.and_then(|p| self.blocks.get_mut(&(rank, tier, p))) {
+            p.children += 1;
+        }
+        self.next_order += 1;
+        self.blocks.insert(
+            key,
+            Held {
+                parent,
+                tokens_hash: b.tokens_hash,
+                order: self.next_order,
+                children: 0,
+                ghost: false,
+            },
+        );
+    }
+
+    /// Removes a block: kept as a ghost while blocks under it are kept; a ghost whose
+    /// last child goes goes too.
+    fn remove(&mut self, rank: DpRank, tier: StorageTier, hash: BlockHash) {
+        let mut key = (rank, tier, hash);
+        let Some(held) = self.blocks.get_mut(&key) else {
+            return;
+        };
+        if held.ghost {
+            return;
+        }
+        if held.children > 0 {
+            held.ghost = true;
+            self.ghosts += 1;
+            return;
+        }
+        loop {
+            let Some(gone) = self.blocks.remove(&key) else {
+                return;
+            };
+            if gone.ghost {
+                self.ghosts -= 1;
+            }
+            let Some(parent) = gone.parent else {
+                return;
+            };
+            key = (rank, tier, parent);
+            let Some(p) = self.blocks.get_mut(&key) else {
+                return;
+            };
+            p.children = p.children.saturating_sub(1);
+            if !(p.ghost && p.children == 0) {
+                return;
             }
         }
     }

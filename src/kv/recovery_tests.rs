@@ -123,9 +123,20 @@ fn a_dump_rebuilds_what_the_events_built_at_every_point() {
         }
         // Chains are packed: fewer events than blocks.
         let dump = log.dump();
-        let blocks: usize = dump.events.iter().map(|e| e.event.data.block_count()).sum();
-        assert_eq!(blocks, log.stats().blocks);
-        assert!(dump.events.len() < blocks);
+        let stored: usize = dump
+            .events
+            .iter()
+            .filter(|e| matches!(e.event.data, KvEventData::Stored { .. }))
+            .map(|e| e.event.data.block_count())
+            .sum();
+        let ghosts: usize = dump
+            .events
+            .iter()
+            .filter(|e| matches!(e.event.data, KvEventData::Removed { .. }))
+            .map(|e| e.event.data.block_count())
+            .sum();
+        assert_eq!(stored - ghosts, log.stats().blocks);
+        assert!(dump.events.len() < stored);
     }
 }
 
@@ -298,4 +309,50 @@ mod endpoint {
             "{err}"
         );
     }
+}
+
+#[test]
+fn a_removed_parent_of_held_blocks_is_dumped_to_place_them_then_removed() {
+    let mut log = WorkerLog::default();
+    log.apply(&ev(1, 0, stored(None, &[1, 2]))).unwrap();
+    log.apply(&ev(2, 0, stored(Some(2), &[3]))).unwrap();
+    // 2 goes while 3, under it, stays; then 1 goes too.
+    log.apply(&ev(
+        3,
+        0,
+        KvEventData::Removed {
+            block_hashes: vec![BlockHash(2)],
+        },
+    ))
+    .unwrap();
+    log.apply(&ev(
+        4,
+        0,
+        KvEventData::Removed {
+            block_hashes: vec![BlockHash(1)],
+        },
+    ))
+    .unwrap();
+    assert_eq!(log.stats().blocks, 1);
+    let dump = log.dump();
+    // Stored 1, 2, 3 along their chain (the ghosts place 3), then 1 and 2 removed.
+    assert_eq!(dump.events.len(), 2, "{:?}", dump.events);
+    assert_eq!(dump.events[0].event.data.block_count(), 3);
+    assert_eq!(
+        dump.events[1].event.data,
+        KvEventData::Removed {
+            block_hashes: vec![BlockHash(1), BlockHash(2)]
+        }
+    );
+    // 3 goes: its ghosts go with it.
+    log.apply(&ev(
+        5,
+        0,
+        KvEventData::Removed {
+            block_hashes: vec![BlockHash(3)],
+        },
+    ))
+    .unwrap();
+    assert!(log.dump().events.is_empty());
+    assert_eq!(log.stats().blocks, 0);
 }

@@ -9,6 +9,7 @@
 )]
 
 pub mod cases;
+pub mod engine_peer;
 pub mod etcd;
 
 use std::path::PathBuf;

@@ -127,6 +127,9 @@ struct Args {
     /// (`kv::RecoveryServer`). Printed as the second stdout line, `recovery EP`.
     #[arg(long = "recovery-bind")]
     recovery_bind: Option<String>,
+    /// Messages queued per subscriber before the publisher drops (and counts) them.
+    #[arg(long = "publisher-queue", default_value_t = 10_000)]
+    publisher_queue: usize,
     /// What to publish: our wire, or Dynamo's.
     #[arg(long, default_value = "eventplane")]
     wire: Wire,
@@ -277,7 +280,23 @@ async fn main() -> ExitCode {
         .bind
         .clone()
         .unwrap_or_else(|| "tcp://127.0.0.1:0".to_owned());
-    let publisher = match builder.bind(bind.clone()).wire(args.wire).build().await {
+    let zmtp = match eventplane::zmtp::Config::builder()
+        .send_queue_messages(args.publisher_queue)
+        .build()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("invalid --publisher-queue: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let publisher = match builder
+        .bind(bind.clone())
+        .wire(args.wire)
+        .zmtp_config(zmtp)
+        .build()
+        .await
+    {
         Ok(p) => p,
         Err(e) => {
             eprintln!("cannot bind or register {bind}: {}", chain(&e));

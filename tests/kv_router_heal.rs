@@ -1,0 +1,215 @@
+//! Routers that heal: `kv-router` repairs what it lost of a worker from the worker's
+//! recovery log (`kv-relay --recovery-bind`, registered in a real etcd) instead of
+//! wiping it, in front of vLLM 0.34.0's own publisher (`tests/support/engine_peer.rs`).
+#![allow(
+    clippy::unwrap_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    missing_docs
+)]
+
+mod support;
+
+use std::collections::HashSet;
+
+use serde_json::Value;
+use support::admin;
+use support::engine_peer::{BLOCK_SIZE, EnginePeer, TOPIC};
+use support::etcd::EtcdServer;
+use support::{Watched, within};
+
+/// `kv-relay` in front of `engine`, registered in etcd under `ns/kvworker` with its
+/// recovery endpoint, repairing from the engine's replay buffer too.
+async fn relay(engine: &EnginePeer, etcd: &str, ns: &str) -> Watched {
+    let mut relay = Watched::spawn(
+        "kv-relay",
+        &[
+            // A short queue toward a router that stops reading: it drops soon.
+            "--publisher-queue",
+            "64",
+            "--connect",
+            &engine.publish,
+            "--engine-replay",
+            &engine.replay,
+            "--topic",
+            TOPIC,
+            "--block-size",
+            BLOCK_SIZE,
+            "--worker-id",
+            "1",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--recovery-bind",
+            "tcp://127.0.0.1:0",
+            "--etcd",
+            etcd,
+            "--namespace",
+            ns,
+            "--component",
+            "kvworker",
+        ],
+    );
+    relay.line().await;
+    relay.line().await;
+    relay
+}
+
+/// `kv-router` following `ns/kvworker` in etcd, with its admin endpoint; returns it
+/// and that endpoint's address.
+async fn router(etcd: &str, ns: &str) -> (Watched, String) {
+    let mut router = Watched::spawn(
+        "kv-router",
+        &[
+            "--etcd",
+            etcd,
+            "--namespace",
+            ns,
+            "--component",
+            "kvworker",
+            "--topic",
+            "kv-events",
+            "--format",
+            "quiet",
+            "--dump-index",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ],
+    );
+    let line = router.stderr_until("admin endpoint on http://").await;
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .unwrap()
+        .trim_end_matches('/')
+        .to_owned();
+    (router, addr)
+}
+
+/// Waits until `metric` on the router's admin endpoint reaches `at_least`.
+async fn until_metric(addr: &str, metric: &str, at_least: f64) {
+    within(async {
+        loop {
+            let (_, body) = admin::get(addr, "/metrics").await;
+            if admin::metric(&body, metric).is_some_and(|v| v >= at_least) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+}
+
+/// Asserts the router's index (its stats line) holds exactly `truth` for worker 1.
+#[track_caller]
+fn assert_index(stats: &Value, truth: &HashSet<u64>) {
+    let held = indexed(stats);
+    assert!(
+        held == *truth,
+        "the router holds {} blocks, the engine {}: {} missing, {} extra; repairs {}, index {}",
+        held.len(),
+        truth.len(),
+        truth.difference(&held).count(),
+        held.difference(truth).count(),
+        stats["repairs"],
+        stats["index_stats"]
+    );
+}
+
+/// The blocks the router's index holds for worker 1 (from `--dump-index`).
+fn indexed(stats: &Value) -> HashSet<u64> {
+    stats["index"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["worker_id"] == 1)
+        .flat_map(|e| e["block_hashes"].as_array().unwrap().iter())
+        .map(|h| h.as_u64().unwrap())
+        .collect()
+}
+
+fn assert_no_wipes(stats: &Value) {
+    for cause in ["id_gap", "reconnect", "recovery_failed", "held_overflow"] {
+        assert_eq!(stats["wipes"][cause], 0, "{cause}: {}", stats["wipes"]);
+    }
+}
+
+/// A router started after the engine published rebuilds the worker from its dump,
+/// and equals the engine without another event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_started_late_rebuilds_every_worker_from_its_dump() {
+    let etcd = EtcdServer::start().await;
+    let mut engine = EnginePeer::start("vllm-0.34.0", "vllm").await;
+    let relay = relay(&engine, &etcd.url(), "late").await;
+    engine.burst(60).await;
+    let truth = engine.truth().await;
+    // The relay has it all (its own engine replay makes sure) before the router starts.
+    let (router, addr) = router(&etcd.url(), "late").await;
+    until_metric(&addr, "eventplane_kv_index_repairs_total", 1.0).await;
+    // Nothing was published since: the dump alone is the engine's blocks.
+    let stats = router.terminate().await;
+    assert_index(&stats, &truth);
+    assert!(
+        stats["repairs"]["dump"].as_u64().unwrap() >= 1,
+        "{}",
+        stats["repairs"]
+    );
+    assert_no_wipes(&stats);
+    relay.terminate().await;
+}
+
+/// A router that falls behind (stopped while the worker publishes more than the
+/// relay's queue holds) loses events on the way: it repairs them from the relay's
+/// log instead of wiping the worker, and equals the engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_that_lost_events_repairs_them_from_the_workers_log() {
+    let etcd = EtcdServer::start().await;
+    let mut engine = EnginePeer::start("vllm-0.34.0", "vllm").await;
+    let relay = relay(&engine, &etcd.url(), "gap").await;
+    let (router, addr) = router(&etcd.url(), "gap").await;
+    // Rebuilt (an empty dump) once the relay is followed.
+    until_metric(&addr, "eventplane_kv_index_repairs_total", 1.0).await;
+    engine.burst(20).await;
+    let pid = router.child.id().unwrap().to_string();
+    let signal = |sig: &str| {
+        assert!(
+            std::process::Command::new("kill")
+                .args([sig, &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+    };
+    signal("-STOP");
+    engine.burst(2500).await;
+    signal("-CONT");
+    engine.burst(5).await;
+    let truth = engine.truth().await;
+    // Wait until the router has caught up: the relay's last event applied.
+    within(async {
+        loop {
+            let (_, body) = admin::get(&addr, "/metrics").await;
+            let held = admin::metric(&body, "eventplane_kv_index_held_events").unwrap_or(1.0);
+            let recovering =
+                admin::metric(&body, "eventplane_kv_index_recovering_publishers").unwrap_or(1.0);
+            let repairs = admin::metric(&body, "eventplane_kv_index_repairs_total").unwrap_or(0.0);
+            let lost = admin::metric(&body, "eventplane_kv_index_wipes_total").unwrap_or(0.0);
+            let blocks = admin::metric(&body, "eventplane_kv_index_blocks").unwrap_or(0.0);
+            let caught_up = blocks == truth.len() as f64;
+            if held == 0.0 && recovering == 0.0 && ((repairs >= 2.0 && caught_up) || lost > 0.0) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let stats = router.terminate().await;
+    let dropped = stats["subscriber"]["total"]["dropped"].clone();
+    let relay_stats = relay.terminate().await;
+    let publisher_dropped = relay_stats["publisher"]["dropped"].as_u64().unwrap_or(0);
+    assert!(
+        publisher_dropped > 0 || dropped != 0,
+        "no event was lost on the way: the test proves nothing ({relay_stats})"
+    );
+    assert_index(&stats, &truth);
+    assert_no_wipes(&stats);
+}

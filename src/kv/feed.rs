@@ -110,6 +110,8 @@ pub struct IndexFeedStats {
     pub wipes_held_overflow: u64,
     /// Live events dropped while held for a recovery (asked for again).
     pub held_dropped: u64,
+    /// Recovery answers to requests no longer awaited (ignored).
+    pub stale_answers: u64,
     /// Publishers recovering now.
     pub recovering: u64,
     /// Live events held now for publishers that recover.
@@ -187,8 +189,11 @@ pub struct IndexFeed {
     owners: FastMap<(WorkerId, DpRank), ChannelId>,
     /// Wipes not yet taken by [`wiped`](Self::wiped) (at most the last 64).
     wiped: Vec<Wiped>,
-    /// Live events held across publishers that recover.
+    /// Live events held across publishers that recover, and their blocks.
     held_total: usize,
+    held_blocks_total: usize,
+    /// The last recovery request's serial.
+    serial: u64,
     /// The last repairs' latencies, in milliseconds.
     latencies: VecDeque<u64>,
     stats: IndexFeedStats,
@@ -213,6 +218,8 @@ impl IndexFeed {
             owners: FastMap::default(),
             wiped: Vec::new(),
             held_total: 0,
+            held_blocks_total: 0,
+            serial: 0,
             latencies: VecDeque::new(),
             stats: IndexFeedStats::default(),
         }
@@ -263,6 +270,7 @@ impl IndexFeed {
         let p = self.publishers.entry(source.id.clone()).or_default();
         p.sender = sender;
         p.recovery.clone_from(&source.recovery);
+        self.endpoint_gone(&source.id);
         for ev in events {
             self.take(&source.id, ev.clone());
         }
@@ -349,7 +357,7 @@ impl IndexFeed {
                 p.recovery.clone_from(&instance.recovery);
                 let again = std::mem::replace(&mut p.connected, true);
                 if p.repair.is_some() {
-                    return;
+                    return self.endpoint_gone(&instance.id);
                 }
                 if p.recovery.is_some() {
                     // What it sent while away is in its log; at first sight, all of it.
@@ -402,12 +410,13 @@ impl IndexFeed {
     }
 
     fn depart(&mut self, id: &ChannelId) {
-        let held = self
+        let (held, blocks) = self
             .publishers
             .get(id)
             .and_then(|p| p.repair.as_ref())
-            .map_or(0, Repairing::held);
+            .map_or((0, 0), Repairing::held);
         self.held_total = self.held_total.saturating_sub(held);
+        self.held_blocks_total = self.held_blocks_total.saturating_sub(blocks);
         if self.publishers.contains_key(id) {
             self.stats.departed += 1;
             self.wipe(id, Wipe::Departed);
@@ -451,290 +460,8 @@ impl IndexFeed {
 }
 
 // Repair from the workers' recovery logs (sans-IO: the feed says what to ask, the
-// application asks and hands the answer back).
-
-/// Live events a feed holds for one publisher while its recovery runs: 4,096 (and at
-/// most 2^18 across publishers). Past either, live events are dropped (counted in
-/// [`IndexFeedStats::held_dropped`]) and asked for by another recovery once this one
-/// is applied; after three such recoveries in a row the publisher is wiped
-/// ([`Wipe::HeldOverflow`]).
-///
-/// ```
-/// assert_eq!(eventplane::kv::FEED_MAX_HELD_EVENTS, 4096);
-/// ```
-pub const FEED_MAX_HELD_EVENTS: usize = 4096;
-
-const MAX_HELD_TOTAL: usize = 1 << 18;
-
-/// Recoveries in a row whose live events overflowed before the publisher is wiped.
-const MAX_OVERFLOWS: u32 = 3;
-
-/// Repair latencies kept for the percentiles.
-const LATENCIES: usize = 256;
-
-/// A recovery the application must make for the feed: ask `endpoint` for `request`
-/// (with [`kv::recover`](crate::kv::recover)) and hand the answer to
-/// [`IndexFeed::recovered`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct RecoveryNeed {
-    /// The publisher whose events are being repaired.
-    pub publisher: ChannelId,
-    /// Where its worker serves its recovery log.
-    pub endpoint: String,
-    /// What to ask.
-    pub request: RecoveryRequest,
-}
-
-/// A publisher's recovery in progress.
-#[derive(Debug)]
-struct Repairing {
-    request: RecoveryRequest,
-    /// Handed to the application by `take_recoveries`.
-    asked: bool,
-    /// Its live events since the loss, in order.
-    held: VecDeque<RouterEvent>,
-    /// Live events were dropped because too many were held: once this recovery is
-    /// applied, another asks for them.
-    overflowed: bool,
-    /// Recoveries in a row that overflowed.
-    overflows: u32,
-}
-
-impl Repairing {
-    fn held(&self) -> usize {
-        self.held.len()
-    }
-}
-
-impl IndexFeed {
-    /// The recoveries to make now (each publisher's once): ask each
-    /// [`RecoveryNeed::endpoint`] and hand the answer to
-    /// [`recovered`](Self::recovered). Until then the publisher's live events are
-    /// held ([`FEED_MAX_HELD_EVENTS`]) and its blocks stay as they were.
-    ///
-    /// A publisher with a recovery endpoint ([`Instance::recovery`](crate::discovery::Instance::recovery))
-    /// is recovered at first sight (a dump: what it fed before this router listened),
-    /// on an event id gap (the events since), and when it reconnects (the events
-    /// since, which its log keeps).
-    pub fn take_recoveries(&mut self) -> Vec<RecoveryNeed> {
-        let mut out = Vec::new();
-        for (id, p) in &mut self.publishers {
-            let (Some(r), Some(endpoint)) = (p.repair.as_mut(), &p.recovery) else {
-                continue;
-            };
-            if !std::mem::replace(&mut r.asked, true) {
-                out.push(RecoveryNeed {
-                    publisher: id.clone(),
-                    endpoint: endpoint.clone(),
-                    request: r.request,
-                });
-            }
-        }
-        out
-    }
-
-    /// The answer to a [`RecoveryNeed`] of `publisher`, and how long it took. Events
-    /// since the loss are applied and the held ones after them; a dump replaces what
-    /// the publisher fed; `too_old` asks again for a dump; a failure wipes the
-    /// publisher ([`Wipe::RecoveryFailed`]) and the held events start it over.
-    pub fn recovered(
-        &mut self,
-        publisher: &ChannelId,
-        answer: Result<Recovered, RecoveryError>,
-        elapsed: Duration,
-    ) {
-        let Some(p) = self.publishers.get_mut(publisher) else {
-            return;
-        };
-        let Some(mut repair) = p.repair.take() else {
-            return;
-        };
-        match answer {
-            Ok(Recovered::TooOld { .. }) => {
-                repair.request = RecoveryRequest::Dump;
-                repair.asked = false;
-                p.repair = Some(repair);
-                return;
-            }
-            Ok(Recovered::Events { events, .. }) => {
-                for ev in &events {
-                    let next = self.publishers.get(publisher).map_or(0, |p| p.next_id);
-                    if ev.event.id < next {
-                        continue;
-                    }
-                    if ev.event.id != next {
-                        // Not what follows what was applied: fall back to a dump.
-                        repair.request = RecoveryRequest::Dump;
-                        repair.asked = false;
-                        if let Some(p) = self.publishers.get_mut(publisher) {
-                            p.repair = Some(repair);
-                        }
-                        return;
-                    }
-                    self.apply_event(publisher, ev);
-                }
-                self.stats.repairs_since += 1;
-                self.note_latency(elapsed);
-            }
-            Ok(Recovered::Dump(dump)) => {
-                // It replaces what the publisher fed.
-                self.clear_fed(publisher);
-                for ev in &dump.events {
-                    self.apply_event(publisher, ev);
-                }
-                if let Some(p) = self.publishers.get_mut(publisher) {
-                    p.next_id = dump.current_id.saturating_add(1);
-                    p.rebuilt = true;
-                }
-                self.stats.repairs_dump += 1;
-                self.note_latency(elapsed);
-            }
-            Err(e) => {
-                tracing::debug!(%publisher, error = %crate::net::ErrorChain(&e), "recovery failed; wiping the publisher");
-                self.wipe(publisher, Wipe::RecoveryFailed);
-                if let Some(p) = self.publishers.get_mut(publisher) {
-                    // The held events start it over, as after any wipe.
-                    p.next_id = 0;
-                    p.rebuilt = true;
-                }
-            }
-        }
-        if repair.overflowed {
-            self.refetch(publisher, repair);
-        } else {
-            self.drain(publisher, repair.held);
-        }
-    }
-
-    /// After a recovery whose live events overflowed: the held ones are applied, and
-    /// another recovery asks for what was dropped after them (at most
-    /// [`MAX_OVERFLOWS`] in a row, then the publisher is wiped and starts over).
-    fn refetch(&mut self, publisher: &ChannelId, repair: Repairing) {
-        let overflows = repair.overflows + 1;
-        if overflows > MAX_OVERFLOWS {
-            // It sends faster than it can be recovered: start over from the held.
-            self.wipe(publisher, Wipe::HeldOverflow);
-            if let Some(p) = self.publishers.get_mut(publisher) {
-                p.next_id = 0;
-            }
-            return self.drain(publisher, repair.held);
-        }
-        self.drain(publisher, repair.held);
-        let Some(p) = self.publishers.get_mut(publisher) else {
-            return;
-        };
-        if p.repair.is_none() {
-            let request = match p.next_id {
-                0 => RecoveryRequest::Dump,
-                next => RecoveryRequest::Since(next - 1),
-            };
-            self.start_repair(publisher, request);
-        }
-        // The held events may have started it already.
-        if let Some(r) = self
-            .publishers
-            .get_mut(publisher)
-            .and_then(|p| p.repair.as_mut())
-        {
-            r.overflows = overflows;
-        }
-    }
-
-    /// Applies held events as live ones (a gap among them starts another recovery).
-    fn drain(&mut self, publisher: &ChannelId, held: VecDeque<RouterEvent>) {
-        self.held_total = self.held_total.saturating_sub(held.len());
-        let mut fresh = self
-            .publishers
-            .get(publisher)
-            .is_some_and(|p| p.next_id == 0);
-        for ev in held {
-            if fresh {
-                // After a wipe the first held event is the new start.
-                fresh = false;
-                if let Some(p) = self.publishers.get_mut(publisher) {
-                    p.next_id = ev.event.id;
-                }
-            }
-            let next = self.publishers.get(publisher).map_or(0, |p| p.next_id);
-            let recovering = self
-                .publishers
-                .get(publisher)
-                .is_some_and(|p| p.repair.is_some());
-            if !recovering && ev.event.id < next {
-                continue;
-            }
-            self.take(publisher, ev);
-        }
-    }
-
-    fn start_repair(&mut self, id: &ChannelId, request: RecoveryRequest) {
-        if let Some(p) = self.publishers.get_mut(id) {
-            let overflows = p.repair.as_ref().map_or(0, |r| r.overflows);
-            p.repair = Some(Repairing {
-                request,
-                asked: false,
-                held: VecDeque::new(),
-                overflowed: false,
-                overflows,
-            });
-        }
-    }
-
-    fn hold(&mut self, id: &ChannelId, ev: RouterEvent) {
-        let total = self.held_total;
-        let Some(r) = self.publishers.get_mut(id).and_then(|p| p.repair.as_mut()) else {
-            return;
-        };
-        if r.held.len() < FEED_MAX_HELD_EVENTS && total < MAX_HELD_TOTAL {
-            r.held.push_back(ev);
-            self.held_total += 1;
-            return;
-        }
-        // Too much arrived meanwhile: dropped here, asked for again once this
-        // recovery is applied (its worker's log still has it).
-        r.overflowed = true;
-        self.stats.held_dropped += 1;
-    }
-
-    /// Empties the ranks `id` fed (that no other publisher fed since), not counted as
-    /// a wipe: a dump is about to fill them.
-    fn clear_fed(&mut self, id: &ChannelId) {
-        let Some(p) = self.publishers.get_mut(id) else {
-            return;
-        };
-        for key in std::mem::take(&mut p.fed) {
-            if self.owners.get(&key) == Some(id) {
-                self.owners.remove(&key);
-                self.index.clear_rank(key.0, key.1);
-            }
-        }
-    }
-
-    fn note_latency(&mut self, elapsed: Duration) {
-        if self.latencies.len() >= LATENCIES {
-            self.latencies.pop_front();
-        }
-        self.latencies
-            .push_back(u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX));
-    }
-
-    /// (recovering publishers, held events, p50 ms, p99 ms).
-    fn repair_gauges(&self) -> (u64, u64, u64, u64) {
-        let recovering = self
-            .publishers
-            .values()
-            .filter(|p| p.repair.is_some())
-            .count() as u64;
-        let mut sorted: Vec<u64> = self.latencies.iter().copied().collect();
-        sorted.sort_unstable();
-        let at = |q: f64| {
-            let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-            sorted.get(i).copied().unwrap_or(0)
-        };
-        (recovering, self.held_total as u64, at(0.5), at(0.99))
-    }
-}
+// application asks and hands the answer back); in a file of its own, same module.
+include!("feed_heal.rs");
 
 #[cfg(test)]
 #[path = "feed_tests.rs"]

@@ -33,6 +33,34 @@ fn stored(id: u64, hash: u64, parent: Option<u64>) -> RouterEvent {
     }
 }
 
+/// Answers `w`'s outstanding request.
+fn answer(
+    feed: &mut IndexFeed,
+    w: &Instance,
+    answer: Result<Recovered, RecoveryError>,
+    elapsed: Duration,
+) {
+    let serial = feed
+        .publishers
+        .get(&w.id)
+        .and_then(|p| p.repair.as_ref())
+        .map_or(0, |r| r.serial);
+    feed.recovered(RecoveryAnswer {
+        publisher: w.id.clone(),
+        serial,
+        answer,
+        elapsed,
+    });
+}
+
+fn removed(id: u64, hash: u64) -> RouterEvent {
+    let mut ev = stored(id, hash, None);
+    ev.event.data = KvEventData::Removed {
+        block_hashes: vec![BlockHash(hash)],
+    };
+    ev
+}
+
 fn blocks(feed: &IndexFeed) -> Vec<u64> {
     let mut v: Vec<u64> = feed
         .index()
@@ -57,7 +85,12 @@ fn following(n: u64) -> (IndexFeed, Instance) {
         current_id: 0,
         complete: true,
     };
-    feed.recovered(&w.id, Ok(Recovered::Dump(empty)), Duration::from_millis(3));
+    answer(
+        &mut feed,
+        &w,
+        Ok(Recovered::Dump(empty)),
+        Duration::from_millis(3),
+    );
     let events: Vec<RouterEvent> = (1..=n)
         .map(|i| stored(i, 100 + i, (i > 1).then(|| 99 + i)))
         .collect();
@@ -81,8 +114,9 @@ fn a_gap_is_repaired_from_the_events_since_without_a_wipe() {
         stored(4, 104, Some(103)),
         stored(5, 105, Some(104)),
     ];
-    feed.recovered(
-        &w.id,
+    answer(
+        &mut feed,
+        &w,
         Ok(Recovered::Events {
             events: since,
             current_id: 5,
@@ -122,7 +156,12 @@ fn at_first_sight_a_dump_rebuilds_and_held_events_after_it_follow() {
         current_id: 41,
         complete: true,
     };
-    feed.recovered(&w.id, Ok(Recovered::Dump(dump)), Duration::from_millis(1));
+    answer(
+        &mut feed,
+        &w,
+        Ok(Recovered::Dump(dump)),
+        Duration::from_millis(1),
+    );
     assert_eq!(blocks(&feed), [140, 141, 142]);
     assert_eq!(feed.stats().repairs_dump, 1);
     // Live again.
@@ -135,11 +174,17 @@ fn too_old_asks_for_a_dump_and_a_failure_wipes() {
     let (mut feed, w) = following(3);
     feed.apply(&w, &[stored(9, 109, None)]);
     feed.take_recoveries();
-    feed.recovered(&w.id, Ok(Recovered::TooOld { oldest: 8 }), Duration::ZERO);
+    answer(
+        &mut feed,
+        &w,
+        Ok(Recovered::TooOld { oldest: 8 }),
+        Duration::ZERO,
+    );
     let need = feed.take_recoveries();
     assert_eq!(need[0].request, RecoveryRequest::Dump);
-    feed.recovered(
-        &w.id,
+    answer(
+        &mut feed,
+        &w,
         Err(RecoveryError::Timeout(Duration::from_secs(5))),
         Duration::from_secs(5),
     );
@@ -157,8 +202,9 @@ fn a_reconnect_asks_for_what_was_sent_meanwhile() {
     let (mut feed, w) = following(2);
     feed.notice(&Notice::Connected(std::sync::Arc::new(w.clone())));
     assert_eq!(feed.take_recoveries()[0].request, RecoveryRequest::Since(2));
-    feed.recovered(
-        &w.id,
+    answer(
+        &mut feed,
+        &w,
         Ok(Recovered::Events {
             events: vec![stored(3, 103, Some(102))],
             current_id: 3,
@@ -178,32 +224,24 @@ fn live_events_past_the_hold_are_dropped_and_fetched_by_another_recovery() {
     feed.apply(&w, &events);
     assert_eq!(feed.stats().held_dropped, 11);
     assert_eq!(feed.take_recoveries()[0].request, RecoveryRequest::Since(1));
-    feed.recovered(
-        &w.id,
-        Ok(Recovered::Events {
-            events: vec![stored(2, 102, Some(101))],
-            current_id: last,
-        }),
-        Duration::ZERO,
-    );
-    // The held ones are applied and the dropped ones asked for.
-    let held_last = 2 + FEED_MAX_HELD_EVENTS as u64;
+    // The worker published them all before it answered: its answer has them all.
+    let since: Vec<RouterEvent> = (2..=last).map(|i| stored(i, 1000 + i, None)).collect();
+    let all = Recovered::Events {
+        events: since,
+        current_id: last,
+    };
+    answer(&mut feed, &w, Ok(all), Duration::ZERO);
+    // Events were dropped: one more request makes sure nothing followed.
     assert_eq!(
         feed.take_recoveries()[0].request,
-        RecoveryRequest::Since(held_last)
+        RecoveryRequest::Since(last)
     );
-    let rest: Vec<RouterEvent> = (held_last + 1..=last)
-        .map(|i| stored(i, 1000 + i, None))
-        .collect();
-    feed.recovered(
-        &w.id,
-        Ok(Recovered::Events {
-            events: rest,
-            current_id: last,
-        }),
-        Duration::ZERO,
-    );
-    assert_eq!(blocks(&feed).len(), 2 + (last - 2) as usize);
+    let nothing_more = Recovered::Events {
+        events: Vec::new(),
+        current_id: last,
+    };
+    answer(&mut feed, &w, Ok(nothing_more), Duration::ZERO);
+    assert_eq!(blocks(&feed).len(), 1 + (last - 1) as usize);
     let s = feed.stats();
     assert_eq!(
         (
@@ -219,24 +257,137 @@ fn live_events_past_the_hold_are_dropped_and_fetched_by_another_recovery() {
 #[test]
 fn a_publisher_that_overflows_recovery_after_recovery_is_wiped() {
     let (mut feed, w) = following(1);
-    let mut next = 3u64;
+    let mut sent = 2u64; // 2 was lost
     for round in 0..=MAX_OVERFLOWS {
-        // More live events than the feed holds, on every recovery.
-        let events: Vec<RouterEvent> = (next..next + FEED_MAX_HELD_EVENTS as u64 + 5)
+        // More live events than the feed holds, during every recovery.
+        let burst = FEED_MAX_HELD_EVENTS as u64 + 5;
+        let events: Vec<RouterEvent> = (sent + 1..=sent + burst)
             .map(|i| stored(i, 1000 + i, None))
             .collect();
-        next += FEED_MAX_HELD_EVENTS as u64 + 5;
+        sent += burst;
         feed.apply(&w, &events);
-        assert_eq!(feed.take_recoveries().len(), 1, "round {round}");
-        feed.recovered(
-            &w.id,
-            Ok(Recovered::Events {
-                events: Vec::new(),
-                current_id: next,
-            }),
+        let need = feed.take_recoveries();
+        assert_eq!(need.len(), 1, "round {round}");
+        let RecoveryRequest::Since(after) = need[0].request else {
+            panic!("{:?}", need[0].request)
+        };
+        let since = (after + 1..=sent)
+            .map(|i| stored(i, 1000 + i, None))
+            .collect();
+        let events = Recovered::Events {
+            events: since,
+            current_id: sent,
+        };
+        answer(&mut feed, &w, Ok(events), Duration::ZERO);
+    }
+    let s = feed.stats();
+    assert_eq!((s.wipes_held_overflow, s.recovering), (1, 0));
+}
+
+// Reproductions from an attack review of the first version (each failed on it).
+
+#[test]
+fn too_old_answered_to_a_dump_fails_instead_of_looping() {
+    let (mut feed, w) = following(2);
+    feed.apply(&w, &[removed(5, 101)]);
+    for _ in 0..3 {
+        if feed.take_recoveries().is_empty() {
+            break;
+        }
+        answer(
+            &mut feed,
+            &w,
+            Ok(Recovered::TooOld { oldest: 0 }),
             Duration::ZERO,
         );
     }
     let s = feed.stats();
-    assert_eq!((s.wipes_held_overflow, s.recovering), (1, 0));
+    assert_eq!((s.recovering, s.wipes_recovery_failed), (0, 1));
+    assert!(!blocks(&feed).contains(&101));
+}
+
+#[test]
+fn a_since_answer_that_does_not_reach_its_current_id_is_not_a_repair() {
+    let (mut feed, w) = following(2);
+    feed.apply(&w, &[removed(5, 101)]);
+    // The removal is applied at once, while the recovery runs.
+    assert_eq!(blocks(&feed), [102]);
+    for _ in 0..10 {
+        if feed.take_recoveries().is_empty() {
+            break;
+        }
+        // Claims to be at 4 but sends nothing.
+        let short = Recovered::Events {
+            events: Vec::new(),
+            current_id: 4,
+        };
+        answer(&mut feed, &w, Ok(short), Duration::ZERO);
+    }
+    let s = feed.stats();
+    assert_eq!(s.repairs_since, 0);
+    assert_eq!((s.recovering, s.wipes_recovery_failed), (0, 1), "{s:?}");
+}
+
+#[test]
+fn a_recovery_whose_endpoint_is_gone_fails_instead_of_holding_forever() {
+    let (mut feed, w) = following(2);
+    feed.apply(&w, &[stored(5, 105, None)]);
+    let mut gone = w.clone();
+    gone.recovery = None;
+    feed.apply(&gone, &[removed(6, 101)]);
+    assert!(feed.take_recoveries().is_empty());
+    let s = feed.stats();
+    assert_eq!(
+        (s.recovering, s.held_events, s.wipes_recovery_failed),
+        (0, 0, 1)
+    );
+    assert_eq!(blocks(&feed), [105]);
+}
+
+#[test]
+fn a_worker_whose_ids_went_back_is_rebuilt_from_a_dump() {
+    let (mut feed, w) = following(3);
+    feed.notice(&Notice::Connected(std::sync::Arc::new(w.clone())));
+    assert_eq!(feed.take_recoveries()[0].request, RecoveryRequest::Since(3));
+    // A new worker process under the same publisher: its ids start again.
+    feed.apply(&w, &[stored(1, 201, None), stored(2, 202, Some(201))]);
+    let behind = Recovered::Events {
+        events: Vec::new(),
+        current_id: 2,
+    };
+    answer(&mut feed, &w, Ok(behind), Duration::ZERO);
+    assert_eq!(feed.take_recoveries()[0].request, RecoveryRequest::Dump);
+    let mut chain = stored(2, 201, None);
+    if let KvEventData::Stored { blocks, .. } = &mut chain.event.data {
+        blocks.push(StoredBlock {
+            block_hash: BlockHash(202),
+            tokens_hash: TokensHash(202),
+        });
+    }
+    let dump = Dump {
+        events: vec![chain],
+        current_id: 2,
+        complete: true,
+    };
+    answer(&mut feed, &w, Ok(Recovered::Dump(dump)), Duration::ZERO);
+    assert_eq!(blocks(&feed), [201, 202]);
+}
+
+#[test]
+fn an_answer_to_an_earlier_request_is_ignored() {
+    let (mut feed, w) = following(2);
+    feed.apply(&w, &[stored(5, 105, Some(104))]);
+    let first = feed.take_recoveries().remove(0);
+    // It left and came back: a new publisher record, a new recovery.
+    feed.notice(&Notice::Departed(w.id.clone()));
+    feed.notice(&Notice::Connected(std::sync::Arc::new(w.clone())));
+    let second = feed.take_recoveries().remove(0);
+    assert_ne!(first.serial, second.serial);
+    let late = Err(RecoveryError::Timeout(Duration::from_secs(5)));
+    feed.recovered(RecoveryAnswer::new(&first, late, Duration::from_secs(5)));
+    let s = feed.stats();
+    assert_eq!(
+        (s.stale_answers, s.wipes_recovery_failed, s.recovering),
+        (1, 0, 1)
+    );
 }

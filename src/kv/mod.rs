@@ -143,7 +143,9 @@ pub use event::{
     BlockHash, DpRank, KvEvent, KvEventData, Placement, PlacementEvent, RouterEvent, StorageTier,
     StoredBlock, TOKENS_HASH_SEED, TokensHash, WorkerId, tokens_hash,
 };
-pub use feed::{FEED_MAX_HELD_EVENTS, IndexFeed, IndexFeedStats, RecoveryNeed, Wipe, Wiped};
+pub use feed::{
+    FEED_MAX_HELD_EVENTS, IndexFeed, IndexFeedStats, RecoveryAnswer, RecoveryNeed, Wipe, Wiped,
+};
 pub use index::{
     Attribution, IndexRefusal, OverlapScore, OverlapScores, RouterIndex, RouterIndexConfig,
     RouterIndexStats, local_block_hashes,
@@ -160,9 +162,9 @@ pub use processor::{
 pub use recovery::{
     DEFAULT_CONCURRENT_DUMPS, DEFAULT_CONCURRENT_RECOVERIES, DEFAULT_MAX_LOG_BLOCKS,
     DEFAULT_RECOVERY_CONNECTIONS, DEFAULT_RECOVERY_EVENT_BLOCKS, DEFAULT_RECOVERY_EVENTS, Dump,
-    RECOVERY_IDLE_TIMEOUT, RECOVERY_INTERVAL, Recovered, RecoveryAnswer, RecoveryClientConfig,
-    RecoveryDriver, RecoveryError, RecoveryRequest, RecoveryServer, RecoveryServerStats,
-    SharedWorkerLog, Since, WorkerLog, WorkerLogConfig, WorkerLogStats, recover, recover_over,
+    RECOVERY_IDLE_TIMEOUT, RECOVERY_INTERVAL, Recovered, RecoveryClientConfig, RecoveryDriver,
+    RecoveryError, RecoveryRequest, RecoveryServer, RecoveryServerStats, SharedWorkerLog, Since,
+    WorkerLog, WorkerLogConfig, WorkerLogStats, recover, recover_over,
 };
 pub use replay::{
     DEFAULT_MAX_REPLAY_BATCHES, DEFAULT_REPLAY_DEADLINE, DEFAULT_REPLAY_TIMEOUT, EngineReplayStats,

@@ -243,10 +243,15 @@ impl WorkerLog {
     /// longer kept.
     pub fn since(&self, after: u64) -> Since {
         let last = self.stats.last_id;
-        if after >= last {
+        if after == last {
             return Since::Events(Vec::new());
         }
         let oldest = self.ring.front().map_or(0, |e| e.event.id);
+        if after > last {
+            // Further than this log ever went: another process's ids (a restart): only
+            // a dump says what it holds.
+            return Since::TooOld { oldest };
+        }
         if self.ring.is_empty() || after.saturating_add(1) < oldest {
             return Since::TooOld { oldest };
         }
@@ -264,11 +269,37 @@ impl WorkerLog {
     /// still held is stored too (so a router places them where the worker's events
     /// placed them), then removed by a `Removed` event at the end.
     pub fn dump(&self) -> Dump {
-        let current_id = self.stats.last_id;
-        let mut held: Vec<(&(DpRank, StorageTier, BlockHash), &Held)> =
-            self.blocks.iter().collect();
-        held.sort_unstable_by_key(|(_, h)| h.order);
-        let worker_id = self.worker_id.unwrap_or(WorkerId(0));
+        self.snapshot().into_dump()
+    }
+
+    /// What a dump is made of, copied (no sorting or packing: the caller does that
+    /// outside whatever lock guards the log).
+    pub(crate) fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            blocks: self.blocks.iter().map(|(k, h)| (*k, *h)).collect(),
+            current_id: self.stats.last_id,
+            worker_id: self.worker_id.unwrap_or(WorkerId(0)),
+            complete: self.stats.untracked_blocks == 0,
+        }
+    }
+}
+
+/// A copy of a log's blocks, to build a dump from.
+#[derive(Debug)]
+pub(crate) struct Snapshot {
+    blocks: Vec<((DpRank, StorageTier, BlockHash), Held)>,
+    current_id: u64,
+    worker_id: WorkerId,
+    complete: bool,
+}
+
+impl Snapshot {
+    /// The dump (see [`WorkerLog::dump`]).
+    pub(crate) fn into_dump(mut self) -> Dump {
+        let current_id = self.current_id;
+        self.blocks.sort_unstable_by_key(|(_, h)| h.order);
+        let held = self.blocks.iter().map(|(k, h)| (k, h));
+        let worker_id = self.worker_id;
         let mut events: Vec<RouterEvent> = Vec::new();
         for (&(dp_rank, tier, block_hash), h) in held {
             let block = StoredBlock {
@@ -300,8 +331,12 @@ impl WorkerLog {
             });
         }
         // Ghosts placed the blocks under them; now they go, as they went.
-        let mut ghosts: Vec<(&(DpRank, StorageTier, BlockHash), &Held)> =
-            self.blocks.iter().filter(|(_, h)| h.ghost).collect();
+        let mut ghosts: Vec<(&(DpRank, StorageTier, BlockHash), &Held)> = self
+            .blocks
+            .iter()
+            .filter(|(_, h)| h.ghost)
+            .map(|(k, h)| (k, h))
+            .collect();
         ghosts.sort_unstable_by_key(|(k, h)| (k.0, k.1 as u8, h.order));
         for (&(dp_rank, tier, block_hash), _) in ghosts {
             if let Some(last) = events.last_mut() {
@@ -329,10 +364,12 @@ impl WorkerLog {
         Dump {
             events,
             current_id,
-            complete: self.stats.untracked_blocks == 0,
+            complete: self.complete,
         }
     }
+}
 
+impl WorkerLog {
     fn keep(&mut self, ev: &RouterEvent) {
         if self.stats.last_id != 0 && ev.event.id != self.stats.last_id.saturating_add(1) {
             // What was kept no longer leads up to this event.
@@ -487,6 +524,12 @@ impl SharedWorkerLog {
     pub fn stats(&self) -> WorkerLogStats {
         self.with(WorkerLog::stats)
     }
+
+    /// [`WorkerLog::dump`], with the log locked only while its blocks are copied
+    /// (sorting and packing them happen after).
+    pub fn dump(&self) -> Dump {
+        self.with(WorkerLog::snapshot).into_dump()
+    }
 }
 
 impl LocalIndex for SharedWorkerLog {
@@ -501,9 +544,7 @@ impl LocalIndex for SharedWorkerLog {
 mod driver;
 mod endpoint;
 
-pub use driver::{
-    DEFAULT_CONCURRENT_RECOVERIES, RECOVERY_INTERVAL, RecoveryAnswer, RecoveryDriver,
-};
+pub use driver::{DEFAULT_CONCURRENT_RECOVERIES, RECOVERY_INTERVAL, RecoveryDriver};
 pub use endpoint::{
     DEFAULT_CONCURRENT_DUMPS, DEFAULT_RECOVERY_CONNECTIONS, RECOVERY_IDLE_TIMEOUT, Recovered,
     RecoveryClientConfig, RecoveryError, RecoveryRequest, RecoveryServer, RecoveryServerStats,

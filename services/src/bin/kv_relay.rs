@@ -269,6 +269,15 @@ async fn main() -> ExitCode {
         builder = builder.worker(args.engine.worker_id, args.dp_rank.unwrap_or(0));
         // And where to ask for what they lose of them.
         if let Some((server, _)) = &recovery {
+            let wildcard = ["tcp://0.0.0.0:", "tcp://[::]:"]
+                .iter()
+                .any(|w| server.local_endpoint().starts_with(w));
+            if wildcard && args.advertise_host.is_none() {
+                eprintln!(
+                    "invalid --recovery-bind: a wildcard host cannot be registered; give --advertise-host"
+                );
+                return ExitCode::from(2);
+            }
             builder = builder.recovery(advertised(
                 server.local_endpoint(),
                 args.advertise_host.as_deref(),

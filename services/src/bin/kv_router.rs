@@ -300,6 +300,9 @@ async fn etcd(_: &Args) -> Result<Arc<dyn Discovery>, StartError> {
     ))
 }
 
+/// The longest `/readyz` waits for the first recoveries once discovery gave its view.
+const RECOVERY_READY_BOUND: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The router's view: the library's index, fed in order by the subscriber
 /// (`kv::IndexFeed`: dense event ids per publisher, so an id gap or a reconnection
 /// forgets what that publisher fed before anything more is applied, and a departed
@@ -332,16 +335,15 @@ impl Router {
     }
 
     /// A recovery's answer for `publisher` (see `kv::IndexFeed::recovered`).
-    fn recovered(
-        &mut self,
-        publisher: &ChannelId,
-        answer: Result<eventplane::kv::Recovered, eventplane::kv::RecoveryError>,
-        elapsed: std::time::Duration,
-    ) {
-        if let Err(e) = &answer {
-            eprintln!("publisher {publisher}: recovery failed: {}", chain(e));
+    fn recovered(&mut self, answer: eventplane::kv::RecoveryAnswer) {
+        if let Err(e) = &answer.answer {
+            eprintln!(
+                "publisher {}: recovery failed: {}",
+                answer.publisher,
+                chain(e)
+            );
         }
-        self.feed().recovered(publisher, answer, elapsed);
+        self.feed().recovered(answer);
         self.say_wipes();
     }
 
@@ -519,17 +521,23 @@ async fn main() -> ExitCode {
         }
     };
     let handle = sub.handle();
-    // Ready once the first complete view came from discovery: every publisher in it
-    // is being dialled.
+    // Ready once the first complete view came from discovery (every publisher in it
+    // is being dialled) and the first recoveries are done: the workers that serve a
+    // recovery log were rebuilt from their dumps (at most RECOVERY_READY_BOUND after
+    // the view, so one dead worker cannot hold readiness down).
+    let recovered = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let admin = match (&args.service.admin_listen, &recorder) {
         (Some(listen), Some(recorder)) => {
             // The subscriber samples its own counters (`metrics_interval`).
             let probed = handle.clone();
+            let rebuilt = recovered.clone();
             let ready = move || {
-                if probed.synced() {
-                    Ok(())
-                } else {
+                if !probed.synced() {
                     Err("discovery has not given a complete view yet".to_owned())
+                } else if !rebuilt.load(std::sync::atomic::Ordering::Relaxed) {
+                    Err("the workers' first recoveries are still running".to_owned())
+                } else {
+                    Ok(())
                 }
             };
             match service::Admin::start(listen, recorder, exporter, ready).await {
@@ -568,10 +576,10 @@ async fn main() -> ExitCode {
     let mut notices_dropped = 0;
     let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
     // Publishers whose workers serve a recovery log are repaired from it instead of
-    // wiped (what discovery named is dialled through the subscriber's filter).
-    let mut recovery_config = RecoveryClientConfig::default();
-    recovery_config.filter = Some(eventplane::net::AddrFilter::default());
-    let mut recovery = RecoveryDriver::new(recovery_config);
+    // wiped (what discovery names is dialled through the subscriber's address filter,
+    // the client's default).
+    let mut recovery = RecoveryDriver::new(RecoveryClientConfig::default());
+    let mut synced_at: Option<tokio::time::Instant> = None;
     let timeout = optional_timeout(args.timeout_ms);
     tokio::pin!(timeout);
     tokio::pin!(stop);
@@ -583,10 +591,17 @@ async fn main() -> ExitCode {
         tokio::select! {
             () = &mut stop => break 'run 0,
             () = &mut timeout => break 'run 1,
-            (publisher, answer, elapsed) = recovery.next() => {
-                router.recovered(&publisher, answer, elapsed);
-            }
+            answer = recovery.next() => router.recovered(answer),
             _ = tick.tick() => {
+                if !recovered.load(std::sync::atomic::Ordering::Relaxed) && handle.synced() {
+                    let since = *synced_at.get_or_insert_with(tokio::time::Instant::now);
+                    let quiet = router.feed().stats().recovering == 0 && recovery.pending() == 0;
+                    // A tick after the view: its publishers' first dumps were asked.
+                    let settled = since.elapsed() >= std::time::Duration::from_secs(1) && quiet;
+                    if settled || since.elapsed() >= RECOVERY_READY_BOUND {
+                        recovered.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
                 let stats = handle.stats();
                 if stats.notices_dropped > notices_dropped {
                     notices_dropped = stats.notices_dropped;

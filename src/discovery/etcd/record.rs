@@ -250,13 +250,12 @@ impl Keys {
         );
         instance.worker = record.worker;
         if let Some(recovery) = record.recovery {
-            check_endpoint(&recovery)?;
-            if !recovery.starts_with("tcp://") {
-                return Err(RecordError::BadValue(
-                    "recovery endpoint is not tcp://".to_owned(),
-                ));
+            // A bad one costs the publisher its repairs, not its place in discovery.
+            if recovery.starts_with("tcp://") && check_endpoint(&recovery).is_ok() {
+                instance.recovery = Some(recovery.into_owned());
+            } else {
+                tracing::warn!(id = %instance.id, "ignoring a recovery endpoint that is not tcp://host:port");
             }
-            instance.recovery = Some(recovery.into_owned());
         }
         Ok(Some(instance))
     }
@@ -395,13 +394,13 @@ mod tests {
             back,
             Instance::new(id, transport, 9).with_recovery("tcp://10.0.0.5:41235")
         );
-        // A recovery endpoint that is not tcp:// is refused like a transport's.
+        // A recovery endpoint that is not tcp:// is dropped; the publisher stays.
         let bad = br#"{"id":{"namespace":"ns","component":"c","topic":"t","publisher_id":1},"transport":{"kind":"zmq","endpoint":"tcp://h:1"},"recovery":"http://169.254.169.254/"}"#;
-        assert!(
-            keys()
-                .parse(b"/eventplane/v1/channels/ns/c/t/1", bad, 3, MAX)
-                .is_err()
-        );
+        let i = keys()
+            .parse(b"/eventplane/v1/channels/ns/c/t/1", bad, 3, MAX)
+            .unwrap()
+            .unwrap();
+        assert_eq!(i.recovery, None);
     }
 
     #[test]

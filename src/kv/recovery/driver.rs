@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use super::endpoint::{Recovered, RecoveryClientConfig, RecoveryError, recover};
+use super::endpoint::{RecoveryClientConfig, RecoveryError, recover};
+use crate::kv::{RecoveryAnswer, RecoveryNeed};
 
 /// Recoveries made at once by a [`RecoveryDriver`] by default: 16.
 ///
@@ -25,19 +26,12 @@ pub const RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
 /// running): 4,096; more are answered at once with a failure.
 const MAX_QUEUED_RECOVERIES: usize = 4096;
 
-/// An answer from a [`RecoveryDriver`]: hand it to
-/// [`IndexFeed::recovered`](crate::kv::IndexFeed::recovered).
-pub type RecoveryAnswer = (
-    crate::discovery::ChannelId,
-    Result<Recovered, RecoveryError>,
-    Duration,
-);
-
 /// Makes an [`IndexFeed`](crate::kv::IndexFeed)'s recoveries: at most
 /// [`DEFAULT_CONCURRENT_RECOVERIES`] at once, one publisher at most once per
-/// [`RECOVERY_INTERVAL`], each on a connection of its own with the client's timeout
-/// and byte bound. A repair never blocks the feed: answers come back through
-/// [`next`](Self::next), which a router awaits beside its subscriber.
+/// [`RECOVERY_INTERVAL`] (a request waits for its turn in the queue, not in a running
+/// slot), each on a connection of its own with the client's timeout and bounds. A
+/// repair never blocks the feed: answers come back through [`next`](Self::next),
+/// which a router awaits beside its subscriber.
 ///
 /// ```no_run
 /// use eventplane::kv::{IndexFeed, RecoveryClientConfig, RecoveryDriver};
@@ -45,8 +39,8 @@ pub type RecoveryAnswer = (
 /// let mut driver = RecoveryDriver::new(RecoveryClientConfig::default());
 /// loop {
 ///     driver.submit(feed.take_recoveries());
-///     let (publisher, answer, elapsed) = driver.next().await;
-///     feed.recovered(&publisher, answer, elapsed);
+///     let answer = driver.next().await;
+///     feed.recovered(answer);
 /// }
 /// # }
 /// ```
@@ -54,7 +48,8 @@ pub type RecoveryAnswer = (
 pub struct RecoveryDriver {
     config: RecoveryClientConfig,
     running: tokio::task::JoinSet<RecoveryAnswer>,
-    queued: std::collections::VecDeque<crate::kv::RecoveryNeed>,
+    /// Waiting, each with when its publisher may be asked again.
+    queued: std::collections::VecDeque<(tokio::time::Instant, RecoveryNeed)>,
     last: crate::hash::FastMap<crate::discovery::ChannelId, tokio::time::Instant>,
     refused: Vec<RecoveryAnswer>,
 }
@@ -76,44 +71,46 @@ impl RecoveryDriver {
         self.running.len() + self.queued.len() + self.refused.len()
     }
 
-    /// Starts (or queues) `needs`.
-    pub fn submit(&mut self, needs: Vec<crate::kv::RecoveryNeed>) {
+    /// Queues `needs` (each publisher's turn once per [`RECOVERY_INTERVAL`]).
+    pub fn submit(&mut self, needs: Vec<RecoveryNeed>) {
+        let now = tokio::time::Instant::now();
         for need in needs {
             if self.queued.len() >= MAX_QUEUED_RECOVERIES {
-                self.refused.push((
-                    need.publisher,
-                    Err(RecoveryError::Refused("too many recoveries queued".into())),
-                    Duration::ZERO,
-                ));
+                let refused = Err(RecoveryError::Refused("too many recoveries queued".into()));
+                self.refused
+                    .push(RecoveryAnswer::new(&need, refused, Duration::ZERO));
                 continue;
             }
-            self.queued.push_back(need);
-        }
-        self.start();
-    }
-
-    fn start(&mut self) {
-        while self.running.len() < DEFAULT_CONCURRENT_RECOVERIES {
-            let Some(need) = self.queued.pop_front() else {
-                return;
-            };
-            let now = tokio::time::Instant::now();
-            let not_before = self
+            let turn = self
                 .last
                 .get(&need.publisher)
-                .map_or(now, |t| *t + RECOVERY_INTERVAL);
-            self.last
-                .insert(need.publisher.clone(), not_before.max(now));
-            if self.last.len() > 4 * MAX_QUEUED_RECOVERIES {
-                // Forget publishers not asked for a while.
-                self.last.retain(|_, t| *t + RECOVERY_INTERVAL > now);
+                .map_or(now, |t| (*t + RECOVERY_INTERVAL).max(now));
+            self.last.insert(need.publisher.clone(), turn);
+            self.queued.push_back((turn, need));
+        }
+        if self.last.len() > 4 * MAX_QUEUED_RECOVERIES {
+            // Forget publishers not asked for a while.
+            self.last.retain(|_, t| *t + RECOVERY_INTERVAL > now);
+        }
+        self.start(now);
+    }
+
+    /// Starts the queued requests whose turn has come, while slots are free.
+    fn start(&mut self, now: tokio::time::Instant) {
+        let mut i = 0;
+        while self.running.len() < DEFAULT_CONCURRENT_RECOVERIES && i < self.queued.len() {
+            if self.queued.get(i).is_some_and(|(turn, _)| *turn > now) {
+                i += 1;
+                continue;
             }
+            let Some((_, need)) = self.queued.remove(i) else {
+                return;
+            };
             let config = self.config.clone();
             self.running.spawn(async move {
-                tokio::time::sleep_until(not_before).await;
                 let started = tokio::time::Instant::now();
                 let answer = recover(&need.endpoint, need.request, config).await;
-                (need.publisher, answer, started.elapsed())
+                RecoveryAnswer::new(&need, answer, started.elapsed())
             });
         }
     }
@@ -124,17 +121,26 @@ impl RecoveryDriver {
             return refused;
         }
         loop {
-            match self.running.join_next().await {
-                Some(Ok(answer)) => {
-                    self.start();
-                    return answer;
+            let next_turn = self.queued.iter().map(|(turn, _)| *turn).min();
+            tokio::select! {
+                joined = self.running.join_next(), if !self.running.is_empty() => {
+                    self.start(tokio::time::Instant::now());
+                    match joined {
+                        Some(Ok(answer)) => return answer,
+                        Some(Err(e)) => tracing::warn!(error = %e, "a recovery task failed"),
+                        None => {}
+                    }
                 }
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "a recovery task failed");
-                    self.start();
-                }
-                None => std::future::pending::<()>().await,
+                () = sleep_until(next_turn) => self.start(tokio::time::Instant::now()),
             }
         }
+    }
+}
+
+/// Sleeps until `at`, or forever.
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }

@@ -101,6 +101,9 @@ pub enum RecoveryError {
     /// The answer was larger than the client accepts.
     #[error("recovery answer larger than {0} bytes")]
     TooLarge(usize),
+    /// The answer carried more blocks than the client accepts.
+    #[error("recovery answer with more than {0} blocks")]
+    TooManyBlocks(usize),
     /// The answer was not a recovery answer.
     #[error("malformed recovery answer: {0}")]
     Malformed(&'static str),
@@ -423,9 +426,13 @@ async fn dump(shared: &Shared) -> Encoded {
     if let Some(d) = cached(shared) {
         return d;
     }
-    let dump = shared.log.with(super::WorkerLog::dump);
+    let dump = shared.log.dump();
     counter::add(&shared.counters.built, 1);
-    let encoded: Encoded = Arc::new((dump.current_id, dump.complete, encode(&dump.events)));
+    let messages = encode(&dump.events);
+    // A message that failed to encode is missing from the dump: say it is partial.
+    let whole = messages.len()
+        == split_messages(&dump.events, EVENTS_PER_MESSAGE, BLOCKS_PER_MESSAGE).count();
+    let encoded: Encoded = Arc::new((dump.current_id, dump.complete && whole, messages));
     *shared.last_dump.lock().unwrap_or_else(|p| p.into_inner()) = Some(encoded.clone());
     encoded
 }
@@ -446,9 +453,14 @@ pub struct RecoveryClientConfig {
     pub max_bytes: usize,
     /// The connection's bounds (frames up to 16 MiB by default).
     pub zmtp: zmtp::Config,
-    /// Addresses the client may dial (default: none refused). A router that dials
-    /// what discovery names gives it the filter it gives its subscriber.
+    /// Addresses the client may dial: by default the subscriber's own
+    /// ([`AddrFilter::default`](crate::net::AddrFilter::default): what discovery names
+    /// is dialled, so metadata and link-local addresses are refused); `None` dials
+    /// anything.
     pub filter: Option<crate::net::AddrFilter>,
+    /// The most blocks an answer may carry, decoded (a hash of 0 costs one byte on the
+    /// wire, 8 in memory): [`DEFAULT_MAX_LOG_BLOCKS`](crate::kv::DEFAULT_MAX_LOG_BLOCKS).
+    pub max_blocks: usize,
 }
 
 impl Default for RecoveryClientConfig {
@@ -457,7 +469,8 @@ impl Default for RecoveryClientConfig {
             timeout: Duration::from_secs(5),
             max_bytes: 256 << 20,
             zmtp: zmtp::Config::default(),
-            filter: None,
+            filter: Some(crate::net::AddrFilter::default()),
+            max_blocks: crate::kv::DEFAULT_MAX_LOG_BLOCKS,
         }
     }
 }
@@ -476,7 +489,7 @@ pub async fn recover(
             }
             None => DealerSocket::connect(endpoint, config.zmtp.clone()).await?,
         };
-        recover_over(socket, request, config.max_bytes).await
+        recover_over(socket, request, config.max_bytes, config.max_blocks).await
     })
     .await
     .map_err(|_| RecoveryError::Timeout(timeout))?
@@ -487,6 +500,7 @@ pub async fn recover_over<S>(
     mut socket: DealerSocket<S>,
     request: RecoveryRequest,
     max_bytes: usize,
+    max_blocks: usize,
 ) -> Result<Recovered, RecoveryError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send,
@@ -502,6 +516,7 @@ where
     socket.send(&ask).await?;
     let mut events = Vec::new();
     let mut bytes = 0usize;
+    let mut blocks = 0usize;
     loop {
         let msg = socket.recv().await?;
         bytes = bytes.saturating_add(msg.byte_len());
@@ -521,6 +536,11 @@ where
                 let payload = msg.get(2).unwrap_or_default();
                 let decoded = decode_router_events(payload)
                     .map_err(|_| RecoveryError::Malformed("undecodable events"))?;
+                let carried: usize = decoded.iter().map(|e| e.event.data.block_count()).sum();
+                blocks = blocks.saturating_add(carried);
+                if blocks > max_blocks {
+                    return Err(RecoveryError::TooManyBlocks(max_blocks));
+                }
                 events.extend(decoded);
             }
             (Some(b"end"), 4) => {

@@ -362,6 +362,18 @@ impl EngineListenerHandle {
 /// Counted in [`EngineListenerStats::stale_clears`], warned about (rate-limited).
 /// Event ids stay dense: a router sees a clear, not a hole (DESIGN §4.6).
 ///
+/// **Repair instead, with the engine's replay endpoint**
+/// ([`EngineListenerConfig::engine_replay`]). On a sequence gap, on every connection
+/// (the first included: a listener that starts late rebuilds what the engine's buffer
+/// holds), and when the engine has been quiet for a moment after publishing (its PUB
+/// drops the end of a burst as readily as the middle), the listener asks the engine
+/// for what it missed and applies it in order, holding live batches meanwhile. It asks
+/// from the last batch it applied, so the first reply proves the same engine (the same
+/// batch) or shows a new one (another batch under that number: clear, then replay the
+/// new engine from 0). It clears only when the buffer cannot cover the loss, counted
+/// by cause in [`EngineListenerStats::replay`]; a lost connection is cleared only when
+/// the engine is not back within the replay timeout.
+///
 /// ```no_run
 /// use eventplane::kv::{EngineListener, EngineListenerConfig, WorkerId};
 /// use tokio_util::sync::CancellationToken;

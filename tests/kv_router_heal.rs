@@ -144,7 +144,14 @@ async fn a_router_started_late_rebuilds_every_worker_from_its_dump() {
     let truth = engine.truth().await;
     // The relay has it all (its own engine replay makes sure) before the router starts.
     let (router, addr) = router(&etcd.url(), "late").await;
-    until_metric(&addr, "eventplane_kv_index_repairs_total", 1.0).await;
+    // Ready only once its first recoveries are done: the worker's dump applied.
+    admin::until(&addr, "/readyz", |status, _| status == 200).await;
+    let (_, metrics) = admin::get(&addr, "/metrics").await;
+    assert_eq!(
+        admin::metric(&metrics, "eventplane_kv_index_blocks"),
+        Some(truth.len() as f64),
+        "ready before the dump was applied"
+    );
     // Nothing was published since: the dump alone is the engine's blocks.
     let stats = router.terminate().await;
     assert_index(&stats, &truth);
@@ -212,4 +219,44 @@ async fn a_router_that_lost_events_repairs_them_from_the_workers_log() {
     );
     assert_index(&stats, &truth);
     assert_no_wipes(&stats);
+}
+
+/// `/readyz` stays 503 while a worker's first recovery is outstanding (its endpoint
+/// accepts and never answers, so the request times out after the client's 5 s), then
+/// the worker is wiped for it and the router is ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_is_not_ready_until_its_first_recoveries_are_done() {
+    use eventplane::zmtp::{Config, PubSocket};
+    let etcd = EtcdServer::start().await;
+    let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+        .await
+        .unwrap();
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_at = silent.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = silent.accept().await {
+            held.push(s);
+        }
+    });
+    let record = format!(
+        r#"{{"id":{{"namespace":"slow","component":"kvworker","topic":"kv-events","publisher_id":7}},"transport":{{"kind":"zmq","endpoint":"{}"}},"worker":{{"worker_id":7,"dp_rank":0}},"recovery":"tcp://{silent_at}"}}"#,
+        publisher.local_endpoint().unwrap()
+    );
+    etcd.etcdctl(&[
+        "put",
+        "/eventplane/v1/channels/slow/kvworker/kv-events/7",
+        &record,
+    ]);
+    let (router, addr) = router(&etcd.url(), "slow").await;
+    let started = std::time::Instant::now();
+    admin::until(&addr, "/readyz", |status, _| status == 200).await;
+    let waited = started.elapsed();
+    // The request's 5 s timeout (not the first second's tick), within the 10 s bound.
+    assert!(
+        waited >= std::time::Duration::from_secs(4) && waited <= std::time::Duration::from_secs(11),
+        "ready after {waited:?}"
+    );
+    let stats = router.terminate().await;
+    assert_eq!(stats["wipes"]["recovery_failed"], 1, "{}", stats["wipes"]);
 }

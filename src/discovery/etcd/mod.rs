@@ -47,8 +47,13 @@ use crate::net::RateLimitedWarn;
 ///   {"id": {"namespace": "prod", "component": "worker", "topic": "kv-events",
 ///           "publisher_id": 42},
 ///    "transport": {"kind": "zmq", "endpoint": "tcp://10.0.0.5:41234"},
-///    "worker": {"worker_id": 7, "dp_rank": 0}}
+///    "worker": {"worker_id": 7, "dp_rank": 0},
+///    "recovery": "tcp://10.0.0.5:41235"}
 ///   ```
+///
+///   `recovery` (optional) is where the worker serves its recovery log
+///   ([`kv::RecoveryServer`](crate::kv::RecoveryServer)); a value that is not
+///   `tcp://host:port` is ignored (with a warning), the record kept.
 ///
 ///   `publisher_id` is an integer ≤ 2^53 − 1 and the key's last segment is it in
 ///   lower-case hex; `worker` (optional) is the worker the publisher speaks for,

@@ -21,7 +21,7 @@ use eventplane::kv::{
     RecoveryClientConfig, RecoveryRequest, WorkerId, decode_router_events, recover,
 };
 use eventplane::zmtp::{Config, SubSocket};
-use support::engine_peer::{BLOCK_SIZE, EnginePeer, TOPIC};
+use support::engine_peer::{EnginePeer, TOPIC};
 use support::{Watched, within};
 
 /// What a router holds of the worker, and the clears it was sent.
@@ -98,23 +98,7 @@ async fn relay_in_front(engine: &mut EnginePeer) -> (Watched, Arc<Mutex<View>>) 
 }
 
 async fn relay_with(engine: &mut EnginePeer, extra: &[&str]) -> (Watched, Arc<Mutex<View>>) {
-    let mut args = vec![
-        "--connect",
-        &engine.publish,
-        "--engine-replay",
-        &engine.replay,
-        "--topic",
-        TOPIC,
-        "--block-size",
-        BLOCK_SIZE,
-        "--worker-id",
-        "1",
-        "--bind",
-        "tcp://127.0.0.1:0",
-    ];
-    args.extend(extra);
-    let mut relay = Watched::spawn("kv-relay", &args);
-    let endpoint = relay.line().await;
+    let (relay, endpoint) = engine.relay(extra).await;
     let view = route(endpoint);
     // The router is subscribed once its first event arrives: publish until one does,
     // then start from an engine that reset its cache (what the relay published before

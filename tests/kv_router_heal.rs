@@ -14,31 +14,18 @@ use std::collections::HashSet;
 
 use serde_json::Value;
 use support::admin;
-use support::engine_peer::{BLOCK_SIZE, EnginePeer, TOPIC};
+use support::engine_peer::EnginePeer;
 use support::etcd::EtcdServer;
 use support::{Watched, within};
 
 /// `kv-relay` in front of `engine`, registered in etcd under `ns/kvworker` with its
 /// recovery endpoint, repairing from the engine's replay buffer too.
 async fn relay(engine: &EnginePeer, etcd: &str, ns: &str) -> Watched {
-    let mut relay = Watched::spawn(
-        "kv-relay",
-        &[
+    let (mut relay, _) = engine
+        .relay(&[
             // A short queue toward a router that stops reading: it drops soon.
             "--publisher-queue",
             "64",
-            "--connect",
-            &engine.publish,
-            "--engine-replay",
-            &engine.replay,
-            "--topic",
-            TOPIC,
-            "--block-size",
-            BLOCK_SIZE,
-            "--worker-id",
-            "1",
-            "--bind",
-            "tcp://127.0.0.1:0",
             "--recovery-bind",
             "tcp://127.0.0.1:0",
             "--etcd",
@@ -47,9 +34,9 @@ async fn relay(engine: &EnginePeer, etcd: &str, ns: &str) -> Watched {
             ns,
             "--component",
             "kvworker",
-        ],
-    );
-    relay.line().await;
+        ])
+        .await;
+    // Its recovery endpoint.
     relay.line().await;
     relay
 }

@@ -4,7 +4,7 @@
 use std::collections::HashSet;
 use std::path::PathBuf;
 
-use super::{PyPeer, dynamo_python, restartable_endpoint, support_dir};
+use super::{PyPeer, Watched, dynamo_python, restartable_endpoint, support_dir};
 
 /// The engines' topic in these tests.
 pub const TOPIC: &str = "kv";
@@ -79,5 +79,31 @@ impl EnginePeer {
             .split_whitespace()
             .map(|h| h.parse().unwrap())
             .collect()
+    }
+}
+
+impl EnginePeer {
+    /// `kv-relay --engine-replay` in front of this engine (worker 1, publishing on a
+    /// free loopback port) with `extra` arguments; returns once it printed its
+    /// endpoint, with that endpoint.
+    pub async fn relay(&self, extra: &[&str]) -> (Watched, String) {
+        let mut args = vec![
+            "--connect",
+            &self.publish,
+            "--engine-replay",
+            &self.replay,
+            "--topic",
+            TOPIC,
+            "--block-size",
+            BLOCK_SIZE,
+            "--worker-id",
+            "1",
+            "--bind",
+            "tcp://127.0.0.1:0",
+        ];
+        args.extend(extra);
+        let mut relay = Watched::spawn("kv-relay", &args);
+        let endpoint = relay.line().await;
+        (relay, endpoint)
     }
 }

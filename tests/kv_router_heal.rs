@@ -1,6 +1,8 @@
 //! Routers that heal: `kv-router` repairs what it lost of a worker from the worker's
 //! recovery log (`kv-relay --recovery-bind`, registered in a real etcd) instead of
-//! wiping it, in front of vLLM 0.34.0's own publisher (`tests/support/engine_peer.rs`).
+//! wiping it, in front of vLLM 0.34.0's own publisher (`tests/support/engine_peer.rs`):
+//! directly, through an `event-broker` (the router outside the cluster), and from a
+//! relay that dials out to the router's bus (a source).
 #![allow(
     clippy::unwrap_used,
     clippy::indexing_slicing,
@@ -21,47 +23,76 @@ use support::{Watched, within};
 /// `kv-relay` in front of `engine`, registered in etcd under `ns/kvworker` with its
 /// recovery endpoint, repairing from the engine's replay buffer too.
 async fn relay(engine: &EnginePeer, etcd: &str, ns: &str) -> Watched {
-    let (mut relay, _) = engine
-        .relay(&[
-            // A short queue toward a router that stops reading: it drops soon.
-            "--publisher-queue",
-            "64",
-            "--recovery-bind",
-            "tcp://127.0.0.1:0",
-            "--etcd",
-            etcd,
-            "--namespace",
-            ns,
-            "--component",
-            "kvworker",
-        ])
-        .await;
+    relay_with(engine, &["--etcd", etcd, "--namespace", ns]).await
+}
+
+/// `kv-relay` in front of `engine` with its recovery endpoint, made known by `known`
+/// (a discovery backend and namespace, or a bus) under component `kvworker`.
+async fn relay_with(engine: &EnginePeer, known: &[&str]) -> Watched {
+    let mut args = vec![
+        // A short queue toward a router that stops reading: it drops soon.
+        "--publisher-queue",
+        "64",
+        "--recovery-bind",
+        "tcp://127.0.0.1:0",
+        "--component",
+        "kvworker",
+    ];
+    args.extend(known);
+    let (mut relay, _) = engine.relay(&args).await;
     // Its recovery endpoint.
     relay.line().await;
     relay
 }
 
+/// Sends `sig` to `process`.
+fn signal(process: &Watched, sig: &str) {
+    let pid = process.child.id().unwrap().to_string();
+    let sent = std::process::Command::new("kill")
+        .args([sig, &pid])
+        .status();
+    assert!(sent.unwrap().success());
+}
+
 /// `kv-router` following `ns/kvworker` in etcd, with its admin endpoint; returns it
 /// and that endpoint's address.
 async fn router(etcd: &str, ns: &str) -> (Watched, String) {
-    let mut router = Watched::spawn(
-        "kv-router",
-        &[
-            "--etcd",
-            etcd,
-            "--namespace",
-            ns,
-            "--component",
-            "kvworker",
-            "--topic",
-            "kv-events",
-            "--format",
-            "quiet",
-            "--dump-index",
-            "--admin-listen",
-            "127.0.0.1:0",
-        ],
-    );
+    let (router, addr, _) = router_with(&["--etcd", etcd, "--namespace", ns], None).await;
+    (router, addr)
+}
+
+/// `kv-router` following `follow` (component `kvworker`), with its admin endpoint,
+/// and an event bus when given its credentials (`--bus-token-file` or
+/// `--bus-clients`, and the file); returns it, the admin address, and the bus's port.
+async fn router_with(
+    follow: &[&str],
+    bus: Option<(&str, &str)>,
+) -> (Watched, String, Option<String>) {
+    let mut args = follow.to_vec();
+    let (cert, key) = (fixture("bus.pem"), fixture("bus.key"));
+    if let Some((flag, file)) = bus {
+        args.extend(["--bus-listen", "127.0.0.1:0", "--bus-cert", &cert]);
+        args.extend(["--bus-key", &key, flag, file]);
+    }
+    args.extend([
+        "--component",
+        "kvworker",
+        "--topic",
+        "kv-events",
+        "--format",
+        "quiet",
+        "--dump-index",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ]);
+    let mut router = Watched::spawn("kv-router", &args);
+    let bus = match bus {
+        Some(_) => {
+            let line = router.stderr_until("event bus listening on ").await;
+            Some(line.rsplit(':').next().unwrap().trim().to_owned())
+        }
+        None => None,
+    };
     let line = router.stderr_until("admin endpoint on http://").await;
     let addr = line
         .split("http://")
@@ -69,7 +100,7 @@ async fn router(etcd: &str, ns: &str) -> (Watched, String) {
         .unwrap()
         .trim_end_matches('/')
         .to_owned();
-    (router, addr)
+    (router, addr, bus)
 }
 
 /// Waits until `metric` on the router's admin endpoint reaches `at_least`.
@@ -151,37 +182,23 @@ async fn a_router_started_late_rebuilds_every_worker_from_its_dump() {
     relay.terminate().await;
 }
 
-/// A router that falls behind (stopped while the worker publishes more than the
-/// relay's queue holds) loses events on the way: it repairs them from the relay's
-/// log instead of wiping the worker, and equals the engine.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_router_that_lost_events_repairs_them_from_the_workers_log() {
-    let etcd = EtcdServer::start().await;
-    let mut engine = EnginePeer::start("vllm-0.34.0", "vllm").await;
-    let relay = relay(&engine, &etcd.url(), "gap").await;
-    let (router, addr) = router(&etcd.url(), "gap").await;
-    // Rebuilt (an empty dump) once the relay is followed.
-    until_metric(&addr, "eventplane_kv_index_repairs_total", 1.0).await;
-    engine.burst(20).await;
-    let pid = router.child.id().unwrap().to_string();
-    let signal = |sig: &str| {
-        assert!(
-            std::process::Command::new("kill")
-                .args([sig, &pid])
-                .status()
-                .unwrap()
-                .success()
-        );
-    };
-    signal("-STOP");
+/// Stops `router` while the engine publishes more than a relay's queue holds, resumes
+/// it, publishes a little more; the engine's blocks.
+async fn fall_behind(router: &Watched, engine: &mut EnginePeer) -> HashSet<u64> {
+    signal(router, "-STOP");
     engine.burst(2500).await;
-    signal("-CONT");
+    signal(router, "-CONT");
     engine.burst(5).await;
-    let truth = engine.truth().await;
-    // Wait until the router has caught up: the relay's last event applied.
+    engine.truth().await
+}
+
+/// Waits until the router at `addr` has caught up after a loss: nothing held or
+/// recovering, and either the engine's block count with at least two repairs, or a
+/// wipe (which the caller's assertions then name).
+async fn caught_up(addr: &str, truth: &HashSet<u64>) {
     within(async {
         loop {
-            let (_, body) = admin::get(&addr, "/metrics").await;
+            let (_, body) = admin::get(addr, "/metrics").await;
             let held = admin::metric(&body, "eventplane_kv_index_held_events").unwrap_or(1.0);
             let recovering =
                 admin::metric(&body, "eventplane_kv_index_recovering_publishers").unwrap_or(1.0);
@@ -196,6 +213,22 @@ async fn a_router_that_lost_events_repairs_them_from_the_workers_log() {
         }
     })
     .await;
+}
+
+/// A router that falls behind (stopped while the worker publishes more than the
+/// relay's queue holds) loses events on the way: it repairs them from the relay's
+/// log instead of wiping the worker, and equals the engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_that_lost_events_repairs_them_from_the_workers_log() {
+    let etcd = EtcdServer::start().await;
+    let mut engine = EnginePeer::start("vllm-0.34.0", "vllm").await;
+    let relay = relay(&engine, &etcd.url(), "gap").await;
+    let (router, addr) = router(&etcd.url(), "gap").await;
+    // Rebuilt (an empty dump) once the relay is followed.
+    until_metric(&addr, "eventplane_kv_index_repairs_total", 1.0).await;
+    engine.burst(20).await;
+    let truth = fall_behind(&router, &mut engine).await;
+    caught_up(&addr, &truth).await;
     let stats = router.terminate().await;
     let dropped = stats["subscriber"]["total"]["dropped"].clone();
     let relay_stats = relay.terminate().await;
@@ -246,4 +279,161 @@ async fn the_router_is_not_ready_until_its_first_recoveries_are_done() {
     );
     let stats = router.terminate().await;
     assert_eq!(stats["wipes"]["recovery_failed"], 1, "{}", stats["wipes"]);
+}
+
+/// The tunnel's test certificates and keys (`tests/fixtures/tunnel`).
+fn fixture(name: &str) -> String {
+    format!(
+        "{}/tests/fixtures/tunnel/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+/// A fresh directory `name` holding `files`.
+fn secrets(name: &str, files: &[(&str, String)]) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("eventplane-heal-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (file, body) in files {
+        std::fs::write(dir.join(file), body).unwrap();
+    }
+    dir
+}
+
+/// A router that first sees the worker late, then stopped while the worker publishes
+/// past the relay's queue: it rebuilds the worker from its dump and repairs the loss
+/// from its log, and equals the engine with no wipe; its stats.
+async fn rebuilt_then_repaired(
+    engine: &mut EnginePeer,
+    router: Watched,
+    addr: &str,
+) -> serde_json::Value {
+    // The first repair is the worker's dump (readiness cannot wait for it here: the
+    // router cannot know of a publisher before the broker or the source is up).
+    until_metric(addr, "eventplane_kv_index_repairs_total", 1.0).await;
+    let first = engine.truth().await;
+    let (_, metrics) = admin::get(addr, "/metrics").await;
+    assert_eq!(
+        admin::metric(&metrics, "eventplane_kv_index_blocks"),
+        Some(first.len() as f64),
+        "the dump is not the engine's blocks"
+    );
+    let truth = fall_behind(&router, engine).await;
+    caught_up(addr, &truth).await;
+    let stats = router.terminate().await;
+    assert_index(&stats, &truth);
+    assert_no_wipes(&stats);
+    let repairs = &stats["repairs"];
+    assert!(
+        repairs["dump"].as_u64().unwrap() >= 1 && repairs["since"].as_u64().unwrap() >= 1,
+        "{repairs}"
+    );
+    stats
+}
+
+/// The router outside the cluster reaches the worker's recovery endpoint through the
+/// `event-broker` that relays its publisher: the broker's view advertises it (from
+/// the relay's etcd record), and every recovery is a stream through the broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_heals_through_a_broker() {
+    const TOKEN: &str = "heal-through-a-broker-token";
+    let etcd = EtcdServer::start().await;
+    let mut engine = EnginePeer::start("vllm-0.34.0", "vllm").await;
+    let relay = relay(&engine, &etcd.url(), "prod").await;
+    engine.burst(60).await;
+    let dir = secrets("broker", &[("token", format!("{TOKEN}\n"))]);
+    let token = dir.join("token").display().to_string();
+    let (router, addr, port) = router_with(
+        &["--etcd", &etcd.url(), "--namespace", "prod"],
+        Some(("--bus-token-file", &token)),
+    )
+    .await;
+    let config = format!(
+        "bus_url = \"https://localhost:{port}\"\nclient_id = \"broker-a\"\nca_file = {ca:?}\n\
+         token_file = {token:?}\nallowed_cidrs = [\"127.0.0.0/8\"]\n\
+         [discovery]\nnamespaces = [\"prod\"]\netcd = [{etcd:?}]\n",
+        port = port.unwrap(),
+        ca = fixture("ca.pem"),
+        etcd = etcd.url(),
+    );
+    std::fs::write(dir.join("broker.toml"), config).unwrap();
+    let broker = Watched::spawn(
+        "event-broker",
+        &["--config", &dir.join("broker.toml").display().to_string()],
+    );
+    let stats = rebuilt_then_repaired(&mut engine, router, &addr).await;
+    let broker = broker.terminate().await;
+    let relay = relay.terminate().await;
+    // Each recovery was a stream through the broker (its connection counted by the
+    // relay's recovery endpoint), beside the publisher's.
+    let recoveries =
+        stats["repairs"]["dump"].as_u64().unwrap() + stats["repairs"]["since"].as_u64().unwrap();
+    assert!(
+        broker["streams_opened"].as_u64().unwrap() > recoveries,
+        "broker {broker}, repairs {}",
+        stats["repairs"]
+    );
+    assert!(
+        relay["recovery"]["server"]["connections"].as_u64().unwrap() >= recoveries,
+        "{}",
+        relay["recovery"]
+    );
+}
+
+/// A relay that dials out to the router's bus (a source, no etcd) announces its
+/// recovery log with its publisher; the router asks for it through the relay's own
+/// session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_heals_through_a_relay_that_dials_out() {
+    const TOKEN: &str = "heal-through-a-source-token-0123456";
+    let digest =
+        eventplane::tunnel::TokenDigest::of(&eventplane::tunnel::Secret::new(TOKEN).unwrap())
+            .to_hex();
+    let dir = secrets(
+        "source",
+        &[
+            ("token", format!("{TOKEN}\n")),
+            (
+                "clients.toml",
+                format!(
+                    "[[source]]\nclient_id = \"gpu-box-1\"\ntoken_sha256 = \"{digest}\"\nnamespaces = [\"prod\"]\n"
+                ),
+            ),
+        ],
+    );
+    let mut engine = EnginePeer::start("vllm-0.34.0", "vllm").await;
+    let clients = dir.join("clients.toml").display().to_string();
+    let (router, addr, port) =
+        router_with(&["--namespace", "prod"], Some(("--bus-clients", &clients))).await;
+    // The router is up first here (the relay dials it): held back while the engine
+    // publishes, it has what came before from the relay's dump only.
+    signal(&router, "-STOP");
+    let bus_url = format!("https://localhost:{}", port.unwrap());
+    let token = dir.join("token").display().to_string();
+    let relay = relay_with(
+        &engine,
+        &[
+            "--bus-url",
+            &bus_url,
+            "--bus-ca",
+            &fixture("ca.pem"),
+            "--bus-token-file",
+            &token,
+            "--client-id",
+            "gpu-box-1",
+            "--namespace",
+            "prod",
+        ],
+    )
+    .await;
+    engine.burst(60).await;
+    signal(&router, "-CONT");
+    let stats = rebuilt_then_repaired(&mut engine, router, &addr).await;
+    let relay = relay.terminate().await;
+    let recoveries =
+        stats["repairs"]["dump"].as_u64().unwrap() + stats["repairs"]["since"].as_u64().unwrap();
+    assert!(
+        relay["recovery"]["server"]["connections"].as_u64().unwrap() >= recoveries,
+        "{}",
+        relay["recovery"]
+    );
 }

@@ -208,6 +208,9 @@ fn hex_value(b: u8) -> Option<u8> {
     }
 }
 
+/// How the endpoint of an announced publisher begins.
+pub(crate) const ANNOUNCED_SCHEME: &str = "announced://";
+
 /// How to reach a publisher.
 ///
 /// ```
@@ -251,7 +254,7 @@ impl Transport {
     /// ```
     pub fn announced(client_id: &str, session_id: u64) -> Transport {
         Transport::Announced {
-            endpoint: format!("announced://{client_id}/{session_id}"),
+            endpoint: format!("{ANNOUNCED_SCHEME}{client_id}/{session_id}"),
         }
     }
 

@@ -162,9 +162,9 @@ pub use processor::{
 pub use recovery::{
     DEFAULT_CONCURRENT_DUMPS, DEFAULT_CONCURRENT_RECOVERIES, DEFAULT_MAX_LOG_BLOCKS,
     DEFAULT_RECOVERY_CONNECTIONS, DEFAULT_RECOVERY_EVENT_BLOCKS, DEFAULT_RECOVERY_EVENTS, Dump,
-    RECOVERY_IDLE_TIMEOUT, RECOVERY_INTERVAL, Recovered, RecoveryClientConfig, RecoveryDriver,
-    RecoveryError, RecoveryRequest, RecoveryServer, RecoveryServerStats, SharedWorkerLog, Since,
-    WorkerLog, WorkerLogConfig, WorkerLogStats, recover, recover_over,
+    RECOVERY_IDLE_TIMEOUT, RECOVERY_INTERVAL, Recovered, RecoveryAcceptor, RecoveryClientConfig,
+    RecoveryDriver, RecoveryError, RecoveryRequest, RecoveryServer, RecoveryServerStats,
+    SharedWorkerLog, Since, WorkerLog, WorkerLogConfig, WorkerLogStats, recover, recover_over,
 };
 pub use replay::{
     DEFAULT_MAX_REPLAY_BATCHES, DEFAULT_REPLAY_DEADLINE, DEFAULT_REPLAY_TIMEOUT, EngineReplayStats,

@@ -547,8 +547,8 @@ mod endpoint;
 pub use driver::{DEFAULT_CONCURRENT_RECOVERIES, RECOVERY_INTERVAL, RecoveryDriver};
 pub use endpoint::{
     DEFAULT_CONCURRENT_DUMPS, DEFAULT_RECOVERY_CONNECTIONS, RECOVERY_IDLE_TIMEOUT, Recovered,
-    RecoveryClientConfig, RecoveryError, RecoveryRequest, RecoveryServer, RecoveryServerStats,
-    recover, recover_over,
+    RecoveryAcceptor, RecoveryClientConfig, RecoveryError, RecoveryRequest, RecoveryServer,
+    RecoveryServerStats, recover, recover_over,
 };
 
 #[cfg(test)]

@@ -619,32 +619,24 @@ async fn dial(
 /// direct fallback on).
 #[cfg(feature = "tunnel")]
 async fn tunnel_link(config: &Config, instance: &Instance) -> Option<Result<Link, ZmtpError>> {
-    if instance.transport.is_announced() {
+    let announced = instance.transport.is_announced();
+    let Some(bus) = config.bus.as_ref() else {
         // Announced by a source on a bus: reached only through it.
-        let Some(bus) = config.bus.as_ref() else {
-            return Some(Err(ZmtpError::Io(std::io::Error::other(
+        return announced.then(|| {
+            Err(ZmtpError::Io(std::io::Error::other(
                 "an announced publisher is reached only through the bus it was announced on (DynamicSubscriberBuilder::tunnel)",
-            ))));
-        };
-        let opened = bus.open_announced(&instance.id).await;
-        return Some(
-            opened
-                .map(Link::Tunnel)
-                .map_err(|e| ZmtpError::Io(std::io::Error::other(e))),
-        );
-    }
-    let bus = config.bus.as_ref()?;
-    let namespace = instance.id.namespace();
-    if !bus.grants(namespace) || (config.tunnel_direct_fallback && !bus.covered(namespace)) {
-        return None;
-    }
+            )))
+        });
+    };
     let opened = bus
-        .open_stream(
-            namespace,
-            instance.id.publisher_id(),
+        .reach(
+            &instance.id,
             instance.transport.endpoint(),
+            announced,
+            false,
+            config.tunnel_direct_fallback,
         )
-        .await;
+        .await?;
     Some(
         opened
             .map(Link::Tunnel)

@@ -91,6 +91,12 @@ pub struct AnnouncedSource {
     pub worker: Option<WorkerIdentity>,
     /// How its messages are framed.
     pub wire: Wire,
+    /// Whether the source also serves its worker's recovery log
+    /// ([`Source::announce_with_recovery`](super::Source::announce_with_recovery)):
+    /// a router then asks it for what it lost through a
+    /// [`Target::Recovery`] stream. `"recovery": true` on the wire, absent when
+    /// `false` (a router of an earlier version ignores it).
+    pub recovery: bool,
 }
 
 impl AnnouncedSource {
@@ -103,6 +109,7 @@ impl AnnouncedSource {
             topic: id.topic().to_owned(),
             worker: None,
             wire,
+            recovery: false,
         }
     }
 
@@ -110,6 +117,14 @@ impl AnnouncedSource {
     #[must_use]
     pub fn with_worker(mut self, worker: WorkerIdentity) -> AnnouncedSource {
         self.worker = Some(worker);
+        self
+    }
+
+    /// Saying it serves its worker's recovery log (set by
+    /// [`Source::announce_with_recovery`](super::Source::announce_with_recovery)).
+    #[must_use]
+    pub fn with_recovery(mut self) -> AnnouncedSource {
+        self.recovery = true;
         self
     }
 
@@ -137,7 +152,8 @@ impl AnnouncedSource {
     }
 
     pub(super) fn encode(&self, w: &mut Writer<'_>) {
-        w.map(if self.worker.is_some() { 7 } else { 5 });
+        let entries = 5 + if self.worker.is_some() { 2 } else { 0 } + u8::from(self.recovery);
+        w.map(entries);
         w.entry_uint("publisher_id", self.publisher_id);
         w.entry_str("namespace", &self.namespace);
         w.entry_str("component", &self.component);
@@ -146,6 +162,10 @@ impl AnnouncedSource {
         if let Some(worker) = self.worker {
             w.entry_uint("worker_id", worker.worker_id);
             w.entry_uint("dp_rank", u64::from(worker.dp_rank));
+        }
+        if self.recovery {
+            w.str("recovery");
+            w.bool(true);
         }
     }
 
@@ -180,6 +200,7 @@ impl AnnouncedSource {
                 .str(frame, "wire", 32)?
                 .parse()
                 .map_err(|_| bad("names a wire this version does not know"))?,
+            recovery: matches!(value.get("recovery"), Some(Value::Bool(true))),
         };
         source.check().map_err(bad)?;
         Ok(source)
@@ -225,6 +246,14 @@ pub enum Target {
         /// The announced publisher.
         publisher_id: u64,
     },
+    /// The recovery log of a publisher the session's source announced with
+    /// `recovery` (`{"recovery": {"publisher_id": N}}` on the wire): the source serves
+    /// the stream from its recovery endpoint. A source of an earlier version refuses
+    /// it with `unsupported_target`.
+    Recovery {
+        /// The announced publisher.
+        publisher_id: u64,
+    },
     /// A target kind this version does not know (a map from a newer peer): refused
     /// with `unsupported_target`.
     Unsupported,
@@ -245,6 +274,12 @@ impl Target {
                 w.map(1);
                 w.entry_uint("publisher_id", *publisher_id);
             }
+            Target::Recovery { publisher_id } => {
+                w.map(1);
+                w.str("recovery");
+                w.map(1);
+                w.entry_uint("publisher_id", *publisher_id);
+            }
             Target::Unsupported => w.map(0),
         }
     }
@@ -252,13 +287,16 @@ impl Target {
     pub(super) fn decode(value: Option<&Value<'_>>) -> Target {
         match value {
             Some(Value::Map(_)) => {
-                let id = value
-                    .and_then(|v| v.get("announced"))
-                    .and_then(|a| a.get("publisher_id"))
-                    .and_then(Value::as_u64);
-                match id {
-                    Some(publisher_id) => Target::Announced { publisher_id },
-                    None => Target::Unsupported,
+                let id = |kind| {
+                    value
+                        .and_then(|v| v.get(kind))
+                        .and_then(|a| a.get("publisher_id"))
+                        .and_then(Value::as_u64)
+                };
+                match (id("announced"), id("recovery")) {
+                    (Some(publisher_id), None) => Target::Announced { publisher_id },
+                    (None, Some(publisher_id)) => Target::Recovery { publisher_id },
+                    _ => Target::Unsupported,
                 }
             }
             Some(v) => Target::Tcp(
@@ -289,6 +327,7 @@ impl std::fmt::Display for Target {
         match self {
             Target::Tcp(endpoint) => f.write_str(endpoint),
             Target::Announced { publisher_id } => write!(f, "announced:{publisher_id:x}"),
+            Target::Recovery { publisher_id } => write!(f, "recovery:{publisher_id:x}"),
             Target::Unsupported => f.write_str("(unsupported target)"),
         }
     }

@@ -340,7 +340,7 @@ async fn session(
                     ));
                 }
                 // A broker's session never serves announced targets.
-                BrokerEvent::Serve { .. } => {}
+                BrokerEvent::Serve { .. } | BrokerEvent::ServeRecovery { .. } => {}
                 BrokerEvent::Close { stream_id } => {
                     if let Some((_, stop)) = stream_stops.remove(&stream_id) {
                         stop.cancel();

@@ -395,6 +395,27 @@ impl EventBus {
     /// in `refused`) when no session announces it now.
     pub async fn open_announced(&self, id: &ChannelId) -> Result<TunnelStream, TunnelError> {
         let publisher_id = id.publisher_id();
+        self.open_at_source(id, Target::Announced { publisher_id })
+            .await
+    }
+
+    /// Opens a connection to the recovery log of publisher `id`, which a source
+    /// announced with one ([`AnnouncedSource::recovery`](super::AnnouncedSource::recovery)),
+    /// through that source's session: a [`kv::recover_over`](crate::kv::recover_over)
+    /// runs over it. `Refused(TargetNotAnnounced)` when no session announces it now (or
+    /// announced it without a recovery log).
+    pub async fn open_recovery(&self, id: &ChannelId) -> Result<TunnelStream, TunnelError> {
+        let publisher_id = id.publisher_id();
+        self.open_at_source(id, Target::Recovery { publisher_id })
+            .await
+    }
+
+    /// Opens `target` of publisher `id` through the session that announced it.
+    async fn open_at_source(
+        &self,
+        id: &ChannelId,
+        target: Target,
+    ) -> Result<TunnelStream, TunnelError> {
         let Some(route) = self.inner.sources.route(id) else {
             self.inner
                 .counters
@@ -406,10 +427,40 @@ impl EventBus {
             route.session_id,
             route.commands,
             "",
-            publisher_id,
-            Target::Announced { publisher_id },
+            id.publisher_id(),
+            target,
         )
         .await
+    }
+
+    /// How a router reaches `endpoint` of publisher `id` (its publisher socket, or
+    /// with `recovery` its recovery log): through the session that announced it
+    /// (`announced`), through a broker when a credential grants its namespace, or
+    /// `None` to dial it directly (not granted; or, with `direct_fallback`, no broker
+    /// up for it).
+    pub(crate) async fn reach(
+        &self,
+        id: &ChannelId,
+        endpoint: &str,
+        announced: bool,
+        recovery: bool,
+        direct_fallback: bool,
+    ) -> Option<Result<TunnelStream, TunnelError>> {
+        if announced {
+            return Some(if recovery {
+                self.open_recovery(id).await
+            } else {
+                self.open_announced(id).await
+            });
+        }
+        let namespace = id.namespace();
+        if !self.grants(namespace) || (direct_fallback && !self.covered(namespace)) {
+            return None;
+        }
+        Some(
+            self.open_stream(namespace, id.publisher_id(), endpoint)
+                .await,
+        )
     }
 
     /// The publishers sources announce with `wire`, as a read-only

@@ -220,6 +220,10 @@ impl Writer<'_> {
         }
     }
 
+    pub(super) fn bool(&mut self, v: bool) {
+        self.0.push(if v { 0xc3 } else { 0xc2 });
+    }
+
     pub(super) fn entry_str(&mut self, key: &str, value: &str) {
         self.str(key);
         self.str(value);

@@ -422,6 +422,12 @@ impl RouterSession {
                     return Err(SubscribeError::NotAnnounced);
                 }
             }
+            // Only a publisher announced with a recovery log is asked for it.
+            (Target::Recovery { publisher_id }, Role::Source) => {
+                if !self.announced.get(publisher_id).is_some_and(|s| s.recovery) {
+                    return Err(SubscribeError::NotAnnounced);
+                }
+            }
             _ => return Err(SubscribeError::UnsupportedTarget),
         }
         if self.streams.contains_key(&stream_id) {

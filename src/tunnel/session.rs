@@ -289,6 +289,15 @@ pub enum BrokerEvent {
         /// The announced publisher.
         publisher_id: u64,
     },
+    /// A source's stream to the recovery log of publisher `publisher_id` (one it
+    /// announces): serve it from that worker's recovery endpoint, and report with
+    /// [`BrokerSession::stream_opened`] or [`BrokerSession::stream_refused`].
+    ServeRecovery {
+        /// The stream.
+        stream_id: u64,
+        /// The announced publisher.
+        publisher_id: u64,
+    },
     /// Close the stream silently (the router unsubscribed).
     Close {
         /// The stream.
@@ -549,6 +558,10 @@ impl BrokerSession {
                                 stream_id,
                                 publisher_id,
                             },
+                            Target::Recovery { publisher_id } => BrokerEvent::ServeRecovery {
+                                stream_id,
+                                publisher_id,
+                            },
                             Target::Tcp(target) => BrokerEvent::Open { stream_id, target },
                             // `servable` refused it above.
                             Target::Unsupported => return,
@@ -583,7 +596,10 @@ impl BrokerSession {
         match (self.role, target) {
             (Role::Broker, Target::Tcp(t)) if crate::zmtp::parse_tcp(t).is_ok() => Ok(()),
             (Role::Broker, Target::Tcp(_)) => Err(RefuseCode::BadTarget),
-            (Role::Source, Target::Announced { publisher_id }) => {
+            (
+                Role::Source,
+                Target::Announced { publisher_id } | Target::Recovery { publisher_id },
+            ) => {
                 if self.announced.contains(publisher_id) {
                     Ok(())
                 } else {

@@ -22,8 +22,39 @@ use super::{
     BrokerEvent, BrokerSession, CloseCode, ControlDecoder, Hello, MAX_ANNOUNCE, Reconnect,
     RefuseCode,
 };
+use crate::kv::RecoveryAcceptor;
 use crate::net::random_unit;
 use crate::zmtp::StreamAcceptor;
+
+/// An announced publisher: what the router is told, where its subscribers are
+/// served, and where its recovery log is (when announced with one).
+struct Announced {
+    source: AnnouncedSource,
+    acceptor: StreamAcceptor,
+    recovery: Option<RecoveryAcceptor>,
+}
+
+/// What serves one data stream: the publisher's socket, or its recovery endpoint.
+enum Serving {
+    Publisher(StreamAcceptor),
+    Recovery(RecoveryAcceptor),
+}
+
+impl Serving {
+    fn is_closed(&self) -> bool {
+        match self {
+            Serving::Publisher(a) => a.is_closed(),
+            Serving::Recovery(a) => a.is_closed(),
+        }
+    }
+
+    fn accept(&self, stream: super::io::TunnelStream, label: String) -> bool {
+        match self {
+            Serving::Publisher(a) => a.accept_stream(stream, label),
+            Serving::Recovery(a) => a.accept_stream(stream),
+        }
+    }
+}
 
 /// Most publishers one [`Source`] announces by default.
 pub const MAX_SOURCE_PUBLISHERS: usize = 1024;
@@ -135,6 +166,7 @@ impl SourceConfig {
             topic: longest,
             worker: Some(crate::discovery::WorkerIdentity::new(u64::MAX, u32::MAX)),
             wire: crate::wire::Wire::EventPlane,
+            recovery: true,
         };
         check_client(
             &self.bus_url,
@@ -189,7 +221,7 @@ pub struct SourceStats {
 struct Shared {
     config: SourceConfig,
     /// The publishers to announce, and where each serves its subscribers.
-    publishers: Mutex<HashMap<u64, (AnnouncedSource, StreamAcceptor)>>,
+    publishers: Mutex<HashMap<u64, Announced>>,
     /// Told when `publishers` changed.
     changed: Notify,
     sessions: AtomicU64,
@@ -203,9 +235,7 @@ struct Shared {
 }
 
 impl Shared {
-    fn publishers(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<u64, (AnnouncedSource, StreamAcceptor)>> {
+    fn publishers(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Announced>> {
         self.publishers.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -310,6 +340,45 @@ impl Source {
         source: AnnouncedSource,
         acceptor: StreamAcceptor,
     ) -> Result<(), TunnelError> {
+        self.announce_as(source, acceptor, None)
+    }
+
+    /// As [`announce`](Self::announce), with the worker's recovery log served by
+    /// `recovery` (from [`RecoveryServer::acceptor`](crate::kv::RecoveryServer::acceptor)):
+    /// the announcement says so, and a router that lost the publisher's events asks
+    /// for them through this session (a [`Target::Recovery`](super::Target::Recovery)
+    /// stream, served within the recovery endpoint's own bounds).
+    ///
+    /// ```no_run
+    /// # async fn run(source: eventplane::tunnel::Source, publisher: eventplane::publish::EventPublisher,
+    /// #     id: eventplane::discovery::ChannelId) -> Result<(), Box<dyn std::error::Error>> {
+    /// use eventplane::kv::{RecoveryServer, SharedWorkerLog, WorkerLogConfig};
+    /// use eventplane::tunnel::AnnouncedSource;
+    /// let log = SharedWorkerLog::new(WorkerLogConfig::default());
+    /// let recovery = RecoveryServer::bind("tcp://127.0.0.1:0", log).await?;
+    /// source.announce_with_recovery(
+    ///     AnnouncedSource::new(&id, publisher.wire()),
+    ///     publisher.acceptor(),
+    ///     recovery.acceptor(),
+    /// )?;
+    /// # Ok(()) }
+    /// ```
+    pub fn announce_with_recovery(
+        &self,
+        source: AnnouncedSource,
+        acceptor: StreamAcceptor,
+        recovery: RecoveryAcceptor,
+    ) -> Result<(), TunnelError> {
+        self.announce_as(source.with_recovery(), acceptor, Some(recovery))
+    }
+
+    fn announce_as(
+        &self,
+        mut source: AnnouncedSource,
+        acceptor: StreamAcceptor,
+        recovery: Option<RecoveryAcceptor>,
+    ) -> Result<(), TunnelError> {
+        source.recovery = recovery.is_some();
         let refuse = |reason: String| {
             Err(TunnelError::Config {
                 field: "source",
@@ -335,7 +404,14 @@ impl Source {
                     publishers.len()
                 ));
             }
-            publishers.insert(source.publisher_id, (source, acceptor));
+            publishers.insert(
+                source.publisher_id,
+                Announced {
+                    source,
+                    acceptor,
+                    recovery,
+                },
+            );
         }
         self.shared.changed.notify_one();
         Ok(())
@@ -443,7 +519,7 @@ async fn session(
     let mut sent: HashMap<u64, AnnouncedSource> = shared
         .publishers()
         .values()
-        .map(|(s, _)| (s.publisher_id, s.clone()))
+        .map(|a| (a.source.publisher_id, a.source.clone()))
         .collect();
     let mut all: Vec<AnnouncedSource> = sent.values().cloned().collect();
     let rest = all.split_off(all.len().min(MAX_ANNOUNCE));
@@ -484,11 +560,21 @@ async fn session(
                 BrokerEvent::Serve {
                     stream_id,
                     publisher_id,
+                }
+                | BrokerEvent::ServeRecovery {
+                    stream_id,
+                    publisher_id,
                 } => {
-                    let acceptor = shared
-                        .publishers()
-                        .get(&publisher_id)
-                        .map(|(_, a)| a.clone());
+                    let recovery = matches!(event, BrokerEvent::ServeRecovery { .. });
+                    // A recovery stream of a publisher announced without one is
+                    // refused as not announced.
+                    let acceptor = shared.publishers().get(&publisher_id).and_then(|a| {
+                        if recovery {
+                            a.recovery.clone().map(Serving::Recovery)
+                        } else {
+                            Some(Serving::Publisher(a.acceptor.clone()))
+                        }
+                    });
                     let refusal = match &acceptor {
                         None => Some(RefuseCode::TargetNotAnnounced),
                         // Its publisher closed (the process is stopping).
@@ -573,7 +659,7 @@ async fn session(
                 let now: HashMap<u64, AnnouncedSource> = shared
                     .publishers()
                     .values()
-                    .map(|(s, _)| (s.publisher_id, s.clone()))
+                    .map(|a| (a.source.publisher_id, a.source.clone()))
                     .collect();
                 let gone: Vec<u64> = sent.keys().filter(|id| !now.contains_key(id)).copied().collect();
                 let new: Vec<AnnouncedSource> = now
@@ -638,7 +724,7 @@ struct Stream {
 async fn serve(
     shared: Arc<Shared>,
     stream: Stream,
-    acceptor: StreamAcceptor,
+    acceptor: Serving,
     report: mpsc::Sender<Report>,
     stop: CancellationToken,
 ) {
@@ -698,7 +784,7 @@ async fn serve(
         }),
     );
     let label = format!("bus stream {stream_id:x} (publisher {publisher_id:x})");
-    if !acceptor.accept_stream(stream, label) {
+    if !acceptor.accept(stream, label) {
         // Its socket closed meanwhile, or holds its `max_connections`.
         let code = if acceptor.is_closed() {
             RefuseCode::Draining

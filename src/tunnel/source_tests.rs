@@ -139,12 +139,64 @@ fn a_source_announces_withdraws_and_serves_only_what_it_announced() {
 }
 
 #[test]
+fn a_source_serves_the_recovery_log_of_a_publisher_announced_with_one_only() {
+    let now = Instant::now();
+    let grant = Grant::namespaces(vec!["prod".into()])
+        .with_client_id("gpu-1")
+        .with_role(Role::Source);
+    let with_log = source(7, Wire::EventPlane).with_recovery();
+    let (mut client, mut router) = source_pair(
+        vec![with_log.clone(), source(8, Wire::EventPlane)],
+        grant,
+        Limits::default(),
+        now,
+    );
+    while let Some(event) = router.poll_event() {
+        if let RouterEvent::Announced(got) = event {
+            // The flag crosses the wire.
+            assert_eq!(got, vec![with_log.clone(), source(8, Wire::EventPlane)]);
+        }
+    }
+    let _ = client.poll_event();
+    // The router asks only a publisher announced with a log for it.
+    assert_eq!(
+        router.subscribe_to(1, Target::Recovery { publisher_id: 8 }, now),
+        Err(SubscribeError::NotAnnounced)
+    );
+    router
+        .subscribe_to(1, Target::Recovery { publisher_id: 7 }, now)
+        .unwrap();
+    exchange(&mut client, &mut router, now);
+    assert_eq!(
+        client.poll_event(),
+        Some(BrokerEvent::ServeRecovery {
+            stream_id: 1,
+            publisher_id: 7
+        })
+    );
+    // The target's codec, both kinds.
+    for target in [
+        Target::Recovery { publisher_id: 7 },
+        Target::Announced { publisher_id: 7 },
+    ] {
+        let frame = Control::Subscribe {
+            stream_id: 9,
+            target,
+        };
+        let mut wire = Vec::new();
+        frame.encode(&mut wire);
+        assert_eq!(decode_one(&wire), Ok(Some(frame)));
+    }
+}
+
+#[test]
 fn a_broker_refuses_announced_and_unknown_targets() {
     let now = Instant::now();
     let (mut broker, _router) = welcomed_pair(Limits::default(), now);
     for (id, target) in [
         (1, Target::Announced { publisher_id: 7 }),
         (2, Target::Unsupported),
+        (3, Target::Recovery { publisher_id: 7 }),
     ] {
         broker.handle(
             Control::Subscribe {

@@ -120,14 +120,14 @@ impl<C: Clone> SourceTable<C> {
                 }
                 continue;
             }
-            let registered = self
-                .of(source.wire)
-                .register_with(
-                    id.clone(),
-                    Transport::announced(client_id, session_id),
-                    source.worker,
-                )
-                .await;
+            let transport = Transport::announced(client_id, session_id);
+            let mut instance = Instance::new(id.clone(), transport.clone(), 0);
+            instance.worker = source.worker;
+            if source.recovery {
+                // Reached through the same session (`EventBus::open_recovery`).
+                instance.recovery = Some(transport.endpoint().to_owned());
+            }
+            let registered = self.of(source.wire).register_instance(instance).await;
             let Ok(registration) = registered else {
                 continue;
             };

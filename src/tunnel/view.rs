@@ -26,15 +26,21 @@ pub const MAX_VIEW_INSTANCES: usize = 65_536;
 pub const MAX_VIEW_BYTES: usize = 16 << 20;
 
 /// What an instance costs the view, in bytes.
-fn cost(id: &ChannelId, endpoint: &str) -> usize {
-    id.namespace().len() + id.component().len() + id.topic().len() + endpoint.len() * 2 + 128
+fn cost(id: &ChannelId, endpoints: &Advertised) -> usize {
+    let names = endpoints.iter().map(|e| e.len() * 2).sum::<usize>();
+    id.namespace().len() + id.component().len() + id.topic().len() + names + 128
 }
+
+/// What one instance advertises: its publisher endpoint, and its worker's recovery
+/// endpoint when it registered one ([`Instance::recovery`]; a router asks it through
+/// the broker as it subscribes through it).
+type Advertised = Vec<String>;
 
 /// One namespace's advertised endpoints.
 #[derive(Default)]
 struct Namespace {
-    /// Each instance's incarnation and endpoint.
-    by_id: HashMap<ChannelId, (u64, String)>,
+    /// Each instance's incarnation and endpoints.
+    by_id: HashMap<ChannelId, (u64, Advertised)>,
     /// How many instances advertise each endpoint.
     endpoints: HashMap<String, usize>,
     /// What it holds, by [`cost`].
@@ -43,23 +49,31 @@ struct Namespace {
 
 impl Namespace {
     /// Adds or replaces `instance`; `false` when it cannot be advertised (the
-    /// namespace is full, or its endpoint is over 1 KiB).
+    /// namespace is full, or its endpoint is over 1 KiB). A recovery endpoint over
+    /// 1 KiB is left out; the publisher stays.
     fn add(&mut self, instance: &Instance) -> bool {
         let endpoint = instance.transport.endpoint();
         if endpoint.len() > super::MAX_NAME_LEN {
             return false;
         }
+        let mut advertised = vec![endpoint.to_owned()];
+        if let Some(recovery) = &instance.recovery {
+            if recovery.len() <= super::MAX_NAME_LEN && recovery != endpoint {
+                advertised.push(recovery.clone());
+            }
+        }
         let new = !self.by_id.contains_key(&instance.id);
-        let added = cost(&instance.id, endpoint);
+        let added = cost(&instance.id, &advertised);
         if new && (self.by_id.len() >= MAX_VIEW_INSTANCES || self.bytes + added > MAX_VIEW_BYTES) {
             return false;
         }
-        let endpoint = endpoint.to_owned();
-        *self.endpoints.entry(endpoint.clone()).or_default() += 1;
+        for e in &advertised {
+            *self.endpoints.entry(e.clone()).or_default() += 1;
+        }
         self.bytes += added;
         if let Some((_, old)) = self
             .by_id
-            .insert(instance.id.clone(), (instance.incarnation, endpoint))
+            .insert(instance.id.clone(), (instance.incarnation, advertised))
         {
             self.bytes = self.bytes.saturating_sub(cost(&instance.id, &old));
             self.forget(&old);
@@ -73,18 +87,20 @@ impl Namespace {
             .get(id)
             .is_some_and(|(seen, _)| *seen <= incarnation)
         {
-            if let Some((_, endpoint)) = self.by_id.remove(id) {
-                self.bytes = self.bytes.saturating_sub(cost(id, &endpoint));
-                self.forget(&endpoint);
+            if let Some((_, advertised)) = self.by_id.remove(id) {
+                self.bytes = self.bytes.saturating_sub(cost(id, &advertised));
+                self.forget(&advertised);
             }
         }
     }
 
-    fn forget(&mut self, endpoint: &str) {
-        if let Some(n) = self.endpoints.get_mut(endpoint) {
-            *n -= 1;
-            if *n == 0 {
-                self.endpoints.remove(endpoint);
+    fn forget(&mut self, advertised: &[String]) {
+        for endpoint in advertised {
+            if let Some(n) = self.endpoints.get_mut(endpoint) {
+                *n -= 1;
+                if *n == 0 {
+                    self.endpoints.remove(endpoint);
+                }
             }
         }
     }
@@ -343,5 +359,24 @@ mod tests {
             ns.remove(&i.id, 1);
         }
         assert!(held > 0 && ns.bytes == 0 && ns.endpoints.is_empty());
+    }
+
+    #[test]
+    fn a_recovery_endpoint_is_advertised_with_its_publisher_and_goes_with_it() {
+        let mut ns = Namespace::default();
+        let recovering = instance(1, 1).with_recovery("tcp://10.0.0.1:6000");
+        assert!(ns.add(&recovering));
+        assert!(ns.endpoints.contains_key("tcp://10.0.0.1:6000"));
+        // Its next incarnation moved the recovery endpoint: the old one is not dialled.
+        assert!(ns.add(&instance(1, 2).with_recovery("tcp://10.0.0.1:6001")));
+        assert!(!ns.endpoints.contains_key("tcp://10.0.0.1:6000"));
+        assert!(ns.endpoints.contains_key("tcp://10.0.0.1:6001"));
+        // One over 1 KiB is left out; the publisher stays.
+        let long = format!("tcp://{}:1", "h".repeat(1100));
+        assert!(ns.add(&instance(2, 1).with_recovery(long.as_str())));
+        assert!(!ns.endpoints.contains_key(&long));
+        ns.remove(&recovering.id, 2);
+        ns.remove(&ChannelId::new("ns", "c", "t", 2).unwrap(), 1);
+        assert!(ns.endpoints.is_empty() && ns.bytes == 0);
     }
 }

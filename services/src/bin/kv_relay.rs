@@ -125,6 +125,8 @@ struct Args {
     /// Serve this worker's recovery endpoint here (tcp://host:port; port 0 for any):
     /// its last router events and a dump of its blocks, for routers that lost some
     /// (`kv::RecoveryServer`). Printed as the second stdout line, `recovery EP`.
+    /// Registered with --etcd or --kube; with --bus-url it is announced and served
+    /// through the bus session too (routers never dial it: tcp://127.0.0.1:0 will do).
     #[arg(long = "recovery-bind")]
     recovery_bind: Option<String>,
     /// Messages queued per subscriber before the publisher drops (and counts) them.
@@ -324,7 +326,7 @@ async fn main() -> ExitCode {
     let registered = publisher.instance().map(|i| i.id.publisher_id());
     let publisher_id = publisher.publisher_id();
     // As a source: announced on the bus, served from this publisher's socket.
-    let source = match source(&args, &publisher) {
+    let source = match source(&args, &publisher, recovery.as_ref().map(|(s, _)| s)) {
         Ok(s) => s,
         Err(e) => return e.report(),
     };
@@ -452,7 +454,11 @@ type SourceHandle = eventplane::tunnel::Source;
 
 /// With --bus-url: the source, started, announcing `publisher`.
 #[cfg(feature = "tunnel")]
-fn source(args: &Args, publisher: &EventPublisher) -> Result<Option<SourceHandle>, StartError> {
+fn source(
+    args: &Args,
+    publisher: &EventPublisher,
+    recovery: Option<&RecoveryServer>,
+) -> Result<Option<SourceHandle>, StartError> {
     use eventplane::discovery::{ChannelId, WorkerIdentity};
     use eventplane::tunnel::{AnnouncedSource, Secret, Source, SourceConfig, client_tls};
     let (Some(url), Some(ca), Some(token), Some(client_id), Some(namespace), Some(component)) = (
@@ -486,9 +492,14 @@ fn source(args: &Args, publisher: &EventPublisher) -> Result<Option<SourceHandle
         args.dp_rank.unwrap_or(0),
     ));
     let source = Source::spawn(config).map_err(refused)?;
-    source
-        .announce(announced, publisher.acceptor())
-        .map_err(refused)?;
+    // With --recovery-bind, its recovery log is served through the session too.
+    match recovery {
+        Some(server) => {
+            source.announce_with_recovery(announced, publisher.acceptor(), server.acceptor())
+        }
+        None => source.announce(announced, publisher.acceptor()),
+    }
+    .map_err(refused)?;
     Ok(Some(source))
 }
 
@@ -544,7 +555,11 @@ async fn stop_source(_: Option<SourceHandle>) -> Option<serde_json::Value> {
 type SourceHandle = std::convert::Infallible;
 
 #[cfg(not(feature = "tunnel"))]
-fn source(args: &Args, _: &EventPublisher) -> Result<Option<SourceHandle>, StartError> {
+fn source(
+    args: &Args,
+    _: &EventPublisher,
+    _: Option<&RecoveryServer>,
+) -> Result<Option<SourceHandle>, StartError> {
     if args.bus_url.is_some() {
         return Err(StartError::Args(
             "--bus-url needs the `tunnel` feature: build eventplane-services with feature tunnel"

@@ -505,9 +505,14 @@ async fn main() -> ExitCode {
     let mut exporter = Exporter::new()
         .source(move || discovery_stats.stats())
         .source(move || sampled.read().unwrap_or_else(|p| p.into_inner()).stats());
+    // Publishers whose workers serve a recovery log are repaired from it instead of
+    // wiped (what discovery names is dialled through the subscriber's address filter,
+    // the client's default), reached as their publishers are.
+    let mut recovery = RecoveryDriver::new(RecoveryClientConfig::default());
     let (builder, bus_stats) = match bus {
         Some(bus) => {
             exporter = (bus.exported)(exporter);
+            recovery = (bus.recovery)(recovery);
             ((bus.tunnel)(builder), Some(bus.stats))
         }
         None => (builder, None),
@@ -575,10 +580,6 @@ async fn main() -> ExitCode {
     // Notices dropped so far: a dropped `Departed` is made up for by a reconcile.
     let mut notices_dropped = 0;
     let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
-    // Publishers whose workers serve a recovery log are repaired from it instead of
-    // wiped (what discovery names is dialled through the subscriber's address filter,
-    // the client's default).
-    let mut recovery = RecoveryDriver::new(RecoveryClientConfig::default());
     let mut synced_at: Option<tokio::time::Instant> = None;
     let timeout = optional_timeout(args.timeout_ms);
     tokio::pin!(timeout);
@@ -822,6 +823,9 @@ fn bus_clients(args: &Args) -> Result<eventplane::tunnel::BusClients, String> {
 struct Bus {
     /// Tells the subscriber to use it.
     tunnel: Box<dyn FnOnce(DynamicSubscriberBuilder) -> DynamicSubscriberBuilder>,
+    /// Tells the recovery driver to use it (workers are asked for what the router lost
+    /// the way their publishers are reached).
+    recovery: Box<dyn FnOnce(RecoveryDriver) -> RecoveryDriver>,
     /// The publishers sources announce with the router's wire (when a `[[source]]`
     /// credential exists).
     announced: Option<Arc<dyn Discovery>>,
@@ -858,8 +862,10 @@ async fn start_bus(args: &Args, wire: Wire) -> Result<Option<Bus>, StartError> {
     let exported = Box::new(move |e: Exporter| e.source(move || sampled.stats()));
     let announced: Option<Arc<dyn Discovery>> =
         sources.then(|| Arc::new(bus.announced(wire)) as Arc<dyn Discovery>);
+    let asked = bus.clone();
     Ok(Some(Bus {
         tunnel: Box::new(move |builder| builder.tunnel(bus)),
+        recovery: Box::new(move |driver| driver.tunnel(asked, false)),
         announced,
         stats,
         exported,

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use super::endpoint::{RecoveryClientConfig, RecoveryError, recover};
+use super::endpoint::{Recovered, RecoveryClientConfig, RecoveryError, recover};
 use crate::kv::{RecoveryAnswer, RecoveryNeed};
 
 /// Recoveries made at once by a [`RecoveryDriver`] by default: 16.
@@ -52,6 +52,10 @@ pub struct RecoveryDriver {
     queued: std::collections::VecDeque<(tokio::time::Instant, RecoveryNeed)>,
     last: crate::hash::FastMap<crate::discovery::ChannelId, tokio::time::Instant>,
     refused: Vec<RecoveryAnswer>,
+    /// The bus recoveries go through, and whether to dial directly when no broker is
+    /// up for a namespace it grants.
+    #[cfg(feature = "tunnel")]
+    bus: Option<(crate::tunnel::EventBus, bool)>,
 }
 
 impl RecoveryDriver {
@@ -63,7 +67,31 @@ impl RecoveryDriver {
             queued: std::collections::VecDeque::new(),
             last: crate::hash::FastMap::default(),
             refused: Vec::new(),
+            #[cfg(feature = "tunnel")]
+            bus: None,
         }
+    }
+
+    /// Reaching workers as the router's subscriber reaches their publishers (feature
+    /// `tunnel`): a publisher a source announced with a recovery log is asked through
+    /// that source's session; a recovery endpoint in a namespace a broker credential
+    /// grants, through the broker that owns the publisher (it dials only what its
+    /// discovery view advertises, recovery endpoints included); others directly. With
+    /// `direct_fallback` (as
+    /// [`DynamicSubscriberBuilder::tunnel_direct_fallback`](crate::subscriber::DynamicSubscriberBuilder::tunnel_direct_fallback)),
+    /// a granted namespace no broker is up for is dialled directly.
+    ///
+    /// ```no_run
+    /// # fn run(bus: eventplane::tunnel::EventBus) {
+    /// use eventplane::kv::{RecoveryClientConfig, RecoveryDriver};
+    /// let driver = RecoveryDriver::new(RecoveryClientConfig::default()).tunnel(bus, false);
+    /// # drop(driver); }
+    /// ```
+    #[cfg(feature = "tunnel")]
+    #[must_use]
+    pub fn tunnel(mut self, bus: crate::tunnel::EventBus, direct_fallback: bool) -> RecoveryDriver {
+        self.bus = Some((bus, direct_fallback));
+        self
     }
 
     /// Recoveries started or waiting.
@@ -107,8 +135,13 @@ impl RecoveryDriver {
                 return;
             };
             let config = self.config.clone();
+            #[cfg(feature = "tunnel")]
+            let bus = self.bus.clone();
             self.running.spawn(async move {
                 let started = tokio::time::Instant::now();
+                #[cfg(feature = "tunnel")]
+                let answer = ask(&need, config, bus).await;
+                #[cfg(not(feature = "tunnel"))]
                 let answer = recover(&need.endpoint, need.request, config).await;
                 RecoveryAnswer::new(&need, answer, started.elapsed())
             });
@@ -135,6 +168,48 @@ impl RecoveryDriver {
             }
         }
     }
+}
+
+/// Asks for `need` through `bus` when it reaches the worker that way, else directly;
+/// within the config's timeout either way.
+#[cfg(feature = "tunnel")]
+async fn ask(
+    need: &RecoveryNeed,
+    config: RecoveryClientConfig,
+    bus: Option<(crate::tunnel::EventBus, bool)>,
+) -> Result<Recovered, RecoveryError> {
+    let Some((bus, direct_fallback)) = bus else {
+        return recover(&need.endpoint, need.request, config).await;
+    };
+    let timeout = config.timeout;
+    let announced = need
+        .endpoint
+        .starts_with(crate::discovery::ANNOUNCED_SCHEME);
+    tokio::time::timeout(timeout, async {
+        let reached = bus
+            .reach(
+                &need.publisher,
+                &need.endpoint,
+                announced,
+                true,
+                direct_fallback,
+            )
+            .await;
+        let stream = match reached {
+            None => return recover(&need.endpoint, need.request, config).await,
+            Some(Ok(stream)) => stream,
+            Some(Err(e)) => {
+                return Err(RecoveryError::Connection(crate::zmtp::Error::Io(
+                    std::io::Error::other(e),
+                )));
+            }
+        };
+        let socket = crate::zmtp::DealerSocket::handshake(stream, config.zmtp.clone()).await?;
+        super::endpoint::recover_over(socket, need.request, config.max_bytes, config.max_blocks)
+            .await
+    })
+    .await
+    .map_err(|_| RecoveryError::Timeout(timeout))?
 }
 
 /// Sleeps until `at`, or forever.

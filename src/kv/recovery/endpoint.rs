@@ -231,7 +231,7 @@ impl RecoveryServer {
                 match accepted {
                     Ok((stream, _)) => {
                         let _ = stream.set_nodelay(true);
-                        serve(shared.clone(), stream, cancel.clone());
+                        let _ = serve(shared.clone(), stream, cancel.clone());
                     }
                     Err(e) => {
                         tracing::debug!(error = %e, "recovery endpoint accept failed");
@@ -249,12 +249,24 @@ impl RecoveryServer {
         &self.endpoint
     }
 
-    /// Serves one router over an already connected stream (a tunnel stream).
-    pub fn serve_stream<S>(&self, stream: S)
+    /// Serves one router over an already connected stream (a tunnel stream); `false`
+    /// when refused (the server stopped, or holds [`DEFAULT_RECOVERY_CONNECTIONS`]).
+    pub fn serve_stream<S>(&self, stream: S) -> bool
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
-        serve(self.shared.clone(), stream, self.cancel.clone());
+        serve(self.shared.clone(), stream, self.cancel.clone())
+    }
+
+    /// A cloneable handle serving streams as [`serve_stream`](Self::serve_stream)
+    /// does, for a tunnel source that answers routers through its bus session
+    /// ([`Source::announce_with_recovery`](crate::tunnel::Source::announce_with_recovery),
+    /// feature `tunnel`). It stops serving when the server is dropped.
+    pub fn acceptor(&self) -> RecoveryAcceptor {
+        RecoveryAcceptor {
+            shared: self.shared.clone(),
+            cancel: self.cancel.clone(),
+        }
     }
 
     /// Counters.
@@ -273,13 +285,42 @@ impl RecoveryServer {
     }
 }
 
-fn serve<S>(shared: Arc<Shared>, stream: S, cancel: CancellationToken)
+/// Serves a [`RecoveryServer`]'s log over streams handed to it (from
+/// [`RecoveryServer::acceptor`]): the same bounds and counters as the server's own
+/// connections.
+#[derive(Debug, Clone)]
+pub struct RecoveryAcceptor {
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+}
+
+impl RecoveryAcceptor {
+    /// Serves one router over `stream`; `false` when refused (the server was dropped,
+    /// or holds [`DEFAULT_RECOVERY_CONNECTIONS`]).
+    pub fn accept_stream<S>(&self, stream: S) -> bool
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        serve(self.shared.clone(), stream, self.cancel.clone())
+    }
+
+    /// Whether its server was dropped (it accepts nothing more).
+    pub fn is_closed(&self) -> bool {
+        self.cancel.is_cancelled()
+    }
+}
+
+/// Serves one connection; `false` when refused.
+fn serve<S>(shared: Arc<Shared>, stream: S, cancel: CancellationToken) -> bool
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    if cancel.is_cancelled() {
+        return false;
+    }
     let Ok(permit) = shared.connections.clone().try_acquire_owned() else {
         counter::add(&shared.counters.refused, 1);
-        return;
+        return false;
     };
     counter::add(&shared.counters.connections, 1);
     tokio::spawn(async move {
@@ -307,6 +348,7 @@ where
             }
         }
     });
+    true
 }
 
 /// Answers one request; `false` when the connection must close.

@@ -332,6 +332,14 @@ impl Instance {
         self
     }
 
+    /// What a backend registers of it: id, transport, worker, recovery endpoint (the
+    /// incarnation is the backend's to give).
+    pub(crate) fn into_registered(
+        self,
+    ) -> (ChannelId, Transport, Option<WorkerIdentity>, Option<String>) {
+        (self.id, self.transport, self.worker, self.recovery)
+    }
+
     /// The same instance, naming the worker it publishes for.
     ///
     /// ```

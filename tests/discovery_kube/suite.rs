@@ -273,6 +273,72 @@ async fn reads_the_resource_dynamo_wrote() {
     assert_eq!(kube_instance_id("worker-0"), 1186445869714687);
 }
 
+/// A worker's recovery endpoint travels in its resource's `EventSource` record
+/// (`metadata.eventplane_recovery`, beside what Dynamo wrote) and is read back with the
+/// publisher; a value that is not `tcp://host:port` is dropped, the publisher kept.
+#[tokio::test]
+async fn the_recovery_endpoint_travels_in_the_resource() {
+    let api = KubeApi::start().await;
+    let d = backend(&api).await;
+    let mut s = synced(&d, Query::new("rec")).await;
+    let instance =
+        eventplane::discovery::Instance::new(id("rec", 7), Transport::zmq("tcp://10.0.0.1:7"), 0)
+            .with_worker(WorkerIdentity::new(7, 0))
+            .with_recovery("tcp://10.0.0.1:8");
+    let registration = d.register_instance(instance).await.unwrap();
+    assert_eq!(
+        registration.instance().recovery.as_deref(),
+        Some("tcp://10.0.0.1:8")
+    );
+    let applied = api
+        .log()
+        .into_iter()
+        .rfind(|l| l.method == "PATCH")
+        .unwrap()
+        .body
+        .unwrap();
+    let sources = applied["spec"]["data"]["event_sources"]
+        .as_object()
+        .unwrap();
+    let source = sources.values().next().unwrap();
+    assert_eq!(
+        source["metadata"]["eventplane_recovery"], "tcp://10.0.0.1:8",
+        "{source}"
+    );
+    let added = loop {
+        if let DiscoveryEvent::Added(i) = next(&mut s).await {
+            break i;
+        }
+    };
+    assert_eq!(added.recovery.as_deref(), Some("tcp://10.0.0.1:8"));
+    assert_eq!(added.worker, Some(WorkerIdentity::new(7, 0)));
+    // Another writer's record naming a metadata address instead: dropped, the
+    // publisher kept.
+    let (other, uid) = ready_pod(&api);
+    let (channel_key, channel_value) = channel("rec", 9, "tcp://10.0.0.9:1");
+    let mut hostile = source.clone();
+    hostile["metadata"]["eventplane_recovery"] = json!("http://169.254.169.254/");
+    hostile["publisher_id"] = json!(9);
+    hostile["topic"] = json!("kv");
+    api.put(
+        "dynamoworkermetadatas",
+        NS,
+        resource(
+            &other,
+            &uid,
+            json!({"event_channels": {&channel_key: channel_value}, "event_sources": {&channel_key: hostile}}),
+        ),
+    );
+    let listed = d.list(Query::new("rec")).await.unwrap();
+    let nine = listed
+        .iter()
+        .find(|i| i.id.publisher_id() == 9)
+        .expect("the publisher is kept");
+    assert_eq!(nine.recovery, None);
+    assert_eq!(nine.worker, Some(WorkerIdentity::new(7, 0)));
+    drop(registration);
+}
+
 fn resource(name: &str, uid: &str, data: Value) -> Value {
     json!({"metadata": {"name": name, "ownerReferences": [{"apiVersion": "v1", "kind": "Pod",
             "name": name, "uid": uid, "controller": true, "blockOwnerDeletion": false}]},

@@ -682,6 +682,9 @@ async fn dynamos_router_in_kube_mode_indexes_kv_relay_kube() {
             "dynamo",
         ])
         .args(["--kube", "--namespace", ns, "--component", comp])
+        // Its recovery endpoint rides in its EventSource record, which Dynamo's
+        // router reads beside it.
+        .args(["--recovery-bind", "tcp://127.0.0.1:0"])
         .env("KUBECONFIG", &kubeconfig)
         .env("POD_NAME", "relay-0")
         .env("POD_UID", "u-relay")
@@ -694,15 +697,17 @@ async fn dynamos_router_in_kube_mode_indexes_kv_relay_kube() {
     let mut relay_out = BufReader::new(relay.stdout.take().unwrap()).lines();
     let bound = within(relay_out.next_line()).await.unwrap().unwrap();
     assert!(bound.starts_with("tcp://127.0.0.1:"), "{bound}");
+    let recovery = within(relay_out.next_line()).await.unwrap().unwrap();
     let written = api
         .get("dynamoworkermetadatas", "livek2", "relay-0")
         .unwrap();
+    let sources = written["spec"]["data"]["event_sources"]
+        .as_object()
+        .unwrap();
+    assert_eq!(sources.len(), 1, "{written}");
     assert_eq!(
-        written["spec"]["data"]["event_sources"]
-            .as_object()
-            .unwrap()
-            .len(),
-        1,
+        sources.values().next().unwrap()["metadata"]["eventplane_recovery"],
+        recovery.trim_start_matches("recovery "),
         "{written}"
     );
 

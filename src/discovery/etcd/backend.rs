@@ -33,13 +33,7 @@ impl Discovery for EtcdDiscovery {
         &self,
         instance: Instance,
     ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
-        let Instance {
-            id,
-            transport,
-            worker,
-            recovery,
-            ..
-        } = instance;
+        let (id, transport, worker, recovery) = instance.into_registered();
         Box::pin(async move {
             if self.handle.shared.shutdown.is_cancelled() {
                 return Err(DiscoveryError::Closed);

@@ -50,7 +50,11 @@ use crate::net::RateLimitedWarn;
 ///   one name exclude it. A new pod incarnation never matches old metadata.
 /// - **Records**: Dynamo's, as [`DynamoRecords`](crate::discovery::DynamoRecords)
 ///   describes, keyed by the etcd path without `v1/event_channels/`; the legacy
-///   trailing `namespace`/`component` fields are accepted and written; a `null` map is
+///   trailing `namespace`/`component` fields are accepted and written; a worker's
+///   recovery endpoint ([`Instance::recovery`], registered with
+///   [`register_instance`](Discovery::register_instance) beside a worker) travels in
+///   its `EventSource` record as `metadata.eventplane_recovery` (Dynamo's router ignores
+///   it; one that is not `tcp://host:port` is dropped with a warning); a `null` map is
 ///   empty (a real API server turns an emptied map into `null`); `endpoints` and
 ///   `model_cards` are not read. The incarnation of a publisher is its resource's
 ///   `resourceVersion` (an integer on every etcd-backed API server; a resource whose
@@ -233,6 +237,19 @@ impl Discovery for KubeDiscovery {
         transport: Transport,
         worker: Option<WorkerIdentity>,
     ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
+        let mut instance = Instance::new(id, transport, 0);
+        instance.worker = worker;
+        self.register_instance(instance)
+    }
+
+    /// Registers `instance`; its recovery endpoint goes into its `EventSource` record
+    /// (`metadata.eventplane_recovery`), written only when the registration names a
+    /// worker (with `instance.worker` or `DynamoRecords::worker`).
+    fn register_instance(
+        &self,
+        instance: Instance,
+    ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
+        let (id, transport, worker, recovery) = instance.into_registered();
         Box::pin(async move {
             let Some(writer) = &self.handle.writer else {
                 return Err(DiscoveryError::InvalidConfig(ConfigError::Invalid {
@@ -242,7 +259,9 @@ impl Discovery for KubeDiscovery {
                             .to_owned(),
                 }));
             };
-            let (instance, serial) = writer.register(id.clone(), transport, worker).await?;
+            let (instance, serial) = writer
+                .register(id.clone(), transport, worker, recovery)
+                .await?;
             Ok(Registration::new(
                 instance,
                 Box::new(KubeRegistration {

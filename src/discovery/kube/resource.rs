@@ -117,7 +117,10 @@ pub(crate) fn advertised(
                 }
                 if let Some(source) = sources.and_then(|s| s.get(key)) {
                     match worker(&instance.id, source, records, limits) {
-                        Ok(w) => instance = instance.with_worker(w),
+                        Ok((w, recovery)) => {
+                            instance = instance.with_worker(w);
+                            instance.recovery = recovery;
+                        }
                         Err(_) => out.skipped += 1,
                     }
                 }
@@ -165,7 +168,7 @@ fn worker(
     value: &Value,
     records: &DynamoRecords,
     limits: &Limits,
-) -> Result<WorkerIdentity, RecordError> {
+) -> Result<(WorkerIdentity, Option<String>), RecordError> {
     records.parse_source(id, &bounded_bytes(value, limits)?)
 }
 
@@ -197,13 +200,14 @@ impl Written {
         records: &DynamoRecords,
         id: &ChannelId,
         transport: &Transport,
+        recovery: Option<&str>,
     ) -> Result<Written, RecordError> {
         let key = records.key(id);
         let key = key
             .strip_prefix(records.root())
             .unwrap_or(key.as_str())
             .to_owned();
-        let (channel, source) = records.encode_for_resource(id, transport);
+        let (channel, source) = records.encode_for_resource(id, transport, recovery);
         let raw =
             |s: String| RawValue::from_string(s).map_err(|e| RecordError::BadValue(e.to_string()));
         Ok(Written {

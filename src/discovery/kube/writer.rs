@@ -133,12 +133,14 @@ impl Writer {
         })
     }
 
-    /// Registers `id` → `transport` for `worker` (or the configured one).
+    /// Registers `id` → `transport` for `worker` (or the configured one), with the
+    /// worker's `recovery` endpoint (written only beside a worker).
     pub(crate) async fn register(
         self: &Arc<Self>,
         id: ChannelId,
         transport: Transport,
         worker: Option<WorkerIdentity>,
+        recovery: Option<String>,
     ) -> Result<(Instance, u64), DiscoveryError> {
         if self.closed.load(Ordering::Relaxed) {
             return Err(DiscoveryError::Closed);
@@ -163,7 +165,7 @@ impl Writer {
                 .worker
                 .map(|(worker_id, dp_rank)| WorkerIdentity::new(worker_id, dp_rank))
         });
-        let written = written(&records, &id, &transport)?;
+        let written = written(&records, &id, &transport, recovery.as_deref())?;
         let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
         let mut table = self.table.lock().await;
         if self.closed.load(Ordering::Relaxed) {
@@ -191,6 +193,7 @@ impl Writer {
                 let mut instance = Instance::new(id, transport, version);
                 if let Some(w) = worker {
                     instance = instance.with_worker(w);
+                    instance.recovery = recovery;
                 }
                 Ok((instance, serial))
             }
@@ -336,8 +339,9 @@ fn written(
     records: &DynamoRecords,
     id: &ChannelId,
     transport: &Transport,
+    recovery: Option<&str>,
 ) -> Result<Written, DiscoveryError> {
-    Written::new(records, id, transport).map_err(|e| DiscoveryError::InvalidId {
+    Written::new(records, id, transport, recovery).map_err(|e| DiscoveryError::InvalidId {
         reason: e.to_string(),
     })
 }

@@ -255,12 +255,14 @@ impl DynamoRecords {
     }
 
     /// Parses an `EventSource` value (the record Dynamo's router reads a publisher's
-    /// worker from) against the key's id: the worker it names.
+    /// worker from) against the key's id: the worker it names, and the worker's
+    /// recovery endpoint when it names one (`metadata.eventplane_recovery`, ours; one
+    /// that is not `tcp://host:port` is dropped with a warning, the worker kept).
     pub(crate) fn parse_source(
         &self,
         id: &ChannelId,
         value: &[u8],
-    ) -> Result<WorkerIdentity, RecordError> {
+    ) -> Result<(WorkerIdentity, Option<String>), RecordError> {
         let record: SourceIn<'_> =
             serde_json::from_slice(value).map_err(|e| RecordError::BadValue(e.to_string()))?;
         if record.kind != "EventSource" {
@@ -270,27 +272,47 @@ impl DynamoRecords {
             return Err(RecordError::IdMismatch);
         }
         let worker = record.metadata.worker;
-        Ok(WorkerIdentity::new(worker.worker_id, worker.dp_rank))
+        let recovery = record.metadata.eventplane_recovery.and_then(|r| {
+            if r.starts_with("tcp://") && super::endpoint::check_endpoint(&r).is_ok() {
+                Some(r.into_owned())
+            } else {
+                tracing::warn!(%id, "ignoring a recovery endpoint that is not tcp://host:port");
+                None
+            }
+        });
+        Ok((
+            WorkerIdentity::new(worker.worker_id, worker.dp_rank),
+            recovery,
+        ))
     }
 
     /// The `EventChannel` and `EventSource` values of a registration (endpoint and
     /// worker must be set), as etcd holds them.
     pub(crate) fn encode(&self, id: &ChannelId, transport: &Transport) -> (String, String) {
-        self.encode_as(id, transport, false)
+        self.encode_as(id, transport, false, None)
     }
 
     /// As [`encode`](Self::encode), in the form of a `DynamoWorkerMetadata`
     /// resource: each `EventChannel` also carries Dynamo's legacy trailing
-    /// `namespace` and `component` fields.
+    /// `namespace` and `component` fields, and the `EventSource` the worker's
+    /// `recovery` endpoint when it has one (`metadata.eventplane_recovery`; Dynamo's
+    /// router ignores it).
     pub(crate) fn encode_for_resource(
         &self,
         id: &ChannelId,
         transport: &Transport,
+        recovery: Option<&str>,
     ) -> (String, String) {
-        self.encode_as(id, transport, true)
+        self.encode_as(id, transport, true, recovery)
     }
 
-    fn encode_as(&self, id: &ChannelId, transport: &Transport, legacy: bool) -> (String, String) {
+    fn encode_as(
+        &self,
+        id: &ChannelId,
+        transport: &Transport,
+        legacy: bool,
+        recovery: Option<&str>,
+    ) -> (String, String) {
         let endpoint = self.endpoint.as_deref().unwrap_or_default();
         let (worker_id, dp_rank) = self.worker.unwrap_or_default();
         let scope_endpoint = ScopeEndpoint {
@@ -327,6 +349,7 @@ impl DynamoRecords {
                 kv_state_endpoint: scope_endpoint,
                 worker: Worker { worker_id, dp_rank },
                 publisher_id: id.publisher_id(),
+                eventplane_recovery: recovery,
             },
         };
         // Serializing strings and integers into a String cannot fail.
@@ -402,6 +425,9 @@ struct SourceMetadata<'a> {
     kv_state_endpoint: ScopeEndpoint<'a>,
     worker: Worker,
     publisher_id: u64,
+    /// Where the worker serves its recovery log (ours: `kv::RecoveryServer`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    eventplane_recovery: Option<&'a str>,
 }
 
 #[derive(Deserialize)]
@@ -411,12 +437,15 @@ struct SourceIn<'a> {
     #[serde(borrow)]
     topic: Cow<'a, str>,
     publisher_id: u64,
-    metadata: SourceMetadataIn,
+    #[serde(borrow)]
+    metadata: SourceMetadataIn<'a>,
 }
 
 #[derive(Deserialize)]
-struct SourceMetadataIn {
+struct SourceMetadataIn<'a> {
     worker: Worker,
+    #[serde(borrow, default)]
+    eventplane_recovery: Option<Cow<'a, str>>,
 }
 
 #[derive(Serialize, Deserialize)]

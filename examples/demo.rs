@@ -10,6 +10,11 @@
 //!   with the worker's identity.
 //! - A router `DynamicSubscriber` discovers every worker's publisher, merges their
 //!   streams, and decodes the router events into a small block index.
+//! - Each worker keeps its recovery log (`kv::SharedWorkerLog`, served by a
+//!   `kv::RecoveryServer` registered with its publisher): the router rebuilds every
+//!   worker from a dump when it first sees it, and a third of the way through the demo
+//!   makes it lose one message of a worker, which it repairs from that worker's log
+//!   instead of forgetting the worker's blocks (`kv::RecoveryDriver`).
 //! - Halfway through, one engine leaves and a new one joins: discovery-driven fan-in.
 //!
 //! Prints a progress line every second and a final table; exits 0.
@@ -17,8 +22,8 @@
 mod common;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -27,8 +32,9 @@ use eventplane::BoxFuture;
 use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
 use eventplane::kv::{
     EngineEvent, EngineListenerConfig, EngineListenerStats, EventPlaneSink, EventSink, IndexFeed,
-    MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, ProcessorConfig, RouterEvent, SinkError,
-    Worker, WorkerId, decode_router_events, encode_engine_batch, split_messages,
+    KvEventData, MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, ProcessorConfig,
+    RecoveryClientConfig, RecoveryDriver, RecoveryServer, RouterEvent, SharedWorkerLog, SinkError,
+    Worker, WorkerId, WorkerLogConfig, decode_router_events, encode_engine_batch, split_messages,
 };
 use eventplane::publish::EventPublisher;
 use eventplane::subscriber::{DynamicSubscriber, Item, Layout};
@@ -86,6 +92,9 @@ struct Engine {
     worker: Worker,
     /// A worker dialling out: its session with the bus.
     source: Option<tunnel::SourceHandle>,
+    /// Serves the worker's recovery log (kept by its pipeline before publishing).
+    recovery: RecoveryServer,
+    log: SharedWorkerLog,
 }
 
 /// Where workers make themselves known: discovery (reached directly or through the
@@ -179,6 +188,29 @@ impl EventSink for LedgerSink {
     }
 }
 
+/// The loss the demo injects: one message the router discards, and what it carried.
+#[derive(Default)]
+struct Injected {
+    armed: std::sync::atomic::AtomicBool,
+    reported: std::sync::atomic::AtomicBool,
+    worker: AtomicU64,
+    events: AtomicU64,
+}
+
+impl Injected {
+    /// Whether to discard this message (the first one of 8 events or more once armed).
+    fn take(&self, worker: Option<eventplane::discovery::WorkerIdentity>, events: u64) -> bool {
+        // A message of a few events at least (a loss worth the name).
+        if events < 8 || !self.armed.swap(false, Ordering::Relaxed) {
+            return false;
+        }
+        self.worker
+            .store(worker.map_or(u64::MAX, |w| w.worker_id), Ordering::Relaxed);
+        self.events.store(events, Ordering::Relaxed);
+        true
+    }
+}
+
 #[derive(Default)]
 struct Totals {
     engine_events: AtomicU64,
@@ -208,6 +240,8 @@ struct Account {
     publisher_dropped: u64,
     /// Subscriber connections the worker's publisher accepted.
     publisher_accepted: u64,
+    /// Workers whose blocks the router held exactly when they stopped.
+    exact: u64,
 }
 
 impl Account {
@@ -223,6 +257,7 @@ impl Account {
         self.gaps += o.gaps;
         self.publisher_dropped += o.publisher_dropped;
         self.publisher_accepted += o.publisher_accepted;
+        self.exact += o.exact;
     }
 }
 
@@ -237,20 +272,26 @@ async fn start_engine(
     let engine_pub = Arc::new(PubSocket::bind("tcp://127.0.0.1:0", Config::default()).await?);
     let endpoint = engine_pub.local_endpoint().unwrap_or_default().to_owned();
 
-    // The worker pipeline for this engine: registered in discovery, or announced on
-    // the bus by a worker that dials out.
+    // The worker's recovery log: its last router events and the blocks it holds,
+    // kept before each event is published, served to a router that lost some.
+    let log = SharedWorkerLog::new(WorkerLogConfig::default());
+    let recovery = RecoveryServer::bind("tcp://127.0.0.1:0", log.clone()).await?;
+    // The worker pipeline for this engine: registered in discovery with its recovery
+    // endpoint, or announced on the bus with its recovery log by a worker that dials
+    // out.
     let dial_out = plane.dial_out.filter(|d| d.dials_out(id));
     let publisher = Arc::new(match &dial_out {
         None => {
             EventPublisher::builder(plane.discovery, NAMESPACE, "worker", "kv-events")
                 .worker(id, 0)
+                .recovery(recovery.local_endpoint())
                 .build()
                 .await?
         }
         Some(_) => EventPublisher::unregistered("kv-events").build().await?,
     });
     let source = match &dial_out {
-        Some(d) => Some(d.announce(id, &publisher)?),
+        Some(d) => Some(d.announce(id, &publisher, &recovery)?),
         None => None,
     };
     // A sink of our own (the ledger's), so `Worker::with_sink`; a worker that only
@@ -264,6 +305,7 @@ async fn start_engine(
         }),
     )
     .processor(ProcessorConfig::default().batch_timeout(Some(Duration::from_millis(10))))
+    .local_index(Box::new(log.clone()))
     .spawn()?;
 
     // PUB/SUB has no memory for late joiners: start the engine once the router has
@@ -292,6 +334,8 @@ async fn start_engine(
         publisher,
         worker,
         source,
+        recovery,
+        log,
     })
 }
 
@@ -403,7 +447,7 @@ impl Engine {
     /// published (each wait gives up after 2 s without progress: what is missing then
     /// was lost), then unregisters the publisher. Returns where the engine's events
     /// went.
-    async fn stop(self, ledger: &Ledger, patience: Duration) -> Account {
+    async fn stop(self, ledger: &Ledger, patience: Duration, index: &Mutex<IndexFeed>) -> Account {
         self.stop.cancel();
         let batches = self.generator.await.unwrap_or(0);
         let engine_dropped = self.engine_pub.stats().dropped;
@@ -438,6 +482,18 @@ impl Engine {
                 patience.as_secs()
             );
         }
+        // Everything it published has arrived (or is lost): the router holds what the
+        // worker holds, block for block, unless a loss went unrepaired.
+        let differs = wait_while_progressing(patience, || {
+            u64::from(held_by_log(&self.log) != held_by_router(index, self.id))
+        })
+        .await;
+        if differs > 0 {
+            println!(
+                "engine {}: the router's index differs from the worker's own log",
+                self.id
+            );
+        }
         let (publisher_dropped, publisher_accepted) = {
             let s = self.publisher.stats();
             (s.dropped, s.accepted)
@@ -446,6 +502,7 @@ impl Engine {
             p.shutdown().await;
         }
         tunnel::stop_source(self.source).await;
+        drop(self.recovery);
         let per_batch = EVENTS_PER_BATCH as u64;
         let d = listened.decoder;
         Account {
@@ -466,8 +523,37 @@ impl Engine {
             gaps: listened.seq_gaps,
             publisher_dropped,
             publisher_accepted,
+            exact: u64::from(differs == 0),
         }
     }
+}
+
+/// The blocks a worker's log says it holds.
+fn held_by_log(log: &SharedWorkerLog) -> HashSet<u64> {
+    let mut held = HashSet::new();
+    for ev in log.dump().events {
+        match ev.event.data {
+            KvEventData::Stored { blocks, .. } => {
+                held.extend(blocks.iter().map(|b| b.block_hash.0));
+            }
+            KvEventData::Removed { block_hashes } => {
+                for h in block_hashes {
+                    held.remove(&h.0);
+                }
+            }
+            _ => {}
+        }
+    }
+    held
+}
+
+/// The blocks the router's index holds for worker `id`.
+fn held_by_router(index: &Mutex<IndexFeed>, id: u64) -> HashSet<u64> {
+    let feed = index.lock().unwrap_or_else(|p| p.into_inner());
+    feed.index()
+        .rank_block_hashes(WorkerId(id), 0)
+        .map(|h| h.0)
+        .collect()
 }
 
 #[tokio::main]
@@ -500,15 +586,38 @@ async fn main() -> anyhow::Result<()> {
     let router_events = Arc::new(AtomicU64::new(0));
     let malformed = Arc::new(AtomicU64::new(0));
     let ledger = Arc::new(Ledger::default());
+    // Set a third of the way through: the router discards the next message it gets
+    // (a loss), and the worker's log repairs it.
+    let inject = Arc::new(Injected::default());
+    // The router asks workers for what it lost: directly, or through the bus.
+    let recovery = tunnel::recovery(
+        tunnel.as_ref(),
+        RecoveryDriver::new(RecoveryClientConfig::default()),
+    );
     let consumer = tokio::spawn({
-        let (index, router_events, malformed, ledger) = (
+        let (index, router_events, malformed, ledger, inject) = (
             index.clone(),
             router_events.clone(),
             malformed.clone(),
             ledger.clone(),
+            inject.clone(),
         );
+        let mut recovery = recovery;
         async move {
-            while let Some(item) = router.recv_item().await {
+            loop {
+                let needs = index
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .take_recoveries();
+                recovery.submit(needs);
+                let item = tokio::select! {
+                    item = router.recv_item() => item,
+                    answer = recovery.next() => {
+                        index.lock().unwrap_or_else(|p| p.into_inner()).recovered(answer);
+                        continue;
+                    }
+                };
+                let Some(item) = item else { break };
                 let d = match item {
                     Item::Delivery(d) => d,
                     Item::Notice(n) => {
@@ -518,6 +627,13 @@ async fn main() -> anyhow::Result<()> {
                     _ => continue,
                 };
                 match d.message.get(3).map(decode_router_events) {
+                    Some(Ok(events)) if inject.take(d.source.worker, events.len() as u64) => {
+                        // Discarded on purpose: settled in the ledger, counted apart.
+                        if let Some(seq) = d.sequence {
+                            let publisher_id = d.source.id.publisher_id();
+                            ledger.decoded(publisher_id, seq, events.len() as u64);
+                        }
+                    }
                     Some(Ok(events)) => {
                         router_events.fetch_add(events.len() as u64, Ordering::Relaxed);
                         index
@@ -567,6 +683,8 @@ async fn main() -> anyhow::Result<()> {
     // `--seconds` is a deadline for the load, whatever the swap or a slow line costs.
     let end = tokio::time::Instant::from_std(started) + Duration::from_secs(args.seconds);
     let halfway = started + Duration::from_secs(args.seconds) / 2;
+    let a_third = started + Duration::from_secs(args.seconds) / 3;
+    let mut injected = false;
     // The leave/join runs beside the progress lines (a departure drains for up to
     // seconds), its result collected here.
     let mut swap: Option<tokio::task::JoinHandle<anyhow::Result<(Account, Engine)>>> = None;
@@ -588,17 +706,31 @@ async fn main() -> anyhow::Result<()> {
                 continue; // lines stay on the tick
             }
         }
+        if !injected && Instant::now() >= a_third {
+            injected = true;
+            inject.armed.store(true, Ordering::Relaxed);
+        }
+        if inject.events.load(Ordering::Relaxed) > 0
+            && !inject.reported.swap(true, Ordering::Relaxed)
+        {
+            println!(
+                "  injected a loss: the router discarded a message of worker {} ({} router events)",
+                inject.worker.load(Ordering::Relaxed),
+                inject.events.load(Ordering::Relaxed)
+            );
+        }
         if !swapped && Instant::now() >= halfway && !engines.is_empty() {
             swapped = true;
             let leaving = engines.remove(0);
-            let (ledger, plane, totals) = (ledger.clone(), plane.clone(), totals.clone());
+            let (ledger, plane, totals, index) =
+                (ledger.clone(), plane.clone(), totals.clone(), index.clone());
             let joining = next_id;
             next_id += 1;
             swap = Some(tokio::spawn(async move {
                 let left_id = leaving.id;
                 // Its publisher unregisters: the router's feed drops its blocks at its
                 // `Departed`, after its last message.
-                let left = leaving.stop(&ledger, patience).await;
+                let left = leaving.stop(&ledger, patience, &index).await;
                 let joined = start_engine(joining, plane, per_engine_rate, totals, ledger).await?;
                 println!("  engine {left_id} left; engine {joining} joined");
                 Ok((left, joined))
@@ -655,7 +787,7 @@ async fn main() -> anyhow::Result<()> {
         e.stop.cancel();
     }
     for e in engines {
-        account.add(&e.stop(&ledger, patience).await);
+        account.add(&e.stop(&ledger, patience, &index).await);
     }
     println!(
         "load ended at t={:.1}s; drained in {:.1}s",
@@ -678,8 +810,15 @@ async fn main() -> anyhow::Result<()> {
     let out = router_events.load(Ordering::Relaxed);
     let lost_on_plane = ledger.missing() + ledger.unsent.load(Ordering::Relaxed);
     let a = &account;
-    let accounted =
-        a.engine_lost + a.rejected + a.merged + a.deduplicated + a.withheld + lost_on_plane + out;
+    let discarded = inject.events.load(Ordering::Relaxed);
+    let accounted = a.engine_lost
+        + a.rejected
+        + a.merged
+        + a.deduplicated
+        + a.withheld
+        + lost_on_plane
+        + discarded
+        + out;
     let row = |label: &str, value: u64| println!("{label:<52} {value:>12}");
     println!();
     row("engine events published", engine_events);
@@ -695,6 +834,10 @@ async fn main() -> anyhow::Result<()> {
     row("  withheld by a fenced processor", a.withheld);
     row("router events emitted", a.emitted);
     row("  lost on the event plane (drops, gaps)", lost_on_plane);
+    row(
+        "  discarded by the router (the demo's injected loss)",
+        discarded,
+    );
     row("router events applied to the router index", out);
     // What the workers added is on the other side of the ledger.
     row(
@@ -726,8 +869,25 @@ async fn main() -> anyhow::Result<()> {
     row("index bytes, load end", at_load_end.index.bytes);
     row("index entries after every worker left", fed.index.blocks);
     row(
-        "index wipes (event id gaps, reconnections)",
-        fed.wipes_id_gap + fed.wipes_reconnect,
+        "index rebuilds from a worker's dump (first sight)",
+        fed.repairs_dump,
+    );
+    row(
+        "index repairs from a worker's log (after a loss)",
+        fed.repairs_since,
+    );
+    row("repair latency p99 (ms)", fed.repair_p99_ms);
+    row(
+        "workers whose blocks the router held exactly at their end",
+        a.exact,
+    );
+    row("workers", next_id);
+    row(
+        "index wipes (losses no worker's log could repair)",
+        fed.wipes_id_gap
+            + fed.wipes_reconnect
+            + fed.wipes_recovery_failed
+            + fed.wipes_held_overflow,
     );
     row(
         "router events refused by the index",
@@ -749,6 +909,7 @@ mod tunnel {
     use std::time::Duration;
 
     use eventplane::discovery::{ChannelId, Discovery, Merged, WorkerIdentity};
+    use eventplane::kv::{RecoveryDriver, RecoveryServer};
     use eventplane::net::AddrFilter;
     use eventplane::publish::EventPublisher;
     use eventplane::subscriber::DynamicSubscriberBuilder;
@@ -786,11 +947,12 @@ mod tunnel {
             id % 2 == 1
         }
 
-        /// Worker `id` dials the bus and announces `publisher`.
+        /// Worker `id` dials the bus and announces `publisher`, with its recovery log.
         pub(super) fn announce(
             &self,
             id: u64,
             publisher: &EventPublisher,
+            recovery: &RecoveryServer,
         ) -> anyhow::Result<SourceHandle> {
             let source = Source::spawn(SourceConfig::new(
                 self.url.clone(),
@@ -805,10 +967,11 @@ mod tunnel {
                 "kv-events",
                 publisher.publisher_id(),
             )?;
-            source.announce(
+            source.announce_with_recovery(
                 AnnouncedSource::new(&channel, Wire::EventPlane)
                     .with_worker(WorkerIdentity::new(id, 0)),
                 publisher.acceptor(),
+                recovery.acceptor(),
             )?;
             Ok(SourceHandle(source, self.streams.clone()))
         }
@@ -910,6 +1073,14 @@ mod tunnel {
         ))
     }
 
+    /// The router asks workers for what it lost as it reaches them: through the bus.
+    pub(super) fn recovery(tunnel: Option<&Tunnel>, driver: RecoveryDriver) -> RecoveryDriver {
+        match tunnel {
+            Some(t) => driver.tunnel(t.bus.clone(), false),
+            None => driver,
+        }
+    }
+
     /// The router reaches workers through the bus only.
     pub(super) fn configure(
         tunnel: Option<&Tunnel>,
@@ -958,6 +1129,7 @@ mod tunnel {
     use std::sync::Arc;
 
     use eventplane::discovery::Discovery;
+    use eventplane::kv::{RecoveryDriver, RecoveryServer};
     use eventplane::publish::EventPublisher;
     use eventplane::subscriber::DynamicSubscriberBuilder;
 
@@ -973,7 +1145,12 @@ mod tunnel {
             match *self {}
         }
 
-        pub(super) fn announce(&self, _: u64, _: &EventPublisher) -> anyhow::Result<SourceHandle> {
+        pub(super) fn announce(
+            &self,
+            _: u64,
+            _: &EventPublisher,
+            _: &RecoveryServer,
+        ) -> anyhow::Result<SourceHandle> {
             match *self {}
         }
     }
@@ -1002,4 +1179,8 @@ mod tunnel {
     }
 
     pub(super) async fn report(_: Option<Tunnel>, _: u64, _: impl Fn(&str, u64)) {}
+
+    pub(super) fn recovery(_: Option<&Tunnel>, driver: RecoveryDriver) -> RecoveryDriver {
+        driver
+    }
 }

@@ -289,6 +289,7 @@ fn fixture(name: &str) -> String {
     )
 }
 
+#[cfg(feature = "tunnel")]
 /// A fresh directory `name` holding `files`.
 fn secrets(name: &str, files: &[(&str, String)]) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("eventplane-heal-{name}-{}", std::process::id()));
@@ -299,6 +300,7 @@ fn secrets(name: &str, files: &[(&str, String)]) -> std::path::PathBuf {
     dir
 }
 
+#[cfg(feature = "tunnel")]
 /// A router that first sees the worker late, then stopped while the worker publishes
 /// past the relay's queue: it rebuilds the worker from its dump and repairs the loss
 /// from its log, and equals the engine with no wipe; its stats.
@@ -333,6 +335,7 @@ async fn rebuilt_then_repaired(
 /// The router outside the cluster reaches the worker's recovery endpoint through the
 /// `event-broker` that relays its publisher: the broker's view advertises it (from
 /// the relay's etcd record), and every recovery is a stream through the broker.
+#[cfg(feature = "tunnel")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_heals_through_a_broker() {
     const TOKEN: &str = "heal-through-a-broker-token";
@@ -382,6 +385,7 @@ async fn a_router_heals_through_a_broker() {
 /// A relay that dials out to the router's bus (a source, no etcd) announces its
 /// recovery log with its publisher; the router asks for it through the relay's own
 /// session.
+#[cfg(feature = "tunnel")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_heals_through_a_relay_that_dials_out() {
     const TOKEN: &str = "heal-through-a-source-token-0123456";

@@ -394,12 +394,8 @@ impl Discovery for MemoryDiscovery {
         &self,
         instance: Instance,
     ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
-        let registration = self.register_full(
-            instance.id,
-            instance.transport,
-            instance.worker,
-            instance.recovery,
-        );
+        let (id, transport, worker, recovery) = instance.into_registered();
+        let registration = self.register_full(id, transport, worker, recovery);
         Box::pin(async move { Ok(registration) })
     }
 

@@ -64,6 +64,7 @@ pub use fault::{FaultControl, FaultDiscovery};
 pub use kube::{KubeDiscovery, KubeDiscoveryBuilder, KubeMode, PodIdentity, kube_instance_id};
 pub use memory::{MemoryDiscovery, MemoryDiscoveryBuilder};
 pub use merged::Merged;
+#[cfg(feature = "tunnel")]
 pub(crate) use model::ANNOUNCED_SCHEME;
 pub use model::{
     ChannelId, DiscoveryEvent, Instance, MAX_PUBLISHER_ID, Query, Transport, WorkerIdentity,

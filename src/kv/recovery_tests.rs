@@ -295,6 +295,59 @@ mod endpoint {
         );
     }
 
+    /// A hostile worker answers with many events that carry no blocks: within the
+    /// byte bound on the wire, over it decoded. The decoded size is held to
+    /// `max_bytes` too.
+    #[tokio::test]
+    async fn an_answer_of_empty_events_is_held_to_the_byte_bound_decoded() {
+        let max = 4 << 20;
+        let empties: Vec<RouterEvent> =
+            (1..=1000).map(|i| ev(i, 0, KvEventData::Cleared)).collect();
+        let payload = bytes::Bytes::from(crate::kv::encode_router_events(&empties).unwrap());
+        // As many messages as fit the bound on the wire (frames included).
+        let messages = max / (payload.len() + 64);
+        let decoded = messages * empties.len() * size_of::<RouterEvent>();
+        assert!(decoded > max, "the test needs answers larger decoded");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = format!("tcp://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            let mut worker = DealerSocket::accept_as_router(stream, Config::default())
+                .await
+                .unwrap();
+            let _request = worker.recv().await.unwrap();
+            for _ in 0..messages {
+                let msg = Message::from_parts([
+                    bytes::Bytes::new(),
+                    bytes::Bytes::from_static(b"events"),
+                    payload.clone(),
+                ]);
+                if worker.send(&msg).await.is_err() {
+                    return;
+                }
+            }
+            let end = Message::from_parts([
+                bytes::Bytes::new(),
+                bytes::Bytes::from_static(b"end"),
+                bytes::Bytes::copy_from_slice(&1000u64.to_be_bytes()),
+                bytes::Bytes::from_static(&[1]),
+            ]);
+            let _ = worker.send(&end).await;
+        });
+        let config = RecoveryClientConfig {
+            max_bytes: max,
+            filter: None,
+            ..RecoveryClientConfig::default()
+        };
+        let Err(err) = recover(&at, RecoveryRequest::Since(0), config).await else {
+            panic!("an answer over the bound decoded was accepted");
+        };
+        assert!(
+            matches!(err, crate::kv::RecoveryError::TooLarge(_)),
+            "{err}"
+        );
+    }
+
     #[tokio::test]
     async fn an_answer_over_the_clients_byte_bound_fails_it() {
         let (server, _log) = serving(&stream(2000, 4), WorkerLogConfig::default()).await;

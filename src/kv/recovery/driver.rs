@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use super::endpoint::{Recovered, RecoveryClientConfig, RecoveryError, recover};
+use super::endpoint::{RecoveryClientConfig, RecoveryError, recover};
 use crate::kv::{RecoveryAnswer, RecoveryNeed};
 
 /// Recoveries made at once by a [`RecoveryDriver`] by default: 16.
@@ -177,7 +177,7 @@ async fn ask(
     need: &RecoveryNeed,
     config: RecoveryClientConfig,
     bus: Option<(crate::tunnel::EventBus, bool)>,
-) -> Result<Recovered, RecoveryError> {
+) -> Result<super::endpoint::Recovered, RecoveryError> {
     let Some((bus, direct_fallback)) = bus else {
         return recover(&need.endpoint, need.request, config).await;
     };

@@ -491,7 +491,11 @@ async fn dump(shared: &Shared) -> Encoded {
 pub struct RecoveryClientConfig {
     /// The whole request, connection included: 5 s.
     pub timeout: Duration,
-    /// The most answer bytes accepted: 256 MiB.
+    /// The most answer bytes accepted: 256 MiB, on the wire and again decoded (each
+    /// event costs its in-memory size, so an answer of many empty events is held to it
+    /// too). A [`RecoveryDriver`](crate::kv::RecoveryDriver) holds at most
+    /// [`DEFAULT_CONCURRENT_RECOVERIES`](crate::kv::DEFAULT_CONCURRENT_RECOVERIES)
+    /// answers at once.
     pub max_bytes: usize,
     /// The connection's bounds (frames up to 16 MiB by default).
     pub zmtp: zmtp::Config,
@@ -559,6 +563,7 @@ where
     let mut events = Vec::new();
     let mut bytes = 0usize;
     let mut blocks = 0usize;
+    let mut held = 0usize;
     loop {
         let msg = socket.recv().await?;
         bytes = bytes.saturating_add(msg.byte_len());
@@ -582,6 +587,13 @@ where
                 blocks = blocks.saturating_add(carried);
                 if blocks > max_blocks {
                     return Err(RecoveryError::TooManyBlocks(max_blocks));
+                }
+                // What they cost decoded: events without blocks are small on the wire.
+                held = held
+                    .saturating_add(decoded.len() * size_of::<RouterEvent>())
+                    .saturating_add(carried * size_of::<crate::kv::StoredBlock>());
+                if held > max_bytes {
+                    return Err(RecoveryError::TooLarge(max_bytes));
                 }
                 events.extend(decoded);
             }

@@ -327,6 +327,19 @@ impl EventBus {
         publisher_id: u64,
         target: &str,
     ) -> Result<TunnelStream, TunnelError> {
+        self.open_stream_as(namespace, publisher_id, target, false)
+            .await
+    }
+
+    /// [`open_stream`](Self::open_stream); a `recovery` stream is not moved when a
+    /// broker joins.
+    async fn open_stream_as(
+        &self,
+        namespace: &str,
+        publisher_id: u64,
+        target: &str,
+        recovery: bool,
+    ) -> Result<TunnelStream, TunnelError> {
         if !super::frame::is_valid_target(target) {
             self.inner
                 .counters
@@ -378,6 +391,7 @@ impl EventBus {
                     namespace,
                     publisher_id,
                     Target::Tcp(target.to_owned()),
+                    recovery,
                 )
                 .await
             {
@@ -429,6 +443,7 @@ impl EventBus {
             "",
             id.publisher_id(),
             target,
+            false,
         )
         .await
     }
@@ -458,7 +473,7 @@ impl EventBus {
             return None;
         }
         Some(
-            self.open_stream(namespace, id.publisher_id(), endpoint)
+            self.open_stream_as(namespace, id.publisher_id(), endpoint, recovery)
                 .await,
         )
     }
@@ -483,7 +498,8 @@ impl EventBus {
         self.inner.sources.view(wire)
     }
 
-    /// One subscribe through the session `session_id`.
+    /// One subscribe through the session `session_id` (`recovery`: a stream to a
+    /// recovery endpoint, never moved to another broker).
     async fn open_via(
         &self,
         session_id: u64,
@@ -491,6 +507,7 @@ impl EventBus {
         namespace: &str,
         publisher_id: u64,
         target: Target,
+        recovery: bool,
     ) -> Result<TunnelStream, TunnelError> {
         let inner = &self.inner;
         let (reply, answer) = oneshot::channel();
@@ -507,6 +524,8 @@ impl EventBus {
                     session_id,
                     namespace: namespace.to_owned(),
                     publisher_id,
+                    // A recovery stream is not moved: cut, its answer would be lost.
+                    movable: !matches!(target, Target::Recovery { .. }) && !recovery,
                     reply,
                 },
             );

@@ -107,6 +107,9 @@ pub(super) struct Waiter {
     pub(super) session_id: u64,
     pub(super) namespace: String,
     pub(super) publisher_id: u64,
+    /// Whether it moves to a broker that joins and owns its publisher (a recovery
+    /// stream, short-lived and not to be restarted, does not).
+    pub(super) movable: bool,
     pub(super) reply: oneshot::Sender<Result<TunnelStream, TunnelError>>,
 }
 
@@ -115,6 +118,8 @@ pub(super) struct OpenStream {
     pub(super) namespace: String,
     pub(super) publisher_id: u64,
     pub(super) client_id: String,
+    /// See [`Waiter::movable`].
+    pub(super) movable: bool,
     /// Ends the stream (both bodies) when cancelled.
     pub(super) stop: CancellationToken,
 }
@@ -191,7 +196,8 @@ impl Inner {
             let Some(ids) = live.get(&stream.namespace) else {
                 continue;
             };
-            if stream.client_id != joined
+            if stream.movable
+                && stream.client_id != joined
                 && rendezvous_owner(ids.iter().map(String::as_str), stream.publisher_id)
                     == Some(joined)
             {
@@ -734,6 +740,7 @@ async fn data_stream(
             namespace: waiter.namespace.clone(),
             publisher_id: waiter.publisher_id,
             client_id,
+            movable: waiter.movable,
             stop: stop.clone(),
         },
     );

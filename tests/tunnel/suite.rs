@@ -635,3 +635,77 @@ async fn more_streams_than_hyper_allows_by_default_run_over_one_broker_connectio
     broker.abort();
     bus.shutdown().await;
 }
+
+/// A worker's recovery answer through a broker is not cut when another broker joins
+/// and takes over the worker's publisher: the publisher's stream moves, the recovery
+/// stream runs to its end (cut, its answer would be lost and the worker wiped).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovery_stream_stays_with_its_broker_when_another_joins() {
+    use eventplane::discovery::Instance;
+    use eventplane::kv::{IndexFeed, Recovered, RecoveryClientConfig, RecoveryDriver};
+    use eventplane::subscriber::Notice;
+    use eventplane::tunnel::rendezvous_owner;
+    use eventplane::zmtp::DealerSocket;
+
+    let mut config = EventBusConfig::default();
+    config.join_hold_down = Duration::from_millis(300);
+    let bus = bus_with(config).await;
+    let view = Arc::new(MemoryDiscovery::new());
+    let a = Broker::spawn(broker_config(&bus, "broker-a", view.clone())).unwrap();
+    connected(&bus).await;
+    // Publishers followed through A, some of which B will own: their moves show the
+    // bus moved B's share.
+    let (_publishers, _router) = followed_through(&bus, &view, 16).await;
+    // A worker whose recovery endpoint answers only when told, advertised in the view
+    // with a publisher B will own.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let recovery_at = format!("tcp://{}", listener.local_addr().unwrap());
+    let (asked_tx, asked) = tokio::sync::oneshot::channel::<()>();
+    let (release, released) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        let mut worker = DealerSocket::accept_as_router(stream, Config::default())
+            .await
+            .unwrap();
+        let _dump = worker.recv().await.unwrap();
+        let _ = asked_tx.send(());
+        let _ = released.await;
+        let end = Message::from_parts([
+            Bytes::new(),
+            Bytes::from_static(b"end"),
+            Bytes::copy_from_slice(&0u64.to_be_bytes()),
+            Bytes::from_static(&[1]),
+        ]);
+        let _ = worker.send(&end).await;
+        // Held open until the router has read the answer.
+        let _ = worker.recv().await;
+    });
+    let publisher_id = (1..)
+        .find(|id| rendezvous_owner(["broker-a", "broker-b"], *id) == Some("broker-b"))
+        .unwrap();
+    let id = ChannelId::new("prod", "worker", "kv", publisher_id).unwrap();
+    let worker = Instance::new(id.clone(), Transport::zmq("tcp://127.0.0.1:9"), 1)
+        .with_recovery(recovery_at.as_str());
+    let _registered = view.register_instance(worker.clone()).await.unwrap();
+    // The router's feed asks the worker for a dump when its publisher connects.
+    let mut feed = IndexFeed::default();
+    feed.notice(&Notice::Connected(Arc::new(worker)));
+    let mut driver =
+        RecoveryDriver::new(RecoveryClientConfig::default()).tunnel(bus.clone(), false);
+    driver.submit(feed.take_recoveries());
+    let answer = tokio::spawn(async move { driver.next().await });
+    within(asked).await.unwrap();
+    // B joins and its share moves.
+    let b = Broker::spawn(broker_config(&bus, "broker-b", view.clone())).unwrap();
+    until(|| bus.stats().streams_moved > 0).await;
+    release.send(()).unwrap();
+    let answer = within(answer).await.unwrap();
+    assert!(
+        matches!(&answer.answer, Ok(Recovered::Dump(d)) if d.complete && d.events.is_empty()),
+        "{:?}",
+        answer.answer
+    );
+    a.abort();
+    b.abort();
+    bus.shutdown().await;
+}

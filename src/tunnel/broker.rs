@@ -62,11 +62,13 @@ pub struct BrokerStats {
     /// dials the bus only then).
     pub discovery_ready: bool,
     /// Endpoints advertised in its discovery view now (distinct within each
-    /// namespace).
+    /// namespace): publishers' and their workers' recovery endpoints.
     pub advertised_endpoints: usize,
-    /// Discovery instances not advertised: their namespace already held
+    /// Discovery instances not advertised, or advertised without their recovery
+    /// endpoint: their namespace already held
     /// [`MAX_VIEW_INSTANCES`](super::MAX_VIEW_INSTANCES) or
-    /// [`MAX_VIEW_BYTES`](super::MAX_VIEW_BYTES), or their endpoint is over 1 KiB.
+    /// [`MAX_VIEW_BYTES`](super::MAX_VIEW_BYTES) (a new incarnation is held to it
+    /// too), or an endpoint is over 1 KiB.
     pub view_ignored: u64,
 }
 

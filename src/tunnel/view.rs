@@ -48,25 +48,40 @@ struct Namespace {
 }
 
 impl Namespace {
-    /// Adds or replaces `instance`; `false` when it cannot be advertised (the
-    /// namespace is full, or its endpoint is over 1 KiB). A recovery endpoint over
-    /// 1 KiB is left out; the publisher stays.
+    /// Adds or replaces `instance`; `false` when it cannot be advertised as it is (the
+    /// namespace is full, even counting what a replaced incarnation gives back; its
+    /// endpoint is over 1 KiB; or its recovery endpoint is over 1 KiB or does not fit,
+    /// in which case the publisher is advertised without it).
     fn add(&mut self, instance: &Instance) -> bool {
         let endpoint = instance.transport.endpoint();
         if endpoint.len() > super::MAX_NAME_LEN {
             return false;
         }
         let mut advertised = vec![endpoint.to_owned()];
+        let mut whole = true;
         if let Some(recovery) = &instance.recovery {
-            if recovery.len() <= super::MAX_NAME_LEN && recovery != endpoint {
+            whole = recovery.len() <= super::MAX_NAME_LEN;
+            if whole && recovery != endpoint {
                 advertised.push(recovery.clone());
             }
         }
-        let new = !self.by_id.contains_key(&instance.id);
-        let added = cost(&instance.id, &advertised);
-        if new && (self.by_id.len() >= MAX_VIEW_INSTANCES || self.bytes + added > MAX_VIEW_BYTES) {
+        let replaced = self
+            .by_id
+            .get(&instance.id)
+            .map(|(_, old)| cost(&instance.id, old));
+        if replaced.is_none() && self.by_id.len() >= MAX_VIEW_INSTANCES {
             return false;
         }
+        let room = MAX_VIEW_BYTES.saturating_sub(self.bytes) + replaced.unwrap_or(0);
+        if cost(&instance.id, &advertised) > room {
+            // Without its recovery endpoint, if that fits.
+            advertised.truncate(1);
+            whole = false;
+            if cost(&instance.id, &advertised) > room {
+                return false;
+            }
+        }
+        let added = cost(&instance.id, &advertised);
         for e in &advertised {
             *self.endpoints.entry(e.clone()).or_default() += 1;
         }
@@ -78,7 +93,7 @@ impl Namespace {
             self.bytes = self.bytes.saturating_sub(cost(&instance.id, &old));
             self.forget(&old);
         }
-        true
+        whole
     }
 
     fn remove(&mut self, id: &ChannelId, incarnation: u64) {
@@ -275,7 +290,7 @@ async fn follow(
         if left_out > 0 {
             shared.ignored.fetch_add(left_out, Ordering::Relaxed);
             if let Some(suppressed) = shared.warn.check("full", Instant::now()) {
-                tracing::warn!(namespace = %ns, ignored = left_out, suppressed, max_instances = MAX_VIEW_INSTANCES, max_bytes = MAX_VIEW_BYTES, "discovery view: instances not advertised (the namespace is full, or their endpoint is over 1 KiB)");
+                tracing::warn!(namespace = %ns, ignored = left_out, suppressed, max_instances = MAX_VIEW_INSTANCES, max_bytes = MAX_VIEW_BYTES, "discovery view: instances not advertised, or without their recovery endpoint (the namespace is full, or an endpoint is over 1 KiB)");
             }
         }
     }
@@ -371,12 +386,40 @@ mod tests {
         assert!(ns.add(&instance(1, 2).with_recovery("tcp://10.0.0.1:6001")));
         assert!(!ns.endpoints.contains_key("tcp://10.0.0.1:6000"));
         assert!(ns.endpoints.contains_key("tcp://10.0.0.1:6001"));
-        // One over 1 KiB is left out; the publisher stays.
+        // One over 1 KiB is left out (and counted); the publisher stays.
         let long = format!("tcp://{}:1", "h".repeat(1100));
-        assert!(ns.add(&instance(2, 1).with_recovery(long.as_str())));
+        assert!(!ns.add(&instance(2, 1).with_recovery(long.as_str())));
         assert!(!ns.endpoints.contains_key(&long));
+        assert!(
+            ns.endpoints
+                .contains_key(instance(2, 1).transport.endpoint())
+        );
         ns.remove(&recovering.id, 2);
         ns.remove(&ChannelId::new("ns", "c", "t", 2).unwrap(), 1);
         assert!(ns.endpoints.is_empty() && ns.bytes == 0);
+    }
+
+    #[test]
+    fn replacements_are_held_to_the_byte_cap_too() {
+        // Small instances up to the cap, then each replaced by a large incarnation:
+        // the namespace never grows past its bytes.
+        let small: Vec<Instance> = (0..20_000).map(|n| instance(n, 1)).collect();
+        let (mut ns, _) = Namespace::from_snapshot(&small);
+        let big = |n: u64| {
+            Instance::new(
+                ChannelId::new("ns", "c", "t", n).unwrap(),
+                Transport::zmq(format!("tcp://{}:{n}", "h".repeat(1000))),
+                2,
+            )
+            .with_recovery(format!("tcp://{}:{n}", "r".repeat(1000)))
+        };
+        let mut refused = 0;
+        for n in 0..20_000 {
+            refused += u64::from(!ns.add(&big(n)));
+            assert!(ns.bytes <= MAX_VIEW_BYTES, "{} after {n}", ns.bytes);
+        }
+        assert!(refused > 0);
+        // A refused replacement keeps the incarnation it had.
+        assert_eq!(ns.by_id.len(), 20_000);
     }
 }

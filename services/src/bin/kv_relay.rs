@@ -125,8 +125,9 @@ struct Args {
     /// Serve this worker's recovery endpoint here (tcp://host:port; port 0 for any):
     /// its last router events and a dump of its blocks, for routers that lost some
     /// (`kv::RecoveryServer`). Printed as the second stdout line, `recovery EP`.
-    /// Registered with --etcd or --kube; with --bus-url it is announced and served
-    /// through the bus session too (routers never dial it: tcp://127.0.0.1:0 will do).
+    /// Registered with --etcd or --kube; with --bus-url announced and served through
+    /// the bus session instead (routers never dial it, so tcp://127.0.0.1:0 will do;
+    /// local processes can still connect to it).
     #[arg(long = "recovery-bind")]
     recovery_bind: Option<String>,
     /// Messages queued per subscriber before the publisher drops (and counts) them.

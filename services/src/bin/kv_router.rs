@@ -172,6 +172,11 @@ struct Args {
     /// blocks and 2 GiB.
     #[arg(long = "max-index-blocks", default_value_t = 1 << 20, value_parser = clap::value_parser!(u64).range(1..))]
     max_index_blocks: u64,
+    /// How long one recovery may take, from dialling the worker (or opening a stream
+    /// through the bus) to the end of its answer; past it the worker is wiped
+    /// (`wipes.recovery_failed`). Raise it for large workers behind slow links.
+    #[arg(long = "recovery-timeout-ms", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    recovery_timeout_ms: u64,
     /// Publishers followed at most (default: the library's, 4,096); past it a
     /// publisher is refused and counted. Each costs one open file: the soft limit is
     /// raised to the hard limit at start.
@@ -508,7 +513,9 @@ async fn main() -> ExitCode {
     // Publishers whose workers serve a recovery log are repaired from it instead of
     // wiped (what discovery names is dialled through the subscriber's address filter,
     // the client's default), reached as their publishers are.
-    let mut recovery = RecoveryDriver::new(RecoveryClientConfig::default());
+    let mut asking = RecoveryClientConfig::default();
+    asking.timeout = std::time::Duration::from_millis(args.recovery_timeout_ms);
+    let mut recovery = RecoveryDriver::new(asking);
     let (builder, bus_stats) = match bus {
         Some(bus) => {
             exporter = (bus.exported)(exporter);

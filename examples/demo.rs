@@ -447,7 +447,15 @@ impl Engine {
     /// published (each wait gives up after 2 s without progress: what is missing then
     /// was lost), then unregisters the publisher. Returns where the engine's events
     /// went.
-    async fn stop(self, ledger: &Ledger, patience: Duration, index: &Mutex<IndexFeed>) -> Account {
+    /// Its recovery endpoint goes to `retired`, which the demo keeps until the router
+    /// has stopped (a router that lost the worker's last messages may still ask).
+    async fn stop(
+        self,
+        ledger: &Ledger,
+        patience: Duration,
+        index: &Mutex<IndexFeed>,
+        retired: &Mutex<Vec<RecoveryServer>>,
+    ) -> Account {
         self.stop.cancel();
         let batches = self.generator.await.unwrap_or(0);
         let engine_dropped = self.engine_pub.stats().dropped;
@@ -502,7 +510,10 @@ impl Engine {
             p.shutdown().await;
         }
         tunnel::stop_source(self.source).await;
-        drop(self.recovery);
+        retired
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(self.recovery);
         let per_batch = EVENTS_PER_BATCH as u64;
         let d = listened.decoder;
         Account {
@@ -589,6 +600,8 @@ async fn main() -> anyhow::Result<()> {
     // Set a third of the way through: the router discards the next message it gets
     // (a loss), and the worker's log repairs it.
     let inject = Arc::new(Injected::default());
+    // The recovery endpoints of workers that stopped, kept until the router stops.
+    let retired = Arc::new(Mutex::new(Vec::new()));
     // The router asks workers for what it lost: directly, or through the bus.
     let recovery = tunnel::recovery(
         tunnel.as_ref(),
@@ -722,15 +735,20 @@ async fn main() -> anyhow::Result<()> {
         if !swapped && Instant::now() >= halfway && !engines.is_empty() {
             swapped = true;
             let leaving = engines.remove(0);
-            let (ledger, plane, totals, index) =
-                (ledger.clone(), plane.clone(), totals.clone(), index.clone());
+            let (ledger, plane, totals, index, retired) = (
+                ledger.clone(),
+                plane.clone(),
+                totals.clone(),
+                index.clone(),
+                retired.clone(),
+            );
             let joining = next_id;
             next_id += 1;
             swap = Some(tokio::spawn(async move {
                 let left_id = leaving.id;
                 // Its publisher unregisters: the router's feed drops its blocks at its
                 // `Departed`, after its last message.
-                let left = leaving.stop(&ledger, patience, &index).await;
+                let left = leaving.stop(&ledger, patience, &index, &retired).await;
                 let joined = start_engine(joining, plane, per_engine_rate, totals, ledger).await?;
                 println!("  engine {left_id} left; engine {joining} joined");
                 Ok((left, joined))
@@ -787,7 +805,7 @@ async fn main() -> anyhow::Result<()> {
         e.stop.cancel();
     }
     for e in engines {
-        account.add(&e.stop(&ledger, patience, &index).await);
+        account.add(&e.stop(&ledger, patience, &index, &retired).await);
     }
     println!(
         "load ended at t={:.1}s; drained in {:.1}s",
@@ -877,17 +895,22 @@ async fn main() -> anyhow::Result<()> {
         fed.repairs_since,
     );
     row("repair latency p99 (ms)", fed.repair_p99_ms);
+    row("workers", next_id);
     row(
-        "workers whose blocks the router held exactly at their end",
+        "  whose blocks the index held exactly at their end",
         a.exact,
     );
-    row("workers", next_id);
     row(
         "index wipes (losses no worker's log could repair)",
         fed.wipes_id_gap
             + fed.wipes_reconnect
             + fed.wipes_recovery_failed
             + fed.wipes_held_overflow,
+    );
+    row("  after a failed recovery", fed.wipes_recovery_failed);
+    row(
+        "  after holding too many live events",
+        fed.wipes_held_overflow,
     );
     row(
         "router events refused by the index",

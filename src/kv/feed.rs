@@ -35,6 +35,10 @@ struct Followed {
     repair: Option<Repairing>,
     /// A dump was applied (first sight is over).
     rebuilt: bool,
+    /// The ids the last recovery answer applied (`from..=through`): live events with
+    /// these ids still on their way (sent before the answer was read) are duplicates,
+    /// skipped until an event after them arrives or the publisher reconnects.
+    answered: Option<(u64, u64)>,
     /// Whether its first connection was seen (a second one is a reconnect).
     connected: bool,
     /// The (worker, rank)s it fed.
@@ -112,6 +116,9 @@ pub struct IndexFeedStats {
     pub held_dropped: u64,
     /// Recovery answers to requests no longer awaited (ignored).
     pub stale_answers: u64,
+    /// Live events that arrived after a recovery answer had applied them (sent
+    /// before the answer was read), skipped.
+    pub late_duplicates: u64,
     /// Publishers recovering now.
     pub recovering: u64,
     /// Live events held now for publishers that recover.
@@ -285,6 +292,14 @@ impl IndexFeed {
         if p.repair.is_some() {
             return self.hold(id, ev);
         }
+        if let Some((from, through)) = p.answered {
+            if ev.event.id > through {
+                p.answered = None;
+            } else if ev.event.id >= from && ev.event.id < p.next_id {
+                self.stats.late_duplicates += 1;
+                return;
+            }
+        }
         if p.recovery.is_some() && p.next_id == 0 && !p.rebuilt {
             // First sight: what it fed before this router listened is in its dump.
             self.start_repair(id, RecoveryRequest::Dump);
@@ -355,6 +370,8 @@ impl IndexFeed {
                 let p = self.publishers.entry(instance.id.clone()).or_default();
                 p.sender = instance.worker.map(|w| WorkerId(w.worker_id));
                 p.recovery.clone_from(&instance.recovery);
+                // A new connection: what it sends is not a late copy of an answer.
+                p.answered = None;
                 let again = std::mem::replace(&mut p.connected, true);
                 if p.repair.is_some() {
                     return self.endpoint_gone(&instance.id);

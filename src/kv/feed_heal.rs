@@ -182,6 +182,7 @@ impl IndexFeed {
                 if let Some(p) = self.publishers.get_mut(publisher) {
                     p.next_id = dump.current_id.saturating_add(1);
                     p.rebuilt = true;
+                    p.answered = Some((1, dump.current_id));
                 }
                 self.stats.repairs_dump += 1;
                 Ok(())
@@ -247,6 +248,9 @@ impl IndexFeed {
             return Err(Unusable::AskDump);
         }
         self.stats.repairs_since += 1;
+        if let Some(p) = self.publishers.get_mut(publisher) {
+            p.answered = Some((asked.saturating_add(1), current_id));
+        }
         Ok(())
     }
 

@@ -132,6 +132,46 @@ fn a_gap_is_repaired_from_the_events_since_without_a_wipe() {
     assert!(feed.wiped().is_empty());
 }
 
+/// An answer that reached further than the live events held: the live events it
+/// covered arrive after it (they were on their way) and are skipped, not taken for
+/// ids going back.
+#[test]
+fn live_events_an_answer_already_applied_are_skipped_not_wiped() {
+    let (mut feed, w) = following(2);
+    // 3 lost; 4 arrives and is held; the worker is at 6 when it answers.
+    feed.apply(&w, &[stored(4, 104, Some(103))]);
+    let need = feed.take_recoveries();
+    assert_eq!(need[0].request, RecoveryRequest::Since(2));
+    let since: Vec<RouterEvent> = (3..=6).map(|i| stored(i, 100 + i, Some(99 + i))).collect();
+    answer(
+        &mut feed,
+        &w,
+        Ok(Recovered::Events {
+            events: since,
+            current_id: 6,
+        }),
+        Duration::from_millis(2),
+    );
+    // 5 and 6 were on their way; 7 is new.
+    feed.apply(
+        &w,
+        &[
+            stored(5, 105, Some(104)),
+            stored(6, 106, Some(105)),
+            stored(7, 107, Some(106)),
+        ],
+    );
+    assert_eq!(blocks(&feed), [101, 102, 103, 104, 105, 106, 107]);
+    let s = feed.stats();
+    assert_eq!(
+        (s.late_duplicates, s.wipes_id_gap, s.repairs_since),
+        (2, 0, 1)
+    );
+    // Past the answer, an id going back is what it always was: a wipe.
+    feed.apply(&w, &[stored(5, 105, Some(104))]);
+    assert_eq!(feed.stats().wipes_id_gap, 1);
+}
+
 #[test]
 fn at_first_sight_a_dump_rebuilds_and_held_events_after_it_follow() {
     let w = worker();

@@ -721,6 +721,7 @@ async fn main() -> ExitCode {
             "p99_ms": fed.repair_p99_ms,
             "recovering": fed.recovering,
             "held_events": fed.held_events,
+            "late_duplicates": fed.late_duplicates,
         },
         "decode_errors": {
             "frames": m.frames,

@@ -5,6 +5,11 @@
 //! its requests made by a `kv::RecoveryDriver` (16 at once), each answer applied as it
 //! comes. Blocks are in chains of 64 (a worker's distinct prompts).
 //!
+//! Then gap repair: a worker's log moves on by three events and the router gets only
+//! the third (two lost on the way): the time from the gap seen to the index repaired
+//! (events since it asked, answered, applied), one worker at a time, then every worker
+//! at once (the driver's 16 at a time).
+//!
 //! `cargo bench -p eventplane-benches --bench router_restart [-- --workers N --blocks M]`
 //! (default 1,000 × 10,000; criterion's `--test` mode runs 20 × 1,000 and checks the
 //! index).
@@ -34,6 +39,38 @@ fn arg(name: &str) -> Option<u64> {
     args.get(at + 1)?.parse().ok()
 }
 
+/// Event `id` of `worker`: a chain of `len` blocks from `first`.
+fn chain_event(worker: u64, id: u64, first: u64, len: u64) -> RouterEvent {
+    let blocks = (first..first + len)
+        .map(|h| StoredBlock {
+            block_hash: BlockHash(h),
+            tokens_hash: TokensHash(h),
+        })
+        .collect();
+    RouterEvent {
+        worker_id: WorkerId(worker),
+        tier: StorageTier::Device,
+        event: KvEvent {
+            id,
+            dp_rank: 0,
+            data: KvEventData::Stored {
+                parent_hash: None,
+                blocks,
+            },
+        },
+    }
+}
+
+/// The p50 and p99 of `samples`, in milliseconds.
+fn percentiles(mut samples: Vec<Duration>) -> (f64, f64) {
+    samples.sort_unstable();
+    let at = |q: f64| {
+        let i = ((samples.len() as f64 * q).ceil() as usize).clamp(1, samples.len()) - 1;
+        samples[i].as_secs_f64() * 1e3
+    };
+    (at(0.5), at(0.99))
+}
+
 /// A worker's log holding `blocks` blocks, in chains of [`CHAIN`].
 fn worker_log(worker: u64, blocks: u64) -> SharedWorkerLog {
     let log = SharedWorkerLog::new(WorkerLogConfig::default());
@@ -43,26 +80,10 @@ fn worker_log(worker: u64, blocks: u64) -> SharedWorkerLog {
     let mut stored = 0;
     while stored < blocks {
         let len = CHAIN.min(blocks - stored);
-        let chain = (0..len)
-            .map(|i| StoredBlock {
-                block_hash: BlockHash(base + stored + i),
-                tokens_hash: TokensHash(base + stored + i),
-            })
-            .collect();
         id += 1;
-        let ev = RouterEvent {
-            worker_id: WorkerId(worker),
-            tier: StorageTier::Device,
-            event: KvEvent {
-                id,
-                dp_rank: 0,
-                data: KvEventData::Stored {
-                    parent_hash: None,
-                    blocks: chain,
-                },
-            },
-        };
-        keeper.apply(&ev).unwrap();
+        keeper
+            .apply(&chain_event(worker, id, base + stored, len))
+            .unwrap();
         stored += len;
     }
     log
@@ -92,10 +113,10 @@ fn main() {
                 .chunks(128)
                 .map(|m| encode_router_events(m).unwrap().len())
                 .sum::<usize>();
-            let server = RecoveryServer::bind("tcp://127.0.0.1:0", log)
+            let server = RecoveryServer::bind("tcp://127.0.0.1:0", log.clone())
                 .await
                 .unwrap();
-            servers.push((w, server));
+            servers.push((w, server, log));
         }
         println!(
             "{workers} workers × {blocks} blocks ready in {:.1} s",
@@ -108,12 +129,14 @@ fn main() {
             .max_bytes(usize::MAX >> 1);
         let mut feed = IndexFeed::new(config);
         let restart = Instant::now();
-        for (w, server) in &servers {
+        let mut instances = Vec::new();
+        for (w, server, _) in &servers {
             let id = ChannelId::new("bench", "worker", "kv-events", *w).unwrap();
             let instance = Instance::new(id, Transport::zmq("tcp://127.0.0.1:1"), 1)
                 .with_worker(WorkerIdentity::new(*w, 0))
                 .with_recovery(server.local_endpoint());
-            feed.notice(&Notice::Connected(Arc::new(instance)));
+            feed.notice(&Notice::Connected(Arc::new(instance.clone())));
+            instances.push(instance);
         }
         let mut driver = RecoveryDriver::new(RecoveryClientConfig::default());
         driver.submit(feed.take_recoveries());
@@ -144,6 +167,62 @@ fn main() {
             bytes as f64 / (1 << 20) as f64,
             stats.repair_p50_ms,
             stats.repair_p99_ms,
+        );
+
+        // Gap repair: each worker's log moves on by three events; the router sees
+        // only the third. A fresh driver (the restart's asked every worker a moment ago,
+        // and a driver asks a publisher at most once a second).
+        let mut driver = RecoveryDriver::new(RecoveryClientConfig::default());
+        let first_id = blocks.div_ceil(CHAIN);
+        let gap = |round: u64, w: u64, log: &SharedWorkerLog| {
+            let mut keeper = log.clone();
+            let mut last = None;
+            for k in 1..=3 {
+                let id = first_id + 3 * round + k;
+                let ev = chain_event(w, id, (w << 32) + (1 << 31) + id * 8, 4);
+                keeper.apply(&ev).unwrap();
+                last = Some(ev);
+            }
+            last.unwrap()
+        };
+        let mut one_at_a_time = Vec::new();
+        for ((w, _, log), instance) in servers.iter().zip(&instances) {
+            let seen = gap(0, *w, log);
+            let t = Instant::now();
+            feed.apply(instance, &[seen]);
+            driver.submit(feed.take_recoveries());
+            let answer = driver.next().await;
+            feed.recovered(answer);
+            one_at_a_time.push(t.elapsed());
+        }
+        let mut at_once = Vec::new();
+        let mut driver = RecoveryDriver::new(RecoveryClientConfig::default());
+        let t = Instant::now();
+        for ((w, _, log), instance) in servers.iter().zip(&instances) {
+            let seen = gap(1, *w, log);
+            feed.apply(instance, &[seen]);
+        }
+        driver.submit(feed.take_recoveries());
+        for _ in 0..workers {
+            let answer = driver.next().await;
+            feed.recovered(answer);
+            at_once.push(t.elapsed());
+        }
+        let stats = feed.stats();
+        assert_eq!(stats.index.blocks, workers * (blocks + 24));
+        assert_eq!(
+            (
+                stats.repairs_since,
+                stats.wipes_recovery_failed,
+                stats.wipes_id_gap
+            ),
+            (2 * workers, 0, 0)
+        );
+        let (p50, p99) = percentiles(one_at_a_time);
+        let (all50, all99) = percentiles(at_once);
+        println!(
+            "gap repair (gap seen → index repaired): one worker at a time p50 {p50:.2} ms, \
+             p99 {p99:.2} ms; {workers} workers at once p50 {all50:.1} ms, p99 {all99:.1} ms"
         );
     });
 }

@@ -348,6 +348,35 @@ mod endpoint {
         );
     }
 
+    /// Streams handed to the acceptor (a tunnel source's) are held to the server's
+    /// connection bound, and it says so before one is opened.
+    #[tokio::test]
+    async fn an_acceptor_is_held_to_the_connection_bound() {
+        let (server, _log) = serving(&stream(10, 5), WorkerLogConfig::default()).await;
+        let acceptor = server.acceptor();
+        let mut routers = Vec::new();
+        for _ in 0..crate::kv::DEFAULT_RECOVERY_CONNECTIONS {
+            assert!(acceptor.has_room());
+            let (router, worker) = tokio::io::duplex(1 << 16);
+            assert!(acceptor.accept_stream(worker));
+            routers.push(router);
+        }
+        assert!(!acceptor.has_room());
+        let (_router, worker) = tokio::io::duplex(1 << 16);
+        assert!(!acceptor.accept_stream(worker));
+        assert_eq!(server.stats().refused_connections, 1);
+        // One that is served answers over the stream.
+        let socket = DealerSocket::handshake(routers.remove(0), Config::default())
+            .await
+            .unwrap();
+        let answer = crate::kv::recover_over(socket, RecoveryRequest::Since(9), 1 << 20, 1 << 20)
+            .await
+            .unwrap();
+        assert!(matches!(answer, Recovered::Events { current_id: 10, .. }));
+        drop(server);
+        assert!(acceptor.is_closed() && !acceptor.accept_stream(tokio::io::duplex(64).1));
+    }
+
     #[tokio::test]
     async fn an_answer_over_the_clients_byte_bound_fails_it() {
         let (server, _log) = serving(&stream(2000, 4), WorkerLogConfig::default()).await;

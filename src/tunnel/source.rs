@@ -48,6 +48,15 @@ impl Serving {
         }
     }
 
+    /// Whether it would take one more connection (a recovery endpoint holds at most
+    /// its connection bound; a publisher's socket decides when the stream arrives).
+    fn has_room(&self) -> bool {
+        match self {
+            Serving::Publisher(_) => true,
+            Serving::Recovery(a) => a.has_room(),
+        }
+    }
+
     fn accept(&self, stream: super::io::TunnelStream, label: String) -> bool {
         match self {
             Serving::Publisher(a) => a.accept_stream(stream, label),
@@ -579,6 +588,8 @@ async fn session(
                         None => Some(RefuseCode::TargetNotAnnounced),
                         // Its publisher closed (the process is stopping).
                         Some(a) if a.is_closed() => Some(RefuseCode::Draining),
+                        // Refused before the stream is opened, not closed after.
+                        Some(a) if !a.has_room() => Some(RefuseCode::TooManyStreams),
                         Some(_) => None,
                     };
                     let (Some(acceptor), None) = (acceptor, refusal) else {

@@ -308,6 +308,14 @@ impl RecoveryAcceptor {
     pub fn is_closed(&self) -> bool {
         self.cancel.is_cancelled()
     }
+
+    /// Whether it would serve one more connection now (fewer than
+    /// [`DEFAULT_RECOVERY_CONNECTIONS`] are open): a tunnel source asks before it opens
+    /// a stream it would have to close at once.
+    #[cfg_attr(not(feature = "tunnel"), allow(dead_code))]
+    pub(crate) fn has_room(&self) -> bool {
+        self.shared.connections.available_permits() > 0
+    }
 }
 
 /// Serves one connection; `false` when refused.

@@ -13,7 +13,7 @@
 //! - Each worker keeps its recovery log (`kv::SharedWorkerLog`, served by a
 //!   `kv::RecoveryServer` registered with its publisher): the router rebuilds every
 //!   worker from a dump when it first sees it, and a third of the way through the demo
-//!   makes it lose one message of a worker, which it repairs from that worker's log
+//!   makes it lose one message of worker 1, which it repairs from that worker's log
 //!   instead of forgetting the worker's blocks (`kv::RecoveryDriver`).
 //! - Halfway through, one engine leaves and a new one joins: discovery-driven fan-in.
 //!
@@ -198,10 +198,15 @@ struct Injected {
 }
 
 impl Injected {
-    /// Whether to discard this message (the first one of 8 events or more once armed).
+    /// Whether to discard this message: once armed, the first one of 8 events or more
+    /// from worker 1 (followed since the start; worker 0 leaves halfway, and a loss of
+    /// its last message would never show as a gap; a worker that joins is rebuilt
+    /// from its dump anyway).
     fn take(&self, worker: Option<eventplane::discovery::WorkerIdentity>, events: u64) -> bool {
-        // A message of a few events at least (a loss worth the name).
-        if events < 8 || !self.armed.swap(false, Ordering::Relaxed) {
+        if events < 8
+            || worker.is_none_or(|w| w.worker_id != 1)
+            || !self.armed.swap(false, Ordering::Relaxed)
+        {
             return false;
         }
         self.worker
@@ -493,7 +498,12 @@ impl Engine {
         // Everything it published has arrived (or is lost): the router holds what the
         // worker holds, block for block, unless a loss went unrepaired.
         let differs = wait_while_progressing(patience, || {
-            u64::from(held_by_log(&self.log) != held_by_router(index, self.id))
+            let recovering = index
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .stats()
+                .recovering;
+            u64::from(recovering > 0 || held_by_log(&self.log) != held_by_router(index, self.id))
         })
         .await;
         if differs > 0 {
@@ -887,14 +897,18 @@ async fn main() -> anyhow::Result<()> {
     row("index bytes, load end", at_load_end.index.bytes);
     row("index entries after every worker left", fed.index.blocks);
     row(
-        "index rebuilds from a worker's dump (first sight)",
+        "index repairs from a worker's dump (first sight too)",
         fed.repairs_dump,
     );
     row(
-        "index repairs from a worker's log (after a loss)",
+        "index repairs from the events since a loss",
         fed.repairs_since,
     );
-    row("repair latency p99 (ms)", fed.repair_p99_ms);
+    row("  their latency p99 (ms)", fed.repair_p99_ms);
+    row(
+        "live events an answer had applied already (skipped)",
+        fed.late_duplicates,
+    );
     row("workers", next_id);
     row(
         "  whose blocks the index held exactly at their end",
@@ -907,6 +921,8 @@ async fn main() -> anyhow::Result<()> {
             + fed.wipes_recovery_failed
             + fed.wipes_held_overflow,
     );
+    row("  after an id gap or ids going back", fed.wipes_id_gap);
+    row("  after a reconnection", fed.wipes_reconnect);
     row("  after a failed recovery", fed.wipes_recovery_failed);
     row(
         "  after holding too many live events",
@@ -916,7 +932,15 @@ async fn main() -> anyhow::Result<()> {
         "router events refused by the index",
         fed.refused_events + fed.refused_rank_events,
     );
-    tunnel::report(tunnel, a.publisher_accepted, row).await;
+    // Every worker's recovery endpoint is kept until here: its connections are the
+    // recoveries the router made (through the bus, with --tunnel).
+    let recoveries: u64 = retired
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .map(|s| s.stats().connections)
+        .sum();
+    tunnel::report(tunnel, a.publisher_accepted, recoveries, row).await;
     Ok(())
 }
 
@@ -1120,8 +1144,13 @@ mod tunnel {
 
     /// The tunnel's rows; `accepted` is how many connections the workers' publishers
     /// accepted in all (the broker's, the sources' streams, and any the router made
-    /// directly).
-    pub(super) async fn report(tunnel: Option<Tunnel>, accepted: u64, row: impl Fn(&str, u64)) {
+    /// directly), `recoveries` how many their recovery endpoints served.
+    pub(super) async fn report(
+        tunnel: Option<Tunnel>,
+        accepted: u64,
+        recoveries: u64,
+        row: impl Fn(&str, u64),
+    ) {
         let Some(Tunnel {
             bus,
             broker,
@@ -1137,8 +1166,13 @@ mod tunnel {
             row("streams from workers dialling out", from_sources);
         }
         row(
+            "  recoveries among them (dumps, events since a loss)",
+            recoveries,
+        );
+        row(
             "worker connections not through the bus",
-            accepted.saturating_sub(stats.streams_opened + from_sources),
+            accepted
+                .saturating_sub((stats.streams_opened + from_sources).saturating_sub(recoveries)),
         );
         row("bytes relayed publishers → router", bus.stats().bytes_in);
         row("refused or failed subscribes", bus.stats().streams_failed);
@@ -1201,7 +1235,7 @@ mod tunnel {
         builder
     }
 
-    pub(super) async fn report(_: Option<Tunnel>, _: u64, _: impl Fn(&str, u64)) {}
+    pub(super) async fn report(_: Option<Tunnel>, _: u64, _: u64, _: impl Fn(&str, u64)) {}
 
     pub(super) fn recovery(_: Option<&Tunnel>, driver: RecoveryDriver) -> RecoveryDriver {
         driver

@@ -35,14 +35,27 @@ struct Followed {
     repair: Option<Repairing>,
     /// A dump was applied (first sight is over).
     rebuilt: bool,
-    /// The ids the last recovery answer applied (`from..=through`): live events with
-    /// these ids still on their way (sent before the answer was read) are duplicates,
-    /// skipped until an event after them arrives or the publisher reconnects.
-    answered: Option<(u64, u64)>,
+    /// The highest id of a live event seen (held or applied).
+    last_live: u64,
+    /// After a recovery answer current past the live events seen: which live events
+    /// may still be late copies of what it applied (see [`Late`]).
+    late: Option<Late>,
     /// Whether its first connection was seen (a second one is a reconnect).
     connected: bool,
     /// The (worker, rank)s it fed.
     fed: SmallVec<[(WorkerId, DpRank); 2]>,
+}
+
+/// The live events that may arrive after a recovery answer that already applied
+/// them (they were on their way when it was read): a run of consecutive ids ending at
+/// most at `through`. Its first id is `next`, or, when no live event was seen while
+/// the answer was awaited, any id above `lo`. Each is skipped; any other id ends it.
+#[derive(Debug, Clone, Copy)]
+struct Late {
+    lo: u64,
+    /// 0 until the run's first event.
+    next: u64,
+    through: u64,
 }
 
 /// Why a publisher's blocks were dropped from the index.
@@ -289,13 +302,18 @@ impl IndexFeed {
         let Some(p) = self.publishers.get_mut(id) else {
             return;
         };
+        p.last_live = p.last_live.max(ev.event.id);
         if p.repair.is_some() {
             return self.hold(id, ev);
         }
-        if let Some((from, through)) = p.answered {
-            if ev.event.id > through {
-                p.answered = None;
-            } else if ev.event.id >= from && ev.event.id < p.next_id {
+        if let Some(w) = p.late.take() {
+            let id = ev.event.id;
+            let late = match w.next {
+                0 => id > w.lo && id <= w.through,
+                next => id == next,
+            };
+            if late {
+                p.late = (id < w.through).then_some(Late { next: id + 1, ..w });
                 self.stats.late_duplicates += 1;
                 return;
             }
@@ -371,7 +389,7 @@ impl IndexFeed {
                 p.sender = instance.worker.map(|w| WorkerId(w.worker_id));
                 p.recovery.clone_from(&instance.recovery);
                 // A new connection: what it sends is not a late copy of an answer.
-                p.answered = None;
+                p.late = None;
                 let again = std::mem::replace(&mut p.connected, true);
                 if p.repair.is_some() {
                     return self.endpoint_gone(&instance.id);
@@ -389,6 +407,12 @@ impl IndexFeed {
                 }
             }
             Notice::Departed(id) => self.depart(id),
+            Notice::Reset { id, .. } => {
+                // Its sequence restarted: what follows is not a late copy either.
+                if let Some(p) = self.publishers.get_mut(id) {
+                    p.late = None;
+                }
+            }
             _ => {}
         }
     }
@@ -446,6 +470,7 @@ impl IndexFeed {
         let Some(p) = self.publishers.get_mut(id) else {
             return;
         };
+        p.late = None;
         let fed = std::mem::take(&mut p.fed);
         let mut blocks = 0;
         for key in fed {

@@ -93,6 +93,9 @@ struct Repairing {
     overflows: u32,
     /// Requests made for this loss.
     rounds: u32,
+    /// The highest live id seen before it started: a live event above it arrived
+    /// while it was awaited (and was held).
+    live_at_start: u64,
 }
 
 impl Repairing {
@@ -171,7 +174,11 @@ impl IndexFeed {
             }
             Ok(Recovered::TooOld { .. }) => Err(Unusable::AskDump),
             Ok(Recovered::Events { events, current_id }) => {
-                self.apply_since(publisher, repair.request, &events, current_id)
+                let applied = self.apply_since(publisher, repair.request, &events, current_id);
+                if applied.is_ok() {
+                    self.expect_late(publisher, &repair, current_id);
+                }
+                applied
             }
             Ok(Recovered::Dump(dump)) => {
                 // It replaces what the publisher fed.
@@ -182,8 +189,8 @@ impl IndexFeed {
                 if let Some(p) = self.publishers.get_mut(publisher) {
                     p.next_id = dump.current_id.saturating_add(1);
                     p.rebuilt = true;
-                    p.answered = Some((1, dump.current_id));
                 }
+                self.expect_late(publisher, &repair, dump.current_id);
                 self.stats.repairs_dump += 1;
                 Ok(())
             }
@@ -214,6 +221,37 @@ impl IndexFeed {
             self.drain(publisher, repair);
             self.carry_rounds(publisher, rounds);
         }
+    }
+
+    /// After an answer current at `through`: the live events up to `through` that are
+    /// still on their way arrive as late copies of what it applied, in order. When live
+    /// events arrived while it was awaited (held), the late ones follow them directly;
+    /// when none did, they are a run ending at `through` that starts above what was
+    /// seen live and at most [`FEED_MAX_HELD_EVENTS`] ids before `through` (a worker
+    /// claiming an id far ahead gets its next live event taken as what it is).
+    fn expect_late(&mut self, publisher: &ChannelId, repair: &Repairing, through: u64) {
+        let Some(p) = self.publishers.get_mut(publisher) else {
+            return;
+        };
+        p.late = None;
+        if p.last_live >= through {
+            return;
+        }
+        let bound = FEED_MAX_HELD_EVENTS as u64;
+        p.late = if p.last_live > repair.live_at_start {
+            let next = p.last_live + 1;
+            (through - next < bound).then_some(Late {
+                lo: p.last_live,
+                next,
+                through,
+            })
+        } else {
+            Some(Late {
+                lo: p.last_live.max(through.saturating_sub(bound)),
+                next: 0,
+                through,
+            })
+        };
     }
 
     /// Applies the events of a `since` answer; `Err` when they do not close the gap.
@@ -248,9 +286,6 @@ impl IndexFeed {
             return Err(Unusable::AskDump);
         }
         self.stats.repairs_since += 1;
-        if let Some(p) = self.publishers.get_mut(publisher) {
-            p.answered = Some((asked.saturating_add(1), current_id));
-        }
         Ok(())
     }
 
@@ -353,6 +388,7 @@ impl IndexFeed {
         let serial = self.next_serial();
         if let Some(p) = self.publishers.get_mut(id) {
             let overflows = p.repair.as_ref().map_or(0, |r| r.overflows);
+            p.late = None;
             p.repair = Some(Repairing {
                 request,
                 serial,
@@ -362,6 +398,8 @@ impl IndexFeed {
                 overflowed: false,
                 overflows,
                 rounds: 0,
+                // The event that started it (if one did) is held, not before.
+                live_at_start: p.last_live.min(p.next_id.saturating_sub(1)),
             });
         }
     }
@@ -413,6 +451,7 @@ impl IndexFeed {
             return;
         };
         if p.recovery.is_none() {
+            p.late = None;
             if let Some(r) = p.repair.take() {
                 self.fail(id, r, "the recovery endpoint is gone");
             }

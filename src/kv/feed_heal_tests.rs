@@ -53,6 +53,25 @@ fn answer(
     });
 }
 
+/// Answers `w`'s outstanding request with a complete dump of `events` at `current_id`.
+fn answer_dump(feed: &mut IndexFeed, w: &Instance, events: Vec<RouterEvent>, current_id: u64) {
+    let dump = Dump {
+        events,
+        current_id,
+        complete: true,
+    };
+    answer(feed, w, Ok(Recovered::Dump(dump)), Duration::from_millis(1));
+}
+
+/// A feed that sees `w` connect, and its dump request.
+fn connected() -> (IndexFeed, Instance) {
+    let w = worker();
+    let mut feed = IndexFeed::default();
+    feed.notice(&Notice::Connected(std::sync::Arc::new(w.clone())));
+    assert_eq!(feed.take_recoveries().len(), 1);
+    (feed, w)
+}
+
 fn removed(id: u64, hash: u64) -> RouterEvent {
     let mut ev = stored(id, hash, None);
     ev.event.data = KvEventData::Removed {
@@ -172,6 +191,85 @@ fn live_events_an_answer_already_applied_are_skipped_not_wiped() {
     assert_eq!(feed.stats().wipes_id_gap, 1);
 }
 
+/// A dump read before any live event: the live events it already applied arrive
+/// after it, a run ending at its id, and are skipped. A worker process that restarts
+/// its ids comes on a new connection: it is rebuilt from its own dump, and goes on
+/// from there.
+#[test]
+fn late_copies_of_a_dump_read_first_are_skipped_and_a_restart_starts_over() {
+    let (mut feed, w) = connected();
+    answer_dump(
+        &mut feed,
+        &w,
+        vec![stored(9, 109, None), stored(10, 110, Some(109))],
+        10,
+    );
+    feed.apply(
+        &w,
+        &[
+            stored(9, 109, None),
+            stored(10, 110, Some(109)),
+            stored(11, 111, Some(110)),
+        ],
+    );
+    assert_eq!(blocks(&feed), [109, 110, 111]);
+    let s = feed.stats();
+    assert_eq!((s.late_duplicates, s.wipes_id_gap), (2, 0));
+    // The worker process restarts (a new connection), its ids from 1.
+    feed.notice(&Notice::Connected(std::sync::Arc::new(w.clone())));
+    let need = feed.take_recoveries();
+    assert_eq!(need[0].request, RecoveryRequest::Since(11));
+    answer(
+        &mut feed,
+        &w,
+        Ok(Recovered::TooOld { oldest: 1 }),
+        Duration::from_millis(1),
+    );
+    assert_eq!(feed.take_recoveries()[0].request, RecoveryRequest::Dump);
+    answer_dump(&mut feed, &w, vec![stored(1, 201, None)], 1);
+    assert_eq!(blocks(&feed), [201]);
+    feed.apply(&w, &[stored(2, 202, Some(201))]);
+    assert_eq!(blocks(&feed), [201, 202]);
+    assert_eq!(feed.stats().late_duplicates, 2);
+}
+
+/// A dump that claims an id far past the live events opens no window either: the
+/// next live event is what it is (here, ids going back: a wipe), and the stream
+/// goes on from it.
+#[test]
+fn a_dump_claiming_an_id_far_ahead_does_not_freeze_the_publisher() {
+    let (mut feed, w) = connected();
+    // A live event arrives while the dump is awaited.
+    feed.apply(&w, &[stored(5, 105, None)]);
+    answer_dump(&mut feed, &w, vec![stored(5, 105, None)], u64::MAX);
+    feed.apply(&w, &[stored(6, 106, None), stored(7, 107, None)]);
+    let s = feed.stats();
+    assert_eq!((s.late_duplicates, s.wipes_id_gap), (0, 1));
+    assert_eq!(blocks(&feed), [106, 107]);
+}
+
+/// Late copies come in order: any other id ends the window.
+#[test]
+fn late_copies_out_of_order_end_the_window() {
+    let (mut feed, w) = following(2);
+    feed.apply(&w, &[stored(4, 104, Some(103))]);
+    feed.take_recoveries();
+    let since: Vec<RouterEvent> = (3..=8).map(|i| stored(i, 100 + i, Some(99 + i))).collect();
+    answer(
+        &mut feed,
+        &w,
+        Ok(Recovered::Events {
+            events: since,
+            current_id: 8,
+        }),
+        Duration::from_millis(2),
+    );
+    // 5 was lost on the way as well: 6 is no late copy of 5, and ids went back.
+    feed.apply(&w, &[stored(6, 106, Some(105))]);
+    let s = feed.stats();
+    assert_eq!((s.late_duplicates, s.wipes_id_gap), (0, 1));
+}
+
 #[test]
 fn at_first_sight_a_dump_rebuilds_and_held_events_after_it_follow() {
     let w = worker();
@@ -191,17 +289,7 @@ fn at_first_sight_a_dump_rebuilds_and_held_events_after_it_follow() {
             tokens_hash: TokensHash(141),
         });
     }
-    let dump = Dump {
-        events: vec![chain],
-        current_id: 41,
-        complete: true,
-    };
-    answer(
-        &mut feed,
-        &w,
-        Ok(Recovered::Dump(dump)),
-        Duration::from_millis(1),
-    );
+    answer_dump(&mut feed, &w, vec![chain], 41);
     assert_eq!(blocks(&feed), [140, 141, 142]);
     assert_eq!(feed.stats().repairs_dump, 1);
     // Live again.

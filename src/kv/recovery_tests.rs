@@ -377,6 +377,31 @@ mod endpoint {
         assert!(acceptor.is_closed() && !acceptor.accept_stream(tokio::io::duplex(64).1));
     }
 
+    /// The dump shared between requests is the log's at its id *and* its id breaks:
+    /// a new process that restarted the ids and reached the same id gets its own.
+    #[tokio::test]
+    async fn a_restarted_process_at_the_same_id_gets_its_own_dump() {
+        let first: Vec<RouterEvent> = (1..=3).map(|i| ev(i, 0, stored(None, &[i]))).collect();
+        let (server, log) = serving(&first, WorkerLogConfig::default()).await;
+        let at = server.local_endpoint().to_owned();
+        let dump = || async {
+            match recover(&at, RecoveryRequest::Dump, RecoveryClientConfig::default()).await {
+                Ok(Recovered::Dump(d)) => d,
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(view(&dump().await.events), view(&first));
+        let mut feeder = log.clone();
+        feeder.apply(&ev(1, 0, KvEventData::Cleared)).unwrap();
+        for i in 2..=3 {
+            feeder.apply(&ev(i, 0, stored(None, &[10 + i]))).unwrap();
+        }
+        let again = dump().await;
+        assert_eq!(again.current_id, 3);
+        assert_eq!(again, log.with(WorkerLog::dump));
+        assert_eq!(server.stats().dumps_built, 2);
+    }
+
     #[tokio::test]
     async fn an_answer_over_the_clients_byte_bound_fails_it() {
         let (server, _log) = serving(&stream(2000, 4), WorkerLogConfig::default()).await;

@@ -187,6 +187,12 @@ catalogue! {
         "Publishers whose recovery is in progress.";
     KV_INDEX_HELD: Gauge "eventplane_kv_index_held_events" [] "IndexFeedStats"
         "Live events held for publishers that recover.";
+    KV_INDEX_HELD_DROPPED: Counter "eventplane_kv_index_held_dropped_total" [] "IndexFeedStats"
+        "Live events dropped while their publisher recovered (too many held), asked for again.";
+    KV_INDEX_LATE_DUPLICATES: Counter "eventplane_kv_index_late_duplicates_total" [] "IndexFeedStats"
+        "Live events a recovery answer had already applied (on their way when it was read), skipped.";
+    KV_INDEX_STALE_ANSWERS: Counter "eventplane_kv_index_stale_answers_total" [] "IndexFeedStats"
+        "Recovery answers to requests no longer awaited, ignored.";
     KV_INDEX_REPAIR_P99: Gauge "eventplane_kv_index_repair_p99_milliseconds" [] "IndexFeedStats"
         "The 99th percentile of the last 256 repairs' time from request to answer.";
     KV_INDEX_WIPED_BLOCKS: Counter "eventplane_kv_index_wiped_blocks_total" [] "IndexFeedStats"

@@ -148,6 +148,9 @@ impl Sampled for IndexFeedStats {
         out.labelled(&KV_INDEX_REPAIRS, "dump", self.repairs_dump);
         out.gauge(&KV_INDEX_RECOVERING, self.recovering);
         out.gauge(&KV_INDEX_HELD, self.held_events);
+        out.counter(&KV_INDEX_HELD_DROPPED, self.held_dropped);
+        out.counter(&KV_INDEX_LATE_DUPLICATES, self.late_duplicates);
+        out.counter(&KV_INDEX_STALE_ANSWERS, self.stale_answers);
         out.gauge(&KV_INDEX_REPAIR_P99, self.repair_p99_ms);
         out.counter(&KV_INDEX_WIPED_BLOCKS, self.wiped_blocks);
         out.counter(&KV_INDEX_UNDECODABLE, self.undecodable);

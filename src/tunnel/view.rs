@@ -78,6 +78,12 @@ impl Namespace {
             advertised.truncate(1);
             whole = false;
             if cost(&instance.id, &advertised) > room {
+                // Discovery moved on from the earlier incarnation: it is not dialled
+                // either.
+                if let Some((_, old)) = self.by_id.remove(&instance.id) {
+                    self.bytes = self.bytes.saturating_sub(cost(&instance.id, &old));
+                    self.forget(&old);
+                }
                 return false;
             }
         }
@@ -413,13 +419,17 @@ mod tests {
             )
             .with_recovery(format!("tcp://{}:{n}", "r".repeat(1000)))
         };
-        let mut refused = 0;
+        let (mut refused, mut gone) = (0, 0);
         for n in 0..20_000 {
             refused += u64::from(!ns.add(&big(n)));
+            gone += u64::from(!ns.by_id.contains_key(&big(n).id));
             assert!(ns.bytes <= MAX_VIEW_BYTES, "{} after {n}", ns.bytes);
         }
-        assert!(refused > 0);
-        // A refused replacement keeps the incarnation it had.
-        assert_eq!(ns.by_id.len(), 20_000);
+        assert!(refused > gone && gone > 0, "{refused} {gone}");
+        // A replacement that does not fit at all takes its earlier incarnation out of
+        // the view (discovery moved on from it).
+        assert_eq!(ns.by_id.len() as u64, 20_000 - gone);
+        let advertised: usize = ns.by_id.values().map(|(_, a)| a.len()).sum();
+        assert_eq!(ns.endpoints.values().sum::<usize>(), advertised);
     }
 }

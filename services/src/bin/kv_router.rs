@@ -722,6 +722,8 @@ async fn main() -> ExitCode {
             "recovering": fed.recovering,
             "held_events": fed.held_events,
             "late_duplicates": fed.late_duplicates,
+            "held_dropped": fed.held_dropped,
+            "stale_answers": fed.stale_answers,
         },
         "decode_errors": {
             "frames": m.frames,

@@ -152,7 +152,9 @@ struct Shared {
     counters: Counters,
     connections: Arc<Semaphore>,
     dumps: Semaphore,
-    last_dump: Mutex<Option<Encoded>>,
+    /// The last dump built, with the log's (last id, id breaks) it was built at: a
+    /// log whose ids restarted (another process) is at a new key even at the same id.
+    last_dump: Mutex<Option<((u64, u64), Encoded)>>,
     config: zmtp::Config,
 }
 
@@ -459,14 +461,18 @@ fn encode(events: &[RouterEvent]) -> Vec<Bytes> {
 /// The dump at the log's current id: shared when one was built there, else built
 /// (at most [`DEFAULT_CONCURRENT_DUMPS`] at once).
 async fn dump(shared: &Shared) -> Encoded {
-    let current = shared.log.stats().last_id;
+    let at = {
+        let s = shared.log.stats();
+        (s.last_id, s.id_breaks)
+    };
     let cached = |shared: &Shared| {
         shared
             .last_dump
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .clone()
-            .filter(|d| d.0 == current)
+            .as_ref()
+            .filter(|(key, _)| *key == at)
+            .map(|(_, d)| d.clone())
     };
     if let Some(d) = cached(shared) {
         return d;
@@ -476,14 +482,19 @@ async fn dump(shared: &Shared) -> Encoded {
     if let Some(d) = cached(shared) {
         return d;
     }
-    let dump = shared.log.dump();
+    // Copied under the log's lock with the key it is at; sorted and packed after.
+    let (snapshot, at) = shared.log.with(|log| {
+        let s = log.stats();
+        (log.snapshot(), (s.last_id, s.id_breaks))
+    });
+    let dump = snapshot.into_dump();
     counter::add(&shared.counters.built, 1);
     let messages = encode(&dump.events);
     // A message that failed to encode is missing from the dump: say it is partial.
     let whole = messages.len()
         == split_messages(&dump.events, EVENTS_PER_MESSAGE, BLOCKS_PER_MESSAGE).count();
     let encoded: Encoded = Arc::new((dump.current_id, dump.complete && whole, messages));
-    *shared.last_dump.lock().unwrap_or_else(|p| p.into_inner()) = Some(encoded.clone());
+    *shared.last_dump.lock().unwrap_or_else(|p| p.into_inner()) = Some((at, encoded.clone()));
     encoded
 }
 

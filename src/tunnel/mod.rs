@@ -64,6 +64,7 @@ mod relay;
 mod rendezvous;
 mod router_session;
 mod serve;
+mod serving;
 mod session;
 mod source;
 mod sources;

@@ -18,6 +18,7 @@ use super::codes::CodeCounts;
 use super::config::{Deadlines, check_client};
 use super::error::TunnelError;
 use super::io::{BrokerBody, ChannelBody, Secret, StreamBytes, TUNNEL_WRITE_CHUNKS, next_chunk};
+use super::serving::{Announced, Serving};
 use super::{
     BrokerEvent, BrokerSession, CloseCode, ControlDecoder, Hello, MAX_ANNOUNCE, Reconnect,
     RefuseCode,
@@ -25,45 +26,6 @@ use super::{
 use crate::kv::RecoveryAcceptor;
 use crate::net::random_unit;
 use crate::zmtp::StreamAcceptor;
-
-/// An announced publisher: what the router is told, where its subscribers are
-/// served, and where its recovery log is (when announced with one).
-struct Announced {
-    source: AnnouncedSource,
-    acceptor: StreamAcceptor,
-    recovery: Option<RecoveryAcceptor>,
-}
-
-/// What serves one data stream: the publisher's socket, or its recovery endpoint.
-enum Serving {
-    Publisher(StreamAcceptor),
-    Recovery(RecoveryAcceptor),
-}
-
-impl Serving {
-    fn is_closed(&self) -> bool {
-        match self {
-            Serving::Publisher(a) => a.is_closed(),
-            Serving::Recovery(a) => a.is_closed(),
-        }
-    }
-
-    /// Whether it would take one more connection (a recovery endpoint holds at most
-    /// its connection bound; a publisher's socket decides when the stream arrives).
-    fn has_room(&self) -> bool {
-        match self {
-            Serving::Publisher(_) => true,
-            Serving::Recovery(a) => a.has_room(),
-        }
-    }
-
-    fn accept(&self, stream: super::io::TunnelStream, label: String) -> bool {
-        match self {
-            Serving::Publisher(a) => a.accept_stream(stream, label),
-            Serving::Recovery(a) => a.accept_stream(stream),
-        }
-    }
-}
 
 /// Most publishers one [`Source`] announces by default.
 pub const MAX_SOURCE_PUBLISHERS: usize = 1024;

@@ -1,0 +1,46 @@
+//! What a source serves its data streams from: an announced publisher's socket, or
+//! its worker's recovery endpoint.
+
+use super::announce::AnnouncedSource;
+use super::io::TunnelStream;
+use crate::kv::RecoveryAcceptor;
+use crate::zmtp::StreamAcceptor;
+
+/// An announced publisher: what the router is told, where its subscribers are
+/// served, and where its recovery log is (when announced with one).
+pub(super) struct Announced {
+    pub(super) source: AnnouncedSource,
+    pub(super) acceptor: StreamAcceptor,
+    pub(super) recovery: Option<RecoveryAcceptor>,
+}
+
+/// What serves one data stream: the publisher's socket, or its recovery endpoint.
+pub(super) enum Serving {
+    Publisher(StreamAcceptor),
+    Recovery(RecoveryAcceptor),
+}
+
+impl Serving {
+    pub(super) fn is_closed(&self) -> bool {
+        match self {
+            Serving::Publisher(a) => a.is_closed(),
+            Serving::Recovery(a) => a.is_closed(),
+        }
+    }
+
+    /// Whether it would take one more connection (a recovery endpoint holds at most
+    /// its connection bound; a publisher's socket decides when the stream arrives).
+    pub(super) fn has_room(&self) -> bool {
+        match self {
+            Serving::Publisher(_) => true,
+            Serving::Recovery(a) => a.has_room(),
+        }
+    }
+
+    pub(super) fn accept(&self, stream: TunnelStream, label: String) -> bool {
+        match self {
+            Serving::Publisher(a) => a.accept_stream(stream, label),
+            Serving::Recovery(a) => a.accept_stream(stream),
+        }
+    }
+}

@@ -430,6 +430,7 @@ impl EventBus {
         id: &ChannelId,
         target: Target,
     ) -> Result<TunnelStream, TunnelError> {
+        let recovery = matches!(target, Target::Recovery { .. });
         let Some(route) = self.inner.sources.route(id) else {
             self.inner
                 .counters
@@ -443,7 +444,7 @@ impl EventBus {
             "",
             id.publisher_id(),
             target,
-            false,
+            recovery,
         )
         .await
     }
@@ -525,7 +526,7 @@ impl EventBus {
                     namespace: namespace.to_owned(),
                     publisher_id,
                     // A recovery stream is not moved: cut, its answer would be lost.
-                    movable: !matches!(target, Target::Recovery { .. }) && !recovery,
+                    movable: !recovery,
                     reply,
                 },
             );

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::faults::{Fault, FaultKind};
+use crate::fidelity::Fidelity;
 use crate::ledger::{RelayExit, Violation};
 use crate::netns::Namespaces;
 use crate::process::{Proc, sample};
@@ -48,6 +49,10 @@ pub(crate) struct RunArgs {
     /// How long the routers' indexes may take to converge once the engines settled.
     #[arg(long, default_value_t = 30)]
     pub(crate) converge_secs: u64,
+    /// A router's index sample counts as exact when it equals what the engine held
+    /// this long before it, at most (a stall or a partition delays, a wipe does not).
+    #[arg(long = "lag-tolerance-ms", default_value_t = 20_000)]
+    pub(crate) lag_tolerance_ms: u64,
     /// A kv_relay binary to use instead of building it.
     #[arg(long)]
     pub(crate) relay: Option<PathBuf>,
@@ -93,6 +98,8 @@ pub(crate) struct Cluster {
     pub(crate) engines: Vec<Proc>,
     pub(crate) engine_dead: Vec<bool>,
     pub(crate) engine_endpoints: Vec<String>,
+    /// Each engine's replay endpoint (its ROUTER).
+    pub(crate) engine_replays: Vec<String>,
     pub(crate) relays: Vec<Option<Proc>>,
     pub(crate) relay_incarnation: Vec<usize>,
     pub(crate) relay_held: Vec<bool>,
@@ -109,6 +116,7 @@ pub(crate) struct Cluster {
     pub(crate) start: Instant,
     pub(crate) injected: BTreeMap<&'static str, u64>,
     pub(crate) start_retries: u64,
+    pub(crate) fidelity: Fidelity,
 }
 
 pub(crate) fn etcd_url(host: &str, port: u16) -> String {
@@ -175,6 +183,10 @@ impl Cluster {
         let args: Vec<String> = [
             "--connect",
             &self.engine_endpoints[w],
+            "--engine-replay",
+            &self.engine_replays[w],
+            "--recovery-bind",
+            bind,
             "--topic",
             "kv-events",
             "--block-size",
@@ -319,6 +331,8 @@ impl Cluster {
                 while let Ok(line) = p.lines.try_recv() {
                     if line == "ready" {
                         self.router_ready[r] = true;
+                    } else if let Some(prints) = line.strip_prefix("fps ") {
+                        self.fidelity.router(r, prints);
                     }
                 }
                 if let Some(status) = p.exited() {
@@ -347,7 +361,17 @@ impl Cluster {
                 }
             }
         }
-        for (p, dead) in self.engines.iter_mut().zip(&mut self.engine_dead) {
+        for (w, (p, dead)) in self
+            .engines
+            .iter_mut()
+            .zip(&mut self.engine_dead)
+            .enumerate()
+        {
+            while let Ok(line) = p.lines.try_recv() {
+                if let Some(prints) = line.strip_prefix("fps ") {
+                    self.fidelity.engine(w as u64 + 1, prints);
+                }
+            }
             if *dead {
                 continue;
             }

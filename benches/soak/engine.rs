@@ -5,18 +5,25 @@
 //! matters), FIFO eviction as `BlockRemoved`, two storage tiers, and rare clears.
 //!
 //! The engine is the soak's ground truth. It holds a block while the block's store
-//! count is above zero — the same rule the relay's dedup applies (DESIGN §4.2) — and
-//! prints what it holds when told to settle.
+//! count is above zero — the same rule the relay's dedup applies (DESIGN §4.2). After
+//! each batch it notes a fingerprint of its device-tier blocks (an XOR of their mixed
+//! hashes, the one a router computes over its index) and prints the second's notes
+//! once a second: `fps [[unix_ms, fp], …]`, what the oracle samples routers against.
 //!
-//! stdin commands, one per line: `settle` (stop reusing and clearing; store only new
-//! blocks until every block held at the command has been evicted; then stop publishing
-//! and print `held {"gpu":[…],"cpu":[…]}`), `quit`.
+//! Like vLLM, SGLang and TensorRT-LLM it serves a replay endpoint (a ROUTER: a request
+//! `["", start_seq u64be]` answered with `["", topic, seq, payload]` per buffered batch
+//! from `start_seq`, then the end marker with sequence `u64::MAX`), keeping its last
+//! [`REPLAY_BUFFER`] batches. It prints `bound EP` then `replay EP` at start.
+//!
+//! stdin commands, one per line: `settle` (stop publishing and print
+//! `held {"gpu":[…],"cpu":[…]}`: everything it holds, no final eviction), `quit`.
 
 use std::collections::{HashMap, VecDeque};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use eventplane::zmtp::{Config, Message, PubSocket};
+use eventplane::zmtp::{Config, DealerSocket, Message, PubSocket};
 use serde::Serialize;
 use tokio::io::AsyncBufReadExt;
 
@@ -83,8 +90,13 @@ pub(crate) struct Cache {
     tails: VecDeque<(Tier, u64)>,
     stamp: u64,
     fresh: u64,
-    /// Set by `settle`: the stamp every held block must reach.
-    settle_from: Option<u64>,
+    /// XOR of [`block_print`] over the device-tier blocks held.
+    fingerprint: u64,
+}
+
+/// A block's share of a fingerprint (engine and router compute the same).
+pub(crate) fn block_print(hash: u64) -> u64 {
+    crate::rng::mix(hash ^ 0x5eed_f1e1_d0c5_0a4b)
 }
 
 impl Cache {
@@ -99,7 +111,7 @@ impl Cache {
             tails: VecDeque::new(),
             stamp: 0,
             fresh: 0,
-            settle_from: None,
+            fingerprint: 0,
         }
     }
 
@@ -113,34 +125,31 @@ impl Cache {
     fn push(&mut self, tier: Tier, hash: u64) {
         self.stamp += 1;
         self.fifo.push_back((tier, hash, self.stamp));
-        *self.counts.entry((tier, hash)).or_default() += 1;
+        let n = self.counts.entry((tier, hash)).or_default();
+        *n += 1;
+        if *n == 1 && tier == Tier::Gpu {
+            self.fingerprint ^= block_print(hash);
+        }
     }
 
-    /// Stops reuse and clears; [`settled`](Self::settled) once every block held now
-    /// is gone.
-    pub(crate) fn settle(&mut self) {
-        self.settle_from = Some(self.stamp + 1);
-    }
-
-    /// Whether settling is over: every block held was stored after `settle`.
-    pub(crate) fn settled(&self) -> bool {
-        self.settle_from
-            .is_some_and(|from| self.fifo.front().is_none_or(|&(_, _, s)| s >= from))
+    /// The fingerprint of the device-tier blocks held now.
+    pub(crate) fn fingerprint(&self) -> u64 {
+        self.fingerprint
     }
 
     /// The next batch's events.
     pub(crate) fn tick(&mut self) -> Vec<EngineEvent> {
         let mut events = Vec::new();
-        let settling = self.settle_from.is_some();
-        if !settling && self.rng.below(1000) < 2 {
+        if self.rng.below(1000) < 2 {
             self.fifo.clear();
             self.counts.clear();
             self.tails.clear();
+            self.fingerprint = 0;
             events.push(EngineEvent::Cleared(("AllBlocksCleared",)));
             return events;
         }
         for _ in 0..1 + self.rng.below(3) {
-            if !settling && !self.fifo.is_empty() && self.rng.below(10) == 0 {
+            if !self.fifo.is_empty() && self.rng.below(10) == 0 {
                 // A block stored again while held (vLLM re-caching a prefix): the
                 // relay's dedup counts it and passes only its last removal.
                 let i = self.rng.below(self.fifo.len() as u64) as usize;
@@ -203,6 +212,9 @@ impl Cache {
                 *n -= 1;
                 if *n == 0 {
                     self.counts.remove(&(tier, hash));
+                    if tier == Tier::Gpu {
+                        self.fingerprint ^= block_print(hash);
+                    }
                 }
             }
             match &mut run {
@@ -242,6 +254,21 @@ pub(crate) struct Held {
     pub(crate) cpu: Vec<u64>,
 }
 
+/// Batches kept for replay: 10,000, the engines' default.
+pub(crate) const REPLAY_BUFFER: usize = 10_000;
+
+/// The batches kept for replay, oldest first.
+type Buffer = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
+
+const TOPIC: &[u8] = b"kv-events";
+
+/// Milliseconds since the epoch: the clock engines and routers stamp prints with.
+pub(crate) fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 /// Runs the engine until `quit` or stdin closes.
 pub(crate) async fn run(args: EngineArgs) -> Result<(), String> {
     // A stopped relay stops answering heartbeats: dropped within 3 s, its batches
@@ -252,42 +279,108 @@ pub(crate) async fn run(args: EngineArgs) -> Result<(), String> {
         .write_stall_timeout(Some(Duration::from_secs(3)))
         .build()
         .map_err(|e| e.to_string())?;
-    let socket = PubSocket::bind("tcp://127.0.0.1:0", config)
+    let socket = PubSocket::bind("tcp://127.0.0.1:0", config.clone())
         .await
         .map_err(|e| e.to_string())?;
     println!("bound {}", socket.local_endpoint().unwrap_or_default());
+    let buffer: Buffer = Arc::default();
+    let replay = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = replay.local_addr().map_err(|e| e.to_string())?;
+    println!("replay tcp://{addr}");
+    tokio::spawn(serve_replay(replay, buffer.clone(), config));
     let mut cache = Cache::new(&args);
     let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
     let mut tick = tokio::time::interval(args.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut report = tokio::time::interval(Duration::from_secs(1));
+    let mut prints: Vec<(u64, u64)> = vec![(unix_ms(), 0)];
     let mut seq = 0u64;
     let mut quiet = false;
     loop {
         tokio::select! {
             line = lines.next_line() => match line {
-                Ok(Some(l)) if l.trim() == "settle" => cache.settle(),
+                Ok(Some(l)) if l.trim() == "settle" && !quiet => {
+                    quiet = true;
+                    let held = serde_json::to_string(&cache.held()).map_err(|e| e.to_string())?;
+                    println!("held {held}");
+                }
                 Ok(Some(l)) if l.trim() == "quit" => return Ok(()),
                 Ok(Some(_)) => {}
                 _ => return Ok(()),
             },
+            _ = report.tick(), if !quiet && !prints.is_empty() => {
+                let line = serde_json::to_string(&prints).map_err(|e| e.to_string())?;
+                println!("fps {line}");
+                prints.clear();
+            }
             _ = tick.tick(), if !quiet => {
-                if cache.settled() {
-                    quiet = true;
-                    let held = serde_json::to_string(&cache.held()).map_err(|e| e.to_string())?;
-                    println!("held {held}");
-                    continue;
-                }
                 let events = cache.tick();
                 let ts = seq as f64 * args.interval.as_secs_f64();
-                let payload = rmp_serde::to_vec(&(ts, events, 0u32)).map_err(|e| e.to_string())?;
+                let payload = Bytes::from(
+                    rmp_serde::to_vec(&(ts, events, 0u32)).map_err(|e| e.to_string())?,
+                );
+                if let Ok(mut b) = buffer.lock() {
+                    if b.len() >= REPLAY_BUFFER {
+                        b.pop_front();
+                    }
+                    b.push_back((seq, payload.clone()));
+                }
                 socket.send(Message::from_parts([
-                    Bytes::from_static(b"kv-events"),
+                    Bytes::from_static(TOPIC),
                     Bytes::copy_from_slice(&seq.to_be_bytes()),
-                    Bytes::from(payload),
+                    payload,
                 ]));
+                prints.push((unix_ms(), cache.fingerprint()));
                 seq += 1;
             }
         }
+    }
+}
+
+/// Serves replay requests, one task per connection.
+async fn serve_replay(listener: tokio::net::TcpListener, buffer: Buffer, config: Config) {
+    while let Ok((stream, _)) = listener.accept().await {
+        let (buffer, config) = (buffer.clone(), config.clone());
+        tokio::spawn(async move {
+            let Ok(mut socket) = DealerSocket::accept_as_router(stream, config).await else {
+                return;
+            };
+            while let Ok(request) = socket.recv().await {
+                let Some(start) = request
+                    .get(1)
+                    .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                    .map(u64::from_be_bytes)
+                else {
+                    continue;
+                };
+                let batches: Vec<(u64, Bytes)> = match buffer.lock() {
+                    Ok(b) => b.iter().filter(|(s, _)| *s >= start).cloned().collect(),
+                    Err(_) => return,
+                };
+                for (seq, payload) in batches {
+                    let reply = Message::from_parts([
+                        Bytes::new(),
+                        Bytes::from_static(TOPIC),
+                        Bytes::copy_from_slice(&seq.to_be_bytes()),
+                        payload,
+                    ]);
+                    if socket.send(&reply).await.is_err() {
+                        return;
+                    }
+                }
+                let end = Message::from_parts([
+                    Bytes::new(),
+                    Bytes::new(),
+                    Bytes::copy_from_slice(&u64::MAX.to_be_bytes()),
+                    Bytes::new(),
+                ]);
+                if socket.send(&end).await.is_err() {
+                    return;
+                }
+            }
+        });
     }
 }
 
@@ -306,7 +399,7 @@ mod tests {
     }
 
     #[test]
-    fn the_cache_stays_within_capacity_and_settles_to_new_blocks_only() {
+    fn the_cache_stays_within_capacity_and_its_fingerprint_is_what_it_holds() {
         let mut cache = Cache::new(&args());
         let mut reused = 0;
         for _ in 0..2000 {
@@ -316,19 +409,15 @@ mod tests {
                 }
             }
             assert!(cache.fifo.len() <= 64);
+            let expected = cache
+                .held()
+                .gpu
+                .iter()
+                .fold(0, |fp, h| fp ^ block_print(*h));
+            assert_eq!(cache.fingerprint(), expected);
         }
         assert!(reused > 50, "reuse happens: {reused}");
-        let before: Vec<u64> = cache.held().gpu;
-        cache.settle();
-        let mut n = 0;
-        while !cache.settled() {
-            cache.tick();
-            n += 1;
-            assert!(n < 1000, "settles");
-        }
-        let after = cache.held();
-        assert!(after.gpu.iter().all(|h| !before.contains(h)));
-        assert!(!after.gpu.is_empty());
+        assert!(!cache.held().gpu.is_empty());
     }
 
     #[test]

@@ -13,6 +13,7 @@
 mod cluster;
 mod engine;
 mod faults;
+mod fidelity;
 mod ledger;
 mod netns;
 mod process;

@@ -1,20 +1,27 @@
 //! `soak router`: a router on the library, as an application would write one, that
 //! also keeps the soak's ledger. It follows every `kv-events` publisher of a namespace
-//! in etcd — our records and wire, and Dynamo's — indexes their blocks per publisher
-//! (DESIGN §4.5: an event id that is not the next, or a reconnection, forgets that
-//! publisher's blocks; `Departed` forgets the publisher), and counts, per publisher,
-//! what it was handed and what the subscriber says it lost.
+//! in etcd — our records and wire, and Dynamo's — into the library's index
+//! ([`IndexFeed`]: DESIGN §4.5–4.7, a loss repaired from the worker's recovery log
+//! when its record names one, else wiped; `Departed` drops the publisher), with a
+//! [`RecoveryDriver`] asking the workers, and counts, per publisher, what it was
+//! handed and what the subscriber says it lost.
+//!
+//! Once a second it prints `fps {"t": unix_ms, "workers": {worker: fp}}`: each
+//! worker's device-tier blocks as the engine fingerprints its own
+//! ([`block_print`](crate::engine::block_print)), for the oracle's fidelity samples.
 //!
 //! stdin commands, one per line: `stall MS` (stop reading the subscribers for MS
 //! milliseconds: lanes fill and drop), `dump` (prints `index {…}`: blocks per worker
 //! and the publishers followed), `quit` (drains, stops, prints `report {…}`).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
 use eventplane::discovery::{ChannelId, DynamoRecords, EtcdDiscovery, Query, RecordFormat};
-use eventplane::kv::{KvEventData, StorageTier, decode_router_payload};
+use eventplane::kv::{
+    IndexFeed, IndexFeedStats, RecoveryClientConfig, RecoveryDriver, RouterIndexConfig, Wipe,
+};
 use eventplane::subscriber::{
     Delivery, DynamicSubscriber, Notice, PublisherStats, SubscriberHandle,
 };
@@ -99,7 +106,7 @@ pub(crate) struct Ledger {
     pub(crate) lives: Vec<Life>,
     pub(crate) departed: bool,
     pub(crate) connected: u64,
-    /// Times its blocks were forgotten (an event id gap, a reconnection).
+    /// Times its blocks were wiped (a loss not repaired), departures aside.
     pub(crate) wipes: u64,
     pub(crate) undecodable: u64,
     /// Followings still listed after the subscriber stopped (no `Retired` for them).
@@ -113,6 +120,19 @@ pub(crate) struct RouterReport {
     pub(crate) notices_dropped: u64,
     pub(crate) events: u64,
     pub(crate) stalls: u64,
+    /// Wipes by wire (`eventplane`, `dynamo`), then cause (`id_gap`, `reconnected`,
+    /// `recovery_failed`, `held_overflow`).
+    pub(crate) wipes: BTreeMap<String, BTreeMap<String, u64>>,
+    /// Losses repaired from the workers' logs: events since the gap.
+    pub(crate) repairs_since: u64,
+    /// ... a dump (a publisher's first sight included).
+    pub(crate) repairs_dump: u64,
+    /// Live events skipped as late copies of a recovery answer.
+    pub(crate) late_duplicates: u64,
+    /// Live events dropped while held for a recovery (asked for again).
+    pub(crate) held_dropped: u64,
+    /// Of the last 256 repairs, the 99th-percentile time from request to answer.
+    pub(crate) repair_p99_ms: u64,
 }
 
 /// `index` output: every block held per worker, and the publishers followed.
@@ -123,20 +143,31 @@ pub(crate) struct IndexDump {
     pub(crate) publishers: BTreeSet<u64>,
 }
 
-type Blocks = HashMap<(u64, StorageTier), HashSet<u64>>;
-
-#[derive(Default)]
-struct Followed {
-    blocks: Blocks,
-    next_id: u64,
-}
-
-#[derive(Default)]
 struct State {
     ledgers: HashMap<ChannelId, Ledger>,
-    index: HashMap<ChannelId, Followed>,
+    /// The router's index, fed by both lanes.
+    feed: IndexFeed,
+    /// Wipes by wire, then cause.
+    wipes: BTreeMap<String, BTreeMap<String, u64>>,
     events: u64,
     stalls: u64,
+}
+
+/// The wire's label in reports.
+fn wire_name(wire: Wire) -> String {
+    wire.as_str().to_owned()
+}
+
+fn cause_name(cause: Wipe) -> &'static str {
+    match cause {
+        Wipe::IdGap { .. } => "id_gap",
+        Wipe::Reconnected => "reconnected",
+        Wipe::Departed => "departed",
+        Wipe::RecoveryFailed => "recovery_failed",
+        Wipe::HeldOverflow => "held_overflow",
+        Wipe::Superseded => "superseded",
+        _ => "other",
+    }
 }
 
 impl State {
@@ -170,14 +201,32 @@ impl State {
             }
         }
         for d in batch.drain(..) {
-            self.deliver(lane.wire, &d);
+            self.deliver(lane, &d);
         }
         for n in after {
             self.notice(n);
         }
+        self.count_wipes();
     }
 
-    fn deliver(&mut self, wire: Wire, d: &Delivery) {
+    /// Credits the wipes the feed made to their publishers.
+    fn count_wipes(&mut self) {
+        for w in self.feed.wiped() {
+            if w.cause == Wipe::Departed {
+                continue;
+            }
+            let l = self.ledgers.entry(w.publisher).or_default();
+            l.wipes += 1;
+            *self
+                .wipes
+                .entry(l.wire.clone())
+                .or_default()
+                .entry(cause_name(w.cause).to_owned())
+                .or_default() += 1;
+        }
+    }
+
+    fn deliver(&mut self, lane: &mut Lane, d: &Delivery) {
         let id = &d.source.id;
         // The id is cloned once per publisher, never per message.
         if !self.ledgers.contains_key(id) {
@@ -187,7 +236,7 @@ impl State {
             return;
         };
         if l.wire.is_empty() {
-            l.wire = wire.as_str().to_owned();
+            l.wire = wire_name(lane.wire);
         }
         l.consumed += 1;
         if l.departed {
@@ -200,59 +249,21 @@ impl State {
             l.first_consumed.get_or_insert(s);
             l.last_consumed = Some(s);
         }
-        let Some(events) = d
-            .payload()
-            .and_then(|p| decode_router_payload(wire, &p).ok())
-        else {
+        l.worker_id = d.source.worker.map(|w| w.worker_id).or(l.worker_id);
+        let before = self.feed.stats().events;
+        if self.feed.delivery(lane.wire, d).is_err() {
             l.undecodable += 1;
-            return;
-        };
-        if !self.index.contains_key(id) {
-            self.index.insert(id.clone(), Followed::default());
         }
-        let Some(f) = self.index.get_mut(id) else {
-            return;
-        };
-        for ev in &events {
-            l.worker_id = Some(ev.worker_id.0);
-            if f.next_id != 0 && ev.event.id != f.next_id {
-                f.blocks.clear();
-                l.wipes += 1;
-            }
-            f.next_id = ev.event.id.saturating_add(1);
-            let key = (ev.worker_id.0, ev.tier);
-            match &ev.event.data {
-                KvEventData::Stored { blocks, .. } => {
-                    let set = f.blocks.entry(key).or_default();
-                    set.extend(blocks.iter().map(|b| b.block_hash.0));
-                }
-                KvEventData::Removed { block_hashes } => {
-                    if let Some(set) = f.blocks.get_mut(&key) {
-                        for h in block_hashes {
-                            set.remove(&h.0);
-                        }
-                    }
-                }
-                KvEventData::Cleared => f.blocks.retain(|(w, _), _| *w != ev.worker_id.0),
-                _ => {}
-            }
-        }
-        self.events += events.len() as u64;
+        self.events += self.feed.stats().events - before;
     }
 
     fn notice(&mut self, n: Notice) {
+        self.feed.notice(&n);
         match n {
             Notice::Connected(instance) => {
                 let l = self.ledgers.entry(instance.id.clone()).or_default();
                 l.departed = false;
                 l.connected += 1;
-                if l.connected > 1 {
-                    if let Some(f) = self.index.get_mut(&instance.id) {
-                        f.blocks.clear();
-                        f.next_id = 0;
-                        l.wipes += 1;
-                    }
-                }
             }
             Notice::Retired { id, stats } => {
                 self.ledgers
@@ -262,37 +273,50 @@ impl State {
                     .push(Life::from(&*stats));
             }
             Notice::Departed(id) => {
-                self.ledgers.entry(id.clone()).or_default().departed = true;
-                self.index.remove(&id);
+                self.ledgers.entry(id).or_default().departed = true;
             }
             _ => {}
         }
     }
+}
 
-    fn dump(&self, followed: &[ChannelId]) -> IndexDump {
-        let mut dump = IndexDump::default();
-        for (id, f) in &self.index {
-            dump.publishers.insert(id.publisher_id());
-            for ((worker, tier), set) in &f.blocks {
-                let held = dump.workers.entry(*worker).or_default();
-                match tier {
-                    StorageTier::Device => held.gpu.extend(set),
-                    _ => held.cpu.extend(set),
-                }
-            }
-        }
-        dump.publishers
-            .extend(followed.iter().map(ChannelId::publisher_id));
-        for held in dump.workers.values_mut() {
-            for v in [&mut held.gpu, &mut held.cpu] {
-                v.sort_unstable();
-                v.dedup();
-            }
-        }
-        dump.workers
-            .retain(|_, h| !h.gpu.is_empty() || !h.cpu.is_empty());
-        dump
+/// Every worker's device-tier blocks in the index, and the publishers the
+/// subscribers follow.
+fn dump(feed: &IndexFeed, followed: &[ChannelId]) -> IndexDump {
+    let mut dump = IndexDump::default();
+    let index = feed.index();
+    for (worker, rank) in index.ranks() {
+        let held = dump.workers.entry(worker.0).or_default();
+        held.gpu
+            .extend(index.rank_block_hashes(worker, rank).map(|h| h.0));
     }
+    dump.publishers
+        .extend(followed.iter().map(ChannelId::publisher_id));
+    for held in dump.workers.values_mut() {
+        held.gpu.sort_unstable();
+        held.gpu.dedup();
+    }
+    dump.workers.retain(|_, h| !h.gpu.is_empty());
+    dump
+}
+
+/// Each worker's fingerprint over the index.
+fn fingerprints(feed: &IndexFeed) -> BTreeMap<u64, u64> {
+    let mut fps = BTreeMap::new();
+    let index = feed.index();
+    for (worker, rank) in index.ranks() {
+        let fp = fps.entry(worker.0).or_insert(0u64);
+        for h in index.rank_block_hashes(worker, rank) {
+            *fp ^= crate::engine::block_print(h.0);
+        }
+    }
+    fps
+}
+
+#[derive(Serialize)]
+struct Prints {
+    t: u64,
+    workers: BTreeMap<u64, u64>,
 }
 
 /// One subscriber per record format and wire.
@@ -339,12 +363,27 @@ pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
         lane(&args, Wire::Dynamo).await?,
     ];
     println!("ready");
-    let mut state = State::default();
+    let mut state = State {
+        ledgers: HashMap::new(),
+        feed: IndexFeed::new(RouterIndexConfig::default()),
+        wipes: BTreeMap::new(),
+        events: 0,
+        stalls: 0,
+    };
+    let mut driver = RecoveryDriver::new(RecoveryClientConfig::default());
     let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
     let (mut batch_a, mut batch_b) = (Vec::with_capacity(256), Vec::with_capacity(256));
     let mut notices = Vec::new();
+    // Once a second from a second after the start: samples spread evenly over the
+    // router's life, a restart's rebuild included.
+    let mut prints = tokio::time::interval_at(
+        tokio::time::Instant::now() + Duration::from_secs(1),
+        Duration::from_secs(1),
+    );
+    prints.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let [a, b] = &mut lanes;
     loop {
+        driver.submit(state.feed.take_recoveries());
         tokio::select! {
             line = lines.next_line() => {
                 let line = line.ok().flatten().unwrap_or_else(|| "quit".to_owned());
@@ -363,13 +402,18 @@ pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
                             l.sub.take_notices(&mut notices);
                             for n in notices.drain(..) { state.notice(n); }
                         }
-                        let dump = serde_json::to_string(&state.dump(&followed)).map_err(|e| e.to_string())?;
+                        let dump = serde_json::to_string(&dump(&state.feed, &followed)).map_err(|e| e.to_string())?;
                         println!("index {dump}");
                     }
                     (Some("quit"), _) => break,
                     _ => {}
                 }
             }
+            _ = prints.tick() => {
+                let p = Prints { t: crate::engine::unix_ms(), workers: fingerprints(&state.feed) };
+                println!("fps {}", serde_json::to_string(&p).map_err(|e| e.to_string())?);
+            }
+            answer = driver.next() => state.feed.recovered(answer),
             () = a.handle.notice_ready() => {}
             () = b.handle.notice_ready() => {}
             _ = a.sub.recv_many(&mut batch_a, 256) => state.batch(a, &mut batch_a, &mut notices),
@@ -381,6 +425,7 @@ pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
                 state.notice(n);
             }
         }
+        state.count_wipes();
     }
     let report = finish(lanes, state).await;
     println!(
@@ -419,8 +464,16 @@ async fn finish(mut lanes: [Lane; 2], mut state: State) -> RouterReport {
         }
         report.notices_dropped += stats.notices_dropped;
     }
+    state.count_wipes();
+    let f: IndexFeedStats = state.feed.stats();
     report.events = state.events;
     report.stalls = state.stalls;
+    report.wipes = std::mem::take(&mut state.wipes);
+    report.repairs_since = f.repairs_since;
+    report.repairs_dump = f.repairs_dump;
+    report.late_duplicates = f.late_duplicates;
+    report.held_dropped = f.held_dropped;
+    report.repair_p99_ms = f.repair_p99_ms;
     report.publishers = state
         .ledgers
         .into_iter()

@@ -10,7 +10,9 @@ use serde::Serialize;
 
 use crate::cluster::{Action, Cluster, LEASE_TTL, Phase, ROUTERS, RunArgs, router_name};
 use crate::engine::Held;
+use crate::engine::unix_ms;
 use crate::faults::{Fault, FaultKind, schedule};
+use crate::fidelity::{Fidelity, FidelityReport};
 use crate::ledger::{self, RelayExit, Violation};
 use crate::netns::Namespaces;
 use crate::process::{Proc, free_port};
@@ -82,6 +84,17 @@ struct Report {
     gaps: u64,
     gap_messages: u64,
     resyncs: u64,
+    /// Index wipes by wire, then cause (departures aside), over every router process.
+    wipes: BTreeMap<String, BTreeMap<String, u64>>,
+    /// Losses repaired from the workers' recovery logs: since the gap, by a dump.
+    repairs_since: u64,
+    repairs_dump: u64,
+    late_duplicates: u64,
+    held_dropped: u64,
+    /// The worst of the router processes' repair p99s.
+    repair_p99_ms: u64,
+    /// Routers' indexes against the engines, sampled each second while faults ran.
+    fidelity: FidelityReport,
     convergence_ms: BTreeMap<String, Option<u64>>,
     relay_clean_exits: usize,
     router_reports: usize,
@@ -158,6 +171,7 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
         engines: Vec::new(),
         engine_dead: vec![false; w],
         engine_endpoints: Vec::new(),
+        engine_replays: Vec::new(),
         relays: (0..w).map(|_| None).collect(),
         relay_incarnation: vec![0; w],
         relay_held: vec![false; w],
@@ -174,6 +188,7 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
         start: Instant::now(),
         injected: kinds.iter().map(|k| (k.name(), 0)).collect(),
         start_retries: 0,
+        fidelity: Fidelity::new(args.lag_tolerance_ms),
         args,
     };
     let result = drive(&mut c, &plan, warm_up, total).await;
@@ -262,8 +277,25 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
     // Totals.
     let mut drops: BTreeMap<&'static str, u64> = BTreeMap::new();
     let (mut deliveries, mut gaps, mut gap_messages, mut resyncs, mut events) = (0, 0, 0, 0, 0);
+    let mut wipes: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+    let (mut repairs_since, mut repairs_dump, mut late_duplicates, mut held_dropped) = (0, 0, 0, 0);
+    let mut repair_p99_ms = 0;
     for (_, report) in &c.router_reports {
         events += report.events;
+        for (wire, causes) in &report.wipes {
+            for (cause, n) in causes {
+                *wipes
+                    .entry(wire.clone())
+                    .or_default()
+                    .entry(cause.clone())
+                    .or_default() += n;
+            }
+        }
+        repairs_since += report.repairs_since;
+        repairs_dump += report.repairs_dump;
+        late_duplicates += report.late_duplicates;
+        held_dropped += report.held_dropped;
+        repair_p99_ms = repair_p99_ms.max(report.repair_p99_ms);
         for l in report.publishers.values() {
             let s = ledger::sum(l).stats;
             deliveries += s.delivered;
@@ -286,16 +318,17 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
             ),
         });
     }
+    let dynamo_workers: BTreeSet<u64> = (0..w)
+        .filter(|i| c.args.dynamo_every > 0 && i % c.args.dynamo_every == c.args.dynamo_every - 1)
+        .map(|i| i as u64 + 1)
+        .collect();
+    let fidelity = c.fidelity.report(&dynamo_workers);
     let passed = violations.is_empty();
     let report = Report {
         seed: c.args.seed,
         minutes: c.args.minutes,
         workers: w,
-        dynamo_workers: (0..w)
-            .filter(|i| {
-                c.args.dynamo_every > 0 && i % c.args.dynamo_every == c.args.dynamo_every - 1
-            })
-            .count(),
+        dynamo_workers: dynamo_workers.len(),
         replay,
         faults: c.injected.clone(),
         schedule: plan,
@@ -305,6 +338,13 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
         gaps,
         gap_messages,
         resyncs,
+        wipes,
+        repairs_since,
+        repairs_dump,
+        late_duplicates,
+        held_dropped,
+        repair_p99_ms,
+        fidelity,
         convergence_ms: convergence,
         relay_clean_exits: c.relay_exits.len(),
         router_reports: c.router_reports.len(),
@@ -353,6 +393,8 @@ async fn drive(
         let mut p = Proc::spawn(format!("engine w{w}"), &c.exe, &args, &c.logs, &[])?;
         let ep = p.line("bound ", Duration::from_secs(10)).await?;
         c.engine_endpoints.push(ep);
+        let replay = p.line("replay ", Duration::from_secs(10)).await?;
+        c.engine_replays.push(replay);
         c.engines.push(p);
     }
     for r in 0..ROUTERS {
@@ -400,6 +442,7 @@ async fn drive(
             next_sample = now + SAMPLE_EVERY;
         }
         c.supervise().await;
+        c.fidelity.judge(unix_ms());
         if actions.is_empty() && now >= settle_by && c.whole() {
             break;
         }
@@ -409,6 +452,7 @@ async fn drive(
     let quiet_until = Instant::now() + LEASE_TTL + Duration::from_secs(5);
     while Instant::now() < quiet_until {
         c.supervise().await;
+        c.fidelity.judge(unix_ms());
         if Instant::now() >= next_sample {
             c.sample();
             next_sample = Instant::now() + SAMPLE_EVERY;
@@ -419,6 +463,11 @@ async fn drive(
         "soak: {:.0}s: faults over; settling the engines",
         c.elapsed()
     );
+    // The engines stop publishing and say what they hold (no final eviction: every
+    // block they kept over the run must be in the routers' indexes); the fidelity
+    // samples end here.
+    c.supervise().await;
+    c.fidelity.stop_at(unix_ms());
     for (p, dead) in c.engines.iter_mut().zip(&c.engine_dead) {
         if !*dead {
             p.tell("settle").await?;
@@ -429,9 +478,13 @@ async fn drive(
         if c.engine_dead.get(w).copied().unwrap_or(true) {
             continue;
         }
-        let line = p.line("held ", Duration::from_secs(120)).await?;
-        let held: Held = serde_json::from_str(&line).map_err(|e| e.to_string())?;
-        truth.insert(w as u64 + 1, held);
+        let line = p.line("held ", Duration::from_secs(10)).await?;
+        let mut held: Held = serde_json::from_str(&line).map_err(|e| e.to_string())?;
+        // Routers index the device tier (`RouterIndex`); the host tier is the engine's.
+        held.cpu.clear();
+        if !held.gpu.is_empty() {
+            truth.insert(w as u64 + 1, held);
+        }
     }
     let quiet_at = Instant::now();
     let mut convergence = BTreeMap::new();
@@ -530,7 +583,14 @@ fn print_table(r: &Report) {
     for (k, n) in &r.faults {
         println!("{k:<28} {n:>12}");
     }
-    let rows: [(&str, String); 8] = [
+    let f = &r.fidelity;
+    let pct = |m: &BTreeMap<String, f64>| {
+        m.iter()
+            .map(|(w, v)| format!("{w} {:.3}%", v * 100.0))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let rows: [(&str, String); 13] = [
         ("router events", r.router_events.to_string()),
         ("deliveries", r.deliveries.to_string()),
         ("drops", format!("{:?}", r.drops)),
@@ -539,12 +599,37 @@ fn print_table(r: &Report) {
             format!("{} / {}", r.gaps, r.gap_messages),
         ),
         ("resyncs (index wipes)", r.resyncs.to_string()),
+        ("wipes by wire, cause", format!("{:?}", r.wipes)),
+        (
+            "repairs since / dump",
+            format!(
+                "{} / {} (p99 {} ms; late copies skipped {}, held dropped {})",
+                r.repairs_since, r.repairs_dump, r.repair_p99_ms, r.late_duplicates, r.held_dropped
+            ),
+        ),
+        (
+            "fidelity (exact samples)",
+            format!(
+                "{} within {} ms of the engine; {} within 1 s",
+                pct(&f.fidelity),
+                f.lag_tolerance_ms,
+                pct(&f.current)
+            ),
+        ),
+        (
+            "fidelity samples",
+            format!(
+                "{} ({} stale, {} matching no engine state); worst (router, worker) {:?}; exact lag p99 {} ms, worst {} ms",
+                f.samples, f.stale, f.unmatched, f.worst_cell, f.lag_p99_ms, f.worst_lag_ms
+            ),
+        ),
         ("convergence ms", format!("{:?}", r.convergence_ms)),
         (
             "router reports / relay exits",
             format!("{} / {}", r.router_reports, r.relay_clean_exits),
         ),
         ("start retries (etcd away)", r.start_retries.to_string()),
+        ("replay", r.replay.clone()),
     ];
     for (k, v) in rows {
         println!("{k:<28} {v}");

@@ -79,6 +79,10 @@ pub enum Wipe {
     RecoveryFailed,
     /// More of its live events arrived during its recovery than the feed holds.
     HeldOverflow,
+    /// Another publisher stored into a (worker, rank) it fed: a restarted worker or
+    /// relay speaks for that rank now, and what this one fed (perhaps evicted since,
+    /// while it was away) is dropped before the newcomer's blocks are applied.
+    Superseded,
 }
 
 /// A wipe that dropped blocks: which publisher, why, how many blocks.
@@ -125,6 +129,8 @@ pub struct IndexFeedStats {
     /// Losses wiped because too many live events arrived during recoveries, again and
     /// again.
     pub wipes_held_overflow: u64,
+    /// Ranks dropped because another publisher took them over ([`Wipe::Superseded`]).
+    pub wipes_superseded: u64,
     /// Live events dropped while held for a recovery (asked for again).
     pub held_dropped: u64,
     /// Recovery answers to requests no longer awaited (ignored).
@@ -154,9 +160,13 @@ pub struct IndexFeedStats {
 ///   before the event is applied (as Dynamo's router resets a worker on an id gap):
 ///   the index under-claims, never holds a block the worker may have evicted. So
 ///   does a reconnection.
+/// - **Takeover.** A publisher that stores into a rank another publisher fed (a
+///   restarted worker or relay, under a new publisher id) first clears it
+///   ([`Wipe::Superseded`]): the earlier publisher's blocks may have been evicted
+///   while it was away, and nothing would ever remove them.
 /// - **Departure.** A publisher that departs takes the blocks of the ranks it fed
-///   with it — unless another publisher fed that rank since (a restarted worker's new
-///   publisher keeps what it sent).
+///   with it — unless another publisher took that rank over since (a restarted
+///   worker's new publisher keeps what it sent).
 ///
 /// Feed it [`Item`]s from [`recv_item`](crate::subscriber::DynamicSubscriber::recv_item),
 /// in order; [`wiped`](Self::wiped) drains the wipes since the last call (for logs).
@@ -355,6 +365,9 @@ impl IndexFeed {
         // departure clears it): an event that stored nothing takes nothing over.
         let stores =
             matches!(&ev.event.data, KvEventData::Stored { blocks, .. } if !blocks.is_empty());
+        if stores {
+            self.take_over(source, key);
+        }
         match self.index.apply(sender, ev) {
             Err(IndexRefusal::RankFull { .. } | IndexRefusal::IndexFull { .. }) => {
                 // Its leading blocks were stored.
@@ -378,6 +391,39 @@ impl IndexFeed {
         if self.owners.get(&key) != Some(source) {
             self.owners.insert(key, source.clone());
         }
+    }
+
+    /// `source` is about to store into `key`: when another publisher fed that rank,
+    /// what it fed is dropped first ([`Wipe::Superseded`]). The index holds blocks per
+    /// rank, not per publisher: keeping them would credit the worker with blocks the
+    /// newcomer never vouched for (evicted while the earlier publisher was away), and
+    /// the earlier publisher's departure no longer clears a rank it does not own.
+    fn take_over(&mut self, source: &ChannelId, key: (WorkerId, DpRank)) {
+        let Some(previous) = self.owners.get(&key).filter(|o| *o != source).cloned() else {
+            return;
+        };
+        self.owners.remove(&key);
+        let blocks = self.index.rank_blocks(key.0, key.1) as u64;
+        self.index.clear_rank(key.0, key.1);
+        self.stats.wipes_superseded += 1;
+        self.stats.wiped_blocks += blocks;
+        if let Some(p) = self.publishers.get_mut(&previous) {
+            p.fed.retain(|k| *k != key);
+        }
+        if blocks > 0 {
+            self.note_wipe(previous, Wipe::Superseded, blocks);
+        }
+    }
+
+    fn note_wipe(&mut self, publisher: ChannelId, cause: Wipe, blocks: u64) {
+        if self.wiped.len() >= MAX_WIPES_KEPT {
+            self.wiped.remove(0);
+        }
+        self.wiped.push(Wiped {
+            publisher,
+            cause,
+            blocks,
+        });
     }
 
     /// Applies a lifecycle notice: a reconnection wipes what the publisher fed, a
@@ -485,18 +531,12 @@ impl IndexFeed {
             Wipe::Reconnected => self.stats.wipes_reconnect += 1,
             Wipe::RecoveryFailed => self.stats.wipes_recovery_failed += 1,
             Wipe::HeldOverflow => self.stats.wipes_held_overflow += 1,
+            Wipe::Superseded => self.stats.wipes_superseded += 1,
             Wipe::Departed => {}
         }
         self.stats.wiped_blocks += blocks;
         if blocks > 0 || cause == Wipe::Departed {
-            if self.wiped.len() >= MAX_WIPES_KEPT {
-                self.wiped.remove(0);
-            }
-            self.wiped.push(Wiped {
-                publisher: id.clone(),
-                cause,
-                blocks,
-            });
+            self.note_wipe(id.clone(), cause, blocks);
         }
     }
 }

@@ -89,16 +89,29 @@ fn a_publisher_writes_only_its_own_workers_blocks() {
 }
 
 #[test]
-fn a_departure_keeps_ranks_another_publisher_fed_since() {
+fn a_new_publisher_for_a_rank_supersedes_the_old_one_whose_departure_keeps_it() {
     let mut feed = IndexFeed::default();
     let (old, new) = (instance(1, Some(7)), instance(2, Some(7)));
     let other = instance(3, Some(9));
     feed.apply(&old, &[stored(7, 1, 10)]);
     feed.apply(&other, &[stored(9, 1, 30)]);
+    // A restarted relay for worker 7: what the old one fed (block 10, perhaps evicted
+    // while it was away) is dropped before the newcomer's store.
     feed.apply(&new, &[stored(7, 1, 20)]);
+    assert!(!feed.index().holds(WorkerId(7), 0, BlockHash(10)));
+    assert_eq!(
+        feed.wiped(),
+        [Wiped {
+            publisher: old.id.clone(),
+            cause: Wipe::Superseded,
+            blocks: 1
+        }]
+    );
+    assert_eq!(feed.stats().wipes_superseded, 1);
     feed.notice(&Notice::Departed(old.id.clone()));
-    // Worker 7's rank now belongs to the new publisher: kept (both blocks).
-    assert_eq!(feed.index().rank_blocks(WorkerId(7), 0), 2);
+    // Worker 7's rank belongs to the new publisher: kept.
+    assert_eq!(feed.index().rank_blocks(WorkerId(7), 0), 1);
+    assert!(feed.index().holds(WorkerId(7), 0, BlockHash(20)));
     feed.notice(&Notice::Departed(new.id.clone()));
     assert_eq!(feed.index().rank_blocks(WorkerId(7), 0), 0);
     feed.retain_publishers(|_| false);

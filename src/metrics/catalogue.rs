@@ -180,7 +180,7 @@ catalogue! {
     KV_INDEX_REFUSED_BLOCKS: Counter "eventplane_kv_index_refused_blocks_total" ["reason"] "IndexFeedStats"
         "Stored blocks not indexed, by reason: rank_full, worker_full, index_full.";
     KV_INDEX_WIPES: Counter "eventplane_kv_index_wipes_total" ["reason"] "IndexFeedStats"
-        "Publishers' views lost and cleared, by reason: id_gap, reconnect, recovery_failed, held_overflow.";
+        "Publishers' views lost and cleared, by reason: id_gap, reconnect, recovery_failed, held_overflow, superseded.";
     KV_INDEX_REPAIRS: Counter "eventplane_kv_index_repairs_total" ["kind"] "IndexFeedStats"
         "Losses repaired from the workers' recovery logs, by kind: since, dump.";
     KV_INDEX_RECOVERING: Gauge "eventplane_kv_index_recovering_publishers" [] "IndexFeedStats"

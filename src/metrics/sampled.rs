@@ -141,6 +141,7 @@ impl Sampled for IndexFeedStats {
             ("reconnect", self.wipes_reconnect),
             ("recovery_failed", self.wipes_recovery_failed),
             ("held_overflow", self.wipes_held_overflow),
+            ("superseded", self.wipes_superseded),
         ] {
             out.labelled(&KV_INDEX_WIPES, reason, v);
         }

@@ -390,6 +390,10 @@ impl Router {
                         w.publisher, w.blocks
                     )
                 }
+                Wipe::Superseded => eprintln!(
+                    "publisher {} was superseded by another for its worker: forgot {} blocks",
+                    w.publisher, w.blocks
+                ),
                 Wipe::RecoveryFailed | Wipe::HeldOverflow => eprintln!(
                     "publisher {} could not be repaired ({:?}): forgot {} blocks",
                     w.publisher, w.cause, w.blocks
@@ -707,12 +711,14 @@ async fn main() -> ExitCode {
         "lost_views": fed.wipes_id_gap
             + fed.wipes_reconnect
             + fed.wipes_recovery_failed
-            + fed.wipes_held_overflow,
+            + fed.wipes_held_overflow
+            + fed.wipes_superseded,
         "wipes": {
             "id_gap": fed.wipes_id_gap,
             "reconnect": fed.wipes_reconnect,
             "recovery_failed": fed.wipes_recovery_failed,
             "held_overflow": fed.wipes_held_overflow,
+            "superseded": fed.wipes_superseded,
         },
         "repairs": {
             "since": fed.repairs_since,

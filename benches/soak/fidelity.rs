@@ -1,0 +1,307 @@
+//! The oracle's fidelity samples: each second every router prints a fingerprint of
+//! each worker's blocks in its index, each engine prints the fingerprint it had after
+//! every batch; a router's sample is *exact* when it equals what the engine held at
+//! some moment within the lag tolerance before it (the index may trail the engine by
+//! the time events take to arrive, a stall or a partition — not hold a state the
+//! engine never had). Its *lag* is how long before the sample that state ended (0:
+//! the engine's state at the sample).
+//!
+//! A fingerprint is an XOR of mixed block hashes (`engine::block_print`): two
+//! different sets collide with probability 2^-64 per comparison.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+/// Engine fingerprints kept per worker: 300 s of them at the soak's default 100 ms
+/// interval (older samples find no match: lag beyond it is "unmatched").
+const HISTORY: usize = 3_000;
+
+/// A router's sample is judged once the engines' prints up to its time have
+/// arrived: 5 s after it (engines print once a second).
+const JUDGE_AFTER_MS: u64 = 5_000;
+
+/// Router samples waiting to be judged, at most (two routers, a minute).
+const PENDING: usize = 240;
+
+/// A sample within this lag counts as current.
+const CURRENT_MS: u64 = 1_000;
+
+/// One (router slot, worker)'s samples.
+#[derive(Debug, Default, Clone, Copy, Serialize, PartialEq, Eq)]
+pub(crate) struct Cell {
+    pub(crate) samples: u64,
+    /// Equal to an engine state within the lag tolerance.
+    pub(crate) exact: u64,
+    /// ... within 1 s.
+    pub(crate) current: u64,
+    /// Equal to an engine state older than the tolerance (a router that stopped
+    /// following, or an empty index matching the engine's start).
+    pub(crate) stale: u64,
+    /// Equal to no engine state of the last 300 s.
+    pub(crate) unmatched: u64,
+    /// The longest lag of an exact sample.
+    pub(crate) worst_lag_ms: u64,
+}
+
+/// The fidelity part of the soak's report.
+#[derive(Debug, Default, Clone, Serialize)]
+pub(crate) struct FidelityReport {
+    pub(crate) lag_tolerance_ms: u64,
+    /// Per wire (`eventplane`, `dynamo`): samples exact / samples.
+    pub(crate) fidelity: BTreeMap<String, f64>,
+    /// Per wire: samples within 1 s / samples.
+    pub(crate) current: BTreeMap<String, f64>,
+    pub(crate) samples: u64,
+    pub(crate) stale: u64,
+    pub(crate) unmatched: u64,
+    /// The least exact (router, worker), `r0 w12`, and its fraction.
+    pub(crate) worst_cell: Option<(String, f64)>,
+    /// Over exact samples.
+    pub(crate) lag_p99_ms: u64,
+    pub(crate) worst_lag_ms: u64,
+    /// Every (router, worker): `r0 w12`.
+    pub(crate) cells: BTreeMap<String, Cell>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RouterPrints {
+    t: u64,
+    workers: BTreeMap<u64, u64>,
+}
+
+#[derive(Debug)]
+struct Sample {
+    router: usize,
+    t: u64,
+    workers: BTreeMap<u64, u64>,
+}
+
+/// The samples and what they were judged.
+#[derive(Debug)]
+pub(crate) struct Fidelity {
+    tolerance_ms: u64,
+    /// Per worker: (unix ms, fingerprint after the batch sent then), oldest first.
+    engines: BTreeMap<u64, VecDeque<(u64, u64)>>,
+    pending: VecDeque<Sample>,
+    cells: BTreeMap<(usize, u64), Cell>,
+    /// Lag of every exact sample, ms.
+    lags: Vec<u64>,
+    /// Samples are taken until this (unix ms): the engines' settle.
+    until: u64,
+}
+
+impl Fidelity {
+    pub(crate) fn new(tolerance_ms: u64) -> Fidelity {
+        Fidelity {
+            tolerance_ms,
+            engines: BTreeMap::new(),
+            pending: VecDeque::new(),
+            cells: BTreeMap::new(),
+            lags: Vec::new(),
+            until: u64::MAX,
+        }
+    }
+
+    /// An engine's `fps` line (after the prefix): `[[unix_ms, fp], …]`.
+    pub(crate) fn engine(&mut self, worker: u64, line: &str) {
+        let Ok(prints) = serde_json::from_str::<Vec<(u64, u64)>>(line) else {
+            return;
+        };
+        let h = self.engines.entry(worker).or_default();
+        for p in prints {
+            if h.back().is_some_and(|last| last.0 > p.0) {
+                continue;
+            }
+            h.push_back(p);
+            if h.len() > HISTORY {
+                h.pop_front();
+            }
+        }
+    }
+
+    /// A router's `fps` line (after the prefix), from router slot `router`.
+    pub(crate) fn router(&mut self, router: usize, line: &str) {
+        let Ok(p) = serde_json::from_str::<RouterPrints>(line) else {
+            return;
+        };
+        if p.t > self.until {
+            return;
+        }
+        if self.pending.len() >= PENDING {
+            self.pending.pop_front();
+        }
+        self.pending.push_back(Sample {
+            router,
+            t: p.t,
+            workers: p.workers,
+        });
+    }
+
+    /// No sample after `unix_ms` is taken (the engines stop publishing then).
+    pub(crate) fn stop_at(&mut self, unix_ms: u64) {
+        self.until = unix_ms;
+    }
+
+    /// Judges the samples taken before `now_ms - 5 s` (all of them with `now_ms` at
+    /// `u64::MAX`).
+    pub(crate) fn judge(&mut self, now_ms: u64) {
+        while self
+            .pending
+            .front()
+            .is_some_and(|s| s.t.saturating_add(JUDGE_AFTER_MS) <= now_ms)
+        {
+            let Some(s) = self.pending.pop_front() else {
+                break;
+            };
+            for (&worker, history) in &self.engines {
+                let fp = s.workers.get(&worker).copied().unwrap_or(0);
+                let Some(lag) = lag(history, s.t, fp) else {
+                    // Before the engine's first print: nothing to compare with.
+                    continue;
+                };
+                let cell = self.cells.entry((s.router, worker)).or_default();
+                cell.samples += 1;
+                match lag {
+                    Some(lag) if lag <= self.tolerance_ms => {
+                        self.lags.push(lag);
+                        cell.worst_lag_ms = cell.worst_lag_ms.max(lag);
+                        cell.exact += 1;
+                        cell.current += u64::from(lag <= CURRENT_MS);
+                    }
+                    Some(_) => cell.stale += 1,
+                    None => cell.unmatched += 1,
+                }
+            }
+        }
+    }
+
+    /// The report; `dynamo` names the workers on Dynamo's wire.
+    pub(crate) fn report(&mut self, dynamo: &BTreeSet<u64>) -> FidelityReport {
+        self.judge(u64::MAX);
+        let mut r = FidelityReport {
+            lag_tolerance_ms: self.tolerance_ms,
+            ..FidelityReport::default()
+        };
+        let mut by_wire: BTreeMap<String, (u64, u64, u64)> = BTreeMap::new();
+        for (&(router, worker), cell) in &self.cells {
+            let wire = if dynamo.contains(&worker) {
+                "dynamo"
+            } else {
+                "eventplane"
+            };
+            let e = by_wire.entry(wire.to_owned()).or_default();
+            e.0 += cell.samples;
+            e.1 += cell.exact;
+            e.2 += cell.current;
+            r.samples += cell.samples;
+            r.stale += cell.stale;
+            r.unmatched += cell.unmatched;
+            r.worst_lag_ms = r.worst_lag_ms.max(cell.worst_lag_ms);
+            let name = format!("r{router} w{worker}");
+            let frac = ratio(cell.exact, cell.samples);
+            if r.worst_cell.as_ref().is_none_or(|(_, f)| frac < *f) {
+                r.worst_cell = Some((name.clone(), frac));
+            }
+            r.cells.insert(name, *cell);
+        }
+        for (wire, (samples, exact, current)) in by_wire {
+            r.fidelity.insert(wire.clone(), ratio(exact, samples));
+            r.current.insert(wire, ratio(current, samples));
+        }
+        self.lags.sort_unstable();
+        if !self.lags.is_empty() {
+            let i = (self.lags.len() * 99 / 100).min(self.lags.len() - 1);
+            r.lag_p99_ms = self.lags.get(i).copied().unwrap_or(0);
+        }
+        r
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 { 1.0 } else { a as f64 / b as f64 }
+}
+
+/// How long before `t` the engine last held the blocks fingerprinted `fp`: `Some(0)`
+/// when it held them at `t`, `Some(None)` when it did not within its history, `None`
+/// when its history starts after `t`.
+fn lag(history: &VecDeque<(u64, u64)>, t: u64, fp: u64) -> Option<Option<u64>> {
+    let k = history.partition_point(|e| e.0 <= t);
+    if k == 0 {
+        return None;
+    }
+    let mut ended = t;
+    for i in (0..k).rev() {
+        let (at, print) = *history.get(i)?;
+        if print == fp {
+            return Some(Some(t - ended));
+        }
+        ended = at;
+    }
+    Some(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fidelity() -> Fidelity {
+        let mut f = Fidelity::new(2_000);
+        // Engine 1 held A from 1000, B from 2000, C from 3000 on.
+        f.engine(1, "[[1000, 10], [2000, 20]]");
+        f.engine(1, "[[3000, 30]]");
+        f
+    }
+
+    #[test]
+    fn a_sample_is_exact_when_it_was_the_engine_state_within_the_tolerance() {
+        let mut f = fidelity();
+        for (t, fp) in [
+            (3500, 30),
+            (3500, 20),
+            (4500, 10),
+            (8000, 10),
+            (3500, 99),
+            (500, 7),
+        ] {
+            f.router(0, &format!(r#"{{"t": {t}, "workers": {{"1": {fp}}}}}"#));
+        }
+        f.judge(u64::MAX);
+        let cell = f.cells[&(0, 1)];
+        // (3500, 30): current; (3500, 20): 500 ms behind; (4500, 10): 2500 ms behind,
+        // past the tolerance; (8000, 10): 6000; 99: never held; t 500: before the
+        // engine's history, not judged.
+        assert_eq!(
+            cell,
+            Cell {
+                samples: 5,
+                exact: 2,
+                current: 2,
+                stale: 2,
+                unmatched: 1,
+                worst_lag_ms: 500,
+            }
+        );
+    }
+
+    #[test]
+    fn a_worker_missing_from_a_sample_is_an_empty_index() {
+        let mut f = Fidelity::new(2_000);
+        f.engine(1, "[[1000, 0], [2000, 20]]");
+        f.router(1, r#"{"t": 2500, "workers": {}}"#);
+        f.router(1, r#"{"t": 4500, "workers": {}}"#);
+        let r = f.report(&BTreeSet::new());
+        assert_eq!(r.cells["r1 w1"].exact, 1);
+        assert_eq!(r.cells["r1 w1"].stale, 1);
+        assert_eq!(r.cells["r1 w1"].worst_lag_ms, 500);
+        assert_eq!(r.fidelity["eventplane"], 0.5);
+    }
+
+    #[test]
+    fn samples_after_the_settle_are_not_taken() {
+        let mut f = fidelity();
+        f.stop_at(3000);
+        f.router(0, r#"{"t": 3500, "workers": {"1": 99}}"#);
+        assert_eq!(f.report(&BTreeSet::new()).samples, 0);
+    }
+}

@@ -254,6 +254,11 @@ impl Cluster {
         };
         proc.tell("quit").await?;
         let report = proc.line("report ", Duration::from_secs(30)).await;
+        for line in proc.take_lines() {
+            if let Some(prints) = line.strip_prefix("fps ") {
+                self.fidelity.router(r, prints);
+            }
+        }
         proc.wait(Duration::from_secs(10)).await;
         let report: RouterReport =
             serde_json::from_str(&report?).map_err(|e| format!("{}: {e}", proc.name))?;
@@ -328,7 +333,7 @@ impl Cluster {
         }
         for r in 0..self.routers.len() {
             if let Some(p) = self.routers[r].as_mut() {
-                while let Ok(line) = p.lines.try_recv() {
+                for line in p.take_lines() {
                     if line == "ready" {
                         self.router_ready[r] = true;
                     } else if let Some(prints) = line.strip_prefix("fps ") {
@@ -367,7 +372,7 @@ impl Cluster {
             .zip(&mut self.engine_dead)
             .enumerate()
         {
-            while let Ok(line) = p.lines.try_recv() {
+            for line in p.take_lines() {
                 if let Some(prints) = line.strip_prefix("fps ") {
                     self.fidelity.engine(w as u64 + 1, prints);
                 }

@@ -303,6 +303,10 @@ pub(crate) async fn run(args: EngineArgs) -> Result<(), String> {
             line = lines.next_line() => match line {
                 Ok(Some(l)) if l.trim() == "settle" && !quiet => {
                     quiet = true;
+                    if !prints.is_empty() {
+                        let line = serde_json::to_string(&prints).map_err(|e| e.to_string())?;
+                        println!("fps {line}");
+                    }
                     let held = serde_json::to_string(&cache.held()).map_err(|e| e.to_string())?;
                     println!("held {held}");
                 }

@@ -6,6 +6,9 @@
 //! engine never had). Its *lag* is how long before the sample that state ended (0:
 //! the engine's state at the sample).
 //!
+//! An empty index matches only an engine that was empty within 1 s: engines are
+//! empty after each clear, and a wiped index must not pass for a trailing one.
+//!
 //! A fingerprint is an XOR of mixed block hashes (`engine::block_print`): two
 //! different sets collide with probability 2^-64 per comparison.
 
@@ -17,12 +20,13 @@ use serde::{Deserialize, Serialize};
 /// interval (older samples find no match: lag beyond it is "unmatched").
 const HISTORY: usize = 3_000;
 
-/// A router's sample is judged once the engines' prints up to its time have
-/// arrived: 5 s after it (engines print once a second).
-const JUDGE_AFTER_MS: u64 = 5_000;
+/// A router's sample is judged once every engine's prints reach past its time, or
+/// this long after it (an engine that stopped printing).
+const JUDGE_AFTER_MS: u64 = 30_000;
 
-/// Router samples waiting to be judged, at most (two routers, a minute).
-const PENDING: usize = 240;
+/// Router samples waiting to be judged, at most (two routers, four minutes); past
+/// it the oldest is dropped and counted.
+const PENDING: usize = 480;
 
 /// A sample within this lag counts as current.
 const CURRENT_MS: u64 = 1_000;
@@ -36,9 +40,10 @@ pub(crate) struct Cell {
     /// ... within 1 s.
     pub(crate) current: u64,
     /// Equal to an engine state older than the tolerance (a router that stopped
-    /// following, or an empty index matching the engine's start).
+    /// following).
     pub(crate) stale: u64,
-    /// Equal to no engine state of the last 300 s.
+    /// Equal to no engine state of the last 300 s; or empty while the engine was
+    /// not empty within 1 s (a wipe).
     pub(crate) unmatched: u64,
     /// The longest lag of an exact sample.
     pub(crate) worst_lag_ms: u64,
@@ -48,6 +53,8 @@ pub(crate) struct Cell {
 #[derive(Debug, Default, Clone, Serialize)]
 pub(crate) struct FidelityReport {
     pub(crate) lag_tolerance_ms: u64,
+    /// Router samples never judged (the pending queue was full).
+    pub(crate) dropped_samples: u64,
     /// Per wire (`eventplane`, `dynamo`): samples exact / samples.
     pub(crate) fidelity: BTreeMap<String, f64>,
     /// Per wire: samples within 1 s / samples.
@@ -89,6 +96,7 @@ pub(crate) struct Fidelity {
     lags: Vec<u64>,
     /// Samples are taken until this (unix ms): the engines' settle.
     until: u64,
+    dropped: u64,
 }
 
 impl Fidelity {
@@ -100,6 +108,7 @@ impl Fidelity {
             cells: BTreeMap::new(),
             lags: Vec::new(),
             until: u64::MAX,
+            dropped: 0,
         }
     }
 
@@ -130,6 +139,7 @@ impl Fidelity {
         }
         if self.pending.len() >= PENDING {
             self.pending.pop_front();
+            self.dropped += 1;
         }
         self.pending.push_back(Sample {
             router,
@@ -143,13 +153,19 @@ impl Fidelity {
         self.until = unix_ms;
     }
 
-    /// Judges the samples taken before `now_ms - 5 s` (all of them with `now_ms` at
-    /// `u64::MAX`).
+    /// Judges the samples every engine's prints reach past, or taken 30 s before
+    /// `now_ms` (all of them with `now_ms` at `u64::MAX`).
     pub(crate) fn judge(&mut self, now_ms: u64) {
+        let reached = self
+            .engines
+            .values()
+            .map(|h| h.back().map_or(0, |last| last.0))
+            .min()
+            .unwrap_or(0);
         while self
             .pending
             .front()
-            .is_some_and(|s| s.t.saturating_add(JUDGE_AFTER_MS) <= now_ms)
+            .is_some_and(|s| s.t < reached || s.t.saturating_add(JUDGE_AFTER_MS) <= now_ms)
         {
             let Some(s) = self.pending.pop_front() else {
                 break;
@@ -181,6 +197,7 @@ impl Fidelity {
         self.judge(u64::MAX);
         let mut r = FidelityReport {
             lag_tolerance_ms: self.tolerance_ms,
+            dropped_samples: self.dropped,
             ..FidelityReport::default()
         };
         let mut by_wire: BTreeMap<String, (u64, u64, u64)> = BTreeMap::new();
@@ -225,6 +242,9 @@ fn ratio(a: u64, b: u64) -> f64 {
 /// How long before `t` the engine last held the blocks fingerprinted `fp`: `Some(0)`
 /// when it held them at `t`, `Some(None)` when it did not within its history, `None`
 /// when its history starts after `t`.
+///
+/// An empty index (`fp` 0) matches only an engine empty within 1 s of `t`: engines
+/// are empty after every clear, and a wiped index must not pass for one trailing.
 fn lag(history: &VecDeque<(u64, u64)>, t: u64, fp: u64) -> Option<Option<u64>> {
     let k = history.partition_point(|e| e.0 <= t);
     if k == 0 {
@@ -234,7 +254,8 @@ fn lag(history: &VecDeque<(u64, u64)>, t: u64, fp: u64) -> Option<Option<u64>> {
     for i in (0..k).rev() {
         let (at, print) = *history.get(i)?;
         if print == fp {
-            return Some(Some(t - ended));
+            let lag = t - ended;
+            return Some((fp != 0 || lag <= CURRENT_MS).then_some(lag));
         }
         ended = at;
     }
@@ -285,16 +306,30 @@ mod tests {
     }
 
     #[test]
-    fn a_worker_missing_from_a_sample_is_an_empty_index() {
+    fn a_worker_missing_from_a_sample_is_an_empty_index_exact_only_when_the_engine_just_was() {
         let mut f = Fidelity::new(2_000);
         f.engine(1, "[[1000, 0], [2000, 20]]");
         f.router(1, r#"{"t": 2500, "workers": {}}"#);
-        f.router(1, r#"{"t": 4500, "workers": {}}"#);
+        f.router(1, r#"{"t": 3500, "workers": {}}"#);
         let r = f.report(&BTreeSet::new());
+        // 500 ms after the engine was empty: exact; 1.5 s after: not, although
+        // within the tolerance (a wiped index is not a trailing one).
         assert_eq!(r.cells["r1 w1"].exact, 1);
-        assert_eq!(r.cells["r1 w1"].stale, 1);
+        assert_eq!(r.cells["r1 w1"].unmatched, 1);
         assert_eq!(r.cells["r1 w1"].worst_lag_ms, 500);
         assert_eq!(r.fidelity["eventplane"], 0.5);
+    }
+
+    #[test]
+    fn a_sample_waits_for_every_engine_to_print_past_it() {
+        let mut f = fidelity();
+        f.engine(2, "[[1000, 5]]");
+        f.router(0, r#"{"t": 2500, "workers": {"1": 20, "2": 5}}"#);
+        f.judge(2_600);
+        assert!(f.cells.is_empty(), "engine 2 has not printed past 2500");
+        f.engine(2, "[[2600, 6]]");
+        f.judge(2_600);
+        assert_eq!(f.cells[&(0, 2)].exact, 1);
     }
 
     #[test]

@@ -19,6 +19,9 @@ pub(crate) struct Proc {
     pub(crate) pid: u32,
     pub(crate) stdin: Option<ChildStdin>,
     pub(crate) lines: mpsc::Receiver<String>,
+    /// Lines [`line`](Self::line) read past while it waited for another (the last
+    /// [`LINE_QUEUE`]), for the supervisor.
+    pub(crate) skipped: std::collections::VecDeque<String>,
     pub(crate) log: PathBuf,
 }
 
@@ -67,11 +70,13 @@ impl Proc {
             pid,
             stdin,
             lines,
+            skipped: std::collections::VecDeque::new(),
             log,
         })
     }
 
-    /// The next stdout line starting with `prefix` (others skipped), its rest.
+    /// The next stdout line starting with `prefix` (others kept in `skipped`), its
+    /// rest.
     pub(crate) async fn line(&mut self, prefix: &str, within: Duration) -> Result<String, String> {
         let deadline = tokio::time::Instant::now() + within;
         loop {
@@ -80,6 +85,10 @@ impl Proc {
                     if let Some(rest) = line.strip_prefix(prefix) {
                         return Ok(rest.trim().to_owned());
                     }
+                    if self.skipped.len() >= LINE_QUEUE {
+                        self.skipped.pop_front();
+                    }
+                    self.skipped.push_back(line);
                 }
                 Ok(None) => return Err(format!("{} ended before printing {prefix:?}", self.name)),
                 Err(_) => {
@@ -90,6 +99,15 @@ impl Proc {
                 }
             }
         }
+    }
+
+    /// The lines waiting: those `line` read past first, then the queue's.
+    pub(crate) fn take_lines(&mut self) -> Vec<String> {
+        let mut lines: Vec<String> = self.skipped.drain(..).collect();
+        while let Ok(line) = self.lines.try_recv() {
+            lines.push(line);
+        }
+        lines
     }
 
     /// Writes one command line to its stdin.

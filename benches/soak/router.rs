@@ -356,6 +356,13 @@ async fn lane(args: &RouterArgs, wire: Wire) -> Result<Lane, String> {
     Ok(Lane { wire, sub, handle })
 }
 
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Runs the router until `quit` (or stdin closes); prints the report.
 pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
     let mut lanes = [
@@ -382,8 +389,15 @@ pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
     );
     prints.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let [a, b] = &mut lanes;
+    // A stall stops the consumer (its lanes, notices and recoveries), not the
+    // once-a-second prints: the index is sampled as it trails.
+    let mut stalled_until: Option<tokio::time::Instant> = None;
     loop {
-        driver.submit(state.feed.take_recoveries());
+        let stalled = stalled_until.is_some_and(|t| tokio::time::Instant::now() < t);
+        if !stalled {
+            stalled_until = None;
+            driver.submit(state.feed.take_recoveries());
+        }
         tokio::select! {
             line = lines.next_line() => {
                 let line = line.ok().flatten().unwrap_or_else(|| "quit".to_owned());
@@ -391,7 +405,7 @@ pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
                 match (words.next(), words.next().and_then(|w| w.parse().ok())) {
                     (Some("stall"), Some(ms)) => {
                         state.stalls += 1;
-                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                        stalled_until = Some(tokio::time::Instant::now() + Duration::from_millis(ms));
                     }
                     (Some("dump"), _) => {
                         let followed: Vec<ChannelId> = [&*a, &*b]
@@ -413,11 +427,15 @@ pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
                 let p = Prints { t: crate::engine::unix_ms(), workers: fingerprints(&state.feed) };
                 println!("fps {}", serde_json::to_string(&p).map_err(|e| e.to_string())?);
             }
-            answer = driver.next() => state.feed.recovered(answer),
-            () = a.handle.notice_ready() => {}
-            () = b.handle.notice_ready() => {}
-            _ = a.sub.recv_many(&mut batch_a, 256) => state.batch(a, &mut batch_a, &mut notices),
-            _ = b.sub.recv_many(&mut batch_b, 256) => state.batch(b, &mut batch_b, &mut notices),
+            () = sleep_until(stalled_until), if stalled => {}
+            answer = driver.next(), if !stalled => state.feed.recovered(answer),
+            () = a.handle.notice_ready(), if !stalled => {}
+            () = b.handle.notice_ready(), if !stalled => {}
+            _ = a.sub.recv_many(&mut batch_a, 256), if !stalled => state.batch(a, &mut batch_a, &mut notices),
+            _ = b.sub.recv_many(&mut batch_b, 256), if !stalled => state.batch(b, &mut batch_b, &mut notices),
+        }
+        if stalled {
+            continue;
         }
         for l in [&mut *a, &mut *b] {
             l.sub.take_notices(&mut notices);

@@ -44,12 +44,16 @@ struct Followed {
     connected: bool,
     /// The (worker, rank)s it fed.
     fed: SmallVec<[(WorkerId, DpRank); 2]>,
+    /// The (worker, rank)s another publisher took over from it: its events for them
+    /// are dropped (an old relay's last or held events cannot take a rank back).
+    superseded: SmallVec<[(WorkerId, DpRank); 1]>,
 }
 
 /// The live events that may arrive after a recovery answer that already applied
-/// them (they were on their way when it was read): a run of consecutive ids ending at
-/// most at `through`. Its first id is `next`, or, when no live event was seen while
-/// the answer was awaited, any id above `lo`. Each is skipped; any other id ends it.
+/// them (they were on their way when it was read): a run of increasing ids ending at
+/// most at `through`, each above `lo` and at least `next`. Ids may be missing from the
+/// run (lost on the way, as the ones the answer repaired were): the answer covered
+/// them too. Each is skipped; any other id ends it.
 #[derive(Debug, Clone, Copy)]
 struct Late {
     lo: u64,
@@ -131,6 +135,8 @@ pub struct IndexFeedStats {
     pub wipes_held_overflow: u64,
     /// Ranks dropped because another publisher took them over ([`Wipe::Superseded`]).
     pub wipes_superseded: u64,
+    /// Events dropped because their publisher was superseded for their rank.
+    pub superseded_events: u64,
     /// Live events dropped while held for a recovery (asked for again).
     pub held_dropped: u64,
     /// Recovery answers to requests no longer awaited (ignored).
@@ -318,10 +324,7 @@ impl IndexFeed {
         }
         if let Some(w) = p.late.take() {
             let id = ev.event.id;
-            let late = match w.next {
-                0 => id > w.lo && id <= w.through,
-                next => id == next,
-            };
+            let late = id > w.lo && id >= w.next && id <= w.through;
             if late {
                 p.late = (id < w.through).then_some(Late { next: id + 1, ..w });
                 self.stats.late_duplicates += 1;
@@ -356,6 +359,10 @@ impl IndexFeed {
         p.next_id = ev.event.id.saturating_add(1);
         let sender = p.sender;
         let key = (ev.worker_id, ev.event.dp_rank);
+        if p.superseded.contains(&key) {
+            self.stats.superseded_events += 1;
+            return;
+        }
         let known = p.fed.contains(&key);
         if !known && p.fed.len() >= MAX_RANKS_PER_PUBLISHER {
             self.stats.refused_rank_events += 1;
@@ -365,7 +372,20 @@ impl IndexFeed {
         // departure clears it): an event that stored nothing takes nothing over.
         let stores =
             matches!(&ev.event.data, KvEventData::Stored { blocks, .. } if !blocks.is_empty());
-        if stores {
+        // A chain from the root that this publisher may write takes the rank over
+        // from another publisher (a store under a parent adds to what the owner holds:
+        // after a clear it would be refused, and the owner's loss still clears it).
+        let takes_over = stores
+            && matches!(
+                &ev.event.data,
+                KvEventData::Stored {
+                    parent_hash: None,
+                    ..
+                }
+            )
+            && self.index.admits(sender, ev.worker_id)
+            && self.owners.get(&key).is_some_and(|o| o != source);
+        if takes_over {
             self.take_over(source, key);
         }
         match self.index.apply(sender, ev) {
@@ -388,29 +408,32 @@ impl IndexFeed {
                 p.fed.push(key);
             }
         }
-        if self.owners.get(&key) != Some(source) {
+        if !self.owners.contains_key(&key) {
             self.owners.insert(key, source.clone());
         }
     }
 
-    /// `source` is about to store into `key`: when another publisher fed that rank,
-    /// what it fed is dropped first ([`Wipe::Superseded`]). The index holds blocks per
-    /// rank, not per publisher: keeping them would credit the worker with blocks the
+    /// `source` is about to store a chain from the root into `key`, which another
+    /// publisher owns: what that one fed is dropped first ([`Wipe::Superseded`]), and
+    /// its later events for `key` are dropped too. The index holds blocks per rank,
+    /// not per publisher: keeping them would credit the worker with blocks the
     /// newcomer never vouched for (evicted while the earlier publisher was away), and
     /// the earlier publisher's departure no longer clears a rank it does not own.
     fn take_over(&mut self, source: &ChannelId, key: (WorkerId, DpRank)) {
-        let Some(previous) = self.owners.get(&key).filter(|o| *o != source).cloned() else {
+        let Some(previous) = self.owners.insert(key, source.clone()) else {
             return;
         };
-        self.owners.remove(&key);
         let blocks = self.index.rank_blocks(key.0, key.1) as u64;
         self.index.clear_rank(key.0, key.1);
-        self.stats.wipes_superseded += 1;
-        self.stats.wiped_blocks += blocks;
         if let Some(p) = self.publishers.get_mut(&previous) {
             p.fed.retain(|k| *k != key);
+            if p.superseded.len() < MAX_RANKS_PER_PUBLISHER && !p.superseded.contains(&key) {
+                p.superseded.push(key);
+            }
         }
         if blocks > 0 {
+            self.stats.wipes_superseded += 1;
+            self.stats.wiped_blocks += blocks;
             self.note_wipe(previous, Wipe::Superseded, blocks);
         }
     }

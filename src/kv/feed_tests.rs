@@ -119,6 +119,50 @@ fn a_new_publisher_for_a_rank_supersedes_the_old_one_whose_departure_keeps_it() 
     assert_eq!((s.publishers, s.departed, s.index.blocks), (0, 3, 0));
 }
 
+/// Only a chain from the root that the newcomer may write takes a rank over: a
+/// foreign worker's store, or a store under a parent, clears nothing; and the old
+/// publisher's later events for the rank (its last live ones, or held ones drained
+/// after a failed recovery) cannot take it back.
+#[test]
+fn a_takeover_needs_a_root_chain_the_newcomer_may_write_and_is_final() {
+    let mut feed = IndexFeed::default();
+    let (old, new) = (instance(1, Some(7)), instance(2, Some(7)));
+    let foreign = instance(3, Some(9));
+    feed.apply(&old, &[stored(7, 1, 10)]);
+    // Worker 9's publisher naming worker 7: refused, and worker 7 keeps its block.
+    feed.apply(&foreign, &[stored(7, 1, 30)]);
+    assert!(feed.index().holds(WorkerId(7), 0, BlockHash(10)));
+    assert_eq!(feed.stats().wipes_superseded, 0);
+    // The newcomer's store under the old one's block adds to it, no takeover.
+    let mut child = stored(7, 1, 11);
+    if let KvEventData::Stored { parent_hash, .. } = &mut child.event.data {
+        *parent_hash = Some(BlockHash(10));
+    }
+    feed.apply(&new, &[child]);
+    assert_eq!(feed.index().rank_blocks(WorkerId(7), 0), 2);
+    assert_eq!(feed.stats().wipes_superseded, 0);
+    // Its chain from the root does.
+    feed.apply(&new, &[stored(7, 2, 20)]);
+    assert_eq!(feed.index().rank_blocks(WorkerId(7), 0), 1);
+    assert_eq!(feed.stats().wipes_superseded, 1);
+    // The old publisher's late store and clear are dropped.
+    let clear = RouterEvent {
+        event: KvEvent {
+            data: KvEventData::Cleared,
+            ..stored(7, 3, 0).event
+        },
+        ..stored(7, 3, 0)
+    };
+    feed.apply(&old, &[stored(7, 2, 12), clear]);
+    assert!(feed.index().holds(WorkerId(7), 0, BlockHash(20)));
+    assert!(!feed.index().holds(WorkerId(7), 0, BlockHash(12)));
+    let s = feed.stats();
+    assert_eq!((s.superseded_events, s.wipes_superseded), (2, 1));
+    // Its departure leaves the newcomer's rank alone.
+    feed.notice(&Notice::Departed(old.id.clone()));
+    assert_eq!(feed.index().rank_blocks(WorkerId(7), 0), 1);
+}
+
 #[test]
 fn a_reconnection_wipes_and_restarts_the_id_check() {
     let mut feed = IndexFeed::default();

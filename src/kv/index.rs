@@ -287,6 +287,16 @@ impl RouterIndex {
         result
     }
 
+    /// Whether an event naming `worker`, sent by the publisher known as `sender`, passes
+    /// attribution (see [`apply`](Self::apply)'s `ForeignWorker` and `Unidentified`).
+    pub(crate) fn admits(&self, sender: Option<WorkerId>, worker: WorkerId) -> bool {
+        match (sender, self.config.attribution) {
+            (Some(sender), _) => sender == worker,
+            (None, Attribution::Strict) => false,
+            (None, _) => true,
+        }
+    }
+
     /// Drops every block of one (worker, rank): what a `Cleared` event does, and
     /// what a router does when it lost track of that rank. O(blocks it holds).
     pub fn clear_rank(&mut self, worker_id: WorkerId, dp_rank: DpRank) {

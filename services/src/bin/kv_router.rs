@@ -711,8 +711,7 @@ async fn main() -> ExitCode {
         "lost_views": fed.wipes_id_gap
             + fed.wipes_reconnect
             + fed.wipes_recovery_failed
-            + fed.wipes_held_overflow
-            + fed.wipes_superseded,
+            + fed.wipes_held_overflow,
         "wipes": {
             "id_gap": fed.wipes_id_gap,
             "reconnect": fed.wipes_reconnect,

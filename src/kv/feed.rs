@@ -4,7 +4,7 @@
 
 use smallvec::SmallVec;
 
-use super::event::{DpRank, KvEventData, RouterEvent, WorkerId};
+use super::event::{DpRank, KvEventData, RouterEvent, StorageTier, WorkerId};
 use super::index::{IndexRefusal, RouterIndex, RouterIndexConfig, RouterIndexStats};
 use super::sink::decode_router_payload;
 use std::collections::VecDeque;
@@ -29,6 +29,8 @@ struct Followed {
     next_id: u64,
     /// The worker its identity names (events are applied as sent by it).
     sender: Option<WorkerId>,
+    /// The data-parallel rank its identity names.
+    sender_rank: Option<DpRank>,
     /// Where its worker serves its recovery log.
     recovery: Option<String>,
     /// A recovery in progress.
@@ -44,9 +46,10 @@ struct Followed {
     connected: bool,
     /// The (worker, rank)s it fed.
     fed: SmallVec<[(WorkerId, DpRank); 2]>,
-    /// The (worker, rank)s another publisher took over from it: its events for them
-    /// are dropped (an old relay's last or held events cannot take a rank back).
-    superseded: SmallVec<[(WorkerId, DpRank); 1]>,
+    /// The (worker, rank)s another publisher took over from it, and which: while that
+    /// one owns the rank, this one's events for it are dropped (an old relay's last
+    /// or held events cannot take a rank back). Forgotten when it connects again.
+    superseded: SmallVec<[((WorkerId, DpRank), ChannelId); 1]>,
 }
 
 /// The live events that may arrive after a recovery answer that already applied
@@ -305,6 +308,7 @@ impl IndexFeed {
         let sender = source.worker.map(|w| WorkerId(w.worker_id));
         let p = self.publishers.entry(source.id.clone()).or_default();
         p.sender = sender;
+        p.sender_rank = source.worker.map(|w| w.dp_rank);
         p.recovery.clone_from(&source.recovery);
         self.endpoint_gone(&source.id);
         for ev in events {
@@ -357,24 +361,29 @@ impl IndexFeed {
             return;
         };
         p.next_id = ev.event.id.saturating_add(1);
-        let sender = p.sender;
+        let (sender, sender_rank) = (p.sender, p.sender_rank);
         let key = (ev.worker_id, ev.event.dp_rank);
-        if p.superseded.contains(&key) {
+        if self.superseded(source, key) {
             self.stats.superseded_events += 1;
             return;
         }
+        let Some(p) = self.publishers.get_mut(source) else {
+            return;
+        };
         let known = p.fed.contains(&key);
         if !known && p.fed.len() >= MAX_RANKS_PER_PUBLISHER {
             self.stats.refused_rank_events += 1;
             return;
         }
-        // Only blocks stored make a publisher the rank's owner (whose loss or
-        // departure clears it): an event that stored nothing takes nothing over.
-        let stores =
-            matches!(&ev.event.data, KvEventData::Stored { blocks, .. } if !blocks.is_empty());
-        // A chain from the root that this publisher may write takes the rank over
-        // from another publisher (a store under a parent adds to what the owner holds:
-        // after a clear it would be refused, and the owner's loss still clears it).
+        // Only device-tier blocks stored make a publisher the rank's owner (whose
+        // loss or departure clears it): an event that stored nothing takes nothing
+        // over.
+        let stores = ev.tier == StorageTier::Device
+            && matches!(&ev.event.data, KvEventData::Stored { blocks, .. } if !blocks.is_empty());
+        // A chain from the root that this publisher may write, for the rank its
+        // identity names, takes the rank over from another publisher (a store under a
+        // parent adds to what the owner holds: after a clear it would be refused, and
+        // the owner's loss still clears it).
         let takes_over = stores
             && matches!(
                 &ev.event.data,
@@ -384,12 +393,22 @@ impl IndexFeed {
                 }
             )
             && self.index.admits(sender, ev.worker_id)
+            && sender_rank.is_none_or(|r| r == ev.event.dp_rank)
             && self.owners.get(&key).is_some_and(|o| o != source);
         if takes_over {
             self.take_over(source, key);
+            if let Some(p) = self.publishers.get_mut(source) {
+                if !known {
+                    p.fed.push(key);
+                }
+            }
         }
         match self.index.apply(sender, ev) {
-            Err(IndexRefusal::RankFull { .. } | IndexRefusal::IndexFull { .. }) => {
+            Err(
+                IndexRefusal::RankFull { .. }
+                | IndexRefusal::WorkerFull { .. }
+                | IndexRefusal::IndexFull { .. },
+            ) => {
                 // Its leading blocks were stored.
                 self.stats.refused_events += 1;
             }
@@ -404,13 +423,11 @@ impl IndexFeed {
             return;
         }
         if let Some(p) = self.publishers.get_mut(source) {
-            if !known {
+            if !p.fed.contains(&key) {
                 p.fed.push(key);
             }
         }
-        if !self.owners.contains_key(&key) {
-            self.owners.insert(key, source.clone());
-        }
+        self.owners.entry(key).or_insert_with(|| source.clone());
     }
 
     /// `source` is about to store a chain from the root into `key`, which another
@@ -427,8 +444,9 @@ impl IndexFeed {
         self.index.clear_rank(key.0, key.1);
         if let Some(p) = self.publishers.get_mut(&previous) {
             p.fed.retain(|k| *k != key);
-            if p.superseded.len() < MAX_RANKS_PER_PUBLISHER && !p.superseded.contains(&key) {
-                p.superseded.push(key);
+            p.superseded.retain(|(k, _)| *k != key);
+            if p.superseded.len() < MAX_RANKS_PER_PUBLISHER {
+                p.superseded.push((key, source.clone()));
             }
         }
         if blocks > 0 {
@@ -436,6 +454,15 @@ impl IndexFeed {
             self.stats.wiped_blocks += blocks;
             self.note_wipe(previous, Wipe::Superseded, blocks);
         }
+    }
+
+    /// Whether `id` was superseded for `key` by the publisher that owns it now.
+    fn superseded(&self, id: &ChannelId, key: (WorkerId, DpRank)) -> bool {
+        self.publishers.get(id).is_some_and(|p| {
+            p.superseded
+                .iter()
+                .any(|(k, by)| *k == key && self.owners.get(&key) == Some(by))
+        })
     }
 
     fn note_wipe(&mut self, publisher: ChannelId, cause: Wipe, blocks: u64) {
@@ -456,6 +483,10 @@ impl IndexFeed {
             Notice::Connected(instance) => {
                 let p = self.publishers.entry(instance.id.clone()).or_default();
                 p.sender = instance.worker.map(|w| WorkerId(w.worker_id));
+                p.sender_rank = instance.worker.map(|w| w.dp_rank);
+                // A new connection speaks for its ranks again (it recovers, or its
+                // next chain from the root takes them over).
+                p.superseded.clear();
                 p.recovery.clone_from(&instance.recovery);
                 // A new connection: what it sends is not a late copy of an answer.
                 p.late = None;
@@ -477,9 +508,11 @@ impl IndexFeed {
             }
             Notice::Departed(id) => self.depart(id),
             Notice::Reset { id, .. } => {
-                // Its sequence restarted: what follows is not a late copy either.
+                // Its sequence restarted (another process behind it): what follows is
+                // not a late copy either, and it may take its ranks back.
                 if let Some(p) = self.publishers.get_mut(id) {
                     p.late = None;
+                    p.superseded.clear();
                 }
             }
             _ => {}

@@ -416,7 +416,8 @@ impl IndexFeed {
         if matches!(
             ev.event.data,
             KvEventData::Removed { .. } | KvEventData::Cleared
-        ) {
+        ) && !self.superseded(id, (ev.worker_id, ev.event.dp_rank))
+        {
             let sender = self.publishers.get(id).and_then(|p| p.sender);
             if self.index.apply(sender, &ev).is_err() {
                 self.stats.refused_events += 1;

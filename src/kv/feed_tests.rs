@@ -163,6 +163,44 @@ fn a_takeover_needs_a_root_chain_the_newcomer_may_write_and_is_final() {
     assert_eq!(feed.index().rank_blocks(WorkerId(7), 0), 1);
 }
 
+/// A host-tier chain or a chain for a rank the newcomer's identity does not name
+/// takes nothing over; supersession lasts while the newcomer owns the rank, and ends
+/// when the old publisher connects again.
+#[test]
+fn a_takeover_is_by_a_device_chain_for_the_publishers_own_rank_and_not_for_good() {
+    let mut feed = IndexFeed::default();
+    let (old, new) = (instance(1, Some(7)), instance(2, Some(7)));
+    feed.apply(&old, &[stored(7, 1, 10)]);
+    let mut host = stored(7, 1, 40);
+    host.tier = StorageTier::HostPinned;
+    feed.apply(&new, &[host]);
+    // The newcomer is rank 1 of worker 7: its chain for rank 0 adds, no takeover.
+    let rank1 = Instance {
+        worker: Some(WorkerIdentity::new(7, 1)),
+        ..new.clone()
+    };
+    feed.apply(&rank1, &[stored(7, 2, 41)]);
+    assert!(feed.index().holds(WorkerId(7), 0, BlockHash(10)));
+    assert_eq!(feed.stats().wipes_superseded, 0);
+    // As rank 0 it takes over; when it departs, the old publisher is heard again.
+    feed.apply(&new, &[stored(7, 3, 20)]);
+    assert_eq!(feed.stats().wipes_superseded, 1);
+    feed.apply(&old, &[stored(7, 2, 11)]);
+    assert_eq!(feed.stats().superseded_events, 1);
+    feed.notice(&Notice::Departed(new.id.clone()));
+    feed.apply(&old, &[stored(7, 3, 12)]);
+    assert!(feed.index().holds(WorkerId(7), 0, BlockHash(12)));
+    // Superseded again, then it connects again: heard.
+    let newer = instance(3, Some(7));
+    feed.apply(&newer, &[stored(7, 1, 30)]);
+    feed.apply(&old, &[stored(7, 4, 13)]);
+    assert_eq!(feed.stats().superseded_events, 2);
+    feed.notice(&Notice::Connected(std::sync::Arc::new(old.clone())));
+    feed.apply(&old, &[stored(7, 1, 14)]);
+    assert!(feed.index().holds(WorkerId(7), 0, BlockHash(14)));
+    assert_eq!(feed.stats().superseded_events, 2);
+}
+
 #[test]
 fn a_reconnection_wipes_and_restarts_the_id_check() {
     let mut feed = IndexFeed::default();

@@ -191,6 +191,8 @@ catalogue! {
         "Live events dropped while their publisher recovered (too many held), asked for again.";
     KV_INDEX_LATE_DUPLICATES: Counter "eventplane_kv_index_late_duplicates_total" [] "IndexFeedStats"
         "Live events a recovery answer had already applied (on their way when it was read), skipped.";
+    KV_INDEX_SUPERSEDED_EVENTS: Counter "eventplane_kv_index_superseded_events_total" [] "IndexFeedStats"
+        "Events dropped because another publisher took their rank over from their publisher.";
     KV_INDEX_STALE_ANSWERS: Counter "eventplane_kv_index_stale_answers_total" [] "IndexFeedStats"
         "Recovery answers to requests no longer awaited, ignored.";
     KV_INDEX_REPAIR_P99: Gauge "eventplane_kv_index_repair_p99_milliseconds" [] "IndexFeedStats"

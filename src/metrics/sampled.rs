@@ -151,6 +151,7 @@ impl Sampled for IndexFeedStats {
         out.gauge(&KV_INDEX_HELD, self.held_events);
         out.counter(&KV_INDEX_HELD_DROPPED, self.held_dropped);
         out.counter(&KV_INDEX_LATE_DUPLICATES, self.late_duplicates);
+        out.counter(&KV_INDEX_SUPERSEDED_EVENTS, self.superseded_events);
         out.counter(&KV_INDEX_STALE_ANSWERS, self.stale_answers);
         out.gauge(&KV_INDEX_REPAIR_P99, self.repair_p99_ms);
         out.counter(&KV_INDEX_WIPED_BLOCKS, self.wiped_blocks);

@@ -719,6 +719,7 @@ async fn main() -> ExitCode {
             "held_overflow": fed.wipes_held_overflow,
             "superseded": fed.wipes_superseded,
         },
+        "superseded_events": fed.superseded_events,
         "repairs": {
             "since": fed.repairs_since,
             "dump": fed.repairs_dump,

@@ -149,7 +149,6 @@ struct State {
     feed: IndexFeed,
     /// Wipes by wire, then cause.
     wipes: BTreeMap<String, BTreeMap<String, u64>>,
-    events: u64,
     stalls: u64,
 }
 
@@ -250,11 +249,9 @@ impl State {
             l.last_consumed = Some(s);
         }
         l.worker_id = d.source.worker.map(|w| w.worker_id).or(l.worker_id);
-        let before = self.feed.stats().events;
         if self.feed.delivery(lane.wire, d).is_err() {
             l.undecodable += 1;
         }
-        self.events += self.feed.stats().events - before;
     }
 
     fn notice(&mut self, n: Notice) {
@@ -374,7 +371,6 @@ pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
         ledgers: HashMap::new(),
         feed: IndexFeed::new(RouterIndexConfig::default()),
         wipes: BTreeMap::new(),
-        events: 0,
         stalls: 0,
     };
     let mut driver = RecoveryDriver::new(RecoveryClientConfig::default());
@@ -484,7 +480,7 @@ async fn finish(mut lanes: [Lane; 2], mut state: State) -> RouterReport {
     }
     state.count_wipes();
     let f: IndexFeedStats = state.feed.stats();
-    report.events = state.events;
+    report.events = f.events;
     report.stalls = state.stalls;
     report.wipes = std::mem::take(&mut state.wipes);
     report.repairs_since = f.repairs_since;

@@ -363,7 +363,7 @@ impl IndexFeed {
         p.next_id = ev.event.id.saturating_add(1);
         let (sender, sender_rank) = (p.sender, p.sender_rank);
         let key = (ev.worker_id, ev.event.dp_rank);
-        if self.superseded(source, key) {
+        if !p.superseded.is_empty() && self.superseded(source, key) {
             self.stats.superseded_events += 1;
             return;
         }

@@ -248,11 +248,9 @@ fn a_dump_claiming_an_id_far_ahead_does_not_freeze_the_publisher() {
     assert_eq!(blocks(&feed), [106, 107]);
 }
 
-/// Late copies come in increasing order, some perhaps lost on the way (a lane that
-/// dropped them: the answer covered those too); an id at or below one already skipped
-/// ends the window.
-#[test]
-fn late_copies_with_gaps_are_skipped_and_an_id_going_back_ends_the_window() {
+/// Ids 1..=2 applied, 3 lost, 4 held, then an answer with 3..=8: live copies of 5..=8
+/// may follow.
+fn answered_through_8() -> (IndexFeed, Instance) {
     let (mut feed, w) = following(2);
     feed.apply(&w, &[stored(4, 104, Some(103))]);
     feed.take_recoveries();
@@ -266,6 +264,15 @@ fn late_copies_with_gaps_are_skipped_and_an_id_going_back_ends_the_window() {
         }),
         Duration::from_millis(2),
     );
+    (feed, w)
+}
+
+/// Late copies come in increasing order, some perhaps lost on the way (a lane that
+/// dropped them: the answer covered those too); an id at or below one already skipped
+/// ends the window.
+#[test]
+fn late_copies_with_gaps_are_skipped_and_an_id_going_back_ends_the_window() {
+    let (mut feed, w) = answered_through_8();
     // 5 was lost on the way as well: 6 is still a late copy, and so is 8.
     feed.apply(&w, &[stored(6, 106, Some(105)), stored(8, 108, Some(107))]);
     feed.apply(&w, &[stored(9, 109, Some(108))]);
@@ -273,19 +280,7 @@ fn late_copies_with_gaps_are_skipped_and_an_id_going_back_ends_the_window() {
     assert_eq!((s.late_duplicates, s.wipes_id_gap), (2, 0));
     assert_eq!(blocks(&feed), [101, 102, 103, 104, 105, 106, 107, 108, 109]);
     // Another window, and an id that goes back within it: a wipe.
-    let (mut feed, w) = following(2);
-    feed.apply(&w, &[stored(4, 104, Some(103))]);
-    feed.take_recoveries();
-    let since: Vec<RouterEvent> = (3..=8).map(|i| stored(i, 100 + i, Some(99 + i))).collect();
-    answer(
-        &mut feed,
-        &w,
-        Ok(Recovered::Events {
-            events: since,
-            current_id: 8,
-        }),
-        Duration::from_millis(2),
-    );
+    let (mut feed, w) = answered_through_8();
     feed.apply(&w, &[stored(6, 106, Some(105)), stored(5, 105, Some(104))]);
     let s = feed.stats();
     assert_eq!((s.late_duplicates, s.wipes_id_gap), (1, 1));

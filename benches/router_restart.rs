@@ -27,7 +27,7 @@ use eventplane::discovery::{ChannelId, Instance, Transport, WorkerIdentity};
 use eventplane::kv::{
     BlockHash, IndexFeed, KvEvent, KvEventData, LocalIndex, RecoveryClientConfig, RecoveryDriver,
     RecoveryServer, RouterEvent, RouterIndexConfig, SharedWorkerLog, StorageTier, StoredBlock,
-    TokensHash, WorkerId, WorkerLogConfig, encode_router_events,
+    TokensHash, WorkerId, WorkerLogConfig,
 };
 use eventplane::subscriber::Notice;
 
@@ -106,13 +106,27 @@ fn main() {
         let mut bytes = 0usize;
         for w in 1..=workers {
             let log = worker_log(w, blocks);
-            // What its dump weighs on the wire (payloads; frames add a few bytes).
-            bytes += log
-                .dump()
-                .events
-                .chunks(128)
-                .map(|m| encode_router_events(m).unwrap().len())
-                .sum::<usize>();
+            // What its dump weighs on the wire, packed (payloads: a 16-byte header per
+            // message of at most 8,192 blocks, 10 bytes per event and 8 more for its
+            // parent, 16 per block; ZMTP frames add a few bytes).
+            let dump = log.dump();
+            let blocks_in = |e: &RouterEvent| e.event.data.block_count();
+            let total: usize = dump.events.iter().map(blocks_in).sum();
+            bytes += 16 * total.div_ceil(8192)
+                + dump
+                    .events
+                    .iter()
+                    .map(|e| {
+                        let parent = matches!(
+                            e.event.data,
+                            KvEventData::Stored {
+                                parent_hash: Some(_),
+                                ..
+                            }
+                        );
+                        10 + 8 * usize::from(parent) + 16 * blocks_in(e)
+                    })
+                    .sum::<usize>();
             let server = RecoveryServer::bind("tcp://127.0.0.1:0", log.clone())
                 .await
                 .unwrap();

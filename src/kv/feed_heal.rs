@@ -183,9 +183,11 @@ impl IndexFeed {
             Ok(Recovered::Dump(dump)) => {
                 // It replaces what the publisher fed.
                 self.clear_fed(publisher);
+                self.reserve_for(publisher, &dump.events);
                 for ev in &dump.events {
                     self.apply_event(publisher, ev);
                 }
+                self.index.end_reserve();
                 if let Some(p) = self.publishers.get_mut(publisher) {
                     p.next_id = dump.current_id.saturating_add(1);
                     p.rebuilt = true;
@@ -461,6 +463,31 @@ impl IndexFeed {
 
     /// Empties the ranks `id` fed (that no other publisher fed since), not counted as
     /// a wipe: a dump is about to fill them.
+    /// Sizes the index's tables for the blocks a dump is about to store, for the
+    /// ranks its publisher may write.
+    fn reserve_for(&mut self, publisher: &ChannelId, events: &[RouterEvent]) {
+        let Some(sender) = self.publishers.get(publisher).map(|p| p.sender) else {
+            return;
+        };
+        let mut ranks: SmallVec<[((WorkerId, DpRank), usize); 4]> = SmallVec::new();
+        for ev in events {
+            let KvEventData::Stored { blocks, .. } = &ev.event.data else {
+                continue;
+            };
+            if ev.tier != StorageTier::Device || !self.index.admits(sender, ev.worker_id) {
+                continue;
+            }
+            let key = (ev.worker_id, ev.event.dp_rank);
+            match ranks.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, n)) => *n += blocks.len(),
+                None => ranks.push((key, blocks.len())),
+            }
+        }
+        for ((worker, rank), n) in ranks {
+            self.index.reserve(worker, rank, n);
+        }
+    }
+
     fn clear_fed(&mut self, id: &ChannelId) {
         let Some(p) = self.publishers.get_mut(id) else {
             return;

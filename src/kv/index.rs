@@ -12,6 +12,7 @@ use super::event::{
 };
 use crate::hash::{FastMap, FastSet};
 
+mod bulk;
 mod room;
 mod tree;
 mod types;
@@ -179,6 +180,8 @@ pub struct RouterIndex {
     /// A stored chain's hashes, to refuse one that repeats itself (kept between
     /// events; emptied after each).
     scratch: FastSet<BlockHash>,
+    /// Table sizes announced for ranks a dump is about to make (`bulk.rs`).
+    reserved: Vec<((WorkerId, DpRank), usize)>,
     stats: RouterIndexStats,
 }
 
@@ -234,6 +237,7 @@ impl RouterIndex {
             worker_blocks: FastMap::default(),
             rank_table_bytes: 0,
             scratch: FastSet::default(),
+            reserved: Vec::new(),
             stats: RouterIndexStats::default(),
         }
     }
@@ -580,10 +584,10 @@ impl RouterIndex {
                     }
                     i += positions.len().max(1);
                 }
+                None if held.is_none() => {
+                    i += self.store_fresh(slot, cursor, blocks.get(i..).unwrap_or_default())?;
+                }
                 None => {
-                    if held.is_none() {
-                        self.room(slot, 1, left, true)?;
-                    }
                     if let Some(pos) = self.tree.new_position(*cursor, block.tokens_hash, slot) {
                         self.remember(slot, block.block_hash, pos);
                         *cursor = Some(pos);
@@ -710,10 +714,11 @@ impl RouterIndex {
     }
 
     fn new_rank(&mut self, key: (WorkerId, DpRank)) -> u32 {
+        let (blocks, cap_seen) = self.new_table(key);
         let rank = Rank {
             key,
-            blocks: FastMap::default(),
-            cap_seen: 0,
+            blocks,
+            cap_seen,
         };
         let slot = match self.free_ranks.pop() {
             Some(s) => {

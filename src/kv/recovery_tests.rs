@@ -300,10 +300,29 @@ mod endpoint {
     /// `max_bytes` too.
     #[tokio::test]
     async fn an_answer_of_empty_events_is_held_to_the_byte_bound_decoded() {
-        let max = 4 << 20;
         let empties: Vec<RouterEvent> =
             (1..=1000).map(|i| ev(i, 0, KvEventData::Cleared)).collect();
         let payload = bytes::Bytes::from(crate::kv::encode_router_events(&empties).unwrap());
+        held_to_the_bound_decoded(b"events", payload, empties.len()).await;
+        // Packed, as dumps are: 10 bytes an event on the wire.
+        let empties: Vec<RouterEvent> = (1..=1000)
+            .map(|i| {
+                let mut e = ev(1, 0, KvEventData::Cleared);
+                e.event.dp_rank = i;
+                e
+            })
+            .collect();
+        let payload = super::blocks::encode(&empties, 8192).remove(0);
+        held_to_the_bound_decoded(b"blocks", payload, empties.len()).await;
+    }
+
+    async fn held_to_the_bound_decoded(
+        kind: &'static [u8],
+        payload: bytes::Bytes,
+        per_message: usize,
+    ) {
+        let max = 4 << 20;
+        let empties = vec![(); per_message];
         // As many messages as fit the bound on the wire (frames included).
         let messages = max / (payload.len() + 64);
         let decoded = messages * empties.len() * size_of::<RouterEvent>();
@@ -319,7 +338,7 @@ mod endpoint {
             for _ in 0..messages {
                 let msg = Message::from_parts([
                     bytes::Bytes::new(),
-                    bytes::Bytes::from_static(b"events"),
+                    bytes::Bytes::from_static(kind),
                     payload.clone(),
                 ]);
                 if worker.send(&msg).await.is_err() {

@@ -653,3 +653,75 @@ fn router_index_is_send_and_sync() {
     check::<RouterIndex>();
     check::<OverlapScores>();
 }
+
+/// A chain of `n` blocks 1..=n (tokens the same) for worker 7, rank 0, as events of 64.
+fn long_chain(n: u64) -> Vec<RouterEvent> {
+    let pairs: Vec<(u64, u64)> = (1..=n).map(|h| (h, h)).collect();
+    pairs
+        .chunks(64)
+        .map(|c| stored(7, 0, c.first().filter(|b| b.0 > 1).map(|b| b.0 - 1), c))
+        .collect()
+}
+
+#[test]
+fn a_reserved_table_is_sized_once_counted_and_given_back() {
+    let mut index = RouterIndex::default();
+    index.reserve(WorkerId(7), 0, 10_000);
+    for e in long_chain(10_000) {
+        index.apply(Some(WorkerId(7)), &e).unwrap();
+        let slot = index.rank_of[&(WorkerId(7), 0)];
+        let rank = index.rank(slot).unwrap();
+        assert!(rank.blocks.capacity() >= 10_000, "sized at once");
+        assert_eq!(rank.cap_seen, rank.blocks.capacity());
+        assert_eq!(
+            index.rank_table_bytes,
+            table_bytes(rank.cap_seen, BLOCK_ENTRY)
+        );
+    }
+    index.end_reserve();
+    assert_eq!(index.stats().blocks, 10_000);
+    assert_eq!(
+        scores(&index, &(1..=10_000).collect::<Vec<_>>()),
+        vec![(7, 0, 10_000)]
+    );
+    index.clear_rank(WorkerId(7), 0);
+    assert_eq!(index.rank_table_bytes, 0);
+}
+
+#[test]
+fn a_reservation_stays_within_the_caps() {
+    // The byte cap leaves no room for a table of a million blocks: no hint kept.
+    let mut index = RouterIndex::new(RouterIndexConfig::default().max_bytes(1 << 20));
+    index.reserve(WorkerId(7), 0, 1_000_000);
+    assert!(index.reserved.is_empty());
+    // The rank's cap cuts a hint down to it.
+    let mut index = RouterIndex::new(RouterIndexConfig::default().max_blocks_per_rank(100));
+    index.reserve(WorkerId(7), 0, 1_000_000);
+    assert_eq!(index.reserved, vec![((WorkerId(7), 0), 100)]);
+    // Spent: a rank made later is not sized by it.
+    index.end_reserve();
+    index
+        .apply(Some(WorkerId(7)), &stored(7, 0, None, &[(1, 1)]))
+        .unwrap();
+    assert!(index.rank_table_bytes < table_bytes(100, BLOCK_ENTRY));
+    // An existing rank's table grows at once, and is counted.
+    index.reserve(WorkerId(7), 0, 99);
+    let rank = index.rank(index.rank_of[&(WorkerId(7), 0)]).unwrap();
+    assert!(rank.blocks.capacity() >= 100);
+    assert_eq!(
+        index.rank_table_bytes,
+        table_bytes(rank.cap_seen, BLOCK_ENTRY)
+    );
+}
+
+#[test]
+fn fresh_chains_past_a_run_and_the_caps_store_what_fits() {
+    // 300 blocks: three runs' worth (128 a run), under a rank cap of 200.
+    let mut index = RouterIndex::new(RouterIndexConfig::default().max_blocks_per_rank(200));
+    let pairs: Vec<(u64, u64)> = (1..=300).map(|h| (h, h)).collect();
+    let refused = index.apply(Some(WorkerId(7)), &stored(7, 0, None, &pairs));
+    assert_eq!(refused, Err(IndexRefusal::RankFull { refused: 100 }));
+    assert_eq!(index.rank_blocks(WorkerId(7), 0), 200);
+    let seq: Vec<u64> = (1..=300).collect();
+    assert_eq!(scores(&index, &seq), vec![(7, 0, 200)]);
+}

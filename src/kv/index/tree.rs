@@ -17,6 +17,8 @@ use smallvec::SmallVec;
 use crate::hash::FastMap;
 use crate::kv::event::TokensHash;
 
+mod append;
+
 /// The root node: no position of its own; the first blocks of every path hang
 /// under it.
 pub(super) const ROOT: u32 = 0;

@@ -6,10 +6,12 @@
 //! | request | answer |
 //! |---|---|
 //! | `["", "since", id u64be]` | `["", "events", payload]`… then `["", "end", current_id u64be, 1]`, or `["", "too_old", oldest u64be]` |
-//! | `["", "dump"]` | `["", "events", payload]`… then `["", "end", current_id u64be, complete 0/1]` |
+//! | `["", "dump"]` | `["", "blocks", packed]`… then `["", "end", current_id u64be, complete 0/1]` |
 //!
 //! `payload` is a msgpack list of router events, as the worker publishes them (at most
-//! 128 events and 8,192 blocks a message). Anything else is answered
+//! 128 events and 8,192 blocks a message); `packed` is the same events packed as
+//! fixed-width integers (16 bytes a stored block; see `blocks.rs`), at most 8,192 blocks
+//! a message. A client takes either in any answer. Anything else is answered
 //! `["", "error", reason]` and the connection closed.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,6 +24,7 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
+use super::blocks;
 use super::{Dump, SharedWorkerLog, Since};
 use crate::counter;
 use crate::kv::{RouterEvent, decode_router_events, encode_router_events, split_messages};
@@ -166,10 +169,16 @@ struct Shared {
 /// | request | answer |
 /// |---|---|
 /// | `["", "since", id u64be]` | `["", "events", payload]`… then `["", "end", current_id u64be, 1]`, or `["", "too_old", oldest u64be]` |
-/// | `["", "dump"]` | `["", "events", payload]`… then `["", "end", current_id u64be, complete 0/1]` |
+/// | `["", "dump"]` | `["", "blocks", packed]`… then `["", "end", current_id u64be, complete 0/1]` |
 ///
 /// `payload` is a msgpack list of router events as the worker publishes them (at most
-/// 128 events and 8,192 blocks a message). Anything else is answered `["", "error",
+/// 128 events and 8,192 blocks a message); `packed` carries a dump's events as
+/// little-endian integers, 16 bytes a stored block (a payload starts with the events'
+/// `worker_id u64, id u64`; then records of `tag u8` (0 stored from the root, 1 stored
+/// under a `parent u64` that follows the record's header, 2 removed, 3 cleared),
+/// `tier u8` (device 0, host_pinned 1, disk 2, external 3), `dp_rank u32`, `count u32`,
+/// then `count` × (`block_hash u64, tokens_hash u64`), or `count` × `block_hash u64` for
+/// a removal), at most 8,192 blocks a message. Anything else is answered `["", "error",
 /// reason]` and the connection closed; a request frame over 64 bytes fails the
 /// connection as it arrives. At most [`DEFAULT_RECOVERY_CONNECTIONS`] connections,
 /// [`DEFAULT_CONCURRENT_DUMPS`] dumps built at once (requests that find the log
@@ -413,7 +422,7 @@ where
                 socket
                     .send(&Message::from_parts([
                         Bytes::new(),
-                        Bytes::from_static(b"events"),
+                        Bytes::from_static(b"blocks"),
                         m.clone(),
                     ]))
                     .await?;
@@ -489,11 +498,8 @@ async fn dump(shared: &Shared) -> Encoded {
     });
     let dump = snapshot.into_dump();
     counter::add(&shared.counters.built, 1);
-    let messages = encode(&dump.events);
-    // A message that failed to encode is missing from the dump: say it is partial.
-    let whole = messages.len()
-        == split_messages(&dump.events, EVENTS_PER_MESSAGE, BLOCKS_PER_MESSAGE).count();
-    let encoded: Encoded = Arc::new((dump.current_id, dump.complete && whole, messages));
+    let messages = blocks::encode(&dump.events, BLOCKS_PER_MESSAGE);
+    let encoded: Encoded = Arc::new((dump.current_id, dump.complete, messages));
     *shared.last_dump.lock().unwrap_or_else(|p| p.into_inner()) = Some((at, encoded.clone()));
     encoded
 }
@@ -598,10 +604,24 @@ where
                 .map(u64::from_be_bytes)
         };
         match (msg.get(1), msg.len()) {
-            (Some(b"events"), 3) => {
+            (Some(kind @ (b"events" | b"blocks")), 3) => {
                 let payload = msg.get(2).unwrap_or_default();
-                let decoded = decode_router_events(payload)
-                    .map_err(|_| RecoveryError::Malformed("undecodable events"))?;
+                let decoded = if kind == b"events" {
+                    decode_router_events(payload)
+                        .map_err(|_| RecoveryError::Malformed("undecodable events"))?
+                } else {
+                    // Held to what is left of the bound as it decodes: a record of an
+                    // empty event is 10 bytes on the wire, several times that decoded.
+                    let mut decoded = Vec::new();
+                    let budget = max_bytes.saturating_sub(held);
+                    blocks::decode(payload, &mut decoded, budget).map_err(|e| match e {
+                        blocks::Undecodable::OverBudget => RecoveryError::TooLarge(max_bytes),
+                        blocks::Undecodable::Malformed => {
+                            RecoveryError::Malformed("undecodable blocks")
+                        }
+                    })?;
+                    decoded
+                };
                 let carried: usize = decoded.iter().map(|e| e.event.data.block_count()).sum();
                 blocks = blocks.saturating_add(carried);
                 if blocks > max_blocks {

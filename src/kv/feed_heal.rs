@@ -461,8 +461,6 @@ impl IndexFeed {
         }
     }
 
-    /// Empties the ranks `id` fed (that no other publisher fed since), not counted as
-    /// a wipe: a dump is about to fill them.
     /// Sizes the index's tables for the blocks a dump is about to store, for the
     /// ranks its publisher may write.
     fn reserve_for(&mut self, publisher: &ChannelId, events: &[RouterEvent]) {
@@ -488,6 +486,8 @@ impl IndexFeed {
         }
     }
 
+    /// Empties the ranks `id` fed (that no other publisher fed since), not counted as
+    /// a wipe: a dump is about to fill them.
     fn clear_fed(&mut self, id: &ChannelId) {
         let Some(p) = self.publishers.get_mut(id) else {
             return;

@@ -281,6 +281,93 @@ async fn the_router_is_not_ready_until_its_first_recoveries_are_done() {
     assert_eq!(stats["wipes"]["recovery_failed"], 1, "{}", stats["wipes"]);
 }
 
+/// A worker whose first recovery fails (its endpoint accepts and never answers, so
+/// the request times out and the worker is wiped) is rebuilt from its dump once the
+/// endpoint answers: the blocks it stored before the router listened are back, with
+/// no other loss.
+#[cfg(feature = "etcd")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_wiped_by_a_failed_recovery_is_rebuilt_once_it_answers() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use eventplane::discovery::{Discovery, EtcdDiscovery};
+    use eventplane::kv::{
+        EventPlaneSink, EventSink, LocalIndex, RecoveryServer, SharedWorkerLog, WorkerLogConfig,
+    };
+    use eventplane::publish::EventPublisher;
+
+    let etcd = EtcdServer::start().await;
+    let log = SharedWorkerLog::new(WorkerLogConfig::default());
+    let server = RecoveryServer::bind("tcp://127.0.0.1:0", log.clone())
+        .await
+        .unwrap();
+    // The endpoint routers are told of: silent (connections held, nothing answered)
+    // until `answering`, then a pipe to the log's server.
+    let answering = Arc::new(AtomicBool::new(false));
+    let front = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let front_at = format!("tcp://{}", front.local_addr().unwrap());
+    let behind = server
+        .local_endpoint()
+        .trim_start_matches("tcp://")
+        .to_owned();
+    let open = answering.clone();
+    tokio::spawn(async move {
+        let mut silent = Vec::new();
+        while let Ok((mut stream, _)) = front.accept().await {
+            if !open.load(Ordering::SeqCst) {
+                silent.push(stream);
+                continue;
+            }
+            let behind = behind.clone();
+            tokio::spawn(async move {
+                if let Ok(mut b) = tokio::net::TcpStream::connect(&behind).await {
+                    let _ = tokio::io::copy_bidirectional(&mut stream, &mut b).await;
+                }
+            });
+        }
+    });
+    let discovery: Arc<dyn Discovery> =
+        Arc::new(EtcdDiscovery::connect([etcd.url()]).await.unwrap());
+    let publisher = EventPublisher::builder(discovery, "rebuild", "kvworker", "kv-events")
+        .worker(1, 0)
+        .recovery(&front_at)
+        .build()
+        .await
+        .unwrap();
+    let sink = EventPlaneSink::new(Arc::new(publisher));
+    let mut keeper = log.clone();
+    // Event `id` stores block 100 + id from the root; kept, then published.
+    let mut publish = move |id: u64| {
+        let ev = support::stored_at_root(1, id, 100 + id);
+        keeper.apply(&ev).unwrap();
+        ev
+    };
+    // Stored before any router listens: only a dump can tell of these.
+    for id in 1..=5 {
+        let ev = publish(id);
+        sink.publish(&[ev]).await.unwrap();
+    }
+    let (router, addr) = router(&etcd.url(), "rebuild").await;
+    let failed = "eventplane_kv_index_wipes_total{reason=\"recovery_failed\"}";
+    until_metric(&addr, failed, 1.0).await;
+    answering.store(true, Ordering::SeqCst);
+    // Live while the rebuild waits its back-off: applied as it comes.
+    let ev = publish(6);
+    sink.publish(&[ev]).await.unwrap();
+    let rebuilt = "eventplane_kv_index_repairs_total{kind=\"rebuild\"}";
+    until_metric(&addr, rebuilt, 1.0).await;
+    let ev = publish(7);
+    sink.publish(&[ev]).await.unwrap();
+    until_metric(&addr, "eventplane_kv_index_blocks", 7.0).await;
+    let stats = router.terminate().await;
+    let truth: HashSet<u64> = (101..=107).collect();
+    assert_index(&stats, &truth);
+    assert_eq!(stats["wipes"]["recovery_failed"], 1, "{}", stats["wipes"]);
+    assert_eq!(stats["wipes"]["id_gap"], 0, "{}", stats["wipes"]);
+    assert_eq!(stats["repairs"]["rebuilding"], 0, "{}", stats["repairs"]);
+}
+
 /// The tunnel's test certificates and keys (`tests/fixtures/tunnel`).
 fn fixture(name: &str) -> String {
     format!(

@@ -127,6 +127,8 @@ pub(crate) struct RouterReport {
     pub(crate) repairs_since: u64,
     /// ... a dump (a publisher's first sight included).
     pub(crate) repairs_dump: u64,
+    /// ... a dump asked again after a failed recovery wiped the publisher.
+    pub(crate) repairs_rebuild: u64,
     /// Live events skipped as late copies of a recovery answer.
     pub(crate) late_duplicates: u64,
     /// Live events dropped while held for a recovery (asked for again).
@@ -485,6 +487,7 @@ async fn finish(mut lanes: [Lane; 2], mut state: State) -> RouterReport {
     report.wipes = std::mem::take(&mut state.wipes);
     report.repairs_since = f.repairs_since;
     report.repairs_dump = f.repairs_dump;
+    report.repairs_rebuild = f.repairs_rebuild;
     report.late_duplicates = f.late_duplicates;
     report.held_dropped = f.held_dropped;
     report.repair_p99_ms = f.repair_p99_ms;

@@ -89,6 +89,8 @@ struct Report {
     /// Losses repaired from the workers' recovery logs: since the gap, by a dump.
     repairs_since: u64,
     repairs_dump: u64,
+    /// ... by a dump asked again after a failed recovery wiped the publisher.
+    repairs_rebuild: u64,
     late_duplicates: u64,
     held_dropped: u64,
     /// The worst of the router processes' repair p99s.
@@ -279,6 +281,7 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
     let (mut deliveries, mut gaps, mut gap_messages, mut resyncs, mut events) = (0, 0, 0, 0, 0);
     let mut wipes: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
     let (mut repairs_since, mut repairs_dump, mut late_duplicates, mut held_dropped) = (0, 0, 0, 0);
+    let mut repairs_rebuild = 0;
     let mut repair_p99_ms = 0;
     for (_, report) in &c.router_reports {
         events += report.events;
@@ -293,6 +296,7 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
         }
         repairs_since += report.repairs_since;
         repairs_dump += report.repairs_dump;
+        repairs_rebuild += report.repairs_rebuild;
         late_duplicates += report.late_duplicates;
         held_dropped += report.held_dropped;
         repair_p99_ms = repair_p99_ms.max(report.repair_p99_ms);
@@ -341,6 +345,7 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
         wipes,
         repairs_since,
         repairs_dump,
+        repairs_rebuild,
         late_duplicates,
         held_dropped,
         repair_p99_ms,
@@ -601,10 +606,15 @@ fn print_table(r: &Report) {
         ("resyncs (index wipes)", r.resyncs.to_string()),
         ("wipes by wire, cause", format!("{:?}", r.wipes)),
         (
-            "repairs since / dump",
+            "repairs since / dump / rebuild",
             format!(
-                "{} / {} (p99 {} ms; late copies skipped {}, held dropped {})",
-                r.repairs_since, r.repairs_dump, r.repair_p99_ms, r.late_duplicates, r.held_dropped
+                "{} / {} / {} (p99 {} ms; late copies skipped {}, held dropped {})",
+                r.repairs_since,
+                r.repairs_dump,
+                r.repairs_rebuild,
+                r.repair_p99_ms,
+                r.late_duplicates,
+                r.held_dropped
             ),
         ),
         (

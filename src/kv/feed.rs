@@ -37,6 +37,8 @@ struct Followed {
     repair: Option<Repairing>,
     /// A dump was applied (first sight is over).
     rebuilt: bool,
+    /// Recoveries in a row that failed: how long the next rebuild waits.
+    failures: u32,
     /// The highest id of a live event seen (held or applied).
     last_live: u64,
     /// After a recovery answer current past the live events seen: which live events
@@ -131,6 +133,11 @@ pub struct IndexFeedStats {
     pub repairs_since: u64,
     /// ... a dump (first sight, or a gap the log no longer covered).
     pub repairs_dump: u64,
+    /// ... a dump asked again after a recovery failed and wiped the publisher
+    /// (a *rebuild*: see [`REBUILD_MAX_BACKOFF`]).
+    pub repairs_rebuild: u64,
+    /// Rebuilds that failed too (asked again, later).
+    pub rebuilds_failed: u64,
     /// Losses wiped because the recovery request failed.
     pub wipes_recovery_failed: u64,
     /// Losses wiped because too many live events arrived during recoveries, again and
@@ -147,8 +154,10 @@ pub struct IndexFeedStats {
     /// Live events that arrived after a recovery answer had applied them (sent
     /// before the answer was read), skipped.
     pub late_duplicates: u64,
-    /// Publishers recovering now.
+    /// Publishers recovering now (their live events held).
     pub recovering: u64,
+    /// Publishers waiting for a rebuild (their live events applied meanwhile).
+    pub rebuilding: u64,
     /// Live events held now for publishers that recover.
     pub held_events: u64,
     /// Of the last 256 repairs, the median and the 99th-percentile time from request
@@ -323,7 +332,8 @@ impl IndexFeed {
             return;
         };
         p.last_live = p.last_live.max(ev.event.id);
-        if p.repair.is_some() {
+        let rebuilding = p.repair.as_ref().map(|r| r.rebuild);
+        if rebuilding == Some(false) {
             return self.hold(id, ev);
         }
         if let Some(w) = p.late.take() {
@@ -345,12 +355,16 @@ impl IndexFeed {
                 expected: p.next_id,
                 got: ev.event.id,
             };
-            if p.recovery.is_some() && ev.event.id > p.next_id {
+            if p.recovery.is_some() && ev.event.id > p.next_id && rebuilding.is_none() {
                 let since = p.next_id - 1;
                 self.start_repair(id, RecoveryRequest::Since(since));
                 return self.hold(id, ev);
             }
             self.wipe(id, cause);
+            if rebuilding.is_some() {
+                // It is sending again: its rebuild need not wait its turn.
+                self.start_rebuild(id, true);
+            }
         }
         self.apply_event(id, &ev);
     }
@@ -491,6 +505,10 @@ impl IndexFeed {
                 // A new connection: what it sends is not a late copy of an answer.
                 p.late = None;
                 let again = std::mem::replace(&mut p.connected, true);
+                if p.repair.as_ref().is_some_and(|r| r.rebuild) && p.recovery.is_some() {
+                    // Back: its rebuild need not wait its turn.
+                    return self.start_rebuild(&instance.id, true);
+                }
                 if p.repair.is_some() {
                     return self.endpoint_gone(&instance.id);
                 }
@@ -540,11 +558,13 @@ impl IndexFeed {
 
     /// Counters, with the index's.
     pub fn stats(&self) -> IndexFeedStats {
-        let (recovering, held_events, repair_p50_ms, repair_p99_ms) = self.repair_gauges();
+        let (recovering, rebuilding, held_events, repair_p50_ms, repair_p99_ms) =
+            self.repair_gauges();
         IndexFeedStats {
             index: self.index.stats(),
             publishers: self.publishers.len() as u64,
             recovering,
+            rebuilding,
             held_events,
             repair_p50_ms,
             repair_p99_ms,

@@ -25,6 +25,28 @@ const MAX_OVERFLOWS: u32 = 3;
 /// the gap) before it is given up and the publisher wiped.
 const MAX_ROUNDS: u32 = 4;
 
+/// The longest a publisher wiped by a failed recovery waits between two requests for
+/// its dump: 60 s. Its first rebuild is asked 1 s after the failure, and each one that
+/// fails too doubles the wait up to this; meanwhile its live events are applied as
+/// they come (an id gap among them wipes it again and asks at once). A rebuild that
+/// succeeds replaces what the publisher fed, as a first dump does, and repairs what
+/// it sent meanwhile from the worker's log. It hears of the publisher again (a
+/// reconnection, an event after a gap) and asks at once.
+///
+/// ```
+/// assert_eq!(eventplane::kv::REBUILD_MAX_BACKOFF, std::time::Duration::from_secs(60));
+/// ```
+pub const REBUILD_MAX_BACKOFF: Duration = Duration::from_secs(60);
+
+/// How long the rebuild after `failures` failed recoveries in a row waits.
+fn rebuild_delay(failures: u32) -> Duration {
+    if failures == 0 {
+        return Duration::ZERO;
+    }
+    let doubled = Duration::from_secs(1u64 << (failures - 1).min(16));
+    doubled.min(REBUILD_MAX_BACKOFF)
+}
+
 /// Repair latencies kept for the percentiles.
 const LATENCIES: usize = 256;
 
@@ -43,6 +65,9 @@ pub struct RecoveryNeed {
     /// Which request this is: an answer to an earlier one (a publisher that left and
     /// came back meanwhile) is ignored.
     pub serial: u64,
+    /// How long to wait before asking: zero but for a rebuild after failures (see
+    /// [`REBUILD_MAX_BACKOFF`]). [`RecoveryDriver`](crate::kv::RecoveryDriver) waits it.
+    pub delay: Duration,
 }
 
 /// The answer to a [`RecoveryNeed`], for [`IndexFeed::recovered`].
@@ -96,6 +121,8 @@ struct Repairing {
     /// The highest live id seen before it started: a live event above it arrived
     /// while it was awaited (and was held).
     live_at_start: u64,
+    /// A rebuild after a failed recovery: live events are applied, not held.
+    rebuild: bool,
 }
 
 impl Repairing {
@@ -135,6 +162,11 @@ impl IndexFeed {
                     endpoint: endpoint.clone(),
                     request: r.request,
                     serial: r.serial,
+                    delay: if r.rebuild {
+                        rebuild_delay(p.failures)
+                    } else {
+                        Duration::ZERO
+                    },
                 });
             }
         }
@@ -193,7 +225,11 @@ impl IndexFeed {
                     p.rebuilt = true;
                 }
                 self.expect_late(publisher, &repair, dump.current_id);
-                self.stats.repairs_dump += 1;
+                if repair.rebuild {
+                    self.stats.repairs_rebuild += 1;
+                } else {
+                    self.stats.repairs_dump += 1;
+                }
                 Ok(())
             }
             Err(e) => {
@@ -202,7 +238,12 @@ impl IndexFeed {
             }
         };
         match verdict {
-            Ok(()) => self.note_latency(elapsed),
+            Ok(()) => {
+                self.note_latency(elapsed);
+                if let Some(p) = self.publishers.get_mut(publisher) {
+                    p.failures = 0;
+                }
+            }
             Err(Unusable::AskDump) if repair.rounds < MAX_ROUNDS => {
                 repair.rounds += 1;
                 repair.request = RecoveryRequest::Dump;
@@ -216,7 +257,17 @@ impl IndexFeed {
             Err(Unusable::AskDump) => return self.fail(publisher, repair, "too many requests"),
             Err(Unusable::Fail(why)) => return self.fail(publisher, repair, why),
         }
-        if repair.overflowed {
+        if repair.rebuild {
+            // What it sent while the rebuild was awaited was applied live, then
+            // replaced by the dump: what came after the dump's id is in its log.
+            if let Some(p) = self.publishers.get(publisher)
+                && p.next_id != 0
+                && p.last_live >= p.next_id
+            {
+                let since = p.next_id - 1;
+                self.start_repair(publisher, RecoveryRequest::Since(since));
+            }
+        } else if repair.overflowed {
             self.refetch(publisher, repair);
         } else {
             let rounds = repair.rounds;
@@ -292,14 +343,45 @@ impl IndexFeed {
     }
 
     /// Gives a loss up: the publisher is wiped and its held events start it over.
+    ///
+    /// Either way the publisher is rebuilt later: its dump is asked again, after a
+    /// back-off ([`REBUILD_MAX_BACKOFF`]). A rebuild that fails wipes nothing more (what
+    /// it fed since is what it sent live) and waits longer.
     fn fail(&mut self, publisher: &ChannelId, repair: Repairing, why: &'static str) {
-        tracing::debug!(%publisher, why, "recovery given up; wiping the publisher");
-        self.wipe(publisher, Wipe::RecoveryFailed);
-        if let Some(p) = self.publishers.get_mut(publisher) {
-            p.next_id = 0;
-            p.rebuilt = true;
+        if repair.rebuild {
+            tracing::debug!(%publisher, why, "rebuild failed; asking again later");
+            self.stats.rebuilds_failed += 1;
+        } else {
+            tracing::debug!(%publisher, why, "recovery given up; wiping the publisher");
+            self.wipe(publisher, Wipe::RecoveryFailed);
+            if let Some(p) = self.publishers.get_mut(publisher) {
+                p.next_id = 0;
+                p.rebuilt = true;
+            }
+            self.drain(publisher, repair);
         }
-        self.drain(publisher, repair);
+        let Some(p) = self.publishers.get_mut(publisher) else {
+            return;
+        };
+        // The held events may have started another recovery (a gap among them).
+        if p.recovery.is_some() && p.repair.is_none() {
+            p.failures = p.failures.saturating_add(1);
+            self.start_rebuild(publisher, false);
+        }
+    }
+
+    /// Asks for the dump of a publisher a failed recovery wiped: after its back-off, or
+    /// `now` (a new serial: the answer to an earlier request is ignored).
+    fn start_rebuild(&mut self, id: &ChannelId, now: bool) {
+        if let Some(p) = self.publishers.get_mut(id)
+            && now
+        {
+            p.failures = 0;
+        }
+        self.start_repair(id, RecoveryRequest::Dump);
+        if let Some(r) = self.publishers.get_mut(id).and_then(|p| p.repair.as_mut()) {
+            r.rebuild = true;
+        }
     }
 
     /// A loss that started another recovery while its held events drained keeps its
@@ -402,6 +484,7 @@ impl IndexFeed {
                 rounds: 0,
                 // The event that started it (if one did) is held, not before.
                 live_at_start: p.last_live.min(p.next_id.saturating_sub(1)),
+                rebuild: false,
             });
         }
     }
@@ -509,18 +592,27 @@ impl IndexFeed {
     }
 
     /// (recovering publishers, held events, p50 ms, p99 ms).
-    fn repair_gauges(&self) -> (u64, u64, u64, u64) {
-        let recovering = self
-            .publishers
-            .values()
-            .filter(|p| p.repair.is_some())
-            .count() as u64;
+    fn repair_gauges(&self) -> (u64, u64, u64, u64, u64) {
+        let (mut recovering, mut rebuilding) = (0, 0);
+        for r in self.publishers.values().filter_map(|p| p.repair.as_ref()) {
+            if r.rebuild {
+                rebuilding += 1;
+            } else {
+                recovering += 1;
+            }
+        }
         let mut sorted: Vec<u64> = self.latencies.iter().copied().collect();
         sorted.sort_unstable();
         let at = |q: f64| {
             let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
             sorted.get(i).copied().unwrap_or(0)
         };
-        (recovering, self.held_total as u64, at(0.5), at(0.99))
+        (
+            recovering,
+            rebuilding,
+            self.held_total as u64,
+            at(0.5),
+            at(0.99),
+        )
     }
 }

@@ -535,3 +535,150 @@ fn an_answer_to_an_earlier_request_is_ignored() {
         (1, 0, 1)
     );
 }
+
+/// Blocks `first..=last` as one chain from the root, as a dump at `id` carries them.
+fn chain(id: u64, first: u64, last: u64) -> RouterEvent {
+    let mut ev = stored(id, first, None);
+    if let KvEventData::Stored { blocks, .. } = &mut ev.event.data {
+        blocks.extend((first + 1..=last).map(|h| StoredBlock {
+            block_hash: BlockHash(h),
+            tokens_hash: TokensHash(h),
+        }));
+    }
+    ev
+}
+
+fn timed_out(feed: &mut IndexFeed, w: &Instance) {
+    let timeout = Duration::from_secs(5);
+    answer(feed, w, Err(RecoveryError::Timeout(timeout)), timeout);
+}
+
+/// Following ids 1..=3 (blocks 101..=103), then a gap whose recovery times out: the
+/// publisher is wiped, and event 5 (block 105, from the root) starts it over.
+fn wiped_by_a_failed_recovery() -> (IndexFeed, Instance) {
+    let (mut feed, w) = following(3);
+    feed.apply(&w, &[stored(5, 105, None)]);
+    assert_eq!(feed.take_recoveries()[0].request, RecoveryRequest::Since(3));
+    timed_out(&mut feed, &w);
+    assert_eq!(blocks(&feed), [105]);
+    assert_eq!(feed.stats().wipes_recovery_failed, 1);
+    (feed, w)
+}
+
+#[test]
+fn a_failed_recovery_is_rebuilt_after_a_back_off_that_doubles() {
+    let (mut feed, w) = wiped_by_a_failed_recovery();
+    let s = feed.stats();
+    assert_eq!((s.recovering, s.rebuilding), (0, 1));
+    let need = feed.take_recoveries();
+    assert_eq!(need.len(), 1);
+    assert_eq!(
+        (need[0].request, need[0].delay),
+        (RecoveryRequest::Dump, Duration::from_secs(1))
+    );
+    // Meanwhile its live events are applied, not held.
+    feed.apply(&w, &[stored(6, 106, Some(105))]);
+    assert_eq!(blocks(&feed), [105, 106]);
+    assert_eq!(feed.stats().held_events, 0);
+    // Rebuilds that fail wipe nothing more, and wait twice as long each time, up to
+    // a minute.
+    let mut delays = Vec::new();
+    for _ in 0..8 {
+        timed_out(&mut feed, &w);
+        delays.push(feed.take_recoveries()[0].delay.as_secs());
+    }
+    assert_eq!(delays, [2, 4, 8, 16, 32, 60, 60, 60]);
+    let s = feed.stats();
+    assert_eq!((s.wipes_recovery_failed, s.rebuilds_failed), (1, 8));
+    assert_eq!(blocks(&feed), [105, 106]);
+    // The worker answers at last: what it holds, the blocks before the loss too.
+    let dump = vec![
+        chain(6, 101, 103),
+        stored(6, 105, None),
+        stored(6, 106, Some(105)),
+    ];
+    answer_dump(&mut feed, &w, dump, 6);
+    assert_eq!(blocks(&feed), [101, 102, 103, 105, 106]);
+    let s = feed.stats();
+    assert_eq!(
+        (
+            s.repairs_rebuild,
+            s.repairs_dump,
+            s.rebuilding,
+            s.recovering
+        ),
+        (1, 1, 0, 0)
+    );
+    // Followed again: the next event is no gap, and a later failure starts at 1 s.
+    feed.apply(&w, &[stored(7, 107, Some(106))]);
+    assert_eq!(feed.stats().wipes_id_gap, 0);
+    feed.apply(&w, &[stored(9, 109, None)]);
+    assert_eq!(feed.take_recoveries()[0].request, RecoveryRequest::Since(7));
+    timed_out(&mut feed, &w);
+    assert_eq!(feed.take_recoveries()[0].delay, Duration::from_secs(1));
+}
+
+#[test]
+fn a_rebuild_repairs_what_was_sent_while_it_was_awaited() {
+    let (mut feed, w) = wiped_by_a_failed_recovery();
+    feed.take_recoveries();
+    feed.apply(&w, &[stored(6, 106, Some(105)), stored(7, 107, Some(106))]);
+    // The dump was built at 5, before 6 and 7 (which it replaces).
+    answer_dump(
+        &mut feed,
+        &w,
+        vec![chain(5, 101, 103), stored(5, 105, None)],
+        5,
+    );
+    assert_eq!(blocks(&feed), [101, 102, 103, 105]);
+    // What followed is asked for at once, from the worker's log.
+    let need = feed.take_recoveries();
+    assert_eq!(
+        (need[0].request, need[0].delay),
+        (RecoveryRequest::Since(5), Duration::ZERO)
+    );
+    let events = vec![stored(6, 106, Some(105)), stored(7, 107, Some(106))];
+    answer(
+        &mut feed,
+        &w,
+        Ok(Recovered::Events {
+            events,
+            current_id: 7,
+        }),
+        Duration::ZERO,
+    );
+    assert_eq!(blocks(&feed), [101, 102, 103, 105, 106, 107]);
+    let s = feed.stats();
+    assert_eq!((s.repairs_rebuild, s.wipes_id_gap), (1, 0));
+}
+
+#[test]
+fn a_publisher_heard_from_again_is_rebuilt_at_once() {
+    let (mut feed, w) = wiped_by_a_failed_recovery();
+    for _ in 0..2 {
+        feed.take_recoveries();
+        timed_out(&mut feed, &w);
+    }
+    let waiting = feed.take_recoveries().remove(0);
+    assert_eq!(waiting.delay, Duration::from_secs(4));
+    // A gap while it waits: wiped (the index cannot vouch for it), asked at once.
+    feed.apply(&w, &[stored(8, 108, None)]);
+    assert_eq!(blocks(&feed), [108]);
+    assert_eq!(feed.stats().wipes_id_gap, 1);
+    let now = feed.take_recoveries().remove(0);
+    assert_eq!(
+        (now.request, now.delay),
+        (RecoveryRequest::Dump, Duration::ZERO)
+    );
+    // The earlier request's answer is ignored.
+    let late = Err(RecoveryError::Timeout(Duration::from_secs(5)));
+    feed.recovered(RecoveryAnswer::new(&waiting, late, Duration::ZERO));
+    assert_eq!(feed.stats().stale_answers, 1);
+    // A reconnection while it waits asks at once too.
+    timed_out(&mut feed, &w);
+    assert_eq!(feed.stats().rebuilds_failed, 3);
+    assert_eq!(feed.take_recoveries()[0].delay, Duration::from_secs(1));
+    feed.notice(&Notice::Connected(std::sync::Arc::new(w.clone())));
+    assert_eq!(feed.take_recoveries()[0].delay, Duration::ZERO);
+    assert_eq!(feed.stats().rebuilding, 1);
+}

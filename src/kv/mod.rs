@@ -144,7 +144,8 @@ pub use event::{
     StoredBlock, TOKENS_HASH_SEED, TokensHash, WorkerId, tokens_hash,
 };
 pub use feed::{
-    FEED_MAX_HELD_EVENTS, IndexFeed, IndexFeedStats, RecoveryAnswer, RecoveryNeed, Wipe, Wiped,
+    FEED_MAX_HELD_EVENTS, IndexFeed, IndexFeedStats, REBUILD_MAX_BACKOFF, RecoveryAnswer,
+    RecoveryNeed, Wipe, Wiped,
 };
 pub use index::{
     Attribution, IndexRefusal, OverlapScore, OverlapScores, RouterIndex, RouterIndexConfig,

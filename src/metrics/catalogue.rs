@@ -182,9 +182,13 @@ catalogue! {
     KV_INDEX_WIPES: Counter "eventplane_kv_index_wipes_total" ["reason"] "IndexFeedStats"
         "Publishers' views lost and cleared, by reason: id_gap, reconnect, recovery_failed, held_overflow, superseded.";
     KV_INDEX_REPAIRS: Counter "eventplane_kv_index_repairs_total" ["kind"] "IndexFeedStats"
-        "Losses repaired from the workers' recovery logs, by kind: since, dump.";
+        "Losses repaired from the workers' recovery logs, by kind: since, dump, rebuild (a dump asked again after a failed recovery wiped the publisher).";
     KV_INDEX_RECOVERING: Gauge "eventplane_kv_index_recovering_publishers" [] "IndexFeedStats"
-        "Publishers whose recovery is in progress.";
+        "Publishers whose recovery is in progress (their live events held).";
+    KV_INDEX_REBUILDING: Gauge "eventplane_kv_index_rebuilding_publishers" [] "IndexFeedStats"
+        "Publishers wiped by a failed recovery whose dump is asked again (after a back-off).";
+    KV_INDEX_REBUILDS_FAILED: Counter "eventplane_kv_index_rebuilds_failed_total" [] "IndexFeedStats"
+        "Rebuilds that failed too (asked again after a longer back-off).";
     KV_INDEX_HELD: Gauge "eventplane_kv_index_held_events" [] "IndexFeedStats"
         "Live events held for publishers that recover.";
     KV_INDEX_HELD_DROPPED: Counter "eventplane_kv_index_held_dropped_total" [] "IndexFeedStats"

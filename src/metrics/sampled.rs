@@ -147,7 +147,10 @@ impl Sampled for IndexFeedStats {
         }
         out.labelled(&KV_INDEX_REPAIRS, "since", self.repairs_since);
         out.labelled(&KV_INDEX_REPAIRS, "dump", self.repairs_dump);
+        out.labelled(&KV_INDEX_REPAIRS, "rebuild", self.repairs_rebuild);
         out.gauge(&KV_INDEX_RECOVERING, self.recovering);
+        out.gauge(&KV_INDEX_REBUILDING, self.rebuilding);
+        out.counter(&KV_INDEX_REBUILDS_FAILED, self.rebuilds_failed);
         out.gauge(&KV_INDEX_HELD, self.held_events);
         out.counter(&KV_INDEX_HELD_DROPPED, self.held_dropped);
         out.counter(&KV_INDEX_LATE_DUPLICATES, self.late_duplicates);

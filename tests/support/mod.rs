@@ -27,6 +27,31 @@ pub const PYTHON: &str = "/usr/bin/python3";
 /// hanging CI. Not a timing assertion.
 pub const DEADLINE: Duration = Duration::from_secs(30);
 
+/// Event `id` of `worker` storing one block, `hash` (its tokens hash the same), from
+/// the root of the device tier, rank 0.
+pub fn stored_at_root(worker: u64, id: u64, hash: u64) -> eventplane::kv::RouterEvent {
+    use eventplane::kv::{
+        BlockHash, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, TokensHash,
+        WorkerId,
+    };
+    let block = StoredBlock {
+        block_hash: BlockHash(hash),
+        tokens_hash: TokensHash(hash),
+    };
+    RouterEvent {
+        worker_id: WorkerId(worker),
+        tier: StorageTier::Device,
+        event: KvEvent {
+            id,
+            dp_rank: 0,
+            data: KvEventData::Stored {
+                parent_hash: None,
+                blocks: vec![block],
+            },
+        },
+    }
+}
+
 /// This folder, from the library's tests and from the benches crate's (which include
 /// this module by path from `benches/tests/`).
 pub fn support_dir() -> PathBuf {

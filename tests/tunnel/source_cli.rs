@@ -314,10 +314,7 @@ async fn kv_router_follows_a_static_publisher_and_an_announced_source_together()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_source_writes_only_the_blocks_of_the_worker_it_was_granted() {
     use eventplane::discovery::{ChannelId, WorkerIdentity};
-    use eventplane::kv::{
-        BlockHash, KvEvent, KvEventData, StorageTier, StoredBlock, TokensHash, WorkerId,
-        encode_router_events,
-    };
+    use eventplane::kv::encode_router_events;
     use eventplane::publish::EventPublisher;
     use eventplane::tunnel::{AnnouncedSource, Source, SourceConfig, client_tls};
     use eventplane::wire::Wire;
@@ -354,21 +351,7 @@ async fn a_source_writes_only_the_blocks_of_the_worker_it_was_granted() {
         .unwrap();
     within(publisher.wait_for_subscribers(1)).await;
 
-    let stored = |worker: u64, id: u64, hash: u64| RouterEvent {
-        worker_id: WorkerId(worker),
-        tier: StorageTier::Device,
-        event: KvEvent {
-            id,
-            dp_rank: 0,
-            data: KvEventData::Stored {
-                parent_hash: None,
-                blocks: vec![StoredBlock {
-                    block_hash: BlockHash(hash),
-                    tokens_hash: TokensHash(hash),
-                }],
-            },
-        },
-    };
+    let stored = crate::support::stored_at_root;
     // Its own worker's block, one claimed for worker 8, its own again.
     for ev in [stored(7, 1, 71), stored(8, 2, 81), stored(7, 3, 72)] {
         publisher.publish(encode_router_events(&[ev]).unwrap());

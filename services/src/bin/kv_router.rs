@@ -607,7 +607,10 @@ async fn main() -> ExitCode {
             _ = tick.tick() => {
                 if !recovered.load(std::sync::atomic::Ordering::Relaxed) && handle.synced() {
                     let since = *synced_at.get_or_insert_with(tokio::time::Instant::now);
-                    let quiet = router.feed().stats().recovering == 0 && recovery.pending() == 0;
+                    // Rebuilds of workers whose recovery failed wait out their
+                    // back-off in the driver: they do not hold readiness.
+                    let fed = router.feed().stats();
+                    let quiet = fed.recovering == 0 && recovery.pending() as u64 <= fed.rebuilding;
                     // A tick after the view: its publishers' first dumps were asked.
                     let settled = since.elapsed() >= std::time::Duration::from_secs(1) && quiet;
                     if settled || since.elapsed() >= RECOVERY_READY_BOUND {
@@ -723,9 +726,12 @@ async fn main() -> ExitCode {
         "repairs": {
             "since": fed.repairs_since,
             "dump": fed.repairs_dump,
+            "rebuild": fed.repairs_rebuild,
             "p50_ms": fed.repair_p50_ms,
             "p99_ms": fed.repair_p99_ms,
             "recovering": fed.recovering,
+            "rebuilding": fed.rebuilding,
+            "rebuilds_failed": fed.rebuilds_failed,
             "held_events": fed.held_events,
             "late_duplicates": fed.late_duplicates,
             "held_dropped": fed.held_dropped,

@@ -28,8 +28,8 @@ const MAX_QUEUED_RECOVERIES: usize = 4096;
 
 /// Makes an [`IndexFeed`](crate::kv::IndexFeed)'s recoveries: at most
 /// [`DEFAULT_CONCURRENT_RECOVERIES`] at once, one publisher at most once per
-/// [`RECOVERY_INTERVAL`] (a request waits for its turn in the queue, not in a running
-/// slot), each on a connection of its own with the client's timeout and bounds. A
+/// [`RECOVERY_INTERVAL`], none before its [`delay`](crate::kv::RecoveryNeed::delay)
+/// (a request waits for its turn in the queue, not in a running slot), each on a connection of its own with the client's timeout and bounds. A
 /// repair never blocks the feed: answers come back through [`next`](Self::next),
 /// which a router awaits beside its subscriber.
 ///
@@ -109,10 +109,12 @@ impl RecoveryDriver {
                     .push(RecoveryAnswer::new(&need, refused, Duration::ZERO));
                 continue;
             }
+            // Its turn: a second after its last, and not before its delay is over.
+            let asked_at = now + need.delay;
             let turn = self
                 .last
                 .get(&need.publisher)
-                .map_or(now, |t| (*t + RECOVERY_INTERVAL).max(now));
+                .map_or(asked_at, |t| (*t + RECOVERY_INTERVAL).max(asked_at));
             self.last.insert(need.publisher.clone(), turn);
             self.queued.push_back((turn, need));
         }
@@ -217,5 +219,36 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::discovery::ChannelId;
+    use crate::kv::RecoveryRequest;
+
+    /// A need's delay holds it in the queue (no connection made) until it is over.
+    #[tokio::test(start_paused = true)]
+    async fn a_need_waits_its_delay() {
+        let mut driver = RecoveryDriver::new(RecoveryClientConfig::default());
+        let need = RecoveryNeed {
+            publisher: ChannelId::new("ns", "c", "t", 1).unwrap(),
+            endpoint: "tcp://127.0.0.1:1".to_owned(),
+            request: RecoveryRequest::Dump,
+            serial: 1,
+            delay: Duration::from_secs(3),
+        };
+        let t0 = tokio::time::Instant::now();
+        driver.submit(vec![need]);
+        assert_eq!((driver.running.len(), driver.pending()), (0, 1));
+        let early = tokio::time::timeout(Duration::from_millis(2_999), driver.next()).await;
+        assert!(early.is_err(), "answered before its delay");
+        assert_eq!((driver.running.len(), driver.pending()), (0, 1));
+        let answer = driver.next().await;
+        assert!(answer.answer.is_err(), "nothing listens there");
+        assert!(t0.elapsed() >= Duration::from_secs(3));
     }
 }

@@ -362,8 +362,8 @@ impl IndexFeed {
             }
             self.wipe(id, cause);
             if rebuilding.is_some() {
-                // It is sending again: its rebuild need not wait its turn.
-                self.start_rebuild(id, true);
+                // It is sending again: its rebuild need not wait out its back-off.
+                self.hurry_rebuild(id);
             }
         }
         self.apply_event(id, &ev);
@@ -506,8 +506,8 @@ impl IndexFeed {
                 p.late = None;
                 let again = std::mem::replace(&mut p.connected, true);
                 if p.repair.as_ref().is_some_and(|r| r.rebuild) && p.recovery.is_some() {
-                    // Back: its rebuild need not wait its turn.
-                    return self.start_rebuild(&instance.id, true);
+                    // Back: its rebuild need not wait out its back-off.
+                    return self.hurry_rebuild(&instance.id);
                 }
                 if p.repair.is_some() {
                     return self.endpoint_gone(&instance.id);

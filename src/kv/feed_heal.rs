@@ -68,6 +68,11 @@ pub struct RecoveryNeed {
     /// How long to wait before asking: zero but for a rebuild after failures (see
     /// [`REBUILD_MAX_BACKOFF`]). [`RecoveryDriver`](crate::kv::RecoveryDriver) waits it.
     pub delay: Duration,
+    /// A rebuild: the dump of a publisher a failed recovery wiped, asked again (its
+    /// live events are not held meanwhile). The same need may be handed out again,
+    /// with the same serial and no delay, when the publisher is heard from: it
+    /// replaces the one waiting.
+    pub rebuild: bool,
 }
 
 /// The answer to a [`RecoveryNeed`], for [`IndexFeed::recovered`].
@@ -123,6 +128,8 @@ struct Repairing {
     live_at_start: u64,
     /// A rebuild after a failed recovery: live events are applied, not held.
     rebuild: bool,
+    /// A rebuild to ask for without its back-off (the publisher was heard from).
+    urgent: bool,
 }
 
 impl Repairing {
@@ -135,8 +142,8 @@ impl Repairing {
 enum Unusable {
     /// Ask for a dump instead.
     AskDump,
-    /// Give up: wipe.
-    Fail(&'static str),
+    /// Give up: wipe; and whether asking again later may succeed (a rebuild).
+    Fail(&'static str, bool),
 }
 
 impl IndexFeed {
@@ -149,24 +156,32 @@ impl IndexFeed {
     /// A publisher with a recovery endpoint ([`Instance::recovery`](crate::discovery::Instance::recovery))
     /// is recovered at first sight (a dump: what it fed before this router listened),
     /// on an event id gap (the events since), and when it reconnects (the events
-    /// since, which its log keeps).
+    /// since, which its log keeps). One whose recovery failed for a reason that may
+    /// pass (unreachable, too slow) is rebuilt: its dump is asked again after
+    /// [`RecoveryNeed::delay`], which grows while rebuilds fail too
+    /// ([`REBUILD_MAX_BACKOFF`]); an application making the requests itself waits
+    /// that delay. A rebuild's need is handed out again, same serial, no delay, when
+    /// the publisher is heard from meanwhile.
     pub fn take_recoveries(&mut self) -> Vec<RecoveryNeed> {
         let mut out = Vec::new();
         for (id, p) in &mut self.publishers {
             let (Some(r), Some(endpoint)) = (p.repair.as_mut(), &p.recovery) else {
                 continue;
             };
-            if !std::mem::replace(&mut r.asked, true) {
+            let first = !std::mem::replace(&mut r.asked, true);
+            let hurry = std::mem::take(&mut r.urgent);
+            if first || hurry {
                 out.push(RecoveryNeed {
                     publisher: id.clone(),
                     endpoint: endpoint.clone(),
                     request: r.request,
                     serial: r.serial,
-                    delay: if r.rebuild {
+                    delay: if r.rebuild && !hurry {
                         rebuild_delay(p.failures)
                     } else {
                         Duration::ZERO
                     },
+                    rebuild: r.rebuild,
                 });
             }
         }
@@ -202,7 +217,7 @@ impl IndexFeed {
         };
         let verdict = match answer {
             Ok(Recovered::TooOld { .. }) if repair.request == RecoveryRequest::Dump => {
-                Err(Unusable::Fail("too_old answered to a dump"))
+                Err(Unusable::Fail("too_old answered to a dump", false))
             }
             Ok(Recovered::TooOld { .. }) => Err(Unusable::AskDump),
             Ok(Recovered::Events { events, current_id }) => {
@@ -234,16 +249,11 @@ impl IndexFeed {
             }
             Err(e) => {
                 tracing::debug!(%publisher, error = %crate::net::ErrorChain(&e), "recovery failed");
-                Err(Unusable::Fail("the request failed"))
+                Err(Unusable::Fail("the request failed", e.is_transient()))
             }
         };
         match verdict {
-            Ok(()) => {
-                self.note_latency(elapsed);
-                if let Some(p) = self.publishers.get_mut(publisher) {
-                    p.failures = 0;
-                }
-            }
+            Ok(()) => self.note_latency(elapsed),
             Err(Unusable::AskDump) if repair.rounds < MAX_ROUNDS => {
                 repair.rounds += 1;
                 repair.request = RecoveryRequest::Dump;
@@ -254,20 +264,29 @@ impl IndexFeed {
                 }
                 return;
             }
-            Err(Unusable::AskDump) => return self.fail(publisher, repair, "too many requests"),
-            Err(Unusable::Fail(why)) => return self.fail(publisher, repair, why),
+            Err(Unusable::AskDump) => {
+                return self.fail(publisher, repair, "too many requests", true);
+            }
+            Err(Unusable::Fail(why, retry)) => return self.fail(publisher, repair, why, retry),
         }
         if repair.rebuild {
             // What it sent while the rebuild was awaited was applied live, then
-            // replaced by the dump: what came after the dump's id is in its log.
-            if let Some(p) = self.publishers.get(publisher)
-                && p.next_id != 0
-                && p.last_live >= p.next_id
-            {
-                let since = p.next_id - 1;
-                self.start_repair(publisher, RecoveryRequest::Since(since));
+            // replaced by the dump: what came after the dump's id is in its log. The
+            // back-off is over once that is repaired too.
+            if let Some(p) = self.publishers.get_mut(publisher) {
+                if p.next_id != 0 && p.last_live >= p.next_id {
+                    let since = p.next_id - 1;
+                    self.start_repair(publisher, RecoveryRequest::Since(since));
+                } else {
+                    p.failures = 0;
+                }
             }
-        } else if repair.overflowed {
+            return;
+        }
+        if let Some(p) = self.publishers.get_mut(publisher) {
+            p.failures = 0;
+        }
+        if repair.overflowed {
             self.refetch(publisher, repair);
         } else {
             let rounds = repair.rounds;
@@ -317,7 +336,7 @@ impl IndexFeed {
     ) -> Result<(), Unusable> {
         let asked = match request {
             RecoveryRequest::Since(after) => after,
-            _ => return Err(Unusable::Fail("events answered to a dump")),
+            _ => return Err(Unusable::Fail("events answered to a dump", false)),
         };
         if current_id < asked {
             // Its ids went back: another worker process behind the publisher.
@@ -344,13 +363,18 @@ impl IndexFeed {
 
     /// Gives a loss up: the publisher is wiped and its held events start it over.
     ///
-    /// Either way the publisher is rebuilt later: its dump is asked again, after a
-    /// back-off ([`REBUILD_MAX_BACKOFF`]). A rebuild that fails wipes nothing more (what
-    /// it fed since is what it sent live) and waits longer.
-    fn fail(&mut self, publisher: &ChannelId, repair: Repairing, why: &'static str) {
+    /// When asking again may succeed (`retry`: the worker was not reached, not in
+    /// time, or the gap did not close), the publisher is rebuilt later: its dump is
+    /// asked again, after a back-off ([`REBUILD_MAX_BACKOFF`]). A rebuild that fails
+    /// wipes nothing more (what it fed since is what it sent live) and waits longer.
+    /// An answer that would be the same again (too large, malformed, refused) waits
+    /// for the publisher's next connection instead.
+    fn fail(&mut self, publisher: &ChannelId, repair: Repairing, why: &'static str, retry: bool) {
         if repair.rebuild {
-            tracing::debug!(%publisher, why, "rebuild failed; asking again later");
-            self.stats.rebuilds_failed += 1;
+            tracing::debug!(%publisher, why, retry, "rebuild failed");
+            if self.publishers.get(publisher).is_some_and(|p| p.recovery.is_some()) {
+                self.stats.rebuilds_failed += 1;
+            }
         } else {
             tracing::debug!(%publisher, why, "recovery given up; wiping the publisher");
             self.wipe(publisher, Wipe::RecoveryFailed);
@@ -364,23 +388,26 @@ impl IndexFeed {
             return;
         };
         // The held events may have started another recovery (a gap among them).
-        if p.recovery.is_some() && p.repair.is_none() {
+        if retry && p.recovery.is_some() && p.repair.is_none() {
             p.failures = p.failures.saturating_add(1);
-            self.start_rebuild(publisher, false);
+            self.start_repair(publisher, RecoveryRequest::Dump);
+            if let Some(r) = self.publishers.get_mut(publisher).and_then(|p| p.repair.as_mut()) {
+                r.rebuild = true;
+            }
         }
     }
 
-    /// Asks for the dump of a publisher a failed recovery wiped: after its back-off, or
-    /// `now` (a new serial: the answer to an earlier request is ignored).
-    fn start_rebuild(&mut self, id: &ChannelId, now: bool) {
-        if let Some(p) = self.publishers.get_mut(id)
-            && now
+    /// A publisher waiting for its rebuild was heard from: its request is handed out
+    /// again without its back-off, under the same serial (a request already being
+    /// made goes on; the one waiting in a driver is replaced).
+    fn hurry_rebuild(&mut self, id: &ChannelId) {
+        if let Some(r) = self
+            .publishers
+            .get_mut(id)
+            .and_then(|p| p.repair.as_mut())
+            .filter(|r| r.rebuild)
         {
-            p.failures = 0;
-        }
-        self.start_repair(id, RecoveryRequest::Dump);
-        if let Some(r) = self.publishers.get_mut(id).and_then(|p| p.repair.as_mut()) {
-            r.rebuild = true;
+            r.urgent = true;
         }
     }
 
@@ -399,7 +426,7 @@ impl IndexFeed {
                     .get_mut(publisher)
                     .and_then(|p| p.repair.take())
                 {
-                    self.fail(publisher, r, "the gap did not close");
+                    self.fail(publisher, r, "the gap did not close", true);
                 }
             }
         }
@@ -485,6 +512,7 @@ impl IndexFeed {
                 // The event that started it (if one did) is held, not before.
                 live_at_start: p.last_live.min(p.next_id.saturating_sub(1)),
                 rebuild: false,
+                urgent: false,
             });
         }
     }
@@ -539,13 +567,14 @@ impl IndexFeed {
         if p.recovery.is_none() {
             p.late = None;
             if let Some(r) = p.repair.take() {
-                self.fail(id, r, "the recovery endpoint is gone");
+                self.fail(id, r, "the recovery endpoint is gone", false);
             }
         }
     }
 
     /// Sizes the index's tables for the blocks a dump is about to store, for the
-    /// ranks its publisher may write.
+    /// ranks its publisher may write: at most [`MAX_RANKS_PER_PUBLISHER`] of them (the
+    /// feed refuses events for more), none it was superseded for.
     fn reserve_for(&mut self, publisher: &ChannelId, events: &[RouterEvent]) {
         let Some(sender) = self.publishers.get(publisher).map(|p| p.sender) else {
             return;
@@ -559,9 +588,13 @@ impl IndexFeed {
                 continue;
             }
             let key = (ev.worker_id, ev.event.dp_rank);
+            let full = ranks.len() >= MAX_RANKS_PER_PUBLISHER;
             match ranks.iter_mut().find(|(k, _)| *k == key) {
                 Some((_, n)) => *n += blocks.len(),
-                None => ranks.push((key, blocks.len())),
+                None if !full && !self.superseded(publisher, key) => {
+                    ranks.push((key, blocks.len()));
+                }
+                None => {}
             }
         }
         for ((worker, rank), n) in ranks {

@@ -661,24 +661,43 @@ fn a_publisher_heard_from_again_is_rebuilt_at_once() {
     }
     let waiting = feed.take_recoveries().remove(0);
     assert_eq!(waiting.delay, Duration::from_secs(4));
-    // A gap while it waits: wiped (the index cannot vouch for it), asked at once.
+    // A gap while it waits: wiped (the index cannot vouch for it), and the same
+    // request handed out again without its back-off (a driver replaces the waiting
+    // one with it).
     feed.apply(&w, &[stored(8, 108, None)]);
     assert_eq!(blocks(&feed), [108]);
     assert_eq!(feed.stats().wipes_id_gap, 1);
     let now = feed.take_recoveries().remove(0);
     assert_eq!(
-        (now.request, now.delay),
-        (RecoveryRequest::Dump, Duration::ZERO)
+        (now.request, now.serial, now.delay, now.rebuild),
+        (RecoveryRequest::Dump, waiting.serial, Duration::ZERO, true)
     );
-    // The earlier request's answer is ignored.
-    let late = Err(RecoveryError::Timeout(Duration::from_secs(5)));
-    feed.recovered(RecoveryAnswer::new(&waiting, late, Duration::ZERO));
-    assert_eq!(feed.stats().stale_answers, 1);
-    // A reconnection while it waits asks at once too.
+    assert!(feed.take_recoveries().is_empty(), "handed out once");
+    // Hurrying did not end the back-off: failing again waits longer.
     timed_out(&mut feed, &w);
     assert_eq!(feed.stats().rebuilds_failed, 3);
-    assert_eq!(feed.take_recoveries()[0].delay, Duration::from_secs(1));
+    assert_eq!(feed.take_recoveries()[0].delay, Duration::from_secs(8));
+    // A reconnection while it waits hurries it too.
     feed.notice(&Notice::Connected(std::sync::Arc::new(w.clone())));
     assert_eq!(feed.take_recoveries()[0].delay, Duration::ZERO);
     assert_eq!(feed.stats().rebuilding, 1);
+}
+
+#[test]
+fn an_answer_that_would_be_the_same_again_is_not_asked_again_until_a_reconnection() {
+    let (mut feed, w) = following(3);
+    feed.apply(&w, &[stored(5, 105, None)]);
+    feed.take_recoveries();
+    let malformed = Err(RecoveryError::Malformed("unknown answer"));
+    answer(&mut feed, &w, malformed, Duration::ZERO);
+    let s = feed.stats();
+    assert_eq!((s.wipes_recovery_failed, s.rebuilding), (1, 0));
+    assert!(
+        feed.take_recoveries().is_empty(),
+        "no rebuild of a malformed answer"
+    );
+    assert_eq!(blocks(&feed), [105]);
+    // Its next connection asks again.
+    feed.notice(&Notice::Connected(std::sync::Arc::new(w.clone())));
+    assert_eq!(feed.take_recoveries()[0].request, RecoveryRequest::Since(5));
 }

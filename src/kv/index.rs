@@ -180,8 +180,9 @@ pub struct RouterIndex {
     /// A stored chain's hashes, to refuse one that repeats itself (kept between
     /// events; emptied after each).
     scratch: FastSet<BlockHash>,
-    /// Table sizes announced for ranks a dump is about to make (`bulk.rs`).
-    reserved: Vec<((WorkerId, DpRank), usize)>,
+    /// Blocks announced for ranks a dump is about to fill, and the rank slot when it
+    /// existed already (`bulk.rs`).
+    reserved: Vec<((WorkerId, DpRank), usize, Option<u32>)>,
     stats: RouterIndexStats,
 }
 
@@ -677,17 +678,7 @@ impl RouterIndex {
             self.release_group(slot, g);
         }
         // Give back a table that emptied out.
-        if let Some(r) = self.ranks.get_mut(slot as usize).and_then(Option::as_mut) {
-            let len = r.blocks.len();
-            if r.cap_seen > 64 && len < r.cap_seen / 4 {
-                r.blocks.shrink_to(len * 2);
-                let after = r.blocks.capacity();
-                self.rank_table_bytes = self.rank_table_bytes
-                    - table_bytes(r.cap_seen, BLOCK_ENTRY)
-                    + table_bytes(after, BLOCK_ENTRY);
-                r.cap_seen = after;
-            }
-        }
+        self.shrink_table(slot);
         self.drop_rank_if_empty(slot, key);
         self.compact_if_sparse();
     }

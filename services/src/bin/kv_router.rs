@@ -320,6 +320,8 @@ struct Router {
     unidentified: u64,
     /// Id gaps reported on stderr so far (at most ten lines).
     gaps_said: u64,
+    /// Failed recoveries are said at most once a second (with how many were not).
+    failures_said: eventplane::net::RateLimitedWarn,
 }
 
 impl Router {
@@ -342,11 +344,18 @@ impl Router {
     /// A recovery's answer for `publisher` (see `kv::IndexFeed::recovered`).
     fn recovered(&mut self, answer: eventplane::kv::RecoveryAnswer) {
         if let Err(e) = &answer.answer {
-            eprintln!(
-                "publisher {}: recovery failed: {}",
-                answer.publisher,
-                chain(e)
-            );
+            let now = std::time::Instant::now();
+            if let Some(unsaid) = self.failures_said.check("recovery", now) {
+                let more = match unsaid {
+                    0 => String::new(),
+                    n => format!(" ({n} more failures not shown)"),
+                };
+                eprintln!(
+                    "publisher {}: recovery failed: {}{more}",
+                    answer.publisher,
+                    chain(e)
+                );
+            }
         }
         self.feed().recovered(answer);
         self.say_wipes();
@@ -585,6 +594,7 @@ async fn main() -> ExitCode {
         payload_errors: 0,
         unidentified: 0,
         gaps_said: 0,
+        failures_said: eventplane::net::RateLimitedWarn::new(std::time::Duration::from_secs(1)),
     };
     // One write per burst of items (stdout alone flushes every line).
     let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout());

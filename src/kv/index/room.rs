@@ -15,22 +15,47 @@ impl RouterIndex {
         left: usize,
         new_position: bool,
     ) -> Result<usize, IndexRefusal> {
+        self.fit(slot, want, left, new_position)
+            .inspect_err(|refusal| self.count_refusal(*refusal))
+    }
+
+    /// Counts a refusal of [`room`](Self::room)'s.
+    pub(super) fn count_refusal(&mut self, refusal: IndexRefusal) {
+        match refusal {
+            IndexRefusal::RankFull { refused } => {
+                self.stats.refused_rank_full_blocks += refused as u64;
+            }
+            IndexRefusal::WorkerFull { refused } => {
+                self.stats.refused_worker_full_blocks += refused as u64;
+            }
+            IndexRefusal::IndexFull { refused } => {
+                self.stats.refused_index_full_blocks += refused as u64;
+            }
+            _ => {}
+        }
+    }
+
+    /// [`room`](Self::room), uncounted.
+    pub(super) fn fit(
+        &self,
+        slot: u32,
+        want: usize,
+        left: usize,
+        new_position: bool,
+    ) -> Result<usize, IndexRefusal> {
         let Some((worker, rank_len, rank_cap)) = self
             .rank(slot)
             .map(|r| (r.key.0, r.blocks.len(), r.blocks.capacity()))
         else {
-            self.stats.refused_index_full_blocks += left as u64;
             return Err(IndexRefusal::IndexFull { refused: left });
         };
         let rank_room = self.config.max_blocks_per_rank.saturating_sub(rank_len);
         if rank_room == 0 {
-            self.stats.refused_rank_full_blocks += left as u64;
             return Err(IndexRefusal::RankFull { refused: left });
         }
         let worker_len = self.worker_blocks.get(&worker).copied().unwrap_or(0);
         let worker_room = self.config.max_blocks_per_worker.saturating_sub(worker_len);
         if worker_room == 0 {
-            self.stats.refused_worker_full_blocks += left as u64;
             return Err(IndexRefusal::WorkerFull { refused: left });
         }
         // What the rank's table and the tree may grow by for `want` blocks.
@@ -52,7 +77,6 @@ impl RouterIndex {
             .min(self.config.max_blocks.saturating_sub(self.blocks))
             .min(byte_room);
         if fit == 0 {
-            self.stats.refused_index_full_blocks += left as u64;
             return Err(IndexRefusal::IndexFull { refused: left });
         }
         Ok(fit)

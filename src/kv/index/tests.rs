@@ -694,10 +694,18 @@ fn a_reservation_stays_within_the_caps() {
     let mut index = RouterIndex::new(RouterIndexConfig::default().max_bytes(1 << 20));
     index.reserve(WorkerId(7), 0, 1_000_000);
     assert!(index.reserved.is_empty());
-    // The rank's cap cuts a hint down to it.
-    let mut index = RouterIndex::new(RouterIndexConfig::default().max_blocks_per_rank(100));
+    // The rank's cap cuts a hint down to it, and the worker's what its ranks'
+    // hints leave.
+    let config = RouterIndexConfig::default()
+        .max_blocks_per_rank(100)
+        .max_blocks_per_worker(150);
+    let mut index = RouterIndex::new(config);
     index.reserve(WorkerId(7), 0, 1_000_000);
-    assert_eq!(index.reserved, vec![((WorkerId(7), 0), 100)]);
+    index.reserve(WorkerId(7), 1, 1_000_000);
+    assert_eq!(
+        index.reserved,
+        vec![((WorkerId(7), 0), 100, None), ((WorkerId(7), 1), 50, None)]
+    );
     // Spent: a rank made later is not sized by it.
     index.end_reserve();
     index
@@ -712,6 +720,38 @@ fn a_reservation_stays_within_the_caps() {
         index.rank_table_bytes,
         table_bytes(rank.cap_seen, BLOCK_ENTRY)
     );
+    // What the dump did not fill is given back at its end.
+    index.end_reserve();
+    let rank = index.rank(index.rank_of[&(WorkerId(7), 0)]).unwrap();
+    assert!(rank.blocks.capacity() < 100, "{}", rank.blocks.capacity());
+    assert_eq!(
+        index.rank_table_bytes,
+        table_bytes(rank.cap_seen, BLOCK_ENTRY)
+    );
+}
+
+#[test]
+fn hints_count_against_the_byte_cap_together() {
+    // Room for about one table of 100,000 blocks at half of what is left: the
+    // second hint, counted with the first, is not kept.
+    let mut index = RouterIndex::new(RouterIndexConfig::default().max_bytes(4 << 20));
+    index.reserve(WorkerId(1), 0, 100_000);
+    index.reserve(WorkerId(2), 0, 100_000);
+    assert_eq!(index.reserved.len(), 1);
+}
+
+#[test]
+fn a_fresh_chain_moves_a_block_the_rank_holds_elsewhere() {
+    // Rank holds 1, 2, 3 from the root; a new chain 10, 11, 2, 12 takes 2 along.
+    let mut index = RouterIndex::default();
+    let first: Vec<(u64, u64)> = vec![(1, 1), (2, 2), (3, 3)];
+    apply(&mut index, &stored(7, 0, None, &first)).unwrap();
+    let second: Vec<(u64, u64)> = vec![(10, 10), (11, 11), (2, 20), (12, 12)];
+    apply(&mut index, &stored(7, 0, None, &second)).unwrap();
+    assert_eq!(index.rank_blocks(WorkerId(7), 0), 6);
+    assert_eq!(scores(&index, &[10, 11, 20, 12]), vec![(7, 0, 4)]);
+    // 2 moved: the old path holds 1 only (3 is kept, unscored past the gap).
+    assert_eq!(scores(&index, &[1, 2, 3]), vec![(7, 0, 1)]);
 }
 
 #[test]

@@ -99,7 +99,8 @@ pub(super) fn encode(events: &[RouterEvent], max_blocks: usize) -> Vec<Bytes> {
         payload.push(tag);
         payload.push(tier_code(ev.tier));
         payload.extend_from_slice(&ev.event.dp_rank.to_le_bytes());
-        // A dump's events hold at most 8,192 blocks; a count past u32 cannot occur.
+        // A dump's events hold at most 8,192 blocks (`DUMP_EVENT_BLOCKS`), and the
+        // client refuses answers past 2^22: a count past u32 cannot occur.
         payload.extend_from_slice(&u32::try_from(count).unwrap_or(u32::MAX).to_le_bytes());
         match &ev.event.data {
             KvEventData::Stored {
@@ -191,6 +192,17 @@ fn decode_into(
         let tier = tier_of(r.u8()?).ok_or(Malformed)?;
         let dp_rank = r.u32()?;
         let count = usize::try_from(r.u32()?).map_err(|_| Malformed)?;
+        // A count past what the payload holds is malformed, whatever the budget.
+        let (item, parent) = match tag {
+            0 => (16, 0),
+            1 => (16, 8),
+            2 => (8, 0),
+            _ => (0, 0),
+        };
+        r.holds(count, item)?;
+        if r.0.len() < parent + count * item {
+            return Err(Malformed);
+        }
         spent = spent.saturating_add(decoded_size(1, count));
         if spent > budget {
             return Err(Undecodable::OverBudget);
@@ -329,13 +341,25 @@ mod tests {
 
     #[test]
     fn every_truncation_and_bad_tag_or_tier_is_refused() {
-        let whole = encode(&every_kind()[..5], 8192)[0].to_vec();
+        let kinds = every_kind();
+        let whole = encode(&kinds[..5], 8192)[0].to_vec();
+        // Where records end: a cut there is a shorter valid payload; anywhere else
+        // it is refused, nothing kept.
+        let ends: Vec<usize> = std::iter::once(16)
+            .chain((1..5).map(|k| encode(&kinds[..k], 8192)[0].len()))
+            .collect();
         for cut in 1..whole.len() {
             let mut out = Vec::new();
             let r = decode(&whole[..cut], &mut out, usize::MAX);
-            // Cutting exactly between records leaves a shorter valid payload.
-            if r.is_ok() {
-                assert!(every_kind().starts_with(&out), "cut at {cut}");
+            match ends.iter().position(|&e| e == cut) {
+                Some(k) => {
+                    assert!(r.is_ok(), "cut at a record's end, {cut}");
+                    assert_eq!(out, kinds[..k]);
+                }
+                None => {
+                    assert_eq!(r, Err(Malformed), "cut at {cut}");
+                    assert!(out.is_empty());
+                }
             }
         }
         let mut bad_tag = whole.clone();

@@ -23,13 +23,20 @@ pub const DEFAULT_CONCURRENT_RECOVERIES: usize = 16;
 pub const RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Most recoveries a [`RecoveryDriver`] queues (beyond [`DEFAULT_CONCURRENT_RECOVERIES`]
-/// running): 4,096; more are answered at once with a failure.
+/// running; one per publisher): 4,096; more are answered with
+/// [`RecoveryError::Busy`] once their delay is over.
 const MAX_QUEUED_RECOVERIES: usize = 4096;
 
+/// Running slots rebuilds may take ([`RecoveryNeed::rebuild`]): half, so that workers
+/// whose endpoints keep failing cannot hold back the repairs of the others.
+const MAX_RUNNING_REBUILDS: usize = DEFAULT_CONCURRENT_RECOVERIES / 2;
+
 /// Makes an [`IndexFeed`](crate::kv::IndexFeed)'s recoveries: at most
-/// [`DEFAULT_CONCURRENT_RECOVERIES`] at once, one publisher at most once per
-/// [`RECOVERY_INTERVAL`], none before its [`delay`](crate::kv::RecoveryNeed::delay)
-/// (a request waits for its turn in the queue, not in a running slot), each on a connection of its own with the client's timeout and bounds. A
+/// [`DEFAULT_CONCURRENT_RECOVERIES`] at once (rebuilds in half of them at most), one
+/// publisher at most once per [`RECOVERY_INTERVAL`], none before its
+/// [`delay`](crate::kv::RecoveryNeed::delay) (a request waits for its turn in the
+/// queue, not in a running slot; a newer request for a publisher replaces its queued
+/// one, and one already being asked is not asked twice), each on a connection of its own with the client's timeout and bounds. A
 /// repair never blocks the feed: answers come back through [`next`](Self::next),
 /// which a router awaits beside its subscriber.
 ///
@@ -48,10 +55,14 @@ const MAX_QUEUED_RECOVERIES: usize = 4096;
 pub struct RecoveryDriver {
     config: RecoveryClientConfig,
     running: tokio::task::JoinSet<RecoveryAnswer>,
-    /// Waiting, each with when its publisher may be asked again.
+    /// The requests running: each publisher's serial, and whether it is a rebuild.
+    in_flight: crate::hash::FastMap<crate::discovery::ChannelId, (u64, bool)>,
+    /// Waiting, each with when its publisher may be asked (one per publisher).
     queued: std::collections::VecDeque<(tokio::time::Instant, RecoveryNeed)>,
-    last: crate::hash::FastMap<crate::discovery::ChannelId, tokio::time::Instant>,
-    refused: Vec<RecoveryAnswer>,
+    /// When each publisher was last asked.
+    started: crate::hash::FastMap<crate::discovery::ChannelId, tokio::time::Instant>,
+    /// Refused (the queue was full), each answered once its delay is over.
+    refused: std::collections::VecDeque<(tokio::time::Instant, RecoveryAnswer)>,
     /// The bus recoveries go through, and whether to dial directly when no broker is
     /// up for a namespace it grants.
     #[cfg(feature = "tunnel")]
@@ -64,9 +75,10 @@ impl RecoveryDriver {
         RecoveryDriver {
             config,
             running: tokio::task::JoinSet::new(),
+            in_flight: crate::hash::FastMap::default(),
             queued: std::collections::VecDeque::new(),
-            last: crate::hash::FastMap::default(),
-            refused: Vec::new(),
+            started: crate::hash::FastMap::default(),
+            refused: std::collections::VecDeque::new(),
             #[cfg(feature = "tunnel")]
             bus: None,
         }
@@ -99,28 +111,46 @@ impl RecoveryDriver {
         self.running.len() + self.queued.len() + self.refused.len()
     }
 
-    /// Queues `needs` (each publisher's turn once per [`RECOVERY_INTERVAL`]).
+    /// Queues `needs` (each publisher's turn once per [`RECOVERY_INTERVAL`], after its
+    /// delay). A need for a publisher with one queued replaces it; one whose request
+    /// is running already (the same serial) is dropped.
     pub fn submit(&mut self, needs: Vec<RecoveryNeed>) {
         let now = tokio::time::Instant::now();
         for need in needs {
-            if self.queued.len() >= MAX_QUEUED_RECOVERIES {
-                let refused = Err(RecoveryError::Refused("too many recoveries queued".into()));
-                self.refused
-                    .push(RecoveryAnswer::new(&need, refused, Duration::ZERO));
+            if self
+                .in_flight
+                .get(&need.publisher)
+                .is_some_and(|(serial, _)| *serial == need.serial)
+            {
                 continue;
             }
-            // Its turn: a second after its last, and not before its delay is over.
+            // Its turn: a second after it was last asked, and its delay over.
             let asked_at = now + need.delay;
             let turn = self
-                .last
+                .started
                 .get(&need.publisher)
                 .map_or(asked_at, |t| (*t + RECOVERY_INTERVAL).max(asked_at));
-            self.last.insert(need.publisher.clone(), turn);
+            if let Some(queued) = self
+                .queued
+                .iter_mut()
+                .find(|(_, q)| q.publisher == need.publisher)
+            {
+                *queued = (turn, need);
+                continue;
+            }
+            if self.queued.len() >= MAX_QUEUED_RECOVERIES {
+                // Answered once its delay is over (a refusal at once would come back
+                // at once as a rebuild): one per publisher, the newest.
+                self.refused.retain(|(_, a)| a.publisher != need.publisher);
+                let answer = RecoveryAnswer::new(&need, Err(RecoveryError::Busy), Duration::ZERO);
+                self.refused.push_back((asked_at, answer));
+                continue;
+            }
             self.queued.push_back((turn, need));
         }
-        if self.last.len() > 4 * MAX_QUEUED_RECOVERIES {
+        if self.started.len() > 4 * MAX_QUEUED_RECOVERIES {
             // Forget publishers not asked for a while.
-            self.last.retain(|_, t| *t + RECOVERY_INTERVAL > now);
+            self.started.retain(|_, t| *t + RECOVERY_INTERVAL > now);
         }
         self.start(now);
     }
@@ -129,13 +159,19 @@ impl RecoveryDriver {
     fn start(&mut self, now: tokio::time::Instant) {
         let mut i = 0;
         while self.running.len() < DEFAULT_CONCURRENT_RECOVERIES && i < self.queued.len() {
-            if self.queued.get(i).is_some_and(|(turn, _)| *turn > now) {
+            let rebuilds = self.in_flight.values().filter(|(_, r)| *r).count();
+            if self.queued.get(i).is_some_and(|(turn, need)| {
+                *turn > now || (need.rebuild && rebuilds >= MAX_RUNNING_REBUILDS)
+            }) {
                 i += 1;
                 continue;
             }
             let Some((_, need)) = self.queued.remove(i) else {
                 return;
             };
+            self.started.insert(need.publisher.clone(), now);
+            self.in_flight
+                .insert(need.publisher.clone(), (need.serial, need.rebuild));
             let config = self.config.clone();
             #[cfg(feature = "tunnel")]
             let bus = self.bus.clone();
@@ -152,19 +188,43 @@ impl RecoveryDriver {
 
     /// The next answer; waits forever while nothing is pending (cancel-safe).
     pub async fn next(&mut self) -> RecoveryAnswer {
-        if let Some(refused) = self.refused.pop() {
-            return refused;
-        }
         loop {
-            let next_turn = self.queued.iter().map(|(turn, _)| *turn).min();
+            let now = tokio::time::Instant::now();
+            let due = self.refused.iter().position(|(at, _)| *at <= now);
+            if let Some((_, refused)) = due.and_then(|i| self.refused.remove(i)) {
+                return refused;
+            }
+            // The next time a queued request may start: none while every slot is
+            // taken, and none for rebuilds while theirs are (an answer frees one;
+            // waking before would spin).
+            let slots_full = self.running.len() >= DEFAULT_CONCURRENT_RECOVERIES;
+            let rebuilds_full =
+                self.in_flight.values().filter(|(_, r)| *r).count() >= MAX_RUNNING_REBUILDS;
+            let next_turn = self
+                .queued
+                .iter()
+                .filter(|(_, need)| !(slots_full || (need.rebuild && rebuilds_full)))
+                .map(|(turn, _)| *turn)
+                .chain(self.refused.iter().map(|(at, _)| *at))
+                .min();
             tokio::select! {
                 joined = self.running.join_next(), if !self.running.is_empty() => {
-                    self.start(tokio::time::Instant::now());
                     match joined {
-                        Some(Ok(answer)) => return answer,
+                        Some(Ok(answer)) => {
+                            if self
+                                .in_flight
+                                .get(&answer.publisher)
+                                .is_some_and(|(serial, _)| *serial == answer.serial)
+                            {
+                                self.in_flight.remove(&answer.publisher);
+                            }
+                            self.start(tokio::time::Instant::now());
+                            return answer;
+                        }
                         Some(Err(e)) => tracing::warn!(error = %e, "a recovery task failed"),
                         None => {}
                     }
+                    self.start(tokio::time::Instant::now());
                 }
                 () = sleep_until(next_turn) => self.start(tokio::time::Instant::now()),
             }
@@ -230,17 +290,23 @@ mod tests {
     use crate::discovery::ChannelId;
     use crate::kv::RecoveryRequest;
 
+    /// Publisher `p`'s need `serial`, asked after `delay` (nothing listens there).
+    fn need(p: u64, serial: u64, delay: u64) -> RecoveryNeed {
+        RecoveryNeed {
+            publisher: ChannelId::new("ns", "c", "t", p).unwrap(),
+            endpoint: "tcp://127.0.0.1:1".to_owned(),
+            request: RecoveryRequest::Dump,
+            serial,
+            delay: Duration::from_secs(delay),
+            rebuild: delay > 0,
+        }
+    }
+
     /// A need's delay holds it in the queue (no connection made) until it is over.
     #[tokio::test(start_paused = true)]
     async fn a_need_waits_its_delay() {
         let mut driver = RecoveryDriver::new(RecoveryClientConfig::default());
-        let need = RecoveryNeed {
-            publisher: ChannelId::new("ns", "c", "t", 1).unwrap(),
-            endpoint: "tcp://127.0.0.1:1".to_owned(),
-            request: RecoveryRequest::Dump,
-            serial: 1,
-            delay: Duration::from_secs(3),
-        };
+        let need = need(1, 1, 3);
         let t0 = tokio::time::Instant::now();
         driver.submit(vec![need]);
         assert_eq!((driver.running.len(), driver.pending()), (0, 1));
@@ -250,5 +316,52 @@ mod tests {
         let answer = driver.next().await;
         assert!(answer.answer.is_err(), "nothing listens there");
         assert!(t0.elapsed() >= Duration::from_secs(3));
+    }
+
+    /// A publisher has one need queued: a newer one replaces it (and its turn), and
+    /// one already being asked is not asked twice.
+    #[tokio::test(start_paused = true)]
+    async fn one_need_per_publisher_the_newest() {
+        let mut driver = RecoveryDriver::new(RecoveryClientConfig::default());
+        let t0 = tokio::time::Instant::now();
+        driver.submit(vec![need(1, 7, 60)]);
+        assert_eq!((driver.running.len(), driver.pending()), (0, 1));
+        // The same request, hurried: it replaces the waiting one and starts now.
+        driver.submit(vec![need(1, 7, 0)]);
+        assert_eq!((driver.running.len(), driver.pending()), (1, 1));
+        // Handed out again while it runs: not asked twice.
+        driver.submit(vec![need(1, 7, 0)]);
+        assert_eq!(driver.pending(), 1);
+        let answer = driver.next().await;
+        assert_eq!(answer.serial, 7);
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "asked without its delay"
+        );
+        assert_eq!(driver.pending(), 0);
+        // A publisher asked a moment ago waits its interval, whatever its delay.
+        driver.submit(vec![need(1, 8, 0)]);
+        assert_eq!((driver.running.len(), driver.pending()), (0, 1));
+    }
+
+    /// Past the queue's bound, a need is refused ([`RecoveryError::Busy`]) once its
+    /// delay is over, not at once (a refusal at once would come back at once).
+    #[tokio::test(start_paused = true)]
+    async fn a_full_queue_refuses_after_the_delay() {
+        let mut driver = RecoveryDriver::new(RecoveryClientConfig::default());
+        let waiting: Vec<_> = (0..MAX_QUEUED_RECOVERIES as u64)
+            .map(|p| need(p + 10, 1, 600))
+            .collect();
+        driver.submit(waiting);
+        let t0 = tokio::time::Instant::now();
+        driver.submit(vec![need(1, 9, 2)]);
+        let answer = driver.next().await;
+        assert_eq!(answer.serial, 9);
+        assert!(matches!(answer.answer, Err(RecoveryError::Busy)));
+        let at = t0.elapsed();
+        assert!(
+            at >= Duration::from_secs(2) && at < Duration::from_secs(3),
+            "{at:?}"
+        );
     }
 }

@@ -113,6 +113,22 @@ pub enum RecoveryError {
     /// The worker refused the request.
     #[error("the worker refused the request: {0}")]
     Refused(String),
+    /// Not asked: the [`RecoveryDriver`](crate::kv::RecoveryDriver) had too many
+    /// recoveries queued.
+    #[error("not asked: too many recoveries queued")]
+    Busy,
+}
+
+impl RecoveryError {
+    /// Whether asking again later may succeed: the worker was not reached, not in
+    /// time, or not asked at all. An answer that was too large, malformed or refused
+    /// would be the same again.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            RecoveryError::Connection(_) | RecoveryError::Timeout(_) | RecoveryError::Busy
+        )
+    }
 }
 
 /// Counters of a [`RecoveryServer`].
@@ -606,35 +622,34 @@ where
         match (msg.get(1), msg.len()) {
             (Some(kind @ (b"events" | b"blocks")), 3) => {
                 let payload = msg.get(2).unwrap_or_default();
-                let decoded = if kind == b"events" {
-                    decode_router_events(payload)
-                        .map_err(|_| RecoveryError::Malformed("undecodable events"))?
+                let before = events.len();
+                if kind == b"events" {
+                    let decoded = decode_router_events(payload)
+                        .map_err(|_| RecoveryError::Malformed("undecodable events"))?;
+                    events.extend(decoded);
                 } else {
-                    // Held to what is left of the bound as it decodes: a record of an
-                    // empty event is 10 bytes on the wire, several times that decoded.
-                    let mut decoded = Vec::new();
+                    // Decoded in place, held to what is left of the bound as it goes:
+                    // a record of an empty event is 10 bytes on the wire, several
+                    // times that decoded.
                     let budget = max_bytes.saturating_sub(held);
-                    blocks::decode(payload, &mut decoded, budget).map_err(|e| match e {
+                    blocks::decode(payload, &mut events, budget).map_err(|e| match e {
                         blocks::Undecodable::OverBudget => RecoveryError::TooLarge(max_bytes),
                         blocks::Undecodable::Malformed => {
                             RecoveryError::Malformed("undecodable blocks")
                         }
                     })?;
-                    decoded
-                };
-                let carried: usize = decoded.iter().map(|e| e.event.data.block_count()).sum();
+                }
+                let added = events.get(before..).unwrap_or_default();
+                let carried: usize = added.iter().map(|e| e.event.data.block_count()).sum();
                 blocks = blocks.saturating_add(carried);
                 if blocks > max_blocks {
                     return Err(RecoveryError::TooManyBlocks(max_blocks));
                 }
                 // What they cost decoded: events without blocks are small on the wire.
-                held = held
-                    .saturating_add(decoded.len() * size_of::<RouterEvent>())
-                    .saturating_add(carried * size_of::<crate::kv::StoredBlock>());
+                held = held.saturating_add(blocks::decoded_size(added.len(), carried));
                 if held > max_bytes {
                     return Err(RecoveryError::TooLarge(max_bytes));
                 }
-                events.extend(decoded);
             }
             (Some(b"end"), 4) => {
                 let current_id = u64_at(2).ok_or(RecoveryError::Malformed("end without an id"))?;

@@ -106,7 +106,7 @@ fn tier_from_dynamo(name: &str) -> StorageTier {
 }
 
 #[derive(Deserialize)]
-struct InEvent<'a> {
+pub(crate) struct InEvent<'a> {
     worker_id: u64,
     #[serde(borrow, default)]
     storage_tier: Option<Cow<'a, str>>,

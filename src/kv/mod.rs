@@ -116,6 +116,8 @@
 mod coalesce;
 mod dedup;
 mod dynamo;
+#[cfg(any(feature = "etcd", feature = "kube"))]
+pub mod dynamo_recovery;
 mod engine;
 mod error;
 mod event;

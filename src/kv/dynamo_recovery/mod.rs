@@ -21,8 +21,11 @@
 //! 1.7.0.dev20261026 uses; a release that made it the only one would need this
 //! re-measured.
 
+mod answer;
 mod frame;
 mod query;
+
+pub use answer::answer;
 
 pub use frame::{
     ACK, FrameError, RequestFrame, RequestLimits, TwoPart, decode_request, decode_two_part,

@@ -24,8 +24,10 @@
 mod answer;
 mod frame;
 mod query;
+mod serve;
 
 pub use answer::answer;
+pub use serve::{DynamoQueryConfig, DynamoQueryServer, DynamoQueryStats};
 
 pub use frame::{
     ACK, FrameError, RequestFrame, RequestLimits, TwoPart, decode_request, decode_two_part,

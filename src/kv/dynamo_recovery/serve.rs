@@ -1,0 +1,287 @@
+//! A worker's Dynamo KV query endpoint: serves Dynamo 1.6.1's router from the
+//! worker's recovery log over the TCP request plane (the thin I/O around
+//! [`decode_request`](super::decode_request) and [`answer`](super::answer)).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use super::frame::{ACK, RequestLimits, decode_request, encode_two_part, two_part_of};
+use super::query::{AnswerBody, CallHome, Codec, Control, KvAnswer, KvQuery};
+use crate::counter;
+use crate::kv::SharedWorkerLog;
+use crate::net::AddrFilter;
+
+/// Settings of a [`DynamoQueryServer`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct DynamoQueryConfig {
+    /// Bounds of a request frame (checked as its lengths arrive).
+    pub limits: RequestLimits,
+    /// Connections served at once: 16 (more are closed at once, counted).
+    pub max_connections: usize,
+    /// Answers being sent at once: 2 (a dump is the worker's whole cache; further
+    /// requests wait for a turn, within `call_home_timeout`).
+    pub max_answers: usize,
+    /// Dialling the router back and sending the answer: 10 s.
+    pub call_home_timeout: Duration,
+    /// A request connection silent this long is closed: 30 s.
+    pub idle_timeout: Duration,
+    /// Addresses an answer may be sent to, besides being the host that asked: by
+    /// default the subscriber's ([`AddrFilter::default`]).
+    pub filter: AddrFilter,
+}
+
+impl Default for DynamoQueryConfig {
+    fn default() -> Self {
+        DynamoQueryConfig {
+            limits: RequestLimits::default(),
+            max_connections: 16,
+            max_answers: 2,
+            call_home_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(30),
+            filter: AddrFilter::default(),
+        }
+    }
+}
+
+/// Counters of a [`DynamoQueryServer`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct DynamoQueryStats {
+    /// Request connections accepted.
+    pub connections: u64,
+    /// ... closed at once: too many open.
+    pub refused_connections: u64,
+    /// Queries answered with events.
+    pub events: u64,
+    /// ... with a dump.
+    pub dumps: u64,
+    /// ... `TooNew` or `InvalidRange`.
+    pub out_of_range: u64,
+    /// Requests that were not a KV query (the connection closed).
+    pub malformed: u64,
+    /// Answers not sent: the address to send them to was not the host that asked,
+    /// or the filter refused it.
+    pub refused_call_homes: u64,
+    /// Answers whose sending failed or timed out.
+    pub failed_call_homes: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    connections: AtomicU64,
+    refused_connections: AtomicU64,
+    events: AtomicU64,
+    dumps: AtomicU64,
+    out_of_range: AtomicU64,
+    malformed: AtomicU64,
+    refused_call_homes: AtomicU64,
+    failed_call_homes: AtomicU64,
+}
+
+struct Shared {
+    log: SharedWorkerLog,
+    config: DynamoQueryConfig,
+    counters: Counters,
+    connections: Arc<Semaphore>,
+    answers: Arc<Semaphore>,
+}
+
+/// Serves Dynamo's KV queries from a worker's [`SharedWorkerLog`] until dropped.
+#[derive(Debug)]
+pub struct DynamoQueryServer {
+    local: SocketAddr,
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared").finish_non_exhaustive()
+    }
+}
+
+impl Drop for DynamoQueryServer {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+impl DynamoQueryServer {
+    /// Binds `addr` (port 0 for any) and serves `log`.
+    pub async fn bind(
+        addr: SocketAddr,
+        log: SharedWorkerLog,
+        config: DynamoQueryConfig,
+    ) -> std::io::Result<DynamoQueryServer> {
+        let listener = TcpListener::bind(addr).await?;
+        let local = listener.local_addr()?;
+        let shared = Arc::new(Shared {
+            log,
+            connections: Arc::new(Semaphore::new(config.max_connections.max(1))),
+            answers: Arc::new(Semaphore::new(config.max_answers.max(1))),
+            config,
+            counters: Counters::default(),
+        });
+        let cancel = CancellationToken::new();
+        let (s, c) = (shared.clone(), cancel.clone());
+        tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    () = c.cancelled() => return,
+                    a = listener.accept() => a,
+                };
+                let (stream, peer) = match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "Dynamo query endpoint accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let Ok(permit) = s.connections.clone().try_acquire_owned() else {
+                    counter::add(&s.counters.refused_connections, 1);
+                    continue;
+                };
+                counter::add(&s.counters.connections, 1);
+                let (s, c) = (s.clone(), c.clone());
+                tokio::spawn(async move {
+                    let _permit = permit;
+                    tokio::select! {
+                        () = c.cancelled() => {}
+                        () = serve(&s, stream, peer, &c) => {}
+                    }
+                });
+            }
+        });
+        Ok(DynamoQueryServer {
+            local,
+            shared,
+            cancel,
+        })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> DynamoQueryStats {
+        let c = &self.shared.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        DynamoQueryStats {
+            connections: l(&c.connections),
+            refused_connections: l(&c.refused_connections),
+            events: l(&c.events),
+            dumps: l(&c.dumps),
+            out_of_range: l(&c.out_of_range),
+            malformed: l(&c.malformed),
+            refused_call_homes: l(&c.refused_call_homes),
+            failed_call_homes: l(&c.failed_call_homes),
+        }
+    }
+}
+
+/// Serves one request connection: frames in, an acknowledgement each, answers sent
+/// on connections of their own.
+async fn serve(shared: &Arc<Shared>, mut stream: TcpStream, peer: SocketAddr, cancel: &CancellationToken) {
+    let limits = shared.config.limits;
+    let mut buf = BytesMut::with_capacity(4096);
+    loop {
+        let frame = loop {
+            match decode_request(&mut buf, limits) {
+                Ok(Some(frame)) => break frame,
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::debug!(%peer, error = %e, "Dynamo query refused");
+                    counter::add(&shared.counters.malformed, 1);
+                    return;
+                }
+            }
+            let read = tokio::time::timeout(shared.config.idle_timeout, stream.read_buf(&mut buf));
+            match read.await {
+                Ok(Ok(n)) if n > 0 => {}
+                _ => return,
+            }
+        };
+        let Some((query, codec, home)) = parse(&frame.payload, limits) else {
+            counter::add(&shared.counters.malformed, 1);
+            return;
+        };
+        if stream.write_all(&ACK).await.is_err() {
+            return;
+        }
+        // The answer goes back only to the host that asked, through the filter.
+        let to = home
+            .address
+            .parse::<SocketAddr>()
+            .ok()
+            .filter(|a| a.ip() == peer.ip() && shared.config.filter.check_socket(*a).is_ok());
+        let Some(to) = to else {
+            counter::add(&shared.counters.refused_call_homes, 1);
+            continue;
+        };
+        let shared = shared.clone();
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            let deadline = shared.config.call_home_timeout;
+            let sent = tokio::time::timeout(deadline, async {
+                let _turn = shared.answers.acquire().await;
+                let answer = shared.log.with(|log| super::answer(log, &query));
+                let c = &shared.counters;
+                match &answer {
+                    KvAnswer::Events { .. } => counter::add(&c.events, 1),
+                    KvAnswer::TreeDump { .. } => counter::add(&c.dumps, 1),
+                    _ => counter::add(&c.out_of_range, 1),
+                }
+                call_home(to, &home.subject, codec, answer).await
+            });
+            let ok = tokio::select! {
+                () = cancel.cancelled() => return,
+                r = sent => matches!(r, Ok(Ok(()))),
+            };
+            if !ok {
+                counter::add(&shared.counters.failed_call_homes, 1);
+            }
+        });
+    }
+}
+
+/// A request's query, its codec and where its answer goes.
+fn parse(payload: &bytes::Bytes, limits: RequestLimits) -> Option<(KvQuery, Codec, CallHome)> {
+    let message = two_part_of(payload, limits.headers, limits.payload)?;
+    let control = Control::decode(&message.header).ok()?;
+    let query = KvQuery::decode(&message.body, control.payload_codec).ok()?;
+    let home = control.call_home().ok()?;
+    Some((query, control.payload_codec, home))
+}
+
+/// Dials the router back and sends `answer` as Dynamo's response stream.
+async fn call_home(to: SocketAddr, subject: &str, codec: Codec, answer: KvAnswer) -> std::io::Result<()> {
+    let body = AnswerBody::Answer(answer)
+        .encode(codec)
+        .map_err(std::io::Error::other)?;
+    let last = AnswerBody::Final.encode(codec).map_err(std::io::Error::other)?;
+    let hello = serde_json::json!({"subject": subject, "stream_type": "response"}).to_string();
+    let mut stream = TcpStream::connect(to).await?;
+    let _ = stream.set_nodelay(true);
+    for (header, body) in [
+        (hello.as_bytes(), &[][..]),
+        (&b"{\"error\":null}"[..], &[][..]),
+        (&[][..], &body[..]),
+        (&[][..], &last[..]),
+        (&b"\"sentinel\""[..], &[][..]),
+    ] {
+        stream.write_all(&encode_two_part(header, body)).await?;
+    }
+    stream.shutdown().await
+}

@@ -22,11 +22,13 @@
 //! re-measured.
 
 mod answer;
+mod client;
 mod frame;
 mod query;
 mod serve;
 
 pub use answer::answer;
+pub use client::{CallHomeConfig, CallHomeListener, DynamoQueryError, QueryTarget};
 pub use serve::{DynamoQueryConfig, DynamoQueryServer, DynamoQueryStats};
 
 pub use frame::{

@@ -84,6 +84,18 @@ pub struct CallHome {
     pub stream_type: String,
 }
 
+impl CallHome {
+    /// The answer to the query named `subject` goes to `address`.
+    pub fn new(address: std::net::SocketAddr, subject: &str) -> CallHome {
+        CallHome {
+            address: address.to_string(),
+            subject: subject.to_owned(),
+            context: subject.to_owned(),
+            stream_type: "response".to_owned(),
+        }
+    }
+}
+
 impl Control {
     /// A KV query's header: answered as a stream of one answer, on a connection the
     /// worker opens to `call_home.address`.

@@ -1,0 +1,271 @@
+//! A router's end of Dynamo's KV queries: asks a worker's endpoint, and takes the
+//! answer on a connection the worker opens back to it (the thin I/O around the frame
+//! and body codecs).
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+
+use super::frame::{FrameError, TwoPart, decode_two_part, encode_request, encode_two_part};
+use super::query::{AnswerBody, CallHome, Codec, Control, KvAnswer, KvQuery, QueryError};
+use crate::hash::FastMap;
+
+/// Where a Dynamo worker serves KV queries (from its `recovery_target`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct QueryTarget {
+    /// `HOST:PORT` to connect to.
+    pub address: String,
+    /// The request path (`{instance:x}/{namespace}/{component}/{endpoint}`).
+    pub path: String,
+    /// The worker's codec.
+    pub codec: Codec,
+}
+
+impl QueryTarget {
+    /// From a `recovery_target`'s `transport.tcp` (`HOST:PORT/path`) and its codec.
+    pub fn from_tcp(tcp: &str, codec: Codec) -> Option<QueryTarget> {
+        let (address, path) = tcp.split_once('/')?;
+        if address.is_empty() || path.is_empty() {
+            return None;
+        }
+        Some(QueryTarget {
+            address: address.to_owned(),
+            path: path.to_owned(),
+            codec,
+        })
+    }
+}
+
+/// Why a query got no answer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DynamoQueryError {
+    /// The worker could not be reached, or a connection failed.
+    #[error("connection failed")]
+    Io(#[from] std::io::Error),
+    /// No complete answer in time.
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    /// A frame past its bound.
+    #[error("frame refused")]
+    Frame(#[from] FrameError),
+    /// Not what Dynamo sends.
+    #[error("malformed answer")]
+    Malformed(#[from] QueryError),
+    /// The worker's stream said it failed.
+    #[error("the worker answered an error: {0}")]
+    Refused(String),
+    /// Too many queries waiting for their answers.
+    #[error("too many queries waiting")]
+    Busy,
+}
+
+/// Bounds of a [`CallHome`] listener's streams.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct CallHomeConfig {
+    /// Queries awaiting their answer at once: 64.
+    pub max_pending: usize,
+    /// Largest header of an answer's stream: 64 KiB.
+    pub max_header: usize,
+    /// Largest body (an answer; a dump is the worker's whole cache): 256 MiB.
+    pub max_body: usize,
+    /// How long a connection may take to say which answer it carries: 5 s.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for CallHomeConfig {
+    fn default() -> Self {
+        CallHomeConfig {
+            max_pending: 64,
+            max_header: 64 << 10,
+            max_body: 256 << 20,
+            handshake_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// A stream that said which answer it carries, and what was read past that.
+type Arrived = (TcpStream, BytesMut);
+
+type Pending = Arc<Mutex<FastMap<String, oneshot::Sender<Arrived>>>>;
+
+/// The listener workers dial back with their answers, and the queries made through
+/// it. A connection that does not name a query awaiting its answer, within the
+/// handshake timeout, is closed (nothing is accepted that was not asked for).
+#[derive(Debug)]
+pub struct CallHomeListener {
+    port: u16,
+    pending: Pending,
+    config: CallHomeConfig,
+    cancel: CancellationToken,
+}
+
+impl Drop for CallHomeListener {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+impl CallHomeListener {
+    /// Listens on `addr` (port 0 for any).
+    pub async fn bind(addr: SocketAddr, config: CallHomeConfig) -> std::io::Result<CallHomeListener> {
+        let listener = TcpListener::bind(addr).await?;
+        let port = listener.local_addr()?.port();
+        let pending: Pending = Arc::default();
+        let cancel = CancellationToken::new();
+        let (p, c) = (pending.clone(), cancel.clone());
+        tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    () = c.cancelled() => return,
+                    a = listener.accept() => a,
+                };
+                let Ok((stream, _)) = accepted else {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                };
+                let p = p.clone();
+                tokio::spawn(async move {
+                    let said = tokio::time::timeout(config.handshake_timeout, hello(stream, config));
+                    if let Ok(Ok((subject, arrived))) = said.await {
+                        let waiting = p.lock().unwrap_or_else(|e| e.into_inner()).remove(&subject);
+                        if let Some(tx) = waiting {
+                            let _ = tx.send(arrived);
+                        }
+                    }
+                });
+            }
+        });
+        Ok(CallHomeListener {
+            port,
+            pending,
+            config,
+            cancel,
+        })
+    }
+
+    /// Asks `target` `query` and waits for its answer, all within `timeout`.
+    pub async fn query(
+        &self,
+        target: &QueryTarget,
+        query: &KvQuery,
+        timeout: Duration,
+    ) -> Result<KvAnswer, DynamoQueryError> {
+        let subject = format!("{:032x}", u128::from(crate::net::random_u64()) << 64 | u128::from(crate::net::random_u64()));
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            if pending.len() >= self.config.max_pending {
+                return Err(DynamoQueryError::Busy);
+            }
+            pending.insert(subject.clone(), tx);
+        }
+        let asked = tokio::time::timeout(timeout, self.ask(target, query, &subject, rx)).await;
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&subject);
+        asked.map_err(|_| DynamoQueryError::Timeout(timeout))?
+    }
+
+    async fn ask(
+        &self,
+        target: &QueryTarget,
+        query: &KvQuery,
+        subject: &str,
+        rx: oneshot::Receiver<Arrived>,
+    ) -> Result<KvAnswer, DynamoQueryError> {
+        let mut stream = TcpStream::connect(&target.address).await?;
+        let _ = stream.set_nodelay(true);
+        // The worker dials back the address it reached us from.
+        let local = stream.local_addr()?;
+        let home = CallHome::new(SocketAddr::new(local.ip(), self.port), subject);
+        let control = Control::kv_query(subject, target.codec, &home);
+        let body = query.encode(target.codec)?;
+        let headers = serde_json::json!({
+            "request-id": subject,
+            "x-endpoint-path": target.path,
+        })
+        .to_string();
+        let payload = encode_two_part(&control.encode(), &body);
+        stream
+            .write_all(&encode_request(&target.path, headers.as_bytes(), &payload)?)
+            .await?;
+        let mut ack = [0u8; 4];
+        stream.read_exact(&mut ack).await?;
+        let (answers, buf) = rx
+            .await
+            .map_err(|_| DynamoQueryError::Refused("the answer's stream never came".into()))?;
+        read_answer(answers, buf, self.config, target.codec).await
+    }
+}
+
+/// Reads the first message of a connection a worker opened: which answer it carries.
+async fn hello(mut stream: TcpStream, config: CallHomeConfig) -> Result<(String, Arrived), DynamoQueryError> {
+    let mut buf = BytesMut::with_capacity(1024);
+    let first = next_message(&mut stream, &mut buf, config.max_header, 0).await?;
+    let hello: serde_json::Value = serde_json::from_slice(&first.header)
+        .map_err(|e| QueryError::Undecodable { what: "answer stream header", detail: e.to_string() })?;
+    let subject = hello
+        .get("subject")
+        .and_then(serde_json::Value::as_str)
+        .ok_or(DynamoQueryError::Refused("no subject".into()))?
+        .to_owned();
+    Ok((subject, (stream, buf)))
+}
+
+async fn next_message(
+    stream: &mut TcpStream,
+    buf: &mut BytesMut,
+    max_header: usize,
+    max_body: usize,
+) -> Result<TwoPart, DynamoQueryError> {
+    loop {
+        if let Some(m) = decode_two_part(buf, max_header, max_body)? {
+            return Ok(m);
+        }
+        if stream.read_buf(buf).await? == 0 {
+            return Err(DynamoQueryError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+    }
+}
+
+/// Reads an answer's stream after its hello: the prologue (`{"error": null}`), the
+/// answer's body, the final body.
+async fn read_answer(
+    mut stream: TcpStream,
+    mut buf: BytesMut,
+    config: CallHomeConfig,
+    codec: Codec,
+) -> Result<KvAnswer, DynamoQueryError> {
+    let prologue = next_message(&mut stream, &mut buf, config.max_header, 0).await?;
+    let prologue: serde_json::Value = serde_json::from_slice(&prologue.header)
+        .map_err(|e| QueryError::Undecodable { what: "answer prologue", detail: e.to_string() })?;
+    if let Some(error) = prologue.get("error").filter(|e| !e.is_null()) {
+        return Err(DynamoQueryError::Refused(error.to_string().chars().take(256).collect()));
+    }
+    let mut answer = None;
+    loop {
+        let m = next_message(&mut stream, &mut buf, config.max_header, config.max_body).await?;
+        if m.body.is_empty() {
+            // A header alone: the sentinel, or something this version does not know.
+            break;
+        }
+        match AnswerBody::decode(&m.body, codec)? {
+            AnswerBody::Answer(a) if answer.is_none() => answer = Some(a),
+            AnswerBody::Answer(_) => {
+                return Err(DynamoQueryError::Refused("more than one answer".into()));
+            }
+            AnswerBody::Final => break,
+        }
+    }
+    answer.ok_or(DynamoQueryError::Refused("a stream with no answer".into()))
+}

@@ -97,15 +97,27 @@ mod tests {
     fn dynamo_s_rules_from_the_log() {
         let log = log(1024);
         // Activation: a dump of the rank asked, ids 0, current at 10.
-        let KvAnswer::TreeDump { events, last_event_id } = answer(&log, &KvQuery::recovery(88, 0, None)) else {
+        let KvAnswer::TreeDump {
+            events,
+            last_event_id,
+        } = answer(&log, &KvQuery::recovery(88, 0, None))
+        else {
             panic!("not a dump");
         };
         assert_eq!(last_event_id, 10);
-        assert!(events.iter().all(|e| e.event.id == 0 && e.event.dp_rank == 0));
+        assert!(
+            events
+                .iter()
+                .all(|e| e.event.id == 0 && e.event.dp_rank == 0)
+        );
         let blocks: usize = events.iter().map(|e| e.event.data.block_count()).sum();
         assert_eq!(blocks, 5);
         // A gap from 5: the rank's events 5, 7, 9.
-        let KvAnswer::Events { events, last_event_id } = answer(&log, &KvQuery::recovery(88, 0, Some(5))) else {
+        let KvAnswer::Events {
+            events,
+            last_event_id,
+        } = answer(&log, &KvQuery::recovery(88, 0, Some(5)))
+        else {
             panic!("not events");
         };
         let ids: Vec<u64> = events.iter().map(|e| e.event.id).collect();
@@ -113,12 +125,22 @@ mod tests {
         // Past the newest.
         assert_eq!(
             answer(&log, &KvQuery::recovery(88, 0, Some(11))),
-            KvAnswer::TooNew { requested_start: Some(11), requested_end: None, newest_available: 10 }
+            KvAnswer::TooNew {
+                requested_start: Some(11),
+                requested_end: None,
+                newest_available: 10
+            }
         );
         // An end before the start.
         let mut q = KvQuery::recovery(88, 0, Some(5));
         q.end_event_id = Some(3);
-        assert_eq!(answer(&log, &q), KvAnswer::InvalidRange { start_id: 5, end_id: 3 });
+        assert_eq!(
+            answer(&log, &q),
+            KvAnswer::InvalidRange {
+                start_id: 5,
+                end_id: 3
+            }
+        );
     }
 
     #[test]
@@ -126,11 +148,17 @@ mod tests {
         let log = log(4);
         assert!(matches!(
             answer(&log, &KvQuery::recovery(88, 1, Some(2))),
-            KvAnswer::TreeDump { last_event_id: 10, .. }
+            KvAnswer::TreeDump {
+                last_event_id: 10,
+                ..
+            }
         ));
         assert!(matches!(
             answer(&log, &KvQuery::recovery(88, 1, Some(8))),
-            KvAnswer::Events { last_event_id: 10, .. }
+            KvAnswer::Events {
+                last_event_id: 10,
+                ..
+            }
         ));
     }
 }

@@ -116,7 +116,10 @@ impl Drop for CallHomeListener {
 
 impl CallHomeListener {
     /// Listens on `addr` (port 0 for any).
-    pub async fn bind(addr: SocketAddr, config: CallHomeConfig) -> std::io::Result<CallHomeListener> {
+    pub async fn bind(
+        addr: SocketAddr,
+        config: CallHomeConfig,
+    ) -> std::io::Result<CallHomeListener> {
         let listener = TcpListener::bind(addr).await?;
         let port = listener.local_addr()?.port();
         let pending: Pending = Arc::default();
@@ -134,7 +137,8 @@ impl CallHomeListener {
                 };
                 let p = p.clone();
                 tokio::spawn(async move {
-                    let said = tokio::time::timeout(config.handshake_timeout, hello(stream, config));
+                    let said =
+                        tokio::time::timeout(config.handshake_timeout, hello(stream, config));
                     if let Ok(Ok((subject, arrived))) = said.await {
                         let waiting = p.lock().unwrap_or_else(|e| e.into_inner()).remove(&subject);
                         if let Some(tx) = waiting {
@@ -152,6 +156,11 @@ impl CallHomeListener {
         })
     }
 
+    /// The port workers dial back (on the address they were reached from).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// Asks `target` `query` and waits for its answer, all within `timeout`.
     pub async fn query(
         &self,
@@ -159,7 +168,10 @@ impl CallHomeListener {
         query: &KvQuery,
         timeout: Duration,
     ) -> Result<KvAnswer, DynamoQueryError> {
-        let subject = format!("{:032x}", u128::from(crate::net::random_u64()) << 64 | u128::from(crate::net::random_u64()));
+        let subject = format!(
+            "{:032x}",
+            u128::from(crate::net::random_u64()) << 64 | u128::from(crate::net::random_u64())
+        );
         let (tx, rx) = oneshot::channel();
         {
             let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
@@ -209,11 +221,17 @@ impl CallHomeListener {
 }
 
 /// Reads the first message of a connection a worker opened: which answer it carries.
-async fn hello(mut stream: TcpStream, config: CallHomeConfig) -> Result<(String, Arrived), DynamoQueryError> {
+async fn hello(
+    mut stream: TcpStream,
+    config: CallHomeConfig,
+) -> Result<(String, Arrived), DynamoQueryError> {
     let mut buf = BytesMut::with_capacity(1024);
     let first = next_message(&mut stream, &mut buf, config.max_header, 0).await?;
-    let hello: serde_json::Value = serde_json::from_slice(&first.header)
-        .map_err(|e| QueryError::Undecodable { what: "answer stream header", detail: e.to_string() })?;
+    let hello: serde_json::Value =
+        serde_json::from_slice(&first.header).map_err(|e| QueryError::Undecodable {
+            what: "answer stream header",
+            detail: e.to_string(),
+        })?;
     let subject = hello
         .get("subject")
         .and_then(serde_json::Value::as_str)
@@ -233,7 +251,9 @@ async fn next_message(
             return Ok(m);
         }
         if stream.read_buf(buf).await? == 0 {
-            return Err(DynamoQueryError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+            return Err(DynamoQueryError::Io(
+                std::io::ErrorKind::UnexpectedEof.into(),
+            ));
         }
     }
 }
@@ -247,10 +267,15 @@ async fn read_answer(
     codec: Codec,
 ) -> Result<KvAnswer, DynamoQueryError> {
     let prologue = next_message(&mut stream, &mut buf, config.max_header, 0).await?;
-    let prologue: serde_json::Value = serde_json::from_slice(&prologue.header)
-        .map_err(|e| QueryError::Undecodable { what: "answer prologue", detail: e.to_string() })?;
+    let prologue: serde_json::Value =
+        serde_json::from_slice(&prologue.header).map_err(|e| QueryError::Undecodable {
+            what: "answer prologue",
+            detail: e.to_string(),
+        })?;
     if let Some(error) = prologue.get("error").filter(|e| !e.is_null()) {
-        return Err(DynamoQueryError::Refused(error.to_string().chars().take(256).collect()));
+        return Err(DynamoQueryError::Refused(
+            error.to_string().chars().take(256).collect(),
+        ));
     }
     let mut answer = None;
     loop {

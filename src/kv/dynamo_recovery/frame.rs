@@ -77,8 +77,7 @@ pub fn encode_request(path: &str, headers: &[u8], payload: &[u8]) -> Result<Vec<
         len: len as u64,
         max,
     };
-    let path_len =
-        u16::try_from(path.len()).map_err(|_| too_large("path", path.len(), 65_535))?;
+    let path_len = u16::try_from(path.len()).map_err(|_| too_large("path", path.len(), 65_535))?;
     let headers_len =
         u16::try_from(headers.len()).map_err(|_| too_large("headers", headers.len(), 65_535))?;
     let payload_len = u32::try_from(payload.len())
@@ -108,13 +107,15 @@ impl Cursor<'_> {
     }
 
     /// A length prefix, checked against `max`; `Ok(None)` until it arrived.
-    fn len<const N: usize>(&mut self, part: &'static str, max: usize) -> Result<Option<usize>, FrameError> {
+    fn len<const N: usize>(
+        &mut self,
+        part: &'static str,
+        max: usize,
+    ) -> Result<Option<usize>, FrameError> {
         let Some(raw) = self.take::<N>() else {
             return Ok(None);
         };
-        let mut wide = [0u8; 8];
-        wide[8 - N..].copy_from_slice(&raw);
-        let len = u64::from_be_bytes(wide);
+        let len = raw.iter().fold(0u64, |len, &b| len << 8 | u64::from(b));
         match usize::try_from(len) {
             Ok(n) if n <= max => Ok(Some(n)),
             _ => Err(FrameError::TooLarge { part, len, max }),
@@ -280,7 +281,11 @@ mod tests {
         let mut buf = BytesMut::from(&b"\x00\x01p\x00\x00\xff\xff\xff\xff"[..]);
         assert!(matches!(
             decode_request(&mut buf, limits),
-            Err(FrameError::TooLarge { part: "payload", len: 0xffff_ffff, .. })
+            Err(FrameError::TooLarge {
+                part: "payload",
+                len: 0xffff_ffff,
+                ..
+            })
         ));
         let mut forged = BytesMut::from(&[0xff; 8][..]);
         assert!(matches!(

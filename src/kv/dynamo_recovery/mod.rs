@@ -35,4 +35,9 @@ pub use frame::{
     ACK, FrameError, RequestFrame, RequestLimits, TwoPart, decode_request, decode_two_part,
     encode_request, encode_two_part, two_part_of,
 };
-pub use query::{AnswerBody, CallHome, Codec, ConnectionInfo, Control, KvAnswer, KvQuery, QueryError};
+pub use query::{
+    AnswerBody, CallHome, Codec, ConnectionInfo, Control, KvAnswer, KvQuery, QueryError,
+};
+
+#[cfg(test)]
+mod tests;

@@ -297,7 +297,8 @@ impl AnswerBody {
         let err = undecodable("answer");
         let parsed: InBody<'_> = match codec {
             Codec::Msgpack => {
-                crate::msgpack::check_shape(body).map_err(|e| undecodable("answer")(format!("{e:?}")))?;
+                crate::msgpack::check_shape(body)
+                    .map_err(|e| undecodable("answer")(format!("{e:?}")))?;
                 rmp_serde::from_slice(body).map_err(|e| err(e.to_string()))?
             }
             Codec::Json => serde_json::from_slice(body).map_err(|e| err(e.to_string()))?,
@@ -358,8 +359,8 @@ impl AnswerBody {
             // The same structure: JSON is written from the msgpack (maps of named
             // fields, integers, strings and nils translate one for one).
             Codec::Json => {
-                let value: serde_json::Value = rmp_serde::from_slice(&msgpack)
-                    .map_err(|_| QueryError::Encode("an answer"))?;
+                let value: serde_json::Value =
+                    rmp_serde::from_slice(&msgpack).map_err(|_| QueryError::Encode("an answer"))?;
                 serde_json::to_vec(&value).map_err(|_| QueryError::Encode("an answer"))
             }
         }
@@ -444,7 +445,9 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
 
     use super::*;
-    use crate::kv::{BlockHash, KvEvent, KvEventData, StorageTier, StoredBlock, TokensHash, WorkerId};
+    use crate::kv::{
+        BlockHash, KvEvent, KvEventData, StorageTier, StoredBlock, TokensHash, WorkerId,
+    };
 
     /// The body Dynamo 1.6.1's router sent at activation (`router-queries.jsonl`,
     /// probe `fw2`): worker 88, rank 0, no start (a dump).
@@ -471,8 +474,19 @@ mod tests {
         );
         assert_eq!(KvQuery::decode(&json, Codec::Json).unwrap(), gap);
         // An older client's query: no rank, no opt-in, no kind.
-        let old = KvQuery::decode(br#"{"worker_id":1,"start_event_id":null,"end_event_id":null}"#, Codec::Json).unwrap();
-        assert_eq!((old.dp_rank, old.supports_tree_dump_failed, old.kind.as_str()), (0, false, "recovery"));
+        let old = KvQuery::decode(
+            br#"{"worker_id":1,"start_event_id":null,"end_event_id":null}"#,
+            Codec::Json,
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                old.dp_rank,
+                old.supports_tree_dump_failed,
+                old.kind.as_str()
+            ),
+            (0, false, "recovery")
+        );
     }
 
     #[test]
@@ -481,7 +495,10 @@ mod tests {
         let control = Control::decode(header.as_bytes()).unwrap();
         assert_eq!(control.payload_codec, Codec::Msgpack);
         let home = control.call_home().unwrap();
-        assert_eq!((home.address.as_str(), home.subject.as_str()), ("192.0.2.2:33137", "9c07"));
+        assert_eq!(
+            (home.address.as_str(), home.subject.as_str()),
+            ("192.0.2.2:33137", "9c07")
+        );
         let again = Control::kv_query("ee9a", Codec::Msgpack, &home);
         assert_eq!(again, control);
         assert_eq!(Control::decode(&again.encode()).unwrap(), control);
@@ -497,7 +514,10 @@ mod tests {
                 data: KvEventData::Stored {
                     parent_hash: None,
                     blocks: (1..=3)
-                        .map(|h| StoredBlock { block_hash: BlockHash(h), tokens_hash: TokensHash(h << 8) })
+                        .map(|h| StoredBlock {
+                            block_hash: BlockHash(h),
+                            tokens_hash: TokensHash(h << 8),
+                        })
                         .collect(),
                 },
             },
@@ -507,38 +527,76 @@ mod tests {
     #[test]
     fn every_answer_round_trips_in_both_codecs() {
         let answers = [
-            KvAnswer::Events { events: vec![chain()], last_event_id: 9 },
-            KvAnswer::TreeDump { events: vec![chain(), chain()], last_event_id: u64::MAX },
-            KvAnswer::TreeDumpFailed { last_event_id: 3, message: "busy".into() },
-            KvAnswer::TooNew { requested_start: Some(7), requested_end: None, newest_available: 5 },
-            KvAnswer::InvalidRange { start_id: 9, end_id: 2 },
+            KvAnswer::Events {
+                events: vec![chain()],
+                last_event_id: 9,
+            },
+            KvAnswer::TreeDump {
+                events: vec![chain(), chain()],
+                last_event_id: u64::MAX,
+            },
+            KvAnswer::TreeDumpFailed {
+                last_event_id: 3,
+                message: "busy".into(),
+            },
+            KvAnswer::TooNew {
+                requested_start: Some(7),
+                requested_end: None,
+                newest_available: 5,
+            },
+            KvAnswer::InvalidRange {
+                start_id: 9,
+                end_id: 2,
+            },
             KvAnswer::Error("no such rank".into()),
         ];
         for codec in [Codec::Msgpack, Codec::Json] {
             for a in &answers {
                 let body = AnswerBody::Answer(a.clone());
                 let bytes = body.encode(codec).unwrap();
-                assert_eq!(AnswerBody::decode(&bytes, codec).unwrap(), body, "{codec:?}");
+                assert_eq!(
+                    AnswerBody::decode(&bytes, codec).unwrap(),
+                    body,
+                    "{codec:?}"
+                );
             }
             let last = AnswerBody::Final.encode(codec).unwrap();
             assert_eq!(AnswerBody::decode(&last, codec).unwrap(), AnswerBody::Final);
         }
-        // Written as serde writes Dynamo's types.
-        let json = AnswerBody::Answer(answers[3].clone()).encode(Codec::Json).unwrap();
+        // The shapes serde gives Dynamo's types (JSON objects are read by name: their
+        // keys come out sorted here).
+        let value = |bytes: &[u8]| serde_json::from_slice::<serde_json::Value>(bytes).unwrap();
+        let json = AnswerBody::Answer(answers[3].clone())
+            .encode(Codec::Json)
+            .unwrap();
         assert_eq!(
-            std::str::from_utf8(&json).unwrap(),
-            r#"{"data":{"TooNew":{"requested_start":7,"requested_end":null,"newest_available":5}},"complete_final":false}"#
+            value(&json),
+            value(br#"{"data":{"TooNew":{"requested_start":7,"requested_end":null,"newest_available":5}},"complete_final":false}"#)
         );
-        let json = AnswerBody::Answer(answers[5].clone()).encode(Codec::Json).unwrap();
-        assert_eq!(std::str::from_utf8(&json).unwrap(), r#"{"data":{"Error":"no such rank"},"complete_final":false}"#);
+        let json = AnswerBody::Answer(answers[5].clone())
+            .encode(Codec::Json)
+            .unwrap();
+        assert_eq!(
+            value(&json),
+            value(br#"{"data":{"Error":"no such rank"},"complete_final":false}"#)
+        );
     }
 
     #[test]
     fn hostile_bodies_are_refused() {
-        for bad in [&b"\xdd\xff\xff\xff\xff"[..], b"\x81\xa4data\x81\xa7Unknown\xc0", b"\x80", b""] {
+        for bad in [
+            &b"\xdd\xff\xff\xff\xff"[..],
+            b"\x81\xa4data\x81\xa7Unknown\xc0",
+            b"\x80",
+            b"",
+        ] {
             assert!(AnswerBody::decode(bad, Codec::Msgpack).is_err(), "{bad:?}");
         }
-        for bad in [&br#"{"data":{"Events":{"events":[1],"last_event_id":1}}}"#[..], b"[", br#"{"complete_final":false}"#] {
+        for bad in [
+            &br#"{"data":{"Events":{"events":[1],"last_event_id":1}}}"#[..],
+            b"[",
+            br#"{"complete_final":false}"#,
+        ] {
             assert!(AnswerBody::decode(bad, Codec::Json).is_err());
         }
         assert!(KvQuery::decode(b"\xdd\xff\xff\xff\xff", Codec::Msgpack).is_err());

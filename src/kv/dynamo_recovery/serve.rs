@@ -193,7 +193,12 @@ impl DynamoQueryServer {
 
 /// Serves one request connection: frames in, an acknowledgement each, answers sent
 /// on connections of their own.
-async fn serve(shared: &Arc<Shared>, mut stream: TcpStream, peer: SocketAddr, cancel: &CancellationToken) {
+async fn serve(
+    shared: &Arc<Shared>,
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    cancel: &CancellationToken,
+) {
     let limits = shared.config.limits;
     let mut buf = BytesMut::with_capacity(4096);
     loop {
@@ -266,11 +271,18 @@ fn parse(payload: &bytes::Bytes, limits: RequestLimits) -> Option<(KvQuery, Code
 }
 
 /// Dials the router back and sends `answer` as Dynamo's response stream.
-async fn call_home(to: SocketAddr, subject: &str, codec: Codec, answer: KvAnswer) -> std::io::Result<()> {
+async fn call_home(
+    to: SocketAddr,
+    subject: &str,
+    codec: Codec,
+    answer: KvAnswer,
+) -> std::io::Result<()> {
     let body = AnswerBody::Answer(answer)
         .encode(codec)
         .map_err(std::io::Error::other)?;
-    let last = AnswerBody::Final.encode(codec).map_err(std::io::Error::other)?;
+    let last = AnswerBody::Final
+        .encode(codec)
+        .map_err(std::io::Error::other)?;
     let hello = serde_json::json!({"subject": subject, "stream_type": "response"}).to_string();
     let mut stream = TcpStream::connect(to).await?;
     let _ = stream.set_nodelay(true);

@@ -1,0 +1,136 @@
+//! Our router's end against our worker's, over loopback: the request plane's I/O.
+
+#![allow(clippy::unwrap_used, clippy::panic)]
+
+use std::time::Duration;
+
+use super::*;
+use crate::kv::{
+    BlockHash, KvEvent, KvEventData, LocalIndex, RouterEvent, SharedWorkerLog, StorageTier,
+    StoredBlock, TokensHash, WorkerId, WorkerLogConfig,
+};
+
+fn stored(id: u64, hash: u64, parent: Option<u64>) -> RouterEvent {
+    RouterEvent {
+        worker_id: WorkerId(88),
+        tier: StorageTier::Device,
+        event: KvEvent {
+            id,
+            dp_rank: 0,
+            data: KvEventData::Stored {
+                parent_hash: parent.map(BlockHash),
+                blocks: vec![StoredBlock {
+                    block_hash: BlockHash(hash),
+                    tokens_hash: TokensHash(hash),
+                }],
+            },
+        },
+    }
+}
+
+async fn worker() -> (DynamoQueryServer, SharedWorkerLog) {
+    let log = SharedWorkerLog::new(WorkerLogConfig::default());
+    let mut keeper = log.clone();
+    for id in 1..=6 {
+        keeper
+            .apply(&stored(id, 100 + id, (id > 1).then(|| 99 + id)))
+            .unwrap();
+    }
+    let at = "127.0.0.1:0".parse().unwrap();
+    let server = DynamoQueryServer::bind(at, log.clone(), DynamoQueryConfig::default())
+        .await
+        .unwrap();
+    (server, log)
+}
+
+#[tokio::test]
+async fn a_router_gets_a_dump_and_events_back_through_its_call_home() {
+    let (server, _log) = worker().await;
+    let home = CallHomeListener::bind("127.0.0.1:0".parse().unwrap(), CallHomeConfig::default())
+        .await
+        .unwrap();
+    let within = Duration::from_secs(5);
+    for codec in [Codec::Msgpack, Codec::Json] {
+        let tcp = format!(
+            "{}/51515/ns/c/worker_kv_query_source_1",
+            server.local_addr()
+        );
+        let target = QueryTarget::from_tcp(&tcp, codec).unwrap();
+        let dump = home
+            .query(&target, &KvQuery::recovery(88, 0, None), within)
+            .await
+            .unwrap();
+        let KvAnswer::TreeDump {
+            events,
+            last_event_id,
+        } = dump
+        else {
+            panic!("not a dump: {dump:?}");
+        };
+        let blocks: usize = events.iter().map(|e| e.event.data.block_count()).sum();
+        assert_eq!((blocks, last_event_id), (6, 6), "{codec:?}");
+        let since = home
+            .query(&target, &KvQuery::recovery(88, 0, Some(5)), within)
+            .await
+            .unwrap();
+        let KvAnswer::Events {
+            events,
+            last_event_id,
+        } = since
+        else {
+            panic!("not events: {since:?}");
+        };
+        let ids: Vec<u64> = events.iter().map(|e| e.event.id).collect();
+        assert_eq!((ids, last_event_id), (vec![5, 6], 6));
+        let too_new = home
+            .query(&target, &KvQuery::recovery(88, 0, Some(9)), within)
+            .await
+            .unwrap();
+        assert!(matches!(
+            too_new,
+            KvAnswer::TooNew {
+                newest_available: 6,
+                ..
+            }
+        ));
+    }
+    let s = server.stats();
+    assert_eq!(
+        (s.dumps, s.events, s.out_of_range, s.malformed),
+        (2, 2, 2, 0)
+    );
+}
+
+#[tokio::test]
+async fn a_call_home_that_names_no_query_is_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let home = CallHomeListener::bind("127.0.0.1:0".parse().unwrap(), CallHomeConfig::default())
+        .await
+        .unwrap();
+    let mut stranger = tokio::net::TcpStream::connect(("127.0.0.1", home.port()))
+        .await
+        .unwrap();
+    let hello = encode_two_part(
+        br#"{"subject":"nobody asked","stream_type":"response"}"#,
+        b"",
+    );
+    stranger.write_all(&hello).await.unwrap();
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), stranger.read_to_end(&mut rest)).await;
+    assert!(matches!(read, Ok(Ok(0))), "not closed: {read:?}");
+}
+
+#[tokio::test]
+async fn a_frame_past_its_bound_closes_the_connection_and_is_counted() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (server, _log) = worker().await;
+    let mut peer = tokio::net::TcpStream::connect(server.local_addr())
+        .await
+        .unwrap();
+    // A path of 65,535 bytes announced: past the 1,024 accepted.
+    peer.write_all(&[0xff, 0xff]).await.unwrap();
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), peer.read_to_end(&mut rest)).await;
+    assert!(matches!(read, Ok(Ok(0))), "not closed: {read:?}");
+    assert_eq!(server.stats().malformed, 1);
+}

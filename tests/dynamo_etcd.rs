@@ -13,6 +13,9 @@ mod kube_api;
 #[path = "dynamo_etcd/live.rs"]
 mod live;
 #[cfg(all(feature = "etcd", feature = "test-support"))]
+#[path = "dynamo_etcd/recovery.rs"]
+mod recovery;
+#[cfg(all(feature = "etcd", feature = "test-support"))]
 #[path = "dynamo_etcd/suite.rs"]
 mod suite;
 #[cfg(all(feature = "etcd", feature = "test-support"))]

@@ -7,4 +7,5 @@
 #[path = "../../examples/common/mod.rs"]
 pub mod common;
 pub mod score;
+pub mod served;
 pub mod service;

@@ -26,18 +26,18 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
 /// A Dynamo process from `tests/dynamo_live/`, driven by stdin/stdout lines.
-struct Py {
+pub(crate) struct Py {
     child: Child,
     stdin: Option<ChildStdin>,
     lines: Lines<BufReader<ChildStdout>>,
 }
 
 impl Py {
-    async fn spawn(script: &str, args: &[&str]) -> Py {
+    pub(crate) async fn spawn(script: &str, args: &[&str]) -> Py {
         Py::spawn_with(script, args, &[]).await
     }
 
-    async fn spawn_with(script: &str, args: &[&str], env: &[(&str, &str)]) -> Py {
+    pub(crate) async fn spawn_with(script: &str, args: &[&str], env: &[(&str, &str)]) -> Py {
         let mut child = Command::new(dynamo_python())
             .arg(
                 PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -45,11 +45,17 @@ impl Py {
                     .join(script),
             )
             .args(args)
-            .envs(env.iter().copied())
             .env("DYN_LOG", "warn")
+            // The caller's first (e.g. DYN_LOG=error for a router that would log a
+            // warning per event, faster than the script's log pump drains them).
+            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            // EVENTPLANE_DYNAMO_STDERR=1 shows Dynamo's logs (debugging a test).
+            .stderr(match std::env::var_os("EVENTPLANE_DYNAMO_STDERR") {
+                Some(_) => Stdio::inherit(),
+                None => Stdio::null(),
+            })
             .kill_on_drop(true)
             .spawn()
             .unwrap();
@@ -64,7 +70,7 @@ impl Py {
         py
     }
 
-    async fn line(&mut self) -> String {
+    pub(crate) async fn line(&mut self) -> String {
         within(self.lines.next_line())
             .await
             .unwrap()
@@ -72,7 +78,7 @@ impl Py {
     }
 
     /// Reads lines until one satisfies `pred`; returns it.
-    async fn until(&mut self, pred: impl Fn(&str) -> bool) -> String {
+    pub(crate) async fn until(&mut self, pred: impl Fn(&str) -> bool) -> String {
         loop {
             let line = self.line().await;
             if pred(&line) {
@@ -82,7 +88,7 @@ impl Py {
     }
 
     /// As [`until`](Self::until), giving up (`None`) after `wait`.
-    async fn until_within(
+    pub(crate) async fn until_within(
         &mut self,
         wait: std::time::Duration,
         pred: impl Fn(&str) -> bool,
@@ -90,7 +96,7 @@ impl Py {
         tokio::time::timeout(wait, self.until(pred)).await.ok()
     }
 
-    async fn send(&mut self, line: &str) {
+    pub(crate) async fn send(&mut self, line: &str) {
         let stdin = self.stdin.as_mut().unwrap();
         stdin
             .write_all(format!("{line}\n").as_bytes())
@@ -99,15 +105,20 @@ impl Py {
         stdin.flush().await.unwrap();
     }
 
+    /// Its process id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id().unwrap()
+    }
+
     /// Closes stdin (the scripts' clean stop) and waits for exit 0.
-    async fn finish(mut self) {
+    pub(crate) async fn finish(mut self) {
         drop(self.stdin.take());
         let status = within(self.child.wait()).await.unwrap();
         assert!(status.success(), "{status}");
     }
 }
 
-fn json_line(line: &str) -> Value {
+pub(crate) fn json_line(line: &str) -> Value {
     serde_json::from_str(line).unwrap_or(Value::Null)
 }
 

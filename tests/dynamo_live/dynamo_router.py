@@ -19,7 +19,7 @@ lease, and revokes the lease on exit; the router is otherwise untouched. Use
 Usage:
   dynamo_router.py [--etcd URL] [--namespace NS] [--component C]
                    [--endpoint E] [--block-size N] [--admit ID[:DP],...|none]
-                   [--probe TOKENS]... [--poll SECS] [--timeout SECS]
+                   [--probe TOKENS]... [--poll SECS] [--no-index] [--timeout SECS]
                    [--no-stdin]
   (env fallbacks: ETCD_ENDPOINTS, DYN_NAMESPACE, DYN_COMPONENT, DYN_ENDPOINT,
    DYN_KV_BLOCK_SIZE, DYN_ADMIT_WORKERS; defaults capns/kvworker/generate, 4, 77)
@@ -79,6 +79,9 @@ def parse_args():
     p.add_argument("--probe", action="append", default=[],
                    help="comma-separated token ids; overlap printed with each change")
     p.add_argument("--poll", type=float, default=0.05)
+    p.add_argument("--no-index", action="store_true",
+                   help="print no index lines (a big index sampled every --poll s costs "
+                        "a core); commands are still answered")
     p.add_argument("--timeout", type=float, default=0, help="exit after SECS (0: never)")
     p.add_argument("--no-stdin", action="store_true",
                    help="ignore stdin (end only by signal or --timeout)")
@@ -301,7 +304,7 @@ async def main():
         if eof:
             break
         # then the indexer
-        now = flatten(await router.dump_events())
+        now = seen if args.no_index else flatten(await router.dump_events())
         if now != seen:
             say({"kind": "index", "t": round(time.monotonic() - t0, 3),
                  "added": as_dicts(now - seen), "removed": as_dicts(seen - now),

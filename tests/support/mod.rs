@@ -435,8 +435,14 @@ impl Watched {
         let out = BufReader::new(child.stdout.take().unwrap()).lines();
         let (tx, err) = tokio::sync::mpsc::channel(256);
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        // EVENTPLANE_TEST_ECHO_STDERR=1 echoes the process's stderr (debugging a test).
+        let echo = std::env::var_os("EVENTPLANE_TEST_ECHO_STDERR").is_some();
+        let who = name.to_owned();
         tokio::spawn(async move {
             while let Ok(Some(line)) = lines.next_line().await {
+                if echo {
+                    eprintln!("[{who}] {line}");
+                }
                 if tx.send(line).await.is_err() {
                     break;
                 }

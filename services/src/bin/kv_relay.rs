@@ -80,6 +80,7 @@ use eventplane::kv::{RecoveryServer, SharedWorkerLog, Worker, WorkerLogConfig};
 use eventplane::metrics::Exporter;
 use eventplane::publish::{EventPublisher, PublishError};
 use eventplane::wire::Wire;
+use eventplane_services::served::{RecoveryCodec, Served};
 use eventplane_services::service::{self, ServiceArgs};
 
 #[derive(Parser, Debug)]
@@ -127,9 +128,29 @@ struct Args {
     /// (`kv::RecoveryServer`). Printed as the second stdout line, `recovery EP`.
     /// Registered with --etcd or --kube; with --bus-url announced and served through
     /// the bus session instead (routers never dial it, so tcp://127.0.0.1:0 will do;
-    /// local processes can still connect to it).
+    /// local processes can still connect to it). With --wire dynamo and --etcd or
+    /// --kube, it serves Dynamo 1.6.1's KV queries instead (the worker recovery
+    /// Dynamo's router asks for, `kv::dynamo_recovery::DynamoQueryServer`), registered
+    /// as the record's `recovery_target`.
     #[arg(long = "recovery-bind")]
     recovery_bind: Option<String>,
+    /// The codec Dynamo's router is asked to use with the recovery endpoint (with
+    /// --wire dynamo): msgpack or json.
+    #[arg(
+        long = "recovery-codec",
+        default_value = "msgpack",
+        requires = "recovery_bind"
+    )]
+    recovery_codec: RecoveryCodec,
+    /// Router events the recovery log keeps for routers that lost some (with
+    /// --recovery-bind; default 1024, kv::DEFAULT_RECOVERY_EVENTS): a loss within them
+    /// is repaired with the events, an older one with a dump.
+    #[arg(long = "recovery-events", requires = "recovery_bind")]
+    recovery_events: Option<usize>,
+    /// Blocks those kept events may carry in all (default 262144,
+    /// kv::DEFAULT_RECOVERY_EVENT_BLOCKS).
+    #[arg(long = "recovery-event-blocks", requires = "recovery_bind")]
+    recovery_event_blocks: Option<usize>,
     /// Messages queued per subscriber before the publisher drops (and counts) them.
     #[arg(long = "publisher-queue", default_value_t = 10_000)]
     publisher_queue: usize,
@@ -226,11 +247,23 @@ async fn main() -> ExitCode {
     // The worker's recovery log, kept before publishing, served to routers.
     let recovery = match &args.recovery_bind {
         Some(bind) => {
-            let log = SharedWorkerLog::new(WorkerLogConfig::default());
-            match RecoveryServer::bind(bind, log.clone()).await {
+            let mut config = WorkerLogConfig::default();
+            if let Some(n) = args.recovery_events {
+                config = config.events(n);
+            }
+            if let Some(n) = args.recovery_event_blocks {
+                config = config.event_blocks(n);
+            }
+            if let Err(e) = config.validate() {
+                eprintln!("invalid --recovery-{}: {e}", e.field().replace('_', "-"));
+                return ExitCode::from(2);
+            }
+            let log = SharedWorkerLog::new(config);
+            let dynamo = args.wire == Wire::Dynamo && args.bus_url.is_none();
+            match Served::bind(bind, log.clone(), dynamo.then_some(args.recovery_codec)).await {
                 Ok(server) => Some((server, log)),
                 Err(e) => {
-                    eprintln!("cannot bind --recovery-bind {bind}: {}", chain(&e));
+                    eprintln!("cannot bind --recovery-bind {bind}: {e}");
                     return ExitCode::from(3);
                 }
             }
@@ -272,9 +305,9 @@ async fn main() -> ExitCode {
         builder = builder.worker(args.engine.worker_id, args.dp_rank.unwrap_or(0));
         // And where to ask for what they lose of them.
         if let Some((server, _)) = &recovery {
-            let wildcard = ["tcp://0.0.0.0:", "tcp://[::]:"]
+            let wildcard = ["://0.0.0.0:", "://[::]:"]
                 .iter()
-                .any(|w| server.local_endpoint().starts_with(w));
+                .any(|w| server.local_endpoint().contains(w));
             if wildcard && args.advertise_host.is_none() {
                 eprintln!(
                     "invalid --recovery-bind: a wildcard host cannot be registered; give --advertise-host"
@@ -282,7 +315,7 @@ async fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
             builder = builder.recovery(advertised(
-                server.local_endpoint(),
+                &server.local_endpoint(),
                 args.advertise_host.as_deref(),
             ));
         }
@@ -327,7 +360,8 @@ async fn main() -> ExitCode {
     let registered = publisher.instance().map(|i| i.id.publisher_id());
     let publisher_id = publisher.publisher_id();
     // As a source: announced on the bus, served from this publisher's socket.
-    let source = match source(&args, &publisher, recovery.as_ref().map(|(s, _)| s)) {
+    let ours = recovery.as_ref().and_then(|(s, _)| s.ours());
+    let source = match source(&args, &publisher, ours) {
         Ok(s) => s,
         Err(e) => return e.report(),
     };
@@ -414,19 +448,18 @@ async fn main() -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// `endpoint` as routers reach it: a wildcard host replaced by `advertise`.
+/// `endpoint` (`SCHEME://host:port`) as routers reach it: a wildcard host replaced
+/// by `advertise`.
 fn advertised(endpoint: &str, advertise: Option<&str>) -> String {
-    match (
-        endpoint
-            .strip_prefix("tcp://")
-            .and_then(|r| r.rsplit_once(':')),
-        advertise,
-    ) {
+    let Some((scheme, rest)) = endpoint.split_once("://") else {
+        return endpoint.to_owned();
+    };
+    match (rest.rsplit_once(':'), advertise) {
         (Some(("0.0.0.0" | "[::]" | "::", port)), Some(a)) => {
             if a.contains(':') {
-                format!("tcp://[{a}]:{port}")
+                format!("{scheme}://[{a}]:{port}")
             } else {
-                format!("tcp://{a}:{port}")
+                format!("{scheme}://{a}:{port}")
             }
         }
         _ => endpoint.to_owned(),

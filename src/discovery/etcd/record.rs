@@ -137,7 +137,7 @@ impl Keys {
                     return Err(e);
                 }
                 let key = d.key(id);
-                let (value, source) = d.encode(id, transport);
+                let (value, source) = d.encode(id, transport, recovery);
                 let companion = d.source_key(&key).map(|k| (k, source));
                 Ok(Entry {
                     key,

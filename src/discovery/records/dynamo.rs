@@ -7,8 +7,8 @@
 //!   subscriber follows.
 //! - `v1/event_sources/…` with the same tail:
 //!   `{"type":"EventSource","scope":…,"topic","publisher_id","metadata":{"kv_state_endpoint":{…},
-//!   "worker":{"worker_id","dp_rank"},"publisher_id"}}` — written beside it, under the
-//!   same lease, never read back.
+//!   "worker":{"worker_id","dp_rank"},"publisher_id","recovery_target"?}}` — written
+//!   beside it, under the same lease; read for its worker and recovery target.
 //!
 //! Keys carry no prefix before `v1/`; segments are percent-encoded as in
 //! [`ChannelId::to_path`]. Only endpoint scopes are followed (the scope kind Dynamo's
@@ -256,8 +256,9 @@ impl DynamoRecords {
 
     /// Parses an `EventSource` value (the record Dynamo's router reads a publisher's
     /// worker from) against the key's id: the worker it names, and the worker's
-    /// recovery endpoint when it names one (`metadata.eventplane_recovery`, ours; one
-    /// that is not `tcp://host:port` is dropped with a warning, the worker kept).
+    /// recovery endpoint when it names one: `metadata.eventplane_recovery` (ours), else
+    /// `metadata.recovery_target` (Dynamo's, as `dynamo+CODEC://HOST:PORT/PATH`). One
+    /// that is unusable is dropped with a warning, the worker kept.
     pub(crate) fn parse_source(
         &self,
         id: &ChannelId,
@@ -272,13 +273,20 @@ impl DynamoRecords {
             return Err(RecordError::IdMismatch);
         }
         let worker = record.metadata.worker;
-        let recovery = record.metadata.eventplane_recovery.and_then(|r| {
+        let ours = record.metadata.eventplane_recovery.and_then(|r| {
             if r.starts_with("tcp://") && super::endpoint::check_endpoint(&r).is_ok() {
                 Some(r.into_owned())
             } else {
                 tracing::warn!(%id, "ignoring a recovery endpoint that is not tcp://host:port");
                 None
             }
+        });
+        // Ours when both are there; else Dynamo's worker recovery endpoint.
+        let recovery = ours.or_else(|| {
+            let target = record.metadata.recovery_target.filter(|t| !t.is_null())?;
+            super::dynamo_target::target_in(&target)
+                .inspect_err(|why| tracing::warn!(%id, why, "ignoring a recovery_target"))
+                .ok()
         });
         Ok((
             WorkerIdentity::new(worker.worker_id, worker.dp_rank),
@@ -288,15 +296,22 @@ impl DynamoRecords {
 
     /// The `EventChannel` and `EventSource` values of a registration (endpoint and
     /// worker must be set), as etcd holds them.
-    pub(crate) fn encode(&self, id: &ChannelId, transport: &Transport) -> (String, String) {
-        self.encode_as(id, transport, false, None)
+    /// The `EventSource` carries the worker's `recovery` endpoint when it has one:
+    /// a Dynamo one (`dynamo+CODEC://HOST:PORT`) as `metadata.recovery_target`, which
+    /// Dynamo's router asks, ours as `metadata.eventplane_recovery`.
+    pub(crate) fn encode(
+        &self,
+        id: &ChannelId,
+        transport: &Transport,
+        recovery: Option<&str>,
+    ) -> (String, String) {
+        self.encode_as(id, transport, false, recovery)
     }
 
     /// As [`encode`](Self::encode), in the form of a `DynamoWorkerMetadata`
     /// resource: each `EventChannel` also carries Dynamo's legacy trailing
     /// `namespace` and `component` fields, and the `EventSource` the worker's
-    /// `recovery` endpoint when it has one (`metadata.eventplane_recovery`; Dynamo's
-    /// router ignores it).
+    /// `recovery` endpoint when it has one (as in [`encode`](Self::encode)).
     pub(crate) fn encode_for_resource(
         &self,
         id: &ChannelId,
@@ -349,7 +364,8 @@ impl DynamoRecords {
                 kv_state_endpoint: scope_endpoint,
                 worker: Worker { worker_id, dp_rank },
                 publisher_id: id.publisher_id(),
-                eventplane_recovery: recovery,
+                eventplane_recovery: recovery.filter(|r| !r.starts_with("dynamo+")),
+                recovery_target: recovery.and_then(|r| super::dynamo_target::target_out(id, r)),
             },
         };
         // Serializing strings and integers into a String cannot fail.
@@ -428,6 +444,9 @@ struct SourceMetadata<'a> {
     /// Where the worker serves its recovery log (ours: `kv::RecoveryServer`).
     #[serde(skip_serializing_if = "Option::is_none")]
     eventplane_recovery: Option<&'a str>,
+    /// Where it serves Dynamo's KV queries (`kv::dynamo_recovery::DynamoQueryServer`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    recovery_target: Option<super::dynamo_target::TargetOut<'a>>,
 }
 
 #[derive(Deserialize)]
@@ -446,6 +465,9 @@ struct SourceMetadataIn<'a> {
     worker: Worker,
     #[serde(borrow, default)]
     eventplane_recovery: Option<Cow<'a, str>>,
+    /// Read apart, so that a malformed one costs the repairs, not the worker.
+    #[serde(default)]
+    recovery_target: Option<serde_json::Value>,
 }
 
 #[derive(Serialize, Deserialize)]

@@ -3,6 +3,7 @@
 //! and why a record was skipped. Pure functions, no I/O.
 
 mod dynamo;
+mod dynamo_target;
 mod endpoint;
 
 pub use dynamo::DynamoRecords;

@@ -26,10 +26,18 @@ pub fn answer(log: &WorkerLog, query: &KvQuery) -> KvAnswer {
             newest_available: newest,
         },
         Some(start) => match log.since(start.saturating_sub(1)) {
-            Since::Events(events) => KvAnswer::Events {
-                events: events.into_iter().filter(|e| of_rank(e)).collect(),
-                last_event_id: newest,
-            },
+            // Through the end asked for, if any (ids past it are left to the live
+            // stream and the router's next query).
+            Since::Events(events) => {
+                let end = query.end_event_id.unwrap_or(u64::MAX);
+                KvAnswer::Events {
+                    events: events
+                        .into_iter()
+                        .filter(|e| of_rank(e) && e.event.id <= end)
+                        .collect(),
+                    last_event_id: newest.min(end),
+                }
+            }
             _ => tree_dump(log, &of_rank),
         },
         None => tree_dump(log, &of_rank),
@@ -131,6 +139,18 @@ mod tests {
                 newest_available: 10
             }
         );
+        // Through an end: what is past it is not sent, the cursor stops there.
+        let mut q = KvQuery::recovery(88, 0, Some(3));
+        q.end_event_id = Some(7);
+        let KvAnswer::Events {
+            events,
+            last_event_id,
+        } = answer(&log, &q)
+        else {
+            panic!("not events");
+        };
+        let ids: Vec<u64> = events.iter().map(|e| e.event.id).collect();
+        assert_eq!((ids, last_event_id), (vec![3, 5, 7], 7));
         // An end before the start.
         let mut q = KvQuery::recovery(88, 0, Some(5));
         q.end_event_id = Some(3);

@@ -239,6 +239,28 @@ pub enum KvAnswer {
     Error(String),
 }
 
+impl KvAnswer {
+    /// Its kind, event count and ids, for logs.
+    pub fn summary(&self) -> String {
+        let ids = |e: &[RouterEvent]| {
+            let first = e.first().map_or(0, |e| e.event.id);
+            let last = e.last().map_or(0, |e| e.event.id);
+            format!("{} events ({first}..={last})", e.len())
+        };
+        match self {
+            KvAnswer::Events {
+                events,
+                last_event_id,
+            } => format!("Events: {}, last {last_event_id}", ids(events)),
+            KvAnswer::TreeDump {
+                events,
+                last_event_id,
+            } => format!("TreeDump: {} chains, last {last_event_id}", events.len()),
+            other => format!("{other:?}").chars().take(128).collect(),
+        }
+    }
+}
+
 /// An answer as it comes in, events still in Dynamo's schema.
 #[derive(Deserialize)]
 enum InAnswer<'a> {

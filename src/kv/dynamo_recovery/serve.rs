@@ -30,6 +30,10 @@ pub struct DynamoQueryConfig {
     /// Answers being sent at once: 2 (a dump is the worker's whole cache; further
     /// requests wait for a turn, within `call_home_timeout`).
     pub max_answers: usize,
+    /// Answers sent or waiting for their turn, across connections: 64 (a query past
+    /// them is acknowledged, not answered, and counted in `busy`; Dynamo's router
+    /// retries).
+    pub max_queued_answers: usize,
     /// Dialling the router back and sending the answer: 10 s.
     pub call_home_timeout: Duration,
     /// A request connection silent this long is closed: 30 s.
@@ -45,6 +49,7 @@ impl Default for DynamoQueryConfig {
             limits: RequestLimits::default(),
             max_connections: 16,
             max_answers: 2,
+            max_queued_answers: 64,
             call_home_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(30),
             filter: AddrFilter::default(),
@@ -73,6 +78,8 @@ pub struct DynamoQueryStats {
     pub refused_call_homes: u64,
     /// Answers whose sending failed or timed out.
     pub failed_call_homes: u64,
+    /// Queries not answered: `max_queued_answers` were already waiting.
+    pub busy: u64,
 }
 
 #[derive(Debug, Default)]
@@ -85,6 +92,7 @@ struct Counters {
     malformed: AtomicU64,
     refused_call_homes: AtomicU64,
     failed_call_homes: AtomicU64,
+    busy: AtomicU64,
 }
 
 struct Shared {
@@ -93,6 +101,7 @@ struct Shared {
     counters: Counters,
     connections: Arc<Semaphore>,
     answers: Arc<Semaphore>,
+    queued: Arc<Semaphore>,
 }
 
 /// Serves Dynamo's KV queries from a worker's [`SharedWorkerLog`] until dropped.
@@ -116,18 +125,32 @@ impl Drop for DynamoQueryServer {
 }
 
 impl DynamoQueryServer {
-    /// Binds `addr` (port 0 for any) and serves `log`.
+    /// Binds `endpoint` (`tcp://host:port`, port 0 for any) and serves `log`.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), eventplane::zmtp::Error> {
+    /// use eventplane::kv::dynamo_recovery::{DynamoQueryConfig, DynamoQueryServer};
+    /// use eventplane::kv::{SharedWorkerLog, WorkerLogConfig};
+    /// let log = SharedWorkerLog::new(WorkerLogConfig::default());
+    /// let server =
+    ///     DynamoQueryServer::bind("tcp://127.0.0.1:0", log, DynamoQueryConfig::default()).await?;
+    /// assert_ne!(server.local_addr().port(), 0);
+    /// # Ok(()) }
+    /// ```
     pub async fn bind(
-        addr: SocketAddr,
+        endpoint: &str,
         log: SharedWorkerLog,
         config: DynamoQueryConfig,
-    ) -> std::io::Result<DynamoQueryServer> {
-        let listener = TcpListener::bind(addr).await?;
+    ) -> Result<DynamoQueryServer, crate::zmtp::Error> {
+        let (host, port) = crate::zmtp::parse_tcp(endpoint)?;
+        let listener = TcpListener::bind((host.as_str(), port)).await?;
         let local = listener.local_addr()?;
         let shared = Arc::new(Shared {
             log,
             connections: Arc::new(Semaphore::new(config.max_connections.max(1))),
             answers: Arc::new(Semaphore::new(config.max_answers.max(1))),
+            queued: Arc::new(Semaphore::new(config.max_queued_answers.max(1))),
             config,
             counters: Counters::default(),
         });
@@ -187,6 +210,7 @@ impl DynamoQueryServer {
             malformed: l(&c.malformed),
             refused_call_homes: l(&c.refused_call_homes),
             failed_call_homes: l(&c.failed_call_homes),
+            busy: l(&c.busy),
         }
     }
 }
@@ -230,18 +254,27 @@ async fn serve(
             .address
             .parse::<SocketAddr>()
             .ok()
-            .filter(|a| a.ip() == peer.ip() && shared.config.filter.check_socket(*a).is_ok());
+            .filter(|a| same_host(peer, *a) && shared.config.filter.check_socket(*a).is_ok());
         let Some(to) = to else {
+            tracing::debug!(%peer, address = %home.address.chars().take(64).collect::<String>(),
+                "Dynamo query's answer address refused: not the asking host");
             counter::add(&shared.counters.refused_call_homes, 1);
+            continue;
+        };
+        let Ok(queued) = shared.queued.clone().try_acquire_owned() else {
+            counter::add(&shared.counters.busy, 1);
             continue;
         };
         let shared = shared.clone();
         let cancel = cancel.clone();
         tokio::spawn(async move {
+            let _queued = queued;
             let deadline = shared.config.call_home_timeout;
             let sent = tokio::time::timeout(deadline, async {
                 let _turn = shared.answers.acquire().await;
                 let answer = shared.log.with(|log| super::answer(log, &query));
+                tracing::debug!(start = ?query.start_event_id, end = ?query.end_event_id,
+                    answer = answer.summary(), "Dynamo KV query answered");
                 let c = &shared.counters;
                 match &answer {
                     KvAnswer::Events { .. } => counter::add(&c.events, 1),
@@ -259,6 +292,15 @@ async fn serve(
             }
         });
     }
+}
+
+/// Whether `to` is on the host that connected from `peer`: the same address, or, for
+/// a peer on loopback, any address of this machine (Dynamo's router names the
+/// address it advertises, not the one it connected from; only local addresses can
+/// be bound).
+fn same_host(peer: SocketAddr, to: SocketAddr) -> bool {
+    to.ip() == peer.ip()
+        || (peer.ip().is_loopback() && std::net::UdpSocket::bind((to.ip(), 0)).is_ok())
 }
 
 /// A request's query, its codec and where its answer goes.

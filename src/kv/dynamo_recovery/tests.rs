@@ -36,10 +36,13 @@ async fn worker() -> (DynamoQueryServer, SharedWorkerLog) {
             .apply(&stored(id, 100 + id, (id > 1).then(|| 99 + id)))
             .unwrap();
     }
-    let at = "127.0.0.1:0".parse().unwrap();
-    let server = DynamoQueryServer::bind(at, log.clone(), DynamoQueryConfig::default())
-        .await
-        .unwrap();
+    let server = DynamoQueryServer::bind(
+        "tcp://127.0.0.1:0",
+        log.clone(),
+        DynamoQueryConfig::default(),
+    )
+    .await
+    .unwrap();
     (server, log)
 }
 

@@ -716,11 +716,17 @@ async fn dynamos_router_in_kube_mode_indexes_kv_relay_kube() {
         .as_object()
         .unwrap();
     assert_eq!(sources.len(), 1, "{written}");
-    assert_eq!(
-        sources.values().next().unwrap()["metadata"]["eventplane_recovery"],
-        recovery.trim_start_matches("recovery "),
+    // On Dynamo's wire, the relay serves Dynamo's KV queries: its `recovery_target`.
+    let target = &sources.values().next().unwrap()["metadata"]["recovery_target"];
+    let address = recovery.trim_start_matches("recovery dynamo+msgpack://");
+    assert!(
+        target["transport"]["tcp"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("{address}/")),
         "{written}"
     );
+    assert_eq!(target["request_plane_codec"], "msgpack", "{written}");
 
     let mut router = Py::spawn_with(
         "dynamo_router.py",

@@ -66,6 +66,12 @@ impl EnginePeer {
         ok.strip_prefix("ok ").unwrap().parse().unwrap()
     }
 
+    /// From now on, evicts whole batches, children before parents (see the peer).
+    pub async fn evict_chains(&mut self) {
+        self.peer.send_line("evict chains").await;
+        assert_eq!(self.peer.line().await, "ok");
+    }
+
     pub async fn restart(&mut self) {
         self.peer.send_line("restart").await;
         assert_eq!(self.peer.line().await, "ok");

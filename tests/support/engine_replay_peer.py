@@ -15,6 +15,10 @@ Commands on stdin, one per line, each answered on stdout:
   restart        shut the publisher down and start a new one on the same ports (a new
                  engine: its sequence starts at 0 and it holds nothing) -> "ok"
   truth          -> "truth H H ..." the block hashes the engine holds now
+  evict chains   from now on, evict whole batches past the pinned blocks (the oldest
+                 first, each batch's blocks children before parents), so that no held
+                 block is ever under an evicted one (a router that drops what sits under
+                 a removed block, as Dynamo's does, can then equal the engine) -> "ok"
   quit
 Prints "ready" once the first publisher is bound.
 """
@@ -114,7 +118,10 @@ held = {}  # the block hashes this engine holds, oldest first (a dict as an orde
 MAX_HELD = 4000
 PINNED = 500
 next_hash = 1 << 40
+FIRST = next_hash
 seq = -1
+evict_chains = False
+batches = []  # with evict_chains: each burst batch's new hashes, oldest first
 print("ready", flush=True)
 
 for line in sys.stdin:
@@ -125,6 +132,7 @@ for line in sys.stdin:
         for _ in range(int(words[1])):
             events = []
             parent = None
+            batch = []
             for _ in range(24):
                 n = random.randrange(1, 9)
                 hashes = list(range(next_hash, next_hash + n))
@@ -137,8 +145,19 @@ for line in sys.stdin:
                 }
                 events.append(kv.BlockStored(**event_kwargs(kv.BlockStored, given)))
                 held.update(dict.fromkeys(hashes))
+                batch.extend(hashes)
                 parent = hashes[-1] if random.random() < 0.5 else None
-            if len(held) > MAX_HELD:
+            batches.append(batch)
+            if evict_chains and len(held) > MAX_HELD:
+                gone = []
+                while len(held) - len(gone) > MAX_HELD and len(batches) > 1:
+                    old = [h for h in batches.pop(0) if h in held and h >= FIRST + PINNED]
+                    gone.extend(reversed(old))
+                for h in gone:
+                    del held[h]
+                if gone:
+                    events.append(kv.BlockRemoved(**event_kwargs(kv.BlockRemoved, {"block_hashes": gone})))
+            elif len(held) > MAX_HELD:
                 # The oldest PINNED blocks stay (a shared prompt prefix): a router that
                 # wiped this worker and rebuilt it from later batches misses them.
                 gone = list(held)[PINNED : PINNED + len(held) - MAX_HELD]
@@ -153,13 +172,18 @@ for line in sys.stdin:
         pub.publish(kv.KVEventBatch(ts=time.time(), events=[kv.AllBlocksCleared()]))
         seq += 1
         held = {}
+        batches = []
         pub._event_queue.join()
         print(f"ok {seq}", flush=True)
     elif words[0] == "restart":
         pub.shutdown()
         pub = start()
         held = {}
+        batches = []
         seq = -1
+        print("ok", flush=True)
+    elif words[:2] == ["evict", "chains"]:
+        evict_chains = True
         print("ok", flush=True)
     elif words[0] == "truth":
         print("truth " + " ".join(str(h) for h in held), flush=True)

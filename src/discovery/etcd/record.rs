@@ -31,10 +31,11 @@ pub enum RecordFormat {
     /// the documented JSON value.
     #[default]
     EventPlane,
-    /// Dynamo's `v1/event_channels/…` (+ `v1/event_sources/…` when registering); the
-    /// prefix setting does not apply (Dynamo's keys have none). A registration's
-    /// worker identity goes into its `event_sources` record; instances read back carry
-    /// none, because the reader follows `event_channels` only.
+    /// Dynamo's `v1/event_channels/…` and `v1/event_sources/…`; the prefix setting
+    /// does not apply (Dynamo's keys have none). A registration's worker identity and
+    /// recovery endpoint go into its `event_sources` record; instances read back carry
+    /// the recovery endpoint (`recovery_target`, see
+    /// [`Instance::recovery`](crate::discovery::Instance::recovery)) but no worker.
     Dynamo(DynamoRecords),
 }
 
@@ -154,10 +155,12 @@ impl Keys {
     }
 
     /// The narrowest key prefix covering `query` (topic without component is filtered
-    /// client-side by [`Query::matches`]).
+    /// client-side by [`Query::matches`]). In Dynamo's format, every `event_channels`
+    /// and `event_sources` record (of any namespace, filtered here): the sources say
+    /// where each publisher's worker is asked for what a router lost.
     pub(crate) fn query_prefix(&self, query: &Query) -> String {
-        if let Some(d) = &self.dynamo {
-            return d.query_prefix(query);
+        if self.dynamo.is_some() {
+            return DynamoRecords::BOTH_ROOTS.to_owned();
         }
         let mut out = self.root.clone();
         encode_segment(query.namespace_filter(), &mut out);
@@ -189,6 +192,34 @@ impl Keys {
             return Err(RecordError::BadKey("not in canonical form".to_owned()));
         }
         Ok(id)
+    }
+
+    /// In Dynamo's format, the id an `event_sources` key names and, for a put, the
+    /// recovery endpoint its value names; `None` for any other key.
+    pub(crate) fn source(
+        &self,
+        key: &[u8],
+        value: Option<&[u8]>,
+        max_value: usize,
+    ) -> Option<Result<(ChannelId, Option<String>), RecordError>> {
+        let d = self.dynamo.as_ref()?;
+        let id = match d.source_id(key)? {
+            Ok(id) => id,
+            Err(e) => return Some(Err(e)),
+        };
+        let Some(value) = value else {
+            return Some(Ok((id, None)));
+        };
+        if value.len() > max_value {
+            return Some(Err(RecordError::TooLarge {
+                len: value.len(),
+                max: max_value,
+            }));
+        }
+        Some(
+            d.parse_source(&id, value)
+                .map(|(_, recovery)| (id, recovery)),
+        )
     }
 
     /// Parses one key-value pair into an instance; `mod_revision` is its incarnation.

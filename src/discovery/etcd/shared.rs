@@ -14,6 +14,9 @@ use tracing::{debug, warn};
 use super::config::EtcdConfig;
 use super::error::{EtcdRequestError, failed, unavailable};
 use super::record::{Keys, prefix_end};
+
+/// The recovery endpoints Dynamo's `event_sources` records name, by publisher.
+pub(crate) type Sources = std::collections::HashMap<crate::discovery::ChannelId, String>;
 use super::table::{PendingOp, Session};
 use crate::discovery::backlog::WatchCounters;
 use crate::discovery::records::RecordError;
@@ -137,10 +140,23 @@ impl Shared {
         prefix: &str,
         query: &Query,
     ) -> Result<(i64, Vec<Instance>), DiscoveryError> {
+        let (revision, out, _) = self.snapshot_with_sources(prefix, query).await?;
+        Ok((revision, out))
+    }
+
+    /// As [`snapshot`](Self::snapshot), with the recovery endpoints of Dynamo's
+    /// `event_sources` records read at the same revision (set on their instances, and
+    /// returned for the watch that follows).
+    pub(crate) async fn snapshot_with_sources(
+        &self,
+        prefix: &str,
+        query: &Query,
+    ) -> Result<(i64, Vec<Instance>, Sources), DiscoveryError> {
         let end = prefix_end(prefix.as_bytes());
         let mut restarts = 0;
         'restart: loop {
             let mut out = Vec::new();
+            let mut sources = Sources::default();
             let mut revision = 0i64;
             let mut from = prefix.as_bytes().to_vec();
             let mut page = self.config.page_size;
@@ -188,6 +204,19 @@ impl Shared {
                 }
                 let kvs = response.kvs();
                 for kv in kvs {
+                    let max = self.config.max_value_bytes;
+                    match self.keys.source(kv.key(), Some(kv.value()), max) {
+                        Some(Ok((id, Some(recovery)))) if query.matches(&id) => {
+                            sources.insert(id, recovery);
+                            continue;
+                        }
+                        Some(Ok(_)) => continue,
+                        Some(Err(e)) => {
+                            self.skipped(kv.key(), &e);
+                            continue;
+                        }
+                        None => {}
+                    }
                     match self.keys.parse(
                         kv.key(),
                         kv.value(),
@@ -204,7 +233,14 @@ impl Shared {
                         from = last.key().to_vec();
                         from.push(0);
                     }
-                    _ => return Ok((revision, out)),
+                    _ => {
+                        for instance in &mut out {
+                            if let Some(recovery) = sources.get(&instance.id) {
+                                instance.recovery = Some(recovery.clone());
+                            }
+                        }
+                        return Ok((revision, out, sources));
+                    }
                 }
             }
         }

@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, warn};
 
 use super::record::prefix_end;
-use super::shared::Shared;
+use super::shared::{Shared, Sources};
 use crate::discovery::backlog::{Backlog, BacklogStream, Ended};
 use crate::discovery::{DiscoveryError, DiscoveryEvent, DiscoveryStream, Instance, Query};
 use crate::net::random_unit;
@@ -31,7 +31,7 @@ pub(super) async fn start(
 ) -> Result<DiscoveryStream, DiscoveryError> {
     let prefix = shared.keys().query_prefix(&query);
     let mut attempt = 0;
-    let (snapshot, stream) = loop {
+    let (snapshot, sources, stream) = loop {
         attempt += 1;
         let established = tokio::select! {
             biased;
@@ -65,6 +65,7 @@ pub(super) async fn start(
             prefix,
             backlog: Arc::clone(&backlog),
             cancel: task_cancel.clone(),
+            sources: std::sync::Mutex::new(sources),
         }
         .run(stream)
         .instrument(span),
@@ -86,9 +87,9 @@ async fn establish(
     shared: &Shared,
     prefix: &str,
     query: &Query,
-) -> Result<(Vec<Instance>, WatchStream), Establish> {
-    let (revision, snapshot) = shared
-        .snapshot(prefix, query)
+) -> Result<(Vec<Instance>, Sources, WatchStream), Establish> {
+    let (revision, snapshot, sources) = shared
+        .snapshot_with_sources(prefix, query)
         .await
         .map_err(Establish::Failed)?;
     let options = WatchOptions::new()
@@ -105,7 +106,7 @@ async fn establish(
         .await
         .map_err(Establish::Failed)?;
     match ack {
-        Some(r) if r.created() && !r.canceled() => Ok((snapshot, stream)),
+        Some(r) if r.created() && !r.canceled() => Ok((snapshot, sources, stream)),
         Some(r) if r.compact_revision() > 0 => Err(Establish::Compacted(format!(
             "revision {} compacted (compact revision {})",
             revision + 1,
@@ -127,6 +128,9 @@ struct Follower {
     prefix: String,
     backlog: Arc<Backlog>,
     cancel: CancellationToken,
+    /// Dynamo's format: the recovery endpoint each publisher's `event_sources`
+    /// record names (as many as etcd holds records, like the backlog's view).
+    sources: std::sync::Mutex<Sources>,
 }
 
 impl Follower {
@@ -188,7 +192,8 @@ impl Follower {
                 r = establish(&self.shared, &self.prefix, &self.query) => r,
             };
             match established {
-                Ok((snapshot, stream)) => {
+                Ok((snapshot, sources, stream)) => {
+                    *self.sources.lock().unwrap_or_else(|e| e.into_inner()) = sources;
                     self.shared
                         .counters
                         .reconnects
@@ -216,15 +221,46 @@ impl Follower {
         let max_value = self.shared.config.max_value_bytes;
         let mut st = self.backlog.lock();
         let mut pushed = false;
+        // Dynamo's `event_sources` first: a channel written in the same transaction
+        // is announced with its recovery endpoint at once.
+        let mut sources = self.sources.lock().unwrap_or_else(|e| e.into_inner());
+        let mut named = Vec::new();
         for event in events {
             let Some(kv) = event.kv() else { continue };
+            let value = (event.0.r#type == PUT).then(|| kv.value());
+            match keys.source(kv.key(), value, max_value) {
+                Some(Ok((id, _))) if !self.query.matches(&id) => {}
+                Some(Ok((id, Some(recovery)))) => {
+                    if sources.get(&id) != Some(&recovery) {
+                        sources.insert(id.clone(), recovery);
+                        named.push(id);
+                    }
+                }
+                Some(Ok((id, None))) => {
+                    sources.remove(&id);
+                }
+                Some(Err(e)) => self.shared.skipped(kv.key(), &e),
+                None => {}
+            }
+        }
+        for event in events {
+            let Some(kv) = event.kv() else { continue };
+            if keys.source(kv.key(), None, max_value).is_some() {
+                continue;
+            }
             let change = match event.0.r#type {
                 PUT => match keys.parse(kv.key(), kv.value(), kv.mod_revision(), max_value) {
-                    Ok(Some(instance)) if self.query.matches(&instance.id) => {
+                    Ok(Some(mut instance)) if self.query.matches(&instance.id) => {
+                        if let Some(recovery) = sources.get(&instance.id) {
+                            instance.recovery = Some(recovery.clone());
+                        }
                         match st.current.get_mut(&instance.id) {
                             // Same endpoint again (a detach, or a foreign refresh):
                             // not a change. Track the newer revision silently.
-                            Some(known) if known.transport == instance.transport => {
+                            Some(known)
+                                if known.transport == instance.transport
+                                    && known.recovery == instance.recovery =>
+                            {
                                 known.incarnation = known.incarnation.max(instance.incarnation);
                                 None
                             }
@@ -274,6 +310,19 @@ impl Follower {
             if let Some(change) = change {
                 pushed = true;
                 self.backlog.push(&mut st, change);
+            }
+        }
+        // A recovery endpoint named after its channel: the publisher again, with it.
+        for id in named {
+            let recovery = sources.get(&id).cloned();
+            let Some(known) = st.current.get_mut(&id) else {
+                continue;
+            };
+            if known.recovery != recovery {
+                known.recovery = recovery;
+                let again = DiscoveryEvent::Added(known.clone());
+                pushed = true;
+                self.backlog.push(&mut st, again);
             }
         }
         Backlog::wake(st, pushed);

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use super::RecordError;
 use crate::ConfigError;
 use crate::discovery::model::{decode_segment, encode_segment};
-use crate::discovery::{ChannelId, DiscoveryError, Query, Transport, WorkerIdentity};
+use crate::discovery::{ChannelId, DiscoveryError, Transport, WorkerIdentity};
 
 const CHANNELS: &str = "v1/event_channels/";
 const SOURCES: &str = "v1/event_sources/";
@@ -87,6 +87,21 @@ impl DynamoRecords {
         CHANNELS
     }
 
+    /// The prefix of both roots (`event_channels` and `event_sources`): what an etcd
+    /// watch reads to learn each publisher's recovery target with its channel.
+    pub(crate) const BOTH_ROOTS: &'static str = "v1/event_";
+
+    /// The id an `event_sources` key names (`None` for another key, or another
+    /// endpoint than the configured one).
+    pub(crate) fn source_id(&self, key: &[u8]) -> Option<Result<ChannelId, RecordError>> {
+        let rest = key.strip_prefix(SOURCES.as_bytes())?;
+        match self.id_of_tail(rest) {
+            Ok((id, _)) => Some(Ok(id)),
+            Err(RecordError::Unfollowed) => None,
+            Err(e) => Some(Err(e)),
+        }
+    }
+
     fn tail(&self, id: &ChannelId, endpoint: &str) -> String {
         let mut out = String::with_capacity(64);
         for (label, seg) in [
@@ -117,28 +132,6 @@ impl DynamoRecords {
         channel_key
             .strip_prefix(CHANNELS)
             .map(|tail| format!("{SOURCES}{tail}"))
-    }
-
-    /// The narrowest key prefix covering `query` (and the endpoint, when set).
-    pub(crate) fn query_prefix(&self, query: &Query) -> String {
-        let mut out = CHANNELS.to_owned();
-        let mut push = |label: &str, seg: &str| {
-            out.push_str(label);
-            out.push('/');
-            encode_segment(seg, &mut out);
-            out.push('/');
-        };
-        push("namespace", query.namespace_filter());
-        if let Some(component) = query.component_filter() {
-            push("component", component);
-            if let Some(endpoint) = &self.endpoint {
-                push("endpoint", endpoint);
-                if let Some(topic) = query.topic_filter() {
-                    push("topic", topic);
-                }
-            }
-        }
-        out
     }
 
     /// The id and endpoint a channel key names; `Unfollowed` for another endpoint
@@ -500,20 +493,6 @@ mod tests {
         assert_eq!(
             records().id_of(key.as_bytes()).unwrap(),
             (id, "generate".to_owned())
-        );
-        let q = Query::new("ns").component("c").topic("t");
-        assert_eq!(
-            records().query_prefix(&q),
-            "v1/event_channels/namespace/ns/component/c/endpoint/generate/topic/t/"
-        );
-        // Without an endpoint the topic cannot narrow the prefix (it comes after).
-        assert_eq!(
-            DynamoRecords::new().query_prefix(&q),
-            "v1/event_channels/namespace/ns/component/c/"
-        );
-        assert_eq!(
-            records().query_prefix(&Query::new("ns").topic("t")),
-            "v1/event_channels/namespace/ns/"
         );
     }
 

@@ -6,8 +6,10 @@
 use super::query::{KvAnswer, KvQuery};
 use crate::kv::{RouterEvent, Since, WorkerLog};
 
-/// What `log` answers to `query`: only the events of the rank it names.
-pub fn answer(log: &WorkerLog, query: &KvQuery) -> KvAnswer {
+/// What `log` answers to `query`: only the events of the rank it names, at most
+/// `max_events` of them (the answer then stops at the last one sent, and Dynamo's
+/// router asks again from there).
+pub fn answer(log: &WorkerLog, query: &KvQuery, max_events: usize) -> KvAnswer {
     let newest = log.stats().last_id;
     if let (Some(start), Some(end)) = (query.start_event_id, query.end_event_id) {
         if end < start {
@@ -29,13 +31,27 @@ pub fn answer(log: &WorkerLog, query: &KvQuery) -> KvAnswer {
             // Through the end asked for, if any (ids past it are left to the live
             // stream and the router's next query).
             Since::Events(events) => {
-                let end = query.end_event_id.unwrap_or(u64::MAX);
+                let mut end = query.end_event_id.unwrap_or(u64::MAX).min(newest);
+                let mut sent = 0usize;
+                let mut kept = Vec::new();
+                for e in events {
+                    if e.event.id > end {
+                        break;
+                    }
+                    if !of_rank(&e) {
+                        continue;
+                    }
+                    if sent == max_events.max(1) {
+                        // Full: the cursor stops before this one.
+                        end = e.event.id.saturating_sub(1);
+                        break;
+                    }
+                    sent += 1;
+                    kept.push(e);
+                }
                 KvAnswer::Events {
-                    events: events
-                        .into_iter()
-                        .filter(|e| of_rank(e) && e.event.id <= end)
-                        .collect(),
-                    last_event_id: newest.min(end),
+                    events: kept,
+                    last_event_id: end,
                 }
             }
             _ => tree_dump(log, &of_rank),
@@ -108,7 +124,7 @@ mod tests {
         let KvAnswer::TreeDump {
             events,
             last_event_id,
-        } = answer(&log, &KvQuery::recovery(88, 0, None))
+        } = answer(&log, &KvQuery::recovery(88, 0, None), 1024)
         else {
             panic!("not a dump");
         };
@@ -124,7 +140,7 @@ mod tests {
         let KvAnswer::Events {
             events,
             last_event_id,
-        } = answer(&log, &KvQuery::recovery(88, 0, Some(5)))
+        } = answer(&log, &KvQuery::recovery(88, 0, Some(5)), 1024)
         else {
             panic!("not events");
         };
@@ -132,7 +148,7 @@ mod tests {
         assert_eq!((ids, last_event_id), (vec![5, 7, 9], 10));
         // Past the newest.
         assert_eq!(
-            answer(&log, &KvQuery::recovery(88, 0, Some(11))),
+            answer(&log, &KvQuery::recovery(88, 0, Some(11)), 1024),
             KvAnswer::TooNew {
                 requested_start: Some(11),
                 requested_end: None,
@@ -145,17 +161,27 @@ mod tests {
         let KvAnswer::Events {
             events,
             last_event_id,
-        } = answer(&log, &q)
+        } = answer(&log, &q, 1024)
         else {
             panic!("not events");
         };
         let ids: Vec<u64> = events.iter().map(|e| e.event.id).collect();
         assert_eq!((ids, last_event_id), (vec![3, 5, 7], 7));
+        // At most so many: the cursor stops at the last one sent.
+        let KvAnswer::Events {
+            events,
+            last_event_id,
+        } = answer(&log, &KvQuery::recovery(88, 0, Some(1)), 2)
+        else {
+            panic!("not events");
+        };
+        let ids: Vec<u64> = events.iter().map(|e| e.event.id).collect();
+        assert_eq!((ids, last_event_id), (vec![1, 3], 4));
         // An end before the start.
         let mut q = KvQuery::recovery(88, 0, Some(5));
         q.end_event_id = Some(3);
         assert_eq!(
-            answer(&log, &q),
+            answer(&log, &q, 1024),
             KvAnswer::InvalidRange {
                 start_id: 5,
                 end_id: 3
@@ -167,14 +193,14 @@ mod tests {
     fn a_start_older_than_the_log_keeps_gets_a_dump() {
         let log = log(4);
         assert!(matches!(
-            answer(&log, &KvQuery::recovery(88, 1, Some(2))),
+            answer(&log, &KvQuery::recovery(88, 1, Some(2)), 1024),
             KvAnswer::TreeDump {
                 last_event_id: 10,
                 ..
             }
         ));
         assert!(matches!(
-            answer(&log, &KvQuery::recovery(88, 1, Some(8))),
+            answer(&log, &KvQuery::recovery(88, 1, Some(8)), 1024),
             KvAnswer::Events {
                 last_event_id: 10,
                 ..

@@ -30,16 +30,21 @@ pub struct DynamoQueryConfig {
     /// Answers being sent at once: 2 (a dump is the worker's whole cache; further
     /// requests wait for a turn, within `call_home_timeout`).
     pub max_answers: usize,
+    /// Events in one `Events` answer: 4,096 (past them the answer stops, and Dynamo's
+    /// router asks again from there; a large answer would be one large message).
+    pub max_answer_events: usize,
     /// Answers sent or waiting for their turn, across connections: 64 (a query past
-    /// them is acknowledged, not answered, and counted in `busy`; Dynamo's router
-    /// retries).
+    /// them is not acknowledged, its connection closed and counted in `busy`;
+    /// Dynamo's router retries it).
     pub max_queued_answers: usize,
     /// Dialling the router back and sending the answer: 10 s.
     pub call_home_timeout: Duration,
-    /// A request connection silent this long is closed: 30 s.
+    /// A request must arrive whole within this, and its acknowledgement be written,
+    /// or the connection is closed: 30 s.
     pub idle_timeout: Duration,
-    /// Addresses an answer may be sent to, besides being the host that asked: by
-    /// default the subscriber's ([`AddrFilter::default`]).
+    /// Addresses an answer may be sent to, besides being the address that asked
+    /// (Dynamo's router must advertise the address it connects from): by default
+    /// the subscriber's ([`AddrFilter::default`]).
     pub filter: AddrFilter,
 }
 
@@ -49,6 +54,7 @@ impl Default for DynamoQueryConfig {
             limits: RequestLimits::default(),
             max_connections: 16,
             max_answers: 2,
+            max_answer_events: 4096,
             max_queued_answers: 64,
             call_home_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(30),
@@ -73,8 +79,8 @@ pub struct DynamoQueryStats {
     pub out_of_range: u64,
     /// Requests that were not a KV query (the connection closed).
     pub malformed: u64,
-    /// Answers not sent: the address to send them to was not the host that asked,
-    /// or the filter refused it.
+    /// Queries not answered (their connection closed): the address to send the
+    /// answer to was not the one that asked, or the filter refused it.
     pub refused_call_homes: u64,
     /// Answers whose sending failed or timed out.
     pub failed_call_homes: u64,
@@ -224,47 +230,56 @@ async fn serve(
     cancel: &CancellationToken,
 ) {
     let limits = shared.config.limits;
+    let idle = shared.config.idle_timeout;
     let mut buf = BytesMut::with_capacity(4096);
     loop {
-        let frame = loop {
-            match decode_request(&mut buf, limits) {
-                Ok(Some(frame)) => break frame,
-                Ok(None) => {}
-                Err(e) => {
-                    tracing::debug!(%peer, error = %e, "Dynamo query refused");
-                    counter::add(&shared.counters.malformed, 1);
-                    return;
+        // A whole request within the idle timeout (not a byte per timeout).
+        let read = tokio::time::timeout(idle, async {
+            loop {
+                match decode_request(&mut buf, limits) {
+                    Ok(Some(frame)) => return Some(frame),
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::debug!(%peer, error = %e, "Dynamo query refused");
+                        counter::add(&shared.counters.malformed, 1);
+                        return None;
+                    }
+                }
+                match stream.read_buf(&mut buf).await {
+                    Ok(n) if n > 0 => {}
+                    _ => return None,
                 }
             }
-            let read = tokio::time::timeout(shared.config.idle_timeout, stream.read_buf(&mut buf));
-            match read.await {
-                Ok(Ok(n)) if n > 0 => {}
-                _ => return,
-            }
+        });
+        let Ok(Some(frame)) = read.await else {
+            return;
         };
         let Some((query, codec, home)) = parse(&frame.payload, limits) else {
             counter::add(&shared.counters.malformed, 1);
             return;
         };
-        if stream.write_all(&ACK).await.is_err() {
-            return;
-        }
-        // The answer goes back only to the host that asked, through the filter.
-        let to = home
-            .address
-            .parse::<SocketAddr>()
-            .ok()
-            .filter(|a| same_host(peer, *a) && shared.config.filter.check_socket(*a).is_ok());
+        // The answer goes back only to the address that asked, through the filter.
+        // A query that cannot be answered is not acknowledged: the connection closes,
+        // which Dynamo's router counts as a failure and retries.
+        let to =
+            home.address.parse::<SocketAddr>().ok().filter(|a| {
+                same_address(peer, *a) && shared.config.filter.check_socket(*a).is_ok()
+            });
         let Some(to) = to else {
             tracing::debug!(%peer, address = %home.address.chars().take(64).collect::<String>(),
-                "Dynamo query's answer address refused: not the asking host");
+                "Dynamo query's answer address refused: not the asking address");
             counter::add(&shared.counters.refused_call_homes, 1);
-            continue;
+            return;
         };
         let Ok(queued) = shared.queued.clone().try_acquire_owned() else {
+            tracing::debug!(%peer, "Dynamo query refused: too many answers waiting");
             counter::add(&shared.counters.busy, 1);
-            continue;
+            return;
         };
+        match tokio::time::timeout(idle, stream.write_all(&ACK)).await {
+            Ok(Ok(())) => {}
+            _ => return,
+        }
         let shared = shared.clone();
         let cancel = cancel.clone();
         tokio::spawn(async move {
@@ -272,7 +287,8 @@ async fn serve(
             let deadline = shared.config.call_home_timeout;
             let sent = tokio::time::timeout(deadline, async {
                 let _turn = shared.answers.acquire().await;
-                let answer = shared.log.with(|log| super::answer(log, &query));
+                let most = shared.config.max_answer_events;
+                let answer = shared.log.with(|log| super::answer(log, &query, most));
                 tracing::debug!(start = ?query.start_event_id, end = ?query.end_event_id,
                     answer = answer.summary(), "Dynamo KV query answered");
                 let c = &shared.counters;
@@ -294,13 +310,12 @@ async fn serve(
     }
 }
 
-/// Whether `to` is on the host that connected from `peer`: the same address, or, for
-/// a peer on loopback, any address of this machine (Dynamo's router names the
-/// address it advertises, not the one it connected from; only local addresses can
-/// be bound).
-fn same_host(peer: SocketAddr, to: SocketAddr) -> bool {
-    to.ip() == peer.ip()
-        || (peer.ip().is_loopback() && std::net::UdpSocket::bind((to.ip(), 0)).is_ok())
+/// Whether `to` is the address that connected from `peer` (IPv4-mapped IPv6 taken as
+/// IPv4). Dynamo's router names the address it advertises
+/// (`DYN_TCP_RESPONSE_STREAM_HOST`),
+/// which must be the one it reaches this worker from.
+fn same_address(peer: SocketAddr, to: SocketAddr) -> bool {
+    to.ip().to_canonical() == peer.ip().to_canonical()
 }
 
 /// A request's query, its codec and where its answer goes.

@@ -746,6 +746,9 @@ async fn dynamos_router_in_kube_mode_indexes_kv_relay_kube() {
             ("POD_UID", "u-router"),
             ("POD_NAMESPACE", "livek2"),
             ("DYN_TCP_RPC_HOST", "127.0.0.1"),
+            // The relay answers its recovery queries only on the address they came
+            // from: loopback.
+            ("DYN_TCP_RESPONSE_STREAM_HOST", "127.0.0.1"),
             ("DYN_SYSTEM_HOST", "127.0.0.1"),
             ("DYN_SYSTEM_PORT", "-1"),
         ],

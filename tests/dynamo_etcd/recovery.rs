@@ -224,3 +224,176 @@ async fn dynamos_router_repairs_from_kv_relay_in_msgpack() {
 async fn dynamos_router_repairs_from_kv_relay_in_json() {
     dynamos_router_repairs_from_kv_relay("json").await;
 }
+
+/// A real Dynamo 1.6.1 worker with its local indexer, playing the engine on stdin
+/// (worker 77, block size 4), registered under `ns/kvworker`; it advertises its
+/// request plane on loopback (where `kv-router` reaches it and is dialled back).
+async fn dynamo_worker(etcd: &str, ns: &str) -> Py {
+    Py::spawn_with(
+        "dynamo_worker.py",
+        &[
+            "--etcd",
+            etcd,
+            "--namespace",
+            ns,
+            "--component",
+            "kvworker",
+            "--local-indexer",
+        ],
+        &[("DYN_TCP_RPC_HOST", "127.0.0.1")],
+    )
+    .await
+}
+
+/// An engine batch storing `hashes` as one chain under `parent` (block size 4).
+fn store(hashes: &[u64], parent: Option<u64>) -> String {
+    let tokens: Vec<u64> = hashes.iter().flat_map(|h| [*h; 4]).collect();
+    serde_json::json!([["BlockStored", hashes, parent, tokens, 4, null, "GPU", null]]).to_string()
+}
+
+/// `kv-router --dynamo` on `ns/kvworker` with its admin endpoint and its final index
+/// in the stats line; the child, its stderr lines and the admin address.
+async fn our_router(
+    etcd: &str,
+    ns: &str,
+) -> (
+    tokio::process::Child,
+    tokio::sync::mpsc::Receiver<String>,
+    String,
+) {
+    let (router, _out, mut err) = super::suite::spawn_kv_router(
+        &[
+            "--etcd",
+            etcd,
+            "--dynamo",
+            "--namespace",
+            ns,
+            "--format",
+            "quiet",
+            "--dump-index",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ],
+        &[],
+    );
+    let addr = loop {
+        let line = crate::support::within(err.recv())
+            .await
+            .expect("kv-router exited");
+        if let Some(at) = line.split("admin endpoint on http://").nth(1) {
+            break at.trim_end_matches('/').to_owned();
+        }
+    };
+    (router, err, addr)
+}
+
+/// Waits until `metric` on the admin endpoint at `addr` reaches `at_least`.
+async fn until_metric(addr: &str, metric: &str, at_least: f64) {
+    use crate::support::admin;
+    crate::support::within(async {
+        loop {
+            let (_, body) = admin::get(addr, "/metrics").await;
+            if admin::metric(&body, metric).is_some_and(|v| v >= at_least) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+}
+
+/// The blocks a `kv-router --dump-index` stats line holds for `worker`.
+fn our_index(stats: &serde_json::Value, worker: u64) -> HashSet<u64> {
+    stats["index"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["worker_id"] == worker)
+        .flat_map(|e| e["block_hashes"].as_array().unwrap().iter())
+        .map(|h| h.as_u64().unwrap())
+        .collect()
+}
+
+/// `kv-router --dynamo`, started after a real Dynamo worker with its local indexer
+/// stored blocks, asks the worker over Dynamo's request plane (the `recovery_target`
+/// of its `event_sources` record) and holds them: the dump at first sight, then the
+/// live events after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_router_rebuilds_a_real_dynamo_worker_from_its_local_indexer() {
+    let etcd = EtcdServer::start().await;
+    let ns = "dynrec-ours";
+    let mut worker = dynamo_worker(&etcd.url(), ns).await;
+    // Stored before the router starts: only the worker's dump can tell it.
+    worker.send(&store(&[101, 102, 103], None)).await;
+    worker.send(&store(&[104], Some(103))).await;
+    worker.send(&store(&[201], None)).await;
+    worker.until(|l| l.contains("\"batch\": 2")).await;
+    // The worker's local indexer applies its own events asynchronously.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+
+    let (router, err, addr) = our_router(&etcd.url(), ns).await;
+    until_metric(&addr, "eventplane_kv_index_repairs_total", 1.0).await;
+    // Live after the dump.
+    worker.send(&store(&[301], None)).await;
+    worker.until(|l| l.contains("\"batch\": 3")).await;
+    until_metric(&addr, "eventplane_kv_index_blocks", 6.0).await;
+    let stats = super::suite::terminate_reading(router, err).await;
+    assert_eq!(
+        our_index(&stats, 77),
+        HashSet::from([101, 102, 103, 104, 201, 301]),
+        "{stats}"
+    );
+    assert_eq!(stats["wipes"]["recovery_failed"], 0, "{}", stats["wipes"]);
+    worker.finish().await;
+}
+
+/// `kv-router --dynamo` repairs over Dynamo's request plane from `kv-relay --wire
+/// dynamo --recovery-bind` (both ends speaking what the tests above check against
+/// the real Dynamo): rebuilt from the relay's dump when it first sees it, then,
+/// stopped while the engine publishes more than the relay's queue holds, repaired
+/// with the events it lost, never wiping the worker, and equal to the engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_router_repairs_a_gap_over_dynamos_request_plane() {
+    use crate::support::admin;
+    let etcd = EtcdServer::start().await;
+    let ns = "dynrec-gap";
+    let mut engine = EnginePeer::start("vllm-0.34.0", "vllm").await;
+    let (relay, _) = spawn_relay(&engine, &etcd.url(), ns, "msgpack", "64").await;
+    engine.burst(20).await;
+    let (router, err, addr) = our_router(&etcd.url(), ns).await;
+    until_metric(&addr, "eventplane_kv_index_repairs_total", 1.0).await;
+
+    signal(router.id().unwrap(), "-STOP");
+    engine.burst(2500).await;
+    signal(router.id().unwrap(), "-CONT");
+    engine.burst(5).await;
+    let truth = engine.truth().await;
+    crate::support::within(async {
+        loop {
+            let (_, body) = admin::get(&addr, "/metrics").await;
+            let at = |m: &str| admin::metric(&body, m).unwrap_or(-1.0);
+            let settled = at("eventplane_kv_index_held_events") == 0.0
+                && at("eventplane_kv_index_recovering_publishers") == 0.0;
+            if settled && at("eventplane_kv_index_blocks") == truth.len() as f64 {
+                return;
+            }
+            if at("eventplane_kv_index_wipes_total") > 0.0 {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let stats = super::suite::terminate_reading(router, err).await;
+    for cause in ["id_gap", "reconnect", "recovery_failed", "held_overflow"] {
+        assert_eq!(stats["wipes"][cause], 0, "{cause}: {}", stats["wipes"]);
+    }
+    assert_eq!(our_index(&stats, WORKER), truth);
+    let relay_stats = relay.terminate().await;
+    assert!(
+        relay_stats["publisher"]["dropped"].as_u64().unwrap() > 0,
+        "nothing was lost on the way: the test proves nothing ({relay_stats})"
+    );
+    let served = &relay_stats["recovery"]["server"];
+    assert!(served["events"].as_u64().unwrap() >= 1, "{relay_stats}");
+}

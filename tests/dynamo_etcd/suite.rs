@@ -463,8 +463,13 @@ pub(crate) fn spawn_kv_router(
     let out = BufReader::new(router.stdout.take().unwrap()).lines();
     let (err_tx, err_rx) = tokio::sync::mpsc::channel::<String>(64);
     let mut err_lines = BufReader::new(router.stderr.take().unwrap()).lines();
+    // EVENTPLANE_TEST_ECHO_STDERR=1 echoes its stderr (debugging a test).
+    let echo = std::env::var_os("EVENTPLANE_TEST_ECHO_STDERR").is_some();
     tokio::spawn(async move {
         while let Ok(Some(line)) = err_lines.next_line().await {
+            if echo {
+                eprintln!("[kv-router] {line}");
+            }
             if err_tx.send(line).await.is_err() {
                 break;
             }

@@ -15,7 +15,7 @@ Usage:
   dynamo_worker.py [--etcd URL | --discovery kubernetes] [--namespace NS] [--component C]
                    [--endpoint E] [--worker-id N] [--block-size N]
                    [--dp-rank N] [--batches FILE]
-                   [--engine-endpoint EP [--engine-topic T]]
+                   [--engine-endpoint EP [--engine-topic T]] [--local-indexer]
   (env fallbacks: ETCD_ENDPOINTS, DYN_NAMESPACE, DYN_COMPONENT, DYN_ENDPOINT,
    DYN_WORKER_ID, DYN_KV_BLOCK_SIZE; defaults capns/kvworker/generate, 77, 4)
 
@@ -61,6 +61,9 @@ def parse_args():
     p.add_argument("--engine-endpoint",
                    help="relay the engine PUB at this endpoint (tcp://host:port) instead "
                         "of playing the engine; stdin is then only read for EOF")
+    p.add_argument("--local-indexer", action="store_true",
+                   help="run Dynamo's worker-local KV indexer: the worker's event_sources "
+                        "record then carries a recovery_target, and routers repair from it")
     p.add_argument("--engine-topic", default="",
                    help="with --engine-endpoint: the engine's topic (default: all)")
     return p.parse_args()
@@ -123,6 +126,7 @@ async def main():
             worker_id=args.worker_id,
             kv_block_size=args.block_size,
             dp_rank=args.dp_rank,
+            enable_local_indexer=args.local_indexer,
             zmq_endpoint=args.engine_endpoint,
             zmq_topic=args.engine_topic,
         )
@@ -150,6 +154,7 @@ async def main():
         worker_id=args.worker_id,
         kv_block_size=args.block_size,
         dp_rank=args.dp_rank,
+        enable_local_indexer=args.local_indexer,
         zmq_endpoint=f"tcp://127.0.0.1:{port}",
         zmq_topic="",
     )

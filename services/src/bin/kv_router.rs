@@ -177,6 +177,17 @@ struct Args {
     /// (`wipes.recovery_failed`). Raise it for large workers behind slow links.
     #[arg(long = "recovery-timeout-ms", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
     recovery_timeout_ms: u64,
+    /// With --dynamo: where Dynamo workers dial back with their answers to recovery
+    /// queries (ip:port, port 0 for any; workers dial the address the router reached
+    /// them from, so the ip must be one of those, or a wildcard). Workers whose
+    /// records carry a `recovery_target` (a Dynamo worker with its local indexer,
+    /// `kv-relay --wire dynamo --recovery-bind`) are then repaired, not wiped.
+    #[arg(
+        long = "call-home-bind",
+        default_value = "0.0.0.0:0",
+        requires = "dynamo"
+    )]
+    call_home_bind: std::net::SocketAddr,
     /// Publishers followed at most (default: the library's, 4,096); past it a
     /// publisher is refused and counted. Each costs one open file: the soft limit is
     /// raised to the hard limit at start.
@@ -529,6 +540,16 @@ async fn main() -> ExitCode {
     let mut asking = RecoveryClientConfig::default();
     asking.timeout = std::time::Duration::from_millis(args.recovery_timeout_ms);
     let mut recovery = RecoveryDriver::new(asking);
+    if args.dynamo {
+        use eventplane::kv::dynamo_recovery::{CallHomeConfig, CallHomeListener};
+        match CallHomeListener::bind(args.call_home_bind, CallHomeConfig::default()).await {
+            Ok(home) => recovery = recovery.dynamo(Arc::new(home)),
+            Err(e) => {
+                eprintln!("cannot bind --call-home-bind {}: {e}", args.call_home_bind);
+                return ExitCode::from(3);
+            }
+        }
+    }
     let (builder, bus_stats) = match bus {
         Some(bus) => {
             exporter = (bus.exported)(exporter);

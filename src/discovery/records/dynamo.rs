@@ -277,7 +277,7 @@ impl DynamoRecords {
         // Ours when both are there; else Dynamo's worker recovery endpoint.
         let recovery = ours.or_else(|| {
             let target = record.metadata.recovery_target.filter(|t| !t.is_null())?;
-            super::dynamo_target::target_in(&target)
+            super::dynamo_target::target_in(&target, worker.worker_id, worker.dp_rank)
                 .inspect_err(|why| tracing::warn!(%id, why, "ignoring a recovery_target"))
                 .ok()
         });

@@ -9,10 +9,11 @@
 //!   "device_type": "cuda", "request_plane_codec": "msgpack"}
 //! ```
 //!
-//! In an [`Instance`](crate::discovery::Instance), such a target is the string
-//! `dynamo+msgpack://HOST:PORT/PATH` (or `dynamo+json://…`): `transport.tcp` behind
-//! the codec's scheme. A worker registers `dynamo+msgpack://HOST:PORT`; the record
-//! gets the rest from the registration's id.
+//! In an [`Instance`](crate::discovery::Instance) read back, such a target is the
+//! string `dynamo+msgpack://HOST:PORT/PATH?worker_id=W&dp_rank=R` (or
+//! `dynamo+json://…`): `transport.tcp` behind the codec's scheme, and the worker the
+//! record names. A worker registers `dynamo+msgpack://HOST:PORT`; the record gets the
+//! rest from the registration's id.
 
 use std::borrow::Cow;
 
@@ -89,7 +90,11 @@ pub(super) fn target_out<'a>(id: &'a ChannelId, recovery: &str) -> Option<Target
 /// (the worker is then kept, without repairs).
 ///
 /// [`Instance::recovery`]: crate::discovery::Instance::recovery
-pub(super) fn target_in(value: &serde_json::Value) -> Result<String, &'static str> {
+pub(super) fn target_in(
+    value: &serde_json::Value,
+    worker_id: u64,
+    dp_rank: u32,
+) -> Result<String, &'static str> {
     let target = TargetIn::deserialize(value).map_err(|_| "not a Dynamo Instance")?;
     // Dynamo writes no codec when its request plane is msgpack's default.
     let codec = target.request_plane_codec.as_deref().unwrap_or("msgpack");
@@ -100,11 +105,16 @@ pub(super) fn target_in(value: &serde_json::Value) -> Result<String, &'static st
         .ok_or("a request plane codec other than msgpack or json")?;
     let tcp = target.transport.tcp;
     let (address, path) = tcp.split_once('/').ok_or("transport.tcp without a path")?;
-    let clean = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_graphic());
+    // No query or fragment of its own: the spelling appends one.
+    let clean = |s: &str| {
+        !s.is_empty()
+            && s.bytes()
+                .all(|b| b.is_ascii_graphic() && b != b'?' && b != b'#')
+    };
     if !clean(address) || !clean(path) || !address.contains(':') {
         return Err("transport.tcp is not HOST:PORT/PATH");
     }
-    let spelled = format!("{scheme}{tcp}");
+    let spelled = format!("{scheme}{tcp}?worker_id={worker_id}&dp_rank={dp_rank}");
     if spelled.len() > MAX_ENDPOINT_LEN || check_endpoint(&format!("tcp://{address}")).is_err() {
         return Err("transport.tcp too long");
     }
@@ -131,8 +141,8 @@ mod tests {
             })
         );
         assert_eq!(
-            target_in(&value).unwrap(),
-            "dynamo+json://127.0.0.1:4100/1abc/capns/kvworker/worker_kv_query_source_1abc"
+            target_in(&value, 7, 1).unwrap(),
+            "dynamo+json://127.0.0.1:4100/1abc/capns/kvworker/worker_kv_query_source_1abc?worker_id=7&dp_rank=1"
         );
         assert!(target_out(&id, "tcp://127.0.0.1:4100").is_none());
     }
@@ -147,11 +157,11 @@ mod tests {
             "transport": {"tcp": "127.0.0.1:39729/5151515151/capns/kvworker/worker_kv_query_source_1abcdef12345"},
             "device_type": "cuda", "request_plane_codec": "msgpack"});
         assert_eq!(
-            target_in(&captured).unwrap(),
-            "dynamo+msgpack://127.0.0.1:39729/5151515151/capns/kvworker/worker_kv_query_source_1abcdef12345"
+            target_in(&captured, 88, 0).unwrap(),
+            "dynamo+msgpack://127.0.0.1:39729/5151515151/capns/kvworker/worker_kv_query_source_1abcdef12345?worker_id=88&dp_rank=0"
         );
         let with = |tcp: &str, codec: &str| serde_json::json!({"transport": {"tcp": tcp}, "request_plane_codec": codec});
-        assert!(target_in(&with("h:1/p", "msgpack")).is_ok());
+        assert!(target_in(&with("h:1/p", "msgpack"), 1, 0).is_ok());
         for bad in [
             with("h:1/p", "bincode"),
             with("h:1", "msgpack"),
@@ -163,7 +173,7 @@ mod tests {
             serde_json::json!({"transport": {"nats": "x"}}),
             serde_json::json!("h:1/p"),
         ] {
-            assert!(target_in(&bad).is_err(), "{bad}");
+            assert!(target_in(&bad, 1, 0).is_err(), "{bad}");
         }
     }
 }

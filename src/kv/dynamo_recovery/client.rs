@@ -26,11 +26,16 @@ pub struct QueryTarget {
     pub path: String,
     /// The worker's codec.
     pub codec: Codec,
+    /// The worker asked about (`worker_id` of the query).
+    pub worker_id: u64,
+    /// Its data-parallel rank.
+    pub dp_rank: u32,
 }
 
 impl QueryTarget {
-    /// From a `recovery_target`'s `transport.tcp` (`HOST:PORT/path`) and its codec.
-    pub fn from_tcp(tcp: &str, codec: Codec) -> Option<QueryTarget> {
+    /// From a `recovery_target`'s `transport.tcp` (`HOST:PORT/path`) and its codec,
+    /// for the worker's rank `dp_rank`.
+    pub fn from_tcp(tcp: &str, codec: Codec, worker_id: u64, dp_rank: u32) -> Option<QueryTarget> {
         let (address, path) = tcp.split_once('/')?;
         if address.is_empty() || path.is_empty() {
             return None;
@@ -39,7 +44,39 @@ impl QueryTarget {
             address: address.to_owned(),
             path: path.to_owned(),
             codec,
+            worker_id,
+            dp_rank,
         })
+    }
+
+    /// From its spelling in [`Instance::recovery`](crate::discovery::Instance::recovery):
+    /// `dynamo+CODEC://HOST:PORT/PATH?worker_id=W&dp_rank=R` (CODEC `msgpack` or
+    /// `json`). `None` for anything else.
+    ///
+    /// ```
+    /// use eventplane::kv::dynamo_recovery::{Codec, QueryTarget};
+    /// let t = QueryTarget::parse("dynamo+json://10.0.0.7:4100/1f/ns/c/e?worker_id=7&dp_rank=1").unwrap();
+    /// assert_eq!((t.address.as_str(), t.path.as_str(), t.codec), ("10.0.0.7:4100", "1f/ns/c/e", Codec::Json));
+    /// assert_eq!((t.worker_id, t.dp_rank), (7, 1));
+    /// assert!(QueryTarget::parse("tcp://10.0.0.7:4100").is_none());
+    /// ```
+    pub fn parse(recovery: &str) -> Option<QueryTarget> {
+        let (codec, rest) = [
+            ("dynamo+msgpack://", Codec::Msgpack),
+            ("dynamo+json://", Codec::Json),
+        ]
+        .into_iter()
+        .find_map(|(scheme, codec)| recovery.strip_prefix(scheme).map(|r| (codec, r)))?;
+        let (tcp, query) = rest.split_once('?')?;
+        let (mut worker_id, mut dp_rank) = (None, None);
+        for pair in query.split('&') {
+            match pair.split_once('=')? {
+                ("worker_id", v) => worker_id = v.parse().ok(),
+                ("dp_rank", v) => dp_rank = v.parse().ok(),
+                _ => {}
+            }
+        }
+        QueryTarget::from_tcp(tcp, codec, worker_id?, dp_rank?)
     }
 }
 
@@ -68,7 +105,7 @@ pub enum DynamoQueryError {
 }
 
 /// Bounds of a [`CallHome`] listener's streams.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct CallHomeConfig {
     /// Queries awaiting their answer at once: 64.
@@ -79,6 +116,13 @@ pub struct CallHomeConfig {
     pub max_body: usize,
     /// How long a connection may take to say which answer it carries: 5 s.
     pub handshake_timeout: Duration,
+    /// Connections that have not yet said which answer they carry, at once: 64 (more
+    /// are closed at once).
+    pub max_handshakes: usize,
+    /// Addresses a query may be sent to: by default the subscriber's own
+    /// ([`AddrFilter::default`](crate::net::AddrFilter::default): what discovery
+    /// names is dialled, so metadata and link-local addresses are refused).
+    pub filter: crate::net::AddrFilter,
 }
 
 impl Default for CallHomeConfig {
@@ -88,6 +132,8 @@ impl Default for CallHomeConfig {
             max_header: 64 << 10,
             max_body: 256 << 20,
             handshake_timeout: Duration::from_secs(5),
+            max_handshakes: 64,
+            filter: crate::net::AddrFilter::default(),
         }
     }
 }
@@ -125,6 +171,8 @@ impl CallHomeListener {
         let pending: Pending = Arc::default();
         let cancel = CancellationToken::new();
         let (p, c) = (pending.clone(), cancel.clone());
+        let handshakes = Arc::new(tokio::sync::Semaphore::new(config.max_handshakes.max(1)));
+        let (max_header, wait) = (config.max_header, config.handshake_timeout);
         tokio::spawn(async move {
             loop {
                 let accepted = tokio::select! {
@@ -135,10 +183,13 @@ impl CallHomeListener {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 };
+                let Ok(turn) = handshakes.clone().try_acquire_owned() else {
+                    continue;
+                };
                 let p = p.clone();
                 tokio::spawn(async move {
-                    let said =
-                        tokio::time::timeout(config.handshake_timeout, hello(stream, config));
+                    let _turn = turn;
+                    let said = tokio::time::timeout(wait, hello(stream, max_header));
                     if let Ok(Ok((subject, arrived))) = said.await {
                         let waiting = p.lock().unwrap_or_else(|e| e.into_inner()).remove(&subject);
                         if let Some(tx) = waiting {
@@ -154,6 +205,11 @@ impl CallHomeListener {
             config,
             cancel,
         })
+    }
+
+    /// The largest answer body accepted.
+    pub(crate) fn max_body(&self) -> usize {
+        self.config.max_body
     }
 
     /// The port workers dial back (on the address they were reached from).
@@ -195,8 +251,11 @@ impl CallHomeListener {
         subject: &str,
         rx: oneshot::Receiver<Arrived>,
     ) -> Result<KvAnswer, DynamoQueryError> {
-        let mut stream = TcpStream::connect(&target.address).await?;
-        let _ = stream.set_nodelay(true);
+        let endpoint = format!("tcp://{}", target.address);
+        let zmtp = crate::zmtp::Config::default();
+        let mut stream = crate::zmtp::dial_filtered(&endpoint, &zmtp, &self.config.filter)
+            .await
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
         // The worker dials back the address it reached us from.
         let local = stream.local_addr()?;
         let home = CallHome::new(SocketAddr::new(local.ip(), self.port), subject);
@@ -213,20 +272,25 @@ impl CallHomeListener {
             .await?;
         let mut ack = [0u8; 4];
         stream.read_exact(&mut ack).await?;
+        if ack != super::frame::ACK {
+            return Err(DynamoQueryError::Refused(
+                "the request was not acknowledged".into(),
+            ));
+        }
         let (answers, buf) = rx
             .await
             .map_err(|_| DynamoQueryError::Refused("the answer's stream never came".into()))?;
-        read_answer(answers, buf, self.config, target.codec).await
+        read_answer(answers, buf, &self.config, target.codec).await
     }
 }
 
 /// Reads the first message of a connection a worker opened: which answer it carries.
 async fn hello(
     mut stream: TcpStream,
-    config: CallHomeConfig,
+    max_header: usize,
 ) -> Result<(String, Arrived), DynamoQueryError> {
     let mut buf = BytesMut::with_capacity(1024);
-    let first = next_message(&mut stream, &mut buf, config.max_header, 0).await?;
+    let first = next_message(&mut stream, &mut buf, max_header, 0).await?;
     let hello: serde_json::Value =
         serde_json::from_slice(&first.header).map_err(|e| QueryError::Undecodable {
             what: "answer stream header",
@@ -263,7 +327,7 @@ async fn next_message(
 async fn read_answer(
     mut stream: TcpStream,
     mut buf: BytesMut,
-    config: CallHomeConfig,
+    config: &CallHomeConfig,
     codec: Codec,
 ) -> Result<KvAnswer, DynamoQueryError> {
     let prologue = next_message(&mut stream, &mut buf, config.max_header, 0).await?;

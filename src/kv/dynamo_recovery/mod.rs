@@ -25,7 +25,10 @@ mod answer;
 mod client;
 mod frame;
 mod query;
+mod recover;
 mod serve;
+
+pub(crate) use recover::recover_dynamo;
 
 pub use answer::answer;
 pub use client::{CallHomeConfig, CallHomeListener, DynamoQueryError, QueryTarget};

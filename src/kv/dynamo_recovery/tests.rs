@@ -58,7 +58,7 @@ async fn a_router_gets_a_dump_and_events_back_through_its_call_home() {
             "{}/51515/ns/c/worker_kv_query_source_1",
             server.local_addr()
         );
-        let target = QueryTarget::from_tcp(&tcp, codec).unwrap();
+        let target = QueryTarget::from_tcp(&tcp, codec, 88, 0).unwrap();
         let dump = home
             .query(&target, &KvQuery::recovery(88, 0, None), within)
             .await

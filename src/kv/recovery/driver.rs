@@ -67,6 +67,9 @@ pub struct RecoveryDriver {
     /// up for a namespace it grants.
     #[cfg(feature = "tunnel")]
     bus: Option<(crate::tunnel::EventBus, bool)>,
+    /// Where Dynamo workers' answers come back (their `dynamo+…` targets).
+    #[cfg(any(feature = "etcd", feature = "kube"))]
+    dynamo: Option<std::sync::Arc<crate::kv::dynamo_recovery::CallHomeListener>>,
 }
 
 impl RecoveryDriver {
@@ -81,7 +84,35 @@ impl RecoveryDriver {
             refused: std::collections::VecDeque::new(),
             #[cfg(feature = "tunnel")]
             bus: None,
+            #[cfg(any(feature = "etcd", feature = "kube"))]
+            dynamo: None,
         }
+    }
+
+    /// Asks Dynamo workers too (feature `etcd` or `kube`): a publisher whose recovery
+    /// endpoint is a Dynamo `recovery_target` (`dynamo+CODEC://…`, see
+    /// [`Instance::recovery`](crate::discovery::Instance::recovery)) is asked over
+    /// Dynamo's request plane, its answer taken on `listener`. Without it such a
+    /// publisher's recoveries are refused (`RecoveryError::Refused`: wiped on a loss,
+    /// as a worker with no recovery endpoint).
+    ///
+    /// ```no_run
+    /// # async fn run() -> std::io::Result<()> {
+    /// use std::sync::Arc;
+    /// use eventplane::kv::dynamo_recovery::{CallHomeConfig, CallHomeListener};
+    /// use eventplane::kv::{RecoveryClientConfig, RecoveryDriver};
+    /// let home = CallHomeListener::bind("0.0.0.0:0".parse().unwrap(), CallHomeConfig::default()).await?;
+    /// let driver = RecoveryDriver::new(RecoveryClientConfig::default()).dynamo(Arc::new(home));
+    /// # drop(driver); Ok(()) }
+    /// ```
+    #[cfg(any(feature = "etcd", feature = "kube"))]
+    #[must_use]
+    pub fn dynamo(
+        mut self,
+        listener: std::sync::Arc<crate::kv::dynamo_recovery::CallHomeListener>,
+    ) -> RecoveryDriver {
+        self.dynamo = Some(listener);
+        self
     }
 
     /// Reaching workers as the router's subscriber reaches their publishers (feature
@@ -175,8 +206,28 @@ impl RecoveryDriver {
             let config = self.config.clone();
             #[cfg(feature = "tunnel")]
             let bus = self.bus.clone();
+            #[cfg(any(feature = "etcd", feature = "kube"))]
+            let dynamo = self.dynamo.clone();
             self.running.spawn(async move {
                 let started = tokio::time::Instant::now();
+                if need.endpoint.starts_with("dynamo+") {
+                    #[cfg(any(feature = "etcd", feature = "kube"))]
+                    let answer = match &dynamo {
+                        Some(home) => {
+                            crate::kv::dynamo_recovery::recover_dynamo(
+                                home,
+                                &need.endpoint,
+                                need.request,
+                                &config,
+                            )
+                            .await
+                        }
+                        None => Err(no_dynamo()),
+                    };
+                    #[cfg(not(any(feature = "etcd", feature = "kube")))]
+                    let answer = Err(no_dynamo());
+                    return RecoveryAnswer::new(&need, answer, started.elapsed());
+                }
                 #[cfg(feature = "tunnel")]
                 let answer = ask(&need, config, bus).await;
                 #[cfg(not(feature = "tunnel"))]
@@ -272,6 +323,13 @@ async fn ask(
     })
     .await
     .map_err(|_| RecoveryError::Timeout(timeout))?
+}
+
+/// A Dynamo recovery target with no call-home listener to take its answers.
+fn no_dynamo() -> RecoveryError {
+    RecoveryError::Refused(
+        "a Dynamo recovery target, and no call-home listener (RecoveryDriver::dynamo)".to_owned(),
+    )
 }
 
 /// Sleeps until `at`, or forever.

@@ -215,6 +215,9 @@ impl EventPublisherBuilder {
     /// [`kv::RecoveryServer`](crate::kv::RecoveryServer)'s), registered with the
     /// publisher ([`Instance::recovery`](crate::discovery::Instance::recovery)) in
     /// backends whose records carry it ([`Discovery::register_instance`]). Default: none.
+    /// In Dynamo's records, `dynamo+msgpack://HOST:PORT` (or `dynamo+json://`) names a
+    /// [`DynamoQueryServer`](crate::kv::dynamo_recovery::DynamoQueryServer) instead,
+    /// written as the `recovery_target` Dynamo's router asks (features `etcd`/`kube`).
     pub fn recovery(mut self, endpoint: impl Into<String>) -> Self {
         self.recovery = Some(endpoint.into());
         self

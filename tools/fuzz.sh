@@ -37,12 +37,12 @@ while [ $# -gt 0 ]; do
     *) targets+=("$1"); shift ;;
   esac
 done
-[ ${#targets[@]} -gt 0 ] || targets=(zmtp_decode pub_session engine_batch dynamo_wire tunnel_control)
+[ ${#targets[@]} -gt 0 ] || targets=(zmtp_decode pub_session engine_batch dynamo_wire dynamo_request tunnel_control)
 
 # Executions per second each target must reach on one core (a tenth or less of what
 # the 2-core development machine measures: the floor catches a target gone slow or
 # stuck, not a slow machine).
-declare -A FLOOR=([zmtp_decode]=300 [pub_session]=300 [engine_batch]=300 [dynamo_wire]=300 [tunnel_control]=300)
+declare -A FLOOR=([zmtp_decode]=300 [pub_session]=300 [engine_batch]=300 [dynamo_wire]=300 [dynamo_request]=300 [tunnel_control]=300)
 # Edges (libFuzzer's `cov:`) the committed corpus covers when loaded, 90% of the
 # campaign's figure (fuzz/README.md). Raise them when a campaign adds coverage.
 declare -A COV_FLOOR=([zmtp_decode]=777 [pub_session]=639 [engine_batch]=1964 [dynamo_wire]=2082 [tunnel_control]=723)

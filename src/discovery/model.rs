@@ -300,7 +300,10 @@ pub struct Instance {
     /// [`kv::RecoveryServer`](crate::kv::RecoveryServer)), when it registered one
     /// (see [`Discovery::register_instance`](super::Discovery::register_instance)): a
     /// router that lost some of this publisher's events asks there instead of
-    /// forgetting the worker's blocks.
+    /// forgetting the worker's blocks. From Dynamo's records, the worker's
+    /// `recovery_target`: `dynamo+CODEC://HOST:PORT/PATH?worker_id=W&dp_rank=R`, asked
+    /// over Dynamo's request plane (see
+    /// [`RecoveryDriver::dynamo`](crate::kv::RecoveryDriver)).
     pub recovery: Option<String>,
 }
 

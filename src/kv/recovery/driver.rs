@@ -68,7 +68,7 @@ pub struct RecoveryDriver {
     #[cfg(feature = "tunnel")]
     bus: Option<(crate::tunnel::EventBus, bool)>,
     /// Where Dynamo workers' answers come back (their `dynamo+…` targets).
-    #[cfg(any(feature = "etcd", feature = "kube"))]
+    #[cfg(feature = "dynamo-recovery")]
     dynamo: Option<std::sync::Arc<crate::kv::dynamo_recovery::CallHomeListener>>,
 }
 
@@ -84,12 +84,12 @@ impl RecoveryDriver {
             refused: std::collections::VecDeque::new(),
             #[cfg(feature = "tunnel")]
             bus: None,
-            #[cfg(any(feature = "etcd", feature = "kube"))]
+            #[cfg(feature = "dynamo-recovery")]
             dynamo: None,
         }
     }
 
-    /// Asks Dynamo workers too (feature `etcd` or `kube`): a publisher whose recovery
+    /// Asks Dynamo workers too (feature `dynamo-recovery`, which `etcd` and `kube` enable): a publisher whose recovery
     /// endpoint is a Dynamo `recovery_target` (`dynamo+CODEC://…`, see
     /// [`Instance::recovery`](crate::discovery::Instance::recovery)) is asked over
     /// Dynamo's request plane, its answer taken on `listener`. Without it such a
@@ -105,7 +105,7 @@ impl RecoveryDriver {
     /// let driver = RecoveryDriver::new(RecoveryClientConfig::default()).dynamo(Arc::new(home));
     /// # drop(driver); Ok(()) }
     /// ```
-    #[cfg(any(feature = "etcd", feature = "kube"))]
+    #[cfg(feature = "dynamo-recovery")]
     #[must_use]
     pub fn dynamo(
         mut self,
@@ -206,12 +206,12 @@ impl RecoveryDriver {
             let config = self.config.clone();
             #[cfg(feature = "tunnel")]
             let bus = self.bus.clone();
-            #[cfg(any(feature = "etcd", feature = "kube"))]
+            #[cfg(feature = "dynamo-recovery")]
             let dynamo = self.dynamo.clone();
             self.running.spawn(async move {
                 let started = tokio::time::Instant::now();
                 if need.endpoint.starts_with("dynamo+") {
-                    #[cfg(any(feature = "etcd", feature = "kube"))]
+                    #[cfg(feature = "dynamo-recovery")]
                     let answer = match &dynamo {
                         Some(home) => {
                             crate::kv::dynamo_recovery::recover_dynamo(
@@ -224,7 +224,7 @@ impl RecoveryDriver {
                         }
                         None => Err(no_dynamo()),
                     };
-                    #[cfg(not(any(feature = "etcd", feature = "kube")))]
+                    #[cfg(not(feature = "dynamo-recovery"))]
                     let answer = Err(no_dynamo());
                     return RecoveryAnswer::new(&need, answer, started.elapsed());
                 }

@@ -15,7 +15,7 @@ mod support;
 use std::collections::HashSet;
 
 use serde_json::Value;
-use support::admin;
+use support::admin::{self, until_metric};
 use support::engine_peer::EnginePeer;
 use support::etcd::EtcdServer;
 use support::{Watched, within};
@@ -101,20 +101,6 @@ async fn router_with(
         .trim_end_matches('/')
         .to_owned();
     (router, addr, bus)
-}
-
-/// Waits until `metric` on the router's admin endpoint reaches `at_least`.
-async fn until_metric(addr: &str, metric: &str, at_least: f64) {
-    within(async {
-        loop {
-            let (_, body) = admin::get(addr, "/metrics").await;
-            if admin::metric(&body, metric).is_some_and(|v| v >= at_least) {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
-    })
-    .await;
 }
 
 /// Asserts the router's index (its stats line) holds exactly `truth` for worker 1.

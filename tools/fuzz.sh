@@ -45,7 +45,7 @@ done
 declare -A FLOOR=([zmtp_decode]=300 [pub_session]=300 [engine_batch]=300 [dynamo_wire]=300 [dynamo_request]=300 [tunnel_control]=300)
 # Edges (libFuzzer's `cov:`) the committed corpus covers when loaded, 90% of the
 # campaign's figure (fuzz/README.md). Raise them when a campaign adds coverage.
-declare -A COV_FLOOR=([zmtp_decode]=777 [pub_session]=639 [engine_batch]=1964 [dynamo_wire]=2082 [tunnel_control]=723)
+declare -A COV_FLOOR=([zmtp_decode]=777 [pub_session]=639 [engine_batch]=1964 [dynamo_wire]=2082 [dynamo_request]=5378 [tunnel_control]=723)
 CORPUS_CAP_KIB=1024
 CORPUS_CAP_FILES=2000
 

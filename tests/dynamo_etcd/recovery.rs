@@ -17,6 +17,7 @@
 use std::collections::HashSet;
 
 use super::live::{Py, json_line};
+use crate::support::admin::until_metric;
 use crate::support::engine_peer::EnginePeer;
 use crate::support::etcd::EtcdServer;
 use crate::support::{DEADLINE, Watched};
@@ -282,21 +283,6 @@ async fn our_router(
         }
     };
     (router, err, addr)
-}
-
-/// Waits until `metric` on the admin endpoint at `addr` reaches `at_least`.
-async fn until_metric(addr: &str, metric: &str, at_least: f64) {
-    use crate::support::admin;
-    crate::support::within(async {
-        loop {
-            let (_, body) = admin::get(addr, "/metrics").await;
-            if admin::metric(&body, metric).is_some_and(|v| v >= at_least) {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
-    })
-    .await;
 }
 
 /// The blocks a `kv-router --dump-index` stats line holds for `worker`.

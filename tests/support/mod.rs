@@ -780,6 +780,20 @@ pub mod admin {
 
     use super::within;
 
+    /// Waits until `metric` on the admin endpoint at `addr` reaches `at_least`.
+    pub async fn until_metric(addr: &str, metric: &str, at_least: f64) {
+        within(async {
+            loop {
+                let (_, body) = get(addr, "/metrics").await;
+                if self::metric(&body, metric).is_some_and(|v| v >= at_least) {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+    }
+
     /// One `GET path` on an admin endpoint: its status and body (status 0 when the
     /// connection failed or was closed without an answer: a full endpoint's refusal).
     pub async fn get(addr: &str, path: &str) -> (u16, String) {

@@ -299,11 +299,12 @@ async fn serve(
                 }
                 call_home(to, &home.subject, codec, answer).await
             });
-            let ok = tokio::select! {
+            let sent = tokio::select! {
                 () = cancel.cancelled() => return,
-                r = sent => matches!(r, Ok(Ok(()))),
+                r = sent => r,
             };
-            if !ok {
+            if !matches!(sent, Ok(Ok(()))) {
+                tracing::debug!(%to, outcome = ?sent, "Dynamo query's answer not delivered");
                 counter::add(&shared.counters.failed_call_homes, 1);
             }
         });

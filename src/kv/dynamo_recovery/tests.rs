@@ -29,6 +29,11 @@ fn stored(id: u64, hash: u64, parent: Option<u64>) -> RouterEvent {
 }
 
 async fn worker() -> (DynamoQueryServer, SharedWorkerLog) {
+    worker_with(DynamoQueryConfig::default()).await
+}
+
+/// A worker whose log holds events 1 to 6 (a chain 101..=106), served with `config`.
+async fn worker_with(config: DynamoQueryConfig) -> (DynamoQueryServer, SharedWorkerLog) {
     let log = SharedWorkerLog::new(WorkerLogConfig::default());
     let mut keeper = log.clone();
     for id in 1..=6 {
@@ -36,13 +41,9 @@ async fn worker() -> (DynamoQueryServer, SharedWorkerLog) {
             .apply(&stored(id, 100 + id, (id > 1).then(|| 99 + id)))
             .unwrap();
     }
-    let server = DynamoQueryServer::bind(
-        "tcp://127.0.0.1:0",
-        log.clone(),
-        DynamoQueryConfig::default(),
-    )
-    .await
-    .unwrap();
+    let server = DynamoQueryServer::bind("tcp://127.0.0.1:0", log.clone(), config)
+        .await
+        .unwrap();
     (server, log)
 }
 
@@ -144,21 +145,12 @@ async fn a_frame_past_its_bound_closes_the_connection_and_is_counted() {
 #[tokio::test]
 async fn the_feeds_view_of_a_dynamo_worker() {
     use crate::kv::{Recovered, RecoveryClientConfig, RecoveryError, RecoveryRequest};
-    let log = SharedWorkerLog::new(WorkerLogConfig::default());
-    let mut keeper = log.clone();
-    for id in 1..=6 {
-        keeper
-            .apply(&stored(id, 100 + id, (id > 1).then(|| 99 + id)))
-            .unwrap();
-    }
     // Two events an answer: asking from 2 takes three answers (2-3, 4-5, 6).
-    let config = DynamoQueryConfig {
+    let (server, _log) = worker_with(DynamoQueryConfig {
         max_answer_events: 2,
         ..DynamoQueryConfig::default()
-    };
-    let server = DynamoQueryServer::bind("tcp://127.0.0.1:0", log, config)
-        .await
-        .unwrap();
+    })
+    .await;
     let home = CallHomeListener::bind("127.0.0.1:0".parse().unwrap(), CallHomeConfig::default())
         .await
         .unwrap();

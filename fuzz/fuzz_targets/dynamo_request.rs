@@ -88,7 +88,10 @@ fn answers(rest: &[u8]) {
     for codec in [Codec::Msgpack, Codec::Json] {
         if let Ok(answer) = AnswerBody::decode(rest, codec) {
             let bytes = answer.encode(codec).expect("a decoded answer encodes");
-            assert_eq!(AnswerBody::decode(&bytes, codec).expect("ours decodes"), answer);
+            assert_eq!(
+                AnswerBody::decode(&bytes, codec).expect("ours decodes"),
+                answer
+            );
         }
     }
 }

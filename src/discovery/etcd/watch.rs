@@ -235,10 +235,17 @@ impl Follower {
                     named.push(id);
                 }
                 Some(Ok((_, Some(_)))) => {}
-                Some(Ok((id, None))) => {
-                    sources.remove(&id);
+                // Deleted, or no longer naming one: the publisher again, without it.
+                Some(Ok((id, None))) if sources.remove(&id).is_some() => named.push(id),
+                Some(Ok((_, None))) => {}
+                Some(Err(e)) => {
+                    self.shared.skipped(kv.key(), &e);
+                    // A record turned malformed names no recovery endpoint any more.
+                    let id = keys.source(kv.key(), None, max_value).and_then(Result::ok);
+                    if let Some((id, _)) = id.filter(|(id, _)| sources.remove(id).is_some()) {
+                        named.push(id);
+                    }
                 }
-                Some(Err(e)) => self.shared.skipped(kv.key(), &e),
                 None => {}
             }
         }
@@ -311,7 +318,8 @@ impl Follower {
                 self.backlog.push(&mut st, change);
             }
         }
-        // A recovery endpoint named after its channel: the publisher again, with it.
+        // A recovery endpoint named, changed or gone after its channel: the publisher
+        // again, as it is now.
         for id in named {
             let recovery = sources.get(&id).cloned();
             let Some(known) = st.current.get_mut(&id) else {

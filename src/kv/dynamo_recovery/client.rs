@@ -143,15 +143,36 @@ impl Default for CallHomeConfig {
 /// A stream that said which answer it carries, and what was read past that.
 type Arrived = (TcpStream, BytesMut);
 
-type Pending = Arc<Mutex<FastMap<String, oneshot::Sender<Arrived>>>>;
+/// A query waiting for its answer: the worker's address once dialled (only it may
+/// call home with the answer), and where the answer's stream goes.
+#[derive(Debug)]
+struct Waiting {
+    from: Option<std::net::IpAddr>,
+    tx: oneshot::Sender<Arrived>,
+}
+
+type Pending = Arc<Mutex<FastMap<String, Waiting>>>;
+
+/// Whether a query to `ip` is waiting for its answer.
+fn awaited(pending: &Pending, ip: std::net::IpAddr) -> bool {
+    let ip = ip.to_canonical();
+    pending
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .values()
+        .any(|w| w.from == Some(ip))
+}
 
 /// The listener workers dial back with their answers, and the queries made through
-/// it. A connection that does not name a query awaiting its answer, within the
-/// handshake timeout, is closed (nothing is accepted that was not asked for).
+/// it. A connection from an address no query is waiting on is closed at once; one
+/// that does not name a query it was sent, within the handshake timeout, is closed
+/// too (nothing is accepted that was not asked for).
 #[derive(Debug)]
 pub struct CallHomeListener {
     port: u16,
     pending: Pending,
+    /// One per query from its start to its answer's end (`max_pending`).
+    slots: Arc<tokio::sync::Semaphore>,
     config: CallHomeConfig,
     cancel: CancellationToken,
 }
@@ -181,10 +202,15 @@ impl CallHomeListener {
                     () = c.cancelled() => return,
                     a = listener.accept() => a,
                 };
-                let Ok((stream, _)) = accepted else {
+                let Ok((stream, peer)) = accepted else {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 };
+                // Only a worker a query is waiting on may call home, and only so many
+                // at once may take their time to say which answer they carry.
+                if !awaited(&p, peer.ip()) {
+                    continue;
+                }
                 let Ok(turn) = handshakes.clone().try_acquire_owned() else {
                     continue;
                 };
@@ -193,9 +219,12 @@ impl CallHomeListener {
                     let _turn = turn;
                     let said = tokio::time::timeout(wait, hello(stream, max_header));
                     if let Ok(Ok((subject, arrived))) = said.await {
-                        let waiting = p.lock().unwrap_or_else(|e| e.into_inner()).remove(&subject);
-                        if let Some(tx) = waiting {
-                            let _ = tx.send(arrived);
+                        let mut pending = p.lock().unwrap_or_else(|e| e.into_inner());
+                        let ours = pending
+                            .get(&subject)
+                            .is_some_and(|w| w.from == Some(peer.ip().to_canonical()));
+                        if let Some(w) = ours.then(|| pending.remove(&subject)).flatten() {
+                            let _ = w.tx.send(arrived);
                         }
                     }
                 });
@@ -204,6 +233,7 @@ impl CallHomeListener {
         Ok(CallHomeListener {
             port,
             pending,
+            slots: Arc::new(tokio::sync::Semaphore::new(config.max_pending.max(1))),
             config,
             cancel,
         })
@@ -226,19 +256,34 @@ impl CallHomeListener {
         query: &KvQuery,
         timeout: Duration,
     ) -> Result<KvAnswer, DynamoQueryError> {
+        self.query_through(target, query, timeout, Some(&self.config.filter))
+            .await
+    }
+
+    /// As [`query`](Self::query), dialling through `filter` instead of the
+    /// listener's (`None`: any address).
+    pub async fn query_through(
+        &self,
+        target: &QueryTarget,
+        query: &KvQuery,
+        timeout: Duration,
+        filter: Option<&crate::net::AddrFilter>,
+    ) -> Result<KvAnswer, DynamoQueryError> {
+        // Held until the answer is read (the bound on answers in memory).
+        let Ok(_slot) = self.slots.try_acquire() else {
+            return Err(DynamoQueryError::Busy);
+        };
         let subject = format!(
             "{:032x}",
             u128::from(crate::net::random_u64()) << 64 | u128::from(crate::net::random_u64())
         );
         let (tx, rx) = oneshot::channel();
-        {
-            let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-            if pending.len() >= self.config.max_pending {
-                return Err(DynamoQueryError::Busy);
-            }
-            pending.insert(subject.clone(), tx);
-        }
-        let asked = tokio::time::timeout(timeout, self.ask(target, query, &subject, rx)).await;
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(subject.clone(), Waiting { from: None, tx });
+        let asked =
+            tokio::time::timeout(timeout, self.ask(target, query, &subject, rx, filter)).await;
         self.pending
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -252,12 +297,27 @@ impl CallHomeListener {
         query: &KvQuery,
         subject: &str,
         rx: oneshot::Receiver<Arrived>,
+        filter: Option<&crate::net::AddrFilter>,
     ) -> Result<KvAnswer, DynamoQueryError> {
         let endpoint = format!("tcp://{}", target.address);
         let zmtp = crate::zmtp::Config::default();
-        let mut stream = crate::zmtp::dial_filtered(&endpoint, &zmtp, &self.config.filter)
-            .await
-            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        let mut stream = match filter {
+            Some(filter) => crate::zmtp::dial_filtered(&endpoint, &zmtp, filter)
+                .await
+                .map_err(|e| std::io::Error::other(e.to_string()))?,
+            None => TcpStream::connect(&target.address).await?,
+        };
+        let _ = stream.set_nodelay(true);
+        // Only this worker may bring the answer.
+        let worker = stream.peer_addr()?.ip().to_canonical();
+        if let Some(w) = self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(subject)
+        {
+            w.from = Some(worker);
+        }
         // The worker dials back the address it reached us from.
         let local = stream.local_addr()?;
         let home = CallHome::new(SocketAddr::new(local.ip(), self.port), subject);

@@ -5,9 +5,7 @@
 
 use super::client::{CallHomeListener, DynamoQueryError, QueryTarget};
 use super::query::{KvAnswer, KvQuery};
-use crate::kv::{
-    Dump, KvEventData, Recovered, RecoveryClientConfig, RecoveryError, RecoveryRequest,
-};
+use crate::kv::{Dump, Recovered, RecoveryClientConfig, RecoveryError, RecoveryRequest};
 
 /// Asks the Dynamo worker `endpoint` names (`dynamo+CODEC://…`, see
 /// [`QueryTarget::parse`]) for `request`, within the config's timeout and bounds.
@@ -37,7 +35,8 @@ pub(crate) async fn recover_dynamo(
         RecoveryRequest::Dump => None,
     };
     let deadline = tokio::time::Instant::now() + config.timeout;
-    let mut answer = ask(listener, &target, start, deadline).await?;
+    let filter = config.filter.as_ref();
+    let mut answer = ask(listener, &target, start, deadline, filter).await?;
     // The rest of a partial answer, while the worker has more.
     if let (
         KvAnswer::Events {
@@ -52,18 +51,22 @@ pub(crate) async fn recover_dynamo(
             rounds += 1;
             // A failed follow-up leaves a shorter answer, still a true one.
             let after = Some(last_event_id.saturating_add(1));
-            let Ok(next) = ask(listener, &target, after, deadline).await else {
+            let Ok(next) = ask(listener, &target, after, deadline, filter).await else {
                 break;
             };
             match next {
+                // Kept only within the bound on one answer: past it, the answer
+                // stops where it was (the feed asks again from there).
                 KvAnswer::Events {
                     events: more,
                     last_event_id: last,
-                } if last > *last_event_id => {
+                } if last > *last_event_id
+                    && weight(events).saturating_add(weight(&more)) <= config.max_blocks =>
+                {
                     let done = more.is_empty();
                     events.extend(more);
                     *last_event_id = last;
-                    if done || events.len().max(blocks(events)) > config.max_blocks {
+                    if done {
                         break;
                     }
                 }
@@ -78,14 +81,13 @@ pub(crate) async fn recover_dynamo(
 /// Follow-up queries for one partial answer, at most.
 const MAX_ROUNDS: usize = 64;
 
-fn blocks(events: &[crate::kv::RouterEvent]) -> usize {
+/// What an answer's events weigh against `max_blocks`: their blocks (stored or
+/// removed), and one for each event.
+fn weight(events: &[crate::kv::RouterEvent]) -> usize {
     events
         .iter()
-        .map(|e| match &e.event.data {
-            KvEventData::Stored { blocks, .. } => blocks.len(),
-            _ => 0,
-        })
-        .sum::<usize>()
+        .map(|e| e.event.data.block_count().saturating_add(1))
+        .fold(0usize, usize::saturating_add)
 }
 
 /// One query, within what is left of the request's time.
@@ -94,11 +96,12 @@ async fn ask(
     target: &QueryTarget,
     start: Option<u64>,
     deadline: tokio::time::Instant,
+    filter: Option<&crate::net::AddrFilter>,
 ) -> Result<KvAnswer, RecoveryError> {
     let query = KvQuery::recovery(target.worker_id, target.dp_rank, start);
     let left = deadline.saturating_duration_since(tokio::time::Instant::now());
     listener
-        .query(target, &query, left)
+        .query_through(target, &query, left, filter)
         .await
         .map_err(|e| match e {
             DynamoQueryError::Io(e) => RecoveryError::Connection(crate::zmtp::Error::Io(e)),
@@ -129,7 +132,7 @@ fn finish(
             events,
             last_event_id,
         } => {
-            if blocks(&events) > config.max_blocks {
+            if weight(&events) > config.max_blocks {
                 return Err(RecoveryError::TooManyBlocks(config.max_blocks));
             }
             Ok(Recovered::Events {
@@ -141,7 +144,12 @@ fn finish(
             mut events,
             last_event_id,
         } => {
-            if blocks(&events) > config.max_blocks {
+            if events
+                .iter()
+                .map(|e| e.event.data.block_count())
+                .sum::<usize>()
+                > config.max_blocks
+            {
                 return Err(RecoveryError::TooManyBlocks(config.max_blocks));
             }
             for e in &mut events {

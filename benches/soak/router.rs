@@ -375,7 +375,16 @@ pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
         wipes: BTreeMap::new(),
         stalls: 0,
     };
-    let mut driver = RecoveryDriver::new(RecoveryClientConfig::default());
+    // Dynamo-wire workers advertise Dynamo's KV query endpoint: their answers come
+    // back on this listener.
+    let home = eventplane::kv::dynamo_recovery::CallHomeListener::bind(
+        std::net::SocketAddr::from(([0, 0, 0, 0], 0)),
+        eventplane::kv::dynamo_recovery::CallHomeConfig::default(),
+    )
+    .await
+    .map_err(|e| format!("call-home listener: {e}"))?;
+    let mut driver =
+        RecoveryDriver::new(RecoveryClientConfig::default()).dynamo(std::sync::Arc::new(home));
     let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
     let (mut batch_a, mut batch_b) = (Vec::with_capacity(256), Vec::with_capacity(256));
     let mut notices = Vec::new();

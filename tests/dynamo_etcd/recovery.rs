@@ -6,6 +6,11 @@
 //!   keeping what it held: it ends with exactly the engine's blocks (one without the
 //!   relay's `recovery_target` resets the worker there, and the oldest blocks vanish
 //!   from its index).
+//! - `kv-router --dynamo` follows a real Dynamo worker with its local indexer, through
+//!   a hop that loses exactly what a test says: rebuilt from its dump at first sight,
+//!   repaired with `Events` after a small loss and with a `TreeDump` after one larger
+//!   than the worker's ring; a worker that hangs mid-query is wiped at the router's
+//!   deadline, counted, and rebuilt once it answers again.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -253,26 +258,26 @@ fn store(hashes: &[u64], parent: Option<u64>) -> String {
 async fn our_router(
     etcd: &str,
     ns: &str,
+    extra: &[&str],
 ) -> (
     tokio::process::Child,
     tokio::sync::mpsc::Receiver<String>,
     String,
 ) {
-    let (router, _out, mut err) = super::suite::spawn_kv_router(
-        &[
-            "--etcd",
-            etcd,
-            "--dynamo",
-            "--namespace",
-            ns,
-            "--format",
-            "quiet",
-            "--dump-index",
-            "--admin-listen",
-            "127.0.0.1:0",
-        ],
-        &[],
-    );
+    let mut args = vec![
+        "--etcd",
+        etcd,
+        "--dynamo",
+        "--namespace",
+        ns,
+        "--format",
+        "quiet",
+        "--dump-index",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ];
+    args.extend(extra);
+    let (router, _out, mut err) = super::suite::spawn_kv_router(&args, &[]);
     let addr = loop {
         let line = crate::support::within(err.recv())
             .await
@@ -313,7 +318,7 @@ async fn kv_router_rebuilds_a_real_dynamo_worker_from_its_local_indexer() {
     // The worker's local indexer applies its own events asynchronously.
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
 
-    let (router, err, addr) = our_router(&etcd.url(), ns).await;
+    let (router, err, addr) = our_router(&etcd.url(), ns, &[]).await;
     until_metric(&addr, "eventplane_kv_index_repairs_total", 1.0).await;
     // Live after the dump.
     worker.send(&store(&[301], None)).await;
@@ -342,7 +347,7 @@ async fn kv_router_repairs_a_gap_over_dynamos_request_plane() {
     let mut engine = EnginePeer::start("vllm-0.34.0", "vllm").await;
     let (relay, _) = spawn_relay(&engine, &etcd.url(), ns, "msgpack", "64").await;
     engine.burst(20).await;
-    let (router, err, addr) = our_router(&etcd.url(), ns).await;
+    let (router, err, addr) = our_router(&etcd.url(), ns, &[]).await;
     until_metric(&addr, "eventplane_kv_index_repairs_total", 1.0).await;
 
     signal(router.id().unwrap(), "-STOP");
@@ -378,4 +383,367 @@ async fn kv_router_repairs_a_gap_over_dynamos_request_plane() {
     );
     let served = &relay_stats["recovery"]["server"];
     assert!(served["events"].as_u64().unwrap() >= 1, "{relay_stats}");
+}
+
+/// A lossy hop on a Dynamo worker's event plane: a SUB on the worker's PUB and a PUB
+/// of its own that forwards every message unchanged, except those it is told to lose
+/// (whole messages, counted in the router events they carry) or hold. The worker's
+/// `event_channels` record is rewritten to name it (same lease), so a router started
+/// after that reads the worker through it: a loss exactly where a test wants one.
+struct LossyHop {
+    publisher: std::sync::Arc<eventplane::zmtp::PubSocket>,
+    state: std::sync::Arc<std::sync::Mutex<HopState>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Default)]
+struct HopState {
+    /// Lose messages while this many events are still to be lost.
+    lose: u64,
+    /// Events lost so far.
+    lost: u64,
+    /// Events forwarded so far.
+    forwarded: u64,
+    /// Holding: messages kept back (`release`).
+    hold: bool,
+    held: Vec<eventplane::zmtp::Message>,
+}
+
+/// The router events a Dynamo event-plane message carries (its last part's envelope;
+/// 0 for a message that carries none).
+fn events_in(message: &eventplane::zmtp::Message) -> u64 {
+    message
+        .get(message.len().saturating_sub(1))
+        .and_then(|frame| eventplane::wire::parse_dynamo_frame(frame).ok())
+        .filter(|envelope| envelope.topic == "kv-events")
+        .and_then(|envelope| eventplane::kv::decode_dynamo_router_events(envelope.payload).ok())
+        .map_or(0, |events| events.len() as u64)
+}
+
+impl LossyHop {
+    /// Puts a hop in front of the only worker registered under `ns`.
+    async fn insert(etcd: &EtcdServer, ns: &str) -> LossyHop {
+        use eventplane::zmtp::{Config, PubSocket, SubSocket};
+        let prefix = format!("v1/event_channels/namespace/{ns}/");
+        let listed = etcd.etcdctl(&["get", "--prefix", &prefix]);
+        let [key, value] = listed.lines().collect::<Vec<_>>()[..] else {
+            panic!("not one event channel under {prefix}: {listed}");
+        };
+        let (key, value) = (key.to_owned(), value.to_owned());
+        let json = etcd.etcdctl(&["get", &key, "-w", "json"]);
+        let json: serde_json::Value = serde_json::from_str(&json).unwrap();
+        let lease = json["kvs"][0]["lease"].as_i64().unwrap();
+        let mut record: serde_json::Value = serde_json::from_str(&value).unwrap();
+        let worker = record["transport"]["config"]["endpoint"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+
+        let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+            .await
+            .unwrap();
+        let endpoint = publisher.local_endpoint().unwrap().to_owned();
+        let publisher = std::sync::Arc::new(publisher);
+        let mut sub = SubSocket::connect(&worker, Config::default())
+            .await
+            .unwrap();
+        sub.subscribe("").await.unwrap();
+        let state = std::sync::Arc::new(std::sync::Mutex::new(HopState::default()));
+        let (shared, forward) = (state.clone(), publisher.clone());
+        let task = tokio::spawn(async move {
+            while let Ok(message) = sub.recv().await {
+                let events = events_in(&message);
+                let mut s = shared.lock().unwrap();
+                if s.lose > 0 {
+                    s.lose = s.lose.saturating_sub(events);
+                    s.lost += events;
+                } else if s.hold {
+                    s.held.push(message);
+                } else {
+                    s.forwarded += events;
+                    forward.send(message);
+                }
+            }
+        });
+
+        record["transport"]["config"]["endpoint"] = endpoint.into();
+        etcd.etcdctl(&[
+            "put",
+            &format!("--lease={lease:x}"),
+            &key,
+            &record.to_string(),
+        ]);
+        LossyHop {
+            publisher,
+            state,
+            task,
+        }
+    }
+
+    /// Loses the next messages, until `events` events are lost.
+    fn lose(&self, events: u64) {
+        self.state.lock().unwrap().lose = events;
+    }
+
+    /// Events forwarded so far.
+    fn forwarded(&self) -> u64 {
+        self.state.lock().unwrap().forwarded
+    }
+
+    /// Events lost so far.
+    fn lost(&self) -> u64 {
+        self.state.lock().unwrap().lost
+    }
+
+    fn hold(&self) {
+        self.state.lock().unwrap().hold = true;
+    }
+
+    /// Messages held back so far.
+    fn held(&self) -> usize {
+        self.state.lock().unwrap().held.len()
+    }
+
+    /// Stops holding: loses the first held message, forwards the rest.
+    fn release_losing_first(&self) {
+        let mut s = self.state.lock().unwrap();
+        s.hold = false;
+        let mut held = std::mem::take(&mut s.held).into_iter();
+        if let Some(first) = held.next() {
+            s.lost += events_in(&first);
+        }
+        for message in held {
+            s.forwarded += events_in(&message);
+            self.publisher.send(message);
+        }
+    }
+}
+
+impl Drop for LossyHop {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Waits until the router at `addr` has settled (nothing held, nobody recovering)
+/// with `blocks` blocks, or wiped someone (the caller's assertions then say what);
+/// with `None`, only until it settled.
+async fn until_settled(addr: &str, blocks: Option<usize>) {
+    use crate::support::admin;
+    crate::support::within(async {
+        loop {
+            let (_, body) = admin::get(addr, "/metrics").await;
+            let at = |m: &str| admin::metric(&body, m).unwrap_or(-1.0);
+            let settled = at("eventplane_kv_index_held_events") == 0.0
+                && at("eventplane_kv_index_recovering_publishers") == 0.0;
+            let Some(blocks) = blocks else {
+                if settled {
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            };
+            if settled && at("eventplane_kv_index_blocks") == blocks as f64 {
+                return;
+            }
+            if at("eventplane_kv_index_wipes_total") > 0.0 {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+}
+
+/// Waits until `f` of the hop stops changing (500 ms), then returns it.
+async fn until_still(f: impl Fn() -> u64) -> u64 {
+    crate::support::within(async {
+        let mut last = f();
+        loop {
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            let now = f();
+            if now == last {
+                return now;
+            }
+            last = now;
+        }
+    })
+    .await
+}
+
+/// The engine the tests below play through `dynamo_worker.py`'s stdin: batches of
+/// whole chains (no parent), and what it holds.
+#[derive(Default)]
+struct Engine {
+    next: u64,
+    held: HashSet<u64>,
+    batches: u64,
+}
+
+impl Engine {
+    /// Publishes `n` batches of `chains` chains of 2 blocks each through `worker`;
+    /// returns once the worker has handed the last to its relay.
+    async fn publish(&mut self, worker: &mut Py, n: usize, chains: usize) {
+        for _ in 0..n {
+            let events: Vec<serde_json::Value> = (0..chains)
+                .map(|_| {
+                    let hashes = [1_000_000 + self.next, 1_000_001 + self.next];
+                    self.next += 2;
+                    self.held.extend(hashes);
+                    let tokens: Vec<u64> = hashes.iter().flat_map(|h| [*h; 4]).collect();
+                    serde_json::json!(["BlockStored", hashes, null, tokens, 4, null, "GPU", null])
+                })
+                .collect();
+            worker
+                .send(&serde_json::Value::from(events).to_string())
+                .await;
+            self.batches += 1;
+        }
+        let last = format!("\"batch\": {}", self.batches - 1);
+        worker.until(|l| l.contains(&last)).await;
+    }
+}
+
+/// `kv-router --dynamo` follows a real Dynamo 1.6.1 worker (its local indexer on)
+/// through a hop that loses what the test says, and repairs each loss over Dynamo's
+/// request plane: a few events lost (within the worker's ring of 1,024) come back as
+/// `Events`; more than its ring holds come back as a `TreeDump`; either way nothing is
+/// wiped and the index equals the engine's blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_router_repairs_a_real_dynamo_workers_gaps() {
+    let etcd = EtcdServer::start().await;
+    let ns = "dynrec-realgap";
+    let mut worker = dynamo_worker(&etcd.url(), ns).await;
+    let hop = LossyHop::insert(&etcd, ns).await;
+    let mut engine = Engine::default();
+    engine.publish(&mut worker, 3, 4).await;
+    // Relayed (and so in the worker's local indexer, which it feeds as it publishes).
+    until_still(|| hop.forwarded()).await;
+
+    let (router, err, addr) = our_router(&etcd.url(), ns, &[]).await;
+    until_metric(
+        &addr,
+        "eventplane_kv_index_repairs_total{kind=\"dump\"}",
+        1.0,
+    )
+    .await;
+    until_settled(&addr, Some(engine.held.len())).await;
+
+    // One batch lost: asked from the event after the last one seen, in the ring.
+    hop.lose(1);
+    engine.publish(&mut worker, 3, 4).await;
+    until_metric(
+        &addr,
+        "eventplane_kv_index_repairs_total{kind=\"since\"}",
+        1.0,
+    )
+    .await;
+    until_settled(&addr, Some(engine.held.len())).await;
+    assert!(hop.lost() >= 1);
+
+    // More than the worker's ring: it answers the same question with its tree.
+    hop.lose(1100);
+    engine.publish(&mut worker, 60, 20).await;
+    until_metric(
+        &addr,
+        "eventplane_kv_index_repairs_total{kind=\"dump\"}",
+        2.0,
+    )
+    .await;
+    until_settled(&addr, Some(engine.held.len())).await;
+    let lost = hop.lost();
+    assert!(lost > 1100, "the hop lost only {lost} events");
+
+    let stats = super::suite::terminate_reading(router, err).await;
+    for cause in ["id_gap", "reconnect", "recovery_failed", "held_overflow"] {
+        assert_eq!(stats["wipes"][cause], 0, "{cause}: {}", stats["wipes"]);
+    }
+    assert_eq!(stats["repairs"]["since"], 1, "{}", stats["repairs"]);
+    assert_eq!(our_index(&stats, 77), engine.held);
+    eprintln!(
+        "lost {lost} events, forwarded {} ({})",
+        hop.forwarded(),
+        stats["repairs"]
+    );
+    drop(hop);
+    worker.finish().await;
+}
+
+/// A real Dynamo worker that hangs mid-query (stopped after publishing, so its
+/// request plane accepts the router's connection and never answers) is wiped once the
+/// router's recovery deadline passes, counted (`recovery_failed`), and the events held
+/// meanwhile are applied: only the blocks after the loss are left. Once the worker
+/// answers again, the router rebuilds it from its dump and equals the engine. (Dynamo
+/// 1.6.1's router retries such a worker for about 25 s, holding its events, then
+/// applies them over what it had.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_router_wipes_a_real_dynamo_worker_that_hangs_mid_query_then_rebuilds_it() {
+    use crate::support::admin;
+    let etcd = EtcdServer::start().await;
+    let ns = "dynrec-hang";
+    let mut worker = dynamo_worker(&etcd.url(), ns).await;
+    let hop = LossyHop::insert(&etcd, ns).await;
+    let mut engine = Engine::default();
+    engine.publish(&mut worker, 3, 4).await;
+    until_still(|| hop.forwarded()).await;
+
+    let deadline_ms = 1000;
+    let deadline = deadline_ms.to_string();
+    let (router, err, addr) =
+        our_router(&etcd.url(), ns, &["--recovery-timeout-ms", &deadline]).await;
+    until_metric(
+        &addr,
+        "eventplane_kv_index_repairs_total{kind=\"dump\"}",
+        1.0,
+    )
+    .await;
+    until_settled(&addr, Some(engine.held.len())).await;
+
+    hop.hold();
+    engine.publish(&mut worker, 2, 4).await;
+    let held = until_still(|| hop.held() as u64).await;
+    assert!(held >= 2, "the worker relayed {held} messages");
+    signal(worker.pid(), "-STOP");
+    let before = hop.forwarded();
+    let released = tokio::time::Instant::now();
+    hop.release_losing_first();
+    let after_loss = 2 * (hop.forwarded() - before); // a chain of 2 blocks an event
+    until_metric(
+        &addr,
+        "eventplane_kv_index_wipes_total{reason=\"recovery_failed\"}",
+        1.0,
+    )
+    .await;
+    let waited = released.elapsed();
+    // The deadline fired, and not long after it (slack for a loaded machine).
+    assert!(
+        waited >= std::time::Duration::from_millis(deadline_ms)
+            && waited < std::time::Duration::from_millis(deadline_ms * 8),
+        "wiped {waited:?} after the loss (deadline {deadline_ms} ms)"
+    );
+    // Still stopped: its rebuild cannot have happened; what the router holds is what
+    // came after the loss.
+    until_settled(&addr, None).await;
+    let (_, body) = admin::get(&addr, "/metrics").await;
+    assert_eq!(
+        admin::metric(&body, "eventplane_kv_index_blocks"),
+        Some(after_loss as f64)
+    );
+    signal(worker.pid(), "-CONT");
+    until_metric(
+        &addr,
+        "eventplane_kv_index_repairs_total{kind=\"rebuild\"}",
+        1.0,
+    )
+    .await;
+    until_settled(&addr, Some(engine.held.len())).await;
+
+    let stats = super::suite::terminate_reading(router, err).await;
+    assert_eq!(stats["wipes"]["recovery_failed"], 1, "{}", stats["wipes"]);
+    for cause in ["id_gap", "reconnect", "held_overflow"] {
+        assert_eq!(stats["wipes"][cause], 0, "{cause}: {}", stats["wipes"]);
+    }
+    assert_eq!(our_index(&stats, 77), engine.held);
+    drop(hop);
+    worker.finish().await;
 }

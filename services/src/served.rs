@@ -70,6 +70,26 @@ impl Served {
         }
     }
 
+    /// Samples its counters into `exporter` (`eventplane_kv_recovery_*`).
+    pub fn export(
+        served: &std::sync::Arc<Served>,
+        exporter: eventplane::metrics::Exporter,
+    ) -> eventplane::metrics::Exporter {
+        let served = served.clone();
+        match &*served {
+            Served::Ours(_) => exporter.source(move || match &*served {
+                Served::Ours(s) => s.stats(),
+                #[cfg(any(feature = "etcd", feature = "kube"))]
+                Served::Dynamo(..) => Default::default(),
+            }),
+            #[cfg(any(feature = "etcd", feature = "kube"))]
+            Served::Dynamo(..) => exporter.source(move || match &*served {
+                Served::Dynamo(s, _) => s.stats(),
+                Served::Ours(_) => Default::default(),
+            }),
+        }
+    }
+
     /// Its counters.
     pub fn stats(&self) -> serde_json::Value {
         let stats = match self {

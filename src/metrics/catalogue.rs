@@ -234,6 +234,15 @@ catalogue! {
     KV_WORKER_PUBLISHED: Counter "eventplane_kv_worker_published_messages_total" [] "WorkerStats"
         "Messages the worker's sink published.";
 
+    // kv::RecoveryServer (`RecoveryServerStats`) and
+    // kv::dynamo_recovery::DynamoQueryServer (`DynamoQueryStats`): a worker's recovery endpoint.
+    KV_RECOVERY_CONNECTIONS: Counter "eventplane_kv_recovery_connections_total" ["outcome"] "RecoveryServerStats, DynamoQueryStats"
+        "Recovery request connections, by outcome: accepted, refused (closed at once: too many were open).";
+    KV_RECOVERY_ANSWERS: Counter "eventplane_kv_recovery_answers_total" ["kind"] "RecoveryServerStats, DynamoQueryStats"
+        "Recovery requests answered, by kind: events, dump, too_old (ours: a loss older than the log), out_of_range (Dynamo's TooNew or InvalidRange).";
+    KV_RECOVERY_UNANSWERED: Counter "eventplane_kv_recovery_unanswered_total" ["reason"] "RecoveryServerStats, DynamoQueryStats"
+        "Recovery requests not answered, by reason: malformed, busy (Dynamo's: max_queued_answers were waiting), call_home_refused (the address to answer was not the asker's, or the filter refused it), call_home_failed.";
+
     // admin::AdminServer: `AdminStats`.
     ADMIN_REQUESTS: Counter "eventplane_admin_requests_total" [] "AdminStats"
         "Requests the admin endpoint answered.";

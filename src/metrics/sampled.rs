@@ -4,7 +4,9 @@ use super::Samples;
 use super::catalogue::*;
 use crate::admin::AdminStats;
 use crate::discovery::DiscoveryStats;
-use crate::kv::{EngineListenerStats, IndexFeedStats, ProcessorStats, WorkerStats};
+use crate::kv::{
+    EngineListenerStats, IndexFeedStats, ProcessorStats, RecoveryServerStats, WorkerStats,
+};
 use crate::subscriber::SubscriberStats;
 use crate::zmtp::PubStats;
 
@@ -35,7 +37,8 @@ sampled!(
     EngineListenerStats,
     ProcessorStats,
     WorkerStats,
-    IndexFeedStats
+    IndexFeedStats,
+    RecoveryServerStats
 );
 
 fn n(v: usize) -> u64 {
@@ -231,6 +234,68 @@ impl Sampled for WorkerStats {
         out.counter(&KV_WORKER_PUBLISHED, self.published_messages);
         if let Some(publisher) = &self.publisher {
             publisher.sample(out);
+        }
+    }
+}
+
+/// A recovery endpoint's series (ours or Dynamo's): its connections (accepted,
+/// refused), then its answers and its unanswered requests by label.
+fn recovery_endpoint(
+    out: &mut Samples,
+    [accepted, refused]: [u64; 2],
+    answers: &[(&'static str, u64)],
+    unanswered: &[(&'static str, u64)],
+) {
+    out.labelled(&KV_RECOVERY_CONNECTIONS, "accepted", accepted);
+    out.labelled(&KV_RECOVERY_CONNECTIONS, "refused", refused);
+    for (kind, v) in answers {
+        out.labelled(&KV_RECOVERY_ANSWERS, kind, *v);
+    }
+    for (reason, v) in unanswered {
+        out.labelled(&KV_RECOVERY_UNANSWERED, reason, *v);
+    }
+}
+
+impl Sampled for RecoveryServerStats {
+    fn sample(&self, out: &mut Samples) {
+        recovery_endpoint(
+            out,
+            [self.connections, self.refused_connections],
+            &[
+                ("events", self.since_requests),
+                ("dump", self.dump_requests),
+                ("too_old", self.too_old),
+            ],
+            &[("malformed", self.malformed_requests)],
+        );
+    }
+}
+
+#[cfg(feature = "dynamo-recovery")]
+mod dynamo_recovery {
+    use super::super::Samples;
+    use super::{Sampled, recovery_endpoint, sealed};
+    use crate::kv::dynamo_recovery::DynamoQueryStats;
+
+    sampled!(DynamoQueryStats);
+
+    impl Sampled for DynamoQueryStats {
+        fn sample(&self, out: &mut Samples) {
+            recovery_endpoint(
+                out,
+                [self.connections, self.refused_connections],
+                &[
+                    ("events", self.events),
+                    ("dump", self.dumps),
+                    ("out_of_range", self.out_of_range),
+                ],
+                &[
+                    ("malformed", self.malformed),
+                    ("busy", self.busy),
+                    ("call_home_refused", self.refused_call_homes),
+                    ("call_home_failed", self.failed_call_homes),
+                ],
+            );
         }
     }
 }

@@ -32,14 +32,15 @@ const WORKER: u64 = 1;
 
 /// `kv-relay --wire dynamo` in front of `engine`, registered in etcd under
 /// `ns/kvworker` with a Dynamo KV query endpoint in `codec`, queueing `queue` messages
-/// per router; returns it and the endpoint it registered.
+/// per router, with its admin endpoint; returns it, the endpoint it registered and its
+/// admin address.
 async fn spawn_relay(
     engine: &EnginePeer,
     etcd: &str,
     ns: &str,
     codec: &str,
     queue: &str,
-) -> (Watched, String) {
+) -> (Watched, String, String) {
     let (mut relay, _) = engine
         .relay(&[
             "--wire",
@@ -61,11 +62,19 @@ async fn spawn_relay(
             ns,
             "--component",
             "kvworker",
+            "--admin-listen",
+            "127.0.0.1:0",
         ])
         .await;
     let line = relay.line().await;
     let endpoint = line.strip_prefix("recovery ").unwrap().to_owned();
-    (relay, endpoint)
+    let admin = relay.stderr_until("admin endpoint on http://").await;
+    let admin = admin
+        .rsplit("http://")
+        .next()
+        .unwrap()
+        .trim_end_matches('/');
+    (relay, endpoint, admin.to_owned())
 }
 
 /// Dynamo's router on `ns/kvworker`, admitting the relay's worker.
@@ -154,7 +163,7 @@ async fn dynamos_router_repairs_from_kv_relay(codec: &str) {
     let mut engine = EnginePeer::start("vllm-0.34.0", "vllm").await;
     engine.evict_chains().await;
     // A short queue toward a router that stops reading: it drops soon.
-    let (relay, endpoint) = spawn_relay(&engine, &etcd.url(), &ns, codec, "64").await;
+    let (relay, endpoint, _) = spawn_relay(&engine, &etcd.url(), &ns, codec, "64").await;
     assert!(
         endpoint.starts_with(&format!("dynamo+{codec}://127.0.0.1:")),
         "{endpoint}"
@@ -345,7 +354,7 @@ async fn kv_router_repairs_a_gap_over_dynamos_request_plane() {
     let etcd = EtcdServer::start().await;
     let ns = "dynrec-gap";
     let mut engine = EnginePeer::start("vllm-0.34.0", "vllm").await;
-    let (relay, _) = spawn_relay(&engine, &etcd.url(), ns, "msgpack", "64").await;
+    let (relay, _, relay_admin) = spawn_relay(&engine, &etcd.url(), ns, "msgpack", "64").await;
     engine.burst(20).await;
     let (router, err, addr) = our_router(&etcd.url(), ns, &[]).await;
     until_metric(&addr, "eventplane_kv_index_repairs_total", 1.0).await;
@@ -376,6 +385,15 @@ async fn kv_router_repairs_a_gap_over_dynamos_request_plane() {
         assert_eq!(stats["wipes"][cause], 0, "{cause}: {}", stats["wipes"]);
     }
     assert_eq!(our_index(&stats, WORKER), truth);
+    // What the relay served, on its /metrics as in its stats.
+    let (_, metrics) = admin::get(&relay_admin, "/metrics").await;
+    let answered = |kind: &str| {
+        let name = format!("eventplane_kv_recovery_answers_total{{kind=\"{kind}\"}}");
+        admin::metric(&metrics, &name).unwrap_or(0.0)
+    };
+    // (`out_of_range` too: the router's follow-ups past the newest event, `TooNew`.)
+    assert_eq!(answered("dump"), 1.0, "{metrics}");
+    assert!(answered("events") >= 1.0, "{metrics}");
     let relay_stats = relay.terminate().await;
     assert!(
         relay_stats["publisher"]["dropped"].as_u64().unwrap() > 0,
@@ -604,6 +622,48 @@ impl Engine {
     }
 }
 
+/// A real Dynamo worker (77, local indexer on) under `ns/kvworker`, behind a lossy
+/// hop, that stored 3 batches before `kv-router --dynamo` (with `extra` arguments)
+/// started, rebuilt it from its dump and settled.
+struct RealWorker {
+    _etcd: EtcdServer,
+    worker: Py,
+    hop: LossyHop,
+    engine: Engine,
+    router: tokio::process::Child,
+    err: tokio::sync::mpsc::Receiver<String>,
+    addr: String,
+}
+
+impl RealWorker {
+    async fn followed(ns: &str, extra: &[&str]) -> RealWorker {
+        let etcd = EtcdServer::start().await;
+        let mut worker = dynamo_worker(&etcd.url(), ns).await;
+        let hop = LossyHop::insert(&etcd, ns).await;
+        let mut engine = Engine::default();
+        engine.publish(&mut worker, 3, 4).await;
+        // Relayed (and so in the worker's local indexer, fed as it publishes).
+        until_still(|| hop.forwarded()).await;
+        let (router, err, addr) = our_router(&etcd.url(), ns, extra).await;
+        until_metric(
+            &addr,
+            "eventplane_kv_index_repairs_total{kind=\"dump\"}",
+            1.0,
+        )
+        .await;
+        until_settled(&addr, Some(engine.held.len())).await;
+        RealWorker {
+            _etcd: etcd,
+            worker,
+            hop,
+            engine,
+            router,
+            err,
+            addr,
+        }
+    }
+}
+
 /// `kv-router --dynamo` follows a real Dynamo 1.6.1 worker (its local indexer on)
 /// through a hop that loses what the test says, and repairs each loss over Dynamo's
 /// request plane: a few events lost (within the worker's ring of 1,024) come back as
@@ -611,23 +671,15 @@ impl Engine {
 /// wiped and the index equals the engine's blocks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_router_repairs_a_real_dynamo_workers_gaps() {
-    let etcd = EtcdServer::start().await;
-    let ns = "dynrec-realgap";
-    let mut worker = dynamo_worker(&etcd.url(), ns).await;
-    let hop = LossyHop::insert(&etcd, ns).await;
-    let mut engine = Engine::default();
-    engine.publish(&mut worker, 3, 4).await;
-    // Relayed (and so in the worker's local indexer, which it feeds as it publishes).
-    until_still(|| hop.forwarded()).await;
-
-    let (router, err, addr) = our_router(&etcd.url(), ns, &[]).await;
-    until_metric(
-        &addr,
-        "eventplane_kv_index_repairs_total{kind=\"dump\"}",
-        1.0,
-    )
-    .await;
-    until_settled(&addr, Some(engine.held.len())).await;
+    let RealWorker {
+        _etcd,
+        mut worker,
+        hop,
+        mut engine,
+        router,
+        err,
+        addr,
+    } = RealWorker::followed("dynrec-realgap", &[]).await;
 
     // One batch lost: asked from the event after the last one seen, in the ring.
     hop.lose(1);
@@ -679,25 +731,17 @@ async fn kv_router_repairs_a_real_dynamo_workers_gaps() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_router_wipes_a_real_dynamo_worker_that_hangs_mid_query_then_rebuilds_it() {
     use crate::support::admin;
-    let etcd = EtcdServer::start().await;
-    let ns = "dynrec-hang";
-    let mut worker = dynamo_worker(&etcd.url(), ns).await;
-    let hop = LossyHop::insert(&etcd, ns).await;
-    let mut engine = Engine::default();
-    engine.publish(&mut worker, 3, 4).await;
-    until_still(|| hop.forwarded()).await;
-
     let deadline_ms = 1000;
     let deadline = deadline_ms.to_string();
-    let (router, err, addr) =
-        our_router(&etcd.url(), ns, &["--recovery-timeout-ms", &deadline]).await;
-    until_metric(
-        &addr,
-        "eventplane_kv_index_repairs_total{kind=\"dump\"}",
-        1.0,
-    )
-    .await;
-    until_settled(&addr, Some(engine.held.len())).await;
+    let RealWorker {
+        _etcd,
+        mut worker,
+        hop,
+        mut engine,
+        router,
+        err,
+        addr,
+    } = RealWorker::followed("dynrec-hang", &["--recovery-timeout-ms", &deadline]).await;
 
     hop.hold();
     engine.publish(&mut worker, 2, 4).await;

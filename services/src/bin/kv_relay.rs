@@ -261,7 +261,7 @@ async fn main() -> ExitCode {
             let log = SharedWorkerLog::new(config);
             let dynamo = args.wire == Wire::Dynamo && args.bus_url.is_none();
             match Served::bind(bind, log.clone(), dynamo.then_some(args.recovery_codec)).await {
-                Ok(server) => Some((server, log)),
+                Ok(server) => Some((Arc::new(server), log)),
                 Err(e) => {
                     eprintln!("cannot bind --recovery-bind {bind}: {e}");
                     return ExitCode::from(3);
@@ -392,6 +392,9 @@ async fn main() -> ExitCode {
                 exporter = exporter.source(move || d.stats());
             }
             exporter = with_source_stats(exporter, &source);
+            if let Some((server, _)) = &recovery {
+                exporter = Served::export(server, exporter);
+            }
             let probed = worker.handle();
             let announced = source_probe(&source);
             let ready = move || {

@@ -675,9 +675,27 @@ fn populate(api: &KubeApi, n: u64) {
 async fn router_rss_with(n: u64) -> u64 {
     let api = KubeApi::start().await;
     populate(&api, n);
-    let dir = std::env::temp_dir().join(format!("eventplane-kube-rss-{}-{n}", std::process::id()));
+    router_memory(&api, "VmRSS").await
+}
+
+/// `field` of /proc/PID/status (`VmRSS`, `VmHWM`) of a `kv_router --kube` process on
+/// `api` once it has read everything there (its watch open), following another
+/// Dynamo namespace so that it dials nothing.
+async fn router_memory(api: &KubeApi, field: &str) -> u64 {
+    let dir = std::env::temp_dir().join(format!(
+        "eventplane-kube-rss-{}-{}",
+        std::process::id(),
+        POD.fetch_add(1, Ordering::Relaxed)
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let kubeconfig = api.kubeconfig(&dir, NS);
+    let watches = || {
+        api.log()
+            .iter()
+            .filter(|l| l.path.ends_with("/dynamoworkermetadatas") && l.query.contains_key("watch"))
+            .count()
+    };
+    let before = watches();
     let mut router = tokio::process::Command::new(crate::support::example("kv-router"))
         .args([
             "--kube",
@@ -694,22 +712,122 @@ async fn router_rss_with(n: u64) -> u64 {
         .kill_on_drop(true)
         .spawn()
         .unwrap();
+    // This router's watch (not an earlier one's).
     within(async {
-        while !api
-            .log()
-            .iter()
-            .any(|l| l.path.ends_with("/dynamoworkermetadatas") && l.query.contains_key("watch"))
-        {
+        while watches() == before {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     })
     .await;
     // Settle, then read.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let rss = crate::support::proc_status_bytes(router.id().unwrap(), "VmRSS");
+    let bytes = crate::support::proc_status_bytes(router.id().unwrap(), field);
     router.kill().await.unwrap();
     let _ = std::fs::remove_dir_all(&dir);
-    rss
+    bytes
+}
+
+/// `[[[…]]]`, `depth` arrays deep (built, not parsed: the test's own reader would
+/// refuse it).
+fn nested(depth: usize) -> Value {
+    let mut v = json!([]);
+    for _ in 1..depth {
+        v = Value::Array(vec![v]);
+    }
+    v
+}
+
+/// One ready worker and a tenant's resource, with no owner, nested 130 levels deep
+/// where this crate never reads (`model_cards`) and where it does (an
+/// `event_channels` entry): the list holds the worker (the deep entry skipped and
+/// counted), never failing (serde_json refuses more than 128 levels, and a reader
+/// that parses whole resources fails the page, and so every list).
+#[tokio::test]
+async fn one_deeply_nested_resource_is_one_malformed_entry_never_a_failed_list() {
+    let api = KubeApi::start().await;
+    let (name, uid) = ready_pod(&api);
+    let (k, v) = channel("dyn", 1, "tcp://10.0.0.1:1");
+    api.put(
+        "dynamoworkermetadatas",
+        NS,
+        resource(&name, &uid, json!({"event_channels": {(k): v}})),
+    );
+    let (k2, _) = channel("dyn", 2, "tcp://10.0.0.1:2");
+    api.put(
+        "dynamoworkermetadatas",
+        NS,
+        json!({"metadata": {"name": "zz"}, "spec": {"data": {
+            "model_cards": {"x": nested(130)}, "event_channels": {(k2): nested(130)}}}}),
+    );
+    let d = reader(&api).await;
+    let listed = d.list(Query::new("dyn")).await.unwrap();
+    let ids: Vec<u64> = listed.iter().map(|i| i.id.publisher_id()).collect();
+    assert_eq!(ids, [1]);
+    assert_eq!(d.stats().malformed, 1, "{:?}", d.stats());
+}
+
+/// The same resource arriving on a synced watch: the watch goes on, and a worker
+/// that starts after it is seen within 5 s (a reader that cannot decode the event
+/// relists, fails that list, and never sees anyone again).
+#[tokio::test]
+async fn a_watch_goes_on_past_a_deeply_nested_resource() {
+    let api = KubeApi::start().await;
+    let d = reader(&api).await;
+    let mut s = synced(&d, Query::new("dyn")).await;
+    let (k0, v0) = channel("dyn", 7, "tcp://10.0.0.1:7");
+    api.put(
+        "dynamoworkermetadatas",
+        NS,
+        json!({"metadata": {"name": "zz"}, "spec": {"data": {
+            "model_cards": {"x": nested(130)}, "event_channels": {(k0): v0},
+            "event_sources": {"y": nested(130)}}}}),
+    );
+    let (name, uid) = ready_pod(&api);
+    let (k, v) = channel("dyn", 1, "tcp://10.0.0.1:1");
+    api.put(
+        "dynamoworkermetadatas",
+        NS,
+        resource(&name, &uid, json!({"event_channels": {(k): v}})),
+    );
+    let event = tokio::time::timeout(Duration::from_secs(5), s.next())
+        .await
+        .expect("no event within 5 s")
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(&event, DiscoveryEvent::Added(i) if i.id.publisher_id() == 1),
+        "{event:?}"
+    );
+    // The tenant's resource is no worker's (no owner): it was never shown.
+    assert_eq!(d.list(Query::new("dyn")).await.unwrap().len(), 1);
+}
+
+/// Fields this crate never reads cost a reader nothing: four resources of about
+/// 1.4 MiB, each `model_cards` holding 200,000 `{"":0}` (parsed whole into
+/// `serde_json::Value`s, ~96 times their size, they cost hundreds of MiB), raise the
+/// peak RSS of a `kv_router --kube` that lists and watches them by at most 16 MiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fields_never_read_cost_a_reader_nothing() {
+    let api = KubeApi::start().await;
+    populate(&api, 1);
+    let without = router_memory(&api, "VmHWM").await;
+    let cards = Value::Array(vec![json!({"": 0}); 200_000]);
+    for i in 0..4 {
+        api.put(
+            "dynamoworkermetadatas",
+            NS,
+            json!({"metadata": {"name": format!("zz-{i}")},
+                   "spec": {"data": {"model_cards": {"x": cards.clone()}}}}),
+        );
+    }
+    let with = router_memory(&api, "VmHWM").await;
+    let grown = with.saturating_sub(without);
+    eprintln!(
+        "kv_router --kube peak RSS {} KiB, {} KiB with four 1.4 MiB resources",
+        without / 1024,
+        with / 1024
+    );
+    assert!(grown <= 16 << 20, "grew by {} KiB", grown / 1024);
 }
 
 /// The figures of the README: the time to list and follow 16,384 resources, and the

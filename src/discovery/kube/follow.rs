@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use futures_core::Stream;
 use futures_util::StreamExt;
+use futures_util::io::AsyncBufRead;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, WatchEvent, WatchParams};
@@ -26,9 +27,10 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, warn};
 
-use super::config::KubeMode;
+use super::config::{KubeMode, Limits};
 use super::error::{failed, is_gone, timed_out};
 use super::join::{Change, Join, Ns};
+use super::narrow::{self, MAX_WATCH_LINE_BYTES};
 use super::resource::DISCOVERY_LABEL;
 use super::shared::{Kind, Object, Shared};
 use crate::discovery::backlog::{Backlog, BacklogStream, Ended};
@@ -150,11 +152,12 @@ async fn open(
     }
     let after = shared.config.watch_open_timeout;
     let opened = match (kind, shared.mode) {
-        (Kind::Resources, _) => Box::pin(events(
-            shared.resources(ns),
+        (Kind::Resources, _) => Box::pin(resource_events(
+            shared.client.clone(),
+            shared.resources(ns).resource_url().to_owned(),
             params,
             version.to_owned(),
-            |o| Object::Resource(Box::new(o)),
+            shared.config.limits,
         )) as OpenFuture,
         (Kind::Readiness, KubeMode::Pod) => {
             let api: Api<EndpointSlice> = Api::namespaced(shared.client.clone(), &namespace);
@@ -197,6 +200,73 @@ where
             Err(e) => Err(e),
         })
         .boxed())
+}
+
+/// Opens a watch of resources, read narrowly ([`narrow`]): each event a line of at
+/// most [`MAX_WATCH_LINE_BYTES`], its object read on its own. An object that does not
+/// read is a malformed resource (withdrawn, counted), not a failed watch.
+async fn resource_events(
+    client: kube::Client,
+    url: String,
+    params: WatchParams,
+    version: String,
+    limits: Limits,
+) -> Result<Events, kube::Error> {
+    let request = kube::core::Request::new(url)
+        .watch(&params, &version)
+        .map_err(kube::Error::BuildRequest)?;
+    let body: Pin<Box<dyn AsyncBufRead + Send>> = Box::pin(client.request_stream(request).await?);
+    let lines = futures_util::stream::unfold(
+        (body, Vec::new(), false),
+        move |(mut body, mut line, ended)| async move {
+            if ended {
+                return None;
+            }
+            loop {
+                match narrow::read_line_capped(&mut body, &mut line, MAX_WATCH_LINE_BYTES).await {
+                    Ok(false) => return None,
+                    Ok(true) if line.iter().all(u8::is_ascii_whitespace) => continue,
+                    Ok(true) => {
+                        let update = resource_update(&line, &limits);
+                        return Some((Ok(update), (body, line, false)));
+                    }
+                    Err(e) => return Some((Err(kube::Error::ReadEvents(e)), (body, line, true))),
+                }
+            }
+        },
+    );
+    Ok(lines.boxed())
+}
+
+/// One watch line of resources as an [`Update`].
+fn resource_update(line: &[u8], limits: &Limits) -> Update {
+    let line = match std::str::from_utf8(line) {
+        Ok(l) => l,
+        Err(e) => return Update::Undecodable(e.to_string()),
+    };
+    let event: narrow::Line<'_> = match serde_json::from_str(line) {
+        Ok(e) => e,
+        Err(e) => return Update::Undecodable(e.to_string()),
+    };
+    let object = event.object.get();
+    match event.kind.as_str() {
+        "ADDED" | "MODIFIED" => {
+            Update::Changed(Object::Resource(Box::new(narrow::resource(object, limits))))
+        }
+        "DELETED" => Update::Deleted(Object::Resource(Box::new(narrow::resource(object, limits)))),
+        "BOOKMARK" => match narrow::version_of(object) {
+            Some(v) => Update::Bookmark(v),
+            None => Update::Undecodable("a bookmark without a version".to_owned()),
+        },
+        "ERROR" => match serde_json::from_str::<narrow::Status>(object) {
+            Ok(status) => Update::Error(status.code, status.message),
+            Err(e) => Update::Undecodable(e.to_string()),
+        },
+        other => Update::Undecodable(format!(
+            "an event of type {:?}",
+            other.chars().take(32).collect::<String>()
+        )),
+    }
 }
 
 /// The task following one watch.

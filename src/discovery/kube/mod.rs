@@ -7,6 +7,7 @@ mod error;
 mod follow;
 mod ids;
 mod join;
+mod narrow;
 mod resource;
 mod shared;
 mod writer;
@@ -66,6 +67,14 @@ use crate::net::RateLimitedWarn;
 ///   in [`DiscoveryStats::malformed`] (logged, rate-limited), never failing its page;
 ///   a resource over the total has its earlier advertisement withdrawn. A publisher id
 ///   two resources advertise is taken from the first that showed it.
+/// - **Read narrowly**: only a resource's name, version, owner references and the two
+///   maps are read; every other field (`model_cards`, `endpoints`, `managedFields`…)
+///   is skipped by serde_json's skipping reader, whatever its depth or size, and the
+///   entries past a bound are skipped while reading, never held. A list page is split
+///   into items before any is parsed (one that does not parse is one malformed
+///   resource); a page is at most 64 MiB and a watch event at most 4 MiB, read before
+///   they are parsed (longer: the list fails, the watch is opened again). A watch
+///   event whose object does not parse withdraws that resource (counted).
 /// - **The watch contract** holds: `watch` returns once every watch is open; a watch
 ///   the server ends is opened again from the last version seen (bookmarks keep it
 ///   fresh); one silent past its timeout + 10 s is opened again; a version gone (410)

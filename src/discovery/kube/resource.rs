@@ -5,12 +5,13 @@ use std::collections::{BTreeMap, HashSet};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Serialize;
-use serde_json::Value;
 use serde_json::value::RawValue;
 
 use super::config::Limits;
+use super::narrow::Resource;
+pub(crate) use super::narrow::{PodRef, plausible};
 use crate::discovery::records::{DynamoRecords, RecordError};
-use crate::discovery::{ChannelId, Instance, Transport, WorkerIdentity};
+use crate::discovery::{ChannelId, Instance, Transport};
 
 /// The custom resource's group, version, kind and plural.
 pub(crate) const GROUP: &str = "nvidia.com";
@@ -21,13 +22,6 @@ pub(crate) const PLURAL: &str = "dynamoworkermetadatas";
 pub(crate) const FIELD_MANAGER: &str = "dynamo-worker";
 /// The one label selector on the wire, for EndpointSlices and Pods alike.
 pub(crate) const DISCOVERY_LABEL: &str = "nvidia.com/dynamo-discovery-enabled=true";
-
-/// The pod a resource belongs to: its `ownerReferences` entry of kind `Pod`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub(crate) struct PodRef {
-    pub(crate) name: String,
-    pub(crate) uid: String,
-}
 
 /// What one resource advertises.
 #[derive(Debug, Clone, PartialEq)]
@@ -49,64 +43,33 @@ pub(crate) fn incarnation(meta: &ObjectMeta) -> Result<u64, RecordError> {
         .ok_or_else(|| RecordError::BadValue("resourceVersion is not a positive integer".into()))
 }
 
-/// Longest object name Kubernetes allows (a DNS subdomain).
-pub(crate) const MAX_NAME_BYTES: usize = 253;
-/// Longest uid kept (a UUID is 36 bytes).
-pub(crate) const MAX_UID_BYTES: usize = 128;
-
-/// Whether a pod name and uid are within what Kubernetes writes (and non-empty).
-pub(crate) fn plausible(name: &str, uid: &str) -> bool {
-    (1..=MAX_NAME_BYTES).contains(&name.len()) && (1..=MAX_UID_BYTES).contains(&uid.len())
-}
-
-/// The pod owning the resource (`kind: Pod`, a name and uid within bounds), if any.
-pub(crate) fn pod_owner(meta: &ObjectMeta) -> Option<PodRef> {
-    meta.owner_references.as_ref()?.iter().find_map(|o| {
-        (o.kind == "Pod" && plausible(&o.name, &o.uid)).then(|| PodRef {
-            name: o.name.clone(),
-            uid: o.uid.clone(),
-        })
-    })
-}
-
 /// Reads the publishers a resource advertises in `spec.data.event_channels` (their
-/// workers from `event_sources`), within `limits`. A `null` or missing map is empty (a
+/// workers from `event_sources`), within `limits` (entries over a bound were skipped
+/// while reading it, [`narrow`](super::narrow)). A `null` or missing map is empty (a
 /// real API server turns an emptied map into `null`); `endpoints` and `model_cards`
 /// are not read. Entries that are malformed or over a bound are skipped and counted;
-/// only a `spec.data` (or one of its two maps) that is not an object fails the whole
-/// resource.
+/// only a `spec.data` (or one of its two maps) that is not an object, or a version
+/// that is not a positive integer, fails the whole resource.
 pub(crate) fn advertised(
-    meta: &ObjectMeta,
-    body: &Value,
+    resource: &Resource,
     records: &DynamoRecords,
     limits: &Limits,
 ) -> Result<Advertised, RecordError> {
-    let incarnation = incarnation(meta)?;
-    let owner = pod_owner(meta);
-    let data = match body.get("spec").and_then(|s| s.get("data")) {
-        None | Some(Value::Null) => return Ok(Advertised::empty(owner)),
-        Some(Value::Object(data)) => data,
-        Some(_) => return Err(RecordError::BadValue("spec.data is not an object".into())),
-    };
-    let map = |name: &str| match data.get(name) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Object(m)) => Ok(Some(m)),
-        Some(_) => Err(RecordError::BadValue(format!(
-            "spec.data.{name} is not an object"
-        ))),
-    };
-    let (channels, sources) = (map("event_channels")?, map("event_sources")?);
-    let mut out = Advertised::empty(owner);
-    let Some(channels) = channels else {
-        return Ok(out);
-    };
+    let incarnation = resource
+        .version
+        .as_deref()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|v| *v > 0)
+        .ok_or_else(|| RecordError::BadValue("resourceVersion is not a positive integer".into()))?;
+    let data = resource
+        .data
+        .as_ref()
+        .map_err(|e| RecordError::BadValue(e.clone()))?;
+    let mut out = Advertised::empty(resource.owner.clone());
+    out.skipped = data.skipped;
     let mut seen = HashSet::new();
-    for (inspected, (key, value)) in channels.iter().enumerate() {
-        if inspected >= limits.max_channel_entries {
-            out.skipped += (channels.len() - inspected) as u64;
-            break;
-        }
-        match entry(key, value, incarnation, records, limits) {
+    for (key, value) in &data.channels {
+        match entry(key, value, incarnation, records) {
             Ok(None) => {}
             Ok(Some(mut instance)) => {
                 if !seen.insert(instance.id.clone())
@@ -115,8 +78,8 @@ pub(crate) fn advertised(
                     out.skipped += 1;
                     continue;
                 }
-                if let Some(source) = sources.and_then(|s| s.get(key)) {
-                    match worker(&instance.id, source, records, limits) {
+                if let Some(source) = data.sources.get(key) {
+                    match records.parse_source(&instance.id, source.get().as_bytes()) {
                         Ok((w, recovery)) => {
                             instance = instance.with_worker(w);
                             instance.recovery = recovery;
@@ -145,43 +108,17 @@ impl Advertised {
 /// One `event_channels` entry: `None` for another endpoint than the followed one.
 fn entry(
     key: &str,
-    value: &Value,
+    value: &RawValue,
     incarnation: u64,
     records: &DynamoRecords,
-    limits: &Limits,
 ) -> Result<Option<Instance>, RecordError> {
-    if key.len() > limits.max_key_bytes {
-        return Err(RecordError::BadKey("over the key bound".into()));
-    }
     let (id, endpoint) = match records.id_of_tail(key.as_bytes()) {
         Ok(named) => named,
         Err(RecordError::Unfollowed) => return Ok(None),
         Err(e) => return Err(e),
     };
-    let bytes = bounded_bytes(value, limits)?;
-    let transport = records.parse_value(&id, &endpoint, &bytes)?;
+    let transport = records.parse_value(&id, &endpoint, value.get().as_bytes())?;
     Ok(Some(Instance::new(id, transport, incarnation)))
-}
-
-fn worker(
-    id: &ChannelId,
-    value: &Value,
-    records: &DynamoRecords,
-    limits: &Limits,
-) -> Result<(WorkerIdentity, Option<String>), RecordError> {
-    records.parse_source(id, &bounded_bytes(value, limits)?)
-}
-
-/// A value as JSON bytes, refused over `max_value_bytes`.
-fn bounded_bytes(value: &Value, limits: &Limits) -> Result<Vec<u8>, RecordError> {
-    let bytes = serde_json::to_vec(value).map_err(|e| RecordError::BadValue(e.to_string()))?;
-    if bytes.len() > limits.max_value_bytes {
-        return Err(RecordError::TooLarge {
-            len: bytes.len(),
-            max: limits.max_value_bytes,
-        });
-    }
-    Ok(bytes)
 }
 
 /// One registration's two records, in a resource's form.

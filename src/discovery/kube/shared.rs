@@ -7,11 +7,13 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, ApiResource, DynamicObject, ListParams};
+use kube::core::Request;
 use tracing::warn;
 
 use super::config::{KubeConfig, KubeMode};
 use super::error::{is_gone, within};
 use super::join::{Change, Join, Ns, Seen};
+use super::narrow::{self, MAX_PAGE_BYTES};
 use super::resource::{self, DISCOVERY_LABEL, GROUP, KIND, PLURAL, VERSION, plausible};
 use crate::discovery::backlog::WatchCounters;
 use crate::discovery::{DiscoveryError, Instance};
@@ -51,7 +53,7 @@ pub(crate) enum Kind {
 /// One object read from a list or a watch, as the join takes it.
 #[derive(Debug)]
 pub(crate) enum Object {
-    Resource(Box<DynamicObject>),
+    Resource(Box<narrow::Resource>),
     Slice(Box<EndpointSlice>),
     Pod(Box<Pod>),
 }
@@ -59,7 +61,7 @@ pub(crate) enum Object {
 impl Object {
     pub(crate) fn name(&self) -> Option<&str> {
         match self {
-            Object::Resource(o) => o.metadata.name.as_deref(),
+            Object::Resource(o) => o.name.as_deref(),
             Object::Slice(o) => o.metadata.name.as_deref(),
             Object::Pod(o) => o.metadata.name.as_deref(),
         }
@@ -67,7 +69,7 @@ impl Object {
 
     pub(crate) fn version(&self) -> Option<&str> {
         match self {
-            Object::Resource(o) => o.metadata.resource_version.as_deref(),
+            Object::Resource(o) => o.version.as_deref(),
             Object::Slice(o) => o.metadata.resource_version.as_deref(),
             Object::Pod(o) => o.metadata.resource_version.as_deref(),
         }
@@ -91,6 +93,23 @@ impl Shared {
             self.namespace(ns),
             &Shared::api_resource(),
         )
+    }
+
+    /// One list page of resources, read narrowly ([`narrow`]): at most
+    /// [`MAX_PAGE_BYTES`] read, then split into items, each read on its own.
+    async fn resource_page(
+        &self,
+        ns: Ns,
+        params: &ListParams,
+    ) -> Result<narrow::Page, kube::Error> {
+        let request = Request::new(self.resources(ns).resource_url())
+            .list(params)
+            .map_err(kube::Error::BuildRequest)?;
+        let body = Box::pin(self.client.request_stream(request).await?);
+        let text = narrow::read_capped(body, MAX_PAGE_BYTES)
+            .await
+            .map_err(kube::Error::ReadEvents)?;
+        narrow::page(&text, &self.config.limits).map_err(kube::Error::SerdeError)
     }
 
     pub(crate) fn namespace(&self, ns: Ns) -> &str {
@@ -117,12 +136,7 @@ impl Shared {
         let changes = match (object, deleted) {
             (Object::Resource(_), true) => join.delete_resource(ns, name),
             (Object::Resource(o), false) => {
-                let advertised = resource::advertised(
-                    &o.metadata,
-                    &o.data,
-                    &self.config.records,
-                    &self.config.limits,
-                );
+                let advertised = resource::advertised(o, &self.config.records, &self.config.limits);
                 join.upsert_resource(ns, name, advertised)
             }
             (_, true) => join.set_readiness(ns, name, None),
@@ -172,19 +186,19 @@ impl Shared {
         loop {
             let (objects, meta) = match (kind, self.mode) {
                 (Kind::Resources, _) => {
-                    let page = within(
-                        "list",
-                        &namespace,
-                        timeout,
-                        self.resources(ns).list(&params),
-                    )
-                    .await?;
+                    let page = within("list", &namespace, timeout, self.resource_page(ns, &params))
+                        .await?;
+                    let meta = kube::api::ListMeta {
+                        continue_: page.continue_token,
+                        resource_version: page.version,
+                        ..Default::default()
+                    };
                     (
                         page.items
                             .into_iter()
                             .map(|o| Object::Resource(Box::new(o)))
                             .collect::<Vec<_>>(),
-                        page.metadata,
+                        meta,
                     )
                 }
                 (Kind::Readiness, KubeMode::Pod) => {

@@ -17,6 +17,7 @@ pub(crate) enum RecordError {
     ForeignKey,
     #[error("key is not a channel path: {0}")]
     BadKey(String),
+    #[cfg(feature = "etcd")]
     #[error("value of {len} bytes exceeds the {max}-byte limit")]
     TooLarge { len: usize, max: usize },
     #[error("value is not a channel record: {0}")]

@@ -830,6 +830,215 @@ async fn fields_never_read_cost_a_reader_nothing() {
     assert!(grown <= 16 << 20, "grew by {} KiB", grown / 1024);
 }
 
+/// `n` resources named `{prefix}{i:03}`, owned by `owner` ((name, uid), a pod that is
+/// not ready) or by none, each advertising `channels` publishers in Dynamo namespace
+/// `junk`.
+fn tenant_resources(
+    api: &KubeApi,
+    prefix: &str,
+    n: u64,
+    channels: u64,
+    owner: Option<(&str, &str)>,
+) {
+    for r in 0..n {
+        let mut map = serde_json::Map::new();
+        for c in 0..channels {
+            let (k, v) = channel("junk", 1_000_000 + r * channels + c, "tcp://10.9.0.1:1");
+            map.insert(k, v);
+        }
+        let name = format!("{prefix}{r:03}");
+        let mut object = json!({"metadata": {"name": name},
+                                "spec": {"data": {"event_channels": map}}});
+        if let Some((pod, uid)) = owner {
+            object["metadata"]["ownerReferences"] =
+                json!([{"apiVersion": "v1", "kind": "Pod", "name": pod, "uid": uid}]);
+        }
+        api.put("dynamoworkermetadatas", NS, object);
+    }
+}
+
+/// A ready worker `w0` in Dynamo namespace `dyn`, written after the tenant's.
+fn worker_after(api: &KubeApi) {
+    let (name, uid) = ready_pod(api);
+    let (k, v) = channel("dyn", 1, "tcp://10.0.0.1:1");
+    api.put(
+        "dynamoworkermetadatas",
+        NS,
+        resource(&name, &uid, json!({"event_channels": {(k): v}})),
+    );
+}
+
+/// 256 resources of a tenant, each advertising 256 publishers (65,536: every
+/// publisher slot), none owned by a pod: a worker written after them is listed (they
+/// used to take every slot, and the worker's whole advertisement was dropped).
+#[tokio::test]
+async fn unowned_resources_take_no_worker_slot() {
+    let api = KubeApi::start().await;
+    tenant_resources(&api, "a", 256, 256, None);
+    worker_after(&api);
+    let d = reader(&api).await;
+    let ids: Vec<u64> = d
+        .list(Query::new("dyn"))
+        .await
+        .unwrap()
+        .iter()
+        .map(|i| i.id.publisher_id())
+        .collect();
+    assert_eq!(ids, [1]);
+}
+
+/// The same resources owned by a pod that is never ready, and 16,384 empty ones (every
+/// resource slot of the namespace): the worker written after them makes room by
+/// evicting resources that are not joined, the largest first, counted.
+#[tokio::test]
+async fn resources_not_joined_make_room_for_a_worker() {
+    let api = KubeApi::start().await;
+    tenant_resources(&api, "a", 256, 256, Some(("ghost", "ghost-uid")));
+    worker_after(&api);
+    let d = reader(&api).await;
+    let listed = d.list(Query::new("dyn")).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert!(d.stats().malformed >= 1, "{:?}", d.stats());
+
+    let api = KubeApi::start().await;
+    tenant_resources(&api, "b", 16_384, 0, Some(("ghost", "ghost-uid")));
+    worker_after(&api);
+    let d = reader(&api).await;
+    assert_eq!(d.list(Query::new("dyn")).await.unwrap().len(), 1);
+}
+
+/// A tenant's ready resource, first in name order but created after the victim's,
+/// advertising the victim's publisher id with its own endpoint: the victim keeps it
+/// (the tenant's counted; the first in name order used to win at every read); once
+/// the victim's resource is deleted, the tenant's shows (the next claimant).
+#[tokio::test]
+async fn a_shared_publisher_id_stays_with_the_older_resource() {
+    let api = KubeApi::start().await;
+    let (victim, vuid) = ready_pod(&api);
+    let (k, v) = channel("dyn", 1, "tcp://10.0.0.1:1");
+    api.put(
+        "dynamoworkermetadatas",
+        NS,
+        resource(&victim, &vuid, json!({"event_channels": {(k.clone()): v}})),
+    );
+    let (tenant, tuid) = ("aaa-tenant", "tenant-uid");
+    api.ready_slice(NS, "tenant-slice", &[(tenant, tuid, true)]);
+    let (_, forged) = channel("dyn", 1, "tcp://10.6.6.6:1");
+    api.put(
+        "dynamoworkermetadatas",
+        NS,
+        resource(tenant, tuid, json!({"event_channels": {(k): forged}})),
+    );
+    let endpoint = |i: &eventplane::discovery::Instance| i.transport.endpoint().to_owned();
+    let d = reader(&api).await;
+    let listed = d.list(Query::new("dyn")).await.unwrap();
+    assert_eq!(
+        listed.iter().map(endpoint).collect::<Vec<_>>(),
+        ["tcp://10.0.0.1:1"]
+    );
+    assert_eq!(d.stats().malformed, 1, "{:?}", d.stats());
+    let mut s = synced(&d, Query::new("dyn")).await;
+    api.delete("dynamoworkermetadatas", NS, &victim);
+    match next(&mut s).await {
+        DiscoveryEvent::Added(i) => {
+            assert_eq!(endpoint(&i), "tcp://10.6.6.6:1");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Another writer adds a field 130 levels deep to this process's own resource: the
+/// next registration's apply succeeds (its answer, the whole resource, is read for its
+/// version only; parsed whole, it failed every apply after the server had made it).
+#[tokio::test]
+async fn another_writers_deep_field_does_not_fail_our_applies() {
+    let api = KubeApi::start().await;
+    let d = backend(&api).await;
+    let first = d
+        .register(id("dyn", 1), Transport::zmq("tcp://10.0.0.1:1"))
+        .await
+        .unwrap();
+    let name = api
+        .log()
+        .iter()
+        .rev()
+        .find(|l| l.method == "PATCH")
+        .map(|l| l.path.rsplit('/').next().unwrap().to_owned())
+        .unwrap();
+    let mut ours = api.get("dynamoworkermetadatas", NS, &name).unwrap();
+    ours["spec"]["other"] = json!({"x": nested(130)});
+    api.put("dynamoworkermetadatas", NS, ours);
+    let second = d
+        .register(id("dyn", 2), Transport::zmq("tcp://10.0.0.1:2"))
+        .await;
+    assert!(second.is_ok(), "{:?}", second.err());
+    drop(first);
+}
+
+/// A resource of `bytes` bytes (a long string where nothing is read), no owner.
+fn large_resource(api: &KubeApi, name: &str, bytes: usize) {
+    api.put(
+        "dynamoworkermetadatas",
+        NS,
+        json!({"metadata": {"name": name},
+               "spec": {"data": {"model_cards": {"x": "x".repeat(bytes)}}}}),
+    );
+}
+
+/// Pages of 100 resources of 100 KB are over the 4 MB a page may take here (as pages
+/// of 100 resources of etcd's largest, 1.5 MiB, are over the default 64 MiB): the
+/// reader asks for smaller pages instead of failing every list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pages_over_their_bound_are_asked_for_smaller() {
+    let api = KubeApi::start().await;
+    for i in 0..47 {
+        large_resource(&api, &format!("big-{i:02}"), 100_000);
+    }
+    worker_after(&api);
+    let d = builder(&api)
+        .records(DynamoRecords::new())
+        .page_size(100)
+        .max_page_bytes(4_000_000)
+        .connect()
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let listed = d.list(Query::new("dyn")).await.unwrap();
+    eprintln!("listed in {:?}", started.elapsed());
+    assert_eq!(listed.len(), 1);
+    let limits: Vec<String> = api
+        .log()
+        .iter()
+        .filter(|l| l.path.ends_with("/dynamoworkermetadatas") && !l.query.contains_key("watch"))
+        .filter_map(|l| l.query.get("limit").cloned())
+        .collect();
+    assert!(limits.iter().any(|l| l == "50"), "{limits:?}");
+}
+
+/// A watch event over its bound (4 MiB: a server answering what etcd would refuse)
+/// does not stall the watch on it: everything is read afresh, and a worker written
+/// after it is seen (re-opened from its version, the watch read the same event again
+/// and again).
+#[tokio::test]
+async fn a_watch_event_over_its_bound_reads_everything_afresh() {
+    let api = KubeApi::start().await;
+    let d = reader(&api).await;
+    let mut s = synced(&d, Query::new("dyn")).await;
+    large_resource(&api, "huge", 5 << 20);
+    worker_after(&api);
+    let seen = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match next(&mut s).await {
+                DiscoveryEvent::Added(i) if i.id.publisher_id() == 1 => return,
+                DiscoveryEvent::Resync(all) if all.len() == 1 => return,
+                _ => {}
+            }
+        }
+    })
+    .await;
+    assert!(seen.is_ok(), "the worker was not seen within 5 s");
+}
+
 /// The figures of the README: the time to list and follow 16,384 resources, and the
 /// memory a watch holds per resource, measured in a `kv_router --kube` process
 /// against one holding none. Bounded loosely (a regression, not a benchmark): at most

@@ -13,7 +13,8 @@
 //!   ended after `timeoutSeconds`; a version older than the compaction point gets an
 //!   `ERROR` event with code 410.
 //! - Server-side apply (`PATCH`, `application/apply-patch+yaml`) creates or replaces
-//!   the object, recording the field manager; like a real API server applying a
+//!   the object (fields of `spec` it does not set are kept: another manager's),
+//!   recording the field manager; like a real API server applying a
 //!   resource whose schema is disabled, a `spec.data` map emptied by the apply is
 //!   stored as `null`. `DELETE` removes.
 //! - Faults: drop every open watch, stall them (open, silent), compact, and answer
@@ -297,6 +298,26 @@ fn write(
             .unwrap_or_else(|| format!("uid-{}", state.next_uid.fetch_add(1, Ordering::Relaxed)));
         object["metadata"]["uid"] = json!(uid);
     }
+    // Set by the server at creation (a client's is ignored), kept on updates; one
+    // second a version, so that creation order is timestamp order.
+    let created = s
+        .objects
+        .get(&key)
+        .and_then(|o| {
+            o["metadata"]["creationTimestamp"]
+                .as_str()
+                .map(String::from)
+        })
+        .unwrap_or_else(|| {
+            let (day, secs) = (1 + rv / 86_400, rv % 86_400);
+            format!(
+                "2026-01-{day:02}T{:02}:{:02}:{:02}Z",
+                secs / 3600,
+                secs / 60 % 60,
+                secs % 60
+            )
+        });
+    object["metadata"]["creationTimestamp"] = json!(created);
     s.objects.insert(key, object.clone());
     let change = Change {
         rv,
@@ -456,6 +477,14 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
                 }
                 if let Some(old) = old {
                     object["metadata"]["uid"] = old["metadata"]["uid"].clone();
+                    // Fields of spec the apply does not set stay (another manager's).
+                    if let (Some(kept), Some(spec)) =
+                        (old["spec"].as_object(), object["spec"].as_object_mut())
+                    {
+                        for (k, v) in kept {
+                            spec.entry(k.clone()).or_insert_with(|| v.clone());
+                        }
+                    }
                 }
             }
             object["metadata"]["namespace"] = json!(ns);

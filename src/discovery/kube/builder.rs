@@ -132,6 +132,12 @@ impl KubeDiscoveryBuilder {
         max_value_bytes: usize => limits.max_value_bytes
     );
     setter!(
+        /// Most bytes of one list page, read before it is parsed (default 64 MiB: 32
+        /// resources of etcd's largest, 1.5 MiB, with room). A page over it is asked
+        /// for again with half as many resources, down to one.
+        max_page_bytes: usize => limits.max_page_bytes
+    );
+    setter!(
         /// Deadline of each list page and each apply or delete (default 10 s).
         request_timeout: Duration => request_timeout
     );

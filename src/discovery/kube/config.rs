@@ -146,6 +146,11 @@ impl PodIdentity {
     }
 }
 
+/// The most bytes one list page may take by default (read before it is parsed): 32
+/// resources of etcd's largest (1.5 MiB) fit with room to spare. A longer page is
+/// asked for again with half as many resources.
+const MAX_PAGE_BYTES: usize = 64 << 20;
+
 /// The bounds of what one watch (or list) holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Limits {
@@ -155,6 +160,7 @@ pub(crate) struct Limits {
     pub(crate) max_publisher_refs: usize,
     pub(crate) max_key_bytes: usize,
     pub(crate) max_value_bytes: usize,
+    pub(crate) max_page_bytes: usize,
 }
 
 impl Default for Limits {
@@ -166,6 +172,7 @@ impl Default for Limits {
             max_publisher_refs: 65_536,
             max_key_bytes: 1_024,
             max_value_bytes: 64 * 1_024,
+            max_page_bytes: MAX_PAGE_BYTES,
         }
     }
 }
@@ -221,6 +228,7 @@ impl KubeConfig {
             l.max_publisher_refs,
             l.max_key_bytes,
             l.max_value_bytes,
+            l.max_page_bytes,
             self.watch_buffer,
         ]
         .contains(&0)

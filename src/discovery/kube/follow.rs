@@ -230,6 +230,12 @@ async fn resource_events(
                         let update = resource_update(&line, &limits);
                         return Some((Ok(update), (body, line, false)));
                     }
+                    // Over the bound: opened again it would read the same event, so
+                    // everything is read afresh instead (a list holds it).
+                    Err(e) if narrow::is_too_long(&e) => {
+                        let update = Update::Undecodable(e.to_string());
+                        return Some((Ok(update), (body, line, true)));
+                    }
                     Err(e) => return Some((Err(kube::Error::ReadEvents(e)), (body, line, true))),
                 }
             }
@@ -249,11 +255,19 @@ fn resource_update(line: &[u8], limits: &Limits) -> Update {
         Err(e) => return Update::Undecodable(e.to_string()),
     };
     let object = event.object.get();
-    match event.kind.as_str() {
-        "ADDED" | "MODIFIED" => {
-            Update::Changed(Object::Resource(Box::new(narrow::resource(object, limits))))
+    let read = || {
+        let r = narrow::resource(object, limits);
+        // Without its name or version, what changed is unknown: read everything.
+        match (&r.name, &r.version) {
+            (Some(_), Some(_)) => Ok(Object::Resource(Box::new(r))),
+            _ => Err(Update::Undecodable(
+                "an object without a name or version".to_owned(),
+            )),
         }
-        "DELETED" => Update::Deleted(Object::Resource(Box::new(narrow::resource(object, limits)))),
+    };
+    match event.kind.as_str() {
+        "ADDED" | "MODIFIED" => read().map_or_else(|u| u, Update::Changed),
+        "DELETED" => read().map_or_else(|u| u, Update::Deleted),
         "BOOKMARK" => match narrow::version_of(object) {
             Some(v) => Update::Bookmark(v),
             None => Update::Undecodable("a bookmark without a version".to_owned()),

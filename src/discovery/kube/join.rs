@@ -7,6 +7,17 @@
 //! Readiness is a union: every readiness object contributes the (resource name, pod
 //! uid) pairs it reports ready, and a name is ready while some object contributes it;
 //! contributions of two different uids for one name conflict and exclude it.
+//!
+//! Shared caps are fair to the workers that can join:
+//! - A resource no pod owns can never join: nothing of it is kept or counted.
+//! - When a resource needs room (`max_resources` in its namespace, or
+//!   `max_publisher_refs` in all), resources that are not joined make it: the one
+//!   advertising the most publishers (the oldest of those) is evicted, counted, until
+//!   there is room; joined resources are never evicted. An evicted resource shows again
+//!   at its next change or the next full read.
+//! - Two joined resources advertising one publisher id: the older (its
+//!   `creationTimestamp`, then its name) shows it, the other is counted; when the
+//!   holder goes, the next claimant shows it.
 
 use std::collections::HashMap;
 
@@ -46,8 +57,10 @@ pub(crate) struct Seen {
 
 #[derive(Debug)]
 struct Resource {
-    owner: Option<PodRef>,
+    owner: PodRef,
     publishers: Vec<Instance>,
+    /// Its creation timestamp (RFC 3339 as the server writes it: sorts by time).
+    created: Option<String>,
 }
 
 /// The joined view of every followed namespace.
@@ -61,8 +74,11 @@ pub(crate) struct Join {
     readiness_per_namespace: HashMap<Ns, usize>,
     /// (namespace, resource name) → contributions by pod uid.
     ready: HashMap<Key, HashMap<String, u32>>,
-    /// Which visible resource each publisher id is taken from (the first to show it).
+    /// Which visible resource each publisher id is taken from (the oldest joined
+    /// resource advertising it).
     claims: HashMap<ChannelId, Key>,
+    /// Every kept resource advertising each publisher id (as many entries as `refs`).
+    advertisers: HashMap<ChannelId, Vec<Key>>,
     refs: usize,
     /// Resources, entries and publishers skipped (malformed, over a bound, or an id
     /// another resource already advertises): the caller adds them to `malformed`.
@@ -79,6 +95,7 @@ impl Join {
             readiness_per_namespace: HashMap::new(),
             ready: HashMap::new(),
             claims: HashMap::new(),
+            advertisers: HashMap::new(),
             refs: 0,
             skipped: 0,
         }
@@ -122,6 +139,7 @@ impl Join {
                 self.skipped += 1;
                 Advertised {
                     owner: None,
+                    created: None,
                     publishers: Vec::new(),
                     skipped: 0,
                 }
@@ -135,7 +153,7 @@ impl Join {
         if let Some(old) = self
             .resources
             .get(&key)
-            .filter(|o| o.owner == advertised.owner)
+            .filter(|o| advertised.owner.as_ref() == Some(&o.owner))
         {
             for p in &mut advertised.publishers {
                 if let Some(o) = old.publishers.iter().find(|o| o.id == p.id) {
@@ -146,27 +164,63 @@ impl Join {
             }
         }
         self.remove_resource(&key);
-        let count = self.per_namespace.get(&ns).copied().unwrap_or(0);
-        if count >= self.limits.max_resources {
+        // No pod owns it: it can never join, and costs nothing.
+        let Some(owner) = advertised.owner else {
+            return self.show(&keys, before);
+        };
+        let count = |j: &Join| j.per_namespace.get(&ns).copied().unwrap_or(0);
+        while count(self) >= self.limits.max_resources && self.evict(Some(ns)) {}
+        if count(self) >= self.limits.max_resources {
             self.skipped += 1;
-        } else {
-            let mut publishers = advertised.publishers;
-            if self.refs + publishers.len() > self.limits.max_publisher_refs {
-                // Over the total: its earlier advertisement is already withdrawn.
-                self.skipped += publishers.len() as u64;
-                publishers = Vec::new();
-            }
-            self.refs += publishers.len();
-            *self.per_namespace.entry(ns).or_default() += 1;
-            self.resources.insert(
-                key,
-                Resource {
-                    owner: advertised.owner,
-                    publishers,
-                },
-            );
+            return self.show(&keys, before);
         }
+        let mut publishers = advertised.publishers;
+        let need = publishers.len();
+        while self.refs + need > self.limits.max_publisher_refs && self.evict(None) {}
+        if self.refs + need > self.limits.max_publisher_refs {
+            // Over the total: its earlier advertisement is already withdrawn.
+            self.skipped += need as u64;
+            publishers = Vec::new();
+        }
+        self.refs += publishers.len();
+        for p in &publishers {
+            self.advertisers
+                .entry(p.id.clone())
+                .or_default()
+                .push(key.clone());
+        }
+        *self.per_namespace.entry(ns).or_default() += 1;
+        self.resources.insert(
+            key,
+            Resource {
+                owner,
+                publishers,
+                created: advertised.created,
+            },
+        );
         self.show(&keys, before)
+    }
+
+    /// Evicts the resource (in `ns`, or anywhere) that is not joined and advertises
+    /// the most publishers (the oldest of those): `false` when every one is joined.
+    fn evict(&mut self, ns: Option<Ns>) -> bool {
+        let victim = self
+            .resources
+            .iter()
+            .filter(|(k, r)| ns.is_none_or(|ns| k.ns == ns) && !self.joined(k, &r.owner))
+            .max_by(|(ka, a), (kb, b)| {
+                a.publishers
+                    .len()
+                    .cmp(&b.publishers.len())
+                    .then_with(|| older(kb, b, ka, a))
+            })
+            .map(|(k, _)| k.clone());
+        let Some(victim) = victim else {
+            return false;
+        };
+        self.skipped += 1;
+        self.remove_resource(&victim);
+        true
     }
 
     /// A resource was deleted.
@@ -272,6 +326,14 @@ impl Join {
             return;
         };
         self.refs -= old.publishers.len();
+        for p in &old.publishers {
+            if let Some(keys) = self.advertisers.get_mut(&p.id) {
+                keys.retain(|k| k != key);
+                if keys.is_empty() {
+                    self.advertisers.remove(&p.id);
+                }
+            }
+        }
         if let Some(n) = self.per_namespace.get_mut(&key.ns) {
             *n -= 1;
         }
@@ -295,38 +357,97 @@ impl Join {
         before
     }
 
-    /// Puts the publishers of `keys` that are joined back into the view and returns
-    /// the difference with `before`.
+    /// Puts the publishers of `keys` that are joined back into the view (each id to
+    /// the oldest joined resource advertising it) and returns the difference with
+    /// `before`; an id of `before` none of them shows goes to the next claimant.
     fn show(&mut self, keys: &[Key], mut before: HashMap<ChannelId, Instance>) -> Vec<Change> {
         let mut changes = Vec::new();
         for key in keys {
             let Some(res) = self.resources.get(key) else {
                 continue;
             };
-            let Some(owner) = &res.owner else {
-                continue;
-            };
-            if !self.joined(key, owner) {
+            if !self.joined(key, &res.owner) {
                 continue;
             }
-            for p in &res.publishers {
-                if self.claims.contains_key(&p.id) {
-                    // Another visible resource advertises this id: it keeps it.
-                    self.skipped += 1;
-                    continue;
+            let ids: Vec<ChannelId> = res.publishers.iter().map(|p| p.id.clone()).collect();
+            for id in ids {
+                match self.claims.get(&id) {
+                    None => {}
+                    Some(holder) if self.is_older(holder, key) => {
+                        // The older resource keeps it.
+                        self.skipped += 1;
+                        continue;
+                    }
+                    Some(holder) => {
+                        // This one is older: it takes the id over (the other counted).
+                        let shown = self.publisher(holder, &id).cloned();
+                        before.extend(shown.map(|p| (id.clone(), p)));
+                        self.skipped += 1;
+                    }
                 }
-                self.claims.insert(p.id.clone(), key.clone());
-                match before.remove(&p.id) {
-                    Some(old) if old.transport == p.transport && old.worker == p.worker => {}
-                    _ => changes.push(Change::Up(p.clone())),
-                }
+                self.claims.insert(id.clone(), key.clone());
+                self.changed(key, &id, before.remove(&id), &mut changes);
             }
         }
         for (id, old) in before {
-            changes.push(Change::Down(id, old.incarnation));
+            match self.next_claimant(&id) {
+                Some(next) => {
+                    self.claims.insert(id.clone(), next.clone());
+                    self.changed(&next, &id, Some(old), &mut changes);
+                }
+                None => changes.push(Change::Down(id, old.incarnation)),
+            }
         }
         changes
     }
+
+    /// Records `key`'s publisher `id` as shown, replacing `old` (what was shown
+    /// under that id, if anything): `Up` unless it is the same endpoint and worker.
+    fn changed(&self, key: &Key, id: &ChannelId, old: Option<Instance>, out: &mut Vec<Change>) {
+        let Some(p) = self.publisher(key, id) else {
+            return;
+        };
+        match old {
+            Some(old) if old.transport == p.transport && old.worker == p.worker => {}
+            _ => out.push(Change::Up(p.clone())),
+        }
+    }
+
+    fn publisher(&self, key: &Key, id: &ChannelId) -> Option<&Instance> {
+        self.resources
+            .get(key)?
+            .publishers
+            .iter()
+            .find(|p| p.id == *id)
+    }
+
+    /// The oldest joined resource advertising `id`, if any.
+    fn next_claimant(&self, id: &ChannelId) -> Option<Key> {
+        self.advertisers
+            .get(id)?
+            .iter()
+            .filter_map(|k| Some((k, self.resources.get(k)?)))
+            .filter(|(k, r)| self.joined(k, &r.owner))
+            .min_by(|(ka, a), (kb, b)| older(ka, a, kb, b))
+            .map(|(k, _)| k.clone())
+    }
+
+    /// Whether resource `a` is older than `b`.
+    fn is_older(&self, a: &Key, b: &Key) -> bool {
+        match (self.resources.get(a), self.resources.get(b)) {
+            (Some(ra), Some(rb)) => older(a, ra, b, rb).is_lt(),
+            _ => false,
+        }
+    }
+}
+
+/// Orders two resources by age: the creation timestamp (an unknown one last), then
+/// the namespace and name.
+fn older(ka: &Key, a: &Resource, kb: &Key, b: &Resource) -> std::cmp::Ordering {
+    let created = |r: &Resource| (r.created.is_none(), r.created.clone());
+    created(a)
+        .cmp(&created(b))
+        .then_with(|| (ka.ns, &ka.name).cmp(&(kb.ns, &kb.name)))
 }
 
 #[cfg(test)]
@@ -354,6 +475,7 @@ mod tests {
                 name: pod.into(),
                 uid: uid.into(),
             }),
+            created: None,
             publishers: pubs,
             skipped: 0,
         })
@@ -492,16 +614,18 @@ mod tests {
                 .is_empty()
         );
         assert_eq!(j.resources(), 2);
-        // Over the publisher-reference cap: the earlier advertisement is withdrawn.
-        assert_eq!(
+        // Over the publisher-reference cap: the earlier advertisement is withdrawn
+        // (and b, the next claimant of id 1, shows it: the same endpoint and worker,
+        // no change).
+        assert!(
             j.upsert_resource(
                 0,
                 "a",
                 adv("a", "u", vec![pub_(1, 3), pub_(4, 3), pub_(5, 3)])
-            ),
-            vec![Change::Down(pub_(1, 1).id, 1)]
+            )
+            .is_empty()
         );
-        assert!(j.view().is_empty());
+        assert_eq!(j.view(), vec![pub_(1, 2)]);
         // Readiness objects are bounded per namespace like resources: a third is
         // skipped and counted.
         let before = j.skipped;
@@ -520,5 +644,125 @@ mod tests {
                 .len(),
             1
         );
+    }
+
+    fn adv_created(uid: &str, created: &str, pubs: Vec<Instance>) -> Result<Advertised, ()> {
+        let mut a = adv("p", uid, pubs)?;
+        a.created = Some(created.into());
+        Ok(a)
+    }
+
+    #[test]
+    fn unowned_resources_cost_nothing() {
+        let mut j = Join::new(Limits {
+            max_resources: 1,
+            max_publisher_refs: 1,
+            ..Limits::default()
+        });
+        for i in 0..100 {
+            let unowned = Ok::<_, ()>(Advertised {
+                owner: None,
+                created: None,
+                publishers: vec![pub_(100 + i, 1)],
+                skipped: 0,
+            });
+            assert!(
+                j.upsert_resource(0, &format!("junk{i}"), unowned)
+                    .is_empty()
+            );
+        }
+        assert_eq!((j.resources(), j.skipped), (0, 0));
+        j.set_readiness(0, "s", Some(vec![ready("w0", "u")]));
+        assert_eq!(
+            j.upsert_resource(0, "w0", adv("w0", "u", vec![pub_(1, 1)])),
+            vec![Change::Up(pub_(1, 1))]
+        );
+    }
+
+    #[test]
+    fn resources_not_joined_make_room_the_largest_first() {
+        let mut j = Join::new(Limits {
+            max_resources: 2,
+            max_publisher_refs: 4,
+            ..Limits::default()
+        });
+        // Two resources owned by pods that are not ready (a tenant's), the larger
+        // holding three of the four publisher slots.
+        j.upsert_resource(
+            0,
+            "big",
+            adv("x", "fake", vec![pub_(10, 1), pub_(11, 1), pub_(12, 1)]),
+        );
+        j.upsert_resource(0, "small", adv("y", "fake", vec![pub_(13, 1)]));
+        assert_eq!(j.resources(), 2);
+        // A worker (needing a resource slot and two publisher slots) evicts the
+        // larger, not the smaller.
+        j.set_readiness(0, "s", Some(vec![ready("w0", "u"), ready("w1", "u")]));
+        assert_eq!(
+            j.upsert_resource(0, "w0", adv("w0", "u", vec![pub_(1, 1), pub_(2, 1)]))
+                .len(),
+            2
+        );
+        assert_eq!((j.resources(), j.skipped), (2, 1));
+        // The namespace's resource cap: the other one not joined goes.
+        assert_eq!(
+            j.upsert_resource(0, "w1", adv("w1", "u", vec![pub_(3, 1)]))
+                .len(),
+            1
+        );
+        assert_eq!((j.resources(), j.skipped), (2, 2));
+        // Joined resources are never evicted: a third worker is refused, counted.
+        j.upsert_resource(0, "w2", adv("w2", "u", vec![pub_(4, 1)]));
+        assert_eq!((j.resources(), j.skipped), (2, 3));
+        assert_eq!(j.view().len(), 3);
+        j.set_readiness(0, "t", Some(vec![ready("w2", "u")]));
+        assert_eq!(j.view().len(), 3, "{:?}", j.view());
+    }
+
+    #[test]
+    fn the_oldest_resource_shows_a_shared_id_and_the_next_takes_over() {
+        let mut j = Join::new(limits());
+        j.set_readiness(
+            0,
+            "s",
+            Some(vec![ready("victim", "u"), ready("aa-tenant", "u")]),
+        );
+        let victim = pub_(1, 1);
+        let mut forged = pub_(1, 2);
+        forged.transport = Transport::zmq("tcp://10.9.9.9:1");
+        assert_eq!(
+            j.upsert_resource(
+                0,
+                "victim",
+                adv_created("u", "2026-01-01T00:00:00Z", vec![victim.clone()])
+            ),
+            vec![Change::Up(victim.clone())]
+        );
+        // A newer resource first in name order: not shown, counted.
+        assert!(
+            j.upsert_resource(
+                0,
+                "aa-tenant",
+                adv_created("u", "2026-06-01T00:00:00Z", vec![forged.clone()])
+            )
+            .is_empty()
+        );
+        assert_eq!((j.view(), j.skipped), (vec![victim.clone()], 1));
+        // The victim goes: the next claimant shows its id.
+        assert_eq!(
+            j.delete_resource(0, "victim"),
+            vec![Change::Up(forged.clone())]
+        );
+        // Back (an older creation cannot come back, but an older resource might
+        // become ready): it takes the id over.
+        assert_eq!(
+            j.upsert_resource(
+                0,
+                "victim",
+                adv_created("u", "2025-01-01T00:00:00Z", vec![victim.clone()])
+            ),
+            vec![Change::Up(victim.clone())]
+        );
+        assert_eq!(j.view(), vec![victim]);
     }
 }

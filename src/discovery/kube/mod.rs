@@ -65,16 +65,29 @@ use crate::net::RateLimitedWarn;
 ///   publishers in all, keys ≤ 1 KiB, values ≤ 64 KiB as JSON, advertised endpoints ≤
 ///   1 KiB. A malformed entry or resource, or one over a bound, is skipped and counted
 ///   in [`DiscoveryStats::malformed`] (logged, rate-limited), never failing its page;
-///   a resource over the total has its earlier advertisement withdrawn. A publisher id
-///   two resources advertise is taken from the first that showed it.
+///   a resource over the total has its earlier advertisement withdrawn.
+/// - **Fair caps**: a resource no pod owns can never join and costs nothing (neither
+///   kept nor counted). A resource needing room (its namespace's resource cap, or the
+///   publisher total) evicts resources that are not joined (owned by a pod that is not
+///   ready with that uid), the one advertising the most publishers first, counted;
+///   joined resources are never evicted (an evicted one shows again at its next change
+///   or the next full read). A publisher id two joined resources advertise is shown
+///   from the older (`creationTimestamp`, set by the server; then its name), the other
+///   counted; when the older goes, the next shows it. A `ResourceQuota` on
+///   `count/dynamoworkermetadatas.nvidia.com` per namespace bounds what a tenant can
+///   create at all.
 /// - **Read narrowly**: only a resource's name, version, owner references and the two
 ///   maps are read; every other field (`model_cards`, `endpoints`, `managedFields`…)
 ///   is skipped by serde_json's skipping reader, whatever its depth or size, and the
 ///   entries past a bound are skipped while reading, never held. A list page is split
 ///   into items before any is parsed (one that does not parse is one malformed
-///   resource); a page is at most 64 MiB and a watch event at most 4 MiB, read before
-///   they are parsed (longer: the list fails, the watch is opened again). A watch
-///   event whose object does not parse withdraws that resource (counted).
+///   resource; more items than asked for fail the page); a page is at most
+///   `max_page_bytes` (64 MiB) and a watch event at most 4 MiB, read before they are
+///   parsed (a longer page is asked for again with half as many resources, down to
+///   one; a longer event reads everything afresh). A watch event whose object does
+///   not parse withdraws that resource (counted); one without a name or version reads
+///   everything afresh. This process's own applies read only the version of the
+///   resource the server answers with.
 /// - **The watch contract** holds: `watch` returns once every watch is open; a watch
 ///   the server ends is opened again from the last version seen (bookmarks keep it
 ///   fresh); one silent past its timeout + 10 s is opened again; a version gone (410)

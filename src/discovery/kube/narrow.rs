@@ -22,9 +22,6 @@ use serde_json::value::RawValue;
 
 use super::config::Limits;
 
-/// The most bytes one list page may take (read before it is parsed): 32 resources of
-/// etcd's largest (1.5 MiB) fit with room to spare. A longer page fails the list.
-pub(crate) const MAX_PAGE_BYTES: usize = 64 << 20;
 /// The most bytes one watch event may take (one resource, at most 1.5 MiB in etcd,
 /// with its envelope). A longer line ends the watch, which is opened again.
 pub(crate) const MAX_WATCH_LINE_BYTES: usize = 4 << 20;
@@ -52,6 +49,8 @@ pub(crate) struct Resource {
     pub(crate) name: Option<String>,
     pub(crate) version: Option<String>,
     pub(crate) owner: Option<PodRef>,
+    /// `metadata.creationTimestamp` (RFC 3339, set by the server: the resource's age).
+    pub(crate) created: Option<String>,
     /// `spec.data`'s two maps, or why they could not be read (the resource is then
     /// malformed: it advertises nothing).
     pub(crate) data: Result<Data, String>,
@@ -74,21 +73,35 @@ struct Meta {
     resource_version: Option<String>,
     #[serde(rename = "ownerReferences")]
     owner_references: Option<Vec<OwnerReference>>,
+    #[serde(rename = "creationTimestamp")]
+    creation_timestamp: Option<String>,
 }
 
 #[derive(Deserialize)]
 struct OwnerReference {
-    kind: String,
-    name: String,
-    uid: String,
+    kind: Option<String>,
+    name: Option<String>,
+    uid: Option<String>,
 }
 
+/// The longest creation timestamp kept (RFC 3339 with nanoseconds is 35 bytes).
+const MAX_TIMESTAMP_BYTES: usize = 64;
+
 impl Meta {
+    fn created(&self) -> Option<String> {
+        self.creation_timestamp
+            .clone()
+            .filter(|t| t.len() <= MAX_TIMESTAMP_BYTES)
+    }
+
     fn owner(&self) -> Option<PodRef> {
         self.owner_references.as_ref()?.iter().find_map(|o| {
-            (o.kind == "Pod" && plausible(&o.name, &o.uid)).then(|| PodRef {
-                name: o.name.clone(),
-                uid: o.uid.clone(),
+            let (Some("Pod"), Some(name), Some(uid)) = (o.kind.as_deref(), &o.name, &o.uid) else {
+                return None;
+            };
+            plausible(name, uid).then(|| PodRef {
+                name: name.clone(),
+                uid: uid.clone(),
             })
         })
     }
@@ -114,6 +127,7 @@ pub(crate) fn resource(text: &str, limits: &Limits) -> Resource {
                 .unwrap_or_default();
             Resource {
                 owner: meta.owner(),
+                created: meta.created(),
                 name: meta.name,
                 version: meta.resource_version,
                 data: Err(e.to_string()),
@@ -130,12 +144,83 @@ pub(crate) struct Page {
     pub(crate) version: Option<String>,
 }
 
-#[derive(Deserialize)]
+/// A page split into its items (at most the `limit` asked for: a server answering
+/// more is refused before it costs more than that many pointers).
 struct RawPage<'a> {
-    #[serde(borrow, default)]
-    items: Option<Vec<&'a RawValue>>,
-    #[serde(default)]
+    items: Vec<&'a RawValue>,
     metadata: ListMeta,
+}
+
+struct PageSeed(usize);
+
+impl<'de> DeserializeSeed<'de> for PageSeed {
+    type Value = RawPage<'de>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<RawPage<'de>, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for PageSeed {
+    type Value = RawPage<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a list")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawPage<'de>, A::Error> {
+        let mut page = RawPage {
+            items: Vec::new(),
+            metadata: ListMeta::default(),
+        };
+        while let Some(key) = map.next_key::<&'de str>()? {
+            match key {
+                "items" => page.items = map.next_value_seed(Items(self.0))?,
+                "metadata" => page.metadata = map.next_value()?,
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(page)
+    }
+}
+
+/// A list's items, as text, at most so many (`null` is none).
+struct Items(usize);
+
+impl<'de> DeserializeSeed<'de> for Items {
+    type Value = Vec<&'de RawValue>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Items {
+    type Value = Vec<&'de RawValue>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a list of objects")
+    }
+
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(Vec::new())
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(item) = seq.next_element()? {
+            if items.len() == self.0 {
+                return Err(serde::de::Error::custom(format_args!(
+                    "a page of more than the {} items asked for",
+                    self.0
+                )));
+            }
+            items.push(item);
+        }
+        Ok(items)
+    }
 }
 
 #[derive(Deserialize, Default)]
@@ -146,14 +231,19 @@ struct ListMeta {
     resource_version: Option<String>,
 }
 
-/// Reads a list page: split into items first (a `null` list is empty), then each
-/// read on its own.
-pub(crate) fn page(text: &str, limits: &Limits) -> Result<Page, serde_json::Error> {
-    let raw: RawPage<'_> = serde_json::from_str(text)?;
+/// Reads a list page: split into items first (a `null` list is empty; more than
+/// `max_items` fail the page), then each read on its own.
+pub(crate) fn page(
+    text: &str,
+    max_items: usize,
+    limits: &Limits,
+) -> Result<Page, serde_json::Error> {
+    let mut de = serde_json::Deserializer::from_str(text);
+    let raw = PageSeed(max_items).deserialize(&mut de)?;
+    de.end()?;
     Ok(Page {
         items: raw
             .items
-            .unwrap_or_default()
             .into_iter()
             .map(|item| resource(item.get(), limits))
             .collect(),
@@ -203,7 +293,8 @@ pub(crate) async fn read_capped(
 }
 
 /// Reads one line (without its newline) into `line`, failing past `max` bytes without
-/// holding more than that; `false` at the end of the body.
+/// holding more than that; `false` at the end of the body (a last line without its
+/// newline is dropped: a body cut short, the watch is opened again).
 pub(crate) async fn read_line_capped(
     body: &mut Pin<Box<dyn AsyncBufRead + Send>>,
     line: &mut Vec<u8>,
@@ -213,7 +304,7 @@ pub(crate) async fn read_line_capped(
     loop {
         let buf = body.fill_buf().await?;
         if buf.is_empty() {
-            return Ok(!line.is_empty());
+            return Ok(false);
         }
         let (take, done) = match buf.iter().position(|b| *b == b'\n') {
             Some(at) => (at, true),
@@ -230,11 +321,17 @@ pub(crate) async fn read_line_capped(
     }
 }
 
+/// `FileTooLarge`: what [`is_too_long`] recognizes.
 fn too_long(what: &str, max: usize) -> std::io::Error {
     std::io::Error::new(
-        std::io::ErrorKind::InvalidData,
+        std::io::ErrorKind::FileTooLarge,
         format!("{what} longer than {max} bytes"),
     )
+}
+
+/// Whether `e` is a page or a line over its bound.
+pub(crate) fn is_too_long(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::FileTooLarge
 }
 
 /// Reads a resource: `metadata` and `spec.data`, nothing else.
@@ -269,6 +366,7 @@ impl<'de> Visitor<'de> for ResourceSeed<'_> {
         }
         Ok(Resource {
             owner: meta.owner(),
+            created: meta.created(),
             name: meta.name,
             version: meta.resource_version,
             data,
@@ -319,7 +417,11 @@ impl<'de> Visitor<'de> for Within<'_> {
             match (level, key.as_str()) {
                 (Level::Spec, "data") => data = map.next_value_seed(Within(limits, Level::Data))?,
                 (Level::Data, "event_channels" | "event_sources") => {
-                    let Ok((entries, skipped)) = map.next_value_seed(Entries(limits))? else {
+                    let only = match (&data, key.as_str()) {
+                        (Ok(d), "event_sources") if !d.channels.is_empty() => Some(&d.channels),
+                        _ => None,
+                    };
+                    let Ok((entries, skipped)) = map.next_value_seed(Entries(limits, only))? else {
                         data = Err(format!("spec.data.{key} is not an object"));
                         continue;
                     };
@@ -377,9 +479,11 @@ impl Within<'_> {
 }
 
 /// Reads one of the two maps: at most `max_channel_entries` entries kept, keys within
-/// `max_key_bytes`, values within `max_value_bytes` (the others skipped and counted);
-/// `Err` when it is not an object (null is empty).
-struct Entries<'l>(&'l Limits);
+/// `max_key_bytes`, values within `max_value_bytes` (the others skipped and counted,
+/// never copied); `Err` when it is not an object (null is empty). With `only` (the
+/// channels, read first: Kubernetes writes keys sorted), only their keys are kept and
+/// the others are skipped uncounted (sources of no channel are read by nothing).
+struct Entries<'l>(&'l Limits, Option<&'l BTreeMap<String, Box<RawValue>>>);
 
 type Read = Result<(BTreeMap<String, Box<RawValue>>, u64), ()>;
 
@@ -407,26 +511,27 @@ impl<'de> Visitor<'de> for Entries<'_> {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Read, A::Error> {
-        let limits = self.0;
+        let Entries(limits, only) = self;
         let (mut kept, mut skipped) = (BTreeMap::new(), 0u64);
-        while let Some(key) = map.next_key::<Key>()? {
-            let Key(Some(key)) = key else {
+        while let Some(key) = map.next_key_seed(KeySeed(limits.max_key_bytes))? {
+            let wanted = match (&key, only) {
+                (Some(k), Some(only)) => only.contains_key(k),
+                _ => true,
+            };
+            let Some(key) = key.filter(|_| wanted && kept.len() < limits.max_channel_entries)
+            else {
                 map.next_value::<IgnoredAny>()?;
-                skipped += 1;
+                skipped += u64::from(wanted);
                 continue;
             };
-            if kept.len() >= limits.max_channel_entries || key.len() > limits.max_key_bytes {
-                map.next_value::<IgnoredAny>()?;
-                skipped += 1;
-                continue;
-            }
-            let value: Box<RawValue> = map.next_value()?;
+            // Borrowed from the text: its length is checked before it is copied.
+            let value: &RawValue = map.next_value()?;
             if value.get().len() > limits.max_value_bytes {
                 skipped += 1;
                 continue;
             }
             // A key given twice: the last value, as any JSON reader keeps.
-            kept.insert(key, value);
+            kept.insert(key, value.to_owned());
         }
         Ok(Ok((kept, skipped)))
     }
@@ -457,28 +562,26 @@ impl<'de> Visitor<'de> for Entries<'_> {
     }
 }
 
-/// A map key, kept only when it is at most [`MAX_KEY_READ`] bytes (longer keys are
-/// never copied: they are over any key bound).
-struct Key(Option<String>);
+/// A map key, copied only when it is at most so many bytes (`None` otherwise).
+struct KeySeed(usize);
 
-/// The longest key copied while reading (`max_key_bytes` is checked after).
-const MAX_KEY_READ: usize = 64 << 10;
+impl<'de> DeserializeSeed<'de> for KeySeed {
+    type Value = Option<String>;
 
-impl<'de> Deserialize<'de> for Key {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Key, D::Error> {
-        struct V;
-        impl Visitor<'_> for V {
-            type Value = Key;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<String>, D::Error> {
+        d.deserialize_str(self)
+    }
+}
 
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a string")
-            }
+impl Visitor<'_> for KeySeed {
+    type Value = Option<String>;
 
-            fn visit_str<E>(self, s: &str) -> Result<Key, E> {
-                Ok(Key((s.len() <= MAX_KEY_READ).then(|| s.to_owned())))
-            }
-        }
-        d.deserialize_str(V)
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a string")
+    }
+
+    fn visit_str<E>(self, s: &str) -> Result<Option<String>, E> {
+        Ok((s.len() <= self.0).then(|| s.to_owned()))
     }
 }
 
@@ -520,7 +623,7 @@ mod tests {
                 {{"metadata":{{"name":"c","resourceVersion":"3"}},"spec":{{"data":{{"event_channels":{{"k":1}}}}}}}}]}}"#,
             deep = nested(200)
         );
-        let page = page(&text, &limits()).unwrap();
+        let page = page(&text, 3, &limits()).unwrap();
         assert_eq!(page.continue_token.as_deref(), Some("c1"));
         assert_eq!(page.version.as_deref(), Some("9"));
         let names: Vec<_> = page.items.iter().map(|r| r.name.clone().unwrap()).collect();
@@ -548,6 +651,30 @@ mod tests {
     }
 
     #[test]
+    fn a_page_of_more_items_than_asked_for_is_refused() {
+        let text = r#"{"items":[{},{},{}],"metadata":{}}"#;
+        assert!(page(text, 2, &limits()).is_err());
+        assert_eq!(page(text, 3, &limits()).unwrap().items.len(), 3);
+        assert!(
+            page(r#"{"items":null}"#, 3, &limits())
+                .unwrap()
+                .items
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn sources_are_read_for_the_channels_kept() {
+        let mut l = limits();
+        l.max_channel_entries = 2;
+        let text = r#"{"spec":{"data":{"event_channels":{"k":1,"z":2},
+            "event_sources":{"a":0,"b":0,"c":0,"k":3,"z":4}}}}"#;
+        let data = resource(text, &l).data.unwrap();
+        assert_eq!(data.sources.keys().collect::<Vec<_>>(), ["k", "z"]);
+        assert_eq!(data.skipped, 0);
+    }
+
+    #[test]
     fn unreadable_metadata_leaves_no_name() {
         let r = resource(r#"{"metadata":{"name":7}}"#, &limits());
         assert!(r.name.is_none() && r.data.is_err());
@@ -565,9 +692,8 @@ mod tests {
         assert!(read_line_capped(&mut b, &mut line, 3).await.unwrap());
         assert_eq!(line, b"ab");
         assert!(read_line_capped(&mut b, &mut line, 3).await.is_err());
+        // A body cut short: its last line is dropped.
         let mut b = body(b"xy");
-        assert!(read_line_capped(&mut b, &mut line, 3).await.unwrap());
-        assert_eq!(line, b"xy");
         assert!(!read_line_capped(&mut b, &mut line, 3).await.unwrap());
         assert_eq!(read_capped(body(b"1234"), 4).await.unwrap(), "1234");
         assert!(read_capped(body(b"12345"), 4).await.is_err());

@@ -3,7 +3,6 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Serialize;
 use serde_json::value::RawValue;
 
@@ -27,20 +26,13 @@ pub(crate) const DISCOVERY_LABEL: &str = "nvidia.com/dynamo-discovery-enabled=tr
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Advertised {
     pub(crate) owner: Option<PodRef>,
+    /// Its creation timestamp: of two resources advertising one publisher id, the
+    /// older keeps it.
+    pub(crate) created: Option<String>,
     /// At most `Limits::max_publishers_per_resource`, unique ids.
     pub(crate) publishers: Vec<Instance>,
     /// Entries skipped as malformed or over a bound (each counted).
     pub(crate) skipped: u64,
-}
-
-/// The resource's `resourceVersion`, as an integer (every etcd-backed API server
-/// writes the etcd revision there): the incarnation of what it advertises.
-pub(crate) fn incarnation(meta: &ObjectMeta) -> Result<u64, RecordError> {
-    meta.resource_version
-        .as_deref()
-        .and_then(|v| v.parse::<u64>().ok())
-        .filter(|v| *v > 0)
-        .ok_or_else(|| RecordError::BadValue("resourceVersion is not a positive integer".into()))
 }
 
 /// Reads the publishers a resource advertises in `spec.data.event_channels` (their
@@ -66,6 +58,7 @@ pub(crate) fn advertised(
         .as_ref()
         .map_err(|e| RecordError::BadValue(e.clone()))?;
     let mut out = Advertised::empty(resource.owner.clone());
+    out.created = resource.created.clone();
     out.skipped = data.skipped;
     let mut seen = HashSet::new();
     for (key, value) in &data.channels {
@@ -99,6 +92,7 @@ impl Advertised {
     fn empty(owner: Option<PodRef>) -> Advertised {
         Advertised {
             owner,
+            created: None,
             publishers: Vec::new(),
             skipped: 0,
         }

@@ -11,9 +11,9 @@ use kube::core::Request;
 use tracing::warn;
 
 use super::config::{KubeConfig, KubeMode};
-use super::error::{is_gone, within};
+use super::error::{KubeRequestError, is_gone, within};
 use super::join::{Change, Join, Ns, Seen};
-use super::narrow::{self, MAX_PAGE_BYTES};
+use super::narrow;
 use super::resource::{self, DISCOVERY_LABEL, GROUP, KIND, PLURAL, VERSION, plausible};
 use crate::discovery::backlog::WatchCounters;
 use crate::discovery::{DiscoveryError, Instance};
@@ -76,6 +76,20 @@ impl Object {
     }
 }
 
+/// Whether a list failed because its page was over `max_page_bytes`.
+fn page_too_long(e: &DiscoveryError) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        if let Some(KubeRequestError::Failed { source: k, .. }) =
+            err.downcast_ref::<KubeRequestError>()
+        {
+            return matches!(k, kube::Error::ReadEvents(io) if narrow::is_too_long(io));
+        }
+        source = err.source();
+    }
+    false
+}
+
 impl Shared {
     pub(crate) fn api_resource() -> ApiResource {
         ApiResource {
@@ -96,7 +110,7 @@ impl Shared {
     }
 
     /// One list page of resources, read narrowly ([`narrow`]): at most
-    /// [`MAX_PAGE_BYTES`] read, then split into items, each read on its own.
+    /// `max_page_bytes` read, then split into items, each read on its own.
     async fn resource_page(
         &self,
         ns: Ns,
@@ -106,10 +120,11 @@ impl Shared {
             .list(params)
             .map_err(kube::Error::BuildRequest)?;
         let body = Box::pin(self.client.request_stream(request).await?);
-        let text = narrow::read_capped(body, MAX_PAGE_BYTES)
+        let text = narrow::read_capped(body, self.config.limits.max_page_bytes)
             .await
             .map_err(kube::Error::ReadEvents)?;
-        narrow::page(&text, &self.config.limits).map_err(kube::Error::SerdeError)
+        let max_items = params.limit.map_or(usize::MAX, |l| l as usize);
+        narrow::page(&text, max_items, &self.config.limits).map_err(kube::Error::SerdeError)
     }
 
     pub(crate) fn namespace(&self, ns: Ns) -> &str {
@@ -186,8 +201,19 @@ impl Shared {
         loop {
             let (objects, meta) = match (kind, self.mode) {
                 (Kind::Resources, _) => {
-                    let page = within("list", &namespace, timeout, self.resource_page(ns, &params))
-                        .await?;
+                    let page =
+                        match within("list", &namespace, timeout, self.resource_page(ns, &params))
+                            .await
+                        {
+                            // A page over its bound (large resources): ask for half as
+                            // many, down to one at a time.
+                            Err(e) if page_too_long(&e) && params.limit.is_some_and(|l| l > 1) => {
+                                let half = params.limit.unwrap_or(2) / 2;
+                                params = params.limit(half);
+                                continue;
+                            }
+                            other => other?,
+                        };
                     let meta = kube::api::ListMeta {
                         continue_: page.continue_token,
                         resource_version: page.version,

@@ -15,7 +15,8 @@ use tracing::{debug, warn};
 
 use super::config::PodIdentity;
 use super::error::{has_status, within};
-use super::resource::{self, ApplyBody, FIELD_MANAGER, PodRef, Written};
+use super::narrow;
+use super::resource::{ApplyBody, FIELD_MANAGER, PodRef, Written};
 use super::shared::Shared;
 use crate::config::ConfigError;
 use crate::discovery::records::DynamoRecords;
@@ -83,7 +84,13 @@ impl Writer {
             "delete",
             &self.namespace,
             self.shared.config.request_timeout,
-            self.api.delete(&self.name, &DeleteParams::default()),
+            async {
+                let request = kube::core::Request::new(self.api.resource_url())
+                    .delete(&self.name, &DeleteParams::default())
+                    .map_err(kube::Error::BuildRequest)?;
+                // The answer (the object or a status) is not read, only its status.
+                self.answer(request).await.map(drop)
+            },
         )
         .await;
         match deleted {
@@ -123,14 +130,33 @@ impl Writer {
             "apply",
             &self.namespace,
             self.shared.config.request_timeout,
-            self.api.patch(&self.name, &params, &Patch::Apply(&body)),
+            async {
+                let request = kube::core::Request::new(self.api.resource_url())
+                    .patch(&self.name, &params, &Patch::Apply(&body))
+                    .map_err(kube::Error::BuildRequest)?;
+                self.answer(request).await
+            },
         )
         .await?;
-        resource::incarnation(&applied.metadata).map_err(|e| {
-            DiscoveryError::Unavailable(
-                format!("the API server answered the apply with {e}").into(),
-            )
-        })
+        // Only its version is read: what else the resource holds (another writer's
+        // fields, however deep or large) costs its text and nothing more.
+        narrow::version_of(&applied)
+            .and_then(|v| v.parse::<u64>().ok())
+            .filter(|v| *v > 0)
+            .ok_or_else(|| {
+                DiscoveryError::Unavailable(
+                    "the API server answered the apply without a positive integer resourceVersion"
+                        .into(),
+                )
+            })
+    }
+
+    /// The server's answer to `request`, read within `max_page_bytes`.
+    async fn answer(&self, request: http::Request<Vec<u8>>) -> Result<String, kube::Error> {
+        let body = Box::pin(self.shared.client.request_stream(request).await?);
+        narrow::read_capped(body, self.shared.config.limits.max_page_bytes)
+            .await
+            .map_err(kube::Error::ReadEvents)
     }
 
     /// Registers `id` → `transport` for `worker` (or the configured one), with the

@@ -276,7 +276,13 @@ impl DynamoRecords {
         });
         // Ours when both are there; else Dynamo's worker recovery endpoint.
         let recovery = ours.or_else(|| {
-            let target = record.metadata.recovery_target.filter(|t| !t.is_null())?;
+            let target = record
+                .metadata
+                .recovery_target
+                .filter(|t| t.get() != "null")?;
+            let target: serde_json::Value = serde_json::from_str(target.get())
+                .inspect_err(|_| tracing::warn!(%id, "ignoring an unreadable recovery_target"))
+                .ok()?;
             super::dynamo_target::target_in(&target, worker.worker_id, worker.dp_rank)
                 .inspect_err(|why| tracing::warn!(%id, why, "ignoring a recovery_target"))
                 .ok()
@@ -458,9 +464,10 @@ struct SourceMetadataIn<'a> {
     worker: Worker,
     #[serde(borrow, default)]
     eventplane_recovery: Option<Cow<'a, str>>,
-    /// Read apart, so that a malformed one costs the repairs, not the worker.
-    #[serde(default)]
-    recovery_target: Option<serde_json::Value>,
+    /// Read apart (kept as text: its depth is never counted here), so that a
+    /// malformed one costs the repairs, not the worker.
+    #[serde(borrow, default)]
+    recovery_target: Option<&'a serde_json::value::RawValue>,
 }
 
 #[derive(Serialize, Deserialize)]

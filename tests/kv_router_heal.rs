@@ -75,6 +75,8 @@ async fn router_with(
         args.extend(["--bus-key", &key, flag, file]);
     }
     args.extend([
+        "--allow-cidr",
+        "127.0.0.0/8",
         "--component",
         "kvworker",
         "--topic",

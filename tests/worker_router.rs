@@ -76,6 +76,8 @@ mod with_etcd {
         let mut router = Watched::spawn(
             "kv-router",
             &[
+                "--allow-cidr",
+                "127.0.0.0/8",
                 "--etcd",
                 &url,
                 "--namespace",
@@ -189,6 +191,8 @@ mod with_etcd {
         let mut router = Watched::spawn(
             "kv-router",
             &[
+                "--allow-cidr",
+                "127.0.0.0/8",
                 "--etcd",
                 &url,
                 "--namespace",
@@ -220,6 +224,59 @@ mod with_etcd {
         assert_eq!(status.code(), Some(0));
         assert_eq!(stats["unidentified_deliveries"], 1, "{stats}");
         assert_eq!(stats["subscriber"]["unidentified_publishers"], 1, "{stats}");
+    }
+
+    /// A record naming a loopback address (a tenant's, or a mistake): `kv-router`
+    /// never dials it (refused, counted in `refused_by_filter`) unless `--allow-cidr`
+    /// reopens loopback, and then it does (it used to dial whatever a record named,
+    /// its own loopback included: a port scanner of its host).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn kv_router_dials_no_loopback_a_record_names_unless_allowed() {
+        let server = EtcdServer::start().await;
+        let url = server.url();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let record = json!({
+            "id": {"namespace": "prod", "component": "py", "topic": "kv-events",
+                   "publisher_id": 0x77},
+            "transport": {"kind": "zmq",
+                          "endpoint": format!("tcp://{}", listener.local_addr().unwrap())},
+        });
+        server.etcdctl(&[
+            "put",
+            "/eventplane/v1/channels/prod/py/kv-events/77",
+            &record.to_string(),
+        ]);
+        let follow = [
+            "--etcd",
+            &url,
+            "--namespace",
+            "prod",
+            "--topic",
+            "kv-events",
+        ];
+        let mut router =
+            Watched::spawn("kv-router", &[&follow[..], &["--format", "quiet"]].concat());
+        let dialled = tokio::time::timeout(std::time::Duration::from_secs(3), listener.accept());
+        assert!(
+            dialled.await.is_err(),
+            "kv-router dialled a loopback address a record named"
+        );
+        let stats = router.terminate().await;
+        assert!(
+            stats["subscriber"]["total"]["refused_by_filter"]
+                .as_u64()
+                .unwrap()
+                >= 1,
+            "{stats}"
+        );
+        let allowed = [
+            &follow[..],
+            &["--format", "quiet", "--allow-cidr", "127.0.0.0/8"],
+        ]
+        .concat();
+        let router = Watched::spawn("kv-router", &allowed);
+        within(listener.accept()).await.unwrap();
+        drop(router);
     }
 }
 

@@ -364,19 +364,34 @@ async fn kv_router_repairs_a_gap_over_dynamos_request_plane() {
     signal(router.id().unwrap(), "-CONT");
     engine.burst(5).await;
     let truth = engine.truth().await;
+    // Settled on what was sent, not on the count of blocks (the engine holds as many
+    // before its last batches as after them): the relay has taken every engine batch,
+    // the router has read every message the relay queued for it, twice in a row.
+    let batches = (20 + 2500 + 5) as f64;
+    let mut last = None;
     crate::support::within(async {
         loop {
+            let (_, relayed) = admin::get(&relay_admin, "/metrics").await;
             let (_, body) = admin::get(&addr, "/metrics").await;
             let at = |m: &str| admin::metric(&body, m).unwrap_or(-1.0);
+            let taken = admin::metric(&relayed, "eventplane_kv_processor_input_lists_total");
+            let queued = admin::metric(&relayed, "eventplane_pub_queued_total");
+            let read = at("eventplane_subscriber_received_total");
             let settled = at("eventplane_kv_index_held_events") == 0.0
-                && at("eventplane_kv_index_recovering_publishers") == 0.0;
-            if settled && at("eventplane_kv_index_blocks") == truth.len() as f64 {
+                && at("eventplane_kv_index_recovering_publishers") == 0.0
+                && taken.is_some_and(|t| t >= batches)
+                && queued == Some(read);
+            if settled
+                && last == Some(read)
+                && at("eventplane_kv_index_blocks") == truth.len() as f64
+            {
                 return;
             }
+            last = settled.then_some(read);
             if at("eventplane_kv_index_wipes_total") > 0.0 {
                 return;
             }
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
     })
     .await;
@@ -384,7 +399,15 @@ async fn kv_router_repairs_a_gap_over_dynamos_request_plane() {
     for cause in ["id_gap", "reconnect", "recovery_failed", "held_overflow"] {
         assert_eq!(stats["wipes"][cause], 0, "{cause}: {}", stats["wipes"]);
     }
-    assert_eq!(our_index(&stats, WORKER), truth);
+    let ours = our_index(&stats, WORKER);
+    assert!(
+        ours == truth,
+        "{} of the engine's blocks missing, {} extra; repairs {}, index_stats {}",
+        truth.difference(&ours).count(),
+        ours.difference(&truth).count(),
+        stats["repairs"],
+        stats["index_stats"]
+    );
     // What the relay served, on its /metrics as in its stats.
     let (_, metrics) = admin::get(&relay_admin, "/metrics").await;
     let answered = |kind: &str| {

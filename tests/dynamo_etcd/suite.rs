@@ -452,6 +452,8 @@ pub(crate) fn spawn_kv_router(
 ) {
     use tokio::io::{AsyncBufReadExt, BufReader};
     let mut router = tokio::process::Command::new(support::example("kv-router"))
+        // The test's publishers and workers are on loopback.
+        .args(["--allow-cidr", "127.0.0.0/8"])
         .args(args)
         .args(["--component", "kvworker", "--topic", "kv-events"])
         .envs(env.iter().copied())

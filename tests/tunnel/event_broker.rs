@@ -455,6 +455,7 @@ async fn kv_router_runs_an_event_bus_that_carries_events_through_a_broker() {
     let with_bus = async |listen: &str, key: PathBuf| {
         within(
             Command::new(example("kv-router"))
+                .args(["--allow-cidr", "127.0.0.0/8"])
                 .args(follow)
                 .args(["--bus-listen", listen])
                 .arg("--bus-key")
@@ -1125,6 +1126,7 @@ async fn kv_router_bus_clients_bind_each_broker_to_its_id_and_namespaces() {
 pub(crate) fn router_with_bus(token_dir: &Path) -> Command {
     let mut router = Command::new(example("kv-router"));
     router
+        .args(["--allow-cidr", "127.0.0.0/8"])
         .args(["--bus-listen", "127.0.0.1:0", "--bus-token-file"])
         .arg(token_dir.join("token"))
         .arg("--bus-cert")

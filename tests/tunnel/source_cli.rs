@@ -49,6 +49,7 @@ struct Router {
 /// wire, or other discovery to follow beside the announced sources).
 async fn router(dir: &Path, follow: &[&str]) -> Router {
     let mut child = Command::new(example("kv-router"))
+        .args(["--allow-cidr", "127.0.0.0/8"])
         .args(["--namespace", "prod", "--topic", "kv-events"])
         .args(follow)
         .args(["--bus-listen", "127.0.0.1:0"])

@@ -188,6 +188,15 @@ struct Args {
         requires = "dynamo"
     )]
     call_home_bind: std::net::SocketAddr,
+    /// A network discovery may name for this router to dial (CIDR; repeat for
+    /// several): publishers and recovery endpoints elsewhere are refused and counted
+    /// (`refused_by_filter`). Without it, what etcd, Kubernetes or the bus name is
+    /// dialled anywhere but loopback, link-local, metadata and the other special
+    /// ranges (a record can name any address: give the workers' networks, e.g. the
+    /// pod CIDR); a special range, loopback included, is reached only through a CIDR
+    /// inside it (127.0.0.0/8). --static endpoints, given here, are dialled as given.
+    #[arg(long = "allow-cidr")]
+    allow_cidr: Vec<eventplane::net::Cidr>,
     /// Publishers followed at most (default: the library's, 4,096); past it a
     /// publisher is refused and counted. Each costs one open file: the soft limit is
     /// raised to the hard limit at start.
@@ -512,7 +521,9 @@ async fn main() -> ExitCode {
     if let Some(c) = &args.component {
         query = query.component(c.clone());
     }
+    let filter = dial_filter(&args);
     let builder = DynamicSubscriber::builder(discovery, query)
+        .addr_filter(filter.clone())
         .topic(args.topic.clone())
         // Our records name their worker, and so do Dynamo's resources on Kubernetes
         // (their `event_sources`); static endpoints cannot, and in etcd Dynamo's
@@ -539,6 +550,7 @@ async fn main() -> ExitCode {
     // the client's default), reached as their publishers are.
     let mut asking = RecoveryClientConfig::default();
     asking.timeout = std::time::Duration::from_millis(args.recovery_timeout_ms);
+    asking.filter = Some(filter);
     let mut recovery = RecoveryDriver::new(asking);
     if args.dynamo {
         use eventplane::kv::dynamo_recovery::{CallHomeConfig, CallHomeListener};
@@ -933,4 +945,20 @@ async fn start_bus(args: &Args, _: Wire) -> Result<Option<Bus>, StartError> {
         ));
     }
     Ok(None)
+}
+
+/// What this router may dial: the operator's `--static` endpoints as given (loopback
+/// included); what discovery names, never a special range (loopback included) unless
+/// an `--allow-cidr` inside it reopens it, and only the `--allow-cidr` networks when
+/// any is given.
+fn dial_filter(args: &Args) -> eventplane::net::AddrFilter {
+    use eventplane::net::AddrFilter;
+    let base = if args.static_endpoints.is_empty() {
+        AddrFilter::strict()
+    } else {
+        AddrFilter::default()
+    };
+    args.allow_cidr
+        .iter()
+        .fold(base, |f, cidr| f.allow_cidr(*cidr))
 }

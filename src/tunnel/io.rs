@@ -12,6 +12,8 @@ use std::task::{Context, Poll, ready};
 use bytes::{Buf, Bytes};
 use http_body::{Body, Frame};
 use hyper::body::Incoming;
+use rustls::pki_types::pem::{self, PemObject};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::{CancellationToken, PollSender, WaitForCancellationFutureOwned};
@@ -461,6 +463,17 @@ fn pem_error(what: &'static str, path: &Path, e: impl std::fmt::Display) -> Tunn
     }
 }
 
+/// Every certificate of a PEM file (read with rustls' own PEM reader).
+fn read_certs(
+    what: &'static str,
+    path: &Path,
+) -> Result<Vec<CertificateDer<'static>>, TunnelError> {
+    CertificateDer::pem_file_iter(path)
+        .map_err(|e| pem_error(what, path, e))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| pem_error(what, path, e))
+}
+
 /// The TLS configuration of an event bus: its certificate chain and private key, in
 /// PEM files; HTTP/2 only.
 pub fn server_tls(
@@ -468,19 +481,17 @@ pub fn server_tls(
     key_pem: impl AsRef<Path>,
 ) -> Result<Arc<rustls::ServerConfig>, TunnelError> {
     let (cert_pem, key_pem) = (cert_pem.as_ref(), key_pem.as_ref());
-    let certs = rustls_pemfile::certs(&mut io::BufReader::new(
-        std::fs::File::open(cert_pem).map_err(|e| pem_error("cert", cert_pem, e))?,
-    ))
-    .collect::<Result<Vec<_>, _>>()
-    .map_err(|e| pem_error("cert", cert_pem, e))?;
+    let certs = read_certs("cert", cert_pem)?;
     if certs.is_empty() {
         return Err(pem_error("cert", cert_pem, "no certificate in the file"));
     }
-    let key = rustls_pemfile::private_key(&mut io::BufReader::new(
-        std::fs::File::open(key_pem).map_err(|e| pem_error("key", key_pem, e))?,
-    ))
-    .map_err(|e| pem_error("key", key_pem, e))?
-    .ok_or_else(|| pem_error("key", key_pem, "no private key in the file"))?;
+    let key = match PrivateKeyDer::from_pem_file(key_pem) {
+        Ok(key) => key,
+        Err(pem::Error::NoItemsFound) => {
+            return Err(pem_error("key", key_pem, "no private key in the file"));
+        }
+        Err(e) => return Err(pem_error("key", key_pem, e)),
+    };
     let mut config = rustls::ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(TunnelError::Tls)?
@@ -496,11 +507,7 @@ pub fn server_tls(
 pub fn client_tls(ca_pem: impl AsRef<Path>) -> Result<Arc<rustls::ClientConfig>, TunnelError> {
     let ca_pem = ca_pem.as_ref();
     let mut roots = rustls::RootCertStore::empty();
-    let certs = rustls_pemfile::certs(&mut io::BufReader::new(
-        std::fs::File::open(ca_pem).map_err(|e| pem_error("ca_file", ca_pem, e))?,
-    ))
-    .collect::<Result<Vec<_>, _>>()
-    .map_err(|e| pem_error("ca_file", ca_pem, e))?;
+    let certs = read_certs("ca_file", ca_pem)?;
     for cert in certs {
         roots
             .add(cert)
@@ -520,4 +527,35 @@ pub fn client_tls(ca_pem: impl AsRef<Path>) -> Result<Arc<rustls::ClientConfig>,
         .with_no_client_auth();
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(Arc::new(config))
+}
+
+#[cfg(test)]
+mod pem_tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn fixture(name: &str) -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/tunnel")
+            .join(name)
+    }
+
+    #[test]
+    fn pem_files_are_read_and_their_failures_named() {
+        assert!(server_tls(fixture("bus.pem"), fixture("bus.key")).is_ok());
+        assert!(client_tls(fixture("ca.pem")).is_ok());
+        let dir = std::env::temp_dir().join(format!("eventplane-pem-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let empty = dir.join("empty.pem");
+        std::fs::write(&empty, "nothing here\n").unwrap();
+        fn why<T>(r: Result<T, TunnelError>) -> String {
+            r.err().map(|e| e.to_string()).unwrap_or_default()
+        }
+        assert!(why(server_tls(&empty, fixture("bus.key"))).contains("no certificate"));
+        assert!(why(server_tls(fixture("bus.pem"), &empty)).contains("no private key"));
+        assert!(why(client_tls(&empty)).contains("no CA certificate"));
+        let missing = dir.join("missing.pem");
+        assert!(why(client_tls(&missing)).contains("missing.pem"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -254,8 +254,7 @@ mod with_etcd {
             "--topic",
             "kv-events",
         ];
-        let mut router =
-            Watched::spawn("kv-router", &[&follow[..], &["--format", "quiet"]].concat());
+        let router = Watched::spawn("kv-router", &[&follow[..], &["--format", "quiet"]].concat());
         let dialled = tokio::time::timeout(std::time::Duration::from_secs(3), listener.accept());
         assert!(
             dialled.await.is_err(),

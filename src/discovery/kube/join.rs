@@ -72,6 +72,8 @@ pub(crate) struct Join {
     /// Readiness objects, by (namespace, object name): their ready contributions.
     readiness: HashMap<Key, Vec<Seen>>,
     readiness_per_namespace: HashMap<Ns, usize>,
+    /// Their contributions in all, per namespace (at most `max_resources`).
+    readiness_entries: HashMap<Ns, usize>,
     /// (namespace, resource name) → contributions by pod uid.
     ready: HashMap<Key, HashMap<String, u32>>,
     /// Which visible resource each publisher id is taken from (the oldest joined
@@ -93,6 +95,7 @@ impl Join {
             per_namespace: HashMap::new(),
             readiness: HashMap::new(),
             readiness_per_namespace: HashMap::new(),
+            readiness_entries: HashMap::new(),
             ready: HashMap::new(),
             claims: HashMap::new(),
             advertisers: HashMap::new(),
@@ -248,6 +251,31 @@ impl Join {
         };
         let old = self.readiness.remove(&obj);
         let mut seen = seen.unwrap_or_default();
+        if seen.len() > self.limits.max_channel_entries {
+            self.skipped += (seen.len() - self.limits.max_channel_entries) as u64;
+            seen.truncate(self.limits.max_channel_entries);
+        }
+        // Entries in all, per namespace: as many as resources (never fewer than one
+        // object may hold); past it, the entries naming no resource held go first.
+        let cap = self
+            .limits
+            .max_resources
+            .max(self.limits.max_channel_entries);
+        let entries = self.readiness_entries.entry(ns).or_default();
+        let held = entries.saturating_sub(old.as_ref().map_or(0, Vec::len));
+        let room = cap.saturating_sub(held);
+        if seen.len() > room {
+            let resources = &self.resources;
+            seen.sort_by_key(|s| {
+                !resources.contains_key(&Key {
+                    ns,
+                    name: s.name.clone(),
+                })
+            });
+            self.skipped += (seen.len() - room) as u64;
+            seen.truncate(room);
+        }
+        *entries = held + seen.len();
         // As many readiness objects per namespace as resources: more are skipped.
         if old.is_none() && !seen.is_empty() {
             let count = self.readiness_per_namespace.entry(ns).or_default();
@@ -263,10 +291,6 @@ impl Join {
             }
         }
         let old = old.unwrap_or_default();
-        if seen.len() > self.limits.max_channel_entries {
-            self.skipped += (seen.len() - self.limits.max_channel_entries) as u64;
-            seen.truncate(self.limits.max_channel_entries);
-        }
         let mut affected: Vec<Key> = old
             .iter()
             .chain(seen.iter())
@@ -764,5 +788,41 @@ mod tests {
             vec![Change::Up(victim.clone())]
         );
         assert_eq!(j.view(), vec![victim]);
+    }
+
+    #[test]
+    fn readiness_entries_are_bounded_in_all_and_held_resources_go_last() {
+        let mut j = Join::new(Limits {
+            max_resources: 3,
+            max_channel_entries: 3,
+            ..Limits::default()
+        });
+        j.upsert_resource(0, "w0", adv("w0", "u", vec![pub_(1, 1)]));
+        // A tenant's slices: two entries, then three more (one naming w0) past the
+        // cap of three: the junk goes, w0 stays.
+        j.set_readiness(
+            0,
+            "t1",
+            Some(vec![ready("junk1", "u"), ready("junk2", "u")]),
+        );
+        let changes = j.set_readiness(
+            0,
+            "t2",
+            Some(vec![
+                ready("junk3", "u"),
+                ready("junk4", "u"),
+                ready("w0", "u"),
+            ]),
+        );
+        assert_eq!(changes, vec![Change::Up(pub_(1, 1))]);
+        assert_eq!(j.skipped, 2);
+        // Gone, it makes room again.
+        j.set_readiness(0, "t1", None);
+        j.set_readiness(
+            0,
+            "t3",
+            Some(vec![ready("junk5", "u"), ready("junk6", "u")]),
+        );
+        assert_eq!(j.skipped, 2);
     }
 }

@@ -72,7 +72,8 @@ pub(crate) struct Join {
     /// Readiness objects, by (namespace, object name): their ready contributions.
     readiness: HashMap<Key, Vec<Seen>>,
     readiness_per_namespace: HashMap<Ns, usize>,
-    /// Their contributions in all, per namespace (at most `max_resources`).
+    /// Their contributions in all, per namespace (at most `max_resources` and
+    /// `max_channel_entries` more).
     readiness_entries: HashMap<Ns, usize>,
     /// (namespace, resource name) → contributions by pod uid.
     ready: HashMap<Key, HashMap<String, u32>>,
@@ -251,19 +252,18 @@ impl Join {
         };
         let old = self.readiness.remove(&obj);
         let mut seen = seen.unwrap_or_default();
-        if seen.len() > self.limits.max_channel_entries {
-            self.skipped += (seen.len() - self.limits.max_channel_entries) as u64;
-            seen.truncate(self.limits.max_channel_entries);
-        }
-        // Entries in all, per namespace: as many as resources (never fewer than one
-        // object may hold); past it, the entries naming no resource held go first.
+        // At most `max_channel_entries` an object, and in all, per namespace, as many
+        // as resources and one object's more; past either, the entries naming no
+        // resource held go first.
         let cap = self
             .limits
             .max_resources
-            .max(self.limits.max_channel_entries);
+            .saturating_add(self.limits.max_channel_entries);
         let entries = self.readiness_entries.entry(ns).or_default();
         let held = entries.saturating_sub(old.as_ref().map_or(0, Vec::len));
-        let room = cap.saturating_sub(held);
+        let room = cap
+            .saturating_sub(held)
+            .min(self.limits.max_channel_entries);
         if seen.len() > room {
             let resources = &self.resources;
             seen.sort_by_key(|s| {
@@ -792,14 +792,15 @@ mod tests {
 
     #[test]
     fn readiness_entries_are_bounded_in_all_and_held_resources_go_last() {
+        // Two objects, and four entries in all (two resources, one object's more).
         let mut j = Join::new(Limits {
-            max_resources: 3,
-            max_channel_entries: 3,
+            max_resources: 2,
+            max_channel_entries: 2,
             ..Limits::default()
         });
         j.upsert_resource(0, "w0", adv("w0", "u", vec![pub_(1, 1)]));
-        // A tenant's slices: two entries, then three more (one naming w0) past the
-        // cap of three: the junk goes, w0 stays.
+        // A tenant's slices: two entries, then three more (one naming w0): past the
+        // object's bound, the junk goes first, and w0 stays.
         j.set_readiness(
             0,
             "t1",
@@ -815,6 +816,17 @@ mod tests {
             ]),
         );
         assert_eq!(changes, vec![Change::Up(pub_(1, 1))]);
+        assert_eq!(j.skipped, 1);
+        // Four in all: another object's entries are refused, counted.
+        j.set_readiness(
+            0,
+            "t1",
+            Some(vec![
+                ready("junk1", "u"),
+                ready("junk2", "u"),
+                ready("junk9", "u"),
+            ]),
+        );
         assert_eq!(j.skipped, 2);
         // Gone, it makes room again.
         j.set_readiness(0, "t1", None);

@@ -75,9 +75,9 @@ use crate::net::RateLimitedWarn;
 ///   from the older (`creationTimestamp`, set by the server; then its name), the other
 ///   counted; when the older goes, the next shows it. A `ResourceQuota` on
 ///   `count/dynamoworkermetadatas.nvidia.com` per namespace bounds what a tenant can
-///   create at all. Readiness is bounded too: `max_resources` readiness objects and as
-///   many ready entries in all per namespace (past it, entries naming no resource held
-///   are dropped first, counted).
+///   create at all. Readiness is bounded too, per namespace: `max_resources`
+///   readiness objects, and as many ready entries in all and one object's more (past
+///   it, entries naming no resource held are dropped first, counted).
 /// - **Read narrowly**: only a resource's name, version, owner references and the two
 ///   maps are read; every other field (`model_cards`, `endpoints`, `managedFields`…)
 ///   is skipped by serde_json's skipping reader, whatever its depth or size, and the

@@ -347,6 +347,10 @@ pub(super) fn authenticate(inner: &Arc<Inner>, conn: &Conn, identity: Identity) 
     true
 }
 
+/// How long a connection that has not authenticated stays open after its first
+/// refused credential: time for the 401 to leave.
+const CLOSE_AFTER_REFUSAL: std::time::Duration = std::time::Duration::from_millis(100);
+
 fn empty(status: StatusCode) -> Response<ChannelBody> {
     let (_, rx) = mpsc::channel(1);
     let mut response = Response::new(ChannelBody::new(rx));
@@ -372,6 +376,15 @@ pub(super) async fn route(
             "unauthorized",
             format_args!("event bus: a request with a missing or unknown credential refused"),
         );
+        // A guess costs its connection: one that has not authenticated is closed
+        // once this answer is on its way (never one guess after another on it).
+        if !conn.authenticated.load(Ordering::Relaxed) {
+            let close = conn.close.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(CLOSE_AFTER_REFUSAL).await;
+                close.cancel();
+            });
+        }
         return empty(StatusCode::UNAUTHORIZED);
     };
     if !authenticate(&inner, &conn, identity) {

@@ -391,6 +391,44 @@ async fn a_connection_carries_one_session_at_a_time() {
     bus.shutdown().await;
 }
 
+/// A wrong credential costs its connection: the first guess gets its 401, and the
+/// connection is closed then (it used to carry a thousand streams of guesses).
+#[tokio::test]
+async fn a_wrong_credential_closes_its_connection() {
+    let bus = bus().await;
+    let tls = tls_to(&bus).await;
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tls),
+    )
+    .await
+    .unwrap();
+    let ended = tokio::spawn(conn);
+    let guess = |token: &str| {
+        hyper::Request::post(format!(
+            "https://localhost:{}/bus/v1/session",
+            bus.local_addr().port()
+        ))
+        .header("authorization", format!("Bearer {token}"))
+        .body(crate::common::EmptyBody)
+        .unwrap()
+    };
+    let first = within(sender.send_request(guess("guess-0"))).await.unwrap();
+    assert_eq!(first.status(), 401);
+    // Closed by the bus 100 ms after its answer (well before the 3 s a connection
+    // has to authenticate): the connection ends, and no second guess is answered.
+    let refused = std::time::Instant::now();
+    within(ended).await.unwrap().ok();
+    assert!(
+        refused.elapsed() < Duration::from_millis(1500),
+        "closed {:?} after the 401",
+        refused.elapsed()
+    );
+    assert!(within(sender.send_request(guess("guess-1"))).await.is_err());
+    assert_eq!(bus.stats().unauthorized, 1);
+    bus.shutdown().await;
+}
+
 /// A TLS connection to `bus` (ALPN h2) that has said nothing yet.
 async fn tls_to(
     bus: &eventplane::tunnel::EventBus,

@@ -165,7 +165,8 @@ pub(super) async fn accept_loop(
             };
             // Every stream the welcome allows, plus the session's own.
             // Windows: one stalled stream holds at most 256 KiB of the connection's
-            // 16 MiB, so it cannot stall the session or the other streams.
+            // 16 MiB; 64 stalled at once hold all of it and stall the others (a
+            // broker's streams are its own: it can stall only itself).
             let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
                 .max_concurrent_streams(inner2.config.limits.max_streams.saturating_add(1))
                 .initial_stream_window_size(256 << 10)

@@ -137,9 +137,13 @@ pub fn parse_dynamo_frame(frame: &[u8]) -> Result<DynamoEnvelope<'_>, WireError>
             continue;
         };
         let read = match key {
-            b"topic" => msgpack::read_str(&mut r)
-                .and_then(|t| std::str::from_utf8(t).ok())
-                .map(|t| topic = topic.or(Some(t))),
+            // Read either way (a topic that is not UTF-8 is then missing, below):
+            // never stepped over a second time, which would skip the next key.
+            b"topic" => msgpack::read_str(&mut r).map(|t| {
+                if let Ok(t) = std::str::from_utf8(t) {
+                    topic = topic.or(Some(t));
+                }
+            }),
             b"publisher_id" => {
                 msgpack::read_uint(&mut r).map(|v| publisher_id = publisher_id.or(Some(v)))
             }
@@ -228,6 +232,22 @@ fn write_bin(out: &mut Vec<u8>, b: &[u8]) {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::*;
+
+    #[test]
+    fn a_topic_that_is_not_utf8_is_missing_not_a_misread_envelope() {
+        let mut frame = Vec::new();
+        encode_dynamo_frame("\u{e9}", 1, 2, 3, b"p", &mut frame);
+        // The topic's two bytes (é) made invalid UTF-8, lengths unchanged.
+        let at = frame
+            .windows(2)
+            .position(|w| w == "\u{e9}".as_bytes())
+            .unwrap();
+        frame[at] = 0xff;
+        assert_eq!(
+            parse_dynamo_frame(&frame),
+            Err(WireError::Envelope("topic missing or not a string"))
+        );
+    }
 
     #[test]
     fn integers_strings_and_binaries_take_their_shortest_form() {

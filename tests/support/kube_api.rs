@@ -81,6 +81,8 @@ struct State {
     /// Bumped to end every open watch.
     generation: tokio::sync::watch::Sender<u64>,
     stalled: AtomicBool,
+    /// Every watch is answered with an `ERROR` 410 at once.
+    always_gone: AtomicBool,
     /// While set, every request waits (logged, then held) before it is answered.
     held: tokio::sync::watch::Sender<bool>,
     bookmark_every: Duration,
@@ -132,6 +134,7 @@ impl KubeApi {
             changes,
             generation: tokio::sync::watch::Sender::new(0),
             stalled: AtomicBool::new(false),
+            always_gone: AtomicBool::new(false),
             held: tokio::sync::watch::Sender::new(false),
             bookmark_every,
             next_uid: AtomicU64::new(1),
@@ -253,6 +256,12 @@ impl KubeApi {
     /// Keeps watches open but silent (no events, no bookmarks) while set.
     pub fn stall_watches(&self, stalled: bool) {
         self.state.stalled.store(stalled, Ordering::SeqCst);
+    }
+
+    /// From now on, every watch is answered at once with an `ERROR` 410 (watch caches
+    /// that disagree behind a load balancer).
+    pub fn always_gone(&self, gone: bool) {
+        self.state.always_gone.store(gone, Ordering::SeqCst);
     }
 
     /// Forgets history up to now: a watch or continue token from an older version
@@ -603,7 +612,7 @@ fn watch(
     let mut live = state.changes.subscribe();
     let (backlog, gone) = {
         let s = state.store.lock().unwrap();
-        if from < s.compacted {
+        if from < s.compacted || state.always_gone.load(Ordering::SeqCst) {
             (Vec::new(), true)
         } else {
             (

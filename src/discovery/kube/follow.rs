@@ -96,14 +96,17 @@ pub(crate) async fn start(
     );
     let task_cancel = cancel.child_token();
     let span = tracing::debug_span!("kube_watch", namespaces = ?shared.namespaces);
+    let relist_backoff = shared.backoff();
     tokio::spawn(
         Follower {
             shared,
             query,
             backlog: Arc::clone(&backlog),
             cancel: task_cancel.clone(),
+            relist_backoff,
             join,
             slots,
+            relisted_at: None,
         }
         .run()
         .instrument(span),
@@ -283,6 +286,10 @@ fn resource_update(line: &[u8], limits: &Limits) -> Update {
     }
 }
 
+/// Watches that lived at least this long after a full read let the next one start at
+/// once (sooner: after the growing backoff).
+const RELIST_SETTLED: Duration = Duration::from_secs(1);
+
 /// The task following one watch.
 struct Follower {
     shared: Arc<Shared>,
@@ -291,6 +298,10 @@ struct Follower {
     cancel: CancellationToken,
     join: Join,
     slots: Vec<Slot>,
+    /// When the latest full read completed (none yet: `None`).
+    relisted_at: Option<Instant>,
+    /// Between full reads that follow each other too closely.
+    relist_backoff: crate::net::Backoff,
 }
 
 /// What to do after an event.
@@ -381,7 +392,11 @@ impl Follower {
                 self.shared.apply(&mut self.join, ns, &object, true)
             }
             Update::Bookmark(version) => {
-                slot.version = version;
+                // Only a version the server could resume from (an empty one would
+                // make the next reopen a fresh watch, missing what changed between).
+                if version.parse::<u64>().is_ok_and(|v| v > 0) {
+                    slot.version = version;
+                }
                 return Next::Continue;
             }
             Update::Error(410, message) => {
@@ -470,17 +485,30 @@ impl Follower {
     async fn relist(&mut self, why: &str) -> bool {
         debug!(why, "kubernetes watch must read afresh");
         self.slots.clear();
-        let mut backoff = self.shared.backoff();
-        let mut first = true;
+        // Read afresh at once, unless the watches of the previous read lived less
+        // than `RELIST_SETTLED`: then after the backoff, which goes on growing (a
+        // server that answers every watch with 410 is not read back to back).
+        let mut first = self
+            .relisted_at
+            .is_none_or(|at| at.elapsed() >= RELIST_SETTLED);
+        if first {
+            self.relist_backoff = self.shared.backoff();
+        }
         loop {
             let established = establish(&self.shared);
-            let Some(established) =
-                attempt(&self.cancel, &mut backoff, &mut first, established).await
+            let Some(established) = attempt(
+                &self.cancel,
+                &mut self.relist_backoff,
+                &mut first,
+                established,
+            )
+            .await
             else {
                 return false;
             };
             match established {
                 Ok((join, slots)) => {
+                    self.relisted_at = Some(Instant::now());
                     self.join = join;
                     self.slots = slots;
                     self.shared

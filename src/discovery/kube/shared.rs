@@ -198,6 +198,10 @@ impl Shared {
         if kind == Kind::Readiness {
             params = params.labels(DISCOVERY_LABEL);
         }
+        // A list holds at most `max_resources` objects that count: more pages than
+        // that (a server answering `continue` for ever) fail it.
+        let max_pages = self.config.limits.max_resources.saturating_add(16);
+        let mut pages = 0usize;
         loop {
             let (objects, meta) = match (kind, self.mode) {
                 (Kind::Resources, _) => {
@@ -254,7 +258,16 @@ impl Shared {
                 self.apply(join, ns, object, false);
             }
             drop(objects);
+            pages += 1;
             match meta.continue_.filter(|c| !c.is_empty()) {
+                Some(_) if pages >= max_pages => {
+                    return Err(DiscoveryError::Unavailable(
+                        format!(
+                            "kubernetes list of more than {max_pages} pages (namespace {namespace})"
+                        )
+                        .into(),
+                    ));
+                }
                 Some(token) => params = params.continue_token(&token),
                 None => return Ok(meta.resource_version.unwrap_or_default()),
             }

@@ -169,7 +169,17 @@ async fn configurations_are_checked_and_refused_by_name() {
         assert!(stderr.contains(says), "{says}: {stderr}");
         // The credential never shows.
         assert!(!stderr.contains(TOKEN), "{stderr}");
-    }
+    } // The shipped broker.env's placeholder is no credential.
+    let held = config("placeholder", "").parent().unwrap().to_owned();
+    let path = config(
+        "placeholder",
+        &body("https://localhost:1", &held, &["tcp://127.0.0.1:5"], ""),
+    );
+    std::fs::write(held.join("token"), "replace-with-the-routers-token\n").unwrap();
+    let out = run(&path, &["--check-config"]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("placeholder"), "{stderr}");
 }
 
 /// A TLS bus, one publisher, and `event_broker` running with a config for them

@@ -63,7 +63,7 @@ use common::chain;
 use eventplane::discovery::{ChannelId, Discovery, Instance, StaticDiscovery, Transport};
 use eventplane::metrics::Exporter;
 use eventplane::net::AddrFilter;
-use eventplane::tunnel::{Broker, BrokerConfig, Secret, client_tls};
+use eventplane::tunnel::{Broker, BrokerConfig, Secret, TokenDigest, client_tls};
 use eventplane_services::service::{self, ServiceArgs};
 
 #[derive(Parser, Debug)]
@@ -175,6 +175,15 @@ enum Refusal {
     Discovery(String),
 }
 
+/// The token the Debian package's broker.env ships with.
+const PLACEHOLDER_TOKEN: &str = "replace-with-the-routers-token";
+
+/// Whether a credential is still the shipped placeholder (compared by digest: a
+/// secret's text is never exposed).
+fn is_placeholder(token: &Secret) -> bool {
+    Secret::new(PLACEHOLDER_TOKEN).is_ok_and(|p| TokenDigest::of(&p) == TokenDigest::of(token))
+}
+
 fn load(args: &Args) -> Result<(FileConfig, Secret, AddrFilter), Refusal> {
     let c = |e: String| Refusal::Config(e);
     let text = std::fs::read_to_string(&args.config)
@@ -190,6 +199,13 @@ fn load(args: &Args) -> Result<(FileConfig, Secret, AddrFilter), Refusal> {
         }
         _ => return Err(c("exactly one of token_file and token_env is needed".into())),
     };
+    // The shipped broker.env's placeholder is no credential: refused before any dial.
+    if is_placeholder(&token) {
+        return Err(c(format!(
+            "the token is still the placeholder {PLACEHOLDER_TOKEN:?} of the shipped \
+             broker.env: give the router's"
+        )));
+    }
     if let Some(listen) = &config.admin_listen {
         service::listen_address(listen).map_err(|e| c(format!("admin_listen: {listen:?}: {e}")))?;
     }

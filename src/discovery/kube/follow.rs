@@ -87,7 +87,8 @@ pub(crate) async fn start(
         }
         r = establish(&shared) => r?,
     };
-    let (join, slots) = established;
+    let (mut join, slots) = established;
+    join.reread = false;
     let snapshot = Shared::matching(&join, &query);
     let backlog = Backlog::start(
         shared.config.watch_buffer,
@@ -413,6 +414,11 @@ impl Follower {
             }
         };
         self.push(changes);
+        if std::mem::take(&mut self.join.reread) {
+            // A resource refused or evicted for room, its pod now ready: read it again
+            // (the read makes its room, evicting resources that are not joined).
+            return Next::Relist("a resource refused for room became ready".to_owned());
+        }
         Next::Continue
     }
 
@@ -507,8 +513,9 @@ impl Follower {
                 return false;
             };
             match established {
-                Ok((join, slots)) => {
+                Ok((mut join, slots)) => {
                     self.relisted_at = Some(Instant::now());
+                    join.reread = false;
                     self.join = join;
                     self.slots = slots;
                     self.shared

@@ -10,11 +10,13 @@
 //!
 //! Shared caps are fair to the workers that can join:
 //! - A resource no pod owns can never join: nothing of it is kept or counted.
-//! - When a resource needs room (`max_resources` in its namespace, or
+//! - When a joined resource needs room (`max_resources` in its namespace, or
 //!   `max_publisher_refs` in all), resources that are not joined make it: the one
 //!   advertising the most publishers (the oldest of those) is evicted, counted, until
-//!   there is room; joined resources are never evicted. An evicted resource shows again
-//!   at its next change or the next full read.
+//!   there is room (none is evicted when all of them would not make enough); joined
+//!   resources are never evicted. A resource not joined yet makes no room: refused
+//!   (or evicted), it is parked, and readiness naming it ready sets `reread` (the
+//!   caller reads everything again).
 //! - Two joined resources advertising one publisher id: the older (its
 //!   `creationTimestamp`, then its name) shows it, the other is counted; when the
 //!   holder goes, the next claimant shows it.
@@ -36,6 +38,9 @@ pub(crate) enum Change {
 
 /// Which index a namespace has in the backend's list of namespaces.
 pub(crate) type Ns = usize;
+
+/// What was shown under each publisher id, and from which resource.
+type Shown = HashMap<ChannelId, (Key, Instance)>;
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Key {
@@ -72,6 +77,12 @@ pub(crate) struct Join {
     /// Readiness objects, by (namespace, object name): their ready contributions.
     readiness: HashMap<Key, Vec<Seen>>,
     readiness_per_namespace: HashMap<Ns, usize>,
+    /// Resources refused or evicted for room, with their owner's uid (at most
+    /// `max_resources`): when readiness names one ready, [`reread`](Self::reread).
+    parked: HashMap<Key, String>,
+    /// Set when a parked resource's pod became ready: the caller reads everything
+    /// again (and clears it), where that resource, joined, makes its room.
+    pub(crate) reread: bool,
     /// Their contributions in all, per namespace (at most `max_resources` and
     /// `max_channel_entries` more).
     readiness_entries: HashMap<Ns, usize>,
@@ -97,6 +108,8 @@ impl Join {
             readiness: HashMap::new(),
             readiness_per_namespace: HashMap::new(),
             readiness_entries: HashMap::new(),
+            parked: HashMap::new(),
+            reread: false,
             ready: HashMap::new(),
             claims: HashMap::new(),
             advertisers: HashMap::new(),
@@ -169,22 +182,34 @@ impl Join {
         }
         self.remove_resource(&key);
         // No pod owns it: it can never join, and costs nothing.
+        self.parked.remove(&key);
         let Some(owner) = advertised.owner else {
             return self.show(&keys, before);
         };
+        // Only a joined resource makes room (one not joined yet is parked instead, and
+        // read again once its pod is ready): a tenant's resources, never joined,
+        // cannot evict a worker whose readiness is on its way.
+        let joined = self.joined(&key, &owner);
         let count = |j: &Join| j.per_namespace.get(&ns).copied().unwrap_or(0);
-        while count(self) >= self.limits.max_resources && self.evict(Some(ns)) {}
+        while joined && count(self) >= self.limits.max_resources && self.evict(Some(ns), false) {}
         if count(self) >= self.limits.max_resources {
             self.skipped += 1;
+            self.park(key, owner);
             return self.show(&keys, before);
         }
         let mut publishers = advertised.publishers;
         let need = publishers.len();
-        while self.refs + need > self.limits.max_publisher_refs && self.evict(None) {}
+        let short = (self.refs + need).saturating_sub(self.limits.max_publisher_refs);
+        if joined && short > 0 && self.evictable_refs() >= short {
+            while self.refs + need > self.limits.max_publisher_refs && self.evict(None, true) {}
+        }
         if self.refs + need > self.limits.max_publisher_refs {
             // Over the total: its earlier advertisement is already withdrawn.
             self.skipped += need as u64;
             publishers = Vec::new();
+            if !joined {
+                self.parked.insert(key.clone(), owner.uid.clone());
+            }
         }
         self.refs += publishers.len();
         for p in &publishers {
@@ -205,13 +230,31 @@ impl Join {
         self.show(&keys, before)
     }
 
-    /// Evicts the resource (in `ns`, or anywhere) that is not joined and advertises
-    /// the most publishers (the oldest of those): `false` when every one is joined.
-    fn evict(&mut self, ns: Option<Ns>) -> bool {
+    /// Parks a resource refused or evicted for room (within `max_resources`).
+    fn park(&mut self, key: Key, owner: PodRef) {
+        if self.parked.len() < self.limits.max_resources {
+            self.parked.insert(key, owner.uid);
+        }
+    }
+
+    /// Publishers held by resources that are not joined (what evictions could free).
+    fn evictable_refs(&self) -> usize {
+        self.resources
+            .iter()
+            .filter(|(k, r)| !self.joined(k, &r.owner))
+            .map(|(_, r)| r.publishers.len())
+            .sum()
+    }
+
+    /// Evicts the resource (in `ns`, or anywhere; with `refs`, only one holding
+    /// publishers) that is not joined and advertises the most publishers (the oldest
+    /// of those), parking it: `false` when there is none.
+    fn evict(&mut self, ns: Option<Ns>, refs: bool) -> bool {
         let victim = self
             .resources
             .iter()
             .filter(|(k, r)| ns.is_none_or(|ns| k.ns == ns) && !self.joined(k, &r.owner))
+            .filter(|(_, r)| !refs || !r.publishers.is_empty())
             .max_by(|(ka, a), (kb, b)| {
                 a.publishers
                     .len()
@@ -223,6 +266,9 @@ impl Join {
             return false;
         };
         self.skipped += 1;
+        if let Some(owner) = self.resources.get(&victim).map(|r| r.owner.clone()) {
+            self.park(victim.clone(), owner);
+        }
         self.remove_resource(&victim);
         true
     }
@@ -235,6 +281,7 @@ impl Join {
         }];
         let before = self.hide(&keys);
         self.remove_resource(&keys[0]);
+        self.parked.remove(&keys[0]);
         self.show(&keys, before)
     }
 
@@ -259,8 +306,12 @@ impl Join {
             .limits
             .max_resources
             .saturating_add(self.limits.max_channel_entries);
-        let entries = self.readiness_entries.entry(ns).or_default();
-        let held = entries.saturating_sub(old.as_ref().map_or(0, Vec::len));
+        let held = self
+            .readiness_entries
+            .get(&ns)
+            .copied()
+            .unwrap_or(0)
+            .saturating_sub(old.as_ref().map_or(0, Vec::len));
         let room = cap
             .saturating_sub(held)
             .min(self.limits.max_channel_entries);
@@ -275,7 +326,6 @@ impl Join {
             self.skipped += (seen.len() - room) as u64;
             seen.truncate(room);
         }
-        *entries = held + seen.len();
         // As many readiness objects per namespace as resources: more are skipped.
         if old.is_none() && !seen.is_empty() {
             let count = self.readiness_per_namespace.entry(ns).or_default();
@@ -289,6 +339,19 @@ impl Join {
             if let Some(count) = self.readiness_per_namespace.get_mut(&ns) {
                 *count = count.saturating_sub(1);
             }
+        }
+        // (What is kept, once both bounds have spoken.)
+        self.readiness_entries.insert(ns, held + seen.len());
+        // A resource refused or evicted for room whose pod is now ready: read it again.
+        if seen.iter().any(|s| {
+            self.parked
+                .get(&Key {
+                    ns,
+                    name: s.name.clone(),
+                })
+                .is_some_and(|uid| *uid == s.uid)
+        }) {
+            self.reread = true;
         }
         let old = old.unwrap_or_default();
         let mut affected: Vec<Key> = old
@@ -365,7 +428,7 @@ impl Join {
 
     /// Takes the publishers of `keys` out of the view (releasing their claims) and
     /// returns what was visible.
-    fn hide(&mut self, keys: &[Key]) -> HashMap<ChannelId, Instance> {
+    fn hide(&mut self, keys: &[Key]) -> Shown {
         let mut before = HashMap::new();
         for key in keys {
             let Some(res) = self.resources.get(key) else {
@@ -374,7 +437,7 @@ impl Join {
             for p in &res.publishers {
                 if self.claims.get(&p.id) == Some(key) {
                     self.claims.remove(&p.id);
-                    before.insert(p.id.clone(), p.clone());
+                    before.insert(p.id.clone(), (key.clone(), p.clone()));
                 }
             }
         }
@@ -384,9 +447,17 @@ impl Join {
     /// Puts the publishers of `keys` that are joined back into the view (each id to
     /// the oldest joined resource advertising it) and returns the difference with
     /// `before`; an id of `before` none of them shows goes to the next claimant.
-    fn show(&mut self, keys: &[Key], mut before: HashMap<ChannelId, Instance>) -> Vec<Change> {
+    fn show(&mut self, keys: &[Key], mut before: Shown) -> Vec<Change> {
         let mut changes = Vec::new();
-        for key in keys {
+        // The oldest first: an id two of them advertise is shown once, from the older.
+        let mut ordered: Vec<Key> = keys.to_vec();
+        ordered.sort_by(
+            |a, b| match (self.resources.get(a), self.resources.get(b)) {
+                (Some(ra), Some(rb)) => older(a, ra, b, rb),
+                (a, b) => b.is_some().cmp(&a.is_some()),
+            },
+        );
+        for key in &ordered {
             let Some(res) = self.resources.get(key) else {
                 continue;
             };
@@ -404,8 +475,9 @@ impl Join {
                     }
                     Some(holder) => {
                         // This one is older: it takes the id over (the other counted).
-                        let shown = self.publisher(holder, &id).cloned();
-                        before.extend(shown.map(|p| (id.clone(), p)));
+                        let holder = holder.clone();
+                        let shown = self.publisher(&holder, &id).cloned();
+                        before.extend(shown.map(|p| (id.clone(), (holder, p))));
                         self.skipped += 1;
                     }
                 }
@@ -419,20 +491,31 @@ impl Join {
                     self.claims.insert(id.clone(), next.clone());
                     self.changed(&next, &id, Some(old), &mut changes);
                 }
-                None => changes.push(Change::Down(id, old.incarnation)),
+                None => changes.push(Change::Down(id, old.1.incarnation)),
             }
         }
         changes
     }
 
-    /// Records `key`'s publisher `id` as shown, replacing `old` (what was shown
-    /// under that id, if anything): `Up` unless it is the same endpoint and worker.
-    fn changed(&self, key: &Key, id: &ChannelId, old: Option<Instance>, out: &mut Vec<Change>) {
+    /// Records `key`'s publisher `id` as shown, replacing `old` (the resource that
+    /// showed that id, and what it showed, if any): `Up` unless the same resource
+    /// shows the same endpoint, worker and recovery endpoint.
+    fn changed(
+        &self,
+        key: &Key,
+        id: &ChannelId,
+        old: Option<(Key, Instance)>,
+        out: &mut Vec<Change>,
+    ) {
         let Some(p) = self.publisher(key, id) else {
             return;
         };
         match old {
-            Some(old) if old.transport == p.transport && old.worker == p.worker => {}
+            Some((from, old))
+                if from == *key
+                    && old.transport == p.transport
+                    && old.worker == p.worker
+                    && old.recovery == p.recovery => {}
             _ => out.push(Change::Up(p.clone())),
         }
     }
@@ -638,16 +721,16 @@ mod tests {
                 .is_empty()
         );
         assert_eq!(j.resources(), 2);
-        // Over the publisher-reference cap: the earlier advertisement is withdrawn
-        // (and b, the next claimant of id 1, shows it: the same endpoint and worker,
-        // no change).
-        assert!(
+        // Over the publisher-reference cap: the earlier advertisement is withdrawn,
+        // and b, the next claimant of id 1, shows it (another resource's: up, with
+        // its own incarnation).
+        assert_eq!(
             j.upsert_resource(
                 0,
                 "a",
                 adv("a", "u", vec![pub_(1, 3), pub_(4, 3), pub_(5, 3)])
-            )
-            .is_empty()
+            ),
+            vec![Change::Up(pub_(1, 2))]
         );
         assert_eq!(j.view(), vec![pub_(1, 2)]);
         // Readiness objects are bounded per namespace like resources: a third is
@@ -836,5 +919,75 @@ mod tests {
             Some(vec![ready("junk5", "u"), ready("junk6", "u")]),
         );
         assert_eq!(j.skipped, 2);
+    }
+
+    #[test]
+    fn a_worker_not_ready_yet_is_parked_not_evicted_and_read_again_once_ready() {
+        let mut j = Join::new(Limits {
+            max_resources: 2,
+            ..Limits::default()
+        });
+        j.upsert_resource(0, "g1", adv("g1", "ghost1", vec![]));
+        j.upsert_resource(0, "g2", adv("g2", "ghost2", vec![]));
+        // Not ready yet: it may not evict, it is parked (counted).
+        j.upsert_resource(0, "w0", adv("w0", "u", vec![pub_(1, 1)]));
+        assert_eq!((j.resources(), j.skipped), (2, 1));
+        // Another tenant resource cannot evict anyone either.
+        j.upsert_resource(0, "g3", adv("g3", "ghost3", vec![]));
+        assert_eq!((j.resources(), j.skipped), (2, 2));
+        assert!(!j.reread);
+        // Its pod ready: read everything again (a joined resource makes room).
+        assert!(
+            j.set_readiness(0, "s", Some(vec![ready("w0", "u")]))
+                .is_empty()
+        );
+        assert!(j.reread);
+        let mut fresh = Join::new(Limits {
+            max_resources: 2,
+            ..Limits::default()
+        });
+        fresh.set_readiness(0, "s", Some(vec![ready("w0", "u")]));
+        fresh.upsert_resource(0, "g1", adv("g1", "ghost1", vec![]));
+        fresh.upsert_resource(0, "g2", adv("g2", "ghost2", vec![]));
+        assert_eq!(
+            fresh.upsert_resource(0, "w0", adv("w0", "u", vec![pub_(1, 1)])),
+            vec![Change::Up(pub_(1, 1))]
+        );
+    }
+
+    #[test]
+    fn a_slice_naming_both_claimants_never_shows_the_younger() {
+        let mut j = Join::new(limits());
+        let victim = pub_(1, 1);
+        let mut forged = pub_(1, 2);
+        forged.transport = Transport::zmq("tcp://10.9.9.9:1");
+        j.upsert_resource(
+            0,
+            "victim",
+            adv_created("u", "2026-01-01T00:00:00Z", vec![victim.clone()]),
+        );
+        j.upsert_resource(
+            0,
+            "aa-tenant",
+            adv_created("u", "2026-06-01T00:00:00Z", vec![forged]),
+        );
+        assert_eq!(
+            j.set_readiness(
+                0,
+                "s",
+                Some(vec![ready("victim", "u"), ready("aa-tenant", "u")])
+            ),
+            vec![Change::Up(victim.clone())]
+        );
+        // The same slice again: nothing changes (no moment with the younger's).
+        assert!(
+            j.set_readiness(
+                0,
+                "s",
+                Some(vec![ready("victim", "u"), ready("aa-tenant", "u")])
+            )
+            .is_empty()
+        );
+        assert_eq!(j.view(), vec![victim]);
     }
 }

@@ -67,11 +67,13 @@ use crate::net::RateLimitedWarn;
 ///   in [`DiscoveryStats::malformed`] (logged, rate-limited), never failing its page;
 ///   a resource over the total has its earlier advertisement withdrawn.
 /// - **Fair caps**: a resource no pod owns can never join and costs nothing (neither
-///   kept nor counted). A resource needing room (its namespace's resource cap, or the
-///   publisher total) evicts resources that are not joined (owned by a pod that is not
-///   ready with that uid), the one advertising the most publishers first, counted;
-///   joined resources are never evicted (an evicted one shows again at its next change
-///   or the next full read). A publisher id two joined resources advertise is shown
+///   kept nor counted). A joined resource needing room (its namespace's resource cap,
+///   or the publisher total) evicts resources that are not joined (owned by a pod that
+///   is not ready with that uid), the one advertising the most publishers first,
+///   counted; joined resources are never evicted. One not joined yet makes no room: it
+///   is refused, counted, and remembered with its evicted peers (at most
+///   `max_resources`), and when readiness names one of them ready everything is read
+///   again, where it makes its room. A publisher id two joined resources advertise is shown
 ///   from the older (`creationTimestamp`, set by the server; then its name), the other
 ///   counted; when the older goes, the next shows it. A `ResourceQuota` on
 ///   `count/dynamoworkermetadatas.nvidia.com` per namespace bounds what a tenant can

@@ -77,6 +77,41 @@ async fn spawn_relay(
     (relay, endpoint, admin.to_owned())
 }
 
+/// While `stopped` does not read: publishes `n` batches, waits until the relay (its
+/// admin endpoint `relay_admin`) has taken all `sent` batches so far, and publishes
+/// more until its publisher has dropped some (the buffers between the relay and a
+/// stopped reader vary with the machine's load); returns the batches sent in all.
+async fn overflow(engine: &mut EnginePeer, relay_admin: &str, mut sent: u64, n: u32) -> u64 {
+    use crate::support::admin;
+    engine.burst(n).await;
+    sent += u64::from(n);
+    for _ in 0..8 {
+        // Every batch taken (or, should the relay have lost some from the engine,
+        // nothing more taken for a second).
+        let (mut last, mut still) = (-1.0, 0);
+        let dropped = crate::support::within(async {
+            loop {
+                let (_, body) = admin::get(relay_admin, "/metrics").await;
+                let taken = admin::metric(&body, "eventplane_kv_processor_input_lists_total")
+                    .unwrap_or(0.0);
+                still = if taken == last { still + 1 } else { 0 };
+                last = taken;
+                if taken >= sent as f64 || still >= 20 {
+                    return admin::metric(&body, "eventplane_pub_dropped_total").unwrap_or(0.0);
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+        if dropped > 0.0 {
+            return sent;
+        }
+        engine.burst(500).await;
+        sent += 500;
+    }
+    sent
+}
+
 /// Dynamo's router on `ns/kvworker`, admitting the relay's worker.
 async fn dynamos_router(etcd: &str, ns: &str) -> Py {
     let worker = WORKER.to_string();
@@ -163,7 +198,7 @@ async fn dynamos_router_repairs_from_kv_relay(codec: &str) {
     let mut engine = EnginePeer::start("vllm-0.34.0", "vllm").await;
     engine.evict_chains().await;
     // A short queue toward a router that stops reading: it drops soon.
-    let (relay, endpoint, _) = spawn_relay(&engine, &etcd.url(), &ns, codec, "64").await;
+    let (relay, endpoint, relay_admin) = spawn_relay(&engine, &etcd.url(), &ns, codec, "64").await;
     assert!(
         endpoint.starts_with(&format!("dynamo+{codec}://127.0.0.1:")),
         "{endpoint}"
@@ -176,7 +211,7 @@ async fn dynamos_router_repairs_from_kv_relay(codec: &str) {
 
     // A gap: the router stops reading while the relay's queue toward it overflows.
     signal(router.pid(), "-STOP");
-    engine.burst(2500).await;
+    overflow(&mut engine, &relay_admin, 20, 2500).await;
     signal(router.pid(), "-CONT");
     let during = engine.truth().await;
     engine.burst(5).await;
@@ -360,14 +395,14 @@ async fn kv_router_repairs_a_gap_over_dynamos_request_plane() {
     until_metric(&addr, "eventplane_kv_index_repairs_total", 1.0).await;
 
     signal(router.id().unwrap(), "-STOP");
-    engine.burst(2500).await;
+    let sent = overflow(&mut engine, &relay_admin, 20, 2500).await;
     signal(router.id().unwrap(), "-CONT");
     engine.burst(5).await;
     let truth = engine.truth().await;
     // Settled on what was sent, not on the count of blocks (the engine holds as many
     // before its last batches as after them): the relay has taken every engine batch,
     // the router has read every message the relay queued for it, twice in a row.
-    let batches = (20 + 2500 + 5) as f64;
+    let batches = (sent + 5) as f64;
     let mut last = None;
     crate::support::within(async {
         loop {

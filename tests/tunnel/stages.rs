@@ -364,23 +364,9 @@ async fn a_connection_that_never_completes_tls_is_closed_at_its_deadline() {
 #[tokio::test]
 async fn a_connection_carries_one_session_at_a_time() {
     let bus = bus().await;
-    let tls = tls_to(&bus).await;
-    let (mut sender, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tls),
-    )
-    .await
-    .unwrap();
+    let (mut sender, conn) = h2_to(&bus).await;
     tokio::spawn(conn);
-    let post = || {
-        hyper::Request::post(format!(
-            "https://localhost:{}/bus/v1/session",
-            bus.local_addr().port()
-        ))
-        .header("authorization", format!("Bearer {TOKEN}"))
-        .body(crate::common::EmptyBody)
-        .unwrap()
-    };
+    let post = || session_request(&bus, TOKEN);
     let first = within(sender.send_request(post())).await.unwrap();
     assert_eq!(first.status(), 200);
     // A second session on the same connection is refused: a broker reconnects on a
@@ -396,23 +382,9 @@ async fn a_connection_carries_one_session_at_a_time() {
 #[tokio::test]
 async fn a_wrong_credential_closes_its_connection() {
     let bus = bus().await;
-    let tls = tls_to(&bus).await;
-    let (mut sender, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tls),
-    )
-    .await
-    .unwrap();
+    let (mut sender, conn) = h2_to(&bus).await;
     let ended = tokio::spawn(conn);
-    let guess = |token: &str| {
-        hyper::Request::post(format!(
-            "https://localhost:{}/bus/v1/session",
-            bus.local_addr().port()
-        ))
-        .header("authorization", format!("Bearer {token}"))
-        .body(crate::common::EmptyBody)
-        .unwrap()
-    };
+    let guess = |token: &str| session_request(&bus, token);
     let first = within(sender.send_request(guess("guess-0"))).await.unwrap();
     assert_eq!(first.status(), 401);
     // Closed by the bus 100 ms after its answer (well before the 3 s a connection
@@ -427,6 +399,40 @@ async fn a_wrong_credential_closes_its_connection() {
     assert!(within(sender.send_request(guess("guess-1"))).await.is_err());
     assert_eq!(bus.stats().unauthorized, 1);
     bus.shutdown().await;
+}
+
+/// An HTTP/2 connection to `bus`: its sender, and the connection to drive.
+async fn h2_to(
+    bus: &eventplane::tunnel::EventBus,
+) -> (
+    hyper::client::conn::http2::SendRequest<crate::common::EmptyBody>,
+    hyper::client::conn::http2::Connection<
+        hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>,
+        crate::common::EmptyBody,
+        hyper_util::rt::TokioExecutor,
+    >,
+) {
+    let tls = tls_to(bus).await;
+    hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tls),
+    )
+    .await
+    .unwrap()
+}
+
+/// A session request to `bus` with `token`.
+fn session_request(
+    bus: &eventplane::tunnel::EventBus,
+    token: &str,
+) -> hyper::Request<crate::common::EmptyBody> {
+    hyper::Request::post(format!(
+        "https://localhost:{}/bus/v1/session",
+        bus.local_addr().port()
+    ))
+    .header("authorization", format!("Bearer {token}"))
+    .body(crate::common::EmptyBody)
+    .unwrap()
 }
 
 /// A TLS connection to `bus` (ALPN h2) that has said nothing yet.

@@ -358,6 +358,10 @@ catalogue! {
         "Subscribes refused, by RefuseCode.";
     SOURCE_DENIED: Counter "eventplane_source_denied_total" ["code"] "SourceStats"
         "Sessions the bus denied, by DenyCode.";
+    SOURCE_ANNOUNCE_REFUSED: Counter "eventplane_source_announce_refused_total" ["code"] "SourceStats"
+        "Announced publishers the bus refused, by AnnounceRefusal.";
+    SOURCE_REFUSED_PUBLISHERS: Gauge "eventplane_source_refused_publishers" [] "SourceStats"
+        "Publishers the bus refuses now (refused within twice ANNOUNCE_RETRY).";
     SOURCE_UP_BYTES: Counter "eventplane_source_up_bytes_total" [] "SourceStats"
         "Bytes sent to the router.";
     SOURCE_DOWN_BYTES: Counter "eventplane_source_down_bytes_total" [] "SourceStats"

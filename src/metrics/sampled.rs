@@ -307,7 +307,9 @@ mod tunnel {
     use super::super::Samples;
     use super::super::catalogue::*;
     use super::{Sampled, n, sealed};
-    use crate::tunnel::{BrokerStats, BusStats, CloseCode, DenyCode, RefuseCode, SourceStats};
+    use crate::tunnel::{
+        AnnounceRefusal, BrokerStats, BusStats, CloseCode, DenyCode, RefuseCode, SourceStats,
+    };
 
     sampled!(BusStats, BrokerStats, SourceStats);
 
@@ -337,10 +339,7 @@ mod tunnel {
     }
 
     fn announce_reason(text: &str) -> &'static str {
-        ["held_by_another_source", "superseded_session", "bus_full"]
-            .into_iter()
-            .find(|r| *r == text)
-            .unwrap_or("unknown")
+        AnnounceRefusal::parse(text).as_str()
     }
 
     impl Sampled for BusStats {
@@ -409,6 +408,13 @@ mod tunnel {
             out.gauge(&SOURCE_STREAMS_OPEN, self.streams_open);
             codes(out, &SOURCE_REFUSED, &self.refused, refuse);
             codes(out, &SOURCE_DENIED, &self.denied, deny);
+            codes(
+                out,
+                &SOURCE_ANNOUNCE_REFUSED,
+                &self.announce_refused,
+                announce_reason,
+            );
+            out.gauge(&SOURCE_REFUSED_PUBLISHERS, n(self.refused_publishers));
             out.counter(&SOURCE_UP_BYTES, self.bytes_up);
             out.counter(&SOURCE_DOWN_BYTES, self.bytes_down);
         }

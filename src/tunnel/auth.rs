@@ -301,6 +301,14 @@ impl BusClients {
             .any(|c| c.grant.role() == Some(Role::Source))
     }
 
+    /// How many credentials grant the source role.
+    pub(crate) fn sources(&self) -> usize {
+        self.clients
+            .iter()
+            .filter(|c| c.grant.role() == Some(Role::Source))
+            .count()
+    }
+
     /// How many credentials it holds.
     pub fn len(&self) -> usize {
         self.clients.len()

@@ -342,7 +342,9 @@ async fn session(
                     ));
                 }
                 // A broker's session never serves announced targets.
-                BrokerEvent::Serve { .. } | BrokerEvent::ServeRecovery { .. } => {}
+                BrokerEvent::Serve { .. }
+                | BrokerEvent::ServeRecovery { .. }
+                | BrokerEvent::AnnounceRefused { .. } => {}
                 BrokerEvent::Close { stream_id } => {
                     if let Some((_, stop)) = stream_stops.remove(&stream_id) {
                         stop.cancel();

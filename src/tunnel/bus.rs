@@ -20,7 +20,7 @@ use super::auth::BusClients;
 use super::error::TunnelError;
 use super::io::TunnelStream;
 use super::serve::{Command, Counters, Inner, Waiter};
-use super::sources::{AnnouncedView, SourceTable};
+use super::sources::{AnnouncedView, SourceLimits, SourceTable};
 use super::{DrainReason, PENDING_SUBSCRIBE_TIMEOUT, RefuseCode, rendezvous_ranked};
 use crate::discovery::ChannelId;
 use crate::wire::Wire;
@@ -178,6 +178,7 @@ impl EventBus {
         }
         let listener = TcpListener::bind(addr).await?;
         let local_addr = listener.local_addr()?;
+        let source_credentials = clients.sources();
         let inner = Arc::new(Inner {
             clients,
             pending: Mutex::new(Pending::new(
@@ -194,7 +195,12 @@ impl EventBus {
             next_session: AtomicU64::new(1),
             next_conn: AtomicU64::new(1),
             counters: Counters::default(),
-            sources: SourceTable::new(config.max_announced_sources, config.announced_watch_buffer),
+            sources: SourceTable::new(SourceLimits {
+                max: config.max_announced_sources,
+                sources: source_credentials,
+                hold: config.announced_channel_hold,
+                watch_buffer: config.announced_watch_buffer,
+            }),
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
         });

@@ -126,6 +126,29 @@ closed_codes! {
         TooManySources = "too_many_sources",
         /// A source announced a publisher for a worker its credential does not name.
         WorkerNotGranted = "worker_not_granted",
+        /// A source sent `announce` frames faster than
+        /// [`ANNOUNCE_BURST`](super::ANNOUNCE_BURST) at once and
+        /// [`ANNOUNCES_PER_SECOND`](super::ANNOUNCES_PER_SECOND) after.
+        AnnouncingTooFast = "announcing_too_fast",
+    }
+}
+
+closed_codes! {
+    /// Why a router did not take a publisher a source announced (sent back in an
+    /// `announce_refused` frame, so the source knows and its readiness fails).
+    ///
+    /// ```
+    /// use eventplane::tunnel::AnnounceRefusal;
+    /// assert_eq!(AnnounceRefusal::parse("bus_full"), AnnounceRefusal::BusFull);
+    /// ```
+    AnnounceRefusal {
+        /// Another source's credential holds the channel, or held it within
+        /// `EventBusConfig::announced_channel_hold`.
+        HeldByAnotherSource = "held_by_another_source",
+        /// A newer session of the same client holds it.
+        SupersededSession = "superseded_session",
+        /// The bus holds `max_announced_sources`, or this credential its share of them.
+        BusFull = "bus_full",
     }
 }
 

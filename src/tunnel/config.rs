@@ -433,7 +433,15 @@ pub struct EventBusConfig {
     pub announced_watch_buffer: usize,
     /// Most publishers announced on the bus at once, all sources together (default
     /// 16,384; each source session is held to the welcome's `max_sources` too).
+    /// Each source credential is sure of an even share of it: one may go past its
+    /// share only into room no other credential's share needs.
     pub max_announced_sources: usize,
+    /// How long an announced channel stays bound to the credential that announced
+    /// it after its session ended (default 10 min): another source's credential
+    /// announcing it meanwhile is refused `held_by_another_source`, so a source that
+    /// reconnects finds its channels its own. Withdrawn (not lost), a channel is free
+    /// at once.
+    pub announced_channel_hold: Duration,
 }
 
 impl Default for EventBusConfig {
@@ -450,6 +458,7 @@ impl Default for EventBusConfig {
             join_hold_down: JOIN_HOLD_DOWN,
             announced_watch_buffer: 4096,
             max_announced_sources: 16_384,
+            announced_channel_hold: Duration::from_secs(600),
         }
     }
 }
@@ -489,6 +498,12 @@ impl EventBusConfig {
             if value.is_zero() || value > Duration::from_secs(3600) {
                 return refuse(field, format!("{value:?} is not within 1 ns..=1 h"));
             }
+        }
+        if self.announced_channel_hold > Duration::from_secs(86_400) {
+            return refuse(
+                "announced_channel_hold",
+                format!("{:?} is over a day", self.announced_channel_hold),
+            );
         }
         if self.join_hold_down > Duration::from_secs(3600) {
             return refuse(

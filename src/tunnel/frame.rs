@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use super::announce::{AnnouncedSource, Role, Target, decode_sources, encode_sources};
-pub use super::codes::{CloseCode, DenyCode, DrainReason, RefuseCode};
+pub use super::codes::{AnnounceRefusal, CloseCode, DenyCode, DrainReason, RefuseCode};
 use super::fields::{Fields, Writer, name_of};
 pub use super::fields::{FrameError, MAX_NAME_LEN};
 use crate::msgpack::{self, Value};
@@ -76,6 +76,15 @@ pub enum Control {
     Withdraw {
         /// Their ids.
         publisher_ids: Vec<u64>,
+    },
+    /// Router → source (version 2): announced publishers the router did not take (at
+    /// most [`MAX_ANNOUNCE`](super::MAX_ANNOUNCE) per frame); the source counts them
+    /// and announces them again later. A source of an earlier version skips the frame.
+    AnnounceRefused {
+        /// Their ids.
+        publisher_ids: Vec<u64>,
+        /// Why.
+        code: AnnounceRefusal,
     },
     /// Router → broker: close stream `stream_id` (silently: no `stream_closed`).
     Unsubscribe {
@@ -287,6 +296,7 @@ impl Control {
             Control::Subscribe { .. } => "subscribe",
             Control::Announce { .. } => "announce",
             Control::Withdraw { .. } => "withdraw",
+            Control::AnnounceRefused { .. } => "announce_refused",
             Control::Unsubscribe { .. } => "unsubscribe",
             Control::Drain { .. } => "drain",
             Control::StreamOpened { .. } => "stream_opened",
@@ -362,6 +372,19 @@ impl Control {
             Control::Withdraw { publisher_ids } => {
                 w.map(2);
                 w.entry_str("type", kind);
+                w.str("publisher_ids");
+                w.array(publisher_ids.len());
+                for id in publisher_ids {
+                    w.uint(*id);
+                }
+            }
+            Control::AnnounceRefused {
+                publisher_ids,
+                code,
+            } => {
+                w.map(3);
+                w.entry_str("type", kind);
+                w.entry_str("code", code.as_str());
                 w.str("publisher_ids");
                 w.array(publisher_ids.len());
                 for id in publisher_ids {
@@ -500,6 +523,10 @@ impl Control {
             },
             "withdraw" => Control::Withdraw {
                 publisher_ids: f.uints("withdraw", "publisher_ids", super::MAX_ANNOUNCE)?,
+            },
+            "announce_refused" => Control::AnnounceRefused {
+                publisher_ids: f.uints("announce_refused", "publisher_ids", super::MAX_ANNOUNCE)?,
+                code: AnnounceRefusal::parse(f.str("announce_refused", "code", 64)?),
             },
             "denied" => Control::Denied {
                 code: DenyCode::parse(f.str("denied", "code", 64)?),

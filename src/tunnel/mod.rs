@@ -67,6 +67,7 @@ mod serve;
 mod serving;
 mod session;
 mod source;
+mod source_config;
 mod sources;
 mod view;
 
@@ -90,18 +91,21 @@ pub use budget::{
     MIN_STREAM_BUFFER_BYTES, Overflow, PER_STREAM_UNCHARGED_BYTES, RELAY_READ_BYTES, RelayBudget,
 };
 pub use frame::{
-    CloseCode, Control, ControlDecoder, DenyCode, DrainReason, FrameError, Hello, Limits,
-    MAX_CONTROL_FRAME, MAX_NAME_LEN, MAX_NAMESPACES, MAX_VERSIONS, MIN_PROTOCOL_VERSION,
+    AnnounceRefusal, CloseCode, Control, ControlDecoder, DenyCode, DrainReason, FrameError, Hello,
+    Limits, MAX_CONTROL_FRAME, MAX_NAME_LEN, MAX_NAMESPACES, MAX_VERSIONS, MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION, RefuseCode, Welcome,
 };
 pub use reconnect::{REBALANCE_WINDOW, Reconnect};
 pub use rendezvous::{rendezvous_owner, rendezvous_ranked, weight as rendezvous_weight};
-pub use router_session::{RouterEvent, RouterSession, SubscribeError};
+pub use router_session::{
+    ANNOUNCE_BURST, ANNOUNCES_PER_SECOND, RouterEvent, RouterSession, SubscribeError,
+};
 pub use session::{
     BrokerEvent, BrokerSession, Grant, HANDSHAKE_TIMEOUT, MAX_BROKER_STREAMS, MAX_QUEUED_CONTROL,
     PENDING_SUBSCRIBE_TIMEOUT, SessionEnd,
 };
-pub use source::{MAX_SOURCE_PUBLISHERS, Source, SourceConfig, SourceHandle, SourceStats};
+pub use source::{ANNOUNCE_RETRY, Source, SourceHandle, SourceStats};
+pub use source_config::{MAX_SOURCE_PUBLISHERS, SourceConfig};
 pub use sources::AnnouncedView;
 
 #[cfg(test)]

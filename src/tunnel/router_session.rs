@@ -7,12 +7,22 @@ use std::time::{Duration, Instant};
 
 use super::announce::{AnnouncedSource, Role, Target};
 use super::frame::{
-    CloseCode, Control, DenyCode, DrainReason, Limits, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
-    RefuseCode, Welcome,
+    AnnounceRefusal, CloseCode, Control, DenyCode, DrainReason, Limits, MIN_PROTOCOL_VERSION,
+    PROTOCOL_VERSION, RefuseCode, Welcome,
 };
 use super::session::{
-    Grant, HANDSHAKE_TIMEOUT, Liveness, Outbox, PENDING_SUBSCRIBE_TIMEOUT, SessionEnd,
+    Grant, HANDSHAKE_TIMEOUT, Liveness, OpenRate, Outbox, PENDING_SUBSCRIBE_TIMEOUT, SessionEnd,
 };
+
+/// `announce` frames a source may send at once (its `hello` not counted): 1,024
+/// publishers' worth of full frames, and room to spare.
+pub const ANNOUNCE_BURST: u32 = 32;
+
+/// `announce` frames a source may send a second after its burst; past it, the session
+/// is denied `announcing_too_fast` (each frame may re-register up to
+/// [`MAX_ANNOUNCE`](super::MAX_ANNOUNCE) publishers, which every router following the
+/// bus then dials again).
+pub const ANNOUNCES_PER_SECOND: u32 = 4;
 
 /// What a router session tells its owner.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,6 +148,8 @@ pub struct RouterSession {
     role: Role,
     /// A source's announced publishers.
     announced: HashMap<u64, AnnouncedSource>,
+    /// A source's `announce` frames ([`ANNOUNCE_BURST`], [`ANNOUNCES_PER_SECOND`]).
+    announce_rate: OpenRate,
 }
 
 impl RouterSession {
@@ -157,6 +169,7 @@ impl RouterSession {
             grant: Grant::any(),
             role: Role::Broker,
             announced: HashMap::new(),
+            announce_rate: OpenRate::new(ANNOUNCES_PER_SECOND, ANNOUNCE_BURST, now),
         }
     }
 
@@ -341,6 +354,9 @@ impl RouterSession {
                 if let Err(code) = sources.iter().try_for_each(|s| self.grant.check_source(s)) {
                     return self.deny(code);
                 }
+                if !self.announce_rate.take(now) {
+                    return self.deny(DenyCode::AnnouncingTooFast);
+                }
                 let new: HashSet<u64> = sources
                     .iter()
                     .map(|s| s.publisher_id)
@@ -498,10 +514,18 @@ impl RouterSession {
     }
 
     /// Records `sources` as announced and tells the owner of those that changed (an
-    /// identical announcement again is no news: it costs the views nothing).
+    /// identical announcement again is no news: it costs the views nothing). A
+    /// publisher named twice in one frame is announced as its last entry says.
     fn announce(&mut self, sources: Vec<AnnouncedSource>) {
+        let mut last: HashMap<u64, usize> = HashMap::new();
+        for (i, s) in sources.iter().enumerate() {
+            last.insert(s.publisher_id, i);
+        }
         let changed: Vec<AnnouncedSource> = sources
             .into_iter()
+            .enumerate()
+            .filter(|(i, s)| last.get(&s.publisher_id) == Some(i))
+            .map(|(_, s)| s)
             .filter(|s| self.announced.get(&s.publisher_id) != Some(s))
             .collect();
         for source in &changed {
@@ -509,6 +533,25 @@ impl RouterSession {
         }
         if !changed.is_empty() {
             self.events.push_back(RouterEvent::Announced(changed));
+        }
+    }
+
+    /// The owner did not take `publisher_ids` (another source's credential holds their
+    /// channel, or the bus is full): they are no longer announced on this session, and
+    /// the source is told with `announce_refused{code}` (it announces them again
+    /// later).
+    pub fn refuse_announced(&mut self, code: AnnounceRefusal, publisher_ids: Vec<u64>) {
+        let mut ids: Vec<u64> = publisher_ids
+            .into_iter()
+            .filter(|id| self.announced.remove(id).is_some())
+            .collect();
+        while !ids.is_empty() && self.state != RouterState::Ended {
+            let tail = ids.split_off(ids.len().min(super::MAX_ANNOUNCE));
+            self.send(Control::AnnounceRefused {
+                publisher_ids: ids,
+                code,
+            });
+            ids = tail;
         }
     }
 

@@ -537,10 +537,20 @@ async fn run_session(
                 RouterEvent::Announced(sources) => {
                     if let Some(client_id) = &client {
                         tracing::debug!(%client_id, announced = sources.len(), "a source announced publishers");
-                        inner
+                        let refused = inner
                             .sources
                             .announce(session_id, client_id, &commands, sources)
                             .await;
+                        for code in crate::tunnel::AnnounceRefusal::ALL {
+                            let ids: Vec<u64> = refused
+                                .iter()
+                                .filter(|(c, _)| c == code)
+                                .map(|(_, id)| *id)
+                                .collect();
+                            if !ids.is_empty() {
+                                session.refuse_announced(*code, ids);
+                            }
+                        }
                     }
                 }
                 RouterEvent::Withdrawn(ids) => inner.sources.withdraw(session_id, &ids),

@@ -233,9 +233,10 @@ impl Outbox {
     }
 }
 
-/// A token bucket over stream opens: a burst of `burst`, then `rate` a second.
+/// A token bucket over stream opens (and a source's `announce` frames): a burst of
+/// `burst`, then `rate` a second.
 #[derive(Debug, Clone)]
-struct OpenRate {
+pub(super) struct OpenRate {
     rate: f64,
     burst: f64,
     tokens: f64,
@@ -243,7 +244,7 @@ struct OpenRate {
 }
 
 impl OpenRate {
-    fn new(rate: u32, burst: u32, now: Instant) -> OpenRate {
+    pub(super) fn new(rate: u32, burst: u32, now: Instant) -> OpenRate {
         OpenRate {
             rate: f64::from(rate.max(1)),
             burst: f64::from(burst.max(1)),
@@ -253,7 +254,7 @@ impl OpenRate {
     }
 
     /// Takes one open, if the bucket holds one at `now`.
-    fn take(&mut self, now: Instant) -> bool {
+    pub(super) fn take(&mut self, now: Instant) -> bool {
         let refill = now.saturating_duration_since(self.last).as_secs_f64() * self.rate;
         self.tokens = (self.tokens + refill).min(self.burst);
         self.last = now;
@@ -297,6 +298,14 @@ pub enum BrokerEvent {
         stream_id: u64,
         /// The announced publisher.
         publisher_id: u64,
+    },
+    /// The router did not take announced publishers (a source's session); they are no
+    /// longer announced here, and may be announced again later.
+    AnnounceRefused {
+        /// Their ids.
+        publisher_ids: Vec<u64>,
+        /// Why.
+        code: super::AnnounceRefusal,
     },
     /// Close the stream silently (the router unsubscribed).
     Close {
@@ -567,6 +576,24 @@ impl BrokerSession {
                             Target::Unsupported => return,
                         });
                     }
+                }
+            }
+            (
+                BrokerState::Active,
+                Control::AnnounceRefused {
+                    publisher_ids,
+                    code,
+                },
+            ) if self.role == Role::Source => {
+                let publisher_ids: Vec<u64> = publisher_ids
+                    .into_iter()
+                    .filter(|id| self.announced.remove(id))
+                    .collect();
+                if !publisher_ids.is_empty() {
+                    self.events.push_back(BrokerEvent::AnnounceRefused {
+                        publisher_ids,
+                        code,
+                    });
                 }
             }
             (BrokerState::Active, Control::Unsubscribe { stream_id }) => {

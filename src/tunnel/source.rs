@@ -15,10 +15,10 @@ use tokio_util::task::TaskTracker;
 use super::announce::AnnouncedSource;
 use super::client::{BusSession, Ending, Outcome, feed, open_session};
 use super::codes::CodeCounts;
-use super::config::{Deadlines, check_client};
 use super::error::TunnelError;
-use super::io::{BrokerBody, ChannelBody, Secret, StreamBytes, TUNNEL_WRITE_CHUNKS, next_chunk};
+use super::io::{BrokerBody, ChannelBody, StreamBytes, TUNNEL_WRITE_CHUNKS, next_chunk};
 use super::serving::{Announced, Serving};
+use super::source_config::SourceConfig;
 use super::{
     BrokerEvent, BrokerSession, CloseCode, ControlDecoder, Hello, MAX_ANNOUNCE, Reconnect,
     RefuseCode,
@@ -27,140 +27,10 @@ use crate::kv::RecoveryAcceptor;
 use crate::net::random_unit;
 use crate::zmtp::StreamAcceptor;
 
-/// Most publishers one [`Source`] announces by default.
-pub const MAX_SOURCE_PUBLISHERS: usize = 1024;
-
-/// How a [`Source`] reaches its bus, and its bounds.
-///
-/// ```no_run
-/// use eventplane::tunnel::{Secret, SourceConfig, client_tls};
-/// # fn run() -> Result<(), eventplane::tunnel::TunnelError> {
-/// let config = SourceConfig::new(
-///     "https://router.example:8443",
-///     "gpu-box-1",
-///     vec!["prod".into()],
-///     Secret::from_file("source.token")?,
-///     client_tls("bus-ca.pem")?,
-/// );
-/// config.validate()?;
-/// # Ok(()) }
-/// ```
-#[derive(Clone)]
-#[non_exhaustive]
-pub struct SourceConfig {
-    /// The bus, `https://host:port`.
-    pub bus_url: String,
-    /// Its client id (its credential must be bound to it, with the `source` role).
-    pub client_id: String,
-    /// The namespaces it announces in (each publisher's must be one of them).
-    pub namespaces: Vec<String>,
-    /// Its bearer credential.
-    pub token: Secret,
-    /// The CA its bus certificate must chain to.
-    pub tls: Arc<rustls::ClientConfig>,
-    /// Deadlines of the bus connection and of each data stream's stages.
-    pub deadlines: Deadlines,
-    /// How long open streams may run when it drains (default 5 s).
-    pub drain_deadline: Duration,
-    /// Reconnect backoff after a failed session: from 1 s, doubling, jittered, up to
-    /// 60 s; it starts over once a session held for 10 s.
-    pub reconnect_min: Duration,
-    /// The backoff's ceiling.
-    pub reconnect_max: Duration,
-    /// Most publishers it announces at once (default [`MAX_SOURCE_PUBLISHERS`]; the
-    /// welcome's [`Limits::max_sources`](super::Limits), set by the bus's
-    /// `EventBusConfig::limits`, may be lower).
-    pub max_publishers: usize,
-}
-
-impl std::fmt::Debug for SourceConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SourceConfig")
-            .field("bus_url", &self.bus_url)
-            .field("client_id", &self.client_id)
-            .field("namespaces", &self.namespaces)
-            .field("token", &self.token)
-            .finish_non_exhaustive()
-    }
-}
-
-impl SourceConfig {
-    /// A source `client_id` announcing in `namespaces` on the bus at `bus_url`, with
-    /// the defaults above.
-    pub fn new(
-        bus_url: impl Into<String>,
-        client_id: impl Into<String>,
-        namespaces: Vec<String>,
-        token: Secret,
-        tls: Arc<rustls::ClientConfig>,
-    ) -> SourceConfig {
-        SourceConfig {
-            bus_url: bus_url.into(),
-            client_id: client_id.into(),
-            namespaces,
-            token,
-            tls,
-            deadlines: Deadlines::default(),
-            drain_deadline: Duration::from_secs(5),
-            reconnect_min: Duration::from_secs(1),
-            reconnect_max: Duration::from_secs(60),
-            max_publishers: MAX_SOURCE_PUBLISHERS,
-        }
-    }
-
-    /// With open streams allowed `deadline` to finish when draining.
-    #[must_use]
-    pub fn drain_deadline(mut self, deadline: Duration) -> SourceConfig {
-        self.drain_deadline = deadline;
-        self
-    }
-
-    /// With reconnects backing off from `min` to `max`.
-    #[must_use]
-    pub fn reconnect(mut self, min: Duration, max: Duration) -> SourceConfig {
-        self.reconnect_min = min;
-        self.reconnect_max = max;
-        self
-    }
-
-    /// The first refused setting, if any.
-    pub fn validate(&self) -> Result<(), TunnelError> {
-        let refuse =
-            |field: &'static str, reason: String| Err(TunnelError::Config { field, reason });
-        // The hello carries up to 64 announcements beside the names: with the longest
-        // announcements there are, it must still fit one frame.
-        let longest = "n".repeat(super::MAX_SOURCE_NAME_LEN);
-        let widest = super::AnnouncedSource {
-            publisher_id: u64::MAX,
-            namespace: longest.clone(),
-            component: longest.clone(),
-            topic: longest,
-            worker: Some(crate::discovery::WorkerIdentity::new(u64::MAX, u32::MAX)),
-            wire: crate::wire::Wire::EventPlane,
-            recovery: true,
-        };
-        check_client(
-            &self.bus_url,
-            &self.client_id,
-            &self.namespaces,
-            &vec![widest; super::MAX_ANNOUNCE],
-        )?;
-        self.deadlines.validate()?;
-        if self.drain_deadline > Duration::from_secs(3600) {
-            return refuse("drain_deadline", "is over an hour".into());
-        }
-        if self.max_publishers == 0 || self.max_publishers > 65_536 {
-            return refuse("max_publishers", "is not within 1..=65536".into());
-        }
-        if self.reconnect_min.is_zero() || self.reconnect_max < self.reconnect_min {
-            return refuse(
-                "reconnect_min",
-                "must be non-zero and at most reconnect_max".into(),
-            );
-        }
-        Ok(())
-    }
-}
+/// How long a [`Source`] waits to announce again the publishers the bus refused
+/// ([`SourceStats::refused_publishers`]); a publisher counts as refused until twice
+/// this has passed since its last refusal.
+pub const ANNOUNCE_RETRY: Duration = Duration::from_secs(10);
 
 /// Counters of a [`Source`].
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
@@ -182,6 +52,13 @@ pub struct SourceStats {
     pub refused: HashMap<String, u64>,
     /// Sessions the bus denied, by code (`DenyCode`).
     pub denied: HashMap<String, u64>,
+    /// Announced publishers the bus refused, by code (`AnnounceRefusal`): another
+    /// source's credential holds the channel, or the bus (or this credential's share
+    /// of it) is full.
+    pub announce_refused: HashMap<String, u64>,
+    /// Publishers the bus refuses now (refused within twice [`ANNOUNCE_RETRY`]): a
+    /// source with any is not fully served (kv-relay's `/readyz` fails).
+    pub refused_publishers: usize,
     /// Bytes sent to the router.
     pub bytes_up: u64,
     /// Bytes read from the router (subscriptions, handshakes).
@@ -202,12 +79,31 @@ struct Shared {
     open: AtomicU64,
     refused: CodeCounts,
     denied: CodeCounts,
+    announce_refused: CodeCounts,
+    /// When the bus last refused each publisher (only announced ones are kept).
+    refused_at: Mutex<HashMap<u64, Instant>>,
     bytes: Arc<StreamBytes>,
 }
 
 impl Shared {
     fn publishers(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Announced>> {
         self.publishers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn refused_at(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Instant>> {
+        self.refused_at.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Publishers announced now that the bus refused within twice [`ANNOUNCE_RETRY`].
+    fn refused_publishers(&self) -> usize {
+        let announced = self.publishers();
+        let now = Instant::now();
+        self.refused_at()
+            .iter()
+            .filter(|(id, at)| {
+                announced.contains_key(id) && now.duration_since(**at) < 2 * ANNOUNCE_RETRY
+            })
+            .count()
     }
 }
 
@@ -254,15 +150,20 @@ impl SourceHandle {
 
 fn stats_of(s: &Shared) -> SourceStats {
     let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    // Each takes the publishers' lock: not within one expression.
+    let announced = s.publishers().len();
+    let refused_publishers = s.refused_publishers();
     SourceStats {
         sessions: l(&s.sessions),
         session_failures: l(&s.session_failures),
         connected: s.connected.load(Ordering::Relaxed),
-        announced: s.publishers().len(),
+        announced,
         streams_opened: l(&s.streams_opened),
         streams_open: l(&s.open),
         refused: s.refused.snapshot(),
         denied: s.denied.snapshot(),
+        announce_refused: s.announce_refused.snapshot(),
+        refused_publishers,
         bytes_up: l(&s.bytes.written),
         bytes_down: l(&s.bytes.read),
     }
@@ -291,6 +192,8 @@ impl Source {
             open: AtomicU64::new(0),
             refused: CodeCounts::default(),
             denied: CodeCounts::default(),
+            announce_refused: CodeCounts::default(),
+            refused_at: Mutex::new(HashMap::new()),
             bytes: Arc::new(StreamBytes::default()),
         });
         let task = tokio::spawn(run(shared.clone(), cancel.clone(), hard.clone()));
@@ -508,6 +411,8 @@ async fn session(
     let mut streams: HashMap<u64, (u64, CancellationToken)> = HashMap::new();
     let mut ending = Ending::default();
     let mut stable_at: Option<tokio::time::Instant> = None;
+    // When to announce again what the bus refused.
+    let mut retry_at: Option<tokio::time::Instant> = None;
     let outcome = loop {
         let mut ended = false;
         while let Some(event) = client.poll_event() {
@@ -586,6 +491,27 @@ async fn session(
                     }
                 }
                 BrokerEvent::Refused { code, .. } => shared.refused.add(code.as_str()),
+                BrokerEvent::AnnounceRefused {
+                    publisher_ids,
+                    code,
+                } => {
+                    tracing::warn!(client_id = %config.client_id, %code, refused = publisher_ids.len(), ?ANNOUNCE_RETRY, "the bus refused announced publishers: announcing them again later");
+                    let now = Instant::now();
+                    {
+                        let announced = shared.publishers();
+                        let mut refused = shared.refused_at();
+                        refused.retain(|id, _| announced.contains_key(id));
+                        for id in &publisher_ids {
+                            shared.announce_refused.add(code.as_str());
+                            // Announced again at the retry (as news: not sent now).
+                            sent.remove(id);
+                            if announced.contains_key(id) {
+                                refused.insert(*id, now);
+                            }
+                        }
+                    }
+                    retry_at.get_or_insert(tokio::time::Instant::now() + ANNOUNCE_RETRY);
+                }
                 BrokerEvent::Drain { deadline, reason } => {
                     tracing::info!(?reason, ?deadline, "the router asks to drain");
                     ending.drain = Some((reason, tokio::time::Instant::now() + deadline));
@@ -650,6 +576,10 @@ async fn session(
                 client.withdraw(gone);
                 client.announce(new);
                 sent = now;
+            }
+            () = crate::time::sleep_until_opt(retry_at) => {
+                retry_at = None;
+                shared.changed.notify_one();
             }
             () = crate::time::sleep_until_opt(stable_at) => {
                 stable_at = None;

@@ -25,9 +25,7 @@ fn source_pair(
 #[test]
 fn a_source_announces_withdraws_and_serves_only_what_it_announced() {
     let now = Instant::now();
-    let grant = Grant::namespaces(vec!["prod".into()])
-        .with_client_id("gpu-1")
-        .with_role(Role::Source);
+    let grant = grant();
     let (mut client, mut router) = source_pair(
         vec![source(7, Wire::EventPlane)],
         grant,
@@ -141,9 +139,7 @@ fn a_source_announces_withdraws_and_serves_only_what_it_announced() {
 #[test]
 fn a_source_serves_the_recovery_log_of_a_publisher_announced_with_one_only() {
     let now = Instant::now();
-    let grant = Grant::namespaces(vec!["prod".into()])
-        .with_client_id("gpu-1")
-        .with_role(Role::Source);
+    let grant = grant();
     let with_log = source(7, Wire::EventPlane).with_recovery();
     let (mut client, mut router) = source_pair(
         vec![with_log.clone(), source(8, Wire::EventPlane)],
@@ -230,11 +226,6 @@ fn a_broker_refuses_announced_and_unknown_targets() {
 #[test]
 fn router_denies_an_announce_beyond_the_grant_or_the_limit() {
     let now = Instant::now();
-    let grant = || {
-        Grant::namespaces(vec!["prod".into()])
-            .with_client_id("gpu-1")
-            .with_role(Role::Source)
-    };
     // A hostile source announcing another namespace mid-session.
     let (_client, mut router) = source_pair(vec![], grant(), Limits::default(), now);
     while router.poll_event().is_some() {}
@@ -413,4 +404,93 @@ fn versions_are_negotiated_by_role() {
         decode_one(&unknown),
         Err(FrameError::OutOfBounds { field: "role", .. })
     ));
+}
+
+/// A publisher named many times in one `announce` is announced once, as its last entry
+/// says; past [`ANNOUNCE_BURST`] frames at once and [`ANNOUNCES_PER_SECOND`] after, the
+/// source is denied `announcing_too_fast` (issue 49 M1).
+#[test]
+fn one_publisher_per_id_and_announce_frames_are_rate_limited() {
+    let now = Instant::now();
+    let (_client, mut router) = source_pair(vec![], grant(), Limits::default(), now);
+    while router.poll_event().is_some() {}
+    let under = |c: usize| {
+        let id = crate::discovery::ChannelId::new("prod", format!("c{c}"), "kv-events", 7).unwrap();
+        AnnouncedSource::new(&id, Wire::EventPlane)
+    };
+    router.handle(
+        Control::Announce {
+            sources: (0..MAX_ANNOUNCE).map(under).collect(),
+        },
+        now,
+    );
+    assert_eq!(
+        router.poll_event(),
+        Some(RouterEvent::Announced(vec![under(MAX_ANNOUNCE - 1)]))
+    );
+    // The burst (one frame spent above), then one more is too many at once.
+    let frame = |i: u64| Control::Announce {
+        sources: vec![source(100 + i, Wire::EventPlane)],
+    };
+    for i in 1..u64::from(ANNOUNCE_BURST) {
+        router.handle(frame(i), now);
+    }
+    assert!(!router.is_ended());
+    // A second later, the rate's worth again.
+    let later = now + std::time::Duration::from_secs(1);
+    for i in 0..u64::from(ANNOUNCES_PER_SECOND) {
+        router.handle(frame(i), later);
+    }
+    assert!(!router.is_ended());
+    while router.poll_event().is_some() {}
+    router.handle(frame(0), later);
+    assert_eq!(
+        router.poll_transmit(),
+        Some(Control::Denied {
+            code: DenyCode::AnnouncingTooFast
+        })
+    );
+    assert_eq!(
+        router.poll_event(),
+        Some(RouterEvent::Ended(SessionEnd::Denied(
+            DenyCode::AnnouncingTooFast
+        )))
+    );
+}
+
+/// A refusal goes back to the source: the publishers are no longer announced on the
+/// session (a subscribe for one is refused), and the source is told which and why.
+#[test]
+fn refused_announcements_are_sent_back_to_the_source() {
+    let now = Instant::now();
+    let grant = grant();
+    let (mut client, mut router) = source_pair(
+        vec![source(7, Wire::EventPlane), source(8, Wire::EventPlane)],
+        grant,
+        Limits::default(),
+        now,
+    );
+    while router.poll_event().is_some() {}
+    while client.poll_event().is_some() {}
+    router.refuse_announced(AnnounceRefusal::HeldByAnotherSource, vec![7, 99]);
+    assert_eq!(
+        router.subscribe_to(1, Target::Announced { publisher_id: 7 }, now),
+        Err(SubscribeError::NotAnnounced)
+    );
+    exchange(&mut client, &mut router, now);
+    assert_eq!(
+        client.poll_event(),
+        Some(BrokerEvent::AnnounceRefused {
+            publisher_ids: vec![7],
+            code: AnnounceRefusal::HeldByAnotherSource
+        })
+    );
+    assert!(!client.is_ended() && !router.is_ended());
+}
+
+/// What `gpu-1`'s source credential grants: namespace "prod".
+fn grant() -> Grant {
+    Grant::namespaces(vec!["prod".into()])
+        .with_client_id("gpu-1")
+        .with_role(Role::Source)
 }

@@ -7,11 +7,12 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
 use super::announce::AnnouncedSource;
-use super::codes::CodeCounts;
+use super::codes::{AnnounceRefusal, CodeCounts};
 use crate::discovery::{
     BoxFuture, ChannelId, Discovery, DiscoveryError, DiscoveryStats, DiscoveryStream, Instance,
     MemoryDiscovery, Query, Registration, Transport, WorkerIdentity,
@@ -27,20 +28,78 @@ struct Held<C> {
     _registration: Registration,
 }
 
+/// The credential a channel is bound to, and since when its session is gone.
+struct Binding {
+    client_id: String,
+    released: Option<Instant>,
+}
+
+/// What the table holds, under one lock.
+struct State<C> {
+    held: HashMap<ChannelId, Held<C>>,
+    /// Each announced channel's credential (held ones, and those released within the
+    /// hold): at most twice the table's `max`.
+    bound: HashMap<ChannelId, Binding>,
+    /// The channel each session announces each of its publisher ids under.
+    of_session: HashMap<(u64, u64), ChannelId>,
+    /// Channels held per client id.
+    per_client: HashMap<String, usize>,
+}
+
+impl<C> State<C> {
+    /// Removes `id`'s holder; its binding is released now (`Some`) or dropped.
+    fn remove(&mut self, id: &ChannelId, released: Option<Instant>) -> Option<Held<C>> {
+        let held = self.held.remove(id)?;
+        self.of_session
+            .remove(&(held.session_id, id.publisher_id()));
+        if let Some(n) = self.per_client.get_mut(&held.client_id) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_client.remove(&held.client_id);
+            }
+        }
+        match released {
+            Some(at) => {
+                if let Some(b) = self.bound.get_mut(id) {
+                    b.released = Some(at);
+                }
+            }
+            None => {
+                self.bound.remove(id);
+            }
+        }
+        Some(held)
+    }
+}
+
+/// How the table is bounded.
+pub(super) struct SourceLimits {
+    /// Most publishers announced on the bus at once.
+    pub(super) max: usize,
+    /// Source credentials configured (each is sure of `max / sources`).
+    pub(super) sources: usize,
+    /// How long a lost session's channels stay bound to its credential.
+    pub(super) hold: Duration,
+    /// Events each watcher of a view may have waiting before it is resynced.
+    pub(super) watch_buffer: usize,
+}
+
 /// Which session serves which announced publisher (by channel: a namespace the
 /// announcing credential was granted is part of the key), and one view per wire
 /// layout (a subscriber reads one).
 pub(super) struct SourceTable<C> {
     ours: MemoryDiscovery,
     dynamo: MemoryDiscovery,
-    held: Mutex<HashMap<ChannelId, Held<C>>>,
-    /// Most publishers announced on the bus at once.
+    state: Mutex<State<C>>,
     max: usize,
+    /// What each source credential is sure of.
+    share: usize,
+    sources: usize,
+    hold: Duration,
     /// One announcement at a time, from check to registration to record: two
     /// sessions claiming one channel never both touch the view.
     announcing: tokio::sync::Mutex<()>,
-    /// Announcements ignored, by reason: `held_by_another_source`,
-    /// `superseded_session`, `bus_full`.
+    /// Announcements refused, by [`AnnounceRefusal`].
     pub(super) refused: CodeCounts,
     /// Refusals warn once a minute per reason (a hostile source repeats them).
     warn: crate::net::RateLimitedWarn,
@@ -53,20 +112,27 @@ pub(super) struct Route<C> {
 }
 
 impl<C: Clone> SourceTable<C> {
-    /// At most `max` publishers; each view's watchers buffer up to `watch_buffer`
-    /// events before resyncing.
-    pub(super) fn new(max: usize, watch_buffer: usize) -> SourceTable<C> {
+    pub(super) fn new(limits: SourceLimits) -> SourceTable<C> {
         let view = || {
             MemoryDiscovery::builder()
-                .watch_buffer(watch_buffer.max(1))
+                .watch_buffer(limits.watch_buffer.max(1))
                 .build()
                 .unwrap_or_default()
         };
+        let sources = limits.sources.max(1);
         SourceTable {
             ours: view(),
             dynamo: view(),
-            held: Mutex::new(HashMap::new()),
-            max,
+            state: Mutex::new(State {
+                held: HashMap::new(),
+                bound: HashMap::new(),
+                of_session: HashMap::new(),
+                per_client: HashMap::new(),
+            }),
+            max: limits.max,
+            share: (limits.max / sources).max(1),
+            sources,
+            hold: limits.hold,
             announcing: tokio::sync::Mutex::new(()),
             refused: CodeCounts::default(),
             warn: crate::net::RateLimitedWarn::default(),
@@ -80,44 +146,101 @@ impl<C: Clone> SourceTable<C> {
         }
     }
 
-    fn held(&self) -> std::sync::MutexGuard<'_, HashMap<ChannelId, Held<C>>> {
-        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    fn state(&self) -> std::sync::MutexGuard<'_, State<C>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Why session `session_id` of `client_id` may not take `id` now, if it may not:
-    /// another client holds it, a newer session of the same client does, or the bus
-    /// holds its `max` already.
-    fn refusal(&self, id: &ChannelId, client_id: &str, session_id: u64) -> Option<&'static str> {
-        let held = self.held();
-        match held.get(id) {
-            Some(h) if h.client_id != client_id => Some("held_by_another_source"),
-            Some(h) if h.session_id > session_id => Some("superseded_session"),
-            None if held.len() >= self.max => Some("bus_full"),
-            _ => None,
+    /// another credential holds it (or held it within the hold), a newer session of
+    /// the same client does, or the bus (or this credential's share) is full.
+    fn refusal(
+        &self,
+        state: &State<C>,
+        id: &ChannelId,
+        client_id: &str,
+        session_id: u64,
+        now: Instant,
+    ) -> Option<AnnounceRefusal> {
+        match state.held.get(id) {
+            Some(h) if h.client_id != client_id => {
+                return Some(AnnounceRefusal::HeldByAnotherSource);
+            }
+            Some(h) if h.session_id > session_id => {
+                return Some(AnnounceRefusal::SupersededSession);
+            }
+            Some(_) => return None,
+            None => {}
         }
+        if let Some(b) = state.bound.get(id) {
+            let held_lately = b
+                .released
+                .is_none_or(|at| now.saturating_duration_since(at) < self.hold);
+            if b.client_id != client_id && held_lately {
+                return Some(AnnounceRefusal::HeldByAnotherSource);
+            }
+        }
+        // The same publisher under another channel of this session: a move, no room.
+        if state
+            .of_session
+            .contains_key(&(session_id, id.publisher_id()))
+        {
+            return None;
+        }
+        let total = state.held.len();
+        if total >= self.max {
+            return Some(AnnounceRefusal::BusFull);
+        }
+        let mine = state.per_client.get(client_id).copied().unwrap_or(0);
+        if mine >= self.share {
+            // What the other credentials' shares still need.
+            let others_present = state.per_client.keys().filter(|c| *c != client_id).count();
+            let absent = self.sources.saturating_sub(1 + others_present);
+            let reserved: usize = state
+                .per_client
+                .iter()
+                .filter(|(c, _)| *c != client_id)
+                .map(|(_, n)| self.share.saturating_sub(*n))
+                .sum::<usize>()
+                + absent * self.share;
+            if total + 1 + reserved > self.max {
+                return Some(AnnounceRefusal::BusFull);
+            }
+        }
+        None
     }
 
     /// Session `session_id` of `client_id` announced `sources`: each is registered as
-    /// a new incarnation, unless refused (counted by reason, warned once a minute by
-    /// reason).
+    /// a new incarnation (one announced under a new channel leaves its old one), unless
+    /// refused (counted by reason, warned once a minute by reason). Returns the
+    /// refused publisher ids, by reason.
     pub(super) async fn announce(
         &self,
         session_id: u64,
         client_id: &str,
         commands: &C,
         sources: Vec<AnnouncedSource>,
-    ) {
+    ) -> Vec<(AnnounceRefusal, u64)> {
         let _one_at_a_time = self.announcing.lock().await;
+        let mut refusals = Vec::new();
         for source in sources {
             // The decoder checked it.
             let Ok(id) = source.channel_id() else {
                 continue;
             };
-            if let Some(why) = self.refusal(&id, client_id, session_id) {
-                self.refused.add(why);
-                if let Some(suppressed) = self.warn.check(why, std::time::Instant::now()) {
-                    tracing::warn!(%client_id, %id, reason = why, suppressed, "an announced publisher was refused");
+            let now = Instant::now();
+            let refused = {
+                let state = self.state();
+                self.refusal(&state, &id, client_id, session_id, now)
+            };
+            if let Some(why) = refused {
+                // The session no longer announces this publisher under any channel.
+                let earlier = self.leave(session_id, id.publisher_id(), None);
+                drop(earlier);
+                self.refused.add(why.as_str());
+                if let Some(suppressed) = self.warn.check(why.as_str(), now) {
+                    tracing::warn!(%client_id, %id, reason = %why, suppressed, "an announced publisher was refused (the source is told)");
                 }
+                refusals.push((why, id.publisher_id()));
                 continue;
             }
             let transport = Transport::announced(client_id, session_id);
@@ -131,53 +254,117 @@ impl<C: Clone> SourceTable<C> {
             let Ok(registration) = registered else {
                 continue;
             };
-            // Dropping the earlier holder's registration removes only its incarnation.
-            let earlier = self.held().insert(
-                id,
-                Held {
-                    client_id: client_id.to_owned(),
-                    session_id,
-                    commands: commands.clone(),
-                    _registration: registration,
-                },
-            );
+            // Dropping an earlier registration removes only its incarnation.
+            let mut earlier = Vec::new();
+            {
+                let mut state = self.state();
+                let state = &mut *state;
+                // Its old channel, if this session announced the publisher elsewhere.
+                if let Some(old) = state
+                    .of_session
+                    .get(&(session_id, id.publisher_id()))
+                    .filter(|old| **old != id)
+                    .cloned()
+                {
+                    earlier.extend(state.remove(&old, None));
+                }
+                earlier.extend(state.remove(&id, Some(now)));
+                state.held.insert(
+                    id.clone(),
+                    Held {
+                        client_id: client_id.to_owned(),
+                        session_id,
+                        commands: commands.clone(),
+                        _registration: registration,
+                    },
+                );
+                state
+                    .of_session
+                    .insert((session_id, id.publisher_id()), id.clone());
+                *state.per_client.entry(client_id.to_owned()).or_default() += 1;
+                state.bound.insert(
+                    id,
+                    Binding {
+                        client_id: client_id.to_owned(),
+                        released: None,
+                    },
+                );
+                self.prune(state, now);
+            }
             drop(earlier);
+        }
+        refusals
+    }
+
+    /// Keeps the bindings within twice `max`: those released longer than the hold ago
+    /// go, then the oldest released.
+    fn prune(&self, state: &mut State<C>, now: Instant) {
+        if state.bound.len() <= 2 * self.max {
+            return;
+        }
+        let hold = self.hold;
+        state.bound.retain(|_, b| {
+            b.released
+                .is_none_or(|at| now.saturating_duration_since(at) < hold)
+        });
+        while state.bound.len() > 2 * self.max {
+            let oldest = state
+                .bound
+                .iter()
+                .filter_map(|(id, b)| b.released.map(|at| (at, id.clone())))
+                .min_by_key(|(at, _)| *at);
+            match oldest {
+                Some((_, id)) => state.bound.remove(&id),
+                None => break,
+            };
         }
     }
 
-    /// Session `session_id` withdrew `publisher_ids` (those it holds are removed).
+    /// Session `session_id` no longer announces `publisher_id`: its channel is
+    /// removed, and released (`Some`: lost) or free at once (`None`: withdrawn).
+    fn leave(
+        &self,
+        session_id: u64,
+        publisher_id: u64,
+        released: Option<Instant>,
+    ) -> Option<Held<C>> {
+        let mut state = self.state();
+        let id = state.of_session.get(&(session_id, publisher_id)).cloned()?;
+        state.remove(&id, released)
+    }
+
+    /// Session `session_id` withdrew `publisher_ids` (those it holds are removed, and
+    /// their channels free at once).
     pub(super) fn withdraw(&self, session_id: u64, publisher_ids: &[u64]) {
-        let gone: Vec<Held<C>> = {
-            let mut held = self.held();
-            let mine: Vec<ChannelId> = held
-                .iter()
-                .filter(|(id, h)| {
-                    h.session_id == session_id && publisher_ids.contains(&id.publisher_id())
-                })
-                .map(|(id, _)| id.clone())
-                .collect();
-            mine.iter().filter_map(|id| held.remove(id)).collect()
-        };
+        let gone: Vec<Held<C>> = publisher_ids
+            .iter()
+            .filter_map(|p| self.leave(session_id, *p, None))
+            .collect();
         drop(gone);
     }
 
-    /// Session `session_id` ended: every publisher it holds is removed.
+    /// Session `session_id` ended: every publisher it holds is removed (its channels
+    /// stay bound to its credential for the hold).
     pub(super) fn session_ended(&self, session_id: u64) {
+        let now = Instant::now();
         let gone: Vec<Held<C>> = {
-            let mut held = self.held();
-            let ids: Vec<ChannelId> = held
+            let mut state = self.state();
+            let ids: Vec<ChannelId> = state
+                .held
                 .iter()
                 .filter(|(_, h)| h.session_id == session_id)
                 .map(|(id, _)| id.clone())
                 .collect();
-            ids.iter().filter_map(|id| held.remove(id)).collect()
+            ids.iter()
+                .filter_map(|id| state.remove(id, Some(now)))
+                .collect()
         };
         drop(gone);
     }
 
     /// The session serving channel `id` now.
     pub(super) fn route(&self, id: &ChannelId) -> Option<Route<C>> {
-        self.held().get(id).map(|h| Route {
+        self.state().held.get(id).map(|h| Route {
             session_id: h.session_id,
             commands: h.commands.clone(),
         })
@@ -185,7 +372,7 @@ impl<C: Clone> SourceTable<C> {
 
     /// Publishers announced now.
     pub(super) fn len(&self) -> usize {
-        self.held().len()
+        self.state().held.len()
     }
 
     /// The read-only discovery view of the publishers announced with `wire`.

@@ -60,6 +60,10 @@ fn all_frames() -> Vec<Control> {
         Control::Withdraw {
             publisher_ids: vec![7, 1 << 52],
         },
+        Control::AnnounceRefused {
+            publisher_ids: vec![3, 1 << 52],
+            code: AnnounceRefusal::HeldByAnotherSource,
+        },
         Control::Unknown,
     ]
 }

@@ -146,12 +146,7 @@ async fn a_source_announcing_outside_its_grant_is_denied() {
     let outside = Source::spawn(source_config(&bus, "gpu-0", &["prod", "dev"])).unwrap();
     let publisher = PubSocket::new(Config::default());
     let dev = ChannelId::new("dev", "backend", "kv-events", 7).unwrap();
-    outside
-        .announce(
-            AnnouncedSource::new(&dev, Wire::EventPlane),
-            publisher.acceptor(),
-        )
-        .unwrap();
+    announce_on(&outside, &dev, &publisher);
     until(|| outside.stats().denied.get("namespace_not_granted") >= Some(&1)).await;
     outside.abort();
     // A broker's credential cannot take the source role.
@@ -163,12 +158,7 @@ async fn a_source_announcing_outside_its_grant_is_denied() {
     // the router: `router_denies_an_announce_beyond_the_grant`).
     let within_grant = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
     let prod = ChannelId::new("prod", "backend", "kv-events", 8).unwrap();
-    within_grant
-        .announce(
-            AnnouncedSource::new(&prod, Wire::EventPlane),
-            publisher.acceptor(),
-        )
-        .unwrap();
+    announce_on(&within_grant, &prod, &publisher);
     until(|| within_grant.stats().connected).await;
     until(|| bus.stats().announced_sources == 1).await;
     assert!(
@@ -180,8 +170,12 @@ async fn a_source_announcing_outside_its_grant_is_denied() {
             .is_err()
     );
     let denied = bus.stats().denied;
-    assert_eq!(denied.get("namespace_not_granted"), Some(&1), "{denied:?}");
-    assert_eq!(denied.get("role_not_granted"), Some(&1), "{denied:?}");
+    // (At least: a denied source may come back before the test aborts it.)
+    assert!(
+        denied.get("namespace_not_granted") >= Some(&1),
+        "{denied:?}"
+    );
+    assert!(denied.get("role_not_granted") >= Some(&1), "{denied:?}");
     // Its session ends: what it announced departs with it.
     within_grant.abort();
     until(|| bus.stats().announced_sources == 0).await;
@@ -233,12 +227,7 @@ async fn a_dropped_source_session_removes_its_publishers_and_comes_back_as_a_new
     );
     // Back, announcing the same publisher: a new incarnation.
     let second = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
-    second
-        .announce(
-            AnnouncedSource::new(&id, Wire::EventPlane),
-            publisher.acceptor(),
-        )
-        .unwrap();
+    announce_on(&second, &id, &publisher);
     let again = within(watch.next()).await.unwrap().unwrap();
     let DiscoveryEvent::Added(after) = again else {
         panic!("{again:?}")
@@ -283,12 +272,7 @@ async fn a_source_killed_mid_stream_is_removed_and_its_losses_are_never_delivere
         publisher.publish(Bytes::from(i.to_string()));
     }
     let second = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
-    second
-        .announce(
-            AnnouncedSource::new(&id, Wire::EventPlane),
-            publisher.acceptor(),
-        )
-        .unwrap();
+    announce_on(&second, &id, &publisher);
     publisher
         .wait_for_subscribers_within(1, Duration::from_secs(10))
         .await
@@ -349,12 +333,7 @@ async fn a_thousand_announced_sources_from_ten_sessions_are_followed_within_the_
             let publisher = PubSocket::new(Config::default());
             let id =
                 ChannelId::new("prod", "backend", "kv-events", (s * 1000 + p + 1) as u64).unwrap();
-            source
-                .announce(
-                    AnnouncedSource::new(&id, Wire::EventPlane),
-                    publisher.acceptor(),
-                )
-                .unwrap();
+            announce_on(&source, &id, &publisher);
             publishers.push((id, publisher));
         }
         sources.push(source);
@@ -412,15 +391,13 @@ async fn a_thousand_announced_sources_from_ten_sessions_are_followed_within_the_
     let spare = PubSocket::new(Config::default());
     for p in 0..=PER_SESSION {
         let id = ChannelId::new("prod", "backend", "kv-events", (90_000 + p) as u64).unwrap();
-        over.announce(
-            AnnouncedSource::new(&id, Wire::EventPlane),
-            spare.acceptor(),
-        )
-        .unwrap();
+        announce_on(&over, &id, &spare);
     }
     until(|| over.stats().denied.get("too_many_sources") >= Some(&1)).await;
-    assert_eq!(bus.stats().announced_sources, SESSIONS * PER_SESSION);
+    // The bus removes what the denied session announced once that session is gone.
     over.abort();
+    until(|| bus.stats().source_sessions == SESSIONS).await;
+    assert_eq!(bus.stats().announced_sources, SESSIONS * PER_SESSION);
     for source in sources {
         source.abort();
     }
@@ -466,13 +443,18 @@ async fn a_channel_another_source_holds_is_refused_and_counted() {
     // first keeps it, and the router still reaches the first.
     let squatter = Source::spawn(source_config(&bus, "gpu-1", &["prod"])).unwrap();
     let decoy = PubSocket::new(Config::default());
-    squatter
-        .announce(
-            AnnouncedSource::new(&id, Wire::EventPlane),
-            decoy.acceptor(),
-        )
-        .unwrap();
+    announce_on(&squatter, &id, &decoy);
     until(|| bus.stats().announce_refused.get("held_by_another_source") == Some(&1)).await;
+    // The squatter is told: its readiness fails.
+    until(|| squatter.stats().refused_publishers == 1).await;
+    assert_eq!(
+        squatter
+            .stats()
+            .announce_refused
+            .get("held_by_another_source"),
+        Some(&1)
+    );
+    assert_eq!(first.stats().refused_publishers, 0);
     let listed = bus
         .announced(Wire::EventPlane)
         .list(Query::new("prod"))
@@ -491,4 +473,138 @@ async fn a_channel_another_source_holds_is_refused_and_counted() {
     squatter.abort();
     first.abort();
     router.handle().shutdown().await;
+}
+
+/// A source whose session is lost keeps its channel: another credential announcing it
+/// meanwhile is refused and told, and the source reconnecting gets it back (issue 49
+/// M2: the squatter used to take it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_source_s_channel_stays_its_own_and_a_squatter_is_told() {
+    let bus = sources_bus(2).await;
+    let victim = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
+    let (_publisher, id) = announced_publisher(&victim, Wire::EventPlane, 1).await;
+    until(|| bus.stats().announced_sources == 1).await;
+    victim.abort();
+    until(|| bus.stats().announced_sources == 0).await;
+
+    let squatter = Source::spawn(source_config(&bus, "gpu-1", &["prod"])).unwrap();
+    let decoy = PubSocket::new(Config::default());
+    announce_on(&squatter, &id, &decoy);
+    until(|| squatter.stats().refused_publishers == 1).await;
+    assert_eq!(bus.stats().announced_sources, 0, "the channel stays free");
+    assert_eq!(
+        bus.stats().announce_refused.get("held_by_another_source"),
+        Some(&1)
+    );
+
+    // The victim comes back (a new process, the same channel): it is followed.
+    let back = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
+    let publisher = PubSocket::new(Config::default());
+    announce_on(&back, &id, &publisher);
+    until(|| bus.stats().announced_sources == 1).await;
+    let mut router = follow(&bus, Wire::EventPlane);
+    until(|| publisher.stats().subscribed == 1).await;
+    publisher.send(one_message(&id));
+    assert!(within(router.recv()).await.is_some());
+    assert_eq!(decoy.stats().accepted, 0, "the squatter was never dialled");
+    assert_eq!(back.stats().refused_publishers, 0);
+    squatter.abort();
+    back.abort();
+    router.handle().shutdown().await;
+}
+
+/// A publisher announced again under another channel leaves its old one: the bus
+/// holds one channel per publisher, and `max_sources` counts publishers (issue 49 M1:
+/// ten channels were held for one id, and each message arrived ten times).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_announced_under_a_new_channel_leaves_its_old_one() {
+    let limits = Limits::default().with_max_sources(1);
+    let bus = bus_configured(
+        "127.0.0.1:0",
+        source_clients(1),
+        EventBusConfig::default().limits(limits),
+    )
+    .await;
+    let source = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
+    let publisher = PubSocket::new(Config::default());
+    for c in 0..10 {
+        let id = ChannelId::new("prod", format!("c{c}"), "kv-events", 7).unwrap();
+        announce_on(&source, &id, &publisher);
+        let view = bus.announced(Wire::EventPlane);
+        within(async {
+            loop {
+                let listed = view.list(Query::new("prod")).await.unwrap();
+                if listed.len() == 1 && listed[0].id == id {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert_eq!(bus.stats().announced_sources, 1);
+    }
+    let mut router = follow(&bus, Wire::EventPlane);
+    until(|| publisher.stats().subscribed == 1).await;
+    let id = ChannelId::new("prod", "c9", "kv-events", 7).unwrap();
+    publisher.send(one_message(&id));
+    assert!(within(router.recv()).await.is_some());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), router.recv())
+            .await
+            .is_err(),
+        "delivered once"
+    );
+    assert_eq!(publisher.stats().accepted, 1, "one subscriber connection");
+    assert_eq!(source.stats().refused_publishers, 0);
+    source.abort();
+    router.handle().shutdown().await;
+}
+
+/// Each source credential is sure of its share of `max_announced_sources`: one that
+/// announces more than its share is refused `bus_full` past it (and told), and the
+/// other still gets its own (issue 49 M1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_source_credential_is_sure_of_its_share_of_the_bus() {
+    let mut config = EventBusConfig::default();
+    config.max_announced_sources = 4;
+    let bus = bus_configured("127.0.0.1:0", source_clients(2), config).await;
+    let greedy = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
+    let sockets: Vec<PubSocket> = (0..6).map(|_| PubSocket::new(Config::default())).collect();
+    for (i, socket) in sockets.iter().take(4).enumerate() {
+        let id = ChannelId::new("prod", "greedy", "kv-events", 100 + i as u64).unwrap();
+        announce_on(&greedy, &id, &socket);
+    }
+    until(|| greedy.stats().refused_publishers == 2).await;
+    assert_eq!(bus.stats().announced_sources, 2);
+    assert_eq!(greedy.stats().announce_refused.get("bus_full"), Some(&2));
+    let other = Source::spawn(source_config(&bus, "gpu-1", &["prod"])).unwrap();
+    for (i, socket) in sockets.iter().skip(4).enumerate() {
+        let id = ChannelId::new("prod", "other", "kv-events", 200 + i as u64).unwrap();
+        announce_on(&other, &id, &socket);
+    }
+    until(|| bus.stats().announced_sources == 4).await;
+    assert_eq!(other.stats().refused_publishers, 0);
+    assert!(other.stats().announce_refused.is_empty());
+    greedy.abort();
+    other.abort();
+}
+
+/// One message of publisher `id`, as our wire frames it.
+fn one_message(id: &ChannelId) -> eventplane::zmtp::Message {
+    Wire::EventPlane.encode(
+        &Bytes::from_static(b"kv-events"),
+        id.publisher_id(),
+        0,
+        Bytes::from_static(b"x"),
+    )
+}
+
+/// `source` announces channel `id`, served by `socket`, with our wire.
+fn announce_on(source: &Source, id: &ChannelId, socket: &PubSocket) {
+    source
+        .announce(
+            AnnouncedSource::new(id, Wire::EventPlane),
+            socket.acceptor(),
+        )
+        .unwrap();
 }

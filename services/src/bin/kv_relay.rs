@@ -551,6 +551,10 @@ fn source_probe(
         None => Ok(()),
         Some(s) if !s.connected => Err("no session with the router's bus".to_owned()),
         Some(s) if s.announced == 0 => Err("nothing announced on the bus".to_owned()),
+        Some(s) if s.refused_publishers > 0 => Err(format!(
+            "the bus refuses {} announced publisher(s) (eventplane_source_announce_refused_total says why)",
+            s.refused_publishers
+        )),
         Some(_) => Ok(()),
     }
 }

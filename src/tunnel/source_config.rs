@@ -1,0 +1,144 @@
+//! A [`Source`](super::Source)'s configuration: where it dials, with what
+//! credential, and its bounds.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::config::{Deadlines, check_client};
+use super::error::TunnelError;
+use super::io::Secret;
+
+/// Most publishers one [`Source`] announces by default.
+pub const MAX_SOURCE_PUBLISHERS: usize = 1024;
+
+/// How a [`Source`] reaches its bus, and its bounds.
+///
+/// ```no_run
+/// use eventplane::tunnel::{Secret, SourceConfig, client_tls};
+/// # fn run() -> Result<(), eventplane::tunnel::TunnelError> {
+/// let config = SourceConfig::new(
+///     "https://router.example:8443",
+///     "gpu-box-1",
+///     vec!["prod".into()],
+///     Secret::from_file("source.token")?,
+///     client_tls("bus-ca.pem")?,
+/// );
+/// config.validate()?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct SourceConfig {
+    /// The bus, `https://host:port`.
+    pub bus_url: String,
+    /// Its client id (its credential must be bound to it, with the `source` role).
+    pub client_id: String,
+    /// The namespaces it announces in (each publisher's must be one of them).
+    pub namespaces: Vec<String>,
+    /// Its bearer credential.
+    pub token: Secret,
+    /// The CA its bus certificate must chain to.
+    pub tls: Arc<rustls::ClientConfig>,
+    /// Deadlines of the bus connection and of each data stream's stages.
+    pub deadlines: Deadlines,
+    /// How long open streams may run when it drains (default 5 s).
+    pub drain_deadline: Duration,
+    /// Reconnect backoff after a failed session: from 1 s, doubling, jittered, up to
+    /// 60 s; it starts over once a session held for 10 s.
+    pub reconnect_min: Duration,
+    /// The backoff's ceiling.
+    pub reconnect_max: Duration,
+    /// Most publishers it announces at once (default [`MAX_SOURCE_PUBLISHERS`]; the
+    /// welcome's [`Limits::max_sources`](super::Limits), set by the bus's
+    /// `EventBusConfig::limits`, may be lower).
+    pub max_publishers: usize,
+}
+
+impl std::fmt::Debug for SourceConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SourceConfig")
+            .field("bus_url", &self.bus_url)
+            .field("client_id", &self.client_id)
+            .field("namespaces", &self.namespaces)
+            .field("token", &self.token)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SourceConfig {
+    /// A source `client_id` announcing in `namespaces` on the bus at `bus_url`, with
+    /// the defaults above.
+    pub fn new(
+        bus_url: impl Into<String>,
+        client_id: impl Into<String>,
+        namespaces: Vec<String>,
+        token: Secret,
+        tls: Arc<rustls::ClientConfig>,
+    ) -> SourceConfig {
+        SourceConfig {
+            bus_url: bus_url.into(),
+            client_id: client_id.into(),
+            namespaces,
+            token,
+            tls,
+            deadlines: Deadlines::default(),
+            drain_deadline: Duration::from_secs(5),
+            reconnect_min: Duration::from_secs(1),
+            reconnect_max: Duration::from_secs(60),
+            max_publishers: MAX_SOURCE_PUBLISHERS,
+        }
+    }
+
+    /// With open streams allowed `deadline` to finish when draining.
+    #[must_use]
+    pub fn drain_deadline(mut self, deadline: Duration) -> SourceConfig {
+        self.drain_deadline = deadline;
+        self
+    }
+
+    /// With reconnects backing off from `min` to `max`.
+    #[must_use]
+    pub fn reconnect(mut self, min: Duration, max: Duration) -> SourceConfig {
+        self.reconnect_min = min;
+        self.reconnect_max = max;
+        self
+    }
+
+    /// The first refused setting, if any.
+    pub fn validate(&self) -> Result<(), TunnelError> {
+        let refuse =
+            |field: &'static str, reason: String| Err(TunnelError::Config { field, reason });
+        // The hello carries up to 64 announcements beside the names: with the longest
+        // announcements there are, it must still fit one frame.
+        let longest = "n".repeat(super::MAX_SOURCE_NAME_LEN);
+        let widest = super::AnnouncedSource {
+            publisher_id: u64::MAX,
+            namespace: longest.clone(),
+            component: longest.clone(),
+            topic: longest,
+            worker: Some(crate::discovery::WorkerIdentity::new(u64::MAX, u32::MAX)),
+            wire: crate::wire::Wire::EventPlane,
+            recovery: true,
+        };
+        check_client(
+            &self.bus_url,
+            &self.client_id,
+            &self.namespaces,
+            &vec![widest; super::MAX_ANNOUNCE],
+        )?;
+        self.deadlines.validate()?;
+        if self.drain_deadline > Duration::from_secs(3600) {
+            return refuse("drain_deadline", "is over an hour".into());
+        }
+        if self.max_publishers == 0 || self.max_publishers > 65_536 {
+            return refuse("max_publishers", "is not within 1..=65536".into());
+        }
+        if self.reconnect_min.is_zero() || self.reconnect_max < self.reconnect_min {
+            return refuse(
+                "reconnect_min",
+                "must be non-zero and at most reconnect_max".into(),
+            );
+        }
+        Ok(())
+    }
+}

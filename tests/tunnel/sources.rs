@@ -146,7 +146,7 @@ async fn a_source_announcing_outside_its_grant_is_denied() {
     let outside = Source::spawn(source_config(&bus, "gpu-0", &["prod", "dev"])).unwrap();
     let publisher = PubSocket::new(Config::default());
     let dev = ChannelId::new("dev", "backend", "kv-events", 7).unwrap();
-    announce_on(&outside, &dev, &publisher);
+    announce_on(&outside, &dev, publisher.acceptor());
     until(|| outside.stats().denied.get("namespace_not_granted") >= Some(&1)).await;
     outside.abort();
     // A broker's credential cannot take the source role.
@@ -158,7 +158,7 @@ async fn a_source_announcing_outside_its_grant_is_denied() {
     // the router: `router_denies_an_announce_beyond_the_grant`).
     let within_grant = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
     let prod = ChannelId::new("prod", "backend", "kv-events", 8).unwrap();
-    announce_on(&within_grant, &prod, &publisher);
+    announce_on(&within_grant, &prod, publisher.acceptor());
     until(|| within_grant.stats().connected).await;
     until(|| bus.stats().announced_sources == 1).await;
     assert!(
@@ -227,7 +227,7 @@ async fn a_dropped_source_session_removes_its_publishers_and_comes_back_as_a_new
     );
     // Back, announcing the same publisher: a new incarnation.
     let second = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
-    announce_on(&second, &id, &publisher);
+    announce_on(&second, &id, publisher.acceptor());
     let again = within(watch.next()).await.unwrap().unwrap();
     let DiscoveryEvent::Added(after) = again else {
         panic!("{again:?}")
@@ -272,7 +272,7 @@ async fn a_source_killed_mid_stream_is_removed_and_its_losses_are_never_delivere
         publisher.publish(Bytes::from(i.to_string()));
     }
     let second = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
-    announce_on(&second, &id, &publisher);
+    announce_on(&second, &id, publisher.acceptor());
     publisher
         .wait_for_subscribers_within(1, Duration::from_secs(10))
         .await
@@ -333,7 +333,7 @@ async fn a_thousand_announced_sources_from_ten_sessions_are_followed_within_the_
             let publisher = PubSocket::new(Config::default());
             let id =
                 ChannelId::new("prod", "backend", "kv-events", (s * 1000 + p + 1) as u64).unwrap();
-            announce_on(&source, &id, &publisher);
+            announce_on(&source, &id, publisher.acceptor());
             publishers.push((id, publisher));
         }
         sources.push(source);
@@ -391,7 +391,7 @@ async fn a_thousand_announced_sources_from_ten_sessions_are_followed_within_the_
     let spare = PubSocket::new(Config::default());
     for p in 0..=PER_SESSION {
         let id = ChannelId::new("prod", "backend", "kv-events", (90_000 + p) as u64).unwrap();
-        announce_on(&over, &id, &spare);
+        announce_on(&over, &id, spare.acceptor());
     }
     until(|| over.stats().denied.get("too_many_sources") >= Some(&1)).await;
     // The bus removes what the denied session announced once that session is gone.
@@ -443,7 +443,7 @@ async fn a_channel_another_source_holds_is_refused_and_counted() {
     // first keeps it, and the router still reaches the first.
     let squatter = Source::spawn(source_config(&bus, "gpu-1", &["prod"])).unwrap();
     let decoy = PubSocket::new(Config::default());
-    announce_on(&squatter, &id, &decoy);
+    announce_on(&squatter, &id, decoy.acceptor());
     until(|| bus.stats().announce_refused.get("held_by_another_source") == Some(&1)).await;
     // The squatter is told: its readiness fails.
     until(|| squatter.stats().refused_publishers == 1).await;
@@ -489,7 +489,7 @@ async fn a_lost_source_s_channel_stays_its_own_and_a_squatter_is_told() {
 
     let squatter = Source::spawn(source_config(&bus, "gpu-1", &["prod"])).unwrap();
     let decoy = PubSocket::new(Config::default());
-    announce_on(&squatter, &id, &decoy);
+    announce_on(&squatter, &id, decoy.acceptor());
     until(|| squatter.stats().refused_publishers == 1).await;
     assert_eq!(bus.stats().announced_sources, 0, "the channel stays free");
     assert_eq!(
@@ -500,7 +500,7 @@ async fn a_lost_source_s_channel_stays_its_own_and_a_squatter_is_told() {
     // The victim comes back (a new process, the same channel): it is followed.
     let back = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
     let publisher = PubSocket::new(Config::default());
-    announce_on(&back, &id, &publisher);
+    announce_on(&back, &id, publisher.acceptor());
     until(|| bus.stats().announced_sources == 1).await;
     let mut router = follow(&bus, Wire::EventPlane);
     until(|| publisher.stats().subscribed == 1).await;
@@ -529,7 +529,7 @@ async fn a_publisher_announced_under_a_new_channel_leaves_its_old_one() {
     let publisher = PubSocket::new(Config::default());
     for c in 0..10 {
         let id = ChannelId::new("prod", format!("c{c}"), "kv-events", 7).unwrap();
-        announce_on(&source, &id, &publisher);
+        announce_on(&source, &id, publisher.acceptor());
         let view = bus.announced(Wire::EventPlane);
         within(async {
             loop {
@@ -572,7 +572,7 @@ async fn each_source_credential_is_sure_of_its_share_of_the_bus() {
     let sockets: Vec<PubSocket> = (0..6).map(|_| PubSocket::new(Config::default())).collect();
     for (i, socket) in sockets.iter().take(4).enumerate() {
         let id = ChannelId::new("prod", "greedy", "kv-events", 100 + i as u64).unwrap();
-        announce_on(&greedy, &id, &socket);
+        announce_on(&greedy, &id, socket.acceptor());
     }
     until(|| greedy.stats().refused_publishers == 2).await;
     assert_eq!(bus.stats().announced_sources, 2);
@@ -580,7 +580,7 @@ async fn each_source_credential_is_sure_of_its_share_of_the_bus() {
     let other = Source::spawn(source_config(&bus, "gpu-1", &["prod"])).unwrap();
     for (i, socket) in sockets.iter().skip(4).enumerate() {
         let id = ChannelId::new("prod", "other", "kv-events", 200 + i as u64).unwrap();
-        announce_on(&other, &id, &socket);
+        announce_on(&other, &id, socket.acceptor());
     }
     until(|| bus.stats().announced_sources == 4).await;
     assert_eq!(other.stats().refused_publishers, 0);
@@ -599,12 +599,9 @@ fn one_message(id: &ChannelId) -> eventplane::zmtp::Message {
     )
 }
 
-/// `source` announces channel `id`, served by `socket`, with our wire.
-fn announce_on(source: &Source, id: &ChannelId, socket: &PubSocket) {
+/// `source` announces channel `id`, served by `acceptor`, with our wire.
+fn announce_on(source: &Source, id: &ChannelId, acceptor: eventplane::zmtp::StreamAcceptor) {
     source
-        .announce(
-            AnnouncedSource::new(id, Wire::EventPlane),
-            socket.acceptor(),
-        )
+        .announce(AnnouncedSource::new(id, Wire::EventPlane), acceptor)
         .unwrap();
 }

@@ -1050,7 +1050,7 @@ mod tunnel {
         if !on {
             return Ok((None, discovery, None));
         }
-        let token = Secret::new("demo-bus-token")?;
+        let token = Secret::new("demo-bus-token-0123456789")?;
         let mut clients = BusClients::shared(&token, vec![super::NAMESPACE.to_owned()])?;
         if sources {
             for id in (0..=engines as u64).filter(|id| id % 2 == 1) {

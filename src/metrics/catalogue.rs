@@ -267,9 +267,7 @@ catalogue! {
     BUS_DENIED: Counter "eventplane_bus_denied_total" ["code"] "BusStats"
         "Hellos denied, by DenyCode.";
     BUS_PENDING_EVICTED: Counter "eventplane_bus_pending_evicted_total" [] "BusStats"
-        "Unauthenticated connections closed to make room in their full pool.";
-    BUS_PENDING_REFUSED: Counter "eventplane_bus_pending_refused_total" [] "BusStats"
-        "Connections refused on accept: their source address held its share of the pool.";
+        "Unauthenticated connections closed to make room in their full pool, or in their source's share of it.";
     BUS_PENDING_TIMEOUTS: Counter "eventplane_bus_pending_timeouts_total" [] "BusStats"
         "Connections closed for not completing TLS or authenticating in time.";
     BUS_PENDING: Gauge "eventplane_bus_pending_connections" [] "BusStats"

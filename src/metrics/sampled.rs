@@ -350,7 +350,6 @@ mod tunnel {
             out.counter(&BUS_UNAUTHORIZED, self.unauthorized);
             codes(out, &BUS_DENIED, &self.denied, deny);
             out.counter(&BUS_PENDING_EVICTED, self.pending_evicted);
-            out.counter(&BUS_PENDING_REFUSED, self.pending_refused);
             out.counter(&BUS_PENDING_TIMEOUTS, self.pending_timeouts);
             out.gauge(&BUS_PENDING, n(self.pending));
             out.counter(&BUS_CONNECTIONS_REFUSED, self.connections_refused);

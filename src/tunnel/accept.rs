@@ -1,5 +1,5 @@
 //! The bus's accept path (DESIGN §7.3): connections wait in the unauthenticated pool,
-//! ranked by how far they got, under the TLS and credential deadlines; their first
+//! ranked by how long they went without progress, under the TLS and credential deadlines; their first
 //! accepted credential (`serve::authenticate`) moves them to an authenticated slot.
 
 use std::convert::Infallible;
@@ -59,7 +59,13 @@ pub(super) async fn accept_loop(
             .pending
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .admit_at(id, source_key(peer.ip()), progress, close.clone());
+            .admit_at(
+                id,
+                source_key(peer.ip()),
+                progress,
+                std::time::Instant::now(),
+                close.clone(),
+            );
         match admitted {
             Admit::Admitted => {}
             Admit::Evicted(old) => {
@@ -71,23 +77,10 @@ pub(super) async fn accept_loop(
                 inner.warn(
                     "pending_evicted",
                     format_args!(
-                        "event bus: the pool of unauthenticated connections is full: the least advanced, oldest of the busiest source closed"
-                    ),
-                );
-            }
-            Admit::Refused => {
-                inner
-                    .counters
-                    .pending_refused
-                    .fetch_add(1, Ordering::Relaxed);
-                inner.warn(
-                    "pending_refused",
-                    format_args!(
-                        "event bus: {} holds its share of unauthenticated connections: refusing another",
+                        "event bus: the pool of unauthenticated connections (or {}'s share of it) is full: the connection longest without progress closed",
                         peer.ip()
                     ),
                 );
-                continue;
             }
         }
         let state = Arc::new(Conn {
@@ -96,6 +89,7 @@ pub(super) async fn accept_loop(
             authenticated: AtomicBool::new(false),
             busy: AtomicBool::new(false),
             welcomed: AtomicBool::new(false),
+            unauthenticated_requests: std::sync::atomic::AtomicU64::new(0),
             close,
         });
         let (inner2, acceptor) = (inner.clone(), acceptor.clone());
@@ -116,7 +110,7 @@ pub(super) async fn accept_loop(
                     .pending
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .progressed(state.id, Progress::Spoke),
+                    .progressed(state.id, Progress::Spoke, std::time::Instant::now()),
                 Ok(Err(_)) => return,
                 Err(_) => {
                     inner2
@@ -145,7 +139,7 @@ pub(super) async fn accept_loop(
                 .pending
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .progressed(state.id, Progress::Tls);
+                .progressed(state.id, Progress::Tls, std::time::Instant::now());
             let (service_inner, service_state) = (inner2.clone(), state.clone());
             let service = hyper::service::service_fn(move |req| {
                 let (inner, state) = (service_inner.clone(), service_state.clone());

@@ -1,23 +1,29 @@
 //! The bus's pool of connections that have not authenticated yet (DESIGN §7.3): small,
-//! capped per source, and full means the newest stays and an old one goes, the least
-//! advanced first (silent, then speaking, then past TLS), so a flood of idle
-//! connections cannot keep a broker out.
+//! capped per source, and full means the newest stays and another goes: from the
+//! source holding the most (or the newcomer's own source, at its share), one past TLS
+//! that sent no request within [`STALLED_AFTER_TLS`], else the least advanced
+//! (silent, then speaking, then past TLS), the oldest first. A broker sends its request
+//! right after its handshake, so a flood that finishes TLS and idles goes before it,
+//! and a flood of idle connections evicts itself before a broker that is handshaking.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+/// How long a connection past TLS may go without a request before it is the first to
+/// go (a broker sends its session request at once).
+pub(crate) const STALLED_AFTER_TLS: Duration = Duration::from_millis(250);
 
 /// What admitting a new unauthenticated connection did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Admit<T> {
     /// Taken; the pool had room.
     Admitted,
-    /// Taken; to make room, this older connection must go.
+    /// Taken; to make room, this other connection must go.
     Evicted(T),
-    /// Refused: its source address already holds its share of the pool.
-    Refused,
 }
 
-/// How far an unauthenticated connection got: the least advanced goes first.
+/// How far an unauthenticated connection got; each step is progress.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Progress {
     /// Nothing received yet.
@@ -34,10 +40,22 @@ struct Entry<T> {
     id: u64,
     source: IpAddr,
     progress: Progress,
+    /// When it was accepted or last progressed.
+    since: Instant,
     handle: T,
 }
 
-/// Unauthenticated connections, oldest first, with a count per source address.
+impl<T> Entry<T> {
+    /// Its place in the eviction order at `now`, first to go first: stalled past TLS,
+    /// then the least advanced, the longest at its step.
+    fn rank(&self, now: Instant) -> (bool, Progress, Instant) {
+        let stalled = self.progress == Progress::Tls
+            && now.saturating_duration_since(self.since) >= STALLED_AFTER_TLS;
+        (!stalled, self.progress, self.since)
+    }
+}
+
+/// Unauthenticated connections, with a count per source address.
 #[derive(Debug)]
 pub(crate) struct Pending<T> {
     max: usize,
@@ -56,59 +74,53 @@ impl<T> Pending<T> {
         }
     }
 
-    /// Admits connection `id` from `source`. When the pool is full, one goes: among
-    /// the least advanced connections (silent before speaking before past TLS), the
-    /// oldest of the source holding the most. A flood of idle connections evicts
-    /// itself before a broker that is handshaking; one that completes TLS handshakes
-    /// competes with brokers doing the same, oldest first.
-    #[cfg(test)]
-    pub(crate) fn admit(&mut self, id: u64, source: IpAddr, handle: T) -> Admit<T> {
-        self.admit_at(id, source, Progress::Silent, handle)
-    }
-
-    /// [`admit`](Self::admit) a connection already as far as `progress` (its first
-    /// bytes were waiting when it was accepted).
+    /// Admits connection `id` from `source`, already as far as `progress` at `now`
+    /// (its first bytes may be waiting when it is accepted). When its source holds its
+    /// share, one of that source's goes; when the pool is full, one of the source
+    /// holding the most: the first by [`Entry::rank`].
     pub(crate) fn admit_at(
         &mut self,
         id: u64,
         source: IpAddr,
         progress: Progress,
+        now: Instant,
         handle: T,
     ) -> Admit<T> {
-        if self.per_source.get(&source).copied().unwrap_or(0) >= self.max_per_source {
-            return Admit::Refused;
-        }
-        let mut evicted = None;
-        if self.conns.len() >= self.max {
-            let least = self
-                .conns
+        let count = |per_source: &HashMap<IpAddr, usize>, ip: &IpAddr| {
+            per_source.get(ip).copied().unwrap_or(0)
+        };
+        let victim = if count(&self.per_source, &source) >= self.max_per_source {
+            self.conns
                 .iter()
-                .map(|e| e.progress)
-                .min()
-                .unwrap_or(Progress::Silent);
-            let candidate = |e: &Entry<T>| e.progress == least;
-            let count = |e: &Entry<T>| self.per_source.get(&e.source).copied().unwrap_or(0);
+                .enumerate()
+                .filter(|(_, e)| e.source == source)
+                .min_by_key(|(_, e)| e.rank(now))
+                .map(|(at, _)| at)
+        } else if self.conns.len() >= self.max {
             let most = self
                 .conns
                 .iter()
-                .filter(|e| candidate(e))
-                .map(count)
+                .map(|e| count(&self.per_source, &e.source))
                 .max()
                 .unwrap_or(0);
-            let at = self
-                .conns
+            self.conns
                 .iter()
-                .position(|e| candidate(e) && count(e) == most)
-                .unwrap_or(0);
-            if let Some(old) = self.conns.remove(at) {
-                self.forget_source(old.source);
-                evicted = Some(old.handle);
-            }
-        }
+                .enumerate()
+                .filter(|(_, e)| count(&self.per_source, &e.source) == most)
+                .min_by_key(|(_, e)| e.rank(now))
+                .map(|(at, _)| at)
+        } else {
+            None
+        };
+        let evicted = victim.and_then(|at| self.conns.remove(at)).map(|old| {
+            self.forget_source(old.source);
+            old.handle
+        });
         self.conns.push_back(Entry {
             id,
             source,
             progress,
+            since: now,
             handle,
         });
         *self.per_source.entry(source).or_default() += 1;
@@ -118,11 +130,13 @@ impl<T> Pending<T> {
         }
     }
 
-    /// Connection `id` got as far as `progress`: it is evicted only after every less
-    /// advanced one.
-    pub(crate) fn progressed(&mut self, id: u64, progress: Progress) {
-        if let Some(entry) = self.conns.iter_mut().find(|e| e.id == id) {
-            entry.progress = entry.progress.max(progress);
+    /// Connection `id` got as far as `progress` at `now` (a step further).
+    pub(crate) fn progressed(&mut self, id: u64, progress: Progress, now: Instant) {
+        if let Some(entry) = self.conns.iter_mut().find(|e| e.id == id)
+            && progress > entry.progress
+        {
+            entry.progress = progress;
+            entry.since = now;
         }
     }
 
@@ -155,79 +169,116 @@ impl<T> Pending<T> {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
+    use std::time::Duration;
+
     use super::*;
 
     fn ip(last: u8) -> IpAddr {
         IpAddr::from([127, 1, 0, last])
     }
 
+    fn at(t0: Instant, ms: u64) -> Instant {
+        t0 + Duration::from_millis(ms)
+    }
+
     #[test]
-    fn a_source_gets_its_share_and_no_more() {
+    fn a_source_at_its_share_loses_one_of_its_own_never_another_s() {
+        let t0 = Instant::now();
         let mut pool = Pending::new(64, 2);
-        assert_eq!(pool.admit(1, ip(1), 1), Admit::Admitted);
-        assert_eq!(pool.admit(2, ip(1), 2), Admit::Admitted);
-        assert_eq!(pool.admit(3, ip(1), 3), Admit::Refused);
-        assert_eq!(pool.admit(4, ip(2), 4), Admit::Admitted);
+        assert_eq!(
+            pool.admit_at(1, ip(1), Progress::Silent, at(t0, 0), 1),
+            Admit::Admitted
+        );
+        assert_eq!(
+            pool.admit_at(2, ip(1), Progress::Silent, at(t0, 1), 2),
+            Admit::Admitted
+        );
+        assert_eq!(
+            pool.admit_at(4, ip(2), Progress::Silent, at(t0, 2), 4),
+            Admit::Admitted
+        );
+        // 1 spoke: 2 is the less advanced.
+        pool.progressed(1, Progress::Spoke, at(t0, 3));
+        assert_eq!(
+            pool.admit_at(3, ip(1), Progress::Silent, at(t0, 4), 3),
+            Admit::Evicted(2)
+        );
         assert!(pool.remove(1));
         assert!(!pool.remove(1));
-        assert_eq!(pool.admit(5, ip(1), 5), Admit::Admitted);
+        assert_eq!(
+            pool.admit_at(5, ip(1), Progress::Silent, at(t0, 5), 5),
+            Admit::Admitted
+        );
         assert_eq!(pool.len(), 3);
     }
 
     #[test]
-    fn full_evicts_the_oldest_of_the_heaviest_source() {
+    fn full_evicts_the_least_advanced_oldest_of_the_heaviest_source() {
+        let t0 = Instant::now();
         let mut pool = Pending::new(4, 8);
         // A broker connects once, then a flood from one address fills the pool.
-        assert_eq!(pool.admit(1, ip(9), "broker"), Admit::Admitted);
+        pool.admit_at(1, ip(9), Progress::Silent, t0, "broker");
         for id in 2..=4 {
-            assert_eq!(pool.admit(id, ip(1), "flood"), Admit::Admitted);
+            let admitted = pool.admit_at(id, ip(1), Progress::Tls, at(t0, id), "flood");
+            assert_eq!(admitted, Admit::Admitted);
         }
-        // The flood goes on: it evicts itself, oldest first, never the broker.
+        // The flood goes on: it evicts itself, never the broker.
         for id in 5..100 {
-            assert_eq!(pool.admit(id, ip(1), "flood"), Admit::Evicted("flood"));
+            let admitted = pool.admit_at(id, ip(1), Progress::Tls, at(t0, id), "flood");
+            assert_eq!(admitted, Admit::Evicted("flood"));
         }
         assert!(pool.remove(1), "the broker is still pending");
-        // Every source holding one each: the oldest of all goes.
-        let mut pool = Pending::new(2, 8);
-        pool.admit(1, ip(1), 1);
-        pool.admit(2, ip(2), 2);
-        assert_eq!(pool.admit(3, ip(3), 3), Admit::Evicted(1));
-        assert_eq!(pool.len(), 2);
+        // Every source holding one each: the least advanced goes, the oldest first.
+        let mut pool = Pending::new(3, 8);
+        pool.admit_at(1, ip(1), Progress::Spoke, t0, 1);
+        pool.admit_at(2, ip(2), Progress::Silent, at(t0, 1), 2);
+        pool.admit_at(3, ip(3), Progress::Silent, at(t0, 2), 3);
+        assert_eq!(
+            pool.admit_at(4, ip(4), Progress::Spoke, at(t0, 3), 4),
+            Admit::Evicted(2)
+        );
+        assert_eq!(
+            pool.admit_at(5, ip(5), Progress::Spoke, at(t0, 4), 5),
+            Admit::Evicted(3)
+        );
+        assert_eq!(
+            pool.admit_at(6, ip(6), Progress::Spoke, at(t0, 5), 6),
+            Admit::Evicted(1)
+        );
     }
 
+    /// One connection an address, more than the pool holds: a connection past TLS
+    /// outlives those still handshaking only while it is about to send its request
+    /// (issue 49 M5: idle past TLS, a flood outranked every broker in its handshake).
     #[test]
-    fn a_connection_that_spoke_outlives_every_silent_one() {
-        let mut pool = Pending::new(4, 8);
-        pool.admit(1, ip(9), "broker");
-        pool.progressed(1, Progress::Spoke);
-        // One idle connection per address, more addresses than the pool holds.
-        for id in 2..1000 {
-            let admitted = pool.admit(id, ip((id % 250) as u8), "flood");
-            assert!(matches!(
-                admitted,
-                Admit::Admitted | Admit::Evicted("flood")
-            ));
+    fn past_tls_without_a_request_goes_first() {
+        let t0 = Instant::now();
+        let mut pool = Pending::new(8, 8);
+        for id in 100..108 {
+            pool.admit_at(id, ip(id as u8), Progress::Tls, t0, "flood");
         }
-        assert!(pool.remove(1), "the speaking broker is still pending");
-        assert!(!pool.remove(1), "removed once");
-        pool.admit(1, ip(9), "broker");
-        // Past TLS outlives speaking: a flood that says one byte evicts itself.
-        pool.progressed(1, Progress::Tls);
-        for id in 1000..2000 {
-            let admitted = pool.admit(id, ip((id % 250) as u8), "flood");
-            pool.progressed(id, Progress::Spoke);
-            assert!(matches!(
-                admitted,
-                Admit::Admitted | Admit::Evicted("flood")
-            ));
+        // Past TLS 250 ms ago with no request: they go before a broker handshaking.
+        let later = t0 + STALLED_AFTER_TLS;
+        pool.admit_at(1, ip(9), Progress::Spoke, later, "broker");
+        for id in 200..207 {
+            let admitted = pool.admit_at(id, ip(id as u8), Progress::Spoke, later, "flood");
+            assert_eq!(admitted, Admit::Evicted("flood"));
         }
-        assert!(pool.remove(1), "the broker past TLS is still pending");
-        // When every one is as far, the oldest of the busiest source goes.
+        assert!(pool.remove(1), "the broker is still pending");
+        // Within 250 ms of its handshake, past TLS still outranks handshaking.
         let mut pool = Pending::new(2, 8);
-        for id in 1..=2 {
-            pool.admit(id, ip(1), id);
-            pool.progressed(id, Progress::Spoke);
-        }
-        assert_eq!(pool.admit(3, ip(2), 3), Admit::Evicted(1));
+        pool.admit_at(1, ip(1), Progress::Spoke, t0, 1);
+        pool.progressed(1, Progress::Tls, at(t0, 1));
+        pool.admit_at(2, ip(2), Progress::Spoke, at(t0, 2), 2);
+        assert_eq!(
+            pool.admit_at(3, ip(3), Progress::Spoke, at(t0, 200), 3),
+            Admit::Evicted(2)
+        );
+        // A step already taken is no progress: its clock keeps running.
+        pool.progressed(1, Progress::Spoke, at(t0, 250));
+        assert_eq!(
+            pool.admit_at(4, ip(4), Progress::Spoke, at(t0, 251), 4),
+            Admit::Evicted(1)
+        );
     }
 }

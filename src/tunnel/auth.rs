@@ -16,7 +16,7 @@ pub const MAX_BUS_CLIENTS: usize = 4096;
 ///
 /// ```
 /// use eventplane::tunnel::{Secret, TokenDigest};
-/// let digest = TokenDigest::of(&Secret::new("s3cret-token")?);
+/// let digest = TokenDigest::of(&Secret::new("s3cret-token-0123456789")?);
 /// let hex = "f1a3fa32dd1b9ee6ef0e1cbc1a1bdb1f3a0e1a53e3e7a9b51c1a2e5f1c0f9c7d";
 /// assert!(TokenDigest::from_hex(hex).is_ok());
 /// assert_ne!(TokenDigest::from_hex(hex)?, digest);
@@ -126,7 +126,7 @@ struct Client {
 /// assert!(clients.grants("dev"));
 /// assert!(!clients.grants("staging"));
 /// // The same client id, or the same token, twice is refused.
-/// assert!(clients.clone().broker("broker-a", TokenDigest::of(&Secret::new("other")?), vec!["prod".into()]).is_err());
+/// assert!(clients.clone().broker("broker-a", TokenDigest::of(&Secret::new("another-token-0123456789")?), vec!["prod".into()]).is_err());
 /// # Ok::<(), eventplane::tunnel::TunnelError>(())
 /// ```
 #[derive(Debug, Clone, Default)]
@@ -359,8 +359,8 @@ mod tests {
     #[test]
     fn a_token_authenticates_as_its_own_broker_only() {
         let (a, b) = (
-            Secret::new("token-a").unwrap(),
-            Secret::new("token-b").unwrap(),
+            Secret::new("token-of-a-0123456789").unwrap(),
+            Secret::new("token-of-b-0123456789").unwrap(),
         );
         let clients = BusClients::new()
             .broker("a", TokenDigest::of(&a), vec!["prod".into()])
@@ -391,12 +391,12 @@ mod tests {
     #[test]
     fn a_shared_token_cannot_claim_a_bound_client_id() {
         use super::super::{DenyCode, Hello};
-        let shared = Secret::new("shared-token").unwrap();
+        let shared = Secret::new("shared-token-0123456789").unwrap();
         let clients = BusClients::shared(&shared, vec!["prod".into()])
             .unwrap()
             .broker(
                 "broker-a",
-                TokenDigest::of(&Secret::new("token-a").unwrap()),
+                TokenDigest::of(&Secret::new("token-of-a-0123456789").unwrap()),
                 vec!["prod".into()],
             )
             .unwrap();
@@ -419,7 +419,7 @@ mod tests {
         let hex = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
         assert_eq!(
             TokenDigest::from_hex(hex).unwrap(),
-            TokenDigest::of(&Secret::new("abc").unwrap())
+            TokenDigest::of_bytes(b"abc")
         );
         assert_eq!(
             TokenDigest::from_hex(&hex.to_uppercase()).unwrap(),

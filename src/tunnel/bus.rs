@@ -61,11 +61,9 @@ pub struct BusStats {
     /// Hellos denied, by code (`DenyCode`): a client id or a namespace the
     /// credential does not grant (an impostor, or a misconfigured broker).
     pub denied: HashMap<String, u64>,
-    /// Unauthenticated connections closed to make room in their full pool.
+    /// Unauthenticated connections closed to make room in their full pool, or in
+    /// their source's full share of it.
     pub pending_evicted: u64,
-    /// Connections refused on accept: their source address held its share of the
-    /// unauthenticated pool.
-    pub pending_refused: u64,
     /// Connections closed for not completing TLS, or not authenticating, in time.
     pub pending_timeouts: u64,
     /// Connections held unauthenticated now.
@@ -247,7 +245,6 @@ impl EventBus {
             unauthorized: l(&c.unauthorized),
             denied: c.denied.snapshot(),
             pending_evicted: l(&c.pending_evicted),
-            pending_refused: l(&c.pending_refused),
             pending_timeouts: l(&c.pending_timeouts),
             pending: self
                 .inner

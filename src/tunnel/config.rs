@@ -409,13 +409,15 @@ pub struct EventBusConfig {
     pub max_connections_per_client: usize,
     /// Connections held before they authenticate (TLS, then the first request with an
     /// accepted credential), in a pool of their own. When it is full, a new
-    /// connection is taken and one is closed, counted in `pending_evicted`: among the
-    /// least advanced (silent, then speaking, then past TLS), the oldest of the source
-    /// holding the most (default [`MAX_PENDING_CONNECTIONS`], 64; at most 65,536).
+    /// connection is taken and one is closed, counted in `pending_evicted`: of the
+    /// source holding the most, the one that has gone longest without progress
+    /// (accepted, first bytes, TLS done) (default [`MAX_PENDING_CONNECTIONS`], 64; at
+    /// most 65,536).
     pub max_pending_connections: usize,
     /// Unauthenticated connections from one source (an IPv4 address, an IPv6 /64);
-    /// one more is closed on accept, counted in `pending_refused` (default
-    /// [`MAX_PENDING_PER_SOURCE`], 8).
+    /// one more is taken and that source's connection longest without progress is
+    /// closed, counted in `pending_evicted` (default [`MAX_PENDING_PER_SOURCE`], 8): a
+    /// broker behind a NAT its flooders share is not refused for their connections.
     pub max_pending_per_source: usize,
     /// A connection's TLS handshake, from accept (default 3 s).
     pub tls_handshake_timeout: Duration,

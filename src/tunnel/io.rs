@@ -379,6 +379,10 @@ impl AsyncWrite for TunnelStream {
     }
 }
 
+/// Shortest token [`Secret::new`] takes, in bytes: a bus keeps unsalted digests and
+/// answers guesses, so a token must not be guessable (use 32 random bytes or more).
+pub const MIN_TOKEN_LEN: usize = 16;
+
 /// A bearer credential: never printed (its `Debug` is redacted, its header marked
 /// sensitive). A bus keeps only its digest ([`TokenDigest`](super::TokenDigest)).
 #[derive(Clone)]
@@ -394,14 +398,16 @@ impl Secret {
     /// A credential (surrounding whitespace, such as a file's final newline, removed).
     /// It travels in an HTTP header, so it must be printable ASCII without spaces (a
     /// byte-order mark or a non-ASCII character is refused here, not sent as a bare
-    /// `Bearer`).
+    /// `Bearer`), and holds at least [`MIN_TOKEN_LEN`] bytes.
     ///
     /// ```
     /// use eventplane::tunnel::Secret;
-    /// assert!(Secret::new("s3cret-token\n").is_ok());
-    /// assert!(Secret::new("\u{feff}s3cret-token").is_err());
-    /// assert!(Secret::new("two words").is_err());
+    /// assert!(Secret::new("s3cret-token-0123456789\n").is_ok());
+    /// assert!(Secret::new("\u{feff}s3cret-token-0123456789").is_err());
+    /// assert!(Secret::new("two words and some more").is_err());
     /// assert!(Secret::new("").is_err());
+    /// assert!(Secret::new("too-short-token").is_err()); // 15 bytes
+    /// assert!(Secret::new("just-long-enough").is_ok()); // 16
     /// ```
     pub fn new(token: impl AsRef<str>) -> Result<Secret, TunnelError> {
         let token = token.as_ref().trim();
@@ -413,6 +419,12 @@ impl Secret {
         };
         if token.is_empty() {
             return refuse("is empty");
+        }
+        if token.len() < MIN_TOKEN_LEN {
+            return refuse(
+                "is under 16 bytes: use a random token of 32 bytes or more \
+                 (`openssl rand -hex 32`)",
+            );
         }
         if token.len() > 4096 {
             return refuse("is over 4096 bytes");

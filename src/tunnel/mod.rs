@@ -52,6 +52,7 @@ mod auth;
 mod broker;
 mod budget;
 mod bus;
+mod bus_state;
 mod client;
 mod codes;
 mod config;
@@ -83,7 +84,8 @@ pub use config::{
     SystemResolver, TLS_HANDSHAKE_TIMEOUT,
 };
 pub use error::TunnelError;
-pub use io::{Secret, TunnelStream, client_tls, server_tls};
+pub use io::{MIN_TOKEN_LEN, Secret, TunnelStream, client_tls, server_tls};
+pub use serve::MAX_REQUESTS_BEFORE_AUTH;
 pub use view::{MAX_VIEW_BYTES, MAX_VIEW_INSTANCES};
 
 pub use budget::{

@@ -15,135 +15,17 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::admission::Pending;
-use super::announce::{Role, Target};
+use super::announce::Role;
 use super::auth::{BusClients, Identity};
-use super::codes::CodeCounts;
 use super::error::TunnelError;
-use super::io::{
-    BODY_CHANNEL, ChannelBody, StreamBytes, TUNNEL_WRITE_CHUNKS, TunnelStream, next_chunk,
-};
+use super::io::{BODY_CHANNEL, ChannelBody, TUNNEL_WRITE_CHUNKS, TunnelStream, next_chunk};
 use super::sources::SourceTable;
 use super::{
-    ControlDecoder, DenyCode, DrainReason, EventBusConfig, RefuseCode, RouterEvent, RouterSession,
-    SessionEnd, SubscribeError, rendezvous_owner,
+    ControlDecoder, DenyCode, EventBusConfig, RefuseCode, RouterEvent, RouterSession, SessionEnd,
+    SubscribeError, rendezvous_owner,
 };
 
-/// Commands a session task takes from the rest of the bus.
-pub(super) enum Command {
-    Subscribe {
-        stream_id: u64,
-        target: Target,
-    },
-    Drain {
-        deadline: Duration,
-        reason: DrainReason,
-    },
-    Attach {
-        stream_id: u64,
-        reply: oneshot::Sender<bool>,
-    },
-    Close,
-}
-
-pub(super) struct Entry {
-    pub(super) session_id: u64,
-    /// A broker, or a source (which serves only what it announces).
-    pub(super) role: Role,
-    /// The credential it authenticated with.
-    pub(super) identity: Identity,
-    /// The HTTP/2 connection the session runs on: its data streams must come on it.
-    pub(super) conn_id: u64,
-    pub(super) namespaces: Vec<String>,
-    pub(super) commands: mpsc::Sender<Command>,
-    /// Welcomed and not draining.
-    pub(super) available: Arc<AtomicBool>,
-    /// Under its stream limit.
-    pub(super) room: Arc<AtomicBool>,
-    /// Its data streams the router let go of (each at most once), for the session to
-    /// unsubscribe: never lost, never more than its streams.
-    pub(super) detached: Arc<Detached>,
-    /// Cancelled when the session ends: its data streams end with it.
-    pub(super) ended: CancellationToken,
-}
-
-impl Entry {
-    /// Whether this session takes streams for `namespace` (welcomed, covering it,
-    /// not draining); it may still be full ([`has_room`](Self::has_room)).
-    pub(super) fn serves(&self, namespace: &str) -> bool {
-        self.role == Role::Broker
-            && self.available.load(Ordering::Relaxed)
-            && self.namespaces.iter().any(|n| n == namespace)
-    }
-
-    /// Whether it is under its stream limit.
-    pub(super) fn has_room(&self) -> bool {
-        self.room.load(Ordering::Relaxed)
-    }
-}
-
-/// Data streams of one session that the router dropped: each pushes its id once, the
-/// session task takes them and unsubscribes. Bounded by the session's streams.
-#[derive(Debug, Default)]
-pub(super) struct Detached {
-    ids: Mutex<Vec<u64>>,
-    notify: tokio::sync::Notify,
-}
-
-impl Detached {
-    fn push(&self, stream_id: u64) {
-        self.ids
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(stream_id);
-        self.notify.notify_one();
-    }
-
-    fn take(&self) -> Vec<u64> {
-        std::mem::take(&mut *self.ids.lock().unwrap_or_else(|p| p.into_inner()))
-    }
-}
-
-pub(super) struct Waiter {
-    pub(super) session_id: u64,
-    pub(super) namespace: String,
-    pub(super) publisher_id: u64,
-    /// Whether it moves to a broker that joins and owns its publisher (a recovery
-    /// stream, short-lived and not to be restarted, does not).
-    pub(super) movable: bool,
-    pub(super) reply: oneshot::Sender<Result<TunnelStream, TunnelError>>,
-}
-
-/// An open data stream, for moving it when its publisher's owner changes.
-pub(super) struct OpenStream {
-    pub(super) namespace: String,
-    pub(super) publisher_id: u64,
-    pub(super) client_id: String,
-    /// See [`Waiter::movable`].
-    pub(super) movable: bool,
-    /// Ends the stream (both bodies) when cancelled.
-    pub(super) stop: CancellationToken,
-}
-
-#[derive(Default)]
-pub(super) struct Counters {
-    pub(super) sessions_started: AtomicU64,
-    pub(super) superseded: AtomicU64,
-    pub(super) unauthorized: AtomicU64,
-    pub(super) denied: CodeCounts,
-    pub(super) pending_evicted: AtomicU64,
-    pub(super) pending_refused: AtomicU64,
-    pub(super) pending_timeouts: AtomicU64,
-    pub(super) connections_refused: AtomicU64,
-    pub(super) bad_targets: AtomicU64,
-    pub(super) streams_opened: AtomicU64,
-    pub(super) streams_failed: AtomicU64,
-    pub(super) unknown_streams: AtomicU64,
-    pub(super) streams_moved: AtomicU64,
-    pub(super) fallbacks: AtomicU64,
-    pub(super) refused: CodeCounts,
-    pub(super) closed: CodeCounts,
-    pub(super) bytes: Arc<StreamBytes>,
-}
+pub(super) use super::bus_state::{Command, Counters, Detached, Entry, OpenStream, Waiter};
 
 pub(super) struct Inner {
     pub(super) clients: BusClients,
@@ -260,6 +142,8 @@ pub(super) struct Conn {
     pub(super) busy: AtomicBool,
     /// A session on it was welcomed.
     pub(super) welcomed: AtomicBool,
+    /// Requests it made before it authenticated.
+    pub(super) unauthenticated_requests: AtomicU64,
     /// Cancelled to close the connection.
     pub(super) close: CancellationToken,
 }
@@ -347,6 +231,12 @@ pub(super) fn authenticate(inner: &Arc<Inner>, conn: &Conn, identity: Identity) 
     true
 }
 
+/// Requests a connection may make before one of them authenticated it (a broker
+/// makes one: its session); one more is answered 429, its credential unread, and the
+/// connection closes. HTTP/2 lets a client open up to `max_streams` + 1 streams at
+/// once: without this, each could carry a guess.
+pub const MAX_REQUESTS_BEFORE_AUTH: u64 = 2;
+
 /// How long a connection that has not authenticated stays open after its first
 /// refused credential: time for the 401 to leave.
 const CLOSE_AFTER_REFUSAL: std::time::Duration = std::time::Duration::from_millis(100);
@@ -358,6 +248,15 @@ fn empty(status: StatusCode) -> Response<ChannelBody> {
     response
 }
 
+/// Closes `conn` once the answer now written had time to leave.
+fn close_soon(conn: &Conn) {
+    let close = conn.close.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(CLOSE_AFTER_REFUSAL).await;
+        close.cancel();
+    });
+}
+
 pub(super) async fn route(
     inner: Arc<Inner>,
     conn: Arc<Conn>,
@@ -365,6 +264,16 @@ pub(super) async fn route(
 ) -> Response<ChannelBody> {
     if req.method() != hyper::Method::POST {
         return empty(StatusCode::METHOD_NOT_ALLOWED);
+    }
+    if !conn.authenticated.load(Ordering::Relaxed)
+        && conn
+            .unauthenticated_requests
+            .fetch_add(1, Ordering::Relaxed)
+            >= MAX_REQUESTS_BEFORE_AUTH
+    {
+        inner.counters.unauthorized.fetch_add(1, Ordering::Relaxed);
+        close_soon(&conn);
+        return empty(StatusCode::TOO_MANY_REQUESTS);
     }
     let auth = req
         .headers()
@@ -379,11 +288,7 @@ pub(super) async fn route(
         // A guess costs its connection: one that has not authenticated is closed
         // once this answer is on its way (never one guess after another on it).
         if !conn.authenticated.load(Ordering::Relaxed) {
-            let close = conn.close.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(CLOSE_AFTER_REFUSAL).await;
-                close.cancel();
-            });
+            close_soon(&conn);
         }
         return empty(StatusCode::UNAUTHORIZED);
     };

@@ -965,7 +965,7 @@ async fn check_bus_tells_a_wrong_token_or_ca_from_a_good_one() {
     let wrong_token = config_for("check-bus-token", &url, &["tcp://127.0.0.1:5"], "");
     std::fs::write(
         wrong_token.parent().unwrap().join("token"),
-        "not-the-token\n",
+        "not-the-token-0123456789\n",
     )
     .unwrap();
     let out = run(&wrong_token, &["--check-config"]).await;

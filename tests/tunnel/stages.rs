@@ -401,6 +401,35 @@ async fn a_wrong_credential_closes_its_connection() {
     bus.shutdown().await;
 }
 
+/// Requests sent at once on a connection that has not authenticated: two have their
+/// credential read, the rest are answered 429 unread and the connection closes (an
+/// HTTP/2 connection may open 1,025 streams at once, each a guess).
+#[tokio::test]
+async fn a_connection_has_two_requests_before_it_authenticates() {
+    let bus = bus().await;
+    let (sender, conn) = h2_to(&bus).await;
+    tokio::spawn(conn);
+    let guesses = (0..10).map(|i| {
+        let mut sender = sender.clone();
+        let guess = session_request(&bus, &format!("guess-{i}-0123456789abcdef"));
+        async move {
+            sender
+                .send_request(guess)
+                .await
+                .map(|r| r.status().as_u16())
+        }
+    });
+    let answers = within(futures_util::future::join_all(guesses)).await;
+    let read = answers.iter().filter(|a| matches!(a, Ok(401))).count();
+    assert!(read <= 2, "{answers:?}");
+    assert!(
+        answers.iter().all(|a| matches!(a, Ok(401 | 429) | Err(_))),
+        "{answers:?}"
+    );
+    assert!(answers.iter().any(|a| matches!(a, Ok(429))), "{answers:?}");
+    bus.shutdown().await;
+}
+
 /// An HTTP/2 connection to `bus`: its sender, and the connection to drive.
 async fn h2_to(
     bus: &eventplane::tunnel::EventBus,
@@ -457,14 +486,16 @@ async fn unauthenticated_connections_get_a_pool_of_their_own() {
     let bus = bus_with(config).await;
     // Two connections from one address that say nothing hold its share of the
     // pending pool...
-    let _held = [tls_to(&bus).await, tls_to(&bus).await];
-    // ...so a third from it is closed at once, before any TLS, and counted.
-    let mut third = tokio::net::TcpStream::connect(bus.local_addr())
+    let mut first = tls_to(&bus).await;
+    let _second = tls_to(&bus).await;
+    // ...so a third from it takes the place of the one longest without progress,
+    // closed at once, and counted.
+    let _third = tokio::net::TcpStream::connect(bus.local_addr())
         .await
         .unwrap();
-    let (_, elapsed) = timed(read_to_end(&mut third)).await;
+    let (_, elapsed) = timed(read_to_end(&mut first)).await;
     assert!(elapsed < Duration::from_secs(1), "closed after {elapsed:?}");
-    until(|| bus.stats().pending_refused == 1).await;
+    until(|| bus.stats().pending_evicted == 1).await;
     assert_eq!(bus.stats().pending, 2);
     // They never take an authenticated slot: a broker gets in while they are held.
     let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());

@@ -122,7 +122,7 @@ async fn a_wrong_credential_or_ca_gets_no_session_and_plaintext_is_refused() {
     let bus = bus().await;
     let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     let mut wrong = broker_config(&bus, "intruder", view.clone());
-    wrong.token = Secret::new("not-the-token").unwrap();
+    wrong.token = Secret::new("not-the-token-0123456789").unwrap();
     let intruder = Broker::spawn(wrong).unwrap();
     within(async {
         while bus.stats().unauthorized == 0 {

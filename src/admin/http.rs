@@ -88,6 +88,16 @@ pub(crate) fn response(
     out
 }
 
+/// The head of a response whose length is not known (answering a `HEAD` without
+/// producing the body it describes).
+pub(crate) fn response_without_length(status: u16, content_type: &str) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 {status} OK\r\ncontent-type: {content_type}\r\n\
+         cache-control: no-store\r\nconnection: close\r\n\r\n"
+    )
+    .into_bytes()
+}
+
 /// A plain-text response.
 pub(crate) fn text(status: u16, body: &str, head_only: bool) -> Vec<u8> {
     response(

@@ -531,6 +531,10 @@ fn route(head: &http::Head<'_>, routes: &Routes) -> Vec<u8> {
             Err(reason) => http::text(503, &format!("not ready: {reason}\n"), head_only),
         },
         "/metrics" => match &routes.metrics {
+            // A HEAD is not worth a render: no body, so no length either.
+            Some(_) if head_only => {
+                http::response_without_length(200, "text/plain; version=0.0.4; charset=utf-8")
+            }
             Some(render) => http::response(
                 200,
                 "text/plain; version=0.0.4; charset=utf-8",

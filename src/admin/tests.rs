@@ -18,7 +18,20 @@ fn get(path: &str) -> Vec<u8> {
     format!("GET {path} HTTP/1.1\r\nHost: admin\r\n\r\n").into_bytes()
 }
 
+/// A server whose readiness is the flag returned, counting its metric renders.
 async fn server(config: AdminConfig) -> (AdminServer, Arc<AtomicBool>) {
+    let (admin, ready, _) = counting_server(config).await;
+    (admin, ready)
+}
+
+async fn counting_server(
+    config: AdminConfig,
+) -> (
+    AdminServer,
+    Arc<AtomicBool>,
+    Arc<std::sync::atomic::AtomicU64>,
+) {
+    let renders = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let ready = Arc::new(AtomicBool::new(false));
     let flag = ready.clone();
     let routes = Routes::new(move || {
@@ -28,16 +41,22 @@ async fn server(config: AdminConfig) -> (AdminServer, Arc<AtomicBool>) {
             Err("no view yet".into())
         }
     })
-    .metrics(|| "eventplane_up 1\n".to_owned());
+    .metrics({
+        let renders = renders.clone();
+        move || {
+            renders.fetch_add(1, Ordering::Relaxed);
+            "eventplane_up 1\n".to_owned()
+        }
+    });
     let server = AdminServer::bind("127.0.0.1:0", config, routes)
         .await
         .unwrap();
-    (server, ready)
+    (server, ready, renders)
 }
 
 #[tokio::test]
 async fn probes_and_scrapes_get_their_answers() {
-    let (admin, ready) = server(AdminConfig::default()).await;
+    let (admin, ready, renders) = counting_server(AdminConfig::default()).await;
     let addr = admin.local_addr();
     let r = ask(addr, &get("/readyz")).await;
     assert!(r.starts_with("HTTP/1.1 503 "), "{r}");
@@ -52,11 +71,15 @@ async fn probes_and_scrapes_get_their_answers() {
     let m = ask(addr, &get("/metrics?name[]=x")).await;
     assert!(m.contains("content-type: text/plain; version=0.0.4"), "{m}");
     assert!(m.ends_with("\r\n\r\neventplane_up 1\n"), "{m}");
+    let rendered = renders.load(Ordering::Relaxed);
     let head = ask(addr, b"HEAD /metrics HTTP/1.1\r\n\r\n").await;
     assert!(
         head.starts_with("HTTP/1.1 200 ") && head.ends_with("\r\n\r\n"),
         "{head}"
     );
+    // A HEAD renders nothing (issue 49 L5: it rendered the whole text to drop it).
+    assert_eq!(renders.load(Ordering::Relaxed), rendered);
+    assert!(!head.contains("content-length"), "{head}");
     assert!(ask(addr, &get("/other")).await.starts_with("HTTP/1.1 404 "));
     let post = ask(
         addr,

@@ -493,29 +493,61 @@ async fn writes_what_dynamo_wrote() {
     );
 }
 
+/// The pod of the container-mode tests.
+const UID: &str = "11111111-2222-3333-4444-555555555555";
+
+/// Pod `worker-0-engine` with container `0` names its resource as pod `worker-0` with
+/// container `engine-0` does: the second to start finds the first's resource, leaves
+/// it, and refuses to register (issue 49 L4: it deleted it and wrote over it).
+#[tokio::test]
+async fn container_mode_never_deletes_a_resource_another_pod_owns() {
+    let api = KubeApi::start().await;
+    let mut theirs = resource("worker-0-engine-0", "another-pods-uid", json!({}));
+    theirs["metadata"]["ownerReferences"][0]["name"] = json!("worker-0-engine");
+    api.put("dynamoworkermetadatas", "capns", theirs.clone());
+    let refused = KubeDiscovery::builder()
+        .client(api.client())
+        .records(DynamoRecords::new().endpoint("generate").worker(77, 0))
+        .pod(PodIdentity::new("worker-0", UID, "capns").container("engine-0"))
+        .connect()
+        .await;
+    let Err(e) = refused else {
+        panic!("registered over another pod's resource");
+    };
+    assert!(e.to_string().contains("owned by worker-0-engine"), "{e}");
+    assert!(
+        api.log().iter().all(|l| l.method == "GET"),
+        "{:?}",
+        api.log()
+    );
+    assert!(
+        api.get("dynamoworkermetadatas", "capns", "worker-0-engine-0")
+            .is_some()
+    );
+}
+
 #[tokio::test]
 async fn container_mode_deletes_a_stale_resource_and_writes_as_dynamo_did() {
     let api = KubeApi::start().await;
-    api.put(
-        "dynamoworkermetadatas",
-        "capns",
-        resource("worker-0-engine-0", "old", json!({})),
-    );
+    // What the container's previous incarnation in this pod left.
+    let mut stale = resource("worker-0-engine-0", UID, json!({}));
+    stale["metadata"]["ownerReferences"][0]["name"] = json!("worker-0");
+    api.put("dynamoworkermetadatas", "capns", stale);
     let d = KubeDiscovery::builder()
         .client(api.client())
         .records(DynamoRecords::new().endpoint("generate").worker(77, 0))
-        .pod(
-            PodIdentity::new("worker-0", "11111111-2222-3333-4444-555555555555", "capns")
-                .container("engine-0"),
-        )
+        .pod(PodIdentity::new("worker-0", UID, "capns").container("engine-0"))
         .connect()
         .await
         .unwrap();
     assert_eq!(d.instance_id(), Some(0x1c9a5dad7b0253));
     let log = api.log();
-    assert_eq!(log[0].method, "DELETE");
+    assert_eq!(
+        (log[0].method.as_str(), log[1].method.as_str()),
+        ("GET", "DELETE")
+    );
     assert!(
-        log[0]
+        log[1]
             .path
             .ends_with("/dynamoworkermetadatas/worker-0-engine-0")
     );
@@ -532,7 +564,7 @@ async fn container_mode_deletes_a_stale_resource_and_writes_as_dynamo_did() {
     // Readiness from Pods in container mode: the container must be ready.
     let mut watch = synced(&d, Query::new("capns")).await;
     let pod = |ready: bool| {
-        json!({"metadata": {"name": "worker-0", "uid": "11111111-2222-3333-4444-555555555555",
+        json!({"metadata": {"name": "worker-0", "uid": UID,
                 "labels": {"nvidia.com/dynamo-discovery-enabled": "true"}},
                "status": {"containerStatuses": [{"name": "engine-0", "ready": ready, "restartCount": 0,
                    "image": "x", "imageID": "x"}]}})

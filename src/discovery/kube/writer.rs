@@ -78,20 +78,52 @@ impl Writer {
         &self.name
     }
 
-    /// Container mode: deletes a resource an earlier incarnation left (absent is fine).
+    /// Container mode: deletes a resource an earlier incarnation left (absent is fine),
+    /// only when this pod owns it. Container-mode names (`{pod}-{container}`, Dynamo's
+    /// rule) can collide (pod `a-b` with container `c`, pod `a` with container `b-c`):
+    /// a resource of that name owned by another pod is left alone and this process
+    /// refuses to register (`InvalidConfig`, naming the other pod), instead of deleting
+    /// and overwriting another tenant's workers.
     pub(crate) async fn delete_stale(&self) -> Result<(), DiscoveryError> {
-        let deleted = within(
-            "delete",
-            &self.namespace,
-            self.shared.config.request_timeout,
-            async {
-                let request = kube::core::Request::new(self.api.resource_url())
-                    .delete(&self.name, &DeleteParams::default())
-                    .map_err(kube::Error::BuildRequest)?;
-                // The answer (the object or a status) is not read, only its status.
-                self.answer(request).await.map(drop)
-            },
-        )
+        let timeout = self.shared.config.request_timeout;
+        let read = within("get", &self.namespace, timeout, async {
+            let request = kube::core::Request::new(self.api.resource_url())
+                .get(&self.name, &kube::api::GetParams::default())
+                .map_err(kube::Error::BuildRequest)?;
+            self.answer(request).await
+        })
+        .await;
+        let text = match read {
+            Err(e) if has_status(&e, 404) => return Ok(()),
+            other => other?,
+        };
+        let found = narrow::resource(&text, &self.shared.config.limits);
+        if found.owner.as_ref().map(|o| &o.uid) != Some(&self.owner.uid) {
+            let other = found.owner.map_or_else(|| "no pod".to_owned(), |o| o.name);
+            return Err(DiscoveryError::InvalidConfig(ConfigError::Invalid {
+                field: "pod",
+                reason: format!(
+                    "resource {}/{} is owned by {other}, not this pod ({}): container-mode \
+                     names collide (`{{pod}}-{{container}}`); rename the pod or container",
+                    self.namespace, self.name, self.owner.name
+                ),
+            }));
+        }
+        // Only the version read: a resource written since is not this one's to drop.
+        let params = DeleteParams {
+            preconditions: found.version.map(|v| kube::api::Preconditions {
+                resource_version: Some(v),
+                uid: None,
+            }),
+            ..DeleteParams::default()
+        };
+        let deleted = within("delete", &self.namespace, timeout, async {
+            let request = kube::core::Request::new(self.api.resource_url())
+                .delete(&self.name, &params)
+                .map_err(kube::Error::BuildRequest)?;
+            // The answer (the object or a status) is not read, only its status.
+            self.answer(request).await.map(drop)
+        })
         .await;
         match deleted {
             Err(e) if has_status(&e, 404) => Ok(()),

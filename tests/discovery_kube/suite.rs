@@ -677,6 +677,23 @@ async fn request_failures_are_typed() {
     assert!(matches!(next(&mut s).await, DiscoveryEvent::Added(i) if i == *a.instance()));
 }
 
+/// An error answer whose body never ends costs 64 KiB and fails at once, its message
+/// cut short (kube-rs read error bodies whole: the request ran to its timeout while the
+/// body grew in memory).
+#[tokio::test]
+async fn an_error_answer_is_read_to_a_bound() {
+    let api = KubeApi::start().await;
+    let d = backend(&api).await;
+    api.endless_errors(1);
+    let (e, took) = crate::support::timed(d.list(Query::new("dyn"))).await;
+    let e = e.unwrap_err();
+    assert!(e.is_transient(), "{e:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    let chain = format!("{e:?}");
+    assert!(chain.contains("xxxx"), "{chain}");
+    assert!(chain.len() < 4096, "{} bytes of error", chain.len());
+}
+
 /// Puts `n` resources (one publisher each, in Dynamo namespace `dyn`) and the slices
 /// making their pods ready.
 fn populate(api: &KubeApi, n: u64) {

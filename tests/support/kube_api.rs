@@ -73,6 +73,8 @@ struct Store {
     managers: BTreeMap<(String, String), Vec<String>>,
     log: Vec<Logged>,
     fail_next: Vec<u16>,
+    /// Answers left that are a 500 whose body (not JSON) never ends.
+    endless_errors: usize,
 }
 
 struct State {
@@ -279,6 +281,12 @@ impl KubeApi {
     }
 
     /// The next `n` requests are answered with `status`.
+    /// The next `n` requests are answered 500 with a body that is not JSON and never
+    /// ends (it sends 64 KiB chunks for as long as the client reads).
+    pub fn endless_errors(&self, n: usize) {
+        self.store().endless_errors += n;
+    }
+
     pub fn fail_next(&self, n: usize, status: u16) {
         self.store()
             .fail_next
@@ -426,6 +434,18 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
         if !s.fail_next.is_empty() {
             let code = s.fail_next.remove(0);
             return status(code, "Injected", "injected fault");
+        }
+        if s.endless_errors > 0 {
+            s.endless_errors -= 1;
+            let chunk = Bytes::from(vec![b'x'; 64 << 10]);
+            let stream = futures_util::stream::repeat_with(move || {
+                Ok::<_, Infallible>(Frame::data(chunk.clone()))
+            });
+            return Response::builder()
+                .status(StatusCode::INTERNAL_SERVER_ERROR)
+                .header("content-type", "text/plain")
+                .body(BodyExt::boxed(StreamBody::new(stream)))
+                .unwrap();
         }
     }
     let _ = state.held.subscribe().wait_for(|held| !held).await;

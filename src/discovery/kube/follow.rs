@@ -18,7 +18,6 @@ use std::time::Duration;
 
 use futures_core::Stream;
 use futures_util::StreamExt;
-use futures_util::io::AsyncBufRead;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, WatchEvent, WatchParams};
@@ -27,10 +26,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, warn};
 
+use super::capped;
 use super::config::{KubeMode, Limits};
 use super::error::{failed, is_gone, timed_out};
 use super::join::{Change, Join, Ns};
-use super::narrow::{self, MAX_WATCH_LINE_BYTES};
+use super::narrow;
 use super::resource::DISCOVERY_LABEL;
 use super::shared::{Kind, Object, Shared};
 use crate::discovery::backlog::{Backlog, BacklogStream, Ended};
@@ -165,15 +165,23 @@ async fn open(
         )) as OpenFuture,
         (Kind::Readiness, KubeMode::Pod) => {
             let api: Api<EndpointSlice> = Api::namespaced(shared.client.clone(), &namespace);
-            Box::pin(events(api, params, version.to_owned(), |o| {
-                Object::Slice(Box::new(o))
-            }))
+            Box::pin(events(
+                shared.client.clone(),
+                api.resource_url().to_owned(),
+                params,
+                version.to_owned(),
+                |o| Object::Slice(Box::new(o)),
+            ))
         }
         (Kind::Readiness, _) => {
             let api: Api<Pod> = Api::namespaced(shared.client.clone(), &namespace);
-            Box::pin(events(api, params, version.to_owned(), |o| {
-                Object::Pod(Box::new(o))
-            }))
+            Box::pin(events(
+                shared.client.clone(),
+                api.resource_url().to_owned(),
+                params,
+                version.to_owned(),
+                |o| Object::Pod(Box::new(o)),
+            ))
         }
     };
     match tokio::time::timeout(after, opened).await {
@@ -183,31 +191,38 @@ async fn open(
     }
 }
 
-/// Opens a typed watch and maps its events to [`Update`]s.
+/// Opens a typed watch and maps its events to [`Update`]s (each line read with its
+/// bound, [`capped::watch_lines`]).
 async fn events<K>(
-    api: Api<K>,
+    client: kube::Client,
+    url: String,
     params: WatchParams,
     version: String,
     wrap: fn(K) -> Object,
 ) -> Result<Events, kube::Error>
 where
-    K: kube::Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
+    K: DeserializeOwned + Send + 'static,
 {
-    let stream = api.watch(&params, &version).await?;
-    Ok(stream
-        .map(move |item| match item {
-            Ok(WatchEvent::Added(o) | WatchEvent::Modified(o)) => Ok(Update::Changed(wrap(o))),
-            Ok(WatchEvent::Deleted(o)) => Ok(Update::Deleted(wrap(o))),
-            Ok(WatchEvent::Bookmark(b)) => Ok(Update::Bookmark(b.metadata.resource_version)),
-            Ok(WatchEvent::Error(e)) => Ok(Update::Error(e.code, e.message)),
-            Err(kube::Error::SerdeError(e)) => Ok(Update::Undecodable(e.to_string())),
-            Err(e) => Err(e),
+    let lines = capped::watch_lines(&client, &url, &params, &version).await?;
+    Ok(lines
+        .map(move |line| {
+            let text = match line? {
+                capped::Line::Text(text) => text,
+                capped::Line::TooLong(reason) => return Ok(Update::Undecodable(reason)),
+            };
+            Ok(match serde_json::from_slice::<WatchEvent<K>>(&text) {
+                Ok(WatchEvent::Added(o) | WatchEvent::Modified(o)) => Update::Changed(wrap(o)),
+                Ok(WatchEvent::Deleted(o)) => Update::Deleted(wrap(o)),
+                Ok(WatchEvent::Bookmark(b)) => Update::Bookmark(b.metadata.resource_version),
+                Ok(WatchEvent::Error(e)) => Update::Error(e.code, e.message),
+                Err(e) => Update::Undecodable(e.to_string()),
+            })
         })
         .boxed())
 }
 
 /// Opens a watch of resources, read narrowly ([`narrow`]): each event a line of at
-/// most [`MAX_WATCH_LINE_BYTES`], its object read on its own. An object that does not
+/// most [`narrow::MAX_WATCH_LINE_BYTES`], its object read on its own. An object that does not
 /// read is a malformed resource (withdrawn, counted), not a failed watch.
 async fn resource_events(
     client: kube::Client,
@@ -216,36 +231,15 @@ async fn resource_events(
     version: String,
     limits: Limits,
 ) -> Result<Events, kube::Error> {
-    let request = kube::core::Request::new(url)
-        .watch(&params, &version)
-        .map_err(kube::Error::BuildRequest)?;
-    let body: Pin<Box<dyn AsyncBufRead + Send>> = Box::pin(client.request_stream(request).await?);
-    let lines = futures_util::stream::unfold(
-        (body, Vec::new(), false),
-        move |(mut body, mut line, ended)| async move {
-            if ended {
-                return None;
-            }
-            loop {
-                match narrow::read_line_capped(&mut body, &mut line, MAX_WATCH_LINE_BYTES).await {
-                    Ok(false) => return None,
-                    Ok(true) if line.iter().all(u8::is_ascii_whitespace) => continue,
-                    Ok(true) => {
-                        let update = resource_update(&line, &limits);
-                        return Some((Ok(update), (body, line, false)));
-                    }
-                    // Over the bound: opened again it would read the same event, so
-                    // everything is read afresh instead (a list holds it).
-                    Err(e) if narrow::is_too_long(&e) => {
-                        let update = Update::Undecodable(e.to_string());
-                        return Some((Ok(update), (body, line, true)));
-                    }
-                    Err(e) => return Some((Err(kube::Error::ReadEvents(e)), (body, line, true))),
-                }
-            }
-        },
-    );
-    Ok(lines.boxed())
+    let lines = capped::watch_lines(&client, &url, &params, &version).await?;
+    Ok(lines
+        .map(move |line| {
+            Ok(match line? {
+                capped::Line::Text(text) => resource_update(&text, &limits),
+                capped::Line::TooLong(reason) => Update::Undecodable(reason),
+            })
+        })
+        .boxed())
 }
 
 /// One watch line of resources as an [`Update`].

@@ -2,6 +2,7 @@
 //! resources (feature `kube`).
 
 mod builder;
+mod capped;
 mod config;
 mod error;
 mod follow;

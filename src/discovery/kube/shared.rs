@@ -119,7 +119,7 @@ impl Shared {
         let request = Request::new(self.resources(ns).resource_url())
             .list(params)
             .map_err(kube::Error::BuildRequest)?;
-        let body = Box::pin(self.client.request_stream(request).await?);
+        let body = super::capped::send(&self.client, request).await?;
         let text = narrow::read_capped(body, self.config.limits.max_page_bytes)
             .await
             .map_err(kube::Error::ReadEvents)?;
@@ -194,6 +194,7 @@ impl Shared {
     ) -> Result<String, DiscoveryError> {
         let namespace = self.namespace(ns).to_owned();
         let timeout = self.config.request_timeout;
+        let max_bytes = self.config.limits.max_page_bytes;
         let mut params = ListParams::default().limit(self.config.page_size);
         if kind == Kind::Readiness {
             params = params.labels(DISCOVERY_LABEL);
@@ -233,7 +234,14 @@ impl Shared {
                 }
                 (Kind::Readiness, KubeMode::Pod) => {
                     let api: Api<EndpointSlice> = Api::namespaced(self.client.clone(), &namespace);
-                    let page = within("list", &namespace, timeout, api.list(&params)).await?;
+                    let url = api.resource_url();
+                    let page: kube::api::ObjectList<EndpointSlice> = within(
+                        "list",
+                        &namespace,
+                        timeout,
+                        super::capped::list(&self.client, url, &params, max_bytes),
+                    )
+                    .await?;
                     (
                         page.items
                             .into_iter()
@@ -244,7 +252,14 @@ impl Shared {
                 }
                 (Kind::Readiness, _) => {
                     let api: Api<Pod> = Api::namespaced(self.client.clone(), &namespace);
-                    let page = within("list", &namespace, timeout, api.list(&params)).await?;
+                    let url = api.resource_url();
+                    let page: kube::api::ObjectList<Pod> = within(
+                        "list",
+                        &namespace,
+                        timeout,
+                        super::capped::list(&self.client, url, &params, max_bytes),
+                    )
+                    .await?;
                     (
                         page.items
                             .into_iter()

@@ -185,7 +185,7 @@ impl Writer {
 
     /// The server's answer to `request`, read within `max_page_bytes`.
     async fn answer(&self, request: http::Request<Vec<u8>>) -> Result<String, kube::Error> {
-        let body = Box::pin(self.shared.client.request_stream(request).await?);
+        let body = super::capped::send(&self.shared.client, request).await?;
         narrow::read_capped(body, self.shared.config.limits.max_page_bytes)
             .await
             .map_err(kube::Error::ReadEvents)

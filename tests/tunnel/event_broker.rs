@@ -169,7 +169,7 @@ async fn configurations_are_checked_and_refused_by_name() {
         assert!(stderr.contains(says), "{says}: {stderr}");
         // The credential never shows.
         assert!(!stderr.contains(TOKEN), "{stderr}");
-    } // The shipped broker.env's placeholder is no credential.
+    } // The shipped broker.token's placeholder is no credential.
     let held = config("placeholder", "").parent().unwrap().to_owned();
     let path = config(
         "placeholder",
@@ -180,6 +180,33 @@ async fn configurations_are_checked_and_refused_by_name() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("placeholder"), "{stderr}");
+    // A systemd credential (the Debian unit's LoadCredential=): read from
+    // ${CREDENTIALS_DIRECTORY}, refused by name where that is not set.
+    let credentials = config("credentials", "").parent().unwrap().to_owned();
+    let path = config(
+        "credentials",
+        &body(
+            "https://localhost:1",
+            Path::new("${CREDENTIALS_DIRECTORY}"),
+            &["tcp://127.0.0.1:5"],
+            "",
+        ),
+    );
+    let check = |dir: Option<&Path>| {
+        let mut command = Command::new(example("event-broker"));
+        command.arg("--config").arg(&path).arg("--check-config");
+        match dir {
+            Some(dir) => command.env("CREDENTIALS_DIRECTORY", dir),
+            None => command.env_remove("CREDENTIALS_DIRECTORY"),
+        };
+        async move { within(command.output()).await.unwrap() }
+    };
+    let out = check(None).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("CREDENTIALS_DIRECTORY"), "{stderr}");
+    let out = check(Some(&credentials)).await;
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
 }
 
 /// A TLS bus, one publisher, and `event_broker` running with a config for them

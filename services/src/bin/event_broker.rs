@@ -9,7 +9,9 @@
 //! bus_url = "https://router.example:8443"   # https only
 //! client_id = "broker-a"                    # one session per id
 //! ca_file = "/etc/eventplane/bus-ca.pem"    # the CA the bus certificate chains to
-//! token_file = "/etc/eventplane/bus.token"  # or token_env = "EVENTPLANE_BUS_TOKEN"
+//! token_file = "/etc/eventplane/bus.token"  # or token_env = "EVENTPLANE_BUS_TOKEN";
+//!                                           # "${CREDENTIALS_DIRECTORY}/token" reads a
+//!                                           # systemd credential (LoadCredential=)
 //! allowed_cidrs = ["10.0.0.0/8"]            # optional: only these networks are dialled
 //!                                           # (loopback, link-local and metadata addresses
 //!                                           # are refused unless a CIDR inside them is
@@ -175,13 +177,32 @@ enum Refusal {
     Discovery(String),
 }
 
-/// The token the Debian package's broker.env ships with.
+/// The token the Debian package's broker.token ships with.
 const PLACEHOLDER_TOKEN: &str = "replace-with-the-routers-token";
 
 /// Whether a credential is still the shipped placeholder (compared by digest: a
 /// secret's text is never exposed).
 fn is_placeholder(token: &Secret) -> bool {
     Secret::new(PLACEHOLDER_TOKEN).is_ok_and(|p| TokenDigest::of(&p) == TokenDigest::of(token))
+}
+
+/// `token_file` with a leading `${CREDENTIALS_DIRECTORY}` replaced by that variable
+/// (where systemd puts a unit's `LoadCredential=` files), refused when it is not set.
+fn credentials_path(file: &std::path::Path) -> Result<std::path::PathBuf, String> {
+    let Some(rest) = file
+        .to_str()
+        .and_then(|f| f.strip_prefix("${CREDENTIALS_DIRECTORY}"))
+    else {
+        return Ok(file.to_owned());
+    };
+    match std::env::var_os("CREDENTIALS_DIRECTORY") {
+        Some(dir) => Ok(std::path::PathBuf::from(dir).join(rest.trim_start_matches('/'))),
+        None => Err(format!(
+            "token_file: {} needs CREDENTIALS_DIRECTORY (set by systemd for a unit with \
+             LoadCredential=)",
+            file.display()
+        )),
+    }
 }
 
 fn load(args: &Args) -> Result<(FileConfig, Secret, AddrFilter), Refusal> {
@@ -191,7 +212,10 @@ fn load(args: &Args) -> Result<(FileConfig, Secret, AddrFilter), Refusal> {
     let config: FileConfig =
         toml::from_str(&text).map_err(|e| c(format!("{}: {e}", args.config.display())))?;
     let token = match (&config.token_file, &config.token_env) {
-        (Some(file), None) => Secret::from_file(file).map_err(|e| c(chain(&e)))?,
+        (Some(file), None) => {
+            let file = credentials_path(file).map_err(c)?;
+            Secret::from_file(&file).map_err(|e| c(chain(&e)))?
+        }
         (None, Some(var)) => {
             let value =
                 std::env::var(var).map_err(|_| c(format!("token_env: {var} is not set")))?;
@@ -199,11 +223,11 @@ fn load(args: &Args) -> Result<(FileConfig, Secret, AddrFilter), Refusal> {
         }
         _ => return Err(c("exactly one of token_file and token_env is needed".into())),
     };
-    // The shipped broker.env's placeholder is no credential: refused before any dial.
+    // The shipped broker.token's placeholder is no credential: refused before any dial.
     if is_placeholder(&token) {
         return Err(c(format!(
             "the token is still the placeholder {PLACEHOLDER_TOKEN:?} of the shipped \
-             broker.env: give the router's"
+             broker.token: give the router's"
         )));
     }
     if let Some(listen) = &config.admin_listen {

@@ -794,13 +794,7 @@ fn nested(depth: usize) -> Value {
 #[tokio::test]
 async fn one_deeply_nested_resource_is_one_malformed_entry_never_a_failed_list() {
     let api = KubeApi::start().await;
-    let (name, uid) = ready_pod(&api);
-    let (k, v) = channel("dyn", 1, "tcp://10.0.0.1:1");
-    api.put(
-        "dynamoworkermetadatas",
-        NS,
-        resource(&name, &uid, json!({"event_channels": {(k): v}})),
-    );
+    worker_after(&api);
     let (k2, _) = channel("dyn", 2, "tcp://10.0.0.1:2");
     api.put(
         "dynamoworkermetadatas",
@@ -831,13 +825,7 @@ async fn a_watch_goes_on_past_a_deeply_nested_resource() {
             "model_cards": {"x": nested(130)}, "event_channels": {(k0): v0},
             "event_sources": {"y": nested(130)}}}}),
     );
-    let (name, uid) = ready_pod(&api);
-    let (k, v) = channel("dyn", 1, "tcp://10.0.0.1:1");
-    api.put(
-        "dynamoworkermetadatas",
-        NS,
-        resource(&name, &uid, json!({"event_channels": {(k): v}})),
-    );
+    worker_after(&api);
     let event = tokio::time::timeout(Duration::from_secs(5), s.next())
         .await
         .expect("no event within 5 s")

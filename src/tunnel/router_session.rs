@@ -536,15 +536,21 @@ impl RouterSession {
         }
     }
 
-    /// The owner did not take `publisher_ids` (another source's credential holds their
-    /// channel, or the bus is full): they are no longer announced on this session, and
-    /// the source is told with `announce_refused{code}` (it announces them again
-    /// later).
-    pub fn refuse_announced(&mut self, code: AnnounceRefusal, publisher_ids: Vec<u64>) {
-        let mut ids: Vec<u64> = publisher_ids
+    /// The owner did not take the `refused` announcements (another source's credential
+    /// holds their channel, or the bus is full): those still announced as they were are
+    /// no longer announced on this session, and the source is told with
+    /// `announce_refused{code}` (it announces them again later).
+    pub fn refuse_announced(&mut self, code: AnnounceRefusal, refused: Vec<AnnouncedSource>) {
+        // Only the announcement held now: one the source replaced since (in the same
+        // read) is the owner's to take or refuse in turn.
+        let mut ids: Vec<u64> = refused
             .into_iter()
-            .filter(|id| self.announced.remove(id).is_some())
+            .filter(|s| self.announced.get(&s.publisher_id) == Some(s))
+            .map(|s| s.publisher_id)
             .collect();
+        for id in &ids {
+            self.announced.remove(id);
+        }
         while !ids.is_empty() && self.state != RouterState::Ended {
             let tail = ids.split_off(ids.len().min(super::MAX_ANNOUNCE));
             self.send(Control::AnnounceRefused {

@@ -428,6 +428,9 @@ async fn run_session(
                     tracing::info!(%client_id, session_id, ?namespaces, %role, "session welcomed");
                     if let Some(old) = old {
                         inner.counters.superseded.fetch_add(1, Ordering::Relaxed);
+                        // Its announcements go now, not when it has read its close:
+                        // this session's own take their place.
+                        inner.sources.session_ended(old.session_id);
                         tracing::info!(%client_id, "a newer session supersedes the broker's previous one");
                         let _ = old.commands.try_send(Command::Close);
                     }
@@ -447,13 +450,13 @@ async fn run_session(
                             .announce(session_id, client_id, &commands, sources)
                             .await;
                         for code in crate::tunnel::AnnounceRefusal::ALL {
-                            let ids: Vec<u64> = refused
+                            let these: Vec<_> = refused
                                 .iter()
                                 .filter(|(c, _)| c == code)
-                                .map(|(_, id)| *id)
+                                .map(|(_, s)| s.clone())
                                 .collect();
-                            if !ids.is_empty() {
-                                session.refuse_announced(*code, ids);
+                            if !these.is_empty() {
+                                session.refuse_announced(*code, these);
                             }
                         }
                     }

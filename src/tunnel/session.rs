@@ -254,6 +254,25 @@ impl OpenRate {
     }
 
     /// Takes one open, if the bucket holds one at `now`.
+    /// Takes `n` at once, if the bucket holds them at `now`.
+    pub(super) fn take_n(&mut self, n: u32, now: Instant) -> bool {
+        let refill = now.saturating_duration_since(self.last).as_secs_f64() * self.rate;
+        self.tokens = (self.tokens + refill).min(self.burst);
+        self.last = now;
+        if self.tokens >= f64::from(n) {
+            self.tokens -= f64::from(n);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// How long until the bucket holds `n` (as of its last take).
+    pub(super) fn wait_for(&self, n: u32) -> Duration {
+        let missing = (f64::from(n) - self.tokens).max(0.0);
+        Duration::from_secs_f64(missing / self.rate)
+    }
+
     pub(super) fn take(&mut self, now: Instant) -> bool {
         let refill = now.saturating_duration_since(self.last).as_secs_f64() * self.rate;
         self.tokens = (self.tokens + refill).min(self.burst);

@@ -360,6 +360,11 @@ async fn run(shared: Arc<Shared>, cancel: CancellationToken, hard: CancellationT
     }
 }
 
+/// `announce` frames `n` announcements take.
+fn frames_for(n: usize) -> u32 {
+    u32::try_from(n.div_ceil(MAX_ANNOUNCE)).unwrap_or(u32::MAX)
+}
+
 /// What a stream task reports to its session.
 enum Report {
     Opened(u64),
@@ -401,6 +406,14 @@ async fn session(
         Hello::source(config.client_id.clone(), config.namespaces.clone(), all),
         Instant::now(),
     );
+    // Announce frames paced as the router counts them (`ANNOUNCE_BURST`, then
+    // `ANNOUNCES_PER_SECOND`): past them it ends the session.
+    let mut pace = super::session::OpenRate::new(
+        super::ANNOUNCES_PER_SECOND,
+        super::ANNOUNCE_BURST,
+        Instant::now(),
+    );
+    pace.take_n(frames_for(rest.len()), Instant::now());
     client.announce(rest);
     let mut decoder = ControlDecoder::default();
     let (report_tx, mut report_rx) = mpsc::channel::<Report>(1024);
@@ -566,6 +579,13 @@ async fn session(
                     .filter(|s| sent.get(&s.publisher_id) != Some(*s))
                     .cloned()
                     .collect();
+                let frames = frames_for(new.len());
+                if !pace.take_n(frames, Instant::now()) {
+                    // Later, with whatever changed meanwhile.
+                    let at = tokio::time::Instant::now() + pace.wait_for(frames);
+                    retry_at = Some(retry_at.map_or(at, |r| r.min(at)));
+                    continue;
+                }
                 for (id, (publisher, stop)) in &streams {
                     if gone.contains(publisher) {
                         stop.cancel();

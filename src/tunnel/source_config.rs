@@ -48,9 +48,12 @@ pub struct SourceConfig {
     pub reconnect_min: Duration,
     /// The backoff's ceiling.
     pub reconnect_max: Duration,
-    /// Most publishers it announces at once (default [`MAX_SOURCE_PUBLISHERS`]; the
-    /// welcome's [`Limits::max_sources`](super::Limits), set by the bus's
-    /// `EventBusConfig::limits`, may be lower).
+    /// Most publishers it announces at once (default [`MAX_SOURCE_PUBLISHERS`], at
+    /// most 2,112: what its hello and a burst of `announce` frames carry; the welcome's
+    /// [`Limits::max_sources`](super::Limits), set by the bus's `EventBusConfig::limits`,
+    /// may be lower). Its `announce` frames are paced as the router counts them
+    /// ([`ANNOUNCE_BURST`](super::ANNOUNCE_BURST), then
+    /// [`ANNOUNCES_PER_SECOND`](super::ANNOUNCES_PER_SECOND)): changes wait and merge.
     pub max_publishers: usize,
 }
 
@@ -130,8 +133,11 @@ impl SourceConfig {
         if self.drain_deadline > Duration::from_secs(3600) {
             return refuse("drain_deadline", "is over an hour".into());
         }
-        if self.max_publishers == 0 || self.max_publishers > 65_536 {
-            return refuse("max_publishers", "is not within 1..=65536".into());
+        // The hello's and a burst of frames' worth (`ANNOUNCE_BURST`): more could not
+        // be announced at connect without passing the router's announce rate.
+        let most = super::MAX_ANNOUNCE * (super::ANNOUNCE_BURST as usize + 1);
+        if self.max_publishers == 0 || self.max_publishers > most {
+            return refuse("max_publishers", format!("is not within 1..={most}"));
         }
         if self.reconnect_min.is_zero() || self.reconnect_max < self.reconnect_min {
             return refuse(

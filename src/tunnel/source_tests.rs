@@ -472,7 +472,24 @@ fn refused_announcements_are_sent_back_to_the_source() {
     );
     while router.poll_event().is_some() {}
     while client.poll_event().is_some() {}
-    router.refuse_announced(AnnounceRefusal::HeldByAnotherSource, vec![7, 99]);
+    // 7 as announced, 8 as it was before a change the router holds since, 99 never.
+    let before_a_change = AnnouncedSource {
+        recovery: true,
+        ..source(8, Wire::EventPlane)
+    };
+    router.refuse_announced(
+        AnnounceRefusal::HeldByAnotherSource,
+        vec![
+            source(7, Wire::EventPlane),
+            before_a_change,
+            source(99, Wire::EventPlane),
+        ],
+    );
+    assert!(
+        router
+            .subscribe_to(2, Target::Announced { publisher_id: 8 }, now)
+            .is_ok()
+    );
     assert_eq!(
         router.subscribe_to(1, Target::Announced { publisher_id: 7 }, now),
         Err(SubscribeError::NotAnnounced)

@@ -38,7 +38,8 @@ struct Binding {
 struct State<C> {
     held: HashMap<ChannelId, Held<C>>,
     /// Each announced channel's credential (held ones, and those released within the
-    /// hold): at most twice the table's `max`.
+    /// hold): at most twice the table's `max`; past it a credential's new channel
+    /// takes the place of its own oldest released one, or is refused `bus_full`.
     bound: HashMap<ChannelId, Binding>,
     /// The channel each session announces each of its publisher ids under.
     of_session: HashMap<(u64, u64), ChannelId>,
@@ -212,14 +213,14 @@ impl<C: Clone> SourceTable<C> {
     /// Session `session_id` of `client_id` announced `sources`: each is registered as
     /// a new incarnation (one announced under a new channel leaves its old one), unless
     /// refused (counted by reason, warned once a minute by reason). Returns the
-    /// refused publisher ids, by reason.
+    /// refused announcements, with why.
     pub(super) async fn announce(
         &self,
         session_id: u64,
         client_id: &str,
         commands: &C,
         sources: Vec<AnnouncedSource>,
-    ) -> Vec<(AnnounceRefusal, u64)> {
+    ) -> Vec<(AnnounceRefusal, AnnouncedSource)> {
         let _one_at_a_time = self.announcing.lock().await;
         let mut refusals = Vec::new();
         for source in sources {
@@ -229,8 +230,14 @@ impl<C: Clone> SourceTable<C> {
             };
             let now = Instant::now();
             let refused = {
-                let state = self.state();
+                let mut state = self.state();
                 self.refusal(&state, &id, client_id, session_id, now)
+                    .or_else(|| {
+                        // A new binding needs room among the bindings.
+                        let bound = state.bound.contains_key(&id);
+                        (!bound && !self.room_to_bind(&mut state, client_id, now))
+                            .then_some(AnnounceRefusal::BusFull)
+                    })
             };
             if let Some(why) = refused {
                 // The session no longer announces this publisher under any channel.
@@ -240,7 +247,7 @@ impl<C: Clone> SourceTable<C> {
                 if let Some(suppressed) = self.warn.check(why.as_str(), now) {
                     tracing::warn!(%client_id, %id, reason = %why, suppressed, "an announced publisher was refused (the source is told)");
                 }
-                refusals.push((why, id.publisher_id()));
+                refusals.push((why, source));
                 continue;
             }
             let transport = Transport::announced(client_id, session_id);
@@ -289,34 +296,37 @@ impl<C: Clone> SourceTable<C> {
                         released: None,
                     },
                 );
-                self.prune(state, now);
             }
             drop(earlier);
         }
         refusals
     }
 
-    /// Keeps the bindings within twice `max`: those released longer than the hold ago
-    /// go, then the oldest released.
-    fn prune(&self, state: &mut State<C>, now: Instant) {
-        if state.bound.len() <= 2 * self.max {
-            return;
+    /// Whether `client_id` may bind one more channel: the bindings stay under twice
+    /// `max`. Those released longer than the hold ago go first, then `client_id`'s own
+    /// oldest released; never another credential's within its hold (a source churning
+    /// channels would strip the others' holds).
+    fn room_to_bind(&self, state: &mut State<C>, client_id: &str, now: Instant) -> bool {
+        if state.bound.len() < 2 * self.max {
+            return true;
         }
         let hold = self.hold;
         state.bound.retain(|_, b| {
             b.released
                 .is_none_or(|at| now.saturating_duration_since(at) < hold)
         });
-        while state.bound.len() > 2 * self.max {
-            let oldest = state
-                .bound
-                .iter()
-                .filter_map(|(id, b)| b.released.map(|at| (at, id.clone())))
-                .min_by_key(|(at, _)| *at);
-            match oldest {
-                Some((_, id)) => state.bound.remove(&id),
-                None => break,
-            };
+        if state.bound.len() < 2 * self.max {
+            return true;
+        }
+        let own_oldest = state
+            .bound
+            .iter()
+            .filter(|(_, b)| b.client_id == client_id)
+            .filter_map(|(id, b)| b.released.map(|at| (at, id.clone())))
+            .min_by_key(|(at, _)| *at);
+        match own_oldest {
+            Some((_, id)) => state.bound.remove(&id).is_some(),
+            None => false,
         }
     }
 

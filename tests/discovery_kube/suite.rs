@@ -524,6 +524,20 @@ async fn container_mode_never_deletes_a_resource_another_pod_owns() {
         api.get("dynamoworkermetadatas", "capns", "worker-0-engine-0")
             .is_some()
     );
+    // An earlier pod of this pod's own name (a StatefulSet's, another uid) left it:
+    // that pod is gone, its resource is deleted.
+    let mut earlier = resource("worker-0-engine-0", "earlier-pods-uid", json!({}));
+    earlier["metadata"]["ownerReferences"][0]["name"] = json!("worker-0");
+    api.put("dynamoworkermetadatas", "capns", earlier);
+    let d = KubeDiscovery::builder()
+        .client(api.client())
+        .records(DynamoRecords::new().endpoint("generate").worker(77, 0))
+        .pod(PodIdentity::new("worker-0", UID, "capns").container("engine-0"))
+        .connect()
+        .await
+        .unwrap();
+    assert!(api.log().iter().any(|l| l.method == "DELETE"));
+    d.close().await;
 }
 
 #[tokio::test]

@@ -605,3 +605,68 @@ fn announce_on(source: &Source, id: &ChannelId, acceptor: eventplane::zmtp::Stre
         .announce(AnnouncedSource::new(id, Wire::EventPlane), acceptor)
         .unwrap();
 }
+
+/// A source whose publishers come one at a time, faster than the router takes
+/// `announce` frames, paces its frames and merges what waits: it is never denied, and
+/// every publisher is announced (the router ends a session past its announce rate).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_announcing_one_publisher_at_a_time_is_paced_not_denied() {
+    let bus = sources_bus(1).await;
+    let source = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
+    until(|| source.stats().connected).await;
+    let socket = PubSocket::new(Config::default());
+    for p in 0..100 {
+        let id = ChannelId::new("prod", "backend", "kv-events", 1000 + p).unwrap();
+        announce_on(&source, &id, socket.acceptor());
+        // Each in a pass of its own, as an application adding workers would.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    until(|| bus.stats().announced_sources == 100).await;
+    assert!(source.stats().denied.is_empty(), "{:?}", source.stats());
+    assert_eq!(source.stats().session_failures, 0);
+    assert!(bus.stats().denied.is_empty(), "{:?}", bus.stats());
+    source.abort();
+}
+
+/// A source churning channels over sessions fills the bus's bindings: its own oldest
+/// released ones make room, never another credential's still in its hold (they used
+/// to go first, oldest first, and the churner could then take the other's channel).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn churning_channels_never_strips_another_source_s_hold() {
+    let mut config = EventBusConfig::default();
+    // Two credentials, a share of 2 each, bindings for 8.
+    config.max_announced_sources = 4;
+    let bus = bus_configured("127.0.0.1:0", source_clients(2), config).await;
+    let victim = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
+    let held = ChannelId::new("prod", "victim", "kv-events", 1).unwrap();
+    let socket = PubSocket::new(Config::default());
+    announce_on(&victim, &held, socket.acceptor());
+    until(|| bus.stats().announced_sources == 1).await;
+    victim.abort();
+    until(|| bus.stats().announced_sources == 0).await;
+    // Five sessions of two new channels each: ten bindings released, past the eight.
+    for session in 0..5u64 {
+        let churner = Source::spawn(source_config(&bus, "gpu-1", &["prod"])).unwrap();
+        for p in 0..2 {
+            let id = ChannelId::new("prod", "churn", "kv-events", 100 + session * 2 + p).unwrap();
+            announce_on(&churner, &id, socket.acceptor());
+        }
+        until(|| bus.stats().announced_sources == 2).await;
+        churner.abort();
+        until(|| bus.stats().announced_sources == 0).await;
+    }
+    let squatter = Source::spawn(source_config(&bus, "gpu-1", &["prod"])).unwrap();
+    announce_on(&squatter, &held, socket.acceptor());
+    until(|| squatter.stats().refused_publishers == 1).await;
+    assert_eq!(
+        squatter
+            .stats()
+            .announce_refused
+            .get("held_by_another_source"),
+        Some(&1),
+        "{:?}",
+        squatter.stats()
+    );
+    assert_eq!(bus.stats().announced_sources, 0);
+    squatter.abort();
+}

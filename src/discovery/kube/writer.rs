@@ -79,7 +79,7 @@ impl Writer {
     }
 
     /// Container mode: deletes a resource an earlier incarnation left (absent is fine),
-    /// only when this pod owns it. Container-mode names (`{pod}-{container}`, Dynamo's
+    /// only when this pod owns it, or an earlier pod of its name (a StatefulSet's). Container-mode names (`{pod}-{container}`, Dynamo's
     /// rule) can collide (pod `a-b` with container `c`, pod `a` with container `b-c`):
     /// a resource of that name owned by another pod is left alone and this process
     /// refuses to register (`InvalidConfig`, naming the other pod), instead of deleting
@@ -98,7 +98,13 @@ impl Writer {
             other => other?,
         };
         let found = narrow::resource(&text, &self.shared.config.limits);
-        if found.owner.as_ref().map(|o| &o.uid) != Some(&self.owner.uid) {
+        // This pod's, or its name's earlier pod's (names are unique in a namespace: a
+        // pod of this name with another uid is gone, its resource awaiting collection).
+        let ours = found
+            .owner
+            .as_ref()
+            .is_some_and(|o| o.uid == self.owner.uid || o.name == self.owner.name);
+        if !ours {
             let other = found.owner.map_or_else(|| "no pod".to_owned(), |o| o.name);
             return Err(DiscoveryError::InvalidConfig(ConfigError::Invalid {
                 field: "pod",

@@ -496,6 +496,18 @@ async fn writes_what_dynamo_wrote() {
 /// The pod of the container-mode tests.
 const UID: &str = "11111111-2222-3333-4444-555555555555";
 
+/// Container `engine-0` of pod `worker-0` (`UID`) in namespace `capns`, worker 77.
+async fn container_worker(
+    api: &KubeApi,
+) -> Result<KubeDiscovery, eventplane::discovery::DiscoveryError> {
+    KubeDiscovery::builder()
+        .client(api.client())
+        .records(DynamoRecords::new().endpoint("generate").worker(77, 0))
+        .pod(PodIdentity::new("worker-0", UID, "capns").container("engine-0"))
+        .connect()
+        .await
+}
+
 /// Pod `worker-0-engine` with container `0` names its resource as pod `worker-0` with
 /// container `engine-0` does: the second to start finds the first's resource, leaves
 /// it, and refuses to register (issue 49 L4: it deleted it and wrote over it).
@@ -505,12 +517,7 @@ async fn container_mode_never_deletes_a_resource_another_pod_owns() {
     let mut theirs = resource("worker-0-engine-0", "another-pods-uid", json!({}));
     theirs["metadata"]["ownerReferences"][0]["name"] = json!("worker-0-engine");
     api.put("dynamoworkermetadatas", "capns", theirs.clone());
-    let refused = KubeDiscovery::builder()
-        .client(api.client())
-        .records(DynamoRecords::new().endpoint("generate").worker(77, 0))
-        .pod(PodIdentity::new("worker-0", UID, "capns").container("engine-0"))
-        .connect()
-        .await;
+    let refused = container_worker(&api).await;
     let Err(e) = refused else {
         panic!("registered over another pod's resource");
     };
@@ -529,13 +536,7 @@ async fn container_mode_never_deletes_a_resource_another_pod_owns() {
     let mut earlier = resource("worker-0-engine-0", "earlier-pods-uid", json!({}));
     earlier["metadata"]["ownerReferences"][0]["name"] = json!("worker-0");
     api.put("dynamoworkermetadatas", "capns", earlier);
-    let d = KubeDiscovery::builder()
-        .client(api.client())
-        .records(DynamoRecords::new().endpoint("generate").worker(77, 0))
-        .pod(PodIdentity::new("worker-0", UID, "capns").container("engine-0"))
-        .connect()
-        .await
-        .unwrap();
+    let d = container_worker(&api).await.unwrap();
     assert!(api.log().iter().any(|l| l.method == "DELETE"));
     d.close().await;
 }
@@ -547,13 +548,7 @@ async fn container_mode_deletes_a_stale_resource_and_writes_as_dynamo_did() {
     let mut stale = resource("worker-0-engine-0", UID, json!({}));
     stale["metadata"]["ownerReferences"][0]["name"] = json!("worker-0");
     api.put("dynamoworkermetadatas", "capns", stale);
-    let d = KubeDiscovery::builder()
-        .client(api.client())
-        .records(DynamoRecords::new().endpoint("generate").worker(77, 0))
-        .pod(PodIdentity::new("worker-0", UID, "capns").container("engine-0"))
-        .connect()
-        .await
-        .unwrap();
+    let d = container_worker(&api).await.unwrap();
     assert_eq!(d.instance_id(), Some(0x1c9a5dad7b0253));
     let log = api.log();
     assert_eq!(

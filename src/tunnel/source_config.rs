@@ -8,10 +8,10 @@ use super::config::{Deadlines, check_client};
 use super::error::TunnelError;
 use super::io::Secret;
 
-/// Most publishers one [`Source`] announces by default.
+/// Most publishers one [`Source`](super::Source) announces by default.
 pub const MAX_SOURCE_PUBLISHERS: usize = 1024;
 
-/// How a [`Source`] reaches its bus, and its bounds.
+/// How a [`Source`](super::Source) reaches its bus, and its bounds.
 ///
 /// ```no_run
 /// use eventplane::tunnel::{Secret, SourceConfig, client_tls};

@@ -905,13 +905,7 @@ fn tenant_resources(
 
 /// A ready worker `w0` in Dynamo namespace `dyn`, written after the tenant's.
 fn worker_after(api: &KubeApi) {
-    let (name, uid) = ready_pod(api);
-    let (k, v) = channel("dyn", 1, "tcp://10.0.0.1:1");
-    api.put(
-        "dynamoworkermetadatas",
-        NS,
-        resource(&name, &uid, json!({"event_channels": {(k): v}})),
-    );
+    worker_in(api, "dyn", 1);
 }
 
 /// 256 resources of a tenant, each advertising 256 publishers (65,536: every
@@ -1179,4 +1173,62 @@ async fn a_view_of_16384_resources_is_bounded() {
         full / 1024
     );
     assert!(per_resource <= 8 * 1024, "{per_resource} B per resource");
+}
+
+/// A worker's resource advertising publisher `n` of Dynamo namespace `ns`.
+fn worker_in(api: &KubeApi, ns: &str, n: u64) {
+    let (name, uid) = ready_pod(api);
+    let (k, v) = channel(ns, n, &format!("tcp://10.0.0.1:{n}"));
+    api.put(
+        "dynamoworkermetadatas",
+        NS,
+        resource(&name, &uid, json!({"event_channels": {(k): v}})),
+    );
+}
+
+/// Watches of one backend share one read and one set of Kubernetes watches (a broker
+/// covering k Dynamo namespaces read and watched everything k times, issue 49 L3);
+/// each still gets only what its query matches, one dropped leaves the others
+/// served, and the last one dropped ends the shared watches.
+#[tokio::test]
+async fn watches_of_one_backend_share_one_read_and_one_set_of_watches() {
+    let api = KubeApi::start().await;
+    let d = reader(&api).await;
+    let requests = |watch: bool| {
+        api.log()
+            .iter()
+            .filter(|l| l.method == "GET" && l.query.contains_key("watch") == watch)
+            .count()
+    };
+    let mut a = synced(&d, Query::new("dyn")).await;
+    let first = (requests(false), requests(true));
+    let mut b = synced(&d, Query::new("other")).await;
+    let mut c = synced(&d, Query::new("dyn")).await;
+    assert_eq!(
+        (requests(false), requests(true)),
+        first,
+        "they joined the first"
+    );
+    worker_in(&api, "dyn", 1);
+    assert!(matches!(next(&mut a).await, DiscoveryEvent::Added(i) if i.id.publisher_id() == 1));
+    assert!(matches!(next(&mut c).await, DiscoveryEvent::Added(i) if i.id.publisher_id() == 1));
+    drop(a);
+    drop(c);
+    worker_in(&api, "other", 2);
+    // `b` gets its own namespace's, never the other's.
+    assert!(matches!(next(&mut b).await, DiscoveryEvent::Added(i) if i.id.publisher_id() == 2));
+    drop(b);
+    // The last one gone, the shared watches end (released within the prune period).
+    let released = Instant::now();
+    while d.stats().watchers > 0 {
+        assert!(
+            released.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            d.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A new watch reads afresh.
+    let _again = synced(&d, Query::new("dyn")).await;
+    assert!(requests(false) > first.0);
 }

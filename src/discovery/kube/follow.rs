@@ -1,7 +1,10 @@
-//! The Kubernetes watch: a task per [`Discovery::watch`](crate::discovery::Discovery)
-//! that lists every followed namespace's resources and readiness, watches each list
-//! from its resourceVersion (bookmarks on), keeps the join, and feeds a bounded
-//! backlog.
+//! The Kubernetes watch: one task per backend (its *hub*) that lists every followed
+//! namespace's resources and readiness, watches each list from its resourceVersion
+//! (bookmarks on), keeps the join, and feeds a bounded backlog per
+//! [`Discovery::watch`](crate::discovery::Discovery) (each with its query): a watch
+//! started while the hub runs joins it, so `k` watches (a broker covering `k` Dynamo
+//! namespaces) cost one read and one set of Kubernetes watches, not `k`. The hub ends
+//! once its last watch is dropped.
 //!
 //! A watch the server ends (its `timeoutSeconds`) or that fails is opened again from
 //! the last version seen; one silent for longer than the timeout plus a slack (the
@@ -22,6 +25,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, WatchEvent, WatchParams};
 use serde::de::DeserializeOwned;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, warn};
@@ -72,14 +76,37 @@ struct Slot {
 /// the backoff.
 const EARLY_END: Duration = Duration::from_secs(1);
 
-/// Starts a watch: reads everything, opens every watch, and returns once they are
-/// open (no change can fall between the read and the watch: each starts from its
+/// Starts a watch: joins the backend's running hub (its backlog starts from the hub's
+/// view), or reads everything, opens every watch and starts a hub, returning once they
+/// are open (no change can fall between the read and the watch: each starts from its
 /// list's version). Cancelled first, it returns a stream that has ended.
 pub(crate) async fn start(
     shared: Arc<Shared>,
+    hub: &Hub,
     query: Query,
     cancel: CancellationToken,
 ) -> Result<DiscoveryStream, DiscoveryError> {
+    let watch_cancel = cancel.child_token();
+    let stream = |backlog| {
+        DiscoveryStream::with_cancellation(
+            BacklogStream::new(backlog, watch_cancel.clone().drop_guard()),
+            cancel.clone(),
+        )
+    };
+    if let Some(tx) = hub.sender() {
+        let (reply, answer) = oneshot::channel();
+        let joining = Subscribe {
+            query: query.clone(),
+            cancel: watch_cancel.clone(),
+            reply,
+        };
+        // A hub ending meanwhile drops the request: then start one.
+        if tx.send(joining).await.is_ok()
+            && let Ok(backlog) = answer.await
+        {
+            return Ok(stream(backlog));
+        }
+    }
     let established = tokio::select! {
         biased;
         () = cancel.cancelled() => {
@@ -89,21 +116,25 @@ pub(crate) async fn start(
     };
     let (mut join, slots) = established;
     join.reread = false;
-    let snapshot = Shared::matching(&join, &query);
     let backlog = Backlog::start(
         shared.config.watch_buffer,
         Arc::clone(&shared.counters.watch),
-        snapshot,
+        Shared::matching(&join, &query),
     );
-    let task_cancel = cancel.child_token();
+    let (tx, joins) = mpsc::channel(16);
+    hub.set(tx);
     let span = tracing::debug_span!("kube_watch", namespaces = ?shared.namespaces);
     let relist_backoff = shared.backoff();
     tokio::spawn(
         Follower {
             shared,
-            query,
-            backlog: Arc::clone(&backlog),
-            cancel: task_cancel.clone(),
+            subscribers: vec![Subscriber {
+                query,
+                backlog: Arc::clone(&backlog),
+                cancel: watch_cancel.clone(),
+            }],
+            joins,
+            cancel: CancellationToken::new(),
             relist_backoff,
             join,
             slots,
@@ -112,10 +143,7 @@ pub(crate) async fn start(
         .run()
         .instrument(span),
     );
-    Ok(DiscoveryStream::with_cancellation(
-        BacklogStream::new(backlog, task_cancel.drop_guard()),
-        cancel,
-    ))
+    Ok(stream(backlog))
 }
 
 /// Reads everything and opens a watch per (namespace, kind) from its list's version.
@@ -285,11 +313,49 @@ fn resource_update(line: &[u8], limits: &Limits) -> Update {
 /// once (sooner: after the growing backoff).
 const RELIST_SETTLED: Duration = Duration::from_secs(1);
 
-/// The task following one watch.
-struct Follower {
-    shared: Arc<Shared>,
+/// How often the hub looks for watches that were dropped.
+const PRUNE_EVERY: Duration = Duration::from_secs(1);
+
+/// Where a backend's running hub takes new watches (none running: `None`, or a
+/// sender whose hub has ended).
+#[derive(Default)]
+pub(crate) struct Hub(std::sync::Mutex<Option<mpsc::Sender<Subscribe>>>);
+
+impl Hub {
+    fn sender(&self) -> Option<mpsc::Sender<Subscribe>> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .filter(|tx| !tx.is_closed())
+    }
+
+    fn set(&self, tx: mpsc::Sender<Subscribe>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(tx);
+    }
+}
+
+/// A watch joining the hub: its backlog comes back, or nothing when the hub ended.
+pub(crate) struct Subscribe {
+    query: Query,
+    cancel: CancellationToken,
+    reply: oneshot::Sender<Arc<Backlog>>,
+}
+
+/// One watch the hub feeds.
+struct Subscriber {
     query: Query,
     backlog: Arc<Backlog>,
+    /// Cancelled when the watch is dropped or cancelled.
+    cancel: CancellationToken,
+}
+
+/// The task following a backend's watches.
+struct Follower {
+    shared: Arc<Shared>,
+    subscribers: Vec<Subscriber>,
+    joins: mpsc::Receiver<Subscribe>,
+    /// Ends waits (backoffs, reads) once no watch is left.
     cancel: CancellationToken,
     join: Join,
     slots: Vec<Slot>,
@@ -334,6 +400,16 @@ impl Follower {
             let next = tokio::select! {
                 biased;
                 () = self.cancel.cancelled() => break,
+                Some(joining) = self.joins.recv() => {
+                    self.subscribe(joining);
+                    Next::Continue
+                }
+                () = tokio::time::sleep(PRUNE_EVERY) => {
+                    if !self.prune() {
+                        break;
+                    }
+                    Next::Continue
+                }
                 (idx, item) = next => self.on_event(idx, item),
                 () = sleep_until(stall_at) => {
                     let now = Instant::now();
@@ -348,11 +424,55 @@ impl Follower {
                 Next::Reopen(idx, why) => self.reopen(idx, &why).await,
                 Next::Relist(why) => self.relist(&why).await,
             };
-            if !ok {
+            if !ok || !self.prune() {
                 break;
             }
         }
-        self.backlog.finish();
+        // Requests that come now find the channel closed and start a hub of their own.
+        self.joins.close();
+        for s in self.subscribers.drain(..) {
+            s.backlog.finish();
+        }
+    }
+
+    /// A watch joins: its backlog starts from the current view.
+    fn subscribe(&mut self, joining: Subscribe) {
+        let backlog = Backlog::start(
+            self.shared.config.watch_buffer,
+            Arc::clone(&self.shared.counters.watch),
+            Shared::matching(&self.join, &joining.query),
+        );
+        if joining.reply.send(Arc::clone(&backlog)).is_err() {
+            backlog.finish();
+            return;
+        }
+        self.subscribers.push(Subscriber {
+            query: joining.query,
+            backlog,
+            cancel: joining.cancel,
+        });
+    }
+
+    /// Whether every watch is gone (a read retried with backoff stops then).
+    fn abandoned(&self) -> bool {
+        self.subscribers.iter().all(|s| s.cancel.is_cancelled())
+    }
+
+    /// Lets go of the watches that were dropped or cancelled; `false` once none is
+    /// left (the hub ends, and waits in progress with it).
+    fn prune(&mut self) -> bool {
+        self.subscribers.retain(|s| {
+            let gone = s.cancel.is_cancelled();
+            if gone {
+                s.backlog.finish();
+            }
+            !gone
+        });
+        if self.subscribers.is_empty() {
+            self.cancel.cancel();
+            return false;
+        }
+        true
     }
 
     fn on_event(&mut self, idx: usize, item: Option<Result<Update, kube::Error>>) -> Next {
@@ -416,32 +536,35 @@ impl Follower {
         Next::Continue
     }
 
-    /// Applies the join's changes to the watcher's view and queues them.
+    /// Applies the join's changes to each watcher's view (those its query matches)
+    /// and queues them.
     fn push(&self, changes: Vec<Change>) {
         if changes.is_empty() {
             return;
         }
-        let mut st = self.backlog.lock();
-        let mut pushed = false;
-        for change in changes {
-            let event = match change {
-                Change::Up(instance) if self.query.matches(&instance.id) => {
-                    st.current.insert(instance.id.clone(), instance.clone());
-                    DiscoveryEvent::Added(instance)
-                }
-                Change::Up(_) => continue,
-                Change::Down(id, incarnation) => match st.current.remove(&id) {
-                    Some(old) => DiscoveryEvent::Removed {
-                        id,
-                        incarnation: incarnation.max(old.incarnation),
+        for subscriber in &self.subscribers {
+            let mut st = subscriber.backlog.lock();
+            let mut pushed = false;
+            for change in &changes {
+                let event = match change {
+                    Change::Up(instance) if subscriber.query.matches(&instance.id) => {
+                        st.current.insert(instance.id.clone(), instance.clone());
+                        DiscoveryEvent::Added(instance.clone())
+                    }
+                    Change::Up(_) => continue,
+                    Change::Down(id, incarnation) => match st.current.remove(id) {
+                        Some(old) => DiscoveryEvent::Removed {
+                            id: id.clone(),
+                            incarnation: (*incarnation).max(old.incarnation),
+                        },
+                        None => continue,
                     },
-                    None => continue,
-                },
-            };
-            pushed = true;
-            self.backlog.push(&mut st, event);
+                };
+                pushed = true;
+                subscriber.backlog.push(&mut st, event);
+            }
+            Backlog::wake(st, pushed);
         }
-        Backlog::wake(st, pushed);
     }
 
     /// Opens slot `idx`'s watch again from its version, with backoff; a version gone
@@ -461,6 +584,9 @@ impl Follower {
         let mut backoff = self.shared.backoff();
         let mut first = why == "ended by the server";
         loop {
+            if self.abandoned() {
+                return false;
+            }
             let opened = open(&self.shared, ns, kind, &version);
             let Some(opened) = attempt(&self.cancel, &mut backoff, &mut first, opened).await else {
                 return false;
@@ -495,6 +621,9 @@ impl Follower {
             self.relist_backoff = self.shared.backoff();
         }
         loop {
+            if self.abandoned() {
+                return false;
+            }
             let established = establish(&self.shared);
             let Some(established) = attempt(
                 &self.cancel,
@@ -516,8 +645,9 @@ impl Follower {
                         .counters
                         .reconnects
                         .fetch_add(1, Ordering::Relaxed);
-                    self.backlog
-                        .resync(Shared::matching(&self.join, &self.query));
+                    for s in &self.subscribers {
+                        s.backlog.resync(Shared::matching(&self.join, &s.query));
+                    }
                     return true;
                 }
                 Err(e) => self.warn_reconnect(&e),

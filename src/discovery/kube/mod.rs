@@ -140,6 +140,8 @@ pub struct KubeDiscovery {
 struct Handle {
     shared: Arc<Shared>,
     writer: Option<Arc<Writer>>,
+    /// The running watch task its watches share.
+    hub: follow::Hub,
 }
 
 impl Drop for Handle {
@@ -210,7 +212,11 @@ impl KubeDiscovery {
         };
         info!(namespaces = ?shared.namespaces, ?mode, "following DynamoWorkerMetadata resources");
         Ok(KubeDiscovery {
-            handle: Arc::new(Handle { shared, writer }),
+            handle: Arc::new(Handle {
+                shared,
+                writer,
+                hub: follow::Hub::default(),
+            }),
         })
     }
 
@@ -312,11 +318,15 @@ impl Discovery for KubeDiscovery {
         query: Query,
         cancel: tokio_util::sync::CancellationToken,
     ) -> BoxFuture<'_, Result<DiscoveryStream, DiscoveryError>> {
-        Box::pin(follow::start(
-            Arc::clone(&self.handle.shared),
-            query,
-            cancel,
-        ))
+        Box::pin(async move {
+            follow::start(
+                Arc::clone(&self.handle.shared),
+                &self.handle.hub,
+                query,
+                cancel,
+            )
+            .await
+        })
     }
 
     fn stats(&self) -> DiscoveryStats {

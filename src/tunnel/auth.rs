@@ -369,15 +369,15 @@ mod tests {
             .unwrap();
         let header = |t: &str| format!("Bearer {t}");
         assert_eq!(
-            clients.authenticate(Some(header("token-a").as_bytes())),
+            clients.authenticate(Some(header("token-of-a-0123456789").as_bytes())),
             Some(Identity(0))
         );
         assert_eq!(
-            clients.authenticate(Some(header("token-b").as_bytes())),
+            clients.authenticate(Some(header("token-of-b-0123456789").as_bytes())),
             Some(Identity(1))
         );
         assert_eq!(clients.authenticate(Some(b"Bearer token-c")), None);
-        assert_eq!(clients.authenticate(Some(b"token-a")), None);
+        assert_eq!(clients.authenticate(Some(b"token-of-a-0123456789")), None);
         assert_eq!(clients.authenticate(None), None);
         assert_eq!(clients.grant(Identity(1)).client_id(), Some("b"));
         assert!(!clients.grant(Identity(1)).covers("prod"));

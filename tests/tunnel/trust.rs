@@ -365,9 +365,15 @@ async fn flood_one(
 /// `breath` after the bus closed it.
 type Flooding = (usize, fn(usize) -> std::net::Ipv4Addr, Flood, Duration);
 
-/// A broker restarted into floods of unauthenticated connections, once the bus
+/// 1,100 silent connections, the i-th from `source(i)`, re-opened 100 ms after the bus
+/// closes them.
+fn silent(source: fn(usize) -> std::net::Ipv4Addr) -> Flooding {
+    (1100, source, Flood::Silent, Duration::from_millis(100))
+}
+
+/// A broker restarted into a flood of unauthenticated connections, once the bus
 /// evicted `warm` of them: it gets its session within one backoff period (1 s).
-async fn restart_into_a_flood(floods: Vec<Flooding>, warm: u64) {
+async fn restart_into_a_flood(flood: Flooding, warm: u64) {
     let bus = bus().await;
     let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     let broker = Broker::spawn(broker_config(&bus, "broker-1", view.clone())).unwrap();
@@ -382,11 +388,10 @@ async fn restart_into_a_flood(floods: Vec<Flooding>, warm: u64) {
             .unwrap();
         rt.block_on(async move {
             let mut tasks = Vec::new();
-            for (n, source, how, breath) in floods {
-                for i in 0..n {
-                    let task = flood_one(addr, source(i), how, breath, flood_stop.clone());
-                    tasks.push(tokio::spawn(task));
-                }
+            let (n, source, how, breath) = flood;
+            for i in 0..n {
+                let task = flood_one(addr, source(i), how, breath, flood_stop.clone());
+                tasks.push(tokio::spawn(task));
             }
             for task in tasks {
                 let _ = task.await;
@@ -429,13 +434,7 @@ async fn restart_into_a_flood(floods: Vec<Flooding>, warm: u64) {
 async fn a_flood_of_unauthenticated_connections_cannot_keep_a_broker_out() {
     let source =
         |i: usize| std::net::Ipv4Addr::new(127, 1, (i / 8 / 250) as u8, (i / 8 % 250) as u8 + 1);
-    let flood = (
-        1100,
-        source as fn(usize) -> _,
-        Flood::Silent,
-        Duration::from_millis(100),
-    );
-    restart_into_a_flood(vec![flood], 1000).await;
+    restart_into_a_flood(silent(source), 1000).await;
 }
 
 /// 128 connections that complete TLS and idle, each from a loopback address of its
@@ -451,21 +450,14 @@ async fn a_flood_that_completes_tls_and_idles_cannot_keep_a_broker_out() {
         Flood::Tls,
         Duration::from_millis(50),
     );
-    restart_into_a_flood(vec![flood], 1000).await;
+    restart_into_a_flood(flood, 1000).await;
 }
 
 /// 1,100 idle connections from the broker's own address (a cluster's shared NAT
 /// egress): its share of the pool no longer shuts the broker out (issue 49 M5).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_from_the_broker_s_own_address_cannot_keep_it_out() {
-    let source = |_: usize| std::net::Ipv4Addr::LOCALHOST;
-    let flood = (
-        1100,
-        source as fn(usize) -> _,
-        Flood::Silent,
-        Duration::from_millis(100),
-    );
-    restart_into_a_flood(vec![flood], 1000).await;
+    restart_into_a_flood(silent(|_| std::net::Ipv4Addr::LOCALHOST), 1000).await;
 }
 
 #[tokio::test]

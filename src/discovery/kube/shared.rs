@@ -184,6 +184,23 @@ impl Shared {
         }
     }
 
+    /// One page of readiness objects of type `K` in `namespace`, read to
+    /// `max_page_bytes` ([`capped::list`](super::capped::list)).
+    async fn readiness_page<K>(
+        &self,
+        namespace: &str,
+        params: &ListParams,
+    ) -> Result<kube::api::ObjectList<K>, kube::Error>
+    where
+        K: kube::Resource<Scope = kube::core::NamespaceResourceScope, DynamicType = ()>
+            + serde::de::DeserializeOwned
+            + Clone,
+    {
+        let api: Api<K> = Api::namespaced(self.client.clone(), namespace);
+        let max_bytes = self.config.limits.max_page_bytes;
+        super::capped::list(&self.client, api.resource_url(), params, max_bytes).await
+    }
+
     /// Lists `kind` in namespace `ns` into `join`, page by page (one raw page held
     /// at a time); returns the list's resourceVersion.
     async fn list_pages(
@@ -194,7 +211,6 @@ impl Shared {
     ) -> Result<String, DiscoveryError> {
         let namespace = self.namespace(ns).to_owned();
         let timeout = self.config.request_timeout;
-        let max_bytes = self.config.limits.max_page_bytes;
         let mut params = ListParams::default().limit(self.config.page_size);
         if kind == Kind::Readiness {
             params = params.labels(DISCOVERY_LABEL);
@@ -233,38 +249,30 @@ impl Shared {
                     )
                 }
                 (Kind::Readiness, KubeMode::Pod) => {
-                    let api: Api<EndpointSlice> = Api::namespaced(self.client.clone(), &namespace);
-                    let url = api.resource_url();
-                    let page: kube::api::ObjectList<EndpointSlice> = within(
+                    let page = within(
                         "list",
                         &namespace,
                         timeout,
-                        super::capped::list(&self.client, url, &params, max_bytes),
+                        self.readiness_page::<EndpointSlice>(&namespace, &params),
                     )
                     .await?;
+                    let items = page.items.into_iter();
                     (
-                        page.items
-                            .into_iter()
-                            .map(|o| Object::Slice(Box::new(o)))
-                            .collect(),
+                        items.map(|o| Object::Slice(Box::new(o))).collect(),
                         page.metadata,
                     )
                 }
                 (Kind::Readiness, _) => {
-                    let api: Api<Pod> = Api::namespaced(self.client.clone(), &namespace);
-                    let url = api.resource_url();
-                    let page: kube::api::ObjectList<Pod> = within(
+                    let page = within(
                         "list",
                         &namespace,
                         timeout,
-                        super::capped::list(&self.client, url, &params, max_bytes),
+                        self.readiness_page::<Pod>(&namespace, &params),
                     )
                     .await?;
+                    let items = page.items.into_iter();
                     (
-                        page.items
-                            .into_iter()
-                            .map(|o| Object::Pod(Box::new(o)))
-                            .collect(),
+                        items.map(|o| Object::Pod(Box::new(o))).collect(),
                         page.metadata,
                     )
                 }

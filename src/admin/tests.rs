@@ -229,8 +229,37 @@ async fn a_connection_finding_every_slot_answering_is_closed_on_accept() {
     assert!(ask(addr, &get("/livez")).await.starts_with("HTTP/1.1 200 "));
 }
 
+/// The default cap is 8: eight silent connections hold a slot each, a ninth makes
+/// room by closing the oldest, exactly once.
+#[tokio::test]
+async fn eight_connections_are_served_at_once_by_default() {
+    let (admin, _) = server(AdminConfig::default()).await;
+    let addr = admin.local_addr();
+    let mut held = Vec::new();
+    for _ in 0..9 {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /livez HTTP/1.1\r\nX: ").await.unwrap();
+        held.push(s);
+        // Accepted in this order (the oldest is the one evicted).
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut out = Vec::new();
+    let n = tokio::time::timeout(Duration::from_secs(30), held[0].read_to_end(&mut out))
+        .await
+        .unwrap()
+        .unwrap_or(0);
+    assert_eq!(n, 0, "the oldest was closed without an answer");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let stats = admin.stats();
+    assert_eq!(
+        (stats.evicted_connections, stats.refused_connections),
+        (1, 0)
+    );
+}
+
 /// A client that read its answer but keeps the connection open lingers a bounded
-/// time, and is not a timeout.
+/// time, and is not a timeout: what it sends meanwhile is read, and once the linger
+/// ended the socket is gone (a write then meets a reset).
 #[tokio::test]
 async fn an_answered_client_that_stays_is_closed_after_its_linger() {
     let (admin, _) = server(AdminConfig::default()).await;
@@ -244,7 +273,22 @@ async fn an_answered_client_that_stays_is_closed_after_its_linger() {
     let mut rest = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut rest)).await;
     assert!(start.elapsed() < Duration::from_secs(30));
+    // Within the linger the server still reads: a write is taken, no reset.
+    s.write_all(b"more").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    s.write_all(b"more").await.unwrap();
     tokio::time::sleep(LINGER_TIME + Duration::from_millis(500)).await;
+    // Past it: the first write draws a reset, the next fails on it.
+    let _ = s.write_all(b"late").await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let late = s.write_all(b"late").await.unwrap_err();
+    assert!(
+        matches!(
+            late.kind(),
+            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+        ),
+        "{late}"
+    );
     assert_eq!(admin.stats().timeouts, 0);
 }
 

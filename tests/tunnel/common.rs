@@ -129,6 +129,55 @@ impl eventplane::tunnel::Resolver for NeverResolves {
     }
 }
 
+/// A resolver that never answers and counts the lookups it was asked for and the
+/// most it held at once (a lookup ends when the broker drops it).
+#[derive(Clone, Default)]
+pub struct HeldLookups(Arc<HeldCounts>);
+
+#[derive(Default)]
+pub struct HeldCounts {
+    asked: std::sync::atomic::AtomicUsize,
+    now: std::sync::atomic::AtomicUsize,
+    peak: std::sync::atomic::AtomicUsize,
+}
+
+impl HeldLookups {
+    /// Lookups asked for so far.
+    pub fn asked(&self) -> usize {
+        self.0.asked.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The most lookups in flight at once.
+    pub fn peak(&self) -> usize {
+        self.0.peak.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl eventplane::tunnel::Resolver for HeldLookups {
+    fn resolve(
+        &self,
+        _host: &str,
+        _port: u16,
+    ) -> eventplane::BoxFuture<'static, std::io::Result<Vec<std::net::SocketAddr>>> {
+        use std::sync::atomic::Ordering::SeqCst;
+        struct Held(Arc<HeldCounts>);
+        impl Drop for Held {
+            fn drop(&mut self) {
+                self.0.now.fetch_sub(1, SeqCst);
+            }
+        }
+        let counts = self.0.clone();
+        counts.asked.fetch_add(1, SeqCst);
+        let now = counts.now.fetch_add(1, SeqCst) + 1;
+        counts.peak.fetch_max(now, SeqCst);
+        let held = Held(counts);
+        Box::pin(async move {
+            let _held = held;
+            std::future::pending().await
+        })
+    }
+}
+
 /// A resolver that answers every name with `addrs`, in order.
 pub struct FixedResolver(pub Vec<std::net::SocketAddr>);
 

@@ -48,11 +48,16 @@ struct Router {
 /// `kv_router --bus-listen` with the source credential of `dir`, and `follow` (its
 /// wire, or other discovery to follow beside the announced sources).
 async fn router(dir: &Path, follow: &[&str]) -> Router {
+    router_at(dir, follow, "127.0.0.1:0").await
+}
+
+/// [`router`], its bus listening on `listen`.
+async fn router_at(dir: &Path, follow: &[&str], listen: &str) -> Router {
     let mut child = Command::new(example("kv-router"))
         .args(["--allow-cidr", "127.0.0.0/8"])
         .args(["--namespace", "prod", "--topic", "kv-events"])
         .args(follow)
-        .args(["--bus-listen", "127.0.0.1:0"])
+        .args(["--bus-listen", listen])
         .arg("--bus-cert")
         .arg(fixture("bus.pem"))
         .arg("--bus-key")
@@ -77,6 +82,11 @@ async fn router(dir: &Path, follow: &[&str]) -> Router {
 }
 
 async fn relay(dir: &Path, engine: &Engine, wire: &str, port: &str) -> Child {
+    relay_with(dir, engine, wire, port, &[]).await
+}
+
+/// [`relay`] with `extra` arguments.
+async fn relay_with(dir: &Path, engine: &Engine, wire: &str, port: &str, extra: &[&str]) -> Child {
     Command::new(example("kv-relay"))
         .args(["--connect", &engine.endpoint(), "--topic", "kv"])
         .args(["--block-size", "4", "--worker-id", "11", "--wire", wire])
@@ -93,6 +103,7 @@ async fn relay(dir: &Path, engine: &Engine, wire: &str, port: &str) -> Child {
             "--component",
             "backend",
         ])
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
@@ -375,4 +386,33 @@ async fn a_source_writes_only_the_blocks_of_the_worker_it_was_granted() {
         "{stats}"
     );
     source.shutdown().await;
+}
+
+/// `kv-relay --bus-url … --admin-listen`: with its engine connected, `/readyz` is 503
+/// until the router's bus welcomed it (and it announced), 200 then, 503 again once
+/// the router is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_relay_is_ready_while_the_bus_holds_its_session() {
+    use crate::support::admin::{admin_address, get, until};
+    let dir = credentials("ready");
+    let engine = Engine::bind("kv").await;
+    // A port no bus listens on yet, that the router binds later.
+    let bus = support::restartable_endpoint();
+    let listen = bus.trim_start_matches("tcp://");
+    let port = listen.rsplit(':').next().unwrap();
+    let mut relay = relay_with(&dir, &engine, "eventplane", port, &["--admin-listen", "127.0.0.1:0"]).await;
+    let mut lines = BufReader::new(relay.stderr.take().unwrap()).lines();
+    let admin = admin_address(&mut lines).await;
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let not_yet = "not ready: no session with the router's bus\n";
+    until(&admin, "/readyz", |status, reason| status == 503 && reason == not_yet).await;
+    // Held while no bus answers: still not ready, still alive.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(get(&admin, "/readyz").await, (503, not_yet.to_owned()));
+    assert_eq!(get(&admin, "/livez").await.0, 200);
+    let router = router_at(&dir, &[], listen).await;
+    until(&admin, "/readyz", |status, _| status == 200).await;
+    drop(router);
+    until(&admin, "/readyz", |status, reason| status == 503 && reason == not_yet).await;
+    drop(relay);
 }

@@ -462,7 +462,7 @@ async fn a_flood_from_the_broker_s_own_address_cannot_keep_it_out() {
 
 #[tokio::test]
 async fn dns_lookups_and_opens_are_capped_per_broker() {
-    use crate::common::NeverResolves;
+    use crate::common::HeldLookups;
     let limits = Limits::default().with_max_streams(4);
     let bus = bus_configured(
         "127.0.0.1:0",
@@ -474,8 +474,9 @@ async fn dns_lookups_and_opens_are_capped_per_broker() {
     let (_publisher, endpoint, _reg) = publisher(&view, 1).await;
     // A resolver that never answers, two lookups at most: the third waits for a slot
     // (counted) and all run into the 200 ms DNS deadline.
+    let lookups = HeldLookups::default();
     let mut config = broker_config(&bus, "broker-1", view.clone() as Arc<dyn Discovery>)
-        .resolver(Arc::new(NeverResolves));
+        .resolver(Arc::new(lookups.clone()));
     config.max_dns_lookups = 2;
     config.deadlines.dns = Duration::from_millis(200);
     let broker = Broker::spawn(config).unwrap();
@@ -489,6 +490,16 @@ async fn dns_lookups_and_opens_are_capped_per_broker() {
     }
     let stats = broker.stats();
     assert_eq!(stats.dns_saturated, 1, "{stats:?}");
+    assert_eq!((lookups.asked(), lookups.peak()), (2, 2));
+    // Past their streams' deadlines the two lookups still hold their slots (a system
+    // lookup cannot be cancelled): a fourth open waits too, and asks for none.
+    let r = within(bus.open_stream("prod", 1, &endpoint)).await;
+    assert!(
+        matches!(r, Err(TunnelError::Refused(RefuseCode::DnsTimeout))),
+        "{r:?}"
+    );
+    assert_eq!(broker.stats().dns_saturated, 2);
+    assert_eq!((lookups.asked(), lookups.peak()), (2, 2));
     broker.abort();
     until(|| bus.stats().sessions == 0).await;
 
@@ -532,5 +543,78 @@ async fn one_credential_holds_a_few_connections_not_every_slot() {
     for b in brokers {
         b.abort();
     }
+    bus.shutdown().await;
+}
+
+/// One router, each namespace the way its grant says: "staging" (granted to no
+/// broker) dialled directly, "prod" through its broker; with `tunnel_direct_fallback`
+/// a granted namespace no broker covers is dialled directly, without it it waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_tunnels_granted_namespaces_and_dials_the_rest() {
+    use eventplane::discovery::Query;
+    use eventplane::publish::EventPublisher;
+    use eventplane::subscriber::DynamicSubscriber;
+
+    let bus = bus_configured("127.0.0.1:0", two_brokers(), EventBusConfig::default()).await;
+    let view = Arc::new(MemoryDiscovery::new());
+    let publisher = |namespace: &'static str| {
+        let view = view.clone();
+        async move {
+            EventPublisher::builder(view, namespace, "worker", "kv")
+                .build()
+                .await
+                .unwrap()
+        }
+    };
+    let router = |namespace: &str, fallback: bool| {
+        DynamicSubscriber::builder(view.clone(), Query::new(namespace))
+            .topic("kv")
+            .tunnel(bus.clone())
+            .tunnel_direct_fallback(fallback)
+            .spawn()
+            .unwrap()
+    };
+    // Receives what `p` publishes from now on.
+    async fn reaches(p: &EventPublisher, router: &mut DynamicSubscriber) {
+        p.wait_for_subscribers_within(1, support::DEADLINE)
+            .await
+            .unwrap();
+        p.publish(&b"hello"[..]);
+        let got = within(router.recv()).await.unwrap();
+        assert_eq!(got.source.id.publisher_id(), p.publisher_id());
+    }
+
+    // No broker yet: a granted namespace waits, unless the fallback is on.
+    let early = publisher("prod").await;
+    let mut waiting = router("prod", false);
+    let mut fallback = router("prod", true);
+    reaches(&early, &mut fallback).await;
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), waiting.recv())
+            .await
+            .is_err(),
+        "a granted namespace waits for a broker"
+    );
+    assert_eq!(early.stats().subscribed, 1, "only the fallback router reached it");
+    assert_eq!(bus.stats().streams_opened, 0);
+
+    let broker = Broker::spawn(as_broker(&bus, "broker-a", TOKEN_A, view.clone())).unwrap();
+    connected(&bus).await;
+    // The waiting router reaches it now, through the broker.
+    until(|| early.stats().subscribed == 2).await;
+    assert_eq!(bus.stats().streams_opened, 1);
+    // Staging, granted to no broker, is dialled directly by a router with the bus.
+    let staged = publisher("staging").await;
+    let mut staging = router("staging", false);
+    reaches(&staged, &mut staging).await;
+    assert_eq!(bus.stats().streams_opened, 1, "staging was not tunnelled");
+    assert_eq!(broker.stats().streams_opened, 1);
+    // A new prod publisher goes through the broker even with the fallback on.
+    let late = publisher("prod").await;
+    reaches(&late, &mut fallback).await;
+    until(|| broker.stats().streams_opened == 3).await;
+    assert_eq!(bus.stats().streams_opened, 3, "{:?}", bus.stats());
+    drop(waiting);
+    broker.abort();
     bus.shutdown().await;
 }

@@ -331,13 +331,15 @@ impl Shared {
     }
 }
 
-/// The ready contributions of an EndpointSlice (at most `max`): endpoints with
-/// `conditions.ready` true and a `targetRef` with a name and a uid (within bounds).
+/// The ready contributions of an EndpointSlice (at most `max`): endpoints whose
+/// `conditions.ready` is not false and with a `targetRef` with a name and a uid
+/// (within bounds). A `ready` that is null or absent (no `conditions` at all) is
+/// ready: the API says "a nil value should be interpreted as ready".
 pub(crate) fn slice_ready(slice: &EndpointSlice, max: usize) -> Vec<Seen> {
     slice
         .endpoints
         .iter()
-        .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
+        .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) != Some(false))
         .filter_map(|e| {
             let target = e.target_ref.as_ref()?;
             let (name, uid) = (target.name.as_ref()?, target.uid.as_ref()?);
@@ -373,4 +375,46 @@ pub(crate) fn pod_ready(pod: &Pod, max: usize) -> Vec<Seen> {
         })
         .take(max)
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+    use super::*;
+
+    /// An EndpointSlice of one endpoint for pod `w` (uid `u`) with `conditions`
+    /// (`None`: the field left out).
+    fn slice(conditions: Option<serde_json::Value>) -> EndpointSlice {
+        let mut endpoint = serde_json::json!({"addresses": ["10.0.0.1"],
+            "targetRef": {"kind": "Pod", "name": "w", "uid": "u"}});
+        if let Some(c) = conditions {
+            endpoint["conditions"] = c;
+        }
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "s"}, "addressType": "IPv4", "endpoints": [endpoint]
+        }))
+        .unwrap()
+    }
+
+    /// `ready` nil is ready (the API's rule); only `false` is not (it was: nil
+    /// counted as not ready, so a server that leaves it out hid every worker).
+    #[test]
+    fn a_slice_endpoint_is_ready_unless_ready_is_false() {
+        let seen = vec![Seen {
+            name: "w".into(),
+            uid: "u".into(),
+        }];
+        for ready in [
+            Some(serde_json::json!({"ready": true})),
+            Some(serde_json::json!({"ready": null})),
+            Some(serde_json::json!({})),
+            Some(serde_json::Value::Null),
+            None,
+        ] {
+            assert_eq!(slice_ready(&slice(ready.clone()), 8), seen, "{ready:?}");
+        }
+        let not_ready = slice(Some(serde_json::json!({"ready": false, "serving": true})));
+        assert!(slice_ready(&not_ready, 8).is_empty());
+    }
 }

@@ -1,4 +1,4 @@
-//! `KubeDiscovery` over a Kubernetes API test server (`tests/support/kube_api.rs`):
+//! `KubeDiscovery` over a Kubernetes API test server (`tests/support/kube_api/`):
 //! the conformance suite with faults, the join rule, the bounds, the records Dynamo
 //! 1.6.1 wrote and the requests it sent (fixtures in
 //! `tests/fixtures/dynamo-1.6.1-kube/`). The suite lives in `tests/discovery_kube/`
@@ -7,7 +7,7 @@
 //! target silently vanishing.
 
 #[cfg(all(feature = "kube", feature = "test-support"))]
-#[path = "support/kube_api.rs"]
+#[path = "support/kube_api/mod.rs"]
 mod kube_api;
 #[cfg(all(feature = "kube", feature = "test-support"))]
 #[path = "discovery_kube/suite.rs"]

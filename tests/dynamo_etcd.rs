@@ -7,7 +7,7 @@
 //! vanishing.
 
 #[cfg(all(feature = "etcd", feature = "test-support", feature = "kube"))]
-#[path = "support/kube_api.rs"]
+#[path = "support/kube_api/mod.rs"]
 mod kube_api;
 #[cfg(all(feature = "etcd", feature = "test-support"))]
 #[path = "dynamo_etcd/live.rs"]

@@ -16,7 +16,7 @@ mod event_broker;
 #[path = "tunnel/greedy.rs"]
 mod greedy;
 #[cfg(all(feature = "tunnel", feature = "kube"))]
-#[path = "support/kube_api.rs"]
+#[path = "support/kube_api/mod.rs"]
 mod kube_api;
 #[cfg(all(feature = "tunnel", feature = "kube"))]
 #[path = "tunnel/kube_broker.rs"]

@@ -5,6 +5,7 @@
 //! [`MAX_WATCH_LINE_BYTES`]; the bodies are streamed, never collected first.
 
 use std::pin::Pin;
+use std::time::Duration;
 
 use futures_util::io::AsyncBufRead;
 use futures_util::{AsyncReadExt, StreamExt, TryStreamExt};
@@ -12,6 +13,7 @@ use kube::api::{ListParams, ObjectList, WatchParams};
 use kube::core::ErrorResponse;
 use serde::de::DeserializeOwned;
 
+use super::error::{MAX_RETRY_AFTER, RetryAfter};
 use super::narrow::{self, MAX_WATCH_LINE_BYTES};
 
 /// The most of an error answer's body read (the rest is dropped unread): its JSON
@@ -25,13 +27,21 @@ const MAX_ERROR_MESSAGE_BYTES: usize = 512;
 pub(crate) type Body = Pin<Box<dyn AsyncBufRead + Send>>;
 
 /// Sends `request`; its body as it arrives, or for a 4xx / 5xx status the
-/// `kube::Error::Api` it carries, read from at most [`MAX_ERROR_BODY_BYTES`].
+/// `kube::Error::Api` it carries, read from at most [`MAX_ERROR_BODY_BYTES`] (for a
+/// 429 or 5xx with a `Retry-After` in seconds, the answer and the delay as a
+/// [`RetryAfter`] in `kube::Error::Service`).
 pub(crate) async fn send(
     client: &kube::Client,
     request: http::Request<Vec<u8>>,
 ) -> Result<Body, kube::Error> {
     let response = client.send(request.map(kube::client::Body::from)).await?;
     let status = response.status();
+    let retry_after = (status.as_u16() == 429 || status.is_server_error())
+        .then(|| response.headers().get(http::header::RETRY_AFTER))
+        .flatten()
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(|secs| Duration::from_secs(secs).min(MAX_RETRY_AFTER));
     let mut frames = response.into_body();
     let data = futures_util::stream::poll_fn(move |cx| {
         loop {
@@ -70,7 +80,10 @@ pub(crate) async fn send(
             reason: "Failed to parse error data".into(),
         }
     });
-    Err(kube::Error::Api(answer))
+    Err(match retry_after {
+        Some(after) => kube::Error::Service(Box::new(RetryAfter { answer, after })),
+        None => kube::Error::Api(answer),
+    })
 }
 
 /// One page of a typed list at `url`, read from at most `max_bytes`.

@@ -24,12 +24,45 @@ pub(crate) enum KubeRequestError {
     },
 }
 
+/// The most of a server's `Retry-After` waited (a longer one waits this long).
+pub(crate) const MAX_RETRY_AFTER: Duration = Duration::from_secs(30);
+
+/// An error answer (429, 5xx) that said how long to wait before asking again: its
+/// `Retry-After`, in seconds (what an API server sends with a 429 of its priority and
+/// fairness, or a 504). It travels as `kube::Error::Service` around this.
+#[derive(Debug, thiserror::Error)]
+#[error("{answer} (retry after {after:?})")]
+pub(crate) struct RetryAfter {
+    pub(crate) answer: kube::core::ErrorResponse,
+    /// At most [`MAX_RETRY_AFTER`].
+    pub(crate) after: Duration,
+}
+
 /// The HTTP status of an API error, if the server answered with one.
 pub(crate) fn status(e: &kube::Error) -> Option<u16> {
     match e {
         kube::Error::Api(response) => Some(response.code),
+        kube::Error::Service(inner) => inner.downcast_ref::<RetryAfter>().map(|r| r.answer.code),
         _ => None,
     }
+}
+
+/// How long the server asked to wait before the next attempt (its `Retry-After` on
+/// the answer behind `e`), if it said.
+pub(crate) fn retry_after(e: &DiscoveryError) -> Option<Duration> {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        if let Some(KubeRequestError::Failed { source: k, .. }) =
+            err.downcast_ref::<KubeRequestError>()
+        {
+            return match k {
+                kube::Error::Service(inner) => inner.downcast_ref::<RetryAfter>().map(|r| r.after),
+                _ => None,
+            };
+        }
+        source = err.source();
+    }
+    None
 }
 
 /// Whether the server answered the request behind `e` with HTTP `code` (410: a

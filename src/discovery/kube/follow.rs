@@ -32,7 +32,7 @@ use tracing::{Instrument, debug, warn};
 
 use super::capped;
 use super::config::{KubeMode, Limits};
-use super::error::{failed, is_gone, timed_out};
+use super::error::{failed, is_gone, retry_after, timed_out};
 use super::join::{Change, Join, Ns};
 use super::narrow;
 use super::resource::DISCOVERY_LABEL;
@@ -583,12 +583,15 @@ impl Follower {
         );
         let mut backoff = self.shared.backoff();
         let mut first = why == "ended by the server";
+        // What the server asked to wait after the last failure (`Retry-After`).
+        let mut asked = None;
         loop {
             if self.abandoned() {
                 return false;
             }
             let opened = open(&self.shared, ns, kind, &version);
-            let Some(opened) = attempt(&self.cancel, &mut backoff, &mut first, opened).await else {
+            let waited = attempt(&self.cancel, &mut backoff, &mut first, asked.take(), opened);
+            let Some(opened) = waited.await else {
                 return false;
             };
             match opened {
@@ -601,7 +604,10 @@ impl Follower {
                     return true;
                 }
                 Err(e) if is_gone(&e) => return self.relist("version gone (410)").await,
-                Err(e) => self.warn_reconnect(&e),
+                Err(e) => {
+                    asked = retry_after(&e);
+                    self.warn_reconnect(&e);
+                }
             }
         }
     }
@@ -620,6 +626,7 @@ impl Follower {
         if first {
             self.relist_backoff = self.shared.backoff();
         }
+        let mut asked = None;
         loop {
             if self.abandoned() {
                 return false;
@@ -629,6 +636,7 @@ impl Follower {
                 &self.cancel,
                 &mut self.relist_backoff,
                 &mut first,
+                asked.take(),
                 established,
             )
             .await
@@ -650,7 +658,10 @@ impl Follower {
                     }
                     return true;
                 }
-                Err(e) => self.warn_reconnect(&e),
+                Err(e) => {
+                    asked = retry_after(&e);
+                    self.warn_reconnect(&e);
+                }
             }
         }
     }
@@ -666,16 +677,19 @@ impl Follower {
     }
 }
 
-/// Waits out the backoff (unless `first`), then runs `attempt`; `None` when
-/// cancelled first.
+/// Waits out the backoff (unless `first`), at least what the server `asked` for (its
+/// `Retry-After`), then runs `attempt`; `None` when cancelled first.
 async fn attempt<T>(
     cancel: &CancellationToken,
     backoff: &mut crate::net::Backoff,
     first: &mut bool,
+    asked: Option<Duration>,
     attempt: impl Future<Output = T>,
 ) -> Option<T> {
-    if !std::mem::take(first) {
-        let delay = backoff.next_delay(random_unit());
+    if !std::mem::take(first) || asked.is_some() {
+        let delay = backoff
+            .next_delay(random_unit())
+            .max(asked.unwrap_or_default());
         tokio::select! {
             biased;
             () = cancel.cancelled() => return None,

@@ -98,7 +98,10 @@ use crate::net::RateLimitedWarn;
 ///   the server ends is opened again from the last version seen (bookmarks keep it
 ///   fresh); one silent past its timeout + 10 s is opened again; a version gone (410)
 ///   reads everything afresh and ends in one `Resync`
-///   ([`DiscoveryStats::reconnects`]).
+///   ([`DiscoveryStats::reconnects`]); a continue token gone part-way through a list
+///   (410) starts the read again, with no `Resync` of its own. A watch opened again
+///   or a read afresh that the server refuses is retried with backoff, and waits at
+///   least the `Retry-After` (at most 30 s) of a 429 or 5xx that names one.
 /// - **Writing** needs a [`PodIdentity`]: `register` server-side-applies this
 ///   process's resource (field manager `dynamo-worker`, `force`, owner reference to the
 ///   pod — `controller: true` in pod mode, `false` in container mode — all four maps),

@@ -14,6 +14,9 @@ mod kube_api;
 mod suite;
 #[cfg(all(feature = "kube", feature = "test-support"))]
 mod support;
+#[cfg(all(feature = "kube", feature = "test-support"))]
+#[path = "discovery_kube/wire.rs"]
+mod wire;
 
 #[cfg(not(all(feature = "kube", feature = "test-support")))]
 #[test]

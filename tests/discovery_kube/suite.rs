@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use crate::kube_api::KubeApi;
 use crate::support::{assert_fired_at, within};
 
-const NS: &str = "testns";
+pub(crate) const NS: &str = "testns";
 const FIXTURES: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/tests/fixtures/dynamo-1.6.1-kube"
@@ -30,14 +30,14 @@ const FIXTURES: &str = concat!(
 static POD: AtomicU64 = AtomicU64::new(0);
 
 /// A fresh pod, ready in its own EndpointSlice: (name, uid).
-fn ready_pod(api: &KubeApi) -> (String, String) {
+pub(crate) fn ready_pod(api: &KubeApi) -> (String, String) {
     let n = POD.fetch_add(1, Ordering::Relaxed);
     let (name, uid) = (format!("worker-{n}"), format!("uid-{n}"));
     api.ready_slice(NS, &format!("slice-{n}"), &[(&name, &uid, true)]);
     (name, uid)
 }
 
-fn builder(api: &KubeApi) -> eventplane::discovery::KubeDiscoveryBuilder {
+pub(crate) fn builder(api: &KubeApi) -> eventplane::discovery::KubeDiscoveryBuilder {
     KubeDiscovery::builder()
         .client(api.client())
         .namespaces([NS])
@@ -46,7 +46,7 @@ fn builder(api: &KubeApi) -> eventplane::discovery::KubeDiscoveryBuilder {
 }
 
 /// A backend that only reads namespace `NS`, with every default.
-async fn reader(api: &KubeApi) -> KubeDiscovery {
+pub(crate) async fn reader(api: &KubeApi) -> KubeDiscovery {
     KubeDiscovery::builder()
         .client(api.client())
         .namespaces([NS])
@@ -55,7 +55,7 @@ async fn reader(api: &KubeApi) -> KubeDiscovery {
         .unwrap()
 }
 
-async fn backend(api: &KubeApi) -> KubeDiscovery {
+pub(crate) async fn backend(api: &KubeApi) -> KubeDiscovery {
     let (name, uid) = ready_pod(api);
     builder(api)
         .pod(PodIdentity::new(name, uid, NS))
@@ -64,11 +64,11 @@ async fn backend(api: &KubeApi) -> KubeDiscovery {
         .unwrap()
 }
 
-async fn next(s: &mut DiscoveryStream) -> DiscoveryEvent {
+pub(crate) async fn next(s: &mut DiscoveryStream) -> DiscoveryEvent {
     within(s.next()).await.unwrap().unwrap()
 }
 
-async fn synced(d: &KubeDiscovery, q: Query) -> DiscoveryStream {
+pub(crate) async fn synced(d: &KubeDiscovery, q: Query) -> DiscoveryStream {
     let mut s = d.watch(q, CancellationToken::new()).await.unwrap();
     loop {
         if let DiscoveryEvent::Resync(_) = next(&mut s).await {
@@ -77,7 +77,7 @@ async fn synced(d: &KubeDiscovery, q: Query) -> DiscoveryStream {
     }
 }
 
-fn id(ns: &str, n: u64) -> ChannelId {
+pub(crate) fn id(ns: &str, n: u64) -> ChannelId {
     ChannelId::new(ns, "kvworker", "kv-events", n).unwrap()
 }
 
@@ -339,13 +339,13 @@ async fn the_recovery_endpoint_travels_in_the_resource() {
     drop(registration);
 }
 
-fn resource(name: &str, uid: &str, data: Value) -> Value {
+pub(crate) fn resource(name: &str, uid: &str, data: Value) -> Value {
     json!({"metadata": {"name": name, "ownerReferences": [{"apiVersion": "v1", "kind": "Pod",
             "name": name, "uid": uid, "controller": true, "blockOwnerDeletion": false}]},
            "spec": {"data": data}})
 }
 
-fn channel(ns: &str, publisher: u64, endpoint: &str) -> (String, Value) {
+pub(crate) fn channel(ns: &str, publisher: u64, endpoint: &str) -> (String, Value) {
     let key = format!("namespace/{ns}/component/c/endpoint/generate/topic/kv/{publisher:x}");
     let value = json!({"type": "EventChannel",
         "scope": {"kind": "endpoint", "endpoint": {"namespace": ns, "component": "c", "name": "generate"}},
@@ -705,7 +705,7 @@ async fn an_error_answer_is_read_to_a_bound() {
 
 /// Puts `n` resources (one publisher each, in Dynamo namespace `dyn`) and the slices
 /// making their pods ready.
-fn populate(api: &KubeApi, n: u64) {
+pub(crate) fn populate(api: &KubeApi, n: u64) {
     let mut names = Vec::new();
     for i in 0..n {
         let (k, v) = channel(
@@ -1176,7 +1176,7 @@ async fn a_view_of_16384_resources_is_bounded() {
 }
 
 /// A worker's resource advertising publisher `n` of Dynamo namespace `ns`.
-fn worker_in(api: &KubeApi, ns: &str, n: u64) {
+pub(crate) fn worker_in(api: &KubeApi, ns: &str, n: u64) {
     let (name, uid) = ready_pod(api);
     let (k, v) = channel(ns, n, &format!("tcp://10.0.0.1:{n}"));
     api.put(

@@ -91,9 +91,105 @@ async fn a_broker_in_kube_mode_relays_a_publisher_found_only_through_its_resourc
     assert!(within(bus.open_stream("prod", 43, &other)).await.is_err());
     drop(broker);
     bus.shutdown().await;
+    // It spoke HTTPS (the server serves nothing else) with the kubeconfig's token.
+    let log = api.log();
+    assert!(log.iter().all(|l| l.authorized), "{log:#?}");
     // Everything the broker asked the API server, against the Role the manifests
     // give it.
-    the_role_grants_exactly(&requests(&api.log()));
+    the_role_grants_exactly(&requests(&log));
+}
+
+/// Where a pod's service account is mounted (kube-rs reads `token`, `ca.crt` and
+/// `namespace` there when it finds its API server in-cluster).
+const SERVICE_ACCOUNT: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+
+/// A broker in kube mode with no kubeconfig finds its API server as in a pod:
+/// `KUBERNETES_SERVICE_HOST` / `_PORT`, and the service account's token and CA
+/// mounted at [`SERVICE_ACCOUNT`] (bind-mounted in a mount namespace of its own, over
+/// a tmpfs on /var/run: root and `unshare`, as CI has; skipped elsewhere). The server
+/// answers 401 without the token, so the relayed stream proves the token was read,
+/// and HTTPS with the test CA proves `ca.crt` was.
+/// `EVENTPLANE_SERVICES_DIR` points it at an installed broker (.ci/run's .deb).
+#[tokio::test]
+async fn a_broker_in_kube_mode_finds_its_api_server_in_cluster() {
+    let can_unshare = std::process::Command::new("unshare")
+        .args(["--mount", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !can_unshare {
+        assert!(
+            std::env::var_os("EVENTPLANE_REQUIRE_ROOT_TESTS").is_none(),
+            "EVENTPLANE_REQUIRE_ROOT_TESTS is set (.ci/run sets it): this test must run \
+             (unshare --mount failed)"
+        );
+        eprintln!("SKIPPED: an in-cluster service account needs root (unshare --mount)");
+        return;
+    }
+    let api = crate::kube_api::KubeApi::start().await;
+    let tls = server_tls(fixture("bus.pem"), fixture("bus.key")).unwrap();
+    let bus = EventBus::bind("127.0.0.1:0", tls, clients(), EventBusConfig::default())
+        .await
+        .unwrap();
+    let publisher = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
+        .await
+        .unwrap();
+    let endpoint = publisher.local_endpoint().unwrap().to_owned();
+    put_worker(&api, &endpoint, "kv-events");
+    let dir = config("kube-in-cluster", "").parent().unwrap().to_owned();
+    let account = api.service_account(&dir.join("serviceaccount"), "dyn");
+    let text = body(
+        &format!("https://localhost:{}", bus.local_addr().port()),
+        &dir,
+        &["tcp://127.0.0.1:1"],
+        "",
+    )
+    .replace(
+        "static_endpoints = [\"tcp://127.0.0.1:1\"]",
+        "kubernetes = { namespaces = [\"dyn\"] }",
+    );
+    let path = config("kube-in-cluster", &text);
+    let mut command = Command::new("unshare");
+    command.args(["--mount", "--propagation", "private", "sh", "-c"]);
+    command.arg(format!(
+        "mount -t tmpfs tmpfs /var/run && mkdir -p {SERVICE_ACCOUNT} && \
+         mount --bind {} {SERVICE_ACCOUNT} && exec {} \"$@\"",
+        account.display(),
+        example("event-broker").display()
+    ));
+    command.arg("event-broker").arg("--config").arg(&path);
+    // No kubeconfig anywhere: in-cluster it is.
+    command.env_remove("KUBECONFIG").env("HOME", &dir);
+    for (key, value) in api.in_cluster_env() {
+        command.env(key, value);
+    }
+    let broker = command
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    within(async {
+        while bus.brokers_for("prod").is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    // Its view came from the server: the advertised publisher is relayed.
+    let stream = within(bus.open_stream("prod", 42, &endpoint))
+        .await
+        .unwrap();
+    let mut sub = within(SubSocket::handshake(stream, Config::default()))
+        .await
+        .unwrap();
+    sub.subscribe("t").await.unwrap();
+    within(publisher.wait_for_subscribers(1)).await;
+    let message = Message::from_parts([Bytes::from_static(b"t"), Bytes::from_static(b"k")]);
+    publisher.send(message.clone());
+    assert_eq!(within(sub.recv()).await.unwrap(), message);
+    drop(broker);
+    bus.shutdown().await;
+    let log = api.log();
+    assert!(!log.is_empty());
+    assert!(log.iter().all(|l| l.authorized), "{log:#?}");
 }
 
 /// Dynamo's resource for pod `worker-0` in namespace `dyn`, advertising a publisher of

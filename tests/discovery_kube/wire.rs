@@ -1,6 +1,7 @@
 //! `KubeDiscovery` against the API test server's TLS and authentication (test audit
 //! H5), its paged lists' snapshots, its faults between pages and its throttling
-//! (M8, section 3), and an EndpointSlice whose `ready` is null (L2).
+//! (M8, section 3), and an EndpointSlice whose `ready` is null (L2: not ready, as
+//! for Dynamo's router).
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -302,10 +303,11 @@ async fn gateway_timeouts_during_a_read_afresh_are_retried() {
     assert_eq!(timeouts, 3);
 }
 
-/// An endpoint whose `conditions.ready` is null is ready (the API: "a nil value
-/// should be interpreted as ready"); one whose `ready` is false is not.
+/// An endpoint whose `conditions.ready` is null is not ready, as for Dynamo 1.6.1's
+/// router (the API would read it as ready; the view follows Dynamo's), and turns
+/// ready when it says true.
 #[tokio::test]
-async fn an_endpoint_whose_ready_is_null_is_ready() {
+async fn an_endpoint_whose_ready_is_null_is_not_ready_as_for_dynamo() {
     let api = KubeApi::start().await;
     let (k, v) = channel("dyn", 1, "tcp://10.0.0.1:1");
     api.put(
@@ -323,6 +325,8 @@ async fn an_endpoint_whose_ready_is_null_is_ready() {
     };
     api.put("endpointslices", NS, slice(serde_json::Value::Null));
     let d = reader(&api).await;
+    assert!(d.list(Query::new("dyn")).await.unwrap().is_empty());
+    api.put("endpointslices", NS, slice(json!(true)));
     let listed = d.list(Query::new("dyn")).await.unwrap();
     assert_eq!(listed.len(), 1, "{listed:?}");
     api.put("endpointslices", NS, slice(json!(false)));

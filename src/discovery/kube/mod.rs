@@ -47,10 +47,9 @@ use crate::net::RateLimitedWarn;
 ///   `timeoutSeconds=290`. A resource's publishers (its `event_channels` entries of
 ///   endpoint scope, each with the worker its `event_sources` entry names) are visible
 ///   only while readiness names the resource ready with the uid of the pod that owns it
-///   (`ownerReferences`, kind `Pod`): an endpoint whose `conditions.ready` is not
-///   false (null is ready, as the API says) and a `targetRef` {name = the resource's
-///   name, uid}, or a ready container; two uids for one name exclude it. A new pod
-///   incarnation never matches old metadata.
+///   (`ownerReferences`, kind `Pod`): an endpoint with `conditions.ready` and a
+///   `targetRef` {name = the resource's name, uid}, or a ready container; two uids for
+///   one name exclude it. A new pod incarnation never matches old metadata.
 /// - **Records**: Dynamo's, as [`DynamoRecords`](crate::discovery::DynamoRecords)
 ///   describes, keyed by the etcd path without `v1/event_channels/`; the legacy
 ///   trailing `namespace`/`component` fields are accepted and written; a worker's

@@ -331,15 +331,16 @@ impl Shared {
     }
 }
 
-/// The ready contributions of an EndpointSlice (at most `max`): endpoints whose
-/// `conditions.ready` is not false and with a `targetRef` with a name and a uid
-/// (within bounds). A `ready` that is null or absent (no `conditions` at all) is
-/// ready: the API says "a nil value should be interpreted as ready".
+/// The ready contributions of an EndpointSlice (at most `max`): endpoints with
+/// `conditions.ready` true and a `targetRef` with a name and a uid (within bounds).
+/// A `ready` that is null or absent counts as not ready, as Dynamo 1.6.1's router
+/// counts it (the API says to read nil as ready; the view follows Dynamo's, so both
+/// routers see the same workers).
 pub(crate) fn slice_ready(slice: &EndpointSlice, max: usize) -> Vec<Seen> {
     slice
         .endpoints
         .iter()
-        .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) != Some(false))
+        .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
         .filter_map(|e| {
             let target = e.target_ref.as_ref()?;
             let (name, uid) = (target.name.as_ref()?, target.uid.as_ref()?);
@@ -397,24 +398,26 @@ mod tests {
         .unwrap()
     }
 
-    /// `ready` nil is ready (the API's rule); only `false` is not (it was: nil
-    /// counted as not ready, so a server that leaves it out hid every worker).
+    /// Only `ready: true` is ready: nil, absent and false are not (Dynamo 1.6.1's
+    /// join; `serving` is not read).
     #[test]
-    fn a_slice_endpoint_is_ready_unless_ready_is_false() {
+    fn a_slice_endpoint_is_ready_only_when_ready_is_true() {
         let seen = vec![Seen {
             name: "w".into(),
             uid: "u".into(),
         }];
+        assert_eq!(
+            slice_ready(&slice(Some(serde_json::json!({"ready": true}))), 8),
+            seen
+        );
         for ready in [
-            Some(serde_json::json!({"ready": true})),
-            Some(serde_json::json!({"ready": null})),
+            Some(serde_json::json!({"ready": null, "serving": true})),
             Some(serde_json::json!({})),
             Some(serde_json::Value::Null),
+            Some(serde_json::json!({"ready": false, "serving": true})),
             None,
         ] {
-            assert_eq!(slice_ready(&slice(ready.clone()), 8), seen, "{ready:?}");
+            assert!(slice_ready(&slice(ready.clone()), 8).is_empty(), "{ready:?}");
         }
-        let not_ready = slice(Some(serde_json::json!({"ready": false, "serving": true})));
-        assert!(slice_ready(&not_ready, 8).is_empty());
     }
 }

@@ -67,7 +67,10 @@ async fn the_server_is_https_with_a_token_and_its_kubeconfig_carries_both() {
     assert_eq!(d.list(Query::new("dyn")).await.unwrap().len(), 1);
     let log = api.log();
     assert!(!log.is_empty());
-    assert!(log.iter().all(|l| l.authorized && l.fault.is_none()), "{log:#?}");
+    assert!(
+        log.iter().all(|l| l.authorized && l.fault.is_none()),
+        "{log:#?}"
+    );
 }
 
 /// A client with the wrong token, or none, is answered 401 (a `Status`, reason
@@ -134,7 +137,10 @@ async fn a_client_without_the_ca_refuses_the_server() {
                 .await
                 .unwrap();
             let listed = within(d.list(Query::new("dyn"))).await;
-            assert!(matches!(listed, Err(DiscoveryError::Unavailable(_))), "{listed:?}");
+            assert!(
+                matches!(listed, Err(DiscoveryError::Unavailable(_))),
+                "{listed:?}"
+            );
         }
     }
     assert!(api.log().is_empty(), "{:#?}", api.log());
@@ -166,7 +172,10 @@ async fn later_pages_of_a_list_come_from_its_first_pages_snapshot() {
         .await
         .unwrap();
     assert_eq!(names(&rest), ["c", "e"]);
-    assert_eq!(rest.metadata.resource_version, first.metadata.resource_version);
+    assert_eq!(
+        rest.metadata.resource_version,
+        first.metadata.resource_version
+    );
     assert!(rest.metadata.continue_.as_deref().unwrap_or("").is_empty());
     let fresh = slices.list(&ListParams::default()).await.unwrap();
     assert_eq!(names(&fresh), ["a", "b", "c"]);
@@ -264,12 +273,16 @@ async fn throttled_watches_wait_the_retry_after_and_recover() {
         let retry = log.get(i + 1).expect("no request after a 429");
         let waited = retry.at.saturating_duration_since(log[i].at);
         assert!(
-            waited >= Duration::from_millis(900) && waited <= Duration::from_secs(1) + DEADLINE_SLACK,
+            waited >= Duration::from_millis(900)
+                && waited <= Duration::from_secs(1) + DEADLINE_SLACK,
             "the request after a 429 with Retry-After: 1 came {waited:?} later"
         );
     }
     // Both watches opened again: two answered, after the two refused.
-    assert!(log.iter().filter(|l| l.fault.is_none()).count() >= 2, "{log:#?}");
+    assert!(
+        log.iter().filter(|l| l.fault.is_none()).count() >= 2,
+        "{log:#?}"
+    );
     assert!(started.elapsed() >= Duration::from_millis(1800));
     assert_eq!(d.stats().reconnects, 0, "{:?}", d.stats());
 }

@@ -400,12 +400,22 @@ async fn a_source_relay_is_ready_while_the_bus_holds_its_session() {
     let bus = support::restartable_endpoint();
     let listen = bus.trim_start_matches("tcp://");
     let port = listen.rsplit(':').next().unwrap();
-    let mut relay = relay_with(&dir, &engine, "eventplane", port, &["--admin-listen", "127.0.0.1:0"]).await;
+    let mut relay = relay_with(
+        &dir,
+        &engine,
+        "eventplane",
+        port,
+        &["--admin-listen", "127.0.0.1:0"],
+    )
+    .await;
     let mut lines = BufReader::new(relay.stderr.take().unwrap()).lines();
     let admin = admin_address(&mut lines).await;
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     let not_yet = "not ready: no session with the router's bus\n";
-    until(&admin, "/readyz", |status, reason| status == 503 && reason == not_yet).await;
+    until(&admin, "/readyz", |status, reason| {
+        status == 503 && reason == not_yet
+    })
+    .await;
     // Held while no bus answers: still not ready, still alive.
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     assert_eq!(get(&admin, "/readyz").await, (503, not_yet.to_owned()));
@@ -413,6 +423,9 @@ async fn a_source_relay_is_ready_while_the_bus_holds_its_session() {
     let router = router_at(&dir, &[], listen).await;
     until(&admin, "/readyz", |status, _| status == 200).await;
     drop(router);
-    until(&admin, "/readyz", |status, reason| status == 503 && reason == not_yet).await;
+    until(&admin, "/readyz", |status, reason| {
+        status == 503 && reason == not_yet
+    })
+    .await;
     drop(relay);
 }

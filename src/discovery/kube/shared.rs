@@ -417,7 +417,10 @@ mod tests {
             Some(serde_json::json!({"ready": false, "serving": true})),
             None,
         ] {
-            assert!(slice_ready(&slice(ready.clone()), 8).is_empty(), "{ready:?}");
+            assert!(
+                slice_ready(&slice(ready.clone()), 8).is_empty(),
+                "{ready:?}"
+            );
         }
     }
 }

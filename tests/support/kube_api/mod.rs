@@ -507,4 +507,3 @@ fn remove(state: &State, plural: &'static str, namespace: &str, name: &str) -> O
     let _ = state.changes.send(change);
     Some(object)
 }
-

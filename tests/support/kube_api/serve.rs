@@ -87,9 +87,10 @@ fn injected(fault: Fault) -> Response<Body> {
     }
     let mut response = full(StatusCode::from_u16(fault.code).unwrap(), body);
     if let Some(after) = fault.retry_after {
-        response
-            .headers_mut()
-            .insert(hyper::header::RETRY_AFTER, hyper::header::HeaderValue::from(after));
+        response.headers_mut().insert(
+            hyper::header::RETRY_AFTER,
+            hyper::header::HeaderValue::from(after),
+        );
     }
     response
 }
@@ -348,8 +349,12 @@ fn list(
         .filter(|o| after.as_ref().is_none_or(|a| name(o).as_str() > a.as_str()))
         .collect();
     let items: Vec<Value> = rest.iter().take(limit).map(|o| Value::clone(o)).collect();
-    let more = (rest.len() > items.len())
-        .then(|| format!("{list_rv}:{id}:{}", items.last().map(name).unwrap_or_default()));
+    let more = (rest.len() > items.len()).then(|| {
+        format!(
+            "{list_rv}:{id}:{}",
+            items.last().map(name).unwrap_or_default()
+        )
+    });
     if more.is_none() {
         // Its last page: the snapshot goes.
         s.snapshots.remove(&id);

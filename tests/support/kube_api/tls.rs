@@ -41,8 +41,7 @@ pub(super) fn server_config() -> Arc<rustls::ServerConfig> {
 
 /// Standard base64 with padding (a kubeconfig's `certificate-authority-data`).
 pub(super) fn base64(data: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] =
-        b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
     for chunk in data.chunks(3) {
         let b = [
@@ -76,7 +75,10 @@ pub(super) fn kubeconfig_text(
             base64(&std::fs::read(path).unwrap())
         )
     });
-    let user = token.map_or_else(|| "  user: {}\n".to_owned(), |t| format!("  user:\n    token: {t}\n"));
+    let user = token.map_or_else(
+        || "  user: {}\n".to_owned(),
+        |t| format!("  user:\n    token: {t}\n"),
+    );
     format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {server}\n{ca}\
          contexts:\n- name: test\n  context:\n    cluster: test\n    user: test\n    namespace: {namespace}\n\

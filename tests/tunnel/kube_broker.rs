@@ -69,23 +69,7 @@ async fn a_broker_in_kube_mode_relays_a_publisher_found_only_through_its_resourc
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    within(async {
-        while bus.brokers_for("prod").is_empty() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
-    let stream = within(bus.open_stream("prod", 42, &endpoint))
-        .await
-        .unwrap();
-    let mut sub = within(SubSocket::handshake(stream, Config::default()))
-        .await
-        .unwrap();
-    sub.subscribe("t").await.unwrap();
-    within(publisher.wait_for_subscribers(1)).await;
-    let message = Message::from_parts([Bytes::from_static(b"t"), Bytes::from_static(b"k")]);
-    publisher.send(message.clone());
-    assert_eq!(within(sub.recv()).await.unwrap(), message);
+    relays(&bus, &publisher, &endpoint).await;
     // A publisher no resource advertises is not in the broker's view: refused.
     let other = unadvertised.local_endpoint().unwrap().to_owned();
     assert!(within(bus.open_stream("prod", 43, &other)).await.is_err());
@@ -167,24 +151,8 @@ async fn a_broker_in_kube_mode_finds_its_api_server_in_cluster() {
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    within(async {
-        while bus.brokers_for("prod").is_empty() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
     // Its view came from the server: the advertised publisher is relayed.
-    let stream = within(bus.open_stream("prod", 42, &endpoint))
-        .await
-        .unwrap();
-    let mut sub = within(SubSocket::handshake(stream, Config::default()))
-        .await
-        .unwrap();
-    sub.subscribe("t").await.unwrap();
-    within(publisher.wait_for_subscribers(1)).await;
-    let message = Message::from_parts([Bytes::from_static(b"t"), Bytes::from_static(b"k")]);
-    publisher.send(message.clone());
-    assert_eq!(within(sub.recv()).await.unwrap(), message);
+    relays(&bus, &publisher, &endpoint).await;
     drop(broker);
     bus.shutdown().await;
     let log = api.log();
@@ -350,4 +318,24 @@ fn the_deployment_probes_the_admin_endpoint_and_runs_unprivileged() {
             .map(|t| t.contains("kubernetes")),
         Some(true)
     );
+}
+
+/// Once a broker joined `bus` for "prod", a subscriber through it (publisher 42 at
+/// `endpoint`) receives what `publisher` sends.
+async fn relays(bus: &EventBus, publisher: &PubSocket, endpoint: &str) {
+    within(async {
+        while bus.brokers_for("prod").is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let stream = within(bus.open_stream("prod", 42, endpoint)).await.unwrap();
+    let mut sub = within(SubSocket::handshake(stream, Config::default()))
+        .await
+        .unwrap();
+    sub.subscribe("t").await.unwrap();
+    within(publisher.wait_for_subscribers(1)).await;
+    let message = Message::from_parts([Bytes::from_static(b"t"), Bytes::from_static(b"k")]);
+    publisher.send(message.clone());
+    assert_eq!(within(sub.recv()).await.unwrap(), message);
 }

@@ -1,26 +1,49 @@
 #!/usr/bin/env python3
 """Regenerates every figure of README.md's performance section at HEAD, each beside its
-peer from the same run, and writes them between the README's figure markers.
+peer from the same run, writes them between the README's figure markers, and keeps the
+run's raw values in figures.json beside the README, from which --check re-renders them.
 
     tools/figures.py [--runs N] [--quick] [--before REV] [--only NAME,...]
-                     [--write README.md | --out FILE]
-    tools/figures.py --check README.md
+                     [--write README.md [--json FILE]] [--out FILE]
+    tools/figures.py --check README.md [--json FILE]
+    tools/figures.py --compare target/figures/quick.json [--json FILE]
+    tools/figures.py --self-test
 
-Runs each source below N times (criterion benches, the demo, the memory tests) and
-reports medians (ranges for figures a bench prints), every table stamped with the
-commit, machine and date it was measured at. `--before REV` builds `subscribe` and
-the KV relay at REV in a worktree and runs them in the same loops as today's
-(`EVENTPLANE_SUBSCRIBE_BEFORE`, `EVENTPLANE_KV_RELAY_BEFORE`). `--quick` runs
-criterion's quick mode with small sizes: it checks that every source still runs and
-parses, its figures are not for the README (it never writes README.md unless told to).
-`--only` runs some sources (`--list` names them); the others keep the figures the
-README has. Logs go to target/figures/. `--check README.md` runs nothing: it fails
-unless the README's block has every source's section, all from full runs at one
-committed tree (.ci/run calls it).
+Runs each source below N times (criterion benches, the demo, the memory tests, the
+Kubernetes view test) and reports medians (ranges for figures a bench prints), every
+table stamped with the commit, machine and date it was measured at. `--before REV`
+builds `subscribe` and the KV relay at REV in a worktree and runs them in the same loops
+as today's (`EVENTPLANE_SUBSCRIBE_BEFORE`, `EVENTPLANE_KV_RELAY_BEFORE`). `--only` runs
+some sources (`--list` names them); the others keep their values. Logs go to
+target/figures/.
 
-Needs what .ci/run installs (libzmq3-dev, etcd, protoc, Dynamo's virtualenv) and about
-15 minutes per run on a 2-core machine once built (the first build takes longer); run
-nothing else meanwhile.
+Every run writes its rendering to `--out` (target/figures/figures.md by default) and its
+raw values beside it (the same name, `.json`). `--write README.md` also rewrites the
+README's block and stores the run's values in figures.json beside it (the repository's
+root; `--json` names another file): per source the commit (full SHA), machine, date,
+number of runs, `--before` revision, stamp line and every run's values. Commit both.
+
+`--check README.md` runs nothing: it re-renders the block from figures.json with the
+same render() and fails unless the README's block is byte for byte that (a hand-edited
+figure or stamp fails), every source is there from one full run (not quick mode, not
+an uncommitted tree) at one commit, and that commit exists and is an ancestor of HEAD
+(`git merge-base --is-ancestor`). It prints, without failing, the commits since that
+touch src/, services/ or benches/. Without figures.json it fails: "no figures.json:
+regenerate with tools/figures.py --write README.md".
+
+`--quick` runs criterion's quick mode and smaller sizes: it checks that every source
+still runs and parses; its figures are not for the README (it never writes README.md
+unless told to). `--compare QUICK_JSON` compares such a run's values (quick.json beside
+`--out`) with figures.json for the keys of QUICK_COMPARE, each with its direction and
+ratio: it fails on a 3x regression. `--self-test` renders a README from synthetic values
+through the JSON and checks that --check and --compare pass it and fail its mutations.
+
+To regenerate (a full run; needs what .ci/run installs: libzmq3-dev, etcd, protoc,
+Dynamo's virtualenv; about 15 minutes per run on a 2-core machine once built, the first
+build takes longer; run nothing else meanwhile), on a committed tree:
+
+    tools/figures.py --runs 3 --write README.md   # add --before REV for the "before" columns
+    git add README.md figures.json && git commit
 """
 
 import argparse
@@ -320,6 +343,10 @@ def src_tunnel(ctx):
         raise Failed("tunnel_relay: no broker RSS line")
     v["broker/streams"], v["broker/rss"] = float(m.group(1)), float(m.group(2))
     v["broker/idle"], v["broker/per_stream"] = float(m.group(3)), float(m.group(4))
+    # The bound the bench asserts per stream, read from its source (not repeated here).
+    v["bound/per_stream"] = grab(r"^const MAX_KIB_PER_STREAM: u64 = (\d+);",
+                                 (ROOT / "benches/tunnel_relay.rs").read_text(),
+                                 "benches/tunnel_relay.rs MAX_KIB_PER_STREAM")
     return v
 
 
@@ -361,7 +388,17 @@ MEMORY_TESTS = [
     ["--test", "allocations"],
     ["--test", "forged_lengths"],
     ["--test", "tunnel", "never_reads_costs"],
+    ["--test", "tunnel", "a_greedy_router_that_stops_reading"],
+    ["--test", "tunnel", "a_flood_on_the_admin_port"],
 ]
+# How many figures the memory tests print (one line each).
+BOUND_FIGURES = 12
+
+
+def rss_slack_kib():
+    """`tests/support`'s RSS_SLACK (what the admin flood test asserts), in KiB."""
+    text = (ROOT / "tests/support/mod.rs").read_text()
+    return grab(r"^pub const RSS_SLACK: u64 = (\d+) << 20;", text, "tests/support RSS_SLACK") * 1024
 
 
 def src_bounds(ctx):
@@ -378,13 +415,55 @@ def src_bounds(ctx):
         text = run(["cargo", "test", "--all-features"] + args
                    + ["--", "--nocapture", "--test-threads=1"], log)
         # libtest prints a test's name, then its output, on one line: not anchored.
-        for m in re.finditer(r"figure: (.+?): \+?(\d+) KiB([^\n]*?)\(bound (\d+) KiB\)", text):
+        for m in re.finditer(r"figure: (.+?): (\+?)(\d+) KiB([^\n]*?)\(bound (\d+) KiB\)", text):
+            what = m.group(1)
+            v[f"{what}/kib"] = float(m.group(3))
+            v[f"{what}/bound"] = float(m.group(5))
+            v[f"{what}/kind"] = "allocated" if "allocated" in m.group(4) else "peak RSS"
+            # "+N KiB": growth over the process's size before the attack; "N KiB": all of it.
+            v[f"{what}/growth"] = m.group(2) == "+"
+        # The admin port's flood prints no bound: it asserts tests/support's RSS_SLACK.
+        for m in re.finditer(r"figure: (kv-router admin port, [^:\n]+): peak RSS \+(\d+) KiB, "
+                             r"(\d+) of [\d,]+ scrapes unanswered", text):
             what = m.group(1)
             v[f"{what}/kib"] = float(m.group(2))
-            v[f"{what}/bound"] = float(m.group(4))
-            v[f"{what}/kind"] = "allocated" if "allocated" in m.group(3) else "peak RSS"
-    if len([k for k in v if k.endswith("/kib")]) < 10:
-        raise Failed(f"memory tests printed {len(v) // 3} figures, expected 10")
+            v[f"{what}/bound"] = rss_slack_kib()
+            v[f"{what}/kind"] = "peak RSS"
+            v[f"{what}/growth"] = True
+    got = len([k for k in v if k.endswith("/kib")])
+    if got < BOUND_FIGURES:
+        raise Failed(f"memory tests printed {got} figures, expected {BOUND_FIGURES}")
+    return v
+
+
+def duration_ms(text, what):
+    """Milliseconds of a Rust `Duration`'s Debug form (`1.223456s`, `812.3ms`, `90µs`)."""
+    m = re.fullmatch(r"([\d.]+)(ns|µs|us|ms|s)", text)
+    if not m:
+        raise Failed(f"{what}: {text!r} is not a duration")
+    return float(m.group(1)) * {"ns": 1e-6, "µs": 1e-3, "us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
+
+
+KUBE_TEST = "tests/discovery_kube/suite.rs"
+
+
+def src_kube(ctx):
+    # Release build: the test times a list and watch of its API test server and
+    # measures a release `kv-router` (prepare() builds the services in release).
+    log = LOGS / f"kube.{ctx.run}.log"
+    text = run(["cargo", "test", "--release", "--all-features", "--test", "discovery_kube", "--",
+                "a_view_of_16384_resources_is_bounded", "--nocapture", "--test-threads=1"], log)
+    m = re.search(r"([\d,]+) resources: listed and followed in (\S+); kv_router RSS (\d+) KiB with "
+                  r"none, (\d+) KiB with them: (\d+) B per resource", text)
+    if not m:
+        raise Failed("discovery_kube: no figure line (a_view_of_16384_resources_is_bounded)")
+    v = {"resources": float(m.group(1).replace(",", "")),
+         "synced_ms": duration_ms(m.group(2), "discovery_kube"),
+         "rss/none": float(m.group(3)), "rss/full": float(m.group(4)),
+         "per_resource": float(m.group(5))}
+    # The bound the test asserts, read from its source (not repeated here).
+    v["bound/per_resource_kib"] = grab(r"assert!\(per_resource <= (\d+) \* 1024",
+                                       (ROOT / KUBE_TEST).read_text(), f"{KUBE_TEST} bound")
     return v
 
 
@@ -392,7 +471,7 @@ SOURCES = {
     "recv": src_recv, "pub": src_pub, "cli": src_cli, "flood": src_flood,
     "discovery": src_discovery, "etcd": src_etcd, "merge": src_merge, "fanin": src_fanin,
     "kv": src_kv, "worker": src_worker, "dynamo": src_dynamo, "tunnel": src_tunnel,
-    "demo": src_demo, "bounds": src_bounds,
+    "demo": src_demo, "bounds": src_bounds, "kube": src_kube,
 }
 
 
@@ -411,7 +490,7 @@ class Figures:
     def __call__(self, key):
         """The median over runs (the first value for text)."""
         vs = self.values(key)
-        return vs[0] if isinstance(vs[0], str) else statistics.median(vs)
+        return vs[0] if isinstance(vs[0], (str, bool)) else statistics.median(vs)
 
     def has(self, key):
         return any(key in r for r in self.runs)
@@ -574,11 +653,12 @@ floods.
     if "bounds" in sections:
         keys = sorted({k.rsplit("/", 1)[0] for r in f.runs for k in r
                        if k.endswith("/kib")}, key=lambda s: (not s.startswith("publish"), s))
-        rows = [[w, f"{f(w + '/kind')}", f"+{f.span(w + '/kib', lambda x: f'{x:.0f}')} KiB",
+        rows = [[w, f"{f(w + '/kind')}" + ("" if f(w + "/growth") else " (the whole process)"),
+                 ("+" if f(w + "/growth") else "") + f"{f.span(w + '/kib', lambda x: f'{x:.0f}')} KiB",
                  f"{f(w + '/bound'):.0f} KiB"] for w in keys]
         section("Bounds under attack, as the tests assert them",
                 "cargo test --all-features --test hostile_sockets --test memory_bounds "
-                "--test allocations --test forged_lengths --test tunnel -- --nocapture", f"""
+                "--test allocations --test forged_lengths --test tunnel -- --nocapture --test-threads=1", f"""
 What each attack of the test suite makes a process hold, against the bound the test
 asserts: the budgets in play for that attack plus a slack for the runtime and the
 allocator (2 MiB for the examples and services, 1 MiB for `event-broker`, 256 KiB or
@@ -588,7 +668,7 @@ the peak as it leaves the process; the peak is reset when the attack starts.
 In-process claims are counted by allocation (`tests/allocations.rs`,
 `tests/forged_lengths.rs`: a global allocator that counts every byte).
 
-{table(["attack", "measured", "grew by", "bound asserted"], rows)}
+{table(["attack", "measured", "figure", "bound asserted"], rows)}
 """)
 
     if "discovery" in sections:
@@ -680,14 +760,12 @@ of at most `max_buffered_bytes` + 32 MiB + {f('bound/flood_kib'):.0f} KiB per pu
                 for op in ("encode", "decode")]
         section("KV pipeline", "cargo bench --bench kv_processor", f"""
 Coalescer + ref-counted dedup + id stamping (`kv::Pipeline`), one core, a fresh
-pipeline per iteration, lists of 16 engine events of 4 blocks each, into a null sink
-(target ≥ 5 M):
+pipeline per iteration, lists of 16 engine events of 4 blocks each, into a null sink:
 
 {table(["stream", "throughput"], pipe)}
 
 Engine ingress, batches of 64 engine events (¾ stores of 1–4 blocks of 16 tokens, ¼
-removes of blocks stored earlier in the batch), one core, a fresh pipeline per iteration
-(target: keep up with 1 M engine events/s):
+removes of blocks stored earlier in the batch), one core, a fresh pipeline per iteration:
 
 {table(["wire shape", "`EngineDecoder`", "full path: engine msgpack → decode → pipeline → router-event msgpack"], ingress)}
 
@@ -701,6 +779,9 @@ may claim more elements than it has bytes):
     if "demo" in sections:
         loaded = lambda key: f(f"loaded/{key}")
         drop_pct = 100 * loaded("engine_lost") / max(loaded("published"), 1)
+        unaccounted = [x for r in f.runs for key, x in r.items() if key.endswith("/unaccounted")]
+        zero = (f"0 in every run below" if not any(unaccounted)
+                else "**not 0 below: events went missing uncounted**")
         rows = [[f"`demo --seconds {f('default/seconds'):.0f}` (defaults: 4 engines, 40 k events/s)",
                  f"{f('default/rate'):,.0f}",
                  f"{f('default/applied') * f('default/rate') / max(f('default/published'), 1):,.0f}",
@@ -715,7 +796,7 @@ may claim more elements than it has bytes):
 Engines, workers (`kv::Worker`) and the router in one process on the 2 cores; the
 final table of each run. Engine-side loss is the engines' own PUB queues dropping
 (counted there and seen by the workers as sequence gaps); "unaccounted" is what no
-counter explains (always 0).
+counter explains ({zero}).
 
 {table(["run", "engine events/s in", "router events/s applied", "lost at the engines' PUBs", "router drops", "unaccounted"], rows)}
 """)
@@ -740,7 +821,8 @@ flight:
 
 The `event-broker` process with {f("broker/streams"):.0f} open streams, each carrying a ZMTP
 connection: RSS {f.span("broker/rss", lambda x: f"{x:.1f}")} MiB ({f("broker/idle"):.1f} MiB idle,
-{f.span("broker/per_stream", lambda x: f"{x:.1f}")} KiB per stream; asserted at most 48 KiB).
+{f.span("broker/per_stream", lambda x: f"{x:.1f}")} KiB per stream; asserted at most {f("bound/per_stream"):.0f} KiB,
+`MAX_KIB_PER_STREAM` in `benches/tunnel_relay.rs`).
 """)
 
     if "dynamo" in sections:
@@ -802,6 +884,24 @@ from `/proc`.
 {table(["`kv-relay`", "engine events per CPU-second", "engine events/s (closed loop)", "peak RSS"], rows)}
 """)
 
+    if "kube" in sections:
+        rows = [["list and watch, until the watch's `Resync` of every resource",
+                 f.span("synced_ms", lambda x: f"{x / 1e3:.2f} s")],
+                ["RSS of a `kv-router --kube` process holding that view (against one holding none)",
+                 f"{f('rss/full') / 1024:.1f} MiB ({f('rss/none') / 1024:.1f} MiB)"],
+                ["memory per resource in the view",
+                 f.span("per_resource", lambda x: f"{x / 1024:.1f} KiB")]]
+        n = int(f("resources"))
+        section("Discovery on Kubernetes", "cargo test --release --all-features --test discovery_kube "
+                "-- a_view_of_16384_resources_is_bounded --nocapture", f"""
+`KubeDiscovery` against the Kubernetes API test server (`tests/support/kube_api.rs`)
+serving {n:,} `DynamoWorkerMetadata` resources (one publisher each); the process figures
+are a release `kv-router --kube` reading the same view. The test asserts the view's count
+and at most {f("bound/per_resource_kib"):.0f} KiB per resource.
+
+{table(["what", "figure"], rows)}
+""")
+
     return "\n".join(parts)
 
 
@@ -816,14 +916,6 @@ def machine():
         if line.startswith("MemTotal:"):
             mem = int(line.split()[1]) / (1 << 20)
     return f"{os.cpu_count()}-core {cpu}, {mem:.0f} GiB"
-
-
-def commit():
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                         text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
-    return rev + ("-dirty" if dirty else "")
 
 
 def before_tree(rev):
@@ -880,59 +972,492 @@ class Ctx:
 
 
 # The README's order of sections: every source, once.
-ORDER = ["recv", "pub", "cli", "flood", "bounds", "discovery", "etcd", "merge", "fanin",
+ORDER = ["recv", "pub", "cli", "flood", "bounds", "discovery", "etcd", "kube", "merge", "fanin",
          "kv", "demo", "tunnel", "dynamo", "worker"]
 assert sorted(ORDER) == sorted(SOURCES), "ORDER must name every source once"
 
 
+# --- the committed raw values --------------------------------------------------------
+#
+# figures.json, at the repository's root beside README.md (next to whichever README
+# `--write` and `--check` are given; `--json FILE` names another), holds every value of
+# the full run the README's block was rendered from:
+#
+#   {"format": 1,
+#    "sources": {NAME: {"commit": full SHA measured, "abbrev": its short form,
+#                       "dirty": false, "quick": false, "machine": "...",
+#                       "date": "YYYY-MM-DD", "runs": N, "before": REV or null,
+#                       "stamp": the stamp line the section starts with,
+#                       "values": [one {key: value} per run]}}}
+#
+# `--check` re-renders the block from it with render() and compares byte for byte.
+
+JSON_NAME = "figures.json"
+FORMAT = 1
+NO_JSON = "no {json}: regenerate with tools/figures.py --write README.md"
+
+
+def git(*args):
+    # An identity for the self-test's `commit-tree`, where git has none configured.
+    env = dict(os.environ, GIT_AUTHOR_NAME="figures", GIT_AUTHOR_EMAIL="figures@localhost",
+               GIT_COMMITTER_NAME="figures", GIT_COMMITTER_EMAIL="figures@localhost")
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, env=env)
+
+
+def head_commit():
+    """(full SHA of HEAD, its short form, whether tracked files differ from it)."""
+    full = git("rev-parse", "HEAD").stdout.strip()
+    short = git("rev-parse", "--short", "HEAD").stdout.strip()
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no").stdout.strip())
+    return full, short, dirty
+
+
+def stamp_text(rec):
+    """The line every section of a source starts with, from its record's fields."""
+    of = f"the median of {rec['runs']} runs" if rec["runs"] > 1 else "one run"
+    return (f"*Measured at `{rec['abbrev']}{'-dirty' if rec['dirty'] else ''}` on {rec['machine']}, "
+            f"{rec['date']}, {of} of `tools/figures.py`"
+            + (" in quick mode (not figures to publish)" if rec["quick"] else "") + ".*")
+
+
+class Scoped:
+    """One source's values over its runs, as render() reads them."""
+
+    def __init__(self, runs, before=None):
+        self.runs = runs
+        self.before = before
+        self.f = Figures(runs)
+
+    def __call__(self, key):
+        return self.f(key)
+
+    def has(self, key):
+        return self.f.has(key)
+
+    def span(self, key, fmt):
+        return self.f.span(key, fmt)
+
+    def ratio(self, a, b):
+        """The median over runs of a / b, each run's pair from that run."""
+        rs = [r[a] / r[b] for r in self.runs if a in r and b in r]
+        if not rs:
+            raise Failed(f"no runs with both {a} and {b}")
+        return statistics.median(rs)
+
+
+def render_source(name, rec):
+    """A source's README section, from its record alone."""
+    return render({name}, Scoped(rec["values"], rec.get("before")), rec["stamp"])
+
+
+def block_text(bodies):
+    """What goes between the README's markers."""
+    return "\n" + "\n".join(f"<!-- figure: {n} -->\n{bodies[n]}" for n in ORDER if n in bodies) + "\n"
+
+
 def split_block(text):
     """The README's text before, inside and after the figure markers, and the sections
-    inside: (head, {name: body}, stray text outside any section, tail); None without
-    markers."""
+    inside: (head, block, {name: body}, tail); None without markers."""
     if BEGIN not in text or END not in text:
         return None
     head, rest = text.split(BEGIN, 1)
     block, tail = rest.split(END, 1)
-    sections, stray = {}, ""
+    sections = {}
     for chunk in re.split(r"(?m)^(?=<!-- figure: )", block):
         mm = re.match(r"<!-- figure: (\w+) -->\n", chunk)
         if mm:
             sections[mm.group(1)] = chunk[mm.end():].strip() + "\n"
-        else:
-            stray += chunk.strip()
-    return head, sections, stray, tail
+    return head, block, sections, tail
 
 
-def check(readme):
-    """Fails unless the README's figure block has every source's section, all stamped by
-    one full run (not quick mode) at one committed tree, and nothing outside them."""
+def json_path(readme, given=None):
+    return pathlib.Path(given) if given else pathlib.Path(readme).parent / JSON_NAME
+
+
+def load_json(path):
+    data = json.loads(pathlib.Path(path).read_text())
+    if data.get("format") != FORMAT:
+        raise Failed(f"{path}: format {data.get('format')!r}, this script reads {FORMAT}")
+    return data
+
+
+def dump_json(data):
+    # Python's float repr round-trips exactly: what is read back renders the same bytes.
+    return json.dumps(data, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def write_readme(readme, data, log=sys.stderr):
+    """Rewrites the README's block from `data`; sources it lacks keep the README's text
+    (`--only` before the first full run: `--check` fails until the JSON has them all)."""
+    text = readme.read_text()
+    split = split_block(text)
+    if split is None:
+        raise Failed(f"{readme} has no figure markers")
+    head, _, kept, tail = split
+    bodies = {n: render_source(n, rec) for n, rec in data["sources"].items()}
+    for n in ORDER:
+        if n not in bodies and n in kept:
+            print(f"figures: {readme}: {n} keeps the README's section (not in the JSON)", file=log)
+            bodies[n] = kept[n]
+    readme.write_text(head + BEGIN + block_text(bodies) + END + tail)
+
+
+def check(readme, jpath, log=sys.stderr):
+    """Fails unless the README's block is exactly what render() makes of the committed
+    JSON, every source in it measured by one full run at one commit of HEAD's history.
+    Lists (without failing) the commits since that touch what the figures measure."""
+    def fail(why):
+        print(f"figures: {readme}: {why}", file=log)
+        return 1
+
     split = split_block(readme.read_text())
     if split is None:
-        print(f"figures: {readme} has no figure markers", file=sys.stderr)
-        return 1
-    _, found, stray, _ = split
-    bad = ["text outside a generated section"] if stray else []
+        return fail("no figure markers")
+    if not jpath.exists():
+        return fail(NO_JSON.format(json=jpath))
+    try:
+        data = load_json(jpath)
+    except (Failed, ValueError) as e:
+        return fail(f"{jpath}: {e}")
+    sources = data.get("sources", {})
+    bad = [f"{jpath} has no values for {n}" for n in ORDER if n not in sources]
+    bad += [f"{jpath} has an unknown source {n}" for n in sources if n not in SOURCES]
     commits = set()
-    for name in ORDER:
-        body = found.get(name)
-        stamp = re.search(r"\*Measured at `([^`]+)`", body or "")
-        if body is None:
-            bad.append(f"no section for {name}")
-        elif not stamp:
-            bad.append(f"{name}: no measurement stamp")
-        elif "in quick mode" in body or stamp.group(1).endswith("-dirty"):
-            bad.append(f"{name}: measured in quick mode or on an uncommitted tree")
-        else:
-            commits.add(stamp.group(1))
+    for n, rec in sorted(sources.items()):
+        try:
+            if rec["quick"] or rec["dirty"]:
+                bad.append(f"{n}: measured in quick mode or on an uncommitted tree")
+            if rec["stamp"] != stamp_text(rec):
+                bad.append(f"{n}: its stamp is not what its commit, machine, date and runs make")
+            if not rec["commit"].startswith(rec["abbrev"]):
+                bad.append(f"{n}: stamp `{rec['abbrev']}` is not commit {rec['commit']}")
+            commits.add(rec["commit"])
+        except (KeyError, TypeError, AttributeError) as e:
+            bad.append(f"{n}: malformed record ({e!r})")
     if len(commits) > 1:
-        bad.append(f"sections measured at different commits ({', '.join(sorted(commits))})")
-    for b in bad:
-        print(f"figures: {readme}: {b} (regenerate: tools/figures.py --write {readme})",
-              file=sys.stderr)
+        bad.append(f"sources measured at different commits ({', '.join(sorted(commits))})")
+    for c in commits:
+        if git("rev-parse", "--verify", "--quiet", f"{c}^{{commit}}").stdout.strip() != c:
+            bad.append(f"measured at {c}, which is no commit of this repository")
+        elif git("merge-base", "--is-ancestor", c, "HEAD").returncode != 0:
+            bad.append(f"measured at {c}, which is not an ancestor of HEAD")
     if not bad:
-        print(f"figures: {readme}: {len(ORDER)} generated sections, measured at {commits.pop()}",
-              file=sys.stderr)
+        try:
+            expected = block_text({n: render_source(n, rec) for n, rec in sources.items()})
+        except (Failed, KeyError, ZeroDivisionError, TypeError) as e:
+            return fail(f"rendering {jpath}: {e!r}")
+        if split[1] != expected:
+            import difflib
+            diff = difflib.unified_diff(expected.splitlines(), split[1].splitlines(),
+                                        f"rendered from {jpath}", str(readme), lineterm="", n=0)
+            bad.append("the block is not what tools/figures.py renders from "
+                       f"{jpath} (hand-edited, or the script changed since):\n"
+                       + "\n".join(list(diff)[:40]))
+    for b in bad:
+        fail(f"{b}\n  (regenerate: tools/figures.py --write {readme})")
+    if bad:
+        return 1
+    c = commits.pop()
+    since = git("log", "--oneline", f"{c}..HEAD", "--", "src", "services", "benches").stdout.strip()
+    print(f"figures: {readme}: {len(ORDER)} sections, rendered from {jpath}, measured at {c[:12]}",
+          file=log)
+    if since:
+        print(f"figures: commits since the measurement that touch src/, services/ or benches/ "
+              f"(the figures may be stale):\n{since}", file=log)
+    return 0
+
+
+# --- the quick run against the committed full run ------------------------------------
+#
+# Quick mode runs criterion with `--quick` (fewer, shorter samples of the same work:
+# every bench keeps its sizes, `tunnel_relay` its 1,000 broker streams), fanin with 256
+# publishers instead of 16,384 and the demo for 1 s instead of 10 and 5. So a quick value
+# is comparable with the full run's only where the work is the same and the figure a
+# rate or a time per operation; the loose ratio (3×) stands for the noise of short
+# samples and of a CI machine that may not be the one of the stamp, and still catches a
+# 3× regression. Compared, ours only:
+#   - criterion rates and times of our code, at sizes that quick mode keeps;
+#   - the demo's loaded rate (engines at 2 M/s: the capacity of the whole path; 1 s is
+#     long enough for a rate);
+#   - discovery_kube's time and memory per resource (the same test at the same size).
+# Not compared: the peers (zeromq, libzmq, Dynamo: not our regressions); `before/*`
+# (only with --before); `*/per_cpu` and `*/cpu_ns` (quick runs may be too short to
+# measure, printed() drops them); fanin (256 publishers, not 16,384: a different
+# regime of every figure); the demo's default run (paced at 40 k events/s: not a
+# capacity); etcd (dominated by etcd's fsync, a property of the disk); flood and bounds
+# (memory, which their tests and benches assert against bounds themselves).
+HIGHER, LOWER = "higher", "lower"
+QUICK_COMPARE = (
+    # source, key, which is better, ratio allowed the wrong way
+    ("recv", "100/recv", HIGHER, 3.0),
+    ("recv", "100/recv_many", HIGHER, 3.0),
+    ("recv", "16384/recv_many", HIGHER, 3.0),
+    ("recv", "session/16", HIGHER, 3.0),
+    ("pub", "eventplane/1", HIGHER, 3.0),
+    ("pub", "eventplane/64", HIGHER, 3.0),
+    ("cli", "eventplane/subscribe", HIGHER, 3.0),
+    ("cli", "eventplane/sub_socket", HIGHER, 3.0),
+    ("discovery", "list/1/ours", LOWER, 3.0),
+    ("discovery", "get/1/ours", LOWER, 3.0),
+    ("discovery", "notify/100", LOWER, 3.0),
+    ("kube", "synced_ms", LOWER, 3.0),
+    ("kube", "per_resource", LOWER, 3.0),
+    ("merge", "dynamic/16", HIGHER, 3.0),
+    ("merge", "dynamic/128", HIGHER, 3.0),
+    ("kv", "pipeline/mixed", HIGHER, 3.0),
+    ("kv", "full/arrays", HIGHER, 3.0),
+    ("kv", "full/maps", HIGHER, 3.0),
+    ("kv", "wire/decode/eventplane", HIGHER, 3.0),
+    ("worker", "kv_relay/rate", HIGHER, 3.0),
+    ("dynamo", "4_block/flood/eventplane/rate", HIGHER, 3.0),
+    ("dynamo", "1_block/flood/eventplane/rate", HIGHER, 3.0),
+    ("tunnel", "throughput/direct", HIGHER, 3.0),
+    ("tunnel", "throughput/tunnel", HIGHER, 3.0),
+    ("tunnel", "throughput/source", HIGHER, 3.0),
+    ("tunnel", "latency/tunnel", LOWER, 3.0),
+    ("tunnel", "latency/source", LOWER, 3.0),
+    ("tunnel", "broker/per_stream", LOWER, 3.0),
+    ("demo", "loaded/rate", HIGHER, 3.0),
+)
+
+
+def compare(quick_path, full_path, log=sys.stderr):
+    """Fails when a value of QUICK_COMPARE in the quick run is worse than the committed
+    full run's by more than its ratio (or is missing from a source the quick run ran)."""
+    if not full_path.exists():
+        print(f"figures: {NO_JSON.format(json=full_path)}", file=log)
+        return 1
+    try:
+        quick, full = load_json(quick_path)["sources"], load_json(full_path)["sources"]
+    except (Failed, ValueError, OSError, KeyError) as e:
+        print(f"figures: --compare: {e}", file=log)
+        return 1
+    bad, lines = [], []
+    for name, key, better, ratio in QUICK_COMPARE:
+        if name not in quick:
+            lines.append(f"  {name}:{key}: not run")
+            continue
+        try:
+            q = Figures(quick[name]["values"])(key)
+            f = Figures(full[name]["values"])(key)
+        except (Failed, KeyError) as e:
+            bad.append(f"{name}:{key}: {e}")
+            continue
+        worse = q < f / ratio if better == HIGHER else q > f * ratio
+        lines.append(f"  {name}:{key}: quick {q:.4g}, full {f:.4g} ({q / f:.2f}×; {better} is better, "
+                     f"{'FAILS' if worse else 'within'} {ratio:g}×)")
+        if worse:
+            bad.append(f"{name}:{key}: quick {q:.4g} against {f:.4g} in {full_path}, "
+                       f"{'below 1/' if better == HIGHER else 'over '}{ratio:g} of it")
+    machines = {r["machine"] for r in list(quick.values()) + list(full.values()) if "machine" in r}
+    print(f"figures: {quick_path} against {full_path}:\n" + "\n".join(lines), file=log)
+    if len(machines) > 1:
+        print(f"figures: measured on different machines: {sorted(machines)}", file=log)
+    for b in bad:
+        print(f"figures: regression: {b}", file=log)
     return 1 if bad else 0
+
+
+# --- self-test: the JSON round trip, without running anything ------------------------
+
+def synthetic_run(rnd):
+    """One run's values for every source, with every key render() and QUICK_COMPARE
+    read (what the sources return), made up: for the self-test only."""
+    r = lambda lo, hi: rnd.uniform(lo, hi)
+    v = {}
+    for p in (16, 100, 1024, 16384):
+        for key in ("recv", "recv_many", "hoard_copied", "hoard_sliced", "zeromq", "libzmq", "raw"):
+            v[f"recv:{p}/{key}"] = r(1e5, 2e7)
+        v[f"recv:{p}/wire"] = float(p + 17)
+    v["recv:session/16"], v["recv:session/1024"] = r(1e7, 5e7), r(1e6, 1e7)
+    for who in ("eventplane", "zeromq", "libzmq"):
+        for n in PUB_SUBSCRIBERS:
+            v[f"pub:{who}/{n}"], v[f"pub:{who}/{n}/cpu_ns"] = r(1e5, 5e6), r(50, 20_000)
+    v["pub:before/1"], v["pub:before/8"] = r(1e6, 3e6), r(1e5, 1e6)
+    for key in ("eventplane/subscribe", "eventplane/sub_socket", "zeromq", "libzmq",
+                "eventplane/subscribe_before"):
+        v[f"cli:{key}"] = r(1e6, 5e6)
+    for who in ("eventplane", "zeromq"):
+        for fl in ("ping", "big+sub", "ignored+sub"):
+            v[f"flood:{who}/{fl}/grown"], v[f"flood:{who}/{fl}/accepted"] = r(0, 100), r(0, 2000)
+            v[f"flood:{who}/{fl}/ending"] = rnd.choice(["disconnected", "still connected"])
+    for i in range(BOUND_FIGURES):
+        what = f"attack number {i} on a process"
+        v[f"bounds:{what}/kib"], v[f"bounds:{what}/bound"] = float(rnd.randint(10, 900)), 1024.0
+        v[f"bounds:{what}/kind"] = rnd.choice(["allocated", "peak RSS"])
+        v[f"bounds:{what}/growth"] = i != 3
+    for op in ("list", "get"):
+        for t in (1, 2):
+            v[f"discovery:{op}/{t}/ours"], v[f"discovery:{op}/{t}/naive"] = r(20, 900), r(50, 1e6)
+    for w in (1, 100, 1000):
+        v[f"discovery:notify/{w}"] = r(1e3, 1e6)
+    for key in ("register/etcd", "register/bare", "register/memory", "notify/1", "notify/100"):
+        v[f"etcd:{key}"] = r(1e3, 5e6)
+    v["etcd:resync/min"], v["etcd:resync/median"], v["etcd:resync/max"] = r(1, 2), r(2, 3), r(3, 9)
+    v.update({"kube:resources": 16384.0, "kube:synced_ms": r(500, 3000), "kube:rss/none": r(9e3, 12e3),
+              "kube:rss/full": r(60e3, 70e3), "kube:per_resource": r(3000, 4000),
+              "kube:bound/per_resource_kib": 8.0})
+    v["merge:bare"] = r(1e6, 5e6)
+    for n in (1, 16, 128):
+        v[f"merge:dynamic/{n}"] = r(1e6, 5e6)
+    v.update({"merge:flood/before": r(10, 20), "merge:flood/peak": r(60, 100),
+              "merge:flood/received": r(1e6, 9e6), "merge:flood/dropped": r(1e5, 1e6)})
+    v.update({"fanin:n": 16384, "fanin:delivered": r(1e6, 3e6), "fanin:connect_s": r(1, 5),
+              "fanin:extra_fds": 12.0, "fanin:idle_kib": r(5, 9), "fanin:bound/extra_fds": 64.0,
+              "fanin:bound/idle_kib": 16.0, "fanin:bound/connect_s": 60.0,
+              "fanin:bound/flood_kib": 80.0, "fanin:flood/before": r(100, 200),
+              "fanin:flood/grown": r(50, 90), "fanin:flood/read_buffers": r(1, 9),
+              "fanin:flood/received": r(1e6, 9e6), "fanin:flood/dropped": r(1e5, 1e6)})
+    for key in ("pipeline/chained_stores", "pipeline/untracked_removes", "pipeline/mixed",
+                "decode/arrays", "decode/maps", "full/arrays", "full/maps"):
+        v[f"kv:{key}"] = r(1e6, 1e8)
+    for op in ("encode", "decode"):
+        for wire in ("eventplane", "dynamo"):
+            v[f"kv:wire/{op}/{wire}"] = r(1e6, 2e7)
+    for run_, seconds in (("default", 10), ("loaded", 5)):
+        published = rnd.randint(100_000, 5_000_000)
+        v.update({f"demo:{run_}/published": published, f"demo:{run_}/engine_lost": rnd.randint(0, 9999),
+                  f"demo:{run_}/applied": rnd.randint(1000, published), f"demo:{run_}/unaccounted": 0,
+                  f"demo:{run_}/rate": rnd.randint(10_000, 2_000_000),
+                  f"demo:{run_}/router_drops": rnd.randint(0, 999), f"demo:{run_}/seconds": seconds})
+    for path in ("direct", "tunnel", "source"):
+        v[f"tunnel:throughput/{path}"], v[f"tunnel:latency/{path}"] = r(1e6, 4e6), r(40, 90)
+    v.update({"tunnel:broker/streams": 1000.0, "tunnel:broker/rss": r(30, 40),
+              "tunnel:broker/idle": r(10, 13), "tunnel:broker/per_stream": r(20, 25),
+              "tunnel:bound/per_stream": 48.0})
+    for shape in DYNAMO_SHAPES:
+        for mode in DYNAMO_MODES:
+            for who in ("eventplane", "dynamo", "eventplane_before"):
+                v[f"dynamo:{shape}/{mode}/{who}/rate"] = r(1e5, 3e6)
+                v[f"dynamo:{shape}/{mode}/{who}/per_cpu"] = r(0.2, 5)
+    for name in ("kv_relay", "kv_relay_before"):
+        v[f"worker:{name}/rate"], v[f"worker:{name}/per_cpu"], v[f"worker:{name}/rss"] = \
+            r(4e5, 7e5), r(1, 4), r(5, 12)
+    return v
+
+
+def records(runs, full, short, dirty, quick, before, machine_, date, chosen):
+    """Each chosen source's record: its values over the runs and what its stamp says."""
+    recs = {}
+    for name in chosen:
+        rec = {"commit": full, "abbrev": short, "dirty": dirty, "quick": quick,
+               "machine": machine_, "date": date, "runs": len(runs), "before": before,
+               "values": [{k.split(":", 1)[1]: x for k, x in r.items() if k.startswith(name + ":")}
+                          for r in runs]}
+        rec["stamp"] = stamp_text(rec)
+        recs[name] = rec
+    return recs
+
+
+def self_test():
+    """Renders a README block from synthetic values through the JSON, checks it passes,
+    then that a changed figure, a fake or foreign stamp, a quick or missing JSON fail
+    --check, and that --compare passes the same values and fails a 4× regression."""
+    import contextlib
+    import copy
+    import io
+    import random
+    import tempfile
+
+    rnd = random.Random(7)
+    runs = [synthetic_run(rnd), synthetic_run(rnd), synthetic_run(rnd)]
+    full, short, _ = head_commit()
+    if not full:
+        print("figures: --self-test needs a git checkout", file=sys.stderr)
+        return 1
+    data = {"format": FORMAT, "sources": records(runs, full, short, False, False, short,
+                                                 "2-core Test CPU, 8 GiB", "2000-01-01", ORDER)}
+    failures = []
+
+    def expect(what, want, fn, *args, says=None):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            got = fn(*args, log=err)
+        ok = got == want and (says is None or says in err.getvalue())
+        print(f"figures: self-test: {'ok  ' if ok else 'FAIL'} {what}", file=sys.stderr)
+        if not ok:
+            failures.append(what)
+            print("  " + err.getvalue().replace("\n", "\n  "), file=sys.stderr)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        readme, jpath = tmp / "README.md", tmp / JSON_NAME
+        readme.write_text(f"# head\n\n{BEGIN}\n{END}\n\n## after\n")
+        expect("no JSON fails, saying how to regenerate", 1, check, readme, jpath,
+               says=NO_JSON.format(json=jpath))
+        jpath.write_text(dump_json(data))
+        if load_json(jpath) != data:
+            failures.append("JSON round trip")
+        write_readme(readme, load_json(jpath), log=io.StringIO())
+        good = readme.read_text()
+        missing = [n for n in ORDER if f"<!-- figure: {n} -->" not in good]
+        if missing or not good.startswith("# head\n\n") or not good.endswith("\n\n## after\n"):
+            failures.append(f"write_readme (sections missing: {missing})")
+        expect("the rendered README passes", 0, check, readme, jpath)
+
+        figure = re.search(r"\*\*(\d)[\d.]* M msg/s\*\*", good)
+        readme.write_text(good[:figure.start(1)] + str((int(figure.group(1)) + 1) % 10)
+                          + good[figure.end(1):])
+        expect(f"a hand-edited figure ({figure.group(0)}) fails", 1, check, readme, jpath,
+               says="is not what tools/figures.py renders")
+        readme.write_text(good.replace(f"*Measured at `{short}`", "*Measured at `0000000`", 1))
+        expect("a hand-edited stamp fails", 1, check, readme, jpath,
+               says="is not what tools/figures.py renders")
+        readme.write_text(good.replace("<!-- figure: kv -->\n", "<!-- figure: kv -->\nhand-written\n"))
+        expect("a hand-written line in the block fails", 1, check, readme, jpath)
+
+        def mutated(what, change, says):
+            bad = copy.deepcopy(data)
+            for rec in bad["sources"].values():
+                change(rec)
+                rec["stamp"] = stamp_text(rec)
+            jpath.write_text(dump_json(bad))
+            write_readme(readme, bad, log=io.StringIO())
+            expect(what, 1, check, readme, jpath, says=says)
+
+        def fake(rec):
+            rec["commit"], rec["abbrev"] = "0" * 40, "0000000"
+        mutated("a stamp at 0000000 fails (no such commit)", fake, "no commit of this repository")
+        orphan = git("commit-tree", "-m", "figures self-test", f"{full}^{{tree}}").stdout.strip()
+
+        def foreign(rec):
+            rec["commit"], rec["abbrev"] = orphan, orphan[:7]
+        mutated("a stamp at a commit outside HEAD's history fails", foreign, "not an ancestor of HEAD")
+        mutated("a quick run fails", lambda rec: rec.update(quick=True), "quick mode")
+        mutated("a dirty tree fails", lambda rec: rec.update(dirty=True), "uncommitted tree")
+        bad = copy.deepcopy(data)
+        bad["sources"]["kv"]["stamp"] = bad["sources"]["kv"]["stamp"].replace(short, "0000000")
+        jpath.write_text(dump_json(bad))
+        write_readme(readme, bad, log=io.StringIO())
+        expect("a stamp not made from its record fails", 1, check, readme, jpath,
+               says="its stamp is not")
+        jpath.write_text(dump_json(data))
+
+        qpath = tmp / "quick.json"
+        quick = copy.deepcopy(data)
+        for rec in quick["sources"].values():
+            rec["quick"] = True
+        qpath.write_text(dump_json(quick))
+        expect("--compare passes the same values", 0, compare, qpath, jpath)
+        for name, key, better, ratio in (QUICK_COMPARE[0], next(c for c in QUICK_COMPARE if c[2] == LOWER)):
+            slow = copy.deepcopy(quick)
+            for r in slow["sources"][name]["values"]:
+                r[key] = r[key] / (ratio + 1) if better == HIGHER else r[key] * (ratio + 1)
+            qpath.write_text(dump_json(slow))
+            expect(f"--compare fails {name}:{key} {ratio + 1:g}× worse", 1, compare, qpath, jpath,
+                   says=f"regression: {name}:{key}")
+        slow = copy.deepcopy(quick)
+        del slow["sources"]["tunnel"]["values"][0]["throughput/tunnel"]
+        slow["sources"]["tunnel"]["values"] = slow["sources"]["tunnel"]["values"][:1]
+        qpath.write_text(dump_json(slow))
+        expect("--compare fails a key the quick run lacks", 1, compare, qpath, jpath)
+        expect("--compare without the full run's JSON fails", 1, compare, qpath, tmp / "none.json",
+               says="no ")
+    if failures:
+        print(f"figures: self-test failed: {failures}", file=sys.stderr)
+        return 1
+    print("figures: self-test passed", file=sys.stderr)
+    return 0
 
 
 def main():
@@ -944,13 +1469,23 @@ def main():
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--write", metavar="README")
     ap.add_argument("--out", metavar="FILE")
+    ap.add_argument("--json", metavar="FILE",
+                    help=f"the committed full run's values (default: {JSON_NAME} beside the README, "
+                         f"or at the repository's root)")
     ap.add_argument("--check", metavar="README")
+    ap.add_argument("--compare", metavar="QUICK_JSON")
+    ap.add_argument("--self-test", action="store_true")
     args = ap.parse_args()
     if args.list:
         print(" ".join(SOURCES))
         return 0
+    if args.self_test:
+        return self_test()
     if args.check:
-        return check(pathlib.Path(args.check))
+        readme = pathlib.Path(args.check)
+        return check(readme, json_path(readme, args.json))
+    if args.compare:
+        return compare(pathlib.Path(args.compare), json_path(ROOT / "README.md", args.json))
     chosen = [s for s in args.only.split(",") if s] or list(SOURCES)
     unknown = [s for s in chosen if s not in SOURCES]
     if unknown:
@@ -975,58 +1510,37 @@ def main():
             print(f"figures: run {i + 1}/{args.runs}: {name} in {time.time() - t:.0f} s", file=sys.stderr)
         runs.append(values)
 
-    class Scoped:
-        def __init__(self, name):
-            self.name = name
-            self.before = args.before
-            self.runs = [{k.split(":", 1)[1]: v for k, v in r.items() if k.startswith(name + ":")}
-                         for r in runs]
-            self.f = Figures(self.runs)
-
-        def __call__(self, key):
-            return self.f(key)
-
-        def has(self, key):
-            return self.f.has(key)
-
-        def span(self, key, fmt):
-            return self.f.span(key, fmt)
-
-        def ratio(self, a, b):
-            """The median over runs of a / b, each run's pair from that run."""
-            rs = [r[a] / r[b] for r in self.runs if a in r and b in r]
-            if not rs:
-                raise Failed(f"no runs with both {a} and {b}")
-            return statistics.median(rs)
-
-    date = datetime.date.today().isoformat()
-    of = f"the median of {args.runs} runs" if args.runs > 1 else "one run"
-    stamp = (f"*Measured at `{commit()}` on {machine()}, {date}, {of} of `tools/figures.py`"
-             + (" in quick mode (not figures to publish)" if args.quick else "") + ".*")
+    full, short, dirty = head_commit()
+    recs = records(runs, full, short, dirty, args.quick, args.before, machine(),
+                   datetime.date.today().isoformat(), chosen)
     blocks = {}
     for name in chosen:
         try:
-            blocks[name] = render({name}, Scoped(name), stamp)
+            blocks[name] = render_source(name, recs[name])
         except (Failed, KeyError, ZeroDivisionError) as e:
             print(f"figures: rendering {name}: {e!r}", file=sys.stderr)
             return 1
-    if args.write:
-        readme = pathlib.Path(args.write)
-        split = split_block(readme.read_text())
-        if split is None:
-            print(f"figures: {readme} has no figure markers", file=sys.stderr)
-            return 1
-        # Sections not rerun keep what the README had.
-        head, kept, _, tail = split
-        kept.update(blocks)
-        body = "\n".join(f"<!-- figure: {n} -->\n{kept[n]}" for n in ORDER if n in kept)
-        readme.write_text(head + BEGIN + "\n" + body + "\n" + END + tail)
-        print(f"figures: wrote {len(blocks)} sections of {readme} in {time.time() - started:.0f} s",
-              file=sys.stderr)
     out = pathlib.Path(args.out) if args.out else LOGS / "figures.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(f"<!-- figure: {n} -->\n{blocks[n]}" for n in ORDER if n in blocks))
-    print(f"figures: {out} ({time.time() - started:.0f} s)", file=sys.stderr)
+    # This run's raw values beside its rendering (quick.md: quick.json, for --compare).
+    out.with_suffix(".json").write_text(dump_json({"format": FORMAT, "sources": recs}))
+    print(f"figures: {out} and {out.with_suffix('.json')} ({time.time() - started:.0f} s)",
+          file=sys.stderr)
+    if args.write:
+        readme = pathlib.Path(args.write)
+        jpath = json_path(readme, args.json)
+        data = load_json(jpath) if jpath.exists() else {"format": FORMAT, "sources": {}}
+        # Sources not rerun keep their values (and stamps) from the JSON.
+        data["sources"].update(recs)
+        try:
+            write_readme(readme, data)
+        except Failed as e:
+            print(f"figures: {e}", file=sys.stderr)
+            return 1
+        jpath.write_text(dump_json(data))
+        print(f"figures: wrote {len(blocks)} sections of {readme} and their values to {jpath} "
+              f"in {time.time() - started:.0f} s", file=sys.stderr)
     return 0
 
 

@@ -894,7 +894,7 @@ from `/proc`.
         n = int(f("resources"))
         section("Discovery on Kubernetes", "cargo test --release --all-features --test discovery_kube "
                 "-- a_view_of_16384_resources_is_bounded --nocapture", f"""
-`KubeDiscovery` against the Kubernetes API test server (`tests/support/kube_api.rs`)
+`KubeDiscovery` against the Kubernetes API test server (`tests/support/kube_api/`)
 serving {n:,} `DynamoWorkerMetadata` resources (one publisher each); the process figures
 are a release `kv-router --kube` reading the same view. The test asserts the view's count
 and at most {f("bound/per_resource_kib"):.0f} KiB per resource.

@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::effects::Injected;
+use crate::engine::unix_ms;
 use crate::faults::{Fault, FaultKind};
 use crate::fidelity::Fidelity;
 use crate::ledger::{RelayExit, Violation};
@@ -114,7 +116,10 @@ pub(crate) struct Cluster {
     pub(crate) violations: Vec<Violation>,
     pub(crate) series: BTreeMap<String, Series>,
     pub(crate) start: Instant,
+    /// Faults that took effect, by kind.
     pub(crate) injected: BTreeMap<&'static str, u64>,
+    /// Every fault that took effect, as injected (the oracle's `effects`).
+    pub(crate) records: Vec<Injected>,
     pub(crate) start_retries: u64,
     pub(crate) fidelity: Fidelity,
 }
@@ -391,59 +396,176 @@ impl Cluster {
         }
     }
 
+    /// Acts on a fault's start or end. A start whose target is not up within 5 s,
+    /// whose signal or link command fails, or whose kill leaves the process running 5 s
+    /// later is an error (the driver's `fault_took_effect` violation) and is neither
+    /// recorded nor counted as injected; an end undoes only a start that took effect.
     pub(crate) async fn act(&mut self, a: &Action) -> Result<(), String> {
         let f = &a.fault;
-        match (f.kind, a.phase) {
-            (FaultKind::RelayKill, Phase::Start) => {
-                self.relay_held[f.target] = true;
-                if let Some(mut p) = self.relays[f.target].take() {
-                    p.signal("KILL");
-                    p.wait(Duration::from_secs(5)).await;
+        let t = f.target;
+        if a.phase == Phase::End {
+            let open = self
+                .records
+                .iter()
+                .rposition(|r| r.kind == f.kind && r.target == t && r.end_ms.is_none());
+            let Some(i) = open else {
+                // Its start failed (already a violation): a held relay is let go.
+                if f.kind == FaultKind::RelayKill {
+                    self.relay_held[t] = false;
                 }
-            }
-            (FaultKind::RelayKill, Phase::End) => {
-                self.relay_held[f.target] = false;
-                if self.relays[f.target].is_none() {
-                    self.spawn_relay(f.target)?;
-                }
-            }
-            (FaultKind::RelayStop, phase) => {
-                if let Some(p) = &self.relays[f.target] {
-                    p.signal(if phase == Phase::Start {
-                        "STOP"
-                    } else {
-                        "CONT"
-                    });
-                }
-            }
-            (FaultKind::EtcdRestart, Phase::Start) => {
-                if let Some(mut p) = self.etcd.take() {
-                    p.signal("KILL");
-                    p.wait(Duration::from_secs(5)).await;
-                }
-            }
-            (FaultKind::EtcdRestart, Phase::End) => self.start_etcd().await?,
-            (FaultKind::RouterPartition, phase) => {
-                if let Some(ns) = &self.ns {
-                    ns.link(f.target, phase == Phase::End)?;
-                    self.partitioned[f.target] = phase == Phase::Start;
-                }
-            }
-            (FaultKind::RouterStall, Phase::Start) => {
-                if let Some(p) = self.routers[f.target].as_mut() {
-                    p.tell(&format!("stall {}", f.hold.as_millis())).await?;
-                }
-            }
-            (FaultKind::RouterRestart, Phase::Start) => {
-                self.quit_router(f.target).await?;
-                self.spawn_router(f.target)?;
-            }
-            _ => {}
+                return Ok(());
+            };
+            let process = self.records[i].process.clone();
+            let undone = self.undo(f, &process).await;
+            self.records[i].end_ms = Some(unix_ms());
+            return undone;
         }
-        if a.phase == Phase::Start {
-            *self.injected.entry(f.kind.name()).or_default() += 1;
+        if !self.await_target(f.kind, t).await {
+            return Err(format!(
+                "the target ({:?} {t}) was not up within 5 s",
+                f.kind
+            ));
         }
+        let start_ms = unix_ms();
+        let at_s = self.elapsed();
+        let process = self.inject(f).await?;
+        let (worker, affects) = match f.kind {
+            FaultKind::RelayKill | FaultKind::RelayStop => (
+                Some(t as u64 + 1),
+                format!("the publishers of worker {} in every router", t + 1),
+            ),
+            FaultKind::EtcdRestart => (None, "every router's discovery".to_owned()),
+            _ => (None, format!("every publisher {process} follows")),
+        };
+        self.records.push(Injected {
+            kind: f.kind,
+            target: t,
+            process,
+            worker,
+            start_ms,
+            end_ms: None,
+            at_s,
+            affects,
+        });
+        *self.injected.entry(f.kind.name()).or_default() += 1;
         Ok(())
+    }
+
+    /// Waits up to 5 s, supervising, for a fault's target to be up: a relay or etcd
+    /// running, a router ready. Whether it is.
+    async fn await_target(&mut self, kind: FaultKind, t: usize) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let up = match kind {
+                FaultKind::RelayKill | FaultKind::RelayStop => {
+                    self.relays.get(t).is_some_and(Option::is_some)
+                }
+                FaultKind::EtcdRestart => self.etcd.is_some(),
+                _ => {
+                    self.routers.get(t).is_some_and(Option::is_some)
+                        && self.router_ready.get(t).copied().unwrap_or(false)
+                }
+            };
+            if up || Instant::now() >= deadline {
+                return up;
+            }
+            self.supervise().await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Injects a fault on its target (up): the name of the process acted on.
+    async fn inject(&mut self, f: &Fault) -> Result<String, String> {
+        let t = f.target;
+        let absent = || format!("{} target {t} is gone", f.kind.name());
+        match f.kind {
+            FaultKind::RelayKill => {
+                self.relays[t].as_ref().ok_or_else(absent)?.signal("KILL")?;
+                let mut p = self.relays[t].take().ok_or_else(absent)?;
+                self.relay_held[t] = true;
+                if p.ended_within(Duration::from_secs(5)).await.is_none() {
+                    p.wait(Duration::from_secs(1)).await;
+                    return Err(format!("{} still ran 5 s after SIGKILL", p.name));
+                }
+                Ok(p.name)
+            }
+            FaultKind::RelayStop => {
+                let p = self.relays[t].as_ref().ok_or_else(absent)?;
+                p.signal("STOP")?;
+                match p.await_stopped(true, Duration::from_secs(1)).await {
+                    Some('T') => Ok(p.name.clone()),
+                    state => {
+                        let _ = p.signal("CONT");
+                        Err(format!(
+                            "{} not stopped after SIGSTOP: state {state:?}",
+                            p.name
+                        ))
+                    }
+                }
+            }
+            FaultKind::EtcdRestart => {
+                let mut p = self.etcd.take().ok_or_else(absent)?;
+                if let Err(e) = p.signal("KILL") {
+                    self.etcd = Some(p);
+                    return Err(e);
+                }
+                if p.ended_within(Duration::from_secs(5)).await.is_none() {
+                    p.wait(Duration::from_secs(1)).await;
+                    return Err(format!("{} still ran 5 s after SIGKILL", p.name));
+                }
+                Ok(p.name)
+            }
+            FaultKind::RouterPartition => {
+                let name = router_name(self, t);
+                let ns = self.ns.as_ref().ok_or("partitions need --no-netns off")?;
+                ns.link(t, false)?;
+                self.partitioned[t] = true;
+                Ok(name)
+            }
+            FaultKind::RouterStall => {
+                let p = self.routers[t].as_mut().ok_or_else(absent)?;
+                p.tell(&format!("stall {}", f.hold.as_millis())).await?;
+                Ok(p.name.clone())
+            }
+            FaultKind::RouterRestart => {
+                let name = router_name(self, t);
+                self.quit_router(t).await?;
+                self.spawn_router(t)?;
+                Ok(name)
+            }
+        }
+    }
+
+    /// Undoes a fault that took effect on `process`: its error if the undoing failed.
+    async fn undo(&mut self, f: &Fault, process: &str) -> Result<(), String> {
+        let t = f.target;
+        match f.kind {
+            FaultKind::RelayKill => {
+                self.relay_held[t] = false;
+                if self.relays[t].is_none() {
+                    self.spawn_relay(t)?;
+                }
+                Ok(())
+            }
+            FaultKind::RelayStop => {
+                let p = self.relays[t]
+                    .as_ref()
+                    .filter(|p| p.name == process)
+                    .ok_or_else(|| format!("{process} is gone before its SIGCONT"))?;
+                p.signal("CONT")?;
+                match p.await_stopped(false, Duration::from_secs(1)).await {
+                    Some('T') => Err(format!("{process} still stopped after SIGCONT")),
+                    _ => Ok(()),
+                }
+            }
+            FaultKind::EtcdRestart => self.start_etcd().await,
+            FaultKind::RouterPartition => {
+                self.partitioned[t] = false;
+                let ns = self.ns.as_ref().ok_or("partitions need --no-netns off")?;
+                ns.link(t, true)
+            }
+            FaultKind::RouterStall | FaultKind::RouterRestart => Ok(()),
+        }
     }
 
     /// Everything up, nothing held: what the settle needs.
@@ -457,8 +579,8 @@ impl Cluster {
     pub(crate) async fn shutdown(&mut self) {
         for w in 0..self.relays.len() {
             if let Some(p) = self.relays[w].as_ref() {
-                p.signal("CONT");
-                p.signal("TERM");
+                let _ = p.signal("CONT");
+                let _ = p.signal("TERM");
             }
         }
         for slot in &mut self.relays {
@@ -477,7 +599,7 @@ impl Cluster {
             p.wait(Duration::from_secs(5)).await;
         }
         if let Some(mut p) = self.etcd.take() {
-            p.signal("TERM");
+            let _ = p.signal("TERM");
             p.wait(Duration::from_secs(5)).await;
         }
     }

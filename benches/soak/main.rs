@@ -11,6 +11,7 @@
 //! process and publisher, and the seed); 2 on a refused argument or a harness failure.
 
 mod cluster;
+mod effects;
 mod engine;
 mod faults;
 mod fidelity;

@@ -96,21 +96,32 @@ impl Namespaces {
             ],
         )?;
         if up {
-            // A link that went down lost its default route.
-            let _ = run(
+            // A link that went down lost its default route: without it the router
+            // never reaches etcd or the relays again, so a failure is the fault's
+            // (a few tries: the link's own route may take a moment to come back).
+            let gateway = format!("10.231.{i}.1");
+            let args = [
+                "netns",
+                "exec",
+                self.name(i),
                 "ip",
-                &[
-                    "netns",
-                    "exec",
-                    self.name(i),
-                    "ip",
-                    "route",
-                    "replace",
-                    "default",
-                    "via",
-                    &format!("10.231.{i}.1"),
-                ],
-            );
+                "route",
+                "replace",
+                "default",
+                "via",
+                gateway.as_str(),
+            ];
+            let mut tries = 0;
+            loop {
+                match run("ip", &args) {
+                    Ok(()) => break,
+                    Err(e) if tries >= 4 => return Err(format!("restoring the route: {e}")),
+                    Err(_) => {
+                        tries += 1;
+                        std::thread::sleep(std::time::Duration::from_millis(50));
+                    }
+                }
+            }
         }
         Ok(())
     }

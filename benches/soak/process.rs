@@ -119,9 +119,37 @@ impl Proc {
             .map_err(|e| format!("{}: {e}", self.name))
     }
 
-    /// Sends `signal` (`KILL`, `TERM`, `STOP`, `CONT`).
-    pub(crate) fn signal(&self, signal: &str) {
-        signal_pid(self.pid, signal);
+    /// Sends `signal` (`KILL`, `TERM`, `STOP`, `CONT`); `kill`'s failure as an error
+    /// naming the process.
+    pub(crate) fn signal(&self, signal: &str) -> Result<(), String> {
+        signal_pid(self.pid, signal).map_err(|e| format!("{}: {e}", self.name))
+    }
+
+    /// Waits up to `within` for the exit: its status, or `None` if it still runs
+    /// (nothing killed: the caller decides).
+    pub(crate) async fn ended_within(
+        &mut self,
+        within: Duration,
+    ) -> Option<std::process::ExitStatus> {
+        tokio::time::timeout(within, self.child.wait())
+            .await
+            .ok()
+            .and_then(Result::ok)
+    }
+
+    /// Whether the kernel shows it stopped (`T` in `/proc/PID/stat`) or not, polled
+    /// for up to `within` until it is as `stopped` says; the last state seen.
+    pub(crate) async fn await_stopped(&self, stopped: bool, within: Duration) -> Option<char> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let state = proc_state(self.pid);
+            if state.is_some_and(|s| (s == 'T') == stopped)
+                || tokio::time::Instant::now() >= deadline
+            {
+                return state;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Waits up to `within` for the exit; kills it after that.
@@ -152,13 +180,33 @@ impl Proc {
     }
 }
 
-pub(crate) fn signal_pid(pid: u32, signal: &str) {
-    let _ = std::process::Command::new("kill")
+/// `kill -SIGNAL PID`; its failure (no such process, a refused signal) as an error.
+pub(crate) fn signal_pid(pid: u32, signal: &str) -> Result<(), String> {
+    let status = std::process::Command::new("kill")
         .arg(format!("-{signal}"))
         .arg(pid.to_string())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
-        .status();
+        .status()
+        .map_err(|e| format!("kill -{signal} {pid}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("kill -{signal} {pid}: {status}"))
+    }
+}
+
+/// A process's state letter (`R`, `S`, `T` for stopped, `Z`…), `None` once it is
+/// gone. The letter follows the command name, which is in parentheses and may hold
+/// spaces: read after the last `)`.
+pub(crate) fn proc_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_state(&stat)
+}
+
+fn parse_state(stat: &str) -> Option<char> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.trim_start().chars().next()
 }
 
 /// A process's resident set (KiB) and open fds, `None` once it is gone.
@@ -194,5 +242,17 @@ pub(crate) fn run(program: &str, args: &[&str]) -> Result<(), String> {
             args.join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_state_is_read_after_the_command_name() {
+        assert_eq!(parse_state("42 (kv relay) T 1 42 42 0"), Some('T'));
+        assert_eq!(parse_state("42 (a)b) S 1"), Some('S'));
+        assert_eq!(parse_state("garbage"), None);
     }
 }

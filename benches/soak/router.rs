@@ -10,15 +10,22 @@
 //! worker's device-tier blocks as the engine fingerprints its own
 //! ([`block_print`](crate::engine::block_print)), for the oracle's fidelity samples.
 //!
+//! The `fps` line also carries the consumer's deliveries and the subscribers' dials
+//! so far (`delivered`, `dials`): the work the oracle judges RSS and fds against.
+//!
 //! stdin commands, one per line: `stall MS` (stop reading the subscribers for MS
-//! milliseconds: lanes fill and drop), `dump` (prints `index {…}`: blocks per worker
-//! and the publishers followed), `quit` (drains, stops, prints `report {…}`).
+//! milliseconds: lanes fill and drop; the lanes' counters are read at its start, at
+//! its end and a second later, into a [`StallRecord`]), `dump` (prints `index {…}`:
+//! blocks per worker and the publishers followed), `quit` (drains, stops, prints
+//! `report {…}`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use eventplane::discovery::{ChannelId, DynamoRecords, EtcdDiscovery, Query, RecordFormat};
+use eventplane::discovery::{
+    ChannelId, Discovery, DynamoRecords, EtcdDiscovery, Query, RecordFormat,
+};
 use eventplane::kv::{
     IndexFeed, IndexFeedStats, RecoveryClientConfig, RecoveryDriver, RouterIndexConfig, Wipe,
 };
@@ -111,6 +118,132 @@ pub(crate) struct Ledger {
     pub(crate) undecodable: u64,
     /// Followings still listed after the subscriber stopped (no `Retired` for them).
     pub(crate) unsettled: u64,
+    /// Unix ms of each `Connected` (the first and every reconnect) and `Departed`, as
+    /// the consumer took them: when faults took effect.
+    pub(crate) connected_ms: Vec<u64>,
+    pub(crate) departed_ms: Vec<u64>,
+}
+
+/// One stall as the router saw it, from the lanes' counters.
+#[derive(Debug, Default, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) struct StallRecord {
+    /// Unix ms of its start (the command read) and end (the consumer reading again).
+    pub(crate) start_ms: u64,
+    pub(crate) end_ms: u64,
+    /// Messages received during it, in all and the most from one publisher.
+    pub(crate) received: u64,
+    pub(crate) most_received: u64,
+    /// Lane drops during it, in all.
+    pub(crate) dropped: u64,
+    /// Lane drops per publisher from its start to a second after its end (the
+    /// consumer takes a moment to empty full lanes).
+    pub(crate) dropped_by_publisher: BTreeMap<String, u64>,
+    /// Lanes that dropped during it yet held less than the lane capacity at its end
+    /// (nothing reads a stalled lane): (publisher, depth).
+    pub(crate) short_lanes: Vec<(String, u64)>,
+}
+
+/// A lane's discovery, over the router's life.
+#[derive(Debug, Default, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) struct DiscoveryCounts {
+    /// Watch streams the etcd backend re-established (`DiscoveryStats::reconnects`).
+    pub(crate) reconnects: u64,
+    /// Times the subscriber re-opened its watch (`SubscriberStats::rewatches`).
+    pub(crate) rewatches: u64,
+    /// Unix ms at which their sum was seen to grow (polled once a second).
+    pub(crate) changed_ms: Vec<u64>,
+}
+
+/// One publisher's lane counters at an instant.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Counts {
+    pub(crate) received: u64,
+    pub(crate) dropped: u64,
+    pub(crate) depth: u64,
+}
+
+/// A stall's record from the lanes' counters at its start (`before`), at its end
+/// before the consumer read again (`at_end`), and a second later (`after`). A
+/// publisher followed anew meanwhile counts from zero: its counters are its own.
+pub(crate) fn stall_record(
+    (start_ms, end_ms): (u64, u64),
+    before: &BTreeMap<String, Counts>,
+    at_end: &BTreeMap<String, Counts>,
+    after: &BTreeMap<String, Counts>,
+    lane_capacity: u64,
+) -> StallRecord {
+    let since = |key: &str, now: &Counts| match before.get(key) {
+        Some(b) if now.received >= b.received && now.dropped >= b.dropped => Counts {
+            received: now.received - b.received,
+            dropped: now.dropped - b.dropped,
+            depth: now.depth,
+        },
+        _ => *now,
+    };
+    let mut r = StallRecord {
+        start_ms,
+        end_ms,
+        ..StallRecord::default()
+    };
+    for (key, now) in at_end {
+        let d = since(key.as_str(), now);
+        r.received += d.received;
+        r.most_received = r.most_received.max(d.received);
+        r.dropped += d.dropped;
+        if d.dropped > 0 && now.depth < lane_capacity {
+            r.short_lanes.push((key.clone(), now.depth));
+        }
+    }
+    for (key, now) in after {
+        let d = since(key.as_str(), now);
+        if d.dropped > 0 {
+            r.dropped_by_publisher.insert(key.clone(), d.dropped);
+        }
+    }
+    r
+}
+
+/// A stall under way, or just over (its drops are charged to it for a second more).
+struct StallWatch {
+    start_ms: u64,
+    end_ms: u64,
+    before: BTreeMap<String, Counts>,
+    at_end: Option<BTreeMap<String, Counts>>,
+    until: Option<tokio::time::Instant>,
+}
+
+impl StallWatch {
+    fn finish(self, after: &BTreeMap<String, Counts>, lane_capacity: u64) -> StallRecord {
+        // Cut short (another stall, or quit): it ends now.
+        let (at_end, end_ms) = match &self.at_end {
+            Some(m) => (m, self.end_ms),
+            None => (after, crate::engine::unix_ms()),
+        };
+        stall_record(
+            (self.start_ms, end_ms),
+            &self.before,
+            at_end,
+            after,
+            lane_capacity,
+        )
+    }
+}
+
+/// Every publisher's lane counters now, in both lanes, by `ChannelId` as reports
+/// name them.
+fn snapshot(lanes: [&Lane; 2]) -> BTreeMap<String, Counts> {
+    lanes
+        .iter()
+        .flat_map(|l| l.handle.stats().publishers)
+        .map(|(id, s)| {
+            let counts = Counts {
+                received: s.received,
+                dropped: s.dropped_lane_full,
+                depth: s.depth as u64,
+            };
+            (id.to_string(), counts)
+        })
+        .collect()
 }
 
 /// What a router process reports at exit.
@@ -135,6 +268,13 @@ pub(crate) struct RouterReport {
     pub(crate) held_dropped: u64,
     /// Of the last 256 repairs, the 99th-percentile time from request to answer.
     pub(crate) repair_p99_ms: u64,
+    /// Unix ms when its lanes were up (`ready`) and when it was told to quit.
+    pub(crate) ready_ms: u64,
+    pub(crate) quit_ms: u64,
+    /// Every stall, as the lanes went through it.
+    pub(crate) stall_records: Vec<StallRecord>,
+    /// Each lane's discovery, by wire.
+    pub(crate) discovery: BTreeMap<String, DiscoveryCounts>,
 }
 
 /// `index` output: every block held per worker, and the publishers followed.
@@ -152,6 +292,10 @@ struct State {
     /// Wipes by wire, then cause.
     wipes: BTreeMap<String, BTreeMap<String, u64>>,
     stalls: u64,
+    stall_records: Vec<StallRecord>,
+    /// Messages the consumer took, every publisher.
+    delivered: u64,
+    ready_ms: u64,
 }
 
 /// The wire's label in reports.
@@ -240,6 +384,7 @@ impl State {
             l.wire = wire_name(lane.wire);
         }
         l.consumed += 1;
+        self.delivered += 1;
         if l.departed {
             l.after_departure += 1;
         }
@@ -263,6 +408,8 @@ impl State {
                 let l = self.ledgers.entry(instance.id.clone()).or_default();
                 l.departed = false;
                 l.connected += 1;
+                l.connected_ms.push(crate::engine::unix_ms());
+                l.worker_id = instance.worker.map(|w| w.worker_id).or(l.worker_id);
             }
             Notice::Retired { id, stats } => {
                 self.ledgers
@@ -272,7 +419,9 @@ impl State {
                     .push(Life::from(&*stats));
             }
             Notice::Departed(id) => {
-                self.ledgers.entry(id).or_default().departed = true;
+                let l = self.ledgers.entry(id).or_default();
+                l.departed = true;
+                l.departed_ms.push(crate::engine::unix_ms());
             }
             _ => {}
         }
@@ -316,6 +465,10 @@ fn fingerprints(feed: &IndexFeed) -> BTreeMap<u64, u64> {
 struct Prints {
     t: u64,
     workers: BTreeMap<u64, u64>,
+    /// Messages the consumer took so far.
+    delivered: u64,
+    /// Dials after a publisher's first so far, both lanes: reconnects and failures.
+    dials: u64,
 }
 
 /// One subscriber per record format and wire.
@@ -323,6 +476,24 @@ struct Lane {
     wire: Wire,
     sub: DynamicSubscriber,
     handle: SubscriberHandle,
+    /// The subscriber's discovery (a clone: the same session), for its counters.
+    discovery: EtcdDiscovery,
+    counts: DiscoveryCounts,
+}
+
+impl Lane {
+    /// Reads the lane's counters: notes when its discovery reconnected or re-watched;
+    /// its dials after a publisher's first so far.
+    fn poll(&mut self, now_ms: u64) -> u64 {
+        let stats = self.handle.stats();
+        let reconnects = self.discovery.stats().reconnects;
+        if reconnects + stats.rewatches > self.counts.reconnects + self.counts.rewatches {
+            self.counts.changed_ms.push(now_ms);
+        }
+        self.counts.reconnects = reconnects;
+        self.counts.rewatches = stats.rewatches;
+        stats.total.reconnects + stats.total.connect_failures
+    }
 }
 
 async fn lane(args: &RouterArgs, wire: Wire) -> Result<Lane, String> {
@@ -340,6 +511,7 @@ async fn lane(args: &RouterArgs, wire: Wire) -> Result<Lane, String> {
         .heartbeat_timeout(Some(Duration::from_secs(3)))
         .build()
         .map_err(|e| e.to_string())?;
+    let watched = discovery.clone();
     let sub = DynamicSubscriber::builder(
         Arc::new(discovery),
         Query::new(args.namespace.clone()).topic("kv-events"),
@@ -352,7 +524,13 @@ async fn lane(args: &RouterArgs, wire: Wire) -> Result<Lane, String> {
     .spawn()
     .map_err(|e| e.to_string())?;
     let handle = sub.handle();
-    Ok(Lane { wire, sub, handle })
+    Ok(Lane {
+        wire,
+        sub,
+        handle,
+        discovery: watched,
+        counts: DiscoveryCounts::default(),
+    })
 }
 
 async fn sleep_until(at: Option<tokio::time::Instant>) {
@@ -374,6 +552,9 @@ pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
         feed: IndexFeed::new(RouterIndexConfig::default()),
         wipes: BTreeMap::new(),
         stalls: 0,
+        stall_records: Vec::new(),
+        delivered: 0,
+        ready_ms: crate::engine::unix_ms(),
     };
     // Dynamo-wire workers advertise Dynamo's KV query endpoint: their answers come
     // back on this listener.
@@ -399,10 +580,30 @@ pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
     // A stall stops the consumer (its lanes, notices and recoveries), not the
     // once-a-second prints: the index is sampled as it trails.
     let mut stalled_until: Option<tokio::time::Instant> = None;
+    let mut watch: Option<StallWatch> = None;
+    let capacity = args.lane_capacity as u64;
     loop {
         let stalled = stalled_until.is_some_and(|t| tokio::time::Instant::now() < t);
         if !stalled {
-            stalled_until = None;
+            if stalled_until.take().is_some() {
+                // The stall is over: the lanes as it left them, before the consumer
+                // reads again; its drops are counted for a second more.
+                if let Some(w) = watch.as_mut() {
+                    w.at_end = Some(snapshot([&*a, &*b]));
+                    w.end_ms = crate::engine::unix_ms();
+                    w.until = Some(tokio::time::Instant::now() + Duration::from_secs(1));
+                }
+            }
+            let due = watch
+                .as_ref()
+                .and_then(|w| w.until)
+                .is_some_and(|u| tokio::time::Instant::now() >= u);
+            if due {
+                if let Some(w) = watch.take() {
+                    let record = w.finish(&snapshot([&*a, &*b]), capacity);
+                    state.stall_records.push(record);
+                }
+            }
             driver.submit(state.feed.take_recoveries());
         }
         tokio::select! {
@@ -412,6 +613,17 @@ pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
                 match (words.next(), words.next().and_then(|w| w.parse().ok())) {
                     (Some("stall"), Some(ms)) => {
                         state.stalls += 1;
+                        let now = snapshot([&*a, &*b]);
+                        if let Some(w) = watch.take() {
+                            state.stall_records.push(w.finish(&now, capacity));
+                        }
+                        watch = Some(StallWatch {
+                            start_ms: crate::engine::unix_ms(),
+                            end_ms: 0,
+                            before: now,
+                            at_end: None,
+                            until: None,
+                        });
                         stalled_until = Some(tokio::time::Instant::now() + Duration::from_millis(ms));
                     }
                     (Some("dump"), _) => {
@@ -431,7 +643,9 @@ pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
                 }
             }
             _ = prints.tick() => {
-                let p = Prints { t: crate::engine::unix_ms(), workers: fingerprints(&state.feed) };
+                let t = crate::engine::unix_ms();
+                let dials = a.poll(t) + b.poll(t);
+                let p = Prints { t, workers: fingerprints(&state.feed), delivered: state.delivered, dials };
                 println!("fps {}", serde_json::to_string(&p).map_err(|e| e.to_string())?);
             }
             () = sleep_until(stalled_until), if stalled => {}
@@ -452,7 +666,14 @@ pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
         }
         state.count_wipes();
     }
-    let report = finish(lanes, state).await;
+    let quit_ms = crate::engine::unix_ms();
+    if let Some(w) = watch.take() {
+        state
+            .stall_records
+            .push(w.finish(&snapshot([&*a, &*b]), capacity));
+    }
+    let mut report = finish(lanes, state).await;
+    report.quit_ms = quit_ms;
     println!(
         "report {}",
         serde_json::to_string(&report).map_err(|e| e.to_string())?
@@ -467,6 +688,8 @@ async fn finish(mut lanes: [Lane; 2], mut state: State) -> RouterReport {
     let mut notices = Vec::new();
     let mut report = RouterReport::default();
     for l in &mut lanes {
+        l.poll(crate::engine::unix_ms());
+        report.discovery.insert(wire_name(l.wire), l.counts.clone());
         // Stopped first: every connection ends and its following retires; then what
         // the lanes still hold is taken (nothing arrives any more; `recv_many` returns
         // 0 once drained), so that every following settles and tells its counters in
@@ -500,10 +723,48 @@ async fn finish(mut lanes: [Lane; 2], mut state: State) -> RouterReport {
     report.late_duplicates = f.late_duplicates;
     report.held_dropped = f.held_dropped;
     report.repair_p99_ms = f.repair_p99_ms;
+    report.ready_ms = state.ready_ms;
+    report.stall_records = std::mem::take(&mut state.stall_records);
     report.publishers = state
         .ledgers
         .into_iter()
         .map(|(id, l)| (id.to_string(), l))
         .collect();
     report
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn counts(all: &[(&str, u64, u64, u64)]) -> BTreeMap<String, Counts> {
+        all.iter()
+            .map(|&(k, received, dropped, depth)| {
+                let c = Counts {
+                    received,
+                    dropped,
+                    depth,
+                };
+                (k.to_owned(), c)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_stall_record_charges_drops_and_finds_short_lanes() {
+        let before = counts(&[("a", 100, 0, 1), ("b", 50, 0, 0)]);
+        // `a` received 50 during the stall, dropped 18, its lane full at 32; `c`
+        // appeared meanwhile (a new following: its own counters).
+        let at_end = counts(&[("a", 150, 18, 32), ("b", 55, 0, 5), ("c", 40, 8, 32)]);
+        let after = counts(&[("a", 152, 19, 0), ("b", 56, 0, 0), ("c", 41, 8, 0)]);
+        let r = stall_record((1, 2), &before, &at_end, &after, 32);
+        assert_eq!((r.received, r.most_received, r.dropped), (95, 50, 26));
+        let charged: BTreeMap<String, u64> = [("a".to_owned(), 19), ("c".to_owned(), 8)].into();
+        assert_eq!(r.dropped_by_publisher, charged);
+        assert!(r.short_lanes.is_empty());
+        // A lane that stopped taking messages at half its capacity (audit H1 a).
+        let half = counts(&[("a", 150, 34, 16)]);
+        let r = stall_record((1, 2), &before, &half, &half, 32);
+        assert_eq!(r.short_lanes, [("a".to_owned(), 16)]);
+    }
 }

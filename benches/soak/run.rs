@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::cluster::{Action, Cluster, LEASE_TTL, Phase, ROUTERS, RunArgs, router_name};
+use crate::effects::{self, Injected, Judged};
 use crate::engine::Held;
 use crate::engine::unix_ms;
 use crate::faults::{Fault, FaultKind, schedule};
@@ -76,8 +77,14 @@ struct Report {
     workers: usize,
     dynamo_workers: usize,
     replay: String,
+    /// Faults that took effect when injected, by kind.
     faults: BTreeMap<&'static str, u64>,
     schedule: Vec<Fault>,
+    /// Every fault that took effect: its process, interval and whom it affects.
+    injected: Vec<Injected>,
+    /// Their effects judged in the routers' reports, or not (a router that quit too
+    /// soon, followed nothing yet), by kind.
+    effects: BTreeMap<&'static str, Judged>,
     router_events: u64,
     deliveries: u64,
     drops: BTreeMap<&'static str, u64>,
@@ -189,6 +196,7 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
         series: BTreeMap::new(),
         start: Instant::now(),
         injected: kinds.iter().map(|k| (k.name(), 0)).collect(),
+        records: Vec::new(),
         start_retries: 0,
         fidelity: Fidelity::new(args.lag_tolerance_ms),
         args,
@@ -243,6 +251,16 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
     for (router, dump) in &dumps {
         ledger::check_convergence(router, dump, &truth, Some(&live), &mut violations);
     }
+    // Each fault's effect, and the loss each explains.
+    let effects = effects::check_effects(&c.records, &c.router_reports, &mut violations);
+    let rate = 1000.0 / c.args.interval_ms.max(1) as f64;
+    effects::check_losses(
+        &c.records,
+        &c.router_reports,
+        rate,
+        c.args.lane_capacity as u64,
+        &mut violations,
+    );
     let warm = warm_up.as_secs_f64() * 2.0; // per process, from its first sample
     let trends = resources::trends(&c.series, warm);
     for (name, t) in &trends {
@@ -336,6 +354,8 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
         replay,
         faults: c.injected.clone(),
         schedule: plan,
+        injected: std::mem::take(&mut c.records),
+        effects,
         router_events: events,
         deliveries,
         drops,
@@ -435,11 +455,30 @@ async fn drive(
         while actions.first().is_some_and(|a| a.at <= now) {
             let a = actions.remove(0);
             if let Err(e) = c.act(&a).await {
+                let at = format!(
+                    "{} {:?} on {} at {:.1}s",
+                    a.fault.kind.name(),
+                    a.phase,
+                    a.fault.target,
+                    c.elapsed()
+                );
                 c.violations.push(Violation {
-                    invariant: "fault_injected",
-                    at: a.fault.kind.name().into(),
+                    invariant: "fault_took_effect",
+                    at,
                     detail: e,
                 });
+            }
+            // A start that waited for its target (or took long) keeps its hold: its
+            // end moves with it.
+            let late = Instant::now().saturating_duration_since(a.at);
+            if a.phase == Phase::Start && late > Duration::from_millis(500) {
+                for b in actions
+                    .iter_mut()
+                    .filter(|b| b.phase == Phase::End && b.fault == a.fault)
+                {
+                    b.at += late;
+                }
+                actions.sort_by_key(|b| b.at);
             }
         }
         if now >= next_sample {
@@ -526,7 +565,7 @@ async fn drive(
     c.sample();
     // Clean exits: every relay drains, prints its stats, leaves discovery.
     for p in c.relays.iter().flatten() {
-        p.signal("TERM");
+        let _ = p.signal("TERM");
     }
     for w in 0..c.relays.len() {
         if let Some(mut p) = c.relays[w].take() {
@@ -584,9 +623,13 @@ fn print_table(r: &Report) {
         "soak: seed {}, {} min, {} workers ({} on Dynamo's wire)",
         r.seed, r.minutes, r.workers, r.dynamo_workers
     );
-    println!("{:<28} {:>12}", "fault", "injected");
+    println!(
+        "{:<28} {:>12} {:>12} {:>12}",
+        "fault", "injected", "judged", "not judged"
+    );
     for (k, n) in &r.faults {
-        println!("{k:<28} {n:>12}");
+        let j = r.effects.get(k).copied().unwrap_or_default();
+        println!("{k:<28} {n:>12} {:>12} {:>12}", j.judged, j.not_judged);
     }
     let f = &r.fidelity;
     let pct = |m: &BTreeMap<String, f64>| {

@@ -12,7 +12,7 @@ use crate::fidelity::Fidelity;
 use crate::ledger::{RelayExit, Violation};
 use crate::netns::Namespaces;
 use crate::process::{Proc, sample};
-use crate::resources::Series;
+use crate::resources::{self, Series};
 use crate::router::{IndexDump, RouterReport};
 /// The soak's own flags.
 #[derive(Debug, clap::Args)]
@@ -116,6 +116,8 @@ pub(crate) struct Cluster {
     pub(crate) violations: Vec<Violation>,
     pub(crate) series: BTreeMap<String, Series>,
     pub(crate) start: Instant,
+    /// The same instant in unix ms (routers stamp their work with it).
+    pub(crate) start_unix: u64,
     /// Faults that took effect, by kind.
     pub(crate) injected: BTreeMap<&'static str, u64>,
     /// Every fault that took effect, as injected (the oracle's `effects`).
@@ -262,6 +264,7 @@ impl Cluster {
         for line in proc.take_lines() {
             if let Some(prints) = line.strip_prefix("fps ") {
                 self.fidelity.router(r, prints);
+                resources::note_work(&mut self.series, &proc.name, self.start_unix, prints);
             }
         }
         proc.wait(Duration::from_secs(10)).await;
@@ -343,6 +346,8 @@ impl Cluster {
                         self.router_ready[r] = true;
                     } else if let Some(prints) = line.strip_prefix("fps ") {
                         self.fidelity.router(r, prints);
+                        let origin = self.start_unix;
+                        resources::note_work(&mut self.series, &p.name, origin, prints);
                     }
                 }
                 if let Some(status) = p.exited() {

@@ -17,7 +17,7 @@ use crate::fidelity::{Fidelity, FidelityReport};
 use crate::ledger::{self, RelayExit, Violation};
 use crate::netns::Namespaces;
 use crate::process::{Proc, free_port};
-use crate::resources::{self, SAMPLE_EVERY, Trend};
+use crate::resources::{self, PerWork, SAMPLE_EVERY, Trend};
 use crate::router::{IndexDump, RouterReport};
 
 pub(crate) async fn main(args: RunArgs, bench_dir: PathBuf) -> ExitCode {
@@ -109,6 +109,8 @@ struct Report {
     router_reports: usize,
     start_retries: u64,
     resources: BTreeMap<String, Trend>,
+    /// Growth per unit of work, by process (routers and relays).
+    per_work: BTreeMap<String, PerWork>,
     violations: Vec<Violation>,
     passed: bool,
 }
@@ -195,6 +197,7 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
         violations: Vec::new(),
         series: BTreeMap::new(),
         start: Instant::now(),
+        start_unix: unix_ms(),
         injected: kinds.iter().map(|k| (k.name(), 0)).collect(),
         records: Vec::new(),
         start_retries: 0,
@@ -263,36 +266,17 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
     );
     let warm = warm_up.as_secs_f64() * 2.0; // per process, from its first sample
     let trends = resources::trends(&c.series, warm);
-    for (name, t) in &trends {
-        let role = c.series.get(name).map_or("", |s| s.role.as_str());
-        if let Some(budget) = resources::budget_kib(role) {
-            if t.peak_rss_kib > budget {
-                violations.push(Violation {
-                    invariant: "rss_budget",
-                    at: name.clone(),
-                    detail: format!("peak {} KiB > {budget} KiB", t.peak_rss_kib),
-                });
-            }
-            // Judged over a minute of samples at least.
-            let (rss_flat, fds_flat) = resources::flat(t, w);
-            if t.judged {
-                if !rss_flat {
-                    violations.push(Violation {
-                        invariant: "rss_flat",
-                        at: name.clone(),
-                        detail: format!("{:.0} KiB/min", t.rss_slope_kib_per_min),
-                    });
-                }
-                if !fds_flat {
-                    violations.push(Violation {
-                        invariant: "fds_flat",
-                        at: name.clone(),
-                        detail: format!("{:.2} fds/min", t.fd_slope_per_min),
-                    });
-                }
-            }
-        }
-    }
+    // Peaks, slopes over time, and growth per message and per dial (relays: one
+    // message per engine batch); router 0 lives the whole run: a 3-minute run judges it.
+    let per_work = resources::check(
+        &c.series,
+        &trends,
+        w,
+        warm,
+        1000.0 / c.args.interval_ms.max(1) as f64,
+        c.args.minutes >= 3.0,
+        &mut violations,
+    );
 
     // Totals.
     let mut drops: BTreeMap<&'static str, u64> = BTreeMap::new();
@@ -375,6 +359,7 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
         router_reports: c.router_reports.len(),
         start_retries: c.start_retries,
         resources: trends,
+        per_work,
         violations,
         passed,
     };
@@ -429,6 +414,7 @@ async fn drive(
         c.spawn_relay(w)?;
     }
     c.start = Instant::now();
+    c.start_unix = unix_ms();
     let mut actions: Vec<Action> = plan
         .iter()
         .flat_map(|f| {
@@ -698,12 +684,24 @@ fn print_table(r: &Report) {
         }
     }
     for (role, (peak, rss, fds)) in by_role {
+        let per: Vec<&PerWork> = r
+            .per_work
+            .iter()
+            .filter(|(name, w)| w.judged && name.starts_with(role))
+            .map(|(_, w)| w)
+            .collect();
+        let per_message = per
+            .iter()
+            .map(|w| w.rss_bytes_per_message)
+            .fold(f64::MIN, f64::max);
         println!(
-            "{:<28} peak {} KiB, worst slope {:.0} KiB/min, {:.2} fds/min",
+            "{:<28} peak {} KiB, worst slope {:.0} KiB/min, {:.2} fds/min; {} judged per message, worst {:.0} B",
             format!("resources {role}"),
             peak,
             rss.max(0.0),
-            fds.max(0.0)
+            fds.max(0.0),
+            per.len(),
+            per_message.max(0.0)
         );
     }
     if r.violations.is_empty() {

@@ -581,6 +581,28 @@ impl Cluster {
             && !self.partitioned.iter().any(|p| *p)
     }
 
+    /// What keeps it from being [`whole`](Self::whole), in words.
+    pub(crate) fn not_whole(&self) -> String {
+        let mut missing = Vec::new();
+        if self.etcd.is_none() {
+            missing.push("etcd down".to_owned());
+        }
+        for (w, p) in self.relays.iter().enumerate() {
+            if p.is_none() {
+                missing.push(format!("relay w{w} down"));
+            }
+        }
+        for r in 0..self.routers.len() {
+            if !self.router_ready[r] {
+                missing.push(format!("{} not ready", router_name(self, r)));
+            }
+            if self.partitioned[r] {
+                missing.push(format!("router r{r} partitioned"));
+            }
+        }
+        missing.join(", ")
+    }
+
     pub(crate) async fn shutdown(&mut self) {
         for w in 0..self.relays.len() {
             if let Some(p) = self.relays[w].as_ref() {

@@ -20,6 +20,14 @@ use crate::process::{Proc, free_port};
 use crate::resources::{self, PerWork, SAMPLE_EVERY, Trend};
 use crate::router::{IndexDump, RouterReport};
 
+/// How long after its scheduled length a run may take at most: the settle's bounded
+/// waits (engines, convergence, relay exits, departures, reports) add up to ≈ 6 min
+/// at worst.
+const RUN_GRACE: Duration = Duration::from_secs(600);
+/// How long after the fault window the cluster may take to be whole again (every
+/// process up, routers ready, no partition) before the settle.
+const WHOLE_WITHIN: Duration = Duration::from_secs(90);
+
 pub(crate) async fn main(args: RunArgs, bench_dir: PathBuf) -> ExitCode {
     match soak(args, bench_dir).await {
         Ok(passed) if passed => ExitCode::SUCCESS,
@@ -204,7 +212,15 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
         fidelity: Fidelity::new(args.lag_tolerance_ms),
         args,
     };
-    let result = drive(&mut c, &plan, warm_up, total).await;
+    // Every wait in `drive` is bounded; this bounds them all (audit L5): a run that
+    // hangs ends as a `harness_completes` violation, its processes stopped.
+    let limit = total + RUN_GRACE;
+    let result = match tokio::time::timeout(limit, drive(&mut c, &plan, warm_up, total)).await {
+        Ok(result) => result,
+        Err(_) => Err(format!(
+            "the run did not finish within {limit:?} (its {total:?} and {RUN_GRACE:?})"
+        )),
+    };
     c.shutdown().await;
     drop(c.ns.take());
     // A harness step that failed (a router that stopped answering, an engine that
@@ -475,6 +491,12 @@ async fn drive(
         c.fidelity.judge(unix_ms());
         if actions.is_empty() && now >= settle_by && c.whole() {
             break;
+        }
+        if actions.is_empty() && now >= settle_by + WHOLE_WITHIN {
+            return Err(format!(
+                "{WHOLE_WITHIN:?} after the fault window, not whole: {}",
+                c.not_whole()
+            ));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

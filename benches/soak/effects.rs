@@ -209,10 +209,20 @@ pub(crate) fn check_effects(
                 };
                 let base = (f.start_ms, end + RECONNECT_MAX_MS + SLACK_MS);
                 let deadline = base.1 + held_up(faults, i, &f.process, base);
+                // A relay killed or stopped meanwhile has its own timing (and a dead
+                // one never comes back): judged by its own fault.
+                let relay_fault = |worker: Option<u64>| {
+                    faults.iter().any(|g| {
+                        matches!(g.kind, FaultKind::RelayKill | FaultKind::RelayStop)
+                            && g.worker.is_some()
+                            && g.worker == worker
+                            && overlaps((g.start_ms, g.end()), (f.start_ms, deadline))
+                    })
+                };
                 let followed: Vec<(&String, &Ledger)> = r
                     .publishers
                     .iter()
-                    .filter(|(_, l)| followed_at(l, f.start_ms))
+                    .filter(|(_, l)| followed_at(l, f.start_ms) && !relay_fault(l.worker_id))
                     .filter(|(_, l)| {
                         !l.departed_ms
                             .iter()
@@ -593,8 +603,21 @@ mod tests {
             ("b", ledger(2, &[0, 78_000], &[], Life::default())),
             // Departed meanwhile (its relay was killed): not expected back.
             ("c", ledger(3, &[0], &[70_000], Life::default())),
+            // Its relay killed late in the partition: judged by the kill.
+            ("d", ledger(4, &[0], &[], Life::default())),
         ]);
-        assert_eq!(effects(&cut, ok), Vec::<&str>::new());
+        let mut faults = cut.to_vec();
+        faults.push(fault(
+            FaultKind::RelayKill,
+            "relay w3#1",
+            Some(4),
+            72_000,
+            500,
+        ));
+        let mut out = Vec::new();
+        check_effects(&faults, &[("router r0#1".to_owned(), ok)], &mut out);
+        // The kill's own judgment: neither a Departed nor a new incarnation here.
+        assert_eq!(names(&out), ["relay_kill_effect"]);
         let stuck = router(vec![
             ("a", ledger(1, &[0, 76_000], &[], Life::default())),
             ("b", ledger(2, &[0], &[], Life::default())),

@@ -289,7 +289,7 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
         &trends,
         w,
         warm,
-        1000.0 / c.args.interval_ms.max(1) as f64,
+        rate,
         c.args.minutes >= 3.0,
         &mut violations,
     );

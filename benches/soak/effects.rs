@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::cluster::LEASE_TTL;
+use crate::engine::REPLAY_BUFFER;
 use crate::faults::FaultKind;
 use crate::ledger::{self, Violation};
 use crate::router::{Ledger, RouterReport};
@@ -505,13 +506,20 @@ pub(crate) fn check_losses(
 /// The messages a relay publishes while `faults` keep a router from it, at most: per
 /// fault, its hold plus the heartbeat's notice, the reconnect backoff's ceiling and
 /// the slack ([`SLACK_MS`]), at `rate_per_s` (one message per engine batch: the
-/// engines' batches are far below the 128 events that split a message).
+/// engines' batches are far below the 128 events that split a message). A kill's
+/// successor asks its engine for everything it still buffers (no anchor yet: from 0,
+/// `src/kv/replay.rs`), so its burst is the engine's history: the batches since the
+/// run's start (and a minute before it), at most the engine's replay buffer.
 pub(crate) fn loss_bound(faults: &[&Injected], rate_per_s: f64) -> u64 {
     faults
         .iter()
         .map(|f| {
-            let ms = f.hold() + HEARTBEAT_NOTICED_MS + RECONNECT_MAX_MS + SLACK_MS;
-            (ms as f64 / 1000.0 * rate_per_s).ceil() as u64
+            let s = if f.kind == FaultKind::RelayKill {
+                (f.at_s + 60.0).min(REPLAY_BUFFER as f64 / rate_per_s.max(1e-9))
+            } else {
+                (f.hold() + HEARTBEAT_NOTICED_MS + RECONNECT_MAX_MS + SLACK_MS) as f64 / 1000.0
+            };
+            (s * rate_per_s).ceil() as u64
         })
         .sum()
 }
@@ -519,6 +527,9 @@ pub(crate) fn loss_bound(faults: &[&Injected], rate_per_s: f64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::faults::FaultKind::{
+        EtcdRestart, RelayKill, RelayStop, RouterPartition, RouterStall,
+    };
     use crate::router::{DiscoveryCounts, Life, StallRecord};
 
     const T0: u64 = 1_000_000;
@@ -571,13 +582,7 @@ mod tests {
 
     #[test]
     fn a_stop_must_drop_the_connection() {
-        let stop = [fault(
-            FaultKind::RelayStop,
-            "relay w3#1",
-            Some(4),
-            60_000,
-            5_000,
-        )];
+        let stop = [fault(RelayStop, "relay w3#1", Some(4), 60_000, 5_000)];
         // Reconnected 2 s after the CONT: the heartbeat dropped the silent relay.
         let ok = router(vec![("p", ledger(4, &[0, 67_000], &[], Life::default()))]);
         assert_eq!(effects(&stop, ok), Vec::<&str>::new());
@@ -588,26 +593,14 @@ mod tests {
         let late = router(vec![("p", ledger(4, &[0, 85_000], &[], Life::default()))]);
         assert_eq!(effects(&stop, late), ["relay_stop_effect"]);
         // Too short to judge.
-        let short = [fault(
-            FaultKind::RelayStop,
-            "relay w3#1",
-            Some(4),
-            60_000,
-            4_000,
-        )];
+        let short = [fault(RelayStop, "relay w3#1", Some(4), 60_000, 4_000)];
         let kept = router(vec![("p", ledger(4, &[0], &[], Life::default()))]);
         assert_eq!(effects(&short, kept), Vec::<&str>::new());
     }
 
     #[test]
     fn a_partition_must_reconnect_every_publisher_followed() {
-        let cut = [fault(
-            FaultKind::RouterPartition,
-            "router r0#1",
-            None,
-            60_000,
-            13_000,
-        )];
+        let cut = [fault(RouterPartition, "router r0#1", None, 60_000, 13_000)];
         let ok = router(vec![
             ("a", ledger(1, &[0, 76_000], &[], Life::default())),
             ("b", ledger(2, &[0, 78_000], &[], Life::default())),
@@ -617,13 +610,7 @@ mod tests {
             ("d", ledger(4, &[0], &[], Life::default())),
         ]);
         let mut faults = cut.to_vec();
-        faults.push(fault(
-            FaultKind::RelayKill,
-            "relay w3#1",
-            Some(4),
-            72_000,
-            500,
-        ));
+        faults.push(fault(RelayKill, "relay w3#1", Some(4), 72_000, 500));
         let mut out = Vec::new();
         check_effects(&faults, &[("router r0#1".to_owned(), ok)], &mut out);
         // The kill's own judgment: neither a Departed nor a new incarnation here.
@@ -644,13 +631,7 @@ mod tests {
 
     #[test]
     fn a_kill_must_end_the_incarnation_and_start_another() {
-        let kill = [fault(
-            FaultKind::RelayKill,
-            "relay w0#1",
-            Some(1),
-            60_000,
-            1_000,
-        )];
+        let kill = [fault(RelayKill, "relay w0#1", Some(1), 60_000, 1_000)];
         let ok = router(vec![
             ("old", ledger(1, &[0], &[71_000], Life::default())),
             ("new", ledger(1, &[61_500], &[], Life::default())),
@@ -665,13 +646,7 @@ mod tests {
 
     #[test]
     fn a_stall_must_drop_and_an_etcd_restart_must_rewatch() {
-        let stall = [fault(
-            FaultKind::RouterStall,
-            "router r0#1",
-            None,
-            60_000,
-            5_000,
-        )];
+        let stall = [fault(RouterStall, "router r0#1", None, 60_000, 5_000)];
         let record = |dropped| StallRecord {
             start_ms: T0 + 60_050,
             end_ms: T0 + 65_050,
@@ -687,7 +662,7 @@ mod tests {
         assert_eq!(effects(&stall, r), ["stall_effect"]);
         assert_eq!(effects(&stall, router(vec![])), ["stall_effect"]);
 
-        let etcd = [fault(FaultKind::EtcdRestart, "etcd#1", None, 60_000, 2_000)];
+        let etcd = [fault(EtcdRestart, "etcd#1", None, 60_000, 2_000)];
         let mut r = router(vec![]);
         let counts = |changed: &[u64]| DiscoveryCounts {
             reconnects: changed.len() as u64,
@@ -718,13 +693,7 @@ mod tests {
 
     #[test]
     fn gaps_need_a_fault_and_stay_within_its_bound() {
-        let stop = [fault(
-            FaultKind::RelayStop,
-            "relay w1#1",
-            Some(2),
-            60_000,
-            5_000,
-        )];
+        let stop = [fault(RelayStop, "relay w1#1", Some(2), 60_000, 5_000)];
         // Worker 2 stopped 5 s: (5 + 4 + 5 + 5) s × 10/s = 190 messages at most.
         let r = router(vec![
             ("a", ledger(2, &[0, 67_000], &[], lost(1, 90, 0))),
@@ -740,14 +709,18 @@ mod tests {
     }
 
     #[test]
+    fn a_kill_may_burst_its_engines_history() {
+        let kill = fault(RelayKill, "relay w0#1", Some(1), 60_000, 1_000);
+        let stop = fault(RelayStop, "relay w0#2", Some(1), 90_000, 5_000);
+        // (60 s into the run + 60 s) × 10/s, and (5 + 14) s × 10/s.
+        assert_eq!(loss_bound(&[&kill, &stop], 10.0), 1_200 + 190);
+        let late = fault(RelayKill, "relay w0#1", Some(1), 3_000_000, 1_000);
+        assert_eq!(loss_bound(&[&late], 10.0), REPLAY_BUFFER as u64);
+    }
+
+    #[test]
     fn lane_drops_belong_to_stalls_whose_lanes_filled() {
-        let stall = [fault(
-            FaultKind::RouterStall,
-            "router r0#1",
-            None,
-            60_000,
-            5_000,
-        )];
+        let stall = [fault(RouterStall, "router r0#1", None, 60_000, 5_000)];
         let mut r = router(vec![("a", ledger(1, &[0], &[], lost(0, 0, 18)))]);
         r.stall_records.push(StallRecord {
             start_ms: T0 + 60_050,
@@ -765,13 +738,7 @@ mod tests {
         assert_eq!(losses(&stall, more.clone()), ["drops_explained"]);
         // A partition's backlog may drop, within its bound: (13 + 14) s × 10/s.
         let mut cut = stall.to_vec();
-        cut.push(fault(
-            FaultKind::RouterPartition,
-            "router r0#1",
-            None,
-            90_000,
-            13_000,
-        ));
+        cut.push(fault(RouterPartition, "router r0#1", None, 90_000, 13_000));
         assert_eq!(losses(&cut, more.clone()), Vec::<&str>::new());
         more.publishers.get_mut("a").unwrap().lives[0].dropped_lane_full = 18 + 271;
         assert_eq!(losses(&cut, more), ["drops_explained"]);

@@ -592,11 +592,13 @@ impl Cluster {
                 missing.push(format!("relay w{w} down"));
             }
         }
-        for r in 0..self.routers.len() {
-            if !self.router_ready[r] {
+        for (r, ready) in self.router_ready.iter().enumerate() {
+            if !ready {
                 missing.push(format!("{} not ready", router_name(self, r)));
             }
-            if self.partitioned[r] {
+        }
+        for (r, cut) in self.partitioned.iter().enumerate() {
+            if *cut {
                 missing.push(format!("router r{r} partitioned"));
             }
         }

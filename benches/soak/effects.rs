@@ -53,8 +53,8 @@ pub(crate) struct Injected {
     pub(crate) end_ms: Option<u64>,
     /// Seconds from the run's start at injection (for people).
     pub(crate) at_s: f64,
-    /// Whose messages or view it affects, in words; the publishers are resolved from
-    /// the reports (`publishers_of`).
+    /// Whose messages or view it affects, in words; the publishers themselves are
+    /// resolved from the routers' reports (by worker id and time).
     pub(crate) affects: String,
 }
 
@@ -94,7 +94,7 @@ pub(crate) fn followed_at(l: &Ledger, t: u64) -> bool {
     let Some(c) = l.connected_ms.iter().copied().filter(|c| *c <= t).max() else {
         return false;
     };
-    !l.departed_ms.iter().any(|d| *d >= c && *d <= t)
+    !l.departed_ms.iter().any(|d| (c..=t).contains(d))
 }
 
 /// From the publisher's first `Connected` to its last `Departed` (when after its last
@@ -186,7 +186,7 @@ pub(crate) fn check_effects(
                 };
                 count(true);
                 let recorded = r.stall_records.iter().find(|s| {
-                    s.start_ms + 1_000 >= f.start_ms && s.start_ms <= f.start_ms + 10_000
+                    (f.start_ms.saturating_sub(1_000)..=f.start_ms + 10_000).contains(&s.start_ms)
                 });
                 match recorded {
                     None => out.push(violation(
@@ -314,12 +314,12 @@ pub(crate) fn check_effects(
                     let departed = followed.iter().any(|(_, l)| {
                         l.departed_ms
                             .iter()
-                            .any(|d| *d >= f.start_ms && *d <= deadline)
+                            .any(|d| (f.start_ms..=deadline).contains(d))
                     });
                     let new_incarnation = of_worker(r, worker)
                         .filter(|(k, _)| !followed.iter().any(|(g, _)| g == k))
                         .filter_map(|(_, l)| l.connected_ms.iter().copied().min())
-                        .any(|c| c >= f.start_ms && c <= deadline);
+                        .any(|c| (f.start_ms..=deadline).contains(&c));
                     if !departed || !new_incarnation {
                         out.push(violation(
                             "relay_kill_effect",
@@ -348,7 +348,7 @@ pub(crate) fn check_effects(
                         if !d
                             .changed_ms
                             .iter()
-                            .any(|t| *t >= f.start_ms && *t <= deadline)
+                            .any(|t| (f.start_ms..=deadline).contains(t))
                         {
                             out.push(violation(
                                 "etcd_restart_effect",

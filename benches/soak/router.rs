@@ -585,24 +585,17 @@ pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
     loop {
         let stalled = stalled_until.is_some_and(|t| tokio::time::Instant::now() < t);
         if !stalled {
-            if stalled_until.take().is_some() {
+            if let (Some(_), Some(w)) = (stalled_until.take(), watch.as_mut()) {
                 // The stall is over: the lanes as it left them, before the consumer
                 // reads again; its drops are counted for a second more.
-                if let Some(w) = watch.as_mut() {
-                    w.at_end = Some(snapshot([&*a, &*b]));
-                    w.end_ms = crate::engine::unix_ms();
-                    w.until = Some(tokio::time::Instant::now() + Duration::from_secs(1));
-                }
+                w.at_end = Some(snapshot([&*a, &*b]));
+                w.end_ms = crate::engine::unix_ms();
+                w.until = Some(tokio::time::Instant::now() + Duration::from_secs(1));
             }
-            let due = watch
-                .as_ref()
-                .and_then(|w| w.until)
-                .is_some_and(|u| tokio::time::Instant::now() >= u);
-            if due {
-                if let Some(w) = watch.take() {
-                    let record = w.finish(&snapshot([&*a, &*b]), capacity);
-                    state.stall_records.push(record);
-                }
+            let now = tokio::time::Instant::now();
+            if let Some(w) = watch.take_if(|w| w.until.is_some_and(|u| now >= u)) {
+                let record = w.finish(&snapshot([&*a, &*b]), capacity);
+                state.stall_records.push(record);
             }
             driver.submit(state.feed.take_recoveries());
         }

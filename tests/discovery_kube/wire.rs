@@ -35,6 +35,31 @@ fn chain(e: &(dyn std::error::Error + 'static)) -> String {
     lines.join("\n")
 }
 
+/// Waits until the server holds a watch for every collection the reader listed: a
+/// watch whose request comes after `drop_watches` is not dropped (the list returns,
+/// and the reader is synced, before its watches reach the server).
+async fn watches_open(api: &KubeApi) {
+    within(async {
+        loop {
+            let log = api.log();
+            let paths = |watch: bool| -> std::collections::BTreeSet<String> {
+                log.iter()
+                    .filter(|l| l.method == "GET" && l.query.contains_key("watch") == watch)
+                    .map(|l| l.path.clone())
+                    .collect()
+            };
+            let listed = paths(false);
+            if !listed.is_empty() && listed.is_subset(&paths(true)) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    // Its handler takes the drop generation just after it logs the request.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
 /// A reader of namespace `NS` whose client is configured with `ca` and `token`.
 async fn reader_with(api: &KubeApi, ca: Option<&str>, token: Option<&str>) -> KubeDiscovery {
     let ca = ca.map(fixture);
@@ -253,30 +278,49 @@ async fn throttled_watches_wait_the_retry_after_and_recover() {
         .await
         .unwrap();
     let mut s = synced(&d, Query::new("dyn")).await;
+    watches_open(&api).await;
     let before = api.log().len();
     api.throttle(2, Duration::from_secs(1));
     api.drop_watches();
-    worker_in(&api, "dyn", 1);
     let started = Instant::now();
-    loop {
-        if let DiscoveryEvent::Added(i) = next(&mut s).await {
-            assert_eq!(i.id.publisher_id(), 1);
-            break;
+    // Both refused, then both open again (a watch request answered after them).
+    let log = within(async {
+        loop {
+            let log = api.log()[before..].to_vec();
+            let last_429 = log.iter().rposition(|l| l.fault == Some(429));
+            let reopened = last_429.map_or(0, |i| {
+                log[i + 1..]
+                    .iter()
+                    .filter(|l| l.fault.is_none() && l.query.contains_key("watch"))
+                    .count()
+            });
+            if log.iter().filter(|l| l.fault == Some(429)).count() == 2 && reopened >= 2 {
+                return log;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
-    }
-    let log = api.log()[before..].to_vec();
-    let throttled: Vec<usize> = (0..log.len())
-        .filter(|&i| log[i].fault == Some(429))
-        .collect();
-    assert_eq!(throttled.len(), 2, "{log:#?}");
-    for i in throttled {
-        let retry = log.get(i + 1).expect("no request after a 429");
-        let waited = retry.at.saturating_duration_since(log[i].at);
+    })
+    .await;
+    // Each refused request's next attempt (the same collection's) waited the second.
+    for (i, refused) in log.iter().enumerate().filter(|(_, l)| l.fault == Some(429)) {
+        let retry = log[i + 1..]
+            .iter()
+            .find(|l| l.path == refused.path)
+            .expect("no request after a 429");
+        let waited = retry.at.saturating_duration_since(refused.at);
         assert!(
             waited >= Duration::from_millis(900)
                 && waited <= Duration::from_secs(1) + DEADLINE_SLACK,
             "the request after a 429 with Retry-After: 1 came {waited:?} later"
         );
+    }
+    // And it follows on: a worker written now is seen.
+    worker_in(&api, "dyn", 1);
+    loop {
+        if let DiscoveryEvent::Added(i) = next(&mut s).await {
+            assert_eq!(i.id.publisher_id(), 1);
+            break;
+        }
     }
     // Both watches opened again: two answered, after the two refused.
     assert!(
@@ -303,6 +347,7 @@ async fn gateway_timeouts_during_a_read_afresh_are_retried() {
     assert!(matches!(next(&mut s).await, DiscoveryEvent::Added(_)));
     // A write neither watch reads, then the compaction: both watches' versions are
     // older than it (the readiness watch's certainly), so one of them is gone.
+    watches_open(&api).await;
     api.ready_slice("elsewhere", "bump", &[]);
     api.compact();
     api.gateway_timeouts(3, None);

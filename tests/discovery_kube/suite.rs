@@ -68,6 +68,22 @@ pub(crate) async fn next(s: &mut DiscoveryStream) -> DiscoveryEvent {
     within(s.next()).await.unwrap().unwrap()
 }
 
+/// Reads `s` up to its `Resync`, which must hold `resynced` publishers; the `Added`
+/// before it counted (anything else fails).
+pub(crate) async fn added_until_resync(s: &mut DiscoveryStream, resynced: usize) -> usize {
+    let mut added = 0;
+    loop {
+        match next(s).await {
+            DiscoveryEvent::Added(_) => added += 1,
+            DiscoveryEvent::Resync(all) => {
+                assert_eq!(all.len(), resynced);
+                return added;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
 pub(crate) async fn synced(d: &KubeDiscovery, q: Query) -> DiscoveryStream {
     let mut s = d.watch(q, CancellationToken::new()).await.unwrap();
     loop {
@@ -1150,19 +1166,8 @@ async fn a_view_of_16384_resources_is_bounded() {
         .watch(Query::new("dyn"), CancellationToken::new())
         .await
         .unwrap();
-    let mut added = 0;
-    loop {
-        match next(&mut s).await {
-            DiscoveryEvent::Added(_) => added += 1,
-            DiscoveryEvent::Resync(all) => {
-                assert_eq!(all.len(), 16_384);
-                break;
-            }
-            other => panic!("{other:?}"),
-        }
-    }
+    assert_eq!(added_until_resync(&mut s, 16_384).await, 16_384);
     let synced = started.elapsed();
-    assert_eq!(added, 16_384);
     drop((s, d, api));
     let (empty, full) = (router_rss_with(0).await, router_rss_with(16_384).await);
     let per_resource = full.saturating_sub(empty) / 16_384;

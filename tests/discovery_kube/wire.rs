@@ -21,7 +21,9 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::kube_api::{KubeApi, TOKEN, fixture};
-use crate::suite::{NS, builder, channel, next, populate, reader, resource, synced, worker_in};
+use crate::suite::{
+    NS, added_until_resync, builder, channel, next, populate, reader, resource, synced, worker_in,
+};
 use crate::support::{DEADLINE_SLACK, within};
 
 /// Every message of `e` and of its sources, one a line.
@@ -58,6 +60,17 @@ async fn watches_open(api: &KubeApi) {
     .await;
     // Its handler takes the drop generation just after it logs the request.
     tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
+/// A reader of every Dynamo endpoint in `NS` (backoff 10 to 200 ms), synced on "dyn".
+async fn dynamo_reader(api: &KubeApi) -> (KubeDiscovery, eventplane::discovery::DiscoveryStream) {
+    let d = builder(api)
+        .records(DynamoRecords::new())
+        .connect()
+        .await
+        .unwrap();
+    let s = synced(&d, Query::new("dyn")).await;
+    (d, s)
 }
 
 /// A reader of namespace `NS` whose client is configured with `ca` and `token`.
@@ -239,18 +252,7 @@ async fn compaction_between_pages_reads_again_with_one_resync_and_no_reconnect()
         .watch(Query::new("dyn"), CancellationToken::new())
         .await
         .unwrap();
-    let mut added = 0;
-    loop {
-        match next(&mut s).await {
-            DiscoveryEvent::Added(_) => added += 1,
-            DiscoveryEvent::Resync(all) => {
-                assert_eq!(all.len(), 100);
-                break;
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-    assert_eq!(added, 100);
+    assert_eq!(added_until_resync(&mut s, 100).await, 100);
     assert!(
         tokio::time::timeout(Duration::from_millis(500), s.next())
             .await
@@ -272,12 +274,7 @@ async fn compaction_between_pages_reads_again_with_one_resync_and_no_reconnect()
 #[tokio::test]
 async fn throttled_watches_wait_the_retry_after_and_recover() {
     let api = KubeApi::start().await;
-    let d = builder(&api)
-        .records(DynamoRecords::new())
-        .connect()
-        .await
-        .unwrap();
-    let mut s = synced(&d, Query::new("dyn")).await;
+    let (d, mut s) = dynamo_reader(&api).await;
     watches_open(&api).await;
     let before = api.log().len();
     api.throttle(2, Duration::from_secs(1));
@@ -337,12 +334,7 @@ async fn throttled_watches_wait_the_retry_after_and_recover() {
 #[tokio::test]
 async fn gateway_timeouts_during_a_read_afresh_are_retried() {
     let api = KubeApi::start().await;
-    let d = builder(&api)
-        .records(DynamoRecords::new())
-        .connect()
-        .await
-        .unwrap();
-    let mut s = synced(&d, Query::new("dyn")).await;
+    let (d, mut s) = dynamo_reader(&api).await;
     worker_in(&api, "dyn", 1);
     assert!(matches!(next(&mut s).await, DiscoveryEvent::Added(_)));
     // A write neither watch reads, then the compaction: both watches' versions are

@@ -786,13 +786,16 @@ async fn router_memory(api: &KubeApi, field: &str) -> u64 {
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    // This router's watch (not an earlier one's).
-    within(async {
+    // This router's watch (not an earlier one's). A debug build reading 16,384
+    // resources over TLS beside the rest of the suite on 2 cores took over
+    // `DEADLINE` (30 s) in CI: a wait, not a bound, so a longer one.
+    tokio::time::timeout(Duration::from_secs(180), async {
         while watches() == before {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     })
-    .await;
+    .await
+    .expect("the router opened no watch within 180 s");
     // Settle, then read.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let bytes = crate::support::proc_status_bytes(router.id().unwrap(), field);

@@ -11,6 +11,19 @@
 /// ```
 pub const FEED_MAX_HELD_EVENTS: usize = 4096;
 
+/// How far past the live events a recovery's answer may reach and still have the live
+/// copies of what it applied, arriving after it, skipped as late (ids going back are
+/// otherwise a loss): 2^20 ids. A window is three ids whatever its length: this bounds
+/// no memory, only how far an answer may claim to be ahead. It covers what the path
+/// from a worker's log to the router holds in flight, which is counted in messages
+/// and bytes, not events (a tunnel stream and a relay's queue held over 5,000 in a
+/// test), so it is far above [`FEED_MAX_HELD_EVENTS`].
+///
+/// ```
+/// assert_eq!(eventplane::kv::FEED_MAX_LATE_EVENTS, 1 << 20);
+/// ```
+pub const FEED_MAX_LATE_EVENTS: u64 = 1 << 20;
+
 /// Blocks one publisher's held events may carry.
 const MAX_HELD_BLOCKS: usize = 1 << 16;
 
@@ -299,7 +312,7 @@ impl IndexFeed {
     /// still on their way arrive as late copies of what it applied, in order. When live
     /// events arrived while it was awaited (held), the late ones follow them directly;
     /// when none did, they are a run ending at `through` that starts above what was
-    /// seen live and at most [`FEED_MAX_HELD_EVENTS`] ids before `through` (a worker
+    /// seen live and at most [`FEED_MAX_LATE_EVENTS`] ids before `through` (a worker
     /// claiming an id far ahead gets its next live event taken as what it is).
     fn expect_late(&mut self, publisher: &ChannelId, repair: &Repairing, through: u64) {
         let Some(p) = self.publishers.get_mut(publisher) else {
@@ -309,7 +322,7 @@ impl IndexFeed {
         if p.last_live >= through {
             return;
         }
-        let bound = FEED_MAX_HELD_EVENTS as u64;
+        let bound = FEED_MAX_LATE_EVENTS;
         p.late = if p.last_live > repair.live_at_start {
             let next = p.last_live + 1;
             (through - next < bound).then_some(Late {

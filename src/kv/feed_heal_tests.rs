@@ -233,6 +233,29 @@ fn late_copies_of_a_dump_read_first_are_skipped_and_a_restart_starts_over() {
     assert_eq!(feed.stats().late_duplicates, 2);
 }
 
+/// The live copies of what a dump applied may be more than a feed holds while it
+/// waits (a relay's queue and a tunnel stream held over 5,000 in a test): a run of
+/// 6,000 after the dump is skipped whole, and the stream goes on past it.
+#[test]
+fn a_late_run_longer_than_the_held_bound_is_skipped() {
+    let w = worker();
+    let mut feed = IndexFeed::default();
+    // First sight at 1: held, and the dump asked.
+    feed.apply(&w, &[stored(1, 1, None)]);
+    assert_eq!(feed.take_recoveries()[0].request, RecoveryRequest::Dump);
+    let late = 2 + FEED_MAX_HELD_EVENTS as u64 + 2_000;
+    let chain: Vec<RouterEvent> = (1..=late)
+        .map(|i| stored(i, i, (i > 1).then(|| i - 1)))
+        .collect();
+    answer_dump(&mut feed, &w, chain.clone(), late);
+    let copies = chain.get(1..).unwrap_or_default();
+    feed.apply(&w, copies);
+    feed.apply(&w, &[stored(late + 1, late + 1, Some(late))]);
+    let s = feed.stats();
+    assert_eq!((s.late_duplicates, s.wipes_id_gap), (late - 1, 0), "{s:?}");
+    assert_eq!(blocks(&feed).len() as u64, late + 1);
+}
+
 /// A dump that claims an id far past the live events opens no window either: the
 /// next live event is what it is (here, ids going back: a wipe), and the stream
 /// goes on from it.

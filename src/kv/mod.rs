@@ -146,8 +146,8 @@ pub use event::{
     StoredBlock, TOKENS_HASH_SEED, TokensHash, WorkerId, tokens_hash,
 };
 pub use feed::{
-    FEED_MAX_HELD_EVENTS, IndexFeed, IndexFeedStats, REBUILD_MAX_BACKOFF, RecoveryAnswer,
-    RecoveryNeed, Wipe, Wiped,
+    FEED_MAX_HELD_EVENTS, FEED_MAX_LATE_EVENTS, IndexFeed, IndexFeedStats, REBUILD_MAX_BACKOFF,
+    RecoveryAnswer, RecoveryNeed, Wipe, Wiped,
 };
 pub use index::{
     Attribution, IndexRefusal, OverlapScore, OverlapScores, RouterIndex, RouterIndexConfig,

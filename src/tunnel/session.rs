@@ -267,6 +267,14 @@ impl OpenRate {
         }
     }
 
+    /// Spends `n` at `now` whatever the bucket holds: what it lacks is owed, and
+    /// [`wait_for`](Self::wait_for) counts the debt.
+    pub(super) fn spend_n(&mut self, n: u32, now: Instant) {
+        let refill = now.saturating_duration_since(self.last).as_secs_f64() * self.rate;
+        self.tokens = (self.tokens + refill).min(self.burst) - f64::from(n);
+        self.last = now;
+    }
+
     /// How long until the bucket holds `n` (as of its last take).
     pub(super) fn wait_for(&self, n: u32) -> Duration {
         let missing = (f64::from(n) - self.tokens).max(0.0);

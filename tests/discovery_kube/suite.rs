@@ -68,6 +68,22 @@ pub(crate) async fn next(s: &mut DiscoveryStream) -> DiscoveryEvent {
     within(s.next()).await.unwrap().unwrap()
 }
 
+/// Reads `s` up to its `Resync`, which must hold `resynced` publishers; the `Added`
+/// before it counted (anything else fails).
+pub(crate) async fn added_until_resync(s: &mut DiscoveryStream, resynced: usize) -> usize {
+    let mut added = 0;
+    loop {
+        match next(s).await {
+            DiscoveryEvent::Added(_) => added += 1,
+            DiscoveryEvent::Resync(all) => {
+                assert_eq!(all.len(), resynced);
+                return added;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
 pub(crate) async fn synced(d: &KubeDiscovery, q: Query) -> DiscoveryStream {
     let mut s = d.watch(q, CancellationToken::new()).await.unwrap();
     loop {
@@ -770,13 +786,16 @@ async fn router_memory(api: &KubeApi, field: &str) -> u64 {
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    // This router's watch (not an earlier one's).
-    within(async {
+    // This router's watch (not an earlier one's). A debug build reading 16,384
+    // resources over TLS beside the rest of the suite on 2 cores took over
+    // `DEADLINE` (30 s) in CI: a wait, not a bound, so a longer one.
+    tokio::time::timeout(Duration::from_secs(180), async {
         while watches() == before {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     })
-    .await;
+    .await
+    .expect("the router opened no watch within 180 s");
     // Settle, then read.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let bytes = crate::support::proc_status_bytes(router.id().unwrap(), field);
@@ -1150,19 +1169,8 @@ async fn a_view_of_16384_resources_is_bounded() {
         .watch(Query::new("dyn"), CancellationToken::new())
         .await
         .unwrap();
-    let mut added = 0;
-    loop {
-        match next(&mut s).await {
-            DiscoveryEvent::Added(_) => added += 1,
-            DiscoveryEvent::Resync(all) => {
-                assert_eq!(all.len(), 16_384);
-                break;
-            }
-            other => panic!("{other:?}"),
-        }
-    }
+    assert_eq!(added_until_resync(&mut s, 16_384).await, 16_384);
     let synced = started.elapsed();
-    assert_eq!(added, 16_384);
     drop((s, d, api));
     let (empty, full) = (router_rss_with(0).await, router_rss_with(16_384).await);
     let per_resource = full.saturating_sub(empty) / 16_384;

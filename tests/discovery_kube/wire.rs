@@ -21,7 +21,9 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::kube_api::{KubeApi, TOKEN, fixture};
-use crate::suite::{NS, builder, channel, next, populate, reader, resource, synced, worker_in};
+use crate::suite::{
+    NS, added_until_resync, builder, channel, next, populate, reader, resource, synced, worker_in,
+};
 use crate::support::{DEADLINE_SLACK, within};
 
 /// Every message of `e` and of its sources, one a line.
@@ -33,6 +35,42 @@ fn chain(e: &(dyn std::error::Error + 'static)) -> String {
         source = err.source();
     }
     lines.join("\n")
+}
+
+/// Waits until the server holds a watch for every collection the reader listed: a
+/// watch whose request comes after `drop_watches` is not dropped (the list returns,
+/// and the reader is synced, before its watches reach the server).
+async fn watches_open(api: &KubeApi) {
+    within(async {
+        loop {
+            let log = api.log();
+            let paths = |watch: bool| -> std::collections::BTreeSet<String> {
+                log.iter()
+                    .filter(|l| l.method == "GET" && l.query.contains_key("watch") == watch)
+                    .map(|l| l.path.clone())
+                    .collect()
+            };
+            let listed = paths(false);
+            if !listed.is_empty() && listed.is_subset(&paths(true)) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    // Its handler takes the drop generation just after it logs the request.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
+/// A reader of every Dynamo endpoint in `NS` (backoff 10 to 200 ms), synced on "dyn".
+async fn dynamo_reader(api: &KubeApi) -> (KubeDiscovery, eventplane::discovery::DiscoveryStream) {
+    let d = builder(api)
+        .records(DynamoRecords::new())
+        .connect()
+        .await
+        .unwrap();
+    let s = synced(&d, Query::new("dyn")).await;
+    (d, s)
 }
 
 /// A reader of namespace `NS` whose client is configured with `ca` and `token`.
@@ -214,18 +252,7 @@ async fn compaction_between_pages_reads_again_with_one_resync_and_no_reconnect()
         .watch(Query::new("dyn"), CancellationToken::new())
         .await
         .unwrap();
-    let mut added = 0;
-    loop {
-        match next(&mut s).await {
-            DiscoveryEvent::Added(_) => added += 1,
-            DiscoveryEvent::Resync(all) => {
-                assert_eq!(all.len(), 100);
-                break;
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-    assert_eq!(added, 100);
+    assert_eq!(added_until_resync(&mut s, 100).await, 100);
     assert!(
         tokio::time::timeout(Duration::from_millis(500), s.next())
             .await
@@ -247,36 +274,50 @@ async fn compaction_between_pages_reads_again_with_one_resync_and_no_reconnect()
 #[tokio::test]
 async fn throttled_watches_wait_the_retry_after_and_recover() {
     let api = KubeApi::start().await;
-    let d = builder(&api)
-        .records(DynamoRecords::new())
-        .connect()
-        .await
-        .unwrap();
-    let mut s = synced(&d, Query::new("dyn")).await;
+    let (d, mut s) = dynamo_reader(&api).await;
+    watches_open(&api).await;
     let before = api.log().len();
     api.throttle(2, Duration::from_secs(1));
     api.drop_watches();
-    worker_in(&api, "dyn", 1);
     let started = Instant::now();
-    loop {
-        if let DiscoveryEvent::Added(i) = next(&mut s).await {
-            assert_eq!(i.id.publisher_id(), 1);
-            break;
+    // Both refused, then both open again (a watch request answered after them).
+    let log = within(async {
+        loop {
+            let log = api.log()[before..].to_vec();
+            let last_429 = log.iter().rposition(|l| l.fault == Some(429));
+            let reopened = last_429.map_or(0, |i| {
+                log[i + 1..]
+                    .iter()
+                    .filter(|l| l.fault.is_none() && l.query.contains_key("watch"))
+                    .count()
+            });
+            if log.iter().filter(|l| l.fault == Some(429)).count() == 2 && reopened >= 2 {
+                return log;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
-    }
-    let log = api.log()[before..].to_vec();
-    let throttled: Vec<usize> = (0..log.len())
-        .filter(|&i| log[i].fault == Some(429))
-        .collect();
-    assert_eq!(throttled.len(), 2, "{log:#?}");
-    for i in throttled {
-        let retry = log.get(i + 1).expect("no request after a 429");
-        let waited = retry.at.saturating_duration_since(log[i].at);
+    })
+    .await;
+    // Each refused request's next attempt (the same collection's) waited the second.
+    for (i, refused) in log.iter().enumerate().filter(|(_, l)| l.fault == Some(429)) {
+        let retry = log[i + 1..]
+            .iter()
+            .find(|l| l.path == refused.path)
+            .expect("no request after a 429");
+        let waited = retry.at.saturating_duration_since(refused.at);
         assert!(
             waited >= Duration::from_millis(900)
                 && waited <= Duration::from_secs(1) + DEADLINE_SLACK,
             "the request after a 429 with Retry-After: 1 came {waited:?} later"
         );
+    }
+    // And it follows on: a worker written now is seen.
+    worker_in(&api, "dyn", 1);
+    loop {
+        if let DiscoveryEvent::Added(i) = next(&mut s).await {
+            assert_eq!(i.id.publisher_id(), 1);
+            break;
+        }
     }
     // Both watches opened again: two answered, after the two refused.
     assert!(
@@ -293,16 +334,12 @@ async fn throttled_watches_wait_the_retry_after_and_recover() {
 #[tokio::test]
 async fn gateway_timeouts_during_a_read_afresh_are_retried() {
     let api = KubeApi::start().await;
-    let d = builder(&api)
-        .records(DynamoRecords::new())
-        .connect()
-        .await
-        .unwrap();
-    let mut s = synced(&d, Query::new("dyn")).await;
+    let (d, mut s) = dynamo_reader(&api).await;
     worker_in(&api, "dyn", 1);
     assert!(matches!(next(&mut s).await, DiscoveryEvent::Added(_)));
     // A write neither watch reads, then the compaction: both watches' versions are
     // older than it (the readiness watch's certainly), so one of them is gone.
+    watches_open(&api).await;
     api.ready_slice("elsewhere", "bump", &[]);
     api.compact();
     api.gateway_timeouts(3, None);

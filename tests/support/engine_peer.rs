@@ -66,6 +66,13 @@ impl EnginePeer {
         ok.strip_prefix("ok ").unwrap().parse().unwrap()
     }
 
+    /// Publishes one batch removing the `n` newest blocks; the last sequence used.
+    pub async fn remove_newest(&mut self, n: u32) -> u64 {
+        self.peer.send_line(&format!("remove {n}")).await;
+        let ok = self.peer.line().await;
+        ok.strip_prefix("ok ").unwrap().parse().unwrap()
+    }
+
     /// From now on, evicts whole batches, children before parents (see the peer).
     pub async fn evict_chains(&mut self) {
         self.peer.send_line("evict chains").await;

@@ -12,6 +12,9 @@ Commands on stdin, one per line, each answered on stdout:
   burst N        publish N batches of stored and removed blocks -> "ok LAST_SEQ"
                  (once the publisher thread has sent them all)
   clear          publish AllBlocksCleared (the engine reset its cache) -> "ok LAST_SEQ"
+  remove N       publish one batch removing the N newest blocks (children first) ->
+                 "ok LAST_SEQ" (the count then differs from what bursts settle at, so a
+                 router holding that count has applied this batch)
   restart        shut the publisher down and start a new one on the same ports (a new
                  engine: its sequence starts at 0 and it holds nothing) -> "ok"
   truth          -> "truth H H ..." the block hashes the engine holds now
@@ -166,6 +169,14 @@ for line in sys.stdin:
                 events.append(kv.BlockRemoved(**event_kwargs(kv.BlockRemoved, {"block_hashes": gone})))
             pub.publish(kv.KVEventBatch(ts=time.time(), events=events))
             seq += 1
+        pub._event_queue.join()
+        print(f"ok {seq}", flush=True)
+    elif words[0] == "remove":
+        gone = list(held)[-int(words[1]):][::-1]
+        for h in gone:
+            del held[h]
+        pub.publish(kv.KVEventBatch(ts=time.time(), events=[kv.BlockRemoved(**event_kwargs(kv.BlockRemoved, {"block_hashes": gone}))]))
+        seq += 1
         pub._event_queue.join()
         print(f"ok {seq}", flush=True)
     elif words[0] == "clear":

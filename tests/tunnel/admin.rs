@@ -113,17 +113,28 @@ async fn readiness_follows_the_view_and_the_metrics_follow_the_traffic() {
     let received = "eventplane_subscriber_received_total";
     // (Both waited for: a sample may fall between a message's read and its delivery.)
     let delivered = "eventplane_subscriber_delivered_total";
-    let routed = until(&router_admin, "/metrics", |_, text| {
+    until(&router_admin, "/metrics", |_, text| {
         metric(text, received) == Some(EVENTS as f64)
             && metric(text, delivered) == Some(EVENTS as f64)
     })
     .await;
-    let read = metric(&routed, "eventplane_bus_read_bytes_total").unwrap();
-    assert!(read > 0.0);
-    let relayed = until(&broker_admin, "/metrics", |_, text| {
-        metric(text, "eventplane_broker_up_bytes_total") == Some(read)
+    // The bus's counters are sampled on a tick of their own (not the subscriber's):
+    // the bytes the router's bus read, once they stopped growing, are the bytes the
+    // broker relayed up.
+    let (read, routed, relayed) = within(async {
+        loop {
+            let (_, routed) = get(&router_admin, "/metrics").await;
+            let (_, relayed) = get(&broker_admin, "/metrics").await;
+            let read = metric(&routed, "eventplane_bus_read_bytes_total").unwrap_or(0.0);
+            let up = metric(&relayed, "eventplane_broker_up_bytes_total");
+            if read > 0.0 && up == Some(read) {
+                return (read, routed, relayed);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     })
     .await;
+    assert!(read > 0.0);
     assert_eq!(
         metric(&relayed, "eventplane_broker_streams_open"),
         Some(1.0)

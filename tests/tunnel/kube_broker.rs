@@ -42,16 +42,7 @@ async fn a_broker_in_kube_mode_relays_a_publisher_found_only_through_its_resourc
     put_worker(&api, &endpoint, "kv-events");
     let dir = config("kube", "").parent().unwrap().to_owned();
     let kubeconfig = api.kubeconfig(&dir, "dyn");
-    let text = body(
-        &format!("https://localhost:{}", bus.local_addr().port()),
-        &dir,
-        &["tcp://127.0.0.1:1"],
-        "",
-    )
-    .replace(
-        "static_endpoints = [\"tcp://127.0.0.1:1\"]",
-        "kubernetes = { namespaces = [\"dyn\"] }",
-    );
+    let text = kube_mode(&bus, &dir);
     let path = config("kube", &text);
     let check = Command::new(example("event-broker"))
         .arg("--config")
@@ -121,16 +112,7 @@ async fn a_broker_in_kube_mode_finds_its_api_server_in_cluster() {
     put_worker(&api, &endpoint, "kv-events");
     let dir = config("kube-in-cluster", "").parent().unwrap().to_owned();
     let account = api.service_account(&dir.join("serviceaccount"), "dyn");
-    let text = body(
-        &format!("https://localhost:{}", bus.local_addr().port()),
-        &dir,
-        &["tcp://127.0.0.1:1"],
-        "",
-    )
-    .replace(
-        "static_endpoints = [\"tcp://127.0.0.1:1\"]",
-        "kubernetes = { namespaces = [\"dyn\"] }",
-    );
+    let text = kube_mode(&bus, &dir);
     let path = config("kube-in-cluster", &text);
     let mut command = Command::new("unshare");
     command.args(["--mount", "--propagation", "private", "sh", "-c"]);
@@ -338,4 +320,18 @@ async fn relays(bus: &EventBus, publisher: &PubSocket, endpoint: &str) {
     let message = Message::from_parts([Bytes::from_static(b"t"), Bytes::from_static(b"k")]);
     publisher.send(message.clone());
     assert_eq!(within(sub.recv()).await.unwrap(), message);
+}
+
+/// A broker configuration for `bus` in kube mode, following namespace "dyn".
+fn kube_mode(bus: &EventBus, dir: &std::path::Path) -> String {
+    body(
+        &format!("https://localhost:{}", bus.local_addr().port()),
+        dir,
+        &["tcp://127.0.0.1:1"],
+        "",
+    )
+    .replace(
+        "static_endpoints = [\"tcp://127.0.0.1:1\"]",
+        "kubernetes = { namespaces = [\"dyn\"] }",
+    )
 }

@@ -372,7 +372,8 @@ fn silent(source: fn(usize) -> std::net::Ipv4Addr) -> Flooding {
 }
 
 /// A broker restarted into a flood of unauthenticated connections, once the bus
-/// evicted `warm` of them: it gets its session within one backoff period (1 s).
+/// evicted `warm` of them: its first attempt gets its session (within the bus's TLS
+/// handshake deadline).
 async fn restart_into_a_flood(flood: Flooding, warm: u64) {
     let bus = bus().await;
     let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
@@ -399,8 +400,8 @@ async fn restart_into_a_flood(flood: Flooding, warm: u64) {
         });
     });
     until(|| bus.stats().pending_evicted >= warm).await;
-    // The broker restarts into the flood: its first attempt gets its session, within
-    // one backoff period (1 s) of the restart.
+    // The broker restarts into the flood: its first attempt gets its session (a
+    // second would come a backoff period, 1 s, later).
     broker.abort();
     until(|| bus.stats().sessions == 0).await;
     let mut config = broker_config(&bus, "broker-1", view.clone());
@@ -417,11 +418,19 @@ async fn restart_into_a_flood(flood: Flooding, warm: u64) {
     tokio::task::spawn_blocking(move || flood.join().unwrap())
         .await
         .unwrap();
+    // Its first attempt got in (a second comes a backoff period later, and counts a
+    // failure), before the bus's TLS handshake deadline would have ended it: on 2
+    // loaded cores the flood's handshakes delay the broker's (past 2 s in a CI run),
+    // they do not keep it out.
+    assert_eq!(
+        restarted.stats().session_failures,
+        0,
+        "took {took:?}: {stats:?}"
+    );
     assert!(
-        took < Duration::from_secs(1) + support::DEADLINE_SLACK,
+        took < eventplane::tunnel::TLS_HANDSHAKE_TIMEOUT + support::DEADLINE_SLACK,
         "the broker took {took:?} to get its session back: {stats:?}"
     );
-    assert_eq!(restarted.stats().session_failures, 0, "{stats:?}");
     assert!(stats.pending <= 64, "{stats:?}");
     assert!(stats.pending_evicted >= warm, "{stats:?}");
     assert_eq!(stats.connections_refused, 0, "{stats:?}");

@@ -268,8 +268,15 @@ impl Cluster {
             }
         }
         proc.wait(Duration::from_secs(10)).await;
+        let report = report?;
+        // Kept beside its log, whole (the run's report sums them).
+        let file = self.logs.join(format!(
+            "{}.report.json",
+            proc.name.replace([' ', '#'], "-")
+        ));
+        let _ = std::fs::write(file, &report);
         let report: RouterReport =
-            serde_json::from_str(&report?).map_err(|e| format!("{}: {e}", proc.name))?;
+            serde_json::from_str(&report).map_err(|e| format!("{}: {e}", proc.name))?;
         self.router_reports.push((proc.name.clone(), report));
         Ok(())
     }

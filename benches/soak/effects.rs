@@ -286,7 +286,15 @@ pub(crate) fn check_effects(
                         )
                     };
                     let deadline = base.1 + held_up(faults, i, name, base);
-                    if r.quit_ms < deadline {
+                    // A stopped relay killed before the router could reconnect to it
+                    // (a partition of the router meanwhile, say) has no successor
+                    // connection to make: judged by the kill.
+                    let killed = faults.iter().any(|g| {
+                        g.kind == FaultKind::RelayKill
+                            && g.process == f.process
+                            && (f.start_ms..=deadline).contains(&g.start_ms)
+                    });
+                    if r.quit_ms < deadline || (f.kind == FaultKind::RelayStop && killed) {
                         count(false);
                         continue;
                     }
@@ -592,6 +600,18 @@ mod tests {
         // A reconnect 20 s late (audit H1 c: reconnect_min 20 s) is no effect of it.
         let late = router(vec![("p", ledger(4, &[0, 85_000], &[], Life::default()))]);
         assert_eq!(effects(&stop, late), ["relay_stop_effect"]);
+        // Killed before the router could reconnect (it was partitioned): the kill
+        // judges it, not the stop.
+        let mut killed = stop.to_vec();
+        killed.push(fault(RouterPartition, "router r0#1", None, 62_000, 14_000));
+        killed.push(fault(RelayKill, "relay w3#1", Some(4), 74_000, 1_000));
+        let kept = router(vec![
+            ("p", ledger(4, &[0], &[86_000], Life::default())),
+            ("q", ledger(4, &[76_000], &[], Life::default())),
+        ]);
+        let mut out = Vec::new();
+        check_effects(&killed, &[("router r0#1".to_owned(), kept)], &mut out);
+        assert_eq!(names(&out), Vec::<&str>::new());
         // Too short to judge.
         let short = [fault(RelayStop, "relay w3#1", Some(4), 60_000, 4_000)];
         let kept = router(vec![("p", ledger(4, &[0], &[], Life::default()))]);

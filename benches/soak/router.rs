@@ -396,6 +396,14 @@ impl State {
             l.last_consumed = Some(s);
         }
         l.worker_id = d.source.worker.map(|w| w.worker_id).or(l.worker_id);
+        if l.worker_id.is_none() {
+            // Dynamo's records name no worker: its events do (decoded once, for the
+            // faults' bookkeeping).
+            l.worker_id = d
+                .payload()
+                .and_then(|p| eventplane::kv::decode_router_payload(lane.wire, &p).ok())
+                .and_then(|events| events.first().map(|e| e.worker_id.0));
+        }
         if self.feed.delivery(lane.wire, d).is_err() {
             l.undecodable += 1;
         }

@@ -240,6 +240,26 @@ pub(crate) fn check_effects(
                     continue;
                 }
                 count(true);
+                // Its heartbeat drops what it can no longer hear, and it dials again
+                // (in vain, while cut off): the relays' own heartbeats close their
+                // side too, but nothing of that reaches a cut-off router, so a
+                // router that only learns of it when the link is back has not
+                // noticed it (audit M1: the SUB heartbeat timeout disabled).
+                let noticed = r
+                    .dials_ms
+                    .iter()
+                    .any(|t| (f.start_ms + HEARTBEAT_NOTICED_MS..=end).contains(t));
+                if !noticed && f.hold() > HEARTBEAT_NOTICED_MS + 2_000 {
+                    out.push(violation(
+                        "partition_noticed",
+                        at.clone(),
+                        format!(
+                            "no dial between {} ms into the {} ms partition and its end: the router never noticed it was cut off",
+                            HEARTBEAT_NOTICED_MS,
+                            f.hold()
+                        ),
+                    ));
+                }
                 let reconnected = followed
                     .iter()
                     .filter(|(_, l)| {
@@ -621,14 +641,19 @@ mod tests {
     #[test]
     fn a_partition_must_reconnect_every_publisher_followed() {
         let cut = [fault(RouterPartition, "router r0#1", None, 60_000, 13_000)];
-        let ok = router(vec![
+        // It dialled (in vain) 5 s into the partition: its heartbeat noticed.
+        let noticed = |mut r: RouterReport| {
+            r.dials_ms = vec![T0 + 65_000];
+            r
+        };
+        let ok = noticed(router(vec![
             ("a", ledger(1, &[0, 76_000], &[], Life::default())),
             ("b", ledger(2, &[0, 78_000], &[], Life::default())),
             // Departed meanwhile (its relay was killed): not expected back.
             ("c", ledger(3, &[0], &[70_000], Life::default())),
             // Its relay killed late in the partition: judged by the kill.
             ("d", ledger(4, &[0], &[], Life::default())),
-        ]);
+        ]));
         let mut faults = cut.to_vec();
         faults.push(fault(RelayKill, "relay w3#1", Some(4), 72_000, 500));
         let mut out = Vec::new();
@@ -636,16 +661,21 @@ mod tests {
         // The kill's own judgment: neither a Departed nor a new incarnation here.
         assert_eq!(names(&out), ["relay_kill_effect"]);
         // One connection outlived it: still an effect.
-        let one = router(vec![
+        let one = noticed(router(vec![
             ("a", ledger(1, &[0, 76_000], &[], Life::default())),
             ("b", ledger(2, &[0], &[], Life::default())),
-        ]);
-        assert_eq!(effects(&cut, one), Vec::<&str>::new());
-        // Every connection outlived it (the SUB heartbeat timeout disabled: audit M1).
-        let stuck = router(vec![
+        ]));
+        assert_eq!(effects(&cut, one.clone()), Vec::<&str>::new());
+        // Reconnected once the link was back (the relays closed their side), yet no
+        // dial while cut off: its own heartbeat never fired (audit M1).
+        let mut deaf = one;
+        deaf.dials_ms = vec![T0 + 74_000];
+        assert_eq!(effects(&cut, deaf), ["partition_noticed"]);
+        // Every connection outlived it.
+        let stuck = noticed(router(vec![
             ("a", ledger(1, &[0], &[], Life::default())),
             ("b", ledger(2, &[0], &[], Life::default())),
-        ]);
+        ]));
         assert_eq!(effects(&cut, stuck), ["partition_effect"]);
     }
 

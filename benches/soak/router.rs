@@ -275,6 +275,10 @@ pub(crate) struct RouterReport {
     pub(crate) stall_records: Vec<StallRecord>,
     /// Each lane's discovery, by wire.
     pub(crate) discovery: BTreeMap<String, DiscoveryCounts>,
+    /// Unix ms at which the lanes' dials after a publisher's first (reconnects and
+    /// failed dials) were seen to grow, polled once a second: when the router noticed
+    /// a connection was gone.
+    pub(crate) dials_ms: Vec<u64>,
 }
 
 /// `index` output: every block held per worker, and the publishers followed.
@@ -296,6 +300,9 @@ struct State {
     /// Messages the consumer took, every publisher.
     delivered: u64,
     ready_ms: u64,
+    /// The lanes' dials after a publisher's first, as last polled, and when they grew.
+    dials: u64,
+    dials_ms: Vec<u64>,
 }
 
 /// The wire's label in reports.
@@ -563,6 +570,8 @@ pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
         stall_records: Vec::new(),
         delivered: 0,
         ready_ms: crate::engine::unix_ms(),
+        dials: 0,
+        dials_ms: Vec::new(),
     };
     // Dynamo-wire workers advertise Dynamo's KV query endpoint: their answers come
     // back on this listener.
@@ -646,6 +655,10 @@ pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
             _ = prints.tick() => {
                 let t = crate::engine::unix_ms();
                 let dials = a.poll(t) + b.poll(t);
+                if dials > state.dials {
+                    state.dials = dials;
+                    state.dials_ms.push(t);
+                }
                 let p = Prints { t, workers: fingerprints(&state.feed), delivered: state.delivered, dials };
                 println!("fps {}", serde_json::to_string(&p).map_err(|e| e.to_string())?);
             }
@@ -725,6 +738,7 @@ async fn finish(mut lanes: [Lane; 2], mut state: State) -> RouterReport {
     report.held_dropped = f.held_dropped;
     report.repair_p99_ms = f.repair_p99_ms;
     report.ready_ms = state.ready_ms;
+    report.dials_ms = std::mem::take(&mut state.dials_ms);
     report.stall_records = std::mem::take(&mut state.stall_records);
     report.publishers = state
         .ledgers

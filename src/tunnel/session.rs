@@ -253,12 +253,16 @@ impl OpenRate {
         }
     }
 
-    /// Takes one open, if the bucket holds one at `now`.
+    /// Adds what the bucket gained since its last use, up to its burst.
+    fn refill(&mut self, now: Instant) {
+        let gained = now.saturating_duration_since(self.last).as_secs_f64() * self.rate;
+        self.tokens = (self.tokens + gained).min(self.burst);
+        self.last = now;
+    }
+
     /// Takes `n` at once, if the bucket holds them at `now`.
     pub(super) fn take_n(&mut self, n: u32, now: Instant) -> bool {
-        let refill = now.saturating_duration_since(self.last).as_secs_f64() * self.rate;
-        self.tokens = (self.tokens + refill).min(self.burst);
-        self.last = now;
+        self.refill(now);
         if self.tokens >= f64::from(n) {
             self.tokens -= f64::from(n);
             true
@@ -270,9 +274,8 @@ impl OpenRate {
     /// Spends `n` at `now` whatever the bucket holds: what it lacks is owed, and
     /// [`wait_for`](Self::wait_for) counts the debt.
     pub(super) fn spend_n(&mut self, n: u32, now: Instant) {
-        let refill = now.saturating_duration_since(self.last).as_secs_f64() * self.rate;
-        self.tokens = (self.tokens + refill).min(self.burst) - f64::from(n);
-        self.last = now;
+        self.refill(now);
+        self.tokens -= f64::from(n);
     }
 
     /// How long until the bucket holds `n` (as of its last take).
@@ -281,16 +284,9 @@ impl OpenRate {
         Duration::from_secs_f64(missing / self.rate)
     }
 
+    /// Takes one open, if the bucket holds one at `now`.
     pub(super) fn take(&mut self, now: Instant) -> bool {
-        let refill = now.saturating_duration_since(self.last).as_secs_f64() * self.rate;
-        self.tokens = (self.tokens + refill).min(self.burst);
-        self.last = now;
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            true
-        } else {
-            false
-        }
+        self.take_n(1, now)
     }
 }
 

@@ -55,9 +55,12 @@ pub(crate) struct RunArgs {
     /// this long before it, at most (a stall or a partition delays, a wipe does not).
     #[arg(long = "lag-tolerance-ms", default_value_t = 20_000)]
     pub(crate) lag_tolerance_ms: u64,
-    /// A kv_relay binary to use instead of building it.
-    #[arg(long)]
+    /// A kv_relay binary to use instead of building it (with --kv-router).
+    #[arg(long, requires = "kv_router")]
     pub(crate) relay: Option<PathBuf>,
+    /// A kv-router binary to use instead of building it (with --relay).
+    #[arg(long = "kv-router", requires = "relay")]
+    pub(crate) kv_router: Option<PathBuf>,
     /// Run the routers in this namespace (no partitions: that fault is skipped).
     #[arg(long)]
     pub(crate) no_netns: bool,
@@ -81,12 +84,32 @@ pub(crate) struct Action {
     pub(crate) phase: Phase,
 }
 
+/// What the shipped `kv-router` showed at the end.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub(crate) struct KvRouterSummary {
+    /// From the engines' settle to its index's size matching theirs (its admin
+    /// gauge), ms; `None`: not within `--converge-secs`.
+    pub(crate) converged_ms: Option<u64>,
+    pub(crate) router_events: u64,
+    pub(crate) index_blocks: u64,
+    pub(crate) decode_errors: u64,
+    /// Event-id gaps and reconnections that forgot blocks.
+    pub(crate) lost_views: u64,
+}
+
 /// Everything running, and what it told.
 pub(crate) struct Cluster {
     pub(crate) args: RunArgs,
     pub(crate) logs: PathBuf,
     pub(crate) exe: PathBuf,
     pub(crate) relay_bin: PathBuf,
+    /// The shipped `kv-router`, a third router beside the soak's two: it follows the
+    /// workers on our wire, unfaulted, and is judged on its final index, its decode
+    /// errors and its resources.
+    pub(crate) kv_router_bin: PathBuf,
+    pub(crate) kv_router: Option<Proc>,
+    pub(crate) kv_router_admin: u16,
+    pub(crate) kv_router_summary: Option<KvRouterSummary>,
     pub(crate) ns: Option<Namespaces>,
     pub(crate) etcd: Option<Proc>,
     pub(crate) etcd_port: u16,
@@ -179,19 +202,29 @@ impl Cluster {
         Err("etcd did not become healthy within 15 s".into())
     }
 
+    /// Whether engine `w`'s relay reads it without its replay endpoint (every fourth,
+    /// from the first): a loss it sees is then cleared (a stale `Cleared`, DESIGN
+    /// §4.6), never repaired, as for an engine that serves no replay. Stops hit even
+    /// workers, so some stops land on these.
+    pub(crate) fn without_replay(&self, w: usize) -> bool {
+        w % 4 == 0
+    }
+
+    /// Whether engine `w`'s relay speaks Dynamo's wire (and records).
+    pub(crate) fn on_dynamo_wire(&self, w: usize) -> bool {
+        self.args.dynamo_every > 0 && w % self.args.dynamo_every == self.args.dynamo_every - 1
+    }
+
     pub(crate) fn spawn_relay(&mut self, w: usize) -> Result<(), String> {
         self.relay_incarnation[w] += 1;
-        let dynamo =
-            self.args.dynamo_every > 0 && w % self.args.dynamo_every == self.args.dynamo_every - 1;
+        let dynamo = self.on_dynamo_wire(w);
         let (bind, host) = match &self.ns {
             Some(ns) => ("tcp://0.0.0.0:0", ns.host_address()),
             None => ("tcp://127.0.0.1:0", "127.0.0.1"),
         };
-        let args: Vec<String> = [
+        let mut args: Vec<String> = [
             "--connect",
             &self.engine_endpoints[w],
-            "--engine-replay",
-            &self.engine_replays[w],
             "--recovery-bind",
             bind,
             "--topic",
@@ -218,9 +251,47 @@ impl Cluster {
         .iter()
         .map(|s| (*s).to_owned())
         .collect();
+        if !self.without_replay(w) {
+            args.extend(["--engine-replay".to_owned(), self.engine_replays[w].clone()]);
+        }
         let name = format!("relay w{w}#{}", self.relay_incarnation[w]);
         let proc = Proc::spawn(name, &self.relay_bin, &args, &self.logs, &[])?;
         self.relays[w] = Some(proc);
+        Ok(())
+    }
+
+    /// Starts the shipped `kv-router` on the host (it follows our records and wire),
+    /// with its admin endpoint (its index size is read there) and `--dump-index`.
+    pub(crate) fn spawn_kv_router(&mut self) -> Result<(), String> {
+        let host = self.ns.as_ref().map_or("127.0.0.1", |ns| ns.host_address());
+        let args: Vec<String> = [
+            "--etcd",
+            &etcd_url("127.0.0.1", self.etcd_port),
+            "--namespace",
+            NAMESPACE,
+            "--component",
+            "worker",
+            "--topic",
+            "kv-events",
+            "--format",
+            "quiet",
+            "--dump-index",
+            "--admin-listen",
+            &format!("127.0.0.1:{}", self.kv_router_admin),
+            "--allow-cidr",
+            &format!("{host}/32"),
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        let proc = Proc::spawn(
+            "kv-router".to_owned(),
+            &self.kv_router_bin,
+            &args,
+            &self.logs,
+            &[("RUST_LOG", "warn")],
+        )?;
+        self.kv_router = Some(proc);
         Ok(())
     }
 
@@ -299,6 +370,7 @@ impl Cluster {
         procs.extend(self.engines.iter().map(|p| ("engine", p)));
         procs.extend(self.relays.iter().flatten().map(|p| ("relay", p)));
         procs.extend(self.routers.iter().flatten().map(|p| ("router", p)));
+        procs.extend(self.kv_router.iter().map(|p| ("kv-router", p)));
         for (role, p) in procs {
             if let Some((rss, fds)) = sample(p.pid) {
                 let s = self.series.entry(p.name.clone()).or_default();
@@ -344,6 +416,16 @@ impl Cluster {
                         detail: e,
                     });
                 }
+            }
+        }
+        if let Some(p) = self.kv_router.as_mut() {
+            if let Some(status) = p.exited() {
+                self.violations.push(Violation {
+                    invariant: "processes_stay_up",
+                    at: p.name.clone(),
+                    detail: format!("exited with {status}: {}", p.last_log_line()),
+                });
+                self.kv_router = None;
             }
         }
         for r in 0..self.routers.len() {
@@ -630,6 +712,10 @@ impl Cluster {
                 p.wait(Duration::from_secs(5)).await;
             }
         }
+        if let Some(mut p) = self.kv_router.take() {
+            let _ = p.child.start_kill();
+            p.wait(Duration::from_secs(5)).await;
+        }
         for p in &mut self.engines {
             let _ = p.child.start_kill();
             p.wait(Duration::from_secs(5)).await;
@@ -641,24 +727,39 @@ impl Cluster {
     }
 }
 
-pub(crate) async fn healthy(port: u16) -> bool {
+/// The body of `GET path` on `127.0.0.1:port` (within 2 s), as text.
+async fn http_get(port: u16, path: &str) -> Option<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let probe = async {
         let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
             .await
             .ok()?;
         let req =
-            format!("GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n");
+            format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n");
         s.write_all(req.as_bytes()).await.ok()?;
         let mut body = Vec::new();
         s.read_to_end(&mut body).await.ok()?;
-        Some(String::from_utf8_lossy(&body).contains("\"health\":\"true\""))
+        Some(String::from_utf8_lossy(&body).into_owned())
     };
     tokio::time::timeout(Duration::from_secs(2), probe)
         .await
         .ok()
         .flatten()
-        .unwrap_or(false)
+}
+
+/// Whether etcd on `port` says it is healthy.
+pub(crate) async fn healthy(port: u16) -> bool {
+    http_get(port, "/health")
+        .await
+        .is_some_and(|body| body.contains("\"health\":\"true\""))
+}
+
+/// A Prometheus gauge or counter's value from an admin endpoint's `/metrics`.
+pub(crate) async fn metric(port: u16, name: &str) -> Option<f64> {
+    let body = http_get(port, "/metrics").await?;
+    body.lines()
+        .filter_map(|l| l.strip_prefix(name))
+        .find_map(|rest| rest.strip_prefix(' ')?.trim().parse().ok())
 }
 
 pub(crate) fn router_name(c: &Cluster, r: usize) -> String {

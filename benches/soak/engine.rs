@@ -15,8 +15,9 @@
 //! from `start_seq`, then the end marker with sequence `u64::MAX`), keeping its last
 //! [`REPLAY_BUFFER`] batches. It prints `bound EP` then `replay EP` at start.
 //!
-//! stdin commands, one per line: `settle` (stop publishing and print
-//! `held {"gpu":[…],"cpu":[…]}`: everything it holds, no final eviction), `quit`.
+//! stdin commands, one per line: `settle` (stop publishing, print
+//! `published {"batches":N,"events":E}` — what it sent, the engine leg of the ledger —
+//! and `held {"gpu":[…],"cpu":[…]}`: everything it holds, no final eviction), `quit`.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -297,6 +298,7 @@ pub(crate) async fn run(args: EngineArgs) -> Result<(), String> {
     let mut report = tokio::time::interval(Duration::from_secs(1));
     let mut prints: Vec<(u64, u64)> = vec![(unix_ms(), 0)];
     let mut seq = 0u64;
+    let mut events_sent = 0u64;
     let mut quiet = false;
     loop {
         tokio::select! {
@@ -307,6 +309,7 @@ pub(crate) async fn run(args: EngineArgs) -> Result<(), String> {
                         let line = serde_json::to_string(&prints).map_err(|e| e.to_string())?;
                         println!("fps {line}");
                     }
+                    println!("published {{\"batches\":{seq},\"events\":{events_sent}}}");
                     let held = serde_json::to_string(&cache.held()).map_err(|e| e.to_string())?;
                     println!("held {held}");
                 }
@@ -321,6 +324,7 @@ pub(crate) async fn run(args: EngineArgs) -> Result<(), String> {
             }
             _ = tick.tick(), if !quiet => {
                 let events = cache.tick();
+                events_sent += events.len() as u64;
                 let ts = seq as f64 * args.interval.as_secs_f64();
                 let payload = Bytes::from(
                     rmp_serde::to_vec(&(ts, events, 0u32)).map_err(|e| e.to_string())?,

@@ -64,6 +64,18 @@ impl FaultKind {
         }
     }
 
+    /// The workers a relay fault may hit, by parity: stops hit even workers, kills
+    /// odd ones (with two workers or more), so a stopped relay is never killed after:
+    /// its clean exit's counters then cover its engine reconnects (the engine leg of
+    /// the ledger), and a killed one's successor covers a replayed history.
+    fn parity(self, workers: usize) -> Option<usize> {
+        match self {
+            FaultKind::RelayStop if workers >= 2 => Some(0),
+            FaultKind::RelayKill if workers >= 2 => Some(1),
+            _ => None,
+        }
+    }
+
     /// Whether the fault targets a router (else a worker, or etcd).
     fn on_router(self) -> bool {
         matches!(
@@ -100,6 +112,10 @@ pub(crate) fn schedule(
     let mut faults = Vec::new();
     for &kind in kinds {
         let slice = window / per_kind.max(1) as u32;
+        // Relay faults go round their workers from a random one: three stops hit
+        // three different relays (among them one without replay, `cluster.rs`).
+        let choices = kind.parity(workers).map(|p| (workers - p).div_ceil(2));
+        let offset = choices.map_or(0, |n| rng.below(n as u64) as usize);
         for i in 0..per_kind {
             let at = slice * i as u32 + rng.millis(0, slice.as_millis() as u64 * 3 / 4);
             let targets = if kind.on_router() { routers } else { workers };
@@ -109,6 +125,8 @@ pub(crate) fn schedule(
                 // The last router: the first lives the whole run, so its RSS and fds
                 // are judged over all of it.
                 routers.saturating_sub(1)
+            } else if let (Some(parity), Some(n)) = (kind.parity(workers), choices) {
+                (offset + i) % n * 2 + parity
             } else {
                 rng.below(targets as u64) as usize
             };
@@ -147,8 +165,11 @@ fn separate(faults: &mut [Fault], workers: usize, routers: usize) {
         } else {
             busy.len()
         };
+        let parity = f.kind.parity(workers);
+        let allowed = |t: &usize| parity.is_none_or(|p| t % 2 == p);
         let free = (0..candidates)
             .map(|i| (f.target + i) % busy.len())
+            .filter(allowed)
             .find(|&t| busy[t] <= f.at);
         let t = match free {
             Some(t) => t,
@@ -160,6 +181,7 @@ fn separate(faults: &mut [Fault], workers: usize, routers: usize) {
                 let (t, until) = busy
                     .iter()
                     .enumerate()
+                    .filter(|(t, _)| allowed(t))
                     .min_by_key(|(_, u)| **u)
                     .map(|(t, u)| (t, *u))
                     .unwrap_or((0, f.at));
@@ -184,6 +206,24 @@ mod tests {
         assert_ne!(a, schedule(8, window, &FaultKind::ALL, 2, 4, 2));
         for kind in FaultKind::ALL {
             assert_eq!(a.iter().filter(|f| f.kind == kind).count(), 2, "{kind:?}");
+        }
+        // Stops hit even workers, kills odd ones: a stopped relay is never killed;
+        // three of a kind hit three different relays.
+        let b = schedule(7, window, &FaultKind::ALL, 3, 8, 2);
+        for kind in [FaultKind::RelayStop, FaultKind::RelayKill] {
+            let hit: std::collections::BTreeSet<usize> = b
+                .iter()
+                .filter(|f| f.kind == kind)
+                .map(|f| f.target)
+                .collect();
+            assert_eq!(hit.len(), 3, "{kind:?}: {b:?}");
+        }
+        for f in a.iter().chain(&b) {
+            match f.kind {
+                FaultKind::RelayStop => assert_eq!(f.target % 2, 0, "{f:?}"),
+                FaultKind::RelayKill => assert_eq!(f.target % 2, 1, "{f:?}"),
+                _ => {}
+            }
         }
         // Restarts only ever hit the last router: the first lives the whole run.
         assert!(

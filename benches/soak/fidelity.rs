@@ -94,8 +94,13 @@ pub(crate) struct Fidelity {
     cells: BTreeMap<(usize, u64), Cell>,
     /// Lag of every exact sample, ms.
     lags: Vec<u64>,
+    /// Per (router slot, worker): the times of its current samples (exact within
+    /// 1 s), in order: when the index was right again after a fault.
+    current_at: BTreeMap<(usize, u64), Vec<u64>>,
     /// Samples are taken until this (unix ms): the engines' settle.
     until: u64,
+    /// Per router slot, its last sample judged (unix ms).
+    sampled: BTreeMap<usize, u64>,
     dropped: u64,
 }
 
@@ -107,7 +112,9 @@ impl Fidelity {
             pending: VecDeque::new(),
             cells: BTreeMap::new(),
             lags: Vec::new(),
+            current_at: BTreeMap::new(),
             until: u64::MAX,
+            sampled: BTreeMap::new(),
             dropped: 0,
         }
     }
@@ -170,6 +177,8 @@ impl Fidelity {
             let Some(s) = self.pending.pop_front() else {
                 break;
             };
+            let last = self.sampled.entry(s.router).or_default();
+            *last = (*last).max(s.t);
             for (&worker, history) in &self.engines {
                 let fp = s.workers.get(&worker).copied().unwrap_or(0);
                 let Some(lag) = lag(history, s.t, fp) else {
@@ -184,6 +193,12 @@ impl Fidelity {
                         cell.worst_lag_ms = cell.worst_lag_ms.max(lag);
                         cell.exact += 1;
                         cell.current += u64::from(lag <= CURRENT_MS);
+                        if lag <= CURRENT_MS {
+                            self.current_at
+                                .entry((s.router, worker))
+                                .or_default()
+                                .push(s.t);
+                        }
                     }
                     Some(_) => cell.stale += 1,
                     None => cell.unmatched += 1,
@@ -232,6 +247,77 @@ impl Fidelity {
             r.lag_p99_ms = self.lags.get(i).copied().unwrap_or(0);
         }
         r
+    }
+}
+
+/// A stretch of time over which a fault disturbed what a router may know of a
+/// worker (`None`: every router or every worker), unix ms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Disturbed {
+    pub(crate) router: Option<usize>,
+    pub(crate) worker: Option<u64>,
+    pub(crate) start_ms: u64,
+    pub(crate) end_ms: u64,
+}
+
+/// How long after its faults a cell was right again, for one judged recovery.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub(crate) struct Recovery {
+    /// `r0 w3`.
+    pub(crate) cell: String,
+    /// The end of the (merged) disturbance, unix ms.
+    pub(crate) end_ms: u64,
+    /// From that end to the first current sample; `None`: none within the bound.
+    pub(crate) took_ms: Option<u64>,
+}
+
+impl Fidelity {
+    /// Audit M2's checkpoints, without pausing the engines: after each fault that
+    /// touched a (router, worker), the router's index of that worker must be current
+    /// (equal to what the engine held within 1 s) again within `within_ms` of the
+    /// fault's end. Disturbances closer together than `within_ms` are judged as one.
+    /// A cell the router never sampled after the end (it was killed, or the settle
+    /// came first) is not judged. Call after [`report`](Self::report).
+    pub(crate) fn recoveries(
+        &self,
+        disturbed: &[Disturbed],
+        routers: usize,
+        within_ms: u64,
+    ) -> Vec<Recovery> {
+        let mut out = Vec::new();
+        for r in 0..routers {
+            for &worker in self.engines.keys() {
+                let mut spans: Vec<(u64, u64)> = disturbed
+                    .iter()
+                    .filter(|d| d.router.is_none_or(|x| x == r))
+                    .filter(|d| d.worker.is_none_or(|w| w == worker))
+                    .map(|d| (d.start_ms, d.end_ms.max(d.start_ms)))
+                    .collect();
+                spans.sort_unstable();
+                let mut merged: Vec<(u64, u64)> = Vec::new();
+                for (s, e) in spans {
+                    match merged.last_mut() {
+                        Some(last) if s <= last.1 + within_ms => last.1 = last.1.max(e),
+                        _ => merged.push((s, e)),
+                    }
+                }
+                let times = self.current_at.get(&(r, worker));
+                let sampled_after = |t: u64| self.sampled.get(&r).is_some_and(|last| *last >= t);
+                for (_, end) in merged {
+                    let first = times.and_then(|ts| ts.iter().find(|&&t| t >= end).copied());
+                    let took = first.map(|t| t - end).filter(|d| *d <= within_ms);
+                    if took.is_none() && !sampled_after(end + within_ms) {
+                        continue;
+                    }
+                    out.push(Recovery {
+                        cell: format!("r{r} w{worker}"),
+                        end_ms: end,
+                        took_ms: took,
+                    });
+                }
+            }
+        }
+        out
     }
 }
 
@@ -330,6 +416,49 @@ mod tests {
         f.engine(2, "[[2600, 6]]");
         f.judge(2_600);
         assert_eq!(f.cells[&(0, 2)].exact, 1);
+    }
+
+    #[test]
+    fn a_cell_must_be_current_again_soon_after_its_faults() {
+        let mut f = Fidelity::new(2_000);
+        f.engine(1, "[[1000, 10], [20000, 20], [60000, 30]]");
+        // Router 0 current at 5 s, wrong from 10 s to 24 s, current at 25 s; router 1
+        // wrong from 10 s on.
+        for t in [5_000, 10_000, 24_000, 25_000, 59_000] {
+            let fp = if (10_000..25_000).contains(&t) {
+                99
+            } else {
+                20
+            };
+            let fp = if t < 20_000 && fp != 99 { 10 } else { fp };
+            f.router(0, &format!(r#"{{"t": {t}, "workers": {{"1": {fp}}}}}"#));
+            f.router(1, &format!(r#"{{"t": {t}, "workers": {{"1": 99}}}}"#));
+        }
+        f.report(&BTreeSet::new());
+        let d = |router, start_ms, end_ms| Disturbed {
+            router,
+            worker: Some(1),
+            start_ms,
+            end_ms,
+        };
+        // One fault on both routers ending at 12 s: router 0 recovered 13 s later.
+        let r = f.recoveries(&[d(None, 9_000, 12_000)], 2, 20_000);
+        let took: Vec<Option<u64>> = r.iter().map(|r| r.took_ms).collect();
+        assert_eq!(took, [Some(13_000), None]);
+        // With a 10 s bound, router 0 too is late.
+        let r = f.recoveries(&[d(None, 9_000, 12_000)], 2, 10_000);
+        assert!(r.iter().all(|r| r.took_ms.is_none()), "{r:?}");
+        // Two faults 5 s apart are one: judged from the second's end (18 s).
+        let r = f.recoveries(
+            &[d(Some(0), 9_000, 12_000), d(Some(0), 17_000, 18_000)],
+            2,
+            10_000,
+        );
+        assert_eq!(r.len(), 1);
+        assert_eq!(r[0].took_ms, Some(7_000));
+        // A fault ending after the router's last sample is not judged.
+        let r = f.recoveries(&[d(Some(0), 55_000, 59_500)], 2, 10_000);
+        assert!(r.is_empty(), "{r:?}");
     }
 
     #[test]

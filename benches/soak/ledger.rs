@@ -77,7 +77,16 @@ pub(crate) fn check_router(router: &str, report: &RouterReport, out: &mut Vec<Vi
         ));
     }
     for (id, l) in &report.publishers {
-        check_publisher(&format!("{router} publisher {id}"), l, out);
+        let at = format!("{router} publisher {id}");
+        // Our relays publish nothing a router cannot decode, fault or not.
+        if l.undecodable > 0 {
+            out.push(violation(
+                "every_payload_decodes",
+                at.clone(),
+                format!("{} payloads the router could not decode", l.undecodable),
+            ));
+        }
+        check_publisher(&at, l, out);
     }
 }
 
@@ -191,6 +200,14 @@ pub(crate) struct RelayExit {
     pub(crate) merged_events: u64,
     pub(crate) deduplicated_events: u64,
     pub(crate) withheld_events: u64,
+    /// The engine leg: batches and events its listener decoded, batches it saw
+    /// missing in sequence jumps, losses its replays could not close (each a clear),
+    /// events it discarded.
+    pub(crate) decoded_batches: u64,
+    pub(crate) decoded_events: u64,
+    pub(crate) seq_gap_batches: u64,
+    pub(crate) replay_fallbacks: u64,
+    pub(crate) discarded_events: u64,
 }
 
 impl RelayExit {
@@ -198,6 +215,8 @@ impl RelayExit {
         // Every field required: a missing one must not read as a balancing 0.
         let v: serde_json::Value = serde_json::from_str(line).ok()?;
         let p = &v["processor"];
+        let l = &v["listener"];
+        let fallbacks = l["replay"]["fallbacks"].as_object()?;
         Some(RelayExit {
             name: name.to_owned(),
             registered_id: v["registered_publisher_id"].as_u64(),
@@ -207,12 +226,86 @@ impl RelayExit {
             merged_events: p["merged_events"].as_u64()?,
             deduplicated_events: p["deduplicated_events"].as_u64()?,
             withheld_events: p["withheld_events"].as_u64()?,
+            decoded_batches: l["decoder"]["batches"].as_u64()?,
+            decoded_events: l["decoder"]["events"].as_u64()?,
+            seq_gap_batches: l["seq_gap_batches"].as_u64()?,
+            replay_fallbacks: fallbacks
+                .values()
+                .map(|n| n.as_u64())
+                .sum::<Option<u64>>()?,
+            discarded_events: l["discarded_events"].as_u64()?,
         })
+    }
+}
+
+/// What an engine said it published, at the settle.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub(crate) struct Published {
+    pub(crate) batches: u64,
+    pub(crate) events: u64,
+}
+
+/// The engine leg of the ledger, for a relay's last incarnation (`replayed`: it
+/// replays its engine's history from the first batch when it starts): every batch
+/// the engine published was decoded, or counted missing in a sequence jump that ended
+/// in a clear (a replay that could not close it). A relay without replay misses what
+/// its engine sent before it connected: it decoded no more than was published.
+/// Nothing discarded at a clean exit.
+pub(crate) fn check_engine_leg(
+    exit: &RelayExit,
+    engine: Published,
+    replayed: bool,
+    out: &mut Vec<Violation>,
+) {
+    let at = exit.name.clone();
+    if exit.discarded_events > 0 {
+        out.push(violation(
+            "engine_leg",
+            at.clone(),
+            format!("{} events discarded at a clean exit", exit.discarded_events),
+        ));
+    }
+    let decoded = (exit.decoded_batches, exit.decoded_events);
+    if !replayed {
+        if decoded.0 > engine.batches || decoded.1 > engine.events {
+            out.push(violation(
+                "engine_leg",
+                at,
+                format!(
+                    "the engine published {} batches ({} events), the relay decoded more: {} ({})",
+                    engine.batches, engine.events, decoded.0, decoded.1
+                ),
+            ));
+        }
+    } else if exit.replay_fallbacks == 0 {
+        if decoded != (engine.batches, engine.events) {
+            out.push(violation(
+                "engine_leg",
+                at,
+                format!(
+                    "the engine published {} batches ({} events), the relay decoded {} ({}) and lost none",
+                    engine.batches, engine.events, decoded.0, decoded.1
+                ),
+            ));
+        }
+    } else if exit.decoded_batches > engine.batches
+        || exit.decoded_batches + exit.seq_gap_batches < engine.batches
+    {
+        out.push(violation(
+            "engine_leg",
+            at,
+            format!(
+                "the engine published {} batches, the relay decoded {} and counted {} missing",
+                engine.batches, exit.decoded_batches, exit.seq_gap_batches
+            ),
+        ));
     }
 }
 
 /// A clean relay exit: its processor ledger balances, and every router that was
 /// following it at the exit saw its last message (the relay drains before it exits).
+/// A router that followed it from its first message and lost none decoded exactly
+/// the events it published.
 pub(crate) fn check_relay_exit(
     exit: &RelayExit,
     routers: &[(String, &RouterReport)],
@@ -240,12 +333,10 @@ pub(crate) fn check_relay_exit(
         return;
     };
     for (router, report) in routers {
-        let ledger = report.publishers.iter().find(|(k, _)| {
-            k.rsplit('/')
-                .next()
-                .and_then(|p| u64::from_str_radix(p, 16).ok())
-                == Some(id)
-        });
+        let ledger = report
+            .publishers
+            .iter()
+            .find(|(k, _)| publisher_id(k) == Some(id));
         let Some((key, l)) = ledger else {
             out.push(violation(
                 "router_followed_relay",
@@ -255,6 +346,21 @@ pub(crate) fn check_relay_exit(
             continue;
         };
         let s = sum(l);
+        let lossless = s.first == Some(0)
+            && s.stats.gap_messages == 0
+            && s.stats.dropped() == 0
+            && s.stats.depth == 0
+            && l.consumed == exit.published_messages;
+        if lossless && l.events != exit.output_events {
+            out.push(violation(
+                "events_delivered",
+                format!("{router} publisher {key}"),
+                format!(
+                    "{at} published {} events in {} messages; the router took every message and decoded {} events",
+                    exit.output_events, exit.published_messages, l.events
+                ),
+            ));
+        }
         if s.last.map(|l| l + 1) != Some(exit.published_messages) {
             out.push(violation(
                 "saw_the_last_message",
@@ -266,6 +372,45 @@ pub(crate) fn check_relay_exit(
             ));
         }
     }
+}
+
+/// Head loss (audit H2): a relay's first incarnation, in the routers that were up
+/// before it started, must be followed from one of its first `head` messages (what
+/// it publishes before a router's subscription reaches it is lost unseen, and
+/// uncounted: bounded here by time).
+pub(crate) fn check_head(
+    exit: &RelayExit,
+    routers: &[(String, &RouterReport)],
+    head: u64,
+    out: &mut Vec<Violation>,
+) {
+    let Some(id) = exit.registered_id else {
+        return;
+    };
+    for (router, report) in routers {
+        let first = report
+            .publishers
+            .iter()
+            .find(|(k, _)| publisher_id(k) == Some(id))
+            .and_then(|(_, l)| sum(l).first);
+        if first.is_none_or(|f| f >= head) {
+            out.push(violation(
+                "head_followed",
+                format!("{router} publisher {id:x}"),
+                format!(
+                    "{} started after the router was up; its first message followed is {first:?}, not one of its first {head}",
+                    exit.name
+                ),
+            ));
+        }
+    }
+}
+
+/// The publisher id at the end of a `ChannelId` as reports print it (hex).
+fn publisher_id(key: &str) -> Option<u64> {
+    key.rsplit('/')
+        .next()
+        .and_then(|p| u64::from_str_radix(p, 16).ok())
 }
 
 /// A router's final index against what the engines hold, and its publishers against
@@ -441,7 +586,7 @@ mod tests {
     fn a_relay_exit_is_cross_checked() {
         let exit = RelayExit::parse(
             "w0#1",
-            r#"{"registered_publisher_id":1,"published_messages":150,"processor":{"input_events":10,"output_events":6,"merged_events":2,"deduplicated_events":1,"withheld_events":0}}"#,
+            r#"{"registered_publisher_id":1,"published_messages":150,"processor":{"input_events":10,"output_events":6,"merged_events":2,"deduplicated_events":1,"withheld_events":0},"listener":{"decoder":{"batches":150,"events":10},"seq_gap_batches":0,"discarded_events":0,"replay":{"fallbacks":{"timeout":0,"restart":0}}}}"#,
         )
         .unwrap();
         let r = report(good());
@@ -449,5 +594,108 @@ mod tests {
         check_relay_exit(&exit, &[("r0".to_owned(), &r)], &mut out);
         let names: Vec<_> = out.iter().map(|v| v.invariant).collect();
         assert_eq!(names, ["processor_ledger"]); // 10 != 9; the last sequence 149 is the 150th
+        // A field missing is no exit line (it must not read as a balancing 0).
+        assert!(RelayExit::parse("w0#1", r#"{"registered_publisher_id":1,"published_messages":1,"processor":{"input_events":1,"output_events":1,"merged_events":0,"deduplicated_events":0,"withheld_events":0}}"#).is_none());
+    }
+
+    fn exit(batches: u64, events: u64, gap: u64, fallbacks: u64) -> RelayExit {
+        RelayExit {
+            name: "relay w0#1".into(),
+            registered_id: Some(1),
+            published_messages: 150,
+            output_events: 40,
+            decoded_batches: batches,
+            decoded_events: events,
+            seq_gap_batches: gap,
+            replay_fallbacks: fallbacks,
+            ..RelayExit::default()
+        }
+    }
+
+    /// Audit H2 (a): a subscriber that skips a publisher's first 20 messages.
+    #[test]
+    fn a_relay_followed_late_fails_the_head_check() {
+        let mut e = exit(0, 0, 0, 0);
+        let mut l = good();
+        let check = |l: &Ledger| {
+            let r = report(l.clone());
+            let mut out = Vec::new();
+            check_head(&e, &[("r0#1".to_owned(), &r)], 20, &mut out);
+            out.len()
+        };
+        assert_eq!(check(&l), 0);
+        l.lives[0].first_sequence = Some(20);
+        assert_eq!(check(&l), 1);
+        l.lives[0].first_sequence = Some(19);
+        assert_eq!(check(&l), 0);
+        e.registered_id = Some(2);
+        let r = report(good());
+        let mut out = Vec::new();
+        check_head(&e, &[("r0#1".to_owned(), &r)], 20, &mut out);
+        assert_eq!(out.len(), 1, "never followed");
+    }
+
+    /// Audit H2 (b): a batch the relay drops uncounted after a reconnect.
+    #[test]
+    fn the_engine_leg_balances_batch_for_batch() {
+        let engine = Published {
+            batches: 100,
+            events: 300,
+        };
+        let leg = |e: RelayExit| {
+            let mut out = Vec::new();
+            check_engine_leg(&e, engine, true, &mut out);
+            out.len()
+        };
+        assert_eq!(leg(exit(100, 300, 0, 0)), 0);
+        assert_eq!(leg(exit(99, 297, 0, 0)), 1, "one batch lost, uncounted");
+        assert_eq!(leg(exit(100, 299, 0, 0)), 1, "one event lost");
+        // A loss replay could not close: the missing batches are counted.
+        assert_eq!(leg(exit(90, 270, 10, 1)), 0);
+        assert_eq!(leg(exit(89, 267, 10, 1)), 1);
+        let mut e = exit(100, 300, 0, 0);
+        e.discarded_events = 1;
+        assert_eq!(leg(e), 1);
+        // Without replay, only what was published can have been decoded.
+        let mut out = Vec::new();
+        check_engine_leg(&exit(60, 180, 0, 0), engine, false, &mut out);
+        check_engine_leg(&exit(101, 300, 0, 0), engine, false, &mut out);
+        assert_eq!(out.len(), 1);
+    }
+
+    /// Audit H2 (c): a message the relay counted as published and never sent.
+    #[test]
+    fn a_lossless_following_decodes_every_event_published() {
+        let mut l = Ledger {
+            consumed: 150,
+            events: 40,
+            lives: vec![life(150, 0, 0, 0, 149)],
+            ..Ledger::default()
+        };
+        let r = report(l.clone());
+        let mut out = Vec::new();
+        check_relay_exit(&exit(0, 0, 0, 0), &[("r0".to_owned(), &r)], &mut out);
+        assert!(
+            out.iter().all(|v| v.invariant != "events_delivered"),
+            "{out:?}"
+        );
+        l.events = 39;
+        let r = report(l.clone());
+        let mut out = Vec::new();
+        check_relay_exit(&exit(0, 0, 0, 0), &[("r0".to_owned(), &r)], &mut out);
+        assert!(
+            out.iter().any(|v| v.invariant == "events_delivered"),
+            "{out:?}"
+        );
+        // With a message lost (a gap) the count is not exact: not judged.
+        l.lives = vec![life(149, 0, 1, 0, 149)];
+        l.consumed = 149;
+        let r = report(l);
+        let mut out = Vec::new();
+        check_relay_exit(&exit(0, 0, 0, 0), &[("r0".to_owned(), &r)], &mut out);
+        assert!(
+            out.iter().all(|v| v.invariant != "events_delivered"),
+            "{out:?}"
+        );
     }
 }

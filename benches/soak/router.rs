@@ -115,6 +115,9 @@ pub(crate) struct Ledger {
     pub(crate) connected: u64,
     /// Times its blocks were wiped (a loss not repaired), departures aside.
     pub(crate) wipes: u64,
+    /// Events decoded from the messages consumed (the relay's `output_events`, when
+    /// the router followed it from its first message and lost none).
+    pub(crate) events: u64,
     pub(crate) undecodable: u64,
     /// Followings still listed after the subscriber stopped (no `Retired` for them).
     pub(crate) unsettled: u64,
@@ -402,15 +405,20 @@ impl State {
             l.first_consumed.get_or_insert(s);
             l.last_consumed = Some(s);
         }
-        l.worker_id = d.source.worker.map(|w| w.worker_id).or(l.worker_id);
-        if l.worker_id.is_none() {
-            // Dynamo's records name no worker: its events do (decoded once, for the
-            // faults' bookkeeping).
-            l.worker_id = d
-                .payload()
-                .and_then(|p| eventplane::kv::decode_router_payload(lane.wire, &p).ok())
-                .and_then(|events| events.first().map(|e| e.worker_id.0));
+        // Decoded here too, for the ledger's event count (the feed decodes its own).
+        let events = d
+            .payload()
+            .and_then(|p| eventplane::kv::decode_router_payload(lane.wire, &p).ok());
+        if let Some(events) = &events {
+            l.events += events.len() as u64;
         }
+        // Dynamo's records name no worker: its events do (for the faults' bookkeeping).
+        l.worker_id = d
+            .source
+            .worker
+            .map(|w| w.worker_id)
+            .or(l.worker_id)
+            .or_else(|| events.and_then(|e| e.first().map(|e| e.worker_id.0)));
         if self.feed.delivery(lane.wire, d).is_err() {
             l.undecodable += 1;
         }

@@ -8,13 +8,15 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::cluster::{Action, Cluster, LEASE_TTL, Phase, ROUTERS, RunArgs, router_name};
+use crate::cluster::{
+    Action, Cluster, KvRouterSummary, LEASE_TTL, Phase, ROUTERS, RunArgs, metric, router_name,
+};
 use crate::effects::{self, Injected, Judged};
 use crate::engine::Held;
 use crate::engine::unix_ms;
 use crate::faults::{Fault, FaultKind, schedule};
-use crate::fidelity::{Fidelity, FidelityReport};
-use crate::ledger::{self, RelayExit, Violation};
+use crate::fidelity::{Disturbed, Fidelity, FidelityReport, Recovery};
+use crate::ledger::{self, Published, RelayExit, Violation};
 use crate::netns::Namespaces;
 use crate::process::{Proc, free_port};
 use crate::resources::{self, PerWork, SAMPLE_EVERY, Trend};
@@ -27,6 +29,15 @@ const RUN_GRACE: Duration = Duration::from_secs(600);
 /// How long after the fault window the cluster may take to be whole again (every
 /// process up, routers ready, no partition) before the settle.
 const WHOLE_WITHIN: Duration = Duration::from_secs(90);
+/// How long after a fault's end each router's index of each worker it touched may
+/// take to be current again (audit M2): a killed relay's lease (10 s), the
+/// heartbeat's notice (4 s), the reconnect backoff (5 s), the repair, and slack.
+const RECOVER_WITHIN_MS: u64 = 30_000;
+/// Head loss (audit H2): a router up before a relay started must follow it from
+/// within this many seconds of its messages.
+const HEAD_SECS: f64 = 2.0;
+/// How long the routers may take to be ready before the relays start.
+const ROUTERS_READY_WITHIN: Duration = Duration::from_secs(60);
 
 pub(crate) async fn main(args: RunArgs, bench_dir: PathBuf) -> ExitCode {
     match soak(args, bench_dir).await {
@@ -39,10 +50,11 @@ pub(crate) async fn main(args: RunArgs, bench_dir: PathBuf) -> ExitCode {
     }
 }
 
-fn build_relay(bench_dir: &Path) -> Result<PathBuf, String> {
+/// Builds the shipped `kv-relay` and `kv-router` (release); their paths.
+fn build_services(bench_dir: &Path) -> Result<(PathBuf, PathBuf), String> {
     let root = bench_dir.parent().ok_or("no workspace root")?;
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    eprintln!("soak: building kv-relay (release)");
+    eprintln!("soak: building kv-relay and kv-router (release)");
     let status = std::process::Command::new(cargo)
         .current_dir(root)
         .args([
@@ -52,15 +64,20 @@ fn build_relay(bench_dir: &Path) -> Result<PathBuf, String> {
             "eventplane-services",
             "--bin",
             "kv-relay",
+            "--bin",
+            "kv-router",
         ])
         .status()
         .map_err(|e| format!("cargo: {e}"))?;
     if !status.success() {
-        return Err(format!("building kv-relay failed: {status}"));
+        return Err(format!("building kv-relay and kv-router failed: {status}"));
     }
     let target =
         std::env::var("CARGO_TARGET_DIR").map_or_else(|_| root.join("target"), PathBuf::from);
-    Ok(target.join("release/kv-relay"))
+    Ok((
+        target.join("release/kv-relay"),
+        target.join("release/kv-router"),
+    ))
 }
 
 fn kinds(spec: &str, netns: bool) -> Result<Vec<FaultKind>, String> {
@@ -112,11 +129,22 @@ struct Report {
     repair_p99_ms: u64,
     /// Routers' indexes against the engines, sampled each second while faults ran.
     fidelity: FidelityReport,
+    /// After each fault, the time each touched (router, worker) took to be current
+    /// again: judged, the worst, and every one that took longer than the bound.
+    recoveries_judged: usize,
+    recovery_worst_ms: Option<u64>,
+    recoveries_late: Vec<Recovery>,
+    /// Per engine: what it published (the ledger's first leg).
+    engines_published: BTreeMap<u64, Published>,
+    /// The shipped `kv-router`'s end (it follows the workers on our wire).
+    kv_router: Option<KvRouterSummary>,
     convergence_ms: BTreeMap<String, Option<u64>>,
     relay_clean_exits: usize,
     router_reports: usize,
     start_retries: u64,
     resources: BTreeMap<String, Trend>,
+    /// Every process's samples: (seconds from the start, RSS KiB, fds).
+    samples: BTreeMap<String, Vec<(f64, u64, u64)>>,
     /// Growth per unit of work, by process (routers and relays).
     per_work: BTreeMap<String, PerWork>,
     violations: Vec<Violation>,
@@ -129,9 +157,9 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
         "cargo run --release -p eventplane-benches --bin soak -- {}",
         std::env::args().skip(1).collect::<Vec<_>>().join(" ")
     );
-    let relay_bin = match &args.relay {
-        Some(p) => p.clone(),
-        None => build_relay(&bench_dir)?,
+    let (relay_bin, kv_router_bin) = match (&args.relay, &args.kv_router) {
+        (Some(relay), Some(router)) => (relay.clone(), router.clone()),
+        _ => build_services(&bench_dir)?,
     };
     let netns = !args.no_netns;
     let kinds = kinds(&args.faults, netns)?;
@@ -180,6 +208,10 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
         logs: logs.clone(),
         exe: std::env::current_exe().map_err(|e| e.to_string())?,
         relay_bin,
+        kv_router_bin,
+        kv_router: None,
+        kv_router_admin: free_port()?,
+        kv_router_summary: None,
         ns,
         etcd: None,
         etcd_port: free_port()?,
@@ -225,7 +257,7 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
     drop(c.ns.take());
     // A harness step that failed (a router that stopped answering, an engine that
     // never settled) is a violation too; the oracle still runs on what was reported.
-    let (truth, dumps, convergence) = match result {
+    let (truth, dumps, convergence, published) = match result {
         Ok(outcome) => outcome,
         Err(e) => {
             c.violations.push(Violation {
@@ -254,8 +286,36 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
         .iter()
         .filter_map(|e| e.registered_id)
         .collect();
+    let rate = 1000.0 / c.args.interval_ms.max(1) as f64;
+    // Routers up before the relays started (their first incarnations): each relay's
+    // first incarnation is followed from its head.
+    let firsts: Vec<(String, &RouterReport)> = c
+        .router_reports
+        .iter()
+        .filter(|(n, _)| n.ends_with("#1"))
+        .map(|(n, r)| (n.clone(), r))
+        .collect();
+    let head = (HEAD_SECS * rate) as u64;
     for exit in &c.relay_exits {
         ledger::check_relay_exit(exit, &finals, &mut violations);
+        if exit.name.ends_with("#1") {
+            ledger::check_head(exit, &firsts, head, &mut violations);
+        }
+        let worker = exit
+            .name
+            .strip_prefix("relay w")
+            .and_then(|r| r.split('#').next())
+            .and_then(|w| w.parse::<u64>().ok())
+            .map(|w| w + 1);
+        let replayed = worker.is_some_and(|w| !c.without_replay(w as usize - 1));
+        match worker.and_then(|w| published.get(&w)) {
+            Some(p) => ledger::check_engine_leg(exit, *p, replayed, &mut violations),
+            None => violations.push(Violation {
+                invariant: "engine_leg",
+                at: exit.name.clone(),
+                detail: "its engine never said what it published".into(),
+            }),
+        }
     }
     if c.relay_exits.len() != w {
         violations.push(Violation {
@@ -272,7 +332,6 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
     }
     // Each fault's effect, and the loss each explains.
     let effects = effects::check_effects(&c.records, &c.router_reports, &mut violations);
-    let rate = 1000.0 / c.args.interval_ms.max(1) as f64;
     effects::check_losses(
         &c.records,
         &c.router_reports,
@@ -284,12 +343,16 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
     let trends = resources::trends(&c.series, warm);
     // Peaks, slopes over time, and growth per message and per dial (relays: one
     // message per engine batch); router 0 lives the whole run: a 3-minute run judges it.
+    let ours = (0..w).filter(|i| !c.on_dynamo_wire(*i)).count() as f64;
     let per_work = resources::check(
         &c.series,
         &trends,
         w,
         warm,
-        rate,
+        resources::Rates {
+            relay: rate,
+            kv_router: rate * ours,
+        },
         c.args.minutes >= 3.0,
         &mut violations,
     );
@@ -330,13 +393,17 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
             resyncs += l.wipes;
         }
     }
-    if kinds.is_empty() && (drops.values().sum::<u64>() > 0 || gap_messages > 0) {
+    // With faults off nothing is lost: no drop, no gap, no wipe, and no repair of a
+    // loss (a repair since a gap follows events lost on the way, even when no
+    // message was: a relay that drops a message before its sequence is taken).
+    let wiped: u64 = wipes.values().flat_map(|c| c.values()).sum();
+    let dropped = drops.values().sum::<u64>();
+    if kinds.is_empty() && (dropped > 0 || gap_messages > 0 || wiped > 0 || repairs_since > 0) {
         violations.push(Violation {
             invariant: "self_check",
             at: "all routers".into(),
             detail: format!(
-                "faults off, yet {} drops and {gap_messages} gap messages",
-                drops.values().sum::<u64>()
+                "faults off, yet {dropped} drops, {gap_messages} gap messages, {wiped} index wipes {wipes:?} and {repairs_since} repairs since a loss"
             ),
         });
     }
@@ -345,6 +412,26 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
         .map(|i| i as u64 + 1)
         .collect();
     let fidelity = c.fidelity.report(&dynamo_workers);
+    let disturbed: Vec<Disturbed> = c.records.iter().map(disturbed).collect();
+    let recoveries = c
+        .fidelity
+        .recoveries(&disturbed, ROUTERS, RECOVER_WITHIN_MS);
+    let recovery_worst_ms = recoveries.iter().filter_map(|r| r.took_ms).max();
+    let recoveries_judged = recoveries.len();
+    let recoveries_late: Vec<Recovery> = recoveries
+        .into_iter()
+        .filter(|r| r.took_ms.is_none())
+        .collect();
+    for r in &recoveries_late {
+        violations.push(Violation {
+            invariant: "index_recovers",
+            at: r.cell.clone(),
+            detail: format!(
+                "not current within {RECOVER_WITHIN_MS} ms of its faults' end ({:.1} s into the run)",
+                r.end_ms.saturating_sub(c.start_unix) as f64 / 1000.0
+            ),
+        });
+    }
     let passed = violations.is_empty();
     let report = Report {
         seed: c.args.seed,
@@ -370,11 +457,21 @@ async fn soak(args: RunArgs, bench_dir: PathBuf) -> Result<bool, String> {
         held_dropped,
         repair_p99_ms,
         fidelity,
+        recoveries_judged,
+        recovery_worst_ms,
+        recoveries_late,
+        engines_published: published,
+        kv_router: c.kv_router_summary.clone(),
         convergence_ms: convergence,
         relay_clean_exits: c.relay_exits.len(),
         router_reports: c.router_reports.len(),
         start_retries: c.start_retries,
         resources: trends,
+        samples: c
+            .series
+            .iter()
+            .map(|(name, s)| (name.clone(), s.samples.clone()))
+            .collect(),
         per_work,
         violations,
         passed,
@@ -392,7 +489,26 @@ type Outcome = (
     BTreeMap<u64, Held>,
     Vec<(String, IndexDump)>,
     BTreeMap<String, Option<u64>>,
+    BTreeMap<u64, Published>,
 );
+
+/// Whom a fault disturbed, and when.
+fn disturbed(f: &Injected) -> Disturbed {
+    let (router, worker) = match f.kind {
+        FaultKind::RelayKill | FaultKind::RelayStop => (None, f.worker),
+        FaultKind::RouterPartition | FaultKind::RouterStall | FaultKind::RouterRestart => {
+            (Some(f.target), None)
+        }
+        FaultKind::EtcdRestart => (None, None),
+    };
+    Disturbed {
+        router,
+        worker,
+        start_ms: f.start_ms,
+        // Never undone: never judged.
+        end_ms: f.end_ms.unwrap_or(u64::MAX / 4),
+    }
+}
 
 /// Runs the cluster through its schedule and the settle; the engines' truth, the
 /// routers' last indexes and their convergence times.
@@ -426,6 +542,23 @@ async fn drive(
     for r in 0..ROUTERS {
         c.spawn_router(r)?;
     }
+    // The relays start once the routers are up: each router follows them from their
+    // first messages (the head-loss check).
+    let ready_by = Instant::now() + ROUTERS_READY_WITHIN;
+    // Held meanwhile: `supervise` (which reads the routers' lines) starts no relay.
+    c.relay_held.iter_mut().for_each(|h| *h = true);
+    while !c.router_ready.iter().all(|r| *r) {
+        if Instant::now() >= ready_by {
+            return Err(format!(
+                "routers not ready within {ROUTERS_READY_WITHIN:?}: {}",
+                c.not_whole()
+            ));
+        }
+        c.supervise().await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    c.relay_held.iter_mut().for_each(|h| *h = false);
+    c.spawn_kv_router()?;
     for w in 0..c.args.workers {
         c.spawn_relay(w)?;
     }
@@ -526,10 +659,14 @@ async fn drive(
         }
     }
     let mut truth = BTreeMap::new();
+    let mut published = BTreeMap::new();
     for (w, p) in c.engines.iter_mut().enumerate() {
         if c.engine_dead.get(w).copied().unwrap_or(true) {
             continue;
         }
+        let line = p.line("published ", Duration::from_secs(10)).await?;
+        let sent: Published = serde_json::from_str(&line).map_err(|e| e.to_string())?;
+        published.insert(w as u64 + 1, sent);
         let line = p.line("held ", Duration::from_secs(10)).await?;
         let mut held: Held = serde_json::from_str(&line).map_err(|e| e.to_string())?;
         // Routers index the device tier (`RouterIndex`); the host tier is the engine's.
@@ -571,6 +708,7 @@ async fn drive(
         dumps.push((name, last));
     }
     c.sample();
+    judge_kv_router(c, &truth, quiet_at).await;
     // Clean exits: every relay drains, prints its stats, leaves discovery.
     for p in c.relays.iter().flatten() {
         let _ = p.signal("TERM");
@@ -623,7 +761,100 @@ async fn drive(
             });
         }
     }
-    Ok((truth, dumps, convergence))
+    Ok((truth, dumps, convergence, published))
+}
+
+/// The shipped `kv-router`, once the engines settled (before the relays leave):
+/// its index must come to hold exactly what the engines on our wire hold (its admin
+/// gauge is polled until the sizes match, then it is stopped and its `--dump-index`
+/// compared block for block), and it must have decoded every payload.
+async fn judge_kv_router(c: &mut Cluster, truth: &BTreeMap<u64, Held>, quiet_at: Instant) {
+    let ours: BTreeMap<u64, Held> = truth
+        .iter()
+        .filter(|(w, _)| !c.on_dynamo_wire(**w as usize - 1))
+        .map(|(w, h)| (*w, h.clone()))
+        .collect();
+    let expected: usize = ours.values().map(|h| h.gpu.len()).sum();
+    let v = |c: &mut Cluster, invariant, detail| {
+        c.violations.push(Violation {
+            invariant,
+            at: "kv-router".into(),
+            detail,
+        })
+    };
+    let Some(mut p) = c.kv_router.take() else {
+        v(c, "kv_router_converged", "not running at the settle".into());
+        return;
+    };
+    let deadline = quiet_at + Duration::from_secs(c.args.converge_secs);
+    let mut converged_ms = None;
+    loop {
+        let blocks = metric(c.kv_router_admin, "eventplane_kv_index_blocks").await;
+        if blocks == Some(expected as f64) {
+            converged_ms = Some(quiet_at.elapsed().as_millis() as u64);
+            break;
+        }
+        if Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let _ = p.signal("TERM");
+    let status = p.wait(Duration::from_secs(15)).await;
+    let line = p.last_log_line();
+    let Ok(stats) = serde_json::from_str::<serde_json::Value>(&line) else {
+        v(c, "kv_router_exits_cleanly", format!("{status:?}: {line}"));
+        return;
+    };
+    if !status.is_some_and(|s| s.success()) {
+        v(c, "kv_router_exits_cleanly", format!("{status:?}"));
+    }
+    let mut index: BTreeMap<u64, Held> = BTreeMap::new();
+    for entry in stats["index"].as_array().into_iter().flatten() {
+        let (Some(worker), Some(hashes)) = (
+            entry["worker_id"].as_u64(),
+            entry["block_hashes"].as_array(),
+        ) else {
+            continue;
+        };
+        let held = index.entry(worker).or_default();
+        held.gpu
+            .extend(hashes.iter().filter_map(serde_json::Value::as_u64));
+    }
+    for held in index.values_mut() {
+        held.gpu.sort_unstable();
+        held.gpu.dedup();
+    }
+    index.retain(|_, h| !h.gpu.is_empty());
+    let mut found = Vec::new();
+    ledger::check_convergence(
+        "kv-router",
+        &IndexDump {
+            workers: index,
+            publishers: BTreeSet::new(),
+        },
+        &ours,
+        None,
+        &mut found,
+    );
+    c.violations.extend(found);
+    let decode_errors: u64 = stats["decode_errors"].as_object().map_or(0, |m| {
+        m.values().filter_map(serde_json::Value::as_u64).sum()
+    });
+    if decode_errors > 0 {
+        v(
+            c,
+            "every_payload_decodes",
+            format!("{decode_errors} decode errors: {}", stats["decode_errors"]),
+        );
+    }
+    c.kv_router_summary = Some(KvRouterSummary {
+        converged_ms,
+        router_events: stats["router_events"].as_u64().unwrap_or(0),
+        index_blocks: stats["index_blocks"].as_u64().unwrap_or(0),
+        decode_errors,
+        lost_views: stats["lost_views"].as_u64().unwrap_or(0),
+    });
 }
 
 fn print_table(r: &Report) {
@@ -646,7 +877,7 @@ fn print_table(r: &Report) {
             .collect::<Vec<_>>()
             .join(", ")
     };
-    let rows: [(&str, String); 13] = [
+    let rows: [(&str, String); 15] = [
         ("router events", r.router_events.to_string()),
         ("deliveries", r.deliveries.to_string()),
         ("drops", format!("{:?}", r.drops)),
@@ -684,7 +915,26 @@ fn print_table(r: &Report) {
                 f.samples, f.stale, f.unmatched, f.worst_cell, f.lag_p99_ms, f.worst_lag_ms
             ),
         ),
+        (
+            "recovered after faults",
+            format!(
+                "{} judged, worst {:?} ms, {} late (bound {RECOVER_WITHIN_MS} ms)",
+                r.recoveries_judged,
+                r.recovery_worst_ms,
+                r.recoveries_late.len()
+            ),
+        ),
         ("convergence ms", format!("{:?}", r.convergence_ms)),
+        (
+            "kv-router",
+            match &r.kv_router {
+                Some(k) => format!(
+                    "converged {:?} ms; {} events, {} blocks, {} decode errors, {} lost views",
+                    k.converged_ms, k.router_events, k.index_blocks, k.decode_errors, k.lost_views
+                ),
+                None => "no summary".to_owned(),
+            },
+        ),
         (
             "router reports / relay exits",
             format!("{} / {}", r.router_reports, r.relay_clean_exits),

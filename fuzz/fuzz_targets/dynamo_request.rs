@@ -55,6 +55,12 @@ fn requests(rest: &[u8]) {
             Err(_) => break,
         }
     }
+    // The canary (tools/fuzz.sh --canary): a decoder that loses a request fed byte
+    // by byte. The oracle must catch it.
+    #[cfg(fuzz_canary)]
+    if pieces.len() > 1 {
+        pieces.pop();
+    }
     assert_eq!(pieces, whole);
 }
 

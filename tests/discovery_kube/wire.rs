@@ -382,3 +382,38 @@ async fn an_endpoint_whose_ready_is_null_is_not_ready_as_for_dynamo() {
     api.put("endpointslices", NS, slice(json!(false)));
     assert!(d.list(Query::new("dyn")).await.unwrap().is_empty());
 }
+
+/// A list the server refuses with a `Retry-After` (429, API Priority and Fairness) is
+/// asked again after it, by `list` itself; a refusal without one (a 504 alone) is the
+/// caller's at once.
+#[tokio::test]
+async fn a_list_refused_with_a_retry_after_is_asked_again_after_it() {
+    let api = KubeApi::start().await;
+    worker_in(&api, "dyn", 1);
+    let d = builder(&api)
+        .records(DynamoRecords::new())
+        .connect()
+        .await
+        .unwrap();
+    let before = api.log().len();
+    api.throttle(2, Duration::from_secs(1));
+    let started = Instant::now();
+    let found = within(d.list(Query::new("dyn"))).await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(found.len(), 1, "{found:?}");
+    let refused = api.log()[before..]
+        .iter()
+        .filter(|l| l.fault == Some(429))
+        .count();
+    assert_eq!(refused, 2);
+    // Two refusals, a second each.
+    assert!(
+        took >= Duration::from_millis(1900) && took <= Duration::from_secs(2) + DEADLINE_SLACK,
+        "two 429s with Retry-After: 1 took {took:?}"
+    );
+    api.gateway_timeouts(1, None);
+    match within(d.list(Query::new("dyn"))).await {
+        Err(e @ DiscoveryError::Unavailable(_)) => assert!(e.is_transient(), "{e:?}"),
+        other => panic!("a 504 without Retry-After: expected Unavailable, got {other:?}"),
+    }
+}

@@ -100,7 +100,9 @@ use crate::net::RateLimitedWarn;
 ///   ([`DiscoveryStats::reconnects`]); a continue token gone part-way through a list
 ///   (410) starts the read again, with no `Resync` of its own. A watch opened again
 ///   or a read afresh that the server refuses is retried with backoff, and waits at
-///   least the `Retry-After` (at most 30 s) of a 429 or 5xx that names one.
+///   least the `Retry-After` (at most 30 s) of a 429 or 5xx that names one. A read
+///   (`list`, the first view of `watch`) refused with a `Retry-After` is asked again
+///   after it, three attempts in all; any other refusal is the caller's error.
 /// - **Writing** needs a [`PodIdentity`]: `register` server-side-applies this
 ///   process's resource (field manager `dynamo-worker`, `force`, owner reference to the
 ///   pod — `controller: true` in pod mode, `false` in container mode — all four maps),

@@ -11,7 +11,7 @@ use kube::core::Request;
 use tracing::warn;
 
 use super::config::{KubeConfig, KubeMode};
-use super::error::{KubeRequestError, is_gone, within};
+use super::error::{KubeRequestError, MAX_RETRY_AFTER, is_gone, retry_after, within};
 use super::join::{Change, Join, Ns, Seen};
 use super::narrow;
 use super::resource::{self, DISCOVERY_LABEL, GROUP, KIND, PLURAL, VERSION, plausible};
@@ -20,7 +20,7 @@ use crate::discovery::{DiscoveryError, Instance};
 use crate::net::{Backoff, RateLimitedWarn};
 
 /// Attempts at a paged list before giving up (each failure a continue token that
-/// expired part-way, 410).
+/// expired part-way, 410, or a refusal that named its `Retry-After`).
 const LIST_ATTEMPTS: usize = 3;
 
 pub(crate) struct Shared {
@@ -303,9 +303,18 @@ impl Shared {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            // A continue token gone part-way (410): read everything again, afresh.
             match self.read_once().await {
+                // A continue token gone part-way (410): read everything again, afresh.
                 Err(e) if is_gone(&e) && attempt < LIST_ATTEMPTS => continue,
+                // A 429 or 5xx that said when to ask again (API Priority and Fairness,
+                // a lagging replica): asked again then, at most MAX_RETRY_AFTER later.
+                Err(e) if attempt < LIST_ATTEMPTS => match retry_after(&e) {
+                    Some(after) => {
+                        tracing::debug!(error = %crate::net::ErrorChain(&e), ?after, "kubernetes list refused; asking again after its Retry-After");
+                        tokio::time::sleep(after.min(MAX_RETRY_AFTER)).await;
+                    }
+                    None => return Err(e),
+                },
                 other => return other,
             }
         }

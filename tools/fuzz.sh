@@ -48,7 +48,19 @@ while [ $# -gt 0 ]; do
     *) targets+=("$1"); shift ;;
   esac
 done
-[ ${#targets[@]} -gt 0 ] || targets=(zmtp_decode pub_session engine_batch dynamo_wire dynamo_request tunnel_control)
+all_targets=(zmtp_decode pub_session engine_batch dynamo_wire dynamo_request tunnel_control)
+[ ${#targets[@]} -gt 0 ] || targets=("${all_targets[@]}")
+# Only known names: a target's work directory is emptied (`rm -rf`).
+for t in "${targets[@]}"; do
+  case " ${all_targets[*]} " in
+    *" $t "*) ;;
+    *) echo "unknown fuzz target $t (known: ${all_targets[*]})"; exit 2 ;;
+  esac
+done
+if [ "$canary" = 1 ] && [ -n "$bin_dir" ]; then
+  echo "--canary builds its own binaries: --bin-dir does not apply"
+  exit 2
+fi
 
 # Executions per second each target must reach on one core: about a tenth of what CI
 # measured (a 2-core machine; stop 58's run: zmtp_decode 6,056/s, pub_session 21,598,

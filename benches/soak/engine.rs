@@ -15,7 +15,9 @@
 //! from `start_seq`, then the end marker with sequence `u64::MAX`), keeping its last
 //! [`REPLAY_BUFFER`] batches. It prints `bound EP` then `replay EP` at start.
 //!
-//! stdin commands, one per line: `settle` (stop publishing, print
+//! stdin commands, one per line: `start` (publishing starts: the soak says it once
+//! the relays are started, so that a relay's replay of the engine's history at its
+//! start is a handful of batches, not a burst), `settle` (stop publishing, print
 //! `published {"batches":N,"events":E}` — what it sent, the engine leg of the ledger —
 //! and `held {"gpu":[…],"cpu":[…]}`: everything it holds, no final eviction), `quit`.
 
@@ -299,6 +301,7 @@ pub(crate) async fn run(args: EngineArgs) -> Result<(), String> {
     let mut prints: Vec<(u64, u64)> = vec![(unix_ms(), 0)];
     let mut seq = 0u64;
     let mut events_sent = 0u64;
+    let mut started = false;
     let mut quiet = false;
     loop {
         tokio::select! {
@@ -313,6 +316,7 @@ pub(crate) async fn run(args: EngineArgs) -> Result<(), String> {
                     let held = serde_json::to_string(&cache.held()).map_err(|e| e.to_string())?;
                     println!("held {held}");
                 }
+                Ok(Some(l)) if l.trim() == "start" => started = true,
                 Ok(Some(l)) if l.trim() == "quit" => return Ok(()),
                 Ok(Some(_)) => {}
                 _ => return Ok(()),
@@ -322,7 +326,7 @@ pub(crate) async fn run(args: EngineArgs) -> Result<(), String> {
                 println!("fps {line}");
                 prints.clear();
             }
-            _ = tick.tick(), if !quiet => {
+            _ = tick.tick(), if started && !quiet => {
                 let events = cache.tick();
                 events_sent += events.len() as u64;
                 let ts = seq as f64 * args.interval.as_secs_f64();

@@ -79,7 +79,7 @@ fn main() {
                     "{flood}: our publisher grew by {} MiB",
                     grown / MIB
                 );
-                // And it served the flood the way the README says.
+                // And it served the flood the way docs/guarantees.md says.
                 let expected = match flood {
                     "big+sub" => "40 of 40 connections closed",
                     _ => "served throughout",

@@ -210,6 +210,10 @@
 //! .parse::<Targets>()`); the examples read `RUST_LOG` that way, defaulting to `warn`.
 //! Warnings are rate-limited: at most one a minute per publisher and kind, with the
 //! count of those suppressed.
+//!
+//! The page's last part is the repository's `docs/guarantees.md`, included here so
+//! that it has one source.
+#![doc = include_str!("../docs/guarantees.md")]
 
 #[allow(unused_imports)] // for the intra-doc links above
 use crate::{kv, subscriber};

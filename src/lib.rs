@@ -5,7 +5,7 @@
 //!
 //! ```text
 //!  engine (vLLM / SGLang)          worker process                      router process
-//!  ZMQ PUB [topic, seq, msgpack] ─► kv::EngineListener                 Discovery (memory | etcd)
+//!  ZMQ PUB [topic, seq, msgpack] ─► kv::EngineListener                 Discovery (memory | etcd | kube)
 //!                                     │ bounded lists                     │ watch
 //!                                     ▼                                   ▼
 //!                                  kv::Processor                       subscriber::DynamicSubscriber
@@ -36,8 +36,8 @@
 //!   a strict watch contract (initial sync ending in `Resync`, bounded per-watcher
 //!   backlogs that collapse into a `Resync`, stale removals suppressed by incarnation),
 //!   the embedded [`MemoryDiscovery`](discovery::MemoryDiscovery),
-//!   [`StaticDiscovery`](discovery::StaticDiscovery) and, with feature `etcd`, the
-//!   distributed `EtcdDiscovery`.
+//!   [`StaticDiscovery`](discovery::StaticDiscovery), and the distributed
+//!   `EtcdDiscovery` (feature `etcd`) and `KubeDiscovery` (feature `kube`).
 //! - [`subscriber`]: [`DynamicSubscriber`](subscriber::DynamicSubscriber) — connects to
 //!   every publisher discovery reports and merges their streams into bounded, lossy,
 //!   fair per-publisher lanes: every drop counted, memory bounded, no publisher able to
@@ -52,8 +52,16 @@
 //!   SSRF guard, [`RateLimitedWarn`](net::RateLimitedWarn).
 //! - [`kv`]: the KV-event model, the sans-IO coalescer, dedup filter and id stamping,
 //!   the processor loop, engine ingress (vLLM / SGLang msgpack batches) and the
-//!   event-plane sink with its router-side decoder, in our schema or Dynamo's, and
-//!   [`kv::Worker`], which wires engine → listener → processor → publisher.
+//!   event-plane sink with its router-side decoder, in our schema or Dynamo's,
+//!   [`kv::Worker`], which wires engine → listener → processor → publisher, the
+//!   router's index, and the recovery of a worker's blocks after loss.
+//! - `metrics` (feature `metrics`): every component's counters through the `metrics`
+//!   facade, with their catalogue.
+//! - [`admin`]: a bounded HTTP/1.1 endpoint for `/metrics`, `/readyz` and `/livez`.
+//! - `tunnel` (feature `tunnel`): routers outside the cluster — the router's event bus,
+//!   the in-cluster broker, and sources (workers that dial out).
+//! - [`guide`] (documentation only): a router and a worker, start to finish, and every
+//!   guarantee and bound.
 //!
 //! ## Next to Dynamo
 //! A router built on eventplane follows Dynamo ≥ 1.6 workers as they run, and an
@@ -65,12 +73,17 @@
 //! ## Features
 //! - `etcd`: `discovery::EtcdDiscovery`, distributed discovery on etcd v3 (pulls
 //!   `etcd-client`, which needs `protoc` at build time).
+//! - `kube`: `discovery::KubeDiscovery`, discovery on Kubernetes through Dynamo's
+//!   `DynamoWorkerMetadata` resources joined with EndpointSlice or Pod readiness
+//!   (pulls `kube` and `k8s-openapi`).
+//! - `dynamo-recovery`: `kv::dynamo_recovery`, Dynamo 1.6.1's KV recovery on its
+//!   request plane, both ends (`etcd` and `kube` enable it; pulls `serde_json`).
 //! - `test-support`: `discovery::conformance` (a conformance suite for any
 //!   `Discovery` backend) and `discovery::FaultDiscovery` (fault injection for
 //!   consumers).
 //! - `metrics`: [`metrics`], every component's counters through the `metrics` facade
-//!   (one naming scheme, closed label sets; the dynamic subscriber samples its own,
-//!   a [`metrics::Exporter`] samples the others).
+//!   (one naming scheme, closed label sets; a [`metrics::Exporter`] samples each
+//!   component's `stats()`).
 //! - `tunnel`: [`tunnel`], routers outside the cluster reaching publishers inside it
 //!   through an event broker: the sans-IO protocol (frames, sessions, budgets,
 //!   rendezvous), the router's [`EventBus`](tunnel::EventBus) (TLS + HTTP/2), the

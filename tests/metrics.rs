@@ -1,4 +1,4 @@
-//! The `metrics` feature across components: the README's table is the catalogue, and
+//! The `metrics` feature across components: the catalogue page (docs/metrics.md) is the catalogue, and
 //! publishers that come and go add no series. The suite lives in
 //! `tests/metrics/suite.rs` and needs `--features metrics` (`cargo test
 //! --all-features` and `.ci/run` run it). Without the feature, one ignored test says so.

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Regenerates every figure of README.md's performance section at HEAD, each beside its
-peer from the same run, writes them between the README's figure markers, and keeps the
-run's raw values in figures.json beside the README, from which --check re-renders them.
+"""Regenerates every figure of docs/PERFORMANCE.md at HEAD, each beside its peer from
+the same run, writes them between the page's figure markers, keeps the run's raw values
+in figures.json beside the page (docs/figures.json), from which --check re-renders them,
+and writes README.md's headline (three figures, between its headline markers) from the
+same values.
 
     tools/figures.py [--runs N] [--quick] [--before REV] [--only NAME,...]
-                     [--write README.md [--json FILE]] [--out FILE]
-    tools/figures.py --check README.md [--json FILE]
+                     [--write docs/PERFORMANCE.md [--json FILE]] [--out FILE]
+    tools/figures.py --check docs/PERFORMANCE.md [--json FILE]
     tools/figures.py --compare target/figures/quick.json [--json FILE]
     tools/figures.py --self-test
 
@@ -18,32 +20,38 @@ some sources (`--list` names them); the others keep their values. Logs go to
 target/figures/.
 
 Every run writes its rendering to `--out` (target/figures/figures.md by default) and its
-raw values beside it (the same name, `.json`). `--write README.md` also rewrites the
-README's block and stores the run's values in figures.json beside it (the repository's
-root; `--json` names another file): per source the commit (full SHA), machine, date,
-number of runs, `--before` revision, stamp line and every run's values. Commit both.
+raw values beside it (the same name, `.json`). `--write docs/PERFORMANCE.md` also
+rewrites the page's block and stores the run's values in figures.json beside it
+(docs/figures.json; `--json` names another file): per source the commit (full SHA),
+machine, date, number of runs, `--before` revision, stamp line and every run's values.
+It then rewrites README.md's headline block (headline(): receiving, fan-in, next to
+Dynamo, each linking to its section of the page) from the same values. Commit all three.
 
-`--check README.md` runs nothing: it re-renders the block from figures.json with the
-same render() and fails unless the README's block is byte for byte that (a hand-edited
-figure or stamp fails), every source is there from one full run (not quick mode, not
-an uncommitted tree) at one commit, and that commit exists and is an ancestor of HEAD
-(`git merge-base --is-ancestor`). It prints, without failing, the commits since that
-touch src/, services/ or benches/. Without figures.json it fails: "no figures.json:
-regenerate with tools/figures.py --write README.md".
+`--check docs/PERFORMANCE.md` runs nothing: it re-renders the block from figures.json
+with the same render() and fails unless the page's block is byte for byte that (a
+hand-edited figure or stamp fails), README.md's headline block is byte for byte
+headline() of the same values (a README without headline markers fails), every source is
+there from one full run (not quick mode, not an uncommitted tree) at one commit, and
+that commit exists and is an ancestor of HEAD (`git merge-base --is-ancestor`). It
+prints, without failing, the commits since that touch src/, services/ or benches/.
+Without figures.json it fails: "no docs/figures.json: regenerate with tools/figures.py
+--write docs/PERFORMANCE.md". (Another page than docs/PERFORMANCE.md is written and
+checked alone, without README.md's headline.)
 
 `--quick` runs criterion's quick mode and smaller sizes: it checks that every source
-still runs and parses; its figures are not for the README (it never writes README.md
-unless told to). `--compare QUICK_JSON` compares such a run's values (quick.json beside
-`--out`) with figures.json for the keys of QUICK_COMPARE, each with its direction and
-ratio: it fails on a 3x regression. `--self-test` renders a README from synthetic values
-through the JSON and checks that --check and --compare pass it and fail its mutations.
+still runs and parses; its figures are not for publishing (it never writes the page or
+README.md unless told to). `--compare QUICK_JSON` compares such a run's values
+(quick.json beside `--out`) with docs/figures.json for the keys of QUICK_COMPARE, each
+with its direction and ratio: it fails on a 3x regression. `--self-test` renders a page
+and a front page's headline from synthetic values through the JSON and checks that
+--check and --compare pass them and fail their mutations.
 
 To regenerate (a full run; needs what .ci/run installs: libzmq3-dev, etcd, protoc,
 Dynamo's virtualenv; about 15 minutes per run on a 2-core machine once built, the first
 build takes longer; run nothing else meanwhile), on a committed tree:
 
-    tools/figures.py --runs 3 --write README.md   # add --before REV for the "before" columns
-    git add README.md figures.json && git commit
+    tools/figures.py --runs 3 --write docs/PERFORMANCE.md   # add --before REV for the "before" columns
+    git add docs/PERFORMANCE.md docs/figures.json README.md && git commit
 """
 
 import argparse
@@ -56,6 +64,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -63,6 +72,11 @@ CRITERION = ROOT / "target" / "criterion"
 LOGS = ROOT / "target" / "figures"
 BEGIN = "<!-- figures:begin: generated by tools/figures.py; edit the script, not this block -->"
 END = "<!-- figures:end -->"
+# The page of every figure, and the front page that carries its headline.
+PAGE = ROOT / "docs" / "PERFORMANCE.md"
+FRONT = ROOT / "README.md"
+HEADLINE_BEGIN = "<!-- headline:begin: generated by tools/figures.py from docs/figures.json -->"
+HEADLINE_END = "<!-- headline:end -->"
 BENCH = ["cargo", "bench", "-p", "eventplane-benches", "--features", "etcd,tunnel"]
 
 
@@ -971,7 +985,7 @@ class Ctx:
         self.quick, self.before, self.run, self.env = quick, before, 0, {}
 
 
-# The README's order of sections: every source, once.
+# The page's order of sections: every source, once.
 ORDER = ["recv", "pub", "cli", "flood", "bounds", "discovery", "etcd", "kube", "merge", "fanin",
          "kv", "demo", "tunnel", "dynamo", "worker"]
 assert sorted(ORDER) == sorted(SOURCES), "ORDER must name every source once"
@@ -979,9 +993,9 @@ assert sorted(ORDER) == sorted(SOURCES), "ORDER must name every source once"
 
 # --- the committed raw values --------------------------------------------------------
 #
-# figures.json, at the repository's root beside README.md (next to whichever README
-# `--write` and `--check` are given; `--json FILE` names another), holds every value of
-# the full run the README's block was rendered from:
+# figures.json, in docs/ beside PERFORMANCE.md (next to whichever page `--write` and
+# `--check` are given; `--json FILE` names another), holds every value of the full run
+# the page's block and README.md's headline were rendered from:
 #
 #   {"format": 1,
 #    "sources": {NAME: {"commit": full SHA measured, "abbrev": its short form,
@@ -990,11 +1004,12 @@ assert sorted(ORDER) == sorted(SOURCES), "ORDER must name every source once"
 #                       "stamp": the stamp line the section starts with,
 #                       "values": [one {key: value} per run]}}}
 #
-# `--check` re-renders the block from it with render() and compares byte for byte.
+# `--check` re-renders the block from it with render(), and the headline with
+# headline(), and compares both byte for byte.
 
 JSON_NAME = "figures.json"
 FORMAT = 1
-NO_JSON = "no {json}: regenerate with tools/figures.py --write README.md"
+NO_JSON = "no {json}: regenerate with tools/figures.py --write docs/PERFORMANCE.md"
 
 
 def git(*args):
@@ -1046,17 +1061,17 @@ class Scoped:
 
 
 def render_source(name, rec):
-    """A source's README section, from its record alone."""
+    """A source's section of the page, from its record alone."""
     return render({name}, Scoped(rec["values"], rec.get("before")), rec["stamp"])
 
 
 def block_text(bodies):
-    """What goes between the README's markers."""
+    """What goes between the page's markers."""
     return "\n" + "\n".join(f"<!-- figure: {n} -->\n{bodies[n]}" for n in ORDER if n in bodies) + "\n"
 
 
 def split_block(text):
-    """The README's text before, inside and after the figure markers, and the sections
+    """The page's text before, inside and after the figure markers, and the sections
     inside: (head, block, {name: body}, tail); None without markers."""
     if BEGIN not in text or END not in text:
         return None
@@ -1070,8 +1085,8 @@ def split_block(text):
     return head, block, sections, tail
 
 
-def json_path(readme, given=None):
-    return pathlib.Path(given) if given else pathlib.Path(readme).parent / JSON_NAME
+def json_path(page, given=None):
+    return pathlib.Path(given) if given else pathlib.Path(page).parent / JSON_NAME
 
 
 def load_json(path):
@@ -1086,31 +1101,128 @@ def dump_json(data):
     return json.dumps(data, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
 
-def write_readme(readme, data, log=sys.stderr):
-    """Rewrites the README's block from `data`; sources it lacks keep the README's text
+def write_page(page, data, log=sys.stderr):
+    """Rewrites the page's block from `data`; sources it lacks keep the page's text
     (`--only` before the first full run: `--check` fails until the JSON has them all)."""
-    text = readme.read_text()
+    text = page.read_text()
     split = split_block(text)
     if split is None:
-        raise Failed(f"{readme} has no figure markers")
+        raise Failed(f"{page} has no figure markers")
     head, _, kept, tail = split
     bodies = {n: render_source(n, rec) for n, rec in data["sources"].items()}
     for n in ORDER:
         if n not in bodies and n in kept:
-            print(f"figures: {readme}: {n} keeps the README's section (not in the JSON)", file=log)
+            print(f"figures: {page}: {n} keeps the page's section (not in the JSON)", file=log)
             bodies[n] = kept[n]
-    readme.write_text(head + BEGIN + block_text(bodies) + END + tail)
+    page.write_text(head + BEGIN + block_text(bodies) + END + tail)
 
 
-def check(readme, jpath, log=sys.stderr):
-    """Fails unless the README's block is exactly what render() makes of the committed
-    JSON, every source in it measured by one full run at one commit of HEAD's history.
-    Lists (without failing) the commits since that touch what the figures measure."""
+# --- the front page's headline -------------------------------------------------------
+#
+# README.md carries three figures of the page between its headline markers, each with a
+# link to its section there; rendered from the same JSON with the same medians, ratios
+# and formats as render(), and checked byte for byte with the page.
+
+def front_page(page):
+    """The front page whose headline goes with `page`: README.md for the repository's
+    docs/PERFORMANCE.md, none for another page."""
+    if pathlib.Path(page).resolve() != PAGE.resolve():
+        return None
+    # Named as the page was (relative to where the script runs), for its messages.
+    return pathlib.Path(os.path.relpath(FRONT))
+
+
+def page_link(page, front):
+    """`page` as a relative link from `front` (docs/PERFORMANCE.md from README.md)."""
+    return pathlib.Path(os.path.relpath(pathlib.Path(page).resolve(),
+                                        pathlib.Path(front).resolve().parent)).as_posix()
+
+
+def github_anchor(title):
+    """The id GitHub gives a heading: lower case, punctuation other than hyphens and
+    underscores dropped (backticks, colons, commas), spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def section_anchor(name, rec):
+    """The anchor of a source's first section on the page, from the title render()
+    gives it (fanin's names its number of publishers)."""
+    first = render_source(name, rec).split("\n", 1)[0]
+    if not first.startswith("### "):
+        raise Failed(f"{name}: its section starts {first!r}, not a ### title")
+    return github_anchor(first[len("### "):])
+
+
+def headline(data, link="docs/PERFORMANCE.md"):
+    """README.md's headline from the committed JSON: three bullets (receiving, fan-in,
+    next to Dynamo), each ending with a link to its section of the page at `link`."""
+    sources = data["sources"]
+
+    def scoped(name):
+        if name not in sources:
+            raise Failed(f"no values for {name}: no headline")
+        return Scoped(sources[name]["values"], sources[name].get("before"))
+
+    def figures(name):
+        return f"([figures]({link}#{section_anchor(name, sources[name])}))"
+
+    recv, fanin, dynamo = scoped("recv"), scoped("fanin"), scoped("dynamo")
+    ours, theirs = "4_block/flood/eventplane/per_cpu", "4_block/flood/dynamo/per_cpu"
+    bullets = [
+        f"**Receiving:** {m(recv('100/recv_many'))} M msg/s of 100 B messages through one SUB "
+        f"socket (`recv_many`), {recv.ratio('100/recv_many', '100/zeromq'):.1f}× the zeromq "
+        f"crate's rate and {recv.ratio('100/recv_many', '100/libzmq'):.1f}× libzmq's C SUB "
+        f"{figures('recv')}.",
+        f"**Fan-in:** {int(fanin('n')):,} publishers followed by one `DynamicSubscriber`: all "
+        f"connected in {fanin('connect_s'):.2f} s, "
+        f"{fanin.span('idle_kib', lambda x: f'{x:.1f} KiB')} of RSS per idle publisher, "
+        f"+{fanin.span('flood/grown', lambda x: f'{x:.0f}')} MiB of peak RSS under a flood "
+        f"with the consumer stalled (64 MiB budget) {figures('fanin')}.",
+        f"**Next to Dynamo:** `kv-relay` relays vLLM-style batches at "
+        f"{dynamo.ratio(ours, theirs):.1f}× the engine events per CPU-second of Dynamo 1.6.1's "
+        f"worker ({m(dynamo(ours) * 1e6)} M against {m(dynamo(theirs) * 1e6)} M) "
+        f"{figures('dynamo')}.",
+    ]
+    # Wrapped as the README's prose is; links and code spans hold no spaces to break at.
+    return "".join(textwrap.fill(b, width=88, initial_indent="- ", subsequent_indent="  ",
+                                 break_long_words=False, break_on_hyphens=False) + "\n"
+                   for b in bullets)
+
+
+def split_headline(text):
+    """The front page's text before, inside and after the headline markers; None without
+    them."""
+    if HEADLINE_BEGIN not in text or HEADLINE_END not in text:
+        return None
+    head, rest = text.split(HEADLINE_BEGIN, 1)
+    block, tail = rest.split(HEADLINE_END, 1)
+    return head, block, tail
+
+
+def headline_block(data, page, front):
+    """What goes between the front page's headline markers."""
+    return "\n" + headline(data, page_link(page, front))
+
+
+def write_headline(front, page, data):
+    """Rewrites the front page's headline block from `data`."""
+    split = split_headline(front.read_text())
+    if split is None:
+        raise Failed(f"{front} has no headline markers")
+    head, _, tail = split
+    front.write_text(head + HEADLINE_BEGIN + headline_block(data, page, front) + HEADLINE_END + tail)
+
+
+def check(page, jpath, front=None, log=sys.stderr):
+    """Fails unless the page's block is exactly what render() makes of the committed
+    JSON and the front page's headline (when given) what headline() makes of it, every
+    source in it measured by one full run at one commit of HEAD's history. Lists
+    (without failing) the commits since that touch what the figures measure."""
     def fail(why):
-        print(f"figures: {readme}: {why}", file=log)
+        print(f"figures: {page}: {why}", file=log)
         return 1
 
-    split = split_block(readme.read_text())
+    split = split_block(page.read_text())
     if split is None:
         return fail("no figure markers")
     if not jpath.exists():
@@ -1122,6 +1234,11 @@ def check(readme, jpath, log=sys.stderr):
     sources = data.get("sources", {})
     bad = [f"{jpath} has no values for {n}" for n in ORDER if n not in sources]
     bad += [f"{jpath} has an unknown source {n}" for n in sources if n not in SOURCES]
+    front_split = None
+    if front is not None:
+        front_split = split_headline(front.read_text()) if front.exists() else None
+        if front_split is None:
+            bad.append(f"{front} has no headline markers ({HEADLINE_BEGIN} … {HEADLINE_END})")
     commits = set()
     for n, rec in sorted(sources.items()):
         try:
@@ -1152,25 +1269,33 @@ def check(readme, jpath, log=sys.stderr):
         elif git("merge-base", "--is-ancestor", c, "HEAD").returncode != 0:
             bad.append(f"measured at {c}, which is not an ancestor of HEAD")
     if not bad:
+        import difflib
         try:
             expected = block_text({n: render_source(n, rec) for n, rec in sources.items()})
+            expected_headline = headline_block(data, page, front) if front is not None else None
         except (Failed, KeyError, ZeroDivisionError, TypeError) as e:
             return fail(f"rendering {jpath}: {e!r}")
         if split[1] != expected:
-            import difflib
             diff = difflib.unified_diff(expected.splitlines(), split[1].splitlines(),
-                                        f"rendered from {jpath}", str(readme), lineterm="", n=0)
+                                        f"rendered from {jpath}", str(page), lineterm="", n=0)
             bad.append("the block is not what tools/figures.py renders from "
                        f"{jpath} (hand-edited, or the script changed since):\n"
                        + "\n".join(list(diff)[:40]))
+        if front is not None and front_split[1] != expected_headline:
+            diff = difflib.unified_diff(expected_headline.splitlines(), front_split[1].splitlines(),
+                                        f"rendered from {jpath}", str(front), lineterm="", n=0)
+            bad.append(f"{front}'s headline is not what tools/figures.py renders from "
+                       f"{jpath} (hand-edited, or the script changed since):\n"
+                       + "\n".join(list(diff)[:40]))
     for b in bad:
-        fail(f"{b}\n  (regenerate: tools/figures.py --write {readme})")
+        fail(f"{b}\n  (regenerate: tools/figures.py --write {page})")
     if bad:
         return 1
     c = commits.pop()
     since = git("log", "--oneline", f"{c}..HEAD", "--", "src", "services", "benches").stdout.strip()
-    print(f"figures: {readme}: {len(ORDER)} sections, rendered from {jpath}, measured at {c[:12]}",
-          file=log)
+    print(f"figures: {page}: {len(ORDER)} sections"
+          + (f" and {front}'s headline" if front is not None else "")
+          + f", rendered from {jpath}, measured at {c[:12]}", file=log)
     if since:
         print(f"figures: commits since the measurement that touch src/, services/ or benches/ "
               f"(the figures may be stale):\n{since}", file=log)
@@ -1360,8 +1485,9 @@ def records(runs, full, short, dirty, quick, before, machine_, date, chosen):
 
 
 def self_test():
-    """Renders a README block from synthetic values through the JSON, checks it passes,
-    then that a changed figure, a fake or foreign stamp, a quick or missing JSON fail
+    """Renders a page's block and a front page's headline from synthetic values through
+    the JSON, checks they pass, then that a changed figure or headline number, a front
+    page without headline markers, a fake or foreign stamp, a quick or missing JSON fail
     --check, and that --compare passes the same values and fails a 4× regression."""
     import contextlib
     import copy
@@ -1391,31 +1517,58 @@ def self_test():
             print("  " + err.getvalue().replace("\n", "\n  "), file=sys.stderr)
 
     with tempfile.TemporaryDirectory() as tmp:
+        # The repository's layout: README.md in front, the page and its JSON in docs/.
         tmp = pathlib.Path(tmp)
-        readme, jpath = tmp / "README.md", tmp / JSON_NAME
-        readme.write_text(f"# head\n\n{BEGIN}\n{END}\n\n## after\n")
-        expect("no JSON fails, saying how to regenerate", 1, check, readme, jpath,
+        front, page = tmp / "README.md", tmp / "docs" / "PERFORMANCE.md"
+        jpath = json_path(page)
+        page.parent.mkdir()
+        page.write_text(f"# head\n\n{BEGIN}\n{END}\n\n## after\n")
+        front.write_text(f"# front\n\n{HEADLINE_BEGIN}\n{HEADLINE_END}\n\n## rest\n")
+        expect("no JSON fails, saying how to regenerate", 1, check, page, jpath, front,
                says=NO_JSON.format(json=jpath))
         jpath.write_text(dump_json(data))
         if load_json(jpath) != data:
             failures.append("JSON round trip")
-        write_readme(readme, load_json(jpath), log=io.StringIO())
-        good = readme.read_text()
+        write_page(page, load_json(jpath), log=io.StringIO())
+        good = page.read_text()
         missing = [n for n in ORDER if f"<!-- figure: {n} -->" not in good]
         if missing or not good.startswith("# head\n\n") or not good.endswith("\n\n## after\n"):
-            failures.append(f"write_readme (sections missing: {missing})")
-        expect("the rendered README passes", 0, check, readme, jpath)
+            failures.append(f"write_page (sections missing: {missing})")
+        expect("the rendered page without its headline fails", 1, check, page, jpath, front,
+               says="'s headline is not what tools/figures.py renders")
+        write_headline(front, page, load_json(jpath))
+        good_front = front.read_text()
+        anchors = re.findall(r"\(\[figures\]\(docs/PERFORMANCE\.md#([\w-]+)\)\)", good_front)
+        titles = {github_anchor(t) for t in re.findall(r"(?m)^### (.+)$", good)}
+        if (len(anchors) != 3 or not set(anchors) <= titles
+                or not good_front.startswith(f"# front\n\n{HEADLINE_BEGIN}\n- ")
+                or not good_front.endswith(f"\n{HEADLINE_END}\n\n## rest\n")):
+            failures.append(f"write_headline (anchors {anchors} of the page's {sorted(titles)})")
+        expect("the rendered page and headline pass", 0, check, page, jpath, front)
+        expect("the page alone (no front page) passes", 0, check, page, jpath)
 
         figure = re.search(r"\*\*(\d)[\d.]* M msg/s\*\*", good)
-        readme.write_text(good[:figure.start(1)] + str((int(figure.group(1)) + 1) % 10)
-                          + good[figure.end(1):])
-        expect(f"a hand-edited figure ({figure.group(0)}) fails", 1, check, readme, jpath,
+        page.write_text(good[:figure.start(1)] + str((int(figure.group(1)) + 1) % 10)
+                        + good[figure.end(1):])
+        expect(f"a hand-edited figure ({figure.group(0)}) fails", 1, check, page, jpath, front,
+               says="the block is not what tools/figures.py renders")
+        page.write_text(good.replace(f"*Measured at `{short}`", "*Measured at `0000000`", 1))
+        expect("a hand-edited stamp fails", 1, check, page, jpath, front,
                says="is not what tools/figures.py renders")
-        readme.write_text(good.replace(f"*Measured at `{short}`", "*Measured at `0000000`", 1))
-        expect("a hand-edited stamp fails", 1, check, readme, jpath,
-               says="is not what tools/figures.py renders")
-        readme.write_text(good.replace("<!-- figure: kv -->\n", "<!-- figure: kv -->\nhand-written\n"))
-        expect("a hand-written line in the block fails", 1, check, readme, jpath)
+        page.write_text(good.replace("<!-- figure: kv -->\n", "<!-- figure: kv -->\nhand-written\n"))
+        expect("a hand-written line in the block fails", 1, check, page, jpath, front)
+        page.write_text(good)
+
+        number = re.search(r"(\d)[\d.]* M msg/s", good_front)
+        front.write_text(good_front[:number.start(1)] + str((int(number.group(1)) + 1) % 10)
+                         + good_front[number.end(1):])
+        expect(f"a hand-edited headline number ({number.group(0)}) fails", 1, check, page, jpath,
+               front, says="'s headline is not what tools/figures.py renders")
+        front.write_text(good_front.replace(HEADLINE_BEGIN, "").replace(HEADLINE_END, ""))
+        expect("a front page without headline markers fails", 1, check, page, jpath, front,
+               says="has no headline markers")
+        front.write_text(good_front)
+        expect("the restored page and headline pass", 0, check, page, jpath, front)
 
         def mutated(what, change, says):
             bad = copy.deepcopy(data)
@@ -1423,8 +1576,8 @@ def self_test():
                 change(rec)
                 rec["stamp"] = stamp_text(rec)
             jpath.write_text(dump_json(bad))
-            write_readme(readme, bad, log=io.StringIO())
-            expect(what, 1, check, readme, jpath, says=says)
+            write_page(page, bad, log=io.StringIO())
+            expect(what, 1, check, page, jpath, front, says=says)
 
         def fake(rec):
             rec["commit"], rec["abbrev"] = "0" * 40, "0000000"
@@ -1439,8 +1592,8 @@ def self_test():
         bad = copy.deepcopy(data)
         bad["sources"]["kv"]["stamp"] = bad["sources"]["kv"]["stamp"].replace(short, "0000000")
         jpath.write_text(dump_json(bad))
-        write_readme(readme, bad, log=io.StringIO())
-        expect("a stamp not made from its record fails", 1, check, readme, jpath,
+        write_page(page, bad, log=io.StringIO())
+        expect("a stamp not made from its record fails", 1, check, page, jpath, front,
                says="its stamp is not")
         jpath.write_text(dump_json(data))
 
@@ -1478,12 +1631,12 @@ def main():
     ap.add_argument("--before", metavar="REV")
     ap.add_argument("--only", default="")
     ap.add_argument("--list", action="store_true")
-    ap.add_argument("--write", metavar="README")
+    ap.add_argument("--write", metavar="PAGE")
     ap.add_argument("--out", metavar="FILE")
     ap.add_argument("--json", metavar="FILE",
-                    help=f"the committed full run's values (default: {JSON_NAME} beside the README, "
-                         f"or at the repository's root)")
-    ap.add_argument("--check", metavar="README")
+                    help=f"the committed full run's values (default: {JSON_NAME} beside the page, "
+                         f"or for --compare docs/{JSON_NAME})")
+    ap.add_argument("--check", metavar="PAGE")
     ap.add_argument("--compare", metavar="QUICK_JSON")
     ap.add_argument("--self-test", action="store_true")
     args = ap.parse_args()
@@ -1493,10 +1646,10 @@ def main():
     if args.self_test:
         return self_test()
     if args.check:
-        readme = pathlib.Path(args.check)
-        return check(readme, json_path(readme, args.json))
+        page = pathlib.Path(args.check)
+        return check(page, json_path(page, args.json), front_page(page))
     if args.compare:
-        return compare(pathlib.Path(args.compare), json_path(ROOT / "README.md", args.json))
+        return compare(pathlib.Path(args.compare), json_path(PAGE, args.json))
     chosen = [s for s in args.only.split(",") if s] or list(SOURCES)
     unknown = [s for s in chosen if s not in SOURCES]
     if unknown:
@@ -1539,19 +1692,32 @@ def main():
     print(f"figures: {out} and {out.with_suffix('.json')} ({time.time() - started:.0f} s)",
           file=sys.stderr)
     if args.write:
-        readme = pathlib.Path(args.write)
-        jpath = json_path(readme, args.json)
+        page = pathlib.Path(args.write)
+        jpath = json_path(page, args.json)
         data = load_json(jpath) if jpath.exists() else {"format": FORMAT, "sources": {}}
         # Sources not rerun keep their values (and stamps) from the JSON.
         data["sources"].update(recs)
         try:
-            write_readme(readme, data)
+            write_page(page, data)
         except Failed as e:
             print(f"figures: {e}", file=sys.stderr)
             return 1
         jpath.write_text(dump_json(data))
-        print(f"figures: wrote {len(blocks)} sections of {readme} and their values to {jpath} "
+        print(f"figures: wrote {len(blocks)} sections of {page} and their values to {jpath} "
               f"in {time.time() - started:.0f} s", file=sys.stderr)
+        front = front_page(page)
+        if front is not None and split_headline(front.read_text()) is None:
+            print(f"figures: {front} has no headline markers: its headline not written "
+                  f"(--check fails until it has them)", file=sys.stderr)
+        elif front is not None:
+            try:
+                write_headline(front, page, data)
+            except (Failed, KeyError, ZeroDivisionError) as e:
+                # Before the first full run the JSON may lack a source of the headline:
+                # the old one stays, and --check fails until it is rendered.
+                print(f"figures: {front}'s headline kept: {e}", file=sys.stderr)
+            else:
+                print(f"figures: wrote {front}'s headline from {jpath}", file=sys.stderr)
     return 0
 
 

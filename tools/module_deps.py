@@ -4,8 +4,10 @@
     tools/module_deps.py [ROOT] [--check]
 
 Prints, for `src/` under ROOT (default: the repository), the modules each top-level
-module uses, the files each file of a folder uses, and the loops among the files of
-a folder. `--check` exits 1 when a folder has a loop. Test modules and comments are
+module uses, the loops among top-level modules, the files each file of a folder uses,
+and the loops among the files of a folder. `--check` exits 1 on any loop, between
+top-level modules or inside a folder. The crate root (lib.rs, `(root)`) re-exports
+from every module and is left out of the top-level loops. Test modules and comments are
 left out; a name imported through a parent's re-export counts as a use of the file
 that defines it. A heuristic over the text, not the compiler's view: it reads `use`
 trees, `crate::`/`super::` paths and `child::` paths.
@@ -108,11 +110,7 @@ for m in mods:
             filedeps['::'.join(m)].add('::'.join(o) or '(root)')
 print("# module -> modules it uses")
 for k in sorted(top): print(f"{k:12} -> {', '.join(sorted(top[k]))}")
-print("\n# inside folders: file -> files of the same folder it uses")
-for k in sorted(filedeps): print(f"{k:28} -> {', '.join(sorted(filedeps[k]))}")
-print("\n# loops inside folders")
-g=filedeps; found=[]
-def cycles():
+def cycles(g):
     # simple: find strongly connected components > 1
     index={};low={};st=[];on=set();res=[];i=[0]
     def sc(v):
@@ -129,7 +127,14 @@ def cycles():
     for v in list(g):
         if v not in index: sc(v)
     return res
-cs=cycles()
+print("\n# loops between top-level modules")
+tops=cycles({k: {v for v in vs if v!='(root)'} for k, vs in top.items() if k!='(root)'})
+for c in tops: print(' <-> '.join(c))
+if not tops: print('none')
+print("\n# inside folders: file -> files of the same folder it uses")
+for k in sorted(filedeps): print(f"{k:28} -> {', '.join(sorted(filedeps[k]))}")
+print("\n# loops inside folders")
+cs=cycles(filedeps)
 for c in cs: print(' <-> '.join(c))
 if not cs: print('none')
-sys.exit(1 if check and cs else 0)
+sys.exit(1 if check and (cs or tops) else 0)

@@ -1,7 +1,7 @@
 //! The chaos soak: the whole event plane as real processes on this machine — etcd,
 //! engines feeding `kv_relay`s (our wire and Dynamo's), two routers in their own
 //! network namespaces — with faults injected on a seeded schedule, and an oracle that
-//! must balance exactly at the end (see `docs/DESIGN.md` §9 and the README).
+//! must balance exactly at the end (see `docs/DESIGN.md` §9 and docs/guarantees.md).
 //!
 //! ```text
 //! cargo run --release -p eventplane-benches --bin soak -- --minutes 3 --seed 1 --report soak.json

@@ -1,6 +1,6 @@
 //! Every metric the crate exports: its name, kind, label and meaning, in one table.
 //! [`Sampled`](super::Sampled) implementations name these constants, so a series can
-//! only be one of them; [`CATALOGUE`] lists them all for descriptions and the README.
+//! only be one of them; [`CATALOGUE`] lists them all for descriptions and the catalogue page (docs/metrics.md).
 
 use super::{Kind, Metric};
 

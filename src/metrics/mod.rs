@@ -6,7 +6,7 @@
 //!
 //! One scheme, `eventplane_<component>_<what>_total` for counters and
 //! `eventplane_<component>_<what>` for gauges (sizes end in `_bytes`), listed in
-//! [`CATALOGUE`] and in the README's table, which a test regenerates from it.
+//! [`CATALOGUE`] and in the table at the end of this page, which a test regenerates from it.
 //!
 //! Label sets are closed: a label's values come from a fixed list (a drop reason, a
 //! tunnel [`RefuseCode`](crate::tunnel::RefuseCode), `CloseCode` or `DenyCode`; text a
@@ -24,8 +24,9 @@
 //! snapshot every interval and adds what changed since the last one, so several
 //! components of one kind (two publishers, say) add up in the same series, and a
 //! component that stops takes its gauges' share away with it. Nothing is looked up
-//! or allocated per message. The [`DynamicSubscriber`](crate::subscriber::DynamicSubscriber)
-//! runs one of its own (`metrics_interval`); for the others, build one:
+//! or allocated per message. Every component is sampled the same way, a
+//! [`DynamicSubscriber`](crate::subscriber::DynamicSubscriber) through its
+//! [`handle`](crate::subscriber::DynamicSubscriber::handle)'s `stats()`:
 //!
 //! ```
 //! use std::time::Duration;
@@ -39,6 +40,8 @@
 //! exporter.sample(); // or: tokio::spawn(exporter.run(Duration::from_secs(1), cancel))
 //! # }
 //! ```
+
+#![doc = include_str!("../../docs/metrics.md")]
 
 mod catalogue;
 mod sampled;
@@ -109,7 +112,8 @@ pub fn describe() {
 }
 
 /// The [`CATALOGUE`] as a Markdown table (name, type, label, stats type, meaning): the
-/// README's table is this text.
+/// catalogue at the end of this module's page (the repository's `docs/metrics.md`) is
+/// this text.
 ///
 /// ```
 /// let table = eventplane::metrics::catalogue_table();
@@ -282,9 +286,7 @@ impl Exporter {
         Exporter::default()
     }
 
-    /// Adds a component: `stats` reads its counters (its `stats()` method, say). A
-    /// [`DynamicSubscriber`](crate::subscriber::DynamicSubscriber) samples its own
-    /// (`metrics_interval`): adding it here too would count it twice.
+    /// Adds a component: `stats` reads its counters (its `stats()` method, say).
     pub fn source<S: Sampled>(mut self, mut stats: impl FnMut() -> S + Send + 'static) -> Self {
         self.sources.push(Source {
             read: Box::new(move |out| stats().sample(out)),

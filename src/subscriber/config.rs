@@ -36,8 +36,6 @@ pub(crate) struct Config {
     pub(crate) notices: usize,
     pub(crate) expect_worker_identity: bool,
     pub(crate) cancel: CancellationToken,
-    #[cfg(feature = "metrics")]
-    pub(crate) metrics_interval: Duration,
     /// Publishers of namespaces the bus grants are reached through its brokers.
     #[cfg(feature = "tunnel")]
     pub(crate) bus: Option<crate::tunnel::EventBus>,
@@ -67,8 +65,6 @@ impl Config {
             notices: 0,
             expect_worker_identity: false,
             cancel: CancellationToken::new(),
-            #[cfg(feature = "metrics")]
-            metrics_interval: Duration::from_secs(1),
             #[cfg(feature = "tunnel")]
             bus: None,
             #[cfg(feature = "tunnel")]
@@ -83,8 +79,6 @@ impl Config {
         config::nonzero("recv_batch", self.recv_batch)?;
         config::nonzero("max_publishers", self.max_publishers)?;
         config::nonzero("max_concurrent_dials", self.max_concurrent_dials)?;
-        #[cfg(feature = "metrics")]
-        config::nonzero_duration("metrics_interval", self.metrics_interval)?;
         Ok(())
     }
 }

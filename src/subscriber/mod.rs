@@ -292,14 +292,6 @@ impl DynamicSubscriberBuilder {
         self.config.expect_worker_identity = expect;
         self
     }
-    /// How often the `metrics` feature samples the counters into the `metrics` facade.
-    /// Default 1 s.
-    #[cfg(feature = "metrics")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
-    pub fn metrics_interval(mut self, interval: Duration) -> Self {
-        self.config.metrics_interval = interval;
-        self
-    }
     /// Reach the publishers of every namespace `bus` grants to a broker credential
     /// ([`EventBus::grants`](crate::tunnel::EventBus::grants)) through a broker
     /// covering it (the one rendezvous hashing picks per publisher), and the others
@@ -414,14 +406,6 @@ impl DynamicSubscriberBuilder {
             merge: merge.clone(),
             cancel: config.cancel.clone(),
         };
-        #[cfg(feature = "metrics")]
-        {
-            let sampled = handle.clone();
-            let exporter = crate::metrics::Exporter::new().source(move || sampled.stats());
-            shared
-                .tracker
-                .spawn(exporter.run(config.metrics_interval, config.cancel.clone()));
-        }
         Ok(DynamicSubscriber {
             handle,
             merge,

@@ -86,6 +86,7 @@ pub use config::{
 pub use error::TunnelError;
 pub use io::{MIN_TOKEN_LEN, Secret, TunnelStream, client_tls, server_tls};
 pub use serve::MAX_REQUESTS_BEFORE_AUTH;
+pub use serving::RecoveryStreams;
 pub use view::{MAX_VIEW_BYTES, MAX_VIEW_INSTANCES};
 
 pub use budget::{

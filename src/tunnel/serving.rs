@@ -1,23 +1,37 @@
 //! What a source serves its data streams from: an announced publisher's socket, or
 //! its worker's recovery endpoint.
 
+use std::{fmt, sync::Arc};
+
 use super::announce::AnnouncedSource;
 use super::io::TunnelStream;
-use crate::kv::RecoveryAcceptor;
 use crate::zmtp::StreamAcceptor;
+
+/// What serves an announced publisher's recovery streams: its worker's recovery
+/// endpoint ([`RecoveryServer::acceptor`](crate::kv::RecoveryServer::acceptor)
+/// returns one), handed to [`Source::announce_with_recovery`](super::Source::announce_with_recovery).
+pub trait RecoveryStreams: fmt::Debug + Send + Sync + 'static {
+    /// Serves one router over `stream`; `false` when refused.
+    fn accept(&self, stream: TunnelStream) -> bool;
+    /// Whether it accepts nothing more (its server was dropped).
+    fn is_closed(&self) -> bool;
+    /// Whether it would serve one more stream now: the source asks before it opens a
+    /// stream it would have to close at once.
+    fn has_room(&self) -> bool;
+}
 
 /// An announced publisher: what the router is told, where its subscribers are
 /// served, and where its recovery log is (when announced with one).
 pub(super) struct Announced {
     pub(super) source: AnnouncedSource,
     pub(super) acceptor: StreamAcceptor,
-    pub(super) recovery: Option<RecoveryAcceptor>,
+    pub(super) recovery: Option<Arc<dyn RecoveryStreams>>,
 }
 
 /// What serves one data stream: the publisher's socket, or its recovery endpoint.
 pub(super) enum Serving {
     Publisher(StreamAcceptor),
-    Recovery(RecoveryAcceptor),
+    Recovery(Arc<dyn RecoveryStreams>),
 }
 
 impl Serving {
@@ -40,7 +54,7 @@ impl Serving {
     pub(super) fn accept(&self, stream: TunnelStream, label: String) -> bool {
         match self {
             Serving::Publisher(a) => a.accept_stream(stream, label),
-            Serving::Recovery(a) => a.accept_stream(stream),
+            Serving::Recovery(a) => a.accept(stream),
         }
     }
 }

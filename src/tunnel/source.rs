@@ -17,13 +17,12 @@ use super::client::{BusSession, Ending, Outcome, feed, open_session};
 use super::codes::CodeCounts;
 use super::error::TunnelError;
 use super::io::{BrokerBody, ChannelBody, StreamBytes, TUNNEL_WRITE_CHUNKS, next_chunk};
-use super::serving::{Announced, Serving};
+use super::serving::{Announced, RecoveryStreams, Serving};
 use super::source_config::SourceConfig;
 use super::{
     BrokerEvent, BrokerSession, CloseCode, ControlDecoder, Hello, MAX_ANNOUNCE, Reconnect,
     RefuseCode,
 };
-use crate::kv::RecoveryAcceptor;
 use crate::net::random_unit;
 use crate::zmtp::StreamAcceptor;
 
@@ -248,16 +247,16 @@ impl Source {
         &self,
         source: AnnouncedSource,
         acceptor: StreamAcceptor,
-        recovery: RecoveryAcceptor,
+        recovery: impl RecoveryStreams,
     ) -> Result<(), TunnelError> {
-        self.announce_as(source.with_recovery(), acceptor, Some(recovery))
+        self.announce_as(source.with_recovery(), acceptor, Some(Arc::new(recovery)))
     }
 
     fn announce_as(
         &self,
         mut source: AnnouncedSource,
         acceptor: StreamAcceptor,
-        recovery: Option<RecoveryAcceptor>,
+        recovery: Option<Arc<dyn RecoveryStreams>>,
     ) -> Result<(), TunnelError> {
         source.recovery = recovery.is_some();
         let refuse = |reason: String| {

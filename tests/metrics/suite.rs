@@ -18,15 +18,15 @@ use metrics::{
 const BEGIN: &str = "<!-- metrics-table:begin -->\n";
 const END: &str = "<!-- metrics-table:end -->";
 
-/// The README's metrics table is `catalogue_table()`; with `EVENTPLANE_BLESS=1` this
-/// test writes it there instead.
+/// The catalogue page's table (docs/metrics.md, also the `metrics` module's rustdoc)
+/// is `catalogue_table()`; with `EVENTPLANE_BLESS=1` this test writes it there instead.
 #[test]
-fn the_readme_table_is_the_catalogue() {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
+fn the_catalogue_page_is_the_catalogue() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/metrics.md");
     let readme = std::fs::read_to_string(&path).unwrap();
     let start = readme
         .find(BEGIN)
-        .expect("README has the metrics table markers")
+        .expect("docs/metrics.md has the metrics table markers")
         + BEGIN.len();
     let end = start + readme[start..].find(END).unwrap();
     let table = eventplane::metrics::catalogue_table();
@@ -37,7 +37,7 @@ fn the_readme_table_is_the_catalogue() {
     }
     assert!(
         readme[start..end] == table,
-        "README.md's metrics table is not the catalogue: run \
+        "docs/metrics.md's table is not the catalogue: run \
          `EVENTPLANE_BLESS=1 cargo test --features metrics --test metrics`"
     );
 }
@@ -134,11 +134,13 @@ async fn publishers_that_come_and_go_add_no_series() {
     let sub =
         DynamicSubscriber::builder(discovery.clone() as Arc<dyn Discovery>, Query::new("churn"))
             .topic("kv")
-            .metrics_interval(Duration::from_millis(10))
             .spawn()
             .unwrap();
     let sampled = discovery.clone();
-    let exporter = eventplane::metrics::Exporter::new().source(move || sampled.stats());
+    let handle = sub.handle();
+    let exporter = eventplane::metrics::Exporter::new()
+        .source(move || sampled.stats())
+        .source(move || handle.stats());
     let stop = eventplane::CancellationToken::new();
     let exporting = tokio::spawn(exporter.run(Duration::from_millis(10), stop.clone()));
     let mut after_first = None;

@@ -73,7 +73,6 @@ async fn counters_reach_the_metrics_facade() {
     let mut sub = DynamicSubscriber::builder(d, Query::new("ns"))
         .topic("kv")
         .layout(Layout::TopicSeq)
-        .metrics_interval(Duration::from_millis(20))
         .spawn()
         .unwrap();
     support::within(p.wait_for_subscribers(1)).await;
@@ -88,6 +87,11 @@ async fn counters_reach_the_metrics_facade() {
     for _ in 0..10 {
         support::within(sub.recv()).await.unwrap();
     }
+    let handle = sub.handle();
+    let stop = eventplane::CancellationToken::new();
+    let exporter = eventplane::metrics::Exporter::new().source(move || handle.stats());
+    tokio::spawn(exporter.run(Duration::from_millis(20), stop.clone()));
+    let _stop = stop.drop_guard();
     // No publisher's id, namespace or topic in any label: one series per metric (and
     // per drop reason).
     let delivered = "eventplane_subscriber_delivered_total{}";

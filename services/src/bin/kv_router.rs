@@ -579,6 +579,8 @@ async fn main() -> ExitCode {
         }
     };
     let handle = sub.handle();
+    let sampled = handle.clone();
+    let exporter = exporter.source(move || sampled.stats());
     // Ready once the first complete view came from discovery (every publisher in it
     // is being dialled) and the first recoveries are done: the workers that serve a
     // recovery log were rebuilt from their dumps (at most RECOVERY_READY_BOUND after
@@ -586,7 +588,6 @@ async fn main() -> ExitCode {
     let recovered = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let admin = match (&args.service.admin_listen, &recorder) {
         (Some(listen), Some(recorder)) => {
-            // The subscriber samples its own counters (`metrics_interval`).
             let probed = handle.clone();
             let rebuilt = recovered.clone();
             let ready = move || {

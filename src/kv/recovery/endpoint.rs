@@ -345,6 +345,21 @@ impl RecoveryAcceptor {
     }
 }
 
+#[cfg(feature = "tunnel")]
+impl crate::tunnel::RecoveryStreams for RecoveryAcceptor {
+    fn accept(&self, stream: crate::tunnel::TunnelStream) -> bool {
+        self.accept_stream(stream)
+    }
+
+    fn is_closed(&self) -> bool {
+        RecoveryAcceptor::is_closed(self)
+    }
+
+    fn has_room(&self) -> bool {
+        RecoveryAcceptor::has_room(self)
+    }
+}
+
 /// Serves one connection; `false` when refused.
 fn serve<S>(shared: Arc<Shared>, stream: S, cancel: CancellationToken) -> bool
 where

@@ -90,6 +90,9 @@
 //!   [`Broker`](tunnel::Broker), and `DynamicSubscriberBuilder::tunnel`. The
 //!   `event-broker` service (`services/`) is the broker as a process.
 //!
+//! - `unstable`: internals outside the semver promise, public for fuzzing, tests and
+//!   benchmarks: the tunnel's sans-IO protocol (`tunnel::protocol`) and `zmtp::Pair`.
+//!
 //! Every component also has a plain `stats()` snapshot, so users without a metrics
 //! stack still see every counter.
 //!
@@ -108,6 +111,10 @@
 //!
 //! ## Stability
 //! Pre-1.0: minor versions may break the API. Public enums are `#[non_exhaustive]`.
+//! What feature `unstable` adds may change in any release. The rest of the surface is
+//! listed name by name in the repository's `public-api.txt`, which CI compares with
+//! rustdoc's view of the crate, so it changes only on purpose. Defaults are stated on
+//! the setter or field they belong to, not exported as constants.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod admin;

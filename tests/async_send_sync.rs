@@ -66,9 +66,8 @@ fn worker_types_are_send_and_sync() {
 #[test]
 fn tunnel_types_are_send_and_sync() {
     use eventplane::tunnel::{
-        Broker, BrokerConfig, BrokerSession, BrokerStats, BusStats, Control, ControlDecoder,
-        EventBus, EventBusConfig, FrameError, Reconnect, RelayBudget, RouterSession, SessionEnd,
-        TunnelError, TunnelStream,
+        Broker, BrokerConfig, BrokerStats, BusStats, EventBus, EventBusConfig, TunnelError,
+        TunnelStream,
     };
     send_sync::<EventBus>();
     send_sync::<EventBusConfig>();
@@ -84,6 +83,15 @@ fn tunnel_types_are_send_and_sync() {
     send_sync::<BrokerStats>();
     send_sync::<TunnelStream>();
     send_sync::<TunnelError>();
+}
+
+#[cfg(all(feature = "tunnel", feature = "unstable"))]
+#[test]
+fn tunnel_protocol_types_are_send_and_sync() {
+    use eventplane::tunnel::protocol::{
+        BrokerSession, Control, ControlDecoder, FrameError, Reconnect, RelayBudget, RouterSession,
+        SessionEnd,
+    };
     send_sync::<BrokerSession>();
     send_sync::<RouterSession>();
     send_sync::<Control>();

@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use eventplane::tunnel::{
+use eventplane::tunnel::protocol::{
     BrokerSession, Control, ControlDecoder, Hello, Limits, MAX_QUEUED_CONTROL, RouterSession,
     Welcome,
 };

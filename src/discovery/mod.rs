@@ -55,7 +55,7 @@ mod watch;
 pub use error::DiscoveryError;
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
-pub use etcd::{DEFAULT_PREFIX, EtcdDiscovery, EtcdDiscoveryBuilder, EtcdState, RecordFormat};
+pub use etcd::{EtcdDiscovery, EtcdDiscoveryBuilder, EtcdState, RecordFormat};
 #[cfg(feature = "test-support")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-support")))]
 pub use fault::{FaultControl, FaultDiscovery};

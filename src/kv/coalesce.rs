@@ -8,7 +8,7 @@ use crate::config::{self, ConfigError};
 /// ```
 /// assert_eq!(eventplane::kv::DEFAULT_MAX_BATCH_BLOCKS, 128);
 /// ```
-pub const DEFAULT_MAX_BATCH_BLOCKS: usize = 128;
+pub(crate) const DEFAULT_MAX_BATCH_BLOCKS: usize = 128;
 
 /// Merges adjacent events, sans-IO.
 ///

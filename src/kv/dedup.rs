@@ -30,14 +30,14 @@ pub enum DedupMode {
 /// ```
 /// assert_eq!(eventplane::kv::DEFAULT_MAX_TRACKED_HASHES, 1 << 21);
 /// ```
-pub const DEFAULT_MAX_TRACKED_HASHES: usize = 1 << 21;
+pub(crate) const DEFAULT_MAX_TRACKED_HASHES: usize = 1 << 21;
 
 /// Default cap on distinct `(dp_rank, tier)` pairs tracked: 64.
 ///
 /// ```
 /// assert_eq!(eventplane::kv::DEFAULT_MAX_TRACKED_RANKS, 64);
 /// ```
-pub const DEFAULT_MAX_TRACKED_RANKS: usize = 64;
+pub(crate) const DEFAULT_MAX_TRACKED_RANKS: usize = 64;
 
 /// Largest table kept for reuse once its pair emptied.
 const SPARE_CAPACITY: usize = 1 << 16;
@@ -52,7 +52,7 @@ const SPARE_CAPACITY: usize = 1 << 16;
 /// and no other rank's.
 ///
 /// Memory is bounded: at most `max_hashes` hashes across all pairs and `max_ranks`
-/// pairs (defaults [`DEFAULT_MAX_TRACKED_HASHES`], [`DEFAULT_MAX_TRACKED_RANKS`]). A
+/// pairs (defaults 2^21 and 64). A
 /// store that would pass a cap first forgets what was tracked (the pair tracking the
 /// most hashes for the hash cap, every pair for the rank cap), gives the table's
 /// memory back, and counts a [`reset`](Self::resets): removals of blocks stored

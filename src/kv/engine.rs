@@ -83,14 +83,14 @@ pub struct EngineDecoder {
 /// ```
 /// assert_eq!(eventplane::kv::DEFAULT_MAX_BATCH_ELEMENTS, 1 << 19);
 /// ```
-pub const DEFAULT_MAX_BATCH_ELEMENTS: usize = 1 << 19;
+pub(crate) const DEFAULT_MAX_BATCH_ELEMENTS: usize = 1 << 19;
 
 /// Default cap on events in one batch: 2^16.
 ///
 /// ```
 /// assert_eq!(eventplane::kv::DEFAULT_MAX_BATCH_EVENTS, 1 << 16);
 /// ```
-pub const DEFAULT_MAX_BATCH_EVENTS: usize = 1 << 16;
+pub(crate) const DEFAULT_MAX_BATCH_EVENTS: usize = 1 << 16;
 
 impl EngineDecoder {
     /// A decoder for `worker_id` whose engine uses `block_size` tokens per block;
@@ -109,8 +109,8 @@ impl EngineDecoder {
     }
 
     /// Per-batch budgets: msgpack elements decoded (default
-    /// [`DEFAULT_MAX_BATCH_ELEMENTS`]) and events (default
-    /// [`DEFAULT_MAX_BATCH_EVENTS`]). A batch over either is rejected whole and
+    /// 2^19) and events (default
+    /// 2^16). A batch over either is rejected whole and
     /// counted in `oversized_batches`; what it declares is never allocated. Neither
     /// may be zero.
     ///

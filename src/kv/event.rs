@@ -210,7 +210,7 @@ pub struct RouterEvent {
 /// use eventplane::kv::TOKENS_HASH_SEED;
 /// assert_eq!(TOKENS_HASH_SEED, 1337);
 /// ```
-pub const TOKENS_HASH_SEED: u64 = 1337;
+pub(crate) const TOKENS_HASH_SEED: u64 = 1337;
 
 /// xxh3-64 with seed 1337 over the tokens as u32 little-endian bytes.
 ///

@@ -134,7 +134,7 @@ pub struct IndexFeedStats {
     /// ... a dump (first sight, or a gap the log no longer covered).
     pub repairs_dump: u64,
     /// ... a dump asked again after a recovery failed and wiped the publisher
-    /// (a *rebuild*: see [`REBUILD_MAX_BACKOFF`]).
+    /// (a *rebuild*, retried with a backoff of up to 60 s).
     pub repairs_rebuild: u64,
     /// Rebuilds that failed too (asked again, later).
     pub rebuilds_failed: u64,

@@ -9,7 +9,7 @@
 /// ```
 /// assert_eq!(eventplane::kv::FEED_MAX_HELD_EVENTS, 4096);
 /// ```
-pub const FEED_MAX_HELD_EVENTS: usize = 4096;
+pub(crate) const FEED_MAX_HELD_EVENTS: usize = 4096;
 
 /// How far past the live events a recovery's answer may reach and still have the live
 /// copies of what it applied, arriving after it, skipped as late (ids going back are
@@ -22,7 +22,7 @@ pub const FEED_MAX_HELD_EVENTS: usize = 4096;
 /// ```
 /// assert_eq!(eventplane::kv::FEED_MAX_LATE_EVENTS, 1 << 20);
 /// ```
-pub const FEED_MAX_LATE_EVENTS: u64 = 1 << 20;
+pub(crate) const FEED_MAX_LATE_EVENTS: u64 = 1 << 20;
 
 /// Blocks one publisher's held events may carry.
 const MAX_HELD_BLOCKS: usize = 1 << 16;
@@ -49,7 +49,7 @@ const MAX_ROUNDS: u32 = 4;
 /// ```
 /// assert_eq!(eventplane::kv::REBUILD_MAX_BACKOFF, std::time::Duration::from_secs(60));
 /// ```
-pub const REBUILD_MAX_BACKOFF: Duration = Duration::from_secs(60);
+pub(crate) const REBUILD_MAX_BACKOFF: Duration = Duration::from_secs(60);
 
 /// How long the rebuild after `failures` failed recoveries in a row waits.
 fn rebuild_delay(failures: u32) -> Duration {
@@ -79,7 +79,7 @@ pub struct RecoveryNeed {
     /// came back meanwhile) is ignored.
     pub serial: u64,
     /// How long to wait before asking: zero but for a rebuild after failures (see
-    /// [`REBUILD_MAX_BACKOFF`]). [`RecoveryDriver`](crate::kv::RecoveryDriver) waits it.
+    /// 60 s). [`RecoveryDriver`](crate::kv::RecoveryDriver) waits it.
     pub delay: Duration,
     /// A rebuild: the dump of a publisher a failed recovery wiped, asked again (its
     /// live events are not held meanwhile). The same need may be handed out again,
@@ -163,7 +163,7 @@ impl IndexFeed {
     /// The recoveries to make now (each publisher's once): ask each
     /// [`RecoveryNeed::endpoint`] and hand the answer to
     /// [`recovered`](Self::recovered). Until then the publisher's live events are
-    /// held ([`FEED_MAX_HELD_EVENTS`]) and its blocks stay as they were (but for what
+    /// held (4,096) and its blocks stay as they were (but for what
     /// it removes meanwhile).
     ///
     /// A publisher with a recovery endpoint ([`Instance::recovery`](crate::discovery::Instance::recovery))
@@ -172,7 +172,7 @@ impl IndexFeed {
     /// since, which its log keeps). One whose recovery failed for a reason that may
     /// pass (unreachable, too slow) is rebuilt: its dump is asked again after
     /// [`RecoveryNeed::delay`], which grows while rebuilds fail too
-    /// ([`REBUILD_MAX_BACKOFF`]); an application making the requests itself waits
+    /// (60 s); an application making the requests itself waits
     /// that delay. A rebuild's need is handed out again, same serial, no delay, when
     /// the publisher is heard from meanwhile.
     pub fn take_recoveries(&mut self) -> Vec<RecoveryNeed> {

@@ -112,10 +112,10 @@ impl EngineListenerConfig {
     }
 
     /// Bounds of a replay: how long to wait for each reply (default
-    /// [`DEFAULT_REPLAY_TIMEOUT`](super::DEFAULT_REPLAY_TIMEOUT)), how long one replay
-    /// may take in all ([`DEFAULT_REPLAY_DEADLINE`](super::DEFAULT_REPLAY_DEADLINE)),
+    /// 2 s), how long one replay
+    /// may take in all (30 s),
     /// and the batches applied from one replay
-    /// ([`DEFAULT_MAX_REPLAY_BATCHES`](super::DEFAULT_MAX_REPLAY_BATCHES)). None may be
+    /// (10,000). None may be
     /// zero, and the deadline may not be shorter than the timeout.
     pub fn replay_limits(
         mut self,
@@ -248,7 +248,7 @@ pub struct EngineListenerStats {
     /// Batches missing in those jumps.
     pub seq_gap_batches: u64,
     /// Sequence restarts: a regression, a restart at 0 on a new connection, or a jump
-    /// of more than [`MAX_SEQUENCE_GAP`](crate::wire::MAX_SEQUENCE_GAP).
+    /// of more than 2^32.
     pub seq_resets: u64,
     /// Connections that ended and were dialled again.
     pub reconnects: u64,
@@ -264,7 +264,7 @@ pub struct EngineListenerStats {
     /// they hold of this engine (DESIGN §4.6).
     pub stale_clears: u64,
     /// Events forwarded for a rank beyond the first
-    /// [`MAX_FORWARDED_RANKS`](super::MAX_FORWARDED_RANKS) since the last clear: a
+    /// 64 since the last clear: a
     /// lost view cannot be cleared for those ranks.
     pub untracked_ranks: u64,
     /// Whether a connection to the engine is up now (handshake done).

@@ -133,22 +133,19 @@ mod sink;
 mod stale;
 mod worker;
 
-pub use coalesce::{Coalescer, DEFAULT_MAX_BATCH_BLOCKS};
-pub use dedup::{DEFAULT_MAX_TRACKED_HASHES, DEFAULT_MAX_TRACKED_RANKS, DedupFilter, DedupMode};
+pub use coalesce::Coalescer;
+pub(crate) use coalesce::DEFAULT_MAX_BATCH_BLOCKS;
+pub(crate) use dedup::{DEFAULT_MAX_TRACKED_HASHES, DEFAULT_MAX_TRACKED_RANKS};
+pub use dedup::{DedupFilter, DedupMode};
 pub use dynamo::{decode_dynamo_router_events, dynamo_storage_tier, encode_dynamo_router_events};
-pub use engine::{
-    DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_BATCH_EVENTS, EngineDecoder, EngineEvent, EngineStats,
-    encode_engine_batch,
-};
+pub(crate) use engine::{DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_BATCH_EVENTS};
+pub use engine::{EngineDecoder, EngineEvent, EngineStats, encode_engine_batch};
 pub use error::{EncodeError, EngineDecodeError, IndexError, KvDecodeError, SinkError};
 pub use event::{
     BlockHash, DpRank, KvEvent, KvEventData, Placement, PlacementEvent, RouterEvent, StorageTier,
-    StoredBlock, TOKENS_HASH_SEED, TokensHash, WorkerId, tokens_hash,
+    StoredBlock, TokensHash, WorkerId, tokens_hash,
 };
-pub use feed::{
-    FEED_MAX_HELD_EVENTS, FEED_MAX_LATE_EVENTS, IndexFeed, IndexFeedStats, REBUILD_MAX_BACKOFF,
-    RecoveryAnswer, RecoveryNeed, Wipe, Wiped,
-};
+pub use feed::{IndexFeed, IndexFeedStats, RecoveryAnswer, RecoveryNeed, Wipe, Wiped};
 pub use index::{
     Attribution, IndexRefusal, OverlapScore, OverlapScores, RouterIndex, RouterIndexConfig,
     RouterIndexStats, local_block_hashes,
@@ -159,27 +156,21 @@ pub use listener::{
 };
 pub use pipeline::Pipeline;
 pub use processor::{
-    EventSink, LocalIndex, MAX_BATCH_TIMEOUT, Processor, ProcessorConfig, ProcessorHandle,
-    ProcessorStats,
+    EventSink, LocalIndex, Processor, ProcessorConfig, ProcessorHandle, ProcessorStats,
 };
+pub(crate) use recovery::DEFAULT_MAX_LOG_BLOCKS;
 pub use recovery::{
-    DEFAULT_CONCURRENT_DUMPS, DEFAULT_CONCURRENT_RECOVERIES, DEFAULT_MAX_LOG_BLOCKS,
-    DEFAULT_RECOVERY_CONNECTIONS, DEFAULT_RECOVERY_EVENT_BLOCKS, DEFAULT_RECOVERY_EVENTS, Dump,
-    RECOVERY_IDLE_TIMEOUT, RECOVERY_INTERVAL, Recovered, RecoveryAcceptor, RecoveryClientConfig,
-    RecoveryDriver, RecoveryError, RecoveryRequest, RecoveryServer, RecoveryServerStats,
-    SharedWorkerLog, Since, WorkerLog, WorkerLogConfig, WorkerLogStats, recover, recover_over,
+    DEFAULT_RECOVERY_EVENT_BLOCKS, DEFAULT_RECOVERY_EVENTS, Dump, Recovered, RecoveryAcceptor,
+    RecoveryClientConfig, RecoveryDriver, RecoveryError, RecoveryRequest, RecoveryServer,
+    RecoveryServerStats, SharedWorkerLog, Since, WorkerLog, WorkerLogConfig, WorkerLogStats,
+    recover, recover_over,
 };
-pub use replay::{
-    DEFAULT_MAX_REPLAY_BATCHES, DEFAULT_REPLAY_DEADLINE, DEFAULT_REPLAY_TIMEOUT, EngineReplayStats,
-    MAX_HELD_BATCHES, MAX_HELD_BYTES, REPLAY_RETRY_AFTER, REPLAY_TAIL_PROBE, REPLAY_TAIL_PROBE_MAX,
-    ReplayFallback, ReplayFallbacks,
-};
+pub use replay::{EngineReplayStats, ReplayFallback, ReplayFallbacks};
 pub use sink::{
     EventPlaneSink, MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, decode_router_events,
     decode_router_payload, encode_router_events, encode_router_payload, split_messages,
 };
-pub use stale::MAX_FORWARDED_RANKS;
-pub use worker::{DEFAULT_WORKER_QUEUE, Worker, WorkerBuilder, WorkerHandle, WorkerStats};
+pub use worker::{Worker, WorkerBuilder, WorkerHandle, WorkerStats};
 
 #[cfg(test)]
 mod tests;

@@ -25,7 +25,7 @@ use crate::net::RateLimitedWarn;
 /// let longer = MAX_BATCH_TIMEOUT + Duration::from_millis(1);
 /// assert!(ProcessorConfig::default().batch_timeout(Some(longer)).validate().is_err());
 /// ```
-pub const MAX_BATCH_TIMEOUT: Duration = Duration::from_secs(15);
+pub(crate) const MAX_BATCH_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Where router events go (the event plane, a test collector, …).
 ///

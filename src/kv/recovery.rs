@@ -41,7 +41,7 @@ pub const DEFAULT_RECOVERY_EVENT_BLOCKS: usize = 1 << 18;
 /// ```
 /// assert_eq!(eventplane::kv::DEFAULT_MAX_LOG_BLOCKS, 1 << 22);
 /// ```
-pub const DEFAULT_MAX_LOG_BLOCKS: usize = 1 << 22;
+pub(crate) const DEFAULT_MAX_LOG_BLOCKS: usize = 1 << 22;
 
 /// Most blocks in one `Stored` event of a dump (as the sink splits messages).
 const DUMP_EVENT_BLOCKS: usize = 8192;
@@ -86,7 +86,7 @@ impl WorkerLogConfig {
         self
     }
 
-    /// Blocks held for dumps (default [`DEFAULT_MAX_LOG_BLOCKS`]).
+    /// Blocks held for dumps (default 2^22).
     pub fn max_blocks(mut self, blocks: usize) -> Self {
         self.max_blocks = blocks;
         self
@@ -556,11 +556,10 @@ mod blocks;
 mod driver;
 mod endpoint;
 
-pub use driver::{DEFAULT_CONCURRENT_RECOVERIES, RECOVERY_INTERVAL, RecoveryDriver};
+pub use driver::RecoveryDriver;
 pub use endpoint::{
-    DEFAULT_CONCURRENT_DUMPS, DEFAULT_RECOVERY_CONNECTIONS, RECOVERY_IDLE_TIMEOUT, Recovered,
-    RecoveryAcceptor, RecoveryClientConfig, RecoveryError, RecoveryRequest, RecoveryServer,
-    RecoveryServerStats, recover, recover_over,
+    Recovered, RecoveryAcceptor, RecoveryClientConfig, RecoveryError, RecoveryRequest,
+    RecoveryServer, RecoveryServerStats, recover, recover_over,
 };
 
 #[cfg(test)]

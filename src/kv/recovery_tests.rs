@@ -374,7 +374,7 @@ mod endpoint {
         let (server, _log) = serving(&stream(10, 5), WorkerLogConfig::default()).await;
         let acceptor = server.acceptor();
         let mut routers = Vec::new();
-        for _ in 0..crate::kv::DEFAULT_RECOVERY_CONNECTIONS {
+        for _ in 0..crate::kv::recovery::endpoint::DEFAULT_RECOVERY_CONNECTIONS {
             assert!(acceptor.has_room());
             let (router, worker) = tokio::io::duplex(1 << 16);
             assert!(acceptor.accept_stream(worker));

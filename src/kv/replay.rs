@@ -28,14 +28,14 @@ use crate::zmtp::Message;
 /// ```
 /// assert_eq!(eventplane::kv::DEFAULT_REPLAY_TIMEOUT, std::time::Duration::from_secs(2));
 /// ```
-pub const DEFAULT_REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const DEFAULT_REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The longest one replay may take, replies arriving or not: 30 s.
 ///
 /// ```
 /// assert_eq!(eventplane::kv::DEFAULT_REPLAY_DEADLINE, std::time::Duration::from_secs(30));
 /// ```
-pub const DEFAULT_REPLAY_DEADLINE: Duration = Duration::from_secs(30);
+pub(crate) const DEFAULT_REPLAY_DEADLINE: Duration = Duration::from_secs(30);
 
 /// Most batches applied from one replay: 10,000 (an engine's default buffer). A
 /// replay that has more stops there; what follows is asked for by the next one.
@@ -43,7 +43,7 @@ pub const DEFAULT_REPLAY_DEADLINE: Duration = Duration::from_secs(30);
 /// ```
 /// assert_eq!(eventplane::kv::DEFAULT_MAX_REPLAY_BATCHES, 10_000);
 /// ```
-pub const DEFAULT_MAX_REPLAY_BATCHES: u64 = 10_000;
+pub(crate) const DEFAULT_MAX_REPLAY_BATCHES: u64 = 10_000;
 
 /// Most live batches held while a replay runs: 4,096. Beyond it (or
 /// [`MAX_HELD_BYTES`]) live batches are dropped, counted in
@@ -53,14 +53,14 @@ pub const DEFAULT_MAX_REPLAY_BATCHES: u64 = 10_000;
 /// ```
 /// assert_eq!(eventplane::kv::MAX_HELD_BATCHES, 4096);
 /// ```
-pub const MAX_HELD_BATCHES: usize = 4096;
+pub(crate) const MAX_HELD_BATCHES: usize = 4096;
 
 /// Most payload bytes of live batches held while a replay runs: 16 MiB.
 ///
 /// ```
 /// assert_eq!(eventplane::kv::MAX_HELD_BYTES, 16 << 20);
 /// ```
-pub const MAX_HELD_BYTES: usize = 16 << 20;
+pub(crate) const MAX_HELD_BYTES: usize = 16 << 20;
 
 /// After a replay failed (timeout, unreachable endpoint), gaps within this long are
 /// cleared at once instead of waiting for another timeout: 5 s.
@@ -68,7 +68,7 @@ pub const MAX_HELD_BYTES: usize = 16 << 20;
 /// ```
 /// assert_eq!(eventplane::kv::REPLAY_RETRY_AFTER, std::time::Duration::from_secs(5));
 /// ```
-pub const REPLAY_RETRY_AFTER: Duration = Duration::from_secs(5);
+pub(crate) const REPLAY_RETRY_AFTER: Duration = Duration::from_secs(5);
 
 /// How long the engine must be quiet, after live batches or a replay that brought
 /// some, before one more replay asks whether anything followed: 250 ms at first. An
@@ -80,14 +80,14 @@ pub const REPLAY_RETRY_AFTER: Duration = Duration::from_secs(5);
 /// ```
 /// assert_eq!(eventplane::kv::REPLAY_TAIL_PROBE, std::time::Duration::from_millis(250));
 /// ```
-pub const REPLAY_TAIL_PROBE: Duration = Duration::from_millis(250);
+pub(crate) const REPLAY_TAIL_PROBE: Duration = Duration::from_millis(250);
 
 /// The longest wait before a tail probe: 4 s (see [`REPLAY_TAIL_PROBE`]).
 ///
 /// ```
 /// assert_eq!(eventplane::kv::REPLAY_TAIL_PROBE_MAX, std::time::Duration::from_secs(4));
 /// ```
-pub const REPLAY_TAIL_PROBE_MAX: Duration = Duration::from_secs(4);
+pub(crate) const REPLAY_TAIL_PROBE_MAX: Duration = Duration::from_secs(4);
 
 /// Rounds in a row that apply nothing before the repair gives up (`no_progress`).
 const MAX_BARREN_ROUNDS: u32 = 2;
@@ -218,8 +218,8 @@ pub struct EngineReplayStats {
     pub fallbacks: ReplayFallbacks,
     /// Replayed or held batches skipped because they were already applied.
     pub duplicate_batches: u64,
-    /// Live batches dropped while a replay ran because [`MAX_HELD_BATCHES`] or
-    /// [`MAX_HELD_BYTES`] were held (fetched again by a further replay).
+    /// Live batches dropped while a replay ran because 4,096 or
+    /// 16 MiB were held (fetched again by a further replay).
     pub held_dropped: u64,
     /// Replies that were not a replay reply (wrong delimiter, topic or sequence frame).
     pub malformed_replies: u64,

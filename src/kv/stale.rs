@@ -18,7 +18,7 @@ use super::{DpRank, KvEventData, PlacementEvent};
 /// ```
 /// assert_eq!(eventplane::kv::MAX_FORWARDED_RANKS, 64);
 /// ```
-pub const MAX_FORWARDED_RANKS: usize = 64;
+pub(crate) const MAX_FORWARDED_RANKS: usize = 64;
 
 /// Why the worker's view of its engine was lost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -19,7 +19,7 @@ use crate::zmtp::PubStats;
 /// Default capacity, in engine batches, of the queue between the listener and the
 /// processor. A full queue makes the listener wait; the engine's PUB then drops at its
 /// high-water mark, which the listener counts as sequence gaps.
-pub const DEFAULT_WORKER_QUEUE: usize = 256;
+pub(crate) const DEFAULT_WORKER_QUEUE: usize = 256;
 
 /// Builds a [`Worker`]: [`Worker::builder`] for the usual case (router events on an
 /// [`EventPublisher`]), [`Worker::with_sink`] for a sink of your own.
@@ -52,7 +52,7 @@ impl WorkerBuilder {
     }
 
     /// Capacity of the queue between listener and processor, in engine batches.
-    /// Default [`DEFAULT_WORKER_QUEUE`]; zero is refused.
+    /// Default 256; zero is refused.
     #[must_use]
     pub fn queue_capacity(mut self, batches: usize) -> Self {
         self.queue = batches;

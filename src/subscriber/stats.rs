@@ -37,7 +37,7 @@ pub struct PublisherStats {
     /// Messages missing in those jumps.
     pub gap_messages: u64,
     /// Sequence restarts: a regression, a restart at 0 on a new connection, or a jump
-    /// forward of more than [`MAX_SEQUENCE_GAP`](crate::wire::MAX_SEQUENCE_GAP) (a
+    /// forward of more than 2^32 (a
     /// restarted or confused publisher, not that many lost messages).
     pub sequence_resets: u64,
     /// Connections that ended and were dialled again.

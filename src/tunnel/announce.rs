@@ -14,11 +14,11 @@ use crate::wire::Wire;
 use super::fields::{Fields, FrameError, Writer};
 
 /// Most sources one `hello`, `announce` or `withdraw` frame may carry.
-pub const MAX_ANNOUNCE: usize = 64;
+pub(crate) const MAX_ANNOUNCE: usize = 64;
 
 /// Longest namespace, component or topic of an announced source, in bytes (so that
 /// [`MAX_ANNOUNCE`] of them fit one control frame).
-pub const MAX_SOURCE_NAME_LEN: usize = 256;
+pub(crate) const MAX_SOURCE_NAME_LEN: usize = 256;
 
 /// The role a client takes on its session (named in its `hello`).
 ///

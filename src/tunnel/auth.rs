@@ -9,7 +9,7 @@ use super::session::Grant;
 use super::{MAX_NAME_LEN, MAX_NAMESPACES};
 
 /// Most credentials one bus holds.
-pub const MAX_BUS_CLIENTS: usize = 4096;
+pub(crate) const MAX_BUS_CLIENTS: usize = 4096;
 
 /// The SHA-256 digest of a bus credential: what a router stores instead of the token.
 /// Never printed in full.

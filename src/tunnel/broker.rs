@@ -65,10 +65,8 @@ pub struct BrokerStats {
     /// namespace): publishers' and their workers' recovery endpoints.
     pub advertised_endpoints: usize,
     /// Discovery instances not advertised, or advertised without their recovery
-    /// endpoint: their namespace already held
-    /// [`MAX_VIEW_INSTANCES`](super::MAX_VIEW_INSTANCES) or
-    /// [`MAX_VIEW_BYTES`](super::MAX_VIEW_BYTES) (a new incarnation is held to it
-    /// too), or an endpoint is over 1 KiB.
+    /// endpoint: their namespace already held 65,536 instances or 16 MiB of them (a
+    /// new incarnation is held to it too), or an endpoint is over 1 KiB.
     pub view_ignored: u64,
 }
 

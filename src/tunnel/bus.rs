@@ -28,7 +28,7 @@ use crate::wire::Wire;
 /// Brokers `open_stream` asks for one publisher: its rendezvous owner, then once the
 /// runner-up when the owner cannot reach it (a full owner is skipped without asking,
 /// and counted as a fallback too).
-pub const OPEN_ATTEMPTS: usize = 2;
+pub(crate) const OPEN_ATTEMPTS: usize = 2;
 
 /// How long an open waits for room in a session's command queue.
 const COMMAND_QUEUE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -318,7 +318,7 @@ impl EventBus {
     /// hashing), and returns the byte stream once the broker connected and its data
     /// stream arrived. When the owner refuses for a reason of its own (the target is
     /// not in its view, its filter, DNS or network failed it, it is draining or full,
-    /// its session ended), the runner-up is tried once ([`OPEN_ATTEMPTS`]); a full
+    /// its session ended), the runner-up is tried once (2 attempts in all); a full
     /// owner is passed over without asking. The last error is returned.
     ///
     /// A target that is empty, over 1 KiB or not `tcp://host:port` is refused here

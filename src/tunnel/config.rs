@@ -15,24 +15,24 @@ use crate::discovery::Discovery;
 use crate::net::AddrFilter;
 
 /// Default deadline for resolving a target's host.
-pub const DNS_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const DNS_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default deadline for connecting to a target, across all its resolved addresses.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default cap on one connection attempt (one resolved address).
-pub const CONNECT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const CONNECT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default deadline for obtaining an HTTP/2 stream slot for a data stream.
-pub const STREAM_SLOT_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const STREAM_SLOT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default deadline for the router's response head on a session or data stream.
-pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default deadline for reaching the bus (TCP, then TLS, each).
-pub const BUS_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const BUS_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Default cap on a broker's DNS lookups in flight.
-pub const MAX_DNS_LOOKUPS: usize = 32;
+pub(crate) const MAX_DNS_LOOKUPS: usize = 32;
 
 /// Default rate at which a broker opens streams, per session (a burst of up to the
 /// session's stream limit passes at once).
-pub const OPENS_PER_SECOND: u32 = 500;
+pub(crate) const OPENS_PER_SECOND: u32 = 500;
 
 /// A broker's per-stage deadlines (DESIGN §7.2). A stage that misses its deadline is
 /// refused with its own code (`dns_timeout`, `connect_timeout`,
@@ -217,12 +217,12 @@ pub struct BrokerConfig {
     pub reconnect_max: Duration,
     /// How target hosts are resolved (default [`SystemResolver`]).
     pub resolver: Arc<dyn Resolver>,
-    /// DNS lookups in flight at once (default [`MAX_DNS_LOOKUPS`], 32; 1 to 4,096).
+    /// DNS lookups in flight at once (default 32; 1 to 4,096).
     /// A lookup keeps its slot until it ends, even after its stream gave up; one past
     /// the cap waits within the DNS deadline (counted in `dns_saturated`).
     pub max_dns_lookups: usize,
     /// Streams opened per second and session, after a burst of the session's stream
-    /// limit (default [`OPENS_PER_SECOND`], 500; 1 to 1,000,000); subscribes past it
+    /// limit (default 500; 1 to 1,000,000); subscribes past it
     /// are refused with `rate_limited`, so a router cannot make the broker churn
     /// connections to publishers.
     pub opens_per_second: u32,
@@ -350,33 +350,33 @@ impl BrokerConfig {
 
 /// Default cap on the authenticated connections an [`EventBus`](super::EventBus)
 /// holds at once (brokers need one each).
-pub const MAX_CONNECTIONS: usize = 1024;
+pub(crate) const MAX_CONNECTIONS: usize = 1024;
 
 /// Default cap on the authenticated connections one credential holds at once (a
 /// broker needs one; a reconnect or `--check-bus` briefly a second).
-pub const MAX_CONNECTIONS_PER_CLIENT: usize = 4;
+pub(crate) const MAX_CONNECTIONS_PER_CLIENT: usize = 4;
 
 /// Default cap on the connections an [`EventBus`](super::EventBus) holds before they
 /// authenticate (their own pool: a flood of them cannot take a broker's slot).
-pub const MAX_PENDING_CONNECTIONS: usize = 64;
+pub(crate) const MAX_PENDING_CONNECTIONS: usize = 64;
 
 /// Default cap on the unauthenticated connections from one source address.
-pub const MAX_PENDING_PER_SOURCE: usize = 8;
+pub(crate) const MAX_PENDING_PER_SOURCE: usize = 8;
 
 /// Default deadline for a broker connection's TLS handshake at the bus.
-pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(3);
+pub(crate) const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Default time a connection may take, after TLS, to send its first request with a
 /// credential the bus accepts.
-pub const AUTH_TIMEOUT: Duration = Duration::from_secs(3);
+pub(crate) const AUTH_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Default time a connection may take, after TLS, to have a session welcomed (the
 /// right credential and a valid `hello`).
-pub const SESSION_START_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const SESSION_START_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Default time a joining broker's session must live before it takes its share of
 /// the open streams: a broker that flaps moves nothing.
-pub const JOIN_HOLD_DOWN: Duration = Duration::from_secs(10);
+pub(crate) const JOIN_HOLD_DOWN: Duration = Duration::from_secs(10);
 
 /// What the router's [`EventBus`](super::EventBus) offers brokers and holds them to.
 ///
@@ -399,24 +399,24 @@ pub struct EventBusConfig {
     pub limits: Limits,
     /// Authenticated connections held at once (each carries at most one broker
     /// session); a credential presented past it is answered 503 and the connection
-    /// closed, counted in `connections_refused` (default [`MAX_CONNECTIONS`], 1,024;
+    /// closed, counted in `connections_refused` (default 1,024;
     /// at most 65,536). Each costs a file descriptor and its HTTP/2 buffers.
     pub max_connections: usize,
     /// Authenticated connections one credential holds at once; one more is answered
     /// 503 and closed, counted in `connections_refused` (default
-    /// [`MAX_CONNECTIONS_PER_CLIENT`], 4): a stolen credential cannot take the slots
+    /// 4): a stolen credential cannot take the slots
     /// of every other broker.
     pub max_connections_per_client: usize,
     /// Connections held before they authenticate (TLS, then the first request with an
     /// accepted credential), in a pool of their own. When it is full, a new
     /// connection is taken and one is closed, counted in `pending_evicted`: of the
     /// source holding the most, the one that has gone longest without progress
-    /// (accepted, first bytes, TLS done) (default [`MAX_PENDING_CONNECTIONS`], 64; at
+    /// (accepted, first bytes, TLS done) (default 64; at
     /// most 65,536).
     pub max_pending_connections: usize,
     /// Unauthenticated connections from one source (an IPv4 address, an IPv6 /64);
     /// one more is taken and that source's connection longest without progress is
-    /// closed, counted in `pending_evicted` (default [`MAX_PENDING_PER_SOURCE`], 8): a
+    /// closed, counted in `pending_evicted` (default 8): a
     /// broker behind a NAT its flooders share is not refused for their connections.
     pub max_pending_per_source: usize,
     /// A connection's TLS handshake, from accept (default 3 s).

@@ -64,7 +64,7 @@ pub enum Control {
         target: Target,
     },
     /// Source → router (version 2): more publishers it serves, at most
-    /// [`MAX_ANNOUNCE`](super::MAX_ANNOUNCE) per frame. Announcing a publisher again
+    /// 64 per frame. Announcing a publisher again
     /// with anything changed replaces it (a new incarnation); the same announcement
     /// again changes nothing.
     Announce {
@@ -72,13 +72,13 @@ pub enum Control {
         sources: Vec<AnnouncedSource>,
     },
     /// Source → router (version 2): publishers it no longer serves (their streams
-    /// close), at most [`MAX_ANNOUNCE`](super::MAX_ANNOUNCE) per frame.
+    /// close), at most 64 per frame.
     Withdraw {
         /// Their ids.
         publisher_ids: Vec<u64>,
     },
     /// Router → source (version 2): announced publishers the router did not take (at
-    /// most [`MAX_ANNOUNCE`](super::MAX_ANNOUNCE) per frame); the source counts them
+    /// most 64 per frame); the source counts them
     /// and announces them again later. A source of an earlier version skips the frame.
     AnnounceRefused {
         /// Their ids.
@@ -144,7 +144,7 @@ pub struct Hello {
     pub versions: Vec<u32>,
     /// Its role.
     pub role: Role,
-    /// A source's first announcements (at most [`MAX_ANNOUNCE`](super::MAX_ANNOUNCE);
+    /// A source's first announcements (at most 64;
     /// more follow in `announce` frames). Always empty for a broker.
     pub sources: Vec<AnnouncedSource>,
 }
@@ -162,7 +162,7 @@ impl Hello {
     }
 
     /// A source's `hello`, offering version 2, announcing `sources` (at most
-    /// [`MAX_ANNOUNCE`](super::MAX_ANNOUNCE); announce the rest once welcomed).
+    /// 64; announce the rest once welcomed).
     ///
     /// ```
     /// use eventplane::discovery::ChannelId;

@@ -381,7 +381,7 @@ impl AsyncWrite for TunnelStream {
 
 /// Shortest token [`Secret::new`] takes, in bytes: a bus keeps unsalted digests and
 /// answers guesses, so a token must not be guessable (use 32 random bytes or more).
-pub const MIN_TOKEN_LEN: usize = 16;
+pub(crate) const MIN_TOKEN_LEN: usize = 16;
 
 /// A bearer credential: never printed (its `Debug` is redacted, its header marked
 /// sensitive). A bus keeps only its digest ([`TokenDigest`](super::TokenDigest)).
@@ -398,7 +398,7 @@ impl Secret {
     /// A credential (surrounding whitespace, such as a file's final newline, removed).
     /// It travels in an HTTP header, so it must be printable ASCII without spaces (a
     /// byte-order mark or a non-ASCII character is refused here, not sent as a bare
-    /// `Bearer`), and holds at least [`MIN_TOKEN_LEN`] bytes.
+    /// `Bearer`), and holds at least 16 bytes.
     ///
     /// ```
     /// use eventplane::tunnel::Secret;

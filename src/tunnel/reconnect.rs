@@ -90,7 +90,7 @@ impl Reconnect {
     }
 
     /// A session held (the broker calls it once a welcomed session lived
-    /// [`JOIN_HOLD_DOWN`](super::JOIN_HOLD_DOWN)): the next failure starts the backoff over.
+    /// 10 s): the next failure starts the backoff over.
     pub fn reset(&mut self) {
         self.backoff.reset();
     }

@@ -20,14 +20,14 @@ pub const ANNOUNCE_BURST: u32 = 32;
 
 /// `announce` frames a source may send a second after its burst; past it, the session
 /// is denied `announcing_too_fast` (each frame may re-register up to
-/// [`MAX_ANNOUNCE`](super::MAX_ANNOUNCE) publishers, which every router following the
+/// 64 publishers, which every router following the
 /// bus then dials again).
 pub const ANNOUNCES_PER_SECOND: u32 = 4;
 
 /// What a router session tells its owner.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum RouterEvent {
+pub enum SessionEvent {
     /// A client said `hello` and was welcomed (a source's first announcements follow
     /// as [`Announced`](Self::Announced)).
     Welcomed {
@@ -119,19 +119,19 @@ enum RouterState {
 ///
 /// ```
 /// use std::time::{Duration, Instant};
-/// use eventplane::tunnel::{Control, Hello, Limits, RefuseCode, RouterEvent, RouterSession};
+/// use eventplane::tunnel::{Control, Hello, Limits, RefuseCode, SessionEvent, RouterSession};
 /// let now = Instant::now();
 /// let limits = Limits::default().with_heartbeat(Duration::from_secs(10), Duration::from_secs(60));
 /// let mut router = RouterSession::new(7, limits, now);
 /// router.handle(Control::Hello(Hello::new("broker-1", vec!["prod".into()])), now);
 /// assert!(matches!(router.poll_transmit(), Some(Control::Welcome(_))));
-/// assert!(matches!(router.poll_event(), Some(RouterEvent::Welcomed { .. })));
+/// assert!(matches!(router.poll_event(), Some(SessionEvent::Welcomed { .. })));
 /// router.subscribe(1, "tcp://10.0.0.5:5557".into(), now)?;
 /// assert!(matches!(router.poll_transmit(), Some(Control::Subscribe { stream_id: 1, .. })));
 /// // No answer and no data stream for 30 s: expired, and a late data stream is refused.
 /// router.handle(Control::Heartbeat, now + Duration::from_secs(20)); // the broker is alive
 /// router.handle_timeout(now + Duration::from_secs(31));
-/// assert_eq!(router.poll_event(), Some(RouterEvent::Expired(1)));
+/// assert_eq!(router.poll_event(), Some(SessionEvent::Expired(1)));
 /// assert_eq!(router.accept_data_stream(1), Err(RefuseCode::UnknownStream));
 /// # Ok::<(), eventplane::tunnel::SubscribeError>(())
 /// ```
@@ -143,7 +143,7 @@ pub struct RouterSession {
     liveness: Liveness,
     streams: HashMap<u64, StreamState>,
     outbox: Outbox,
-    events: VecDeque<RouterEvent>,
+    events: VecDeque<SessionEvent>,
     grant: Grant,
     role: Role,
     /// A source's announced publishers.
@@ -178,13 +178,13 @@ impl RouterSession {
     ///
     /// ```
     /// use std::time::Instant;
-    /// use eventplane::tunnel::{Control, DenyCode, Grant, Hello, Limits, RouterEvent, RouterSession, SessionEnd};
+    /// use eventplane::tunnel::{Control, DenyCode, Grant, Hello, Limits, SessionEvent, RouterSession, SessionEnd};
     /// let now = Instant::now();
     /// let grant = Grant::namespaces(vec!["prod".into()]).with_client_id("broker-a");
     /// let mut router = RouterSession::new(1, Limits::default(), now).with_grant(grant);
     /// router.handle(Control::Hello(Hello::new("broker-b", vec!["prod".into()])), now);
     /// assert_eq!(router.poll_transmit(), Some(Control::Denied { code: DenyCode::ClientIdNotGranted }));
-    /// assert_eq!(router.poll_event(), Some(RouterEvent::Ended(SessionEnd::Denied(DenyCode::ClientIdNotGranted))));
+    /// assert_eq!(router.poll_event(), Some(SessionEvent::Ended(SessionEnd::Denied(DenyCode::ClientIdNotGranted))));
     /// ```
     #[must_use]
     pub fn with_grant(mut self, grant: Grant) -> RouterSession {
@@ -208,7 +208,7 @@ impl RouterSession {
     }
 
     /// The next event.
-    pub fn poll_event(&mut self) -> Option<RouterEvent> {
+    pub fn poll_event(&mut self) -> Option<SessionEvent> {
         self.events.pop_front()
     }
 
@@ -269,7 +269,7 @@ impl RouterSession {
                     self.streams.remove(&id);
                     // The broker may have it open: tell it to let go.
                     self.send(Control::Unsubscribe { stream_id: id });
-                    self.events.push_back(RouterEvent::Expired(id));
+                    self.events.push_back(SessionEvent::Expired(id));
                 }
             }
             _ => {}
@@ -315,7 +315,7 @@ impl RouterSession {
                     self.session_id,
                     self.limits,
                 )));
-                self.events.push_back(RouterEvent::Welcomed {
+                self.events.push_back(SessionEvent::Welcomed {
                     client_id: hello.client_id,
                     namespaces: hello.namespaces,
                     version,
@@ -333,19 +333,19 @@ impl RouterSession {
                 if let Some(StreamState::Pending { opened, .. }) = self.streams.get_mut(&stream_id)
                 {
                     *opened = true;
-                    self.events.push_back(RouterEvent::Opened(stream_id));
+                    self.events.push_back(SessionEvent::Opened(stream_id));
                 }
             }
             (RouterState::Active { .. }, Control::StreamRefused { stream_id, code }) => {
                 if self.streams.remove(&stream_id).is_some() {
                     self.events
-                        .push_back(RouterEvent::Refused { stream_id, code });
+                        .push_back(SessionEvent::Refused { stream_id, code });
                 }
             }
             (RouterState::Active { .. }, Control::StreamClosed { stream_id, code }) => {
                 if self.streams.remove(&stream_id).is_some() {
                     self.events
-                        .push_back(RouterEvent::Closed { stream_id, code });
+                        .push_back(SessionEvent::Closed { stream_id, code });
                 }
             }
             (RouterState::Active { .. }, Control::Announce { sources })
@@ -375,12 +375,12 @@ impl RouterSession {
                     .filter(|id| self.announced.remove(id).is_some())
                     .collect();
                 if !gone.is_empty() {
-                    self.events.push_back(RouterEvent::Withdrawn(gone));
+                    self.events.push_back(SessionEvent::Withdrawn(gone));
                 }
             }
             (RouterState::Active { .. }, Control::Draining) => {
                 self.state = RouterState::Active { draining: true };
-                self.events.push_back(RouterEvent::BrokerDraining);
+                self.events.push_back(SessionEvent::BrokerDraining);
             }
             (RouterState::Active { .. }, _) => {
                 self.end(SessionEnd::Protocol(
@@ -532,7 +532,7 @@ impl RouterSession {
             self.announced.insert(source.publisher_id, source.clone());
         }
         if !changed.is_empty() {
-            self.events.push_back(RouterEvent::Announced(changed));
+            self.events.push_back(SessionEvent::Announced(changed));
         }
     }
 
@@ -579,7 +579,7 @@ impl RouterSession {
             self.state = RouterState::Ended;
             self.streams.clear();
             self.outbox.frames.clear();
-            self.events.push_back(RouterEvent::Ended(why));
+            self.events.push_back(SessionEvent::Ended(why));
         }
     }
 }

@@ -21,7 +21,7 @@ use super::error::TunnelError;
 use super::io::{BODY_CHANNEL, ChannelBody, TUNNEL_WRITE_CHUNKS, TunnelStream, next_chunk};
 use super::sources::SourceTable;
 use super::{
-    ControlDecoder, DenyCode, EventBusConfig, RefuseCode, RouterEvent, RouterSession, SessionEnd,
+    ControlDecoder, DenyCode, EventBusConfig, RefuseCode, RouterSession, SessionEnd, SessionEvent,
     SubscribeError, rendezvous_owner,
 };
 
@@ -235,7 +235,7 @@ pub(super) fn authenticate(inner: &Arc<Inner>, conn: &Conn, identity: Identity) 
 /// makes one: its session); one more is answered 429, its credential unread, and the
 /// connection closes. HTTP/2 lets a client open up to `max_streams` + 1 streams at
 /// once: without this, each could carry a guess.
-pub const MAX_REQUESTS_BEFORE_AUTH: u64 = 2;
+pub(crate) const MAX_REQUESTS_BEFORE_AUTH: u64 = 2;
 
 /// How long a connection that has not authenticated stays open after its first
 /// refused credential: time for the 401 to leave.
@@ -384,7 +384,7 @@ async fn run_session(
         }
         while let Some(event) = session.poll_event() {
             match event {
-                RouterEvent::Welcomed {
+                SessionEvent::Welcomed {
                     client_id,
                     namespaces,
                     role,
@@ -441,8 +441,8 @@ async fn run_session(
                     }
                     client = Some(client_id);
                 }
-                RouterEvent::Opened(_) => {}
-                RouterEvent::Announced(sources) => {
+                SessionEvent::Opened(_) => {}
+                SessionEvent::Announced(sources) => {
                     if let Some(client_id) = &client {
                         tracing::debug!(%client_id, announced = sources.len(), "a source announced publishers");
                         let refused = inner
@@ -461,24 +461,24 @@ async fn run_session(
                         }
                     }
                 }
-                RouterEvent::Withdrawn(ids) => inner.sources.withdraw(session_id, &ids),
-                RouterEvent::Refused { stream_id, code } => {
+                SessionEvent::Withdrawn(ids) => inner.sources.withdraw(session_id, &ids),
+                SessionEvent::Refused { stream_id, code } => {
                     inner.counters.refused.add(code.as_str());
                     inner.fail(stream_id, TunnelError::Refused(code));
                     inner.end_stream(stream_id);
                 }
-                RouterEvent::Closed { stream_id, code } => {
+                SessionEvent::Closed { stream_id, code } => {
                     inner.counters.closed.add(code.as_str());
                     inner.fail(stream_id, TunnelError::Closed(code));
                     inner.end_stream(stream_id);
                 }
-                RouterEvent::Expired(stream_id) => {
+                SessionEvent::Expired(stream_id) => {
                     inner.fail(stream_id, TunnelError::Timeout("subscribe"));
                 }
-                RouterEvent::BrokerDraining => {
+                SessionEvent::BrokerDraining => {
                     tracing::info!(client_id = ?client, "broker draining");
                 }
-                RouterEvent::Ended(end) => {
+                SessionEvent::Ended(end) => {
                     if let SessionEnd::Denied(code) = &end {
                         inner.counters.denied.add(code.as_str());
                         inner.warn(

@@ -660,7 +660,7 @@ impl BrokerSession {
         }
     }
 
-    /// A source announces `sources` (in frames of at most [`MAX_ANNOUNCE`]); the
+    /// A source announces `sources` (in frames of at most 64); the
     /// router may subscribe to them from now on. Queued before the welcome, they
     /// follow the `hello`.
     pub fn announce(&mut self, sources: Vec<AnnouncedSource>) {

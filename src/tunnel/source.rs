@@ -29,7 +29,7 @@ use crate::zmtp::StreamAcceptor;
 /// How long a [`Source`] waits to announce again the publishers the bus refused
 /// ([`SourceStats::refused_publishers`]); a publisher counts as refused until twice
 /// this has passed since its last refusal.
-pub const ANNOUNCE_RETRY: Duration = Duration::from_secs(10);
+pub(crate) const ANNOUNCE_RETRY: Duration = Duration::from_secs(10);
 
 /// `announce` frames a [`Source`] keeps short of the router's
 /// [`ANNOUNCE_BURST`](super::ANNOUNCE_BURST): the router's bucket starts when it
@@ -62,7 +62,7 @@ pub struct SourceStats {
     /// source's credential holds the channel, or the bus (or this credential's share
     /// of it) is full.
     pub announce_refused: HashMap<String, u64>,
-    /// Publishers the bus refuses now (refused within twice [`ANNOUNCE_RETRY`]): a
+    /// Publishers the bus refuses now (refused within twice 10 s): a
     /// source with any is not fully served (kv-relay's `/readyz` fails).
     pub refused_publishers: usize,
     /// Bytes sent to the router.

@@ -9,7 +9,7 @@ use super::error::TunnelError;
 use super::io::Secret;
 
 /// Most publishers one [`Source`](super::Source) announces by default.
-pub const MAX_SOURCE_PUBLISHERS: usize = 1024;
+pub(crate) const MAX_SOURCE_PUBLISHERS: usize = 1024;
 
 /// How a [`Source`](super::Source) reaches its bus, and its bounds.
 ///
@@ -48,7 +48,7 @@ pub struct SourceConfig {
     pub reconnect_min: Duration,
     /// The backoff's ceiling.
     pub reconnect_max: Duration,
-    /// Most publishers it announces at once (default [`MAX_SOURCE_PUBLISHERS`], at
+    /// Most publishers it announces at once (default 1,024, at
     /// most 2,112: what its hello and a burst of `announce` frames carry; the welcome's
     /// [`Limits::max_sources`](super::Limits), set by the bus's `EventBusConfig::limits`,
     /// may be lower). Its `announce` frames are paced as the router counts them

@@ -4,6 +4,7 @@
 
 use std::time::Instant;
 
+use super::protocol::*;
 use super::tests::{Raw, decode_one, exchange, frame_of, source, welcomed_pair};
 use super::*;
 use crate::wire::Wire;
@@ -35,7 +36,7 @@ fn a_source_announces_withdraws_and_serves_only_what_it_announced() {
     assert!(matches!(client.poll_event(), Some(BrokerEvent::Welcomed(w)) if w.version == 2));
     assert!(matches!(
         router.poll_event(),
-        Some(RouterEvent::Welcomed {
+        Some(SessionEvent::Welcomed {
             role: Role::Source,
             version: 2,
             ..
@@ -43,7 +44,7 @@ fn a_source_announces_withdraws_and_serves_only_what_it_announced() {
     ));
     assert_eq!(
         router.poll_event(),
-        Some(RouterEvent::Announced(vec![source(7, Wire::EventPlane)]))
+        Some(SessionEvent::Announced(vec![source(7, Wire::EventPlane)]))
     );
     // More than a frame holds go in several `announce` frames.
     let many: Vec<AnnouncedSource> = (100..100 + 2 * MAX_ANNOUNCE as u64 + 1)
@@ -52,7 +53,7 @@ fn a_source_announces_withdraws_and_serves_only_what_it_announced() {
     client.announce(many.clone());
     exchange(&mut client, &mut router, now);
     let mut got = Vec::new();
-    while let Some(RouterEvent::Announced(s)) = router.poll_event() {
+    while let Some(SessionEvent::Announced(s)) = router.poll_event() {
         assert!(s.len() <= MAX_ANNOUNCE);
         got.extend(s);
     }
@@ -129,7 +130,7 @@ fn a_source_announces_withdraws_and_serves_only_what_it_announced() {
         },
         now,
     );
-    assert_eq!(router.poll_event(), Some(RouterEvent::Withdrawn(vec![7])));
+    assert_eq!(router.poll_event(), Some(SessionEvent::Withdrawn(vec![7])));
     assert_eq!(
         router.subscribe_to(5, Target::Announced { publisher_id: 7 }, now),
         Err(SubscribeError::NotAnnounced)
@@ -148,7 +149,7 @@ fn a_source_serves_the_recovery_log_of_a_publisher_announced_with_one_only() {
         now,
     );
     while let Some(event) = router.poll_event() {
-        if let RouterEvent::Announced(got) = event {
+        if let SessionEvent::Announced(got) = event {
             // The flag crosses the wire.
             assert_eq!(got, vec![with_log.clone(), source(8, Wire::EventPlane)]);
         }
@@ -244,7 +245,7 @@ fn router_denies_an_announce_beyond_the_grant_or_the_limit() {
     );
     assert_eq!(
         router.poll_event(),
-        Some(RouterEvent::Ended(SessionEnd::Denied(
+        Some(SessionEvent::Ended(SessionEnd::Denied(
             DenyCode::NamespaceNotGranted
         )))
     );
@@ -254,7 +255,7 @@ fn router_denies_an_announce_beyond_the_grant_or_the_limit() {
     let (client, mut router) = source_pair(three, grant(), limits, now);
     assert_eq!(
         router.poll_event(),
-        Some(RouterEvent::Ended(SessionEnd::Denied(
+        Some(SessionEvent::Ended(SessionEnd::Denied(
             DenyCode::TooManySources
         )))
     );
@@ -298,7 +299,7 @@ fn router_denies_an_announce_beyond_the_grant_or_the_limit() {
     let (_client, mut router) = source_pair(vec![worker(8)], bound, Limits::default(), now);
     assert_eq!(
         router.poll_event(),
-        Some(RouterEvent::Ended(SessionEnd::Denied(
+        Some(SessionEvent::Ended(SessionEnd::Denied(
             DenyCode::WorkerNotGranted
         )))
     );
@@ -310,7 +311,7 @@ fn router_denies_an_announce_beyond_the_grant_or_the_limit() {
     );
     assert_eq!(
         router.poll_event(),
-        Some(RouterEvent::Ended(SessionEnd::Denied(
+        Some(SessionEvent::Ended(SessionEnd::Denied(
             DenyCode::ClientIdNotGranted
         )))
     );
@@ -329,14 +330,14 @@ fn router_denies_an_announce_beyond_the_grant_or_the_limit() {
     exchange(&mut client, &mut router, now);
     assert_eq!(
         router.poll_event(),
-        Some(RouterEvent::Announced(vec![source(1, Wire::Dynamo)]))
+        Some(SessionEvent::Announced(vec![source(1, Wire::Dynamo)]))
     );
     // A broker's credential cannot take the source role, nor a broker announce.
     let broker_grant = Grant::namespaces(vec!["prod".into()]).with_role(Role::Broker);
     let (_client, mut router) = source_pair(vec![], broker_grant, Limits::default(), now);
     assert_eq!(
         router.poll_event(),
-        Some(RouterEvent::Ended(SessionEnd::Denied(
+        Some(SessionEvent::Ended(SessionEnd::Denied(
             DenyCode::RoleNotGranted
         )))
     );
@@ -349,7 +350,7 @@ fn router_denies_an_announce_beyond_the_grant_or_the_limit() {
     );
     assert!(matches!(
         router.poll_event(),
-        Some(RouterEvent::Ended(SessionEnd::Protocol(_)))
+        Some(SessionEvent::Ended(SessionEnd::Protocol(_)))
     ));
 }
 
@@ -363,7 +364,7 @@ fn versions_are_negotiated_by_role() {
     router.handle(Control::Hello(hello), now);
     assert!(matches!(
         router.poll_event(),
-        Some(RouterEvent::Welcomed { version: 1, .. })
+        Some(SessionEvent::Welcomed { version: 1, .. })
     ));
     // A source offering only version 1 has no common version: the source role is 2.
     let mut router = RouterSession::new(1, Limits::default(), now);
@@ -372,7 +373,7 @@ fn versions_are_negotiated_by_role() {
     router.handle(Control::Hello(hello), now);
     assert!(matches!(
         router.poll_event(),
-        Some(RouterEvent::Ended(SessionEnd::NoCommonVersion { .. }))
+        Some(SessionEvent::Ended(SessionEnd::NoCommonVersion { .. }))
     ));
     // A source welcomed at version 1 (an old router) ends its side.
     let mut client = BrokerSession::new(Hello::source("s", vec![], vec![]), now);
@@ -426,7 +427,7 @@ fn one_publisher_per_id_and_announce_frames_are_rate_limited() {
     );
     assert_eq!(
         router.poll_event(),
-        Some(RouterEvent::Announced(vec![under(MAX_ANNOUNCE - 1)]))
+        Some(SessionEvent::Announced(vec![under(MAX_ANNOUNCE - 1)]))
     );
     // The burst (one frame spent above), then one more is too many at once.
     let frame = |i: u64| Control::Announce {
@@ -452,7 +453,7 @@ fn one_publisher_per_id_and_announce_frames_are_rate_limited() {
     );
     assert_eq!(
         router.poll_event(),
-        Some(RouterEvent::Ended(SessionEnd::Denied(
+        Some(SessionEvent::Ended(SessionEnd::Denied(
             DenyCode::AnnouncingTooFast
         )))
     );

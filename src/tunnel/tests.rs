@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::protocol::*;
 use super::*;
 use crate::wire::Wire;
 
@@ -340,7 +341,7 @@ pub(super) fn welcomed_pair(limits: Limits, now: Instant) -> (BrokerSession, Rou
     ));
     assert!(matches!(
         router.poll_event(),
-        Some(RouterEvent::Welcomed { client_id, namespaces, version: 2, role: Role::Broker })
+        Some(SessionEvent::Welcomed { client_id, namespaces, version: 2, role: Role::Broker })
             if client_id == "b1" && namespaces == ["prod"]
     ));
     (broker, router)
@@ -391,7 +392,7 @@ fn a_stream_goes_subscribe_open_data_close() {
     );
     broker.stream_opened(5);
     exchange(&mut broker, &mut router, now);
-    assert_eq!(router.poll_event(), Some(RouterEvent::Opened(5)));
+    assert_eq!(router.poll_event(), Some(SessionEvent::Opened(5)));
     router.accept_data_stream(5).unwrap();
     // A second data stream for the same id is refused.
     assert_eq!(router.accept_data_stream(5), Err(RefuseCode::UnknownStream));
@@ -399,7 +400,7 @@ fn a_stream_goes_subscribe_open_data_close() {
     exchange(&mut broker, &mut router, now);
     assert_eq!(
         router.poll_event(),
-        Some(RouterEvent::Closed {
+        Some(SessionEvent::Closed {
             stream_id: 5,
             code: CloseCode::UpstreamClosed
         })
@@ -522,7 +523,7 @@ fn handshakes_have_deadlines_and_versions_must_meet() {
     router.handle(Control::Hello(hello), now);
     assert_eq!(
         router.poll_event(),
-        Some(RouterEvent::Ended(SessionEnd::NoCommonVersion {
+        Some(SessionEvent::Ended(SessionEnd::NoCommonVersion {
             offered: vec![7, 8]
         }))
     );
@@ -558,7 +559,7 @@ fn pending_subscribes_expire_and_late_answers_are_ignored() {
     exchange(&mut broker, &mut router, later);
     assert!(router.poll_timeout().unwrap() <= later);
     router.handle_timeout(later);
-    assert_eq!(router.poll_event(), Some(RouterEvent::Expired(9)));
+    assert_eq!(router.poll_event(), Some(SessionEvent::Expired(9)));
     // The router tells the broker to let go, and ignores the late opening.
     let sent: Vec<Control> = std::iter::from_fn(|| router.poll_transmit()).collect();
     assert!(
@@ -577,7 +578,7 @@ fn a_draining_broker_takes_no_new_subscribes() {
     assert!(router.is_available());
     broker.begin_draining();
     exchange(&mut broker, &mut router, now);
-    assert_eq!(router.poll_event(), Some(RouterEvent::BrokerDraining));
+    assert_eq!(router.poll_event(), Some(SessionEvent::BrokerDraining));
     assert!(!router.is_available());
     assert_eq!(
         router.subscribe(1, "tcp://h:1".into(), now),
@@ -629,7 +630,7 @@ fn wrong_roles_and_orders_are_protocol_errors() {
     router.handle(Control::Heartbeat, now); // before hello
     assert!(matches!(
         router.poll_event(),
-        Some(RouterEvent::Ended(SessionEnd::Protocol(_)))
+        Some(SessionEvent::Ended(SessionEnd::Protocol(_)))
     ));
     let (mut broker, mut router) = welcomed_pair(Limits::default(), now);
     router.handle(
@@ -729,7 +730,7 @@ fn a_hello_outside_its_grant_is_denied_on_both_sides() {
         router.handle(broker.poll_transmit().unwrap(), now);
         assert_eq!(
             router.poll_event(),
-            Some(RouterEvent::Ended(SessionEnd::Denied(code)))
+            Some(SessionEvent::Ended(SessionEnd::Denied(code)))
         );
         let denied = router.poll_transmit().unwrap();
         assert!(router.poll_transmit().is_none() && router.is_ended());

@@ -17,13 +17,13 @@ use crate::net::{Backoff, RateLimitedWarn};
 /// Instances a broker's view holds per namespace; more are not advertised (counted in
 /// `BrokerStats::view_ignored`), so discovery records cannot grow a broker without
 /// bound.
-pub const MAX_VIEW_INSTANCES: usize = 65_536;
+pub(crate) const MAX_VIEW_INSTANCES: usize = 65_536;
 
 /// Bytes a broker's view holds per namespace (its instances' ids and endpoints, 128 B
 /// of bookkeeping each); past it, new instances are not advertised (counted in
 /// `BrokerStats::view_ignored`). An endpoint over 1 KiB is never advertised: no
 /// subscribe could name it.
-pub const MAX_VIEW_BYTES: usize = 16 << 20;
+pub(crate) const MAX_VIEW_BYTES: usize = 16 << 20;
 
 /// What an instance costs the view, in bytes.
 fn cost(id: &ChannelId, endpoints: &Advertised) -> usize {

@@ -11,7 +11,7 @@ use crate::reader::Reader;
 /// ```
 /// assert_eq!(eventplane::wire::DYNAMO_FRAME_VERSION, 0x01);
 /// ```
-pub const DYNAMO_FRAME_VERSION: u8 = 0x01;
+pub(crate) const DYNAMO_FRAME_VERSION: u8 = 0x01;
 
 /// Bytes before the envelope: the version and the envelope's length.
 const HEADER_LEN: usize = 5;

@@ -27,8 +27,7 @@ use std::str::FromStr;
 
 use bytes::Bytes;
 
-pub use dynamo::{DYNAMO_FRAME_VERSION, DynamoEnvelope, encode_dynamo_frame, parse_dynamo_frame};
-pub use seq::MAX_SEQUENCE_GAP;
+pub use dynamo::{DynamoEnvelope, encode_dynamo_frame, parse_dynamo_frame};
 pub(crate) use seq::{SeqStep, SeqTracker};
 
 use crate::zmtp::Message;

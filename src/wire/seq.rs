@@ -7,7 +7,7 @@
 /// ```
 /// assert_eq!(eventplane::wire::MAX_SEQUENCE_GAP, 1 << 32);
 /// ```
-pub const MAX_SEQUENCE_GAP: u64 = 1 << 32;
+pub(crate) const MAX_SEQUENCE_GAP: u64 = 1 << 32;
 
 /// Per-publisher sequence tracking: a jump forward is a gap; a restart at 0 on a new
 /// connection, a regression, or a jump of more than [`MAX_SEQUENCE_GAP`] is a reset.

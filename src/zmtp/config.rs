@@ -12,7 +12,7 @@ use crate::ConfigError;
 /// use eventplane::zmtp::MAX_HEARTBEAT_TTL;
 /// assert_eq!(MAX_HEARTBEAT_TTL, Duration::from_millis(65_500)); // 655 deciseconds
 /// ```
-pub const MAX_HEARTBEAT_TTL: Duration = Duration::from_millis(65_500);
+pub(crate) const MAX_HEARTBEAT_TTL: Duration = Duration::from_millis(65_500);
 
 /// Smallest heartbeat TTL: one decisecond (ZMTP's unit; 0 means "no TTL").
 const MIN_HEARTBEAT_TTL: Duration = Duration::from_millis(100);

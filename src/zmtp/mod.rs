@@ -28,7 +28,7 @@
 //! | pending output per peer (queue, write buffer, control) | [`Config::send_queue_bytes`]; one unsent PONG at most | dropped for that peer; reading pauses while 64 KiB wait |
 //! | [`Config::write_stall_timeout`] | 30 s | [`TimeoutKind::WriteStall`] |
 //! | [`Config::max_retained_bytes`] (SUB) | 8 MiB | small frames copied out, see [`SubSocket`'s memory](SubSocket#memory) |
-//! | [`RECV_MANY_BYTES`] | 1 MiB | the `recv_many` batch ends |
+//! | bytes one `recv_many` batch holds | 1 MiB | the batch ends |
 
 pub mod codec;
 mod config;
@@ -45,14 +45,17 @@ pub(crate) mod retain;
 mod session;
 mod sub;
 
-pub use config::{Config, ConfigBuilder, MAX_HEARTBEAT_TTL};
+pub use config::{Config, ConfigBuilder};
 pub use dealer::DealerSocket;
 pub(crate) use endpoint::parse_tcp;
 pub use error::{Error, ProtocolError, TimeoutKind};
 pub use message::{Message, Parts};
 pub use publish::{PeerStats, PubSocket, PubStats, SendReport, StreamAcceptor};
-pub use session::{
-    Event, MAX_PENDING_OUTPUT, Pair, PeerInfo, Session, SessionStats, Side, SocketType,
-};
+pub use session::{Event, PeerInfo, Session, SessionStats, SocketType};
+/// Two sessions back to back with a clock, for tests and benchmarks of the sans-IO
+/// core (feature `unstable`: outside the semver promise).
+#[cfg(any(test, fuzzing, feature = "unstable"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "unstable")))]
+pub use session::{Pair, Side};
 pub(crate) use sub::dial_filtered;
-pub use sub::{RECV_MANY_BYTES, SubBuffers, SubSocket};
+pub use sub::{SubBuffers, SubSocket};

@@ -20,7 +20,7 @@ use super::{Config, Error, Event, Message, PeerInfo, SessionStats, SocketType, T
 /// ```
 /// assert_eq!(eventplane::zmtp::RECV_MANY_BYTES, 1 << 20);
 /// ```
-pub const RECV_MANY_BYTES: usize = 1 << 20;
+pub(crate) const RECV_MANY_BYTES: usize = 1 << 20;
 
 /// A ZMQ SUB connected to one publisher.
 ///
@@ -398,7 +398,7 @@ where
     }
 
     /// Waits for at least one message, then appends every message already received
-    /// (up to `max`, and until the batch holds [`RECV_MANY_BYTES`]) to `out` without
+    /// (up to `max`, and until the batch holds 1 MiB) to `out` without
     /// further waiting. Returns how many were added.
     ///
     /// ```
@@ -422,7 +422,7 @@ where
     }
 
     /// Waits for at least one message, then hands every message already received (up
-    /// to `max`, and until they hold [`RECV_MANY_BYTES`]) to `f`, in order, without
+    /// to `max`, and until they hold 1 MiB) to `f`, in order, without
     /// further waiting. Returns how many it handed over.
     ///
     /// The batch form for a consumer that files each message somewhere of its own (a

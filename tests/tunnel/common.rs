@@ -228,7 +228,7 @@ pub struct ScriptedBus {
     /// Sessions the broker opened.
     pub sessions: Arc<std::sync::atomic::AtomicU64>,
     /// What the broker said about streams.
-    pub events: tokio::sync::mpsc::Receiver<eventplane::tunnel::RouterEvent>,
+    pub events: tokio::sync::mpsc::Receiver<eventplane::tunnel::protocol::SessionEvent>,
     /// When things happened, for deadline assertions.
     pub marks: Marks,
 }
@@ -370,17 +370,17 @@ async fn run_scripted_session(
     target: String,
     mut body: hyper::body::Incoming,
     out: tokio::sync::mpsc::Sender<Bytes>,
-    events: tokio::sync::mpsc::Sender<eventplane::tunnel::RouterEvent>,
+    events: tokio::sync::mpsc::Sender<eventplane::tunnel::protocol::SessionEvent>,
     marks: Marks,
 ) {
-    use eventplane::tunnel::{ControlDecoder, RouterEvent, RouterSession};
+    use eventplane::tunnel::protocol::{ControlDecoder, RouterSession, SessionEvent};
     use http_body::Body;
     let mut session = RouterSession::new(session_id, limits, std::time::Instant::now());
     let mut decoder = ControlDecoder::default();
     let mut silent = false;
     loop {
         while let Some(event) = session.poll_event() {
-            if let RouterEvent::Welcomed { .. } = event {
+            if let SessionEvent::Welcomed { .. } = event {
                 match script {
                     // The welcome itself still goes out below.
                     Script::FallSilent => {}
@@ -389,7 +389,7 @@ async fn run_scripted_session(
                         while let Some(frame) = session.poll_transmit() {
                             frame.encode(&mut wire);
                         }
-                        eventplane::tunnel::Control::Subscribe {
+                        eventplane::tunnel::protocol::Control::Subscribe {
                             stream_id: 1,
                             target: eventplane::tunnel::Target::Announced { publisher_id: 7 },
                         }
@@ -413,7 +413,7 @@ async fn run_scripted_session(
         if !silent {
             let mut wire = Vec::new();
             while let Some(frame) = session.poll_transmit() {
-                if matches!(frame, eventplane::tunnel::Control::Welcome(_)) {
+                if matches!(frame, eventplane::tunnel::protocol::Control::Welcome(_)) {
                     marks.mark(Mark::Welcomed);
                     silent = script == Script::FallSilent;
                 }

@@ -674,7 +674,8 @@ async fn its_connect_timeouts_are_the_deadlines_it_keeps() {
 async fn its_stream_slot_and_response_timeouts_are_the_deadlines_it_keeps() {
     use crate::common::{Mark, Script, ScriptedBus};
     use crate::support::assert_fired_at;
-    use eventplane::tunnel::{RefuseCode, RouterEvent};
+    use eventplane::tunnel::RefuseCode;
+    use eventplane::tunnel::protocol::SessionEvent;
     for (script, key, code) in [
         (
             Script::NoStreamSlot,
@@ -699,7 +700,7 @@ async fn its_stream_slot_and_response_timeouts_are_the_deadlines_it_keeps() {
         let mut broker = Logged::spawn(&path);
         let event = within(bus.events.recv()).await.unwrap();
         let elapsed = bus.marks.first(Mark::Subscribed).elapsed();
-        assert_eq!(event, RouterEvent::Refused { stream_id: 1, code });
+        assert_eq!(event, SessionEvent::Refused { stream_id: 1, code });
         assert_fired_at(key, elapsed, Duration::from_millis(400));
         broker.child.kill().await.unwrap();
     }
@@ -912,7 +913,7 @@ async fn sigterm_lets_open_streams_run_for_the_drain_deadline_then_exits() {
 #[tokio::test]
 async fn a_router_that_never_reads_costs_the_broker_process_one_stream_budget() {
     use crate::support::{proc_status_bytes, reset_peak_rss};
-    use eventplane::tunnel::{CHUNK_OVERHEAD, MAX_STREAM_BUFFER_BYTES};
+    use eventplane::tunnel::protocol::{CHUNK_OVERHEAD, MAX_STREAM_BUFFER_BYTES};
     let (bus, publisher, endpoint, broker) = running("overflow", 300).await;
     // Subscribed, one message read, then never read again.
     let _sub = subscribed(&bus, &publisher, &endpoint).await;

@@ -11,10 +11,11 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use eventplane::tunnel::{
-    ControlDecoder, Limits, MAX_SESSION_BUFFER_BYTES, PER_STREAM_UNCHARGED_BYTES, RouterEvent,
-    RouterSession, server_tls,
+use eventplane::tunnel::protocol::{
+    ControlDecoder, MAX_SESSION_BUFFER_BYTES, PER_STREAM_UNCHARGED_BYTES, RouterSession,
+    SessionEvent,
 };
+use eventplane::tunnel::{Limits, server_tls};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 use crate::common::{EmptyBody, fixture};
@@ -152,7 +153,7 @@ async fn session(
     let mut decoder = ControlDecoder::default();
     loop {
         while let Some(event) = session.poll_event() {
-            if let RouterEvent::Welcomed { .. } = event {
+            if let SessionEvent::Welcomed { .. } = event {
                 for id in 1..=STREAMS {
                     session.subscribe(id, target.clone(), now()).unwrap();
                 }

@@ -16,9 +16,9 @@ use crate::support::{assert_fired_at, refusing_port, timed, within};
 use eventplane::discovery::{
     ChannelId, Discovery, FaultDiscovery, MemoryDiscovery, Registration, Transport,
 };
+use eventplane::tunnel::protocol::SessionEvent;
 use eventplane::tunnel::{
-    Broker, BrokerConfig, EventBusConfig, Limits, RefuseCode, RouterEvent, Secret, TunnelError,
-    client_tls,
+    Broker, BrokerConfig, EventBusConfig, Limits, RefuseCode, Secret, TunnelError, client_tls,
 };
 
 fn refused(result: Result<eventplane::tunnel::TunnelStream, TunnelError>) -> RefuseCode {
@@ -157,7 +157,7 @@ async fn refused_by_script(
     let (mut bus, broker, _target) = broker_toward(script, Limits::default(), tweak).await;
     let event = within(bus.events.recv()).await.unwrap();
     let elapsed = bus.marks.first(Mark::Subscribed).elapsed();
-    assert_eq!(event, RouterEvent::Refused { stream_id: 1, code });
+    assert_eq!(event, SessionEvent::Refused { stream_id: 1, code });
     assert_fired_at(code.as_str(), elapsed, deadline);
     assert_eq!(broker.stats().refused.get(code.as_str()), Some(&1));
     assert_eq!(broker.stats().streams_opened, 0);

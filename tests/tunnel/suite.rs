@@ -228,7 +228,7 @@ async fn a_router_that_never_reads_overflows_the_stream_not_the_broker() {
     // It filled the stream's own budget, never more (the session's 64 MiB cap is not
     // what stopped it). Real memory: `event_broker`'s test of the same.
     let stats = broker.stats();
-    let budget = eventplane::tunnel::MAX_STREAM_BUFFER_BYTES as u64;
+    let budget = eventplane::tunnel::protocol::MAX_STREAM_BUFFER_BYTES as u64;
     assert!(
         (budget - (64 << 10)..=budget).contains(&stats.buffer_high_water),
         "not the stream budget: {stats:?}"
@@ -381,7 +381,7 @@ async fn a_router_drain_lets_open_streams_finish_then_the_broker_returns() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_brokers_split_the_publishers_and_one_takes_over_when_the_other_is_lost() {
-    use eventplane::tunnel::rendezvous_owner;
+    use eventplane::tunnel::protocol::rendezvous_owner;
 
     let bus = bus().await;
     // One discovery: the router's view and both brokers' (all inside the "cluster").
@@ -455,7 +455,7 @@ async fn two_brokers_split_the_publishers_and_one_takes_over_when_the_other_is_l
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_joining_broker_takes_over_its_share_and_nothing_else() {
-    use eventplane::tunnel::rendezvous_owner;
+    use eventplane::tunnel::protocol::rendezvous_owner;
 
     // Well under the 10 s default, so that a bus ignoring it moves too early or late.
     let hold = Duration::from_millis(1500);
@@ -522,7 +522,7 @@ async fn a_joining_broker_takes_over_its_share_and_nothing_else() {
 
 #[tokio::test]
 async fn a_publisher_its_owner_cannot_reach_is_tried_through_the_runner_up() {
-    use eventplane::tunnel::rendezvous_owner;
+    use eventplane::tunnel::protocol::rendezvous_owner;
     let bus = bus().await;
     // Broker A sees the publisher; broker B's view is empty (another zone, say).
     let view_a = Arc::new(MemoryDiscovery::new());
@@ -661,7 +661,7 @@ async fn a_recovery_stream_stays_with_its_broker_when_another_joins() {
     use eventplane::discovery::Instance;
     use eventplane::kv::{IndexFeed, Recovered, RecoveryClientConfig, RecoveryDriver};
     use eventplane::subscriber::Notice;
-    use eventplane::tunnel::rendezvous_owner;
+    use eventplane::tunnel::protocol::rendezvous_owner;
     use eventplane::zmtp::DealerSocket;
 
     let mut config = EventBusConfig::default();

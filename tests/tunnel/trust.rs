@@ -10,9 +10,10 @@ use std::time::Duration;
 use crate::common::{broker_config, bus, bus_configured, connected, fixture, publisher, until};
 use crate::support::{self, timed, within};
 use eventplane::discovery::{Discovery, MemoryDiscovery};
+use eventplane::tunnel::protocol::rendezvous_owner;
 use eventplane::tunnel::{
     Broker, BrokerConfig, BusClients, EventBus, EventBusConfig, Limits, RefuseCode, Secret,
-    TokenDigest, TunnelError, client_tls, rendezvous_owner,
+    TokenDigest, TunnelError, client_tls,
 };
 
 const TOKEN_A: &str = "token-of-broker-a-0123";
@@ -428,7 +429,8 @@ async fn restart_into_a_flood(flood: Flooding, warm: u64) {
         "took {took:?}: {stats:?}"
     );
     assert!(
-        took < eventplane::tunnel::TLS_HANDSHAKE_TIMEOUT + support::DEADLINE_SLACK,
+        took < eventplane::tunnel::EventBusConfig::default().tls_handshake_timeout
+            + support::DEADLINE_SLACK,
         "the broker took {took:?} to get its session back: {stats:?}"
     );
     assert!(stats.pending <= 64, "{stats:?}");

@@ -30,7 +30,7 @@ pub struct EtcdDiscoveryBuilder {
 
 impl EtcdDiscoveryBuilder {
     /// Key prefix; keys live under `{prefix}/v1/channels/`. Default
-    /// [`DEFAULT_PREFIX`](super::DEFAULT_PREFIX) (`/eventplane`). Must start with `/` and not end with one.
+    /// `/eventplane`. Must start with `/` and not end with one.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.config.prefix = prefix.into();
         self

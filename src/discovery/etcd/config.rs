@@ -10,7 +10,7 @@ use crate::config::{self, ConfigError};
 /// use eventplane::discovery::DEFAULT_PREFIX;
 /// assert_eq!(DEFAULT_PREFIX, "/eventplane"); // keys: /eventplane/v1/channels/…
 /// ```
-pub const DEFAULT_PREFIX: &str = "/eventplane";
+pub(crate) const DEFAULT_PREFIX: &str = "/eventplane";
 
 /// Settings of an [`EtcdDiscovery`](super::EtcdDiscovery), validated once by
 /// [`EtcdDiscoveryBuilder::connect`](super::EtcdDiscoveryBuilder::connect).

@@ -23,7 +23,6 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info};
 
 pub use builder::EtcdDiscoveryBuilder;
-pub use config::DEFAULT_PREFIX;
 use config::EtcdConfig;
 use error::{EtcdRequestError, failed, unavailable};
 use lease::Maintainer;
@@ -39,7 +38,7 @@ use crate::net::RateLimitedWarn;
 /// The distributed discovery backend, on etcd v3 (feature `etcd`).
 ///
 /// - Keys `{prefix}/v1/channels/{ns}/{component}/{topic}/{publisher_id:x}` (prefix
-///   default [`DEFAULT_PREFIX`]; each segment percent-encoded as in
+///   default `/eventplane`; each segment percent-encoded as in
 ///   [`ChannelId::to_path`](crate::discovery::ChannelId::to_path)), each value a JSON
 ///   record, at most 64 KiB:
 ///

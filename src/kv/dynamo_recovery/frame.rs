@@ -67,7 +67,7 @@ pub struct RequestFrame {
 }
 
 /// The worker's acknowledgement of a request: a 4-byte big-endian 0.
-pub const ACK: [u8; 4] = [0; 4];
+pub(crate) const ACK: [u8; 4] = [0; 4];
 
 /// Writes one request frame. Parts longer than their length fields can say are
 /// refused.

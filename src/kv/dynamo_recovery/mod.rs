@@ -9,7 +9,7 @@
 //! 1. The router connects to `HOST:PORT` and sends one request frame
 //!    ([`encode_request`]): the path after the first `/`, headers, and a two-part
 //!    payload ([`encode_two_part`]) of a JSON [`Control`] header and a [`KvQuery`]
-//!    body in the worker's codec. The worker acknowledges with [`ACK`].
+//!    body in the worker's codec. The worker acknowledges with four zero bytes.
 //! 2. The worker connects to the [`CallHome`] address the header names and sends
 //!    two-part messages: a JSON header `{"subject": …, "stream_type": "response"}`,
 //!    a JSON header `{"error": null}`, a body [`AnswerBody::Answer`], a body
@@ -35,7 +35,7 @@ pub use client::{CallHomeConfig, CallHomeListener, DynamoQueryError, QueryTarget
 pub use serve::{DynamoQueryConfig, DynamoQueryServer, DynamoQueryStats};
 
 pub use frame::{
-    ACK, FrameError, RequestFrame, RequestLimits, TwoPart, decode_request, decode_two_part,
+    FrameError, RequestFrame, RequestLimits, TwoPart, decode_request, decode_two_part,
     encode_request, encode_two_part, two_part_of,
 };
 pub use query::{

@@ -11,7 +11,7 @@ use crate::kv::{RecoveryAnswer, RecoveryNeed};
 /// ```
 /// assert_eq!(eventplane::kv::DEFAULT_CONCURRENT_RECOVERIES, 16);
 /// ```
-pub const DEFAULT_CONCURRENT_RECOVERIES: usize = 16;
+pub(crate) const DEFAULT_CONCURRENT_RECOVERIES: usize = 16;
 
 /// Shortest time between two recoveries of one publisher made by a
 /// [`RecoveryDriver`]: 1 s (a publisher that keeps losing events is asked at most
@@ -20,7 +20,7 @@ pub const DEFAULT_CONCURRENT_RECOVERIES: usize = 16;
 /// ```
 /// assert_eq!(eventplane::kv::RECOVERY_INTERVAL, std::time::Duration::from_secs(1));
 /// ```
-pub const RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
+pub(crate) const RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Most recoveries a [`RecoveryDriver`] queues (beyond [`DEFAULT_CONCURRENT_RECOVERIES`]
 /// running; one per publisher): 4,096; more are answered with
@@ -32,8 +32,8 @@ const MAX_QUEUED_RECOVERIES: usize = 4096;
 const MAX_RUNNING_REBUILDS: usize = DEFAULT_CONCURRENT_RECOVERIES / 2;
 
 /// Makes an [`IndexFeed`](crate::kv::IndexFeed)'s recoveries: at most
-/// [`DEFAULT_CONCURRENT_RECOVERIES`] at once (rebuilds in half of them at most), one
-/// publisher at most once per [`RECOVERY_INTERVAL`], none before its
+/// 16 at once (rebuilds in half of them at most), one
+/// publisher at most once a second, none before its
 /// [`delay`](crate::kv::RecoveryNeed::delay) (a request waits for its turn in the
 /// queue, not in a running slot; a newer request for a publisher replaces its queued
 /// one, and one already being asked is not asked twice), each on a connection of its own with the client's timeout and bounds. A
@@ -142,7 +142,7 @@ impl RecoveryDriver {
         self.running.len() + self.queued.len() + self.refused.len()
     }
 
-    /// Queues `needs` (each publisher's turn once per [`RECOVERY_INTERVAL`], after its
+    /// Queues `needs` (each publisher's turn once a second, after its
     /// delay). A need for a publisher with one queued replaces it; one whose request
     /// is running already (the same serial) is dropped.
     pub fn submit(&mut self, needs: Vec<RecoveryNeed>) {

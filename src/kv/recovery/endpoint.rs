@@ -36,7 +36,7 @@ use crate::zmtp::{self, DealerSocket, Message};
 /// ```
 /// assert_eq!(eventplane::kv::DEFAULT_RECOVERY_CONNECTIONS, 16);
 /// ```
-pub const DEFAULT_RECOVERY_CONNECTIONS: usize = 16;
+pub(crate) const DEFAULT_RECOVERY_CONNECTIONS: usize = 16;
 
 /// Dumps built at once by default: 2. Requests that find the log where the last dump
 /// left it share that dump instead of building another.
@@ -44,14 +44,14 @@ pub const DEFAULT_RECOVERY_CONNECTIONS: usize = 16;
 /// ```
 /// assert_eq!(eventplane::kv::DEFAULT_CONCURRENT_DUMPS, 2);
 /// ```
-pub const DEFAULT_CONCURRENT_DUMPS: usize = 2;
+pub(crate) const DEFAULT_CONCURRENT_DUMPS: usize = 2;
 
 /// How long a recovery connection may stay silent before it is closed: 30 s.
 ///
 /// ```
 /// assert_eq!(eventplane::kv::RECOVERY_IDLE_TIMEOUT, std::time::Duration::from_secs(30));
 /// ```
-pub const RECOVERY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const RECOVERY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Largest request a recovery endpoint reads: 64 bytes (a request is at most 3 short
 /// frames; anything larger fails the connection before it is assembled).
@@ -137,7 +137,7 @@ impl RecoveryError {
 pub struct RecoveryServerStats {
     /// Connections accepted.
     pub connections: u64,
-    /// Connections closed at once because [`DEFAULT_RECOVERY_CONNECTIONS`] were open.
+    /// Connections closed at once because 16 were open.
     pub refused_connections: u64,
     /// "since" requests answered with events.
     pub since_requests: u64,
@@ -196,9 +196,9 @@ struct Shared {
 /// then `count` × (`block_hash u64, tokens_hash u64`), or `count` × `block_hash u64` for
 /// a removal), at most 8,192 blocks a message. Anything else is answered `["", "error",
 /// reason]` and the connection closed; a request frame over 64 bytes fails the
-/// connection as it arrives. At most [`DEFAULT_RECOVERY_CONNECTIONS`] connections,
-/// [`DEFAULT_CONCURRENT_DUMPS`] dumps built at once (requests that find the log
-/// unchanged share the last one), a connection silent for [`RECOVERY_IDLE_TIMEOUT`]
+/// connection as it arrives. At most 16 connections,
+/// 2 dumps built at once (requests that find the log
+/// unchanged share the last one), a connection silent for 30 s
 /// closed.
 ///
 /// ```
@@ -277,7 +277,7 @@ impl RecoveryServer {
     }
 
     /// Serves one router over an already connected stream (a tunnel stream); `false`
-    /// when refused (the server stopped, or holds [`DEFAULT_RECOVERY_CONNECTIONS`]).
+    /// when refused (the server stopped, or holds 16).
     pub fn serve_stream<S>(&self, stream: S) -> bool
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -323,7 +323,7 @@ pub struct RecoveryAcceptor {
 
 impl RecoveryAcceptor {
     /// Serves one router over `stream`; `false` when refused (the server was dropped,
-    /// or holds [`DEFAULT_RECOVERY_CONNECTIONS`]).
+    /// or holds 16).
     pub fn accept_stream<S>(&self, stream: S) -> bool
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -550,7 +550,7 @@ pub struct RecoveryClientConfig {
     /// The most answer bytes accepted: 256 MiB, on the wire and again decoded (each
     /// event costs its in-memory size, so an answer of many empty events is held to it
     /// too). A [`RecoveryDriver`](crate::kv::RecoveryDriver) holds at most
-    /// [`DEFAULT_CONCURRENT_RECOVERIES`](crate::kv::DEFAULT_CONCURRENT_RECOVERIES)
+    /// 16
     /// answers at once.
     pub max_bytes: usize,
     /// The connection's bounds (frames up to 16 MiB by default).
@@ -561,7 +561,7 @@ pub struct RecoveryClientConfig {
     /// anything.
     pub filter: Option<crate::net::AddrFilter>,
     /// The most blocks an answer may carry, decoded (a hash of 0 costs one byte on the
-    /// wire, 8 in memory): [`DEFAULT_MAX_LOG_BLOCKS`](crate::kv::DEFAULT_MAX_LOG_BLOCKS).
+    /// wire, 8 in memory): 2^22.
     pub max_blocks: usize,
 }
 

@@ -13,10 +13,12 @@ use super::prefix::PrefixMap;
 use super::{Config, Error, Message, ProtocolError, TimeoutKind};
 
 mod handshake;
+#[cfg(any(test, fuzzing, feature = "unstable"))]
 mod pair;
 mod receive;
 mod types;
 
+#[cfg(any(test, fuzzing, feature = "unstable"))]
 pub use pair::{Pair, Side};
 pub use types::{Event, PeerInfo, SessionStats, SocketType};
 
@@ -27,7 +29,7 @@ pub use types::{Event, PeerInfo, SessionStats, SocketType};
 /// ```
 /// assert_eq!(eventplane::zmtp::MAX_PENDING_OUTPUT, 256 * 1024);
 /// ```
-pub const MAX_PENDING_OUTPUT: usize = 256 << 10;
+pub(crate) const MAX_PENDING_OUTPUT: usize = 256 << 10;
 
 /// Smallest command limit of a publisher's session after the handshake: room for
 /// ERROR (255-byte reason) and PING/PONG whatever `max_subscription_size` is.
@@ -56,7 +58,7 @@ enum State {
 /// Our greeting is queued at construction and sent at once; the peer's greeting is
 /// parsed as it trickles in. Events are decoded lazily, one per call, so nothing the
 /// peer sends is ever queued beyond the input buffer; and decoding pauses while more
-/// than [`MAX_PENDING_OUTPUT`] bytes of replies wait to be written.
+/// than 256 KiB of replies wait to be written.
 ///
 /// Driven by hand, two sessions back to back (a [`Pair`] does this, with a clock):
 ///

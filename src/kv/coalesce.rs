@@ -4,10 +4,6 @@ use super::event::{KvEventData, Placement};
 use crate::config::{self, ConfigError};
 
 /// Default cap on the blocks of one merged event.
-///
-/// ```
-/// assert_eq!(eventplane::kv::DEFAULT_MAX_BATCH_BLOCKS, 128);
-/// ```
 pub(crate) const DEFAULT_MAX_BATCH_BLOCKS: usize = 128;
 
 /// Merges adjacent events, sans-IO.

@@ -26,17 +26,9 @@ pub enum DedupMode {
 /// Default cap on hashes tracked, all `(dp_rank, tier)` pairs together: 2^21. A
 /// tracked hash costs at most about 36 bytes (hash table slack included), so this is
 /// about 72 MiB at worst.
-///
-/// ```
-/// assert_eq!(eventplane::kv::DEFAULT_MAX_TRACKED_HASHES, 1 << 21);
-/// ```
 pub(crate) const DEFAULT_MAX_TRACKED_HASHES: usize = 1 << 21;
 
 /// Default cap on distinct `(dp_rank, tier)` pairs tracked: 64.
-///
-/// ```
-/// assert_eq!(eventplane::kv::DEFAULT_MAX_TRACKED_RANKS, 64);
-/// ```
 pub(crate) const DEFAULT_MAX_TRACKED_RANKS: usize = 64;
 
 /// Largest table kept for reuse once its pair emptied.

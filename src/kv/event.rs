@@ -205,11 +205,6 @@ pub struct RouterEvent {
 }
 
 /// Seed of [`tokens_hash`] (the value Dynamo's router uses, so hashes interoperate).
-///
-/// ```
-/// use eventplane::kv::TOKENS_HASH_SEED;
-/// assert_eq!(TOKENS_HASH_SEED, 1337);
-/// ```
 pub(crate) const TOKENS_HASH_SEED: u64 = 1337;
 
 /// xxh3-64 with seed 1337 over the tokens as u32 little-endian bytes.

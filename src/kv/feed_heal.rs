@@ -5,10 +5,6 @@
 /// another recovery once this one is applied; after three such recoveries in a row the
 /// publisher is wiped ([`Wipe::HeldOverflow`]). Removals and clears are applied at once
 /// as well as held: the index never credits a worker with a block it said it dropped.
-///
-/// ```
-/// assert_eq!(eventplane::kv::FEED_MAX_HELD_EVENTS, 4096);
-/// ```
 pub(crate) const FEED_MAX_HELD_EVENTS: usize = 4096;
 
 /// How far past the live events a recovery's answer may reach and still have the live
@@ -18,10 +14,6 @@ pub(crate) const FEED_MAX_HELD_EVENTS: usize = 4096;
 /// from a worker's log to the router holds in flight, which is counted in messages
 /// and bytes, not events (a tunnel stream and a relay's queue held over 5,000 in a
 /// test), so it is far above [`FEED_MAX_HELD_EVENTS`].
-///
-/// ```
-/// assert_eq!(eventplane::kv::FEED_MAX_LATE_EVENTS, 1 << 20);
-/// ```
 pub(crate) const FEED_MAX_LATE_EVENTS: u64 = 1 << 20;
 
 /// Blocks one publisher's held events may carry.
@@ -45,10 +37,6 @@ const MAX_ROUNDS: u32 = 4;
 /// succeeds replaces what the publisher fed, as a first dump does, and repairs what
 /// it sent meanwhile from the worker's log. It hears of the publisher again (a
 /// reconnection, an event after a gap) and asks at once.
-///
-/// ```
-/// assert_eq!(eventplane::kv::REBUILD_MAX_BACKOFF, std::time::Duration::from_secs(60));
-/// ```
 pub(crate) const REBUILD_MAX_BACKOFF: Duration = Duration::from_secs(60);
 
 /// How long the rebuild after `failures` failed recoveries in a row waits.

@@ -17,14 +17,6 @@ use crate::counter;
 use crate::net::RateLimitedWarn;
 
 /// Longest batching timeout accepted.
-///
-/// ```
-/// use std::time::Duration;
-/// use eventplane::kv::{ProcessorConfig, MAX_BATCH_TIMEOUT};
-/// assert!(ProcessorConfig::default().batch_timeout(Some(MAX_BATCH_TIMEOUT)).validate().is_ok());
-/// let longer = MAX_BATCH_TIMEOUT + Duration::from_millis(1);
-/// assert!(ProcessorConfig::default().batch_timeout(Some(longer)).validate().is_err());
-/// ```
 pub(crate) const MAX_BATCH_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Where router events go (the event plane, a test collector, …).

@@ -37,10 +37,6 @@ pub const DEFAULT_RECOVERY_EVENT_BLOCKS: usize = 1 << 18;
 /// Blocks a worker's log holds for dumps by default: 2^22 (about 200 MiB at most).
 /// Blocks stored beyond it are published but not dumped, counted in
 /// [`WorkerLogStats::untracked_blocks`]; a dump from such a log says it is partial.
-///
-/// ```
-/// assert_eq!(eventplane::kv::DEFAULT_MAX_LOG_BLOCKS, 1 << 22);
-/// ```
 pub(crate) const DEFAULT_MAX_LOG_BLOCKS: usize = 1 << 22;
 
 /// Most blocks in one `Stored` event of a dump (as the sink splits messages).

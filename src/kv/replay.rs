@@ -24,50 +24,26 @@ use crate::zmtp::Message;
 /// How long a replay waits for its next reply (the first one included) before it
 /// gives up and the listener clears: 2 s. Engines answer between two of their own
 /// batches (vLLM polls its replay socket at least every 100 ms).
-///
-/// ```
-/// assert_eq!(eventplane::kv::DEFAULT_REPLAY_TIMEOUT, std::time::Duration::from_secs(2));
-/// ```
 pub(crate) const DEFAULT_REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The longest one replay may take, replies arriving or not: 30 s.
-///
-/// ```
-/// assert_eq!(eventplane::kv::DEFAULT_REPLAY_DEADLINE, std::time::Duration::from_secs(30));
-/// ```
 pub(crate) const DEFAULT_REPLAY_DEADLINE: Duration = Duration::from_secs(30);
 
 /// Most batches applied from one replay: 10,000 (an engine's default buffer). A
 /// replay that has more stops there; what follows is asked for by the next one.
-///
-/// ```
-/// assert_eq!(eventplane::kv::DEFAULT_MAX_REPLAY_BATCHES, 10_000);
-/// ```
 pub(crate) const DEFAULT_MAX_REPLAY_BATCHES: u64 = 10_000;
 
 /// Most live batches held while a replay runs: 4,096. Beyond it (or
 /// [`MAX_HELD_BYTES`]) live batches are dropped, counted in
 /// [`EngineReplayStats::held_dropped`], and fetched by a further replay (the engine
 /// still buffers them).
-///
-/// ```
-/// assert_eq!(eventplane::kv::MAX_HELD_BATCHES, 4096);
-/// ```
 pub(crate) const MAX_HELD_BATCHES: usize = 4096;
 
 /// Most payload bytes of live batches held while a replay runs: 16 MiB.
-///
-/// ```
-/// assert_eq!(eventplane::kv::MAX_HELD_BYTES, 16 << 20);
-/// ```
 pub(crate) const MAX_HELD_BYTES: usize = 16 << 20;
 
 /// After a replay failed (timeout, unreachable endpoint), gaps within this long are
 /// cleared at once instead of waiting for another timeout: 5 s.
-///
-/// ```
-/// assert_eq!(eventplane::kv::REPLAY_RETRY_AFTER, std::time::Duration::from_secs(5));
-/// ```
 pub(crate) const REPLAY_RETRY_AFTER: Duration = Duration::from_secs(5);
 
 /// How long the engine must be quiet, after live batches or a replay that brought
@@ -76,17 +52,9 @@ pub(crate) const REPLAY_RETRY_AFTER: Duration = Duration::from_secs(5);
 /// with nothing published after them no gap would show until the engine's next batch.
 /// Each probe that finds nothing doubles the wait, up to [`REPLAY_TAIL_PROBE_MAX`]; one
 /// that finds batches starts it over.
-///
-/// ```
-/// assert_eq!(eventplane::kv::REPLAY_TAIL_PROBE, std::time::Duration::from_millis(250));
-/// ```
 pub(crate) const REPLAY_TAIL_PROBE: Duration = Duration::from_millis(250);
 
 /// The longest wait before a tail probe: 4 s (see [`REPLAY_TAIL_PROBE`]).
-///
-/// ```
-/// assert_eq!(eventplane::kv::REPLAY_TAIL_PROBE_MAX, std::time::Duration::from_secs(4));
-/// ```
 pub(crate) const REPLAY_TAIL_PROBE_MAX: Duration = Duration::from_secs(4);
 
 /// Rounds in a row that apply nothing before the repair gives up (`no_progress`).

@@ -14,10 +14,6 @@ use super::{DpRank, KvEventData, PlacementEvent};
 /// [`EngineListenerStats::untracked_ranks`](super::EngineListenerStats::untracked_ranks):
 /// a lost view cannot be cleared for them. (An engine stream carries one rank, or a
 /// few.)
-///
-/// ```
-/// assert_eq!(eventplane::kv::MAX_FORWARDED_RANKS, 64);
-/// ```
 pub(crate) const MAX_FORWARDED_RANKS: usize = 64;
 
 /// Why the worker's view of its engine was lost.

@@ -48,7 +48,7 @@ pub enum Overflow {
 /// The byte accounting of one broker session's streams.
 ///
 /// ```
-/// use eventplane::tunnel::{Overflow, RelayBudget, CHUNK_OVERHEAD};
+/// use eventplane::tunnel::protocol::{Overflow, RelayBudget, CHUNK_OVERHEAD};
 /// let mut budget = RelayBudget::new(16 << 10, 64 << 20);
 /// budget.open(1);
 /// budget.charge(1, 1000)?;

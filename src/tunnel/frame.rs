@@ -34,14 +34,14 @@ const MAX_ELEMENTS: usize = 2048;
 /// A control frame.
 ///
 /// ```
-/// use eventplane::tunnel::{Control, ControlDecoder, RefuseCode};
+/// use eventplane::tunnel::protocol::{Control, ControlDecoder, RefuseCode};
 /// let frame = Control::StreamRefused { stream_id: 7, code: RefuseCode::AddressFiltered };
 /// let mut wire = Vec::new();
 /// frame.encode(&mut wire);
 /// let mut decoder = ControlDecoder::default();
 /// let mut input = &wire[..];
 /// assert_eq!(decoder.decode(&mut input)?, Some(frame));
-/// # Ok::<(), eventplane::tunnel::FrameError>(())
+/// # Ok::<(), eventplane::tunnel::protocol::FrameError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -166,7 +166,7 @@ impl Hello {
     ///
     /// ```
     /// use eventplane::discovery::ChannelId;
-    /// use eventplane::tunnel::{AnnouncedSource, Control, ControlDecoder, Hello, Role};
+    /// use eventplane::tunnel::protocol::{AnnouncedSource, Control, ControlDecoder, Hello, Role};
     /// use eventplane::wire::Wire;
     /// let id = ChannelId::new("prod", "backend", "kv-events", 7)?;
     /// let hello = Hello::source("gpu-box-1", vec!["prod".into()], vec![AnnouncedSource::new(&id, Wire::EventPlane)]);
@@ -218,7 +218,7 @@ impl Welcome {
 ///
 /// ```
 /// use std::time::Duration;
-/// use eventplane::tunnel::Limits;
+/// use eventplane::tunnel::protocol::Limits;
 /// let limits = Limits::default();
 /// assert_eq!(limits.max_stream_buffer_bytes, 1 << 20);
 /// assert_eq!(limits.heartbeat_interval, Duration::from_secs(10));
@@ -572,7 +572,7 @@ fn millis(d: Duration) -> u64 {
 /// frame's body. Sans-IO: hand it what arrived, in any pieces.
 ///
 /// ```
-/// use eventplane::tunnel::{Control, ControlDecoder, FrameError};
+/// use eventplane::tunnel::protocol::{Control, ControlDecoder, FrameError};
 /// let mut wire = Vec::new();
 /// Control::Heartbeat.encode(&mut wire);
 /// Control::Draining.encode(&mut wire);

@@ -115,14 +115,16 @@ pub(crate) use session::{
 #[cfg(any(test, fuzzing, feature = "unstable"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "unstable")))]
 pub mod protocol {
+    pub use super::announce::{AnnouncedSource, Role, Target};
     pub use super::budget::{
         CHUNK_OVERHEAD, H2_SEND_BUFFER_BYTES, MAX_SESSION_BUFFER_BYTES, MAX_STREAM_BUFFER_BYTES,
         MIN_STREAM_BUFFER_BYTES, Overflow, PER_STREAM_UNCHARGED_BYTES, RELAY_READ_BYTES,
         RelayBudget,
     };
     pub use super::frame::{
-        Control, ControlDecoder, FrameError, Hello, Limits, MAX_CONTROL_FRAME, MAX_NAME_LEN,
-        MAX_NAMESPACES, MAX_VERSIONS, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, Welcome,
+        AnnounceRefusal, CloseCode, Control, ControlDecoder, DenyCode, DrainReason, FrameError,
+        Hello, Limits, MAX_CONTROL_FRAME, MAX_NAME_LEN, MAX_NAMESPACES, MAX_VERSIONS,
+        MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, RefuseCode, Welcome,
     };
     pub use super::reconnect::{REBALANCE_WINDOW, Reconnect};
     pub use super::rendezvous::{rendezvous_owner, rendezvous_ranked, weight as rendezvous_weight};

@@ -13,7 +13,7 @@ use crate::net::{Backoff, unit_draw};
 ///
 /// ```
 /// use std::time::{Duration, Instant};
-/// use eventplane::tunnel::{DrainReason, Reconnect};
+/// use eventplane::tunnel::protocol::{DrainReason, Reconnect};
 /// let mut reconnect = Reconnect::default();
 /// let now = Instant::now();
 /// let first = reconnect.after_drain(DrainReason::Rebalance, now, 0.5);
@@ -60,7 +60,7 @@ impl Reconnect {
     ///
     /// ```
     /// use std::time::{Duration, Instant};
-    /// use eventplane::tunnel::{DrainReason, Reconnect};
+    /// use eventplane::tunnel::protocol::{DrainReason, Reconnect};
     /// let (mut reconnect, now) = (Reconnect::default(), Instant::now());
     /// assert!(!reconnect.is_throttled(now));
     /// reconnect.after_drain(DrainReason::Rebalance, now, 0.5);

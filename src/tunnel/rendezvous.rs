@@ -15,7 +15,7 @@ pub fn weight(broker: &str, publisher_id: u64) -> u64 {
 /// broker.
 ///
 /// ```
-/// use eventplane::tunnel::rendezvous_owner;
+/// use eventplane::tunnel::protocol::rendezvous_owner;
 /// let brokers = ["broker-a", "broker-b", "broker-c"];
 /// let owner = rendezvous_owner(brokers, 42).unwrap();
 /// // Losing another broker never moves this publisher.
@@ -38,7 +38,7 @@ where
 /// that would own it if the owner left, and so on.
 ///
 /// ```
-/// use eventplane::tunnel::{rendezvous_owner, rendezvous_ranked};
+/// use eventplane::tunnel::protocol::{rendezvous_owner, rendezvous_ranked};
 /// let brokers = ["broker-a", "broker-b", "broker-c"];
 /// let ranked = rendezvous_ranked(brokers, 42);
 /// assert_eq!(ranked.first().copied(), rendezvous_owner(brokers, 42));

@@ -119,7 +119,7 @@ enum RouterState {
 ///
 /// ```
 /// use std::time::{Duration, Instant};
-/// use eventplane::tunnel::{Control, Hello, Limits, RefuseCode, SessionEvent, RouterSession};
+/// use eventplane::tunnel::protocol::{Control, Hello, Limits, RefuseCode, SessionEvent, RouterSession};
 /// let now = Instant::now();
 /// let limits = Limits::default().with_heartbeat(Duration::from_secs(10), Duration::from_secs(60));
 /// let mut router = RouterSession::new(7, limits, now);
@@ -133,7 +133,7 @@ enum RouterState {
 /// router.handle_timeout(now + Duration::from_secs(31));
 /// assert_eq!(router.poll_event(), Some(SessionEvent::Expired(1)));
 /// assert_eq!(router.accept_data_stream(1), Err(RefuseCode::UnknownStream));
-/// # Ok::<(), eventplane::tunnel::SubscribeError>(())
+/// # Ok::<(), eventplane::tunnel::protocol::SubscribeError>(())
 /// ```
 #[derive(Debug)]
 pub struct RouterSession {
@@ -178,7 +178,7 @@ impl RouterSession {
     ///
     /// ```
     /// use std::time::Instant;
-    /// use eventplane::tunnel::{Control, DenyCode, Grant, Hello, Limits, SessionEvent, RouterSession, SessionEnd};
+    /// use eventplane::tunnel::protocol::{Control, DenyCode, Grant, Hello, Limits, SessionEvent, RouterSession, SessionEnd};
     /// let now = Instant::now();
     /// let grant = Grant::namespaces(vec!["prod".into()]).with_client_id("broker-a");
     /// let mut router = RouterSession::new(1, Limits::default(), now).with_grant(grant);
@@ -406,7 +406,7 @@ impl RouterSession {
     /// ```
     /// use std::time::Instant;
     /// use eventplane::discovery::ChannelId;
-    /// use eventplane::tunnel::{AnnouncedSource, Control, Hello, Limits, RouterSession, SubscribeError, Target};
+    /// use eventplane::tunnel::protocol::{AnnouncedSource, Control, Hello, Limits, RouterSession, SubscribeError, Target};
     /// use eventplane::wire::Wire;
     /// let now = Instant::now();
     /// let mut router = RouterSession::new(1, Limits::default(), now);

@@ -62,7 +62,7 @@ pub enum SessionEnd {
 /// `denied` and the session ends.
 ///
 /// ```
-/// use eventplane::tunnel::{DenyCode, Grant, Hello};
+/// use eventplane::tunnel::protocol::{DenyCode, Grant, Hello};
 /// let grant = Grant::namespaces(vec!["prod".into()]).with_client_id("broker-a");
 /// assert_eq!(grant.check(&Hello::new("broker-a", vec!["prod".into()])), Ok(()));
 /// assert_eq!(grant.check(&Hello::new("broker-b", vec!["prod".into()])), Err(DenyCode::ClientIdNotGranted));
@@ -366,7 +366,7 @@ enum BrokerState {
 ///
 /// ```
 /// use std::time::Instant;
-/// use eventplane::tunnel::{BrokerEvent, BrokerSession, Control, Hello, Limits, Welcome};
+/// use eventplane::tunnel::protocol::{BrokerEvent, BrokerSession, Control, Hello, Limits, Welcome};
 /// let now = Instant::now();
 /// let mut broker = BrokerSession::new(Hello::new("broker-1", vec!["prod".into()]), now);
 /// assert!(matches!(broker.poll_transmit(), Some(Control::Hello(_))));
@@ -429,16 +429,16 @@ impl BrokerSession {
     ///
     /// ```
     /// use std::time::{Duration, Instant};
-    /// use eventplane::tunnel::{BrokerSession, Control, Hello, Limits, RefuseCode, Welcome};
+    /// use eventplane::tunnel::protocol::{BrokerSession, Control, Hello, Limits, RefuseCode, Welcome};
     /// let now = Instant::now();
     /// let mut broker = BrokerSession::new(Hello::new("b", vec!["prod".into()]), now).with_open_rate(10);
     /// broker.poll_transmit();
     /// broker.handle(Control::Welcome(Welcome::new(1, 1, Limits::default().with_max_streams(2))), now);
     /// let subscribe = |id| Control::Subscribe { stream_id: id, target: "tcp://10.0.0.5:5557".into() };
     /// broker.handle(subscribe(1), now);
-    /// broker.stream_closed(1, eventplane::tunnel::CloseCode::UpstreamClosed);
+    /// broker.stream_closed(1, eventplane::tunnel::protocol::CloseCode::UpstreamClosed);
     /// broker.handle(subscribe(2), now);
-    /// broker.stream_closed(2, eventplane::tunnel::CloseCode::UpstreamClosed);
+    /// broker.stream_closed(2, eventplane::tunnel::protocol::CloseCode::UpstreamClosed);
     /// broker.handle(subscribe(3), now); // the burst (2) is spent
     /// assert!(broker.poll_transmit().is_some()); // the two closes
     /// assert!(broker.poll_transmit().is_some());

@@ -7,10 +7,6 @@ use crate::msgpack;
 use crate::reader::Reader;
 
 /// The first byte of every Dynamo event frame (its format version).
-///
-/// ```
-/// assert_eq!(eventplane::wire::DYNAMO_FRAME_VERSION, 0x01);
-/// ```
 pub(crate) const DYNAMO_FRAME_VERSION: u8 = 0x01;
 
 /// Bytes before the envelope: the version and the envelope's length.

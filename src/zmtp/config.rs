@@ -6,12 +6,6 @@ use crate::ConfigError;
 
 /// Largest heartbeat TTL we advertise: 655 deciseconds (libzmq wraps larger values,
 /// libzmq#4226).
-///
-/// ```
-/// use std::time::Duration;
-/// use eventplane::zmtp::MAX_HEARTBEAT_TTL;
-/// assert_eq!(MAX_HEARTBEAT_TTL, Duration::from_millis(65_500)); // 655 deciseconds
-/// ```
 pub(crate) const MAX_HEARTBEAT_TTL: Duration = Duration::from_millis(65_500);
 
 /// Smallest heartbeat TTL: one decisecond (ZMTP's unit; 0 means "no TTL").

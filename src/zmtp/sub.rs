@@ -16,10 +16,6 @@ use super::{Config, Error, Event, Message, PeerInfo, SessionStats, SocketType, T
 /// [`SubSocket::recv_many`] returns once its batch holds this many bytes, however
 /// many messages `max` allows: a batch of large messages is not charged anywhere
 /// until the caller stores it, so it must stay small.
-///
-/// ```
-/// assert_eq!(eventplane::zmtp::RECV_MANY_BYTES, 1 << 20);
-/// ```
 pub(crate) const RECV_MANY_BYTES: usize = 1 << 20;
 
 /// A ZMQ SUB connected to one publisher.

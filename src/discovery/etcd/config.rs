@@ -5,11 +5,6 @@ use std::time::Duration;
 use crate::config::{self, ConfigError};
 
 /// The default key prefix.
-///
-/// ```
-/// use eventplane::discovery::DEFAULT_PREFIX;
-/// assert_eq!(DEFAULT_PREFIX, "/eventplane"); // keys: /eventplane/v1/channels/…
-/// ```
 pub(crate) const DEFAULT_PREFIX: &str = "/eventplane";
 
 /// Settings of an [`EtcdDiscovery`](super::EtcdDiscovery), validated once by

@@ -7,19 +7,11 @@ use super::endpoint::{RecoveryClientConfig, RecoveryError, recover};
 use crate::kv::{RecoveryAnswer, RecoveryNeed};
 
 /// Recoveries made at once by a [`RecoveryDriver`] by default: 16.
-///
-/// ```
-/// assert_eq!(eventplane::kv::DEFAULT_CONCURRENT_RECOVERIES, 16);
-/// ```
 pub(crate) const DEFAULT_CONCURRENT_RECOVERIES: usize = 16;
 
 /// Shortest time between two recoveries of one publisher made by a
 /// [`RecoveryDriver`]: 1 s (a publisher that keeps losing events is asked at most
 /// once a second; its later losses wait).
-///
-/// ```
-/// assert_eq!(eventplane::kv::RECOVERY_INTERVAL, std::time::Duration::from_secs(1));
-/// ```
 pub(crate) const RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Most recoveries a [`RecoveryDriver`] queues (beyond [`DEFAULT_CONCURRENT_RECOVERIES`]

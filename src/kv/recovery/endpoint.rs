@@ -32,25 +32,13 @@ use crate::zmtp::{self, DealerSocket, Message};
 
 /// Connections a recovery endpoint serves at once by default: 16 (more are closed at
 /// once and counted).
-///
-/// ```
-/// assert_eq!(eventplane::kv::DEFAULT_RECOVERY_CONNECTIONS, 16);
-/// ```
 pub(crate) const DEFAULT_RECOVERY_CONNECTIONS: usize = 16;
 
 /// Dumps built at once by default: 2. Requests that find the log where the last dump
 /// left it share that dump instead of building another.
-///
-/// ```
-/// assert_eq!(eventplane::kv::DEFAULT_CONCURRENT_DUMPS, 2);
-/// ```
 pub(crate) const DEFAULT_CONCURRENT_DUMPS: usize = 2;
 
 /// How long a recovery connection may stay silent before it is closed: 30 s.
-///
-/// ```
-/// assert_eq!(eventplane::kv::RECOVERY_IDLE_TIMEOUT, std::time::Duration::from_secs(30));
-/// ```
 pub(crate) const RECOVERY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Largest request a recovery endpoint reads: 64 bytes (a request is at most 3 short

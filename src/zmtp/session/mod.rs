@@ -25,10 +25,6 @@ pub use types::{Event, PeerInfo, SessionStats, SocketType};
 /// Output the session will buffer before it stops decoding input until the I/O layer
 /// has written some of it out. Bounds what a peer can make us queue by sending PINGs
 /// (or subscriptions) without reading our replies.
-///
-/// ```
-/// assert_eq!(eventplane::zmtp::MAX_PENDING_OUTPUT, 256 * 1024);
-/// ```
 pub(crate) const MAX_PENDING_OUTPUT: usize = 256 << 10;
 
 /// Smallest command limit of a publisher's session after the handshake: room for

@@ -71,7 +71,9 @@ async fn a_broker_in_kube_mode_relays_a_publisher_found_only_through_its_resourc
     assert!(log.iter().all(|l| l.authorized), "{log:#?}");
     // Everything the broker asked the API server, against the Role the manifests
     // give it.
-    the_role_grants_exactly(&requests(&log));
+    let seen = requests(&log);
+    assert!(seen.iter().any(|(_, _, v)| v == "watch"), "{seen:?}");
+    the_role_grants("event-broker", &["get", "list", "watch"], &seen);
 }
 
 /// Where a pod's service account is mounted (kube-rs reads `token`, `ca.crt` and
@@ -186,21 +188,47 @@ fn requests(log: &[crate::kube_api::Logged]) -> BTreeSet<(String, String, String
                     "watch"
                 }
                 ("GET", false) => "list",
-                (m, _) => panic!("the broker sent a {m}: {}", r.path),
+                ("PATCH", true) => "patch",
+                ("PUT", true) => "update",
+                ("POST", false) => "create",
+                ("DELETE", true) => "delete",
+                (m, _) => panic!("an unexpected {m}: {}", r.path),
             };
             (group.to_owned(), rest[2].to_owned(), verb.to_owned())
         })
         .collect()
 }
 
-/// The Role of `deploy/kubernetes/rbac.yaml` grants every request in `seen`, only
-/// read verbs, and no resource the broker did not read.
-fn the_role_grants_exactly(seen: &BTreeSet<(String, String, String)>) {
+/// The Role `role` of `deploy/kubernetes/rbac.yaml` grants every request in `seen`,
+/// only the verbs in `allowed`, and no resource the process did not use.
+fn the_role_grants_exactly(
+    role: &str,
+    allowed: &[&str],
+    seen: &BTreeSet<(String, String, String)>,
+) {
+    let granted = the_role_grants(role, allowed, seen);
+    let resources = |set: &BTreeSet<(String, String, String)>| -> BTreeSet<(String, String)> {
+        set.iter().map(|(g, r, _)| (g.clone(), r.clone())).collect()
+    };
+    assert_eq!(
+        resources(&granted),
+        resources(seen),
+        "the Role's resources are not the ones the process uses"
+    );
+}
+
+/// The Role `role` of `deploy/kubernetes/rbac.yaml` grants every request in `seen`
+/// and only the verbs in `allowed`; what it grants.
+fn the_role_grants(
+    role: &str,
+    allowed: &[&str],
+    seen: &BTreeSet<(String, String, String)>,
+) -> BTreeSet<(String, String, String)> {
     let manifests = manifests("rbac.yaml");
     let role = manifests
         .iter()
-        .find(|m| m["kind"] == "Role")
-        .expect("rbac.yaml has a Role");
+        .find(|m| m["kind"] == "Role" && m["metadata"]["name"] == role)
+        .unwrap_or_else(|| panic!("rbac.yaml has no Role {role}"));
     let mut granted = BTreeSet::new();
     for rule in role["rules"].as_sequence().unwrap() {
         let list = |key: &str| -> Vec<String> {
@@ -215,7 +243,7 @@ fn the_role_grants_exactly(seen: &BTreeSet<(String, String, String)>) {
             for resource in list("resources") {
                 for verb in list("verbs") {
                     assert!(
-                        ["get", "list", "watch"].contains(&verb.as_str()),
+                        allowed.contains(&verb.as_str()),
                         "the Role grants {verb} on {resource}"
                     );
                     granted.insert((group.clone(), resource.clone(), verb));
@@ -226,15 +254,159 @@ fn the_role_grants_exactly(seen: &BTreeSet<(String, String, String)>) {
     for request in seen {
         assert!(granted.contains(request), "not granted: {request:?}");
     }
-    let resources = |set: &BTreeSet<(String, String, String)>| -> BTreeSet<(String, String)> {
-        set.iter().map(|(g, r, _)| (g.clone(), r.clone())).collect()
-    };
-    assert_eq!(
-        resources(&granted),
-        resources(seen),
-        "the Role's resources are not the ones the broker reads"
+    granted
+}
+
+/// What a broker in kube mode asks the API server for, following Dynamo workers in
+/// `mode` ("pod": readiness from EndpointSlices; "container": from Pods), until it
+/// watches both the resources and their readiness.
+async fn broker_requests(mode: &str) -> BTreeSet<(String, String, String)> {
+    let api = crate::kube_api::KubeApi::start().await;
+    let tls = server_tls(fixture("bus.pem"), fixture("bus.key")).unwrap();
+    let bus = EventBus::bind("127.0.0.1:0", tls, clients(), EventBusConfig::default())
+        .await
+        .unwrap();
+    put_worker(&api, "tcp://127.0.0.1:1", "kv-events");
+    let dir = config(&format!("kube-{mode}"), "")
+        .parent()
+        .unwrap()
+        .to_owned();
+    let kubeconfig = api.kubeconfig(&dir, "dyn");
+    let text = kube_mode(&bus, &dir).replace(
+        "kubernetes = { namespaces = [\"dyn\"] }",
+        &format!("kubernetes = {{ namespaces = [\"dyn\"], mode = \"{mode}\" }}"),
     );
-    assert!(seen.iter().any(|(_, _, v)| v == "watch"), "{seen:?}");
+    let path = config(&format!("kube-{mode}"), &text);
+    let mut broker = Command::new(example("event-broker"))
+        .arg("--config")
+        .arg(&path)
+        .env("KUBECONFIG", &kubeconfig)
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let readiness = if mode == "container" {
+        "pods"
+    } else {
+        "endpointslices"
+    };
+    within(async {
+        loop {
+            let seen = requests(&api.log());
+            let watches = |r: &str| seen.contains(&(group(r), r.to_owned(), "watch".to_owned()));
+            if watches("dynamoworkermetadatas") && watches(readiness) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    broker.kill().await.unwrap();
+    bus.shutdown().await;
+    requests(&api.log())
+}
+
+/// The API group of the resources a broker reads.
+fn group(resource: &str) -> String {
+    match resource {
+        "dynamoworkermetadatas" => "nvidia.com",
+        "endpointslices" => "discovery.k8s.io",
+        _ => "",
+    }
+    .to_owned()
+}
+
+/// `deploy/kubernetes/rbac.yaml`'s `event-broker` Role grants exactly what a broker
+/// reads following pod-mode workers (EndpointSlices) and container-mode ones (Pods,
+/// `[discovery] kubernetes = { mode = "container" }`), read verbs only.
+#[tokio::test]
+async fn the_broker_role_grants_exactly_what_a_broker_reads_in_either_mode() {
+    let pod = broker_requests("pod").await;
+    let container = broker_requests("container").await;
+    assert!(pod.iter().all(|(_, r, _)| r != "pods"), "{pod:?}");
+    assert!(
+        container.iter().all(|(_, r, _)| r != "endpointslices"),
+        "{container:?}"
+    );
+    let seen: BTreeSet<_> = pod.union(&container).cloned().collect();
+    the_role_grants_exactly("event-broker", &["get", "list", "watch"], &seen);
+}
+
+/// A worker (`kv-relay --kube`) in Dynamo's container mode registers, is stopped and
+/// applies its maps empty (Dynamo's shutdown), deleting the stale resource of its
+/// container's previous incarnation first: `deploy/kubernetes/rbac.yaml`'s
+/// `eventplane-worker` Role grants exactly what it asked the API server for.
+#[tokio::test]
+async fn a_container_mode_worker_needs_exactly_the_worker_role() {
+    let api = crate::kube_api::KubeApi::start().await;
+    // What the container's previous incarnation in this pod left (another pod uid).
+    api.put(
+        "dynamoworkermetadatas",
+        "dyn",
+        serde_json::json!({"metadata": {"name": "worker-0-engine-0", "ownerReferences": [
+            {"apiVersion": "v1", "kind": "Pod", "name": "worker-0", "uid": "u-old",
+             "controller": true, "blockOwnerDeletion": false}]},
+           "spec": {"data": {"endpoints": {}, "model_cards": {}, "event_channels": {},
+               "event_sources": {}}}}),
+    );
+    let dir = std::env::temp_dir().join(format!("eventplane-worker-role-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let kubeconfig = api.kubeconfig(&dir, "dyn");
+    let engine = crate::support::Engine::bind("kv").await;
+    let relay = Command::new(example("kv-relay"))
+        .args([
+            "--connect",
+            &engine.endpoint(),
+            "--topic",
+            "kv",
+            "--block-size",
+            "4",
+        ])
+        .args([
+            "--worker-id",
+            "7",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--wire",
+            "dynamo",
+        ])
+        .args(["--kube", "--namespace", "prod", "--component", "backend"])
+        .env("KUBECONFIG", &kubeconfig)
+        .env("POD_NAME", "worker-0")
+        .env("POD_UID", "u-new")
+        .env("POD_NAMESPACE", "dyn")
+        .env("DYN_KUBE_DISCOVERY_MODE", "container")
+        .env("CONTAINER_NAME", "engine-0")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    // Registered: its resource is its own pod's now.
+    within(async {
+        while api
+            .get("dynamoworkermetadatas", "dyn", "worker-0-engine-0")
+            .is_none_or(|r| r["metadata"]["ownerReferences"][0]["uid"] != "u-new")
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    crate::support::terminate_for_stats(relay).await;
+    let _ = std::fs::remove_dir_all(&dir);
+    let seen = requests(&api.log());
+    assert!(
+        seen.iter()
+            .any(|(_, r, v)| r == "dynamoworkermetadatas" && v == "delete"),
+        "the stale resource was not deleted: {seen:?}"
+    );
+    the_role_grants_exactly(
+        "eventplane-worker",
+        &[
+            "get", "list", "watch", "create", "patch", "update", "delete",
+        ],
+        &seen,
+    );
 }
 
 /// The documents of `deploy/kubernetes/NAME`.

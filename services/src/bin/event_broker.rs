@@ -73,12 +73,8 @@ use eventplane_services::service::{self, ServiceArgs};
     name = "event-broker",
     version = service::VERSION,
     about = "Relay publishers inside a cluster to a router's event bus outside it",
-    after_help = "Exit codes: 0 after a drain (or a good --check-config / --check-bus); 1 on \
-                  a second signal (or a signal during --check-bus); 2 on a refused \
-                  configuration; 3 when discovery cannot be reached, or with --check-bus \
-                  when the bus refuses or cannot be reached.\
-                  \n\nLogs: session changes go to stderr; RUST_LOG sets the level (off, debug, \
-                  or target=level pairs such as eventplane=debug)."
+    after_help = "Exit codes, logs and every key of the configuration file: --help, or man event-broker.",
+    after_long_help = LONG_HELP
 )]
 struct Args {
     /// The TOML configuration file.
@@ -106,6 +102,57 @@ struct Args {
     #[command(flatten)]
     service: ServiceArgs,
 }
+
+/// Exit codes, logs and the whole configuration file, one key a line: `--help` and the
+/// man page show it; `every_key_is_in_the_reference` holds it to the structs below.
+const LONG_HELP: &str = "\
+Exit codes: 0 after a drain (or a good --check-config / --check-bus); 1 on a second signal \
+(or a signal during --check-bus); 2 on a refused configuration; 3 when discovery cannot be \
+reached, or with --check-bus when the bus refuses or cannot be reached.
+
+Logs: session changes go to stderr; RUST_LOG sets the level (off, debug, or target=level \
+pairs such as eventplane=debug).
+
+Configuration file (TOML; an unknown key is refused, exit 2). Every key, with its default \
+or an example, and what it sets:
+
+  bus_url = \"https://router:8443\"     required; https only
+  client_id = \"broker-a\"              required; the credential's id
+  ca_file = \"/etc/eventplane/ca.pem\"  required; the bus's CA bundle
+  token_file = \"PATH\"                 the bus credential, or:
+  token_env = \"EVENTPLANE_BUS_TOKEN\"  the variable holding it
+  allowed_cidrs = []                  the only networks dialled
+  drain_deadline_ms = 30000           grace on SIGTERM (<= 1 h)
+  max_stream_buffer_bytes = 1048576   per stream (16 KiB..1 MiB)
+  max_session_buffer_bytes = 67108864  per session (<= 64 MiB)
+  admin_listen = \"IP:PORT\"            /metrics, /readyz, /livez
+
+  [timeouts]                          milliseconds per stage
+  dns_ms = 5000
+  connect_ms = 10000                  all addresses together
+  connect_attempt_ms = 5000           one address
+  stream_slot_ms = 5000               a free stream slot
+  response_ms = 10000                 the bus's answer
+  bus_connect_ms = 10000              reaching the bus
+
+  [backoff]                           reconnects to the bus
+  min_ms = 1000                       jittered from min to 2 x min,
+  max_ms = 60000                      doubling up to max
+
+  [discovery]                         required; one source of:
+  namespaces = [\"prod\"]               required; relayed namespaces
+  etcd = [\"http://etcd:2379\"]         etcd endpoints
+  static_endpoints = [\"tcp://h:5557\"]  fixed publishers
+  kubernetes = { namespaces = [], mode = \"pod\" }
+                                      Dynamo's resources (feature kube)
+  record_format = \"eventplane\"        etcd records: ours or \"dynamo\"
+
+token_file may name a systemd credential (\"${CREDENTIALS_DIRECTORY}/token\"); one of \
+token_file and token_env is required. Without allowed_cidrs any network is dialled but \
+loopback, link-local and metadata addresses, which are refused unless a listed CIDR holds \
+them. An empty kubernetes namespace list follows the pod's namespace (or kubeconfig's); \
+its mode is where readiness comes from, as the workers' DYN_KUBE_DISCOVERY_MODE: \"pod\" \
+(EndpointSlices) or \"container\" (Pods).";
 
 #[derive(serde::Deserialize, Debug)]
 #[serde(deny_unknown_fields)]
@@ -167,6 +214,9 @@ struct DiscoveryConfig {
 struct KubernetesConfig {
     #[serde(default)]
     namespaces: Vec<String>,
+    /// Where readiness comes from: "pod" (EndpointSlices) or "container" (Pods), as
+    /// the workers' DYN_KUBE_DISCOVERY_MODE says.
+    mode: Option<String>,
 }
 
 /// A refused configuration (exit 2) or unreachable discovery (exit 3).
@@ -297,11 +347,20 @@ async fn kubernetes(
     config: &KubernetesConfig,
     namespaces: &[String],
 ) -> Result<Arc<dyn Discovery>, Refusal> {
-    use eventplane::discovery::{KubeDiscovery, Query};
+    use eventplane::discovery::{KubeDiscovery, KubeMode, Query};
     let mut builder = KubeDiscovery::builder();
     if !config.namespaces.is_empty() {
         builder = builder.namespaces(config.namespaces.clone());
     }
+    builder = builder.mode(match config.mode.as_deref() {
+        None | Some("pod") => KubeMode::Pod,
+        Some("container") => KubeMode::Container,
+        Some(other) => {
+            return Err(Refusal::Config(format!(
+                "discovery.kubernetes.mode: {other:?} is neither pod nor container"
+            )));
+        }
+    });
     let discovery = builder.connect().await.map_err(|e| match e {
         eventplane::discovery::DiscoveryError::InvalidConfig(c) => {
             Refusal::Config(format!("discovery.kubernetes: {c}"))
@@ -573,4 +632,93 @@ async fn check_bus(
     };
     broker.abort();
     ExitCode::from(code)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )]
+    use super::{FileConfig, LONG_HELP};
+
+    /// The configuration file's reference: `(key, value)` of each `key = value` line,
+    /// and each `[table]` as `(table, "")`.
+    fn documented() -> Vec<(String, String)> {
+        let reference = &LONG_HELP[LONG_HELP.find("Configuration file").unwrap()..];
+        reference
+            .lines()
+            .filter_map(|line| {
+                let line = line.strip_prefix("  ")?;
+                if let Some(table) = line.strip_prefix('[') {
+                    return Some((table.split(']').next()?.to_owned(), String::new()));
+                }
+                let (key, rest) = line.split_once(" = ")?;
+                let value = rest.split("  ").next()?.trim();
+                Some((key.to_owned(), value.to_owned()))
+            })
+            .collect()
+    }
+
+    /// The field names of the configuration's structs, from this file's source.
+    fn fields() -> Vec<String> {
+        let source = include_str!("event_broker.rs");
+        let mut names = Vec::new();
+        for name in [
+            "FileConfig",
+            "TimeoutsConfig",
+            "BackoffConfig",
+            "DiscoveryConfig",
+            "KubernetesConfig",
+        ] {
+            let start = source.find(&format!("struct {name} {{")).unwrap();
+            let body = &source[start..start + source[start..].find("\n}").unwrap()];
+            names.extend(body.lines().skip(1).filter_map(|l| {
+                let l = l.trim();
+                let (field, _) = l.split_once(": ")?;
+                (!l.starts_with("//") && !l.starts_with('#')).then(|| field.to_owned())
+            }));
+        }
+        assert!(names.len() >= 25, "fields read: {names:?}");
+        names
+    }
+
+    #[test]
+    fn every_key_is_in_the_reference() {
+        // Keys, and the keys of inline tables (`kubernetes = { namespaces = [], … }`).
+        let mut keys = Vec::new();
+        for (key, value) in documented() {
+            if let Some(inline) = value.strip_prefix('{') {
+                keys.extend(
+                    inline
+                        .split(',')
+                        .filter_map(|kv| Some(kv.split_once(" = ")?.0.trim().to_owned())),
+                );
+            }
+            keys.push(key);
+        }
+        let missing: Vec<String> = fields().into_iter().filter(|f| !keys.contains(f)).collect();
+        assert!(
+            missing.is_empty(),
+            "keys missing from event-broker's configuration reference (LONG_HELP): {missing:?}"
+        );
+    }
+
+    #[test]
+    fn every_documented_key_is_read() {
+        // The reference as a file: every key it names, with its example value, parses
+        // (unknown keys are refused), whatever the checks after parsing say of it.
+        let mut file = String::new();
+        for (key, value) in documented() {
+            if value.is_empty() {
+                file.push_str(&format!("[{key}]\n"));
+            } else {
+                file.push_str(&format!("{key} = {value}\n"));
+            }
+        }
+        let parsed: Result<FileConfig, _> = toml::from_str(&file);
+        assert!(parsed.is_ok(), "{file}\n{parsed:?}");
+    }
 }

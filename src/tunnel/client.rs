@@ -12,35 +12,35 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::config::Deadlines;
-use super::error::TunnelError;
-use super::io::{BODY_CHANNEL, BrokerBody, ChannelBody, Secret};
-use super::{BrokerSession, ControlDecoder, DrainReason};
+use crate::tunnel::config::Deadlines;
+use crate::tunnel::error::TunnelError;
+use crate::tunnel::io::{BODY_CHANNEL, BrokerBody, ChannelBody, Secret};
+use crate::tunnel::{BrokerSession, ControlDecoder, DrainReason};
 
 /// A session's transport, once the bus answered its request.
-pub(super) struct BusSession {
+pub(crate) struct BusSession {
     /// Opens the session's data streams on the same connection.
-    pub(super) sender: SendRequest<BrokerBody>,
+    pub(crate) sender: SendRequest<BrokerBody>,
     /// The bus's `host:port`, for the data streams' URLs.
-    pub(super) authority: String,
+    pub(crate) authority: String,
     /// Cancelled when the connection ends.
-    pub(super) conn_done: CancellationToken,
+    pub(crate) conn_done: CancellationToken,
     /// The client's control frames, encoded.
-    pub(super) ctrl_tx: mpsc::Sender<Result<bytes::Bytes, std::io::Error>>,
+    pub(crate) ctrl_tx: mpsc::Sender<Result<bytes::Bytes, std::io::Error>>,
     /// The router's control frames.
-    pub(super) body: Incoming,
+    pub(crate) body: Incoming,
 }
 
 /// Dials `bus_url` with `tls`, presents `token`, and opens the session stream; the
 /// connection stops when `hard` is cancelled.
-pub(super) async fn open_session(
+pub(crate) async fn open_session(
     bus_url: &str,
     tls: &Arc<rustls::ClientConfig>,
     token: &Secret,
     deadlines: &Deadlines,
     hard: &CancellationToken,
 ) -> Result<BusSession, TunnelError> {
-    let (host, port, authority) = super::config::parse_bus_url(bus_url)?;
+    let (host, port, authority) = crate::tunnel::config::parse_bus_url(bus_url)?;
     let tcp = tokio::time::timeout(
         deadlines.bus_connect,
         TcpStream::connect((host.as_str(), port)),
@@ -65,7 +65,7 @@ pub(super) async fn open_session(
     let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
         .initial_stream_window_size(64 << 10)
         .initial_connection_window_size(16 << 20)
-        .max_send_buf_size(super::H2_SEND_BUFFER_BYTES)
+        .max_send_buf_size(crate::tunnel::H2_SEND_BUFFER_BYTES)
         .handshake(TokioIo::new(tls))
         .await?;
     let conn_done = CancellationToken::new();
@@ -108,7 +108,7 @@ pub(super) async fn open_session(
 }
 
 /// How a client's session ended, for the reconnect delay.
-pub(super) enum Outcome {
+pub(crate) enum Outcome {
     Failed,
     Drained(DrainReason),
     Stopped,
@@ -117,14 +117,14 @@ pub(super) enum Outcome {
 /// Where a client's session stands on its way out: asked to drain by the router
 /// (why, and until when), or stopping (until when).
 #[derive(Default)]
-pub(super) struct Ending {
-    pub(super) drain: Option<(DrainReason, tokio::time::Instant)>,
-    pub(super) stopping: Option<tokio::time::Instant>,
+pub(crate) struct Ending {
+    pub(crate) drain: Option<(DrainReason, tokio::time::Instant)>,
+    pub(crate) stopping: Option<tokio::time::Instant>,
 }
 
 impl Ending {
     /// How the ended session ended.
-    pub(super) fn outcome(&self) -> Outcome {
+    pub(crate) fn outcome(&self) -> Outcome {
         match (self.drain, self.stopping) {
             (_, Some(_)) => Outcome::Stopped,
             (Some((reason, _)), _) => Outcome::Drained(reason),
@@ -133,12 +133,12 @@ impl Ending {
     }
 
     /// When open streams must be done by, if draining or stopping.
-    pub(super) fn deadline(&self) -> Option<tokio::time::Instant> {
+    pub(crate) fn deadline(&self) -> Option<tokio::time::Instant> {
         self.stopping.or(self.drain.map(|(_, d)| d))
     }
 
     /// When the session loop must wake next: `session`'s timers or the deadline.
-    pub(super) fn timer(&self, session: &BrokerSession) -> Option<tokio::time::Instant> {
+    pub(crate) fn timer(&self, session: &BrokerSession) -> Option<tokio::time::Instant> {
         [
             session.poll_timeout().map(tokio::time::Instant::from_std),
             self.deadline(),
@@ -151,7 +151,7 @@ impl Ending {
 
 /// Hands what the router sent (`chunk`, from its response body) to `session`: every
 /// complete frame; an undecodable one aborts the session, the body's end closes it.
-pub(super) fn feed(
+pub(crate) fn feed(
     session: &mut BrokerSession,
     decoder: &mut ControlDecoder,
     chunk: Option<Result<bytes::Bytes, hyper::Error>>,
@@ -167,7 +167,7 @@ pub(super) fn feed(
             Ok(None) => break,
             Err(e) => {
                 tracing::warn!(error = %e, "undecodable control frame from the bus");
-                session.abort(super::SessionEnd::Protocol("undecodable control frame"));
+                session.abort(crate::tunnel::SessionEnd::Protocol("undecodable control frame"));
                 break;
             }
         }

@@ -7,9 +7,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::error::TunnelError;
-use super::io::Secret;
-use super::{Limits, MAX_SESSION_BUFFER_BYTES, MAX_STREAM_BUFFER_BYTES, MIN_STREAM_BUFFER_BYTES};
+use crate::tunnel::error::TunnelError;
+use crate::tunnel::io::Secret;
+use crate::tunnel::{Limits, MAX_SESSION_BUFFER_BYTES, MAX_STREAM_BUFFER_BYTES, MIN_STREAM_BUFFER_BYTES};
 use crate::BoxFuture;
 use crate::discovery::Discovery;
 use crate::net::AddrFilter;
@@ -187,7 +187,7 @@ pub struct BrokerConfig {
     pub namespaces: Vec<String>,
     /// The bearer credential.
     pub token: Secret,
-    /// TLS for the bus (see [`client_tls`](super::client_tls)).
+    /// TLS for the bus (see [`client_tls`](crate::tunnel::client_tls)).
     pub tls: Arc<rustls::ClientConfig>,
     /// Its own view of the publishers: only endpoints advertised here are dialled. The
     /// broker watches each namespace and does not dial the bus before every initial
@@ -348,7 +348,7 @@ impl BrokerConfig {
     }
 }
 
-/// Default cap on the authenticated connections an [`EventBus`](super::EventBus)
+/// Default cap on the authenticated connections an [`EventBus`](crate::tunnel::EventBus)
 /// holds at once (brokers need one each).
 pub(crate) const MAX_CONNECTIONS: usize = 1024;
 
@@ -356,7 +356,7 @@ pub(crate) const MAX_CONNECTIONS: usize = 1024;
 /// broker needs one; a reconnect or `--check-bus` briefly a second).
 pub(crate) const MAX_CONNECTIONS_PER_CLIENT: usize = 4;
 
-/// Default cap on the connections an [`EventBus`](super::EventBus) holds before they
+/// Default cap on the connections an [`EventBus`](crate::tunnel::EventBus) holds before they
 /// authenticate (their own pool: a flood of them cannot take a broker's slot).
 pub(crate) const MAX_PENDING_CONNECTIONS: usize = 64;
 
@@ -378,7 +378,7 @@ pub(crate) const SESSION_START_TIMEOUT: Duration = Duration::from_secs(10);
 /// the open streams: a broker that flaps moves nothing.
 pub(crate) const JOIN_HOLD_DOWN: Duration = Duration::from_secs(10);
 
-/// What the router's [`EventBus`](super::EventBus) offers brokers and holds them to.
+/// What the router's [`EventBus`](crate::tunnel::EventBus) offers brokers and holds them to.
 ///
 /// ```
 /// use std::time::Duration;
@@ -430,7 +430,7 @@ pub struct EventBusConfig {
     /// How long a joining broker's session must hold before its rendezvous share of
     /// the open streams moves to it (default 10 s; zero moves at the welcome).
     pub join_hold_down: Duration,
-    /// Events each watcher of the announced sources ([`EventBus::announced`](super::EventBus::announced))
+    /// Events each watcher of the announced sources ([`EventBus::announced`](crate::tunnel::EventBus::announced))
     /// may have waiting before it is resynced instead (default 4096).
     pub announced_watch_buffer: usize,
     /// Most publishers announced on the bus at once, all sources together (default
@@ -562,17 +562,17 @@ pub(crate) fn check_client(
     bus_url: &str,
     client_id: &str,
     namespaces: &[String],
-    sources: &[super::AnnouncedSource],
+    sources: &[crate::tunnel::AnnouncedSource],
 ) -> Result<(), TunnelError> {
     let refuse = |field: &'static str, reason: String| Err(TunnelError::Config { field, reason });
     parse_bus_url(bus_url)?;
-    if client_id.is_empty() || client_id.len() > super::MAX_NAME_LEN {
+    if client_id.is_empty() || client_id.len() > crate::tunnel::MAX_NAME_LEN {
         return refuse("client_id", "is empty or too long".into());
     }
-    if namespaces.is_empty() || namespaces.len() > super::MAX_NAMESPACES {
+    if namespaces.is_empty() || namespaces.len() > crate::tunnel::MAX_NAMESPACES {
         return refuse(
             "namespaces",
-            format!("must name 1 to {}", super::MAX_NAMESPACES),
+            format!("must name 1 to {}", crate::tunnel::MAX_NAMESPACES),
         );
     }
     let distinct: std::collections::HashSet<&String> = namespaces.iter().collect();
@@ -581,28 +581,28 @@ pub(crate) fn check_client(
     }
     if namespaces
         .iter()
-        .any(|n| n.is_empty() || n.len() > super::MAX_NAME_LEN)
+        .any(|n| n.is_empty() || n.len() > crate::tunnel::MAX_NAME_LEN)
     {
         return refuse(
             "namespaces",
-            format!("each must be 1 to {} bytes", super::MAX_NAME_LEN),
+            format!("each must be 1 to {} bytes", crate::tunnel::MAX_NAME_LEN),
         );
     }
     let hello = if sources.is_empty() {
-        super::Hello::new(client_id, namespaces.to_vec())
+        crate::tunnel::Hello::new(client_id, namespaces.to_vec())
     } else {
-        super::Hello::source(client_id, namespaces.to_vec(), sources.to_vec())
+        crate::tunnel::Hello::source(client_id, namespaces.to_vec(), sources.to_vec())
     };
     let mut wire = Vec::new();
-    super::Control::Hello(hello).encode(&mut wire);
+    crate::tunnel::Control::Hello(hello).encode(&mut wire);
     // The 4-byte length prefix is not part of the body the decoder bounds.
-    if wire.len() > super::MAX_CONTROL_FRAME + 4 {
+    if wire.len() > crate::tunnel::MAX_CONTROL_FRAME + 4 {
         return refuse(
             "namespaces",
             format!(
                 "the hello would take {} bytes, over the {}-byte control frame",
                 wire.len(),
-                super::MAX_CONTROL_FRAME
+                crate::tunnel::MAX_CONTROL_FRAME
             ),
         );
     }

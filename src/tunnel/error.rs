@@ -1,6 +1,6 @@
 //! The tunnel's errors.
 
-use super::{CloseCode, RefuseCode, SessionEnd};
+use crate::tunnel::{CloseCode, RefuseCode, SessionEnd};
 
 /// Why a tunnel operation failed.
 #[derive(Debug, thiserror::Error)]

@@ -18,8 +18,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::{CancellationToken, PollSender, WaitForCancellationFutureOwned};
 
-use super::RelayBudget;
-use super::error::TunnelError;
+use crate::tunnel::RelayBudget;
+use crate::tunnel::error::TunnelError;
 
 /// Chunks a body channel holds at most (its bytes are bounded by the relay budget or
 /// by the writer's own pacing).
@@ -384,7 +384,7 @@ impl AsyncWrite for TunnelStream {
 pub(crate) const MIN_TOKEN_LEN: usize = 16;
 
 /// A bearer credential: never printed (its `Debug` is redacted, its header marked
-/// sensitive). A bus keeps only its digest ([`TokenDigest`](super::TokenDigest)).
+/// sensitive). A bus keeps only its digest ([`TokenDigest`](crate::tunnel::TokenDigest)).
 #[derive(Clone)]
 pub struct Secret(Arc<str>);
 

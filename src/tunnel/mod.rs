@@ -27,117 +27,39 @@
 //! only, outside the semver promise. Every default and bound is stated on the setter
 //! or field that sets it, and tabled in the repository's `docs/guarantees.md`.
 
-mod accept;
-mod admission;
-mod announce;
-mod auth;
 mod broker;
-mod budget;
 mod bus;
-mod bus_state;
 mod client;
-mod codes;
 mod config;
 mod error;
-mod fields;
-mod frame;
 mod io;
-mod reconnect;
-mod relay;
-mod rendezvous;
-mod router_session;
-mod serve;
-mod serving;
-mod session;
-mod source;
-mod source_config;
-mod sources;
-mod view;
-
-pub use announce::{AnnouncedSource, Role, Target};
-pub use auth::{BusClients, TokenDigest};
-pub use broker::{Broker, BrokerHandle, BrokerStats};
-pub use bus::{BusStats, EventBus};
-pub use config::{BrokerConfig, Deadlines, EventBusConfig, Resolver, SystemResolver};
-pub use error::TunnelError;
-pub use frame::{AnnounceRefusal, CloseCode, DenyCode, DrainReason, Limits, RefuseCode};
-pub use io::{Secret, TunnelStream, client_tls, server_tls};
-pub use serving::RecoveryStreams;
-pub use source::{Source, SourceHandle, SourceStats};
-pub use source_config::SourceConfig;
-pub use sources::AnnouncedView;
-
-// What the files of this folder share through `super::`.
-pub(crate) use announce::{MAX_ANNOUNCE, MAX_SOURCE_NAME_LEN};
-pub(crate) use budget::{
-    H2_SEND_BUFFER_BYTES, MAX_SESSION_BUFFER_BYTES, MAX_STREAM_BUFFER_BYTES,
-    MIN_STREAM_BUFFER_BYTES, RELAY_READ_BYTES, RelayBudget,
-};
-pub(crate) use config::JOIN_HOLD_DOWN;
-pub(crate) use frame::{
-    Control, ControlDecoder, Hello, MAX_CONTROL_FRAME, MAX_NAME_LEN, MAX_NAMESPACES,
-};
-pub(crate) use reconnect::Reconnect;
-pub(crate) use rendezvous::{rendezvous_owner, rendezvous_ranked};
-pub(crate) use router_session::{
-    ANNOUNCE_BURST, ANNOUNCES_PER_SECOND, RouterSession, SessionEvent, SubscribeError,
-};
-pub(crate) use session::{
-    BrokerEvent, BrokerSession, MAX_BROKER_STREAMS, PENDING_SUBSCRIBE_TIMEOUT, SessionEnd,
-};
-
-/// The tunnel's sans-IO protocol: control frames and their codec, the broker and
-/// router session state machines, the relay budget, the reconnect policy and
-/// rendezvous hashing (DESIGN §7).
-///
-/// **Not covered by semver** (feature `unstable`): it is public for the fuzz targets,
-/// the test suites and anyone building another transport on the protocol, and may
-/// change in any release. Applications use [`EventBus`], [`Broker`] and [`Source`].
-///
-/// ```
-/// use std::time::Instant;
-/// use eventplane::tunnel::protocol::{BrokerEvent, BrokerSession, Control, ControlDecoder, Hello, Limits, RouterSession, SessionEvent};
-/// let now = Instant::now();
-/// let mut broker = BrokerSession::new(Hello::new("broker-1", vec!["prod".into()]), now);
-/// let mut router = RouterSession::new(1, Limits::default(), now);
-/// // Frames cross as bytes, in both directions.
-/// let mut pump = |from: &mut dyn FnMut() -> Option<Control>, to: &mut dyn FnMut(Control)| {
-///     let mut wire = Vec::new();
-///     while let Some(frame) = from() { frame.encode(&mut wire); }
-///     let (mut decoder, mut input) = (ControlDecoder::default(), &wire[..]);
-///     while let Some(frame) = decoder.decode(&mut input).unwrap() { to(frame); }
-/// };
-/// pump(&mut || broker.poll_transmit(), &mut |f| router.handle(f, now));
-/// pump(&mut || router.poll_transmit(), &mut |f| broker.handle(f, now));
-/// assert!(matches!(router.poll_event(), Some(SessionEvent::Welcomed { .. })));
-/// assert!(matches!(broker.poll_event(), Some(BrokerEvent::Welcomed(_))));
-/// ```
 #[cfg(any(test, fuzzing, feature = "unstable"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "unstable")))]
-pub mod protocol {
-    pub use super::announce::{AnnouncedSource, Role, Target};
-    pub use super::budget::{
-        CHUNK_OVERHEAD, H2_SEND_BUFFER_BYTES, MAX_SESSION_BUFFER_BYTES, MAX_STREAM_BUFFER_BYTES,
-        MIN_STREAM_BUFFER_BYTES, Overflow, PER_STREAM_UNCHARGED_BYTES, RELAY_READ_BYTES,
-        RelayBudget,
-    };
-    pub use super::frame::{
-        AnnounceRefusal, CloseCode, Control, ControlDecoder, DenyCode, DrainReason, FrameError,
-        Hello, Limits, MAX_CONTROL_FRAME, MAX_NAME_LEN, MAX_NAMESPACES, MAX_VERSIONS,
-        MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, RefuseCode, Welcome,
-    };
-    pub use super::reconnect::{REBALANCE_WINDOW, Reconnect};
-    pub use super::rendezvous::{rendezvous_owner, rendezvous_ranked, weight as rendezvous_weight};
-    pub use super::router_session::{
-        ANNOUNCE_BURST, ANNOUNCES_PER_SECOND, RouterSession, SessionEvent, SubscribeError,
-    };
-    pub use super::session::{
-        BrokerEvent, BrokerSession, Grant, HANDSHAKE_TIMEOUT, MAX_BROKER_STREAMS,
-        MAX_QUEUED_CONTROL, PENDING_SUBSCRIBE_TIMEOUT, SessionEnd,
-    };
-}
+pub mod protocol;
+#[cfg(not(any(test, fuzzing, feature = "unstable")))]
+mod protocol;
+mod source;
 
-#[cfg(test)]
-mod source_tests;
+pub use broker::{Broker, BrokerHandle, BrokerStats};
+pub use bus::{AnnouncedView, BusClients, BusStats, EventBus, TokenDigest};
+pub use config::{BrokerConfig, Deadlines, EventBusConfig, Resolver, SystemResolver};
+pub use error::TunnelError;
+pub use io::{Secret, TunnelStream, client_tls, server_tls};
+pub use protocol::{
+    AnnounceRefusal, AnnouncedSource, CloseCode, DenyCode, DrainReason, Limits, RefuseCode, Role,
+    Target,
+};
+pub use source::{RecoveryStreams, Source, SourceConfig, SourceHandle, SourceStats};
+
+// What the parts of the tunnel share.
+pub(crate) use config::JOIN_HOLD_DOWN;
+pub(crate) use protocol::{
+    ANNOUNCE_BURST, ANNOUNCES_PER_SECOND, BrokerEvent, BrokerSession, Control, ControlDecoder,
+    H2_SEND_BUFFER_BYTES, Hello, MAX_ANNOUNCE, MAX_BROKER_STREAMS, MAX_CONTROL_FRAME, MAX_NAME_LEN,
+    MAX_NAMESPACES, MAX_SESSION_BUFFER_BYTES, MAX_SOURCE_NAME_LEN, MAX_STREAM_BUFFER_BYTES,
+    MIN_STREAM_BUFFER_BYTES, PENDING_SUBSCRIBE_TIMEOUT, RELAY_READ_BYTES, Reconnect, RelayBudget,
+    RouterSession, SessionEnd, SessionEvent, SubscribeError, rendezvous_owner, rendezvous_ranked,
+};
+
 #[cfg(test)]
 mod tests;

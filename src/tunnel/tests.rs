@@ -3,8 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use super::protocol::*;
-use super::*;
+use crate::tunnel::protocol::*;
+use crate::tunnel::*;
 use crate::wire::Wire;
 
 fn welcome(limits: Limits) -> Control {
@@ -69,7 +69,7 @@ fn all_frames() -> Vec<Control> {
     ]
 }
 
-pub(super) fn source(publisher_id: u64, wire: crate::wire::Wire) -> AnnouncedSource {
+pub(crate) fn source(publisher_id: u64, wire: crate::wire::Wire) -> AnnouncedSource {
     let id =
         crate::discovery::ChannelId::new("prod", "backend", "kv-events", publisher_id).unwrap();
     AnnouncedSource::new(&id, wire)
@@ -125,7 +125,7 @@ fn every_code_round_trips_and_unknown_text_reads_as_unknown() {
 }
 
 /// Values for hand-made frames.
-pub(super) enum Raw<'a> {
+pub(crate) enum Raw<'a> {
     Str(&'a str),
     Uint(u64),
     Strs(&'a [&'a str]),
@@ -133,7 +133,7 @@ pub(super) enum Raw<'a> {
 }
 
 /// A frame built by hand (length prefix + a msgpack map), for hostile inputs.
-pub(super) fn frame_of(fields: &[(&str, Raw<'_>)]) -> Vec<u8> {
+pub(crate) fn frame_of(fields: &[(&str, Raw<'_>)]) -> Vec<u8> {
     fn str(out: &mut Vec<u8>, s: &str) {
         if s.len() < 256 {
             out.push(0xd9);
@@ -175,7 +175,7 @@ pub(super) fn frame_of(fields: &[(&str, Raw<'_>)]) -> Vec<u8> {
     out
 }
 
-pub(super) fn decode_one(wire: &[u8]) -> Result<Option<Control>, FrameError> {
+pub(crate) fn decode_one(wire: &[u8]) -> Result<Option<Control>, FrameError> {
     let (mut decoder, mut input) = (ControlDecoder::default(), wire);
     decoder.decode(&mut input)
 }
@@ -331,7 +331,7 @@ fn random_bytes_never_panic_and_stay_bounded() {
     }
 }
 
-pub(super) fn welcomed_pair(limits: Limits, now: Instant) -> (BrokerSession, RouterSession) {
+pub(crate) fn welcomed_pair(limits: Limits, now: Instant) -> (BrokerSession, RouterSession) {
     let mut broker = BrokerSession::new(Hello::new("b1", vec!["prod".into()]), now);
     let mut router = RouterSession::new(11, limits, now);
     exchange(&mut broker, &mut router, now);
@@ -348,7 +348,7 @@ pub(super) fn welcomed_pair(limits: Limits, now: Instant) -> (BrokerSession, Rou
 }
 
 /// Moves every queued frame both ways, through the codec, until both are quiet.
-pub(super) fn exchange(broker: &mut BrokerSession, router: &mut RouterSession, now: Instant) {
+pub(crate) fn exchange(broker: &mut BrokerSession, router: &mut RouterSession, now: Instant) {
     loop {
         let mut moved = false;
         let mut wire = Vec::new();

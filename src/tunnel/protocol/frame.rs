@@ -5,10 +5,10 @@
 
 use std::time::Duration;
 
-use super::announce::{AnnouncedSource, Role, Target, decode_sources, encode_sources};
-pub use super::codes::{AnnounceRefusal, CloseCode, DenyCode, DrainReason, RefuseCode};
-use super::fields::{Fields, Writer, name_of};
-pub use super::fields::{FrameError, MAX_NAME_LEN};
+use crate::tunnel::protocol::announce::{AnnouncedSource, Role, Target, decode_sources, encode_sources};
+pub use crate::tunnel::protocol::codes::{AnnounceRefusal, CloseCode, DenyCode, DrainReason, RefuseCode};
+use crate::tunnel::protocol::fields::{Fields, Writer, name_of};
+pub use crate::tunnel::protocol::fields::{FrameError, MAX_NAME_LEN};
 use crate::msgpack::{self, Value};
 
 /// The newest session protocol version this crate speaks. Version 2 adds the `source`
@@ -522,10 +522,10 @@ impl Control {
                 sources: decode_sources(&f, "announce")?,
             },
             "withdraw" => Control::Withdraw {
-                publisher_ids: f.uints("withdraw", "publisher_ids", super::MAX_ANNOUNCE)?,
+                publisher_ids: f.uints("withdraw", "publisher_ids", crate::tunnel::MAX_ANNOUNCE)?,
             },
             "announce_refused" => Control::AnnounceRefused {
-                publisher_ids: f.uints("announce_refused", "publisher_ids", super::MAX_ANNOUNCE)?,
+                publisher_ids: f.uints("announce_refused", "publisher_ids", crate::tunnel::MAX_ANNOUNCE)?,
                 code: AnnounceRefusal::parse(f.str("announce_refused", "code", 64)?),
             },
             "denied" => Control::Denied {

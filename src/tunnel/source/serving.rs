@@ -3,13 +3,13 @@
 
 use std::{fmt, sync::Arc};
 
-use super::announce::AnnouncedSource;
-use super::io::TunnelStream;
+use crate::tunnel::protocol::announce::AnnouncedSource;
+use crate::tunnel::io::TunnelStream;
 use crate::zmtp::StreamAcceptor;
 
 /// What serves an announced publisher's recovery streams: its worker's recovery
 /// endpoint ([`RecoveryServer::acceptor`](crate::kv::RecoveryServer::acceptor)
-/// returns one), handed to [`Source::announce_with_recovery`](super::Source::announce_with_recovery).
+/// returns one), handed to [`Source::announce_with_recovery`](crate::tunnel::Source::announce_with_recovery).
 pub trait RecoveryStreams: fmt::Debug + Send + Sync + 'static {
     /// Serves one router over `stream`; `false` when refused.
     fn accept(&self, stream: TunnelStream) -> bool;
@@ -22,20 +22,20 @@ pub trait RecoveryStreams: fmt::Debug + Send + Sync + 'static {
 
 /// An announced publisher: what the router is told, where its subscribers are
 /// served, and where its recovery log is (when announced with one).
-pub(super) struct Announced {
-    pub(super) source: AnnouncedSource,
-    pub(super) acceptor: StreamAcceptor,
-    pub(super) recovery: Option<Arc<dyn RecoveryStreams>>,
+pub(crate) struct Announced {
+    pub(crate) source: AnnouncedSource,
+    pub(crate) acceptor: StreamAcceptor,
+    pub(crate) recovery: Option<Arc<dyn RecoveryStreams>>,
 }
 
 /// What serves one data stream: the publisher's socket, or its recovery endpoint.
-pub(super) enum Serving {
+pub(crate) enum Serving {
     Publisher(StreamAcceptor),
     Recovery(Arc<dyn RecoveryStreams>),
 }
 
 impl Serving {
-    pub(super) fn is_closed(&self) -> bool {
+    pub(crate) fn is_closed(&self) -> bool {
         match self {
             Serving::Publisher(a) => a.is_closed(),
             Serving::Recovery(a) => a.is_closed(),
@@ -44,14 +44,14 @@ impl Serving {
 
     /// Whether it would take one more connection (a recovery endpoint holds at most
     /// its connection bound; a publisher's socket decides when the stream arrives).
-    pub(super) fn has_room(&self) -> bool {
+    pub(crate) fn has_room(&self) -> bool {
         match self {
             Serving::Publisher(_) => true,
             Serving::Recovery(a) => a.has_room(),
         }
     }
 
-    pub(super) fn accept(&self, stream: TunnelStream, label: String) -> bool {
+    pub(crate) fn accept(&self, stream: TunnelStream, label: String) -> bool {
         match self {
             Serving::Publisher(a) => a.accept_stream(stream, label),
             Serving::Recovery(a) => a.accept(stream),

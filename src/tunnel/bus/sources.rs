@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use super::announce::AnnouncedSource;
-use super::codes::{AnnounceRefusal, CodeCounts};
+use crate::tunnel::protocol::announce::AnnouncedSource;
+use crate::tunnel::protocol::codes::{AnnounceRefusal, CodeCounts};
 use crate::discovery::{
     BoxFuture, ChannelId, Discovery, DiscoveryError, DiscoveryStats, DiscoveryStream, Instance,
     MemoryDiscovery, Query, Registration, Transport, WorkerIdentity,
@@ -74,21 +74,21 @@ impl<C> State<C> {
 }
 
 /// How the table is bounded.
-pub(super) struct SourceLimits {
+pub(crate) struct SourceLimits {
     /// Most publishers announced on the bus at once.
-    pub(super) max: usize,
+    pub(crate) max: usize,
     /// Source credentials configured (each is sure of `max / sources`).
-    pub(super) sources: usize,
+    pub(crate) sources: usize,
     /// How long a lost session's channels stay bound to its credential.
-    pub(super) hold: Duration,
+    pub(crate) hold: Duration,
     /// Events each watcher of a view may have waiting before it is resynced.
-    pub(super) watch_buffer: usize,
+    pub(crate) watch_buffer: usize,
 }
 
 /// Which session serves which announced publisher (by channel: a namespace the
 /// announcing credential was granted is part of the key), and one view per wire
 /// layout (a subscriber reads one).
-pub(super) struct SourceTable<C> {
+pub(crate) struct SourceTable<C> {
     ours: MemoryDiscovery,
     dynamo: MemoryDiscovery,
     state: Mutex<State<C>>,
@@ -101,19 +101,19 @@ pub(super) struct SourceTable<C> {
     /// sessions claiming one channel never both touch the view.
     announcing: tokio::sync::Mutex<()>,
     /// Announcements refused, by [`AnnounceRefusal`].
-    pub(super) refused: CodeCounts,
+    pub(crate) refused: CodeCounts,
     /// Refusals warn once a minute per reason (a hostile source repeats them).
     warn: crate::net::RateLimitedWarn,
 }
 
 /// Where to subscribe to an announced publisher.
-pub(super) struct Route<C> {
-    pub(super) session_id: u64,
-    pub(super) commands: C,
+pub(crate) struct Route<C> {
+    pub(crate) session_id: u64,
+    pub(crate) commands: C,
 }
 
 impl<C: Clone> SourceTable<C> {
-    pub(super) fn new(limits: SourceLimits) -> SourceTable<C> {
+    pub(crate) fn new(limits: SourceLimits) -> SourceTable<C> {
         let view = || {
             MemoryDiscovery::builder()
                 .watch_buffer(limits.watch_buffer.max(1))
@@ -214,7 +214,7 @@ impl<C: Clone> SourceTable<C> {
     /// a new incarnation (one announced under a new channel leaves its old one), unless
     /// refused (counted by reason, warned once a minute by reason). Returns the
     /// refused announcements, with why.
-    pub(super) async fn announce(
+    pub(crate) async fn announce(
         &self,
         session_id: u64,
         client_id: &str,
@@ -345,7 +345,7 @@ impl<C: Clone> SourceTable<C> {
 
     /// Session `session_id` withdrew `publisher_ids` (those it holds are removed, and
     /// their channels free at once).
-    pub(super) fn withdraw(&self, session_id: u64, publisher_ids: &[u64]) {
+    pub(crate) fn withdraw(&self, session_id: u64, publisher_ids: &[u64]) {
         let gone: Vec<Held<C>> = publisher_ids
             .iter()
             .filter_map(|p| self.leave(session_id, *p, None))
@@ -355,7 +355,7 @@ impl<C: Clone> SourceTable<C> {
 
     /// Session `session_id` ended: every publisher it holds is removed (its channels
     /// stay bound to its credential for the hold).
-    pub(super) fn session_ended(&self, session_id: u64) {
+    pub(crate) fn session_ended(&self, session_id: u64) {
         let now = Instant::now();
         let gone: Vec<Held<C>> = {
             let mut state = self.state();
@@ -373,7 +373,7 @@ impl<C: Clone> SourceTable<C> {
     }
 
     /// The session serving channel `id` now.
-    pub(super) fn route(&self, id: &ChannelId) -> Option<Route<C>> {
+    pub(crate) fn route(&self, id: &ChannelId) -> Option<Route<C>> {
         self.state().held.get(id).map(|h| Route {
             session_id: h.session_id,
             commands: h.commands.clone(),
@@ -381,20 +381,20 @@ impl<C: Clone> SourceTable<C> {
     }
 
     /// Publishers announced now.
-    pub(super) fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.state().held.len()
     }
 
     /// The read-only discovery view of the publishers announced with `wire`.
-    pub(super) fn view(&self, wire: Wire) -> AnnouncedView {
+    pub(crate) fn view(&self, wire: Wire) -> AnnouncedView {
         AnnouncedView {
             view: self.of(wire).clone(),
         }
     }
 }
 
-/// The publishers sources announced on an [`EventBus`](super::EventBus) with one wire
-/// layout, as a [`Discovery`] (from [`EventBus::announced`](super::EventBus::announced)):
+/// The publishers sources announced on an [`EventBus`](crate::tunnel::EventBus) with one wire
+/// layout, as a [`Discovery`] (from [`EventBus::announced`](crate::tunnel::EventBus::announced)):
 /// follow it with a `DynamicSubscriber` built with `.tunnel(bus)` and that wire's
 /// layout.
 ///

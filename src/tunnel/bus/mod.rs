@@ -1,6 +1,16 @@
 //! The router's event bus (DESIGN §7.3): a TLS + HTTP/2 server that authenticates
-//! brokers, runs their sessions ([`RouterSession`](super::RouterSession)), and opens publisher connections
+//! brokers, runs their sessions ([`RouterSession`](crate::tunnel::RouterSession)), and opens publisher connections
 //! through them ([`EventBus::open_stream`]).
+
+pub(crate) mod accept;
+pub(crate) mod admission;
+pub(crate) mod auth;
+pub(crate) mod serve;
+pub(crate) mod sources;
+pub(crate) mod state;
+
+pub use auth::{BusClients, TokenDigest};
+pub use sources::AnnouncedView;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -13,15 +23,15 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::accept::accept_loop;
-use super::admission::Pending;
-use super::announce::Target;
-use super::auth::BusClients;
-use super::error::TunnelError;
-use super::io::TunnelStream;
-use super::serve::{Command, Counters, Inner, Waiter};
-use super::sources::{AnnouncedView, SourceLimits, SourceTable};
-use super::{DrainReason, PENDING_SUBSCRIBE_TIMEOUT, RefuseCode, rendezvous_ranked};
+use crate::tunnel::bus::accept::accept_loop;
+use crate::tunnel::bus::admission::Pending;
+use crate::tunnel::protocol::announce::Target;
+use crate::tunnel::bus::auth::BusClients;
+use crate::tunnel::error::TunnelError;
+use crate::tunnel::io::TunnelStream;
+use crate::tunnel::bus::serve::{Command, Counters, Inner, Waiter};
+use crate::tunnel::bus::sources::{AnnouncedView, SourceLimits, SourceTable};
+use crate::tunnel::{DrainReason, PENDING_SUBSCRIBE_TIMEOUT, RefuseCode, rendezvous_ranked};
 use crate::discovery::ChannelId;
 use crate::wire::Wire;
 
@@ -117,7 +127,7 @@ pub struct BusStats {
 ///
 /// A connection carries one broker session and closes with it. Until it presents an
 /// accepted credential it waits in a pool of its own
-/// ([`EventBusConfig::max_pending_connections`](super::EventBusConfig), 64, at most 8
+/// ([`EventBusConfig::max_pending_connections`](crate::tunnel::EventBusConfig), 64, at most 8
 /// per IPv4 address or IPv6 /64; when full, among the least advanced — silent, then
 /// speaking, then past TLS — the oldest of the busiest source is closed), and
 /// must complete TLS and authenticate within 3 s each: connections that never
@@ -160,12 +170,12 @@ impl EventBus {
     /// that present a credential of `clients` (within its grant), offering them
     /// `config.limits` and holding their connections to `config`'s caps and
     /// deadlines (refused by
-    /// [`EventBusConfig::validate`](super::EventBusConfig::validate) before binding).
+    /// [`EventBusConfig::validate`](crate::tunnel::EventBusConfig::validate) before binding).
     pub async fn bind(
         addr: &str,
         tls: Arc<rustls::ServerConfig>,
         clients: BusClients,
-        config: super::EventBusConfig,
+        config: crate::tunnel::EventBusConfig,
     ) -> Result<EventBus, TunnelError> {
         config.validate()?;
         if clients.is_empty() {
@@ -228,7 +238,7 @@ impl EventBus {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .values()
-            .filter(|e| e.role == super::Role::Source)
+            .filter(|e| e.role == crate::tunnel::Role::Source)
             .count();
         BusStats {
             sessions: self
@@ -343,7 +353,7 @@ impl EventBus {
         target: &str,
         recovery: bool,
     ) -> Result<TunnelStream, TunnelError> {
-        if !super::frame::is_valid_target(target) {
+        if !crate::tunnel::protocol::frame::is_valid_target(target) {
             self.inner
                 .counters
                 .bad_targets
@@ -417,7 +427,7 @@ impl EventBus {
     }
 
     /// Opens a connection to the recovery log of publisher `id`, which a source
-    /// announced with one ([`AnnouncedSource::recovery`](super::AnnouncedSource::recovery)),
+    /// announced with one ([`AnnouncedSource::recovery`](crate::tunnel::AnnouncedSource::recovery)),
     /// through that source's session: a [`kv::recover_over`](crate::kv::recover_over)
     /// runs over it. `Refused(TargetNotAnnounced)` when no session announces it now (or
     /// announced it without a recovery log).

@@ -13,22 +13,22 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use super::codes::CodeCounts;
-use super::config::BrokerConfig;
-use super::io::{BrokerBody, RelayQueue, next_chunk, relay_queue};
-use super::view::View;
-use super::{CloseCode, RefuseCode, RelayBudget};
+use crate::tunnel::protocol::codes::CodeCounts;
+use crate::tunnel::config::BrokerConfig;
+use crate::tunnel::io::{BrokerBody, RelayQueue, next_chunk, relay_queue};
+use crate::tunnel::broker::view::View;
+use crate::tunnel::{CloseCode, RefuseCode, RelayBudget};
 
 /// What a stream task reports to its session: about `stream_id` as opened the
 /// `generation`-th time (a router may reuse an id once it let go of it; a late report
 /// of the earlier relay must not touch the new one).
-pub(super) struct Report {
-    pub(super) stream_id: u64,
-    pub(super) generation: u64,
-    pub(super) what: Reported,
+pub(crate) struct Report {
+    pub(crate) stream_id: u64,
+    pub(crate) generation: u64,
+    pub(crate) what: Reported,
 }
 
-pub(super) enum Reported {
+pub(crate) enum Reported {
     Opened,
     Refused(RefuseCode),
     Closed(CloseCode),
@@ -38,15 +38,15 @@ pub(super) enum Reported {
 }
 
 /// What the relays of one session share.
-pub(super) struct Relay {
+pub(crate) struct Relay {
     /// One permit per data stream the router's concurrency limit allows.
-    pub(super) slots: Arc<tokio::sync::Semaphore>,
-    pub(super) config: BrokerConfig,
-    pub(super) view: View,
-    pub(super) sender: SendRequest<BrokerBody>,
-    pub(super) authority: String,
-    pub(super) budget: Arc<Mutex<RelayBudget>>,
-    pub(super) counters: Arc<Counters>,
+    pub(crate) slots: Arc<tokio::sync::Semaphore>,
+    pub(crate) config: BrokerConfig,
+    pub(crate) view: View,
+    pub(crate) sender: SendRequest<BrokerBody>,
+    pub(crate) authority: String,
+    pub(crate) budget: Arc<Mutex<RelayBudget>>,
+    pub(crate) counters: Arc<Counters>,
 }
 
 /// A data stream through every stage: the publisher connected, the router answered.
@@ -61,7 +61,7 @@ struct Opened {
 }
 
 /// Opens data stream `stream_id` to `target` stage by stage, then relays it.
-pub(super) async fn relay(
+pub(crate) async fn relay(
     ctx: Arc<Relay>,
     this: Report,
     target: String,
@@ -247,7 +247,7 @@ async fn pump(
     // `Some(code)` when this side ends it, `None` when the router let go.
     let up = async move {
         // A relay holds it for its whole life (1,000 streams: 16 MiB).
-        let mut buf = vec![0u8; super::RELAY_READ_BYTES];
+        let mut buf = vec![0u8; crate::tunnel::RELAY_READ_BYTES];
         loop {
             let n = match read.read(&mut buf).await {
                 Ok(0) | Err(_) => return Some(CloseCode::UpstreamClosed),
@@ -302,27 +302,27 @@ async fn pump(
 }
 
 /// A broker's counters and state shared by its sessions and relays.
-pub(super) struct Counters {
-    pub(super) sessions: AtomicU64,
-    pub(super) connected: std::sync::atomic::AtomicBool,
-    pub(super) session_failures: AtomicU64,
-    pub(super) streams_opened: AtomicU64,
-    pub(super) rebalances_throttled: AtomicU64,
-    pub(super) bytes_up: AtomicU64,
-    pub(super) bytes_down: AtomicU64,
-    pub(super) high_water: AtomicU64,
-    pub(super) refused: CodeCounts,
-    pub(super) closed: CodeCounts,
-    pub(super) denied: CodeCounts,
+pub(crate) struct Counters {
+    pub(crate) sessions: AtomicU64,
+    pub(crate) connected: std::sync::atomic::AtomicBool,
+    pub(crate) session_failures: AtomicU64,
+    pub(crate) streams_opened: AtomicU64,
+    pub(crate) rebalances_throttled: AtomicU64,
+    pub(crate) bytes_up: AtomicU64,
+    pub(crate) bytes_down: AtomicU64,
+    pub(crate) high_water: AtomicU64,
+    pub(crate) refused: CodeCounts,
+    pub(crate) closed: CodeCounts,
+    pub(crate) denied: CodeCounts,
     /// DNS lookups in flight: one permit each.
-    pub(super) dns: Arc<tokio::sync::Semaphore>,
+    pub(crate) dns: Arc<tokio::sync::Semaphore>,
     /// Lookups that found every slot taken and waited.
-    pub(super) dns_saturated: AtomicU64,
+    pub(crate) dns_saturated: AtomicU64,
     /// Streams relaying now.
-    pub(super) open: AtomicU64,
+    pub(crate) open: AtomicU64,
     /// Refusals warn once a minute per code, with the count suppressed.
-    pub(super) warn: crate::net::RateLimitedWarn,
-    pub(super) view: View,
+    pub(crate) warn: crate::net::RateLimitedWarn,
+    pub(crate) view: View,
 }
 
 impl std::fmt::Debug for Counters {

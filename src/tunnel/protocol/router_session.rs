@@ -5,12 +5,12 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::announce::{AnnouncedSource, Role, Target};
-use super::frame::{
+use crate::tunnel::protocol::announce::{AnnouncedSource, Role, Target};
+use crate::tunnel::protocol::frame::{
     AnnounceRefusal, CloseCode, Control, DenyCode, DrainReason, Limits, MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION, RefuseCode, Welcome,
 };
-use super::session::{
+use crate::tunnel::protocol::broker_session::{
     Grant, HANDSHAKE_TIMEOUT, Liveness, OpenRate, Outbox, PENDING_SUBSCRIBE_TIMEOUT, SessionEnd,
 };
 
@@ -86,7 +86,7 @@ pub enum SubscribeError {
     /// The stream id is in use in this session.
     #[error("the stream id is in use")]
     DuplicateStream,
-    /// The target is empty, over [`MAX_NAME_LEN`](super::MAX_NAME_LEN) bytes, or not
+    /// The target is empty, over [`MAX_NAME_LEN`](crate::tunnel::MAX_NAME_LEN) bytes, or not
     /// `tcp://host:port`: no broker could dial it, so it is never sent.
     #[error("the target is not a tcp://host:port of at most 1024 bytes")]
     BadTarget,
@@ -429,7 +429,7 @@ impl RouterSession {
             _ => return Err(SubscribeError::NotActive),
         }
         match (&target, self.role) {
-            (Target::Tcp(t), Role::Broker) if !super::frame::is_valid_target(t) => {
+            (Target::Tcp(t), Role::Broker) if !crate::tunnel::protocol::frame::is_valid_target(t) => {
                 return Err(SubscribeError::BadTarget);
             }
             (Target::Tcp(_), Role::Broker) => {}
@@ -552,7 +552,7 @@ impl RouterSession {
             self.announced.remove(id);
         }
         while !ids.is_empty() && self.state != RouterState::Ended {
-            let tail = ids.split_off(ids.len().min(super::MAX_ANNOUNCE));
+            let tail = ids.split_off(ids.len().min(crate::tunnel::MAX_ANNOUNCE));
             self.send(Control::AnnounceRefused {
                 publisher_ids: ids,
                 code,

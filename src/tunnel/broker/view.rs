@@ -54,13 +54,13 @@ impl Namespace {
     /// in which case the publisher is advertised without it).
     fn add(&mut self, instance: &Instance) -> bool {
         let endpoint = instance.transport.endpoint();
-        if endpoint.len() > super::MAX_NAME_LEN {
+        if endpoint.len() > crate::tunnel::MAX_NAME_LEN {
             return false;
         }
         let mut advertised = vec![endpoint.to_owned()];
         let mut whole = true;
         if let Some(recovery) = &instance.recovery {
-            whole = recovery.len() <= super::MAX_NAME_LEN;
+            whole = recovery.len() <= crate::tunnel::MAX_NAME_LEN;
             if whole && recovery != endpoint {
                 advertised.push(recovery.clone());
             }

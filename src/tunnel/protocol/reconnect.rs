@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::DrainReason;
+use crate::tunnel::DrainReason;
 use crate::net::{Backoff, unit_draw};
 
 /// How long a broker waits before reconnecting (DESIGN §7.2): jittered exponential

@@ -2,11 +2,11 @@
 //! per-broker credentials bound to a client id and the namespaces it may cover,
 //! stored as SHA-256 digests and compared in constant time.
 
-use super::announce::Role;
-use super::error::TunnelError;
-use super::io::Secret;
-use super::session::Grant;
-use super::{MAX_NAME_LEN, MAX_NAMESPACES};
+use crate::tunnel::protocol::announce::Role;
+use crate::tunnel::error::TunnelError;
+use crate::tunnel::io::Secret;
+use crate::tunnel::protocol::broker_session::Grant;
+use crate::tunnel::{MAX_NAME_LEN, MAX_NAMESPACES};
 
 /// Most credentials one bus holds.
 pub(crate) const MAX_BUS_CLIENTS: usize = 4096;
@@ -98,13 +98,13 @@ struct Client {
     namespaces: Vec<String>,
 }
 
-/// The credentials an [`EventBus`](super::EventBus) accepts, and what each grants
+/// The credentials an [`EventBus`](crate::tunnel::EventBus) accepts, and what each grants
 /// (DESIGN §7.3).
 ///
 /// - [`broker`](Self::broker): one credential per broker, bound to its `client_id`
 ///   and the namespaces it may cover. A hello naming another client id or another
 ///   namespace is denied (`denied{client_id_not_granted | namespace_not_granted}`,
-///   counted in [`BusStats::denied`](super::BusStats)), so a broker can neither
+///   counted in [`BusStats::denied`](crate::tunnel::BusStats)), so a broker can neither
 ///   supersede another nor claim its namespaces.
 /// - [`shared`](Self::shared): one token for a single trusted broker (any client id
 ///   not bound to a per-broker credential, the namespaces given). Whoever holds it may
@@ -390,7 +390,7 @@ mod tests {
 
     #[test]
     fn a_shared_token_cannot_claim_a_bound_client_id() {
-        use super::super::{DenyCode, Hello};
+        use crate::tunnel::{DenyCode, Hello};
         let shared = Secret::new("shared-token-0123456789").unwrap();
         let clients = BusClients::shared(&shared, vec!["prod".into()])
             .unwrap()

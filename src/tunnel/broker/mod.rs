@@ -2,6 +2,9 @@
 //! event bus, and per `subscribe` checks the target, connects to the publisher and
 //! relays raw bytes both ways, without parsing them.
 
+pub(crate) mod relay;
+pub(crate) mod view;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -11,14 +14,14 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::client::{BusSession, Ending, Outcome, feed, open_session};
-use super::codes::CodeCounts;
-use super::config::BrokerConfig;
-use super::error::TunnelError;
-use super::io::next_chunk;
-use super::relay::{Counters, Relay, Report, Reported, relay};
-use super::view::View;
-use super::{
+use crate::tunnel::client::{BusSession, Ending, Outcome, feed, open_session};
+use crate::tunnel::protocol::codes::CodeCounts;
+use crate::tunnel::config::BrokerConfig;
+use crate::tunnel::error::TunnelError;
+use crate::tunnel::io::next_chunk;
+use crate::tunnel::broker::relay::{Counters, Relay, Report, Reported, relay};
+use crate::tunnel::broker::view::View;
+use crate::tunnel::{
     BrokerEvent, BrokerSession, ControlDecoder, DrainReason, Hello, Reconnect, RelayBudget,
 };
 use crate::net::random_unit;
@@ -295,7 +298,7 @@ async fn session(
         // fills the session's bounded outbox, which ends the session.
         match ctrl_tx.try_reserve() {
             Ok(permit) if broker.has_transmit() => {
-                permit.send(Ok(super::frame::encode_frames(|| broker.poll_transmit())))
+                permit.send(Ok(crate::tunnel::protocol::frame::encode_frames(|| broker.poll_transmit())))
             }
             Err(mpsc::error::TrySendError::Closed(())) => broker.close(),
             _ => {}
@@ -308,9 +311,9 @@ async fn session(
                     counters.connected.store(true, Ordering::Relaxed);
                     // The backoff starts over only once the session held: a router
                     // that welcomes and then ends every session is not hammered.
-                    stable_at = Some(tokio::time::Instant::now() + super::JOIN_HOLD_DOWN);
+                    stable_at = Some(tokio::time::Instant::now() + crate::tunnel::JOIN_HOLD_DOWN);
                     slots.add_permits(
-                        welcome.limits.max_streams.min(super::MAX_BROKER_STREAMS) as usize
+                        welcome.limits.max_streams.min(crate::tunnel::MAX_BROKER_STREAMS) as usize
                     );
                     *budget.lock().unwrap_or_else(|p| p.into_inner()) = RelayBudget::new(
                         (welcome.limits.max_stream_buffer_bytes as usize)
@@ -359,7 +362,7 @@ async fn session(
                     ending.drain = Some((reason, tokio::time::Instant::now() + deadline));
                 }
                 BrokerEvent::Ended(end) => {
-                    if let super::SessionEnd::Denied(code) = end {
+                    if let crate::tunnel::SessionEnd::Denied(code) = end {
                         counters.denied.add(code.as_str());
                         tracing::warn!(client_id = %config.client_id, %code, "the bus denied the session: its credential does not grant this client id or these namespaces");
                     } else {
@@ -429,7 +432,7 @@ async fn session(
             }
             () = conn_done.cancelled() => broker.close(),
             permit = ctrl_tx.reserve(), if broker.has_transmit() => match permit {
-                Ok(permit) => permit.send(Ok(super::frame::encode_frames(|| broker.poll_transmit()))),
+                Ok(permit) => permit.send(Ok(crate::tunnel::protocol::frame::encode_frames(|| broker.poll_transmit()))),
                 Err(_) => broker.close(),
             },
         }

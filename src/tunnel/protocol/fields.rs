@@ -44,12 +44,12 @@ pub enum FrameError {
 }
 
 /// Typed access to a frame's fields, each failure naming frame and field.
-pub(super) struct Fields<'v, 'a> {
-    pub(super) value: &'v Value<'a>,
+pub(crate) struct Fields<'v, 'a> {
+    pub(crate) value: &'v Value<'a>,
 }
 
 impl<'v, 'a> Fields<'v, 'a> {
-    pub(super) fn get(
+    pub(crate) fn get(
         &self,
         frame: &'static str,
         field: &'static str,
@@ -59,13 +59,13 @@ impl<'v, 'a> Fields<'v, 'a> {
             .ok_or(FrameError::Field { frame, field })
     }
 
-    pub(super) fn u64(&self, frame: &'static str, field: &'static str) -> Result<u64, FrameError> {
+    pub(crate) fn u64(&self, frame: &'static str, field: &'static str) -> Result<u64, FrameError> {
         self.get(frame, field)?
             .as_u64()
             .ok_or(FrameError::Field { frame, field })
     }
 
-    pub(super) fn u32(&self, frame: &'static str, field: &'static str) -> Result<u32, FrameError> {
+    pub(crate) fn u32(&self, frame: &'static str, field: &'static str) -> Result<u32, FrameError> {
         u32::try_from(self.u64(frame, field)?).map_err(|_| FrameError::OutOfBounds {
             frame,
             field,
@@ -73,7 +73,7 @@ impl<'v, 'a> Fields<'v, 'a> {
         })
     }
 
-    pub(super) fn str(
+    pub(crate) fn str(
         &self,
         frame: &'static str,
         field: &'static str,
@@ -93,7 +93,7 @@ impl<'v, 'a> Fields<'v, 'a> {
         Ok(s)
     }
 
-    pub(super) fn name(
+    pub(crate) fn name(
         &self,
         frame: &'static str,
         field: &'static str,
@@ -101,7 +101,7 @@ impl<'v, 'a> Fields<'v, 'a> {
         name_of(self.get(frame, field)?, frame, field)
     }
 
-    pub(super) fn array(
+    pub(crate) fn array(
         &self,
         frame: &'static str,
         field: &'static str,
@@ -123,7 +123,7 @@ impl<'v, 'a> Fields<'v, 'a> {
 
     /// An array of non-negative integers (the reader's compact form, or an empty
     /// array), at most `max` long.
-    pub(super) fn uints(
+    pub(crate) fn uints(
         &self,
         frame: &'static str,
         field: &'static str,
@@ -145,7 +145,7 @@ impl<'v, 'a> Fields<'v, 'a> {
     }
 }
 
-pub(super) fn name_of(
+pub(crate) fn name_of(
     value: &Value<'_>,
     frame: &'static str,
     field: &'static str,
@@ -162,15 +162,15 @@ pub(super) fn name_of(
 }
 
 /// A minimal msgpack writer for the frames above (maps, strings, unsigned integers).
-pub(super) struct Writer<'a>(pub(super) &'a mut Vec<u8>);
+pub(crate) struct Writer<'a>(pub(crate) &'a mut Vec<u8>);
 
 impl Writer<'_> {
-    pub(super) fn map(&mut self, len: u8) {
+    pub(crate) fn map(&mut self, len: u8) {
         // Every frame has fewer than 16 fields: a fixmap.
         self.0.push(0x80 | (len & 0x0f));
     }
 
-    pub(super) fn array(&mut self, len: usize) {
+    pub(crate) fn array(&mut self, len: usize) {
         match u16::try_from(len) {
             Ok(n) if n < 16 => self.0.push(0x90 | n as u8),
             Ok(n) => {
@@ -185,7 +185,7 @@ impl Writer<'_> {
         }
     }
 
-    pub(super) fn str(&mut self, s: &str) {
+    pub(crate) fn str(&mut self, s: &str) {
         let len = s.len();
         if len < 32 {
             self.0.push(0xa0 | len as u8);
@@ -203,7 +203,7 @@ impl Writer<'_> {
         self.0.extend_from_slice(s.as_bytes());
     }
 
-    pub(super) fn uint(&mut self, v: u64) {
+    pub(crate) fn uint(&mut self, v: u64) {
         if v < 128 {
             self.0.push(v as u8);
         } else if let Ok(n) = u8::try_from(v) {
@@ -220,16 +220,16 @@ impl Writer<'_> {
         }
     }
 
-    pub(super) fn bool(&mut self, v: bool) {
+    pub(crate) fn bool(&mut self, v: bool) {
         self.0.push(if v { 0xc3 } else { 0xc2 });
     }
 
-    pub(super) fn entry_str(&mut self, key: &str, value: &str) {
+    pub(crate) fn entry_str(&mut self, key: &str, value: &str) {
         self.str(key);
         self.str(value);
     }
 
-    pub(super) fn entry_uint(&mut self, key: &str, value: u64) {
+    pub(crate) fn entry_uint(&mut self, key: &str, value: u64) {
         self.str(key);
         self.uint(value);
     }

@@ -2,6 +2,14 @@
 //! router's event bus, announces its publishers, and serves every `subscribe` for one
 //! of them from that publisher's own socket, as one more subscriber connection.
 
+pub(crate) mod config;
+pub(crate) mod serving;
+#[cfg(test)]
+mod tests;
+
+pub use config::SourceConfig;
+pub use serving::RecoveryStreams;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -12,14 +20,14 @@ use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::announce::AnnouncedSource;
-use super::client::{BusSession, Ending, Outcome, feed, open_session};
-use super::codes::CodeCounts;
-use super::error::TunnelError;
-use super::io::{BrokerBody, ChannelBody, StreamBytes, TUNNEL_WRITE_CHUNKS, next_chunk};
-use super::serving::{Announced, RecoveryStreams, Serving};
-use super::source_config::SourceConfig;
-use super::{
+use crate::tunnel::protocol::announce::AnnouncedSource;
+use crate::tunnel::client::{BusSession, Ending, Outcome, feed, open_session};
+use crate::tunnel::protocol::codes::CodeCounts;
+use crate::tunnel::error::TunnelError;
+use crate::tunnel::io::{BrokerBody, ChannelBody, StreamBytes, TUNNEL_WRITE_CHUNKS, next_chunk};
+use crate::tunnel::source::serving::{Announced, RecoveryStreams, Serving};
+use crate::tunnel::source::config::SourceConfig;
+use crate::tunnel::{
     BrokerEvent, BrokerSession, CloseCode, ControlDecoder, Hello, MAX_ANNOUNCE, Reconnect,
     RefuseCode,
 };
@@ -32,9 +40,9 @@ use crate::zmtp::StreamAcceptor;
 pub(crate) const ANNOUNCE_RETRY: Duration = Duration::from_secs(10);
 
 /// `announce` frames a [`Source`] keeps short of the router's
-/// [`ANNOUNCE_BURST`](super::ANNOUNCE_BURST): the router's bucket starts when it
+/// [`ANNOUNCE_BURST`](crate::tunnel::ANNOUNCE_BURST): the router's bucket starts when it
 /// accepts the session, up to this many frames' time (at
-/// [`ANNOUNCES_PER_SECOND`](super::ANNOUNCES_PER_SECOND), a second) after the
+/// [`ANNOUNCES_PER_SECOND`](crate::tunnel::ANNOUNCES_PER_SECOND), a second) after the
 /// source's.
 const ANNOUNCE_PACE_MARGIN: u32 = 4;
 
@@ -226,7 +234,7 @@ impl Source {
     /// As [`announce`](Self::announce), with the worker's recovery log served by
     /// `recovery` (from [`RecoveryServer::acceptor`](crate::kv::RecoveryServer::acceptor)):
     /// the announcement says so, and a router that lost the publisher's events asks
-    /// for them through this session (a [`Target::Recovery`](super::Target::Recovery)
+    /// for them through this session (a [`Target::Recovery`](crate::tunnel::Target::Recovery)
     /// stream, served within the recovery endpoint's own bounds).
     ///
     /// ```no_run
@@ -417,9 +425,9 @@ async fn session(
     // starts when it accepts the session, which on a loaded host may come after this
     // one starts: a burst short by `ANNOUNCE_PACE_MARGIN` frames covers that late a
     // start and never runs ahead of it.
-    let mut pace = super::session::OpenRate::new(
-        super::ANNOUNCES_PER_SECOND,
-        super::ANNOUNCE_BURST - ANNOUNCE_PACE_MARGIN,
+    let mut pace = crate::tunnel::protocol::broker_session::OpenRate::new(
+        crate::tunnel::ANNOUNCES_PER_SECOND,
+        crate::tunnel::ANNOUNCE_BURST - ANNOUNCE_PACE_MARGIN,
         Instant::now(),
     );
     // (What the hello did not carry goes at once: owed when over the burst.)
@@ -443,9 +451,9 @@ async fn session(
                 BrokerEvent::Welcomed(welcome) => {
                     shared.sessions.fetch_add(1, Ordering::Relaxed);
                     shared.connected.store(true, Ordering::Relaxed);
-                    stable_at = Some(tokio::time::Instant::now() + super::JOIN_HOLD_DOWN);
+                    stable_at = Some(tokio::time::Instant::now() + crate::tunnel::JOIN_HOLD_DOWN);
                     slots.add_permits(
-                        welcome.limits.max_streams.min(super::MAX_BROKER_STREAMS) as usize
+                        welcome.limits.max_streams.min(crate::tunnel::MAX_BROKER_STREAMS) as usize
                     );
                     tracing::info!(client_id = %config.client_id, session_id = welcome.session_id, announced = sent.len(), "bus session welcomed: announcing as a source");
                     if sent.len() > welcome.limits.max_sources as usize {
@@ -540,7 +548,7 @@ async fn session(
                     ending.drain = Some((reason, tokio::time::Instant::now() + deadline));
                 }
                 BrokerEvent::Ended(end) => {
-                    if let super::SessionEnd::Denied(code) = end {
+                    if let crate::tunnel::SessionEnd::Denied(code) = end {
                         shared.denied.add(code.as_str());
                         tracing::warn!(client_id = %config.client_id, %code, "the bus denied the session: its credential does not grant this client id, the source role, or these namespaces");
                     } else {
@@ -630,7 +638,7 @@ async fn session(
             }
             () = conn_done.cancelled() => client.close(),
             permit = ctrl_tx.reserve(), if client.has_transmit() => match permit {
-                Ok(permit) => permit.send(Ok(super::frame::encode_frames(|| client.poll_transmit()))),
+                Ok(permit) => permit.send(Ok(crate::tunnel::protocol::frame::encode_frames(|| client.poll_transmit()))),
                 Err(_) => client.close(),
             },
         }
@@ -708,7 +716,7 @@ async fn serve(
         }
     };
     let (gone_tx, gone) = tokio::sync::oneshot::channel::<()>();
-    let stream = super::io::TunnelStream::new(
+    let stream = crate::tunnel::io::TunnelStream::new(
         incoming,
         tx,
         shared.bytes.clone(),

@@ -14,47 +14,47 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::admission::Pending;
-use super::announce::Role;
-use super::auth::{BusClients, Identity};
-use super::error::TunnelError;
-use super::io::{BODY_CHANNEL, ChannelBody, TUNNEL_WRITE_CHUNKS, TunnelStream, next_chunk};
-use super::sources::SourceTable;
-use super::{
+use crate::tunnel::bus::admission::Pending;
+use crate::tunnel::protocol::announce::Role;
+use crate::tunnel::bus::auth::{BusClients, Identity};
+use crate::tunnel::error::TunnelError;
+use crate::tunnel::io::{BODY_CHANNEL, ChannelBody, TUNNEL_WRITE_CHUNKS, TunnelStream, next_chunk};
+use crate::tunnel::bus::sources::SourceTable;
+use crate::tunnel::{
     ControlDecoder, DenyCode, EventBusConfig, RefuseCode, RouterSession, SessionEnd, SessionEvent,
     SubscribeError, rendezvous_owner,
 };
 
-pub(super) use super::bus_state::{Command, Counters, Detached, Entry, OpenStream, Waiter};
+pub(crate) use crate::tunnel::bus::state::{Command, Counters, Detached, Entry, OpenStream, Waiter};
 
-pub(super) struct Inner {
-    pub(super) clients: BusClients,
-    pub(super) config: EventBusConfig,
+pub(crate) struct Inner {
+    pub(crate) clients: BusClients,
+    pub(crate) config: EventBusConfig,
     /// Connections that have not authenticated yet.
-    pub(super) pending: Mutex<Pending<CancellationToken>>,
+    pub(crate) pending: Mutex<Pending<CancellationToken>>,
     /// One permit per authenticated connection.
-    pub(super) authenticated: Arc<tokio::sync::Semaphore>,
+    pub(crate) authenticated: Arc<tokio::sync::Semaphore>,
     /// Authenticated connections held per credential.
-    pub(super) per_identity: Mutex<HashMap<Identity, usize>>,
+    pub(crate) per_identity: Mutex<HashMap<Identity, usize>>,
     /// Refusals and evictions warn once a minute per kind.
-    pub(super) warn: crate::net::RateLimitedWarn,
-    pub(super) sessions: Mutex<HashMap<String, Entry>>,
-    pub(super) waiting: Mutex<HashMap<u64, Waiter>>,
-    pub(super) open: Mutex<HashMap<u64, OpenStream>>,
-    pub(super) next_session: AtomicU64,
-    pub(super) next_conn: AtomicU64,
-    pub(super) counters: Counters,
+    pub(crate) warn: crate::net::RateLimitedWarn,
+    pub(crate) sessions: Mutex<HashMap<String, Entry>>,
+    pub(crate) waiting: Mutex<HashMap<u64, Waiter>>,
+    pub(crate) open: Mutex<HashMap<u64, OpenStream>>,
+    pub(crate) next_session: AtomicU64,
+    pub(crate) next_conn: AtomicU64,
+    pub(crate) counters: Counters,
     /// Which source session serves which announced publisher.
-    pub(super) sources: SourceTable<mpsc::Sender<Command>>,
-    pub(super) cancel: CancellationToken,
-    pub(super) tracker: TaskTracker,
+    pub(crate) sources: SourceTable<mpsc::Sender<Command>>,
+    pub(crate) cancel: CancellationToken,
+    pub(crate) tracker: TaskTracker,
 }
 
 impl Inner {
     /// Broker `joined` was welcomed: ends the open streams of other brokers whose
     /// publisher it now owns by rendezvous hashing, so their subscribers reconnect
     /// through it. Only its share moves.
-    pub(super) fn move_share_to(&self, joined: &str) {
+    pub(crate) fn move_share_to(&self, joined: &str) {
         let live: HashMap<String, Vec<String>> = {
             let sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
             let Some(entry) = sessions.get(joined) else {
@@ -97,7 +97,7 @@ impl Inner {
 
     /// Ends the data stream `stream_id` if it is open (the broker refused or closed it
     /// after it attached).
-    pub(super) fn end_stream(&self, stream_id: u64) {
+    pub(crate) fn end_stream(&self, stream_id: u64) {
         if let Some(open) = self
             .open
             .lock()
@@ -109,13 +109,13 @@ impl Inner {
     }
 
     /// A warning of kind `key`, at most once a minute (with the count suppressed).
-    pub(super) fn warn(&self, key: &str, message: std::fmt::Arguments<'_>) {
+    pub(crate) fn warn(&self, key: &str, message: std::fmt::Arguments<'_>) {
         if let Some(suppressed) = self.warn.check(key, Instant::now()) {
             tracing::warn!(suppressed, "{message}");
         }
     }
 
-    pub(super) fn fail(&self, stream_id: u64, error: TunnelError) {
+    pub(crate) fn fail(&self, stream_id: u64, error: TunnelError) {
         let waiter = self
             .waiting
             .lock()
@@ -132,25 +132,25 @@ impl Inner {
 /// session ends, or when it does not authenticate within
 /// [`EventBusConfig::auth_timeout`] or have a session welcomed within
 /// [`EventBusConfig::session_start_timeout`].
-pub(super) struct Conn {
-    pub(super) id: u64,
+pub(crate) struct Conn {
+    pub(crate) id: u64,
     /// The credential it authenticated with, and its authenticated slot.
-    pub(super) auth: Mutex<Option<AuthSlot>>,
+    pub(crate) auth: Mutex<Option<AuthSlot>>,
     /// It authenticated.
-    pub(super) authenticated: AtomicBool,
+    pub(crate) authenticated: AtomicBool,
     /// A session runs on it.
-    pub(super) busy: AtomicBool,
+    pub(crate) busy: AtomicBool,
     /// A session on it was welcomed.
-    pub(super) welcomed: AtomicBool,
+    pub(crate) welcomed: AtomicBool,
     /// Requests it made before it authenticated.
-    pub(super) unauthenticated_requests: AtomicU64,
+    pub(crate) unauthenticated_requests: AtomicU64,
     /// Cancelled to close the connection.
-    pub(super) close: CancellationToken,
+    pub(crate) close: CancellationToken,
 }
 
 /// An authenticated connection's slot: one of `max_connections`, and one of its
 /// credential's `max_connections_per_client`; both given back when it closes.
-pub(super) struct AuthSlot {
+pub(crate) struct AuthSlot {
     identity: Identity,
     inner: std::sync::Weak<Inner>,
     _permit: tokio::sync::OwnedSemaphorePermit,
@@ -174,7 +174,7 @@ impl Drop for AuthSlot {
 /// unauthenticated pool for an authenticated slot, within the credential's share
 /// (`false` when it was evicted meanwhile, or no slot is free: the connection
 /// closes); after that, every request must present the same credential.
-pub(super) fn authenticate(inner: &Arc<Inner>, conn: &Conn, identity: Identity) -> bool {
+pub(crate) fn authenticate(inner: &Arc<Inner>, conn: &Conn, identity: Identity) -> bool {
     let mut auth = conn.auth.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(held) = auth.as_ref() {
         return held.identity == identity;
@@ -257,7 +257,7 @@ fn close_soon(conn: &Conn) {
     });
 }
 
-pub(super) async fn route(
+pub(crate) async fn route(
     inner: Arc<Inner>,
     conn: Arc<Conn>,
     req: Request<Incoming>,
@@ -377,7 +377,7 @@ async fn run_session(
         // fills the session's bounded outbox, which ends the session.
         match out.try_reserve() {
             Ok(permit) if session.has_transmit() => {
-                permit.send(Ok(super::frame::encode_frames(|| session.poll_transmit())))
+                permit.send(Ok(crate::tunnel::protocol::frame::encode_frames(|| session.poll_transmit())))
             }
             Err(mpsc::error::TrySendError::Closed(())) => session.close(),
             _ => {}
@@ -488,7 +488,7 @@ async fn run_session(
                         // The `denied` frame says why; the broker ends its side on
                         // reading it (or within a second, the connection closes).
                         if session.has_transmit() {
-                            let _ = out.try_send(Ok(super::frame::encode_frames(|| {
+                            let _ = out.try_send(Ok(crate::tunnel::protocol::frame::encode_frames(|| {
                                 session.poll_transmit()
                             })));
                         }
@@ -553,7 +553,7 @@ async fn run_session(
                 Some(Command::Close) | None => session.close(),
             },
             permit = out.reserve(), if session.has_transmit() => match permit {
-                Ok(permit) => permit.send(Ok(super::frame::encode_frames(|| session.poll_transmit()))),
+                Ok(permit) => permit.send(Ok(crate::tunnel::protocol::frame::encode_frames(|| session.poll_transmit()))),
                 Err(_) => session.close(),
             },
             () = detached.notify.notified() => {

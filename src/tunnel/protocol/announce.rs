@@ -11,7 +11,7 @@ use crate::discovery::{ChannelId, WorkerIdentity};
 use crate::msgpack::Value;
 use crate::wire::Wire;
 
-use super::fields::{Fields, FrameError, Writer};
+use crate::tunnel::protocol::fields::{Fields, FrameError, Writer};
 
 /// Most sources one `hello`, `announce` or `withdraw` frame may carry.
 pub(crate) const MAX_ANNOUNCE: usize = 64;
@@ -92,7 +92,7 @@ pub struct AnnouncedSource {
     /// How its messages are framed.
     pub wire: Wire,
     /// Whether the source also serves its worker's recovery log
-    /// ([`Source::announce_with_recovery`](super::Source::announce_with_recovery)):
+    /// ([`Source::announce_with_recovery`](crate::tunnel::Source::announce_with_recovery)):
     /// a router then asks it for what it lost through a
     /// [`Target::Recovery`] stream. `"recovery": true` on the wire, absent when
     /// `false` (a router of an earlier version ignores it).
@@ -121,7 +121,7 @@ impl AnnouncedSource {
     }
 
     /// Saying it serves its worker's recovery log (set by
-    /// [`Source::announce_with_recovery`](super::Source::announce_with_recovery)).
+    /// [`Source::announce_with_recovery`](crate::tunnel::Source::announce_with_recovery)).
     #[must_use]
     pub fn with_recovery(mut self) -> AnnouncedSource {
         self.recovery = true;
@@ -151,7 +151,7 @@ impl AnnouncedSource {
             .map_err(|_| "is not a valid channel")
     }
 
-    pub(super) fn encode(&self, w: &mut Writer<'_>) {
+    pub(crate) fn encode(&self, w: &mut Writer<'_>) {
         let entries = 5 + if self.worker.is_some() { 2 } else { 0 } + u8::from(self.recovery);
         w.map(entries);
         w.entry_uint("publisher_id", self.publisher_id);
@@ -169,7 +169,7 @@ impl AnnouncedSource {
         }
     }
 
-    pub(super) fn decode(value: &Value<'_>, frame: &'static str) -> Result<Self, FrameError> {
+    pub(crate) fn decode(value: &Value<'_>, frame: &'static str) -> Result<Self, FrameError> {
         let bad = |reason| FrameError::OutOfBounds {
             frame,
             field: "sources",
@@ -208,7 +208,7 @@ impl AnnouncedSource {
 }
 
 /// Encodes `sources` as an array.
-pub(super) fn encode_sources(w: &mut Writer<'_>, sources: &[AnnouncedSource]) {
+pub(crate) fn encode_sources(w: &mut Writer<'_>, sources: &[AnnouncedSource]) {
     w.array(sources.len());
     for source in sources {
         source.encode(w);
@@ -216,7 +216,7 @@ pub(super) fn encode_sources(w: &mut Writer<'_>, sources: &[AnnouncedSource]) {
 }
 
 /// Decodes the array `field` of at most [`MAX_ANNOUNCE`] sources.
-pub(super) fn decode_sources(
+pub(crate) fn decode_sources(
     f: &Fields<'_, '_>,
     frame: &'static str,
 ) -> Result<Vec<AnnouncedSource>, FrameError> {
@@ -265,7 +265,7 @@ impl Target {
         matches!(self, Target::Announced { .. })
     }
 
-    pub(super) fn encode(&self, w: &mut Writer<'_>) {
+    pub(crate) fn encode(&self, w: &mut Writer<'_>) {
         match self {
             Target::Tcp(endpoint) => w.str(endpoint),
             Target::Announced { publisher_id } => {
@@ -284,7 +284,7 @@ impl Target {
         }
     }
 
-    pub(super) fn decode(value: Option<&Value<'_>>) -> Target {
+    pub(crate) fn decode(value: Option<&Value<'_>>) -> Target {
         match value {
             Some(Value::Map(_)) => {
                 let id = |kind| {
@@ -301,7 +301,7 @@ impl Target {
             }
             Some(v) => Target::Tcp(
                 v.as_str()
-                    .filter(|s| s.len() <= super::MAX_NAME_LEN)
+                    .filter(|s| s.len() <= crate::tunnel::MAX_NAME_LEN)
                     .unwrap_or_default()
                     .to_owned(),
             ),

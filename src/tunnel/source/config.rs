@@ -1,17 +1,17 @@
-//! A [`Source`](super::Source)'s configuration: where it dials, with what
+//! A [`Source`](crate::tunnel::Source)'s configuration: where it dials, with what
 //! credential, and its bounds.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::config::{Deadlines, check_client};
-use super::error::TunnelError;
-use super::io::Secret;
+use crate::tunnel::config::{Deadlines, check_client};
+use crate::tunnel::error::TunnelError;
+use crate::tunnel::io::Secret;
 
-/// Most publishers one [`Source`](super::Source) announces by default.
+/// Most publishers one [`Source`](crate::tunnel::Source) announces by default.
 pub(crate) const MAX_SOURCE_PUBLISHERS: usize = 1024;
 
-/// How a [`Source`](super::Source) reaches its bus, and its bounds.
+/// How a [`Source`](crate::tunnel::Source) reaches its bus, and its bounds.
 ///
 /// ```no_run
 /// use eventplane::tunnel::{Secret, SourceConfig, client_tls};
@@ -50,10 +50,10 @@ pub struct SourceConfig {
     pub reconnect_max: Duration,
     /// Most publishers it announces at once (default 1,024, at
     /// most 2,112: what its hello and a burst of `announce` frames carry; the welcome's
-    /// [`Limits::max_sources`](super::Limits), set by the bus's `EventBusConfig::limits`,
+    /// [`Limits::max_sources`](crate::tunnel::Limits), set by the bus's `EventBusConfig::limits`,
     /// may be lower). Its `announce` frames are paced as the router counts them
-    /// ([`ANNOUNCE_BURST`](super::ANNOUNCE_BURST), then
-    /// [`ANNOUNCES_PER_SECOND`](super::ANNOUNCES_PER_SECOND)): changes wait and merge.
+    /// ([`ANNOUNCE_BURST`](crate::tunnel::ANNOUNCE_BURST), then
+    /// [`ANNOUNCES_PER_SECOND`](crate::tunnel::ANNOUNCES_PER_SECOND)): changes wait and merge.
     pub max_publishers: usize,
 }
 
@@ -113,8 +113,8 @@ impl SourceConfig {
             |field: &'static str, reason: String| Err(TunnelError::Config { field, reason });
         // The hello carries up to 64 announcements beside the names: with the longest
         // announcements there are, it must still fit one frame.
-        let longest = "n".repeat(super::MAX_SOURCE_NAME_LEN);
-        let widest = super::AnnouncedSource {
+        let longest = "n".repeat(crate::tunnel::MAX_SOURCE_NAME_LEN);
+        let widest = crate::tunnel::AnnouncedSource {
             publisher_id: u64::MAX,
             namespace: longest.clone(),
             component: longest.clone(),
@@ -127,7 +127,7 @@ impl SourceConfig {
             &self.bus_url,
             &self.client_id,
             &self.namespaces,
-            &vec![widest; super::MAX_ANNOUNCE],
+            &vec![widest; crate::tunnel::MAX_ANNOUNCE],
         )?;
         self.deadlines.validate()?;
         if self.drain_deadline > Duration::from_secs(3600) {
@@ -135,7 +135,7 @@ impl SourceConfig {
         }
         // The hello's and a burst of frames' worth (`ANNOUNCE_BURST`): more could not
         // be announced at connect without passing the router's announce rate.
-        let most = super::MAX_ANNOUNCE * (super::ANNOUNCE_BURST as usize + 1);
+        let most = crate::tunnel::MAX_ANNOUNCE * (crate::tunnel::ANNOUNCE_BURST as usize + 1);
         if self.max_publishers == 0 || self.max_publishers > most {
             return refuse("max_publishers", format!("is not within 1..={most}"));
         }

@@ -11,8 +11,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use super::admission::{Admit, Progress};
-use super::serve::{Conn, Inner, route};
+use crate::tunnel::bus::admission::{Admit, Progress};
+use crate::tunnel::bus::serve::{Conn, Inner, route};
 
 /// Takes the connection out of the unauthenticated pool when its task ends.
 struct LeavePending<'a> {
@@ -30,7 +30,7 @@ impl Drop for LeavePending<'_> {
     }
 }
 
-pub(super) async fn accept_loop(
+pub(crate) async fn accept_loop(
     inner: Arc<Inner>,
     listener: TcpListener,
     acceptor: tokio_rustls::TlsAcceptor,

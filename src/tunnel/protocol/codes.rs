@@ -127,8 +127,8 @@ closed_codes! {
         /// A source announced a publisher for a worker its credential does not name.
         WorkerNotGranted = "worker_not_granted",
         /// A source sent `announce` frames faster than
-        /// [`ANNOUNCE_BURST`](super::ANNOUNCE_BURST) at once and
-        /// [`ANNOUNCES_PER_SECOND`](super::ANNOUNCES_PER_SECOND) after.
+        /// [`ANNOUNCE_BURST`](crate::tunnel::ANNOUNCE_BURST) at once and
+        /// [`ANNOUNCES_PER_SECOND`](crate::tunnel::ANNOUNCES_PER_SECOND) after.
         AnnouncingTooFast = "announcing_too_fast",
     }
 }

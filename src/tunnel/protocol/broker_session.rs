@@ -7,8 +7,8 @@
 use std::collections::{HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::announce::{AnnouncedSource, MAX_ANNOUNCE, Role, Target};
-use super::frame::{
+use crate::tunnel::protocol::announce::{AnnouncedSource, MAX_ANNOUNCE, Role, Target};
+use crate::tunnel::protocol::frame::{
     CloseCode, Control, DenyCode, DrainReason, Hello, Limits, PROTOCOL_VERSION, RefuseCode, Welcome,
 };
 
@@ -195,15 +195,15 @@ impl Grant {
 
 /// Heartbeats both ways and the idle deadline, with time passed in.
 #[derive(Debug, Clone)]
-pub(super) struct Liveness {
-    pub(super) interval: Duration,
-    pub(super) idle: Duration,
-    pub(super) last_sent: Instant,
-    pub(super) last_heard: Instant,
+pub(crate) struct Liveness {
+    pub(crate) interval: Duration,
+    pub(crate) idle: Duration,
+    pub(crate) last_sent: Instant,
+    pub(crate) last_heard: Instant,
 }
 
 impl Liveness {
-    pub(super) fn new(limits: &Limits, now: Instant) -> Liveness {
+    pub(crate) fn new(limits: &Limits, now: Instant) -> Liveness {
         Liveness {
             interval: limits.heartbeat_interval,
             idle: limits.idle_timeout,
@@ -212,19 +212,19 @@ impl Liveness {
         }
     }
 
-    pub(super) fn next_deadline(&self) -> Instant {
+    pub(crate) fn next_deadline(&self) -> Instant {
         (self.last_sent + self.interval).min(self.last_heard + self.idle)
     }
 }
 
 /// A bounded outgoing queue; overflowing it ends the session.
 #[derive(Debug, Default)]
-pub(super) struct Outbox {
-    pub(super) frames: VecDeque<Control>,
+pub(crate) struct Outbox {
+    pub(crate) frames: VecDeque<Control>,
 }
 
 impl Outbox {
-    pub(super) fn push(&mut self, frame: Control) -> Result<(), SessionEnd> {
+    pub(crate) fn push(&mut self, frame: Control) -> Result<(), SessionEnd> {
         if self.frames.len() >= MAX_QUEUED_CONTROL {
             return Err(SessionEnd::ControlBacklog);
         }
@@ -236,7 +236,7 @@ impl Outbox {
 /// A token bucket over stream opens (and a source's `announce` frames): a burst of
 /// `burst`, then `rate` a second.
 #[derive(Debug, Clone)]
-pub(super) struct OpenRate {
+pub(crate) struct OpenRate {
     rate: f64,
     burst: f64,
     tokens: f64,
@@ -244,7 +244,7 @@ pub(super) struct OpenRate {
 }
 
 impl OpenRate {
-    pub(super) fn new(rate: u32, burst: u32, now: Instant) -> OpenRate {
+    pub(crate) fn new(rate: u32, burst: u32, now: Instant) -> OpenRate {
         OpenRate {
             rate: f64::from(rate.max(1)),
             burst: f64::from(burst.max(1)),
@@ -261,7 +261,7 @@ impl OpenRate {
     }
 
     /// Takes `n` at once, if the bucket holds them at `now`.
-    pub(super) fn take_n(&mut self, n: u32, now: Instant) -> bool {
+    pub(crate) fn take_n(&mut self, n: u32, now: Instant) -> bool {
         self.refill(now);
         if self.tokens >= f64::from(n) {
             self.tokens -= f64::from(n);
@@ -273,19 +273,19 @@ impl OpenRate {
 
     /// Spends `n` at `now` whatever the bucket holds: what it lacks is owed, and
     /// [`wait_for`](Self::wait_for) counts the debt.
-    pub(super) fn spend_n(&mut self, n: u32, now: Instant) {
+    pub(crate) fn spend_n(&mut self, n: u32, now: Instant) {
         self.refill(now);
         self.tokens -= f64::from(n);
     }
 
     /// How long until the bucket holds `n` (as of its last take).
-    pub(super) fn wait_for(&self, n: u32) -> Duration {
+    pub(crate) fn wait_for(&self, n: u32) -> Duration {
         let missing = (f64::from(n) - self.tokens).max(0.0);
         Duration::from_secs_f64(missing / self.rate)
     }
 
     /// Takes one open, if the bucket holds one at `now`.
-    pub(super) fn take(&mut self, now: Instant) -> bool {
+    pub(crate) fn take(&mut self, now: Instant) -> bool {
         self.take_n(1, now)
     }
 }
@@ -328,7 +328,7 @@ pub enum BrokerEvent {
         /// Their ids.
         publisher_ids: Vec<u64>,
         /// Why.
-        code: super::AnnounceRefusal,
+        code: crate::tunnel::AnnounceRefusal,
     },
     /// Close the stream silently (the router unsubscribed).
     Close {
@@ -347,7 +347,7 @@ pub enum BrokerEvent {
     Drain {
         /// How long open streams may still run.
         deadline: Duration,
-        /// Why (it decides the reconnect delay: see [`Reconnect`](super::Reconnect)).
+        /// Why (it decides the reconnect delay: see [`Reconnect`](crate::tunnel::Reconnect)).
         reason: DrainReason,
     },
     /// The session is over; every stream of it ends with it.

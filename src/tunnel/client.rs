@@ -167,7 +167,9 @@ pub(crate) fn feed(
             Ok(None) => break,
             Err(e) => {
                 tracing::warn!(error = %e, "undecodable control frame from the bus");
-                session.abort(crate::tunnel::SessionEnd::Protocol("undecodable control frame"));
+                session.abort(crate::tunnel::SessionEnd::Protocol(
+                    "undecodable control frame",
+                ));
                 break;
             }
         }

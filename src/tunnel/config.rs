@@ -7,12 +7,14 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::tunnel::error::TunnelError;
-use crate::tunnel::io::Secret;
-use crate::tunnel::{Limits, MAX_SESSION_BUFFER_BYTES, MAX_STREAM_BUFFER_BYTES, MIN_STREAM_BUFFER_BYTES};
 use crate::BoxFuture;
 use crate::discovery::Discovery;
 use crate::net::AddrFilter;
+use crate::tunnel::error::TunnelError;
+use crate::tunnel::io::Secret;
+use crate::tunnel::{
+    Limits, MAX_SESSION_BUFFER_BYTES, MAX_STREAM_BUFFER_BYTES, MIN_STREAM_BUFFER_BYTES,
+};
 
 /// Default deadline for resolving a target's host.
 pub(crate) const DNS_TIMEOUT: Duration = Duration::from_secs(5);

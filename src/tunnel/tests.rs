@@ -4,7 +4,6 @@
 use std::time::{Duration, Instant};
 
 use crate::tunnel::protocol::*;
-use crate::tunnel::*;
 use crate::wire::Wire;
 
 fn welcome(limits: Limits) -> Control {

@@ -14,17 +14,17 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::net::random_unit;
+use crate::tunnel::broker::relay::{Counters, Relay, Report, Reported, relay};
+use crate::tunnel::broker::view::View;
 use crate::tunnel::client::{BusSession, Ending, Outcome, feed, open_session};
-use crate::tunnel::protocol::codes::CodeCounts;
 use crate::tunnel::config::BrokerConfig;
 use crate::tunnel::error::TunnelError;
 use crate::tunnel::io::next_chunk;
-use crate::tunnel::broker::relay::{Counters, Relay, Report, Reported, relay};
-use crate::tunnel::broker::view::View;
+use crate::tunnel::protocol::codes::CodeCounts;
 use crate::tunnel::{
     BrokerEvent, BrokerSession, ControlDecoder, DrainReason, Hello, Reconnect, RelayBudget,
 };
-use crate::net::random_unit;
 
 /// Counters of a [`Broker`].
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
@@ -298,7 +298,9 @@ async fn session(
         // fills the session's bounded outbox, which ends the session.
         match ctrl_tx.try_reserve() {
             Ok(permit) if broker.has_transmit() => {
-                permit.send(Ok(crate::tunnel::protocol::frame::encode_frames(|| broker.poll_transmit())))
+                permit.send(Ok(crate::tunnel::protocol::frame::encode_frames(|| {
+                    broker.poll_transmit()
+                })))
             }
             Err(mpsc::error::TrySendError::Closed(())) => broker.close(),
             _ => {}
@@ -313,7 +315,11 @@ async fn session(
                     // that welcomes and then ends every session is not hammered.
                     stable_at = Some(tokio::time::Instant::now() + crate::tunnel::JOIN_HOLD_DOWN);
                     slots.add_permits(
-                        welcome.limits.max_streams.min(crate::tunnel::MAX_BROKER_STREAMS) as usize
+                        welcome
+                            .limits
+                            .max_streams
+                            .min(crate::tunnel::MAX_BROKER_STREAMS)
+                            as usize,
                     );
                     *budget.lock().unwrap_or_else(|p| p.into_inner()) = RelayBudget::new(
                         (welcome.limits.max_stream_buffer_bytes as usize)

@@ -13,10 +13,10 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::tunnel::protocol::codes::CodeCounts;
+use crate::tunnel::broker::view::View;
 use crate::tunnel::config::BrokerConfig;
 use crate::tunnel::io::{BrokerBody, RelayQueue, next_chunk, relay_queue};
-use crate::tunnel::broker::view::View;
+use crate::tunnel::protocol::codes::CodeCounts;
 use crate::tunnel::{CloseCode, RefuseCode, RelayBudget};
 
 /// What a stream task reports to its session: about `stream_id` as opened the

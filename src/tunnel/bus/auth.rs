@@ -2,9 +2,9 @@
 //! per-broker credentials bound to a client id and the namespaces it may cover,
 //! stored as SHA-256 digests and compared in constant time.
 
-use crate::tunnel::protocol::announce::Role;
 use crate::tunnel::error::TunnelError;
 use crate::tunnel::io::Secret;
+use crate::tunnel::protocol::announce::Role;
 use crate::tunnel::protocol::broker_session::Grant;
 use crate::tunnel::{MAX_NAME_LEN, MAX_NAMESPACES};
 

@@ -23,16 +23,15 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::discovery::ChannelId;
 use crate::tunnel::bus::accept::accept_loop;
 use crate::tunnel::bus::admission::Pending;
-use crate::tunnel::protocol::announce::Target;
-use crate::tunnel::bus::auth::BusClients;
+use crate::tunnel::bus::serve::{Command, Counters, Inner, Waiter};
+use crate::tunnel::bus::sources::{SourceLimits, SourceTable};
 use crate::tunnel::error::TunnelError;
 use crate::tunnel::io::TunnelStream;
-use crate::tunnel::bus::serve::{Command, Counters, Inner, Waiter};
-use crate::tunnel::bus::sources::{AnnouncedView, SourceLimits, SourceTable};
+use crate::tunnel::protocol::announce::Target;
 use crate::tunnel::{DrainReason, PENDING_SUBSCRIBE_TIMEOUT, RefuseCode, rendezvous_ranked};
-use crate::discovery::ChannelId;
 use crate::wire::Wire;
 
 /// Brokers `open_stream` asks for one publisher: its rendezvous owner, then once the

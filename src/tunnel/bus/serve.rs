@@ -15,17 +15,19 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::tunnel::bus::admission::Pending;
-use crate::tunnel::protocol::announce::Role;
 use crate::tunnel::bus::auth::{BusClients, Identity};
+use crate::tunnel::bus::sources::SourceTable;
 use crate::tunnel::error::TunnelError;
 use crate::tunnel::io::{BODY_CHANNEL, ChannelBody, TUNNEL_WRITE_CHUNKS, TunnelStream, next_chunk};
-use crate::tunnel::bus::sources::SourceTable;
+use crate::tunnel::protocol::announce::Role;
 use crate::tunnel::{
     ControlDecoder, DenyCode, EventBusConfig, RefuseCode, RouterSession, SessionEnd, SessionEvent,
     SubscribeError, rendezvous_owner,
 };
 
-pub(crate) use crate::tunnel::bus::state::{Command, Counters, Detached, Entry, OpenStream, Waiter};
+pub(crate) use crate::tunnel::bus::state::{
+    Command, Counters, Detached, Entry, OpenStream, Waiter,
+};
 
 pub(crate) struct Inner {
     pub(crate) clients: BusClients,
@@ -377,7 +379,9 @@ async fn run_session(
         // fills the session's bounded outbox, which ends the session.
         match out.try_reserve() {
             Ok(permit) if session.has_transmit() => {
-                permit.send(Ok(crate::tunnel::protocol::frame::encode_frames(|| session.poll_transmit())))
+                permit.send(Ok(crate::tunnel::protocol::frame::encode_frames(|| {
+                    session.poll_transmit()
+                })))
             }
             Err(mpsc::error::TrySendError::Closed(())) => session.close(),
             _ => {}
@@ -488,9 +492,10 @@ async fn run_session(
                         // The `denied` frame says why; the broker ends its side on
                         // reading it (or within a second, the connection closes).
                         if session.has_transmit() {
-                            let _ = out.try_send(Ok(crate::tunnel::protocol::frame::encode_frames(|| {
-                                session.poll_transmit()
-                            })));
+                            let _ =
+                                out.try_send(Ok(crate::tunnel::protocol::frame::encode_frames(
+                                    || session.poll_transmit(),
+                                )));
                         }
                         drop(out);
                         let _ = tokio::time::timeout(Duration::from_secs(1), async {

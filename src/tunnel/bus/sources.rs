@@ -11,12 +11,12 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use crate::tunnel::protocol::announce::AnnouncedSource;
-use crate::tunnel::protocol::codes::{AnnounceRefusal, CodeCounts};
 use crate::discovery::{
     BoxFuture, ChannelId, Discovery, DiscoveryError, DiscoveryStats, DiscoveryStream, Instance,
     MemoryDiscovery, Query, Registration, Transport, WorkerIdentity,
 };
+use crate::tunnel::protocol::announce::AnnouncedSource;
+use crate::tunnel::protocol::codes::{AnnounceRefusal, CodeCounts};
 use crate::wire::Wire;
 
 /// One announced publisher: the session serving it (`C`, its command queue), and

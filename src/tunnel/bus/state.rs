@@ -10,11 +10,11 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::tunnel::DrainReason;
-use crate::tunnel::protocol::announce::{Role, Target};
 use crate::tunnel::bus::auth::Identity;
-use crate::tunnel::protocol::codes::CodeCounts;
 use crate::tunnel::error::TunnelError;
 use crate::tunnel::io::{StreamBytes, TunnelStream};
+use crate::tunnel::protocol::announce::{Role, Target};
+use crate::tunnel::protocol::codes::CodeCounts;
 
 /// Commands a session task takes from the rest of the bus.
 pub(crate) enum Command {

@@ -126,9 +126,8 @@ closed_codes! {
         TooManySources = "too_many_sources",
         /// A source announced a publisher for a worker its credential does not name.
         WorkerNotGranted = "worker_not_granted",
-        /// A source sent `announce` frames faster than
-        /// [`ANNOUNCE_BURST`](crate::tunnel::ANNOUNCE_BURST) at once and
-        /// [`ANNOUNCES_PER_SECOND`](crate::tunnel::ANNOUNCES_PER_SECOND) after.
+        /// A source sent `announce` frames faster than 32 at once and 4 a second
+        /// after.
         AnnouncingTooFast = "announcing_too_fast",
     }
 }

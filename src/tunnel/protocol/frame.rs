@@ -5,11 +5,15 @@
 
 use std::time::Duration;
 
-use crate::tunnel::protocol::announce::{AnnouncedSource, Role, Target, decode_sources, encode_sources};
-pub use crate::tunnel::protocol::codes::{AnnounceRefusal, CloseCode, DenyCode, DrainReason, RefuseCode};
+use crate::msgpack::{self, Value};
+use crate::tunnel::protocol::announce::{
+    AnnouncedSource, Role, Target, decode_sources, encode_sources,
+};
+pub use crate::tunnel::protocol::codes::{
+    AnnounceRefusal, CloseCode, DenyCode, DrainReason, RefuseCode,
+};
 use crate::tunnel::protocol::fields::{Fields, Writer, name_of};
 pub use crate::tunnel::protocol::fields::{FrameError, MAX_NAME_LEN};
-use crate::msgpack::{self, Value};
 
 /// The newest session protocol version this crate speaks. Version 2 adds the `source`
 /// role, its `announce` / `withdraw` frames, and `announced` targets; a broker offers
@@ -525,7 +529,11 @@ impl Control {
                 publisher_ids: f.uints("withdraw", "publisher_ids", crate::tunnel::MAX_ANNOUNCE)?,
             },
             "announce_refused" => Control::AnnounceRefused {
-                publisher_ids: f.uints("announce_refused", "publisher_ids", crate::tunnel::MAX_ANNOUNCE)?,
+                publisher_ids: f.uints(
+                    "announce_refused",
+                    "publisher_ids",
+                    crate::tunnel::MAX_ANNOUNCE,
+                )?,
                 code: AnnounceRefusal::parse(f.str("announce_refused", "code", 64)?),
             },
             "denied" => Control::Denied {

@@ -3,8 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use crate::tunnel::DrainReason;
 use crate::net::{Backoff, unit_draw};
+use crate::tunnel::DrainReason;
 
 /// How long a broker waits before reconnecting (DESIGN §7.2): jittered exponential
 /// backoff (1 s → 60 s) after a failure; after a `drain{rebalance}`, a 250–500 ms

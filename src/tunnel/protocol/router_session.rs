@@ -6,12 +6,12 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::tunnel::protocol::announce::{AnnouncedSource, Role, Target};
+use crate::tunnel::protocol::broker_session::{
+    Grant, HANDSHAKE_TIMEOUT, Liveness, OpenRate, Outbox, PENDING_SUBSCRIBE_TIMEOUT, SessionEnd,
+};
 use crate::tunnel::protocol::frame::{
     AnnounceRefusal, CloseCode, Control, DenyCode, DrainReason, Limits, MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION, RefuseCode, Welcome,
-};
-use crate::tunnel::protocol::broker_session::{
-    Grant, HANDSHAKE_TIMEOUT, Liveness, OpenRate, Outbox, PENDING_SUBSCRIBE_TIMEOUT, SessionEnd,
 };
 
 /// `announce` frames a source may send at once (its `hello` not counted): 1,024
@@ -429,7 +429,9 @@ impl RouterSession {
             _ => return Err(SubscribeError::NotActive),
         }
         match (&target, self.role) {
-            (Target::Tcp(t), Role::Broker) if !crate::tunnel::protocol::frame::is_valid_target(t) => {
+            (Target::Tcp(t), Role::Broker)
+                if !crate::tunnel::protocol::frame::is_valid_target(t) =>
+            {
                 return Err(SubscribeError::BadTarget);
             }
             (Target::Tcp(_), Role::Broker) => {}

@@ -52,8 +52,7 @@ pub struct SourceConfig {
     /// most 2,112: what its hello and a burst of `announce` frames carry; the welcome's
     /// [`Limits::max_sources`](crate::tunnel::Limits), set by the bus's `EventBusConfig::limits`,
     /// may be lower). Its `announce` frames are paced as the router counts them
-    /// ([`ANNOUNCE_BURST`](crate::tunnel::ANNOUNCE_BURST), then
-    /// [`ANNOUNCES_PER_SECOND`](crate::tunnel::ANNOUNCES_PER_SECOND)): changes wait and merge.
+    /// (32 at once, then 4 a second): changes wait and merge.
     pub max_publishers: usize,
 }
 

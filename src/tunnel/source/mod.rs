@@ -20,18 +20,17 @@ use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::tunnel::protocol::announce::AnnouncedSource;
+use crate::net::random_unit;
 use crate::tunnel::client::{BusSession, Ending, Outcome, feed, open_session};
-use crate::tunnel::protocol::codes::CodeCounts;
 use crate::tunnel::error::TunnelError;
 use crate::tunnel::io::{BrokerBody, ChannelBody, StreamBytes, TUNNEL_WRITE_CHUNKS, next_chunk};
-use crate::tunnel::source::serving::{Announced, RecoveryStreams, Serving};
-use crate::tunnel::source::config::SourceConfig;
+use crate::tunnel::protocol::announce::AnnouncedSource;
+use crate::tunnel::protocol::codes::CodeCounts;
+use crate::tunnel::source::serving::{Announced, Serving};
 use crate::tunnel::{
     BrokerEvent, BrokerSession, CloseCode, ControlDecoder, Hello, MAX_ANNOUNCE, Reconnect,
     RefuseCode,
 };
-use crate::net::random_unit;
 use crate::zmtp::StreamAcceptor;
 
 /// How long a [`Source`] waits to announce again the publishers the bus refused
@@ -453,7 +452,11 @@ async fn session(
                     shared.connected.store(true, Ordering::Relaxed);
                     stable_at = Some(tokio::time::Instant::now() + crate::tunnel::JOIN_HOLD_DOWN);
                     slots.add_permits(
-                        welcome.limits.max_streams.min(crate::tunnel::MAX_BROKER_STREAMS) as usize
+                        welcome
+                            .limits
+                            .max_streams
+                            .min(crate::tunnel::MAX_BROKER_STREAMS)
+                            as usize,
                     );
                     tracing::info!(client_id = %config.client_id, session_id = welcome.session_id, announced = sent.len(), "bus session welcomed: announcing as a source");
                     if sent.len() > welcome.limits.max_sources as usize {

@@ -3,8 +3,8 @@
 
 use std::{fmt, sync::Arc};
 
-use crate::tunnel::protocol::announce::AnnouncedSource;
 use crate::tunnel::io::TunnelStream;
+use crate::tunnel::protocol::announce::AnnouncedSource;
 use crate::zmtp::StreamAcceptor;
 
 /// What serves an announced publisher's recovery streams: its worker's recovery

@@ -6,7 +6,6 @@ use std::time::Instant;
 
 use crate::tunnel::protocol::*;
 use crate::tunnel::tests::{Raw, decode_one, exchange, frame_of, source, welcomed_pair};
-use crate::tunnel::*;
 use crate::wire::Wire;
 
 /// A source `gpu-1` announcing `announced`, welcomed by a router held to `grant`.

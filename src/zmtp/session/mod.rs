@@ -56,7 +56,8 @@ enum State {
 /// peer sends is ever queued beyond the input buffer; and decoding pauses while more
 /// than 256 KiB of replies wait to be written.
 ///
-/// Driven by hand, two sessions back to back (a [`Pair`] does this, with a clock):
+/// Driven by hand, two sessions back to back (`zmtp::Pair`, feature `unstable`, does
+/// this with a clock):
 ///
 /// ```
 /// use std::time::Instant;

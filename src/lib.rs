@@ -57,7 +57,8 @@
 //!   router's index, and the recovery of a worker's blocks after loss.
 //! - `metrics` (feature `metrics`): every component's counters through the `metrics`
 //!   facade, with their catalogue.
-//! - [`admin`]: a bounded HTTP/1.1 endpoint for `/metrics`, `/readyz` and `/livez`.
+//! - `admin` (feature `admin`): a bounded HTTP/1.1 endpoint for `/metrics`, `/readyz`
+//!   and `/livez`, for processes that serve their own (the services do).
 //! - `tunnel` (feature `tunnel`): routers outside the cluster — the router's event bus,
 //!   the in-cluster broker, and sources (workers that dial out).
 //! - [`guide`] (documentation only): a router and a worker, start to finish, and every
@@ -90,6 +91,8 @@
 //!   [`Broker`](tunnel::Broker), and `DynamicSubscriberBuilder::tunnel`. The
 //!   `event-broker` service (`services/`) is the broker as a process.
 //!
+//! - `admin`: [`admin`], a bounded HTTP/1.1 endpoint for `/metrics`, `/readyz` and
+//!   `/livez` (no dependency: tokio only).
 //! - `unstable`: internals outside the semver promise, public for fuzzing, tests and
 //!   benchmarks: the tunnel's sans-IO protocol (`tunnel::protocol`) and `zmtp::Pair`.
 //!
@@ -117,6 +120,8 @@
 //! the setter or field they belong to, not exported as constants.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(feature = "admin")]
+#[cfg_attr(docsrs, doc(cfg(feature = "admin")))]
 pub mod admin;
 mod config;
 mod counter;

@@ -40,9 +40,6 @@ fn main_types_are_send_and_sync() {
     send_sync::<Query>();
     send::<DiscoveryStream>();
     send_sync::<DynamicSubscriber>();
-    send_sync::<eventplane::admin::AdminServer>();
-    send_sync::<eventplane::admin::Routes>();
-    send_sync::<eventplane::admin::AdminError>();
     send_sync::<SubscriberHandle>();
     send_sync::<SubscriberStats>();
     send_sync::<Delivery>();
@@ -60,6 +57,14 @@ fn worker_types_are_send_and_sync() {
     send::<WorkerBuilder>();
     send_sync::<WorkerStats>();
     send_sync::<eventplane::discovery::WorkerIdentity>();
+}
+
+#[cfg(feature = "admin")]
+#[test]
+fn admin_types_are_send_and_sync() {
+    send_sync::<eventplane::admin::AdminServer>();
+    send_sync::<eventplane::admin::Routes>();
+    send_sync::<eventplane::admin::AdminError>();
 }
 
 #[cfg(feature = "tunnel")]

@@ -2,6 +2,7 @@
 
 use super::Samples;
 use super::catalogue::*;
+#[cfg(feature = "admin")]
 use crate::admin::AdminStats;
 use crate::discovery::DiscoveryStats;
 use crate::kv::{
@@ -29,8 +30,9 @@ macro_rules! sampled {
     };
 }
 
+#[cfg(feature = "admin")]
+sampled!(AdminStats);
 sampled!(
-    AdminStats,
     PubStats,
     SubscriberStats,
     DiscoveryStats,
@@ -45,6 +47,7 @@ fn n(v: usize) -> u64 {
     u64::try_from(v).unwrap_or(u64::MAX)
 }
 
+#[cfg(feature = "admin")]
 impl Sampled for AdminStats {
     fn sample(&self, out: &mut Samples) {
         out.counter(&ADMIN_REQUESTS, self.requests);

@@ -119,9 +119,10 @@ fn every_catalogued_name_follows_the_scheme_once() {
 fn every_series_sampled_is_catalogued() {
     let capture = Capture::default();
     ::metrics::with_local_recorder(&capture, || {
-        let mut e = Exporter::new()
-            .source(PubStats::default)
-            .source(crate::admin::AdminStats::default)
+        let e = Exporter::new().source(PubStats::default);
+        #[cfg(feature = "admin")]
+        let e = e.source(crate::admin::AdminStats::default);
+        let mut e = e
             .source(crate::subscriber::SubscriberStats::default)
             .source(crate::discovery::DiscoveryStats::default)
             .source(crate::kv::WorkerStats::default);

@@ -493,17 +493,48 @@ pub(crate) mod put {
     }
 
     pub(crate) fn array_len(out: &mut Vec<u8>, n: usize) -> Result<(), TooLong> {
-        let n32 = u32::try_from(n).map_err(|_| TooLong(n))?;
+        array_header(out, u32::try_from(n).map_err(|_| TooLong(n))?);
+        Ok(())
+    }
+
+    /// The header of an array of `n` elements.
+    pub(crate) fn array_header(out: &mut Vec<u8>, n: u32) {
         if n < 16 {
             out.push(0x90 | n as u8);
-        } else if n <= usize::from(u16::MAX) {
+        } else if let Ok(n) = u16::try_from(n) {
             out.push(0xdc);
-            out.extend_from_slice(&(n as u16).to_be_bytes());
+            out.extend_from_slice(&n.to_be_bytes());
         } else {
             out.push(0xdd);
-            out.extend_from_slice(&n32.to_be_bytes());
+            out.extend_from_slice(&n.to_be_bytes());
         }
-        Ok(())
+    }
+
+    /// The header of a map of fewer than 16 entries (a fixmap: every map our
+    /// encoders write by hand is one).
+    #[cfg_attr(not(feature = "tunnel"), allow(dead_code))]
+    pub(crate) fn fixmap(out: &mut Vec<u8>, n: u8) {
+        out.push(0x80 | (n & 0x0f));
+    }
+
+    #[cfg_attr(not(feature = "tunnel"), allow(dead_code))]
+    pub(crate) fn bool(out: &mut Vec<u8>, v: bool) {
+        out.push(if v { 0xc3 } else { 0xc2 });
+    }
+
+    /// Bytes of fewer than 2^32.
+    pub(crate) fn bin(out: &mut Vec<u8>, b: &[u8]) {
+        let n = b.len();
+        if let Ok(n) = u8::try_from(n) {
+            out.extend_from_slice(&[0xc4, n]);
+        } else if let Ok(n) = u16::try_from(n) {
+            out.push(0xc5);
+            out.extend_from_slice(&n.to_be_bytes());
+        } else {
+            out.push(0xc6);
+            out.extend_from_slice(&u32::try_from(n).unwrap_or(u32::MAX).to_be_bytes());
+        }
+        out.extend_from_slice(b);
     }
 }
 
@@ -539,7 +570,38 @@ mod tests {
             let mut ours = Vec::new();
             super::put::array_len(&mut ours, n).unwrap();
             assert_eq!(ours, array, "array {n}");
+            let bytes = vec![7u8; n];
+            let mut ours = Vec::new();
+            super::put::bin(&mut ours, &bytes);
+            assert_eq!(
+                ours,
+                rmp_serde::to_vec(&serde_bytes_of(&bytes)).unwrap(),
+                "bin {n}"
+            );
         }
+        for v in [false, true] {
+            let mut ours = Vec::new();
+            super::put::bool(&mut ours, v);
+            assert_eq!(ours, rmp_serde::to_vec(&v).unwrap(), "{v}");
+        }
+        for n in [0u8, 1, 15] {
+            let map: std::collections::BTreeMap<u8, u8> = (0..n).map(|k| (k, 0)).collect();
+            let theirs = rmp_serde::to_vec(&map).unwrap();
+            let mut ours = Vec::new();
+            super::put::fixmap(&mut ours, n);
+            assert_eq!(ours[..], theirs[..1], "fixmap {n}");
+        }
+    }
+
+    /// `b` as msgpack bin (serde serializes `&[u8]` as an array without this).
+    fn serde_bytes_of(b: &[u8]) -> impl serde::Serialize + '_ {
+        struct Bin<'a>(&'a [u8]);
+        impl serde::Serialize for Bin<'_> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_bytes(self.0)
+            }
+        }
+        Bin(b)
     }
 
     #[test]

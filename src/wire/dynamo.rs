@@ -3,7 +3,7 @@
 //! Pure functions over bytes; everything a hostile frame can reach is tested here.
 
 use super::WireError;
-use crate::msgpack;
+use crate::msgpack::{self, put};
 use crate::reader::Reader;
 
 /// The first byte of every Dynamo event frame (its format version).
@@ -62,16 +62,16 @@ pub fn encode_dynamo_frame(
     out.push(DYNAMO_FRAME_VERSION);
     out.extend_from_slice(&[0; 4]);
     out.push(0x85); // a map of five entries
-    write_str(out, "publisher_id");
-    write_uint(out, publisher_id);
-    write_str(out, "sequence");
-    write_uint(out, sequence);
-    write_str(out, "published_at");
-    write_uint(out, published_at);
-    write_str(out, "topic");
-    write_str(out, topic);
-    write_str(out, "payload");
-    write_bin(out, payload);
+    put::str(out, "publisher_id");
+    put::uint(out, publisher_id);
+    put::str(out, "sequence");
+    put::uint(out, sequence);
+    put::str(out, "published_at");
+    put::uint(out, published_at);
+    put::str(out, "topic");
+    put::str(out, topic);
+    put::str(out, "payload");
+    put::bin(out, payload);
     let envelope = out.len() - start - HEADER_LEN;
     // Envelopes over 4 GiB cannot be framed; the length saturates and any reader
     // rejects the frame (a length mismatch) rather than misreading it.
@@ -172,58 +172,6 @@ pub fn parse_dynamo_frame(frame: &[u8]) -> Result<DynamoEnvelope<'_>, WireError>
     })
 }
 
-fn write_uint(out: &mut Vec<u8>, v: u64) {
-    match v {
-        0..=0x7f => out.push(v as u8),
-        0x80..=0xff => out.extend_from_slice(&[0xcc, v as u8]),
-        0x100..=0xffff => {
-            out.push(0xcd);
-            out.extend_from_slice(&(v as u16).to_be_bytes());
-        }
-        0x1_0000..=0xffff_ffff => {
-            out.push(0xce);
-            out.extend_from_slice(&(v as u32).to_be_bytes());
-        }
-        _ => {
-            out.push(0xcf);
-            out.extend_from_slice(&v.to_be_bytes());
-        }
-    }
-}
-
-fn write_str(out: &mut Vec<u8>, s: &str) {
-    let len = s.len();
-    match len {
-        0..=31 => out.push(0xa0 | len as u8),
-        32..=0xff => out.extend_from_slice(&[0xd9, len as u8]),
-        0x100..=0xffff => {
-            out.push(0xda);
-            out.extend_from_slice(&(len as u16).to_be_bytes());
-        }
-        _ => {
-            out.push(0xdb);
-            out.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
-        }
-    }
-    out.extend_from_slice(s.as_bytes());
-}
-
-fn write_bin(out: &mut Vec<u8>, b: &[u8]) {
-    let len = b.len();
-    match len {
-        0..=0xff => out.extend_from_slice(&[0xc4, len as u8]),
-        0x100..=0xffff => {
-            out.push(0xc5);
-            out.extend_from_slice(&(len as u16).to_be_bytes());
-        }
-        _ => {
-            out.push(0xc6);
-            out.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
-        }
-    }
-    out.extend_from_slice(b);
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
@@ -260,17 +208,17 @@ mod tests {
         ];
         for (v, want) in cases {
             let mut out = Vec::new();
-            write_uint(&mut out, v);
+            put::uint(&mut out, v);
             assert_eq!(out, want, "{v:#x}");
         }
         for (len, marker) in [(31, 0xa0 | 31), (32, 0xd9), (256, 0xda), (65536, 0xdb)] {
             let mut out = Vec::new();
-            write_str(&mut out, &"x".repeat(len));
+            put::str(&mut out, &"x".repeat(len));
             assert_eq!(out[0], marker, "str of {len}");
         }
         for (len, marker) in [(255, 0xc4), (256, 0xc5), (65536, 0xc6)] {
             let mut out = Vec::new();
-            write_bin(&mut out, &vec![0; len]);
+            put::bin(&mut out, &vec![0; len]);
             assert_eq!(out[0], marker, "bin of {len}");
         }
     }

@@ -2,7 +2,7 @@
 //! strings, unsigned integers) and typed, bounded access to a decoded frame's fields,
 //! each failure naming frame and field.
 
-use crate::msgpack::Value;
+use crate::msgpack::{Value, put};
 
 /// Longest client id, namespace or target, in bytes.
 pub const MAX_NAME_LEN: usize = 1024;
@@ -161,67 +161,30 @@ pub(crate) fn name_of(
     Ok(s.to_owned())
 }
 
-/// A minimal msgpack writer for the frames above (maps, strings, unsigned integers).
+/// The frames' msgpack writer (maps, strings, unsigned integers), over the crate's one
+/// msgpack encoder.
 pub(crate) struct Writer<'a>(pub(crate) &'a mut Vec<u8>);
 
 impl Writer<'_> {
     pub(crate) fn map(&mut self, len: u8) {
-        // Every frame has fewer than 16 fields: a fixmap.
-        self.0.push(0x80 | (len & 0x0f));
+        // Every frame has fewer than 16 fields.
+        put::fixmap(self.0, len);
     }
 
     pub(crate) fn array(&mut self, len: usize) {
-        match u16::try_from(len) {
-            Ok(n) if n < 16 => self.0.push(0x90 | n as u8),
-            Ok(n) => {
-                self.0.push(0xdc);
-                self.0.extend_from_slice(&n.to_be_bytes());
-            }
-            Err(_) => {
-                self.0.push(0xdd);
-                self.0
-                    .extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
-            }
-        }
+        put::array_header(self.0, u32::try_from(len).unwrap_or(u32::MAX));
     }
 
     pub(crate) fn str(&mut self, s: &str) {
-        let len = s.len();
-        if len < 32 {
-            self.0.push(0xa0 | len as u8);
-        } else if let Ok(n) = u8::try_from(len) {
-            self.0.push(0xd9);
-            self.0.push(n);
-        } else if let Ok(n) = u16::try_from(len) {
-            self.0.push(0xda);
-            self.0.extend_from_slice(&n.to_be_bytes());
-        } else {
-            self.0.push(0xdb);
-            self.0
-                .extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
-        }
-        self.0.extend_from_slice(s.as_bytes());
+        put::str(self.0, s);
     }
 
     pub(crate) fn uint(&mut self, v: u64) {
-        if v < 128 {
-            self.0.push(v as u8);
-        } else if let Ok(n) = u8::try_from(v) {
-            self.0.extend_from_slice(&[0xcc, n]);
-        } else if let Ok(n) = u16::try_from(v) {
-            self.0.push(0xcd);
-            self.0.extend_from_slice(&n.to_be_bytes());
-        } else if let Ok(n) = u32::try_from(v) {
-            self.0.push(0xce);
-            self.0.extend_from_slice(&n.to_be_bytes());
-        } else {
-            self.0.push(0xcf);
-            self.0.extend_from_slice(&v.to_be_bytes());
-        }
+        put::uint(self.0, v);
     }
 
     pub(crate) fn bool(&mut self, v: bool) {
-        self.0.push(if v { 0xc3 } else { 0xc2 });
+        put::bool(self.0, v);
     }
 
     pub(crate) fn entry_str(&mut self, key: &str, value: &str) {

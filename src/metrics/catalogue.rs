@@ -359,7 +359,7 @@ catalogue! {
     SOURCE_ANNOUNCE_REFUSED: Counter "eventplane_source_announce_refused_total" ["code"] "SourceStats"
         "Announced publishers the bus refused, by AnnounceRefusal.";
     SOURCE_REFUSED_PUBLISHERS: Gauge "eventplane_source_refused_publishers" [] "SourceStats"
-        "Publishers the bus refuses now (refused within twice ANNOUNCE_RETRY).";
+        "Publishers the bus refuses now (refused within the last 20 s).";
     SOURCE_UP_BYTES: Counter "eventplane_source_up_bytes_total" [] "SourceStats"
         "Bytes sent to the router.";
     SOURCE_DOWN_BYTES: Counter "eventplane_source_down_bytes_total" [] "SourceStats"

@@ -19,7 +19,7 @@
 //!
 //! Prints a progress line every second and a final table; exits 0.
 
-mod common;
+use eventplane_cli as common;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};

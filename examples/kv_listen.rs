@@ -9,7 +9,7 @@
 //! one JSON object (`listener`, `processor`). Exits 0 after N router events (or on
 //! Ctrl-C without `--count`), 1 on timeout, 2 when an argument is refused.
 
-mod common;
+use eventplane_cli as common;
 
 use std::io::Write;
 use std::process::ExitCode;

@@ -13,7 +13,7 @@
 //! Exit codes: 0 when done; 2 on bad arguments (a malformed `--bind`); 3 when the
 //! endpoint cannot be bound.
 
-mod common;
+use eventplane_cli as common;
 
 use std::io::Write;
 use std::time::Duration;

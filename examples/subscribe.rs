@@ -16,7 +16,7 @@
 //! timeout (connecting included) or when every publisher went away; 2 on a ZMTP
 //! protocol error (stderr `protocol error: …`); 3 when it cannot connect.
 
-mod common;
+use eventplane_cli as common;
 
 use std::io::Write;
 use std::process::ExitCode;

@@ -19,7 +19,7 @@
 //! timeout; 2 on bad arguments (`--etcd` without the feature included); 3 when
 //! discovery cannot be reached.
 
-mod common;
+use eventplane_cli as common;
 
 use std::io::Write;
 use std::process::ExitCode;

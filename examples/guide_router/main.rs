@@ -20,8 +20,7 @@
 //! deliveries, block H, or a signal; 1 on timeout (or if the subscriber stops); 2 on
 //! bad arguments; 3 when etcd cannot be reached.
 
-#[path = "../common/mod.rs"]
-mod common;
+use eventplane_cli as common;
 // Written as a user copies it, with `pub` items.
 #[allow(unreachable_pub)]
 mod router;

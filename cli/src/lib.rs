@@ -1,5 +1,11 @@
-//! Helpers shared by the examples (not an example itself).
-#![allow(dead_code, unreachable_pub)]
+//! The command-line conventions of eventplane's tools, shared by the library's
+//! examples and the services (`event-broker`, `kv-relay`, `kv-router`), so that every
+//! process reads its flags, logs, stops and reports failures the same way: tracing to
+//! stderr filtered by `RUST_LOG`, SIGTERM and Ctrl-C, the engine-side flags, exit
+//! codes (2 for a refused argument, 3 for what cannot be reached).
+//!
+//! Not a stable API: it changes with the tools.
+#![allow(missing_docs)]
 
 use eventplane::zmtp::Message;
 

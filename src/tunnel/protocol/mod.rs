@@ -26,6 +26,13 @@
 //! assert!(matches!(broker.poll_event(), Some(BrokerEvent::Welcomed(_))));
 //! ```
 
+// Without `unstable` this module is private: its re-exports, and the parts only the
+// tests, the fuzz targets and protocol users call, serve nothing in the crate.
+#![cfg_attr(
+    not(any(test, fuzzing, feature = "unstable")),
+    allow(unused_imports, unreachable_pub, dead_code)
+)]
+
 pub(crate) mod announce;
 pub(crate) mod broker_session;
 pub(crate) mod budget;

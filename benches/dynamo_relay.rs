@@ -46,6 +46,7 @@ mod relay;
 #[path = "common/watchdog.rs"]
 mod watchdog;
 
+use eventplane::wire::Dialect;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -54,8 +55,8 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use etcd_support::EtcdServer;
-use eventplane::discovery::{Discovery, DynamoRecords, EtcdDiscovery, Query, RecordFormat};
-use eventplane::kv::{KvEventData, decode_dynamo_router_events};
+use eventplane::discovery::{Discovery, EtcdDiscovery, Query};
+use eventplane::kv::KvEventData;
 use eventplane::subscriber::{DynamicSubscriber, Layout};
 use eventplane::zmtp::{Config, Message, PubSocket};
 use procfs::cpu_time;
@@ -301,7 +302,7 @@ impl Rig {
             .await
             .expect("the worker never subscribed to the engine");
         let discovery = EtcdDiscovery::builder([etcd])
-            .record_format(RecordFormat::Dynamo(DynamoRecords::new()))
+            .dialect(Dialect::Dynamo)
             .connect()
             .await
             .unwrap();
@@ -363,7 +364,9 @@ impl Rig {
             let Ok(Some(d)) = tokio::time::timeout_at(deadline, self.sub.recv()).await else {
                 return false;
             };
-            let events = decode_dynamo_router_events(&d.payload().unwrap()).unwrap();
+            let events = Dialect::Dynamo
+                .decode_router_events(&d.payload().unwrap())
+                .unwrap();
             self.tally.add(&events);
             let seen = events.iter().any(|e| match &e.event.data {
                 KvEventData::Stored { blocks, .. } => blocks.iter().any(|b| b.block_hash.0 == hash),

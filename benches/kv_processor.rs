@@ -1,5 +1,5 @@
 //! Block events per second through Coalescer + DedupFilter + id stamping (the sans-IO
-//! `kv::Pipeline`) into a null sink, one core: chained stores, removes of hashes never
+//! `kv::pipeline::Pipeline`) into a null sink, one core: chained stores, removes of hashes never
 //! stored (dedup has nothing to hold back: they pass, coalesced), and a mixed stream whose removes all hit stored
 //! blocks. Every iteration starts from a fresh `Pipeline`. Throughput is in block events (a stored or removed block each).
 //!
@@ -21,12 +21,12 @@ use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use eventplane::kv::{
-    BlockHash, EngineDecoder, EngineEvent, KvEvent, KvEventData, Pipeline, Placement,
-    PlacementEvent, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId,
-    decode_dynamo_router_events, decode_router_events, encode_dynamo_router_events,
-    encode_engine_batch, encode_router_events,
+    BlockHash, KvEvent, KvEventData, Placement, PlacementEvent, RouterEvent, StorageTier,
+    StoredBlock, TokensHash, WorkerId,
+    engine::{EngineDecoder, EngineEvent, encode_engine_batch},
+    pipeline::Pipeline,
 };
-use eventplane::wire::{Layout, Wire};
+use eventplane::wire::{Dialect, Layout};
 use serde::Serialize;
 
 const AT: Placement = Placement {
@@ -342,7 +342,9 @@ fn decode(c: &mut Criterion) {
                             pipeline.push(ev, &mut out);
                         }
                         pipeline.flush(&mut out);
-                        std::hint::black_box(encode_router_events(&out).unwrap());
+                        std::hint::black_box(
+                            Dialect::EventPlane.encode_router_events(&out).unwrap(),
+                        );
                         out.clear();
                     }
                 },
@@ -395,28 +397,38 @@ fn router_wire(c: &mut Criterion) {
     group.measurement_time(Duration::from_secs(3));
     let events = router_message();
     group.throughput(Throughput::Elements(events.len() as u64));
-    let ours = encode_router_events(&events).unwrap();
-    let dynamo = encode_dynamo_router_events(&events).unwrap();
-    assert_eq!(decode_router_events(&ours).unwrap(), events);
-    assert_eq!(decode_dynamo_router_events(&dynamo).unwrap(), events);
+    let ours = Dialect::EventPlane.encode_router_events(&events).unwrap();
+    let dynamo = Dialect::Dynamo.encode_router_events(&events).unwrap();
+    assert_eq!(
+        Dialect::EventPlane.decode_router_events(&ours).unwrap(),
+        events
+    );
+    assert_eq!(
+        Dialect::Dynamo.decode_router_events(&dynamo).unwrap(),
+        events
+    );
     let topic = bytes::Bytes::from_static(b"kv-events");
-    let message = Wire::Dynamo.encode(&topic, 42, 1, bytes::Bytes::from(dynamo.clone()));
+    let message = Dialect::Dynamo.encode(&topic, 42, 1, bytes::Bytes::from(dynamo.clone()));
     group.bench_function(BenchmarkId::new("encode", "eventplane"), |b| {
-        b.iter(|| std::hint::black_box(encode_router_events(&events).unwrap()))
+        b.iter(|| std::hint::black_box(Dialect::EventPlane.encode_router_events(&events).unwrap()))
     });
     group.bench_function(BenchmarkId::new("encode", "dynamo"), |b| {
         b.iter(|| {
-            let payload = encode_dynamo_router_events(&events).unwrap();
-            std::hint::black_box(Wire::Dynamo.encode(&topic, 42, 1, bytes::Bytes::from(payload)))
+            let payload = Dialect::Dynamo.encode_router_events(&events).unwrap();
+            std::hint::black_box(Dialect::Dynamo.encode(&topic, 42, 1, bytes::Bytes::from(payload)))
         })
     });
     group.bench_function(BenchmarkId::new("decode", "eventplane"), |b| {
-        b.iter(|| std::hint::black_box(decode_router_events(&ours).unwrap()))
+        b.iter(|| std::hint::black_box(Dialect::EventPlane.decode_router_events(&ours).unwrap()))
     });
     group.bench_function(BenchmarkId::new("decode", "dynamo"), |b| {
         b.iter(|| {
             let framed = Layout::Dynamo.parse(Some(b"kv-events"), &message).unwrap();
-            std::hint::black_box(decode_dynamo_router_events(&framed.payload.unwrap()).unwrap())
+            std::hint::black_box(
+                Dialect::Dynamo
+                    .decode_router_events(&framed.payload.unwrap())
+                    .unwrap(),
+            )
         })
     });
     group.finish();

@@ -35,13 +35,14 @@ mod relay;
 #[path = "common/watchdog.rs"]
 mod watchdog;
 
+use eventplane::wire::Dialect;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use eventplane::kv::{KvEventData, decode_router_events};
+use eventplane::kv::KvEventData;
 use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
 use procfs::{cpu_time, status_kib};
 use relay::{Stderr, Tally, assert_relay_lossless, terminate, terminate_for_stats};
@@ -205,7 +206,9 @@ impl Rig {
                     self.gaps += seq.saturating_sub(next);
                 }
                 self.next_out_seq = Some(seq + 1);
-                let events = decode_router_events(message.get(3).unwrap()).unwrap();
+                let events = Dialect::EventPlane
+                    .decode_router_events(message.get(3).unwrap())
+                    .unwrap();
                 self.tally.add(&events);
                 seen |= events.iter().any(|e| match &e.event.data {
                     KvEventData::Stored { blocks, .. } => {

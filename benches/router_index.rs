@@ -1,4 +1,4 @@
-//! `kv::RouterIndex` on a Mooncake-shaped trace (`router_index_trace.rs`): 256 workers
+//! `kv::router::RouterIndex` on a Mooncake-shaped trace (`router_index_trace.rs`): 256 workers
 //! of 20,000 blocks each, requests from 300 system prompts of 20–200 blocks (Zipf
 //! popularity) and their multi-turn sessions, up to 400 blocks a prompt; every worker
 //! stores what it lacks of a prompt (chunks of 64 blocks, then one event per output
@@ -49,7 +49,7 @@ mod trace;
 use std::time::{Duration, Instant};
 
 use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use eventplane::kv::{KvEventData, RouterEvent, RouterIndex};
+use eventplane::kv::{KvEventData, RouterEvent, router::RouterIndex};
 use procfs::status_kib;
 use trace::{Trace, TraceConfig};
 

@@ -1,8 +1,8 @@
 //! A router restarted against N workers that hold M blocks each: how long until its
 //! index holds every block again, and the bytes that moved. Each worker keeps its
-//! blocks in a `kv::WorkerLog` served by a `kv::RecoveryServer` on loopback; the
+//! blocks in a `kv::pipeline::WorkerLog` served by a `kv::pipeline::RecoveryServer` on loopback; the
 //! router is an `IndexFeed` that sees every publisher connect (first sight: a dump),
-//! its requests made by a `kv::RecoveryDriver` (16 at once), each answer applied as it
+//! its requests made by a `kv::router::RecoveryDriver` (16 at once), each answer applied as it
 //! comes. Blocks are in chains of 64 (a worker's distinct prompts).
 //!
 //! Then gap repair: a worker's log moves on by three events and the router gets only
@@ -25,9 +25,9 @@ use std::time::{Duration, Instant};
 
 use eventplane::discovery::{ChannelId, Instance, Transport, WorkerIdentity};
 use eventplane::kv::{
-    BlockHash, IndexFeed, KvEvent, KvEventData, LocalIndex, RecoveryClientConfig, RecoveryDriver,
-    RecoveryServer, RouterEvent, RouterIndexConfig, SharedWorkerLog, StorageTier, StoredBlock,
-    TokensHash, WorkerId, WorkerLogConfig,
+    BlockHash, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId,
+    pipeline::{LocalIndex, RecoveryServer, SharedWorkerLog, WorkerLogConfig},
+    router::{IndexFeed, RecoveryClientConfig, RecoveryDriver, RouterIndexConfig},
 };
 use eventplane::subscriber::Notice;
 

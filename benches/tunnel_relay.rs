@@ -203,7 +203,7 @@ async fn pair() -> Pair {
     let id = ChannelId::new("bench", "worker", "t", 3).unwrap();
     announcer
         .announce(
-            AnnouncedSource::new(&id, eventplane::wire::Wire::EventPlane),
+            AnnouncedSource::new(&id, eventplane::wire::Dialect::EventPlane),
             source_pub.acceptor(),
         )
         .unwrap();

@@ -5,20 +5,21 @@
 //! ```
 //! - N simulated inference engines publish real msgpack KV event batches (vLLM's
 //!   tagged-array layout, with prefixes shared across engines) on ZMQ PUB sockets.
-//! - Each engine has a worker pipeline, a `kv::Worker` (`EngineListener → Processor →
+//! - Each engine has a worker pipeline, a `kv::pipeline::Worker` (`EngineListener → Processor →
 //!   EventPlaneSink → EventPublisher`), its publisher registered in a `MemoryDiscovery`
 //!   with the worker's identity.
 //! - A router `DynamicSubscriber` discovers every worker's publisher, merges their
 //!   streams, and decodes the router events into a small block index.
-//! - Each worker keeps its recovery log (`kv::SharedWorkerLog`, served by a
-//!   `kv::RecoveryServer` registered with its publisher): the router rebuilds every
+//! - Each worker keeps its recovery log (`kv::pipeline::SharedWorkerLog`, served by a
+//!   `kv::pipeline::RecoveryServer` registered with its publisher): the router rebuilds every
 //!   worker from a dump when it first sees it, and a third of the way through the demo
 //!   makes it lose one message of worker 1, which it repairs from that worker's log
-//!   instead of forgetting the worker's blocks (`kv::RecoveryDriver`).
+//!   instead of forgetting the worker's blocks (`kv::router::RecoveryDriver`).
 //! - Halfway through, one engine leaves and a new one joins: discovery-driven fan-in.
 //!
 //! Prints a progress line every second and a final table; exits 0.
 
+use eventplane::wire::Dialect;
 use eventplane_cli as common;
 
 use std::collections::{HashMap, HashSet};
@@ -31,10 +32,13 @@ use clap::Parser;
 use eventplane::BoxFuture;
 use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
 use eventplane::kv::{
-    EngineEvent, EngineListenerConfig, EngineListenerStats, EventPlaneSink, EventSink, IndexFeed,
-    KvEventData, MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, ProcessorConfig,
-    RecoveryClientConfig, RecoveryDriver, RecoveryServer, RouterEvent, SharedWorkerLog, SinkError,
-    Worker, WorkerId, WorkerLogConfig, decode_router_events, encode_engine_batch, split_messages,
+    KvEventData, RouterEvent, WorkerId,
+    engine::{EngineEvent, EngineListenerConfig, EngineListenerStats, encode_engine_batch},
+    pipeline::{
+        EventPlaneSink, EventSink, MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, ProcessorConfig,
+        RecoveryServer, SharedWorkerLog, SinkError, Worker, WorkerLogConfig, split_messages,
+    },
+    router::{IndexFeed, RecoveryClientConfig, RecoveryDriver},
 };
 use eventplane::publish::EventPublisher;
 use eventplane::subscriber::{DynamicSubscriber, Item, Layout};
@@ -204,13 +208,15 @@ impl Injected {
     /// from its dump anyway).
     fn take(&self, worker: Option<eventplane::discovery::WorkerIdentity>, events: u64) -> bool {
         if events < 8
-            || worker.is_none_or(|w| w.worker_id != 1)
+            || worker.is_none_or(|w| w.worker_id.0 != 1)
             || !self.armed.swap(false, Ordering::Relaxed)
         {
             return false;
         }
-        self.worker
-            .store(worker.map_or(u64::MAX, |w| w.worker_id), Ordering::Relaxed);
+        self.worker.store(
+            worker.map_or(u64::MAX, |w| w.worker_id.0),
+            Ordering::Relaxed,
+        );
         self.events.store(events, Ordering::Relaxed);
         true
     }
@@ -649,7 +655,11 @@ async fn main() -> anyhow::Result<()> {
                     }
                     _ => continue,
                 };
-                match d.message.get(3).map(decode_router_events) {
+                match d
+                    .message
+                    .get(3)
+                    .map(|p| Dialect::EventPlane.decode_router_events(p))
+                {
                     Some(Ok(events)) if inject.take(d.source.worker, events.len() as u64) => {
                         // Discarded on purpose: settled in the ledger, counted apart.
                         if let Some(seq) = d.sequence {
@@ -956,7 +966,7 @@ mod tunnel {
     use std::time::Duration;
 
     use eventplane::discovery::{ChannelId, Discovery, Merged, WorkerIdentity};
-    use eventplane::kv::{RecoveryDriver, RecoveryServer};
+    use eventplane::kv::{pipeline::RecoveryServer, router::RecoveryDriver};
     use eventplane::net::AddrFilter;
     use eventplane::publish::EventPublisher;
     use eventplane::subscriber::DynamicSubscriberBuilder;
@@ -964,7 +974,7 @@ mod tunnel {
         AnnouncedSource, Broker, BrokerConfig, BusClients, EventBus, EventBusConfig, Secret,
         Source, SourceConfig, TokenDigest, client_tls, server_tls,
     };
-    use eventplane::wire::Wire;
+    use eventplane::wire::Dialect;
 
     pub(super) struct Tunnel {
         bus: EventBus,
@@ -1015,7 +1025,7 @@ mod tunnel {
                 publisher.publisher_id(),
             )?;
             source.announce_with_recovery(
-                AnnouncedSource::new(&channel, Wire::EventPlane)
+                AnnouncedSource::new(&channel, Dialect::EventPlane)
                     .with_worker(WorkerIdentity::new(id, 0)),
                 publisher.acceptor(),
                 recovery.acceptor(),
@@ -1098,7 +1108,7 @@ mod tunnel {
             (
                 Arc::new(Merged::new(vec![
                     discovery,
-                    Arc::new(bus.announced(Wire::EventPlane)),
+                    Arc::new(bus.announced(Dialect::EventPlane)),
                 ])),
                 Some(DialOut {
                     url,
@@ -1186,7 +1196,7 @@ mod tunnel {
     use std::sync::Arc;
 
     use eventplane::discovery::Discovery;
-    use eventplane::kv::{RecoveryDriver, RecoveryServer};
+    use eventplane::kv::{pipeline::RecoveryServer, router::RecoveryDriver};
     use eventplane::publish::EventPublisher;
     use eventplane::subscriber::DynamicSubscriberBuilder;
 

@@ -19,7 +19,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use clap::Parser;
 use common::{EngineArgs, optional_timeout, stop_signal};
 use eventplane::BoxFuture;
-use eventplane::kv::{EventSink, RouterEvent, SinkError, Worker};
+use eventplane::kv::{
+    RouterEvent,
+    pipeline::{EventSink, SinkError, Worker},
+};
 use tokio::sync::Notify;
 
 #[derive(Parser, Debug)]

@@ -65,7 +65,7 @@ struct Args {
     /// Topic: the discovery topic and the exact first frame of every message.
     #[arg(long)]
     topic: String,
-    /// Wire layout of the messages: raw, topic-seq, topic-publisher-seq or dynamo.
+    /// Dialect layout of the messages: raw, topic-seq, topic-publisher-seq or dynamo.
     #[arg(long, default_value = "topic-publisher-seq")]
     layout: Layout,
     /// Exit 0 after this many deliveries.

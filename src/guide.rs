@@ -3,7 +3,7 @@
 //!
 //! - [The router side](#the-router-side): subscribe → decode → index per worker →
 //!   handle gaps and departures.
-//! - [The worker side](#the-worker-side): engine → [`kv::Worker`] → publisher.
+//! - [The worker side](#the-worker-side): engine → [`kv::pipeline::Worker`] → publisher.
 //! - [Bounds](#bounds): every memory bound, set in one place.
 //! - [As a `Stream`](#as-a-stream).
 //! - [Tracing](#tracing): seeing the crate's warnings.
@@ -12,9 +12,9 @@
 //! A router follows every worker's KV-event publisher through discovery and keeps an
 //! index of which worker holds which block, to answer one question per request:
 //! which worker holds the longest prefix of its blocks
-//! ([`RouterIndex::find_matches`](crate::kv::RouterIndex::find_matches), with the
-//! request's [`local_block_hashes`](crate::kv::local_block_hashes)). Three things
-//! keep that index honest, and [`kv::IndexFeed`] does all
+//! ([`RouterIndex::find_matches`](crate::kv::router::RouterIndex::find_matches), with the
+//! request's [`local_block_hashes`](crate::kv::router::local_block_hashes)). Three things
+//! keep that index honest, and [`kv::router::IndexFeed`] does all
 //! three, fed in order by
 //! [`DynamicSubscriber::recv_item`](crate::subscriber::DynamicSubscriber::recv_item)
 //! (deliveries and notices in one stream):
@@ -23,14 +23,14 @@
 //!   ([`EventPublisherBuilder::worker`](crate::publish::EventPublisherBuilder::worker);
 //!   `kv-relay` does, from `--worker-id` and `--dp-rank`), so every delivery's
 //!   `source.worker` names the worker before the payload is decoded. An event naming
-//!   another worker is refused; under [`Attribution::Strict`](crate::kv::Attribution)
+//!   another worker is refused; under [`Attribution::Strict`](crate::kv::router::Attribution)
 //!   so are the events of a publisher that registered none, and
 //!   [`expect_worker_identity`](crate::subscriber::DynamicSubscriberBuilder::expect_worker_identity)
 //!   makes the subscriber warn about it.
 //! - **What was lost.** Nothing is kept that the worker may no longer hold. A worker
 //!   that loses track of its engine (a dropped batch, an engine restart) sends
 //!   `Cleared`, and the index empties that worker's rank
-//!   ([`EngineListener`](crate::kv::EngineListener)). Events lost between worker and
+//!   ([`EngineListener`](crate::kv::engine::EngineListener)). Events lost between worker and
 //!   router — a full send queue, a dropped connection, this router's own lanes — show
 //!   in the event ids, which a worker numbers 1, 2, 3, …: at an id that is not the
 //!   next one the feed drops what that publisher fed before applying it, and what
@@ -51,7 +51,7 @@
     "```\n",
     include_str!("../examples/guide_router/router.rs"),
     "# use eventplane::discovery::MemoryDiscovery;\n",
-    "# use eventplane::kv::{encode_router_events, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId};\n",
+    "# use eventplane::kv::{KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId};\n",
     "# use eventplane::publish::EventPublisher;\n",
     "# #[tokio::main(flavor = \"current_thread\")]\n",
     "# async fn main() -> Result<(), Box<dyn std::error::Error>> {\n",
@@ -60,7 +60,7 @@
     "# let worker = EventPublisher::builder(discovery, \"prod\", \"w\", \"kv-events\").worker(7, 0).build().await?;\n",
     "# worker.wait_for_subscribers(1).await;\n",
     "# let data = KvEventData::Stored { parent_hash: None, blocks: vec![StoredBlock { block_hash: BlockHash(42), tokens_hash: TokensHash(1) }] };\n",
-    "# worker.publish(encode_router_events(&[RouterEvent { worker_id: WorkerId(7), tier: StorageTier::Device, event: KvEvent { id: 1, dp_rank: 0, data } }])?);\n",
+    "# worker.publish(Dialect::EventPlane.encode_router_events(&[RouterEvent { worker_id: WorkerId(7), tier: StorageTier::Device, event: KvEvent { id: 1, dp_rank: 0, data } }])?);\n",
     "let mut index = Index::default();\n",
     "let worker_7 = WorkerIdentity::new(7, 0);\n",
     "route(&mut router, &mut index, |i| i.holders(42).any(|w| w == worker_7)).await;\n",
@@ -69,7 +69,7 @@
     "# assert_eq!((index.deliveries, index.unidentified(), index.undecodable(), index.lost()), (1, 0, 0, 0));\n",
     "# // Event 2 never arrives: at event 3 the worker's blocks are dropped, then 43 is added.\n",
     "# let data = KvEventData::Stored { parent_hash: None, blocks: vec![StoredBlock { block_hash: BlockHash(43), tokens_hash: TokensHash(1) }] };\n",
-    "# worker.publish(encode_router_events(&[RouterEvent { worker_id: WorkerId(7), tier: StorageTier::Device, event: KvEvent { id: 3, dp_rank: 0, data } }])?);\n",
+    "# worker.publish(Dialect::EventPlane.encode_router_events(&[RouterEvent { worker_id: WorkerId(7), tier: StorageTier::Device, event: KvEvent { id: 3, dp_rank: 0, data } }])?);\n",
     "# route(&mut router, &mut index, |i| i.holders(43).any(|w| w == worker_7)).await;\n",
     "# assert_eq!((index.holders(42).count(), index.lost()), (0, 1));\n",
     "# Ok(()) }\n",
@@ -85,13 +85,13 @@
 //! # The worker side
 //! A worker process relays one engine's KV events (vLLM, SGLang: a ZMQ PUB sending
 //! `[topic, seq, msgpack batch]`) as router events on a publisher registered in
-//! discovery. [`kv::Worker`] wires listener, processor and sink; `shutdown` publishes
+//! discovery. [`kv::pipeline::Worker`] wires listener, processor and sink; `shutdown` publishes
 //! what was queued, then drains and unregisters the publisher.
 //!
 //! ```
 //! use std::{sync::Arc, time::Duration};
 //! use eventplane::discovery::MemoryDiscovery;
-//! use eventplane::kv::{EngineListenerConfig, ProcessorConfig, Worker, WorkerId};
+//! use eventplane::kv::{WorkerId, engine::EngineListenerConfig, pipeline::{ProcessorConfig, Worker}};
 //! use eventplane::publish::EventPublisher;
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -115,10 +115,10 @@
 //! # Ok(()) }
 //! ```
 //!
-//! The pieces stay usable alone: an [`EngineListener`](crate::kv::EngineListener)
-//! feeding your own channel, a [`Processor`](crate::kv::Processor) over your own
-//! [`EventSink`](crate::kv::EventSink) (or [`Worker::with_sink`](crate::kv::Worker::with_sink)),
-//! or the sans-IO [`Pipeline`](crate::kv::Pipeline) with no task at all. The
+//! The pieces stay usable alone: an [`EngineListener`](crate::kv::engine::EngineListener)
+//! feeding your own channel, a [`Processor`](crate::kv::pipeline::Processor) over your own
+//! [`EventSink`](crate::kv::pipeline::EventSink) (or [`Worker::with_sink`](crate::kv::pipeline::Worker::with_sink)),
+//! or the sans-IO [`Pipeline`](crate::kv::pipeline::Pipeline) with no task at all. The
 //! `kv-relay` service (`services/`) is this as a command-line process, with etcd and Dynamo's wire.
 //!
 //! # Bounds
@@ -152,8 +152,8 @@
 //! # Ok(()) }
 //! ```
 //!
-//! On the worker side: [`kv::WorkerBuilder::queue_capacity`], the processor's
-//! [`ProcessorConfig`](crate::kv::ProcessorConfig) (batching, dedup caps), and the
+//! On the worker side: [`kv::pipeline::WorkerBuilder::queue_capacity`], the processor's
+//! [`ProcessorConfig`](crate::kv::pipeline::ProcessorConfig) (batching, dedup caps), and the
 //! publisher's `zmtp_config` (`send_queue_messages`, `send_queue_bytes` per
 //! subscriber).
 //!

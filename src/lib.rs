@@ -5,17 +5,17 @@
 //!
 //! ```text
 //!  engine (vLLM / SGLang)          worker process                      router process
-//!  ZMQ PUB [topic, seq, msgpack] ─► kv::EngineListener                 Discovery (memory | etcd | kube)
+//!  ZMQ PUB [topic, seq, msgpack] ─► kv::engine::EngineListener         Discovery (memory | etcd | kube)
 //!                                     │ bounded lists                     │ watch
 //!                                     ▼                                   ▼
-//!                                  kv::Processor                       subscriber::DynamicSubscriber
+//!                                  kv::pipeline::Processor             subscriber::DynamicSubscriber
 //!                                   coalesce → dedup → ids              per publisher: zmtp::SubSocket
 //!                                     │                                   → bounded lossy::Lane
 //!                                     ▼                                 lanes → fair lossy::Merge
-//!                                  kv::EventPlaneSink                     → Stream<Delivery>
+//!                                  kv::pipeline::EventPlaneSink           → Stream<Delivery>
 //!                                     │                                   │
 //!                                     ▼                                   ▼
-//!                                  publish::EventPublisher ──────────► kv::decode_router_events
+//!                                  publish::EventPublisher ──────────► Dialect::decode_router_events
 //!                                   zmtp::PubSocket, registered          → the router's index
 //!                                   in Discovery
 //!                                   [topic, publisher_id, seq, router events]
@@ -32,17 +32,17 @@
 //!   session, and async [`SubSocket`](zmtp::SubSocket) / [`PubSocket`](zmtp::PubSocket)
 //!   over any byte stream. It interoperates with libzmq and zeromq-rs, and a forged
 //!   frame header costs a closed connection, never an allocation of the claimed size.
-//! - [`discovery`]: the dyn-compatible [`Discovery`](discovery::Discovery) trait with
+//! - [`discovery`]: the dyn-compatible [`Discovery`] trait with
 //!   a strict watch contract (initial sync ending in `Resync`, bounded per-watcher
 //!   backlogs that collapse into a `Resync`, stale removals suppressed by incarnation),
-//!   the embedded [`MemoryDiscovery`](discovery::MemoryDiscovery),
+//!   the embedded [`MemoryDiscovery`],
 //!   [`StaticDiscovery`](discovery::StaticDiscovery), and the distributed
 //!   `EtcdDiscovery` (feature `etcd`) and `KubeDiscovery` (feature `kube`).
-//! - [`subscriber`]: [`DynamicSubscriber`](subscriber::DynamicSubscriber) — connects to
+//! - [`subscriber`]: [`DynamicSubscriber`] — connects to
 //!   every publisher discovery reports and merges their streams into bounded, lossy,
 //!   fair per-publisher lanes: every drop counted, memory bounded, no publisher able to
 //!   starve another.
-//! - [`publish`]: [`EventPublisher`](publish::EventPublisher) — a `PubSocket` on an
+//! - [`publish`]: [`EventPublisher`] — a `PubSocket` on an
 //!   OS-assigned port, registered in discovery, with sequence numbers.
 //! - [`wire`]: the message layouts of every publisher we read or write — engines',
 //!   ours, and NVIDIA Dynamo's (a framed msgpack envelope) — with their parsers,
@@ -53,7 +53,7 @@
 //! - [`kv`]: the KV-event model, the sans-IO coalescer, dedup filter and id stamping,
 //!   the processor loop, engine ingress (vLLM / SGLang msgpack batches) and the
 //!   event-plane sink with its router-side decoder, in our schema or Dynamo's,
-//!   [`kv::Worker`], which wires engine → listener → processor → publisher, the
+//!   [`kv::pipeline::Worker`], which wires engine → listener → processor → publisher, the
 //!   router's index, and the recovery of a worker's blocks after loss.
 //! - `metrics` (feature `metrics`): every component's counters through the `metrics`
 //!   facade, with their catalogue.
@@ -67,9 +67,9 @@
 //! ## Next to Dynamo
 //! A router built on eventplane follows Dynamo ≥ 1.6 workers as they run, and an
 //! eventplane worker feeds a Dynamo router, neither side changed: Dynamo's etcd
-//! records (`RecordFormat::Dynamo` on `EtcdDiscovery`, feature `etcd`), its frames
-//! ([`wire::Layout::Dynamo`], [`wire::Wire::Dynamo`]) and its router-event schema
-//! ([`kv::decode_dynamo_router_events`]). Our formats stay the default.
+//! records (`EtcdDiscovery` in `Dialect::Dynamo`, feature `etcd`; `KubeDiscovery`), its
+//! frames and its router-event schema: one [`Dialect`] names ours or Dynamo's for all
+//! three ([`Dialect::layout`], [`Dialect::encode_router_events`]). Ours is the default.
 //!
 //! ## Features
 //! - `etcd`: `discovery::EtcdDiscovery`, distributed discovery on etcd v3 (pulls
@@ -104,7 +104,7 @@
 //! `DynamicSubscriber::recv`/`recv_many`, `DiscoveryStream::next`) is cancel-safe: state
 //! lives in the socket or stream, never in the future, so using them in `select!` loses
 //! nothing. `Drop` only signals tasks to stop; it never blocks or spawns. Long-running
-//! parts (the subscriber, `EngineListener`, `Processor`, `kv::Worker`) take
+//! parts (the subscriber, `EngineListener`, `Processor`, `kv::pipeline::Worker`) take
 //! `.cancellation(&token)` ([`CancellationToken`]) and report their final counters.
 //!
 //! ## Tracing
@@ -147,6 +147,12 @@ pub mod wire;
 pub mod zmtp;
 
 pub use config::ConfigError;
+// The entry types, also at their modules' paths.
+pub use discovery::{Discovery, MemoryDiscovery};
+pub use kv::{pipeline::Worker, router::RouterIndex};
+pub use publish::EventPublisher;
+pub use subscriber::DynamicSubscriber;
+pub use wire::Dialect;
 
 /// The token every long-running part of the crate stops on, re-exported so applications
 /// need no `tokio-util` dependency of their own to build one.
@@ -155,8 +161,8 @@ pub use config::ConfigError;
 /// runs and stops when that token is cancelled, using a child of it (so stopping one
 /// part never cancels the caller's token); its handle's `cancel()` stops that part
 /// alone. The parts: [`DynamicSubscriberBuilder`](subscriber::DynamicSubscriberBuilder),
-/// [`EngineListener`](kv::EngineListener), [`Processor`](kv::Processor) and
-/// [`WorkerBuilder`](kv::WorkerBuilder). ([`Discovery::watch`](discovery::Discovery::watch)
+/// [`EngineListener`](kv::engine::EngineListener), [`Processor`](kv::pipeline::Processor) and
+/// [`WorkerBuilder`](kv::pipeline::WorkerBuilder). ([`Discovery::watch`]
 /// takes a token as an argument: it is the backend's side of the same contract.)
 ///
 /// ```
@@ -177,7 +183,7 @@ pub use config::ConfigError;
 pub use tokio_util::sync::CancellationToken;
 
 /// A boxed, `Send` future: what the crate's dyn-compatible traits
-/// ([`Discovery`](discovery::Discovery), [`EventSink`](kv::EventSink)) return.
+/// ([`Discovery`], [`EventSink`](kv::pipeline::EventSink)) return.
 ///
 /// ```
 /// use eventplane::BoxFuture;

@@ -1,7 +1,7 @@
 //! [`EventPublisher`]: a `PubSocket` registered in discovery, sending
 //! `[topic, publisher_id u64be, sequence u64be, payload]` (what a
 //! `DynamicSubscriber`'s default layout reads, so every gap is counted) or Dynamo's
-//! frames ([`Wire`]).
+//! frames ([`Dialect`]).
 //!
 //! The socket binds an OS-assigned port on `127.0.0.1` unless told otherwise
 //! ([`bind`](EventPublisherBuilder::bind), [`bind_host`](EventPublisherBuilder::bind_host)
@@ -46,11 +46,11 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::discovery::{
-    ChannelId, Discovery, DiscoveryError, Instance, MAX_PUBLISHER_ID, Registration, Transport,
-    WorkerIdentity,
+    ChannelId, Discovery, DiscoveryError, DpRank, Instance, MAX_PUBLISHER_ID, Registration,
+    Transport, WorkerId, WorkerIdentity,
 };
 use crate::net::random_u64;
-use crate::wire::Wire;
+use crate::wire::Dialect;
 use crate::zmtp::{self, PubSocket, PubStats, SendReport};
 
 /// Errors of [`EventPublisher`].
@@ -135,7 +135,7 @@ pub struct EventPublisherBuilder {
     advertise_host: Option<String>,
     zmtp: zmtp::Config,
     linger: Duration,
-    wire: Wire,
+    dialect: Dialect,
     worker: Option<WorkerIdentity>,
     recovery: Option<String>,
     publisher_id: Option<u64>,
@@ -154,21 +154,21 @@ impl EventPublisherBuilder {
         self.bind = Some(endpoint.into());
         self
     }
-    /// What the publisher writes: [`Wire::EventPlane`] (default) or [`Wire::Dynamo`]
+    /// What the publisher writes: [`Dialect::EventPlane`] (default) or [`Dialect::Dynamo`]
     /// (Dynamo's framed envelope). Which records discovery writes
-    /// is the discovery backend's choice (see `EtcdDiscoveryBuilder::record_format`).
+    /// is the discovery backend's choice (see `EtcdDiscoveryBuilder::dialect`).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), eventplane::publish::PublishError> {
     /// use eventplane::publish::EventPublisher;
-    /// use eventplane::wire::Wire;
-    /// let publisher = EventPublisher::unregistered("kv-events").wire(Wire::Dynamo).build().await?;
-    /// assert_eq!((publisher.wire(), publisher.next_sequence()), (Wire::Dynamo, 0));
+    /// use eventplane::wire::Dialect;
+    /// let publisher = EventPublisher::unregistered("kv-events").dialect(Dialect::Dynamo).build().await?;
+    /// assert_eq!((publisher.dialect(), publisher.next_sequence()), (Dialect::Dynamo, 0));
     /// # Ok(()) }
     /// ```
-    pub fn wire(mut self, wire: Wire) -> Self {
-        self.wire = wire;
+    pub fn dialect(mut self, dialect: Dialect) -> Self {
+        self.dialect = dialect;
         self
     }
     /// Host others dial. Default: the bind host (which must then be routable).
@@ -206,13 +206,13 @@ impl EventPublisherBuilder {
     /// assert_eq!(publisher.instance().unwrap().worker, Some(WorkerIdentity::new(7, 0)));
     /// # Ok(()) }
     /// ```
-    pub fn worker(mut self, worker_id: u64, dp_rank: u32) -> Self {
+    pub fn worker(mut self, worker_id: impl Into<WorkerId>, dp_rank: DpRank) -> Self {
         self.worker = Some(WorkerIdentity::new(worker_id, dp_rank));
         self
     }
 
     /// The endpoint where this worker serves its recovery log (a
-    /// [`kv::RecoveryServer`](crate::kv::RecoveryServer)'s), registered with the
+    /// [`kv::pipeline::RecoveryServer`](crate::kv::pipeline::RecoveryServer)'s), registered with the
     /// publisher ([`Instance::recovery`](crate::discovery::Instance::recovery)) in
     /// backends whose records carry it ([`Discovery::register_instance`]). Default: none.
     /// In Dynamo's records, `dynamo+msgpack://HOST:PORT` (or `dynamo+json://`) names a
@@ -302,7 +302,7 @@ impl EventPublisherBuilder {
                     .register_instance(instance)
                     .await
                     .map_err(PublishError::Register)?;
-                tracing::debug!(%endpoint, publisher_id, wire = %self.wire, "event publisher registered");
+                tracing::debug!(%endpoint, publisher_id, dialect = %self.dialect, "event publisher registered");
                 Some(registration)
             }
         };
@@ -314,7 +314,7 @@ impl EventPublisherBuilder {
             id_frame: Bytes::copy_from_slice(&publisher_id.to_be_bytes()),
             sequence: AtomicU64::new(0),
             linger: self.linger,
-            wire: self.wire,
+            dialect: self.dialect,
         })
     }
 }
@@ -352,7 +352,7 @@ fn check_advertise_host(host: &str) -> Result<(), PublishError> {
 /// Publishes events on the event plane: binds a [`PubSocket`] on an OS-assigned
 /// port, registers `tcp://{advertise_host}:{port}` in discovery under a random
 /// publisher id (≤ 2^53 − 1), and sends `[topic, publisher_id u64be, sequence u64be,
-/// payload]` with the sequence counting from 0 (or, with [`Wire::Dynamo`], Dynamo's
+/// payload]` with the sequence counting from 0 (or, with [`Dialect::Dynamo`], Dynamo's
 /// frames, also counting from 0). Sending never blocks; slow subscribers
 /// lose messages, counted in [`stats`](Self::stats) (and visible to them as sequence
 /// gaps). [`shutdown`](Self::shutdown) unregisters and lingers; dropping it
@@ -384,7 +384,7 @@ pub struct EventPublisher {
     id_frame: Bytes,
     sequence: AtomicU64,
     linger: Duration,
-    wire: Wire,
+    dialect: Dialect,
 }
 
 impl EventPublisher {
@@ -425,7 +425,7 @@ impl EventPublisher {
             advertise_host: None,
             zmtp: zmtp::Config::default(),
             linger: Duration::from_secs(1),
-            wire: Wire::EventPlane,
+            dialect: Dialect::EventPlane,
             worker: None,
             recovery: None,
             publisher_id: None,
@@ -495,7 +495,7 @@ impl EventPublisher {
     /// ```
     pub fn publish(&self, payload: impl Into<Bytes>) -> SendReport {
         let seq = self.sequence.fetch_add(1, Ordering::Relaxed);
-        self.socket.send(self.wire.encode_with_id(
+        self.socket.send(self.dialect.encode_with_id(
             &self.topic,
             self.id,
             &self.id_frame,
@@ -505,8 +505,8 @@ impl EventPublisher {
     }
 
     /// What this publisher writes.
-    pub fn wire(&self) -> Wire {
-        self.wire
+    pub fn dialect(&self) -> Dialect {
+        self.dialect
     }
 
     /// The registered instance (id, endpoint, incarnation).

@@ -28,7 +28,7 @@ fn main_types_are_send_and_sync() {
     send_sync::<SubSocket>();
     send_sync::<SubSocket<tokio::io::DuplexStream>>();
     send_sync::<eventplane::zmtp::DealerSocket>();
-    send_sync::<eventplane::kv::EngineReplayStats>();
+    send_sync::<eventplane::kv::engine::EngineReplayStats>();
     send_sync::<MemoryDiscovery>();
     send_sync::<StaticDiscovery>();
     send_sync::<std::sync::Arc<dyn Discovery>>();
@@ -52,7 +52,7 @@ fn main_types_are_send_and_sync() {
 
 #[test]
 fn worker_types_are_send_and_sync() {
-    use eventplane::kv::{Worker, WorkerBuilder, WorkerStats};
+    use eventplane::kv::pipeline::{Worker, WorkerBuilder, WorkerStats};
     send_sync::<Worker>();
     send::<WorkerBuilder>();
     send_sync::<WorkerStats>();

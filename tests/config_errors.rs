@@ -9,8 +9,12 @@ use std::time::Duration;
 use eventplane::ConfigError;
 use eventplane::discovery::{MemoryDiscovery, Query};
 use eventplane::kv::{
-    Coalescer, DedupFilter, DedupMode, EngineDecoder, EngineListener, EngineListenerConfig,
-    EventSink, Pipeline, Processor, ProcessorConfig, RouterEvent, SinkError, WorkerId,
+    RouterEvent, WorkerId,
+    engine::{EngineDecoder, EngineListener, EngineListenerConfig},
+    pipeline::{
+        Coalescer, DedupFilter, DedupMode, EventSink, Pipeline, Processor, ProcessorConfig,
+        SinkError,
+    },
 };
 use eventplane::lossy::{ITEM_OVERHEAD, Merge, MergeConfig};
 use eventplane::net::Backoff;

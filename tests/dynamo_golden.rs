@@ -15,11 +15,8 @@
 )]
 
 use bytes::Bytes;
-use eventplane::kv::{
-    EngineDecoder, Pipeline, RouterEvent, WorkerId, decode_dynamo_router_events,
-    encode_dynamo_router_events,
-};
-use eventplane::wire::{Layout, Wire, WireError, encode_dynamo_frame, parse_dynamo_frame};
+use eventplane::kv::{RouterEvent, WorkerId, engine::EngineDecoder, pipeline::Pipeline};
+use eventplane::wire::{Dialect, Layout, WireError, encode_dynamo_frame, parse_dynamo_frame};
 use eventplane::zmtp::Message;
 use serde_json::Value;
 
@@ -74,7 +71,9 @@ fn every_captured_frame_decodes_to_the_listed_events() {
         assert_eq!(framed.publisher_id, Some(PUBLISHER_ID));
         // Consecutive sequences (this capture left out the worker's first message, 0).
         assert_eq!(framed.sequence, Some(i as u64 + 1));
-        let events = decode_dynamo_router_events(&framed.payload.unwrap()).unwrap();
+        let events = Dialect::Dynamo
+            .decode_router_events(&framed.payload.unwrap())
+            .unwrap();
         assert_eq!(events, expected_events(decoded), "frame {i}");
     }
 }
@@ -90,7 +89,7 @@ fn our_encoder_reproduces_the_captured_bytes() {
         let captured = message.get(3).unwrap();
         let envelope = parse_dynamo_frame(captured).unwrap();
         let events = expected_events(decoded);
-        let payload = encode_dynamo_router_events(&events).unwrap();
+        let payload = Dialect::Dynamo.encode_router_events(&events).unwrap();
         assert_eq!(payload, envelope.payload, "payload of frame {i}");
         let mut frame = Vec::new();
         encode_dynamo_frame(
@@ -104,7 +103,7 @@ fn our_encoder_reproduces_the_captured_bytes() {
         assert_eq!(frame, captured, "frame {i}, with the captured published_at");
 
         // With our own clock: the same message apart from published_at's 8 bytes.
-        let ours = Wire::Dynamo.encode(
+        let ours = Dialect::Dynamo.encode(
             &Bytes::from_static(b"kv-events"),
             PUBLISHER_ID,
             i as u64 + 1,

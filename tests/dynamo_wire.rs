@@ -12,12 +12,12 @@ use bytes::Bytes;
 use eventplane::discovery::{MemoryDiscovery, Query, StaticDiscovery};
 use eventplane::publish::EventPublisher;
 use eventplane::subscriber::{DynamicSubscriber, Layout};
-use eventplane::wire::{MalformedStats, Wire};
+use eventplane::wire::{Dialect, MalformedStats};
 use eventplane::zmtp::{Config, Message, PubSocket};
 use support::within;
 
 fn good(seq: u64, payload: &'static [u8]) -> Message {
-    Wire::Dynamo.encode(
+    Dialect::Dynamo.encode(
         &Bytes::from_static(b"kv-events"),
         42,
         seq,
@@ -142,7 +142,7 @@ async fn event_publisher_and_dynamic_subscriber_speak_dynamo() {
         .spawn()
         .unwrap();
     let publisher = EventPublisher::builder(discovery, "ns", "worker", "kv-events")
-        .wire(Wire::Dynamo)
+        .dialect(Dialect::Dynamo)
         .build()
         .await
         .unwrap();

@@ -9,6 +9,7 @@
 
 mod support;
 
+use eventplane::wire::Dialect;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -723,7 +724,7 @@ async fn watch_follows_publishers_registered_in_etcd() {
 
 #[tokio::test]
 async fn kv_relay_publishes_router_events_and_reports_stats() {
-    use eventplane::kv::{EngineEvent, decode_router_events, encode_engine_batch};
+    use eventplane::kv::engine::{EngineEvent, encode_engine_batch};
     use eventplane::zmtp::{Config, Message, PubSocket, SubSocket};
 
     let engine = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
@@ -798,7 +799,10 @@ async fn kv_relay_publishes_router_events_and_reports_stats() {
             None => within(sub.recv()).await.unwrap(),
         };
         assert_eq!(m.get(0).unwrap(), b"kv-events");
-        for ev in decode_router_events(m.get(3).unwrap()).unwrap() {
+        for ev in Dialect::EventPlane
+            .decode_router_events(m.get(3).unwrap())
+            .unwrap()
+        {
             if ev.event.dp_rank != WARM_RANK {
                 got.push(ev);
             }

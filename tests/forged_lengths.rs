@@ -122,7 +122,7 @@ async fn forged_lengths_never_allocate_what_they_claim() {
 /// that, not by the 1 MiB per vector serde would reserve.
 #[test]
 fn forged_router_event_lengths_reserve_nothing() {
-    use eventplane::kv::{decode_dynamo_router_events, decode_router_events};
+    use eventplane::wire::Dialect;
     let forged: [&[u8]; 4] = [
         b"\xdd\xff\xff\xff\xff",
         b"\x91\x84\xa9worker_id\x01\xacstorage_tier\xa6device\xa5event\x83\xa8event_id\x01\xa7dp_rank\x00\xa4data\x81\xa6stored\x81\xa6blocks\xdd\x00\x10\x00\x00",
@@ -131,15 +131,15 @@ fn forged_router_event_lengths_reserve_nothing() {
     ];
     for payload in forged {
         // Warm: anything a first call allocates once.
-        let _ = decode_router_events(payload);
-        let _ = decode_dynamo_router_events(payload);
+        let _ = Dialect::EventPlane.decode_router_events(payload);
+        let _ = Dialect::Dynamo.decode_router_events(payload);
         // Anything past 64 KiB more than now aborts the test process.
         let _capped = CAPPED.lock().unwrap_or_else(|p| p.into_inner());
         ALLOCATOR
             .set_limit(ALLOCATOR.allocated() + 64 * 1024)
             .unwrap();
-        let ours = decode_router_events(payload).is_err();
-        let dynamo = decode_dynamo_router_events(payload).is_err();
+        let ours = Dialect::EventPlane.decode_router_events(payload).is_err();
+        let dynamo = Dialect::Dynamo.decode_router_events(payload).is_err();
         ALLOCATOR.set_limit(usize::MAX).unwrap();
         assert!(ours && dynamo, "{payload:02x?} decoded");
     }

@@ -760,9 +760,13 @@ async fn an_engine_batch_of_millions_of_nils_does_not_grow_kv_listen() {
         assert!(publisher.flush(DEADLINE).await);
     }
     // Still serving: a valid batch after them comes out as a router event.
-    let cleared =
-        eventplane::kv::encode_engine_batch(0.0, 0, 4, &[eventplane::kv::EngineEvent::Cleared])
-            .unwrap();
+    let cleared = eventplane::kv::engine::encode_engine_batch(
+        0.0,
+        0,
+        4,
+        &[eventplane::kv::engine::EngineEvent::Cleared],
+    )
+    .unwrap();
     publisher.send(Message::from_parts([
         Bytes::from_static(b"kv"),
         Bytes::copy_from_slice(&5u64.to_be_bytes()),

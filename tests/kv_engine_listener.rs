@@ -7,7 +7,11 @@ mod support;
 
 use std::sync::Arc;
 
-use eventplane::kv::{EngineListener, EngineListenerConfig, Processor, ProcessorConfig, WorkerId};
+use eventplane::kv::{
+    WorkerId,
+    engine::{EngineListener, EngineListenerConfig},
+    pipeline::{Processor, ProcessorConfig},
+};
 use support::{CollectSink, PyPeer, within};
 use tokio_util::sync::CancellationToken;
 
@@ -63,7 +67,7 @@ async fn libzmq_engine_to_router_events() {
 /// hand and counts its events; it never waits forever.
 #[tokio::test]
 async fn cancel_with_a_full_input_counts_what_it_discards() {
-    use eventplane::kv::{EngineEvent, encode_engine_batch};
+    use eventplane::kv::engine::{EngineEvent, encode_engine_batch};
     use eventplane::zmtp::{Config, Message, PubSocket};
 
     let engine = PubSocket::bind("tcp://127.0.0.1:0", Config::default())
@@ -102,11 +106,11 @@ async fn cancel_with_a_full_input_counts_what_it_discards() {
 
 /// An `EngineListener` and a `Processor` into a collecting sink, both running.
 struct Relaying {
-    handle: eventplane::kv::EngineListenerHandle,
+    handle: eventplane::kv::engine::EngineListenerHandle,
     sink: Arc<CollectSink>,
     cancel: CancellationToken,
-    listening: tokio::task::JoinHandle<eventplane::kv::EngineListenerStats>,
-    processing: tokio::task::JoinHandle<eventplane::kv::ProcessorStats>,
+    listening: tokio::task::JoinHandle<eventplane::kv::engine::EngineListenerStats>,
+    processing: tokio::task::JoinHandle<eventplane::kv::pipeline::ProcessorStats>,
 }
 
 impl Relaying {
@@ -146,8 +150,8 @@ impl Relaying {
     async fn stop(
         self,
     ) -> (
-        eventplane::kv::EngineListenerStats,
-        eventplane::kv::ProcessorStats,
+        eventplane::kv::engine::EngineListenerStats,
+        eventplane::kv::pipeline::ProcessorStats,
     ) {
         self.cancel.cancel();
         (

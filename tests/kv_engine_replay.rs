@@ -12,13 +12,15 @@
 
 mod support;
 
+use eventplane::wire::Dialect;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use eventplane::kv::{
-    EngineListener, EngineListenerConfig, KvEventData, PlacementEvent, Recovered,
-    RecoveryClientConfig, RecoveryRequest, WorkerId, decode_router_events, recover,
+    KvEventData, PlacementEvent, WorkerId,
+    engine::{EngineListener, EngineListenerConfig},
+    router::{Recovered, RecoveryClientConfig, RecoveryRequest, recover},
 };
 use eventplane::zmtp::{Config, SubSocket};
 use support::engine_peer::{EnginePeer, TOPIC};
@@ -83,7 +85,7 @@ fn route(relay_endpoint: String) -> Arc<Mutex<View>> {
         sub.subscribe("").await.unwrap();
         while let Ok(msg) = sub.recv().await {
             let payload = msg.get(msg.len() - 1).unwrap();
-            for ev in decode_router_events(payload).unwrap() {
+            for ev in Dialect::EventPlane.decode_router_events(payload).unwrap() {
                 shared.lock().unwrap().apply(&ev.event.data);
             }
         }

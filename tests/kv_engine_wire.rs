@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)]
 
 use eventplane::kv::{
-    BlockHash, EngineDecoder, KvEventData, StorageTier, StoredBlock, WorkerId, tokens_hash,
+    BlockHash, KvEventData, StorageTier, StoredBlock, WorkerId, engine::EngineDecoder, tokens_hash,
 };
 
 fn fixture(name: &str) -> Vec<u8> {

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use eventplane::discovery::BoxFuture;
 use eventplane::kv::{
-    BlockHash, EventSink, IndexError, KvEvent, KvEventData, LocalIndex, Placement, PlacementEvent,
-    Processor, ProcessorConfig, RouterEvent, SinkError, StorageTier, StoredBlock, TokensHash,
-    WorkerId,
+    BlockHash, KvEvent, KvEventData, Placement, PlacementEvent, RouterEvent, StorageTier,
+    StoredBlock, TokensHash, WorkerId,
+    pipeline::{EventSink, IndexError, LocalIndex, Processor, ProcessorConfig, SinkError},
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;

@@ -10,10 +10,14 @@
 
 mod support;
 
+use eventplane::wire::Dialect;
 use std::process::Stdio;
 use std::time::Duration;
 
-use eventplane::kv::{EngineEvent, RouterEvent, encode_engine_batch};
+use eventplane::kv::{
+    RouterEvent,
+    engine::{EngineEvent, encode_engine_batch},
+};
 use serde_json::Value;
 use support::{Engine, WARM_RANK, example, within};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -354,7 +358,6 @@ async fn the_wrong_wire_is_counted_not_guessed() {
 fn stored(id: u64, hashes: &[u64]) -> Vec<u8> {
     use eventplane::kv::{
         BlockHash, KvEvent, KvEventData, StorageTier, StoredBlock, TokensHash, WorkerId,
-        encode_router_events,
     };
     let blocks = hashes
         .iter()
@@ -367,16 +370,17 @@ fn stored(id: u64, hashes: &[u64]) -> Vec<u8> {
         parent_hash: None,
         blocks,
     };
-    encode_router_events(&[RouterEvent {
-        worker_id: WorkerId(7),
-        tier: StorageTier::Device,
-        event: KvEvent {
-            id,
-            dp_rank: 0,
-            data,
-        },
-    }])
-    .unwrap()
+    Dialect::EventPlane
+        .encode_router_events(&[RouterEvent {
+            worker_id: WorkerId(7),
+            tier: StorageTier::Device,
+            event: KvEvent {
+                id,
+                dp_rank: 0,
+                data,
+            },
+        }])
+        .unwrap()
 }
 
 /// A publisher of our wire bound at `endpoint`, registered nowhere. Rebinding the
@@ -496,18 +500,19 @@ async fn the_index_holds_at_most_its_cap_of_blocks_per_publisher() {
     // Two more: one fits, one does not; a block already held costs nothing.
     publisher.publish(stored(2, &[2, 3, 4]));
     router.line().await;
-    let removed = eventplane::kv::encode_router_events(&[RouterEvent {
-        worker_id: WorkerId(7),
-        tier: StorageTier::Device,
-        event: KvEvent {
-            id: 3,
-            dp_rank: 0,
-            data: KvEventData::Removed {
-                block_hashes: vec![BlockHash(1)],
+    let removed = Dialect::EventPlane
+        .encode_router_events(&[RouterEvent {
+            worker_id: WorkerId(7),
+            tier: StorageTier::Device,
+            event: KvEvent {
+                id: 3,
+                dp_rank: 0,
+                data: KvEventData::Removed {
+                    block_hashes: vec![BlockHash(1)],
+                },
             },
-        },
-    }])
-    .unwrap();
+        }])
+        .unwrap();
     publisher.publish(removed);
     router.line().await;
     publisher.publish(stored(4, &[5]));
@@ -617,7 +622,7 @@ fn post_scores(body: &str) -> Vec<u8> {
 /// bad requests get a 4xx and the router goes on serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scoring_service_scores_a_request_through_the_processes() {
-    use eventplane::kv::local_block_hashes;
+    use eventplane::kv::router::local_block_hashes;
     let (mut engine, relay, endpoint) = relay("eventplane").await;
     let (mut router, addr) = scoring_router(&[&endpoint], &[]).await;
     engine
@@ -744,7 +749,7 @@ async fn the_scoring_service_scores_a_request_through_the_processes() {
 
 /// One message of router events.
 fn message(events: &[RouterEvent]) -> Vec<u8> {
-    eventplane::kv::encode_router_events(events).unwrap()
+    Dialect::EventPlane.encode_router_events(events).unwrap()
 }
 
 fn router_event(worker: u64, rank: u32, id: u64, data: eventplane::kv::KvEventData) -> RouterEvent {

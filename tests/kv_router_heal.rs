@@ -291,7 +291,7 @@ async fn a_worker_wiped_by_a_failed_recovery_is_rebuilt_once_it_answers() {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use eventplane::discovery::{Discovery, EtcdDiscovery};
-    use eventplane::kv::{
+    use eventplane::kv::pipeline::{
         EventPlaneSink, EventSink, LocalIndex, RecoveryServer, SharedWorkerLog, WorkerLogConfig,
     };
     use eventplane::publish::EventPublisher;

@@ -4,13 +4,14 @@
 
 mod support;
 
+use eventplane::wire::Dialect;
 use std::sync::Arc;
 
 use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
 use eventplane::kv::{
-    BlockHash, EventPlaneSink, KvEvent, KvEventData, Placement, PlacementEvent, Processor,
-    ProcessorConfig, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId,
-    decode_router_events, encode_router_events, split_messages,
+    BlockHash, KvEvent, KvEventData, Placement, PlacementEvent, RouterEvent, StorageTier,
+    StoredBlock, TokensHash, WorkerId,
+    pipeline::{EventPlaneSink, Processor, ProcessorConfig, split_messages},
 };
 use eventplane::publish::EventPublisher;
 use eventplane::subscriber::{DynamicSubscriber, Layout};
@@ -83,7 +84,7 @@ fn payload_uses_named_fields_and_round_trips() {
             },
         },
     ];
-    let bytes = encode_router_events(&events).unwrap();
+    let bytes = Dialect::EventPlane.encode_router_events(&events).unwrap();
     for name in [
         "worker_id",
         "tier",
@@ -97,7 +98,10 @@ fn payload_uses_named_fields_and_round_trips() {
             "{name}"
         );
     }
-    assert_eq!(decode_router_events(&bytes).unwrap(), events);
+    assert_eq!(
+        Dialect::EventPlane.decode_router_events(&bytes).unwrap(),
+        events
+    );
 }
 
 #[test]
@@ -109,7 +113,10 @@ fn hostile_payloads_are_errors() {
         b"\x91\xde\xff\xff",
         b"\x91\x83\xa9worker_id\x01",
     ] {
-        assert!(decode_router_events(bad).is_err(), "{bad:?}");
+        assert!(
+            Dialect::EventPlane.decode_router_events(bad).is_err(),
+            "{bad:?}"
+        );
     }
 }
 
@@ -169,7 +176,11 @@ async fn worker_to_router_over_the_event_plane() {
     let mut received = Vec::new();
     while received.len() < 300 {
         let d = within(router.recv()).await.unwrap();
-        received.extend(decode_router_events(d.message.get(3).unwrap()).unwrap());
+        received.extend(
+            Dialect::EventPlane
+                .decode_router_events(d.message.get(3).unwrap())
+                .unwrap(),
+        );
     }
     let ids: Vec<u64> = received.iter().map(|e| e.event.id).collect();
     assert_eq!(ids, (1..=300).collect::<Vec<_>>());

@@ -1,18 +1,20 @@
-//! `kv::Worker`: the worker side wired in one builder — an engine's PUB over real TCP,
+//! `kv::pipeline::Worker`: the worker side wired in one builder — an engine's PUB over real TCP,
 //! through listener and processor, out on a registered publisher to a router; its
 //! shutdown publishes what was queued and unregisters; its token stops it.
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, missing_docs)]
 
 mod support;
 
+use eventplane::wire::Dialect;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use eventplane::discovery::{Discovery, MemoryDiscovery, Query, WorkerIdentity};
 use eventplane::kv::{
-    EngineEvent, EngineListenerConfig, KvEventData, ProcessorConfig, Worker, WorkerId,
-    decode_router_events, encode_engine_batch,
+    KvEventData, WorkerId,
+    engine::{EngineEvent, EngineListenerConfig, encode_engine_batch},
+    pipeline::{ProcessorConfig, Worker},
 };
 use eventplane::publish::EventPublisher;
 use eventplane::subscriber::DynamicSubscriber;
@@ -86,7 +88,10 @@ async fn a_worker_relays_an_engine_to_a_router_and_unregisters_on_shutdown() {
             assert_eq!(delivery.source.id, published_by);
             // The worker is known from discovery, before the payload is decoded.
             assert_eq!(delivery.source.worker, Some(WorkerIdentity::new(9, 0)));
-            for ev in decode_router_events(&delivery.payload().unwrap()).unwrap() {
+            for ev in Dialect::EventPlane
+                .decode_router_events(&delivery.payload().unwrap())
+                .unwrap()
+            {
                 assert_eq!(ev.worker_id, WorkerId(9));
                 let KvEventData::Stored { blocks, .. } = ev.event.data else {
                     panic!("only stores were sent: {ev:?}");

@@ -1,4 +1,4 @@
-//! `kv::RouterIndex` held to NVIDIA Dynamo 1.6.1's own index: the real
+//! `kv::router::RouterIndex` held to NVIDIA Dynamo 1.6.1's own index: the real
 //! `dynamo._core.RadixTree` (PyPI `ai-dynamo-runtime==1.6.1`, in the virtualenv
 //! `.ci/run` creates at `target/dynamo-venv`; `EVENTPLANE_DYNAMO_PYTHON` points
 //! elsewhere), driven by `tests/dynamo_live/radix_tree.py`.
@@ -10,7 +10,7 @@
 //! removal. Removes take blocks the rank holds nothing below (what engines evict:
 //! their LRU frees a request's blocks tail first); removing a block with descendants
 //! still held is where Dynamo's answer depends on how its tree compressed edges (see
-//! the `kv::RouterIndex` docs).
+//! the `kv::router::RouterIndex` docs).
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -25,8 +25,9 @@ use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use eventplane::kv::{
-    BlockHash, DpRank, IndexRefusal, KvEvent, KvEventData, RouterEvent, RouterIndex, StorageTier,
-    StoredBlock, TokensHash, WorkerId, local_block_hashes,
+    BlockHash, DpRank, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, TokensHash,
+    WorkerId,
+    router::{IndexRefusal, RouterIndex, local_block_hashes},
 };
 use serde_json::{Value, json};
 use support::dynamo_python;

@@ -19,6 +19,7 @@ mod support;
 #[cfg(feature = "etcd")]
 mod with_etcd {
 
+    use eventplane::wire::Dialect;
     use serde_json::{Value, json};
     use tokio::process::Child;
 
@@ -210,12 +211,13 @@ mod with_etcd {
             data: KvEventData::Cleared,
         };
         publisher.publish(
-            eventplane::kv::encode_router_events(&[RouterEvent {
-                worker_id: WorkerId(9),
-                tier: StorageTier::Device,
-                event,
-            }])
-            .unwrap(),
+            Dialect::EventPlane
+                .encode_router_events(&[RouterEvent {
+                    worker_id: WorkerId(9),
+                    tier: StorageTier::Device,
+                    event,
+                }])
+                .unwrap(),
         );
         let warning = router.stderr_until("registered no worker identity").await;
         assert!(warning.contains("prod/py/kv-events"), "{warning}");

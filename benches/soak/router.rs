@@ -23,16 +23,14 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use eventplane::discovery::{
-    ChannelId, Discovery, DynamoRecords, EtcdDiscovery, Query, RecordFormat,
-};
-use eventplane::kv::{
+use eventplane::discovery::{ChannelId, Discovery, EtcdDiscovery, Query};
+use eventplane::kv::router::{
     IndexFeed, IndexFeedStats, RecoveryClientConfig, RecoveryDriver, RouterIndexConfig, Wipe,
 };
 use eventplane::subscriber::{
     Delivery, DynamicSubscriber, Notice, PublisherStats, SubscriberHandle,
 };
-use eventplane::wire::Wire;
+use eventplane::wire::Dialect;
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncBufReadExt;
 
@@ -309,7 +307,7 @@ struct State {
 }
 
 /// The wire's label in reports.
-fn wire_name(wire: Wire) -> String {
+fn wire_name(wire: Dialect) -> String {
     wire.as_str().to_owned()
 }
 
@@ -408,7 +406,7 @@ impl State {
         // Decoded here too, for the ledger's event count (the feed decodes its own).
         let events = d
             .payload()
-            .and_then(|p| eventplane::kv::decode_router_payload(lane.wire, &p).ok());
+            .and_then(|p| lane.wire.decode_router_events(&p).ok());
         if let Some(events) = &events {
             l.events += events.len() as u64;
         }
@@ -416,7 +414,7 @@ impl State {
         l.worker_id = d
             .source
             .worker
-            .map(|w| w.worker_id)
+            .map(|w| w.worker_id.0)
             .or(l.worker_id)
             .or_else(|| events.and_then(|e| e.first().map(|e| e.worker_id.0)));
         if self.feed.delivery(lane.wire, d).is_err() {
@@ -432,7 +430,7 @@ impl State {
                 l.departed = false;
                 l.connected += 1;
                 l.connected_ms.push(crate::engine::unix_ms());
-                l.worker_id = instance.worker.map(|w| w.worker_id).or(l.worker_id);
+                l.worker_id = instance.worker.map(|w| w.worker_id.0).or(l.worker_id);
             }
             Notice::Retired { id, stats } => {
                 self.ledgers
@@ -496,7 +494,7 @@ struct Prints {
 
 /// One subscriber per record format and wire.
 struct Lane {
-    wire: Wire,
+    wire: Dialect,
     sub: DynamicSubscriber,
     handle: SubscriberHandle,
     /// The subscriber's discovery (a clone: the same session), for its counters.
@@ -519,13 +517,9 @@ impl Lane {
     }
 }
 
-async fn lane(args: &RouterArgs, wire: Wire) -> Result<Lane, String> {
-    let format = match wire {
-        Wire::Dynamo => RecordFormat::Dynamo(DynamoRecords::new()),
-        _ => RecordFormat::EventPlane,
-    };
+async fn lane(args: &RouterArgs, wire: Dialect) -> Result<Lane, String> {
     let discovery = EtcdDiscovery::builder([args.etcd.clone()])
-        .record_format(format)
+        .dialect(wire)
         .connect()
         .await
         .map_err(|e| format!("cannot reach discovery: {e}"))?;
@@ -566,8 +560,8 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
 /// Runs the router until `quit` (or stdin closes); prints the report.
 pub(crate) async fn run(args: RouterArgs) -> Result<(), String> {
     let mut lanes = [
-        lane(&args, Wire::EventPlane).await?,
-        lane(&args, Wire::Dynamo).await?,
+        lane(&args, Dialect::EventPlane).await?,
+        lane(&args, Dialect::Dynamo).await?,
     ];
     println!("ready");
     let mut state = State {

@@ -238,21 +238,21 @@ pub struct EngineArgs {
 
 impl EngineArgs {
     /// Checks the engine-side arguments (before anything is started or registered).
-    pub fn processor_config(&self) -> Result<eventplane::kv::ProcessorConfig, String> {
+    pub fn processor_config(&self) -> Result<eventplane::kv::pipeline::ProcessorConfig, String> {
         let refused = |e: eventplane::ConfigError| match flag(e.field()) {
             Some(flag) => format!("invalid {flag}: {e}"),
             None => format!("invalid setting: {e}"),
         };
         self.listener_config().validate().map_err(refused)?;
-        let config = eventplane::kv::ProcessorConfig::default()
+        let config = eventplane::kv::pipeline::ProcessorConfig::default()
             .batch_timeout(self.batch_timeout_ms.map(std::time::Duration::from_millis));
         config.validate().map_err(refused)?;
         Ok(config)
     }
 
-    /// The engine side of a [`eventplane::kv::Worker`].
-    pub fn listener_config(&self) -> eventplane::kv::EngineListenerConfig {
-        let mut config = eventplane::kv::EngineListenerConfig::new(
+    /// The engine side of a [`eventplane::kv::pipeline::Worker`].
+    pub fn listener_config(&self) -> eventplane::kv::engine::EngineListenerConfig {
+        let mut config = eventplane::kv::engine::EngineListenerConfig::new(
             &self.connect,
             self.topic.clone(),
             eventplane::kv::WorkerId(self.worker_id),
@@ -268,8 +268,10 @@ impl EngineArgs {
     /// `builder` picks the sink (`Worker::builder` or `Worker::with_sink`).
     pub fn start(
         &self,
-        builder: impl FnOnce(eventplane::kv::EngineListenerConfig) -> eventplane::kv::WorkerBuilder,
-    ) -> Result<eventplane::kv::Worker, String> {
+        builder: impl FnOnce(
+            eventplane::kv::engine::EngineListenerConfig,
+        ) -> eventplane::kv::pipeline::WorkerBuilder,
+    ) -> Result<eventplane::kv::pipeline::Worker, String> {
         let config = self.processor_config()?;
         builder(self.listener_config())
             .processor(config)

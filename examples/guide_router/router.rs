@@ -2,9 +2,12 @@ use std::sync::Arc;
 
 use eventplane::ConfigError;
 use eventplane::discovery::{Discovery, Query, WorkerIdentity};
-use eventplane::kv::{Attribution, BlockHash, IndexFeed, RouterIndexConfig};
+use eventplane::kv::{
+    BlockHash,
+    router::{Attribution, IndexFeed, RouterIndexConfig},
+};
 use eventplane::subscriber::{DynamicSubscriber, Item, Notice};
-use eventplane::wire::Wire;
+use eventplane::wire::Dialect;
 
 /// Follows every KV-event publisher of `namespace` (each worker registers one).
 pub fn subscribe(
@@ -93,6 +96,6 @@ pub async fn route(
             _ => {}
         }
         // An undecodable payload is counted in the feed's stats.
-        let _ = index.feed.item(Wire::EventPlane, &item);
+        let _ = index.feed.item(Dialect::EventPlane, &item);
     }
 }

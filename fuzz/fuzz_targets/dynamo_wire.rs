@@ -12,9 +12,8 @@
 use bytes::Bytes;
 use eventplane::kv::{
     BlockHash, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId,
-    decode_dynamo_router_events, encode_dynamo_router_events,
 };
-use eventplane::wire::{Layout, Wire, WireError, parse_dynamo_frame};
+use eventplane::wire::{Dialect, Layout, WireError, parse_dynamo_frame};
 use eventplane::zmtp::Message;
 use libfuzzer_sys::fuzz_target;
 
@@ -113,19 +112,27 @@ fuzz_target!(|data: &[u8]| {
                 WireError::Identity("sequence")
             );
         }
-        if let Ok(events) = decode_dynamo_router_events(rest) {
-            let again = encode_dynamo_router_events(&events).expect("decoded events encode");
+        if let Ok(events) = Dialect::Dynamo.decode_router_events(rest) {
+            let again = Dialect::Dynamo
+                .encode_router_events(&events)
+                .expect("decoded events encode");
             assert_eq!(
-                decode_dynamo_router_events(&again).expect("our encoding decodes"),
+                Dialect::Dynamo
+                    .decode_router_events(&again)
+                    .expect("our encoding decodes"),
                 events
             );
         }
         return;
     }
     let events = router_events(rest);
-    let payload = encode_dynamo_router_events(&events).expect("events encode");
+    let payload = Dialect::Dynamo
+        .encode_router_events(&events)
+        .expect("events encode");
     #[allow(unused_mut)]
-    let mut decoded = decode_dynamo_router_events(&payload).expect("our payload decodes");
+    let mut decoded = Dialect::Dynamo
+        .decode_router_events(&payload)
+        .expect("our payload decodes");
     // The canary (tools/fuzz.sh --canary): a decoder that loses the last event of
     // a payload. The round-trip oracle must catch it.
     #[cfg(fuzz_canary)]
@@ -133,7 +140,7 @@ fuzz_target!(|data: &[u8]| {
         decoded.pop();
     }
     assert_eq!(decoded, events);
-    let m = Wire::Dynamo.encode(
+    let m = Dialect::Dynamo.encode(
         &Bytes::from_static(b"kv-events"),
         42,
         u64::from(mode),

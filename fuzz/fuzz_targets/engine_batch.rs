@@ -12,9 +12,12 @@
 #![no_main]
 
 use eventplane::kv::{
-    BlockHash, EngineDecoder, EngineEvent, KvEventData, Pipeline, PlacementEvent, RouterEvent,
-    WorkerId, decode_router_events, encode_engine_batch, encode_router_events, tokens_hash,
+    BlockHash, KvEventData, PlacementEvent, RouterEvent, WorkerId,
+    engine::{EngineDecoder, EngineEvent, encode_engine_batch},
+    pipeline::Pipeline,
+    tokens_hash,
 };
+use eventplane::wire::Dialect;
 use std::collections::{HashMap, HashSet};
 
 use libfuzzer_sys::fuzz_target;
@@ -200,8 +203,11 @@ fn pipeline_balances(events: Vec<PlacementEvent>) {
     for (i, ev) in out.iter().enumerate() {
         assert_eq!(ev.event.id, i as u64 + 1, "outbound ids are dense from 1");
     }
-    let payload = encode_router_events(&out).unwrap();
-    assert_eq!(decode_router_events(&payload).unwrap(), out);
+    let payload = Dialect::EventPlane.encode_router_events(&out).unwrap();
+    assert_eq!(
+        Dialect::EventPlane.decode_router_events(&payload).unwrap(),
+        out
+    );
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -232,7 +238,7 @@ fuzz_target!(|data: &[u8]| {
         if let Ok(events) = decoded {
             pipeline_balances(events);
         }
-        let _ = decode_router_events(rest);
+        let _ = Dialect::EventPlane.decode_router_events(rest);
         return;
     }
     let engine = engine_events(rest, block_size);

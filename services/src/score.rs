@@ -3,7 +3,7 @@
 //!
 //! `POST /v1/scores` with a JSON body, either `{"local_hashes": [u64, …]}` (a
 //! request's local block hashes) or `{"tokens": [u32, …], "block_size": N}` (its
-//! tokens: hashed as Dynamo's router hashes them, `eventplane::kv::local_block_hashes`),
+//! tokens: hashed as Dynamo's router hashes them, `eventplane::kv::router::local_block_hashes`),
 //! answers `200` with `{"scores": [{"worker_id": W, "dp_rank": R, "blocks": N}, …]}`:
 //! every (worker, rank) holding at least the first block, with how many leading
 //! blocks it holds, ordered by worker then rank. Device-tier blocks only (the index
@@ -24,7 +24,10 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use eventplane::kv::{IndexFeed, TokensHash, local_block_hashes};
+use eventplane::kv::{
+    TokensHash,
+    router::{IndexFeed, local_block_hashes},
+};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};

@@ -1,8 +1,8 @@
-//! kv-relay's recovery endpoint: ours (`kv::RecoveryServer`), or Dynamo 1.6.1's KV
+//! kv-relay's recovery endpoint: ours (`kv::pipeline::RecoveryServer`), or Dynamo 1.6.1's KV
 //! query endpoint (`kv::dynamo_recovery::DynamoQueryServer`) when it publishes on
 //! Dynamo's wire and registers Dynamo's records.
 
-use eventplane::kv::{RecoveryServer, SharedWorkerLog};
+use eventplane::kv::pipeline::{RecoveryServer, SharedWorkerLog};
 
 /// The codec Dynamo's router is asked to use (`request_plane_codec`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -55,7 +55,7 @@ mod watch;
 pub use error::DiscoveryError;
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
-pub use etcd::{EtcdDiscovery, EtcdDiscoveryBuilder, EtcdState, RecordFormat};
+pub use etcd::{EtcdDiscovery, EtcdDiscoveryBuilder, EtcdState};
 #[cfg(feature = "test-support")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-support")))]
 pub use fault::{FaultControl, FaultDiscovery};
@@ -67,7 +67,8 @@ pub use merged::Merged;
 #[cfg(feature = "tunnel")]
 pub(crate) use model::ANNOUNCED_SCHEME;
 pub use model::{
-    ChannelId, DiscoveryEvent, Instance, MAX_PUBLISHER_ID, Query, Transport, WorkerIdentity,
+    ChannelId, DiscoveryEvent, DpRank, Instance, MAX_PUBLISHER_ID, Query, Transport, WorkerId,
+    WorkerIdentity,
 };
 #[cfg(any(feature = "etcd", feature = "kube"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "etcd", feature = "kube"))))]

@@ -297,13 +297,13 @@ pub struct Instance {
     /// deliveries to workers with it instead of reading payloads.
     pub worker: Option<WorkerIdentity>,
     /// Where the worker serves its recovery log (`tcp://host:port`, a
-    /// [`kv::RecoveryServer`](crate::kv::RecoveryServer)), when it registered one
+    /// [`kv::pipeline::RecoveryServer`](crate::kv::pipeline::RecoveryServer)), when it registered one
     /// (see [`Discovery::register_instance`](super::Discovery::register_instance)): a
     /// router that lost some of this publisher's events asks there instead of
     /// forgetting the worker's blocks. From Dynamo's records, the worker's
     /// `recovery_target`: `dynamo+CODEC://HOST:PORT/PATH?worker_id=W&dp_rank=R`, asked
     /// over Dynamo's request plane (see
-    /// [`RecoveryDriver::dynamo`](crate::kv::RecoveryDriver)).
+    /// [`RecoveryDriver::dynamo`](crate::kv::router::RecoveryDriver)).
     pub recovery: Option<String>,
 }
 
@@ -360,30 +360,69 @@ impl Instance {
     }
 }
 
+/// A worker (one engine instance; Dynamo: its instance id).
+///
+/// ```
+/// use eventplane::kv::WorkerId;
+/// // Serialized as the bare number.
+/// assert_eq!(serde_json::to_string(&WorkerId(7)).unwrap(), "7");
+/// assert_eq!(WorkerId::from(7), WorkerId(7));
+/// ```
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(transparent)]
+pub struct WorkerId(pub u64);
+
+impl From<u64> for WorkerId {
+    fn from(id: u64) -> WorkerId {
+        WorkerId(id)
+    }
+}
+
+impl fmt::Display for WorkerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// A data-parallel rank within a worker.
+///
+/// ```
+/// use eventplane::kv::{DpRank, KvEvent, KvEventData};
+/// let rank: DpRank = 2;
+/// let ev = KvEvent { id: 1, dp_rank: rank, data: KvEventData::Cleared };
+/// assert_eq!(ev.dp_rank, 2);
+/// ```
+pub type DpRank = u32;
+
 /// Which worker a publisher speaks for: the identity Dynamo's records carry
 /// (`worker_id`, `dp_rank`), travelling in the discovery record so that a router knows
 /// the worker of every delivery before decoding it.
 ///
 /// ```
-/// use eventplane::discovery::WorkerIdentity;
+/// use eventplane::discovery::{WorkerId, WorkerIdentity};
 /// let w = WorkerIdentity::new(7, 0);
-/// assert_eq!((w.worker_id, w.dp_rank), (7, 0));
+/// assert_eq!((w.worker_id, w.dp_rank), (WorkerId(7), 0));
 /// assert_eq!(w.to_string(), "worker 7 rank 0");
 /// ```
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
 )]
 pub struct WorkerIdentity {
-    /// The worker (Dynamo: the worker's instance id; `kv::WorkerId`'s value).
-    pub worker_id: u64,
+    /// The worker (Dynamo: the worker's instance id).
+    pub worker_id: WorkerId,
     /// Its data-parallel rank.
-    pub dp_rank: u32,
+    pub dp_rank: DpRank,
 }
 
 impl WorkerIdentity {
     /// A worker identity.
-    pub fn new(worker_id: u64, dp_rank: u32) -> WorkerIdentity {
-        WorkerIdentity { worker_id, dp_rank }
+    pub fn new(worker_id: impl Into<WorkerId>, dp_rank: DpRank) -> WorkerIdentity {
+        WorkerIdentity {
+            worker_id: worker_id.into(),
+            dp_rank,
+        }
     }
 }
 

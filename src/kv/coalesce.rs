@@ -21,7 +21,7 @@ pub(crate) const DEFAULT_MAX_BATCH_BLOCKS: usize = 128;
 /// boundary or when a batching timer fires.
 ///
 /// ```
-/// use eventplane::kv::{BlockHash, Coalescer, KvEventData, Placement, StorageTier, WorkerId};
+/// use eventplane::kv::{BlockHash, KvEventData, Placement, StorageTier, WorkerId, pipeline::Coalescer};
 /// let at = Placement { worker_id: WorkerId(1), dp_rank: 0, tier: StorageTier::Device };
 /// let mut c = Coalescer::new(128)?;
 /// let mut out = Vec::new();
@@ -50,7 +50,7 @@ impl Coalescer {
     /// is zero.
     ///
     /// ```
-    /// use eventplane::kv::Coalescer;
+    /// use eventplane::kv::pipeline::Coalescer;
     /// assert_eq!(Coalescer::new(0).unwrap_err().field(), "max_batch_blocks");
     /// assert!(!Coalescer::new(128)?.has_pending());
     /// # Ok::<(), eventplane::ConfigError>(())

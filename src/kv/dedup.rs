@@ -8,7 +8,7 @@ use crate::config::{self, ConfigError};
 /// How removals are filtered.
 ///
 /// ```
-/// use eventplane::kv::{DedupMode, ProcessorConfig};
+/// use eventplane::kv::{pipeline::{DedupMode, ProcessorConfig}};
 /// assert_eq!(DedupMode::default(), DedupMode::RefCounted);
 /// let config = ProcessorConfig::default().dedup(DedupMode::SetLike);
 /// # let _ = config;
@@ -52,7 +52,7 @@ const SPARE_CAPACITY: usize = 1 << 16;
 /// still holds), where an unbounded table would not be tolerated at all.
 ///
 /// ```
-/// use eventplane::kv::{BlockHash, DedupFilter, DedupMode, KvEventData, Placement, StorageTier, StoredBlock, TokensHash, WorkerId};
+/// use eventplane::kv::{BlockHash, KvEventData, Placement, StorageTier, StoredBlock, TokensHash, WorkerId, pipeline::{DedupFilter, DedupMode}};
 /// let at = Placement { worker_id: WorkerId(1), dp_rank: 0, tier: StorageTier::Device };
 /// let store = KvEventData::Stored { parent_hash: None, blocks: vec![StoredBlock { block_hash: BlockHash(1), tokens_hash: TokensHash(0) }] };
 /// let remove = || KvEventData::Removed { block_hashes: vec![BlockHash(1)] };
@@ -105,7 +105,7 @@ impl DedupFilter {
     /// pairs; [`ConfigError::Zero`] names a zero cap.
     ///
     /// ```
-    /// use eventplane::kv::{BlockHash, DedupFilter, DedupMode, KvEventData, Placement, StorageTier, StoredBlock, TokensHash, WorkerId};
+    /// use eventplane::kv::{BlockHash, KvEventData, Placement, StorageTier, StoredBlock, TokensHash, WorkerId, pipeline::{DedupFilter, DedupMode}};
     /// let mut dedup = DedupFilter::new(DedupMode::RefCounted).with_limits(2, 1)?;
     /// let at = Placement { worker_id: WorkerId(1), dp_rank: 0, tier: StorageTier::Device };
     /// let store = |h| KvEventData::Stored { parent_hash: None, blocks: vec![StoredBlock { block_hash: BlockHash(h), tokens_hash: TokensHash(0) }] };

@@ -18,7 +18,7 @@ use std::borrow::Cow;
 
 use serde::Deserialize;
 
-use super::schema::{Schema, put_event_data};
+use super::schema::put_event_data;
 use super::{
     BlockHash, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId,
 };
@@ -27,21 +27,7 @@ use crate::msgpack::put;
 
 /// Encodes router events as a Dynamo `kv-events` payload, byte for byte what a Dynamo
 /// 1.6.1 worker writes for the same events.
-///
-/// ```
-/// use eventplane::kv::{decode_dynamo_router_events, encode_dynamo_router_events};
-/// use eventplane::kv::{KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId};
-/// let events = vec![RouterEvent {
-///     worker_id: WorkerId(77),
-///     tier: StorageTier::HostPinned,
-///     event: KvEvent { id: 7, dp_rank: 0, data: KvEventData::Cleared },
-/// }];
-/// let payload = encode_dynamo_router_events(&events)?;
-/// assert!(payload.windows(11).any(|w| w == b"host_pinned"));
-/// assert_eq!(decode_dynamo_router_events(&payload)?, events);
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-pub fn encode_dynamo_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, EncodeError> {
+pub(super) fn encode_dynamo(events: &[RouterEvent]) -> Result<Vec<u8>, EncodeError> {
     let err = |e| EncodeError::new("Dynamo router events", e);
     // Written field by field, in the order and forms serde's derive would give
     // (checked against it by a test), without building the schema's structs.
@@ -51,11 +37,11 @@ pub fn encode_dynamo_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, En
         out.extend_from_slice(b"\x84\xa9worker_id");
         put::uint(&mut out, e.worker_id.0);
         out.extend_from_slice(b"\xacstorage_tier");
-        put::str(&mut out, dynamo_storage_tier(e.tier));
+        put::str(&mut out, tier_name(e.tier));
         out.extend_from_slice(b"\xb0residency_domain\xa6worker\xa5event\x83\xa8event_id");
         put::uint(&mut out, e.event.id);
         out.extend_from_slice(b"\xa4data");
-        put_event_data(&mut out, &e.event.data, Schema::Dynamo).map_err(err)?;
+        put_event_data(&mut out, &e.event.data, crate::wire::Dialect::Dynamo).map_err(err)?;
         out.extend_from_slice(b"\xa7dp_rank");
         put::uint(&mut out, u64::from(e.event.dp_rank));
     }
@@ -64,30 +50,16 @@ pub fn encode_dynamo_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, En
 
 /// Decodes a Dynamo `kv-events` payload into router events. Never panics on hostile
 /// input; unknown fields are ignored; an unknown event kind fails the payload.
-///
-/// ```
-/// use eventplane::kv::decode_dynamo_router_events;
-/// // One event as a later Dynamo might write it: an extra field, no dp_rank.
-/// let payload = b"\x91\x84\xa9worker_id\x01\xacstorage_tier\xa6device\xa3new\xc0\xa5event\x82\xa8event_id\x05\xa4data\xa7cleared";
-/// let events = decode_dynamo_router_events(payload)?;
-/// assert_eq!((events[0].worker_id.0, events[0].event.id, events[0].event.dp_rank), (1, 5, 0));
-/// assert!(decode_dynamo_router_events(b"\xdd\xff\xff\xff\xff").is_err()); // forged length
-/// # Ok::<(), eventplane::kv::KvDecodeError>(())
-/// ```
-pub fn decode_dynamo_router_events(payload: &[u8]) -> Result<Vec<RouterEvent>, KvDecodeError> {
+pub(super) fn decode_dynamo(payload: &[u8]) -> Result<Vec<RouterEvent>, KvDecodeError> {
     KvDecodeError::check_shape(payload)?;
     let wire: Vec<InEvent<'_>> =
         rmp_serde::from_slice(payload).map_err(|e| KvDecodeError(Box::new(e)))?;
     Ok(wire.into_iter().map(RouterEvent::from).collect())
 }
 
-/// Dynamo's name for a tier.
-///
-/// ```
-/// use eventplane::kv::{dynamo_storage_tier, StorageTier};
-/// assert_eq!(dynamo_storage_tier(StorageTier::HostPinned), "host_pinned");
-/// ```
-pub fn dynamo_storage_tier(tier: StorageTier) -> &'static str {
+/// Dynamo's name for a tier (serde's snake case of [`StorageTier`], which ours
+/// shares).
+pub(super) fn tier_name(tier: StorageTier) -> &'static str {
     match tier {
         StorageTier::Device => "device",
         StorageTier::HostPinned => "host_pinned",
@@ -181,6 +153,7 @@ impl From<InEvent<'_>> for RouterEvent {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use crate::wire::Dialect;
     use serde::ser::SerializeSeq;
     use serde::{Serialize, Serializer};
 
@@ -254,7 +227,7 @@ mod tests {
             };
             OutEvent {
                 worker_id: e.worker_id.0,
-                storage_tier: dynamo_storage_tier(e.tier),
+                storage_tier: tier_name(e.tier),
                 residency_domain: "worker",
                 event: OutKv {
                     event_id: e.event.id,
@@ -268,8 +241,11 @@ mod tests {
     #[test]
     fn every_tier_and_kind_round_trips() {
         let events = crate::kv::tests::every_tier_and_kind();
-        let payload = encode_dynamo_router_events(&events).unwrap();
-        assert_eq!(decode_dynamo_router_events(&payload).unwrap(), events);
+        let payload = Dialect::Dynamo.encode_router_events(&events).unwrap();
+        assert_eq!(
+            Dialect::Dynamo.decode_router_events(&payload).unwrap(),
+            events
+        );
         // Byte for byte what serde's derive of the schema writes.
         let wire: Vec<OutEvent<'_>> = events.iter().map(OutEvent::from).collect();
         assert_eq!(payload, rmp_serde::to_vec_named(&wire).unwrap());
@@ -280,10 +256,10 @@ mod tests {
         // An unknown tier is kept as External; an unknown kind fails the payload.
         let tier = b"\x91\x83\xa9worker_id\x01\xacstorage_tier\xa4tape\xa5event\x82\xa8event_id\x05\xa4data\xa7cleared";
         assert_eq!(
-            decode_dynamo_router_events(tier).unwrap()[0].tier,
+            Dialect::Dynamo.decode_router_events(tier).unwrap()[0].tier,
             StorageTier::External
         );
         let kind = b"\x91\x83\xa9worker_id\x01\xacstorage_tier\xa6device\xa5event\x82\xa8event_id\x05\xa4data\xa7renamed";
-        assert!(decode_dynamo_router_events(kind).is_err());
+        assert!(Dialect::Dynamo.decode_router_events(kind).is_err());
     }
 }

@@ -5,7 +5,7 @@
 /// A payload that is not a KV event batch.
 ///
 /// ```
-/// use eventplane::kv::{EngineDecoder, WorkerId};
+/// use eventplane::kv::{WorkerId, engine::EngineDecoder};
 /// let err = EngineDecoder::new(WorkerId(1), 4)?.decode_batch(&[0xc1]).unwrap_err();
 /// assert!(err.to_string().contains("malformed engine batch"));
 /// # Ok::<(), eventplane::ConfigError>(())
@@ -19,7 +19,7 @@ pub struct EngineDecodeError {
 /// An engine batch or a router-event payload could not be encoded.
 ///
 /// ```
-/// use eventplane::kv::{encode_engine_batch, EncodeError, EngineEvent};
+/// use eventplane::kv::{EncodeError, engine::{encode_engine_batch, EngineEvent}};
 /// // Encoding in-memory values does not fail in practice; the error keeps its source.
 /// let result: Result<Vec<u8>, EncodeError> = encode_engine_batch(0.0, 0, 16, &[EngineEvent::Cleared]);
 /// assert!(result.is_ok());
@@ -49,7 +49,7 @@ impl EncodeError {
 /// A sink's failure.
 ///
 /// ```
-/// use eventplane::kv::SinkError;
+/// use eventplane::kv::pipeline::SinkError;
 /// let err = SinkError("the bus is down".into());
 /// assert_eq!(err.to_string(), "publishing router events failed");
 /// assert_eq!(std::error::Error::source(&err).unwrap().to_string(), "the bus is down");
@@ -61,7 +61,7 @@ pub struct SinkError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
 /// A local index's failure.
 ///
 /// ```
-/// use eventplane::kv::IndexError;
+/// use eventplane::kv::pipeline::IndexError;
 /// let err = IndexError("disk full".into());
 /// assert_eq!(err.to_string(), "local index rejected the event");
 /// ```
@@ -72,8 +72,8 @@ pub struct IndexError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
 /// A payload that is not a msgpack list of router events.
 ///
 /// ```
-/// use eventplane::kv::decode_router_events;
-/// let err = decode_router_events(b"\xc1 not msgpack").unwrap_err();
+/// use eventplane::wire::Dialect;
+/// let err = Dialect::EventPlane.decode_router_events(b"\xc1 not msgpack").unwrap_err();
 /// assert!(std::error::Error::source(&err).is_some());
 /// ```
 #[derive(Debug, thiserror::Error)]

@@ -2,26 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-/// A worker (one engine instance).
-///
-/// ```
-/// use eventplane::kv::WorkerId;
-/// // Serialized as the bare number.
-/// assert_eq!(serde_json::to_string(&WorkerId(7)).unwrap(), "7");
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct WorkerId(pub u64);
-
-/// A data-parallel rank within a worker.
-///
-/// ```
-/// use eventplane::kv::{DpRank, KvEvent, KvEventData};
-/// let rank: DpRank = 2;
-/// let ev = KvEvent { id: 1, dp_rank: rank, data: KvEventData::Cleared };
-/// assert_eq!(ev.dp_rank, 2);
-/// ```
-pub type DpRank = u32;
+pub use crate::discovery::{DpRank, WorkerId};
 
 /// The engine's hash of a block (it chains the parent's hash).
 ///

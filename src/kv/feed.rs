@@ -6,7 +6,6 @@ use smallvec::SmallVec;
 
 use super::event::{DpRank, KvEventData, RouterEvent, StorageTier, WorkerId};
 use super::index::{IndexRefusal, RouterIndex, RouterIndexConfig, RouterIndexStats};
-use super::sink::decode_router_payload;
 use std::collections::VecDeque;
 use std::time::Duration;
 
@@ -14,7 +13,7 @@ use super::{KvDecodeError, Recovered, RecoveryError, RecoveryRequest};
 use crate::discovery::{ChannelId, Instance};
 use crate::hash::FastMap;
 use crate::subscriber::{Delivery, Item, Notice};
-use crate::wire::Wire;
+use crate::wire::Dialect;
 
 /// (worker, rank)s one publisher may feed. A publisher speaks for one worker (its
 /// ranks: a handful); one with no known identity could name any number, so past
@@ -192,13 +191,10 @@ pub struct IndexFeedStats {
 /// ```
 /// use std::sync::Arc;
 /// use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
-/// use eventplane::kv::{
-///     encode_router_events, local_block_hashes, BlockHash, IndexFeed, KvEvent, KvEventData,
-///     RouterEvent, RouterIndexConfig, StorageTier, StoredBlock, WorkerId,
-/// };
+/// use eventplane::kv::{BlockHash, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, WorkerId, router::{local_block_hashes, IndexFeed, RouterIndexConfig}};
 /// use eventplane::publish::EventPublisher;
 /// use eventplane::subscriber::DynamicSubscriber;
-/// use eventplane::wire::Wire;
+/// use eventplane::wire::Dialect;
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
@@ -216,11 +212,11 @@ pub struct IndexFeedStats {
 /// let block = StoredBlock { block_hash: BlockHash(70), tokens_hash: tokens[0] };
 /// let data = KvEventData::Stored { parent_hash: None, blocks: vec![block] };
 /// let event = RouterEvent { worker_id: WorkerId(7), tier: StorageTier::Device, event: KvEvent { id: 1, dp_rank: 0, data } };
-/// worker.publish(encode_router_events(&[event])?);
+/// worker.publish(Dialect::EventPlane.encode_router_events(&[event])?);
 ///
 /// let mut feed = IndexFeed::new(RouterIndexConfig::default());
 /// while let Some(item) = router.recv_item().await {
-///     let _ = feed.item(Wire::EventPlane, &item); // an undecodable payload is counted
+///     let _ = feed.item(Dialect::EventPlane, &item); // an undecodable payload is counted
 ///     if feed.index().stats().blocks == 1 {
 ///         break;
 ///     }
@@ -280,7 +276,7 @@ impl IndexFeed {
 
     /// Applies one item of the subscriber's ordered stream: a delivery's router
     /// events (decoded as `wire` carries them), or a notice.
-    pub fn item(&mut self, wire: Wire, item: &Item) -> Result<(), KvDecodeError> {
+    pub fn item(&mut self, wire: Dialect, item: &Item) -> Result<(), KvDecodeError> {
         match item {
             Item::Delivery(d) => self.delivery(wire, d),
             Item::Notice(n) => {
@@ -293,10 +289,10 @@ impl IndexFeed {
     /// Decodes a delivery's router events and applies them
     /// ([`apply`](Self::apply)); a payload that does not decode is counted and
     /// returned.
-    pub fn delivery(&mut self, wire: Wire, delivery: &Delivery) -> Result<(), KvDecodeError> {
+    pub fn delivery(&mut self, wire: Dialect, delivery: &Delivery) -> Result<(), KvDecodeError> {
         let events = delivery
             .payload()
-            .map(|p| decode_router_payload(wire, &p))
+            .map(|p| wire.decode_router_events(&p))
             .unwrap_or_else(|| Ok(Vec::new()));
         match events {
             Ok(events) => {
@@ -314,7 +310,7 @@ impl IndexFeed {
     /// endpoint ([`Instance::recovery`]), a loss is repaired instead of wiped: see
     /// [`take_recoveries`](Self::take_recoveries).
     pub fn apply(&mut self, source: &Instance, events: &[RouterEvent]) {
-        let sender = source.worker.map(|w| WorkerId(w.worker_id));
+        let sender = source.worker.map(|w| w.worker_id);
         let p = self.publishers.entry(source.id.clone()).or_default();
         p.sender = sender;
         p.sender_rank = source.worker.map(|w| w.dp_rank);
@@ -496,7 +492,7 @@ impl IndexFeed {
         match notice {
             Notice::Connected(instance) => {
                 let p = self.publishers.entry(instance.id.clone()).or_default();
-                p.sender = instance.worker.map(|w| WorkerId(w.worker_id));
+                p.sender = instance.worker.map(|w| w.worker_id);
                 p.sender_rank = instance.worker.map(|w| w.dp_rank);
                 // A new connection speaks for its ranks again (it recovers, or its
                 // next chain from the root takes them over).

@@ -52,7 +52,7 @@ fn rebuild_delay(failures: u32) -> Duration {
 const LATENCIES: usize = 256;
 
 /// A recovery the application must make for the feed: ask `endpoint` for `request`
-/// (with [`kv::recover`](crate::kv::recover)) and hand the answer to
+/// (with [`kv::router::recover`](crate::kv::router::recover)) and hand the answer to
 /// [`IndexFeed::recovered`] as a [`RecoveryAnswer`] with this `serial`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -67,7 +67,7 @@ pub struct RecoveryNeed {
     /// came back meanwhile) is ignored.
     pub serial: u64,
     /// How long to wait before asking: zero but for a rebuild after failures (see
-    /// 60 s). [`RecoveryDriver`](crate::kv::RecoveryDriver) waits it.
+    /// 60 s). [`RecoveryDriver`](crate::kv::router::RecoveryDriver) waits it.
     pub delay: Duration,
     /// A rebuild: the dump of a publisher a failed recovery wiped, asked again (its
     /// live events are not held meanwhile). The same need may be handed out again,

@@ -3,7 +3,7 @@
 use super::*;
 use crate::discovery::{Instance, Transport, WorkerIdentity};
 use crate::kv::{
-    BlockHash, Dump, KvEvent, KvEventData, StorageTier, StoredBlock, TokensHash, WorkerId,
+    BlockHash, KvEvent, KvEventData, StorageTier, StoredBlock, TokensHash, WorkerId, pipeline::Dump,
 };
 use crate::subscriber::Notice;
 

@@ -28,7 +28,7 @@ pub use types::{
 /// hashes.
 ///
 /// ```
-/// use eventplane::kv::{local_block_hashes, tokens_hash};
+/// use eventplane::kv::{tokens_hash, router::local_block_hashes};
 /// let tokens: Vec<u32> = (0..10).collect();
 /// let hashes = local_block_hashes(&tokens, 4);
 /// assert_eq!(hashes, vec![tokens_hash(&tokens[..4]), tokens_hash(&tokens[4..8])]);
@@ -129,10 +129,7 @@ pub fn local_block_hashes(tokens: &[u32], block_size: usize) -> Vec<TokensHash> 
 /// it: freeing costs are paid once per position stored).
 ///
 /// ```
-/// use eventplane::kv::{
-///     local_block_hashes, BlockHash, KvEvent, KvEventData, RouterEvent, RouterIndex, StorageTier,
-///     StoredBlock, WorkerId,
-/// };
+/// use eventplane::kv::{BlockHash, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, WorkerId, router::{local_block_hashes, RouterIndex}};
 ///
 /// let block_size = 4;
 /// let prompt: Vec<u32> = (0..12).collect(); // three blocks of tokens
@@ -160,7 +157,7 @@ pub fn local_block_hashes(tokens: &[u32], block_size: usize) -> Vec<TokensHash> 
 /// let scores = index.find_matches(&local);
 /// let best = scores.best().unwrap();
 /// assert_eq!((best.worker_id, best.dp_rank, best.blocks), (WorkerId(7), 0, 2));
-/// # Ok::<(), eventplane::kv::IndexRefusal>(())
+/// # Ok::<(), eventplane::kv::router::IndexRefusal>(())
 /// ```
 #[derive(Debug)]
 pub struct RouterIndex {

@@ -24,7 +24,7 @@ mod replaying;
 /// for the answer: 10 s.
 ///
 /// ```
-/// assert_eq!(eventplane::kv::ENGINE_HEARTBEAT, std::time::Duration::from_secs(10));
+/// assert_eq!(eventplane::kv::engine::ENGINE_HEARTBEAT, std::time::Duration::from_secs(10));
 /// ```
 pub const ENGINE_HEARTBEAT: Duration = Duration::from_secs(10);
 
@@ -32,7 +32,7 @@ pub const ENGINE_HEARTBEAT: Duration = Duration::from_secs(10);
 ///
 /// ```
 /// use std::time::Duration;
-/// use eventplane::kv::{EngineListenerConfig, WorkerId};
+/// use eventplane::kv::{WorkerId, engine::EngineListenerConfig};
 /// let config = EngineListenerConfig::new("tcp://127.0.0.1:5557", "kv-events", WorkerId(1), 16)
 ///     .reconnect_backoff(Duration::from_millis(50), Duration::from_secs(2));
 /// # let _ = config;
@@ -101,7 +101,7 @@ impl EngineListenerConfig {
     /// not back within the replay timeout.
     ///
     /// ```
-    /// use eventplane::kv::{EngineListenerConfig, WorkerId};
+    /// use eventplane::kv::{WorkerId, engine::EngineListenerConfig};
     /// let config = EngineListenerConfig::new("tcp://127.0.0.1:5557", "", WorkerId(1), 16)
     ///     .engine_replay("tcp://127.0.0.1:5558");
     /// assert!(config.validate().is_ok());
@@ -137,7 +137,7 @@ impl EngineListenerConfig {
     /// [`validate`](Self::validate).
     ///
     /// ```
-    /// use eventplane::kv::{EngineListenerConfig, WorkerId};
+    /// use eventplane::kv::{WorkerId, engine::EngineListenerConfig};
     /// let config = EngineListenerConfig::new("tcp://10.0.0.5:5557", "", WorkerId(1), 16)
     ///     .engine_replay("tcp://10.0.0.5:6557")
     ///     .engine_dp_rank(2);
@@ -173,7 +173,7 @@ impl EngineListenerConfig {
     /// to check settings before starting anything else.
     ///
     /// ```
-    /// use eventplane::kv::{EngineListenerConfig, WorkerId};
+    /// use eventplane::kv::{WorkerId, engine::EngineListenerConfig};
     /// let config = EngineListenerConfig::new("tcp://127.0.0.1:5557", "kv", WorkerId(1), 0);
     /// assert_eq!(config.validate().unwrap_err().field(), "block_size");
     /// ```
@@ -228,7 +228,7 @@ impl EngineListenerConfig {
 /// Counters of an [`EngineListener`].
 ///
 /// ```
-/// use eventplane::kv::{EngineListener, EngineListenerConfig, WorkerId};
+/// use eventplane::kv::{WorkerId, engine::{EngineListener, EngineListenerConfig}};
 /// let (tx, _rx) = tokio::sync::mpsc::channel(8);
 /// let listener = EngineListener::new(
 ///     EngineListenerConfig::new("tcp://127.0.0.1:5557", "kv", WorkerId(1), 16),
@@ -295,7 +295,7 @@ struct Counters {
 /// Reads a running listener's counters.
 ///
 /// ```
-/// use eventplane::kv::{EngineListener, EngineListenerConfig, WorkerId};
+/// use eventplane::kv::{WorkerId, engine::{EngineListener, EngineListenerConfig}};
 /// let (tx, _rx) = tokio::sync::mpsc::channel(8);
 /// let listener = EngineListener::new(
 ///     EngineListenerConfig::new("tcp://127.0.0.1:5557", "kv", WorkerId(1), 16),
@@ -375,7 +375,7 @@ impl EngineListenerHandle {
 /// the engine is not back within the replay timeout.
 ///
 /// ```no_run
-/// use eventplane::kv::{EngineListener, EngineListenerConfig, WorkerId};
+/// use eventplane::kv::{WorkerId, engine::{EngineListener, EngineListenerConfig}};
 /// use tokio_util::sync::CancellationToken;
 /// # async fn run() -> Result<(), eventplane::ConfigError> {
 /// let (tx, rx) = tokio::sync::mpsc::channel(256);

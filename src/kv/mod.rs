@@ -1,12 +1,17 @@
-//! KV events: the model, and the sans-IO stages that turn engine events into router
-//! events — [`Coalescer`], [`DedupFilter`] and dense id stamping, composed by
-//! [`Pipeline`] — with the async parts around them ([`EngineListener`], [`Processor`],
-//! [`EventPlaneSink`]) and [`Worker`], which wires those into one worker process.
-//! On the router's side, [`RouterIndex`] keeps every worker's blocks and scores a
-//! request's prefix overlap per worker ([`RouterIndex::find_matches`]).
+//! KV events: the model here, and one module per role.
+//!
+//! | module | role | entry points |
+//! |---|---|---|
+//! | [`engine`] | engine ingress: what vLLM, SGLang and TensorRT-LLM publish (the format below) | [`EngineListener`], [`EngineDecoder`] |
+//! | [`pipeline`] | the worker's side: sans-IO stages ([`Coalescer`], [`DedupFilter`], dense ids; composed by [`Pipeline`]), the async [`Processor`] and [`EventPlaneSink`] around them, the recovery log | [`Worker`], which wires engine to publisher |
+//! | [`router`] | the router's side: every worker's blocks, scored against a request's prefix, kept current through loss and recovery | [`RouterIndex`], [`IndexFeed`] |
+//!
+//! Router events travel in one [`Dialect`](crate::wire::Dialect): ours or Dynamo's
+//! ([`Dialect::encode_router_events`](crate::wire::Dialect::encode_router_events)).
 //!
 //! ```
-//! use eventplane::kv::{BlockHash, KvEvent, KvEventData, Pipeline, Placement, PlacementEvent, StorageTier, WorkerId};
+//! use eventplane::kv::{BlockHash, KvEvent, KvEventData, Placement, PlacementEvent, StorageTier, WorkerId};
+//! use eventplane::kv::pipeline::Pipeline;
 //! let at = Placement { worker_id: WorkerId(7), dp_rank: 0, tier: StorageTier::Device };
 //! let mut pipeline = Pipeline::default();
 //! let mut out = Vec::new();
@@ -114,63 +119,98 @@
 //! tests).
 
 mod coalesce;
+mod decoder;
 mod dedup;
 mod dynamo;
 #[cfg(feature = "dynamo-recovery")]
+#[cfg_attr(docsrs, doc(cfg(feature = "dynamo-recovery")))]
 pub mod dynamo_recovery;
-mod engine;
 mod error;
 mod event;
 mod feed;
 mod index;
 mod listener;
-mod pipeline;
 mod processor;
 mod recovery;
 mod replay;
 mod schema;
 mod sink;
+mod stages;
 mod stale;
 mod worker;
 
-pub use coalesce::Coalescer;
-pub(crate) use coalesce::DEFAULT_MAX_BATCH_BLOCKS;
-pub(crate) use dedup::{DEFAULT_MAX_TRACKED_HASHES, DEFAULT_MAX_TRACKED_RANKS};
-pub use dedup::{DedupFilter, DedupMode};
-pub use dynamo::{decode_dynamo_router_events, dynamo_storage_tier, encode_dynamo_router_events};
-pub(crate) use engine::{DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_BATCH_EVENTS};
-pub use engine::{EngineDecoder, EngineEvent, EngineStats, encode_engine_batch};
-pub use error::{EncodeError, EngineDecodeError, IndexError, KvDecodeError, SinkError};
+pub use error::{EncodeError, KvDecodeError};
 pub use event::{
     BlockHash, DpRank, KvEvent, KvEventData, Placement, PlacementEvent, RouterEvent, StorageTier,
     StoredBlock, TokensHash, WorkerId, tokens_hash,
 };
-pub use feed::{IndexFeed, IndexFeedStats, RecoveryAnswer, RecoveryNeed, Wipe, Wiped};
-pub use index::{
-    Attribution, IndexRefusal, OverlapScore, OverlapScores, RouterIndex, RouterIndexConfig,
-    RouterIndexStats, local_block_hashes,
-};
-pub use listener::{
-    ENGINE_HEARTBEAT, EngineListener, EngineListenerConfig, EngineListenerHandle,
-    EngineListenerStats,
-};
-pub use pipeline::Pipeline;
-pub use processor::{
-    EventSink, LocalIndex, Processor, ProcessorConfig, ProcessorHandle, ProcessorStats,
-};
+
+/// Engine ingress: what vLLM, SGLang and TensorRT-LLM publish, decoded
+/// ([`EngineDecoder`]) and read off their ZMQ sockets
+/// ([`EngineListener`]), with the engine's replay endpoint
+/// asked for what a gap lost. The format is in [the module above](super).
+pub mod engine {
+    pub use super::decoder::{EngineDecoder, EngineEvent, EngineStats, encode_engine_batch};
+    pub use super::error::EngineDecodeError;
+    pub use super::listener::{
+        ENGINE_HEARTBEAT, EngineListener, EngineListenerConfig, EngineListenerHandle,
+        EngineListenerStats,
+    };
+    pub use super::replay::{EngineReplayStats, ReplayFallback, ReplayFallbacks};
+}
+
+/// The worker's side: engine events through the sans-IO stages
+/// ([`Coalescer`], [`DedupFilter`], dense
+/// ids; composed by [`Pipeline`]), the async
+/// [`Processor`] around them, the
+/// [`EventPlaneSink`] that publishes, the
+/// [`WorkerLog`] and [`RecoveryServer`]
+/// that answer a router's recovery, and [`Worker`], which wires them
+/// into one worker process.
+pub mod pipeline {
+    pub use super::coalesce::Coalescer;
+    pub use super::dedup::{DedupFilter, DedupMode};
+    pub use super::error::{IndexError, SinkError};
+    pub use super::processor::{
+        EventSink, LocalIndex, Processor, ProcessorConfig, ProcessorHandle, ProcessorStats,
+    };
+    pub use super::recovery::{
+        DEFAULT_RECOVERY_EVENT_BLOCKS, DEFAULT_RECOVERY_EVENTS, Dump, RecoveryAcceptor,
+        RecoveryServer, RecoveryServerStats, SharedWorkerLog, Since, WorkerLog, WorkerLogConfig,
+        WorkerLogStats,
+    };
+    pub use super::sink::{
+        EventPlaneSink, MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, split_messages,
+    };
+    pub use super::stages::Pipeline;
+    pub use super::worker::{Worker, WorkerBuilder, WorkerHandle, WorkerStats};
+}
+
+/// The router's side: [`RouterIndex`], every worker's blocks
+/// scored against a request's prefix; [`IndexFeed`], which turns
+/// deliveries and discovery notices into the index's updates and says when a worker
+/// must be recovered; and the recovery client ([`recover`],
+/// [`RecoveryDriver`]) that asks a worker for what was lost.
+pub mod router {
+    pub use super::feed::{IndexFeed, IndexFeedStats, RecoveryAnswer, RecoveryNeed, Wipe, Wiped};
+    pub use super::index::{
+        Attribution, IndexRefusal, OverlapScore, OverlapScores, RouterIndex, RouterIndexConfig,
+        RouterIndexStats, local_block_hashes,
+    };
+    pub use super::recovery::{
+        Recovered, RecoveryClientConfig, RecoveryDriver, RecoveryError, RecoveryRequest, recover,
+        recover_over,
+    };
+}
+
+// The crate's own paths stay flat.
+pub(crate) use coalesce::DEFAULT_MAX_BATCH_BLOCKS;
+pub(crate) use decoder::{DEFAULT_MAX_BATCH_ELEMENTS, DEFAULT_MAX_BATCH_EVENTS};
+pub(crate) use dedup::{DEFAULT_MAX_TRACKED_HASHES, DEFAULT_MAX_TRACKED_RANKS};
+pub(crate) use engine::*;
+pub(crate) use pipeline::*;
 pub(crate) use recovery::DEFAULT_MAX_LOG_BLOCKS;
-pub use recovery::{
-    DEFAULT_RECOVERY_EVENT_BLOCKS, DEFAULT_RECOVERY_EVENTS, Dump, Recovered, RecoveryAcceptor,
-    RecoveryClientConfig, RecoveryDriver, RecoveryError, RecoveryRequest, RecoveryServer,
-    RecoveryServerStats, SharedWorkerLog, Since, WorkerLog, WorkerLogConfig, WorkerLogStats,
-    recover, recover_over,
-};
-pub use replay::{EngineReplayStats, ReplayFallback, ReplayFallbacks};
-pub use sink::{
-    EventPlaneSink, MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE, decode_router_events,
-    decode_router_payload, encode_router_events, encode_router_payload, split_messages,
-};
-pub use worker::{Worker, WorkerBuilder, WorkerHandle, WorkerStats};
+pub(crate) use router::*;
 
 #[cfg(test)]
 mod tests;

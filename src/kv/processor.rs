@@ -24,7 +24,7 @@ pub(crate) const MAX_BATCH_TIMEOUT: Duration = Duration::from_secs(15);
 /// ```
 /// use std::sync::Mutex;
 /// use eventplane::BoxFuture;
-/// use eventplane::kv::{EventSink, RouterEvent, SinkError};
+/// use eventplane::kv::{RouterEvent, pipeline::{EventSink, SinkError}};
 ///
 /// /// Keeps everything in memory (a test collector).
 /// #[derive(Default)]
@@ -48,7 +48,7 @@ pub trait EventSink: Send + Sync {
 ///
 /// ```
 /// use std::collections::HashSet;
-/// use eventplane::kv::{BlockHash, IndexError, KvEventData, LocalIndex, RouterEvent};
+/// use eventplane::kv::{BlockHash, KvEventData, RouterEvent, pipeline::{IndexError, LocalIndex}};
 ///
 /// /// The blocks this worker holds, kept in step before events are published.
 /// #[derive(Default)]
@@ -75,7 +75,7 @@ pub trait LocalIndex: Send {
 ///
 /// ```
 /// use std::time::Duration;
-/// use eventplane::kv::ProcessorConfig;
+/// use eventplane::kv::pipeline::ProcessorConfig;
 /// let config = ProcessorConfig::default().batch_timeout(Some(Duration::from_millis(50)));
 /// # let _ = config;
 /// ```
@@ -139,7 +139,7 @@ impl ProcessorConfig {
     /// it; call it yourself to check settings before starting anything else.
     ///
     /// ```
-    /// use eventplane::kv::ProcessorConfig;
+    /// use eventplane::kv::pipeline::ProcessorConfig;
     /// let err = ProcessorConfig::default().max_batch_blocks(0).validate().unwrap_err();
     /// assert_eq!(err.to_string(), "max_batch_blocks must not be zero");
     /// ```
@@ -174,7 +174,7 @@ impl ProcessorConfig {
 /// ```
 /// use std::sync::Arc;
 /// use eventplane::BoxFuture;
-/// use eventplane::kv::{EventSink, Processor, ProcessorConfig, RouterEvent, SinkError};
+/// use eventplane::kv::{RouterEvent, pipeline::{EventSink, Processor, ProcessorConfig, SinkError}};
 /// struct Discard;
 /// impl EventSink for Discard {
 ///     fn publish<'a>(&'a self, _: &'a [RouterEvent]) -> BoxFuture<'a, Result<(), SinkError>> {
@@ -241,7 +241,7 @@ struct Counters {
 /// ```
 /// use std::sync::Arc;
 /// use eventplane::BoxFuture;
-/// use eventplane::kv::{EventSink, Processor, ProcessorConfig, RouterEvent, SinkError};
+/// use eventplane::kv::{RouterEvent, pipeline::{EventSink, Processor, ProcessorConfig, SinkError}};
 /// struct Discard;
 /// impl EventSink for Discard {
 ///     fn publish<'a>(&'a self, _: &'a [RouterEvent]) -> BoxFuture<'a, Result<(), SinkError>> {
@@ -313,7 +313,7 @@ impl ProcessorHandle {
 /// ```
 /// use std::sync::{Arc, Mutex};
 /// use eventplane::BoxFuture;
-/// use eventplane::kv::{EventSink, Processor, ProcessorConfig, RouterEvent, SinkError};
+/// use eventplane::kv::{RouterEvent, pipeline::{EventSink, Processor, ProcessorConfig, SinkError}};
 ///
 /// #[derive(Default)]
 /// struct Collect(Mutex<Vec<RouterEvent>>);
@@ -359,7 +359,7 @@ impl Processor {
     /// ```
     /// use std::sync::Arc;
     /// use std::time::Duration;
-    /// use eventplane::kv::{EventSink, Processor, ProcessorConfig, RouterEvent, SinkError};
+    /// use eventplane::kv::{RouterEvent, pipeline::{EventSink, Processor, ProcessorConfig, SinkError}};
     /// # struct Nowhere;
     /// # impl EventSink for Nowhere {
     /// #     fn publish<'a>(&'a self, _: &'a [RouterEvent]) -> eventplane::BoxFuture<'a, Result<(), SinkError>> {

@@ -22,7 +22,7 @@ use crate::hash::FastMap;
 /// worker does).
 ///
 /// ```
-/// assert_eq!(eventplane::kv::DEFAULT_RECOVERY_EVENTS, 1024);
+/// assert_eq!(eventplane::kv::pipeline::DEFAULT_RECOVERY_EVENTS, 1024);
 /// ```
 pub const DEFAULT_RECOVERY_EVENTS: usize = 1024;
 
@@ -30,7 +30,7 @@ pub const DEFAULT_RECOVERY_EVENTS: usize = 1024;
 /// events go first, whatever their number).
 ///
 /// ```
-/// assert_eq!(eventplane::kv::DEFAULT_RECOVERY_EVENT_BLOCKS, 1 << 18);
+/// assert_eq!(eventplane::kv::pipeline::DEFAULT_RECOVERY_EVENT_BLOCKS, 1 << 18);
 /// ```
 pub const DEFAULT_RECOVERY_EVENT_BLOCKS: usize = 1 << 18;
 
@@ -45,7 +45,7 @@ const DUMP_EVENT_BLOCKS: usize = 8192;
 /// Bounds of a [`WorkerLog`].
 ///
 /// ```
-/// use eventplane::kv::WorkerLogConfig;
+/// use eventplane::kv::pipeline::WorkerLogConfig;
 /// let config = WorkerLogConfig::default().events(4096);
 /// assert!(config.validate().is_ok());
 /// assert_eq!(WorkerLogConfig::default().events(0).validate().unwrap_err().field(), "events");
@@ -100,7 +100,7 @@ impl WorkerLogConfig {
 /// Counters of a [`WorkerLog`].
 ///
 /// ```
-/// let stats = eventplane::kv::WorkerLog::default().stats();
+/// let stats = eventplane::kv::pipeline::WorkerLog::default().stats();
 /// assert_eq!((stats.events, stats.blocks, stats.last_id), (0, 0, 0));
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -165,8 +165,7 @@ struct Held {
 /// The recovery log of one worker: its last router events and the blocks it holds.
 ///
 /// ```
-/// use eventplane::kv::{BlockHash, KvEvent, KvEventData, LocalIndex, RouterEvent, Since,
-///     StorageTier, StoredBlock, TokensHash, WorkerId, WorkerLog};
+/// use eventplane::kv::{BlockHash, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId, pipeline::{LocalIndex, Since, WorkerLog}};
 /// let stored = |id, hash: u64, parent: Option<u64>| RouterEvent {
 ///     worker_id: WorkerId(7),
 ///     tier: StorageTier::Device,
@@ -184,7 +183,7 @@ struct Held {
 /// // A router that starts asks for a dump: both blocks, current at id 2.
 /// let dump = log.dump();
 /// assert_eq!((dump.current_id, dump.events.len()), (2, 1)); // one chain, one event
-/// # Ok::<(), eventplane::kv::IndexError>(())
+/// # Ok::<(), eventplane::kv::pipeline::IndexError>(())
 /// ```
 #[derive(Debug)]
 pub struct WorkerLog {
@@ -507,7 +506,7 @@ impl LocalIndex for WorkerLog {
 /// [`Processor::with_local_index`](super::Processor::with_local_index), read the other.
 ///
 /// ```
-/// use eventplane::kv::{SharedWorkerLog, WorkerLogConfig};
+/// use eventplane::kv::{pipeline::{SharedWorkerLog, WorkerLogConfig}};
 /// let log = SharedWorkerLog::new(WorkerLogConfig::default());
 /// let for_processor = log.clone();
 /// assert_eq!(log.stats().events, 0);

@@ -1,5 +1,6 @@
 #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
 
+use crate::wire::Dialect;
 use std::collections::{HashMap, HashSet};
 
 use super::*;
@@ -209,7 +210,10 @@ fn an_id_break_drops_what_no_longer_leads_up_to_the_newest_event() {
 
 mod endpoint {
     use super::*;
-    use crate::kv::{Recovered, RecoveryClientConfig, RecoveryRequest, RecoveryServer, recover};
+    use crate::kv::{
+        pipeline::RecoveryServer,
+        router::{Recovered, RecoveryClientConfig, RecoveryRequest, recover},
+    };
     use crate::zmtp::{Config, DealerSocket, Message};
 
     async fn serving(
@@ -302,7 +306,8 @@ mod endpoint {
     async fn an_answer_of_empty_events_is_held_to_the_byte_bound_decoded() {
         let empties: Vec<RouterEvent> =
             (1..=1000).map(|i| ev(i, 0, KvEventData::Cleared)).collect();
-        let payload = bytes::Bytes::from(crate::kv::encode_router_events(&empties).unwrap());
+        let payload =
+            bytes::Bytes::from(Dialect::EventPlane.encode_router_events(&empties).unwrap());
         held_to_the_bound_decoded(b"events", payload, empties.len()).await;
         // Packed, as dumps are: 10 bytes an event on the wire.
         let empties: Vec<RouterEvent> = (1..=1000)
@@ -362,7 +367,7 @@ mod endpoint {
             panic!("an answer over the bound decoded was accepted");
         };
         assert!(
-            matches!(err, crate::kv::RecoveryError::TooLarge(_)),
+            matches!(err, crate::kv::router::RecoveryError::TooLarge(_)),
             "{err}"
         );
     }
@@ -388,9 +393,10 @@ mod endpoint {
         let socket = DealerSocket::handshake(routers.remove(0), Config::default())
             .await
             .unwrap();
-        let answer = crate::kv::recover_over(socket, RecoveryRequest::Since(9), 1 << 20, 1 << 20)
-            .await
-            .unwrap();
+        let answer =
+            crate::kv::router::recover_over(socket, RecoveryRequest::Since(9), 1 << 20, 1 << 20)
+                .await
+                .unwrap();
         assert!(matches!(answer, Recovered::Events { current_id: 10, .. }));
         drop(server);
         assert!(acceptor.is_closed() && !acceptor.accept_stream(tokio::io::duplex(64).1));
@@ -432,7 +438,7 @@ mod endpoint {
             .await
             .unwrap_err();
         assert!(
-            matches!(err, crate::kv::RecoveryError::TooLarge(1000)),
+            matches!(err, crate::kv::router::RecoveryError::TooLarge(1000)),
             "{err}"
         );
     }

@@ -71,7 +71,7 @@ const END_SEQ: u64 = u64::MAX;
 /// the worker's blocks in every router.
 ///
 /// ```
-/// use eventplane::kv::ReplayFallback;
+/// use eventplane::kv::engine::ReplayFallback;
 /// assert_eq!(ReplayFallback::TooNew.as_str(), "too_new");
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -117,7 +117,7 @@ impl ReplayFallback {
 /// Replay fallbacks by cause.
 ///
 /// ```
-/// use eventplane::kv::{ReplayFallback, ReplayFallbacks};
+/// use eventplane::kv::{engine::{ReplayFallback, ReplayFallbacks}};
 /// let f = ReplayFallbacks::default();
 /// assert_eq!(f.get(ReplayFallback::Timeout), 0);
 /// assert_eq!(f.total(), 0);
@@ -169,7 +169,7 @@ impl ReplayFallbacks {
 /// Counters of an engine listener's replays (all 0 without a replay endpoint).
 ///
 /// ```
-/// let stats = eventplane::kv::EngineReplayStats::default();
+/// let stats = eventplane::kv::engine::EngineReplayStats::default();
 /// assert_eq!((stats.replays, stats.repairs, stats.fallbacks.total()), (0, 0, 0));
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]

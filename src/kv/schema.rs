@@ -3,25 +3,18 @@
 
 use super::KvEventData;
 use crate::msgpack::{TooLong, put};
-
-/// Whose schema [`put_event_data`] writes.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Schema {
-    EventPlane,
-    /// Dynamo's adds `start_position` to a store and `mm_extra_info` to each block,
-    /// always `nil` here.
-    Dynamo,
-}
+use crate::wire::Dialect;
 
 /// Writes a [`KvEventData`] as serde's derive writes it: `{"stored": {parent_hash,
 /// blocks: [{block_hash, tokens_hash}]}}`, `{"removed": {block_hashes}}` or
-/// `"cleared"`, with Dynamo's extra fields for [`Schema::Dynamo`].
+/// `"cleared"`, with Dynamo's extra fields (`start_position` on a store, `mm_extra_info` on each
+/// block, both `nil` here) for [`Dialect::Dynamo`].
 pub(super) fn put_event_data(
     out: &mut Vec<u8>,
     data: &KvEventData,
-    schema: Schema,
+    dialect: Dialect,
 ) -> Result<(), TooLong> {
-    let dynamo = schema == Schema::Dynamo;
+    let dynamo = dialect == Dialect::Dynamo;
     match data {
         KvEventData::Stored {
             parent_hash,

@@ -1,29 +1,29 @@
-//! The event-plane sink and the router-side decoder.
+//! The router-event codec (each [`Dialect`]'s schema) and the event-plane sink.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::RouterEvent;
-use super::dynamo::{decode_dynamo_router_events, encode_dynamo_router_events};
+use super::dynamo::{decode_dynamo, encode_dynamo};
 use super::processor::EventSink;
-use super::schema::{Schema, put_event_data};
+use super::schema::put_event_data;
 use super::{EncodeError, KvDecodeError, SinkError};
 use crate::BoxFuture;
 use crate::msgpack::put;
 use crate::publish::EventPublisher;
-use crate::wire::Wire;
+use crate::wire::Dialect;
 
 /// Most events in one event-plane message.
 ///
 /// ```
-/// use eventplane::kv::{MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE};
+/// use eventplane::kv::{pipeline::{MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE}};
 /// assert_eq!((MAX_EVENTS_PER_MESSAGE, MAX_BLOCKS_PER_MESSAGE), (128, 8192));
 /// ```
 pub const MAX_EVENTS_PER_MESSAGE: usize = 128;
 /// Most blocks in one event-plane message (a single larger event still goes alone).
 ///
 /// ```
-/// use eventplane::kv::{split_messages, MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE};
+/// use eventplane::kv::{pipeline::{split_messages, MAX_BLOCKS_PER_MESSAGE, MAX_EVENTS_PER_MESSAGE}};
 /// // The event-plane sink cuts its output with these bounds.
 /// let messages = split_messages(&[], MAX_EVENTS_PER_MESSAGE, MAX_BLOCKS_PER_MESSAGE).count();
 /// assert_eq!(messages, 0);
@@ -35,7 +35,7 @@ pub const MAX_BLOCKS_PER_MESSAGE: usize = 8192;
 /// limit travels alone (and a `max_events` of 0 is taken as 1).
 ///
 /// ```
-/// use eventplane::kv::{split_messages, KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId};
+/// use eventplane::kv::{KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId, pipeline::split_messages};
 /// let ev = RouterEvent { worker_id: WorkerId(1), tier: StorageTier::Device,
 ///     event: KvEvent { id: 1, dp_rank: 0, data: KvEventData::Cleared } };
 /// let events = vec![ev; 300];
@@ -69,20 +69,65 @@ pub fn split_messages(
     })
 }
 
-/// Encodes router events as msgpack with named fields (the event-plane payload).
-///
-/// ```
-/// use eventplane::kv::{decode_router_events, encode_router_events, KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId};
-/// let events = vec![RouterEvent {
-///     worker_id: WorkerId(1),
-///     tier: StorageTier::Device,
-///     event: KvEvent { id: 1, dp_rank: 0, data: KvEventData::Cleared },
-/// }];
-/// let payload = encode_router_events(&events)?;
-/// assert_eq!(decode_router_events(&payload)?, events);
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-pub fn encode_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, EncodeError> {
+/// The router-event codec: how each dialect's publishers carry [`RouterEvent`]s.
+impl Dialect {
+    /// Encodes router events as the payload of one message in this dialect: msgpack
+    /// lists of `{worker_id, tier, event: {id, dp_rank, data}}` (ours) or of Dynamo's
+    /// `{worker_id, storage_tier, residency_domain, event: {event_id, data, dp_rank}}`,
+    /// byte for byte what a Dynamo 1.6.1 worker writes for the same events. `data` is
+    /// `{"stored": {parent_hash, blocks: [{block_hash, tokens_hash}]}}`,
+    /// `{"removed": {block_hashes}}` or `"cleared"` in both (Dynamo's adds
+    /// `start_position` and `mm_extra_info`, written `nil`).
+    ///
+    /// ```
+    /// use eventplane::kv::{KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId};
+    /// use eventplane::wire::Dialect;
+    /// let events = vec![RouterEvent {
+    ///     worker_id: WorkerId(77),
+    ///     tier: StorageTier::HostPinned,
+    ///     event: KvEvent { id: 7, dp_rank: 0, data: KvEventData::Cleared },
+    /// }];
+    /// for dialect in [Dialect::EventPlane, Dialect::Dynamo] {
+    ///     let payload = dialect.encode_router_events(&events)?;
+    ///     assert!(payload.windows(11).any(|w| w == b"host_pinned"));
+    ///     assert_eq!(dialect.decode_router_events(&payload)?, events);
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn encode_router_events(&self, events: &[RouterEvent]) -> Result<Vec<u8>, EncodeError> {
+        match self {
+            Dialect::EventPlane => encode_eventplane(events),
+            Dialect::Dynamo => encode_dynamo(events),
+        }
+    }
+
+    /// Decodes the router events of one message's payload in this dialect. Never
+    /// panics on hostile input and never reserves for more elements than the payload
+    /// has bytes. Unknown fields are ignored (Dynamo adds fields between releases); an
+    /// unknown event kind fails the payload. A storage tier this version does not know
+    /// decodes as [`StorageTier::External`](crate::kv::StorageTier::External).
+    ///
+    /// ```
+    /// use eventplane::wire::Dialect;
+    /// // One event as a later Dynamo might write it: an extra field, no dp_rank.
+    /// let payload = b"\x91\x84\xa9worker_id\x01\xacstorage_tier\xa6device\xa3new\xc0\xa5event\x82\xa8event_id\x05\xa4data\xa7cleared";
+    /// let events = Dialect::Dynamo.decode_router_events(payload)?;
+    /// assert_eq!((events[0].worker_id.0, events[0].event.id, events[0].event.dp_rank), (1, 5, 0));
+    /// for dialect in [Dialect::EventPlane, Dialect::Dynamo] {
+    ///     assert!(dialect.decode_router_events(b"\xdd\xff\xff\xff\xff").is_err()); // forged length
+    /// }
+    /// # Ok::<(), eventplane::kv::KvDecodeError>(())
+    /// ```
+    pub fn decode_router_events(&self, payload: &[u8]) -> Result<Vec<RouterEvent>, KvDecodeError> {
+        match self {
+            Dialect::EventPlane => decode_eventplane(payload),
+            Dialect::Dynamo => decode_dynamo(payload),
+        }
+    }
+}
+
+/// Encodes router events in our schema: msgpack with named fields.
+pub(super) fn encode_eventplane(events: &[RouterEvent]) -> Result<Vec<u8>, EncodeError> {
     let err = |e| EncodeError::new("router events", e);
     // Written field by field, exactly as serde's derive of `RouterEvent` with named
     // fields writes it (a test compares them).
@@ -93,77 +138,33 @@ pub fn encode_router_events(events: &[RouterEvent]) -> Result<Vec<u8>, EncodeErr
         put::uint(&mut out, e.worker_id.0);
         out.extend_from_slice(b"\xa4tier");
         // Our tier names are Dynamo's (serde's snake case of `StorageTier`).
-        put::str(&mut out, super::dynamo_storage_tier(e.tier));
+        put::str(&mut out, super::dynamo::tier_name(e.tier));
         out.extend_from_slice(b"\xa5event\x83\xa2id");
         put::uint(&mut out, e.event.id);
         out.extend_from_slice(b"\xa7dp_rank");
         put::uint(&mut out, u64::from(e.event.dp_rank));
         out.extend_from_slice(b"\xa4data");
-        put_event_data(&mut out, &e.event.data, Schema::EventPlane).map_err(err)?;
+        put_event_data(&mut out, &e.event.data, Dialect::EventPlane).map_err(err)?;
     }
     Ok(out)
 }
 
-/// Decodes an event-plane payload back into router events. Never panics on hostile
-/// input; never reserves for more elements than the payload has bytes.
-///
-/// ```
-/// use eventplane::kv::{decode_router_events, encode_router_events, KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId};
-/// let events = vec![RouterEvent { worker_id: WorkerId(1), tier: StorageTier::Disk,
-///     event: KvEvent { id: 1, dp_rank: 2, data: KvEventData::Cleared } }];
-/// let bytes = encode_router_events(&events)?;
-/// assert_eq!(decode_router_events(&bytes)?, events);
-/// assert!(decode_router_events(b"\xdd\xff\xff\xff\xff").is_err()); // forged length
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-pub fn decode_router_events(payload: &[u8]) -> Result<Vec<RouterEvent>, KvDecodeError> {
+/// Decodes a payload in our schema back into router events.
+pub(super) fn decode_eventplane(payload: &[u8]) -> Result<Vec<RouterEvent>, KvDecodeError> {
     KvDecodeError::check_shape(payload)?;
     rmp_serde::from_slice(payload).map_err(|e| KvDecodeError(Box::new(e)))
 }
 
-/// Encodes router events as the payload `wire` carries: ours
-/// ([`encode_router_events`]) or Dynamo's ([`encode_dynamo_router_events`]).
-///
-/// ```
-/// use eventplane::kv::{decode_router_payload, encode_router_payload, KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId};
-/// use eventplane::wire::Wire;
-/// let events = vec![RouterEvent { worker_id: WorkerId(1), tier: StorageTier::Device,
-///     event: KvEvent { id: 1, dp_rank: 0, data: KvEventData::Cleared } }];
-/// for wire in [Wire::EventPlane, Wire::Dynamo] {
-///     let payload = encode_router_payload(wire, &events)?;
-///     assert_eq!(decode_router_payload(wire, &payload)?, events);
-/// }
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-pub fn encode_router_payload(wire: Wire, events: &[RouterEvent]) -> Result<Vec<u8>, EncodeError> {
-    match wire {
-        Wire::Dynamo => encode_dynamo_router_events(events),
-        _ => encode_router_events(events),
-    }
-}
-
-/// Decodes the router events of a payload `wire` carries (see
-/// [`encode_router_payload`]).
-pub fn decode_router_payload(
-    wire: Wire,
-    payload: &[u8],
-) -> Result<Vec<RouterEvent>, KvDecodeError> {
-    match wire {
-        Wire::Dynamo => decode_dynamo_router_events(payload),
-        _ => decode_router_events(payload),
-    }
-}
-
 /// Publishes router events on the event plane through an [`EventPublisher`]: split
 /// into messages of at most 128 events and 8192 blocks, msgpack with named fields, in
-/// the schema of the publisher's [`Wire`] (ours, or Dynamo's).
+/// the schema of the publisher's [`Dialect`] (ours, or Dynamo's).
 /// Never blocks; subscribers that fall behind lose messages at the publisher, counted
 /// there (and seen by them as sequence gaps).
 ///
 /// ```
 /// use std::sync::Arc;
 /// use eventplane::discovery::MemoryDiscovery;
-/// use eventplane::kv::{EventPlaneSink, EventSink, KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId};
+/// use eventplane::kv::{KvEvent, KvEventData, RouterEvent, StorageTier, WorkerId, pipeline::{EventPlaneSink, EventSink}};
 /// use eventplane::publish::EventPublisher;
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -215,7 +216,10 @@ impl EventSink for EventPlaneSink {
     fn publish<'a>(&'a self, events: &'a [RouterEvent]) -> BoxFuture<'a, Result<(), SinkError>> {
         let result = (|| {
             for message in split_messages(events, MAX_EVENTS_PER_MESSAGE, MAX_BLOCKS_PER_MESSAGE) {
-                let payload = encode_router_payload(self.publisher.wire(), message)
+                let payload = self
+                    .publisher
+                    .dialect()
+                    .encode_router_events(message)
                     .map_err(|e| SinkError(Box::new(e)))?;
                 self.publisher.publish(payload);
                 self.messages.fetch_add(1, Ordering::Relaxed);
@@ -233,8 +237,8 @@ mod tests {
     #[test]
     fn router_events_are_written_as_serde_writes_them() {
         let events = crate::kv::tests::every_tier_and_kind();
-        let ours = encode_router_events(&events).unwrap();
+        let ours = encode_eventplane(&events).unwrap();
         assert_eq!(ours, rmp_serde::to_vec_named(&events).unwrap());
-        assert_eq!(decode_router_events(&ours).unwrap(), events);
+        assert_eq!(decode_eventplane(&ours).unwrap(), events);
     }
 }

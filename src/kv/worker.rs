@@ -95,7 +95,7 @@ impl WorkerBuilder {
         }
         let registered = self.plane.as_ref().and_then(|p| p.publisher().instance());
         if let Some(worker) = registered.and_then(|i| i.worker) {
-            if worker.worker_id != self.engine.worker_id().0 {
+            if worker.worker_id != self.engine.worker_id() {
                 return Err(ConfigError::Inconsistent {
                     field: "worker_id",
                     reason: "differs from the worker identity the publisher registered",
@@ -147,7 +147,7 @@ impl WorkerBuilder {
 /// ```
 /// use std::{sync::Arc, time::Duration};
 /// use eventplane::discovery::{MemoryDiscovery, Query};
-/// use eventplane::kv::{EngineListenerConfig, ProcessorConfig, Worker, WorkerId};
+/// use eventplane::kv::{WorkerId, engine::EngineListenerConfig, pipeline::{ProcessorConfig, Worker}};
 /// use eventplane::publish::EventPublisher;
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -183,7 +183,7 @@ pub struct Worker {
 /// ```
 /// use std::sync::{Arc, Mutex};
 /// use eventplane::BoxFuture;
-/// use eventplane::kv::{EngineListenerConfig, EventSink, RouterEvent, SinkError, Worker, WorkerId};
+/// use eventplane::kv::{RouterEvent, WorkerId, engine::EngineListenerConfig, pipeline::{EventSink, SinkError, Worker}};
 /// struct Drop;
 /// impl EventSink for Drop {
 ///     fn publish<'a>(&'a self, _: &'a [RouterEvent]) -> BoxFuture<'a, Result<(), SinkError>> {
@@ -256,7 +256,7 @@ impl Worker {
     /// ```
     /// use std::sync::{Arc, Mutex};
     /// use eventplane::BoxFuture;
-    /// use eventplane::kv::{EngineListenerConfig, EventSink, RouterEvent, SinkError, Worker, WorkerId};
+    /// use eventplane::kv::{RouterEvent, WorkerId, engine::EngineListenerConfig, pipeline::{EventSink, SinkError, Worker}};
     /// #[derive(Default)]
     /// struct Collect(Mutex<Vec<RouterEvent>>);
     /// impl EventSink for Collect {

@@ -116,7 +116,7 @@ catalogue! {
     DISC_RECONNECTS: Counter "eventplane_discovery_reconnects_total" [] "DiscoveryStats"
         "Watch streams to a remote store re-established.";
 
-    // kv::EngineListener: `EngineListenerStats`, its decoder's `EngineStats`.
+    // kv::engine::EngineListener: `EngineListenerStats`, its decoder's `EngineStats`.
     KV_LISTENER_MALFORMED: Counter "eventplane_kv_listener_malformed_messages_total" [] "EngineListenerStats"
         "Engine messages that were not [topic, seq, payload] with the exact topic.";
     KV_LISTENER_GAPS: Counter "eventplane_kv_listener_sequence_gaps_total" [] "EngineListenerStats"
@@ -164,7 +164,7 @@ catalogue! {
     KV_DECODER_SELF_REFERENCING: Counter "eventplane_kv_decoder_self_referencing_total" [] "EngineListenerStats"
         "Stored events dropped because their hashes repeat.";
 
-    // kv::IndexFeed and its kv::RouterIndex: `IndexFeedStats`.
+    // kv::router::IndexFeed and its kv::router::RouterIndex: `IndexFeedStats`.
     KV_INDEX_BLOCKS: Gauge "eventplane_kv_index_blocks" [] "IndexFeedStats"
         "Blocks the router index holds (one per worker and rank holding one).";
     KV_INDEX_NODES: Gauge "eventplane_kv_index_nodes" [] "IndexFeedStats"
@@ -206,7 +206,7 @@ catalogue! {
     KV_INDEX_UNDECODABLE: Counter "eventplane_kv_index_undecodable_total" [] "IndexFeedStats"
         "Deliveries whose router events did not decode.";
 
-    // kv::Processor: `ProcessorStats`.
+    // kv::pipeline::Processor: `ProcessorStats`.
     KV_PROCESSOR_INPUT_LISTS: Counter "eventplane_kv_processor_input_lists_total" [] "ProcessorStats"
         "Event lists received from the listener.";
     KV_PROCESSOR_INPUT_EVENTS: Counter "eventplane_kv_processor_input_events_total" [] "ProcessorStats"
@@ -234,7 +234,7 @@ catalogue! {
     KV_WORKER_PUBLISHED: Counter "eventplane_kv_worker_published_messages_total" [] "WorkerStats"
         "Messages the worker's sink published.";
 
-    // kv::RecoveryServer (`RecoveryServerStats`) and
+    // kv::pipeline::RecoveryServer (`RecoveryServerStats`) and
     // kv::dynamo_recovery::DynamoQueryServer (`DynamoQueryStats`): a worker's recovery endpoint.
     KV_RECOVERY_CONNECTIONS: Counter "eventplane_kv_recovery_connections_total" ["outcome"] "RecoveryServerStats, DynamoQueryStats"
         "Recovery request connections, by outcome: accepted, refused (closed at once: too many were open).";

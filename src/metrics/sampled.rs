@@ -6,7 +6,9 @@ use super::catalogue::*;
 use crate::admin::AdminStats;
 use crate::discovery::DiscoveryStats;
 use crate::kv::{
-    EngineListenerStats, IndexFeedStats, ProcessorStats, RecoveryServerStats, WorkerStats,
+    engine::EngineListenerStats,
+    pipeline::{ProcessorStats, RecoveryServerStats, WorkerStats},
+    router::IndexFeedStats,
 };
 use crate::subscriber::SubscriberStats;
 use crate::zmtp::PubStats;
@@ -197,7 +199,7 @@ impl Sampled for EngineListenerStats {
         out.counter(&KV_REPLAY_REQUESTS, r.replays);
         out.counter(&KV_REPLAY_BATCHES, r.replayed_batches);
         out.counter(&KV_REPLAY_REPAIRS, r.repairs);
-        for cause in crate::kv::ReplayFallback::ALL {
+        for cause in crate::kv::engine::ReplayFallback::ALL {
             out.labelled(&KV_REPLAY_FALLBACKS, cause.as_str(), r.fallbacks.get(cause));
         }
         out.counter(&KV_REPLAY_HELD_DROPPED, r.held_dropped);

@@ -125,7 +125,7 @@ fn every_series_sampled_is_catalogued() {
         let mut e = e
             .source(crate::subscriber::SubscriberStats::default)
             .source(crate::discovery::DiscoveryStats::default)
-            .source(crate::kv::WorkerStats::default);
+            .source(crate::kv::pipeline::WorkerStats::default);
         e.sample();
     });
     for name in capture.names() {

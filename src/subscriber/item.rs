@@ -27,7 +27,7 @@ impl DynamicSubscriber {
     /// message does. A [`Notice::Connected`] or [`Notice::Gap`] may follow the batch
     /// holding the first messages after it: a KV router
     /// checks its events' dense ids instead, which show every loss in order
-    /// ([`kv::IndexFeed`](crate::kv::IndexFeed) does). Use either this or
+    /// ([`kv::router::IndexFeed`](crate::kv::router::IndexFeed) does). Use either this or
     /// [`recv`](Self::recv) / [`recv_many`](Self::recv_many) and
     /// [`take_notices`](Self::take_notices), not both: what this took is handed out
     /// only by this.

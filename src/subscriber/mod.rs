@@ -50,7 +50,7 @@
 //! # A router, start to finish
 //! Follow every KV-event publisher and keep the library's router index from what
 //! they send: [`recv_item`](DynamicSubscriber::recv_item) hands out deliveries and
-//! notices in one ordered stream, and [`kv::IndexFeed`](crate::kv::IndexFeed) applies
+//! notices in one ordered stream, and [`kv::router::IndexFeed`](crate::kv::router::IndexFeed) applies
 //! them — events under their publisher's worker identity, a publisher's blocks
 //! dropped when its event ids skip (events lost on the way, as Dynamo's router does)
 //! or when it departs ([`Notice::Departed`] comes after its last delivery). Then ask
@@ -60,11 +60,11 @@
 //! ```
 //! use std::sync::Arc;
 //! use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
-//! use eventplane::kv::{encode_router_events, local_block_hashes, IndexFeed, KvEvent, KvEventData};
+//! use eventplane::kv::{KvEvent, KvEventData, router::{local_block_hashes, IndexFeed}};
 //! use eventplane::kv::{RouterEvent, StorageTier, StoredBlock, BlockHash, WorkerId};
 //! use eventplane::publish::EventPublisher;
 //! use eventplane::subscriber::DynamicSubscriber;
-//! use eventplane::wire::Wire;
+//! use eventplane::wire::Dialect;
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new()); // or EtcdDiscovery
@@ -78,10 +78,10 @@
 //! # let block = StoredBlock { block_hash: BlockHash(42), tokens_hash: prompt[0] };
 //! # let data = KvEventData::Stored { parent_hash: None, blocks: vec![block] };
 //! # let event = KvEvent { id: 1, dp_rank: 0, data };
-//! # worker.publish(encode_router_events(&[RouterEvent { worker_id: WorkerId(7), tier: StorageTier::Device, event }])?);
+//! # worker.publish(Dialect::EventPlane.encode_router_events(&[RouterEvent { worker_id: WorkerId(7), tier: StorageTier::Device, event }])?);
 //! let mut feed = IndexFeed::default();
 //! while let Some(item) = router.recv_item().await {
-//!     feed.item(Wire::EventPlane, &item)?; // or count the error and go on
+//!     feed.item(Dialect::EventPlane, &item)?; // or count the error and go on
 //!     let scores = feed.index().find_matches(&prompt);
 //!     if let Some(best) = scores.best() {
 //!         println!("worker {:?} holds {} of the prompt's blocks", best.worker_id, best.blocks);
@@ -166,7 +166,7 @@ impl DynamicSubscriberBuilder {
         self.config.topic = Some(topic.into());
         self
     }
-    /// Wire layout. Default [`Layout::TopicPublisherSeq`], what
+    /// Dialect layout. Default [`Layout::TopicPublisherSeq`], what
     /// [`EventPublisher`](crate::publish::EventPublisher) sends, so its sequence gaps
     /// are counted without configuring anything (the `watch` example's default too).
     /// Engines (`[topic, seq, payload]`) need [`Layout::TopicSeq`]; any other framing

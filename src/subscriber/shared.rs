@@ -82,7 +82,7 @@ impl Delivery {
     /// # use eventplane::discovery::{Discovery, MemoryDiscovery, Query};
     /// # use eventplane::publish::EventPublisher;
     /// # use eventplane::subscriber::{DynamicSubscriber, Layout};
-    /// use eventplane::wire::Wire;
+    /// use eventplane::wire::Dialect;
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// # let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
@@ -91,7 +91,7 @@ impl Delivery {
     ///     .layout(Layout::Dynamo)
     ///     .spawn()?;
     /// let publisher = EventPublisher::builder(discovery, "ns", "c", "kv-events")
-    ///     .wire(Wire::Dynamo)
+    ///     .dialect(Dialect::Dynamo)
     ///     .build()
     ///     .await?;
     /// publisher.wait_for_subscribers(1).await;

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use crate::tunnel::protocol::*;
-use crate::wire::Wire;
+use crate::wire::Dialect;
 
 fn welcome(limits: Limits) -> Control {
     Control::Welcome(Welcome::new(PROTOCOL_VERSION, 3, limits))
@@ -44,8 +44,9 @@ fn all_frames() -> Vec<Control> {
             "gpu-1",
             vec!["prod".into()],
             vec![
-                source(7, Wire::EventPlane),
-                source(8, Wire::Dynamo).with_worker(crate::discovery::WorkerIdentity::new(42, 3)),
+                source(7, Dialect::EventPlane),
+                source(8, Dialect::Dynamo)
+                    .with_worker(crate::discovery::WorkerIdentity::new(42, 3)),
             ],
         )),
         Control::Subscribe {
@@ -54,7 +55,7 @@ fn all_frames() -> Vec<Control> {
         },
         Control::Announce {
             sources: (1..=MAX_ANNOUNCE as u64)
-                .map(|i| source(i, Wire::EventPlane))
+                .map(|i| source(i, Dialect::EventPlane))
                 .collect(),
         },
         Control::Withdraw {
@@ -68,7 +69,7 @@ fn all_frames() -> Vec<Control> {
     ]
 }
 
-pub(crate) fn source(publisher_id: u64, wire: crate::wire::Wire) -> AnnouncedSource {
+pub(crate) fn source(publisher_id: u64, wire: crate::wire::Dialect) -> AnnouncedSource {
     let id =
         crate::discovery::ChannelId::new("prod", "backend", "kv-events", publisher_id).unwrap();
     AnnouncedSource::new(&id, wire)

@@ -2,16 +2,16 @@
 //! the sequence and the payload, for every kind of publisher we read and write.
 //!
 //! One place for every layout: [`EventPublisher`](crate::publish::EventPublisher)
-//! writes with [`Wire::encode`], the [`DynamicSubscriber`](crate::subscriber) and the
-//! engine listener ([`kv::EngineListener`](crate::kv::EngineListener)) read with
+//! writes with [`Dialect::encode`], the [`DynamicSubscriber`](crate::subscriber) and the
+//! engine listener ([`kv::engine::EngineListener`](crate::kv::engine::EngineListener)) read with
 //! [`Layout::parse`], and one sequence tracker serves them all.
 //!
 //! | [`Layout`] | frames | written by |
 //! |---|---|---|
 //! | `Raw` | anything | any PUB |
 //! | `TopicSeq` | `[topic, seq u64be, payload…]` | vLLM / SGLang engines |
-//! | `TopicPublisherSeq` | `[topic, publisher_id u64be, seq u64be, payload…]` | our `EventPublisher` ([`Wire::EventPlane`]) |
-//! | `Dynamo` | `[topic, publisher_id u64be, seq u64be, 0x01 + u32be len + envelope]` | NVIDIA Dynamo ≥ 1.6, our `EventPublisher` with [`Wire::Dynamo`] |
+//! | `TopicPublisherSeq` | `[topic, publisher_id u64be, seq u64be, payload…]` | our `EventPublisher` ([`Dialect::EventPlane`]) |
+//! | `Dynamo` | `[topic, publisher_id u64be, seq u64be, 0x01 + u32be len + envelope]` | NVIDIA Dynamo ≥ 1.6, our `EventPublisher` with [`Dialect::Dynamo`] |
 //!
 //! A Dynamo message's fourth frame is a msgpack envelope
 //! `{publisher_id, sequence, published_at, topic, payload: bin}` whose identity must
@@ -84,8 +84,8 @@ impl Layout {
     ///
     /// ```
     /// use bytes::Bytes;
-    /// use eventplane::wire::{Layout, Wire, WireError};
-    /// let message = Wire::Dynamo.encode(&Bytes::from_static(b"kv-events"), 42, 1, Bytes::from_static(b"p"));
+    /// use eventplane::wire::{Layout, Dialect, WireError};
+    /// let message = Dialect::Dynamo.encode(&Bytes::from_static(b"kv-events"), 42, 1, Bytes::from_static(b"p"));
     /// let framed = Layout::Dynamo.parse(Some(b"kv-events"), &message)?;
     /// assert_eq!((framed.publisher_id, framed.sequence), (Some(42), Some(1)));
     /// assert_eq!(framed.payload.as_deref(), Some(&b"p"[..]));
@@ -195,19 +195,25 @@ impl FromStr for Layout {
     }
 }
 
-/// What an [`EventPublisher`](crate::publish::EventPublisher) writes: our layout
-/// (the default) or Dynamo's.
+/// Ours or NVIDIA Dynamo's: the one name for whose conventions a part speaks, at
+/// every layer where the two differ.
+///
+/// | layer | [`EventPlane`](Dialect::EventPlane) (default) | [`Dynamo`](Dialect::Dynamo) | where |
+/// |---|---|---|---|
+/// | frames | `[topic, publisher_id, seq, payload]` | `[topic, publisher_id, seq, 0x01 + len + envelope]` | [`layout`](Self::layout), [`encode`](Self::encode), `EventPublisherBuilder::dialect` |
+/// | router events | msgpack, our field names | Dynamo 1.6's schema | [`encode_router_events`](Self::encode_router_events), [`decode_router_events`](Self::decode_router_events) |
+/// | etcd records | `{prefix}/v1/channels/…` | `v1/event_channels/…` + `v1/event_sources/…` | `EtcdDiscoveryBuilder::dialect` (Kubernetes: Dynamo's only) |
 ///
 /// ```
-/// use eventplane::wire::{Layout, Wire};
-/// assert_eq!(Wire::default(), Wire::EventPlane);
-/// assert_eq!(Wire::Dynamo.layout(), Layout::Dynamo);
-/// assert_eq!("eventplane".parse::<Wire>()?.layout(), Layout::TopicPublisherSeq);
+/// use eventplane::wire::{Layout, Dialect};
+/// assert_eq!(Dialect::default(), Dialect::EventPlane);
+/// assert_eq!(Dialect::Dynamo.layout(), Layout::Dynamo);
+/// assert_eq!("eventplane".parse::<Dialect>()?.layout(), Layout::TopicPublisherSeq);
 /// # Ok::<(), eventplane::wire::UnknownName>(())
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
-pub enum Wire {
+pub enum Dialect {
     /// `[topic, publisher_id u64be, seq u64be, payload]`; router events as msgpack
     /// with our field names.
     #[default]
@@ -217,20 +223,20 @@ pub enum Wire {
     Dynamo,
 }
 
-impl Wire {
-    /// The layout subscribers read this wire with.
+impl Dialect {
+    /// The layout subscribers read this dialect's frames with.
     pub fn layout(&self) -> Layout {
         match self {
-            Wire::EventPlane => Layout::TopicPublisherSeq,
-            Wire::Dynamo => Layout::Dynamo,
+            Dialect::EventPlane => Layout::TopicPublisherSeq,
+            Dialect::Dynamo => Layout::Dynamo,
         }
     }
 
     /// The spelling of the examples' `--wire` flag: `eventplane` or `dynamo`.
     pub fn as_str(&self) -> &'static str {
         match self {
-            Wire::EventPlane => "eventplane",
-            Wire::Dynamo => "dynamo",
+            Dialect::EventPlane => "eventplane",
+            Dialect::Dynamo => "dynamo",
         }
     }
 
@@ -239,9 +245,9 @@ impl Wire {
     ///
     /// ```
     /// use bytes::Bytes;
-    /// use eventplane::wire::Wire;
+    /// use eventplane::wire::Dialect;
     /// let topic = Bytes::from_static(b"t");
-    /// let ours = Wire::EventPlane.encode(&topic, 42, 0, Bytes::from_static(b"p"));
+    /// let ours = Dialect::EventPlane.encode(&topic, 42, 0, Bytes::from_static(b"p"));
     /// assert_eq!(ours.len(), 4);
     /// assert_eq!(ours.get(1).unwrap(), &42u64.to_be_bytes());
     /// assert_eq!(ours.get(3).unwrap(), b"p");
@@ -270,8 +276,8 @@ impl Wire {
         let id = id.clone();
         let seq = Bytes::copy_from_slice(&sequence.to_be_bytes());
         match self {
-            Wire::EventPlane => Message::from_parts([topic.clone(), id, seq, payload]),
-            Wire::Dynamo => {
+            Dialect::EventPlane => Message::from_parts([topic.clone(), id, seq, payload]),
+            Dialect::Dynamo => {
                 let mut frame = Vec::with_capacity(payload.len() + topic.len() + 80);
                 encode_dynamo_frame(
                     &String::from_utf8_lossy(topic),
@@ -287,16 +293,16 @@ impl Wire {
     }
 }
 
-impl fmt::Display for Wire {
+impl fmt::Display for Dialect {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
     }
 }
 
-impl FromStr for Wire {
+impl FromStr for Dialect {
     type Err = UnknownName;
-    fn from_str(s: &str) -> Result<Wire, UnknownName> {
-        [Wire::EventPlane, Wire::Dynamo]
+    fn from_str(s: &str) -> Result<Dialect, UnknownName> {
+        [Dialect::EventPlane, Dialect::Dynamo]
             .into_iter()
             .find(|w| w.as_str() == s)
             .ok_or_else(|| UnknownName {
@@ -528,7 +534,7 @@ impl MalformedCounters {
 /// A name that is not one of the accepted spellings.
 ///
 /// ```
-/// let err = "zmq".parse::<eventplane::wire::Wire>().unwrap_err();
+/// let err = "zmq".parse::<eventplane::wire::Dialect>().unwrap_err();
 /// assert_eq!(err.to_string(), "unknown name \"zmq\": expected eventplane or dynamo");
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -594,9 +600,9 @@ mod tests {
     #[test]
     fn dynamo_identity_must_match_the_frames() {
         let topic = Bytes::from_static(b"kv-events");
-        let good = Wire::Dynamo.encode(&topic, 5, 3, Bytes::from_static(b"x"));
+        let good = Dialect::Dynamo.encode(&topic, 5, 3, Bytes::from_static(b"x"));
         assert!(Layout::Dynamo.parse(None, &good).is_ok());
-        let empty = Wire::Dynamo.encode(&topic, 5, 3, Bytes::new());
+        let empty = Dialect::Dynamo.encode(&topic, 5, 3, Bytes::new());
         let framed = Layout::Dynamo.parse(None, &empty).unwrap();
         assert_eq!(framed.payload.as_deref(), Some(&b""[..]));
         assert_eq!(
@@ -659,9 +665,9 @@ mod tests {
         for l in Layout::ALL {
             assert_eq!(l.as_str().parse::<Layout>().unwrap(), l);
         }
-        for w in [Wire::EventPlane, Wire::Dynamo] {
-            assert_eq!(w.as_str().parse::<Wire>().unwrap(), w);
+        for w in [Dialect::EventPlane, Dialect::Dynamo] {
+            assert_eq!(w.as_str().parse::<Dialect>().unwrap(), w);
         }
-        assert!("Dynamo".parse::<Wire>().is_err());
+        assert!("Dynamo".parse::<Dialect>().is_err());
     }
 }

@@ -153,42 +153,45 @@ async fn cut_short<F: Future>(fut: F, step: u64) -> Option<F::Output> {
 /// registers with an endpoint and a worker id).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conforms_on_real_etcd() {
-    use eventplane::discovery::{DynamoRecords, RecordFormat};
+    use eventplane::discovery::DynamoRecords;
+    use eventplane::wire::Dialect;
     let server = EtcdServer::start().await;
     let url = server.url();
     let settings = Settings::default()
         .with_ttl(TTL)
         .with_overflow_churn(1500)
         .with_deadline(Duration::from_secs(20));
-    for format in [
-        RecordFormat::EventPlane,
-        RecordFormat::Dynamo(DynamoRecords::new().endpoint("generate").worker(77, 0)),
+    for (dialect, records) in [
+        (Dialect::EventPlane, None),
+        (
+            Dialect::Dynamo,
+            Some(DynamoRecords::new().endpoint("generate").worker(77, 0)),
+        ),
     ] {
         let failures = conformance::run_all(
             || {
-                let (url, format) = (url.clone(), format.clone());
+                let (url, records) = (url.clone(), records.clone());
                 async move {
-                    Arc::new(
-                        // Small pages: every snapshot in the suite is read in several.
-                        EtcdDiscovery::builder([url])
-                            .lease_ttl(TTL)
-                            .watch_buffer(256)
-                            .page_size(4)
-                            .record_format(format)
-                            .connect()
-                            .await
-                            .unwrap(),
-                    ) as Arc<dyn Discovery>
+                    // Small pages: every snapshot in the suite is read in several.
+                    let mut builder = EtcdDiscovery::builder([url])
+                        .lease_ttl(TTL)
+                        .watch_buffer(256)
+                        .page_size(4)
+                        .dialect(dialect);
+                    if let Some(records) = records {
+                        builder = builder.records(records);
+                    }
+                    Arc::new(builder.connect().await.unwrap()) as Arc<dyn Discovery>
                 }
             },
-            &match format {
+            &match dialect {
                 // Dynamo keeps the worker in `event_sources`, which the reader does not join.
-                RecordFormat::Dynamo(_) => settings.clone().without_worker_identity(),
+                Dialect::Dynamo => settings.clone().without_worker_identity(),
                 _ => settings.clone(),
             },
         )
         .await;
-        assert!(failures.is_empty(), "{format:?}: {failures:#?}");
+        assert!(failures.is_empty(), "{dialect}: {failures:#?}");
     }
 }
 

@@ -19,6 +19,7 @@
     missing_docs
 )]
 
+use eventplane::wire::Dialect;
 use std::collections::HashSet;
 
 use super::live::{Py, json_line};
@@ -492,7 +493,7 @@ fn events_in(message: &eventplane::zmtp::Message) -> u64 {
         .get(message.len().saturating_sub(1))
         .and_then(|frame| eventplane::wire::parse_dynamo_frame(frame).ok())
         .filter(|envelope| envelope.topic == "kv-events")
-        .and_then(|envelope| eventplane::kv::decode_dynamo_router_events(envelope.payload).ok())
+        .and_then(|envelope| Dialect::Dynamo.decode_router_events(envelope.payload).ok())
         .map_or(0, |events| events.len() as u64)
 }
 

@@ -14,9 +14,9 @@ use std::time::Duration;
 use eventplane::discovery::conformance::Mirror;
 use eventplane::discovery::{
     ChannelId, Discovery, DiscoveryError, DiscoveryEvent, DiscoveryStream, DynamoRecords,
-    EtcdDiscovery, Query, RecordFormat, Transport,
+    EtcdDiscovery, Query, Transport,
 };
-use eventplane::kv::{EngineEvent, encode_engine_batch};
+use eventplane::kv::engine::{EngineEvent, encode_engine_batch};
 use serde_json::Value;
 use support::etcd::EtcdServer;
 use support::{WARM_RANK, within};
@@ -34,7 +34,8 @@ async fn connect(url: &str, records: DynamoRecords) -> EtcdDiscovery {
     EtcdDiscovery::builder([url])
         .lease_ttl(TTL)
         .backoff(Duration::from_millis(50), Duration::from_millis(500))
-        .record_format(RecordFormat::Dynamo(records))
+        .dialect(eventplane::wire::Dialect::Dynamo)
+        .records(records)
         .connect()
         .await
         .unwrap()

@@ -92,7 +92,7 @@ pub fn expected_router_events(
     worker: u64,
     block_size: usize,
 ) -> Vec<eventplane::kv::RouterEvent> {
-    use eventplane::kv::{EngineDecoder, Pipeline, WorkerId};
+    use eventplane::kv::{WorkerId, engine::EngineDecoder, pipeline::Pipeline};
     let mut decoder = EngineDecoder::new(WorkerId(worker), block_size).unwrap();
     let mut pipeline = Pipeline::default();
     let mut expected = Vec::new();
@@ -661,7 +661,7 @@ impl Engine {
         &mut self,
         mut line: impl AsyncFnMut(Duration) -> Option<String>,
     ) -> String {
-        use eventplane::kv::{EngineEvent, encode_engine_batch};
+        use eventplane::kv::engine::{EngineEvent, encode_engine_batch};
         let clear = encode_engine_batch(0.0, WARM_RANK, 4, &[EngineEvent::Cleared]).unwrap();
         let until = tokio::time::Instant::now() + DEADLINE;
         loop {
@@ -765,11 +765,11 @@ pub fn dynamo_capture_events(capture: &serde_json::Value) -> Vec<RouterEvent> {
 #[derive(Default)]
 pub struct CollectSink(pub std::sync::Mutex<Vec<eventplane::kv::RouterEvent>>);
 
-impl eventplane::kv::EventSink for CollectSink {
+impl eventplane::kv::pipeline::EventSink for CollectSink {
     fn publish<'a>(
         &'a self,
         events: &'a [eventplane::kv::RouterEvent],
-    ) -> eventplane::BoxFuture<'a, Result<(), eventplane::kv::SinkError>> {
+    ) -> eventplane::BoxFuture<'a, Result<(), eventplane::kv::pipeline::SinkError>> {
         self.0.lock().unwrap().extend_from_slice(events);
         Box::pin(async { Ok(()) })
     }

@@ -4,6 +4,7 @@
 //! admin port costs the process no memory beyond its connection cap.
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
 
+use eventplane::wire::Dialect;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -106,7 +107,7 @@ async fn readiness_follows_the_view_and_the_metrics_follow_the_traffic() {
                 data: KvEventData::Cleared,
             },
         };
-        publisher.publish(eventplane::kv::encode_router_events(&[event]).unwrap());
+        publisher.publish(Dialect::EventPlane.encode_router_events(&[event]).unwrap());
     }
     // The router's metrics: every message received and delivered, bytes through the
     // tunnel; the broker's: the same bytes relayed up, one stream open.

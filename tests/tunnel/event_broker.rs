@@ -5,6 +5,7 @@
 //! router reads nothing. Also `kv_router --bus-listen`, the bus as a process.
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
 
+use eventplane::wire::Dialect;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -466,7 +467,7 @@ async fn kv_router_runs_an_event_bus_that_carries_events_through_a_broker() {
                 data: KvEventData::Cleared,
             },
         };
-        publisher.publish(eventplane::kv::encode_router_events(&[event]).unwrap());
+        publisher.publish(Dialect::EventPlane.encode_router_events(&[event]).unwrap());
     }
     // --count 2: it prints both and exits 0.
     let mut stdout = String::new();

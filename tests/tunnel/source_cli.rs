@@ -261,7 +261,7 @@ async fn kv_relay_dials_out_and_kv_router_follows_it_without_etcd() {
 /// followed together (the static list and the announced view, merged).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_router_follows_a_static_publisher_and_an_announced_source_together() {
-    use eventplane::kv::{EngineEvent, encode_engine_batch};
+    use eventplane::kv::engine::{EngineEvent, encode_engine_batch};
     let dir = credentials("merged");
     let mut direct_engine = Engine::bind("kv").await;
     let (direct, endpoint) = support::spawn_example(
@@ -326,10 +326,9 @@ async fn kv_router_follows_a_static_publisher_and_an_announced_source_together()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_source_writes_only_the_blocks_of_the_worker_it_was_granted() {
     use eventplane::discovery::{ChannelId, WorkerIdentity};
-    use eventplane::kv::encode_router_events;
     use eventplane::publish::EventPublisher;
     use eventplane::tunnel::{AnnouncedSource, Source, SourceConfig, client_tls};
-    use eventplane::wire::Wire;
+    use eventplane::wire::Dialect;
 
     let dir = credentials("granted");
     let digest = TokenDigest::of(&Secret::new(SOURCE_TOKEN).unwrap()).to_hex();
@@ -357,7 +356,8 @@ async fn a_source_writes_only_the_blocks_of_the_worker_it_was_granted() {
     let channel = ChannelId::new("prod", "backend", "kv-events", publisher.publisher_id()).unwrap();
     source
         .announce(
-            AnnouncedSource::new(&channel, Wire::EventPlane).with_worker(WorkerIdentity::new(7, 0)),
+            AnnouncedSource::new(&channel, Dialect::EventPlane)
+                .with_worker(WorkerIdentity::new(7, 0)),
             publisher.acceptor(),
         )
         .unwrap();
@@ -366,7 +366,7 @@ async fn a_source_writes_only_the_blocks_of_the_worker_it_was_granted() {
     let stored = crate::support::stored_at_root;
     // Its own worker's block, one claimed for worker 8, its own again.
     for ev in [stored(7, 1, 71), stored(8, 2, 81), stored(7, 3, 72)] {
-        publisher.publish(encode_router_events(&[ev]).unwrap());
+        publisher.publish(Dialect::EventPlane.encode_router_events(&[ev]).unwrap());
     }
     for _ in 0..3 {
         within(router.stdout.next_line())

@@ -15,7 +15,7 @@ use eventplane::tunnel::{
     AnnouncedSource, BusClients, EventBus, EventBusConfig, Limits, Secret, Source, SourceConfig,
     TokenDigest, client_tls,
 };
-use eventplane::wire::Wire;
+use eventplane::wire::Dialect;
 use eventplane::zmtp::{Config, PubSocket};
 use tokio_util::sync::CancellationToken;
 
@@ -50,7 +50,7 @@ async fn sources_bus(n: usize) -> EventBus {
     bus_configured("127.0.0.1:0", source_clients(n), EventBusConfig::default()).await
 }
 
-fn follow(bus: &EventBus, wire: Wire) -> DynamicSubscriber {
+fn follow(bus: &EventBus, wire: Dialect) -> DynamicSubscriber {
     DynamicSubscriber::builder(Arc::new(bus.announced(wire)), Query::new("prod"))
         .topic("kv-events")
         .layout(wire.layout())
@@ -63,11 +63,11 @@ fn follow(bus: &EventBus, wire: Wire) -> DynamicSubscriber {
 
 async fn announced_publisher(
     source: &Source,
-    wire: Wire,
+    wire: Dialect,
     worker: u64,
 ) -> (EventPublisher, ChannelId) {
     let publisher = EventPublisher::unregistered("kv-events")
-        .wire(wire)
+        .dialect(wire)
         .build()
         .await
         .unwrap();
@@ -80,7 +80,7 @@ async fn announced_publisher(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_source_s_events_reach_a_dynamic_subscriber_exactly_with_both_wires() {
-    for wire in [Wire::EventPlane, Wire::Dynamo] {
+    for wire in [Dialect::EventPlane, Dialect::Dynamo] {
         let bus = sources_bus(1).await;
         let source = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
         let (publisher, id) = announced_publisher(&source, wire, 42).await;
@@ -99,7 +99,7 @@ async fn a_source_s_events_reach_a_dynamic_subscriber_exactly_with_both_wires() 
             while (seen.len() as u64) < N {
                 let delivery = router.recv().await.unwrap();
                 assert_eq!(delivery.source.id, id);
-                assert_eq!(delivery.source.worker.map(|w| w.worker_id), Some(42));
+                assert_eq!(delivery.source.worker.map(|w| w.worker_id.0), Some(42));
                 assert!(delivery.source.transport.is_announced());
                 seen.push(delivery.sequence.unwrap());
             }
@@ -164,7 +164,7 @@ async fn a_source_announcing_outside_its_grant_is_denied() {
     assert!(
         within_grant
             .announce(
-                AnnouncedSource::new(&dev, Wire::EventPlane),
+                AnnouncedSource::new(&dev, Dialect::EventPlane),
                 publisher.acceptor()
             )
             .is_err()
@@ -180,13 +180,13 @@ async fn a_source_announcing_outside_its_grant_is_denied() {
     within_grant.abort();
     until(|| bus.stats().announced_sources == 0).await;
     let listed = bus
-        .announced(Wire::EventPlane)
+        .announced(Dialect::EventPlane)
         .list(Query::new("prod"))
         .await;
     assert_eq!(listed.unwrap(), vec![]);
     // Registering in the view is refused: only sources announce.
     let refused = bus
-        .announced(Wire::EventPlane)
+        .announced(Dialect::EventPlane)
         .register(
             prod,
             eventplane::discovery::Transport::zmq("tcp://127.0.0.1:1"),
@@ -198,7 +198,7 @@ async fn a_source_announcing_outside_its_grant_is_denied() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_source_session_removes_its_publishers_and_comes_back_as_a_new_incarnation() {
     let bus = sources_bus(1).await;
-    let view = bus.announced(Wire::EventPlane);
+    let view = bus.announced(Dialect::EventPlane);
     let cancel = CancellationToken::new();
     let mut watch = view
         .watch(Query::new("prod"), cancel.clone())
@@ -209,7 +209,7 @@ async fn a_dropped_source_session_removes_its_publishers_and_comes_back_as_a_new
         DiscoveryEvent::Resync(vec![])
     );
     let first = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
-    let (publisher, id) = announced_publisher(&first, Wire::EventPlane, 1).await;
+    let (publisher, id) = announced_publisher(&first, Dialect::EventPlane, 1).await;
     let added = within(watch.next()).await.unwrap().unwrap();
     let DiscoveryEvent::Added(before) = added else {
         panic!("{added:?}")
@@ -248,9 +248,9 @@ async fn a_dropped_source_session_removes_its_publishers_and_comes_back_as_a_new
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_source_killed_mid_stream_is_removed_and_its_losses_are_never_delivered() {
     let bus = sources_bus(1).await;
-    let mut router = follow(&bus, Wire::EventPlane);
+    let mut router = follow(&bus, Dialect::EventPlane);
     let first = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
-    let (publisher, id) = announced_publisher(&first, Wire::EventPlane, 1).await;
+    let (publisher, id) = announced_publisher(&first, Dialect::EventPlane, 1).await;
     publisher
         .wait_for_subscribers_within(1, Duration::from_secs(10))
         .await
@@ -324,7 +324,7 @@ async fn a_thousand_announced_sources_from_ten_sessions_are_followed_within_the_
     .await;
     let pid = std::process::id();
     let fds_before = open_fds();
-    let mut router = follow(&bus, Wire::EventPlane);
+    let mut router = follow(&bus, Dialect::EventPlane);
     let mut sources = Vec::new();
     let mut publishers = Vec::new();
     for s in 0..SESSIONS {
@@ -343,7 +343,7 @@ async fn a_thousand_announced_sources_from_ten_sessions_are_followed_within_the_
     let all_followed = started.elapsed();
     for (id, publisher) in &publishers {
         for seq in 0..MESSAGES {
-            let message = Wire::EventPlane.encode(
+            let message = Dialect::EventPlane.encode(
                 &Bytes::from_static(b"kv-events"),
                 id.publisher_id(),
                 seq,
@@ -433,10 +433,10 @@ async fn a_broker_asked_for_an_announced_target_refuses_it() {
 async fn a_channel_another_source_holds_is_refused_and_counted() {
     let bus = sources_bus(2).await;
     let first = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
-    let (publisher, id) = announced_publisher(&first, Wire::EventPlane, 1).await;
+    let (publisher, id) = announced_publisher(&first, Dialect::EventPlane, 1).await;
     until(|| bus.stats().announced_sources == 1).await;
     let held = bus
-        .announced(Wire::EventPlane)
+        .announced(Dialect::EventPlane)
         .list(Query::new("prod"))
         .await
         .unwrap();
@@ -457,12 +457,12 @@ async fn a_channel_another_source_holds_is_refused_and_counted() {
     );
     assert_eq!(first.stats().refused_publishers, 0);
     let listed = bus
-        .announced(Wire::EventPlane)
+        .announced(Dialect::EventPlane)
         .list(Query::new("prod"))
         .await
         .unwrap();
     assert_eq!(listed, held, "the view is untouched");
-    let mut router = follow(&bus, Wire::EventPlane);
+    let mut router = follow(&bus, Dialect::EventPlane);
     publisher
         .wait_for_subscribers_within(1, Duration::from_secs(10))
         .await
@@ -483,7 +483,7 @@ async fn a_channel_another_source_holds_is_refused_and_counted() {
 async fn a_lost_source_s_channel_stays_its_own_and_a_squatter_is_told() {
     let bus = sources_bus(2).await;
     let victim = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
-    let (_publisher, id) = announced_publisher(&victim, Wire::EventPlane, 1).await;
+    let (_publisher, id) = announced_publisher(&victim, Dialect::EventPlane, 1).await;
     until(|| bus.stats().announced_sources == 1).await;
     victim.abort();
     until(|| bus.stats().announced_sources == 0).await;
@@ -503,7 +503,7 @@ async fn a_lost_source_s_channel_stays_its_own_and_a_squatter_is_told() {
     let publisher = PubSocket::new(Config::default());
     announce_on(&back, &id, publisher.acceptor());
     until(|| bus.stats().announced_sources == 1).await;
-    let mut router = follow(&bus, Wire::EventPlane);
+    let mut router = follow(&bus, Dialect::EventPlane);
     until(|| publisher.stats().subscribed == 1).await;
     publisher.send(one_message(&id));
     assert!(within(router.recv()).await.is_some());
@@ -531,7 +531,7 @@ async fn a_publisher_announced_under_a_new_channel_leaves_its_old_one() {
     for c in 0..10 {
         let id = ChannelId::new("prod", format!("c{c}"), "kv-events", 7).unwrap();
         announce_on(&source, &id, publisher.acceptor());
-        let view = bus.announced(Wire::EventPlane);
+        let view = bus.announced(Dialect::EventPlane);
         within(async {
             loop {
                 let listed = view.list(Query::new("prod")).await.unwrap();
@@ -544,7 +544,7 @@ async fn a_publisher_announced_under_a_new_channel_leaves_its_old_one() {
         .await;
         assert_eq!(bus.stats().announced_sources, 1);
     }
-    let mut router = follow(&bus, Wire::EventPlane);
+    let mut router = follow(&bus, Dialect::EventPlane);
     until(|| publisher.stats().subscribed == 1).await;
     let id = ChannelId::new("prod", "c9", "kv-events", 7).unwrap();
     publisher.send(one_message(&id));
@@ -592,7 +592,7 @@ async fn each_source_credential_is_sure_of_its_share_of_the_bus() {
 
 /// One message of publisher `id`, as our wire frames it.
 fn one_message(id: &ChannelId) -> eventplane::zmtp::Message {
-    Wire::EventPlane.encode(
+    Dialect::EventPlane.encode(
         &Bytes::from_static(b"kv-events"),
         id.publisher_id(),
         0,
@@ -603,7 +603,7 @@ fn one_message(id: &ChannelId) -> eventplane::zmtp::Message {
 /// `source` announces channel `id`, served by `acceptor`, with our wire.
 fn announce_on(source: &Source, id: &ChannelId, acceptor: eventplane::zmtp::StreamAcceptor) {
     source
-        .announce(AnnouncedSource::new(id, Wire::EventPlane), acceptor)
+        .announce(AnnouncedSource::new(id, Dialect::EventPlane), acceptor)
         .unwrap();
 }
 

@@ -659,7 +659,7 @@ async fn more_streams_than_hyper_allows_by_default_run_over_one_broker_connectio
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recovery_stream_stays_with_its_broker_when_another_joins() {
     use eventplane::discovery::Instance;
-    use eventplane::kv::{IndexFeed, Recovered, RecoveryClientConfig, RecoveryDriver};
+    use eventplane::kv::router::{IndexFeed, Recovered, RecoveryClientConfig, RecoveryDriver};
     use eventplane::subscriber::Notice;
     use eventplane::tunnel::protocol::rendezvous_owner;
     use eventplane::zmtp::DealerSocket;

@@ -1,4 +1,4 @@
-//! eventplane's `kv::RouterIndex` and Dynamo 1.6.1's `RadixTree` (crate
+//! eventplane's `kv::router::RouterIndex` and Dynamo 1.6.1's `RadixTree` (crate
 //! `dynamo-kv-router`), one thread each in turn, on the same synthetic Mooncake-shaped
 //! trace (`../router_index_trace.rs`, shared with `benches/router_index.rs`).
 //!
@@ -31,7 +31,7 @@ use dynamo_kv_router::protocols::{
     ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
     KvCacheStoredBlockData, LocalBlockHash, RouterEvent as DynamoEvent,
 };
-use eventplane::kv::{KvEventData, RouterEvent, RouterIndex, TokensHash};
+use eventplane::kv::{KvEventData, RouterEvent, TokensHash, router::RouterIndex};
 use trace::{Trace, TraceConfig};
 
 /// Counts heap bytes while `COUNTING` is set (a relaxed load otherwise, so the timed

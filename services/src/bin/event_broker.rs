@@ -386,13 +386,14 @@ async fn kubernetes(_: &KubernetesConfig, _: &[String]) -> Result<Arc<dyn Discov
 
 #[cfg(feature = "etcd")]
 async fn etcd(config: &DiscoveryConfig) -> Result<Arc<dyn Discovery>, Refusal> {
-    use eventplane::discovery::{DynamoRecords, EtcdDiscovery, RecordFormat};
-    let format = match config.record_format.as_deref() {
-        Some("dynamo") => RecordFormat::Dynamo(DynamoRecords::new()),
-        _ => RecordFormat::EventPlane,
+    use eventplane::discovery::EtcdDiscovery;
+    use eventplane::wire::Dialect;
+    let dialect = match config.record_format.as_deref() {
+        Some("dynamo") => Dialect::Dynamo,
+        _ => Dialect::EventPlane,
     };
     EtcdDiscovery::builder(&config.etcd)
-        .record_format(format)
+        .dialect(dialect)
         .connect()
         .await
         .map(|d| Arc::new(d) as Arc<dyn Discovery>)

@@ -34,7 +34,7 @@
 //!
 //! - `--wire eventplane` (default): `[publish-topic, publisher_id u64be, seq u64be,
 //!   payload]`, sequences from 0, the payload a msgpack list of router events
-//!   (`kv::decode_router_events`).
+//!   (`Dialect::decode_router_events`).
 //! - `--wire dynamo`: Dynamo's frames (`[topic, publisher_id, seq, 0x01 + u32be len +
 //!   envelope]`) and Dynamo's router-event schema: a Dynamo router
 //!   reads them unchanged.
@@ -76,10 +76,10 @@ use std::sync::Arc;
 use clap::{CommandFactory, Parser};
 use common::{EngineArgs, StartError, chain, stop_signal};
 use eventplane::discovery::{BoxFuture, Discovery};
-use eventplane::kv::{RecoveryServer, SharedWorkerLog, Worker, WorkerLogConfig};
+use eventplane::kv::pipeline::{RecoveryServer, SharedWorkerLog, Worker, WorkerLogConfig};
 use eventplane::metrics::Exporter;
 use eventplane::publish::{EventPublisher, PublishError};
-use eventplane::wire::Wire;
+use eventplane::wire::Dialect;
 use eventplane_services::served::{RecoveryCodec, Served};
 use eventplane_services::service::{self, ServiceArgs};
 
@@ -98,7 +98,7 @@ use eventplane_services::service::{self, ServiceArgs};
         "{}\n\nOutput: the bound endpoint, the first stdout line; then nothing per event. \
          Published on it: with --wire eventplane, [publish-topic, publisher_id u64be, seq \
          u64be, payload], seq from 0, payload a msgpack array of router events with named \
-         fields (eventplane::kv::decode_router_events; kv-router --help shows them as \
+         fields (eventplane::wire::Dialect::decode_router_events; kv-router --help shows them as \
          JSON); with --wire dynamo, Dynamo's frames and router-event schema. With --etcd, \
          registered under a lease: our record (key \
          /eventplane/v1/channels/NS/C/TOPIC/PUBLISHER_ID_HEX, value {{\"id\":{{...}}, \
@@ -125,7 +125,7 @@ struct Args {
     publish_topic: String,
     /// Serve this worker's recovery endpoint here (tcp://host:port; port 0 for any):
     /// its last router events and a dump of its blocks, for routers that lost some
-    /// (`kv::RecoveryServer`). Printed as the second stdout line, `recovery EP`.
+    /// (`kv::pipeline::RecoveryServer`). Printed as the second stdout line, `recovery EP`.
     /// Registered with --etcd or --kube; with --bus-url announced and served through
     /// the bus session instead (routers never dial it, so tcp://127.0.0.1:0 will do;
     /// local processes can still connect to it). With --wire dynamo and --etcd or
@@ -143,12 +143,12 @@ struct Args {
     )]
     recovery_codec: RecoveryCodec,
     /// Router events the recovery log keeps for routers that lost some (with
-    /// --recovery-bind; default 1024, kv::DEFAULT_RECOVERY_EVENTS): a loss within them
+    /// --recovery-bind; default 1024, kv::pipeline::DEFAULT_RECOVERY_EVENTS): a loss within them
     /// is repaired with the events, an older one with a dump.
     #[arg(long = "recovery-events", requires = "recovery_bind")]
     recovery_events: Option<usize>,
     /// Blocks those kept events may carry in all (default 262144,
-    /// kv::DEFAULT_RECOVERY_EVENT_BLOCKS).
+    /// kv::pipeline::DEFAULT_RECOVERY_EVENT_BLOCKS).
     #[arg(long = "recovery-event-blocks", requires = "recovery_bind")]
     recovery_event_blocks: Option<usize>,
     /// Messages queued per subscriber before the publisher drops (and counts) them.
@@ -156,7 +156,7 @@ struct Args {
     publisher_queue: usize,
     /// What to publish: our wire, or Dynamo's.
     #[arg(long, default_value = "eventplane")]
-    wire: Wire,
+    wire: Dialect,
     /// Register in this etcd (http://host:2379; repeat for a cluster). Needs feature
     /// `etcd`.
     #[arg(long, requires_all = ["namespace", "component"], group = "registry")]
@@ -224,7 +224,7 @@ async fn main() -> ExitCode {
         Ok(r) => r,
         Err(code) => return code,
     };
-    if args.kube && args.wire != Wire::Dynamo {
+    if args.kube && args.wire != Dialect::Dynamo {
         Args::command()
             .error(
                 clap::error::ErrorKind::ArgumentConflict,
@@ -232,7 +232,7 @@ async fn main() -> ExitCode {
             )
             .exit();
     }
-    if args.endpoint.is_some() && args.wire != Wire::Dynamo {
+    if args.endpoint.is_some() && args.wire != Dialect::Dynamo {
         Args::command()
             .error(
                 clap::error::ErrorKind::ArgumentConflict,
@@ -259,7 +259,7 @@ async fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
             let log = SharedWorkerLog::new(config);
-            let dynamo = args.wire == Wire::Dynamo && args.bus_url.is_none();
+            let dynamo = args.wire == Dialect::Dynamo && args.bus_url.is_none();
             match Served::bind(bind, log.clone(), dynamo.then_some(args.recovery_codec)).await {
                 Ok(server) => Some((Arc::new(server), log)),
                 Err(e) => {
@@ -337,7 +337,7 @@ async fn main() -> ExitCode {
     };
     let publisher = match builder
         .bind(bind.clone())
-        .wire(args.wire)
+        .dialect(args.wire)
         .zmtp_config(zmtp)
         .build()
         .await
@@ -615,9 +615,10 @@ type Closer = Box<dyn FnOnce() -> BoxFuture<'static, ()> + Send>;
 
 #[cfg(feature = "etcd")]
 async fn etcd(args: &Args) -> Result<(Arc<dyn Discovery>, Closer), StartError> {
-    use eventplane::discovery::{DynamoRecords, EtcdDiscovery, RecordFormat};
-    let format = match args.wire {
-        Wire::Dynamo => RecordFormat::Dynamo(
+    use eventplane::discovery::{DynamoRecords, EtcdDiscovery};
+    let mut builder = EtcdDiscovery::builder(&args.etcd).dialect(args.wire);
+    if args.wire == Dialect::Dynamo {
+        builder = builder.records(
             DynamoRecords::new()
                 .endpoint(
                     args.endpoint
@@ -625,14 +626,9 @@ async fn etcd(args: &Args) -> Result<(Arc<dyn Discovery>, Closer), StartError> {
                         .unwrap_or_else(|| "generate".to_owned()),
                 )
                 .worker(args.engine.worker_id, args.dp_rank.unwrap_or(0)),
-        ),
-        _ => RecordFormat::EventPlane,
-    };
-    let discovery = EtcdDiscovery::builder(&args.etcd)
-        .record_format(format)
-        .connect()
-        .await
-        .map_err(|e| StartError::etcd(&e))?;
+        );
+    }
+    let discovery = builder.connect().await.map_err(|e| StartError::etcd(&e))?;
     let closing = discovery.clone();
     let closer: Closer = Box::new(move || Box::pin(async move { closing.close().await }));
     Ok((Arc::new(discovery), closer))

@@ -60,12 +60,12 @@ use clap::{CommandFactory, Parser, ValueEnum};
 use common::{StartError, chain, optional_timeout, static_discovery, stop_signal};
 use eventplane::discovery::{ChannelId, Discovery, Query};
 use eventplane::kv::{
-    IndexFeed, RecoveryClientConfig, RecoveryDriver, RouterEvent, RouterIndexConfig, Wipe,
-    decode_router_payload,
+    RouterEvent,
+    router::{IndexFeed, RecoveryClientConfig, RecoveryDriver, RouterIndexConfig, Wipe},
 };
 use eventplane::metrics::Exporter;
 use eventplane::subscriber::{DynamicSubscriber, DynamicSubscriberBuilder, Item, Notice};
-use eventplane::wire::Wire;
+use eventplane::wire::Dialect;
 use eventplane_services::score::{ScoreServer, SharedFeed};
 use eventplane_services::service::{self, ServiceArgs};
 use std::future::Future;
@@ -143,7 +143,7 @@ struct Args {
     /// The publishers' wire (--dynamo implies dynamo; with --etcd, our records name
     /// publishers of either wire).
     #[arg(long, default_value = "eventplane", conflicts_with = "dynamo")]
-    wire: Wire,
+    wire: Dialect,
     /// Namespace to follow. With --static, the endpoints become publishers 0, 1, … of
     /// NS/{C or "static"}/TOPIC (a broker must cover NS to carry them).
     #[arg(long)]
@@ -300,18 +300,15 @@ async fn kube(_: &Args) -> Result<Arc<dyn Discovery>, StartError> {
 
 #[cfg(feature = "etcd")]
 async fn etcd(args: &Args) -> Result<Arc<dyn Discovery>, StartError> {
-    use eventplane::discovery::{DynamoRecords, EtcdDiscovery, RecordFormat};
-    let format = if args.dynamo {
-        let records = DynamoRecords::new();
-        RecordFormat::Dynamo(match &args.endpoint {
-            Some(e) => records.endpoint(e.clone()),
-            None => records,
-        })
-    } else {
-        RecordFormat::EventPlane
-    };
-    EtcdDiscovery::builder(&args.etcd)
-        .record_format(format)
+    use eventplane::discovery::{DynamoRecords, EtcdDiscovery};
+    let mut builder = EtcdDiscovery::builder(&args.etcd);
+    if args.dynamo {
+        builder = builder.dialect(Dialect::Dynamo);
+        if let Some(e) = &args.endpoint {
+            builder = builder.records(DynamoRecords::new().endpoint(e.clone()));
+        }
+    }
+    builder
         .connect()
         .await
         .map(|d| Arc::new(d) as Arc<dyn Discovery>)
@@ -329,7 +326,7 @@ async fn etcd(_: &Args) -> Result<Arc<dyn Discovery>, StartError> {
 const RECOVERY_READY_BOUND: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The router's view: the library's index, fed in order by the subscriber
-/// (`kv::IndexFeed`: dense event ids per publisher, so an id gap or a reconnection
+/// (`kv::router::IndexFeed`: dense event ids per publisher, so an id gap or a reconnection
 /// forgets what that publisher fed before anything more is applied, and a departed
 /// publisher takes its ranks with it), and what could not be decoded.
 struct Router {
@@ -361,8 +358,8 @@ impl Router {
         self.say(wiped);
     }
 
-    /// A recovery's answer for `publisher` (see `kv::IndexFeed::recovered`).
-    fn recovered(&mut self, answer: eventplane::kv::RecoveryAnswer) {
+    /// A recovery's answer for `publisher` (see `kv::router::IndexFeed::recovered`).
+    fn recovered(&mut self, answer: eventplane::kv::router::RecoveryAnswer) {
         if let Err(e) = &answer.answer {
             let now = std::time::Instant::now();
             if let Some(unsaid) = self.failures_said.check("recovery", now) {
@@ -399,7 +396,7 @@ impl Router {
         self.say(wiped);
     }
 
-    fn say(&mut self, wiped: Vec<eventplane::kv::Wiped>) {
+    fn say(&mut self, wiped: Vec<eventplane::kv::router::Wiped>) {
         for w in wiped {
             match w.cause {
                 Wipe::IdGap { expected, got } => {
@@ -490,7 +487,11 @@ async fn main() -> ExitCode {
             )
             .exit();
     }
-    let wire = if args.dynamo { Wire::Dynamo } else { args.wire };
+    let wire = if args.dynamo {
+        Dialect::Dynamo
+    } else {
+        args.wire
+    };
     let bus = match start_bus(&args, wire).await {
         Ok(b) => b,
         Err(e) => return e.report(),
@@ -691,7 +692,7 @@ async fn main() -> ExitCode {
                     router.payload_errors += 1;
                     continue;
                 };
-                let events = match decode_router_payload(wire, &payload) {
+                let events = match wire.decode_router_events(&payload) {
                     Ok(events) => events,
                     Err(e) => {
                         router.payload_errors += 1;
@@ -901,7 +902,7 @@ struct Bus {
 }
 
 #[cfg(feature = "tunnel")]
-async fn start_bus(args: &Args, wire: Wire) -> Result<Option<Bus>, StartError> {
+async fn start_bus(args: &Args, wire: Dialect) -> Result<Option<Bus>, StartError> {
     use eventplane::tunnel::{EventBus, EventBusConfig, server_tls};
     let (Some(listen), Some(cert), Some(key)) = (&args.bus_listen, &args.bus_cert, &args.bus_key)
     else {
@@ -939,7 +940,7 @@ async fn start_bus(args: &Args, wire: Wire) -> Result<Option<Bus>, StartError> {
 }
 
 #[cfg(not(feature = "tunnel"))]
-async fn start_bus(args: &Args, _: Wire) -> Result<Option<Bus>, StartError> {
+async fn start_bus(args: &Args, _: Dialect) -> Result<Option<Bus>, StartError> {
     if args.bus_listen.is_some() {
         return Err(StartError::Args(
             "--bus-listen needs the `tunnel` feature: build eventplane-services with feature tunnel".to_owned(),

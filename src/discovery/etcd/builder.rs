@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use super::EtcdDiscovery;
 use super::config::{self, EtcdConfig};
-use super::record::RecordFormat;
-use crate::discovery::DiscoveryError;
+use crate::discovery::{DiscoveryError, DynamoRecords};
+use crate::wire::Dialect;
 
 /// Builds an [`EtcdDiscovery`]. Every setter documents its default.
 ///
@@ -36,25 +36,45 @@ impl EtcdDiscoveryBuilder {
         self
     }
 
-    /// Which records to read and write: ours ([`RecordFormat::EventPlane`], the
-    /// default) or Dynamo's ([`RecordFormat::Dynamo`]: `v1/event_channels/…` with
-    /// `v1/event_sources/…` beside each registration, both under the lease), to
-    /// follow Dynamo workers or to be followed by a Dynamo router.
+    /// Whose records to read and write: ours ([`Dialect::EventPlane`], the default)
+    /// or Dynamo's ([`Dialect::Dynamo`]: `v1/event_channels/…` with
+    /// `v1/event_sources/…` beside each registration, both under the lease, the
+    /// prefix not applying), to follow Dynamo workers or to be followed by a Dynamo
+    /// router. In Dynamo's, [`records`](Self::records) says which endpoint and worker;
+    /// without it every endpoint is followed and registering is refused.
     ///
     /// ```no_run
-    /// use eventplane::discovery::{DynamoRecords, EtcdDiscovery, RecordFormat};
+    /// use eventplane::discovery::{DynamoRecords, EtcdDiscovery};
+    /// use eventplane::wire::Dialect;
     /// # #[tokio::main]
     /// # async fn main() -> Result<(), eventplane::discovery::DiscoveryError> {
     /// // A worker: its registrations are what a Dynamo 1.6 worker would write.
     /// let discovery = EtcdDiscovery::builder(["http://127.0.0.1:2379"])
-    ///     .record_format(RecordFormat::Dynamo(DynamoRecords::new().endpoint("generate").worker(77, 0)))
+    ///     .dialect(Dialect::Dynamo)
+    ///     .records(DynamoRecords::new().endpoint("generate").worker(77, 0))
     ///     .connect()
     ///     .await?;
     /// # let _ = discovery;
     /// # Ok(()) }
     /// ```
-    pub fn record_format(mut self, format: RecordFormat) -> Self {
-        self.config.format = format;
+    pub fn dialect(mut self, dialect: Dialect) -> Self {
+        self.config.dialect = dialect;
+        self
+    }
+
+    /// Dynamo's records: the endpoint registrations are written under (and watches
+    /// narrowed to) and the worker they speak for. Default: every endpoint, no
+    /// worker. Only with [`dialect(Dialect::Dynamo)`](Self::dialect); set with our
+    /// dialect, [`validate`](Self::validate) refuses it (`records`).
+    ///
+    /// ```
+    /// use eventplane::discovery::{DynamoRecords, EtcdDiscovery};
+    /// let builder = EtcdDiscovery::builder(["http://127.0.0.1:2379"])
+    ///     .records(DynamoRecords::new().endpoint("generate"));
+    /// assert!(builder.validate().is_err()); // still our dialect
+    /// ```
+    pub fn records(mut self, records: DynamoRecords) -> Self {
+        self.config.records = Some(records);
         self
     }
 

@@ -22,7 +22,9 @@ pub(crate) struct EtcdConfig {
     pub(crate) backoff_min: Duration,
     pub(crate) backoff_max: Duration,
     pub(crate) credentials: Option<(String, Password)>,
-    pub(crate) format: super::record::RecordFormat,
+    pub(crate) dialect: crate::wire::Dialect,
+    /// Dynamo's records' settings; `None` until `records` is called.
+    pub(crate) records: Option<crate::discovery::DynamoRecords>,
 }
 
 /// A password that never shows in `Debug` output.
@@ -49,7 +51,8 @@ impl EtcdConfig {
             backoff_min: Duration::from_millis(250),
             backoff_max: Duration::from_secs(5),
             credentials: None,
-            format: super::record::RecordFormat::EventPlane,
+            dialect: crate::wire::Dialect::EventPlane,
+            records: None,
         }
     }
 
@@ -85,9 +88,15 @@ impl EtcdConfig {
         config::nonzero("watch_buffer", self.watch_buffer)?;
         config::nonzero("page_size", self.page_size)?;
         config::nonzero("max_value_bytes", self.max_value_bytes)?;
-        if let super::record::RecordFormat::Dynamo(d) = &self.format {
+        if let Some(d) = &self.records {
+            if self.dialect != crate::wire::Dialect::Dynamo {
+                return invalid(
+                    "records",
+                    "Dynamo's records need dialect(Dialect::Dynamo)".to_owned(),
+                );
+            }
             if d.endpoint.as_deref() == Some("") {
-                return invalid("record_format", "empty Dynamo endpoint".to_owned());
+                return invalid("records", "empty Dynamo endpoint".to_owned());
             }
         }
         Ok(())

@@ -26,7 +26,6 @@ pub use builder::EtcdDiscoveryBuilder;
 use config::EtcdConfig;
 use error::{EtcdRequestError, failed, unavailable};
 use lease::Maintainer;
-pub use record::RecordFormat;
 use record::{Keys, prefix_end};
 pub use shared::EtcdState;
 pub(crate) use shared::{Counters, Shared};
@@ -51,7 +50,7 @@ use crate::net::RateLimitedWarn;
 ///   ```
 ///
 ///   `recovery` (optional) is where the worker serves its recovery log
-///   ([`kv::RecoveryServer`](crate::kv::RecoveryServer)); a value that is not
+///   ([`kv::pipeline::RecoveryServer`](crate::kv::pipeline::RecoveryServer)); a value that is not
 ///   `tcp://host:port` is ignored (with a warning), the record kept.
 ///
 ///   `publisher_id` is an integer ≤ 2^53 − 1 and the key's last segment is it in
@@ -66,7 +65,7 @@ use crate::net::RateLimitedWarn;
 ///   a transport kind other than `zmq`, an empty endpoint, a `worker` out of range)
 ///   is skipped, counted in
 ///   [`DiscoveryStats::malformed`](crate::discovery::DiscoveryStats::malformed) and logged (rate-limited), never fatal. With
-///   [`RecordFormat::Dynamo`](EtcdDiscoveryBuilder::record_format) it reads and writes
+///   [`Dialect::Dynamo`](EtcdDiscoveryBuilder::dialect) it reads and writes
 ///   Dynamo's records instead.
 /// - One lease per `EtcdDiscovery` (TTL default 10 s, renewed every TTL/3) carries every
 ///   registration. If etcd reports the lease lost (expired during an outage, or revoked),
@@ -189,7 +188,7 @@ impl EtcdDiscovery {
             }
         };
         let (state, _) = state_watch::channel(EtcdState::Live);
-        let keys = Keys::new(&config.prefix, &config.format);
+        let keys = Keys::new(&config.prefix, config.dialect, config.records.as_ref());
         let mut shared = Shared {
             client,
             keys,

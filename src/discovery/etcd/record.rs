@@ -15,29 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::discovery::model::encode_segment;
 use crate::discovery::records::{DynamoRecords, RecordError, check_endpoint};
 use crate::discovery::{ChannelId, DiscoveryError, Instance, Query, Transport, WorkerIdentity};
-
-/// Which records an [`EtcdDiscovery`](super::EtcdDiscovery) reads and writes.
-///
-/// ```
-/// use eventplane::discovery::{DynamoRecords, RecordFormat};
-/// assert_eq!(RecordFormat::default(), RecordFormat::EventPlane);
-/// let dynamo = RecordFormat::Dynamo(DynamoRecords::new().endpoint("generate").worker(77, 0));
-/// # let _ = dynamo;
-/// ```
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum RecordFormat {
-    /// Ours: `{prefix}/v1/channels/{ns}/{component}/{topic}/{publisher_id:x}` with
-    /// the documented JSON value.
-    #[default]
-    EventPlane,
-    /// Dynamo's `v1/event_channels/…` and `v1/event_sources/…`; the prefix setting
-    /// does not apply (Dynamo's keys have none). A registration's worker identity and
-    /// recovery endpoint go into its `event_sources` record; instances read back carry
-    /// the recovery endpoint (`recovery_target`, see
-    /// [`Instance::recovery`](crate::discovery::Instance::recovery)) but no worker.
-    Dynamo(DynamoRecords),
-}
+use crate::wire::Dialect;
 
 #[derive(Serialize, Deserialize)]
 struct Record<'a> {
@@ -91,12 +69,12 @@ pub(crate) struct Entry {
 
 impl Keys {
     /// `prefix` must already be validated (non-empty, no trailing `/`).
-    pub(crate) fn new(prefix: &str, format: &RecordFormat) -> Keys {
+    pub(crate) fn new(prefix: &str, dialect: Dialect, records: Option<&DynamoRecords>) -> Keys {
         Keys {
             root: format!("{prefix}/v1/channels/"),
-            dynamo: match format {
-                RecordFormat::Dynamo(d) => Some(d.clone()),
-                RecordFormat::EventPlane => None,
+            dynamo: match dialect {
+                Dialect::Dynamo => Some(records.cloned().unwrap_or_default()),
+                Dialect::EventPlane => None,
             },
         }
     }
@@ -343,7 +321,7 @@ mod tests {
     const MAX: usize = 64 * 1024;
 
     fn keys() -> Keys {
-        Keys::new("/eventplane", &RecordFormat::EventPlane)
+        Keys::new("/eventplane", Dialect::EventPlane, None)
     }
 
     #[test]
@@ -436,8 +414,8 @@ mod tests {
 
     #[test]
     fn a_registrations_worker_goes_into_dynamos_event_source() {
-        let format = RecordFormat::Dynamo(DynamoRecords::new().endpoint("generate").worker(1, 0));
-        let keys = Keys::new("/eventplane", &format);
+        let records = DynamoRecords::new().endpoint("generate").worker(1, 0);
+        let keys = Keys::new("/eventplane", Dialect::Dynamo, Some(&records));
         let id = ChannelId::new("ns", "c", "t", 42).unwrap();
         let transport = Transport::zmq("tcp://10.0.0.5:41234");
         let source = |worker| {
@@ -452,7 +430,8 @@ mod tests {
         // Without a configured worker, the registration's own is enough.
         let keys = Keys::new(
             "/eventplane",
-            &RecordFormat::Dynamo(DynamoRecords::new().endpoint("generate")),
+            Dialect::Dynamo,
+            Some(&DynamoRecords::new().endpoint("generate")),
         );
         assert!(keys.entry(&id, &transport, None, None).is_err());
         assert!(

@@ -25,13 +25,13 @@ use serde::{Deserialize, Serialize};
 use super::RecordError;
 use crate::ConfigError;
 use crate::discovery::model::{decode_segment, encode_segment};
-use crate::discovery::{ChannelId, DiscoveryError, Transport, WorkerIdentity};
+use crate::discovery::{ChannelId, DiscoveryError, DpRank, Transport, WorkerId, WorkerIdentity};
 
 const CHANNELS: &str = "v1/event_channels/";
 const SOURCES: &str = "v1/event_sources/";
 
-/// Records in Dynamo's layout, for
-/// etcd's `RecordFormat::Dynamo` and for `KubeDiscovery`.
+/// Records in Dynamo's layout: for `EtcdDiscovery` in
+/// [`Dialect::Dynamo`](crate::wire::Dialect::Dynamo) and for `KubeDiscovery`.
 ///
 /// - Watching needs nothing: without an endpoint it follows every endpoint of the
 ///   query's namespace (and component); with one, only that endpoint.
@@ -39,9 +39,9 @@ const SOURCES: &str = "v1/event_sources/";
 ///   into the `event_sources` record that Dynamo's router reads).
 ///
 /// ```
-/// use eventplane::discovery::{DynamoRecords, RecordFormat};
-/// let worker_side = RecordFormat::Dynamo(DynamoRecords::new().endpoint("generate").worker(77, 0));
-/// let router_side = RecordFormat::Dynamo(DynamoRecords::new()); // every endpoint
+/// use eventplane::discovery::DynamoRecords;
+/// let worker_side = DynamoRecords::new().endpoint("generate").worker(77, 0);
+/// let router_side = DynamoRecords::new(); // every endpoint
 /// assert_ne!(worker_side, router_side);
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -64,8 +64,8 @@ impl DynamoRecords {
     }
 
     /// The worker whose events registrations publish (`metadata.worker`).
-    pub fn worker(mut self, worker_id: u64, dp_rank: u32) -> DynamoRecords {
-        self.worker = Some((worker_id, dp_rank));
+    pub fn worker(mut self, worker_id: impl Into<WorkerId>, dp_rank: DpRank) -> DynamoRecords {
+        self.worker = Some((worker_id.into().0, dp_rank));
         self
     }
 
@@ -77,7 +77,7 @@ impl DynamoRecords {
             _ => return None,
         };
         Some(DiscoveryError::InvalidConfig(ConfigError::Invalid {
-            field: "record_format",
+            field: "records",
             reason: reason.to_owned(),
         }))
     }
@@ -440,7 +440,7 @@ struct SourceMetadata<'a> {
     kv_state_endpoint: ScopeEndpoint<'a>,
     worker: Worker,
     publisher_id: u64,
-    /// Where the worker serves its recovery log (ours: `kv::RecoveryServer`).
+    /// Where the worker serves its recovery log (ours: `kv::pipeline::RecoveryServer`).
     #[serde(skip_serializing_if = "Option::is_none")]
     eventplane_recovery: Option<&'a str>,
     /// Where it serves Dynamo's KV queries (`kv::dynamo_recovery::DynamoQueryServer`).

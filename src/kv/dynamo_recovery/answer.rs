@@ -4,7 +4,10 @@
 //! end before the start, `InvalidRange`; otherwise the events from the start on.
 
 use super::query::{KvAnswer, KvQuery};
-use crate::kv::{RouterEvent, Since, WorkerLog};
+use crate::kv::{
+    RouterEvent,
+    pipeline::{Since, WorkerLog},
+};
 
 /// What `log` answers to `query`: only the events of the rank it names, at most
 /// `max_events` of them (the answer then stops at the last one sent, and Dynamo's
@@ -83,8 +86,8 @@ mod tests {
 
     use super::*;
     use crate::kv::{
-        BlockHash, KvEvent, KvEventData, LocalIndex, StorageTier, StoredBlock, TokensHash,
-        WorkerId, WorkerLogConfig,
+        BlockHash, KvEvent, KvEventData, StorageTier, StoredBlock, TokensHash, WorkerId,
+        pipeline::{LocalIndex, WorkerLogConfig},
     };
 
     fn stored(id: u64, rank: u32, hash: u64, parent: Option<u64>) -> RouterEvent {

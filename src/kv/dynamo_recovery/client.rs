@@ -109,7 +109,7 @@ pub enum DynamoQueryError {
 #[non_exhaustive]
 pub struct CallHomeConfig {
     /// Queries awaiting their answer at once: 16 (as many as a
-    /// [`RecoveryDriver`](crate::kv::RecoveryDriver) runs; each answer is held to
+    /// [`RecoveryDriver`](crate::kv::router::RecoveryDriver) runs; each answer is held to
     /// `max_body`).
     pub max_pending: usize,
     /// Largest header of an answer's stream: 64 KiB.

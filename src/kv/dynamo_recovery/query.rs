@@ -2,10 +2,11 @@
 //! answered (sans-IO), in both request-plane codecs: msgpack (field-named maps, unit
 //! variants as strings) and JSON.
 
+use crate::wire::Dialect;
 use serde::{Deserialize, Serialize};
 
 use super::super::dynamo::InEvent;
-use crate::kv::{RouterEvent, encode_dynamo_router_events};
+use crate::kv::RouterEvent;
 use crate::msgpack::put;
 
 /// The codec of a request-plane body (`request_plane_codec` in the worker's
@@ -396,7 +397,8 @@ impl AnswerBody {
         let mut out = b"\x82\xa4data\x81".to_vec();
         let events = |out: &mut Vec<u8>, events: &[RouterEvent]| {
             out.extend_from_slice(b"\xa6events");
-            let list = encode_dynamo_router_events(events)
+            let list = Dialect::Dynamo
+                .encode_router_events(events)
                 .map_err(|_| QueryError::Encode("an answer's events"))?;
             out.extend_from_slice(&list);
             Ok::<(), QueryError>(())

@@ -1,11 +1,14 @@
 //! A router's repair from a Dynamo worker: one [`RecoveryRequest`] asked through a
 //! [`CallHomeListener`], its answer as [`Recovered`] (what the
-//! [`RecoveryDriver`](crate::kv::RecoveryDriver) hands the feed), by Dynamo 1.6.1's
+//! [`RecoveryDriver`](crate::kv::router::RecoveryDriver) hands the feed), by Dynamo 1.6.1's
 //! router rules where they differ from ours.
 
 use super::client::{CallHomeListener, DynamoQueryError, QueryTarget};
 use super::query::{KvAnswer, KvQuery};
-use crate::kv::{Dump, Recovered, RecoveryClientConfig, RecoveryError, RecoveryRequest};
+use crate::kv::{
+    pipeline::Dump,
+    router::{Recovered, RecoveryClientConfig, RecoveryError, RecoveryRequest},
+};
 
 /// Asks the Dynamo worker `endpoint` names (`dynamo+CODEC://…`, see
 /// [`QueryTarget::parse`]) for `request`, within the config's timeout and bounds.

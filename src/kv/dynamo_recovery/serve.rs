@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use super::frame::{ACK, RequestLimits, decode_request, encode_two_part, two_part_of};
 use super::query::{AnswerBody, CallHome, Codec, Control, KvAnswer, KvQuery};
 use crate::counter;
-use crate::kv::SharedWorkerLog;
+use crate::kv::pipeline::SharedWorkerLog;
 use crate::net::AddrFilter;
 
 /// Settings of a [`DynamoQueryServer`].
@@ -137,7 +137,7 @@ impl DynamoQueryServer {
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), eventplane::zmtp::Error> {
     /// use eventplane::kv::dynamo_recovery::{DynamoQueryConfig, DynamoQueryServer};
-    /// use eventplane::kv::{SharedWorkerLog, WorkerLogConfig};
+    /// use eventplane::kv::{pipeline::{SharedWorkerLog, WorkerLogConfig}};
     /// let log = SharedWorkerLog::new(WorkerLogConfig::default());
     /// let server =
     ///     DynamoQueryServer::bind("tcp://127.0.0.1:0", log, DynamoQueryConfig::default()).await?;

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use super::*;
 use crate::kv::{
-    BlockHash, KvEvent, KvEventData, LocalIndex, RouterEvent, SharedWorkerLog, StorageTier,
-    StoredBlock, TokensHash, WorkerId, WorkerLogConfig,
+    BlockHash, KvEvent, KvEventData, RouterEvent, StorageTier, StoredBlock, TokensHash, WorkerId,
+    pipeline::{LocalIndex, SharedWorkerLog, WorkerLogConfig},
 };
 
 fn stored(id: u64, hash: u64, parent: Option<u64>) -> RouterEvent {
@@ -151,7 +151,7 @@ async fn a_frame_past_its_bound_closes_the_connection_and_is_counted() {
 /// refusal for a start beyond it, and a dump with the dump's id.
 #[tokio::test]
 async fn the_feeds_view_of_a_dynamo_worker() {
-    use crate::kv::{Recovered, RecoveryClientConfig, RecoveryError, RecoveryRequest};
+    use crate::kv::router::{Recovered, RecoveryClientConfig, RecoveryError, RecoveryRequest};
     // Two events an answer: asking from 2 takes three answers (2-3, 4-5, 6).
     let (server, _log) = worker_with(DynamoQueryConfig {
         max_answer_events: 2,
@@ -204,7 +204,7 @@ async fn the_feeds_view_of_a_dynamo_worker() {
 /// failure, which the feed may retry.
 #[tokio::test]
 async fn a_worker_that_vanishes_mid_query_is_a_connection_failure() {
-    use crate::kv::{RecoveryClientConfig, RecoveryRequest};
+    use crate::kv::router::{RecoveryClientConfig, RecoveryRequest};
     let vanishing = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let at = vanishing.local_addr().unwrap();
     tokio::spawn(async move {

@@ -7,7 +7,7 @@ use super::RouterIndex;
 /// Settings of a [`RouterIndex`]: its caps, and whom an event is attributed to.
 ///
 /// ```
-/// use eventplane::kv::{Attribution, RouterIndex, RouterIndexConfig};
+/// use eventplane::kv::{router::{Attribution, RouterIndex, RouterIndexConfig}};
 /// let config = RouterIndexConfig::default()
 ///     .max_blocks_per_rank(100_000)
 ///     .max_blocks(10_000_000)

@@ -12,7 +12,10 @@ use super::EngineListener;
 use crate::counter;
 use crate::kv::replay::{self, Repair, Step};
 use crate::kv::stale::{Forwarded, ViewLoss};
-use crate::kv::{EngineDecoder, EngineListenerStats, PlacementEvent};
+use crate::kv::{
+    PlacementEvent,
+    engine::{EngineDecoder, EngineListenerStats},
+};
 use crate::net::{Backoff, RateLimitedWarn, random_unit};
 use crate::wire::{Framed, Layout, SeqTracker};
 use crate::zmtp::{self, DealerSocket, Message};

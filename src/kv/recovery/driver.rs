@@ -1,10 +1,10 @@
-//! Making an [`IndexFeed`](crate::kv::IndexFeed)'s recoveries: bounded, rate-limited,
+//! Making an [`IndexFeed`](crate::kv::router::IndexFeed)'s recoveries: bounded, rate-limited,
 //! beside the feed.
 
 use std::time::Duration;
 
 use super::endpoint::{RecoveryClientConfig, RecoveryError, recover};
-use crate::kv::{RecoveryAnswer, RecoveryNeed};
+use crate::kv::router::{RecoveryAnswer, RecoveryNeed};
 
 /// Recoveries made at once by a [`RecoveryDriver`] by default: 16.
 pub(crate) const DEFAULT_CONCURRENT_RECOVERIES: usize = 16;
@@ -23,17 +23,17 @@ const MAX_QUEUED_RECOVERIES: usize = 4096;
 /// whose endpoints keep failing cannot hold back the repairs of the others.
 const MAX_RUNNING_REBUILDS: usize = DEFAULT_CONCURRENT_RECOVERIES / 2;
 
-/// Makes an [`IndexFeed`](crate::kv::IndexFeed)'s recoveries: at most
+/// Makes an [`IndexFeed`](crate::kv::router::IndexFeed)'s recoveries: at most
 /// 16 at once (rebuilds in half of them at most), one
 /// publisher at most once a second, none before its
-/// [`delay`](crate::kv::RecoveryNeed::delay) (a request waits for its turn in the
+/// [`delay`](crate::kv::router::RecoveryNeed::delay) (a request waits for its turn in the
 /// queue, not in a running slot; a newer request for a publisher replaces its queued
 /// one, and one already being asked is not asked twice), each on a connection of its own with the client's timeout and bounds. A
 /// repair never blocks the feed: answers come back through [`next`](Self::next),
 /// which a router awaits beside its subscriber.
 ///
 /// ```no_run
-/// use eventplane::kv::{IndexFeed, RecoveryClientConfig, RecoveryDriver};
+/// use eventplane::kv::{router::{IndexFeed, RecoveryClientConfig, RecoveryDriver}};
 /// # async fn run(mut feed: IndexFeed) {
 /// let mut driver = RecoveryDriver::new(RecoveryClientConfig::default());
 /// loop {
@@ -92,7 +92,7 @@ impl RecoveryDriver {
     /// # async fn run() -> std::io::Result<()> {
     /// use std::sync::Arc;
     /// use eventplane::kv::dynamo_recovery::{CallHomeConfig, CallHomeListener};
-    /// use eventplane::kv::{RecoveryClientConfig, RecoveryDriver};
+    /// use eventplane::kv::{router::{RecoveryClientConfig, RecoveryDriver}};
     /// let home = CallHomeListener::bind("0.0.0.0:0".parse().unwrap(), CallHomeConfig::default()).await?;
     /// let driver = RecoveryDriver::new(RecoveryClientConfig::default()).dynamo(Arc::new(home));
     /// # drop(driver); Ok(()) }
@@ -118,7 +118,7 @@ impl RecoveryDriver {
     ///
     /// ```no_run
     /// # fn run(bus: eventplane::tunnel::EventBus) {
-    /// use eventplane::kv::{RecoveryClientConfig, RecoveryDriver};
+    /// use eventplane::kv::{router::{RecoveryClientConfig, RecoveryDriver}};
     /// let driver = RecoveryDriver::new(RecoveryClientConfig::default()).tunnel(bus, false);
     /// # drop(driver); }
     /// ```
@@ -338,7 +338,7 @@ mod tests {
 
     use super::*;
     use crate::discovery::ChannelId;
-    use crate::kv::RecoveryRequest;
+    use crate::kv::router::RecoveryRequest;
 
     /// Publisher `p`'s need `serial`, asked after `delay` (nothing listens there).
     fn need(p: u64, serial: u64, delay: u64) -> RecoveryNeed {

@@ -14,6 +14,7 @@
 //! a message. A client takes either in any answer. Anything else is answered
 //! `["", "error", reason]` and the connection closed.
 
+use crate::wire::Dialect;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -27,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 use super::blocks;
 use super::{Dump, SharedWorkerLog, Since};
 use crate::counter;
-use crate::kv::{RouterEvent, decode_router_events, encode_router_events, split_messages};
+use crate::kv::{RouterEvent, pipeline::split_messages};
 use crate::zmtp::{self, DealerSocket, Message};
 
 /// Connections a recovery endpoint serves at once by default: 16 (more are closed at
@@ -101,7 +102,7 @@ pub enum RecoveryError {
     /// The worker refused the request.
     #[error("the worker refused the request: {0}")]
     Refused(String),
-    /// Not asked: the [`RecoveryDriver`](crate::kv::RecoveryDriver) had too many
+    /// Not asked: the [`RecoveryDriver`](crate::kv::router::RecoveryDriver) had too many
     /// recoveries queued.
     #[error("not asked: too many recoveries queued")]
     Busy,
@@ -190,12 +191,12 @@ struct Shared {
 /// closed.
 ///
 /// ```
-/// use eventplane::kv::{RecoveryRequest, RecoveryServer, Recovered, SharedWorkerLog, WorkerLogConfig};
+/// use eventplane::kv::{pipeline::{RecoveryServer, SharedWorkerLog, WorkerLogConfig}, router::{RecoveryRequest, Recovered}};
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let log = SharedWorkerLog::new(WorkerLogConfig::default());
 /// let server = RecoveryServer::bind("tcp://127.0.0.1:0", log.clone()).await?;
-/// let answer = eventplane::kv::recover(server.local_endpoint(), RecoveryRequest::Dump, Default::default()).await?;
+/// let answer = eventplane::kv::router::recover(server.local_endpoint(), RecoveryRequest::Dump, Default::default()).await?;
 /// assert!(matches!(answer, Recovered::Dump(d) if d.events.is_empty()));
 /// # Ok(()) }
 /// ```
@@ -482,7 +483,12 @@ fn end(current: u64, complete: bool) -> Message {
 
 fn encode(events: &[RouterEvent]) -> Vec<Bytes> {
     split_messages(events, EVENTS_PER_MESSAGE, BLOCKS_PER_MESSAGE)
-        .filter_map(|m| encode_router_events(m).ok().map(Bytes::from))
+        .filter_map(|m| {
+            Dialect::EventPlane
+                .encode_router_events(m)
+                .ok()
+                .map(Bytes::from)
+        })
         .collect()
 }
 
@@ -526,7 +532,7 @@ async fn dump(shared: &Shared) -> Encoded {
 /// Settings of [`recover`].
 ///
 /// ```
-/// let config = eventplane::kv::RecoveryClientConfig::default();
+/// let config = eventplane::kv::router::RecoveryClientConfig::default();
 /// assert_eq!(config.timeout, std::time::Duration::from_secs(5));
 /// assert_eq!(config.max_bytes, 256 << 20);
 /// ```
@@ -537,7 +543,7 @@ pub struct RecoveryClientConfig {
     pub timeout: Duration,
     /// The most answer bytes accepted: 256 MiB, on the wire and again decoded (each
     /// event costs its in-memory size, so an answer of many empty events is held to it
-    /// too). A [`RecoveryDriver`](crate::kv::RecoveryDriver) holds at most
+    /// too). A [`RecoveryDriver`](crate::kv::router::RecoveryDriver) holds at most
     /// 16
     /// answers at once.
     pub max_bytes: usize,
@@ -627,7 +633,8 @@ where
                 let payload = msg.get(2).unwrap_or_default();
                 let before = events.len();
                 if kind == b"events" {
-                    let decoded = decode_router_events(payload)
+                    let decoded = Dialect::EventPlane
+                        .decode_router_events(payload)
                         .map_err(|_| RecoveryError::Malformed("undecodable events"))?;
                     events.extend(decoded);
                 } else {

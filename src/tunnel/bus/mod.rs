@@ -32,7 +32,7 @@ use crate::tunnel::error::TunnelError;
 use crate::tunnel::io::TunnelStream;
 use crate::tunnel::protocol::announce::Target;
 use crate::tunnel::{DrainReason, PENDING_SUBSCRIBE_TIMEOUT, RefuseCode, rendezvous_ranked};
-use crate::wire::Wire;
+use crate::wire::Dialect;
 
 /// Brokers `open_stream` asks for one publisher: its rendezvous owner, then once the
 /// runner-up when the owner cannot reach it (a full owner is skipped without asking,
@@ -427,7 +427,7 @@ impl EventBus {
 
     /// Opens a connection to the recovery log of publisher `id`, which a source
     /// announced with one ([`AnnouncedSource::recovery`](crate::tunnel::AnnouncedSource::recovery)),
-    /// through that source's session: a [`kv::recover_over`](crate::kv::recover_over)
+    /// through that source's session: a [`kv::router::recover_over`](crate::kv::router::recover_over)
     /// runs over it. `Refused(TargetNotAnnounced)` when no session announces it now (or
     /// announced it without a recovery log).
     pub async fn open_recovery(&self, id: &ChannelId) -> Result<TunnelStream, TunnelError> {
@@ -500,14 +500,14 @@ impl EventBus {
     /// use std::sync::Arc;
     /// use eventplane::discovery::Query;
     /// use eventplane::subscriber::DynamicSubscriber;
-    /// use eventplane::wire::Wire;
-    /// let router = DynamicSubscriber::builder(Arc::new(bus.announced(Wire::EventPlane)), Query::new("prod"))
+    /// use eventplane::wire::Dialect;
+    /// let router = DynamicSubscriber::builder(Arc::new(bus.announced(Dialect::EventPlane)), Query::new("prod"))
     ///     .topic("kv-events")
     ///     .tunnel(bus.clone())
     ///     .spawn()?;
     /// # drop(router); Ok(()) }
     /// ```
-    pub fn announced(&self, wire: Wire) -> AnnouncedView {
+    pub fn announced(&self, wire: Dialect) -> AnnouncedView {
         self.inner.sources.view(wire)
     }
 

@@ -17,7 +17,7 @@ use crate::discovery::{
 };
 use crate::tunnel::protocol::announce::AnnouncedSource;
 use crate::tunnel::protocol::codes::{AnnounceRefusal, CodeCounts};
-use crate::wire::Wire;
+use crate::wire::Dialect;
 
 /// One announced publisher: the session serving it (`C`, its command queue), and
 /// its registration in the view of its wire.
@@ -140,9 +140,9 @@ impl<C: Clone> SourceTable<C> {
         }
     }
 
-    fn of(&self, wire: Wire) -> &MemoryDiscovery {
+    fn of(&self, wire: Dialect) -> &MemoryDiscovery {
         match wire {
-            Wire::Dynamo => &self.dynamo,
+            Dialect::Dynamo => &self.dynamo,
             _ => &self.ours,
         }
     }
@@ -257,7 +257,7 @@ impl<C: Clone> SourceTable<C> {
                 // Reached through the same session (`EventBus::open_recovery`).
                 instance.recovery = Some(transport.endpoint().to_owned());
             }
-            let registered = self.of(source.wire).register_instance(instance).await;
+            let registered = self.of(source.dialect).register_instance(instance).await;
             let Ok(registration) = registered else {
                 continue;
             };
@@ -386,7 +386,7 @@ impl<C: Clone> SourceTable<C> {
     }
 
     /// The read-only discovery view of the publishers announced with `wire`.
-    pub(crate) fn view(&self, wire: Wire) -> AnnouncedView {
+    pub(crate) fn view(&self, wire: Dialect) -> AnnouncedView {
         AnnouncedView {
             view: self.of(wire).clone(),
         }

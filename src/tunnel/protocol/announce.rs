@@ -9,7 +9,7 @@
 
 use crate::discovery::{ChannelId, WorkerIdentity};
 use crate::msgpack::Value;
-use crate::wire::Wire;
+use crate::wire::Dialect;
 
 use crate::tunnel::protocol::fields::{Fields, FrameError, Writer};
 
@@ -70,9 +70,9 @@ impl std::fmt::Display for Role {
 /// ```
 /// use eventplane::discovery::{ChannelId, WorkerIdentity};
 /// use eventplane::tunnel::AnnouncedSource;
-/// use eventplane::wire::Wire;
+/// use eventplane::wire::Dialect;
 /// let id = ChannelId::new("prod", "backend", "kv-events", 7)?;
-/// let source = AnnouncedSource::new(&id, Wire::Dynamo).with_worker(WorkerIdentity::new(42, 0));
+/// let source = AnnouncedSource::new(&id, Dialect::Dynamo).with_worker(WorkerIdentity::new(42, 0));
 /// assert_eq!(source.channel_id()?, id);
 /// # Ok::<(), eventplane::discovery::DiscoveryError>(())
 /// ```
@@ -90,7 +90,7 @@ pub struct AnnouncedSource {
     /// The worker whose events it publishes.
     pub worker: Option<WorkerIdentity>,
     /// How its messages are framed.
-    pub wire: Wire,
+    pub dialect: Dialect,
     /// Whether the source also serves its worker's recovery log
     /// ([`Source::announce_with_recovery`](crate::tunnel::Source::announce_with_recovery)):
     /// a router then asks it for what it lost through a
@@ -100,15 +100,15 @@ pub struct AnnouncedSource {
 }
 
 impl AnnouncedSource {
-    /// The source publishing channel `id` with `wire`.
-    pub fn new(id: &ChannelId, wire: Wire) -> AnnouncedSource {
+    /// The source publishing channel `id` in `dialect`.
+    pub fn new(id: &ChannelId, dialect: Dialect) -> AnnouncedSource {
         AnnouncedSource {
             publisher_id: id.publisher_id(),
             namespace: id.namespace().to_owned(),
             component: id.component().to_owned(),
             topic: id.topic().to_owned(),
             worker: None,
-            wire,
+            dialect,
             recovery: false,
         }
     }
@@ -158,9 +158,9 @@ impl AnnouncedSource {
         w.entry_str("namespace", &self.namespace);
         w.entry_str("component", &self.component);
         w.entry_str("topic", &self.topic);
-        w.entry_str("wire", self.wire.as_str());
+        w.entry_str("wire", self.dialect.as_str());
         if let Some(worker) = self.worker {
-            w.entry_uint("worker_id", worker.worker_id);
+            w.entry_uint("worker_id", worker.worker_id.0);
             w.entry_uint("dp_rank", u64::from(worker.dp_rank));
         }
         if self.recovery {
@@ -196,7 +196,7 @@ impl AnnouncedSource {
             component: name("component")?,
             topic: name("topic")?,
             worker,
-            wire: f
+            dialect: f
                 .str(frame, "wire", 32)?
                 .parse()
                 .map_err(|_| bad("names a wire this version does not know"))?,

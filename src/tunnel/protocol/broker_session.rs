@@ -182,7 +182,7 @@ impl Grant {
         }
         let worker_granted = match (&self.workers, source.worker) {
             (None, _) => true,
-            (Some(ids), Some(w)) => ids.contains(&w.worker_id),
+            (Some(ids), Some(w)) => ids.contains(&w.worker_id.0),
             (Some(_), None) => false,
         };
         if worker_granted {

@@ -171,9 +171,9 @@ impl Hello {
     /// ```
     /// use eventplane::discovery::ChannelId;
     /// use eventplane::tunnel::protocol::{AnnouncedSource, Control, ControlDecoder, Hello, Role};
-    /// use eventplane::wire::Wire;
+    /// use eventplane::wire::Dialect;
     /// let id = ChannelId::new("prod", "backend", "kv-events", 7)?;
-    /// let hello = Hello::source("gpu-box-1", vec!["prod".into()], vec![AnnouncedSource::new(&id, Wire::EventPlane)]);
+    /// let hello = Hello::source("gpu-box-1", vec!["prod".into()], vec![AnnouncedSource::new(&id, Dialect::EventPlane)]);
     /// let mut wire = Vec::new();
     /// Control::Hello(hello.clone()).encode(&mut wire);
     /// let decoded = ControlDecoder::default().decode(&mut &wire[..])?;

@@ -407,11 +407,11 @@ impl RouterSession {
     /// use std::time::Instant;
     /// use eventplane::discovery::ChannelId;
     /// use eventplane::tunnel::protocol::{AnnouncedSource, Control, Hello, Limits, RouterSession, SubscribeError, Target};
-    /// use eventplane::wire::Wire;
+    /// use eventplane::wire::Dialect;
     /// let now = Instant::now();
     /// let mut router = RouterSession::new(1, Limits::default(), now);
     /// let id = ChannelId::new("prod", "backend", "kv-events", 7)?;
-    /// router.handle(Control::Hello(Hello::source("gpu-1", vec!["prod".into()], vec![AnnouncedSource::new(&id, Wire::EventPlane)])), now);
+    /// router.handle(Control::Hello(Hello::source("gpu-1", vec!["prod".into()], vec![AnnouncedSource::new(&id, Dialect::EventPlane)])), now);
     /// router.subscribe_to(1, Target::Announced { publisher_id: 7 }, now)?;
     /// assert_eq!(router.subscribe_to(2, Target::Announced { publisher_id: 8 }, now), Err(SubscribeError::NotAnnounced));
     /// assert_eq!(router.subscribe(3, "tcp://10.0.0.5:5557".into(), now), Err(SubscribeError::UnsupportedTarget));

@@ -119,7 +119,7 @@ impl SourceConfig {
             component: longest.clone(),
             topic: longest,
             worker: Some(crate::discovery::WorkerIdentity::new(u64::MAX, u32::MAX)),
-            wire: crate::wire::Wire::EventPlane,
+            dialect: crate::wire::Dialect::EventPlane,
             recovery: true,
         };
         check_client(

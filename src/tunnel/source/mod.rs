@@ -133,7 +133,7 @@ impl Shared {
 /// let publisher = EventPublisher::unregistered("kv-events").build().await?;
 /// let source = Source::spawn(config)?;
 /// let id = eventplane::discovery::ChannelId::new("prod", "backend", "kv-events", publisher.publisher_id())?;
-/// source.announce(AnnouncedSource::new(&id, publisher.wire()), publisher.acceptor())?;
+/// source.announce(AnnouncedSource::new(&id, publisher.dialect()), publisher.acceptor())?;
 /// // … publish …
 /// publisher.shutdown().await;
 /// source.shutdown().await;
@@ -231,7 +231,7 @@ impl Source {
     }
 
     /// As [`announce`](Self::announce), with the worker's recovery log served by
-    /// `recovery` (from [`RecoveryServer::acceptor`](crate::kv::RecoveryServer::acceptor)):
+    /// `recovery` (from [`RecoveryServer::acceptor`](crate::kv::pipeline::RecoveryServer::acceptor)):
     /// the announcement says so, and a router that lost the publisher's events asks
     /// for them through this session (a [`Target::Recovery`](crate::tunnel::Target::Recovery)
     /// stream, served within the recovery endpoint's own bounds).
@@ -239,12 +239,12 @@ impl Source {
     /// ```no_run
     /// # async fn run(source: eventplane::tunnel::Source, publisher: eventplane::publish::EventPublisher,
     /// #     id: eventplane::discovery::ChannelId) -> Result<(), Box<dyn std::error::Error>> {
-    /// use eventplane::kv::{RecoveryServer, SharedWorkerLog, WorkerLogConfig};
+    /// use eventplane::kv::{pipeline::{RecoveryServer, SharedWorkerLog, WorkerLogConfig}};
     /// use eventplane::tunnel::AnnouncedSource;
     /// let log = SharedWorkerLog::new(WorkerLogConfig::default());
     /// let recovery = RecoveryServer::bind("tcp://127.0.0.1:0", log).await?;
     /// source.announce_with_recovery(
-    ///     AnnouncedSource::new(&id, publisher.wire()),
+    ///     AnnouncedSource::new(&id, publisher.dialect()),
     ///     publisher.acceptor(),
     ///     recovery.acceptor(),
     /// )?;

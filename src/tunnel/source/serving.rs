@@ -8,7 +8,7 @@ use crate::tunnel::protocol::announce::AnnouncedSource;
 use crate::zmtp::StreamAcceptor;
 
 /// What serves an announced publisher's recovery streams: its worker's recovery
-/// endpoint ([`RecoveryServer::acceptor`](crate::kv::RecoveryServer::acceptor)
+/// endpoint ([`RecoveryServer::acceptor`](crate::kv::pipeline::RecoveryServer::acceptor)
 /// returns one), handed to [`Source::announce_with_recovery`](crate::tunnel::Source::announce_with_recovery).
 pub trait RecoveryStreams: fmt::Debug + Send + Sync + 'static {
     /// Serves one router over `stream`; `false` when refused.

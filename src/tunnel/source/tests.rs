@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use crate::tunnel::protocol::*;
 use crate::tunnel::tests::{Raw, decode_one, exchange, frame_of, source, welcomed_pair};
-use crate::wire::Wire;
+use crate::wire::Dialect;
 
 /// A source `gpu-1` announcing `announced`, welcomed by a router held to `grant`.
 fn source_pair(
@@ -27,7 +27,7 @@ fn a_source_announces_withdraws_and_serves_only_what_it_announced() {
     let now = Instant::now();
     let grant = grant();
     let (mut client, mut router) = source_pair(
-        vec![source(7, Wire::EventPlane)],
+        vec![source(7, Dialect::EventPlane)],
         grant,
         Limits::default(),
         now,
@@ -43,11 +43,14 @@ fn a_source_announces_withdraws_and_serves_only_what_it_announced() {
     ));
     assert_eq!(
         router.poll_event(),
-        Some(SessionEvent::Announced(vec![source(7, Wire::EventPlane)]))
+        Some(SessionEvent::Announced(vec![source(
+            7,
+            Dialect::EventPlane
+        )]))
     );
     // More than a frame holds go in several `announce` frames.
     let many: Vec<AnnouncedSource> = (100..100 + 2 * MAX_ANNOUNCE as u64 + 1)
-        .map(|i| source(i, Wire::Dynamo))
+        .map(|i| source(i, Dialect::Dynamo))
         .collect();
     client.announce(many.clone());
     exchange(&mut client, &mut router, now);
@@ -140,9 +143,9 @@ fn a_source_announces_withdraws_and_serves_only_what_it_announced() {
 fn a_source_serves_the_recovery_log_of_a_publisher_announced_with_one_only() {
     let now = Instant::now();
     let grant = grant();
-    let with_log = source(7, Wire::EventPlane).with_recovery();
+    let with_log = source(7, Dialect::EventPlane).with_recovery();
     let (mut client, mut router) = source_pair(
-        vec![with_log.clone(), source(8, Wire::EventPlane)],
+        vec![with_log.clone(), source(8, Dialect::EventPlane)],
         grant,
         Limits::default(),
         now,
@@ -150,7 +153,7 @@ fn a_source_serves_the_recovery_log_of_a_publisher_announced_with_one_only() {
     while let Some(event) = router.poll_event() {
         if let SessionEvent::Announced(got) = event {
             // The flag crosses the wire.
-            assert_eq!(got, vec![with_log.clone(), source(8, Wire::EventPlane)]);
+            assert_eq!(got, vec![with_log.clone(), source(8, Dialect::EventPlane)]);
         }
     }
     let _ = client.poll_event();
@@ -219,7 +222,7 @@ fn a_broker_refuses_announced_and_unknown_targets() {
     }
     assert!(!broker.is_ended());
     // A broker never announces; a router never sends it an announced target.
-    broker.announce(vec![source(7, Wire::EventPlane)]);
+    broker.announce(vec![source(7, Dialect::EventPlane)]);
     assert!(!broker.has_transmit());
 }
 
@@ -232,7 +235,7 @@ fn router_denies_an_announce_beyond_the_grant_or_the_limit() {
     let id = crate::discovery::ChannelId::new("dev", "backend", "kv-events", 9).unwrap();
     router.handle(
         Control::Announce {
-            sources: vec![AnnouncedSource::new(&id, Wire::EventPlane)],
+            sources: vec![AnnouncedSource::new(&id, Dialect::EventPlane)],
         },
         now,
     );
@@ -250,7 +253,7 @@ fn router_denies_an_announce_beyond_the_grant_or_the_limit() {
     );
     // Past `max_sources`, in the hello or later.
     let limits = Limits::default().with_max_sources(2);
-    let three: Vec<AnnouncedSource> = (1..=3).map(|i| source(i, Wire::EventPlane)).collect();
+    let three: Vec<AnnouncedSource> = (1..=3).map(|i| source(i, Dialect::EventPlane)).collect();
     let (client, mut router) = source_pair(three, grant(), limits, now);
     assert_eq!(
         router.poll_event(),
@@ -260,14 +263,14 @@ fn router_denies_an_announce_beyond_the_grant_or_the_limit() {
     );
     assert!(client.is_ended());
     let (mut client, mut router) =
-        source_pair(vec![source(1, Wire::EventPlane)], grant(), limits, now);
+        source_pair(vec![source(1, Dialect::EventPlane)], grant(), limits, now);
     client.announce(vec![
-        source(1, Wire::EventPlane),
-        source(2, Wire::EventPlane),
+        source(1, Dialect::EventPlane),
+        source(2, Dialect::EventPlane),
     ]); // 1 again: still two
     exchange(&mut client, &mut router, now);
     assert!(!router.is_ended());
-    client.announce(vec![source(3, Wire::EventPlane)]);
+    client.announce(vec![source(3, Dialect::EventPlane)]);
     exchange(&mut client, &mut router, now);
     assert!(router.is_ended());
     assert!(matches!(
@@ -285,14 +288,14 @@ fn router_denies_an_announce_beyond_the_grant_or_the_limit() {
         .with_role(Role::Source)
         .with_workers(vec![7]);
     let worker =
-        |w| source(1, Wire::EventPlane).with_worker(crate::discovery::WorkerIdentity::new(w, 0));
+        |w| source(1, Dialect::EventPlane).with_worker(crate::discovery::WorkerIdentity::new(w, 0));
     assert_eq!(bound.check_source(&worker(7)), Ok(()));
     assert_eq!(
         bound.check_source(&worker(8)),
         Err(DenyCode::WorkerNotGranted)
     );
     assert_eq!(
-        bound.check_source(&source(1, Wire::EventPlane)),
+        bound.check_source(&source(1, Dialect::EventPlane)),
         Err(DenyCode::WorkerNotGranted)
     );
     let (_client, mut router) = source_pair(vec![worker(8)], bound, Limits::default(), now);
@@ -316,20 +319,20 @@ fn router_denies_an_announce_beyond_the_grant_or_the_limit() {
     );
     // The same announcement again is no news (nothing for the views to do).
     let (mut client, mut router) = source_pair(
-        vec![source(1, Wire::EventPlane)],
+        vec![source(1, Dialect::EventPlane)],
         grant(),
         Limits::default(),
         now,
     );
     while router.poll_event().is_some() {}
-    client.announce(vec![source(1, Wire::EventPlane)]);
+    client.announce(vec![source(1, Dialect::EventPlane)]);
     exchange(&mut client, &mut router, now);
     assert_eq!(router.poll_event(), None);
-    client.announce(vec![source(1, Wire::Dynamo)]);
+    client.announce(vec![source(1, Dialect::Dynamo)]);
     exchange(&mut client, &mut router, now);
     assert_eq!(
         router.poll_event(),
-        Some(SessionEvent::Announced(vec![source(1, Wire::Dynamo)]))
+        Some(SessionEvent::Announced(vec![source(1, Dialect::Dynamo)]))
     );
     // A broker's credential cannot take the source role, nor a broker announce.
     let broker_grant = Grant::namespaces(vec!["prod".into()]).with_role(Role::Broker);
@@ -343,7 +346,7 @@ fn router_denies_an_announce_beyond_the_grant_or_the_limit() {
     let (_broker, mut router) = welcomed_pair(Limits::default(), now);
     router.handle(
         Control::Announce {
-            sources: vec![source(1, Wire::EventPlane)],
+            sources: vec![source(1, Dialect::EventPlane)],
         },
         now,
     );
@@ -416,7 +419,7 @@ fn one_publisher_per_id_and_announce_frames_are_rate_limited() {
     while router.poll_event().is_some() {}
     let under = |c: usize| {
         let id = crate::discovery::ChannelId::new("prod", format!("c{c}"), "kv-events", 7).unwrap();
-        AnnouncedSource::new(&id, Wire::EventPlane)
+        AnnouncedSource::new(&id, Dialect::EventPlane)
     };
     router.handle(
         Control::Announce {
@@ -430,7 +433,7 @@ fn one_publisher_per_id_and_announce_frames_are_rate_limited() {
     );
     // The burst (one frame spent above), then one more is too many at once.
     let frame = |i: u64| Control::Announce {
-        sources: vec![source(100 + i, Wire::EventPlane)],
+        sources: vec![source(100 + i, Dialect::EventPlane)],
     };
     for i in 1..u64::from(ANNOUNCE_BURST) {
         router.handle(frame(i), now);
@@ -465,7 +468,10 @@ fn refused_announcements_are_sent_back_to_the_source() {
     let now = Instant::now();
     let grant = grant();
     let (mut client, mut router) = source_pair(
-        vec![source(7, Wire::EventPlane), source(8, Wire::EventPlane)],
+        vec![
+            source(7, Dialect::EventPlane),
+            source(8, Dialect::EventPlane),
+        ],
         grant,
         Limits::default(),
         now,
@@ -475,14 +481,14 @@ fn refused_announcements_are_sent_back_to_the_source() {
     // 7 as announced, 8 as it was before a change the router holds since, 99 never.
     let before_a_change = AnnouncedSource {
         recovery: true,
-        ..source(8, Wire::EventPlane)
+        ..source(8, Dialect::EventPlane)
     };
     router.refuse_announced(
         AnnounceRefusal::HeldByAnotherSource,
         vec![
-            source(7, Wire::EventPlane),
+            source(7, Dialect::EventPlane),
             before_a_change,
-            source(99, Wire::EventPlane),
+            source(99, Dialect::EventPlane),
         ],
     );
     assert!(

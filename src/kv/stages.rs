@@ -10,7 +10,7 @@ use crate::ConfigError;
 /// emission, so an event that dedup drops consumes none.
 ///
 /// ```
-/// use eventplane::kv::{BlockHash, KvEvent, KvEventData, Pipeline, Placement, PlacementEvent, StorageTier, WorkerId};
+/// use eventplane::kv::{BlockHash, KvEvent, KvEventData, Placement, PlacementEvent, StorageTier, WorkerId, pipeline::Pipeline};
 /// let at = Placement { worker_id: WorkerId(1), dp_rank: 0, tier: StorageTier::Device };
 /// let removed = |id, h| PlacementEvent {
 ///     placement: at,
@@ -51,7 +51,7 @@ impl Pipeline {
     /// A pipeline with its own dedup filter (for example with other caps).
     ///
     /// ```
-    /// use eventplane::kv::{DedupFilter, DedupMode, Pipeline};
+    /// use eventplane::kv::{pipeline::{DedupFilter, DedupMode, Pipeline}};
     /// let pipeline = Pipeline::with_dedup(128, DedupFilter::new(DedupMode::RefCounted).with_limits(1 << 16, 8)?)?;
     /// assert_eq!(pipeline.dedup_resets(), 0);
     /// # Ok::<(), eventplane::ConfigError>(())

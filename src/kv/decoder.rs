@@ -15,7 +15,7 @@ mod streamed;
 /// Counters of an [`EngineDecoder`].
 ///
 /// ```
-/// use eventplane::kv::{encode_engine_batch, EngineDecoder, EngineEvent, WorkerId};
+/// use eventplane::kv::{WorkerId, engine::{encode_engine_batch, EngineDecoder, EngineEvent}};
 /// let mut decoder = EngineDecoder::new(WorkerId(1), 4)?;
 /// let batch = encode_engine_batch(0.0, 0, 4, &[EngineEvent::Cleared])?;
 /// decoder.decode_batch(&batch)?;
@@ -51,7 +51,7 @@ pub struct EngineStats {
 /// Decodes engine batches for one worker, sans-IO.
 ///
 /// ```
-/// use eventplane::kv::{EngineDecoder, KvEventData, WorkerId};
+/// use eventplane::kv::{KvEventData, WorkerId, engine::EngineDecoder};
 /// // [ts, [["AllBlocksCleared"]], 0] as msgpack:
 /// let payload = b"\x93\xcb\x00\x00\x00\x00\x00\x00\x00\x00\x91\x91\xb0AllBlocksCleared\x00";
 /// let mut decoder = EngineDecoder::new(WorkerId(1), 16)?;
@@ -107,7 +107,7 @@ impl EngineDecoder {
     /// may be zero.
     ///
     /// ```
-    /// use eventplane::kv::{encode_engine_batch, EngineDecoder, EngineEvent, WorkerId};
+    /// use eventplane::kv::{WorkerId, engine::{encode_engine_batch, EngineDecoder, EngineEvent}};
     /// let mut decoder = EngineDecoder::new(WorkerId(1), 4)?.with_limits(1 << 20, 2)?;
     /// let batch = encode_engine_batch(0.0, 0, 4, &[EngineEvent::Cleared, EngineEvent::Cleared, EngineEvent::Cleared])?;
     /// assert!(decoder.decode_batch(&batch).is_err());
@@ -396,7 +396,7 @@ fn tier_named(name: &[u8]) -> StorageTier {
 /// One engine event, for [`encode_engine_batch`].
 ///
 /// ```
-/// use eventplane::kv::{encode_engine_batch, EngineDecoder, EngineEvent, KvEventData, WorkerId};
+/// use eventplane::kv::{KvEventData, WorkerId, engine::{encode_engine_batch, EngineDecoder, EngineEvent}};
 /// let batch = encode_engine_batch(0.0, 0, 2, &[EngineEvent::Removed {
 ///     block_hashes: vec![5, 6],
 ///     medium: Some("CPU".into()),
@@ -453,7 +453,7 @@ enum Wire<'a> {
 /// tagged-array events — for engine simulators and tests.
 ///
 /// ```
-/// use eventplane::kv::{encode_engine_batch, EngineDecoder, EngineEvent, KvEventData, WorkerId};
+/// use eventplane::kv::{KvEventData, WorkerId, engine::{encode_engine_batch, EngineDecoder, EngineEvent}};
 /// let batch = encode_engine_batch(0.0, 0, 2, &[
 ///     EngineEvent::Stored { block_hashes: vec![7], parent_block_hash: None,
 ///         token_ids: vec![1, 2], medium: None },

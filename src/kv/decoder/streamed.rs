@@ -239,7 +239,10 @@ impl EngineDecoder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::{EngineEvent, WorkerId, encode_engine_batch};
+    use crate::kv::{
+        WorkerId,
+        engine::{EngineEvent, encode_engine_batch},
+    };
 
     /// Both paths, each from a fresh decoder: events, raw ids and counters.
     fn both(payload: &[u8], block_size: usize) -> (bool, String, String) {

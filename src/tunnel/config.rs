@@ -51,21 +51,74 @@ pub(crate) const OPENS_PER_SECOND: u32 = 500;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Deadlines {
+    pub(crate) dns: Duration,
+    pub(crate) connect: Duration,
+    pub(crate) connect_attempt: Duration,
+    pub(crate) stream_slot: Duration,
+    pub(crate) response: Duration,
+    pub(crate) bus_connect: Duration,
+}
+
+/// Settings: each setter documents its default.
+impl Deadlines {
+    /// The longest a session takes to start: TCP, then TLS (each within
+    /// [`bus_connect`](Self::bus_connect)), then the bus's answer
+    /// ([`response`](Self::response)).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use eventplane::tunnel::Deadlines;
+    /// let d = Deadlines::default().bus_connect(Duration::from_secs(2)).response(Duration::from_secs(3));
+    /// assert_eq!(d.session_start(), Duration::from_secs(7));
+    /// ```
+    pub fn session_start(&self) -> Duration {
+        self.bus_connect * 2 + self.response
+    }
+
     /// Resolving a target's host (default 5 s).
-    pub dns: Duration,
+    #[must_use]
+    pub fn dns(mut self, dns: Duration) -> Self {
+        self.dns = dns;
+        self
+    }
+
     /// Connecting to a target, all resolved addresses together (default 10 s).
-    pub connect: Duration,
+    #[must_use]
+    pub fn connect(mut self, connect: Duration) -> Self {
+        self.connect = connect;
+        self
+    }
+
     /// One connection attempt to one resolved address (default 5 s).
-    pub connect_attempt: Duration,
+    #[must_use]
+    pub fn connect_attempt(mut self, connect_attempt: Duration) -> Self {
+        self.connect_attempt = connect_attempt;
+        self
+    }
+
     /// A data stream getting its HTTP/2 stream slot: a permit under the welcome's
     /// stream limit, and hyper taking the request (it waits while the bus's
     /// concurrency limit is reached) (default 5 s).
-    pub stream_slot: Duration,
+    #[must_use]
+    pub fn stream_slot(mut self, stream_slot: Duration) -> Self {
+        self.stream_slot = stream_slot;
+        self
+    }
+
     /// The router's response head, on the session and on each data stream (default
     /// 10 s).
-    pub response: Duration,
+    #[must_use]
+    pub fn response(mut self, response: Duration) -> Self {
+        self.response = response;
+        self
+    }
+
     /// Reaching the bus: the TCP connect, then the TLS handshake (default 10 s each).
-    pub bus_connect: Duration,
+    #[must_use]
+    pub fn bus_connect(mut self, bus_connect: Duration) -> Self {
+        self.bus_connect = bus_connect;
+        self
+    }
 }
 
 impl Default for Deadlines {
@@ -164,8 +217,8 @@ impl Resolver for SystemResolver {
 /// use std::sync::Arc;
 /// use std::time::Duration;
 /// use eventplane::discovery::MemoryDiscovery;
-/// use eventplane::tunnel::{BrokerConfig, Secret, client_tls};
-/// let mut config = BrokerConfig::new(
+/// use eventplane::tunnel::{BrokerConfig, Deadlines, Secret, client_tls};
+/// let config = BrokerConfig::new(
 ///     "https://router.example:8443",
 ///     "broker-a",
 ///     vec!["prod".to_owned()],
@@ -173,61 +226,135 @@ impl Resolver for SystemResolver {
 ///     client_tls("/etc/eventplane/bus-ca.pem")?,
 ///     Arc::new(MemoryDiscovery::new()),
 /// )
-/// .drain_deadline(Duration::from_secs(10));
-/// config.deadlines.dns = Duration::from_secs(2);
+/// .drain_deadline(Duration::from_secs(10))
+/// .deadlines(Deadlines::default().dns(Duration::from_secs(2)));
 /// config.validate()?;
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct BrokerConfig {
+    pub(crate) bus_url: String,
+    pub(crate) client_id: String,
+    pub(crate) namespaces: Vec<String>,
+    pub(crate) token: Secret,
+    pub(crate) tls: Arc<rustls::ClientConfig>,
+    pub(crate) discovery: Arc<dyn Discovery>,
+    pub(crate) addr_filter: AddrFilter,
+    pub(crate) drain_deadline: Duration,
+    pub(crate) deadlines: Deadlines,
+    pub(crate) max_stream_buffer_bytes: usize,
+    pub(crate) max_session_buffer_bytes: usize,
+    pub(crate) reconnect_min: Duration,
+    pub(crate) reconnect_max: Duration,
+    pub(crate) resolver: Arc<dyn Resolver>,
+    pub(crate) max_dns_lookups: usize,
+    pub(crate) opens_per_second: u32,
+}
+
+/// Settings: each setter documents its default.
+impl BrokerConfig {
     /// The router's bus, `https://host:port` (plaintext is refused).
-    pub bus_url: String,
+    #[must_use]
+    pub fn bus_url(mut self, bus_url: impl Into<String>) -> Self {
+        self.bus_url = bus_url.into();
+        self
+    }
+
     /// This broker's id (one session per id: a new one supersedes the old).
-    pub client_id: String,
+    #[must_use]
+    pub fn client_id(mut self, client_id: impl Into<String>) -> Self {
+        self.client_id = client_id.into();
+        self
+    }
+
     /// The discovery namespaces it serves.
-    pub namespaces: Vec<String>,
+    #[must_use]
+    pub fn namespaces(mut self, namespaces: Vec<String>) -> Self {
+        self.namespaces = namespaces;
+        self
+    }
+
     /// The bearer credential.
-    pub token: Secret,
+    #[must_use]
+    pub fn token(mut self, token: Secret) -> Self {
+        self.token = token;
+        self
+    }
+
     /// TLS for the bus (see [`client_tls`](crate::tunnel::client_tls)).
-    pub tls: Arc<rustls::ClientConfig>,
+    #[must_use]
+    pub fn tls(mut self, tls: Arc<rustls::ClientConfig>) -> Self {
+        self.tls = tls;
+        self
+    }
+
     /// Its own view of the publishers: only endpoints advertised here are dialled. The
     /// broker watches each namespace and does not dial the bus before every initial
     /// list is complete.
-    pub discovery: Arc<dyn Discovery>,
-    /// Which resolved addresses may be dialled (default [`AddrFilter::strict`]:
-    /// loopback, link-local, metadata and the other special ranges refused, NAT64 and
-    /// 6to4 forms of them too; reopen a range with a CIDR inside it, e.g.
-    /// `127.0.0.0/8`).
-    pub addr_filter: AddrFilter,
-    /// How long open streams may run after a SIGTERM or `drain{shutdown}` (default
-    /// 30 s).
-    pub drain_deadline: Duration,
+    #[must_use]
+    pub fn discovery(mut self, discovery: Arc<dyn Discovery>) -> Self {
+        self.discovery = discovery;
+        self
+    }
+
     /// The per-stage deadlines.
-    pub deadlines: Deadlines,
+    #[must_use]
+    pub fn deadlines(mut self, deadlines: Deadlines) -> Self {
+        self.deadlines = deadlines;
+        self
+    }
+
     /// Bytes one stream may queue toward the router, 64 B per chunk included (default
     /// and most 1 MiB, least 16 KiB; the welcome may lower it).
-    pub max_stream_buffer_bytes: usize,
+    #[must_use]
+    pub fn max_stream_buffer_bytes(mut self, max_stream_buffer_bytes: usize) -> Self {
+        self.max_stream_buffer_bytes = max_stream_buffer_bytes;
+        self
+    }
+
     /// Bytes all streams of a session may queue toward the router (default and most
     /// 64 MiB; at least the stream buffer).
-    pub max_session_buffer_bytes: usize,
+    #[must_use]
+    pub fn max_session_buffer_bytes(mut self, max_session_buffer_bytes: usize) -> Self {
+        self.max_session_buffer_bytes = max_session_buffer_bytes;
+        self
+    }
+
     /// The shortest reconnect delay (default 1 s): every wait is at least this, jittered
     /// up to a ceiling that starts at twice it and doubles up to `reconnect_max`
     /// (default 60 s; see [`Backoff`](crate::net::Backoff)).
-    pub reconnect_min: Duration,
+    #[must_use]
+    pub fn reconnect_min(mut self, reconnect_min: Duration) -> Self {
+        self.reconnect_min = reconnect_min;
+        self
+    }
+
     /// The longest reconnect delay (default 60 s).
-    pub reconnect_max: Duration,
-    /// How target hosts are resolved (default [`SystemResolver`]).
-    pub resolver: Arc<dyn Resolver>,
+    #[must_use]
+    pub fn reconnect_max(mut self, reconnect_max: Duration) -> Self {
+        self.reconnect_max = reconnect_max;
+        self
+    }
+
     /// DNS lookups in flight at once (default 32; 1 to 4,096).
     /// A lookup keeps its slot until it ends, even after its stream gave up; one past
     /// the cap waits within the DNS deadline (counted in `dns_saturated`).
-    pub max_dns_lookups: usize,
+    #[must_use]
+    pub fn max_dns_lookups(mut self, max_dns_lookups: usize) -> Self {
+        self.max_dns_lookups = max_dns_lookups;
+        self
+    }
+
     /// Streams opened per second and session, after a burst of the session's stream
     /// limit (default 500; 1 to 1,000,000); subscribes past it
     /// are refused with `rate_limited`, so a router cannot make the broker churn
     /// connections to publishers.
-    pub opens_per_second: u32,
+    #[must_use]
+    pub fn opens_per_second(mut self, opens_per_second: u32) -> Self {
+        self.opens_per_second = opens_per_second;
+        self
+    }
 }
 
 impl std::fmt::Debug for BrokerConfig {
@@ -385,67 +512,132 @@ pub(crate) const JOIN_HOLD_DOWN: Duration = Duration::from_secs(10);
 /// ```
 /// use std::time::Duration;
 /// use eventplane::tunnel::{EventBusConfig, Limits};
-/// let mut config = EventBusConfig::default().limits(Limits::default().with_max_streams(256));
-/// assert_eq!(config.session_start_timeout, Duration::from_secs(10));
-/// assert_eq!((config.max_pending_connections, config.max_pending_per_source), (64, 8));
-/// config.join_hold_down = Duration::from_secs(30);
+/// let config = EventBusConfig::default()
+///     .limits(Limits::default().with_max_streams(256))
+///     .join_hold_down(Duration::from_secs(30));
 /// assert!(config.validate().is_ok());
-/// config.max_connections = 0;
-/// assert!(config.validate().is_err());
+/// assert!(config.max_connections(0).validate().is_err());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct EventBusConfig {
-    /// What each welcome offers: stream count, per-stream buffer, heartbeats and idle
-    /// timeout (default [`Limits::default`]).
-    pub limits: Limits,
+    pub(crate) limits: Limits,
+    pub(crate) max_connections: usize,
+    pub(crate) max_connections_per_client: usize,
+    pub(crate) max_pending_connections: usize,
+    pub(crate) max_pending_per_source: usize,
+    pub(crate) tls_handshake_timeout: Duration,
+    pub(crate) auth_timeout: Duration,
+    pub(crate) session_start_timeout: Duration,
+    pub(crate) join_hold_down: Duration,
+    pub(crate) announced_watch_buffer: usize,
+    pub(crate) max_announced_sources: usize,
+    pub(crate) announced_channel_hold: Duration,
+}
+
+/// Settings: each setter documents its default.
+impl EventBusConfig {
     /// Authenticated connections held at once (each carries at most one broker
     /// session); a credential presented past it is answered 503 and the connection
     /// closed, counted in `connections_refused` (default 1,024;
     /// at most 65,536). Each costs a file descriptor and its HTTP/2 buffers.
-    pub max_connections: usize,
+    #[must_use]
+    pub fn max_connections(mut self, max_connections: usize) -> Self {
+        self.max_connections = max_connections;
+        self
+    }
+
     /// Authenticated connections one credential holds at once; one more is answered
     /// 503 and closed, counted in `connections_refused` (default
     /// 4): a stolen credential cannot take the slots
     /// of every other broker.
-    pub max_connections_per_client: usize,
+    #[must_use]
+    pub fn max_connections_per_client(mut self, max_connections_per_client: usize) -> Self {
+        self.max_connections_per_client = max_connections_per_client;
+        self
+    }
+
     /// Connections held before they authenticate (TLS, then the first request with an
     /// accepted credential), in a pool of their own. When it is full, a new
     /// connection is taken and one is closed, counted in `pending_evicted`: of the
     /// source holding the most, the one that has gone longest without progress
     /// (accepted, first bytes, TLS done) (default 64; at
     /// most 65,536).
-    pub max_pending_connections: usize,
+    #[must_use]
+    pub fn max_pending_connections(mut self, max_pending_connections: usize) -> Self {
+        self.max_pending_connections = max_pending_connections;
+        self
+    }
+
     /// Unauthenticated connections from one source (an IPv4 address, an IPv6 /64);
     /// one more is taken and that source's connection longest without progress is
     /// closed, counted in `pending_evicted` (default 8): a
     /// broker behind a NAT its flooders share is not refused for their connections.
-    pub max_pending_per_source: usize,
+    #[must_use]
+    pub fn max_pending_per_source(mut self, max_pending_per_source: usize) -> Self {
+        self.max_pending_per_source = max_pending_per_source;
+        self
+    }
+
     /// A connection's TLS handshake, from accept (default 3 s).
-    pub tls_handshake_timeout: Duration,
+    #[must_use]
+    pub fn tls_handshake_timeout(mut self, tls_handshake_timeout: Duration) -> Self {
+        self.tls_handshake_timeout = tls_handshake_timeout;
+        self
+    }
+
     /// The first request with an accepted credential, from the end of TLS (default
     /// 3 s); else the connection is closed.
-    pub auth_timeout: Duration,
+    #[must_use]
+    pub fn auth_timeout(mut self, auth_timeout: Duration) -> Self {
+        self.auth_timeout = auth_timeout;
+        self
+    }
+
     /// A session welcomed on a connection, from the end of its TLS handshake; else
     /// the connection is closed (default 10 s).
-    pub session_start_timeout: Duration,
+    #[must_use]
+    pub fn session_start_timeout(mut self, session_start_timeout: Duration) -> Self {
+        self.session_start_timeout = session_start_timeout;
+        self
+    }
+
     /// How long a joining broker's session must hold before its rendezvous share of
     /// the open streams moves to it (default 10 s; zero moves at the welcome).
-    pub join_hold_down: Duration,
+    #[must_use]
+    pub fn join_hold_down(mut self, join_hold_down: Duration) -> Self {
+        self.join_hold_down = join_hold_down;
+        self
+    }
+
     /// Events each watcher of the announced sources ([`EventBus::announced`](crate::tunnel::EventBus::announced))
     /// may have waiting before it is resynced instead (default 4096).
-    pub announced_watch_buffer: usize,
+    #[must_use]
+    pub fn announced_watch_buffer(mut self, announced_watch_buffer: usize) -> Self {
+        self.announced_watch_buffer = announced_watch_buffer;
+        self
+    }
+
     /// Most publishers announced on the bus at once, all sources together (default
     /// 16,384; each source session is held to the welcome's `max_sources` too).
     /// Each source credential is sure of an even share of it: one may go past its
     /// share only into room no other credential's share needs.
-    pub max_announced_sources: usize,
+    #[must_use]
+    pub fn max_announced_sources(mut self, max_announced_sources: usize) -> Self {
+        self.max_announced_sources = max_announced_sources;
+        self
+    }
+
     /// How long an announced channel stays bound to the credential that announced
     /// it after its session ended (default 10 min): another source's credential
     /// announcing it meanwhile is refused `held_by_another_source`, so a source that
     /// reconnects finds its channels its own. Withdrawn (not lost), a channel is free
     /// at once.
-    pub announced_channel_hold: Duration,
+    #[must_use]
+    pub fn announced_channel_hold(mut self, announced_channel_hold: Duration) -> Self {
+        self.announced_channel_hold = announced_channel_hold;
+        self
+    }
 }
 
 impl Default for EventBusConfig {

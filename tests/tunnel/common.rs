@@ -66,6 +66,11 @@ pub async fn until(mut done: impl FnMut() -> bool) {
 /// A broker of "prod" with the shared token; its publishers are on loopback, which
 /// a broker refuses unless told otherwise.
 pub fn broker_config(bus: &EventBus, id: &str, view: Arc<dyn Discovery>) -> BrokerConfig {
+    strict_broker_config(bus, id, view).addr_filter(loopback())
+}
+
+/// [`broker_config`] with `BrokerConfig::new`'s own address filter: nothing reopened.
+pub fn strict_broker_config(bus: &EventBus, id: &str, view: Arc<dyn Discovery>) -> BrokerConfig {
     BrokerConfig::new(
         format!("https://localhost:{}", bus.local_addr().port()),
         id,
@@ -74,7 +79,6 @@ pub fn broker_config(bus: &EventBus, id: &str, view: Arc<dyn Discovery>) -> Brok
         client_tls(fixture("ca.pem")).unwrap(),
         view,
     )
-    .addr_filter(loopback())
 }
 
 /// Strict, with loopback reopened (the tests' publishers are there).

@@ -567,7 +567,7 @@ async fn a_publisher_announced_under_a_new_channel_leaves_its_old_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_source_credential_is_sure_of_its_share_of_the_bus() {
     let mut config = EventBusConfig::default();
-    config.max_announced_sources = 4;
+    config = config.max_announced_sources(4);
     let bus = bus_configured("127.0.0.1:0", source_clients(2), config).await;
     let greedy = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
     let sockets: Vec<PubSocket> = (0..6).map(|_| PubSocket::new(Config::default())).collect();
@@ -636,7 +636,7 @@ async fn a_source_announcing_one_publisher_at_a_time_is_paced_not_denied() {
 async fn churning_channels_never_strips_another_source_s_hold() {
     let mut config = EventBusConfig::default();
     // Two credentials, a share of 2 each, bindings for 8.
-    config.max_announced_sources = 4;
+    config = config.max_announced_sources(4);
     let bus = bus_configured("127.0.0.1:0", source_clients(2), config).await;
     let victim = Source::spawn(source_config(&bus, "gpu-0", &["prod"])).unwrap();
     let held = ChannelId::new("prod", "victim", "kv-events", 1).unwrap();

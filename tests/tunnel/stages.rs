@@ -18,7 +18,8 @@ use eventplane::discovery::{
 };
 use eventplane::tunnel::protocol::SessionEvent;
 use eventplane::tunnel::{
-    Broker, BrokerConfig, EventBusConfig, Limits, RefuseCode, Secret, TunnelError, client_tls,
+    Broker, BrokerConfig, Deadlines, EventBusConfig, Limits, RefuseCode, Secret, TunnelError,
+    client_tls,
 };
 
 fn refused(result: Result<eventplane::tunnel::TunnelStream, TunnelError>) -> RefuseCode {
@@ -46,7 +47,7 @@ async fn a_resolver_that_never_answers_is_dns_timeout() {
         broker_config(&bus, "broker-1", view.clone()).resolver(Arc::new(NeverResolves));
     // Well under the 5 s default: a broker that ignored it would answer late.
     let dns = Duration::from_millis(300);
-    config.deadlines.dns = dns;
+    config = config.deadlines(Deadlines::default().dns(dns));
     let broker = Broker::spawn(config).unwrap();
     connected(&bus).await;
     let (r, elapsed) = timed(bus.open_stream("prod", 1, "tcp://slow-dns.test:5557")).await;
@@ -69,10 +70,13 @@ async fn a_listener_that_never_accepts_is_connect_timeout_and_other_addresses_ar
 
     // A broker whose resolver answers `ports`, with these connect deadlines.
     let resolving = |ports: Vec<u16>, attempt_ms: u64, total_ms: u64| {
-        let mut config = broker_config(&bus, "broker-1", view.clone())
-            .resolver(Arc::new(FixedResolver(ports.into_iter().map(at).collect())));
-        config.deadlines.connect_attempt = Duration::from_millis(attempt_ms);
-        config.deadlines.connect = Duration::from_millis(total_ms);
+        let config = broker_config(&bus, "broker-1", view.clone())
+            .resolver(Arc::new(FixedResolver(ports.into_iter().map(at).collect())))
+            .deadlines(
+                Deadlines::default()
+                    .connect_attempt(Duration::from_millis(attempt_ms))
+                    .connect(Duration::from_millis(total_ms)),
+            );
         Broker::spawn(config).unwrap()
     };
 
@@ -122,14 +126,14 @@ async fn a_listener_that_never_accepts_is_connect_timeout_and_other_addresses_ar
 async fn broker_toward(
     script: Script,
     limits: Limits,
-    tweak: impl FnOnce(&mut BrokerConfig),
+    tweak: impl FnOnce(BrokerConfig) -> BrokerConfig,
 ) -> (ScriptedBus, Broker, (tokio::net::TcpListener, Registration)) {
     let target_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let target = format!("tcp://{}", target_listener.local_addr().unwrap());
     let view = Arc::new(MemoryDiscovery::new());
     let registration = advertise(&view, 1, &target).await;
     let bus = ScriptedBus::start(script, limits, &target).await;
-    let mut config = BrokerConfig::new(
+    let config = BrokerConfig::new(
         bus.url.clone(),
         "broker-1",
         vec!["prod".to_owned()],
@@ -138,7 +142,7 @@ async fn broker_toward(
         view,
     )
     .addr_filter(crate::common::loopback());
-    tweak(&mut config);
+    let config = tweak(config);
     (
         bus,
         Broker::spawn(config).unwrap(),
@@ -152,7 +156,7 @@ async fn refused_by_script(
     script: Script,
     code: RefuseCode,
     deadline: Duration,
-    tweak: impl FnOnce(&mut BrokerConfig),
+    tweak: impl FnOnce(BrokerConfig) -> BrokerConfig,
 ) {
     let (mut bus, broker, _target) = broker_toward(script, Limits::default(), tweak).await;
     let event = within(bus.events.recv()).await.unwrap();
@@ -171,9 +175,7 @@ async fn a_data_stream_without_a_slot_is_stream_slot_timeout() {
         Script::NoStreamSlot,
         RefuseCode::StreamSlotTimeout,
         slot,
-        |c| {
-            c.deadlines.stream_slot = slot;
-        },
+        |c| c.deadlines(Deadlines::default().stream_slot(slot)),
     )
     .await;
 }
@@ -185,7 +187,7 @@ async fn a_router_that_never_answers_the_head_is_response_timeout() {
         Script::HoldResponseHead,
         RefuseCode::ResponseTimeout,
         response,
-        |c| c.deadlines.response = response,
+        |c| c.deadlines(Deadlines::default().response(response)),
     )
     .await;
 }
@@ -195,8 +197,8 @@ async fn a_broker_leaves_a_silent_bus_after_the_idle_timeout_and_reconnects() {
     let idle = Duration::from_millis(400);
     let limits = Limits::default().with_heartbeat(Duration::from_millis(100), idle);
     let (bus, broker, _target) = broker_toward(Script::FallSilent, limits, |c| {
-        c.reconnect_min = Duration::from_millis(20);
-        c.reconnect_max = Duration::from_millis(100);
+        c.reconnect_min(Duration::from_millis(20))
+            .reconnect_max(Duration::from_millis(100))
     })
     .await;
     // The scripted bus never closes a session: a second one means the broker ended the
@@ -300,7 +302,7 @@ async fn still_open(stream: &mut (impl tokio::io::AsyncRead + Unpin), wait: Dura
 async fn a_connection_that_never_starts_a_session_is_closed_at_its_deadline() {
     let start = Duration::from_millis(600);
     let mut config = EventBusConfig::default();
-    config.session_start_timeout = start;
+    config = config.session_start_timeout(start);
     let bus = bus_with(config).await;
     // TLS completes, then nothing: the bus hangs up after session_start_timeout
     // instead of holding one of its connection slots forever. The clock starts before
@@ -334,7 +336,7 @@ async fn a_connection_that_never_starts_a_session_is_closed_at_its_deadline() {
 async fn a_connection_that_never_completes_tls_is_closed_at_its_deadline() {
     let handshake = Duration::from_millis(600);
     let mut config = EventBusConfig::default();
-    config.tls_handshake_timeout = handshake;
+    config = config.tls_handshake_timeout(handshake);
     let bus = bus_with(config).await;
     // TCP, then not one byte of TLS (the clock starts before the connect).
     let since = std::time::Instant::now();
@@ -481,8 +483,8 @@ async fn tls_to(
 #[tokio::test]
 async fn unauthenticated_connections_get_a_pool_of_their_own() {
     let mut config = EventBusConfig::default();
-    config.max_connections = 2;
-    config.max_pending_per_source = 2;
+    config = config.max_connections(2);
+    config = config.max_pending_per_source(2);
     let bus = bus_with(config).await;
     // Two connections from one address that say nothing hold its share of the
     // pending pool...

@@ -122,7 +122,7 @@ async fn a_wrong_credential_or_ca_gets_no_session_and_plaintext_is_refused() {
     let bus = bus().await;
     let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     let mut wrong = broker_config(&bus, "intruder", view.clone());
-    wrong.token = Secret::new("not-the-token-0123456789").unwrap();
+    wrong = wrong.token(Secret::new("not-the-token-0123456789").unwrap());
     let intruder = Broker::spawn(wrong).unwrap();
     within(async {
         while bus.stats().unauthorized == 0 {
@@ -141,7 +141,7 @@ async fn a_wrong_credential_or_ca_gets_no_session_and_plaintext_is_refused() {
 
     // A bus whose certificate does not chain to the broker's CA: TLS fails.
     let mut other_ca = broker_config(&bus, "b", view.clone());
-    other_ca.tls = client_tls(fixture("other-ca.pem")).unwrap();
+    other_ca = other_ca.tls(client_tls(fixture("other-ca.pem")).unwrap());
     let lost = Broker::spawn(other_ca).unwrap();
     within(async {
         while lost.stats().session_failures == 0 {
@@ -153,7 +153,7 @@ async fn a_wrong_credential_or_ca_gets_no_session_and_plaintext_is_refused() {
     lost.abort();
 
     let mut plaintext = broker_config(&bus, "b", view);
-    plaintext.bus_url = format!("http://localhost:{}", bus.local_addr().port());
+    plaintext = plaintext.bus_url(format!("http://localhost:{}", bus.local_addr().port()));
     match Broker::spawn(plaintext) {
         Err(TunnelError::Config { field, .. }) => assert_eq!(field, "bus_url"),
         other => panic!("{other:?}"),
@@ -170,8 +170,8 @@ async fn a_new_session_with_the_same_client_id_supersedes_the_old() {
     // The first one reconnects late (30 s and more): it must not win its id back
     // before the test is done with it.
     let mut slow = broker_config(&bus, "broker-1", view.clone());
-    slow.reconnect_min = Duration::from_secs(30);
-    slow.reconnect_max = Duration::from_secs(60);
+    slow = slow.reconnect_min(Duration::from_secs(30));
+    slow = slow.reconnect_max(Duration::from_secs(60));
     let first = Broker::spawn(slow).unwrap();
     connected(&bus).await;
     let second = Broker::spawn(broker_config(&bus, "broker-1", view.clone())).unwrap();
@@ -294,8 +294,8 @@ async fn a_broker_reconnects_with_backoff_and_after_a_rebalance() {
     )
     .addr_filter(crate::common::loopback());
     // A 20 ms backoff: far from the 250-500 ms rebalance delay either way.
-    config.reconnect_min = Duration::from_millis(20);
-    config.reconnect_max = Duration::from_millis(20);
+    config = config.reconnect_min(Duration::from_millis(20));
+    config = config.reconnect_max(Duration::from_millis(20));
     let broker = Broker::spawn(config).unwrap();
     until(|| broker.stats().session_failures >= 1).await;
     let bus = bus_at(&format!("127.0.0.1:{port}")).await;
@@ -346,7 +346,7 @@ async fn a_router_drain_lets_open_streams_finish_then_the_broker_returns() {
     let view = Arc::new(MemoryDiscovery::new());
     let (publisher, endpoint, _reg) = publisher(&view, 1).await;
     let mut config = broker_config(&bus, "broker-1", view.clone());
-    config.reconnect_min = Duration::from_millis(100);
+    config = config.reconnect_min(Duration::from_millis(100));
     let broker = Broker::spawn(config).unwrap();
     connected(&bus).await;
     let stream = within(bus.open_stream("prod", 1, &endpoint)).await.unwrap();
@@ -460,7 +460,7 @@ async fn a_joining_broker_takes_over_its_share_and_nothing_else() {
     // Well under the 10 s default, so that a bus ignoring it moves too early or late.
     let hold = Duration::from_millis(1500);
     let mut config = EventBusConfig::default();
-    config.join_hold_down = hold;
+    config = config.join_hold_down(hold);
     let bus = bus_with(config).await;
     let view = Arc::new(MemoryDiscovery::new());
     let a = Broker::spawn(broker_config(&bus, "broker-a", view.clone())).unwrap();
@@ -665,7 +665,7 @@ async fn a_recovery_stream_stays_with_its_broker_when_another_joins() {
     use eventplane::zmtp::DealerSocket;
 
     let mut config = EventBusConfig::default();
-    config.join_hold_down = Duration::from_millis(300);
+    config = config.join_hold_down(Duration::from_millis(300));
     let bus = bus_with(config).await;
     let view = Arc::new(MemoryDiscovery::new());
     let a = Broker::spawn(broker_config(&bus, "broker-a", view.clone())).unwrap();

@@ -12,8 +12,8 @@ use crate::support::{self, timed, within};
 use eventplane::discovery::{Discovery, MemoryDiscovery};
 use eventplane::tunnel::protocol::rendezvous_owner;
 use eventplane::tunnel::{
-    Broker, BrokerConfig, BusClients, EventBus, EventBusConfig, Limits, RefuseCode, Secret,
-    TokenDigest, TunnelError, client_tls,
+    Broker, BrokerConfig, BusClients, Deadlines, EventBus, EventBusConfig, Limits, RefuseCode,
+    Secret, TokenDigest, TunnelError, client_tls,
 };
 
 const TOKEN_A: &str = "token-of-broker-a-0123";
@@ -36,7 +36,7 @@ fn two_brokers() -> BusClients {
 
 fn as_broker(bus: &EventBus, id: &str, token: &str, view: Arc<dyn Discovery>) -> BrokerConfig {
     let mut config = broker_config(bus, id, view);
-    config.token = Secret::new(token).unwrap();
+    config = config.token(Secret::new(token).unwrap());
     config
 }
 
@@ -50,8 +50,8 @@ async fn an_impostor_with_a_token_of_its_own_cannot_take_another_brokers_id() {
     connected(&bus).await;
     // broker-b's valid token, claiming broker-a's id, retrying fast.
     let mut impostor = as_broker(&bus, "broker-a", TOKEN_B, view.clone());
-    impostor.reconnect_min = Duration::from_millis(20);
-    impostor.reconnect_max = Duration::from_millis(40);
+    impostor = impostor.reconnect_min(Duration::from_millis(20));
+    impostor = impostor.reconnect_max(Duration::from_millis(40));
     let impostor = Broker::spawn(impostor).unwrap();
     until(|| bus.stats().denied.get("client_id_not_granted") >= Some(&3)).await;
     // Each attempt denied with its code on both sides; the real session never moved.
@@ -85,7 +85,7 @@ async fn a_namespace_outside_the_grant_is_denied_and_never_tunnelled() {
     let view: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new());
     // broker-a is granted "prod" only; it claims "dev" too.
     let mut greedy = as_broker(&bus, "broker-a", TOKEN_A, view.clone());
-    greedy.namespaces = vec!["prod".into(), "dev".into()];
+    greedy = greedy.namespaces(vec!["prod".into(), "dev".into()]);
     let greedy = Broker::spawn(greedy).unwrap();
     until(|| greedy.stats().denied.get("namespace_not_granted") == Some(&1)).await;
     let stats = bus.stats();
@@ -108,20 +108,7 @@ async fn a_broker_refuses_loopback_and_its_nat64_form_by_default() {
     let view: Arc<dyn Discovery> = view_memory.clone();
     let (_publisher, endpoint, _reg) = publisher(&view_memory, 1).await;
     // BrokerConfig::new's own filter: nothing reopened.
-    let mut config = broker_config(&bus, "broker-1", view.clone());
-    config.addr_filter = eventplane::net::AddrFilter::strict();
-    assert_eq!(
-        config.addr_filter,
-        BrokerConfig::new(
-            "https://localhost:1",
-            "x",
-            vec!["prod".into()],
-            Secret::new("a-token-0123456789").unwrap(),
-            client_tls(fixture("ca.pem")).unwrap(),
-            view.clone(),
-        )
-        .addr_filter
-    );
+    let config = crate::common::strict_broker_config(&bus, "broker-1", view.clone());
     let broker = Broker::spawn(config).unwrap();
     connected(&bus).await;
     let r = within(bus.open_stream("prod", 1, &endpoint)).await;
@@ -133,9 +120,8 @@ async fn a_broker_refuses_loopback_and_its_nat64_form_by_default() {
     // A name that resolves to loopback's NAT64 form is refused the same way.
     let port: u16 = endpoint.rsplit(':').next().unwrap().parse().unwrap();
     let nat64: std::net::SocketAddr = format!("[64:ff9b::7f00:1]:{port}").parse().unwrap();
-    let mut config = broker_config(&bus, "broker-2", view.clone())
+    let config = crate::common::strict_broker_config(&bus, "broker-2", view.clone())
         .resolver(Arc::new(crate::common::FixedResolver(vec![nat64])));
-    config.addr_filter = eventplane::net::AddrFilter::strict();
     let broker = Broker::spawn(config).unwrap();
     until(|| bus.brokers_for("prod") == ["broker-2"]).await;
     let r = within(bus.open_stream("prod", 1, &endpoint)).await;
@@ -237,7 +223,7 @@ async fn six_hundred_streams_dropped_at_once_leave_no_slot_behind() {
     let bus = bus().await;
     let mut config = broker_config(&bus, "broker-1", view.clone());
     // This test is about slots, not the open rate.
-    config.opens_per_second = 1_000_000;
+    config = config.opens_per_second(1_000_000);
     let broker = Broker::spawn(config).unwrap();
     connected(&bus).await;
     // `n` streams opened at once, every one of them.
@@ -406,8 +392,8 @@ async fn restart_into_a_flood(flood: Flooding, warm: u64) {
     broker.abort();
     until(|| bus.stats().sessions == 0).await;
     let mut config = broker_config(&bus, "broker-1", view.clone());
-    config.reconnect_min = Duration::from_secs(1);
-    config.reconnect_max = Duration::from_secs(2);
+    config = config.reconnect_min(Duration::from_secs(1));
+    config = config.reconnect_max(Duration::from_secs(2));
     let (restarted, took) = timed(async {
         let broker = Broker::spawn(config).unwrap();
         connected(&bus).await;
@@ -429,8 +415,8 @@ async fn restart_into_a_flood(flood: Flooding, warm: u64) {
         "took {took:?}: {stats:?}"
     );
     assert!(
-        took < eventplane::tunnel::EventBusConfig::default().tls_handshake_timeout
-            + support::DEADLINE_SLACK,
+        // EventBusConfig's default TLS handshake deadline: 3 s.
+        took < Duration::from_secs(3) + support::DEADLINE_SLACK,
         "the broker took {took:?} to get its session back: {stats:?}"
     );
     assert!(stats.pending <= 64, "{stats:?}");
@@ -488,8 +474,8 @@ async fn dns_lookups_and_opens_are_capped_per_broker() {
     let lookups = HeldLookups::default();
     let mut config = broker_config(&bus, "broker-1", view.clone() as Arc<dyn Discovery>)
         .resolver(Arc::new(lookups.clone()));
-    config.max_dns_lookups = 2;
-    config.deadlines.dns = Duration::from_millis(200);
+    config = config.max_dns_lookups(2);
+    config = config.deadlines(Deadlines::default().dns(Duration::from_millis(200)));
     let broker = Broker::spawn(config).unwrap();
     connected(&bus).await;
     let opens = (0..3).map(|_| bus.open_stream("prod", 1, &endpoint));
@@ -516,7 +502,7 @@ async fn dns_lookups_and_opens_are_capped_per_broker() {
 
     // One open a second after a burst of the session's limit (4).
     let mut config = broker_config(&bus, "broker-2", view.clone() as Arc<dyn Discovery>);
-    config.opens_per_second = 1;
+    config = config.opens_per_second(1);
     let broker = Broker::spawn(config).unwrap();
     connected(&bus).await;
     for _ in 0..4 {

@@ -65,7 +65,7 @@ use common::chain;
 use eventplane::discovery::{ChannelId, Discovery, Instance, StaticDiscovery, Transport};
 use eventplane::metrics::Exporter;
 use eventplane::net::AddrFilter;
-use eventplane::tunnel::{Broker, BrokerConfig, Secret, TokenDigest, client_tls};
+use eventplane::tunnel::{Broker, BrokerConfig, Deadlines, Secret, TokenDigest, client_tls};
 use eventplane_services::service::{self, ServiceArgs};
 
 #[derive(Parser, Debug)]
@@ -408,29 +408,40 @@ async fn etcd(_: &DiscoveryConfig) -> Result<Arc<dyn Discovery>, Refusal> {
     ))
 }
 
-/// The optional buffer sizes, deadlines and backoff; `BrokerConfig::validate` checks
-/// the result.
-fn apply_tuning(file: &FileConfig, config: &mut BrokerConfig) {
-    let set = |slot: &mut Duration, ms: Option<u64>| {
-        if let Some(ms) = ms {
-            *slot = Duration::from_millis(ms);
+/// The optional buffer sizes, deadlines and backoff, applied to `config`, with the
+/// deadlines it ends with; `BrokerConfig::validate` checks the result.
+fn apply_tuning(file: &FileConfig, mut config: BrokerConfig) -> (BrokerConfig, Deadlines) {
+    let ms = |v: Option<u64>| v.map(Duration::from_millis);
+    let t = &file.timeouts;
+    let mut d = Deadlines::default();
+    type Stage = (Option<u64>, fn(Deadlines, Duration) -> Deadlines);
+    let stages: [Stage; 6] = [
+        (t.dns_ms, Deadlines::dns),
+        (t.connect_ms, Deadlines::connect),
+        (t.connect_attempt_ms, Deadlines::connect_attempt),
+        (t.stream_slot_ms, Deadlines::stream_slot),
+        (t.response_ms, Deadlines::response),
+        (t.bus_connect_ms, Deadlines::bus_connect),
+    ];
+    for (value, set) in stages {
+        if let Some(v) = ms(value) {
+            d = set(d, v);
         }
-    };
-    let (t, d) = (&file.timeouts, &mut config.deadlines);
-    set(&mut d.dns, t.dns_ms);
-    set(&mut d.connect, t.connect_ms);
-    set(&mut d.connect_attempt, t.connect_attempt_ms);
-    set(&mut d.stream_slot, t.stream_slot_ms);
-    set(&mut d.response, t.response_ms);
-    set(&mut d.bus_connect, t.bus_connect_ms);
-    set(&mut config.reconnect_min, file.backoff.min_ms);
-    set(&mut config.reconnect_max, file.backoff.max_ms);
+    }
+    config = config.deadlines(d);
+    if let Some(v) = ms(file.backoff.min_ms) {
+        config = config.reconnect_min(v);
+    }
+    if let Some(v) = ms(file.backoff.max_ms) {
+        config = config.reconnect_max(v);
+    }
     if let Some(bytes) = file.max_stream_buffer_bytes {
-        config.max_stream_buffer_bytes = bytes;
+        config = config.max_stream_buffer_bytes(bytes);
     }
     if let Some(bytes) = file.max_session_buffer_bytes {
-        config.max_session_buffer_bytes = bytes;
+        config = config.max_session_buffer_bytes(bytes);
     }
+    (config, d)
 }
 
 #[tokio::main]
@@ -503,7 +514,7 @@ async fn main() -> ExitCode {
     if let Some(ms) = file.drain_deadline_ms {
         config = config.drain_deadline(Duration::from_millis(ms));
     }
-    apply_tuning(&file, &mut config);
+    let (mut config, deadlines) = apply_tuning(&file, config);
     if let Err(e) = config.validate() {
         return refused(Refusal::Config(chain(&e)));
     }
@@ -514,11 +525,11 @@ async fn main() -> ExitCode {
     // A session's stages, one after the other: TCP and TLS (each within
     // bus_connect), then the bus's answer (response); the check waits that long, plus
     // discovery's first list.
-    let session_deadline = config.deadlines.bus_connect * 2 + config.deadlines.response;
+    let session_deadline = deadlines.session_start();
     if args.check_bus {
         // Under an id of its own: a session as CLIENT_ID would supersede a broker
         // running with this configuration (and reset every stream it carries).
-        config.client_id = format!("{}.check", file.client_id);
+        config = config.client_id(format!("{}.check", file.client_id));
         if let Err(e) = config.validate() {
             return refused(Refusal::Config(chain(&e)));
         }

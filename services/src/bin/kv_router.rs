@@ -550,8 +550,8 @@ async fn main() -> ExitCode {
     // wiped (what discovery names is dialled through the subscriber's address filter,
     // the client's default), reached as their publishers are.
     let mut asking = RecoveryClientConfig::default();
-    asking.timeout = std::time::Duration::from_millis(args.recovery_timeout_ms);
-    asking.filter = Some(filter);
+    asking = asking.timeout(std::time::Duration::from_millis(args.recovery_timeout_ms));
+    asking = asking.filter(Some(filter));
     let mut recovery = RecoveryDriver::new(asking);
     if args.dynamo {
         use eventplane::kv::dynamo_recovery::{CallHomeConfig, CallHomeListener};

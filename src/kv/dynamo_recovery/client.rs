@@ -108,23 +108,62 @@ pub enum DynamoQueryError {
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct CallHomeConfig {
+    pub(crate) max_pending: usize,
+    pub(crate) max_header: usize,
+    pub(crate) max_body: usize,
+    pub(crate) handshake_timeout: Duration,
+    pub(crate) max_handshakes: usize,
+    pub(crate) filter: crate::net::AddrFilter,
+}
+
+/// Settings: each setter documents its default.
+impl CallHomeConfig {
     /// Queries awaiting their answer at once: 16 (as many as a
     /// [`RecoveryDriver`](crate::kv::router::RecoveryDriver) runs; each answer is held to
     /// `max_body`).
-    pub max_pending: usize,
+    #[must_use]
+    pub fn max_pending(mut self, max_pending: usize) -> Self {
+        self.max_pending = max_pending;
+        self
+    }
+
     /// Largest header of an answer's stream: 64 KiB.
-    pub max_header: usize,
+    #[must_use]
+    pub fn max_header(mut self, max_header: usize) -> Self {
+        self.max_header = max_header;
+        self
+    }
+
     /// Largest body (an answer; a dump is the worker's whole cache): 256 MiB.
-    pub max_body: usize,
+    #[must_use]
+    pub fn max_body(mut self, max_body: usize) -> Self {
+        self.max_body = max_body;
+        self
+    }
+
     /// How long a connection may take to say which answer it carries: 5 s.
-    pub handshake_timeout: Duration,
+    #[must_use]
+    pub fn handshake_timeout(mut self, handshake_timeout: Duration) -> Self {
+        self.handshake_timeout = handshake_timeout;
+        self
+    }
+
     /// Connections that have not yet said which answer they carry, at once: 64 (more
     /// are closed at once).
-    pub max_handshakes: usize,
+    #[must_use]
+    pub fn max_handshakes(mut self, max_handshakes: usize) -> Self {
+        self.max_handshakes = max_handshakes;
+        self
+    }
+
     /// Addresses a query may be sent to: by default the subscriber's own
     /// ([`AddrFilter::default`](crate::net::AddrFilter::default): what discovery
     /// names is dialled, so metadata and link-local addresses are refused).
-    pub filter: crate::net::AddrFilter,
+    #[must_use]
+    pub fn filter(mut self, filter: crate::net::AddrFilter) -> Self {
+        self.filter = filter;
+        self
+    }
 }
 
 impl Default for CallHomeConfig {

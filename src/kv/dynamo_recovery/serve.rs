@@ -23,29 +23,80 @@ use crate::net::AddrFilter;
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct DynamoQueryConfig {
+    pub(crate) limits: RequestLimits,
+    pub(crate) max_connections: usize,
+    pub(crate) max_answers: usize,
+    pub(crate) max_answer_events: usize,
+    pub(crate) max_queued_answers: usize,
+    pub(crate) call_home_timeout: Duration,
+    pub(crate) idle_timeout: Duration,
+    pub(crate) filter: AddrFilter,
+}
+
+/// Settings: each setter documents its default.
+impl DynamoQueryConfig {
     /// Bounds of a request frame (checked as its lengths arrive).
-    pub limits: RequestLimits,
+    #[must_use]
+    pub fn limits(mut self, limits: RequestLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
     /// Connections served at once: 16 (more are closed at once, counted).
-    pub max_connections: usize,
+    #[must_use]
+    pub fn max_connections(mut self, max_connections: usize) -> Self {
+        self.max_connections = max_connections;
+        self
+    }
+
     /// Answers being sent at once: 2 (a dump is the worker's whole cache; further
     /// requests wait for a turn, within `call_home_timeout`).
-    pub max_answers: usize,
+    #[must_use]
+    pub fn max_answers(mut self, max_answers: usize) -> Self {
+        self.max_answers = max_answers;
+        self
+    }
+
     /// Events in one `Events` answer: 4,096 (past them the answer stops, and Dynamo's
     /// router asks again from there; a large answer would be one large message).
-    pub max_answer_events: usize,
+    #[must_use]
+    pub fn max_answer_events(mut self, max_answer_events: usize) -> Self {
+        self.max_answer_events = max_answer_events;
+        self
+    }
+
     /// Answers sent or waiting for their turn, across connections: 64 (a query past
     /// them is not acknowledged, its connection closed and counted in `busy`;
     /// Dynamo's router retries it).
-    pub max_queued_answers: usize,
+    #[must_use]
+    pub fn max_queued_answers(mut self, max_queued_answers: usize) -> Self {
+        self.max_queued_answers = max_queued_answers;
+        self
+    }
+
     /// Dialling the router back and sending the answer: 10 s.
-    pub call_home_timeout: Duration,
+    #[must_use]
+    pub fn call_home_timeout(mut self, call_home_timeout: Duration) -> Self {
+        self.call_home_timeout = call_home_timeout;
+        self
+    }
+
     /// A request must arrive whole within this, and its acknowledgement be written,
     /// or the connection is closed: 30 s.
-    pub idle_timeout: Duration,
+    #[must_use]
+    pub fn idle_timeout(mut self, idle_timeout: Duration) -> Self {
+        self.idle_timeout = idle_timeout;
+        self
+    }
+
     /// Addresses an answer may be sent to, besides being the address that asked
     /// (Dynamo's router must advertise the address it connects from): by default
     /// the subscriber's ([`AddrFilter::default`]).
-    pub filter: AddrFilter,
+    #[must_use]
+    pub fn filter(mut self, filter: AddrFilter) -> Self {
+        self.filter = filter;
+        self
+    }
 }
 
 impl Default for DynamoQueryConfig {

@@ -529,34 +529,71 @@ async fn dump(shared: &Shared) -> Encoded {
     encoded
 }
 
-/// Settings of [`recover`].
+/// Settings of [`recover`]: private fields, consuming setters that state their
+/// defaults.
 ///
 /// ```
-/// let config = eventplane::kv::router::RecoveryClientConfig::default();
-/// assert_eq!(config.timeout, std::time::Duration::from_secs(5));
-/// assert_eq!(config.max_bytes, 256 << 20);
+/// use std::time::Duration;
+/// use eventplane::kv::router::RecoveryClientConfig;
+/// let config = RecoveryClientConfig::default()
+///     .timeout(Duration::from_secs(2))
+///     .max_bytes(64 << 20);
+/// # let _ = config;
 /// ```
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct RecoveryClientConfig {
+    pub(crate) timeout: Duration,
+    pub(crate) max_bytes: usize,
+    pub(crate) zmtp: zmtp::Config,
+    pub(crate) filter: Option<crate::net::AddrFilter>,
+    pub(crate) max_blocks: usize,
+}
+
+/// Settings: each setter documents its default.
+impl RecoveryClientConfig {
     /// The whole request, connection included: 5 s.
-    pub timeout: Duration,
+    #[must_use]
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
     /// The most answer bytes accepted: 256 MiB, on the wire and again decoded (each
     /// event costs its in-memory size, so an answer of many empty events is held to it
     /// too). A [`RecoveryDriver`](crate::kv::router::RecoveryDriver) holds at most
     /// 16
     /// answers at once.
-    pub max_bytes: usize,
+    #[must_use]
+    pub fn max_bytes(mut self, max_bytes: usize) -> Self {
+        self.max_bytes = max_bytes;
+        self
+    }
+
     /// The connection's bounds (frames up to 16 MiB by default).
-    pub zmtp: zmtp::Config,
+    #[must_use]
+    pub fn zmtp(mut self, zmtp: zmtp::Config) -> Self {
+        self.zmtp = zmtp;
+        self
+    }
+
     /// Addresses the client may dial: by default the subscriber's own
     /// ([`AddrFilter::default`](crate::net::AddrFilter::default): what discovery names
     /// is dialled, so metadata and link-local addresses are refused); `None` dials
     /// anything.
-    pub filter: Option<crate::net::AddrFilter>,
+    #[must_use]
+    pub fn filter(mut self, filter: Option<crate::net::AddrFilter>) -> Self {
+        self.filter = filter;
+        self
+    }
+
     /// The most blocks an answer may carry, decoded (a hash of 0 costs one byte on the
     /// wire, 8 in memory): 2^22.
-    pub max_blocks: usize,
+    #[must_use]
+    pub fn max_blocks(mut self, max_blocks: usize) -> Self {
+        self.max_blocks = max_blocks;
+        self
+    }
 }
 
 impl Default for RecoveryClientConfig {

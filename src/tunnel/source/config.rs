@@ -29,31 +29,87 @@ pub(crate) const MAX_SOURCE_PUBLISHERS: usize = 1024;
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct SourceConfig {
+    pub(crate) bus_url: String,
+    pub(crate) client_id: String,
+    pub(crate) namespaces: Vec<String>,
+    pub(crate) token: Secret,
+    pub(crate) tls: Arc<rustls::ClientConfig>,
+    pub(crate) deadlines: Deadlines,
+    pub(crate) drain_deadline: Duration,
+    pub(crate) reconnect_min: Duration,
+    pub(crate) reconnect_max: Duration,
+    pub(crate) max_publishers: usize,
+}
+
+/// Settings: each setter documents its default.
+impl SourceConfig {
     /// The bus, `https://host:port`.
-    pub bus_url: String,
+    #[must_use]
+    pub fn bus_url(mut self, bus_url: impl Into<String>) -> Self {
+        self.bus_url = bus_url.into();
+        self
+    }
+
     /// Its client id (its credential must be bound to it, with the `source` role).
-    pub client_id: String,
+    #[must_use]
+    pub fn client_id(mut self, client_id: impl Into<String>) -> Self {
+        self.client_id = client_id.into();
+        self
+    }
+
     /// The namespaces it announces in (each publisher's must be one of them).
-    pub namespaces: Vec<String>,
+    #[must_use]
+    pub fn namespaces(mut self, namespaces: Vec<String>) -> Self {
+        self.namespaces = namespaces;
+        self
+    }
+
     /// Its bearer credential.
-    pub token: Secret,
+    #[must_use]
+    pub fn token(mut self, token: Secret) -> Self {
+        self.token = token;
+        self
+    }
+
     /// The CA its bus certificate must chain to.
-    pub tls: Arc<rustls::ClientConfig>,
+    #[must_use]
+    pub fn tls(mut self, tls: Arc<rustls::ClientConfig>) -> Self {
+        self.tls = tls;
+        self
+    }
+
     /// Deadlines of the bus connection and of each data stream's stages.
-    pub deadlines: Deadlines,
-    /// How long open streams may run when it drains (default 5 s).
-    pub drain_deadline: Duration,
+    #[must_use]
+    pub fn deadlines(mut self, deadlines: Deadlines) -> Self {
+        self.deadlines = deadlines;
+        self
+    }
+
     /// Reconnect backoff after a failed session: from 1 s, doubling, jittered, up to
     /// 60 s; it starts over once a session held for 10 s.
-    pub reconnect_min: Duration,
+    #[must_use]
+    pub fn reconnect_min(mut self, reconnect_min: Duration) -> Self {
+        self.reconnect_min = reconnect_min;
+        self
+    }
+
     /// The backoff's ceiling.
-    pub reconnect_max: Duration,
+    #[must_use]
+    pub fn reconnect_max(mut self, reconnect_max: Duration) -> Self {
+        self.reconnect_max = reconnect_max;
+        self
+    }
+
     /// Most publishers it announces at once (default 1,024, at
     /// most 2,112: what its hello and a burst of `announce` frames carry; the welcome's
     /// [`Limits::max_sources`](crate::tunnel::Limits), set by the bus's `EventBusConfig::limits`,
     /// may be lower). Its `announce` frames are paced as the router counts them
     /// (32 at once, then 4 a second): changes wait and merge.
-    pub max_publishers: usize,
+    #[must_use]
+    pub fn max_publishers(mut self, max_publishers: usize) -> Self {
+        self.max_publishers = max_publishers;
+        self
+    }
 }
 
 impl std::fmt::Debug for SourceConfig {

@@ -1,7 +1,8 @@
-//! A remote backend's watch backlog: the bounded queue a follower task fills and the
-//! consumer's stream drains, plus the watcher's view of the matching set, for the
-//! `Resync` that replaces an overflowed backlog (rule 4 of the watch contract). Shared
-//! by the backends that follow a remote store (etcd, Kubernetes).
+//! The watch backlog every backend uses: the bounded queue a backend fills and the
+//! watcher's stream drains, plus the watcher's view of the matching set, for the
+//! `Resync` that replaces an overflowed backlog (rule 4 of the watch contract). The
+//! memory, etcd and Kubernetes backends use it; [`WatchBacklog`] is its public face
+//! for backends of your own.
 
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
@@ -15,17 +16,32 @@ use tracing::debug;
 
 use super::{ChannelId, DiscoveryError, DiscoveryEvent, Instance};
 
-/// The watch counters of one backend, shared by its watches.
+/// The watch counters of one backend, shared by its watches' backlogs: what
+/// [`DiscoveryStats`](super::DiscoveryStats) reports as `watchers`, `buffered_events`
+/// and `overflow_resyncs`.
+///
+/// ```
+/// use std::sync::Arc;
+/// use eventplane::discovery::{DiscoveryStats, WatchBacklog, WatchCounters};
+/// let counters = Arc::new(WatchCounters::default());
+/// let (backlog, _stream) = WatchBacklog::start(16, counters.clone(), Vec::new());
+/// let mut stats = DiscoveryStats::default();
+/// counters.fill(&mut stats);
+/// assert_eq!((stats.watchers, stats.buffered_events), (1, 1)); // the initial Resync
+/// drop(backlog);
+/// counters.fill(&mut stats);
+/// assert_eq!(stats.watchers, 0);
+/// ```
 #[derive(Debug, Default)]
-pub(crate) struct WatchCounters {
+pub struct WatchCounters {
     pub(crate) watchers: AtomicUsize,
     pub(crate) buffered_events: AtomicUsize,
     pub(crate) overflow_resyncs: AtomicU64,
 }
 
 impl WatchCounters {
-    /// The watch part of a backend's stats.
-    pub(crate) fn fill(&self, stats: &mut super::DiscoveryStats) {
+    /// Writes the watch part of a backend's stats into `stats`.
+    pub fn fill(&self, stats: &mut super::DiscoveryStats) {
         stats.watchers = self.watchers.load(Ordering::Relaxed);
         stats.buffered_events = self.buffered_events.load(Ordering::Relaxed);
         stats.overflow_resyncs = self.overflow_resyncs.load(Ordering::Relaxed);
@@ -44,6 +60,8 @@ pub(crate) struct Backlog {
 pub(crate) struct BacklogState {
     queue: VecDeque<DiscoveryEvent>,
     overflowed: bool,
+    /// The producer is gone: the stream ends once the queue is drained.
+    closed: bool,
     /// The watcher's view: what it has been told (or will be, once it drains).
     pub(crate) current: HashMap<ChannelId, Instance>,
     waker: Option<Waker>,
@@ -133,12 +151,24 @@ impl Backlog {
     }
 
     /// The follower stopped: frees the queue and the view, and stops counting it.
+    #[cfg(any(feature = "etcd", feature = "kube"))]
     pub(crate) fn finish(&self) {
         let mut st = self.lock();
         self.discard(&mut st);
         st.current = HashMap::new();
         drop(st);
         self.counters.watchers.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// The producer is gone for good: [`finish`](Self::finish), and the stream ends
+    /// after what is queued.
+    fn close(&self) {
+        let mut st = self.lock();
+        st.closed = true;
+        st.current = HashMap::new();
+        drop(st);
+        self.counters.watchers.fetch_sub(1, Ordering::Relaxed);
+        Backlog::wake(self.lock(), true);
     }
 
     /// Drops every queued event (keeping the global count right).
@@ -150,23 +180,30 @@ impl Backlog {
     }
 }
 
-/// The consumer's side of a backlog; dropping it stops the follower task.
+/// The watcher's side of a [`WatchBacklog`]: its events, in order, with one
+/// `Resync` of the watcher's view in place of a backlog that overflowed. It ends once
+/// the backlog's producer is dropped and what was queued is read. Wrap it with
+/// [`DiscoveryStream::with_cancellation`](super::DiscoveryStream::with_cancellation)
+/// to return it from [`Discovery::watch`](super::Discovery::watch).
 #[derive(Debug)]
-pub(crate) struct BacklogStream {
+pub struct WatchStream {
     backlog: Arc<Backlog>,
-    _stop_task: DropGuard,
+    /// Dropping the stream stops the task following the store (etcd, Kubernetes).
+    _stop_task: Option<DropGuard>,
 }
 
-impl BacklogStream {
-    pub(crate) fn new(backlog: Arc<Backlog>, stop_task: DropGuard) -> BacklogStream {
-        BacklogStream {
+impl WatchStream {
+    /// The stream of a backlog a task fills; dropping the stream stops that task.
+    #[cfg(any(feature = "etcd", feature = "kube"))]
+    pub(crate) fn following(backlog: Arc<Backlog>, stop_task: DropGuard) -> WatchStream {
+        WatchStream {
             backlog,
-            _stop_task: stop_task,
+            _stop_task: Some(stop_task),
         }
     }
 }
 
-impl Stream for BacklogStream {
+impl Stream for WatchStream {
     type Item = Result<DiscoveryEvent, DiscoveryError>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
@@ -185,19 +222,199 @@ impl Stream for BacklogStream {
                 .fetch_sub(1, Ordering::Relaxed);
             return Poll::Ready(Some(Ok(event)));
         }
+        if st.closed {
+            return Poll::Ready(None);
+        }
         st.waker = Some(cx.waker().clone());
         Poll::Pending
     }
 }
 
+/// One watch's bounded backlog, for a [`Discovery`](super::Discovery) backend of your
+/// own: the backend pushes what changed for the watcher, the watcher reads a
+/// [`WatchStream`], and the watch contract's bound holds whatever the watcher's pace.
+/// It is what the memory, etcd and Kubernetes backends use.
+///
+/// - [`start`](Self::start) queues the initial sync (one `Added` per instance of the
+///   snapshot, then its `Resync`).
+/// - [`push`](Self::push) applies a change to the watcher's view and queues it. Past
+///   `capacity` queued events the backlog is discarded and the watcher reads one
+///   `Resync` of its view instead (counted in `overflow_resyncs`): memory stays
+///   O(capacity + matching instances) however far behind it is.
+/// - Dropping the `WatchBacklog` ends the stream after what is queued.
+///
+/// ```
+/// use std::sync::Arc;
+/// use eventplane::discovery::{ChannelId, DiscoveryEvent, Instance, Transport, WatchBacklog, WatchCounters};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use futures_util::StreamExt;
+/// let counters = Arc::new(WatchCounters::default());
+/// let (backlog, mut stream) = WatchBacklog::start(2, counters, Vec::new());
+/// assert_eq!(stream.next().await.transpose()?, Some(DiscoveryEvent::Resync(vec![])));
+/// let up = |n| Instance::new(ChannelId::new("ns", "c", "t", n).unwrap(), Transport::zmq("tcp://10.0.0.1:5555"), n);
+/// for n in 1..=3 {
+///     backlog.push(DiscoveryEvent::Added(up(n))); // the third overflows
+/// }
+/// let Some(DiscoveryEvent::Resync(mut all)) = stream.next().await.transpose()? else { panic!() };
+/// all.sort_by_key(|i| i.incarnation);
+/// assert_eq!(all, vec![up(1), up(2), up(3)]);
+/// drop(backlog);
+/// assert!(stream.next().await.is_none());
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct WatchBacklog {
+    backlog: Arc<Backlog>,
+}
+
+impl WatchBacklog {
+    /// A backlog holding at most `capacity` events, counted in `counters`, starting
+    /// with the initial sync of `snapshot`; and the stream its watcher reads.
+    pub fn start(
+        capacity: usize,
+        counters: Arc<WatchCounters>,
+        snapshot: Vec<Instance>,
+    ) -> (WatchBacklog, WatchStream) {
+        let backlog = Backlog::start(capacity.max(1), counters, snapshot);
+        let stream = WatchStream {
+            backlog: backlog.clone(),
+            _stop_task: None,
+        };
+        (WatchBacklog { backlog }, stream)
+    }
+
+    /// Applies `event` to the watcher's view and queues it: an `Added` replaces what
+    /// the view holds for its id; a `Removed` is dropped unless the view holds its id
+    /// at that incarnation or an older one (no stale removals); a `Resync` replaces
+    /// the view and everything queued.
+    pub fn push(&self, event: DiscoveryEvent) {
+        let mut st = self.backlog.lock();
+        let event = match event {
+            DiscoveryEvent::Resync(snapshot) => {
+                drop(st);
+                self.backlog.resync(snapshot);
+                return;
+            }
+            DiscoveryEvent::Added(instance) => {
+                st.current.insert(instance.id.clone(), instance.clone());
+                DiscoveryEvent::Added(instance)
+            }
+            DiscoveryEvent::Removed { id, incarnation } => {
+                match st.current.get(&id) {
+                    Some(known) if known.incarnation <= incarnation => {
+                        st.current.remove(&id);
+                    }
+                    _ => return,
+                }
+                DiscoveryEvent::Removed { id, incarnation }
+            }
+        };
+        self.backlog.push(&mut st, event);
+        Backlog::wake(st, true);
+    }
+
+    /// Events queued now.
+    pub fn buffered(&self) -> usize {
+        self.backlog.lock().queue.len()
+    }
+}
+
+impl Drop for WatchBacklog {
+    fn drop(&mut self) {
+        self.backlog.close();
+    }
+}
+
 /// The stream of a watch cancelled before it was established: it has ended.
+#[cfg(any(feature = "etcd", feature = "kube"))]
 #[derive(Debug)]
 pub(crate) struct Ended;
 
+#[cfg(any(feature = "etcd", feature = "kube"))]
 impl Stream for Ended {
     type Item = Result<DiscoveryEvent, DiscoveryError>;
 
     fn poll_next(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         Poll::Ready(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::task::Waker;
+
+    use super::*;
+    use crate::discovery::Transport;
+
+    fn up(n: u64) -> Instance {
+        let id = ChannelId::new("ns", "c", "t", n).unwrap();
+        Instance::new(id, Transport::zmq("tcp://10.0.0.1:5555"), n)
+    }
+
+    fn drain(stream: &mut WatchStream) -> Vec<DiscoveryEvent> {
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut out = Vec::new();
+        while let Poll::Ready(Some(event)) = Pin::new(&mut *stream).poll_next(&mut cx) {
+            out.push(event.unwrap());
+        }
+        out
+    }
+
+    #[test]
+    fn an_overflow_collapses_into_one_resync_of_the_view_and_is_counted() {
+        let counters = Arc::new(WatchCounters::default());
+        let (backlog, mut stream) = WatchBacklog::start(2, counters.clone(), vec![up(1)]);
+        // The initial sync fills the backlog: the next change overflows it.
+        backlog.push(DiscoveryEvent::Added(up(2)));
+        backlog.push(DiscoveryEvent::Removed {
+            id: up(1).id,
+            incarnation: 1,
+        });
+        let mut stats = crate::discovery::DiscoveryStats::default();
+        counters.fill(&mut stats);
+        assert_eq!((stats.overflow_resyncs, stats.buffered_events), (1, 0));
+        assert_eq!(
+            drain(&mut stream),
+            vec![DiscoveryEvent::Resync(vec![up(2)])]
+        );
+    }
+
+    #[test]
+    fn stale_removals_are_dropped_and_a_resync_replaces_the_queue() {
+        let counters = Arc::new(WatchCounters::default());
+        let (backlog, mut stream) = WatchBacklog::start(8, counters.clone(), Vec::new());
+        let mut v3 = up(1);
+        v3.incarnation = 3;
+        backlog.push(DiscoveryEvent::Added(v3.clone()));
+        // Incarnation 2 went away after 3 arrived: not a removal of 3.
+        let stale = DiscoveryEvent::Removed {
+            id: v3.id.clone(),
+            incarnation: 2,
+        };
+        backlog.push(stale);
+        assert_eq!(
+            drain(&mut stream),
+            vec![
+                DiscoveryEvent::Resync(vec![]),
+                DiscoveryEvent::Added(v3.clone())
+            ]
+        );
+        backlog.push(DiscoveryEvent::Added(up(2)));
+        backlog.push(DiscoveryEvent::Resync(vec![up(4)]));
+        assert_eq!(backlog.buffered(), 1);
+        assert_eq!(
+            drain(&mut stream),
+            vec![DiscoveryEvent::Resync(vec![up(4)])]
+        );
+        drop(backlog);
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(matches!(
+            Pin::new(&mut stream).poll_next(&mut cx),
+            Poll::Ready(None)
+        ));
+        let mut stats = crate::discovery::DiscoveryStats::default();
+        counters.fill(&mut stats);
+        assert_eq!((stats.watchers, stats.buffered_events), (0, 0));
     }
 }

@@ -1,6 +1,6 @@
 //! `MemoryDiscovery`: the embedded, in-process backend.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::pin::Pin;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 use std::task::{Context, Poll};
@@ -10,7 +10,7 @@ use futures_core::Stream;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::watch::WatchBuffer;
+use super::backlog::{WatchBacklog, WatchCounters, WatchStream};
 use super::{
     BoxFuture, ChannelId, Discovery, DiscoveryError, DiscoveryEvent, DiscoveryStats,
     DiscoveryStream, Instance, Query, Registration, RegistrationHandle, StaleFilter, Transport,
@@ -98,6 +98,7 @@ impl MemoryDiscoveryBuilder {
                 state: RwLock::new(State::default()),
                 ttl: self.ttl,
                 watch_buffer: self.watch_buffer,
+                counters: Arc::default(),
             }),
         }
     }
@@ -110,6 +111,8 @@ struct Registry {
     state: RwLock<State>,
     ttl: Duration,
     watch_buffer: usize,
+    /// Every watcher's backlog counts here.
+    counters: Arc<WatchCounters>,
 }
 
 #[derive(Debug)]
@@ -139,7 +142,7 @@ struct State {
 #[derive(Debug)]
 struct Watcher {
     query: Query,
-    buffer: Arc<WatchBuffer>,
+    backlog: WatchBacklog,
 }
 
 impl Registry {
@@ -260,9 +263,8 @@ impl State {
 
     fn notify(&mut self, id: &ChannelId, event: DiscoveryEvent) {
         for watcher in self.watchers.values() {
-            if watcher.query.matches(id) && watcher.buffer.push(event.clone()) {
-                self.stats.overflow_resyncs += 1;
-                tracing::debug!(query = ?watcher.query, "watcher backlog overflowed; it will resync");
+            if watcher.query.matches(id) {
+                watcher.backlog.push(event.clone());
             }
         }
     }
@@ -347,30 +349,20 @@ impl MemoryDiscovery {
     fn watch_now(&self, query: Query, cancel: CancellationToken) -> DiscoveryStream {
         let mut st = self.registry.lock();
         let snapshot = st.list(&query);
-        let buffer = Arc::new(WatchBuffer::new(self.registry.watch_buffer));
+        let (backlog, events) = WatchBacklog::start(
+            self.registry.watch_buffer,
+            self.registry.counters.clone(),
+            snapshot,
+        );
         let id = st.next_watcher;
         st.next_watcher += 1;
-        st.watchers.insert(
-            id,
-            Watcher {
-                query: query.clone(),
-                buffer: buffer.clone(),
-            },
-        );
+        st.watchers.insert(id, Watcher { query, backlog });
         drop(st);
-        let mut initial: VecDeque<DiscoveryEvent> = snapshot
-            .iter()
-            .cloned()
-            .map(DiscoveryEvent::Added)
-            .collect();
-        initial.push_back(DiscoveryEvent::Resync(snapshot));
         DiscoveryStream::with_cancellation(
             MemoryWatch {
                 registry: self.registry.clone(),
                 id,
-                query,
-                buffer,
-                initial,
+                events,
                 filter: StaleFilter::default(),
                 done: false,
             },
@@ -417,12 +409,12 @@ impl Discovery for MemoryDiscovery {
 
     fn stats(&self) -> DiscoveryStats {
         let st = self.registry.read();
-        DiscoveryStats {
+        let mut stats = DiscoveryStats {
             registrations: st.registrations,
-            watchers: st.watchers.len(),
-            buffered_events: st.watchers.values().map(|w| w.buffer.len()).sum(),
             ..st.stats
-        }
+        };
+        self.registry.counters.fill(&mut stats);
+        stats
     }
 }
 
@@ -509,41 +501,18 @@ async fn sweep(registry: Weak<Registry>) {
 struct MemoryWatch {
     registry: Arc<Registry>,
     id: u64,
-    query: Query,
-    buffer: Arc<WatchBuffer>,
-    initial: VecDeque<DiscoveryEvent>,
+    events: WatchStream,
     filter: StaleFilter,
     done: bool,
 }
 
 impl MemoryWatch {
-    fn next_event(&mut self, cx: &mut Context<'_>) -> Poll<DiscoveryEvent> {
-        if let Some(event) = self.initial.pop_front() {
-            return Poll::Ready(event);
-        }
-        let mut st = self.buffer.lock();
-        if let Some(event) = st.queue.pop_front() {
-            return Poll::Ready(event);
-        }
-        if st.overflowed {
-            drop(st);
-            // Registry lock first (the order every push uses), then the buffer: the
-            // snapshot reflects every change the discarded backlog held.
-            let state = self.registry.read();
-            let snapshot = state.list(&self.query);
-            let mut st = self.buffer.lock();
-            st.queue.clear();
-            st.overflowed = false;
-            return Poll::Ready(DiscoveryEvent::Resync(snapshot));
-        }
-        st.waker = Some(cx.waker().clone());
-        Poll::Pending
-    }
-
     fn close(&mut self) {
         if !self.done {
             self.done = true;
-            self.registry.lock().watchers.remove(&self.id);
+            // Dropping the watcher's backlog stops counting it.
+            let watcher = self.registry.lock().watchers.remove(&self.id);
+            drop(watcher);
         }
     }
 }
@@ -557,9 +526,10 @@ impl Stream for MemoryWatch {
             return Poll::Ready(None);
         }
         loop {
-            let event = std::task::ready!(this.next_event(cx));
-            if this.filter.admit(&event) {
-                return Poll::Ready(Some(Ok(event)));
+            let event = std::task::ready!(Pin::new(&mut this.events).poll_next(cx));
+            match event {
+                Some(Ok(event)) if !this.filter.admit(&event) => continue,
+                other => return Poll::Ready(other),
             }
         }
     }

@@ -16,12 +16,16 @@
 //! 4. Whenever the backend may have missed changes (a reconnect, a compaction, or a
 //!    watcher whose bounded buffer overflowed), it emits `Resync(full current set)`;
 //!    consumers replace their state. An overflowing watcher is never disconnected and
-//!    never grows without bound: its backlog collapses into one `Resync`.
+//!    never grows without bound: its backlog collapses into one `Resync` (the initial
+//!    sync's too: a watcher that never read it reads that `Resync` first).
 //! 5. A `Removed` whose incarnation is older than the registration of that id the
 //!    watcher last saw is never delivered (a late removal must not kill its
 //!    replacement).
 //! 6. The stream ends only when cancelled or dropped; dropping it frees the backend's
 //!    resources for that watch promptly.
+//!
+//! A backend of your own gets rules 2, 4 and 5 from [`WatchBacklog`], the one bounded
+//! backlog the memory, etcd and Kubernetes backends use.
 
 use std::fmt;
 use std::future::Future;
@@ -31,7 +35,6 @@ use std::task::{Context, Poll};
 use futures_core::Stream;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
-#[cfg(any(feature = "etcd", feature = "kube"))]
 mod backlog;
 #[cfg(feature = "test-support")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-support")))]
@@ -52,6 +55,7 @@ mod rewatch;
 mod static_;
 mod watch;
 
+pub use backlog::{WatchBacklog, WatchCounters, WatchStream};
 pub use error::DiscoveryError;
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]

@@ -1,9 +1,7 @@
-//! Watch plumbing shared by backends: a bounded per-watcher buffer that collapses into a
-//! `Resync` on overflow, and the stale-removal filter of rule 5.
+//! The stale-removal filter of rule 5 of the watch contract (the bounded backlog of
+//! rule 4 is `backlog`).
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::{Mutex, MutexGuard};
-use std::task::Waker;
+use std::collections::HashMap;
 
 use super::{ChannelId, DiscoveryEvent};
 
@@ -53,78 +51,5 @@ impl StaleFilter {
                 true
             }
         }
-    }
-}
-
-/// A watcher's bounded backlog. Pushes past `capacity` discard the backlog and set
-/// `overflowed`; the stream then emits one `Resync` with the current set.
-#[derive(Debug)]
-pub(crate) struct WatchBuffer {
-    state: Mutex<BufferState>,
-    capacity: usize,
-}
-
-#[derive(Debug, Default)]
-pub(crate) struct BufferState {
-    pub(crate) queue: VecDeque<DiscoveryEvent>,
-    pub(crate) overflowed: bool,
-    pub(crate) waker: Option<Waker>,
-}
-
-impl WatchBuffer {
-    pub(crate) fn new(capacity: usize) -> Self {
-        WatchBuffer {
-            state: Mutex::new(BufferState::default()),
-            capacity,
-        }
-    }
-
-    pub(crate) fn lock(&self) -> MutexGuard<'_, BufferState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Events waiting now.
-    pub(crate) fn len(&self) -> usize {
-        self.lock().queue.len()
-    }
-
-    /// Appends `event`, or collapses the backlog on overflow. Returns `true` when this
-    /// push caused the overflow.
-    pub(crate) fn push(&self, event: DiscoveryEvent) -> bool {
-        let mut st = self.lock();
-        let mut overflowed_now = false;
-        if !st.overflowed {
-            if st.queue.len() >= self.capacity {
-                st.queue = VecDeque::new();
-                st.overflowed = true;
-                overflowed_now = true;
-            } else {
-                st.queue.push_back(event);
-            }
-        }
-        let waker = st.waker.take();
-        drop(st);
-        if let Some(w) = waker {
-            w.wake();
-        }
-        overflowed_now
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn overflow_collapses() {
-        let buf = WatchBuffer::new(2);
-        let ev = DiscoveryEvent::Resync(vec![]);
-        assert!(!buf.push(ev.clone()));
-        assert!(!buf.push(ev.clone()));
-        assert!(buf.push(ev.clone()));
-        assert!(!buf.push(ev));
-        let st = buf.lock();
-        assert!(st.overflowed);
-        assert!(st.queue.is_empty());
     }
 }

@@ -10,7 +10,7 @@ use tracing::{Instrument, debug, warn};
 
 use super::record::prefix_end;
 use super::shared::{Shared, Sources};
-use crate::discovery::backlog::{Backlog, BacklogStream, Ended};
+use crate::discovery::backlog::{Backlog, Ended, WatchStream as Backlogged};
 use crate::discovery::{DiscoveryError, DiscoveryEvent, DiscoveryStream, Instance, Query};
 use crate::net::random_unit;
 
@@ -71,7 +71,7 @@ pub(super) async fn start(
         .instrument(span),
     );
     Ok(DiscoveryStream::with_cancellation(
-        BacklogStream::new(backlog, task_cancel.drop_guard()),
+        Backlogged::following(backlog, task_cancel.drop_guard()),
         cancel,
     ))
 }

@@ -37,7 +37,7 @@ use super::join::{Change, Join, Ns};
 use super::narrow;
 use super::resource::DISCOVERY_LABEL;
 use super::shared::{Kind, Object, Shared};
-use crate::discovery::backlog::{Backlog, BacklogStream, Ended};
+use crate::discovery::backlog::{Backlog, Ended, WatchStream};
 use crate::discovery::{DiscoveryError, DiscoveryEvent, DiscoveryStream, Query};
 use crate::net::random_unit;
 
@@ -89,7 +89,7 @@ pub(crate) async fn start(
     let watch_cancel = cancel.child_token();
     let stream = |backlog| {
         DiscoveryStream::with_cancellation(
-            BacklogStream::new(backlog, watch_cancel.clone().drop_guard()),
+            WatchStream::following(backlog, watch_cancel.clone().drop_guard()),
             cancel.clone(),
         )
     };

@@ -95,22 +95,11 @@ async fn discovery(args: &Args) -> Result<Arc<dyn Discovery>, StartError> {
         )
         .map_err(|e| StartError::Args(format!("invalid --static publishers: {e}")));
     }
-    etcd(&args.etcd).await
-}
-
-#[cfg(feature = "etcd")]
-async fn etcd(endpoints: &[String]) -> Result<Arc<dyn Discovery>, StartError> {
-    eventplane::discovery::EtcdDiscovery::connect(endpoints)
+    eventplane::discovery::Backend::etcd(&args.etcd)
+        .connect()
         .await
-        .map(|d| Arc::new(d) as Arc<dyn Discovery>)
+        .map(|c| c.discovery().clone())
         .map_err(|e| StartError::etcd(&e))
-}
-
-#[cfg(not(feature = "etcd"))]
-async fn etcd(_: &[String]) -> Result<Arc<dyn Discovery>, StartError> {
-    Err(StartError::Args(
-        "--etcd needs the `etcd` feature: cargo run --features etcd --example watch".to_owned(),
-    ))
 }
 
 #[tokio::main]

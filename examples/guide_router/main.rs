@@ -27,12 +27,11 @@ mod router;
 
 use std::collections::BTreeSet;
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use clap::Parser;
 use common::{StartError, optional_timeout, stop_signal};
 
-use eventplane::discovery::EtcdDiscovery;
+use eventplane::discovery::Backend;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -67,11 +66,11 @@ async fn main() -> ExitCode {
     common::init_tracing();
     let stop = stop_signal();
     let args = Args::parse();
-    let discovery = match EtcdDiscovery::builder(&args.etcd).connect().await {
+    let discovery = match Backend::etcd(&args.etcd).connect().await {
         Ok(d) => d,
         Err(e) => return StartError::etcd(&e).report(),
     };
-    let mut subscriber = match router::subscribe(Arc::new(discovery.clone()), &args.namespace) {
+    let mut subscriber = match router::subscribe(discovery.discovery().clone(), &args.namespace) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("invalid subscriber settings: {e}");

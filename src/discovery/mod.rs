@@ -35,6 +35,7 @@ use std::task::{Context, Poll};
 use futures_core::Stream;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
+mod backend;
 mod backlog;
 #[cfg(feature = "test-support")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-support")))]
@@ -55,6 +56,7 @@ mod rewatch;
 mod static_;
 mod watch;
 
+pub use backend::{Backend, Connected};
 pub use backlog::{WatchBacklog, WatchCounters, WatchStream};
 pub use error::DiscoveryError;
 #[cfg(feature = "etcd")]

@@ -62,10 +62,13 @@ use std::time::Duration;
 
 use clap::{CommandFactory, Parser};
 use common::chain;
-use eventplane::discovery::{ChannelId, Discovery, Instance, StaticDiscovery, Transport};
+use eventplane::discovery::{
+    Backend, ChannelId, Discovery, DiscoveryError, Instance, Query, StaticDiscovery, Transport,
+};
 use eventplane::metrics::Exporter;
 use eventplane::net::AddrFilter;
 use eventplane::tunnel::{Broker, BrokerConfig, Deadlines, Secret, TokenDigest, client_tls};
+use eventplane::wire::Dialect;
 use eventplane_services::service::{self, ServiceArgs};
 
 #[derive(Parser, Debug)]
@@ -334,78 +337,44 @@ async fn discovery(config: &DiscoveryConfig) -> Result<Arc<dyn Discovery>, Refus
         }
         return Ok(Arc::new(StaticDiscovery::new(instances)) as Arc<dyn Discovery>);
     }
-    if let Some(k) = &config.kubernetes {
-        return kubernetes(k, &config.namespaces).await;
-    }
-    etcd(config).await
-}
-
-/// Dynamo's resources on Kubernetes; `watch` returns once every namespace's first
-/// list is read, so the broker's view is complete at its first `Resync` (§7.2).
-#[cfg(feature = "kube")]
-async fn kubernetes(
-    config: &KubernetesConfig,
-    namespaces: &[String],
-) -> Result<Arc<dyn Discovery>, Refusal> {
-    use eventplane::discovery::{KubeDiscovery, KubeMode, Query};
-    let mut builder = KubeDiscovery::builder();
-    if !config.namespaces.is_empty() {
-        builder = builder.namespaces(config.namespaces.clone());
-    }
-    builder = builder.mode(match config.mode.as_deref() {
-        None | Some("pod") => KubeMode::Pod,
-        Some("container") => KubeMode::Container,
-        Some(other) => {
-            return Err(Refusal::Config(format!(
-                "discovery.kubernetes.mode: {other:?} is neither pod nor container"
-            )));
+    let (backend, key) = match &config.kubernetes {
+        // Dynamo's resources; `watch` returns once every namespace's first list is
+        // read, so the broker's view is complete at its first `Resync` (§7.2).
+        Some(k) => {
+            let containers = match k.mode.as_deref() {
+                None | Some("pod") => false,
+                Some("container") => true,
+                Some(other) => {
+                    return Err(Refusal::Config(format!(
+                        "discovery.kubernetes.mode: {other:?} is neither pod nor container"
+                    )));
+                }
+            };
+            let mut backend = Backend::kube()
+                .kube_namespaces(k.namespaces.clone())
+                .kube_containers(containers);
+            // That the API server answers, and lets us read.
+            if let Some(ns) = config.namespaces.first() {
+                backend = backend.check(Query::new(ns.clone()));
+            }
+            (backend, "discovery.kubernetes")
         }
-    });
-    let discovery = builder.connect().await.map_err(|e| match e {
-        eventplane::discovery::DiscoveryError::InvalidConfig(c) => {
-            Refusal::Config(format!("discovery.kubernetes: {c}"))
+        None => {
+            let dialect = match config.record_format.as_deref() {
+                Some("dynamo") => Dialect::Dynamo,
+                _ => Dialect::EventPlane,
+            };
+            (
+                Backend::etcd(&config.etcd).dialect(dialect),
+                "discovery.etcd",
+            )
         }
-        other => Refusal::Discovery(chain(&other)),
-    })?;
-    // That the API server answers, and lets us read.
-    if let Some(ns) = namespaces.first() {
-        discovery
-            .list(Query::new(ns.clone()))
-            .await
-            .map_err(|e| Refusal::Discovery(chain(&e)))?;
-    }
-    Ok(Arc::new(discovery))
-}
-
-#[cfg(not(feature = "kube"))]
-async fn kubernetes(_: &KubernetesConfig, _: &[String]) -> Result<Arc<dyn Discovery>, Refusal> {
-    Err(Refusal::Config(
-        "discovery.kubernetes needs the `kube` feature: build eventplane-services with feature kube".into(),
-    ))
-}
-
-#[cfg(feature = "etcd")]
-async fn etcd(config: &DiscoveryConfig) -> Result<Arc<dyn Discovery>, Refusal> {
-    use eventplane::discovery::EtcdDiscovery;
-    use eventplane::wire::Dialect;
-    let dialect = match config.record_format.as_deref() {
-        Some("dynamo") => Dialect::Dynamo,
-        _ => Dialect::EventPlane,
     };
-    EtcdDiscovery::builder(&config.etcd)
-        .dialect(dialect)
-        .connect()
-        .await
-        .map(|d| Arc::new(d) as Arc<dyn Discovery>)
-        .map_err(|e| Refusal::Discovery(chain(&e)))
-}
-
-#[cfg(not(feature = "etcd"))]
-async fn etcd(_: &DiscoveryConfig) -> Result<Arc<dyn Discovery>, Refusal> {
-    Err(Refusal::Config(
-        "discovery.etcd needs the `etcd` feature: build eventplane-services with feature etcd"
-            .into(),
-    ))
+    match backend.connect().await {
+        Ok(connected) => Ok(connected.discovery().clone()),
+        Err(DiscoveryError::InvalidConfig(c)) => Err(Refusal::Config(format!("{key}: {c}"))),
+        Err(other) => Err(Refusal::Discovery(chain(&other))),
+    }
 }
 
 /// The optional buffer sizes, deadlines and backoff, applied to `config`, with the

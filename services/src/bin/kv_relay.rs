@@ -75,7 +75,7 @@ use std::sync::Arc;
 
 use clap::{CommandFactory, Parser};
 use common::{EngineArgs, StartError, chain, stop_signal};
-use eventplane::discovery::{BoxFuture, Discovery};
+use eventplane::discovery::{Backend, Connected, Discovery, WorkerIdentity};
 use eventplane::kv::pipeline::{RecoveryServer, SharedWorkerLog, Worker, WorkerLogConfig};
 use eventplane::metrics::Exporter;
 use eventplane::publish::{EventPublisher, PublishError};
@@ -282,15 +282,11 @@ async fn main() -> ExitCode {
         }
         (builder, None)
     } else {
-        let registry = if args.kube {
-            kube(&args).await
-        } else {
-            etcd(&args).await
-        };
-        let (discovery, closer) = match registry {
-            Ok(d) => d,
+        let connected = match registry(&args).await {
+            Ok(c) => c,
             Err(e) => return e.report(),
         };
+        let discovery = connected.discovery().clone();
         registry_stats = Some(discovery.clone());
         let mut builder = EventPublisher::builder(
             discovery,
@@ -319,7 +315,7 @@ async fn main() -> ExitCode {
                 args.advertise_host.as_deref(),
             ));
         }
-        (builder, Some(closer))
+        (builder, Some(connected))
     };
     let bind = args
         .bind
@@ -345,8 +341,8 @@ async fn main() -> ExitCode {
         Ok(p) => p,
         Err(e) => {
             eprintln!("cannot bind or register {bind}: {}", chain(&e));
-            if let Some(close) = discovery {
-                close().await;
+            if let Some(connected) = discovery {
+                connected.close().await;
             }
             let bad_argument = matches!(
                 e,
@@ -408,8 +404,8 @@ async fn main() -> ExitCode {
                 Err(e) => {
                     eprintln!("--admin-listen {listen}: {e}");
                     worker.shutdown().await;
-                    if let Some(close) = discovery {
-                        close().await;
+                    if let Some(connected) = discovery {
+                        connected.close().await;
                     }
                     return ExitCode::from(2);
                 }
@@ -428,8 +424,8 @@ async fn main() -> ExitCode {
     }
     // Publishes what was queued, then drains the publisher and deletes its records.
     let worker_stats = worker.shutdown().await;
-    if let Some(close) = discovery {
-        close().await;
+    if let Some(connected) = discovery {
+        connected.close().await;
     }
     // Its streams ended with the publisher: the drain says `draining` and is quick.
     let source_stats = stop_source(source).await;
@@ -610,62 +606,26 @@ fn source(
     Ok(None)
 }
 
-/// Closes the discovery backend at exit (revoking its lease).
-type Closer = Box<dyn FnOnce() -> BoxFuture<'static, ()> + Send>;
-
-#[cfg(feature = "etcd")]
-async fn etcd(args: &Args) -> Result<(Arc<dyn Discovery>, Closer), StartError> {
-    use eventplane::discovery::{DynamoRecords, EtcdDiscovery};
-    let mut builder = EtcdDiscovery::builder(&args.etcd).dialect(args.wire);
-    if args.wire == Dialect::Dynamo {
-        builder = builder.records(
-            DynamoRecords::new()
-                .endpoint(
-                    args.endpoint
-                        .clone()
-                        .unwrap_or_else(|| "generate".to_owned()),
-                )
-                .worker(args.engine.worker_id, args.dp_rank.unwrap_or(0)),
-        );
-    }
-    let discovery = builder.connect().await.map_err(|e| StartError::etcd(&e))?;
-    let closing = discovery.clone();
-    let closer: Closer = Box::new(move || Box::pin(async move { closing.close().await }));
-    Ok((Arc::new(discovery), closer))
-}
-
-#[cfg(feature = "kube")]
-async fn kube(args: &Args) -> Result<(Arc<dyn Discovery>, Closer), StartError> {
-    use eventplane::discovery::{DynamoRecords, KubeDiscovery, PodIdentity};
-    let pod = PodIdentity::from_env().map_err(|e| StartError::discovery("--kube", &e))?;
-    let records = DynamoRecords::new()
-        .endpoint(
+/// Where this relay registers: etcd (`--etcd`, our records or, with `--wire dynamo`,
+/// Dynamo's) or Kubernetes (`--kube`, as the pod the environment names); Dynamo's
+/// records under `--endpoint` (default `generate`) for this engine's worker.
+async fn registry(args: &Args) -> Result<Connected, StartError> {
+    let (backend, flag) = if args.kube {
+        (Backend::kube().kube_pod_from_env(), "--kube")
+    } else {
+        (Backend::etcd(&args.etcd).dialect(args.wire), "--etcd")
+    };
+    backend
+        .dynamo_endpoint(
             args.endpoint
                 .clone()
                 .unwrap_or_else(|| "generate".to_owned()),
         )
-        .worker(args.engine.worker_id, args.dp_rank.unwrap_or(0));
-    let discovery = KubeDiscovery::builder()
-        .records(records)
-        .pod(pod)
+        .worker(WorkerIdentity::new(
+            args.engine.worker_id,
+            args.dp_rank.unwrap_or(0),
+        ))
         .connect()
         .await
-        .map_err(|e| StartError::discovery("--kube", &e))?;
-    let closing = discovery.clone();
-    let closer: Closer = Box::new(move || Box::pin(async move { closing.close().await }));
-    Ok((Arc::new(discovery), closer))
-}
-
-#[cfg(not(feature = "kube"))]
-async fn kube(_: &Args) -> Result<(Arc<dyn Discovery>, Closer), StartError> {
-    Err(StartError::Args(
-        "--kube needs the `kube` feature: build eventplane-services with feature kube".to_owned(),
-    ))
-}
-
-#[cfg(not(feature = "etcd"))]
-async fn etcd(_: &Args) -> Result<(Arc<dyn Discovery>, Closer), StartError> {
-    Err(StartError::Args(
-        "--etcd needs the `etcd` feature: build eventplane-services with feature etcd".to_owned(),
-    ))
+        .map_err(|e| StartError::discovery(flag, &e))
 }

@@ -58,7 +58,7 @@ use std::sync::Arc;
 
 use clap::{CommandFactory, Parser, ValueEnum};
 use common::{StartError, chain, optional_timeout, static_discovery, stop_signal};
-use eventplane::discovery::{ChannelId, Discovery, Query};
+use eventplane::discovery::{Backend, ChannelId, Discovery, Query};
 use eventplane::kv::{
     RouterEvent,
     router::{IndexFeed, RecoveryClientConfig, RecoveryDriver, RouterIndexConfig, Wipe},
@@ -262,64 +262,27 @@ async fn discovery(args: &Args) -> Result<Arc<dyn Discovery>, StartError> {
         )
         .map_err(|e| StartError::Args(format!("invalid --static publishers: {e}")));
     }
-    if args.kube {
-        return kube(args).await;
-    }
-    etcd(args).await
-}
-
-#[cfg(feature = "kube")]
-async fn kube(args: &Args) -> Result<Arc<dyn Discovery>, StartError> {
-    use eventplane::discovery::{DynamoRecords, KubeDiscovery};
-    let records = match &args.endpoint {
-        Some(e) => DynamoRecords::new().endpoint(e.clone()),
-        None => DynamoRecords::new(),
+    // Dynamo's records (--dynamo on etcd; always on Kubernetes), narrowed to
+    // --endpoint when given.
+    let (mut backend, flag) = if args.kube {
+        let backend = Backend::kube()
+            .kube_namespaces(args.kube_namespace.clone())
+            // The first list tells whether the API server can be reached and read.
+            .check(Query::new(args.namespace.clone()));
+        (backend, "--kube")
+    } else if args.dynamo {
+        (Backend::etcd(&args.etcd).dialect(Dialect::Dynamo), "--etcd")
+    } else {
+        (Backend::etcd(&args.etcd), "--etcd")
     };
-    let mut builder = KubeDiscovery::builder().records(records);
-    if !args.kube_namespace.is_empty() {
-        builder = builder.namespaces(args.kube_namespace.clone());
+    if let Some(endpoint) = &args.endpoint {
+        backend = backend.dynamo_endpoint(endpoint.clone());
     }
-    let discovery = builder
+    backend
         .connect()
         .await
-        .map_err(|e| StartError::discovery("--kube", &e))?;
-    // The first list tells whether the API server can be reached and read.
-    discovery
-        .list(Query::new(args.namespace.clone()))
-        .await
-        .map_err(|e| StartError::discovery("--kube", &e))?;
-    Ok(Arc::new(discovery))
-}
-
-#[cfg(not(feature = "kube"))]
-async fn kube(_: &Args) -> Result<Arc<dyn Discovery>, StartError> {
-    Err(StartError::Args(
-        "--kube needs the `kube` feature: build eventplane-services with feature kube".to_owned(),
-    ))
-}
-
-#[cfg(feature = "etcd")]
-async fn etcd(args: &Args) -> Result<Arc<dyn Discovery>, StartError> {
-    use eventplane::discovery::{DynamoRecords, EtcdDiscovery};
-    let mut builder = EtcdDiscovery::builder(&args.etcd);
-    if args.dynamo {
-        builder = builder.dialect(Dialect::Dynamo);
-        if let Some(e) = &args.endpoint {
-            builder = builder.records(DynamoRecords::new().endpoint(e.clone()));
-        }
-    }
-    builder
-        .connect()
-        .await
-        .map(|d| Arc::new(d) as Arc<dyn Discovery>)
-        .map_err(|e| StartError::etcd(&e))
-}
-
-#[cfg(not(feature = "etcd"))]
-async fn etcd(_: &Args) -> Result<Arc<dyn Discovery>, StartError> {
-    Err(StartError::Args(
-        "--etcd needs the `etcd` feature: build eventplane-services with feature etcd".to_owned(),
-    ))
+        .map(|c| c.discovery().clone())
+        .map_err(|e| StartError::discovery(flag, &e))
 }
 
 /// The longest `/readyz` waits for the first recoveries once discovery gave its view.

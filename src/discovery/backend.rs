@@ -4,7 +4,6 @@ use std::sync::Arc;
 
 use super::{Discovery, DiscoveryError, Instance, MemoryDiscovery, Query, StaticDiscovery};
 use crate::BoxFuture;
-#[cfg(not(all(feature = "etcd", feature = "kube")))]
 use crate::config::ConfigError;
 use crate::discovery::WorkerIdentity;
 use crate::wire::Dialect;
@@ -15,7 +14,9 @@ use crate::wire::Dialect;
 ///
 /// Every value is plain (strings, numbers, [`Dialect`]), so the same code compiles
 /// whatever features are on; a backend this build lacks (`etcd`, `kube`) is refused by
-/// `connect` with [`DiscoveryError::InvalidConfig`] naming the feature.
+/// `connect` with [`DiscoveryError::InvalidConfig`] naming the feature, and so is a
+/// setting that does not apply to the backend chosen (the table), rather than
+/// ignored.
 ///
 /// | backend | settings that apply |
 /// |---|---|
@@ -39,7 +40,8 @@ use crate::wire::Dialect;
 #[must_use]
 pub struct Backend {
     kind: Kind,
-    dialect: Dialect,
+    /// `None` until [`dialect`](Self::dialect) is called.
+    dialect: Option<Dialect>,
     dynamo_endpoint: Option<String>,
     worker: Option<WorkerIdentity>,
     kube_namespaces: Vec<String>,
@@ -81,8 +83,9 @@ impl Connected {
         &self.discovery
     }
 
-    /// Removes this process's registrations now (etcd: revokes the lease; Kubernetes:
-    /// deletes its resource). Nothing to do for the in-process backends.
+    /// Withdraws this process's registrations now (etcd: revokes the lease, so every
+    /// registration goes at once; Kubernetes: applies its resource empty, as Dynamo
+    /// does at shutdown). Nothing to do for the in-process backends.
     pub async fn close(self) {
         if let Some(close) = self.closer {
             close().await;
@@ -94,7 +97,7 @@ impl Backend {
     fn of(kind: Kind) -> Backend {
         Backend {
             kind,
-            dialect: Dialect::EventPlane,
+            dialect: None,
             dynamo_endpoint: None,
             worker: None,
             kube_namespaces: Vec::new(),
@@ -133,9 +136,9 @@ impl Backend {
     }
 
     /// Whose records etcd holds: ours (the default) or Dynamo's. Kubernetes holds
-    /// Dynamo's whatever this says.
+    /// Dynamo's only (`Dialect::EventPlane` is refused there).
     pub fn dialect(mut self, dialect: Dialect) -> Self {
-        self.dialect = dialect;
+        self.dialect = Some(dialect);
         self
     }
 
@@ -154,23 +157,23 @@ impl Backend {
         self
     }
 
-    /// Kubernetes namespaces to follow. Default: the process's own.
+    /// Kubernetes namespaces to follow. Default (empty): the process's own.
     pub fn kube_namespaces(mut self, namespaces: Vec<String>) -> Self {
         self.kube_namespaces = namespaces;
         self
     }
 
     /// One Kubernetes resource per container (`KubeMode::Container`) rather than per
-    /// pod (the default).
+    /// pod. Default `false`.
     pub fn kube_containers(mut self, containers: bool) -> Self {
         self.kube_containers = containers;
         self
     }
 
     /// Registers on Kubernetes as the pod the downward API names in the environment
-    /// (`PodIdentity::from_env`). Default: follow only.
-    pub fn kube_pod_from_env(mut self) -> Self {
-        self.kube_pod_from_env = true;
+    /// (`PodIdentity::from_env`). Default `false`: follow only.
+    pub fn kube_pod_from_env(mut self, register: bool) -> Self {
+        self.kube_pod_from_env = register;
         self
     }
 
@@ -186,6 +189,7 @@ impl Backend {
     /// this build lacks, are [`DiscoveryError::InvalidConfig`]; the rest is what the
     /// backend's own `connect` (or the [`check`](Self::check)) returned.
     pub async fn connect(self) -> Result<Connected, DiscoveryError> {
+        self.refuse_what_does_not_apply()?;
         let check = self.check.clone();
         let connected = match self.kind {
             Kind::Memory => Connected {
@@ -200,9 +204,38 @@ impl Backend {
             Kind::Kube => self.connect_kube().await?,
         };
         if let Some(query) = check {
-            connected.discovery.list(query).await?;
+            if let Err(e) = connected.discovery.list(query).await {
+                connected.close().await;
+                return Err(e);
+            }
         }
         Ok(connected)
+    }
+
+    /// The first setting the chosen backend would not use, refused by name.
+    fn refuse_what_does_not_apply(&self) -> Result<(), DiscoveryError> {
+        let dynamo = self.dynamo_endpoint.is_some() || self.worker.is_some();
+        let kube =
+            !self.kube_namespaces.is_empty() || self.kube_containers || self.kube_pod_from_env;
+        let (setting, reason) = match &self.kind {
+            Kind::Memory | Kind::Fixed(_) if self.dialect.is_some() || dynamo || kube => (
+                "backend",
+                "the in-process backends take no dialect, Dynamo or Kubernetes setting",
+            ),
+            Kind::Etcd(_) if kube => ("kube_*", "Kubernetes settings on etcd"),
+            Kind::Etcd(_) if dynamo && self.dialect != Some(Dialect::Dynamo) => (
+                "dynamo_endpoint / worker",
+                "Dynamo's records' settings need dialect(Dialect::Dynamo) on etcd",
+            ),
+            Kind::Kube if self.dialect == Some(Dialect::EventPlane) => {
+                ("dialect", "Kubernetes holds Dynamo's records only")
+            }
+            _ => return Ok(()),
+        };
+        Err(DiscoveryError::InvalidConfig(ConfigError::Invalid {
+            field: setting,
+            reason: reason.to_owned(),
+        }))
     }
 
     #[cfg(any(feature = "etcd", feature = "kube"))]
@@ -222,8 +255,9 @@ impl Backend {
         let Kind::Etcd(endpoints) = &self.kind else {
             unreachable!("connect_etcd is only called for Kind::Etcd")
         };
-        let mut builder = super::EtcdDiscovery::builder(endpoints).dialect(self.dialect);
-        if self.dialect == Dialect::Dynamo {
+        let dialect = self.dialect.unwrap_or_default();
+        let mut builder = super::EtcdDiscovery::builder(endpoints).dialect(dialect);
+        if dialect == Dialect::Dynamo {
             builder = builder.records(self.records());
         }
         let discovery = builder.connect().await?;
@@ -274,7 +308,10 @@ impl Backend {
 fn not_built(feature: &'static str) -> DiscoveryError {
     DiscoveryError::InvalidConfig(ConfigError::Invalid {
         field: feature,
-        reason: format!("needs eventplane's feature `{feature}` (this build lacks it)"),
+        reason: format!(
+            "this build has no {feature} support: build eventplane with feature `{feature}` \
+             (eventplane-services and the examples: --features {feature})"
+        ),
     })
 }
 
@@ -305,6 +342,32 @@ mod tests {
                 .await
                 .unwrap()
                 .is_empty()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_setting_the_backend_would_not_use_is_refused_by_name() {
+        let refused = |b: Backend| async move {
+            match b.connect().await {
+                Err(DiscoveryError::InvalidConfig(ConfigError::Invalid { field, .. })) => field,
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(
+            refused(Backend::memory().kube_containers(true)).await,
+            "backend"
+        );
+        assert_eq!(
+            refused(Backend::etcd(["http://127.0.0.1:1"]).dynamo_endpoint("generate")).await,
+            "dynamo_endpoint / worker"
+        );
+        assert_eq!(
+            refused(Backend::etcd(["http://127.0.0.1:1"]).kube_namespaces(vec!["a".into()])).await,
+            "kube_*"
+        );
+        assert_eq!(
+            refused(Backend::kube().dialect(Dialect::EventPlane)).await,
+            "dialect"
         );
     }
 

@@ -28,9 +28,9 @@ use super::{ChannelId, DiscoveryError, DiscoveryEvent, Instance};
 /// let mut stats = DiscoveryStats::default();
 /// counters.fill(&mut stats);
 /// assert_eq!((stats.watchers, stats.buffered_events), (1, 1)); // the initial Resync
-/// drop(backlog);
+/// drop((backlog, _stream));
 /// counters.fill(&mut stats);
-/// assert_eq!(stats.watchers, 0);
+/// assert_eq!((stats.watchers, stats.buffered_events), (0, 0));
 /// ```
 #[derive(Debug, Default)]
 pub struct WatchCounters {
@@ -62,6 +62,8 @@ pub(crate) struct BacklogState {
     overflowed: bool,
     /// The producer is gone: the stream ends once the queue is drained.
     closed: bool,
+    /// The watcher dropped its stream: nothing is queued any more.
+    reader_gone: bool,
     /// The watcher's view: what it has been told (or will be, once it drains).
     pub(crate) current: HashMap<ChannelId, Instance>,
     waker: Option<Waker>,
@@ -106,7 +108,7 @@ impl Backlog {
     /// the queue collapses into one `Resync` of `current`, built when the consumer
     /// reads it. Call [`wake`](Self::wake) after releasing the lock.
     pub(crate) fn push(&self, st: &mut BacklogState, change: DiscoveryEvent) {
-        if st.overflowed {
+        if st.overflowed || st.reader_gone {
             return;
         }
         if st.queue.len() >= self.capacity {
@@ -127,6 +129,9 @@ impl Backlog {
     /// Replaces everything queued with one `Resync(snapshot)` and wakes the consumer.
     pub(crate) fn resync(&self, snapshot: Vec<Instance>) {
         let mut st = self.lock();
+        if st.reader_gone {
+            return;
+        }
         self.discard(&mut st);
         st.overflowed = false;
         st.current = snapshot.iter().map(|i| (i.id.clone(), i.clone())).collect();
@@ -160,12 +165,11 @@ impl Backlog {
         self.counters.watchers.fetch_sub(1, Ordering::Relaxed);
     }
 
-    /// The producer is gone for good: [`finish`](Self::finish), and the stream ends
-    /// after what is queued.
+    /// The producer is gone for good: the stream ends after what is queued (a pending
+    /// overflow `Resync` included, built from the view), and the watch stops counting.
     fn close(&self) {
         let mut st = self.lock();
         st.closed = true;
-        st.current = HashMap::new();
         drop(st);
         self.counters.watchers.fetch_sub(1, Ordering::Relaxed);
         Backlog::wake(self.lock(), true);
@@ -200,6 +204,18 @@ impl WatchStream {
             backlog,
             _stop_task: Some(stop_task),
         }
+    }
+}
+
+impl Drop for WatchStream {
+    /// The watcher is gone: what was queued for it is freed (and uncounted) now, and
+    /// nothing more is queued ([`WatchBacklog::watcher_gone`] tells the producer).
+    fn drop(&mut self) {
+        let mut st = self.backlog.lock();
+        st.reader_gone = true;
+        st.overflowed = false;
+        st.current = HashMap::new();
+        self.backlog.discard(&mut st);
     }
 }
 
@@ -269,8 +285,10 @@ pub struct WatchBacklog {
 }
 
 impl WatchBacklog {
-    /// A backlog holding at most `capacity` events, counted in `counters`, starting
-    /// with the initial sync of `snapshot`; and the stream its watcher reads.
+    /// A backlog of `capacity` events (at least 1), counted in `counters`, starting
+    /// with the initial sync of `snapshot` (queued whole, however large: it is
+    /// O(matches) like the snapshot itself; the next push past `capacity` collapses
+    /// it); and the stream its watcher reads.
     pub fn start(
         capacity: usize,
         counters: Arc<WatchCounters>,
@@ -314,9 +332,17 @@ impl WatchBacklog {
         Backlog::wake(st, true);
     }
 
-    /// Events queued now.
+    /// Events queued now (an overflow's pending `Resync`, built when read, is not
+    /// one of them).
     pub fn buffered(&self) -> usize {
         self.backlog.lock().queue.len()
+    }
+
+    /// Whether the watcher dropped its [`WatchStream`]: a producer following a store
+    /// for it should stop (pushes are ignored from then on, and the backlog holds
+    /// nothing).
+    pub fn watcher_gone(&self) -> bool {
+        self.backlog.lock().reader_gone
     }
 }
 
@@ -416,5 +442,30 @@ mod tests {
         let mut stats = crate::discovery::DiscoveryStats::default();
         counters.fill(&mut stats);
         assert_eq!((stats.watchers, stats.buffered_events), (0, 0));
+    }
+
+    #[test]
+    fn a_closed_overflowed_backlog_still_resyncs_and_a_dropped_stream_frees_its_queue() {
+        let counters = Arc::new(WatchCounters::default());
+        let (backlog, mut stream) = WatchBacklog::start(1, counters.clone(), vec![up(1)]);
+        backlog.push(DiscoveryEvent::Added(up(2))); // overflows
+        drop(backlog);
+        let mut events = drain(&mut stream);
+        if let Some(DiscoveryEvent::Resync(all)) = events.first_mut() {
+            all.sort_by_key(|i| i.incarnation);
+        }
+        assert_eq!(events, vec![DiscoveryEvent::Resync(vec![up(1), up(2)])]);
+        // A watcher that walks away: its queue is freed and the producer is told.
+        let (backlog, stream) = WatchBacklog::start(8, counters.clone(), vec![up(1)]);
+        drop(stream);
+        assert!(backlog.watcher_gone());
+        backlog.push(DiscoveryEvent::Added(up(2)));
+        assert_eq!(backlog.buffered(), 0);
+        let mut stats = crate::discovery::DiscoveryStats::default();
+        counters.fill(&mut stats);
+        assert_eq!((stats.watchers, stats.buffered_events), (1, 0));
+        drop(backlog);
+        counters.fill(&mut stats);
+        assert_eq!(stats.watchers, 0);
     }
 }

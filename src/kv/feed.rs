@@ -275,10 +275,10 @@ impl IndexFeed {
     }
 
     /// Applies one item of the subscriber's ordered stream: a delivery's router
-    /// events (decoded as `wire` carries them), or a notice.
-    pub fn item(&mut self, wire: Dialect, item: &Item) -> Result<(), KvDecodeError> {
+    /// events (decoded in `dialect`), or a notice.
+    pub fn item(&mut self, dialect: Dialect, item: &Item) -> Result<(), KvDecodeError> {
         match item {
-            Item::Delivery(d) => self.delivery(wire, d),
+            Item::Delivery(d) => self.delivery(dialect, d),
             Item::Notice(n) => {
                 self.notice(n);
                 Ok(())
@@ -289,10 +289,10 @@ impl IndexFeed {
     /// Decodes a delivery's router events and applies them
     /// ([`apply`](Self::apply)); a payload that does not decode is counted and
     /// returned.
-    pub fn delivery(&mut self, wire: Dialect, delivery: &Delivery) -> Result<(), KvDecodeError> {
+    pub fn delivery(&mut self, dialect: Dialect, delivery: &Delivery) -> Result<(), KvDecodeError> {
         let events = delivery
             .payload()
-            .map(|p| wire.decode_router_events(&p))
+            .map(|p| dialect.decode_router_events(&p))
             .unwrap_or_else(|| Ok(Vec::new()));
         match events {
             Ok(events) => {

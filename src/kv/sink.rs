@@ -104,8 +104,10 @@ impl Dialect {
     /// Decodes the router events of one message's payload in this dialect. Never
     /// panics on hostile input and never reserves for more elements than the payload
     /// has bytes. Unknown fields are ignored (Dynamo adds fields between releases); an
-    /// unknown event kind fails the payload. A storage tier this version does not know
-    /// decodes as [`StorageTier::External`](crate::kv::StorageTier::External).
+    /// unknown event kind fails the payload. In Dynamo's dialect a storage tier this
+    /// version does not know decodes as
+    /// [`StorageTier::External`](crate::kv::StorageTier::External); in ours it fails
+    /// the payload (both ends are this crate, so a new tier means a new version).
     ///
     /// ```
     /// use eventplane::wire::Dialect;

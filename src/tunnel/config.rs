@@ -43,10 +43,9 @@ pub(crate) const OPENS_PER_SECOND: u32 = 500;
 /// ```
 /// use std::time::Duration;
 /// use eventplane::tunnel::Deadlines;
-/// let mut deadlines = Deadlines::default();
-/// assert_eq!(deadlines.dns, Duration::from_secs(5));
-/// deadlines.connect = Duration::from_secs(3);
+/// let deadlines = Deadlines::default().connect(Duration::from_secs(3));
 /// assert!(deadlines.validate().is_ok());
+/// assert!(deadlines.dns(Duration::ZERO).validate().is_err());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -254,35 +253,35 @@ pub struct BrokerConfig {
 
 /// Settings: each setter documents its default.
 impl BrokerConfig {
-    /// The router's bus, `https://host:port` (plaintext is refused).
+    /// The router's bus, `https://host:port` (plaintext is refused). Required: `new` sets it; this replaces it.
     #[must_use]
     pub fn bus_url(mut self, bus_url: impl Into<String>) -> Self {
         self.bus_url = bus_url.into();
         self
     }
 
-    /// This broker's id (one session per id: a new one supersedes the old).
+    /// This broker's id (one session per id: a new one supersedes the old). Required: `new` sets it; this replaces it.
     #[must_use]
     pub fn client_id(mut self, client_id: impl Into<String>) -> Self {
         self.client_id = client_id.into();
         self
     }
 
-    /// The discovery namespaces it serves.
+    /// The discovery namespaces it serves. Required: `new` sets it; this replaces it.
     #[must_use]
     pub fn namespaces(mut self, namespaces: Vec<String>) -> Self {
         self.namespaces = namespaces;
         self
     }
 
-    /// The bearer credential.
+    /// The bearer credential. Required: `new` sets it; this replaces it.
     #[must_use]
     pub fn token(mut self, token: Secret) -> Self {
         self.token = token;
         self
     }
 
-    /// TLS for the bus (see [`client_tls`](crate::tunnel::client_tls)).
+    /// TLS for the bus (see [`client_tls`](crate::tunnel::client_tls)). Required: `new` sets it; this replaces it.
     #[must_use]
     pub fn tls(mut self, tls: Arc<rustls::ClientConfig>) -> Self {
         self.tls = tls;
@@ -291,14 +290,15 @@ impl BrokerConfig {
 
     /// Its own view of the publishers: only endpoints advertised here are dialled. The
     /// broker watches each namespace and does not dial the bus before every initial
-    /// list is complete.
+    /// list is complete. Required: `new` sets it; this replaces it.
     #[must_use]
     pub fn discovery(mut self, discovery: Arc<dyn Discovery>) -> Self {
         self.discovery = discovery;
         self
     }
 
-    /// The per-stage deadlines.
+    /// The per-stage deadlines. Default [`Deadlines::default`] (each stated on its
+    /// setter).
     #[must_use]
     pub fn deadlines(mut self, deadlines: Deadlines) -> Self {
         self.deadlines = deadlines;
@@ -410,14 +410,18 @@ impl BrokerConfig {
         self
     }
 
-    /// With `filter` deciding which resolved addresses may be dialled.
+    /// Which resolved addresses may be dialled. Default [`AddrFilter::strict`]:
+    /// loopback, link-local, metadata and the other special ranges refused, NAT64 and
+    /// 6to4 forms of them too; reopen a range with a CIDR inside it (e.g.
+    /// `127.0.0.0/8`).
     #[must_use]
     pub fn addr_filter(mut self, filter: AddrFilter) -> BrokerConfig {
         self.addr_filter = filter;
         self
     }
 
-    /// With `resolver` resolving target hosts.
+    /// How target hosts are resolved. Default [`SystemResolver`] (the system's
+    /// resolver on a blocking thread).
     #[must_use]
     pub fn resolver(mut self, resolver: Arc<dyn Resolver>) -> BrokerConfig {
         self.resolver = resolver;
@@ -660,7 +664,9 @@ impl Default for EventBusConfig {
 }
 
 impl EventBusConfig {
-    /// With `limits` offered in every welcome.
+    /// The limits offered in every welcome. Default [`Limits::default`]: 1,024
+    /// streams, 1 MiB per stream, heartbeat every 10 s, idle timeout 30 s, 1,024
+    /// announced sources per session.
     #[must_use]
     pub fn limits(mut self, limits: Limits) -> EventBusConfig {
         self.limits = limits;

@@ -43,7 +43,8 @@ fn source_config(bus: &EventBus, client: &str, namespaces: &[&str]) -> SourceCon
         Secret::new(token(client)).unwrap(),
         client_tls(fixture("ca.pem")).unwrap(),
     )
-    .reconnect(Duration::from_millis(100), Duration::from_millis(500))
+    .reconnect_min(Duration::from_millis(100))
+    .reconnect_max(Duration::from_millis(500))
 }
 
 async fn sources_bus(n: usize) -> EventBus {

@@ -191,8 +191,8 @@ struct Args {
     /// Component to register under, or to announce (with --etcd, --kube or --bus-url).
     #[arg(long, requires = "registry")]
     component: Option<String>,
-    /// Dynamo endpoint to register under (with --etcd --wire dynamo; default
-    /// `generate`).
+    /// Dynamo endpoint to register under (with --etcd --wire dynamo or --kube, refused
+    /// otherwise; default `generate`).
     #[arg(long, requires = "registry")]
     endpoint: Option<String>,
     /// The worker's data-parallel rank, registered or announced with its worker id
@@ -611,20 +611,28 @@ fn source(
 /// records under `--endpoint` (default `generate`) for this engine's worker.
 async fn registry(args: &Args) -> Result<Connected, StartError> {
     let (backend, flag) = if args.kube {
-        (Backend::kube().kube_pod_from_env(), "--kube")
+        (Backend::kube().kube_pod_from_env(true), "--kube")
     } else {
         (Backend::etcd(&args.etcd).dialect(args.wire), "--etcd")
     };
+    // Our records carry the worker per registration; Dynamo's per backend.
+    let backend = if args.kube || args.wire == Dialect::Dynamo {
+        backend
+            .dynamo_endpoint(
+                args.endpoint
+                    .clone()
+                    .unwrap_or_else(|| "generate".to_owned()),
+            )
+            .worker(WorkerIdentity::new(
+                args.engine.worker_id,
+                args.dp_rank.unwrap_or(0),
+            ))
+    } else if let Some(endpoint) = &args.endpoint {
+        backend.dynamo_endpoint(endpoint.clone()) // refused: our records have none
+    } else {
+        backend
+    };
     backend
-        .dynamo_endpoint(
-            args.endpoint
-                .clone()
-                .unwrap_or_else(|| "generate".to_owned()),
-        )
-        .worker(WorkerIdentity::new(
-            args.engine.worker_id,
-            args.dp_rank.unwrap_or(0),
-        ))
         .connect()
         .await
         .map_err(|e| StartError::discovery(flag, &e))

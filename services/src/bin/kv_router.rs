@@ -151,7 +151,8 @@ struct Args {
     /// Component to follow (default: every component of the namespace).
     #[arg(long)]
     component: Option<String>,
-    /// Dynamo endpoint to follow (with --dynamo; default: every endpoint).
+    /// Dynamo endpoint to follow (with --dynamo or --kube, refused otherwise; default:
+    /// every endpoint).
     #[arg(long)]
     endpoint: Option<String>,
     /// Topic of the router events.

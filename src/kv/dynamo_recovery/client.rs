@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use super::frame::{FrameError, TwoPart, decode_two_part, encode_request, encode_two_part};
 use super::query::{AnswerBody, CallHome, Codec, Control, KvAnswer, KvQuery, QueryError};
 use crate::hash::FastMap;
+use crate::kv::WorkerId;
 
 /// Where a Dynamo worker serves KV queries (from its `recovery_target`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,7 +28,7 @@ pub struct QueryTarget {
     /// The worker's codec.
     pub codec: Codec,
     /// The worker asked about (`worker_id` of the query).
-    pub worker_id: u64,
+    pub worker_id: WorkerId,
     /// Its data-parallel rank.
     pub dp_rank: u32,
 }
@@ -35,7 +36,12 @@ pub struct QueryTarget {
 impl QueryTarget {
     /// From a `recovery_target`'s `transport.tcp` (`HOST:PORT/path`) and its codec,
     /// for the worker's rank `dp_rank`.
-    pub fn from_tcp(tcp: &str, codec: Codec, worker_id: u64, dp_rank: u32) -> Option<QueryTarget> {
+    pub fn from_tcp(
+        tcp: &str,
+        codec: Codec,
+        worker_id: impl Into<WorkerId>,
+        dp_rank: u32,
+    ) -> Option<QueryTarget> {
         let (address, path) = tcp.split_once('/')?;
         if address.is_empty() || path.is_empty() {
             return None;
@@ -44,7 +50,7 @@ impl QueryTarget {
             address: address.to_owned(),
             path: path.to_owned(),
             codec,
-            worker_id,
+            worker_id: worker_id.into(),
             dp_rank,
         })
     }
@@ -57,7 +63,7 @@ impl QueryTarget {
     /// use eventplane::kv::dynamo_recovery::{Codec, QueryTarget};
     /// let t = QueryTarget::parse("dynamo+json://10.0.0.7:4100/1f/ns/c/e?worker_id=7&dp_rank=1").unwrap();
     /// assert_eq!((t.address.as_str(), t.path.as_str(), t.codec), ("10.0.0.7:4100", "1f/ns/c/e", Codec::Json));
-    /// assert_eq!((t.worker_id, t.dp_rank), (7, 1));
+    /// assert_eq!((t.worker_id.0, t.dp_rank), (7, 1));
     /// assert!(QueryTarget::parse("tcp://10.0.0.7:4100").is_none());
     /// ```
     pub fn parse(recovery: &str) -> Option<QueryTarget> {
@@ -68,7 +74,7 @@ impl QueryTarget {
         .into_iter()
         .find_map(|(scheme, codec)| recovery.strip_prefix(scheme).map(|r| (codec, r)))?;
         let (tcp, query) = rest.split_once('?')?;
-        let (mut worker_id, mut dp_rank) = (None, None);
+        let (mut worker_id, mut dp_rank): (Option<u64>, Option<u32>) = (None, None);
         for pair in query.split('&') {
             match pair.split_once('=')? {
                 ("worker_id", v) => worker_id = v.parse().ok(),
@@ -118,38 +124,38 @@ pub struct CallHomeConfig {
 
 /// Settings: each setter documents its default.
 impl CallHomeConfig {
-    /// Queries awaiting their answer at once: 16 (as many as a
+    /// Queries awaiting their answer at once. Default 16 (as many as a
     /// [`RecoveryDriver`](crate::kv::router::RecoveryDriver) runs; each answer is held to
-    /// `max_body`).
+    /// `max_body`); 0 is taken as 1.
     #[must_use]
     pub fn max_pending(mut self, max_pending: usize) -> Self {
         self.max_pending = max_pending;
         self
     }
 
-    /// Largest header of an answer's stream: 64 KiB.
+    /// Largest header of an answer's stream. Default 64 KiB.
     #[must_use]
     pub fn max_header(mut self, max_header: usize) -> Self {
         self.max_header = max_header;
         self
     }
 
-    /// Largest body (an answer; a dump is the worker's whole cache): 256 MiB.
+    /// Largest body (an answer; a dump is the worker's whole cache). Default 256 MiB.
     #[must_use]
     pub fn max_body(mut self, max_body: usize) -> Self {
         self.max_body = max_body;
         self
     }
 
-    /// How long a connection may take to say which answer it carries: 5 s.
+    /// How long a connection may take to say which answer it carries. Default 5 s.
     #[must_use]
     pub fn handshake_timeout(mut self, handshake_timeout: Duration) -> Self {
         self.handshake_timeout = handshake_timeout;
         self
     }
 
-    /// Connections that have not yet said which answer they carry, at once: 64 (more
-    /// are closed at once).
+    /// Connections that have not yet said which answer they carry, at once. Default
+    /// 64 (more are closed at once); 0 is taken as 1.
     #[must_use]
     pub fn max_handshakes(mut self, max_handshakes: usize) -> Self {
         self.max_handshakes = max_handshakes;

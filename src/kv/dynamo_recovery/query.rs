@@ -6,7 +6,7 @@ use crate::wire::Dialect;
 use serde::{Deserialize, Serialize};
 
 use super::super::dynamo::InEvent;
-use crate::kv::RouterEvent;
+use crate::kv::{RouterEvent, WorkerId};
 use crate::msgpack::put;
 
 /// The codec of a request-plane body (`request_plane_codec` in the worker's
@@ -137,7 +137,7 @@ impl Control {
 #[non_exhaustive]
 pub struct KvQuery {
     /// The worker asked about.
-    pub worker_id: u64,
+    pub worker_id: WorkerId,
     /// Its data-parallel rank.
     #[serde(default)]
     pub dp_rank: u32,
@@ -160,9 +160,9 @@ fn recovery() -> String {
 impl KvQuery {
     /// A recovery query for (`worker_id`, `dp_rank`) from `start` on (`None`: a dump),
     /// as Dynamo 1.6.1's router writes it.
-    pub fn recovery(worker_id: u64, dp_rank: u32, start: Option<u64>) -> KvQuery {
+    pub fn recovery(worker_id: impl Into<WorkerId>, dp_rank: u32, start: Option<u64>) -> KvQuery {
         KvQuery {
-            worker_id,
+            worker_id: worker_id.into(),
             dp_rank,
             start_event_id: start,
             end_event_id: None,

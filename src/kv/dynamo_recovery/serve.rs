@@ -35,46 +35,49 @@ pub struct DynamoQueryConfig {
 
 /// Settings: each setter documents its default.
 impl DynamoQueryConfig {
-    /// Bounds of a request frame (checked as its lengths arrive).
+    /// Bounds of a request frame, checked as its lengths arrive. Default
+    /// [`RequestLimits::default`]: a 1 KiB path, 8 KiB of headers, a 64 KiB payload.
     #[must_use]
     pub fn limits(mut self, limits: RequestLimits) -> Self {
         self.limits = limits;
         self
     }
 
-    /// Connections served at once: 16 (more are closed at once, counted).
+    /// Connections served at once. Default 16 (more are closed at once, counted); 0 is
+    /// taken as 1.
     #[must_use]
     pub fn max_connections(mut self, max_connections: usize) -> Self {
         self.max_connections = max_connections;
         self
     }
 
-    /// Answers being sent at once: 2 (a dump is the worker's whole cache; further
-    /// requests wait for a turn, within `call_home_timeout`).
+    /// Answers being sent at once. Default 2 (a dump is the worker's whole cache;
+    /// further requests wait for a turn, within `call_home_timeout`); 0 is taken as 1.
     #[must_use]
     pub fn max_answers(mut self, max_answers: usize) -> Self {
         self.max_answers = max_answers;
         self
     }
 
-    /// Events in one `Events` answer: 4,096 (past them the answer stops, and Dynamo's
-    /// router asks again from there; a large answer would be one large message).
+    /// Events in one `Events` answer. Default 4,096 (past them the answer stops, and
+    /// Dynamo's router asks again from there; a large answer would be one large
+    /// message).
     #[must_use]
     pub fn max_answer_events(mut self, max_answer_events: usize) -> Self {
         self.max_answer_events = max_answer_events;
         self
     }
 
-    /// Answers sent or waiting for their turn, across connections: 64 (a query past
-    /// them is not acknowledged, its connection closed and counted in `busy`;
-    /// Dynamo's router retries it).
+    /// Answers sent or waiting for their turn, across connections. Default 64 (a query
+    /// past them is not acknowledged, its connection closed and counted in `busy`;
+    /// Dynamo's router retries it); 0 is taken as 1.
     #[must_use]
     pub fn max_queued_answers(mut self, max_queued_answers: usize) -> Self {
         self.max_queued_answers = max_queued_answers;
         self
     }
 
-    /// Dialling the router back and sending the answer: 10 s.
+    /// Deadline of dialling the router back and sending the answer. Default 10 s.
     #[must_use]
     pub fn call_home_timeout(mut self, call_home_timeout: Duration) -> Self {
         self.call_home_timeout = call_home_timeout;
@@ -82,7 +85,7 @@ impl DynamoQueryConfig {
     }
 
     /// A request must arrive whole within this, and its acknowledgement be written,
-    /// or the connection is closed: 30 s.
+    /// or the connection is closed. Default 30 s.
     #[must_use]
     pub fn idle_timeout(mut self, idle_timeout: Duration) -> Self {
         self.idle_timeout = idle_timeout;

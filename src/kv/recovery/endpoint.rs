@@ -552,25 +552,25 @@ pub struct RecoveryClientConfig {
 
 /// Settings: each setter documents its default.
 impl RecoveryClientConfig {
-    /// The whole request, connection included: 5 s.
+    /// Deadline of the whole request, connection included. Default 5 s.
     #[must_use]
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
 
-    /// The most answer bytes accepted: 256 MiB, on the wire and again decoded (each
-    /// event costs its in-memory size, so an answer of many empty events is held to it
-    /// too). A [`RecoveryDriver`](crate::kv::router::RecoveryDriver) holds at most
-    /// 16
-    /// answers at once.
+    /// The most answer bytes accepted, on the wire and again decoded (each event costs
+    /// its in-memory size, so an answer of many empty events is held to it too).
+    /// Default 256 MiB. A [`RecoveryDriver`](crate::kv::router::RecoveryDriver) holds
+    /// at most 16 answers at once.
     #[must_use]
     pub fn max_bytes(mut self, max_bytes: usize) -> Self {
         self.max_bytes = max_bytes;
         self
     }
 
-    /// The connection's bounds (frames up to 16 MiB by default).
+    /// The connection's bounds. Default `zmtp::Config::default()` (frames up to 8 MiB,
+    /// messages up to 16 MiB).
     #[must_use]
     pub fn zmtp(mut self, zmtp: zmtp::Config) -> Self {
         self.zmtp = zmtp;
@@ -588,7 +588,7 @@ impl RecoveryClientConfig {
     }
 
     /// The most blocks an answer may carry, decoded (a hash of 0 costs one byte on the
-    /// wire, 8 in memory): 2^22.
+    /// wire, 8 in memory). Default 2^22.
     #[must_use]
     pub fn max_blocks(mut self, max_blocks: usize) -> Self {
         self.max_blocks = max_blocks;

@@ -491,9 +491,9 @@ impl EventBus {
         )
     }
 
-    /// The publishers sources announce with `wire`, as a read-only
+    /// The publishers sources announce in `dialect`, as a read-only
     /// [`Discovery`](crate::discovery::Discovery) a `DynamicSubscriber` follows (with this bus as
-    /// its `tunnel`, and `wire`'s layout).
+    /// its `tunnel`, and `dialect`'s layout).
     ///
     /// ```no_run
     /// # async fn run(bus: eventplane::tunnel::EventBus) -> Result<(), Box<dyn std::error::Error>> {
@@ -507,8 +507,8 @@ impl EventBus {
     ///     .spawn()?;
     /// # drop(router); Ok(()) }
     /// ```
-    pub fn announced(&self, wire: Dialect) -> AnnouncedView {
-        self.inner.sources.view(wire)
+    pub fn announced(&self, dialect: Dialect) -> AnnouncedView {
+        self.inner.sources.view(dialect)
     }
 
     /// One subscribe through the session `session_id` (`recovery`: a stream to a

@@ -43,57 +43,59 @@ pub struct SourceConfig {
 
 /// Settings: each setter documents its default.
 impl SourceConfig {
-    /// The bus, `https://host:port`.
+    /// The bus, `https://host:port`. Required: `new` sets it; this replaces it.
     #[must_use]
     pub fn bus_url(mut self, bus_url: impl Into<String>) -> Self {
         self.bus_url = bus_url.into();
         self
     }
 
-    /// Its client id (its credential must be bound to it, with the `source` role).
+    /// Its client id (its credential must be bound to it, with the `source` role). Required: `new` sets it; this replaces it.
     #[must_use]
     pub fn client_id(mut self, client_id: impl Into<String>) -> Self {
         self.client_id = client_id.into();
         self
     }
 
-    /// The namespaces it announces in (each publisher's must be one of them).
+    /// The namespaces it announces in (each publisher's must be one of them). Required: `new` sets it; this replaces it.
     #[must_use]
     pub fn namespaces(mut self, namespaces: Vec<String>) -> Self {
         self.namespaces = namespaces;
         self
     }
 
-    /// Its bearer credential.
+    /// Its bearer credential. Required: `new` sets it; this replaces it.
     #[must_use]
     pub fn token(mut self, token: Secret) -> Self {
         self.token = token;
         self
     }
 
-    /// The CA its bus certificate must chain to.
+    /// The CA its bus certificate must chain to. Required: `new` sets it; this replaces it.
     #[must_use]
     pub fn tls(mut self, tls: Arc<rustls::ClientConfig>) -> Self {
         self.tls = tls;
         self
     }
 
-    /// Deadlines of the bus connection and of each data stream's stages.
+    /// Deadlines of the bus connection and of each data stream's stages. Default
+    /// [`Deadlines::default`] (each stated on its setter).
     #[must_use]
     pub fn deadlines(mut self, deadlines: Deadlines) -> Self {
         self.deadlines = deadlines;
         self
     }
 
-    /// Reconnect backoff after a failed session: from 1 s, doubling, jittered, up to
-    /// 60 s; it starts over once a session held for 10 s.
+    /// The shortest reconnect delay after a failed session (default 1 s): the backoff
+    /// doubles, jittered, up to [`reconnect_max`](Self::reconnect_max), and starts
+    /// over once a session held for 10 s.
     #[must_use]
     pub fn reconnect_min(mut self, reconnect_min: Duration) -> Self {
         self.reconnect_min = reconnect_min;
         self
     }
 
-    /// The backoff's ceiling.
+    /// The longest reconnect delay (default 60 s).
     #[must_use]
     pub fn reconnect_max(mut self, reconnect_max: Duration) -> Self {
         self.reconnect_max = reconnect_max;
@@ -147,18 +149,10 @@ impl SourceConfig {
         }
     }
 
-    /// With open streams allowed `deadline` to finish when draining.
+    /// How long open streams may run once the source drains (default 5 s).
     #[must_use]
     pub fn drain_deadline(mut self, deadline: Duration) -> SourceConfig {
         self.drain_deadline = deadline;
-        self
-    }
-
-    /// With reconnects backing off from `min` to `max`.
-    #[must_use]
-    pub fn reconnect(mut self, min: Duration, max: Duration) -> SourceConfig {
-        self.reconnect_min = min;
-        self.reconnect_max = max;
         self
     }
 

@@ -319,7 +319,10 @@ impl Cluster {
             .map(str::to_owned),
         );
         let name = format!("router r{r}#{}", self.router_incarnation[r]);
-        let proc = Proc::spawn(name, &program, &argv, &self.logs, &[("RUST_LOG", "warn")])?;
+        // SOAK_ROUTER_LOG (a RUST_LOG spec) for a run's routers, e.g.
+        // `warn,eventplane::kv=debug` to see why a repair failed.
+        let log = std::env::var("SOAK_ROUTER_LOG").unwrap_or_else(|_| "warn".to_owned());
+        let proc = Proc::spawn(name, &program, &argv, &self.logs, &[("RUST_LOG", &log)])?;
         self.routers[r] = Some(proc);
         self.router_ready[r] = false;
         Ok(())

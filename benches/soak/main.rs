@@ -99,11 +99,29 @@ fn main() -> ExitCode {
             etcd,
             namespace,
             lane_capacity,
-        }) => rt.block_on(router::run(router::RouterArgs {
-            etcd,
-            namespace,
-            lane_capacity,
-        })),
+        }) => rt.block_on(async {
+            // The router's own logs (RUST_LOG, `warn` unless SOAK_ROUTER_LOG says
+            // otherwise: see cluster.rs), on stderr, into its log file.
+            use tracing_subscriber::layer::SubscriberExt;
+            use tracing_subscriber::util::SubscriberInitExt;
+            let filter: tracing_subscriber::filter::Targets = std::env::var("RUST_LOG")
+                .ok()
+                .and_then(|spec| spec.parse().ok())
+                .unwrap_or_else(|| {
+                    tracing_subscriber::filter::Targets::new()
+                        .with_default(tracing_subscriber::filter::LevelFilter::WARN)
+                });
+            let _ = tracing_subscriber::registry()
+                .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+                .with(filter)
+                .try_init();
+            router::run(router::RouterArgs {
+                etcd,
+                namespace,
+                lane_capacity,
+            })
+            .await
+        }),
         None => {
             return rt.block_on(run::main(
                 cli.run,

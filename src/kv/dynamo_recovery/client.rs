@@ -192,26 +192,29 @@ type Arrived = (TcpStream, BytesMut);
 /// call home with the answer), and where the answer's stream goes.
 #[derive(Debug)]
 struct Waiting {
-    from: Option<std::net::IpAddr>,
+    /// The query went out: its answer may come.
+    sent: bool,
     tx: oneshot::Sender<Arrived>,
 }
 
 type Pending = Arc<Mutex<FastMap<String, Waiting>>>;
 
-/// Whether a query to `ip` is waiting for its answer.
-fn awaited(pending: &Pending, ip: std::net::IpAddr) -> bool {
-    let ip = ip.to_canonical();
+/// Whether a query has been sent and waits for its answer.
+fn awaited(pending: &Pending) -> bool {
     pending
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .values()
-        .any(|w| w.from == Some(ip))
+        .any(|w| w.sent)
 }
 
 /// The listener workers dial back with their answers, and the queries made through
-/// it. A connection from an address no query is waiting on is closed at once; one
-/// that does not name a query it was sent, within the handshake timeout, is closed
-/// too (nothing is accepted that was not asked for).
+/// it. While no query waits, every connection is closed at once; otherwise a
+/// connection must name, within the handshake timeout, the subject of a query that
+/// was sent (128 random bits, told only to the worker asked), or it is closed: nothing
+/// is accepted that was not asked for. The subject, not the address, says whose
+/// answer it is: a worker may call home from another of its addresses than the one it
+/// was reached at (a multi-homed host, a gateway between networks).
 #[derive(Debug)]
 pub struct CallHomeListener {
     port: u16,
@@ -247,13 +250,13 @@ impl CallHomeListener {
                     () = c.cancelled() => return,
                     a = listener.accept() => a,
                 };
-                let Ok((stream, peer)) = accepted else {
+                let Ok((stream, _)) = accepted else {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 };
                 // Only a worker a query is waiting on may call home, and only so many
                 // at once may take their time to say which answer they carry.
-                if !awaited(&p, peer.ip()) {
+                if !awaited(&p) {
                     continue;
                 }
                 let Ok(turn) = handshakes.clone().try_acquire_owned() else {
@@ -265,9 +268,7 @@ impl CallHomeListener {
                     let said = tokio::time::timeout(wait, hello(stream, max_header));
                     if let Ok(Ok((subject, arrived))) = said.await {
                         let mut pending = p.lock().unwrap_or_else(|e| e.into_inner());
-                        let ours = pending
-                            .get(&subject)
-                            .is_some_and(|w| w.from == Some(peer.ip().to_canonical()));
+                        let ours = pending.get(&subject).is_some_and(|w| w.sent);
                         if let Some(w) = ours.then(|| pending.remove(&subject)).flatten() {
                             let _ = w.tx.send(arrived);
                         }
@@ -326,14 +327,21 @@ impl CallHomeListener {
         self.pending
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(subject.clone(), Waiting { from: None, tx });
-        let asked =
-            tokio::time::timeout(timeout, self.ask(target, query, &subject, rx, filter)).await;
+            .insert(subject.clone(), Waiting { sent: false, tx });
+        let mut stage = "connecting";
+        let asked = tokio::time::timeout(
+            timeout,
+            self.ask(target, query, &subject, rx, filter, &mut stage),
+        )
+        .await;
         self.pending
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&subject);
-        asked.map_err(|_| DynamoQueryError::Timeout(timeout))?
+        asked.map_err(|_| {
+            tracing::debug!(worker = %target.address, stage, ?timeout, "Dynamo recovery query timed out");
+            DynamoQueryError::Timeout(timeout)
+        })?
     }
 
     async fn ask(
@@ -343,6 +351,7 @@ impl CallHomeListener {
         subject: &str,
         rx: oneshot::Receiver<Arrived>,
         filter: Option<&crate::net::AddrFilter>,
+        stage: &mut &'static str,
     ) -> Result<KvAnswer, DynamoQueryError> {
         let endpoint = format!("tcp://{}", target.address);
         let zmtp = crate::zmtp::Config::default();
@@ -353,15 +362,13 @@ impl CallHomeListener {
             None => TcpStream::connect(&target.address).await?,
         };
         let _ = stream.set_nodelay(true);
-        // Only this worker may bring the answer.
-        let worker = stream.peer_addr()?.ip().to_canonical();
         if let Some(w) = self
             .pending
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get_mut(subject)
         {
-            w.from = Some(worker);
+            w.sent = true;
         }
         // The worker dials back the address it reached us from.
         let local = stream.local_addr()?;
@@ -374,19 +381,23 @@ impl CallHomeListener {
         })
         .to_string();
         let payload = encode_two_part(&control.encode(), &body);
+        *stage = "sending the query";
         stream
             .write_all(&encode_request(&target.path, headers.as_bytes(), &payload)?)
             .await?;
         let mut ack = [0u8; 4];
+        *stage = "waiting for the acknowledgement";
         stream.read_exact(&mut ack).await?;
         if ack != super::frame::ACK {
             return Err(DynamoQueryError::Refused(
                 "the request was not acknowledged".into(),
             ));
         }
+        *stage = "waiting for the worker to call home";
         let (answers, buf) = rx
             .await
             .map_err(|_| DynamoQueryError::Refused("the answer's stream never came".into()))?;
+        *stage = "reading the answer";
         read_answer(answers, buf, &self.config, target.codec).await
     }
 }

@@ -105,6 +105,47 @@ async fn a_router_gets_a_dump_and_events_back_through_its_call_home() {
     );
 }
 
+/// A worker reached at one address that calls home from another (a multi-homed host;
+/// in the soak, a router in a network namespace reaching workers through a gateway):
+/// its answer is the query's, by subject.
+#[tokio::test]
+async fn an_answer_from_another_address_of_the_worker_is_taken() {
+    let log = SharedWorkerLog::new(WorkerLogConfig::default());
+    let mut keeper = log.clone();
+    keeper.apply(&stored(1, 101, None)).unwrap();
+    // Reached at 127.0.0.2; the router's own address is 127.0.0.1, so the worker's
+    // call home comes from 127.0.0.1.
+    let server = DynamoQueryServer::bind("tcp://127.0.0.2:0", log, DynamoQueryConfig::default())
+        .await
+        .unwrap();
+    let home = CallHomeListener::bind("127.0.0.1:0".parse().unwrap(), CallHomeConfig::default())
+        .await
+        .unwrap();
+    let tcp = format!(
+        "{}/51515/ns/c/worker_kv_query_source_1",
+        server.local_addr()
+    );
+    let target = QueryTarget::from_tcp(&tcp, Codec::Msgpack, 88, 0).unwrap();
+    let dump = home
+        .query(
+            &target,
+            &KvQuery::recovery(88, 0, None),
+            Duration::from_secs(2),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            dump,
+            KvAnswer::TreeDump {
+                last_event_id: 1,
+                ..
+            }
+        ),
+        "{dump:?}"
+    );
+}
+
 #[tokio::test]
 async fn a_call_home_that_names_no_query_is_closed() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

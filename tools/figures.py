@@ -773,7 +773,7 @@ of at most `max_buffered_bytes` + 32 MiB + {f('bound/flood_kib'):.0f} KiB per pu
         wire = [[op, f"**{m(f(f'wire/{op}/eventplane'))} M/s**", f"{m(f(f'wire/{op}/dynamo'))} M/s"]
                 for op in ("encode", "decode")]
         section("KV pipeline", "cargo bench --bench kv_processor", f"""
-Coalescer + ref-counted dedup + id stamping (`kv::Pipeline`), one core, a fresh
+Coalescer + ref-counted dedup + id stamping (`kv::pipeline::Pipeline`), one core, a fresh
 pipeline per iteration, lists of 16 engine events of 4 blocks each, into a null sink:
 
 {table(["stream", "throughput"], pipe)}
@@ -807,7 +807,7 @@ may claim more elements than it has bytes):
                  f"{loaded('engine_lost'):,.0f} ({drop_pct:.1f}%)", f"{loaded('router_drops'):,.0f}",
                  f"{loaded('unaccounted'):,.0f}"]]
         section("End to end: the demo", "cargo run --release --example demo", f"""
-Engines, workers (`kv::Worker`) and the router in one process on the 2 cores; the
+Engines, workers (`kv::pipeline::Worker`) and the router in one process on the 2 cores; the
 final table of each run. Engine-side loss is the engines' own PUB queues dropping
 (counted there and seen by the workers as sequence gaps); "unaccounted" is what no
 counter explains ({zero}).

@@ -350,7 +350,7 @@ impl Instance {
     /// let id = ChannelId::new("ns", "c", "t", 7)?;
     /// let instance = Instance::new(id, Transport::zmq("tcp://127.0.0.1:5555"), 1)
     ///     .with_worker(WorkerIdentity::new(42, 1));
-    /// assert_eq!(instance.worker.map(|w| (w.worker_id, w.dp_rank)), Some((42, 1)));
+    /// assert_eq!(instance.worker.map(|w| (w.worker_id.0, w.dp_rank)), Some((42, 1)));
     /// # Ok::<(), eventplane::discovery::DiscoveryError>(())
     /// ```
     #[must_use]

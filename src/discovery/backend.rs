@@ -78,6 +78,19 @@ impl std::fmt::Debug for Connected {
 }
 
 impl Connected {
+    /// A backend holding registrations remotely, withdrawn by `close` at exit.
+    #[cfg(any(feature = "etcd", feature = "kube"))]
+    fn remote<D>(discovery: D, close: fn(D) -> BoxFuture<'static, ()>) -> Connected
+    where
+        D: Discovery + Clone + 'static,
+    {
+        let closing = discovery.clone();
+        Connected {
+            discovery: Arc::new(discovery),
+            closer: Some(Box::new(move || close(closing))),
+        }
+    }
+
     /// The backend, to hand to publishers and subscribers.
     pub fn discovery(&self) -> &Arc<dyn Discovery> {
         &self.discovery
@@ -261,13 +274,9 @@ impl Backend {
             builder = builder.records(self.records());
         }
         let discovery = builder.connect().await?;
-        let closing = discovery.clone();
-        Ok(Connected {
-            discovery: Arc::new(discovery),
-            closer: Some(Box::new(move || {
-                Box::pin(async move { closing.close().await })
-            })),
-        })
+        Ok(Connected::remote(discovery, |d| {
+            Box::pin(async move { d.close().await })
+        }))
     }
 
     #[cfg(not(feature = "etcd"))]
@@ -288,13 +297,9 @@ impl Backend {
             builder = builder.pod(super::PodIdentity::from_env()?);
         }
         let discovery = builder.connect().await?;
-        let closing = discovery.clone();
-        Ok(Connected {
-            discovery: Arc::new(discovery),
-            closer: Some(Box::new(move || {
-                Box::pin(async move { closing.close().await })
-            })),
-        })
+        Ok(Connected::remote(discovery, |d| {
+            Box::pin(async move { d.close().await })
+        }))
     }
 
     #[cfg(not(feature = "kube"))]

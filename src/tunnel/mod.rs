@@ -31,6 +31,7 @@ mod broker;
 mod bus;
 mod client;
 mod config;
+mod deadlines;
 mod error;
 mod io;
 #[cfg(any(test, fuzzing, feature = "unstable"))]
